@@ -1,0 +1,386 @@
+"""The executor: runs one rank's lowered action list over its stages.
+
+A small dispatcher (style: torch.distributed.pipelining's runtime): the schedule says *what* and *when*,
+:func:`lightning_twobp.schedules.lower_communication` adds the sends and receives, and this module only
+maps each op kind to a handler. There is no schedule logic here.
+
+Communication: a run of consecutive comm ops is posted as one ``batch_isend_irecv`` (on NCCL a group,
+so a rank's activation send and its gradient receive progress together and cannot deadlock; the
+schedules pass ``check_comm_deadlock`` under that strict model). A compute op waits only for its own
+receives. Adjacent stages on one rank hand tensors over without communication.
+
+Shapes: tensors between stages are exchanged once per input signature (the shapes and dtypes of the
+micro-batches); a step with the same signature as the last reuses the buffers' metadata.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_twobp.engine.stage import Stage
+from lightning_twobp.schedules import Action, Comm, Schedule, lower_communication
+
+__all__ = ["ActionRecord", "PipelineError", "PipelineExecutor", "StepResult"]
+
+
+class PipelineError(RuntimeError):
+    """An action failed; the message names the rank, the step and the action."""
+
+
+@dataclass(frozen=True)
+class ActionRecord:
+    """One op as it ran: times in seconds from the step's start; ``wait`` is time blocked on receives."""
+
+    rank: int
+    step: int
+    op: str
+    start: float
+    end: float
+    wait: float = 0.0
+
+
+@dataclass
+class StepResult:
+    """What one pipeline step returns on this rank."""
+
+    loss: torch.Tensor | None  # mean over micro-batches; only on the rank holding the last stage
+    losses: list[torch.Tensor] = field(default_factory=list)  # per micro-batch, unscaled
+    records: list[ActionRecord] = field(default_factory=list)  # when ``record=True``
+    held_bytes: dict[tuple[int, int], int] = field(default_factory=dict)  # (stage, mb) -> saved bytes
+
+
+@dataclass(frozen=True)
+class _Meta:
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    requires_grad: bool
+
+
+class _WithLoss(nn.Module):
+    """The last stage: the user's layers followed by the loss, so the stage's output is the loss."""
+
+    def __init__(self, module: nn.Module, loss_fn: Callable[[Any, Any], torch.Tensor]) -> None:
+        super().__init__()
+        self.module = module
+        self.loss_fn = loss_fn
+
+    def forward(self, *inputs: Any, target: Any = None) -> torch.Tensor:
+        return self.loss_fn(self.module(*inputs), target)
+
+
+def _as_tuple(x: Any) -> tuple:
+    return x if isinstance(x, tuple) else (x,)
+
+
+class PipelineExecutor:
+    """Runs ``schedule`` on this rank.
+
+    Args:
+        schedule: a validated :class:`~lightning_twobp.schedules.Schedule`.
+        modules: this rank's stage modules, ``{stage index: nn.Module}``.
+        loss_fn: ``loss_fn(output, target) -> scalar``, applied on the last stage per micro-batch.
+            The mean over micro-batches is what is differentiated (each micro-batch's loss / m).
+        group: the pipeline's process group (default: the world); pipeline rank r is group rank r.
+        device: where activations live (default: the device of the first parameter, else CPU).
+        record: record each op's start/end and receive waits, and the bytes each micro-batch's F saves.
+    """
+
+    def __init__(
+        self,
+        schedule: Schedule,
+        modules: Mapping[int, nn.Module],
+        *,
+        loss_fn: Callable[[Any, Any], torch.Tensor],
+        group: dist.ProcessGroup | None = None,
+        device: torch.device | str | None = None,
+        record: bool = False,
+    ) -> None:
+        schedule.validate()
+        self.schedule = schedule
+        self.group = group
+        world = dist.get_world_size(group) if dist.is_initialized() else 1
+        self.rank = dist.get_rank(group) if dist.is_initialized() else 0
+        if world != schedule.num_ranks:
+            raise ValueError(
+                f"schedule {schedule.name!r} has {schedule.num_ranks} ranks but the process group has "
+                f"{world}: build the schedule with num_stages = {world} x stages_per_rank"
+            )
+        mine = set(schedule.stages_of(self.rank))
+        if set(modules) != mine:
+            raise ValueError(
+                f"rank {self.rank} holds stages {sorted(mine)} in schedule {schedule.name!r}, "
+                f"but modules were given for stages {sorted(modules)}"
+            )
+        self.last = schedule.num_stages - 1
+        self.stages = {
+            s: Stage(_WithLoss(m, loss_fn) if s == self.last else m) for s, m in modules.items()
+        }
+        if device is None:
+            first = next((p for m in modules.values() for p in m.parameters()), None)
+            device = first.device if first is not None else torch.device("cpu")
+        self.device = torch.device(device)
+        self.record = record
+        self.ops = lower_communication(schedule)[self.rank]
+        if group is None or group is dist.GroupMember.WORLD:
+            self._global = list(range(world))
+        else:
+            self._global = [dist.get_global_rank(group, r) for r in range(world)]
+        self._handlers = {
+            "F": self._forward,
+            "B": self._backward_input,
+            "W": self._backward_weight,
+            "BW": self._backward,
+        }
+        self._signature: str | None = None
+        self._meta_in: dict[int, list[_Meta]] = {}  # stage -> its inputs' metadata
+        self._meta_out: dict[int, list[_Meta]] = {}  # stage -> its outputs' metadata (non-last)
+
+    # ------------------------------------------------------------------ public
+    def step(self, inputs: Sequence[Any] | None = None, targets: Sequence[Any] | None = None) -> StepResult:
+        """Run one iteration of the schedule: every micro-batch's F and backward, grads accumulated.
+
+        ``inputs[mb]`` (a tensor or tuple of positional inputs) is needed on the rank holding stage 0,
+        ``targets[mb]`` on the rank holding the last stage; other ranks pass ``None``.
+        """
+        m = self.schedule.num_microbatches
+        for name, seq, stage in (("inputs", inputs, 0), ("targets", targets, self.last)):
+            if stage in self.stages and (seq is None or len(seq) != m):
+                got = "None" if seq is None else f"{len(seq)} items"
+                raise ValueError(
+                    f"rank {self.rank} holds stage {stage}: pass {name} as a sequence of {m} micro-batches "
+                    f"(got {got})"
+                )
+        self._inputs = [_as_tuple(x) for x in inputs] if inputs is not None else []
+        self._targets = list(targets) if targets is not None else []
+        self._exchange_meta()
+        self._acts: dict[tuple[int, int], tuple] = {}  # (stage, mb) -> inputs handed over locally
+        self._grads: dict[tuple[int, int], list] = {}  # (stage, mb) -> grads of its outputs
+        self._to_send: dict[tuple[str, int, int], list[torch.Tensor]] = {}
+        self._recvs: dict[tuple[str, int, int], tuple[list, list[torch.Tensor]]] = {}
+        self._sends: list = []
+        self._result = StepResult(loss=None)
+        self._t0 = time.perf_counter()
+        self._wait = 0.0
+        i = 0
+        while i < len(self.ops):
+            if isinstance(self.ops[i], Comm):
+                j = i
+                while j < len(self.ops) and isinstance(self.ops[j], Comm):
+                    j += 1
+                self._run(i, self._post, self.ops[i:j])
+                i = j
+                continue
+            op = self.ops[i]
+            self._run(i, self._handlers[op.kind], op)
+            i += 1
+        for works in self._sends:
+            for w in works:
+                w.wait()
+        res = self._result
+        if self.last in self.stages:
+            res.loss = torch.stack([x.detach() for x in res.losses]).mean()
+        return res
+
+    # ------------------------------------------------------------------ dispatch
+    def _run(self, step: int, handler: Callable, arg: Any) -> None:
+        start = time.perf_counter()
+        self._wait = 0.0
+        try:
+            handler(arg)
+        except PipelineError:
+            raise
+        except Exception as e:  # name the rank, the step and the action, then show where
+            what = ", ".join(map(str, arg)) if isinstance(arg, list) else str(arg)
+            raise PipelineError(
+                f"rank {self.rank}, step {step}, action {what}: {type(e).__name__}: {e}\n"
+                f"{self._listing(step)}"
+            ) from e
+        if self.record:
+            label = "+".join(map(str, arg)) if isinstance(arg, list) else str(arg)
+            self._result.records.append(
+                ActionRecord(self.rank, step, label, start - self._t0, time.perf_counter() - self._t0, self._wait)
+            )
+
+    def _listing(self, at: int) -> str:
+        cells = [f"  {i:3d} {op}" + ("   <-- ERROR HERE" if i == at else "") for i, op in enumerate(self.ops)]
+        lo = max(0, at - 6)
+        return f"rank {self.rank} ops (schedule {self.schedule.name!r}):\n" + "\n".join(cells[lo : at + 3])
+
+    # ------------------------------------------------------------------ compute handlers
+    def _stage_inputs(self, s: int, mb: int) -> tuple:
+        if s == 0:
+            return tuple(x.to(self.device) if isinstance(x, torch.Tensor) else x for x in self._inputs[mb])
+        if (s, mb) in self._acts:
+            return self._acts.pop((s, mb))
+        return self._wait_recv(("F", s, mb))
+
+    def _forward(self, a: Action) -> None:
+        s, mb = a.stage, a.microbatch
+        inputs = self._stage_inputs(s, mb)
+        stage = self.stages[s]
+        kwargs = {"target": self._targets[mb]} if s == self.last else {}
+        if self.record:
+            # Bytes this micro-batch holds until its backward: the distinct storages autograd saves,
+            # less the parameters (and views of them), which live anyway.
+            weights = {q.untyped_storage().data_ptr() for q in stage.module.parameters()}
+            storages: dict[int, int] = {}
+
+            def pack(t: torch.Tensor) -> torch.Tensor:
+                st = t.untyped_storage()
+                if st.data_ptr() not in weights:
+                    storages[st.data_ptr()] = st.nbytes()
+                # A detached alias: returning a saved output itself would make a reference cycle
+                # through its grad_fn that keeps the whole graph alive.
+                return t.detach()
+
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                out = stage.forward(mb, *inputs, **kwargs)
+            self._result.held_bytes[(s, mb)] = sum(storages.values())
+        else:
+            out = stage.forward(mb, *inputs, **kwargs)
+        if s == self.last:
+            self._result.losses.append(out)
+        elif s + 1 in self.stages:  # adjacent stage on this rank: hand over, no communication
+            self._acts[(s + 1, mb)] = _as_tuple(out)
+        else:
+            self._to_send[("F", s, mb)] = [t.detach() for t in _as_tuple(out)]
+
+    def _grad_outputs(self, s: int, mb: int) -> Any:
+        if s == self.last:
+            # d(mean loss)/d(loss_mb) = 1/m: the step differentiates the mean over micro-batches.
+            loss = self._result.losses[-1]
+            return torch.full_like(loss, 1.0 / self.schedule.num_microbatches)
+        if (s, mb) in self._grads:
+            return self._grads.pop((s, mb))
+        return self._wait_recv(("B", s, mb))
+
+    def _hand_back(self, s: int, mb: int, grads: tuple) -> None:
+        if s == 0:
+            return
+        # Only inputs that require grad travel back: the ones the previous stage's outputs required.
+        needed = [g for g, meta in zip(grads, self._meta_in[s]) if meta.requires_grad]
+        if s - 1 in self.stages:
+            self._grads[(s - 1, mb)] = needed
+        else:
+            self._to_send[("B", s, mb)] = needed
+
+    def _backward_input(self, a: Action) -> None:
+        g = self._grad_outputs(a.stage, a.microbatch)
+        self._hand_back(a.stage, a.microbatch, self.stages[a.stage].backward_input(a.microbatch, g))
+
+    def _backward(self, a: Action) -> None:
+        g = self._grad_outputs(a.stage, a.microbatch)
+        self._hand_back(a.stage, a.microbatch, self.stages[a.stage].backward(a.microbatch, g))
+
+    def _backward_weight(self, a: Action) -> None:
+        self.stages[a.stage].backward_weight(a.microbatches)
+
+    # ------------------------------------------------------------------ communication
+    def _post(self, comms: list[Comm]) -> None:
+        ops, recvs = [], []
+        for c in comms:
+            peer = self._global[c.peer]
+            if c.kind.startswith("SEND"):
+                key = (c.kind[-1], c.stage, c.microbatch)
+                for t in self._to_send.pop(key):
+                    ops.append(dist.P2POp(dist.isend, t.contiguous(), peer, self.group))
+            else:
+                direction = c.kind[-1]
+                metas = (
+                    self._meta_in[c.stage]
+                    if direction == "F"
+                    else [mt for mt in self._meta_out[c.stage] if mt.requires_grad]
+                )
+                bufs = [torch.empty(mt.shape, dtype=mt.dtype, device=self.device) for mt in metas]
+                ops.extend(dist.P2POp(dist.irecv, b, peer, self.group) for b in bufs)
+                recvs.append(((direction, c.stage, c.microbatch), bufs))
+        if not ops:
+            return
+        works = dist.batch_isend_irecv(ops)
+        for key, bufs in recvs:
+            self._recvs[key] = (works, bufs)
+        self._sends.append(works)
+
+    def _wait_recv(self, key: tuple[str, int, int]) -> Any:
+        works, bufs = self._recvs.pop(key)
+        t = time.perf_counter()
+        for w in works:  # the batch's works; waiting on all of them is what NCCL groups imply anyway
+            w.wait()
+        self._wait += time.perf_counter() - t
+        if key[0] == "F":
+            metas = self._meta_in[key[1]]
+            return tuple(b.requires_grad_() if mt.requires_grad else b for b, mt in zip(bufs, metas))
+        return bufs
+
+    # ------------------------------------------------------------------ shapes
+    def _signature_of_inputs(self) -> str:
+        desc = repr([[(tuple(t.shape), str(t.dtype)) for t in mb if isinstance(t, torch.Tensor)] for mb in self._inputs])
+        return hashlib.sha1(desc.encode()).hexdigest()
+
+    def _exchange_meta(self) -> None:
+        """Learn the shapes between stages once per input signature, by one no-backward pass of
+        micro-batch 0 through the pipeline (real data, so data-dependent layers behave)."""
+        src = self._global[self.schedule.stage_to_rank[0]]
+        if dist.is_initialized() and self.schedule.num_ranks > 1:
+            box = [self._signature_of_inputs() if 0 in self.stages else None]
+            dist.broadcast_object_list(box, src=src, group=self.group, device=self._object_device())
+            sig = box[0]
+        else:
+            sig = self._signature_of_inputs()
+        if sig == self._signature:
+            return
+        self._meta_in.clear()
+        self._meta_out.clear()
+        s2r = self.schedule.stage_to_rank
+        carry: tuple | None = None
+        for s in range(self.schedule.num_stages - 1):
+            if s2r[s] != self.rank:
+                if s2r[s + 1] == self.rank:  # receive the previous stage's output (data and metadata)
+                    box = [None]
+                    dist.recv_object_list(box, src=self._global[s2r[s]], group=self.group, device=self._object_device())
+                    carry = box[0]
+                    self._meta_in[s + 1] = [
+                        _Meta(tuple(t.shape), t.dtype, t.requires_grad) for t in carry
+                    ]
+                continue
+            inputs = self._inputs[0] if s == 0 else carry
+            if s == 0:
+                self._meta_in[0] = [
+                    _Meta(tuple(t.shape), t.dtype, t.requires_grad) for t in inputs if isinstance(t, torch.Tensor)
+                ]
+            else:
+                inputs = tuple(
+                    t.detach().to(self.device).requires_grad_(t.requires_grad) for t in inputs
+                )
+            with torch.enable_grad():
+                out = _as_tuple(self.stages[s].module(*inputs))
+            bad = [type(x).__name__ for x in out if not isinstance(x, torch.Tensor)]
+            if bad:
+                raise TypeError(
+                    f"stage {s} returns {bad}: values passed between pipeline stages must be tensors "
+                    f"(or a tuple of tensors); move non-tensor values into the stage that uses them"
+                )
+            self._meta_out[s] = [_Meta(tuple(t.shape), t.dtype, t.requires_grad) for t in out]
+            carry = tuple(t.detach().requires_grad_(t.requires_grad) for t in out)
+            if s2r[s + 1] == self.rank:
+                self._meta_in[s + 1] = list(self._meta_out[s])
+            else:
+                dist.send_object_list(
+                    [tuple(t.detach().cpu().requires_grad_(t.requires_grad) for t in out)],
+                    dst=self._global[s2r[s + 1]],
+                    group=self.group,
+                    device=self._object_device(),
+                )
+        self._signature = sig
+
+    def _object_device(self) -> torch.device | None:
+        # Object collectives on NCCL need the current CUDA device; on gloo the CPU.
+        return self.device if self.device.type == "cuda" else None

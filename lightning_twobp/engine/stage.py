@@ -1,0 +1,434 @@
+"""The split backward on plain autograd: one stage's F, B, W and fused BW.
+
+2BP (Rae et al., 2024, §3) splits a layer's backward into backward-p1, the gradient w.r.t. the layer
+input (needed at once by the previous stage), and backward-p2, the gradient w.r.t. the weights (needed only
+at the optimizer step). The Zero Bubble paper (Qi et al., 2024) calls them B and W. The 2BP paper
+hand-writes both halves for every layer; here they come from the autograd graph of any ``nn.Module``.
+
+How the split works, per micro-batch:
+
+* **F** runs the module on detached copies of the inputs, so the stage's graph ends at its own inputs.
+* **B** walks the graph once and classifies its nodes. *Input-path* nodes lead to an input that requires
+  grad; *weight-only* nodes lead only to parameters. A *frontier* node is an input-path node with an edge
+  into the weight-only region (e.g. ``AddmmBackward0`` of a Linear: its ``mat2`` edge leads to the
+  weight). B calls the engine for the input grads only, so autograd's own masks skip every weight GEMM,
+  while a pre-hook on each frontier node records the gradient flowing into it. ``retain_graph=True``
+  keeps the saved tensors that W needs.
+* **W** re-enters the graph at the frontier: for each frontier node, one engine call from that node
+  (rooted at the recorded gradient) to its weight-only edges. Autograd runs the node again with only the
+  weight outputs enabled, so W costs the weight GEMMs and nothing of the input-grad chain. One further call
+  pushes those edge gradients through the weight-only region (transposes, dtype casts, a weight used
+  twice) into the parameters, and the graph is released.
+
+The one shape this cannot defer is a weight-only node reached from two frontier nodes through a path
+that starts at one of them and passes through the other (then re-entering at the first would recompute
+the second). For a leaf parameter used directly by several ops the edges are instead taken in B
+(typically a bias or a norm scale: cheap); for anything else the micro-batch's weight grads are all taken
+in B and W only accumulates them. Both stay exact; ``Stage.deferred_fraction`` tells how much was split.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.autograd.graph import GradientEdge, Node
+from torch.utils import _pytree as pytree
+
+log = logging.getLogger(__name__)
+
+__all__ = ["Stage"]
+
+
+@dataclass
+class _Pending:
+    """What one micro-batch holds between its F and its last B/W."""
+
+    inputs: list[Any]  # the detached inputs, as the module saw them
+    outputs: list[torch.Tensor]  # tensor outputs that require grad (the graph's roots)
+    out_spec: Any = None
+    flat_out: list[Any] = field(default_factory=list)
+    # Filled by B:
+    frontier: list[tuple[Node, list[tuple[Node, int]]]] = field(default_factory=list)
+    captured: dict[Node, tuple[torch.Tensor | None, ...]] = field(default_factory=dict)
+    edge_grads: list[tuple[GradientEdge, torch.Tensor]] = field(default_factory=list)
+    param_grads: list[tuple[nn.Parameter, torch.Tensor]] = field(default_factory=list)
+    grad_outputs: list[torch.Tensor] | None = None  # kept by B when the whole backward is W's
+    backward_done: bool = False
+
+
+def _is_tensor_requiring_grad(x: Any) -> bool:
+    return isinstance(x, torch.Tensor) and x.requires_grad
+
+
+class Stage:
+    """One pipeline stage: forward, backward for inputs (B), backward for weights (W), fused (BW).
+
+    ``Stage(module)`` wraps any ``nn.Module``; the same module may be wrapped once per stage. Every call
+    takes the micro-batch id ``mb`` so several micro-batches can be in flight (F of mb 3 while mb 1 waits
+    for its W). Tensor inputs that require grad get gradients from :meth:`backward_input` /
+    :meth:`backward`; other inputs (ints, masks, token ids) pass through. Parameter gradients accumulate
+    into ``.grad`` exactly as ``loss.backward()`` would.
+    """
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+        self._pending: dict[int, _Pending] = {}
+        self._params: dict[int, nn.Parameter] = {}
+        self.refresh_parameters()
+        # Counters for the split's coverage: edges deferred to W vs taken in B.
+        self.deferred_edges = 0
+        self.early_edges = 0
+
+    # ------------------------------------------------------------------ bookkeeping
+    def refresh_parameters(self) -> None:
+        """Re-read the module's parameters (call after replacing or moving them)."""
+        self._params = {id(p): p for p in self.module.parameters() if p.requires_grad}
+
+    @property
+    def in_flight(self) -> tuple[int, ...]:
+        """Micro-batches whose activations this stage still holds."""
+        return tuple(sorted(self._pending))
+
+    @property
+    def deferred_fraction(self) -> float:
+        """Share of weight-gradient edges that W computed (1.0 = the whole weight backward deferred)."""
+        total = self.deferred_edges + self.early_edges
+        return 1.0 if total == 0 else self.deferred_edges / total
+
+    # ------------------------------------------------------------------ F
+    def forward(self, mb: int, *inputs: Any, **kwargs: Any) -> Any:
+        """F: run the module on micro-batch ``mb``. Tensors requiring grad are detached here so the
+        stage's graph ends at its inputs; their gradients come back from B/BW."""
+        if mb in self._pending:
+            raise RuntimeError(
+                f"micro-batch {mb} is already in flight on this stage; finish its backward "
+                f"(and W) before running its forward again"
+            )
+        local = [x.detach().requires_grad_() if _is_tensor_requiring_grad(x) else x for x in inputs]
+        if torch.is_grad_enabled():
+            out = self.module(*local, **kwargs)
+        else:  # forward-only (evaluation): nothing to hold
+            return self.module(*local, **kwargs)
+        flat_out, spec = pytree.tree_flatten(out)
+        roots = [t for t in flat_out if _is_tensor_requiring_grad(t)]
+        self._pending[mb] = _Pending(inputs=local, outputs=roots, out_spec=spec, flat_out=flat_out)
+        return out
+
+    # ------------------------------------------------------------------ helpers
+    def _grad_outputs(self, mb: int, p: _Pending, grad_outputs: Any) -> list[torch.Tensor]:
+        """Align ``grad_outputs`` with the outputs that require grad."""
+        if grad_outputs is None:
+            if len(p.outputs) != 1 or p.outputs[0].numel() != 1:
+                shapes = [tuple(t.shape) for t in p.outputs]
+                raise ValueError(
+                    f"grad_outputs=None means dL/dL = 1, which needs a single scalar output (the loss); "
+                    f"micro-batch {mb} produced outputs requiring grad of shapes {shapes}: pass their grads"
+                )
+            return [torch.ones_like(p.outputs[0])]
+        if isinstance(grad_outputs, torch.Tensor):
+            grads = [grad_outputs]
+        else:
+            flat, _ = pytree.tree_flatten(grad_outputs)
+            if len(flat) == len(p.flat_out):  # given for every output: keep those that require grad
+                grads = [g for g, o in zip(flat, p.flat_out) if _is_tensor_requiring_grad(o)]
+            else:
+                grads = [g for g in flat if g is None or isinstance(g, torch.Tensor)]
+        if len(grads) != len(p.outputs):
+            raise ValueError(
+                f"micro-batch {mb}: got {len(grads)} grad_outputs for {len(p.outputs)} outputs that "
+                f"require grad; pass one gradient (or None) per such output, in output order"
+            )
+        return [torch.zeros_like(o) if g is None else g for g, o in zip(grads, p.outputs)]
+
+    def _input_grads(self, p: _Pending, grads: Sequence[torch.Tensor | None]) -> tuple[Any, ...]:
+        """One entry per positional input: its gradient, or None (non-tensor or no grad)."""
+        it = iter(grads)
+        out = []
+        for x in p.inputs:
+            if _is_tensor_requiring_grad(x):
+                g = next(it)
+                out.append(torch.zeros_like(x) if g is None else g)
+            else:
+                out.append(None)
+        return tuple(out)
+
+    def _accumulate(self, param: nn.Parameter, grad: torch.Tensor) -> None:
+        # Same result as AccumulateGrad: the first gradient becomes .grad, later ones add in place.
+        if param.grad is None:
+            param.grad = grad.detach() if grad.dtype == param.dtype else grad.to(param.dtype)
+        else:
+            param.grad.add_(grad)
+
+    def _take(self, mb: int) -> _Pending:
+        try:
+            return self._pending[mb]
+        except KeyError:
+            raise RuntimeError(
+                f"micro-batch {mb} has no forward in flight on this stage (in flight: {self.in_flight}); "
+                f"run F before B/BW, and B before W"
+            ) from None
+
+    # ------------------------------------------------------------------ BW
+    def backward(self, mb: int, grad_outputs: Any = None) -> tuple[Any, ...]:
+        """BW: the fused backward. Returns the input grads and accumulates the parameter grads."""
+        p = self._take(mb)
+        if p.backward_done:
+            raise RuntimeError(f"micro-batch {mb} already ran B; run W next, not BW")
+        grads_out = self._grad_outputs(mb, p, grad_outputs)
+        inputs = [x for x in p.inputs if _is_tensor_requiring_grad(x)]
+        params = list(self._params.values())
+        if not p.outputs:
+            del self._pending[mb]
+            return self._input_grads(p, [None] * len(inputs))
+        grads = torch.autograd.grad(
+            p.outputs, inputs + params, grads_out, allow_unused=True, retain_graph=False
+        )
+        for param, g in zip(params, grads[len(inputs) :]):
+            if g is not None:
+                self._accumulate(param, g)
+        del self._pending[mb]
+        return self._input_grads(p, grads[: len(inputs)])
+
+    # ------------------------------------------------------------------ B
+    def backward_input(self, mb: int, grad_outputs: Any = None) -> tuple[Any, ...]:
+        """B (2BP's backward-p1): gradients w.r.t. the tensor inputs that require grad, computed
+        without the weight GEMMs; the weight half waits for :meth:`backward_weight`."""
+        p = self._take(mb)
+        if p.backward_done:
+            raise RuntimeError(f"micro-batch {mb} already ran B")
+        grads_out = self._grad_outputs(mb, p, grad_outputs)
+        inputs = [x for x in p.inputs if _is_tensor_requiring_grad(x)]
+        p.backward_done = True
+        if not p.outputs:
+            return self._input_grads(p, [None] * len(inputs))
+        if not inputs:
+            # Nothing upstream waits for this stage (a first stage fed token ids): B has no work and
+            # the whole backward is W's, so the graph and the output grads wait for it.
+            p.grad_outputs = grads_out
+            self.deferred_edges += 1
+            return self._input_grads(p, [])
+        plan = _plan(p.outputs, inputs, self._params)
+        self.deferred_edges += plan.num_deferred
+        self.early_edges += plan.num_early
+        if plan.fallback:
+            # An unsplittable graph: take every weight grad now, exactly, and let W only accumulate it.
+            params = list(self._params.values())
+            grads = torch.autograd.grad(
+                p.outputs, inputs + params, grads_out, allow_unused=True, retain_graph=False
+            )
+            p.param_grads = [(q, g) for q, g in zip(params, grads[len(inputs) :]) if g is not None]
+            p.outputs = []
+            return self._input_grads(p, grads[: len(inputs)])
+
+        handles = []
+        for node, _ in plan.frontier:
+            handles.append(node.register_prehook(_Recorder(p.captured, node)))
+        try:
+            grads = torch.autograd.grad(
+                p.outputs,
+                inputs + plan.early_edges,
+                grads_out,
+                allow_unused=True,
+                retain_graph=True,  # W re-enters the graph at the frontier nodes
+            )
+        finally:
+            for h in handles:
+                h.remove()
+        p.frontier = plan.frontier
+        p.edge_grads = [(e, g) for e, g in zip(plan.early_edges, grads[len(inputs) :]) if g is not None]
+        return self._input_grads(p, grads[: len(inputs)])
+
+    # ------------------------------------------------------------------ W
+    def backward_weight(self, mb: int | Iterable[int]) -> None:
+        """W (2BP's backward-p2): the parameter gradients of one or several micro-batches, accumulated
+        into ``.grad``; frees everything those micro-batches held."""
+        mbs = [mb] if isinstance(mb, int) else list(mb)
+        pend = []
+        for m in mbs:
+            p = self._take(m)
+            if not p.backward_done:
+                raise RuntimeError(f"micro-batch {m} has not run B yet; W needs B first")
+            pend.append(p)
+        edge_grads: list[tuple[GradientEdge, torch.Tensor]] = []
+        for p in pend:
+            if p.grad_outputs is not None:  # B had nothing to do: the whole backward is here
+                params = list(self._params.values())
+                grads = torch.autograd.grad(p.outputs, params, p.grad_outputs, allow_unused=True)
+                for q, g in zip(params, grads):
+                    if g is not None:
+                        self._accumulate(q, g)
+                continue
+            edge_grads.extend(p.edge_grads)
+            for node, edges in p.frontier:
+                recorded = p.captured.get(node)
+                if recorded is None:
+                    continue
+                roots = [(GradientEdge(node, i), g) for i, g in enumerate(recorded) if g is not None]
+                if not roots:
+                    continue
+                targets = [GradientEdge(n, i) for n, i in edges]
+                got = torch.autograd.grad(
+                    [r for r, _ in roots],
+                    targets,
+                    [g for _, g in roots],
+                    allow_unused=True,
+                    retain_graph=False,  # this node's saved tensors are not needed again
+                )
+                edge_grads.extend((e, g) for e, g in zip(targets, got) if g is not None)
+            for q, g in p.param_grads:
+                self._accumulate(q, g)
+        self._push_to_params(edge_grads)
+        for m in mbs:
+            del self._pending[m]
+
+    def _push_to_params(self, edge_grads: list[tuple[GradientEdge, torch.Tensor]]) -> None:
+        """Carry weight-edge gradients through the weight-only region into the parameters."""
+        through: list[tuple[GradientEdge, torch.Tensor]] = []
+        for e, g in edge_grads:
+            var = getattr(e.node, "variable", None)
+            if var is not None and id(var) in self._params:  # the edge is the parameter itself
+                self._accumulate(var, g)
+            else:
+                through.append((e, g))
+        if not through:
+            return
+        params = _params_below([e.node for e, _ in through], self._params)
+        if not params:
+            return
+        grads = torch.autograd.grad(
+            [e for e, _ in through], params, [g for _, g in through], allow_unused=True
+        )
+        for q, g in zip(params, grads):
+            if g is not None:
+                self._accumulate(q, g)
+
+
+class _Recorder:
+    """Pre-hook that records the gradient flowing into a frontier node during B."""
+
+    __slots__ = ("store", "node")
+
+    def __init__(self, store: dict, node: Node) -> None:
+        self.store = store
+        self.node = node
+
+    def __call__(self, grad_outputs: tuple[torch.Tensor | None, ...]) -> None:
+        self.store[self.node] = tuple(grad_outputs)
+
+
+@dataclass
+class _Plan:
+    frontier: list[tuple[Node, list[tuple[Node, int]]]]  # (frontier node, its deferred weight edges)
+    early_edges: list[GradientEdge]  # weight edges taken in B
+    fallback: bool
+    num_deferred: int
+    num_early: int
+
+
+def _leaf_param(node: Node, params: dict[int, nn.Parameter]) -> nn.Parameter | None:
+    var = getattr(node, "variable", None)
+    return var if var is not None and id(var) in params else None
+
+
+def _plan(
+    outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor], params: dict[int, nn.Parameter]
+) -> _Plan:
+    """Classify the graph below ``outputs``: input path, weight-only region, frontier edges."""
+    input_ids = {id(x) for x in inputs}
+    roots = [o.grad_fn for o in outputs if o.grad_fn is not None]
+    # Iterative post-order DFS: children before parents.
+    order: list[Node] = []
+    children: dict[Node, list[tuple[Node, int]]] = {}
+    seen: set[Node] = set()
+    stack: list[tuple[Node, bool]] = [(r, False) for r in roots]
+    while stack:
+        node, expanded = stack.pop()
+        if expanded:
+            order.append(node)
+            continue
+        if node in seen:
+            continue
+        seen.add(node)
+        kids = [(n, i) for n, i in node.next_functions if n is not None]
+        children[node] = kids
+        stack.append((node, True))
+        stack.extend((n, False) for n, _ in kids if n not in seen)
+
+    to_input: dict[Node, bool] = {}
+    to_param: dict[Node, bool] = {}
+    for node in order:
+        var = getattr(node, "variable", None)
+        if var is not None:
+            to_input[node] = id(var) in input_ids
+            to_param[node] = id(var) in params
+            continue
+        kids = children[node]
+        to_input[node] = any(to_input[n] for n, _ in kids)
+        to_param[node] = any(to_param[n] for n, _ in kids)
+
+    # Weight-only entry nodes and the input-path nodes that feed them, directly or through
+    # weight-only nodes (walked parents-first so a node's sources are known before its children).
+    sources: dict[Node, set[Node]] = {}
+    for node in reversed(order):
+        if not to_input[node]:
+            continue
+        for n, _ in children[node]:
+            if not to_input[n] and to_param[n]:
+                sources.setdefault(n, set()).add(node)
+    for node in reversed(order):
+        if to_input[node] or not to_param[node] or node not in sources:
+            continue
+        for n, _ in children[node]:
+            if to_param[n]:
+                sources.setdefault(n, set()).update(sources[node])
+
+    frontier: list[tuple[Node, list[tuple[Node, int]]]] = []
+    early: list[GradientEdge] = []
+    early_seen: set[tuple[Node, int]] = set()
+    num_deferred = 0
+    fallback = False
+    for node in reversed(order):  # parents first: the order B reaches them
+        if not to_input[node] or getattr(node, "variable", None) is not None:
+            continue
+        deferred = []
+        for n, i in children[node]:
+            if to_input[n] or not to_param[n]:
+                continue
+            if len(sources[n]) == 1:
+                deferred.append((n, i))
+            elif getattr(n, "variable", None) is not None:
+                # A parameter used directly by several input-path ops: take its edges in B.
+                if (n, i) not in early_seen:
+                    early_seen.add((n, i))
+                    early.append(GradientEdge(n, i))
+            else:
+                fallback = True
+        if deferred:
+            frontier.append((node, deferred))
+            num_deferred += len(deferred)
+    if fallback:
+        log.debug("weight-only node shared by several frontier nodes: W taken in B for this micro-batch")
+        return _Plan([], [], True, 0, num_deferred + len(early))
+    return _Plan(frontier, early, False, num_deferred, len(early))
+
+
+def _params_below(nodes: Iterable[Node], params: dict[int, nn.Parameter]) -> list[nn.Parameter]:
+    """The parameters reachable from ``nodes`` (the weight-only region is small: a walk is cheap)."""
+    found: dict[int, nn.Parameter] = {}
+    seen: set[Node] = set()
+    stack = list(nodes)
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        q = _leaf_param(node, params)
+        if q is not None:
+            found[id(q)] = q
+        stack.extend(n for n, _ in node.next_functions if n is not None)
+    return list(found.values())

@@ -1,0 +1,142 @@
+"""A LLaMa-like decoder as one ``nn.Sequential``: embedding, N blocks, norm + head.
+
+RMSNorm, rotary position embeddings, SwiGLU feed-forward and causal scaled-dot-product attention with an
+optional grouped-query layout, as in the 2BP paper's Transformer-7b (dim 4096, 32 layers, 32 heads).
+Every element of the Sequential takes and returns one tensor, so any contiguous slice is a stage.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    vocab_size: int = 1024
+    dim: int = 512
+    n_layers: int = 8
+    n_heads: int = 8
+    n_kv_heads: int | None = None  # None: as many as n_heads (no grouping)
+    ffn_hidden: int | None = None  # None: LLaMa's 2/3 * 4 * dim rounded up to a multiple of 64
+    max_seq_len: int = 1024
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+
+    @property
+    def hidden(self) -> int:
+        if self.ffn_hidden is not None:
+            return self.ffn_hidden
+        h = int(2 * 4 * self.dim / 3)
+        return 64 * ((h + 63) // 64)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 for stability under bf16 autocast, as LLaMa does.
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: (B, H, T, D); rotate pairs (even, odd) by the position's angle.
+    x1, x2 = x[..., ::2], x[..., 1::2]
+    out = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
+    return out.flatten(-2)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.n_heads = cfg.n_heads
+        self.n_kv = cfg.n_kv_heads or cfg.n_heads
+        if cfg.dim % cfg.n_heads or cfg.n_heads % self.n_kv:
+            raise ValueError(
+                f"dim {cfg.dim} must divide by n_heads {cfg.n_heads}, and n_heads by n_kv_heads {self.n_kv}"
+            )
+        self.head_dim = cfg.dim // cfg.n_heads
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.dim, self.n_kv * self.head_dim, bias=False)
+        self.wv = nn.Linear(cfg.dim, self.n_kv * self.head_dim, bias=False)
+        self.wo = nn.Linear(cfg.n_heads * self.head_dim, cfg.dim, bias=False)
+        inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, self.head_dim, 2).float() / self.head_dim))
+        ang = torch.outer(torch.arange(cfg.max_seq_len).float(), inv)  # (T, D/2)
+        self.register_buffer("cos", ang.cos(), persistent=False)
+        self.register_buffer("sin", ang.sin(), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q = self.wq(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, D)
+        k = self.wk(x).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
+        cos, sin = self.cos[:t].to(q.dtype), self.sin[:t].to(q.dtype)
+        q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+        if self.n_kv != self.n_heads:
+            rep = self.n_heads // self.n_kv
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(y.transpose(1, 2).reshape(b, t, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))  # SwiGLU
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attn = Attention(cfg)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.ffn = FeedForward(cfg.dim, cfg.hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, C) -> (B, T, C)
+        x = x + self.attn(self.attn_norm(x))
+        return x + self.ffn(self.ffn_norm(x))
+
+
+class Embedding(nn.Embedding):
+    """Token ids (B, T) -> (B, T, C); a separate class so partitioners can name it."""
+
+
+class Head(nn.Module):
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.out = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, C) -> (B, T, V) logits
+        return self.out(self.norm(x))
+
+
+def build_llama(cfg: LlamaConfig = LlamaConfig()) -> nn.Sequential:
+    """Embedding, ``n_layers`` blocks and the head as one ``nn.Sequential`` of ``n_layers + 2`` layers."""
+    layers: list[nn.Module] = [Embedding(cfg.vocab_size, cfg.dim)]
+    layers += [Block(cfg) for _ in range(cfg.n_layers)]
+    layers.append(Head(cfg))
+    model = nn.Sequential(*layers)
+    _init(model)
+    return model
+
+
+def _init(model: nn.Module) -> None:
+    for m in model.modules():
+        if isinstance(m, nn.Linear):
+            nn.init.normal_(m.weight, std=0.02)
+        elif isinstance(m, nn.Embedding):
+            nn.init.normal_(m.weight, std=0.02)

@@ -1,0 +1,291 @@
+"""The split backward against ``loss.backward()`` on a zoo of modules.
+
+Each case builds a module and inputs; the reference runs forward + ``backward`` on the whole thing, the
+Stage runs F, then B (its input grads are compared with the reference's), then W (every ``.grad`` is
+compared). Micro-batches interleave (F0 F1 B0 B1 W(0,1)) so per-micro-batch state is exercised.
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import weakref
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lightning_twobp.engine import Stage
+from lightning_twobp.models.llama import Block, LlamaConfig
+
+RTOL, ATOL = 1e-5, 1e-6
+
+
+class Twice(nn.Module):
+    """The same Linear applied twice: one parameter, two uses."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.lin(torch.tanh(self.lin(x)))
+
+
+class TiedT(nn.Module):
+    """One weight transposed once and used by two matmuls on the same path."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(8, 8) * 0.3)
+
+    def forward(self, x):
+        wt = self.w.t()
+        return torch.tanh(x @ wt) @ wt
+
+
+class DirectTwice(nn.Module):
+    """A parameter used directly (no transpose) by two elementwise ops."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.randn(8))
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.lin(x * self.scale) * self.scale
+
+
+class Square(torch.autograd.Function):
+    calls = 0
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x * x
+
+    @staticmethod
+    def backward(ctx, g):
+        Square.calls += 1
+        (x,) = ctx.saved_tensors
+        return 2 * x * g
+
+
+class WithCustomFn(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.b(Square.apply(self.a(x)))
+
+
+class MultiIO(nn.Module):
+    """Several tensor inputs, a non-tensor passed through, several outputs, a view, an unused param."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+        self.unused = nn.Linear(8, 8)
+        self.frozen = nn.Linear(8, 8)
+        self.frozen.requires_grad_(False)
+
+    def forward(self, x, y, k, mask):
+        h = self.a(x) * k + self.frozen(y)
+        return h[:, :4], self.b(h).transpose(0, 1), mask
+
+
+class ConvNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1 = nn.Conv2d(3, 4, 3, padding=1)
+        self.bn = nn.BatchNorm2d(4)
+        self.c2 = nn.Conv2d(4, 4, 3, padding=1, bias=False)
+        self.gn = nn.GroupNorm(2, 4)
+
+    def forward(self, x):
+        return self.gn(self.c2(F.relu(self.bn(self.c1(x)))))
+
+
+class EmbedLN(nn.Module):
+    """A first stage: token ids (no grad) -> embedding -> LayerNorm -> Linear."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(16, 8)
+        self.ln = nn.LayerNorm(8)
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, ids):
+        return self.lin(self.ln(self.emb(ids)))
+
+
+class Attn(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(8, 24)
+        self.o = nn.Linear(8, 8)
+
+    def forward(self, x):  # (B, T, C)
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        shape = (x.shape[0], x.shape[1], 2, 4)
+        q, k, v = (t.view(shape).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o(y.transpose(1, 2).reshape(x.shape))
+
+
+def _x(*shape):
+    return torch.randn(*shape, requires_grad=True)
+
+
+CASES = {
+    "linear": (lambda: nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8)), lambda: (_x(4, 8),)),
+    "no-bias": (lambda: nn.Linear(8, 8, bias=False), lambda: (_x(3, 5, 8),)),
+    "twice": (Twice, lambda: (_x(4, 8),)),
+    "tied-transpose": (TiedT, lambda: (_x(4, 8),)),
+    "direct-twice": (DirectTwice, lambda: (_x(4, 8),)),
+    "custom-fn": (WithCustomFn, lambda: (_x(4, 8),)),
+    "multi-io": (MultiIO, lambda: (_x(4, 8), _x(4, 8), 0.5, torch.ones(2, dtype=torch.bool))),
+    "conv-norms": (ConvNet, lambda: (_x(2, 3, 6, 6),)),
+    "embedding-first": (EmbedLN, lambda: (torch.randint(0, 16, (2, 5)),)),
+    "sdpa": (Attn, lambda: (_x(2, 6, 8),)),
+    "llama-block": (lambda: Block(LlamaConfig(dim=32, n_heads=4, n_kv_heads=2, max_seq_len=16)), lambda: (_x(2, 7, 32),)),
+}
+
+
+def _tensor_outputs(out):
+    out = out if isinstance(out, tuple) else (out,)
+    return [o for o in out if isinstance(o, torch.Tensor) and o.requires_grad]
+
+
+def _reference(module, inputs_per_mb, grads_per_mb):
+    """loss.backward() on the whole module, micro-batch by micro-batch; returns input grads, .grads."""
+    in_grads = []
+    for inputs, grads in zip(inputs_per_mb, grads_per_mb):
+        xs = [x.detach().requires_grad_() if isinstance(x, torch.Tensor) and x.requires_grad else x for x in inputs]
+        outs = _tensor_outputs(module(*xs))
+        torch.autograd.backward(outs, grads)
+        in_grads.append([x.grad if isinstance(x, torch.Tensor) and x.requires_grad else None for x in xs])
+    return in_grads, {n: p.grad.clone() for n, p in module.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.parametrize("mode", ["split", "fused"])
+def test_split_backward_matches_autograd(name, mode):
+    torch.manual_seed(0)
+    make, make_inputs = CASES[name]
+    ref_mod = make()
+    mod = copy.deepcopy(ref_mod)
+    mbs = [make_inputs() for _ in range(2)]
+    grads = [[torch.randn_like(o) for o in _tensor_outputs(copy.deepcopy(ref_mod)(*x))] for x in mbs]
+    ref_in, ref_grads = _reference(ref_mod, mbs, grads)
+
+    stage = Stage(mod)
+    for i, x in enumerate(mbs):
+        stage.forward(i, *x)
+    for i in range(len(mbs)):
+        fn = stage.backward_input if mode == "split" else stage.backward
+        got = fn(i, grads[i])
+        assert len(got) == len(mbs[i])
+        for g, r in zip(got, ref_in[i]):
+            if r is None:
+                assert g is None
+            else:
+                torch.testing.assert_close(g, r, rtol=RTOL, atol=ATOL)
+    if mode == "split":
+        assert all(p.grad is None for p in mod.parameters()), "B must leave the weight grads to W"
+        stage.backward_weight([0, 1])
+    assert stage.in_flight == ()
+    got_grads = {n: p.grad for n, p in mod.named_parameters() if p.grad is not None}
+    assert got_grads.keys() == ref_grads.keys()
+    for n in ref_grads:
+        torch.testing.assert_close(got_grads[n], ref_grads[n], rtol=RTOL, atol=ATOL, msg=n)
+
+
+def test_w_never_reruns_the_input_chain():
+    torch.manual_seed(0)
+    stage = Stage(WithCustomFn())
+    Square.calls = 0
+    stage.forward(0, _x(4, 8))
+    stage.backward_input(0, torch.ones(4, 8))
+    assert Square.calls == 1
+    stage.backward_weight(0)
+    assert Square.calls == 1, "W re-ran a node of the input-grad chain"
+    assert stage.deferred_fraction == 1.0
+
+
+def test_split_defers_every_weight_edge_on_a_llama_block():
+    stage = Stage(Block(LlamaConfig(dim=32, n_heads=4, max_seq_len=16)))
+    stage.forward(0, _x(2, 7, 32))
+    stage.backward_input(0, torch.ones(2, 7, 32))
+    assert all(p.grad is None for p in stage.module.parameters()), "B accumulated weight grads"
+    stage.backward_weight(0)
+    assert all(p.grad is not None for p in stage.module.parameters())
+    assert stage.deferred_fraction == 1.0
+
+
+@pytest.mark.parametrize("mode", ["split", "fused"])
+def test_memory_returns_to_baseline(mode):
+    """Everything a micro-batch saved for backward is freed once its W (or BW) is done."""
+    torch.manual_seed(0)
+    stage = Stage(Block(LlamaConfig(dim=32, n_heads=4, max_seq_len=16)))
+    params = {p.untyped_storage().data_ptr() for p in stage.module.parameters()}
+    saved: list[weakref.ref] = []
+
+    def pack(t):
+        # Return a detached alias, not ``t``: a hook that returns a saved *output* itself makes a
+        # reference cycle through its grad_fn that Python's gc cannot see (it would leak by itself).
+        t = t.detach()
+        if t.untyped_storage().data_ptr() not in params:
+            saved.append(weakref.ref(t))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        for mb in range(3):
+            stage.forward(mb, _x(2, 7, 32))
+    assert saved
+    for mb in range(3):
+        if mode == "split":
+            stage.backward_input(mb, torch.ones(2, 7, 32))
+        else:
+            stage.backward(mb, torch.ones(2, 7, 32))
+    if mode == "split":
+        gc.collect()
+        assert any(r() is not None for r in saved), "B must keep what W needs"
+        stage.backward_weight(range(3))
+    gc.collect()
+    alive = [r for r in saved if r() is not None]
+    assert not alive, f"{len(alive)} saved tensors outlived their micro-batch"
+    assert stage.in_flight == ()
+
+
+def test_loss_output_with_implicit_grad():
+    torch.manual_seed(0)
+    lin = nn.Linear(8, 1)
+    ref = copy.deepcopy(lin)
+    x = _x(4, 8)
+    ref(x.detach()).pow(2).mean().backward()
+    stage = Stage(nn.Sequential(lin))
+    stage.module.register_forward_hook(lambda m, i, o: o.pow(2).mean())
+    stage.forward(0, x.detach())
+    stage.backward_input(0, None)
+    stage.backward_weight(0)
+    torch.testing.assert_close(lin.weight.grad, ref.weight.grad, rtol=RTOL, atol=ATOL)
+
+
+def test_misuse_gets_clear_errors():
+    stage = Stage(nn.Linear(4, 4))
+    with pytest.raises(RuntimeError, match="no forward in flight"):
+        stage.backward_input(0, torch.ones(2, 4))
+    stage.forward(0, _x(2, 4))
+    with pytest.raises(RuntimeError, match="already in flight"):
+        stage.forward(0, _x(2, 4))
+    with pytest.raises(RuntimeError, match="has not run B"):
+        stage.backward_weight(0)
+    with pytest.raises(ValueError, match="single scalar output"):
+        stage.backward_input(0, None)
+    with pytest.raises(ValueError, match="1 outputs that require grad"):
+        stage.backward_input(0, [torch.ones(2, 4), torch.ones(2, 4)])
