@@ -31,6 +31,9 @@ from lightning_twobp.schedules import Action, Comm, Schedule, lower_communicatio
 __all__ = ["ActionRecord", "PipelineError", "PipelineExecutor", "StepResult"]
 
 
+_MAX_TENSORS = 64  # tensors one stage may pass to the next (part of the message tag)
+
+
 class PipelineError(RuntimeError):
     """An action failed; the message names the rank, the step and the action."""
 
@@ -285,34 +288,61 @@ class PipelineExecutor:
 
     # ------------------------------------------------------------------ communication
     def _post(self, comms: list[Comm]) -> None:
-        ops, recvs = [], []
+        ops: list[dist.P2POp] = []
+        owner: list[tuple[str, int, int] | None] = []  # per op: the receive it belongs to, or None
+        recvs: dict[tuple[str, int, int], list[torch.Tensor]] = {}
         for c in comms:
             peer = self._global[c.peer]
-            if c.kind.startswith("SEND"):
-                key = (c.kind[-1], c.stage, c.microbatch)
-                for t in self._to_send.pop(key):
-                    ops.append(dist.P2POp(dist.isend, t.contiguous(), peer, self.group))
+            key = (c.kind[-1], c.stage, c.microbatch)
+            if c.is_send:
+                tensors = self._to_send.pop(key)
+                edge = c.stage if key[0] == "F" else c.stage - 1
+                for i, t in enumerate(tensors):
+                    tag = self._tag(key[0], edge, c.microbatch, i)
+                    ops.append(dist.P2POp(dist.isend, t.contiguous(), peer, self.group, tag))
+                    owner.append(None)
             else:
-                direction = c.kind[-1]
                 metas = (
                     self._meta_in[c.stage]
-                    if direction == "F"
+                    if key[0] == "F"
                     else [mt for mt in self._meta_out[c.stage] if mt.requires_grad]
                 )
+                edge = c.stage - 1 if key[0] == "F" else c.stage
                 bufs = [torch.empty(mt.shape, dtype=mt.dtype, device=self.device) for mt in metas]
-                ops.extend(dist.P2POp(dist.irecv, b, peer, self.group) for b in bufs)
-                recvs.append(((direction, c.stage, c.microbatch), bufs))
+                ops.extend(
+                    dist.P2POp(dist.irecv, b, peer, self.group, self._tag(key[0], edge, c.microbatch, i))
+                    for i, b in enumerate(bufs)
+                )
+                owner.extend([key] * len(bufs))
+                recvs[key] = bufs
         if not ops:
             return
         works = dist.batch_isend_irecv(ops)
-        for key, bufs in recvs:
-            self._recvs[key] = (works, bufs)
-        self._sends.append(works)
+        if len(works) == len(ops):
+            # One work per op (gloo): each must be waited exactly once, since a gloo work's wait
+            # blocks for a further completion when called again.
+            for key, bufs in recvs.items():
+                self._recvs[key] = ([w for w, o in zip(works, owner) if o == key], bufs)
+            self._sends.append([w for w, o in zip(works, owner) if o is None])
+        else:
+            # One work for the whole group (NCCL coalescing): waiting on it again is a no-op.
+            for key, bufs in recvs.items():
+                self._recvs[key] = (works, bufs)
+            self._sends.append(works)
+
+    def _tag(self, direction: str, edge: int, mb: int, index: int) -> int:
+        """A tag per message: between two ranks several streams can interleave (the V and the loop
+        maps send both activations and gradients each way), and gloo matches by (peer, tag), so a
+        message can never land in another's buffer. NCCL ignores tags and matches in posting order,
+        which the communication pass keeps consistent per pair of ranks."""
+        if index >= _MAX_TENSORS:
+            raise ValueError(f"at most {_MAX_TENSORS} tensors may pass between two stages, got {index + 1}")
+        return ((mb * self.schedule.num_stages + edge) * 2 + (direction == "B")) * _MAX_TENSORS + index
 
     def _wait_recv(self, key: tuple[str, int, int]) -> Any:
         works, bufs = self._recvs.pop(key)
         t = time.perf_counter()
-        for w in works:  # the batch's works; waiting on all of them is what NCCL groups imply anyway
+        for w in works:
             w.wait()
         self._wait += time.perf_counter() - t
         if key[0] == "F":

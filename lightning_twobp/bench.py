@@ -1,0 +1,227 @@
+"""Engine benchmark: step time of every schedule, with and without 2BP, against one process.
+
+    python -m lightning_twobp.bench [--json PATH] [--repeats N] [--quick]
+
+Two gloo processes with one intra-op thread each run the tiny LLaMa-like model (8 blocks x 512, 8 heads,
+vocab 1024) on a batch of 32 x 128 tokens. Every configuration runs in the same process group, alternated
+(A, B, C, ..., A, B, C, ...), after one warm-up step each; the table shows medians. The single-process
+row is gradient accumulation of the same micro-batches on one thread: a bubble-free 2-stage pipeline
+would take half of it ("ideal"). Costs per action are measured from recorded steps and fed to
+:func:`lightning_twobp.schedules.simulate`, so each row also shows what the simulator predicts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from lightning_twobp.engine import PipelineExecutor
+from lightning_twobp.models.llama import LlamaConfig, build_llama
+from lightning_twobp.partition import even_sizes, split_sequential
+from lightning_twobp.schedules import Costs, build_schedule, simulate
+from lightning_twobp.testing import run_distributed
+
+WORLD = 2
+
+
+@dataclass(frozen=True)
+class Config:
+    name: str
+    split_backward: bool
+    num_stages: int
+    num_microbatches: int
+    stages_per_rank: int = 1
+
+    @property
+    def label(self) -> str:
+        tag = "+2BP" if self.split_backward and not self.name.startswith("zb") else ""
+        return f"{self.name}{tag} S={self.num_stages} m={self.num_microbatches}"
+
+
+def configs(m: int) -> list[Config]:
+    out = []
+    for name, spr in (("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2)):
+        for split in (False, True):
+            out.append(Config(name, split, WORLD * spr, m, spr))
+    out += [Config("zb-h1", True, WORLD, m), Config("zb-h2", True, WORLD, m), Config("zb-v", True, 2 * WORLD, m, 2)]
+    # The 2BP paper's 1F1B-1 setting: m = p.
+    out += [Config("1f1b", False, WORLD, WORLD), Config("1f1b", True, WORLD, WORLD)]
+    return out
+
+
+def _loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
+
+
+def _measure_costs(records, schedule) -> dict:
+    """Median duration of each compute kind per stage, from recorded ops (waits excluded)."""
+    per: dict[tuple[str, int], list[float]] = {}
+    for r in records:
+        kind_stage = _parse(r.op)
+        if kind_stage is None:
+            continue
+        kind, stage, n = kind_stage
+        per.setdefault((kind, stage), []).append((r.end - r.start - r.wait) / n)
+    return {f"{k}{s}": statistics.median(v) for (k, s), v in per.items()}
+
+
+def _parse(op: str):
+    from lightning_twobp.schedules import Action
+
+    try:
+        a = Action.parse(op)
+    except ValueError:
+        return None
+    return a.kind, a.stage, len(a.microbatches) if a.kind == "W" else 1
+
+
+def _bench(rank: int, world: int, batch: int, seq: int, m: int, repeats: int, layers: int) -> dict:
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=1024, dim=512, n_layers=layers, n_heads=8, max_seq_len=seq)
+    model = build_llama(cfg)
+    ids = torch.randint(0, cfg.vocab_size, (batch, seq))
+    tgt = torch.roll(ids, -1, dims=1)
+    runs = configs(m)
+    execs = {}
+    for c in runs:
+        sched = build_schedule(c.name, c.num_stages, c.num_microbatches, stages_per_rank=c.stages_per_rank, split_backward=c.split_backward)
+        parts = split_sequential(model, even_sizes(len(model), c.num_stages))
+        mods = {s: parts[s] for s in sched.stages_of(rank)}
+        execs[c] = PipelineExecutor(sched, mods, loss_fn=_loss, record=False)
+    single = copy.deepcopy(model) if rank == 0 else None
+
+    def chunks(x, n):
+        return list(x.chunk(n))
+
+    def run(c: Config, record: bool = False):
+        ex = execs[c]
+        ex.record = record
+        n = c.num_microbatches
+        model.zero_grad(set_to_none=True)
+        dist.barrier()
+        t = time.perf_counter()
+        res = ex.step(chunks(ids, n) if 0 in ex.stages else None, chunks(tgt, n) if ex.last in ex.stages else None)
+        dist.barrier()
+        return time.perf_counter() - t, res
+
+    def run_single():
+        dist.barrier()
+        t = time.perf_counter()
+        if rank == 0:
+            single.zero_grad(set_to_none=True)
+            for x, y in zip(chunks(ids, m), chunks(tgt, m)):
+                (_loss(single(x), y) / m).backward()
+        dist.barrier()
+        return time.perf_counter() - t
+
+    # Warm-up (and one recorded step per configuration for the measured costs).
+    costs = {}
+    for c in runs:
+        run(c)
+        _, res = run(c, record=True)
+        costs[c] = res.records
+    run_single()
+    times: dict[str, list[float]] = {c.label: [] for c in runs}
+    times["single"] = []
+    for _ in range(repeats):
+        for c in runs:
+            times[c.label].append(run(c)[0])
+        times["single"].append(run_single())
+    measured = {c.label: _measure_costs(costs[c], execs[c].schedule) for c in runs}
+    return {"times": times, "costs": measured}
+
+
+def _predict(c: Config, costs: dict, comm: float) -> float | None:
+    """The simulator's makespan for ``c`` from the per-stage costs measured in its own run."""
+    sched = build_schedule(c.name, c.num_stages, c.num_microbatches, stages_per_rank=c.stages_per_rank, split_backward=c.split_backward)
+    n = c.num_stages
+    f = [costs.get(f"F{s}", 0.0) for s in range(n)]
+    if c.split_backward:
+        b = [costs.get(f"B{s}", 0.0) for s in range(n)]
+        w = [costs.get(f"W{s}", 0.0) for s in range(n)]
+    else:  # fused: BW is split evenly only for the simulator's bookkeeping (it charges b + w)
+        b = [costs.get(f"BW{s}", 0.0) for s in range(n)]
+        w = [0.0] * n
+    return simulate(sched, Costs(f=f, b=b, w=w, comm=comm)).makespan
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--json", help="write the results as JSON to this path")
+    ap.add_argument("--repeats", type=int, default=5, help="timed steps per configuration (median)")
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--microbatches", type=int, default=8)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--quick", action="store_true", help="a small model and 1 repeat, to check the harness")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.batch, args.seq, args.layers, args.repeats = 8, 32, 2, 1
+    # Large freed blocks go back to the OS by default and come back as fresh zeroed pages on the next
+    # allocation; the split backward holds more at once, so it would pay that more often. GPU runs use
+    # the CUDA caching allocator; this keeps the CPU stand-in comparable. Spawned ranks inherit it.
+    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(32 * 1024 * 1024))
+    os.environ.setdefault("MALLOC_TRIM_THRESHOLD_", str(1 << 36))
+    start = time.perf_counter()
+    out = run_distributed(
+        _bench, WORLD, args.batch, args.seq, args.microbatches, args.repeats, args.layers, timeout=3600
+    )[0]
+    times = {k: statistics.median(v) for k, v in out["times"].items()}
+    single = times["single"]
+    ideal = single / WORLD
+    rows = []
+    for c in configs(args.microbatches):
+        cst = out["costs"][c.label]
+        pred = _predict(c, cst, comm=0.0)
+        t = times[c.label]
+        rows.append(
+            dict(
+                name=c.name,
+                split_backward=c.split_backward,
+                num_stages=c.num_stages,
+                num_microbatches=c.num_microbatches,
+                median_step_s=t,
+                samples_per_s=args.batch / t,
+                ideal_over_step=ideal / t if c.num_microbatches == args.microbatches else None,
+                simulated_step_s=pred,
+                all_steps_s=out["times"][c.label],
+            )
+        )
+    print(f"\ntiny LLaMa {args.layers} x 512, batch {args.batch} x {args.seq} tokens, {WORLD} ranks x 1 thread, "
+          f"median of {args.repeats} alternated steps ({time.perf_counter() - start:.0f} s in all)")
+    print(f"single process, 1 thread, grad accumulation over m={args.microbatches}: {single:.3f} s/step; "
+          f"ideal bubble-free 2-stage: {ideal:.3f} s")
+    hdr = f"{'schedule':<20}{'2BP':>5}{'S':>3}{'m':>4}{'step s':>9}{'samples/s':>11}{'ideal/step':>12}{'simulated s':>13}"
+    print(hdr)
+    print("-" * len(hdr))
+    for r in rows:
+        eff = "" if r["ideal_over_step"] is None else f"{r['ideal_over_step']:.3f}"
+        print(f"{r['name']:<20}{'yes' if r['split_backward'] else 'no':>5}{r['num_stages']:>3}{r['num_microbatches']:>4}"
+              f"{r['median_step_s']:>9.3f}{r['samples_per_s']:>11.2f}{eff:>12}{r['simulated_step_s']:>13.3f}")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(
+                dict(
+                    model=asdict(LlamaConfig(vocab_size=1024, dim=512, n_layers=args.layers, n_heads=8, max_seq_len=args.seq)),
+                    batch=args.batch, seq=args.seq, world=WORLD, repeats=args.repeats,
+                    single_process_step_s=single, ideal_step_s=ideal, configs=rows, measured_costs=out["costs"],
+                ),
+                fh,
+                indent=2,
+            )
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

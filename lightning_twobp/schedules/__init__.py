@@ -1,0 +1,27 @@
+"""Pipeline schedules as pure data (no torch): build, validate, time and lower them.
+
+>>> from lightning_twobp.schedules import build_schedule, simulate
+>>> schedule = build_schedule("1f1b", num_stages=4, num_microbatches=8)
+>>> round(simulate(schedule).bubble_fraction, 3)
+0.143
+"""
+
+from .comm import Comm, check_comm_deadlock, lower_communication
+from .ir import Action, Schedule, stage_to_rank
+from .registry import SCHEDULES, build_schedule
+from .simulate import Costs, DeadlockError, SimResult, simulate
+
+__all__ = [
+    "Action",
+    "Comm",
+    "Costs",
+    "DeadlockError",
+    "SCHEDULES",
+    "Schedule",
+    "SimResult",
+    "build_schedule",
+    "check_comm_deadlock",
+    "lower_communication",
+    "simulate",
+    "stage_to_rank",
+]

@@ -1,0 +1,272 @@
+"""Lowering a schedule to compute + point-to-point communication, and checking the result.
+
+:func:`lower_communication` inserts, on every rank,
+
+* after each compute action its sends: ``F`` sends its output forward
+  (``SEND_F``) when the next stage is on another rank; ``B``/``BW`` send the input
+  gradient back (``SEND_B``) when the previous stage is on another rank;
+* then the receives that the rank's next compute action needs: ``RECV_F`` before
+  an ``F`` whose previous stage is remote, ``RECV_B`` before a ``B``/``BW`` whose
+  next stage is remote (the receives of the first action open the list).
+
+Stages adjacent on one rank exchange nothing: the executor hands the tensor over
+locally.  A maximal run of consecutive :class:`Comm` ops is one *batch*, posted by
+the executor as one ``torch.distributed.batch_isend_irecv``; this is how
+``torch.distributed.pipelining``'s 1F1B puts a forward send and a backward receive
+in one group so that NCCL does not deadlock.
+
+Under strict rendezvous (a send completes only together with its receive) that
+placement alone can deadlock when two ranks each send to the other before either
+reaches the matching receive, e.g. GPipe on the loop map with 2 stages per rank on 2
+ranks: rank 1 sends ``1F0`` to rank 0 (stage 2) while rank 0, still running stage 0
+forwards, only receives it before ``2F0``.  The lowering therefore replays the
+rendezvous and, whenever it would stick, hoists the blocked send's receive into the
+batch where the receiving rank is waiting.  Receives stay as late as possible;
+every hoisted receive's tensor has already been produced, so the executor never
+waits on a future computation.  GPipe and 1F1B with one stage per rank need no
+hoisting; ZB-H2 (deep warm-up), the loop map and the V do.
+
+Why the repair always succeeds on a schedule that passes ``validate``: when the
+replay sticks, if some rank waits on a send whose receive lies ahead of its peer,
+hoisting applies; otherwise every stuck rank waits on a receive whose producer has
+not run, at its original place right before its consumer (a hoisted receive's
+sender is already parked at the matching send), and following those waits gives a
+cycle of list order and data dependencies, i.e. a compute deadlock, which
+``validate`` rules out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from .ir import Action, Schedule, format_grid
+from .simulate import DeadlockError
+
+COMM_KINDS = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
+
+
+@dataclass(frozen=True)
+class Comm:
+    """One point-to-point op on the rank that holds ``stage``; ``peer`` is the other rank.
+
+    * ``SEND_F(s, m)``: stage s sends its output for micro-batch m to stage s+1;
+    * ``RECV_F(s, m)``: stage s receives its input from stage s-1;
+    * ``SEND_B(s, m)``: stage s sends the gradient of its input to stage s-1;
+    * ``RECV_B(s, m)``: stage s receives the gradient of its output from stage s+1.
+
+    So ``SEND_F(s, m)`` pairs with ``RECV_F(s+1, m)`` and ``SEND_B(s, m)`` with
+    ``RECV_B(s-1, m)``.  ``str`` follows the action notation: ``"2SEND_F0"``.
+    """
+
+    kind: str
+    stage: int
+    microbatch: int
+    peer: int
+
+    def __post_init__(self) -> None:
+        if self.kind not in COMM_KINDS:
+            raise ValueError(f"comm kind must be one of {COMM_KINDS}, got {self.kind!r}")
+
+    @property
+    def is_send(self) -> bool:
+        return self.kind.startswith("SEND")
+
+    @property
+    def partner(self) -> tuple[str, int, int]:
+        """(kind, stage, micro-batch) of the op this one pairs with."""
+        direction = self.kind[-1]
+        if self.is_send:
+            stage = self.stage + 1 if direction == "F" else self.stage - 1
+            return (f"RECV_{direction}", stage, self.microbatch)
+        stage = self.stage - 1 if direction == "F" else self.stage + 1
+        return (f"SEND_{direction}", stage, self.microbatch)
+
+    @property
+    def key(self) -> tuple[str, int, int]:
+        return (self.kind, self.stage, self.microbatch)
+
+    def __str__(self) -> str:
+        return f"{self.stage}{self.kind}{self.microbatch}"
+
+
+Op = Action | Comm
+
+
+def lower_communication(schedule: Schedule) -> tuple[tuple[Op, ...], ...]:
+    """Per rank: compute actions interleaved with the batches of sends and receives."""
+    placement = schedule.stage_to_rank
+    last = schedule.num_stages - 1
+
+    def sends(action: Action, rank: int) -> list[Comm]:
+        s, m = action.stage, action.microbatch
+        if action.kind == "F" and s < last and placement[s + 1] != rank:
+            return [Comm("SEND_F", s, m, placement[s + 1])]
+        if action.is_backward and s > 0 and placement[s - 1] != rank:
+            return [Comm("SEND_B", s, m, placement[s - 1])]
+        return []
+
+    def recvs(action: Action, rank: int) -> list[Comm]:
+        s, m = action.stage, action.microbatch
+        if action.kind == "F" and s > 0 and placement[s - 1] != rank:
+            return [Comm("RECV_F", s, m, placement[s - 1])]
+        if action.is_backward and s < last and placement[s + 1] != rank:
+            return [Comm("RECV_B", s, m, placement[s + 1])]
+        return []
+
+    # Items alternate between compute actions and batches (lists of Comm); a batch
+    # may be empty, which is dropped when flattening.
+    items: list[list[Action | list[Comm]]] = []
+    for rank, row in enumerate(schedule.actions):
+        ranked: list[Action | list[Comm]] = [recvs(row[0], rank)] if row else []
+        for i, action in enumerate(row):
+            ranked.append(action)
+            following = recvs(row[i + 1], rank) if i + 1 < len(row) else []
+            ranked.append(sends(action, rank) + following)
+        items.append(ranked)
+
+    _Rendezvous(items, repair=True).run()
+    return tuple(
+        tuple(op for item in ranked for op in (item if isinstance(item, list) else [item]))
+        for ranked in items
+    )
+
+
+def check_comm_deadlock(lowered: Sequence[Sequence[Op]], stage_to_rank: Sequence[int]) -> None:
+    """Check a lowered schedule under strict rendezvous (the NCCL-like worst case).
+
+    Each rank walks its list: compute completes when reached; a batch (maximal run of
+    Comm ops) completes once every op in it has met its partner, and an op meets its
+    partner only while the partner's rank is at the batch holding it.  Raises
+    ValueError if an op sits on the wrong rank, names the wrong peer, or lacks
+    exactly one partner; DeadlockError (with every rank's position) if it sticks.
+    """
+    seen: dict[tuple[str, int, int], int] = {}
+    items: list[list[Action | list[Comm]]] = []
+    for rank, row in enumerate(lowered):
+        ranked: list[Action | list[Comm]] = []
+        for op in row:
+            if isinstance(op, Comm):
+                if stage_to_rank[op.stage] != rank:
+                    raise ValueError(f"rank {rank}: {op} belongs on rank {stage_to_rank[op.stage]}")
+                partner_stage = op.partner[1]
+                if not 0 <= partner_stage < len(stage_to_rank):
+                    raise ValueError(f"rank {rank}: {op} has no stage {partner_stage} to pair with")
+                if stage_to_rank[partner_stage] != op.peer:
+                    raise ValueError(
+                        f"rank {rank}: {op} names peer {op.peer} but stage {partner_stage} "
+                        f"is on rank {stage_to_rank[partner_stage]}"
+                    )
+                if op.key in seen:
+                    raise ValueError(f"rank {rank}: {op} appears twice")
+                seen[op.key] = rank
+                if ranked and isinstance(ranked[-1], list):
+                    ranked[-1].append(op)
+                else:
+                    ranked.append([op])
+            else:
+                ranked.append(op)
+        items.append(ranked)
+    for key, rank in seen.items():
+        partner = Comm(key[0], key[1], key[2], 0).partner
+        if partner not in seen:
+            raise ValueError(f"rank {rank}: {key[1]}{key[0]}{key[2]} has no matching "
+                             f"{partner[1]}{partner[0]}{partner[2]}")
+    _Rendezvous(items, repair=False).run()
+
+
+class _Rendezvous:
+    """Strict-rendezvous replay of per-rank items; optionally hoists receives to unstick."""
+
+    def __init__(self, items: list[list[Action | list[Comm]]], repair: bool) -> None:
+        self.items = items
+        self.repair = repair
+        self.where: dict[tuple[str, int, int], tuple[int, int]] = {}
+        for rank, ranked in enumerate(items):
+            for index, item in enumerate(ranked):
+                if isinstance(item, list):
+                    for op in item:
+                        self.where[op.key] = (rank, index)
+        self.pos = [0] * len(items)
+        # Keys of the current batch's ops still waiting for their partner.
+        self.pending: list[set[tuple[str, int, int]]] = [
+            {op.key for op in ranked[0]} if ranked and isinstance(ranked[0], list) else set()
+            for ranked in items
+        ]
+
+    def run(self) -> None:
+        while True:
+            for rank in range(len(self.items)):
+                self._advance(rank)
+            if all(p == len(r) for p, r in zip(self.pos, self.items)):
+                return
+            if self._match():
+                continue
+            if self.repair and self._hoist():
+                continue
+            raise DeadlockError(self._report())
+
+    def _advance(self, rank: int) -> None:
+        # Compute completes when reached; a batch once all its ops have met partners.
+        ranked = self.items[rank]
+        while self.pos[rank] < len(ranked):
+            if not self.pending[rank]:
+                self.pos[rank] += 1
+                if self.pos[rank] < len(ranked) and isinstance(ranked[self.pos[rank]], list):
+                    self.pending[rank] = {op.key for op in ranked[self.pos[rank]]}
+            else:
+                return
+
+    def _match(self) -> bool:
+        matched = False
+        for rank in range(len(self.items)):
+            for key in sorted(self.pending[rank]):
+                partner = Comm(*key, peer=0).partner
+                if partner not in self.where:
+                    continue
+                peer, index = self.where[partner]
+                if self.pos[peer] == index and partner in self.pending[peer]:
+                    self.pending[rank].discard(key)
+                    self.pending[peer].discard(partner)
+                    matched = True
+        return matched
+
+    def _hoist(self) -> bool:
+        # A blocked send whose receive lies ahead of the receiving rank: move that
+        # receive into the batch the receiving rank is waiting in.
+        for rank in range(len(self.items)):
+            for key in sorted(self.pending[rank]):
+                if not key[0].startswith("SEND"):
+                    continue
+                partner = Comm(*key, peer=0).partner
+                peer, index = self.where[partner]
+                here = self.pos[peer]
+                if index <= here or not isinstance(self.items[peer][here], list):
+                    continue
+                old = self.items[peer][index]
+                op = next(o for o in old if o.key == partner)
+                old.remove(op)
+                self.items[peer][here].append(op)
+                self.where[partner] = (peer, here)
+                self.pending[peer].add(partner)
+                return True
+        return False
+
+    def _report(self) -> str:
+        cells = []
+        lines = []
+        for rank, ranked in enumerate(self.items):
+            row = []
+            for index, item in enumerate(ranked):
+                if isinstance(item, list) and not item:
+                    continue
+                text = f"[{' '.join(str(o) for o in item)}]" if isinstance(item, list) else str(item)
+                row.append(f">{text}<" if index == self.pos[rank] else text)
+            cells.append(row)
+            if self.pos[rank] < len(ranked):
+                waiting = ", ".join(f"{s}{k}{m}" for k, s, m in sorted(self.pending[rank]))
+                lines.append(f"rank {rank} stuck at item {self.pos[rank]} waiting on {waiting}")
+            else:
+                lines.append(f"rank {rank} finished")
+        title = "communication deadlock under strict rendezvous (current batch marked >like this<)"
+        return format_grid(title, cells) + "\n" + "\n".join(lines)

@@ -1,0 +1,37 @@
+"""GPipe (Huang et al., 2019): every forward, then every backward.
+
+With the split backward this is the 2BP paper's GPipe+2BP (Cooper et al., 2024,
+§3): all F, all backward-p1 (B), then backward-p2 (W) of all micro-batches at once,
+one W per local stage, so p2 runs as one large concatenated GEMM.  With several
+stages per rank the stages are placed on the "loop" map (stage s on rank s % p).
+"""
+
+from __future__ import annotations
+
+from .ir import Action, Schedule, stage_to_rank
+
+
+def gpipe(num_stages: int, num_microbatches: int, *, stages_per_rank: int = 1,
+          split_backward: bool = True) -> Schedule:
+    placement = stage_to_rank("gpipe", num_stages, stages_per_rank)
+    ranks = num_stages // stages_per_rank
+    mbs = range(num_microbatches)
+    backward = "B" if split_backward else "BW"
+    rows = []
+    for rank in range(ranks):
+        local = [s for s in range(num_stages) if placement[s] == rank]
+        row = [Action("F", s, m) for s in local for m in mbs]
+        # Backward visits the local stages last-to-first: the gradient enters a rank
+        # through its highest stage.
+        row += [Action(backward, s, m) for s in reversed(local) for m in mbs]
+        if split_backward:
+            row += [Action("W", s, tuple(mbs)) for s in reversed(local)]
+        rows.append(tuple(row))
+    return Schedule(
+        name="gpipe",
+        num_stages=num_stages,
+        num_microbatches=num_microbatches,
+        stage_to_rank=placement,
+        actions=tuple(rows),
+        split_backward=split_backward,
+    )

@@ -1,0 +1,101 @@
+"""Running a function on several CPU processes with gloo: for tests and benchmarks.
+
+Every rank gets one intra-op thread, a fresh free port, and a hard timeout: a rank that fails or hangs
+stops the whole group and the parent raises with the rank's traceback, never waits forever.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+__all__ = ["free_port", "run_distributed"]
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, queue: Any, threads: int, timeout: float) -> None:
+    torch.set_num_threads(threads)
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    try:
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world,
+            timeout=datetime.timedelta(seconds=timeout),
+        )
+        try:
+            queue.put((rank, "ok", fn(rank, world, *args)))
+        finally:
+            dist.destroy_process_group()
+    except BaseException:  # report every failure, including assertion errors, to the parent
+        queue.put((rank, "error", traceback.format_exc()))
+
+
+def run_distributed(
+    fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0, threads: int = 1
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned processes; return the results by
+    rank. ``fn`` must be importable (defined at module level). Raises if any rank fails or the group
+    does not finish within ``timeout`` seconds."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue, threads, timeout), daemon=True)
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    errors: list[str] = []
+    deadline = datetime.datetime.now() + datetime.timedelta(seconds=timeout)
+    try:
+        while len(results) + len(errors) < world_size:
+            left = (deadline - datetime.datetime.now()).total_seconds()
+            if left <= 0 and errors:
+                break
+            if left <= 0:
+                raise TimeoutError(
+                    f"distributed run of {fn.__name__} on {world_size} ranks did not finish in {timeout:.0f} s; "
+                    f"finished ranks: {sorted(results)}"
+                )
+            try:
+                rank, status, value = queue.get(timeout=min(left, 1.0))
+            except Exception:
+                if errors:
+                    continue
+                if any(p.exitcode not in (None, 0) for p in procs):
+                    dead = [(i, p.exitcode) for i, p in enumerate(procs) if p.exitcode not in (None, 0)]
+                    raise RuntimeError(f"ranks died without a report (rank, exit code): {dead}") from None
+                continue
+            if status == "ok":
+                results[rank] = value
+            else:
+                errors.append(f"--- rank {rank} ---\n{value}")
+                # The others may be blocked on the failed rank: give them a few seconds to report
+                # their side (often "connection closed"), then stop them.
+                deadline = min(deadline, datetime.datetime.now() + datetime.timedelta(seconds=5))
+    finally:
+        for p in procs:
+            p.join(timeout=0 if errors or len(results) < world_size else 10)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    if errors:
+        errors.sort()
+        raise RuntimeError("a rank failed:\n" + "\n".join(errors))
+    return [results[r] for r in range(world_size)]
