@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import os
 import statistics
 import sys
 import time
@@ -32,6 +31,25 @@ from lightning_twobp.schedules import Costs, build_schedule, simulate
 from lightning_twobp.testing import run_distributed
 
 WORLD = 2
+
+
+def _keep_freed_memory() -> None:
+    """Stop glibc from handing large freed blocks back to the OS after every step.
+
+    By default a freed block above the mmap threshold is unmapped and the next allocation faults in
+    fresh zeroed pages. The split backward holds more at once, so it would pay that more often than
+    the fused one. GPU runs use the CUDA caching allocator, which keeps memory; this makes the CPU
+    stand-in behave alike for every configuration (fused and split alike).
+    """
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:  # not glibc: nothing to tune
+        return
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    libc.mallopt(m_mmap_threshold, 32 * 1024 * 1024)
+    libc.mallopt(m_trim_threshold, 1 << 30)
 
 
 @dataclass(frozen=True)
@@ -63,7 +81,7 @@ def _loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
 
 
-def _measure_costs(records, schedule) -> dict:
+def _measure_costs(records) -> dict:
     """Median duration of each compute kind per stage, from recorded ops (waits excluded)."""
     per: dict[tuple[str, int], list[float]] = {}
     for r in records:
@@ -86,6 +104,7 @@ def _parse(op: str):
 
 
 def _bench(rank: int, world: int, batch: int, seq: int, m: int, repeats: int, layers: int) -> dict:
+    _keep_freed_memory()
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=1024, dim=512, n_layers=layers, n_heads=8, max_seq_len=seq)
     model = build_llama(cfg)
@@ -137,7 +156,7 @@ def _bench(rank: int, world: int, batch: int, seq: int, m: int, repeats: int, la
         for c in runs:
             times[c.label].append(run(c)[0])
         times["single"].append(run_single())
-    measured = {c.label: _measure_costs(costs[c], execs[c].schedule) for c in runs}
+    measured = {c.label: _measure_costs(costs[c]) for c in runs}
     return {"times": times, "costs": measured}
 
 
@@ -155,6 +174,42 @@ def _predict(c: Config, costs: dict, comm: float) -> float | None:
     return simulate(sched, Costs(f=f, b=b, w=w, comm=comm)).makespan
 
 
+def bench_split(tokens: int = 512, repeats: int = 21, seq: int = 128) -> dict:
+    """(B + W) / BW on one block of the tiny LLaMa (hidden 512, 8 heads), one thread, alternated:
+    fused BW and split B+W take turns on the same inputs; medians of ``repeats`` pairs."""
+    from lightning_twobp.engine import Stage
+    from lightning_twobp.models.llama import Block
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    seq = min(seq, tokens)
+    block = Block(LlamaConfig(dim=512, n_heads=8, max_seq_len=seq))
+    x = torch.randn(tokens // seq, seq, 512, requires_grad=True)
+    g = torch.randn_like(x)
+    stage = Stage(block)
+    fused, b, w = [], [], []
+    for i in range(repeats + 3):  # 3 warm-up pairs
+        stage.forward(0, x)
+        t0 = time.perf_counter()
+        stage.backward(0, g)
+        t1 = time.perf_counter()
+        stage.forward(0, x)
+        t2 = time.perf_counter()
+        stage.backward_input(0, g)
+        t3 = time.perf_counter()
+        stage.backward_weight(0)
+        t4 = time.perf_counter()
+        if i >= 3:
+            fused.append(t1 - t0)
+            b.append(t3 - t2)
+            w.append(t4 - t3)
+    med = statistics.median
+    ratios = [(bi + wi) / fi for bi, wi, fi in zip(b, w, fused)]
+    return dict(tokens=tokens, bw_ms=med(fused) * 1e3, b_ms=med(b) * 1e3, w_ms=med(w) * 1e3,
+                ratio_of_medians=(med(b) + med(w)) / med(fused), median_ratio=med(ratios),
+                deferred_fraction=stage.deferred_fraction)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", help="write the results as JSON to this path")
@@ -164,18 +219,26 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--microbatches", type=int, default=8)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--quick", action="store_true", help="a small model and 1 repeat, to check the harness")
+    ap.add_argument("--split", action="store_true", help="only measure (B + W) / BW on one block")
+    ap.add_argument("--tokens", type=int, nargs="+", default=[512, 256, 64], help="tokens per micro-batch for --split")
     args = ap.parse_args(argv)
+    if args.split:
+        _keep_freed_memory()
+        print(f"{'tokens':>7}{'BW ms':>9}{'B ms':>9}{'W ms':>9}{'(B+W)/BW':>10}")
+        for n in args.tokens:
+            r = bench_split(n)
+            print(f"{n:>7}{r['bw_ms']:>9.2f}{r['b_ms']:>9.2f}{r['w_ms']:>9.2f}{r['median_ratio']:>10.3f}")
+        return 0
     if args.quick:
         args.batch, args.seq, args.layers, args.repeats = 8, 32, 2, 1
-    # Large freed blocks go back to the OS by default and come back as fresh zeroed pages on the next
-    # allocation; the split backward holds more at once, so it would pay that more often. GPU runs use
-    # the CUDA caching allocator; this keeps the CPU stand-in comparable. Spawned ranks inherit it.
-    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(32 * 1024 * 1024))
-    os.environ.setdefault("MALLOC_TRIM_THRESHOLD_", str(1 << 36))
     start = time.perf_counter()
-    out = run_distributed(
+    per_rank = run_distributed(
         _bench, WORLD, args.batch, args.seq, args.microbatches, args.repeats, args.layers, timeout=3600
-    )[0]
+    )
+    out = per_rank[0]  # step times are the same on every rank (barrier to barrier)
+    for other in per_rank[1:]:  # each rank measured the costs of its own stages
+        for label, cst in other["costs"].items():
+            out["costs"][label].update(cst)
     times = {k: statistics.median(v) for k, v in out["times"].items()}
     single = times["single"]
     ideal = single / WORLD

@@ -20,6 +20,7 @@ from lightning_twobp.schedules import (
     Schedule,
     build_schedule,
     check_comm_deadlock,
+    check_comm_order,
     lower_communication,
     simulate,
     stage_to_rank,
@@ -451,6 +452,56 @@ def test_one_stage_per_rank_receives_stay_just_before_their_consumer(name):
                 if isinstance(op, Comm) and not op.is_send:
                     consumer = next(o for o in ops[i + 1:] if isinstance(o, Action))
                     assert (consumer.stage, consumer.microbatch) == (op.stage, op.microbatch)
+
+
+def test_check_comm_order_rejects_posting_order_nccl_would_mismatch():
+    # Deadlock-free under rendezvous (both receives sit in one batch), but NCCL
+    # ignores tags: 0SEND_F0 would land in the buffer posted for micro-batch 1.
+    placement = (0, 1)
+    swapped = (
+        (Action("F", 0, 0), Comm("SEND_F", 0, 0, 1), Action("F", 0, 1), Comm("SEND_F", 0, 1, 1)),
+        (Comm("RECV_F", 1, 1, 0), Comm("RECV_F", 1, 0, 0), Action("F", 1, 0), Action("F", 1, 1)),
+    )
+    message = "rank 0 -> rank 1: message 0 is posted out of order"
+    with pytest.raises(ValueError, match=message):
+        check_comm_order(swapped)
+    with pytest.raises(ValueError, match=message):
+        check_comm_deadlock(swapped, placement)
+    in_order = (swapped[0], (swapped[1][1], swapped[1][0]) + swapped[1][2:])
+    check_comm_deadlock(in_order, placement)
+    # Streams in the other direction are a separate sequence: a gradient sent back
+    # does not shift the forward messages.
+    check_comm_order((
+        (Comm("SEND_F", 0, 0, 1), Comm("RECV_B", 0, 0, 1)),
+        (Comm("SEND_B", 1, 0, 0), Comm("RECV_F", 1, 0, 0)),
+    ))
+
+
+def test_lowering_posts_receives_in_the_senders_order_on_the_v():
+    # ZB-V on 2 ranks: rank 0 sends 0F0 0F1 0F2 (chunk 0 activations) and then
+    # 3B0 (chunk 1 gradient) to rank 1, which needs 3B0 (for 2B0) before 0F2 (for
+    # 1F2).  Receiving each just before its consumer posts 2RECV_B0 before
+    # 1RECV_F2: on NCCL the activation of 0F2 would land in the gradient buffer.
+    s = build_schedule("zb-v", 4, 4, stages_per_rank=2)
+    naive = _naive_lowering(s)
+    with pytest.raises(ValueError, match="rank 0 -> rank 1: message 2 .* rank 0 sends "
+                                         "0SEND_F2 but rank 1 receives 2RECV_B0"):
+        check_comm_order(naive)
+    lowered = lower_communication(s)
+    check_comm_order(lowered)
+    check_comm_deadlock(lowered, s.stage_to_rank)
+    ops = [str(op) for op in lowered[1]]
+    assert ops.index("1RECV_F2") < ops.index("2RECV_B0") < ops.index("2B0")
+
+
+@pytest.mark.parametrize("name", ["gpipe", "interleaved-1f1b", "zb-v"])
+@pytest.mark.parametrize("ranks", [2, 3, 4])
+def test_two_streams_per_pair_are_posted_in_one_order(name, ranks):
+    # The loop and V maps run two streams each way between a pair of ranks.
+    for m in (ranks, 2 * ranks, 3 * ranks):
+        for split in (True, False) if name != "zb-v" else (True,):
+            s = build_schedule(name, 2 * ranks, m, stages_per_rank=2, split_backward=split)
+            check_comm_order(lower_communication(s))
 
 
 def test_check_comm_deadlock_rejects_malformed_lowerings():

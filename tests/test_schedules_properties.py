@@ -1,5 +1,6 @@
 """Property tests: every schedule either refuses a documented impossible combination or
-builds, validates, simulates and lowers to deadlock-free communication."""
+builds, validates, simulates and lowers to deadlock-free communication that every
+pair of ranks posts in one order (NCCL matches in posting order, ignoring tags)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from lightning_twobp.schedules import (
     Costs,
     build_schedule,
     check_comm_deadlock,
+    check_comm_order,
     lower_communication,
     simulate,
 )
@@ -61,6 +63,7 @@ def test_build_simulate_lower(name, ranks, m, spr, split):
         assert all(x <= lim for x, lim in zip(result.peak_inflight, limit_fw))
 
     lowered = lower_communication(s)
+    check_comm_order(lowered)
     check_comm_deadlock(lowered, s.stage_to_rank)
     # Lowering only adds communication; compute order is untouched.
     assert tuple(tuple(op for op in ops if isinstance(op, Action)) for ops in lowered) == s.actions
@@ -90,4 +93,6 @@ def test_greedy_terminates_at_any_costs(name, ranks, m, costs):
     limit_fb, limit_fw = memory_limits(name, ranks)
     assert all(a <= lim for a, lim in zip(peak_activations(s), limit_fb))
     assert all(x <= lim for x, lim in zip(result.peak_inflight, limit_fw))
-    check_comm_deadlock(lower_communication(s), s.stage_to_rank)
+    lowered = lower_communication(s)
+    check_comm_order(lowered)
+    check_comm_deadlock(lowered, s.stage_to_rank)

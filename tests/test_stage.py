@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import copy
 import gc
-import weakref
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from lightning_twobp.engine import Stage
 from lightning_twobp.models.llama import Block, LlamaConfig
@@ -203,6 +203,7 @@ def test_split_backward_matches_autograd(name, mode):
     assert got_grads.keys() == ref_grads.keys()
     for n in ref_grads:
         torch.testing.assert_close(got_grads[n], ref_grads[n], rtol=RTOL, atol=ATOL, msg=n)
+        assert got_grads[n].grad_fn is None and not got_grads[n].requires_grad, f"{n}.grad carries a graph"
 
 
 def test_w_never_reruns_the_input_chain():
@@ -232,15 +233,16 @@ def test_memory_returns_to_baseline(mode):
     """Everything a micro-batch saved for backward is freed once its W (or BW) is done."""
     torch.manual_seed(0)
     stage = Stage(Block(LlamaConfig(dim=32, n_heads=4, max_seq_len=16)))
-    params = {p.untyped_storage().data_ptr() for p in stage.module.parameters()}
-    saved: list[weakref.ref] = []
+    weights = [*stage.module.parameters(), *stage.module.buffers()]  # these live on anyway
+    params = {p.untyped_storage().data_ptr() for p in weights}
+    saved: list[StorageWeakRef] = []  # storages, not tensor objects: W may hold another view of one
 
     def pack(t):
         # Return a detached alias, not ``t``: a hook that returns a saved *output* itself makes a
         # reference cycle through its grad_fn that Python's gc cannot see (it would leak by itself).
         t = t.detach()
         if t.untyped_storage().data_ptr() not in params:
-            saved.append(weakref.ref(t))
+            saved.append(StorageWeakRef(t.untyped_storage()))
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
@@ -254,10 +256,10 @@ def test_memory_returns_to_baseline(mode):
             stage.backward(mb, torch.ones(2, 7, 32))
     if mode == "split":
         gc.collect()
-        assert any(r() is not None for r in saved), "B must keep what W needs"
+        assert any(not r.expired() for r in saved), "B must keep what W needs"
         stage.backward_weight(range(3))
     gc.collect()
-    alive = [r for r in saved if r() is not None]
+    alive = [r for r in saved if not r.expired()]
     assert not alive, f"{len(alive)} saved tensors outlived their micro-batch"
     assert stage.in_flight == ()
 

@@ -54,6 +54,7 @@ class _Pending:
     flat_out: list[Any] = field(default_factory=list)
     # Filled by B:
     frontier: list[tuple[Node, list[tuple[Node, int]]]] = field(default_factory=list)
+    fast: list = field(default_factory=list)  # list[_FastW]
     captured: dict[Node, tuple[torch.Tensor | None, ...]] = field(default_factory=dict)
     edge_grads: list[tuple[GradientEdge, torch.Tensor]] = field(default_factory=list)
     param_grads: list[tuple[nn.Parameter, torch.Tensor]] = field(default_factory=list)
@@ -226,7 +227,8 @@ class Stage:
             return self._input_grads(p, grads[: len(inputs)])
 
         handles = []
-        for node, _ in plan.frontier:
+        hooked = {node for node, _ in plan.frontier} | {f.node for f in plan.fast}
+        for node in hooked:
             handles.append(node.register_prehook(_Recorder(p.captured, node)))
         try:
             grads = torch.autograd.grad(
@@ -234,12 +236,18 @@ class Stage:
                 inputs + plan.early_edges,
                 grads_out,
                 allow_unused=True,
-                retain_graph=True,  # W re-enters the graph at the frontier nodes
+                # W re-enters the graph only at frontier nodes without a direct formula. When every
+                # weight grad has one, the graph goes now and a micro-batch keeps only the saved
+                # operands and recorded grads those formulas need.
+                retain_graph=bool(plan.frontier),
             )
         finally:
             for h in handles:
                 h.remove()
         p.frontier = plan.frontier
+        p.fast = plan.fast
+        if not plan.frontier:
+            p.outputs = []
         p.edge_grads = [(e, g) for e, g in zip(plan.early_edges, grads[len(inputs) :]) if g is not None]
         return self._input_grads(p, grads[: len(inputs)])
 
@@ -264,6 +272,10 @@ class Stage:
                         self._accumulate(q, g)
                 continue
             edge_grads.extend(p.edge_grads)
+            for f in p.fast:
+                recorded = p.captured.get(f.node)
+                if recorded is not None and recorded[0] is not None:
+                    self._direct(f, recorded[0])
             for node, edges in p.frontier:
                 recorded = p.captured.get(node)
                 if recorded is None:
@@ -285,6 +297,19 @@ class Stage:
         self._push_to_params(edge_grads)
         for m in mbs:
             del self._pending[m]
+
+    @torch.no_grad()
+    def _direct(self, f: _FastW, grad: torch.Tensor) -> None:
+        q = f.param
+        if f.kind == "mm":  # grad: (N, out), operand: (N, in) -> (out, in), the weight's own layout
+            if q.grad is None:
+                q.grad = torch.mm(grad.t(), f.operand)
+            else:
+                q.grad.addmm_(grad.t(), f.operand)
+        elif f.kind == "sum":
+            self._accumulate(q, grad.sum(0))
+        else:  # "mul": reduce the broadcast dimensions, as autograd does for a broadcast operand
+            self._accumulate(q, (grad * f.operand).sum_to_size(q.shape))
 
     def _push_to_params(self, edge_grads: list[tuple[GradientEdge, torch.Tensor]]) -> None:
         """Carry weight-edge gradients through the weight-only region into the parameters."""
@@ -324,6 +349,7 @@ class _Recorder:
 @dataclass
 class _Plan:
     frontier: list[tuple[Node, list[tuple[Node, int]]]]  # (frontier node, its deferred weight edges)
+    fast: list[_FastW]  # deferred weight grads W computes without autograd
     early_edges: list[GradientEdge]  # weight edges taken in B
     fallback: bool
     num_deferred: int
@@ -388,6 +414,7 @@ def _plan(
                 sources.setdefault(n, set()).update(sources[node])
 
     frontier: list[tuple[Node, list[tuple[Node, int]]]] = []
+    fast: list[_FastW] = []
     early: list[GradientEdge] = []
     early_seen: set[tuple[Node, int]] = set()
     num_deferred = 0
@@ -396,11 +423,16 @@ def _plan(
         if not to_input[node] or getattr(node, "variable", None) is not None:
             continue
         deferred = []
-        for n, i in children[node]:
-            if to_input[n] or not to_param[n]:
+        for pos, (n, i) in enumerate(node.next_functions):
+            if n is None or to_input[n] or not to_param[n]:
                 continue
             if len(sources[n]) == 1:
-                deferred.append((n, i))
+                direct = _direct_weight_grad(node, pos, n, params)
+                if direct is not None:
+                    fast.append(direct)
+                    num_deferred += 1
+                else:
+                    deferred.append((n, i))
             elif getattr(n, "variable", None) is not None:
                 # A parameter used directly by several input-path ops: take its edges in B.
                 if (n, i) not in early_seen:
@@ -413,8 +445,55 @@ def _plan(
             num_deferred += len(deferred)
     if fallback:
         log.debug("weight-only node shared by several frontier nodes: W taken in B for this micro-batch")
-        return _Plan([], [], True, 0, num_deferred + len(early))
-    return _Plan(frontier, early, False, num_deferred, len(early))
+        return _Plan([], [], [], True, 0, num_deferred + len(early))
+    return _Plan(frontier, fast, early, False, num_deferred, len(early))
+
+
+@dataclass
+class _FastW:
+    """A weight gradient W computes directly from tensors the node saved, without autograd.
+
+    ``kind`` is ``"mm"`` (``param.grad += grad.T @ operand``: the weight of a Linear, reached through
+    its ``t()``), ``"sum"`` (``+= grad.sum(0)``: a Linear's bias in ``addmm``) or ``"mul"``
+    (``+= (grad * operand)`` reduced to the parameter's shape: a norm's scale). These are the
+    formulas autograd's own nodes use, so the result matches; what is saved is one autograd call and,
+    for ``mm``, the transpose copy that AccumulateGrad would make.
+    """
+
+    kind: str
+    node: Node
+    param: nn.Parameter
+    operand: torch.Tensor | None
+
+
+def _direct_weight_grad(node: Node, pos: int, child: Node, params: dict[int, nn.Parameter]) -> _FastW | None:
+    name = node.name()
+    try:
+        if name in ("MmBackward0", "AddmmBackward0"):
+            mat2_pos = 1 if name == "MmBackward0" else 2
+            if name == "AddmmBackward0" and (node._saved_alpha != 1 or node._saved_beta != 1):
+                return None
+            if pos == mat2_pos and child.name() == "TBackward0":
+                (leaf, _), = child.next_functions
+                param = _leaf_param(leaf, params) if leaf is not None else None
+                if param is not None and param.dim() == 2:
+                    mat1 = node._saved_self if name == "MmBackward0" else node._saved_mat1
+                    if mat1 is not None and mat1.dtype == param.dtype:
+                        # detached: unpacked saved inputs come back attached to the forward graph
+                        return _FastW("mm", node, param, mat1.detach())
+            if name == "AddmmBackward0" and pos == 0:
+                param = _leaf_param(child, params)
+                if param is not None and param.dim() == 1:
+                    return _FastW("sum", node, param, None)
+        elif name == "MulBackward0" and pos in (0, 1):
+            param = _leaf_param(child, params)
+            if param is not None:
+                operand = node._saved_other if pos == 0 else node._saved_self
+                if isinstance(operand, torch.Tensor) and operand.dtype == param.dtype:
+                    return _FastW("mul", node, param, operand.detach())
+    except (AttributeError, RuntimeError, ValueError):  # a saved tensor not kept, or freed: use autograd
+        return None
+    return None
 
 
 def _params_below(nodes: Iterable[Node], params: dict[int, nn.Parameter]) -> list[nn.Parameter]:

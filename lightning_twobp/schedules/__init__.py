@@ -6,7 +6,7 @@
 0.143
 """
 
-from .comm import Comm, check_comm_deadlock, lower_communication
+from .comm import Comm, check_comm_deadlock, check_comm_order, lower_communication
 from .ir import Action, Schedule, stage_to_rank
 from .registry import SCHEDULES, build_schedule
 from .simulate import Costs, DeadlockError, SimResult, simulate
@@ -21,6 +21,7 @@ __all__ = [
     "SimResult",
     "build_schedule",
     "check_comm_deadlock",
+    "check_comm_order",
     "lower_communication",
     "simulate",
     "stage_to_rank",

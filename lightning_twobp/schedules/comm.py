@@ -33,6 +33,23 @@ not run, at its original place right before its consumer (a hoisted receive's
 sender is already parked at the matching send), and following those waits gives a
 cycle of list order and data dependencies, i.e. a compute deadlock, which
 ``validate`` rules out.
+
+Posting order (NCCL): NCCL ignores tags and matches the messages between two ranks
+strictly in posting order, per direction.  On the loop and V maps two streams run
+between the same pair of ranks in the same direction (e.g. activations of one chunk
+and gradients of another), and the naive placement can post the receives in another
+order than the sends, so a tensor would silently land in the wrong buffer.  The
+lowering therefore also hoists receives: for each sender, a receive that the
+receiving rank would post after the receive of a later-sent message moves up into
+that message's batch, and inside a batch the receives from one peer are posted in
+that peer's send order (:func:`check_comm_order` states the rule).  FIFO hoisting
+and the rendezvous repair only ever move receives earlier, so alternating them until
+neither moves anything terminates.  The rendezvous repair keeps FIFO order: the
+receive it hoists is the one its sender is parked on, whose earlier messages to that
+rank have all been matched already.  Sends are never moved, and a lowering that
+already posts in order is left unchanged: of the built-in schedules only ZB-V needs
+it (at unit costs, once it has more micro-batches than ranks); GPipe and interleaved
+1F1B on the loop map happen to post in order.
 """
 
 from __future__ import annotations
@@ -125,7 +142,13 @@ def lower_communication(schedule: Schedule) -> tuple[tuple[Op, ...], ...]:
             ranked.append(sends(action, rank) + following)
         items.append(ranked)
 
+    # FIFO hoisting and the rendezvous repair both only move receives earlier, so
+    # alternating them until the FIFO pass moves nothing terminates.
+    _fifo_hoist(items)
     _Rendezvous(items, repair=True).run()
+    while _fifo_hoist(items):
+        _Rendezvous(items, repair=True).run()
+    _order_batches(items)
     return tuple(
         tuple(op for item in ranked for op in (item if isinstance(item, list) else [item]))
         for ranked in items
@@ -139,7 +162,9 @@ def check_comm_deadlock(lowered: Sequence[Sequence[Op]], stage_to_rank: Sequence
     Comm ops) completes once every op in it has met its partner, and an op meets its
     partner only while the partner's rank is at the batch holding it.  Raises
     ValueError if an op sits on the wrong rank, names the wrong peer, or lacks
-    exactly one partner; DeadlockError (with every rank's position) if it sticks.
+    exactly one partner, or if a pair of ranks posts its messages in an order NCCL
+    would mismatch (see :func:`check_comm_order`); DeadlockError (with every rank's
+    position) if it sticks.
     """
     seen: dict[tuple[str, int, int], int] = {}
     items: list[list[Action | list[Comm]]] = []
@@ -172,7 +197,124 @@ def check_comm_deadlock(lowered: Sequence[Sequence[Op]], stage_to_rank: Sequence
         if partner not in seen:
             raise ValueError(f"rank {rank}: {key[1]}{key[0]}{key[2]} has no matching "
                              f"{partner[1]}{partner[0]}{partner[2]}")
+    check_comm_order(lowered)
     _Rendezvous(items, repair=False).run()
+
+
+def message(op: Comm) -> tuple[str, int, int]:
+    """The message an op sends or receives: (direction ``F``/``B``, edge stage, micro-batch).
+
+    The edge of a forward message is the sending stage (``SEND_F(s)``/``RECV_F(s+1)``:
+    edge s), of a backward message the receiving stage (``SEND_B(s)``/``RECV_B(s-1)``:
+    edge s-1), so an op and its partner name the same message.
+    """
+    direction = op.kind[-1]
+    if direction == "F":
+        edge = op.stage if op.is_send else op.stage - 1
+    else:
+        edge = op.stage - 1 if op.is_send else op.stage
+    return (direction, edge, op.microbatch)
+
+
+def check_comm_order(lowered: Sequence[Sequence[Op]]) -> None:
+    """Check that every pair of ranks posts its messages in one order, per direction.
+
+    NCCL ignores tags: the sends from rank A to rank B meet B's receives from A in
+    the order each side posts them (list order; inside a batch, the batch's op
+    order).  So for every directed pair A -> B the messages (:func:`message`) A sends
+    to B must be, in order, the messages B receives from A.  Raises ValueError, not
+    DeadlockError: a mismatch need not hang, it silently hands a tensor to the wrong
+    buffer (or fails on a shape mismatch); the error names the pair and the first
+    position where the two sequences differ.
+    """
+    sent: dict[tuple[int, int], list[Comm]] = {}
+    received: dict[tuple[int, int], list[Comm]] = {}
+    for rank, row in enumerate(lowered):
+        for op in row:
+            if isinstance(op, Comm):
+                if op.is_send:
+                    sent.setdefault((rank, op.peer), []).append(op)
+                else:
+                    received.setdefault((op.peer, rank), []).append(op)
+    for src, dst in sorted(set(sent) | set(received)):
+        sends, recvs = sent.get((src, dst), []), received.get((src, dst), [])
+        for i in range(max(len(sends), len(recvs))):
+            send = sends[i] if i < len(sends) else None
+            recv = recvs[i] if i < len(recvs) else None
+            if send is None or recv is None or message(send) != message(recv):
+                raise ValueError(
+                    f"rank {src} -> rank {dst}: message {i} is posted out of order (NCCL "
+                    f"matches in posting order, ignoring tags): rank {src} sends "
+                    f"{send if send is not None else 'nothing more'} but rank {dst} receives "
+                    f"{recv if recv is not None else 'nothing more'}; sends "
+                    f"{' '.join(map(str, sends))} vs receives {' '.join(map(str, recvs))}"
+                )
+
+
+def _sends_by_pair(items: list[list[Action | list[Comm]]]) -> dict[tuple[int, int], list[Comm]]:
+    # Per (sender, receiver): the sender's sends to that receiver in posting order.
+    out: dict[tuple[int, int], list[Comm]] = {}
+    for rank, ranked in enumerate(items):
+        for item in ranked:
+            if isinstance(item, list):
+                for op in item:
+                    if op.is_send:
+                        out.setdefault((rank, op.peer), []).append(op)
+    return out
+
+
+def _fifo_hoist(items: list[list[Action | list[Comm]]]) -> bool:
+    """Move receives up so that each rank posts them in its peers' send order.
+
+    Walking a sender's sends to one receiver backwards, a receive that sits in a
+    later batch than the receive of some later-sent message moves up into the
+    earliest such batch (a suffix minimum of batch indices).  Returns whether
+    anything moved.  Order inside a batch is left to :func:`_order_batches`.
+    """
+    where: dict[tuple[str, int, int], tuple[int, int]] = {}
+    for rank, ranked in enumerate(items):
+        for index, item in enumerate(ranked):
+            if isinstance(item, list):
+                for op in item:
+                    if not op.is_send:
+                        where[message(op)] = (rank, index)
+    moved = False
+    for (_src, dst), sends in sorted(_sends_by_pair(items).items()):
+        limit = None
+        for send in reversed(sends):
+            rank, index = where[message(send)]
+            assert rank == dst, (send, rank, dst)
+            if limit is not None and index > limit:
+                batch = items[dst][index]
+                op = next(o for o in batch if not o.is_send and message(o) == message(send))
+                batch.remove(op)
+                items[dst][limit].append(op)
+                where[message(send)] = (dst, limit)
+                moved = True
+            else:
+                limit = index
+    return moved
+
+
+def _order_batches(items: list[list[Action | list[Comm]]]) -> None:
+    """Inside each batch, post the receives from each peer in that peer's send order.
+
+    The slots that receives from one peer occupy in the batch are refilled in send
+    order; every other op keeps its place.
+    """
+    rank_of_send: dict[tuple[str, int, int], int] = {}
+    for sends in _sends_by_pair(items).values():
+        for i, send in enumerate(sends):
+            rank_of_send[message(send)] = i
+    for ranked in items:
+        for item in ranked:
+            if not isinstance(item, list):
+                continue
+            for peer in sorted({op.peer for op in item if not op.is_send}):
+                slots = [i for i, op in enumerate(item) if not op.is_send and op.peer == peer]
+                ops = sorted((item[i] for i in slots), key=lambda o: rank_of_send[message(o)])
+                for i, op in zip(slots, ops):
+                    item[i] = op
 
 
 class _Rendezvous:
