@@ -117,7 +117,7 @@ def _bench(rank: int, world: int, batch: int, seq: int, m: int, repeats: int, la
         parts = split_sequential(model, even_sizes(len(model), c.num_stages))
         mods = {s: parts[s] for s in sched.stages_of(rank)}
         execs[c] = PipelineExecutor(sched, mods, loss_fn=_loss, record=False)
-    single = copy.deepcopy(model) if rank == 0 else None
+    single = copy.deepcopy(model)
 
     def chunks(x, n):
         return list(x.chunk(n))
@@ -133,30 +133,37 @@ def _bench(rank: int, world: int, batch: int, seq: int, m: int, repeats: int, la
         dist.barrier()
         return time.perf_counter() - t, res
 
-    def run_single():
+    def run_single(both: bool = False):
+        """Gradient accumulation of the whole model on one thread. ``both``: every rank runs it at
+        once, which shows what two busy cores cost each other (shared caches and memory bandwidth)."""
         dist.barrier()
         t = time.perf_counter()
-        if rank == 0:
+        if rank == 0 or both:
             single.zero_grad(set_to_none=True)
             for x, y in zip(chunks(ids, m), chunks(tgt, m)):
                 (_loss(single(x), y) / m).backward()
         dist.barrier()
         return time.perf_counter() - t
 
-    # Warm-up (and one recorded step per configuration for the measured costs).
-    costs = {}
-    for c in runs:
-        run(c)
-        _, res = run(c, record=True)
-        costs[c] = res.records
+    for _ in range(2):  # warm-up: allocator, caches, the shape exchange
+        for c in runs:
+            run(c)
     run_single()
+    run_single(both=True)
     times: dict[str, list[float]] = {c.label: [] for c in runs}
     times["single"] = []
+    times["single_both"] = []
     for _ in range(repeats):
         for c in runs:
             times[c.label].append(run(c)[0])
         times["single"].append(run_single())
-    measured = {c.label: _measure_costs(costs[c]) for c in runs}
+        times["single_both"].append(run_single(both=True))
+    # Per-action costs for the simulator, from two recorded steps per configuration (recording adds
+    # a saved-tensor hook, so these steps are not timed).
+    measured = {}
+    for c in runs:
+        records = run(c, record=True)[1].records + run(c, record=True)[1].records
+        measured[c.label] = _measure_costs(records)
     return {"times": times, "costs": measured}
 
 
@@ -242,6 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     times = {k: statistics.median(v) for k, v in out["times"].items()}
     single = times["single"]
     ideal = single / WORLD
+    ideal_busy = times["single_both"] / WORLD
     rows = []
     for c in configs(args.microbatches):
         cst = out["costs"][c.label]
@@ -256,6 +264,7 @@ def main(argv: list[str] | None = None) -> int:
                 median_step_s=t,
                 samples_per_s=args.batch / t,
                 ideal_over_step=ideal / t if c.num_microbatches == args.microbatches else None,
+                busy_ideal_over_step=ideal_busy / t if c.num_microbatches == args.microbatches else None,
                 simulated_step_s=pred,
                 all_steps_s=out["times"][c.label],
             )
@@ -264,20 +273,26 @@ def main(argv: list[str] | None = None) -> int:
           f"median of {args.repeats} alternated steps ({time.perf_counter() - start:.0f} s in all)")
     print(f"single process, 1 thread, grad accumulation over m={args.microbatches}: {single:.3f} s/step; "
           f"ideal bubble-free 2-stage: {ideal:.3f} s")
-    hdr = f"{'schedule':<20}{'2BP':>5}{'S':>3}{'m':>4}{'step s':>9}{'samples/s':>11}{'ideal/step':>12}{'simulated s':>13}"
+    print(f"the same on both cores at once: {times['single_both']:.3f} s/step (two busy cores slow each other "
+          f"by {times['single_both'] / single - 1:+.1%}); with that, a bubble-free 2-stage step: {ideal_busy:.3f} s")
+    hdr = (f"{'schedule':<20}{'2BP':>5}{'S':>3}{'m':>4}{'step s':>9}{'samples/s':>11}{'ideal/step':>12}"
+           f"{'busy-ideal/step':>17}{'simulated s':>13}")
     print(hdr)
     print("-" * len(hdr))
     for r in rows:
         eff = "" if r["ideal_over_step"] is None else f"{r['ideal_over_step']:.3f}"
+        eff2 = "" if r["busy_ideal_over_step"] is None else f"{r['busy_ideal_over_step']:.3f}"
         print(f"{r['name']:<20}{'yes' if r['split_backward'] else 'no':>5}{r['num_stages']:>3}{r['num_microbatches']:>4}"
-              f"{r['median_step_s']:>9.3f}{r['samples_per_s']:>11.2f}{eff:>12}{r['simulated_step_s']:>13.3f}")
+              f"{r['median_step_s']:>9.3f}{r['samples_per_s']:>11.2f}{eff:>12}{eff2:>17}{r['simulated_step_s']:>13.3f}")
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(
                 dict(
                     model=asdict(LlamaConfig(vocab_size=1024, dim=512, n_layers=args.layers, n_heads=8, max_seq_len=args.seq)),
                     batch=args.batch, seq=args.seq, world=WORLD, repeats=args.repeats,
-                    single_process_step_s=single, ideal_step_s=ideal, configs=rows, measured_costs=out["costs"],
+                    single_process_step_s=single, ideal_step_s=ideal,
+                    single_process_both_cores_step_s=times["single_both"], busy_ideal_step_s=ideal_busy,
+                    configs=rows, measured_costs=out["costs"],
                 ),
                 fh,
                 indent=2,

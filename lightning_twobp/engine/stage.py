@@ -58,7 +58,6 @@ class _Pending:
     captured: dict[Node, tuple[torch.Tensor | None, ...]] = field(default_factory=dict)
     edge_grads: list[tuple[GradientEdge, torch.Tensor]] = field(default_factory=list)
     param_grads: list[tuple[nn.Parameter, torch.Tensor]] = field(default_factory=list)
-    grad_outputs: list[torch.Tensor] | None = None  # kept by B when the whole backward is W's
     backward_done: bool = False
 
 
@@ -174,6 +173,15 @@ class Stage:
                 f"run F before B/BW, and B before W"
             ) from None
 
+    def _accumulate_all(self, outputs: list[torch.Tensor], grads_out: list[torch.Tensor]) -> None:
+        params = list(self._params.values())
+        if not params:
+            return
+        grads = torch.autograd.grad(outputs, params, grads_out, allow_unused=True, retain_graph=False)
+        for q, g in zip(params, grads):
+            if g is not None:
+                self._accumulate(q, g)
+
     # ------------------------------------------------------------------ BW
     def backward(self, mb: int, grad_outputs: Any = None) -> tuple[Any, ...]:
         """BW: the fused backward. Returns the input grads and accumulates the parameter grads."""
@@ -208,10 +216,14 @@ class Stage:
         if not p.outputs:
             return self._input_grads(p, [None] * len(inputs))
         if not inputs:
-            # Nothing upstream waits for this stage (a first stage fed token ids): B has no work and
-            # the whole backward is W's, so the graph and the output grads wait for it.
-            p.grad_outputs = grads_out
-            self.deferred_edges += 1
+            # No input needs a gradient (a first stage fed token ids), so nothing upstream waits
+            # for this B and there is no input-grad half to split off. Deferring the weight half
+            # would only hold the micro-batch's activations until W, so B runs the whole backward,
+            # accumulates .grad and frees the graph; W is then a no-op. This also matches 2BP's
+            # first stage, whose backward-p1 runs through every layer.
+            self._accumulate_all(p.outputs, grads_out)
+            p.outputs = []
+            self.early_edges += 1
             return self._input_grads(p, [])
         plan = _plan(p.outputs, inputs, self._params)
         self.deferred_edges += plan.num_deferred
@@ -264,13 +276,6 @@ class Stage:
             pend.append(p)
         edge_grads: list[tuple[GradientEdge, torch.Tensor]] = []
         for p in pend:
-            if p.grad_outputs is not None:  # B had nothing to do: the whole backward is here
-                params = list(self._params.values())
-                grads = torch.autograd.grad(p.outputs, params, p.grad_outputs, allow_unused=True)
-                for q, g in zip(params, grads):
-                    if g is not None:
-                        self._accumulate(q, g)
-                continue
             edge_grads.extend(p.edge_grads)
             for f in p.fast:
                 recorded = p.captured.get(f.node)
