@@ -26,6 +26,7 @@ from lightning_twobp.schedules import (
     SimResult,
     build_schedule,
     lower_communication,
+    peak_activations,
     simulate,
 )
 from lightning_twobp.viz import plot_schedule
@@ -68,25 +69,6 @@ ENTRIES = (
     Entry("zb-h2", "ZB-H2", "zb-h2"),
     Entry("zb-v", "ZB-V", "zb-v", stages_per_rank=2),
 )
-
-
-def peak_f_to_b(schedule: Schedule) -> tuple[int, ...]:
-    """Per rank, the most (stage, micro-batch) pairs between F and B/BW at once.
-
-    The Zero Bubble paper's activation count (M_B held until B); ``peak_inflight``
-    holds a pair until its W, which is what this package's autograd split costs.
-    """
-    peaks = []
-    for row in schedule.actions:
-        held = peak = 0
-        for action in row:
-            if action.kind == "F":
-                held += 1
-                peak = max(peak, held)
-            elif action.is_backward:
-                held -= 1
-        peaks.append(peak)
-    return tuple(peaks)
 
 
 def floor(result: SimResult) -> float:
@@ -136,7 +118,7 @@ def table(rows: list[tuple[Entry, Schedule, SimResult]]) -> str:
             f"| {schedule.num_stages} on {schedule.num_ranks} ranks | {schedule.num_microbatches} "
             f"| {result.makespan:g} | {same(result.bubble_time)} | {result.bubble_fraction:.1%} "
             f"| {paper_bubble(entry, schedule.num_microbatches)[0]} | {floor(result):g} "
-            f"| {same(result.peak_inflight)} | {same(peak_f_to_b(schedule))} |"
+            f"| {same(result.peak_inflight)} | {same(peak_activations(schedule))} |"
         )
     return head + "\n".join(lines) + "\n"
 
@@ -158,7 +140,7 @@ def summary(entry: Entry, schedule: Schedule, result: SimResult) -> str:
         f"unit costs: makespan {result.makespan:g}, idle {same(result.bubble_time)} per rank, "
         f"bubble {result.bubble_fraction:.1%} ({paper}); floor {lower:g}, {verdict}. "
         f"Peak in-flight micro-batches per rank: {same(result.peak_inflight)} from F to the "
-        f"last B/W, {same(peak_f_to_b(schedule))} from F to B."
+        f"last B/W, {same(peak_activations(schedule))} from F to B."
     )
 
 

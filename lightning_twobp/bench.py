@@ -72,9 +72,20 @@ def configs(m: int) -> list[Config]:
         for split in (False, True):
             out.append(Config(name, split, WORLD * spr, m, spr))
     out += [Config("zb-h1", True, WORLD, m), Config("zb-h2", True, WORLD, m), Config("zb-v", True, 2 * WORLD, m, 2)]
-    # The 2BP paper's 1F1B-1 setting: m = p.
-    out += [Config("1f1b", False, WORLD, WORLD), Config("1f1b", True, WORLD, WORLD)]
+    # The 2BP paper's 1F1B-1 (m = p) and 1F1B-2 (m = 2p) settings.
+    for mm in (WORLD, 2 * WORLD):
+        out += [Config("1f1b", False, WORLD, mm), Config("1f1b", True, WORLD, mm)]
     return out
+
+
+def stage_sizes(num_blocks: int, num_stages: int) -> list[int]:
+    """Layers per stage for embedding + blocks + head: the blocks evenly over the stages, the
+    embedding joining the first stage and the head the last. Even layer counts would instead give
+    the V's rank 1 five blocks and rank 0 three (the embedding is nearly free)."""
+    sizes = even_sizes(num_blocks, num_stages)
+    sizes[0] += 1
+    sizes[-1] += 1
+    return sizes
 
 
 def _loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -114,7 +125,7 @@ def _bench(rank: int, world: int, batch: int, seq: int, m: int, repeats: int, la
     execs = {}
     for c in runs:
         sched = build_schedule(c.name, c.num_stages, c.num_microbatches, stages_per_rank=c.stages_per_rank, split_backward=c.split_backward)
-        parts = split_sequential(model, even_sizes(len(model), c.num_stages))
+        parts = split_sequential(model, stage_sizes(layers, c.num_stages))
         mods = {s: parts[s] for s in sched.stages_of(rank)}
         execs[c] = PipelineExecutor(sched, mods, loss_fn=_loss, record=False)
     single = copy.deepcopy(model)
@@ -237,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{n:>7}{r['bw_ms']:>9.2f}{r['b_ms']:>9.2f}{r['w_ms']:>9.2f}{r['median_ratio']:>10.3f}")
         return 0
     if args.quick:
-        args.batch, args.seq, args.layers, args.repeats = 8, 32, 2, 1
+        args.batch, args.seq, args.layers, args.repeats = 8, 32, 4, 1
     start = time.perf_counter()
     per_rank = run_distributed(
         _bench, WORLD, args.batch, args.seq, args.microbatches, args.repeats, args.layers, timeout=3600

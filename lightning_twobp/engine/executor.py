@@ -172,13 +172,17 @@ class PipelineExecutor:
         self._result = StepResult(loss=None)
         self._t0 = time.perf_counter()
         self._wait = 0.0
+        self._events: list[tuple[Any, Any]] = []  # CUDA (start, end) events of recorded ops
+        if self.record and self.device.type == "cuda":
+            self._t0_event = torch.cuda.Event(enable_timing=True)
+            self._t0_event.record()
         i = 0
         while i < len(self.ops):
             if isinstance(self.ops[i], Comm):
                 j = i
                 while j < len(self.ops) and isinstance(self.ops[j], Comm):
                     j += 1
-                self._run(i, self._post, self.ops[i:j])
+                self._run(i, self._post, list(self.ops[i:j]))
                 i = j
                 continue
             op = self.ops[i]
@@ -188,6 +192,15 @@ class PipelineExecutor:
             for w in works:
                 w.wait()
         res = self._result
+        if self._events:
+            # On a GPU the host only launches kernels: times come from CUDA events, read once the
+            # step's work has finished (one synchronisation per recorded step).
+            torch.cuda.synchronize(self.device)
+            res.records = [
+                ActionRecord(r.rank, r.step, r.op, self._t0_event.elapsed_time(a) / 1e3,
+                             self._t0_event.elapsed_time(b) / 1e3, r.wait)
+                for r, (a, b) in zip(res.records, self._events)
+            ]
         if self.last in self.stages:
             res.loss = torch.stack([x.detach() for x in res.losses]).mean()
         return res
@@ -196,6 +209,9 @@ class PipelineExecutor:
     def _run(self, step: int, handler: Callable, arg: Any) -> None:
         start = time.perf_counter()
         self._wait = 0.0
+        if self.record and self.device.type == "cuda":
+            ev = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            ev[0].record()
         try:
             handler(arg)
         except PipelineError:
@@ -207,6 +223,9 @@ class PipelineExecutor:
                 f"{self._listing(step)}"
             ) from e
         if self.record:
+            if self.device.type == "cuda":
+                ev[1].record()
+                self._events.append(ev)
             label = "+".join(map(str, arg)) if isinstance(arg, list) else str(arg)
             self._result.records.append(
                 ActionRecord(self.rank, step, label, start - self._t0, time.perf_counter() - self._t0, self._wait)
@@ -229,7 +248,11 @@ class PipelineExecutor:
         s, mb = a.stage, a.microbatch
         inputs = self._stage_inputs(s, mb)
         stage = self.stages[s]
-        kwargs = {"target": self._targets[mb]} if s == self.last else {}
+        if s == self.last:
+            target = self._targets[mb]
+            kwargs = {"target": target.to(self.device) if isinstance(target, torch.Tensor) else target}
+        else:
+            kwargs = {}
         if self.record:
             # Bytes this micro-batch holds until its backward: the distinct storages autograd saves,
             # less the parameters (and views of them), which live anyway.

@@ -10,6 +10,7 @@ from .comm import Comm, check_comm_deadlock, check_comm_order, lower_communicati
 from .ir import Action, Schedule, stage_to_rank
 from .registry import SCHEDULES, build_schedule
 from .simulate import Costs, DeadlockError, SimResult, simulate
+from .zero_bubble import peak_activations
 
 __all__ = [
     "Action",
@@ -23,6 +24,7 @@ __all__ = [
     "check_comm_deadlock",
     "check_comm_order",
     "lower_communication",
+    "peak_activations",
     "simulate",
     "stage_to_rank",
 ]

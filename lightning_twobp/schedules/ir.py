@@ -277,18 +277,8 @@ def format_grid(title: str, rows: Sequence[Sequence[str]]) -> str:
     return "\n".join(lines)
 
 
-def stage_to_rank(name: str, num_stages: int, stages_per_rank: int = 1) -> tuple[int, ...]:
-    """The stage-to-rank placement a schedule uses; ``num_stages`` counts all stages.
-
-    With ``p = num_stages // stages_per_rank`` ranks:
-
-    * one stage per rank: stage ``s`` on rank ``s``;
-    * "loop" (GPipe / Megatron interleaved, ``v = stages_per_rank`` chunks): ``s -> s % p``,
-      so every rank holds stages ``r, r + p, r + 2p, ...``;
-    * "V" (``zb-v``, exactly two stages per rank): ``s -> s`` for ``s < p`` and
-      ``2p - 1 - s`` after, so rank 0 holds the first and the last stage and the
-      forward pass goes down the ranks and back up (Qi et al., ZB-V).
-    """
+def check_layout(name: str, num_stages: int, stages_per_rank: int) -> int:
+    """Check a schedule name and its stage counts; return the number of ranks."""
     from .registry import SCHEDULES  # registry imports the generators, which import us
 
     if name not in SCHEDULES:
@@ -303,7 +293,22 @@ def stage_to_rank(name: str, num_stages: int, stages_per_rank: int = 1) -> tuple
             f"use {num_stages - num_stages % stages_per_rank or stages_per_rank} or "
             f"{num_stages + stages_per_rank - num_stages % stages_per_rank} stages"
         )
-    ranks = num_stages // stages_per_rank
+    return num_stages // stages_per_rank
+
+
+def stage_to_rank(name: str, num_stages: int, stages_per_rank: int = 1) -> tuple[int, ...]:
+    """The stage-to-rank placement a schedule uses; ``num_stages`` counts all stages.
+
+    With ``p = num_stages // stages_per_rank`` ranks:
+
+    * one stage per rank: stage ``s`` on rank ``s``;
+    * "loop" (GPipe / Megatron interleaved, ``v = stages_per_rank`` chunks): ``s -> s % p``,
+      so every rank holds stages ``r, r + p, r + 2p, ...``;
+    * "V" (``zb-v``, exactly two stages per rank): ``s -> s`` for ``s < p`` and
+      ``2p - 1 - s`` after, so rank 0 holds the first and the last stage and the
+      forward pass goes down the ranks and back up (Qi et al., ZB-V).
+    """
+    ranks = check_layout(name, num_stages, stages_per_rank)
     if name == "zb-v":
         if stages_per_rank != 2:
             raise ValueError(

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from .gpipe import gpipe
-from .ir import Schedule
+from .ir import Schedule, check_layout
 from .one_f_one_b import interleaved_one_f_one_b, one_f_one_b
 from .simulate import Costs
 from .zero_bubble import zero_bubble
@@ -25,19 +25,9 @@ def build_schedule(name: str, num_stages: int, num_microbatches: int, *,
     ignored by the fixed-order ones.  Raises ValueError for combinations that do
     not exist, saying what would work.
     """
-    if name not in SCHEDULES:
-        raise ValueError(f"unknown schedule {name!r}; choose one of {', '.join(SCHEDULES)}")
-    for label, value in (("num_stages", num_stages), ("num_microbatches", num_microbatches),
-                         ("stages_per_rank", stages_per_rank)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{label} must be an int >= 1, got {value!r}")
-    if num_stages % stages_per_rank:
-        raise ValueError(
-            f"num_stages={num_stages} is not a multiple of stages_per_rank={stages_per_rank}: "
-            f"use {num_stages - num_stages % stages_per_rank or stages_per_rank} or "
-            f"{num_stages + stages_per_rank - num_stages % stages_per_rank} stages"
-        )
-    ranks = num_stages // stages_per_rank
+    ranks = check_layout(name, num_stages, stages_per_rank)
+    if isinstance(num_microbatches, bool) or not isinstance(num_microbatches, int) or num_microbatches < 1:
+        raise ValueError(f"num_microbatches must be an int >= 1, got {num_microbatches!r}")
     m = num_microbatches
 
     if name == "1f1b" and stages_per_rank != 1:
