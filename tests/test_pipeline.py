@@ -145,3 +145,65 @@ def test_failure_names_rank_step_and_action():
         run_distributed(_failing, 2, timeout=60)
     msg = str(info.value)
     assert "rank 1, step" in msg and "action 1F0" in msg and "boom" in msg and "ERROR HERE" in msg
+
+
+def _batchnorm(rank: int, world: int) -> list[str]:
+    """BatchNorm statistics after a step equal one process's: the shape exchange leaves no trace."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.ReLU(),
+        torch.nn.Linear(16, 16), torch.nn.BatchNorm1d(16), torch.nn.Linear(16, 4),
+    )
+    ref = copy.deepcopy(model)
+    x, y = torch.randn(4, 6, 8), torch.randint(0, 4, (4, 6))
+    (sum(F.cross_entropy(ref(x[i]), y[i]) for i in range(4)) / 4).backward()
+    sched = build_schedule("zb-h1", world, 4)
+    parts = split_sequential(model, [3, 3])
+    ex = PipelineExecutor(sched, {rank: parts[rank]}, loss_fn=F.cross_entropy)
+    ex.step(list(x) if rank == 0 else None, list(y) if rank == 1 else None)
+    bad = []
+    mine = {id(b) for b in parts[rank].buffers()}
+    for (n, a), (_, b) in zip(model.named_buffers(), ref.named_buffers()):
+        if id(a) in mine and not torch.allclose(a.float(), b.float(), rtol=1e-5):
+            bad.append(f"buffer {n} differs")
+    if len(mine) < 2:
+        bad.append("no buffers checked")
+    owned = {id(q) for q in parts[rank].parameters()}
+    for (n, q), (_, r) in zip(model.named_parameters(), ref.named_parameters()):
+        if id(q) in owned and not torch.allclose(q.grad, r.grad, rtol=1e-5, atol=1e-7):
+            bad.append(f"grad {n} differs")
+    return bad
+
+
+def test_batchnorm_statistics_match_single_process():
+    assert run_distributed(_batchnorm, 2, timeout=60) == [[], []]
+
+
+class _FailsOnCall(torch.nn.Module):
+    """Raises on its ``at``-th call (1 = the shape exchange's probe, 2 = the first real F)."""
+
+    def __init__(self, at: int) -> None:
+        super().__init__()
+        self.at, self.calls = at, 0
+
+    def forward(self, x):
+        self.calls += 1
+        if self.calls == self.at:
+            raise ValueError("boom")
+        return x
+
+
+def _failing_first_stage(rank: int, world: int, at: int) -> None:
+    sched = build_schedule("1f1b", world, 2)
+    model = build_llama(LlamaConfig(vocab_size=VOCAB, dim=16, n_layers=1, n_heads=2, max_seq_len=SEQ))
+    stages = [torch.nn.Sequential(model[0], _FailsOnCall(at)), model[1:]]
+    ex = PipelineExecutor(sched, {rank: stages[rank]}, loss_fn=loss_fn)
+    ids = torch.randint(0, VOCAB, (2, MB_SIZE, SEQ))
+    ex.step(list(ids) if rank == 0 else None, list(ids) if rank == 1 else None)
+
+
+@pytest.mark.parametrize("at, where", [(1, "rank 0, shape exchange"), (2, "rank 0, step 0, action 0F0")])
+def test_failure_on_a_first_stage_is_named(at, where):
+    with pytest.raises(RuntimeError) as info:
+        run_distributed(_failing_first_stage, 2, at, timeout=60)
+    assert where in str(info.value) and "boom" in str(info.value)

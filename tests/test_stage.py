@@ -137,6 +137,53 @@ class Attn(nn.Module):
         return self.o(y.transpose(1, 2).reshape(x.shape))
 
 
+class WeightOnlyOutput(nn.Module):
+    """One output never touches the input: its backward reaches only a parameter."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.p = nn.Parameter(torch.randn(3))
+
+    def forward(self, x):
+        return self.lin(x), self.p * 2, self.p
+
+
+class SameShapeBias(nn.Module):
+    """``x + b`` with ``b`` shaped like ``x``: autograd hands back the very grad tensor it got."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.b = nn.Parameter(torch.randn(1, 8))
+
+    def forward(self, x):
+        return x + self.b
+
+
+class BroadcastGrad(nn.Module):
+    """``x * p.sum()``: p's gradient is a stride-0 expansion."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.p = nn.Parameter(torch.randn(8))
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.lin(x) * self.p.sum()
+
+
+class MidEmbeddingTied(nn.Module):
+    """An embedding in the middle of a stage whose weight is also the output head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(16, 8)
+
+    def forward(self, x, ids):
+        h = self.emb(ids) + x
+        return h @ self.emb.weight.t()
+
+
 def _x(*shape):
     return torch.randn(*shape, requires_grad=True)
 
@@ -152,6 +199,10 @@ CASES = {
     "conv-norms": (ConvNet, lambda: (_x(2, 3, 6, 6),)),
     "embedding-first": (EmbedLN, lambda: (torch.randint(0, 16, (2, 5)),)),
     "sdpa": (Attn, lambda: (_x(2, 6, 8),)),
+    "weight-only-output": (WeightOnlyOutput, lambda: (_x(4, 8),)),
+    "same-shape-bias": (SameShapeBias, lambda: (_x(1, 8),)),
+    "broadcast-grad": (BroadcastGrad, lambda: (_x(4, 8),)),
+    "mid-embedding-tied": (MidEmbeddingTied, lambda: (_x(2, 5, 8), torch.randint(0, 16, (2, 5)))),
     "llama-block": (lambda: Block(LlamaConfig(dim=32, n_heads=4, n_kv_heads=2, max_seq_len=16)), lambda: (_x(2, 7, 32),)),
 }
 
@@ -196,8 +247,10 @@ def test_split_backward_matches_autograd(name, mode):
             else:
                 torch.testing.assert_close(g, r, rtol=RTOL, atol=ATOL)
     if mode == "split":
-        if name == "embedding-first":  # no input grad to split off: B runs the whole backward
-            assert all(p.grad is not None for p in mod.parameters())
+        if name in ("embedding-first", "tied-transpose"):
+            # no input grad to split off, or a graph that cannot be split: B runs the whole backward
+            assert stage.deferred_fraction < 1.0
+            assert all(p.grad is not None for p in mod.parameters() if p.requires_grad)
         else:
             assert all(p.grad is None for p in mod.parameters()), "B must leave the weight grads to W"
         stage.backward_weight([0, 1])
@@ -279,6 +332,33 @@ def test_loss_output_with_implicit_grad():
     stage.backward_input(0, None)
     stage.backward_weight(0)
     torch.testing.assert_close(lin.weight.grad, ref.weight.grad, rtol=RTOL, atol=ATOL)
+
+
+def test_loss_output_with_implicit_grad_on_a_split_stage():
+    """grad_outputs=None (dL/dL = 1) on a stage whose input needs a gradient: B and W split."""
+    torch.manual_seed(0)
+    block = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1))
+    ref = copy.deepcopy(block)
+    x = _x(4, 8)
+    xr = x.detach().requires_grad_()
+    ref(xr).pow(2).mean().backward()
+    stage = Stage(block)
+    block.register_forward_hook(lambda m, i, o: o.pow(2).mean())
+    stage.forward(0, x)
+    (gx,) = stage.backward_input(0, None)
+    assert all(q.grad is None for q in block.parameters())
+    stage.backward_weight(0)
+    torch.testing.assert_close(gx, xr.grad, rtol=RTOL, atol=ATOL)
+    for q, r in zip(block.parameters(), ref.parameters()):
+        torch.testing.assert_close(q.grad, r.grad, rtol=RTOL, atol=ATOL)
+
+
+def test_w_rejects_repeated_ids():
+    stage = Stage(nn.Linear(4, 4))
+    stage.forward(0, _x(2, 4))
+    stage.backward_input(0, torch.ones(2, 4))
+    with pytest.raises(ValueError, match="repeats"):
+        stage.backward_weight([0, 0])
 
 
 def test_misuse_gets_clear_errors():

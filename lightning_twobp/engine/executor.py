@@ -163,6 +163,8 @@ class PipelineExecutor:
                 )
         self._inputs = [_as_tuple(x) for x in inputs] if inputs is not None else []
         self._targets = list(targets) if targets is not None else []
+        for st in self.stages.values():  # a step that failed part-way leaves micro-batches behind
+            st.discard()
         self._exchange_meta()
         self._acts: dict[tuple[int, int], tuple] = {}  # (stage, mb) -> inputs handed over locally
         self._grads: dict[tuple[int, int], list] = {}  # (stage, mb) -> grads of its outputs
@@ -273,7 +275,7 @@ class PipelineExecutor:
         else:
             out = stage.forward(mb, *inputs, **kwargs)
         if s == self.last:
-            self._result.losses.append(out)
+            self._result.losses.append(out.detach())  # the graph stays with the Stage until B
         elif s + 1 in self.stages:  # adjacent stage on this rank: hand over, no communication
             self._acts[(s + 1, mb)] = _as_tuple(out)
         else:
@@ -374,20 +376,34 @@ class PipelineExecutor:
         return bufs
 
     # ------------------------------------------------------------------ shapes
-    def _signature_of_inputs(self) -> str:
-        desc = repr([[(tuple(t.shape), str(t.dtype)) for t in mb if isinstance(t, torch.Tensor)] for mb in self._inputs])
-        return hashlib.sha1(desc.encode()).hexdigest()
+    def _local_signature(self) -> str:
+        """What the shapes between stages depend on, as seen from this rank: the micro-batches'
+        shapes and dtypes (first stage), autocast, and which parameters are trainable."""
+        parts: list[Any] = [
+            [[(tuple(t.shape), str(t.dtype), t.requires_grad) for t in mb if isinstance(t, torch.Tensor)]
+             for mb in self._inputs],
+            torch.is_autocast_enabled(self.device.type),
+            str(torch.get_autocast_dtype(self.device.type)),
+            [(s, st.module.training, [q.requires_grad for q in st.module.parameters()])
+             for s, st in sorted(self.stages.items())],
+        ]
+        return hashlib.sha1(repr(parts).encode()).hexdigest()
 
     def _exchange_meta(self) -> None:
-        """Learn the shapes between stages once per input signature, by one no-backward pass of
-        micro-batch 0 through the pipeline (real data, so data-dependent layers behave)."""
-        src = self._global[self.schedule.stage_to_rank[0]]
+        """Learn the shapes and dtypes between stages when they may have changed.
+
+        Every step gathers each rank's local signature (one small collective). When any changed,
+        micro-batch 0 goes through the non-last stages once, on real data so data-dependent layers
+        behave, with the RNG forked and buffers restored so that the step's numerics are those of
+        a single process; each stage's output metadata travels to the next stage.
+        """
+        local = self._local_signature()
         if dist.is_initialized() and self.schedule.num_ranks > 1:
-            box = [self._signature_of_inputs() if 0 in self.stages else None]
-            dist.broadcast_object_list(box, src=src, group=self.group, device=self._object_device())
-            sig = box[0]
+            sigs: list[Any] = [None] * self.schedule.num_ranks
+            dist.all_gather_object(sigs, local, group=self.group)
+            sig = "".join(sigs)
         else:
-            sig = self._signature_of_inputs()
+            sig = local
         if sig == self._signature:
             return
         self._meta_in.clear()
@@ -400,27 +416,22 @@ class PipelineExecutor:
                     box = [None]
                     dist.recv_object_list(box, src=self._global[s2r[s]], group=self.group, device=self._object_device())
                     carry = box[0]
-                    self._meta_in[s + 1] = [
-                        _Meta(tuple(t.shape), t.dtype, t.requires_grad) for t in carry
-                    ]
+                    self._meta_in[s + 1] = [_Meta(tuple(t.shape), t.dtype, t.requires_grad) for t in carry]
                 continue
-            inputs = self._inputs[0] if s == 0 else carry
             if s == 0:
+                inputs = self._stage_inputs(0, 0)
                 self._meta_in[0] = [
                     _Meta(tuple(t.shape), t.dtype, t.requires_grad) for t in inputs if isinstance(t, torch.Tensor)
                 ]
             else:
-                inputs = tuple(
-                    t.detach().to(self.device).requires_grad_(t.requires_grad) for t in inputs
-                )
-            with torch.enable_grad():
-                out = _as_tuple(self.stages[s].module(*inputs))
-            bad = [type(x).__name__ for x in out if not isinstance(x, torch.Tensor)]
-            if bad:
-                raise TypeError(
-                    f"stage {s} returns {bad}: values passed between pipeline stages must be tensors "
-                    f"(or a tuple of tensors); move non-tensor values into the stage that uses them"
-                )
+                inputs = tuple(t.detach().to(self.device).requires_grad_(t.requires_grad) for t in carry)
+            try:
+                out = self._probe(s, inputs)
+            except Exception as e:
+                raise PipelineError(
+                    f"rank {self.rank}, shape exchange before the first action, stage {s} on micro-batch 0: "
+                    f"{type(e).__name__}: {e}"
+                ) from e
             self._meta_out[s] = [_Meta(tuple(t.shape), t.dtype, t.requires_grad) for t in out]
             carry = tuple(t.detach().requires_grad_(t.requires_grad) for t in out)
             if s2r[s + 1] == self.rank:
@@ -433,6 +444,25 @@ class PipelineExecutor:
                     device=self._object_device(),
                 )
         self._signature = sig
+
+    def _probe(self, s: int, inputs: tuple) -> tuple[torch.Tensor, ...]:
+        """Stage ``s``'s forward for its output metadata only: leaves no trace in RNG or buffers
+        (dropout draws, BatchNorm running statistics)."""
+        module = self.stages[s].module
+        saved = [(b, b.detach().clone()) for b in module.buffers()]
+        devices = [self.device] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices), torch.enable_grad():
+            out = _as_tuple(module(*inputs))
+        with torch.no_grad():
+            for b, v in saved:
+                b.copy_(v)
+        bad = [type(x).__name__ for x in out if not isinstance(x, torch.Tensor)]
+        if bad:
+            raise TypeError(
+                f"stage {s} returns {bad}: values passed between pipeline stages must be tensors "
+                f"(or a tuple of tensors); move non-tensor values into the stage that uses them"
+            )
+        return out
 
     def _object_device(self) -> torch.device | None:
         # Object collectives on NCCL need the current CUDA device; on gloo the CPU.

@@ -54,10 +54,10 @@ class _Pending:
     flat_out: list[Any] = field(default_factory=list)
     # Filled by B:
     frontier: list[tuple[Node, list[tuple[Node, int]]]] = field(default_factory=list)
-    fast: list = field(default_factory=list)  # list[_FastW]
+    fast: list[_FastW] = field(default_factory=list)
     captured: dict[Node, tuple[torch.Tensor | None, ...]] = field(default_factory=dict)
     edge_grads: list[tuple[GradientEdge, torch.Tensor]] = field(default_factory=list)
-    param_grads: list[tuple[nn.Parameter, torch.Tensor]] = field(default_factory=list)
+    weight_roots: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
     backward_done: bool = False
 
 
@@ -88,6 +88,10 @@ class Stage:
     def refresh_parameters(self) -> None:
         """Re-read the module's parameters (call after replacing or moving them)."""
         self._params = {id(p): p for p in self.module.parameters() if p.requires_grad}
+
+    def discard(self) -> None:
+        """Drop every micro-batch in flight (after a failed step) so the next step starts clean."""
+        self._pending.clear()
 
     @property
     def in_flight(self) -> tuple[int, ...]:
@@ -157,12 +161,34 @@ class Stage:
                 out.append(None)
         return tuple(out)
 
-    def _accumulate(self, param: nn.Parameter, grad: torch.Tensor) -> None:
-        # Same result as AccumulateGrad: the first gradient becomes .grad, later ones add in place.
+    @staticmethod
+    def _accumulate(param: nn.Parameter, grad: torch.Tensor, fresh: bool = False) -> None:
+        """Add ``grad`` into ``param.grad`` as AccumulateGrad does.
+
+        The first gradient is copied into a tensor laid out like the parameter unless ``fresh``
+        says this code just made it: one from autograd may alias a caller's ``grad_outputs`` (for
+        ``x + b`` with ``b`` shaped like ``x``) or be a stride-0 broadcast, and later in-place adds
+        must neither write through the alias nor fail on the overlap.
+        """
         if param.grad is None:
-            param.grad = grad.detach() if grad.dtype == param.dtype else grad.to(param.dtype)
+            if fresh and grad.dtype == param.dtype:
+                param.grad = grad
+            else:
+                param.grad = torch.empty_like(param, memory_format=torch.preserve_format).copy_(grad)
         else:
             param.grad.add_(grad)
+
+    def _full_backward(
+        self, outputs: list[torch.Tensor], grads_out: list, inputs: list[torch.Tensor]
+    ) -> tuple[torch.Tensor | None, ...]:
+        """The whole backward in one autograd call: accumulate every parameter's grad and return
+        the grads of ``inputs``."""
+        params = list(self._params.values())
+        grads = torch.autograd.grad(outputs, inputs + params, grads_out, allow_unused=True)
+        for q, g in zip(params, grads[len(inputs) :]):
+            if g is not None:
+                self._accumulate(q, g)
+        return grads[: len(inputs)]
 
     def _take(self, mb: int) -> _Pending:
         try:
@@ -173,15 +199,6 @@ class Stage:
                 f"run F before B/BW, and B before W"
             ) from None
 
-    def _accumulate_all(self, outputs: list[torch.Tensor], grads_out: list[torch.Tensor]) -> None:
-        params = list(self._params.values())
-        if not params:
-            return
-        grads = torch.autograd.grad(outputs, params, grads_out, allow_unused=True, retain_graph=False)
-        for q, g in zip(params, grads):
-            if g is not None:
-                self._accumulate(q, g)
-
     # ------------------------------------------------------------------ BW
     def backward(self, mb: int, grad_outputs: Any = None) -> tuple[Any, ...]:
         """BW: the fused backward. Returns the input grads and accumulates the parameter grads."""
@@ -190,18 +207,10 @@ class Stage:
             raise RuntimeError(f"micro-batch {mb} already ran B; run W next, not BW")
         grads_out = self._grad_outputs(mb, p, grad_outputs)
         inputs = [x for x in p.inputs if _is_tensor_requiring_grad(x)]
-        params = list(self._params.values())
-        if not p.outputs:
-            del self._pending[mb]
-            return self._input_grads(p, [None] * len(inputs))
-        grads = torch.autograd.grad(
-            p.outputs, inputs + params, grads_out, allow_unused=True, retain_graph=False
-        )
-        for param, g in zip(params, grads[len(inputs) :]):
-            if g is not None:
-                self._accumulate(param, g)
         del self._pending[mb]
-        return self._input_grads(p, grads[: len(inputs)])
+        if not p.outputs:
+            return self._input_grads(p, [None] * len(inputs))
+        return self._input_grads(p, self._full_backward(p.outputs, grads_out, inputs))
 
     # ------------------------------------------------------------------ B
     def backward_input(self, mb: int, grad_outputs: Any = None) -> tuple[Any, ...]:
@@ -215,28 +224,22 @@ class Stage:
         p.backward_done = True
         if not p.outputs:
             return self._input_grads(p, [None] * len(inputs))
-        if not inputs:
-            # No input needs a gradient (a first stage fed token ids), so nothing upstream waits
-            # for this B and there is no input-grad half to split off. Deferring the weight half
-            # would only hold the micro-batch's activations until W, so B runs the whole backward,
-            # accumulates .grad and frees the graph; W is then a no-op. This also matches 2BP's
-            # first stage, whose backward-p1 runs through every layer.
-            self._accumulate_all(p.outputs, grads_out)
+        plan = _plan(p.outputs, inputs, self._params) if inputs else None
+        if plan is None or plan.fallback:
+            # No input needs a gradient (a first stage fed token ids): nothing upstream waits for
+            # this B and there is no input-grad half to split off; deferring would only hold the
+            # activations until W. Or the graph cannot be split (see the module docstring). Either
+            # way B runs the whole backward, accumulates .grad and frees the graph; W is a no-op.
+            # (2BP's first stage, too, runs backward-p1 through every layer.)
+            self.early_edges += 1 if plan is None else plan.num_early
+            grads = self._full_backward(p.outputs, grads_out, inputs)
             p.outputs = []
-            self.early_edges += 1
-            return self._input_grads(p, [])
-        plan = _plan(p.outputs, inputs, self._params)
+            return self._input_grads(p, grads)
         self.deferred_edges += plan.num_deferred
         self.early_edges += plan.num_early
-        if plan.fallback:
-            # An unsplittable graph: take every weight grad now, exactly, and let W only accumulate it.
-            params = list(self._params.values())
-            grads = torch.autograd.grad(
-                p.outputs, inputs + params, grads_out, allow_unused=True, retain_graph=False
-            )
-            p.param_grads = [(q, g) for q, g in zip(params, grads[len(inputs) :]) if g is not None]
-            p.outputs = []
-            return self._input_grads(p, grads[: len(inputs)])
+        # Outputs that do not reach any input (``return y, self.scale * 2``) feed only weights:
+        # their whole backward is W's, from the output itself.
+        p.weight_roots = [(p.outputs[i], grads_out[i]) for i in plan.weight_roots]
 
         handles = []
         hooked = {node for node, _ in plan.frontier} | {f.node for f in plan.fast}
@@ -268,6 +271,8 @@ class Stage:
         """W (2BP's backward-p2): the parameter gradients of one or several micro-batches, accumulated
         into ``.grad``; frees everything those micro-batches held."""
         mbs = [mb] if isinstance(mb, int) else list(mb)
+        if len(set(mbs)) != len(mbs):
+            raise ValueError(f"W got micro-batch ids {mbs} with repeats; name each micro-batch once")
         pend = []
         for m in mbs:
             p = self._take(m)
@@ -276,6 +281,8 @@ class Stage:
             pend.append(p)
         edge_grads: list[tuple[GradientEdge, torch.Tensor]] = []
         for p in pend:
+            if p.weight_roots:
+                self._full_backward([t for t, _ in p.weight_roots], [g for _, g in p.weight_roots], [])
             edge_grads.extend(p.edge_grads)
             for f in p.fast:
                 recorded = p.captured.get(f.node)
@@ -297,8 +304,6 @@ class Stage:
                     retain_graph=False,  # this node's saved tensors are not needed again
                 )
                 edge_grads.extend((e, g) for e, g in zip(targets, got) if g is not None)
-            for q, g in p.param_grads:
-                self._accumulate(q, g)
         self._push_to_params(edge_grads)
         for m in mbs:
             del self._pending[m]
@@ -312,9 +317,10 @@ class Stage:
             else:
                 q.grad.addmm_(grad.t(), f.operand)
         elif f.kind == "sum":
-            self._accumulate(q, grad.sum(0))
+            self._accumulate(q, grad.sum(0), fresh=True)
         else:  # "mul": reduce the broadcast dimensions, as autograd does for a broadcast operand
-            self._accumulate(q, (grad * f.operand).sum_to_size(q.shape))
+            g = (grad * f.operand).sum_to_size(q.shape)
+            self._accumulate(q, g, fresh=True)  # a new product, never an alias of ``grad``
 
     def _push_to_params(self, edge_grads: list[tuple[GradientEdge, torch.Tensor]]) -> None:
         """Carry weight-edge gradients through the weight-only region into the parameters."""
@@ -356,6 +362,7 @@ class _Plan:
     frontier: list[tuple[Node, list[tuple[Node, int]]]]  # (frontier node, its deferred weight edges)
     fast: list[_FastW]  # deferred weight grads W computes without autograd
     early_edges: list[GradientEdge]  # weight edges taken in B
+    weight_roots: list[int]  # outputs that reach parameters but no input
     fallback: bool
     num_deferred: int
     num_early: int
@@ -445,13 +452,18 @@ def _plan(
                     early.append(GradientEdge(n, i))
             else:
                 fallback = True
+                num_deferred += 1  # counted as taken in B below
         if deferred:
             frontier.append((node, deferred))
             num_deferred += len(deferred)
+    weight_roots = [
+        i for i, o in enumerate(outputs)
+        if (o.grad_fn is None and id(o) in params) or (o.grad_fn is not None and not to_input[o.grad_fn] and to_param[o.grad_fn])
+    ]
     if fallback:
         log.debug("weight-only node shared by several frontier nodes: W taken in B for this micro-batch")
-        return _Plan([], [], [], True, 0, num_deferred + len(early))
-    return _Plan(frontier, fast, early, False, num_deferred, len(early))
+        return _Plan([], [], [], [], True, 0, num_deferred + len(early))
+    return _Plan(frontier, fast, early, weight_roots, False, num_deferred, len(early))
 
 
 @dataclass
