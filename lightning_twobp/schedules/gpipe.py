@@ -1,8 +1,10 @@
 """GPipe (Huang et al., 2019): every forward, then every backward.
 
-With the split backward this is the 2BP paper's GPipe+2BP (Cooper et al., 2024,
-§3): all F, all backward-p1 (B), then backward-p2 (W) of all micro-batches at once,
-one W per local stage, so p2 runs as one large concatenated GEMM.  With several
+With the split backward this is the 2BP paper's GPipe+2BP (Rae, Lee and Richings,
+2024, §3): all F, all backward-p1 (B), then backward-p2 (W) of all micro-batches at
+once, one W per local stage. The paper concatenates the micro-batches into one GEMM;
+here each Linear's weight gradient accumulates in place micro-batch by micro-batch
+(``addmm_``), the same FLOPs without the concatenation copy.  With several
 stages per rank the stages are placed on the "loop" map (stage s on rank s % p).
 """
 

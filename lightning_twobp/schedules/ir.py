@@ -13,8 +13,8 @@ Action kinds follow the split-backward literature:
   2-Stage Backpropagation", 2024), Zero Bubble's *B* (Qi et al., "Zero Bubble
   Pipeline Parallelism", ICLR 2024).  Only B is on the critical path between stages.
 * ``W``  backward for the weights: 2BP's *backward-p2*, Zero Bubble's *W*.  It may
-  cover several micro-batches at once (2BP runs p2 of all micro-batches as one
-  concatenated GEMM).
+  cover several micro-batches at once (the 2BP paper batches p2 of all micro-batches;
+  ``Stage.backward_weight`` accepts several ids).
 * ``BW`` the usual fused backward (B and W together).
 
 String forms copy ``torch.distributed.pipelining``'s action notation: ``"2F0"`` is
@@ -148,12 +148,16 @@ class Schedule:
         self._validate_shape()
         self._validate_coverage()
         self._validate_local_order()
-        # The cross-rank part (no deadlock) is exactly what the simulator computes;
-        # imported here because simulate imports this module.
+        # The cross-rank part: no deadlock of the computation (what the simulator computes),
+        # and none of its lowered communication under blocking point-to-point semantics
+        # (strict rendezvous, the NCCL worst case) with one posting order per rank pair.
+        # Imported here because both modules import this one.
+        from .comm import check_comm_deadlock, lower_communication
         from .simulate import DeadlockError, simulate
 
         try:
             simulate(self)
+            check_comm_deadlock(lower_communication(self), self.stage_to_rank)
         except DeadlockError as err:
             raise ValueError(f"{self.name}: schedule deadlocks\n{err}") from err
         return self

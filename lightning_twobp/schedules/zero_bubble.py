@@ -53,11 +53,14 @@ floor for some ``m``).  ZB-H2 needs an allowance only where ``2(p - r) - 1 < p``
 "zero bubble" comes from overlapping consecutive iterations, which the simulator
 does not model; within one iteration it ends at the same floor as ZB-H1.
 
-In this project's autograd implementation a split backward keeps the micro-batch's
-whole graph (and so its saved activations) until its W: M_W is not smaller than
-M_B here.  The honest memory count is therefore the F-to-W one,
+In this project's autograd implementation what a micro-batch keeps between B and W
+depends on its layers. When every weight gradient has a direct formula (Linear
+weights and biases, norm scales: every LLaMa block), B frees the autograd graph and
+only W's operands stay: each Linear's input and output gradient, each scale's
+normalised input. That is the paper's M_W, smaller than M_B. Otherwise the whole graph
+stays until W, and M_W equals M_B. Both counts are reported:
 ``simulate().peak_inflight`` (F until the last B/W), bounded by the F->W limits
-above, not the paper's F->B budget (:func:`peak_activations`).  At p=4, m=8
+above, and the paper's F->B budget (:func:`peak_activations`).  At p=4, m=8
 it is ``(7, 6, 5, 4)`` for ZB-H1 and ``(7, 5, 4, 4)`` for ZB-H2, against
 ``(4, 3, 2, 1)`` for fused 1F1B (this package's split 1F1B batches its W at the
 end and holds all 8).
