@@ -169,11 +169,14 @@ def _bench(rank: int, world: int, batch: int, seq: int, m: int, repeats: int, la
         times["single_both"].append(run_single(both=True))
     # Per-action costs for the simulator, from two recorded steps per configuration (recording adds
     # a saved-tensor hook, so these steps are not timed).
-    measured = {}
+    measured, timelines = {}, {}
     for c in runs:
-        records = run(c, record=True)[1].records + run(c, record=True)[1].records
-        measured[c.label] = _measure_costs(records)
-    return {"times": times, "costs": measured}
+        first = run(c, record=True)[1].records
+        last = run(c, record=True)[1].records
+        measured[c.label] = _measure_costs(first + last)
+        # boxes start once the inputs have arrived: time blocked on receives shows as idle
+        timelines[c.label] = [(r.rank, r.op, r.start + r.wait, r.end) for r in last]
+    return {"times": times, "costs": measured, "timelines": timelines}
 
 
 def _predict(c: Config, costs: dict, comm: float) -> float | None:
@@ -238,6 +241,21 @@ def bench_split(tokens: int = 512, repeats: int = 21, seq: int = 128) -> dict:
                 deferred_fraction=stage.deferred_fraction)
 
 
+def _draw_timelines(per_rank: list[dict], folder: str) -> None:
+    """One picture per configuration: every rank's ops in its last recorded step (seconds)."""
+    from pathlib import Path
+
+    from lightning_twobp.viz import plot_timeline
+
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    for label in per_rank[0]["timelines"]:
+        ops = [op for out in per_rank for op in out["timelines"][label]]
+        slug = label.replace("+2BP", "-2bp").replace(" S=", "-s").replace(" m=", "-m")
+        path = Path(folder) / f"measured-{slug}.png"
+        plot_timeline(ops, num_ranks=WORLD, title=f"measured: {label}", unit="s", path=path)
+        print(f"wrote {path}")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", help="write the results as JSON to this path")
@@ -247,6 +265,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--microbatches", type=int, default=8)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--quick", action="store_true", help="a small model and 1 repeat, to check the harness")
+    ap.add_argument("--timelines", metavar="DIR", help="draw each configuration's recorded step as DIR/measured-*.png")
     ap.add_argument("--split", action="store_true", help="only measure (B + W) / BW on one block")
     ap.add_argument("--tokens", type=int, nargs="+", default=[512, 256, 64], help="tokens per micro-batch for --split")
     args = ap.parse_args(argv)
@@ -305,6 +324,8 @@ def main(argv: list[str] | None = None) -> int:
         eff2 = "" if r["busy_ideal_over_step"] is None else f"{r['busy_ideal_over_step']:.3f}"
         print(f"{r['name']:<20}{'yes' if r['split_backward'] else 'no':>5}{r['num_stages']:>3}{r['num_microbatches']:>4}"
               f"{r['median_step_s']:>9.3f}{r['samples_per_s']:>11.2f}{eff:>12}{eff2:>17}{r['simulated_step_s']:>13.3f}")
+    if args.timelines:
+        _draw_timelines(per_rank, args.timelines)
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(
