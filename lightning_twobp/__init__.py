@@ -1,3 +1,11 @@
-"""lightning_twobp: pipeline-parallel training with 2BP, 2-stage backpropagation."""
+"""lightning_twobp: pipeline-parallel training with 2BP, 2-stage backpropagation.
+
+Importing the package registers ``strategy="twobp"`` with Lightning (Lightning has no entry-point
+discovery for strategies, so a third-party strategy registers itself on import).
+"""
+
+from lightning_twobp.strategy import TwoBPStrategy
 
 __version__ = "0.1.0"
+
+__all__ = ["TwoBPStrategy"]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import pickle
 import socket
 import traceback
 from collections.abc import Callable
@@ -38,7 +39,9 @@ def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, queue: 
             timeout=datetime.timedelta(seconds=timeout),
         )
         try:
-            queue.put((rank, "ok", fn(rank, world, *args)))
+            # Pickled here, not by the queue: torch's queue reducers share tensors through file
+            # descriptors that die with this process, which exits right after.
+            queue.put((rank, "ok", pickle.dumps(fn(rank, world, *args))))
         finally:
             dist.destroy_process_group()
     except BaseException:  # report every failure, including assertion errors, to the parent
@@ -83,7 +86,7 @@ def run_distributed(
                     raise RuntimeError(f"ranks died without a report (rank, exit code): {dead}") from None
                 continue
             if status == "ok":
-                results[rank] = value
+                results[rank] = pickle.loads(value)
             else:
                 errors.append(f"--- rank {rank} ---\n{value}")
                 # The others may be blocked on the failed rank: give them a few seconds to report

@@ -1,0 +1,419 @@
+"""``Trainer(strategy="twobp")``: an unchanged LightningModule trained through a 2BP pipeline.
+
+The model contract (see :mod:`lightning_twobp.contract`): the pipelined layers are one
+``nn.Sequential``, and ``training_step`` calls it once. The strategy cuts the Sequential into stages,
+keeps this rank's stages and replaces the others by empty placeholders (so ``configure_optimizers``
+sees only local parameters, and parameter names stay those of the full model). Each training step is
+split into micro-batches; on the first stage ``training_step`` runs up to the Sequential call (its
+input is captured), on the last stage it runs with the Sequential call answered by the pipeline's
+output, so the loss, metrics and ``self.log`` happen there, per micro-batch. Logged values are
+averaged over the micro-batches and logged once on every rank.
+
+Lightning's automatic optimization runs ``training_step``, then ``zero_grad``, then ``backward``.
+The pipeline computes the gradients inside ``training_step``; they are set aside and added back in
+``backward`` (scaled by ``1 / accumulate_grad_batches``, as Lightning scales the loss), so
+``zero_grad``, gradient accumulation and ``optimizer.step`` see what ``loss.backward()`` would give.
+
+This first version trains with automatic optimization on one pipeline (``dp = 1``). Validation,
+test and predict, data parallelism, global-norm clipping and sharded checkpoints are the remaining
+parts of the strategy issue; each raises a clear error until then.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch import nn
+from torch.utils import _pytree as pytree
+from typing_extensions import override
+
+from lightning_twobp.contract import find_sequential
+from lightning_twobp.engine import PipelineExecutor
+from lightning_twobp.partition import partition
+from lightning_twobp.schedules import SCHEDULES, Schedule, build_schedule
+
+log = logging.getLogger(__name__)
+
+__all__ = ["TwoBPStrategy"]
+
+_SPLIT_ONLY = ("zb-h1", "zb-h2", "zb-v")
+
+
+class _Remote(nn.Module):
+    """Placeholder for a layer that lives on another pipeline rank."""
+
+    def __init__(self, stage: int) -> None:
+        super().__init__()
+        self.stage = stage
+
+    def forward(self, *args: Any) -> Any:
+        raise RuntimeError(
+            f"this layer lives on pipeline stage {self.stage}, on another rank; under "
+            f"strategy='twobp' the Sequential runs only through the pipeline"
+        )
+
+
+class _Captured(Exception):
+    """Raised by the Sequential on the first stage to stop ``training_step`` at its input."""
+
+    def __init__(self, inputs: tuple) -> None:
+        super().__init__("captured")
+        self.inputs = inputs
+
+
+class _LogRecorder:
+    """Stands in for ``LightningModule.log`` during one micro-batch: records instead of logging."""
+
+    def __init__(self, lm: Any, store: dict | None) -> None:
+        self.lm, self.store = lm, store
+
+    def __call__(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
+        if self.store is None:  # first stage, before the Sequential: logged on the last stage
+            return
+        if args:
+            raise TypeError("pass self.log options by keyword under strategy='twobp'")
+        self.store[name] = (value.detach() if isinstance(value, torch.Tensor) else value, kwargs)
+
+    def __enter__(self) -> _LogRecorder:
+        self.lm.__dict__["log"] = self  # an instance attribute shadows the method
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        del self.lm.__dict__["log"]
+
+
+class TwoBPStrategy(DDPStrategy):
+    """Pipeline parallelism with 2BP for an unchanged LightningModule.
+
+    Args:
+        schedule: one of :data:`lightning_twobp.schedules.SCHEDULES`.
+        split_backward: 2BP's split into B and W (``False``: the fused backward; ZB schedules are split).
+        num_microbatches: micro-batches per step (default ``2 * pipeline_degree``); the batch size
+            must divide by it.
+        pipeline_degree: ranks per pipeline (default: every device, one pipeline).
+        stages_per_rank: stages on each rank (default 2 for ``zb-v``, else 1).
+        balance: ``"params"`` (default) or a list of layer counts per stage.
+        layers: dotted name of the Sequential to pipeline, when the module holds several.
+        **kwargs: passed to :class:`~lightning.pytorch.strategies.DDPStrategy` (process group
+            backend, timeout, cluster environment, start method).
+    """
+
+    strategy_name = "twobp"
+
+    def __init__(
+        self,
+        schedule: str = "1f1b",
+        split_backward: bool = True,
+        num_microbatches: int | None = None,
+        pipeline_degree: int | None = None,
+        stages_per_rank: int | None = None,
+        balance: str | Sequence[int] = "params",
+        layers: str | None = None,
+        **kwargs: Any,
+    ) -> None:
+        if schedule not in SCHEDULES:
+            raise ValueError(f"unknown schedule {schedule!r}: choose one of {', '.join(SCHEDULES)}")
+        if schedule in _SPLIT_ONLY and not split_backward:
+            raise ValueError(
+                f"{schedule} is split by definition; for a fused backward use schedule='1f1b' or 'gpipe'"
+            )
+        super().__init__(**kwargs)
+        self.schedule_name = schedule
+        self.split_backward = split_backward
+        self._num_microbatches = num_microbatches
+        self._pipeline_degree = pipeline_degree
+        self._stages_per_rank = stages_per_rank or (2 if schedule in ("zb-v", "interleaved-1f1b") else 1)
+        self._balance = balance
+        self._layers = layers
+        self._executor: PipelineExecutor | None = None
+        self._stash: list[tuple[nn.Parameter, torch.Tensor]] = []
+
+    # ------------------------------------------------------------------ layout
+    @property
+    def pipeline_degree(self) -> int:
+        return self._pipeline_degree or self.world_size
+
+    @property
+    def num_microbatches(self) -> int:
+        return self._num_microbatches or 2 * self.pipeline_degree
+
+    @property
+    def schedule(self) -> Schedule:
+        if self._executor is None:
+            raise RuntimeError("the pipeline is built in setup(); call trainer.fit first")
+        return self._executor.schedule
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # Every stage of one pipeline sees the same batch: the data splits by data-parallel rank.
+        dp = self.world_size // self.pipeline_degree
+        return {"num_replicas": dp, "rank": self.global_rank // self.pipeline_degree}
+
+    def _check_layout(self) -> None:
+        p, world = self.pipeline_degree, self.world_size
+        if world % p:
+            raise ValueError(
+                f"{world} devices cannot be split into pipelines of {p}: devices x num_nodes must be "
+                f"a multiple of pipeline_degree (use pipeline_degree={world} or a divisor of it)"
+            )
+        if world != p:
+            raise ValueError(
+                f"data parallel replicas of the pipeline (pipeline_degree={p} on {world} devices) are not "
+                f"supported yet: use pipeline_degree={world}"
+            )
+
+    def _build_pipeline(self) -> None:
+        if self._executor is not None:
+            return
+        self._check_layout()
+        lm = self.lightning_module
+        assert lm is not None
+        if not lm.automatic_optimization:
+            raise ValueError(
+                "strategy='twobp' supports automatic optimization only: the pipeline schedule owns the "
+                "backward, so manual_backward cannot run it; set self.automatic_optimization = True"
+            )
+        self._seq_name, seq = find_sequential(lm, self._layers)
+        num_stages = self.pipeline_degree * self._stages_per_rank
+        sizes = partition(seq, num_stages, self._balance)
+        schedule = build_schedule(
+            self.schedule_name, num_stages, self.num_microbatches,
+            stages_per_rank=self._stages_per_rank, split_backward=self.split_backward,
+        )
+        rank = self.global_rank % self.pipeline_degree
+        bounds = [0]
+        for n in sizes:
+            bounds.append(bounds[-1] + n)
+        mine = set(schedule.stages_of(rank))
+        modules: dict[int, nn.Module] = {}
+        for s in range(num_stages):
+            layer_ids = range(bounds[s], bounds[s + 1])
+            if s in mine:
+                modules[s] = nn.Sequential(*[seq[i] for i in layer_ids])
+            else:  # drop remote layers: no memory, no parameters for configure_optimizers
+                for i in layer_ids:
+                    seq._modules[str(i)] = _Remote(s)
+            params = sum(q.numel() for i in layer_ids for q in seq[i].parameters()) if s in mine else None
+            if s in mine:
+                log.info("stage %d: layers %d-%d (%d parameters) on rank %d", s, bounds[s], bounds[s + 1] - 1, params, rank)
+        rank_zero_info(
+            f"twobp: {schedule.name}{' + 2BP' if self.split_backward else ''}, {num_stages} stages on "
+            f"{self.pipeline_degree} ranks, {self.num_microbatches} micro-batches; layers per stage {sizes}"
+        )
+        self._seq = seq
+        seq.forward = self._sequential_call  # the Sequential answers only through the pipeline
+        self._mode: tuple[str, Any] = ("idle", None)
+        self._modules = modules
+        self._schedule_obj = schedule
+
+    def _sequential_call(self, *inputs: Any) -> Any:
+        mode, value = self._mode
+        if mode == "capture":
+            raise _Captured(inputs)
+        if mode == "provide":
+            return value
+        raise RuntimeError(
+            f"{self._seq_name or 'the Sequential'} was called outside a pipeline step; under strategy='twobp' "
+            f"call it only from training_step"
+        )
+
+    # ------------------------------------------------------------------ setup
+    @override
+    def setup(self, trainer: Any) -> None:
+        assert self.accelerator is not None
+        self.accelerator.setup(trainer)
+        self._build_pipeline()
+        self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        self._executor = PipelineExecutor(
+            self._schedule_obj, self._modules, loss_fn=self._last_stage_loss, device=self.root_device
+        )
+        if getattr(self.precision_plugin, "scaler", None) is not None:
+            raise NotImplementedError(
+                "precision='16-mixed' (a gradient scaler) is not supported by strategy='twobp' yet: use "
+                "'bf16-mixed' or '32-true'"
+            )
+        if trainer.gradient_clip_val is not None and trainer.gradient_clip_algorithm != "value":
+            raise NotImplementedError(
+                "gradient clipping by norm needs the global norm across pipeline stages, which "
+                "strategy='twobp' does not compute yet: use gradient_clip_algorithm='value' (exact per "
+                "element) or no clipping"
+            )
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        # Optimizers are created after the move to the device and hold no state yet (resuming from
+        # a checkpoint, which would bring state, is not supported by this strategy yet).
+        self.setup_precision_plugin()
+
+    @override
+    def configure_ddp(self) -> None:
+        """No DistributedDataParallel wrapper: gradients come from the pipeline schedule."""
+
+    # ------------------------------------------------------------------ training
+    def _split(self, batch: Any) -> list[Any]:
+        m = self.num_microbatches
+        leaves, spec = pytree.tree_flatten(batch)
+        sizes = {x.shape[0] for x in leaves if isinstance(x, torch.Tensor) and x.dim() > 0}
+        if len(sizes) != 1:
+            raise ValueError(
+                f"cannot split the batch into micro-batches: its tensors have first dimensions {sorted(sizes)}; "
+                f"every tensor in the batch needs the same batch dimension first"
+            )
+        (n,) = sizes
+        if n % m:
+            raise ValueError(
+                f"batch size {n} does not split into {m} micro-batches: use a batch size that is a multiple "
+                f"of {m}, or set num_microbatches to a divisor of {n}"
+            )
+        chunks = [x.chunk(m) if isinstance(x, torch.Tensor) and x.dim() > 0 else [x] * m for x in leaves]
+        return [pytree.tree_unflatten([c[i] for c in chunks], spec) for i in range(m)]
+
+    def _run_step(self, mb: Any, args: tuple, kwargs: dict) -> Any:
+        lm = self.lightning_module
+        return lm.training_step(mb, *args, **kwargs)
+
+    def _last_stage_loss(self, output: Any, index: int) -> torch.Tensor:
+        self._mode = ("provide", output)
+        logs: dict[str, tuple[Any, dict]] = {}
+        try:
+            with _LogRecorder(self.lightning_module, logs):
+                out = self._run_step(self._mbs[index], self._args, self._kwargs)
+        finally:
+            self._mode = ("idle", None)
+        self._logs.append(logs)
+        loss = out.get("loss") if isinstance(out, dict) else out
+        if not isinstance(loss, torch.Tensor):
+            raise TypeError(
+                f"training_step returned {type(out).__name__} on micro-batch {index}: under strategy='twobp' "
+                f"it must return the loss tensor (or a dict with 'loss')"
+            )
+        return loss
+
+    def _capture(self, mb: Any) -> tuple:
+        self._mode = ("capture", None)
+        try:
+            with _LogRecorder(self.lightning_module, None):
+                self._run_step(mb, self._args, self._kwargs)
+        except _Captured as c:
+            inputs = c.inputs
+        else:
+            raise RuntimeError(
+                f"training_step did not call {self._seq_name or 'the Sequential'}: under strategy='twobp' it must "
+                f"call the pipelined Sequential exactly once"
+            )
+        finally:
+            self._mode = ("idle", None)
+        for x in inputs:
+            if isinstance(x, torch.Tensor) and x.requires_grad:
+                raise ValueError(
+                    "the Sequential's input requires grad: a module with parameters runs before it in "
+                    "training_step, which the pipeline cannot train; move it into the Sequential"
+                )
+        return inputs
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        assert self._executor is not None and self.lightning_module is not None
+        ex = self._executor
+        batch, self._args, self._kwargs = args[0], args[1:], kwargs
+        self._mbs = self._split(batch)
+        self._logs = []
+        params = [q for q in self.lightning_module.parameters() if q.requires_grad]
+        kept = [q.grad for q in params]
+        for q in params:  # the step's gradients start from zero; earlier ones are put back below
+            q.grad = None
+        with self.precision_plugin.train_step_context():
+            inputs = [self._capture(mb) for mb in self._mbs] if 0 in ex.stages else None
+            targets = list(range(len(self._mbs))) if ex.last in ex.stages else None
+            result = ex.step(inputs, targets)
+        self._stash = [(q, q.grad) for q in params if q.grad is not None]
+        for q, g in zip(params, kept):
+            q.grad = g
+        return self._share_loss_and_logs(result.loss)
+
+    def _share_loss_and_logs(self, loss: torch.Tensor | None) -> torch.Tensor:
+        """The loss and logged values live on the last stage: average the logs over micro-batches,
+        send both to every rank, log once everywhere (the logger writes from global rank 0)."""
+        lm = self.lightning_module
+        last_rank = self.schedule.stage_to_rank[self.schedule.num_stages - 1]
+        payload = None
+        if loss is not None:
+            means: dict[str, tuple[Any, dict]] = {}
+            for name in self._logs[0] if self._logs else {}:
+                values = [logs[name][0] for logs in self._logs]
+                kw = self._logs[0][name][1]
+                if isinstance(values[0], torch.Tensor):
+                    means[name] = (torch.stack([v.float() for v in values]).mean().cpu(), kw)
+                else:
+                    means[name] = (sum(values) / len(values), kw)
+            payload = (loss.detach().cpu(), means)
+        box = [payload]
+        if dist.is_initialized() and self.world_size > 1:
+            dist.broadcast_object_list(box, src=last_rank, device=self.root_device if self.root_device.type == "cuda" else None)
+        shared_loss, means = box[0]
+        for name, (value, kw) in means.items():
+            lm.log(name, value.to(self.root_device) if isinstance(value, torch.Tensor) else value, **kw)
+        return shared_loss.to(self.root_device)
+
+    @override
+    def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """Add the gradients the pipeline computed in ``training_step`` (after Lightning's zero_grad)."""
+        lm = self.lightning_module
+        assert lm is not None
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, lm)  # on_before_backward
+        scale = 1.0 / lm.trainer.accumulate_grad_batches
+        for q, g in self._stash:
+            g = g if scale == 1.0 else g * scale
+            if q.grad is None:
+                q.grad = g
+            else:
+                q.grad.add_(g)
+        self._stash = []
+        return self.precision_plugin.post_backward(closure_loss, lm)  # on_after_backward
+
+    # ------------------------------------------------------------------ not yet
+    def _not_yet(self, what: str) -> None:
+        raise NotImplementedError(
+            f"{what} under strategy='twobp' is not available yet (forward-only pipeline steps are the "
+            f"next part of the strategy); run it with strategy='auto' on the consolidated model for now"
+        )
+
+    @override
+    def save_checkpoint(self, *args: Any, **kwargs: Any) -> None:
+        # Each rank holds only its stages: a plain checkpoint from rank 0 would silently lack the rest.
+        self._not_yet("saving a checkpoint (sharded per stage)")
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._not_yet("validation")
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._not_yet("testing")
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._not_yet("prediction")
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        strategy_registry.register(
+            cls.strategy_name, cls, description="2BP pipeline parallelism (lightning_twobp)"
+        )
+
+
+def _register() -> None:
+    if TwoBPStrategy.strategy_name not in StrategyRegistry:
+        TwoBPStrategy.register_strategies(StrategyRegistry)
+
+
+_register()
