@@ -14,9 +14,9 @@ The pipeline computes the gradients inside ``training_step``; they are set aside
 ``backward`` (scaled by ``1 / accumulate_grad_batches``, as Lightning scales the loss), so
 ``zero_grad``, gradient accumulation and ``optimizer.step`` see what ``loss.backward()`` would give.
 
-This first version trains with automatic optimization on one pipeline (``dp = 1``). Validation,
-test and predict, data parallelism, global-norm clipping and sharded checkpoints are the remaining
-parts of the strategy issue; each raises a clear error until then.
+Validation, test and predict run forward-only through the pipeline; clipping by norm uses the
+global norm. One pipeline (``dp = 1``) for now: data parallelism, ``16-mixed`` and sharded
+checkpoints are the remaining parts of the strategy issue, and each raises a clear error until then.
 """
 
 from __future__ import annotations
@@ -66,6 +66,11 @@ class _Captured(Exception):
     def __init__(self, inputs: tuple) -> None:
         super().__init__("captured")
         self.inputs = inputs
+
+
+def _batch_size(batch: Any) -> int:
+    leaves = [x for x in pytree.tree_leaves(batch) if isinstance(x, torch.Tensor) and x.dim() > 0]
+    return leaves[0].shape[0] if leaves else 1
 
 
 class _LogRecorder:
@@ -241,12 +246,8 @@ class TwoBPStrategy(DDPStrategy):
                 "precision='16-mixed' (a gradient scaler) is not supported by strategy='twobp' yet: use "
                 "'bf16-mixed' or '32-true'"
             )
-        if trainer.gradient_clip_val is not None and trainer.gradient_clip_algorithm != "value":
-            raise NotImplementedError(
-                "gradient clipping by norm needs the global norm across pipeline stages, which "
-                "strategy='twobp' does not compute yet: use gradient_clip_algorithm='value' (exact per "
-                "element) or no clipping"
-            )
+        # Clipping by norm must see the norm of the whole model, not of this rank's stages.
+        self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_global_norm  # type: ignore[method-assign]
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         # Optimizers are created after the move to the device and hold no state yet (resuming from
@@ -258,7 +259,9 @@ class TwoBPStrategy(DDPStrategy):
         """No DistributedDataParallel wrapper: gradients come from the pipeline schedule."""
 
     # ------------------------------------------------------------------ training
-    def _split(self, batch: Any) -> list[Any]:
+    def _split(self, batch: Any, exact: bool = True) -> list[Any]:
+        """Micro-batches along the first dimension; training needs equal ones (``exact``),
+        evaluation takes a smaller last batch as up to m nearly equal pieces."""
         m = self.num_microbatches
         leaves, spec = pytree.tree_flatten(batch)
         sizes = {x.shape[0] for x in leaves if isinstance(x, torch.Tensor) and x.dim() > 0}
@@ -268,17 +271,17 @@ class TwoBPStrategy(DDPStrategy):
                 f"every tensor in the batch needs the same batch dimension first"
             )
         (n,) = sizes
-        if n % m:
+        if exact and n % m:
             raise ValueError(
                 f"batch size {n} does not split into {m} micro-batches: use a batch size that is a multiple "
                 f"of {m}, or set num_microbatches to a divisor of {n}"
             )
-        chunks = [x.chunk(m) if isinstance(x, torch.Tensor) and x.dim() > 0 else [x] * m for x in leaves]
+        m = min(m, n)
+        chunks = [x.tensor_split(m) if isinstance(x, torch.Tensor) and x.dim() > 0 else [x] * m for x in leaves]
         return [pytree.tree_unflatten([c[i] for c in chunks], spec) for i in range(m)]
 
     def _run_step(self, mb: Any, args: tuple, kwargs: dict) -> Any:
-        lm = self.lightning_module
-        return lm.training_step(mb, *args, **kwargs)
+        return getattr(self.lightning_module, self._step_name)(mb, *args, **kwargs)
 
     def _last_stage_loss(self, output: Any, index: int) -> torch.Tensor:
         self._mode = ("provide", output)
@@ -324,6 +327,7 @@ class TwoBPStrategy(DDPStrategy):
         assert self._executor is not None and self.lightning_module is not None
         ex = self._executor
         batch, self._args, self._kwargs = args[0], args[1:], kwargs
+        self._step_name = "training_step"
         self._mbs = self._split(batch)
         self._logs = []
         params = [q for q in self.lightning_module.parameters() if q.requires_grad]
@@ -337,31 +341,76 @@ class TwoBPStrategy(DDPStrategy):
         self._stash = [(q, q.grad) for q in params if q.grad is not None]
         for q, g in zip(params, kept):
             q.grad = g
-        return self._share_loss_and_logs(result.loss)
+        return self._share_loss_and_logs(result.loss).to(self.root_device)
 
-    def _share_loss_and_logs(self, loss: torch.Tensor | None) -> torch.Tensor:
-        """The loss and logged values live on the last stage: average the logs over micro-batches,
-        send both to every rank, log once everywhere (the logger writes from global rank 0)."""
+    def _share_loss_and_logs(self, loss: torch.Tensor | None) -> torch.Tensor | None:
+        """The loss and logged values live on the last stage: average the logs over micro-batches
+        (weighted by their sizes), send both to every rank, log once everywhere (the logger writes
+        from global rank 0)."""
         lm = self.lightning_module
+        ex = self._executor
         last_rank = self.schedule.stage_to_rank[self.schedule.num_stages - 1]
         payload = None
-        if loss is not None:
+        if ex.last in ex.stages:
+            sizes = [_batch_size(mb) for mb in self._mbs]
+            weights = [n / sum(sizes) for n in sizes]
             means: dict[str, tuple[Any, dict]] = {}
             for name in self._logs[0] if self._logs else {}:
                 values = [logs[name][0] for logs in self._logs]
                 kw = self._logs[0][name][1]
                 if isinstance(values[0], torch.Tensor):
-                    means[name] = (torch.stack([v.float() for v in values]).mean().cpu(), kw)
+                    means[name] = (sum(v.float().cpu() * w for v, w in zip(values, weights)), kw)
                 else:
-                    means[name] = (sum(values) / len(values), kw)
-            payload = (loss.detach().cpu(), means)
+                    means[name] = (sum(v * w for v, w in zip(values, weights)), kw)
+            payload = (None if loss is None else loss.detach().cpu(), means)
         box = [payload]
         if dist.is_initialized() and self.world_size > 1:
             dist.broadcast_object_list(box, src=last_rank, device=self.root_device if self.root_device.type == "cuda" else None)
         shared_loss, means = box[0]
         for name, (value, kw) in means.items():
             lm.log(name, value.to(self.root_device) if isinstance(value, torch.Tensor) else value, **kw)
-        return shared_loss.to(self.root_device)
+        return shared_loss
+
+    def _eval_step(self, name: str, args: tuple, kwargs: dict) -> Any:
+        """Validation, test and predict: a forward-only pipeline pass, then ``name`` on the last stage
+        per micro-batch with the Sequential answered by the pipeline; logs averaged and shared."""
+        assert self._executor is not None
+        ex = self._executor
+        batch, self._args, self._kwargs = args[0], args[1:], kwargs
+        self._step_name = name
+        self._mbs = self._split(batch, exact=False)
+        self._logs = []
+        inputs = [self._capture(mb) for mb in self._mbs] if 0 in ex.stages else None
+        outs = ex.forward_only(inputs, len(self._mbs))
+        results = []
+        if outs is not None:
+            for mb, out in zip(self._mbs, outs):
+                logs: dict[str, tuple[Any, dict]] = {}
+                self._mode = ("provide", out)
+                try:
+                    with _LogRecorder(self.lightning_module, logs):
+                        results.append(self._run_step(mb, self._args, self._kwargs))
+                finally:
+                    self._mode = ("idle", None)
+                self._logs.append(logs)
+        self._share_loss_and_logs(None)
+        if name != "predict_step" or outs is None:
+            return None
+        # predictions live on the rank holding the last stage: the micro-batches' outputs, joined
+        return pytree.tree_map(lambda *xs: torch.cat(xs) if isinstance(xs[0], torch.Tensor) else list(xs), *results)
+
+    def _clip_grad_by_global_norm(self, optimizer: Any, clip_val: float) -> None:
+        """``torch.nn.utils.clip_grad_norm_`` with the norm over every stage of the pipeline."""
+        grads = [q.grad for q in self.precision_plugin.main_params(optimizer) if q.grad is not None]
+        local = torch.zeros((), device=self.root_device, dtype=torch.float32)
+        if grads:
+            local = torch.stack([torch.linalg.vector_norm(g.detach(), dtype=torch.float32) for g in grads]).pow(2).sum()
+        if dist.is_initialized() and self.world_size > 1:
+            dist.all_reduce(local)  # one pipeline (dp = 1): the world holds every stage once
+        total = local.sqrt()
+        coef = torch.clamp(clip_val / (total + 1e-6), max=1.0)  # the formula clip_grad_norm_ uses
+        for g in grads:
+            g.mul_(coef.to(g.dtype))
 
     @override
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -393,15 +442,18 @@ class TwoBPStrategy(DDPStrategy):
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        self._not_yet("validation")
+        with self.precision_plugin.val_step_context():
+            return self._eval_step("validation_step", args, kwargs)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        self._not_yet("testing")
+        with self.precision_plugin.test_step_context():
+            return self._eval_step("test_step", args, kwargs)
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        self._not_yet("prediction")
+        with self.precision_plugin.predict_step_context():
+            return self._eval_step("predict_step", args, kwargs)
 
     @classmethod
     @override

@@ -207,6 +207,46 @@ class PipelineExecutor:
             res.loss = torch.stack([x.detach() for x in res.losses]).mean()
         return res
 
+    @torch.no_grad()
+    def forward_only(self, inputs: Sequence[Any] | None, num_microbatches: int) -> list[Any] | None:
+        """Evaluation: every micro-batch through every stage, no backward, nothing kept.
+
+        Stage-major order (a GPipe forward): each rank runs its first stage over all micro-batches,
+        then its next, so activations stream while nothing waits on a backward. Shapes may differ
+        between micro-batches (a last, smaller batch), so tensors travel with their metadata
+        (``send_object_list``). Returns the last stage's outputs (its layers only, no loss) on the
+        rank holding it, else None.
+        """
+        s2r = self.schedule.stage_to_rank
+        outs: list[Any] = []
+        carry: dict[tuple[int, int], tuple] = {}
+        dev = self._object_device()
+        for s in sorted(self.stages):
+            layers = self.stages[s].module
+            layers = layers.module if isinstance(layers, _WithLoss) else layers
+            for mb in range(num_microbatches):
+                if s == 0:
+                    x = tuple(t.to(self.device) if isinstance(t, torch.Tensor) else t for t in _as_tuple(inputs[mb]))
+                elif (s, mb) in carry:
+                    x = carry.pop((s, mb))
+                else:
+                    box = [None]
+                    dist.recv_object_list(box, src=self._global[s2r[s - 1]], group=self.group, device=dev)
+                    x = tuple(t.to(self.device) for t in box[0])
+                try:
+                    out = layers(*x)
+                except Exception as e:
+                    raise PipelineError(
+                        f"rank {self.rank}, forward-only pass, stage {s}, micro-batch {mb}: {type(e).__name__}: {e}"
+                    ) from e
+                if s == self.last:
+                    outs.append(out)
+                elif s + 1 in self.stages:
+                    carry[(s + 1, mb)] = _as_tuple(out)
+                else:
+                    dist.send_object_list([_as_tuple(out)], dst=self._global[s2r[s + 1]], group=self.group, device=dev)
+        return outs if self.last in self.stages else None
+
     # ------------------------------------------------------------------ dispatch
     def _run(self, step: int, handler: Callable, arg: Any) -> None:
         start = time.perf_counter()
