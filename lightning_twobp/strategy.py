@@ -15,8 +15,9 @@ The pipeline computes the gradients inside ``training_step``; they are set aside
 ``zero_grad``, gradient accumulation and ``optimizer.step`` see what ``loss.backward()`` would give.
 
 Validation, test and predict run forward-only through the pipeline; clipping by norm uses the
-global norm. One pipeline (``dp = 1``) for now: data parallelism, ``16-mixed`` and sharded
-checkpoints are the remaining parts of the strategy issue, and each raises a clear error until then.
+global norm. ``devices = pipeline_degree x dp``: each stage's gradients are averaged over its
+data-parallel group after the step. ``16-mixed`` and sharded checkpoints are the remaining parts of
+the strategy issue, and each raises a clear error until then.
 """
 
 from __future__ import annotations
@@ -169,11 +170,29 @@ class TwoBPStrategy(DDPStrategy):
                 f"{world} devices cannot be split into pipelines of {p}: devices x num_nodes must be "
                 f"a multiple of pipeline_degree (use pipeline_degree={world} or a divisor of it)"
             )
-        if world != p:
-            raise ValueError(
-                f"data parallel replicas of the pipeline (pipeline_degree={p} on {world} devices) are not "
-                f"supported yet: use pipeline_degree={world}"
-            )
+
+    @override
+    def setup_distributed(self) -> None:
+        """The world, then its pipelines (consecutive ranks) and data-parallel groups (the same
+        stage in every pipeline). Every rank creates every group, in one order, as torch requires."""
+        super().setup_distributed()
+        self._check_layout()
+        p = self.pipeline_degree
+        dp = self.world_size // p
+        self._pp_group = self._dp_group = None  # None: the world (one pipeline), or no DP group
+        if dp > 1:
+            for d in range(dp):
+                group = dist.new_group([d * p + r for r in range(p)])
+                if self.global_rank // p == d:
+                    self._pp_group = group
+            for r in range(p):
+                group = dist.new_group([d * p + r for d in range(dp)])
+                if self.global_rank % p == r:
+                    self._dp_group = group
+
+    def _global_rank_of(self, pp_rank: int) -> int:
+        """Global rank of pipeline rank ``pp_rank`` in this rank's pipeline."""
+        return (self.global_rank // self.pipeline_degree) * self.pipeline_degree + pp_rank
 
     def _build_pipeline(self) -> None:
         if self._executor is not None:
@@ -239,7 +258,8 @@ class TwoBPStrategy(DDPStrategy):
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         self._executor = PipelineExecutor(
-            self._schedule_obj, self._modules, loss_fn=self._last_stage_loss, device=self.root_device
+            self._schedule_obj, self._modules, loss_fn=self._last_stage_loss, device=self.root_device,
+            group=getattr(self, "_pp_group", None),
         )
         if getattr(self.precision_plugin, "scaler", None) is not None:
             raise NotImplementedError(
@@ -338,10 +358,27 @@ class TwoBPStrategy(DDPStrategy):
             inputs = [self._capture(mb) for mb in self._mbs] if 0 in ex.stages else None
             targets = list(range(len(self._mbs))) if ex.last in ex.stages else None
             result = ex.step(inputs, targets)
+        self._reduce_data_parallel([q.grad for q in params if q.grad is not None])
         self._stash = [(q, q.grad) for q in params if q.grad is not None]
         for q, g in zip(params, kept):
             q.grad = g
         return self._share_loss_and_logs(result.loss).to(self.root_device)
+
+    def _reduce_data_parallel(self, grads: list[torch.Tensor]) -> None:
+        """Average this stage's gradients over the data-parallel replicas, as DDP would, in one
+        flat all-reduce per dtype (after the step's last W; not yet overlapped with it)."""
+        dp = self.world_size // self.pipeline_degree
+        if dp == 1 or not grads:
+            return
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for g in grads:
+            by_dtype.setdefault(g.dtype, []).append(g)
+        for same in by_dtype.values():
+            flat = torch.cat([g.reshape(-1) for g in same])
+            dist.all_reduce(flat, group=self._dp_group)  # SUM: gloo has no AVG
+            flat.div_(dp)
+            for g, part in zip(same, flat.split([g.numel() for g in same])):
+                g.copy_(part.view_as(g))
 
     def _share_loss_and_logs(self, loss: torch.Tensor | None) -> torch.Tensor | None:
         """The loss and logged values live on the last stage: average the logs over micro-batches
@@ -349,7 +386,7 @@ class TwoBPStrategy(DDPStrategy):
         from global rank 0)."""
         lm = self.lightning_module
         ex = self._executor
-        last_rank = self.schedule.stage_to_rank[self.schedule.num_stages - 1]
+        last_rank = self._global_rank_of(self.schedule.stage_to_rank[self.schedule.num_stages - 1])
         payload = None
         if ex.last in ex.stages:
             sizes = [_batch_size(mb) for mb in self._mbs]
@@ -365,7 +402,10 @@ class TwoBPStrategy(DDPStrategy):
             payload = (None if loss is None else loss.detach().cpu(), means)
         box = [payload]
         if dist.is_initialized() and self.world_size > 1:
-            dist.broadcast_object_list(box, src=last_rank, device=self.root_device if self.root_device.type == "cuda" else None)
+            dist.broadcast_object_list(
+                box, src=last_rank, group=getattr(self, "_pp_group", None),
+                device=self.root_device if self.root_device.type == "cuda" else None,
+            )
         shared_loss, means = box[0]
         for name, (value, kw) in means.items():
             lm.log(name, value.to(self.root_device) if isinstance(value, torch.Tensor) else value, **kw)
@@ -406,7 +446,8 @@ class TwoBPStrategy(DDPStrategy):
         if grads:
             local = torch.stack([torch.linalg.vector_norm(g.detach(), dtype=torch.float32) for g in grads]).pow(2).sum()
         if dist.is_initialized() and self.world_size > 1:
-            dist.all_reduce(local)  # one pipeline (dp = 1): the world holds every stage once
+            # Every stage once: the pipeline's ranks (replicas hold the same, already averaged grads).
+            dist.all_reduce(local, group=getattr(self, "_pp_group", None))
         total = local.sqrt()
         coef = torch.clamp(clip_val / (total + 1e-6), max=1.0)  # the formula clip_grad_norm_ uses
         for g in grads:

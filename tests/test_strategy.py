@@ -188,3 +188,36 @@ def test_bad_arguments_fail_at_construction():
         TwoBPStrategy(schedule="zb-h3")
     with pytest.raises(ValueError, match="split by definition"):
         TwoBPStrategy(schedule="zb-h1", split_backward=False)
+
+
+def _replica_batches(dp_rank: int) -> DataLoader:
+    """Replica d reads samples d, d+2, d+4, ... of the shared data (its own shard)."""
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(64, 6, generator=g), torch.randn(64, 2, generator=g)
+    return DataLoader(TensorDataset(x[dp_rank::2], y[dp_rank::2]), batch_size=8)
+
+
+def _fit_dp_pp(rank: int, world: int) -> dict:
+    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world), RANK=str(rank),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
+    model = Regressor()
+    trainer = _trainer(TwoBPStrategy(schedule="zb-h1", pipeline_degree=2), world, gradient_clip_val=0.05)
+    trainer.fit(model, _replica_batches(rank // 2))
+    return {n: q.detach().clone() for n, q in model.named_parameters()}
+
+
+def test_dp_x_pp_matches_one_process_on_the_union_of_the_shards():
+    """4 processes = 2 pipelines x 2 stages; each step's gradient is the mean over both shards
+    (and clipping by norm sees the whole model once)."""
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(64, 6, generator=g), torch.randn(64, 2, generator=g)
+    # step i of one process: replica 0's batch i, then replica 1's batch i (16 samples)
+    order = torch.cat([torch.stack([torch.arange(0, 64, 2)[i * 8:(i + 1) * 8], torch.arange(1, 64, 2)[i * 8:(i + 1) * 8]]).reshape(-1) for i in range(4)])
+    model = Regressor()
+    _trainer("auto", 1, gradient_clip_val=0.05).fit(model, DataLoader(TensorDataset(x[order], y[order]), batch_size=16))
+    ref = dict(model.named_parameters())
+    results = run_distributed(_fit_dp_pp, 4, timeout=240)
+    for rank, params in enumerate(results):
+        assert set(params) == {n for n in ref if (n < "layers.4") == (rank % 2 == 0)}, "stage layout"
+        for name, value in params.items():
+            torch.testing.assert_close(value, ref[name].detach(), rtol=1e-5, atol=1e-6, msg=f"rank {rank} {name}")
