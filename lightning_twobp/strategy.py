@@ -16,8 +16,8 @@ The pipeline computes the gradients inside ``training_step``; they are set aside
 
 Validation, test and predict run forward-only through the pipeline; clipping by norm uses the
 global norm. ``devices = pipeline_degree x dp``: each stage's gradients are averaged over its
-data-parallel group after the step. ``16-mixed`` and sharded checkpoints are the remaining parts of
-the strategy issue, and each raises a clear error until then.
+data-parallel group after the step. Checkpoints are directories sharded with torch.distributed.checkpoint
+(see :mod:`lightning_twobp.checkpoint` to consolidate them). ``16-mixed`` raises a clear error.
 """
 
 from __future__ import annotations
@@ -469,17 +469,62 @@ class TwoBPStrategy(DDPStrategy):
         self._stash = []
         return self.precision_plugin.post_backward(closure_loss, lm)  # on_after_backward
 
-    # ------------------------------------------------------------------ not yet
-    def _not_yet(self, what: str) -> None:
-        raise NotImplementedError(
-            f"{what} under strategy='twobp' is not available yet (forward-only pipeline steps are the "
-            f"next part of the strategy); run it with strategy='auto' on the consolidated model for now"
-        )
+    # ------------------------------------------------------------------ evaluation
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True  # loading needs the partitioned model: each rank reads only its own stages
 
     @override
-    def save_checkpoint(self, *args: Any, **kwargs: Any) -> None:
-        # Each rank holds only its stages: a plain checkpoint from rank 0 would silently lack the rest.
-        self._not_yet("saving a checkpoint (sharded per stage)")
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        import torch.distributed.checkpoint as dcp
+        from pathlib import Path
+
+        path = Path(self.broadcast(str(filepath)))
+        if self.global_rank == 0:
+            if path.is_file():
+                path.unlink()
+            path.mkdir(parents=True, exist_ok=True)
+        self.barrier()
+        dcp.save({"model": checkpoint.pop("state_dict")}, checkpoint_id=path)
+        optimizer_states = checkpoint.pop("optimizer_states", [])
+        p = self.pipeline_degree
+        if self.global_rank < p:  # the first replica writes each stage's optimizer state
+            torch.save(optimizer_states, path / f"optim-pp{self.global_rank}.pt")
+        if self.global_rank == 0:
+            checkpoint["twobp"] = {"pipeline_degree": p, "stages_per_rank": self._stages_per_rank,
+                                   "schedule": self.schedule_name}
+            torch.save(checkpoint, path / "meta.pt")
+        self.barrier()
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        import torch.distributed.checkpoint as dcp
+        from pathlib import Path
+
+        path = Path(self.broadcast(str(checkpoint_path)))
+        if not (path / "meta.pt").is_file():
+            raise FileNotFoundError(
+                f"{path} is not a strategy='twobp' checkpoint (no meta.pt): pass the checkpoint directory "
+                f"ModelCheckpoint wrote, or load a consolidated file with strategy='auto'"
+            )
+        checkpoint = torch.load(path / "meta.pt", map_location="cpu", weights_only=False)
+        model = {"model": self.lightning_module.state_dict()}  # this rank's tensors, loaded in place
+        dcp.load(model, checkpoint_id=path)
+        checkpoint["state_dict"] = model["model"]
+        saved = checkpoint.get("twobp", {})
+        pp_rank = self.global_rank % self.pipeline_degree
+        if saved.get("pipeline_degree") == self.pipeline_degree and saved.get("stages_per_rank") == self._stages_per_rank:
+            checkpoint["optimizer_states"] = torch.load(path / f"optim-pp{pp_rank}.pt", map_location="cpu", weights_only=False)
+        else:
+            # The weights re-partition by name; optimizer state is per stage and does not.
+            rank_zero_info(
+                f"twobp: the checkpoint was saved with pipeline_degree={saved.get('pipeline_degree')}, "
+                f"stages_per_rank={saved.get('stages_per_rank')}; weights are restored, optimizer state starts fresh"
+            )
+            checkpoint.pop("optimizer_states", None)
+            checkpoint.pop("lr_schedulers", None)
+        return checkpoint
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:

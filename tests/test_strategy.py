@@ -221,3 +221,53 @@ def test_dp_x_pp_matches_one_process_on_the_union_of_the_shards():
         assert set(params) == {n for n in ref if (n < "layers.4") == (rank % 2 == 0)}, "stage layout"
         for name, value in params.items():
             torch.testing.assert_close(value, ref[name].detach(), rtol=1e-5, atol=1e-6, msg=f"rank {rank} {name}")
+
+
+class AdamRegressor(Regressor):
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=0.01)
+
+
+def _fit_with_checkpoints(rank: int, world: int, folder: str) -> dict:
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world), RANK=str(rank),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
+    runs = {}
+    for name, kw in (("straight", dict(max_steps=4)), ("resumed-to-2", dict(max_steps=2))):
+        cb = ModelCheckpoint(dirpath=f"{folder}/{name}", every_n_train_steps=2, save_top_k=-1)
+        model = AdamRegressor()
+        trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=TwoBPStrategy(schedule="zb-h1"), logger=False,
+                             enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
+                             callbacks=[cb], limit_train_batches=2, **kw)  # checkpoints at epoch ends
+        trainer.fit(model, _data())
+        runs[name] = {n: q.detach().clone() for n, q in model.named_parameters()}
+    # resume the second run from its step-2 checkpoint, up to step 4
+    ckpt = sorted(os.listdir(f"{folder}/resumed-to-2"))[-1]
+    model = AdamRegressor()
+    trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=TwoBPStrategy(schedule="zb-h1"), logger=False,
+                         enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
+                         enable_checkpointing=False, max_steps=4, limit_train_batches=2)
+    trainer.fit(model, _data(), ckpt_path=f"{folder}/resumed-to-2/{ckpt}")
+    runs["resumed"] = {n: q.detach().clone() for n, q in model.named_parameters()}
+    return runs
+
+
+def test_checkpoint_resume_is_bitwise_and_consolidates(tmp_path):
+    from lightning_twobp.checkpoint import consolidate
+
+    results = run_distributed(_fit_with_checkpoints, 2, str(tmp_path), timeout=240)
+    for runs in results:
+        for name, value in runs["straight"].items():
+            assert torch.equal(runs["resumed"][name], value), f"resumed {name} differs from the straight run"
+    # the straight run's step-4 checkpoint, merged, loads into the unpipelined module
+    step4 = sorted((tmp_path / "straight").iterdir())[-1]
+    ckpt = consolidate(step4, tmp_path / "full.ckpt")
+    model = AdamRegressor()
+    model.load_state_dict(torch.load(tmp_path / "full.ckpt", weights_only=False)["state_dict"])
+    final = {**results[0]["straight"], **results[1]["straight"]}
+    assert set(ckpt["state_dict"]) == set(final)
+    for name, q in model.named_parameters():
+        assert torch.equal(q.detach(), final[name]), name
+    loaded = AdamRegressor.load_from_checkpoint(tmp_path / "full.ckpt")
+    assert torch.equal(loaded.layers[0].weight, final["layers.0.weight"])
