@@ -17,7 +17,8 @@ The pipeline computes the gradients inside ``training_step``; they are set aside
 Validation, test and predict run forward-only through the pipeline; clipping by norm uses the
 global norm. ``devices = pipeline_degree x dp``: each stage's gradients are averaged over its
 data-parallel group after the step. Checkpoints are directories sharded with torch.distributed.checkpoint
-(see :mod:`lightning_twobp.checkpoint` to consolidate them). ``16-mixed`` raises a clear error.
+(see :mod:`lightning_twobp.checkpoint` to consolidate them). Under fp16 with a GradScaler the
+pipeline's backward starts from the scaled loss.
 """
 
 from __future__ import annotations
@@ -261,11 +262,6 @@ class TwoBPStrategy(DDPStrategy):
             self._schedule_obj, self._modules, loss_fn=self._last_stage_loss, device=self.root_device,
             group=getattr(self, "_pp_group", None),
         )
-        if getattr(self.precision_plugin, "scaler", None) is not None:
-            raise NotImplementedError(
-                "precision='16-mixed' (a gradient scaler) is not supported by strategy='twobp' yet: use "
-                "'bf16-mixed' or '32-true'"
-            )
         # Clipping by norm must see the norm of the whole model, not of this rank's stages.
         self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_global_norm  # type: ignore[method-assign]
         if trainer.state.fn == TrainerFn.FITTING:
@@ -357,7 +353,10 @@ class TwoBPStrategy(DDPStrategy):
         with self.precision_plugin.train_step_context():
             inputs = [self._capture(mb) for mb in self._mbs] if 0 in ex.stages else None
             targets = list(range(len(self._mbs))) if ex.last in ex.stages else None
-            result = ex.step(inputs, targets)
+            # With a GradScaler (fp16), the pipeline's backward starts from the scaled loss, as
+            # Lightning's backward would; the scaler unscales before clipping and stepping.
+            scaler = getattr(self.precision_plugin, "scaler", None)
+            result = ex.step(inputs, targets, loss_scale=float(scaler.get_scale()) if scaler is not None else 1.0)
         self._reduce_data_parallel([q.grad for q in params if q.grad is not None])
         self._stash = [(q, q.grad) for q in params if q.grad is not None]
         for q, g in zip(params, kept):

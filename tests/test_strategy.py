@@ -86,6 +86,10 @@ def _data() -> DataLoader:
 
 
 def _trainer(strategy, devices: int, **kw) -> pl.Trainer:
+    if kw.get("plugins") == "fp16-scaler":
+        from lightning.pytorch.plugins import MixedPrecision
+
+        kw["plugins"] = [MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=2.0**12))]
     return pl.Trainer(
         accelerator="cpu", devices=devices, strategy=strategy, max_steps=kw.pop("max_steps", 3), logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
@@ -124,8 +128,10 @@ def _reference(**trainer_kwargs) -> tuple[dict, float]:
         # bf16 autocast: the pipeline and one process round differently (per micro-batch vs whole
         # batch matmuls), so 2e-2 relative, as bf16's 8-bit mantissa allows after 3 steps.
         (dict(), dict(precision="bf16-mixed"), 2e-2),
+        # fp16 with a GradScaler (Lightning attaches one on GPU; here given explicitly on CPU)
+        (dict(schedule="zb-h1"), dict(plugins="fp16-scaler", gradient_clip_val=0.05), 1e-2),
     ],
-    ids=["1f1b-2bp", "zb-h1", "gpipe-accumulate", "zb-v-clip-value", "zb-h2-clip-norm", "bf16-mixed"],
+    ids=["1f1b-2bp", "zb-h1", "gpipe-accumulate", "zb-v-clip-value", "zb-h2-clip-norm", "bf16-mixed", "fp16-scaler"],
 )
 def test_fit_matches_one_process(strategy_kwargs, trainer_kwargs, rtol):
     ref, ref_loss = _reference(**trainer_kwargs)

@@ -147,12 +147,17 @@ class PipelineExecutor:
         self._meta_out: dict[int, list[_Meta]] = {}  # stage -> its outputs' metadata (non-last)
 
     # ------------------------------------------------------------------ public
-    def step(self, inputs: Sequence[Any] | None = None, targets: Sequence[Any] | None = None) -> StepResult:
+    def step(
+        self, inputs: Sequence[Any] | None = None, targets: Sequence[Any] | None = None, *, loss_scale: float = 1.0
+    ) -> StepResult:
         """Run one iteration of the schedule: every micro-batch's F and backward, grads accumulated.
 
         ``inputs[mb]`` (a tensor or tuple of positional inputs) is needed on the rank holding stage 0,
-        ``targets[mb]`` on the rank holding the last stage; other ranks pass ``None``.
+        ``targets[mb]`` on the rank holding the last stage; other ranks pass ``None``. The gradients
+        are those of ``loss_scale`` times the mean loss (a GradScaler's scale for fp16, so small
+        gradients do not underflow on the way back).
         """
+        self._loss_scale = float(loss_scale)
         m = self.schedule.num_microbatches
         for name, seq, stage in (("inputs", inputs, 0), ("targets", targets, self.last)):
             if stage in self.stages and (seq is None or len(seq) != m):
@@ -325,7 +330,7 @@ class PipelineExecutor:
         if s == self.last:
             # d(mean loss)/d(loss_mb) = 1/m: the step differentiates the mean over micro-batches.
             loss = self._result.losses[-1]
-            return torch.full_like(loss, 1.0 / self.schedule.num_microbatches)
+            return torch.full_like(loss, self._loss_scale / self.schedule.num_microbatches)
         if (s, mb) in self._grads:
             return self._grads.pop((s, mb))
         return self._wait_recv(("B", s, mb))
