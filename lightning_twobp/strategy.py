@@ -39,13 +39,12 @@ from typing_extensions import override
 from lightning_twobp.contract import find_sequential
 from lightning_twobp.engine import PipelineExecutor
 from lightning_twobp.partition import partition
-from lightning_twobp.schedules import SCHEDULES, Schedule, build_schedule
+from lightning_twobp.schedules import SCHEDULES, Schedule, build_schedule, check_split
 
 log = logging.getLogger(__name__)
 
 __all__ = ["TwoBPStrategy"]
 
-_SPLIT_ONLY = ("zb-h1", "zb-h2", "zb-v")
 
 
 class _Remote(nn.Module):
@@ -125,12 +124,9 @@ class TwoBPStrategy(DDPStrategy):
         layers: str | None = None,
         **kwargs: Any,
     ) -> None:
-        if schedule not in SCHEDULES:
-            raise ValueError(f"unknown schedule {schedule!r}: choose one of {', '.join(SCHEDULES)}")
-        if schedule in _SPLIT_ONLY and not split_backward:
-            raise ValueError(
-                f"{schedule} is split by definition; for a fused backward use schedule='1f1b' or 'gpipe'"
-            )
+        if schedule not in SCHEDULES:  # checked now, not at setup: the Trainer is not built yet
+            raise ValueError(f"unknown schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")
+        check_split(schedule, split_backward)
         super().__init__(**kwargs)
         self.schedule_name = schedule
         self.split_backward = split_backward
@@ -226,8 +222,8 @@ class TwoBPStrategy(DDPStrategy):
             else:  # drop remote layers: no memory, no parameters for configure_optimizers
                 for i in layer_ids:
                     seq._modules[str(i)] = _Remote(s)
-            params = sum(q.numel() for i in layer_ids for q in seq[i].parameters()) if s in mine else None
             if s in mine:
+                params = sum(q.numel() for i in layer_ids for q in seq[i].parameters())
                 log.info("stage %d: layers %d-%d (%d parameters) on rank %d", s, bounds[s], bounds[s + 1] - 1, params, rank)
         rank_zero_info(
             f"twobp: {schedule.name}{' + 2BP' if self.split_backward else ''}, {num_stages} stages on "

@@ -34,6 +34,20 @@ def expected_refusal(name: str, ranks: int, m: int, spr: int, split: bool) -> st
     return None
 
 
+
+def _assert_memory_limits(s, result, name, ranks):
+    """F->B (the paper's activation budget) and F->W (held until W) both bounded."""
+    limit_fb, limit_fw = memory_limits(name, ranks)
+    assert all(a <= lim for a, lim in zip(peak_activations(s), limit_fb))
+    assert all(x <= lim for x, lim in zip(result.peak_inflight, limit_fw))
+
+
+def _assert_comm_ok(s):
+    lowered = lower_communication(s)
+    check_comm_order(lowered)
+    check_comm_deadlock(lowered, s.stage_to_rank)
+    return lowered
+
 @given(
     name=st.sampled_from(SCHEDULES),
     ranks=st.integers(1, 8),
@@ -57,14 +71,8 @@ def test_build_simulate_lower(name, ranks, m, spr, split):
     assert result.makespan >= max(result.busy) + (ranks - 1)
     assert 0 <= result.bubble_fraction < 1
     if name.startswith("zb-"):
-        limit_fb, limit_fw = memory_limits(name, ranks)
-        # F->B (the paper's activation budget) and F->W (held until W) both bounded.
-        assert all(a <= lim for a, lim in zip(peak_activations(s), limit_fb))
-        assert all(x <= lim for x, lim in zip(result.peak_inflight, limit_fw))
-
-    lowered = lower_communication(s)
-    check_comm_order(lowered)
-    check_comm_deadlock(lowered, s.stage_to_rank)
+        _assert_memory_limits(s, result, name, ranks)
+    lowered = _assert_comm_ok(s)
     # Lowering only adds communication; compute order is untouched.
     assert tuple(tuple(op for op in ops if isinstance(op, Action)) for ops in lowered) == s.actions
 
@@ -90,9 +98,5 @@ def test_greedy_terminates_at_any_costs(name, ranks, m, costs):
     s = build_schedule(name, ranks * spr, m, stages_per_rank=spr, costs=costs)
     result = simulate(s, costs)
     assert result.makespan >= max(result.busy) + (ranks - 1) * costs.f - 1e-9
-    limit_fb, limit_fw = memory_limits(name, ranks)
-    assert all(a <= lim for a, lim in zip(peak_activations(s), limit_fb))
-    assert all(x <= lim for x, lim in zip(result.peak_inflight, limit_fw))
-    lowered = lower_communication(s)
-    check_comm_order(lowered)
-    check_comm_deadlock(lowered, s.stage_to_rank)
+    _assert_memory_limits(s, result, name, ranks)
+    _assert_comm_ok(s)

@@ -8,7 +8,7 @@
 
 from .comm import Comm, check_comm_deadlock, check_comm_order, lower_communication
 from .ir import Action, Schedule, stage_to_rank
-from .registry import SCHEDULES, build_schedule
+from .registry import SCHEDULES, build_schedule, check_split
 from .simulate import Costs, DeadlockError, SimResult, simulate
 from .zero_bubble import peak_activations
 
@@ -23,6 +23,7 @@ __all__ = [
     "build_schedule",
     "check_comm_deadlock",
     "check_comm_order",
+    "check_split",
     "lower_communication",
     "peak_activations",
     "simulate",

@@ -14,6 +14,15 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "zb-v")
 _SPLIT_ONLY = ("zb-h1", "zb-h2", "zb-v")
 
 
+def check_split(name: str, split_backward: bool) -> None:
+    """Raise ``ValueError`` for a Zero Bubble schedule without the split (it has no fused form)."""
+    if name in _SPLIT_ONLY and not split_backward:
+        raise ValueError(
+            f"{name} is split by definition (its backward is separate B and W actions); got "
+            f"split_backward=False: use '1f1b' or 'gpipe' for a fused backward"
+        )
+
+
 def build_schedule(name: str, num_stages: int, num_microbatches: int, *,
                    stages_per_rank: int = 1, split_backward: bool = True,
                    costs: Costs | None = None) -> Schedule:
@@ -47,11 +56,7 @@ def build_schedule(name: str, num_stages: int, num_microbatches: int, *,
             f"zb-v needs stages_per_rank=2 (a V of 2 stages per rank); got {stages_per_rank}: "
             f"use build_schedule('zb-v', {2 * ranks}, {m}, stages_per_rank=2) for {ranks} ranks"
         )
-    if name in _SPLIT_ONLY and not split_backward:
-        raise ValueError(
-            f"{name} is split by definition (its backward is separate B and W actions); got "
-            f"split_backward=False: use '1f1b' or 'gpipe' for a fused backward"
-        )
+    check_split(name, split_backward)
     if name == "interleaved-1f1b" and stages_per_rank > 1 and m % ranks:
         start = max(ranks, (m // ranks) * ranks)
         options = [start, start + ranks, start + 2 * ranks]
