@@ -24,6 +24,7 @@ pipeline's backward starts from the scaled loss.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -69,6 +70,10 @@ class _Captured(Exception):
         self.inputs = inputs
 
 
+def _tuple(x: Any) -> tuple:
+    return x if isinstance(x, tuple) else (x,)
+
+
 def _batch_size(batch: Any) -> int:
     leaves = [x for x in pytree.tree_leaves(batch) if isinstance(x, torch.Tensor) and x.dim() > 0]
     return leaves[0].shape[0] if leaves else 1
@@ -105,7 +110,8 @@ class TwoBPStrategy(DDPStrategy):
             must divide by it.
         pipeline_degree: ranks per pipeline (default: every device, one pipeline).
         stages_per_rank: stages on each rank (default 2 for ``zb-v``, else 1).
-        balance: ``"params"`` (default) or a list of layer counts per stage.
+        balance: ``"params"`` (default), ``"time"`` (forward + backward time of every layer, measured
+            on the first micro-batch of the data before training), or a list of layer counts per stage.
         layers: dotted name of the Sequential to pipeline, when the module holds several.
         **kwargs: passed to :class:`~lightning.pytorch.strategies.DDPStrategy` (process group
             backend, timeout, cluster environment, start method).
@@ -136,6 +142,7 @@ class TwoBPStrategy(DDPStrategy):
         self._balance = balance
         self._layers = layers
         self._executor: PipelineExecutor | None = None
+        self.stage_sizes: list[int] | None = None  # layers per stage, once the pipeline is built
         self._stash: list[tuple[nn.Parameter, torch.Tensor]] = []
 
     # ------------------------------------------------------------------ layout
@@ -203,8 +210,13 @@ class TwoBPStrategy(DDPStrategy):
                 "backward, so manual_backward cannot run it; set self.automatic_optimization = True"
             )
         self._seq_name, seq = find_sequential(lm, self._layers)
+        self._seq = seq
+        self._mode: tuple[str, Any] = ("idle", None)
+        seq.forward = self._sequential_call  # the Sequential answers only through the pipeline
         num_stages = self.pipeline_degree * self._stages_per_rank
-        sizes = partition(seq, num_stages, self._balance)
+        costs = self._profile_layers(seq) if self._balance == "time" else None
+        sizes = partition(seq, num_stages, self._balance, costs=costs)
+        self.stage_sizes = list(sizes)
         schedule = build_schedule(
             self.schedule_name, num_stages, self.num_microbatches,
             stages_per_rank=self._stages_per_rank, split_backward=self.split_backward,
@@ -229,11 +241,82 @@ class TwoBPStrategy(DDPStrategy):
             f"twobp: {schedule.name}{' + 2BP' if self.split_backward else ''}, {num_stages} stages on "
             f"{self.pipeline_degree} ranks, {self.num_microbatches} micro-batches; layers per stage {sizes}"
         )
-        self._seq = seq
-        seq.forward = self._sequential_call  # the Sequential answers only through the pipeline
-        self._mode: tuple[str, Any] = ("idle", None)
         self._modules = modules
         self._schedule_obj = schedule
+
+    def _sample_batch(self) -> Any:
+        """The first batch of the data the running loop will read (setup hooks have run)."""
+        trainer = self.lightning_module.trainer
+        fn = trainer.state.fn
+        loop = {TrainerFn.FITTING: trainer.fit_loop, TrainerFn.VALIDATING: trainer.validate_loop,
+                TrainerFn.TESTING: trainer.test_loop, TrainerFn.PREDICTING: trainer.predict_loop}[fn]
+        # Lightning keeps the loop's data source privately; this is the hook it would call itself.
+        source = loop._data_source
+        loaders = source.dataloader() if source.is_defined() else None
+        if isinstance(loaders, (list, tuple)):
+            loaders = loaders[0] if loaders else None
+        if isinstance(loaders, dict):
+            loaders = next(iter(loaders.values()), None)
+        if loaders is None:
+            raise ValueError(
+                'balance="time" profiles the layers on the first batch of the data, and none was found: pass '
+                "the dataloader to the Trainer call, or use balance='params' or a list of layer counts"
+            )
+        return next(iter(loaders))
+
+    def _profile_layers(self, seq: nn.Sequential, repeats: int = 3) -> list[float]:
+        """Forward + backward seconds of every layer of ``seq`` on one micro-batch of real data, for
+        ``balance="time"``. Rank 0 measures (each layer on this rank's device, one at a time, so a model
+        that fits only across the pipeline can still be profiled), every rank gets its numbers: ranks
+        that timed on their own could disagree on the cut and deadlock."""
+        costs: list[float] | None = None
+        if self.global_rank == 0:
+            trainer = self.lightning_module.trainer
+            step = {TrainerFn.FITTING: "training_step", TrainerFn.VALIDATING: "validation_step",
+                    TrainerFn.TESTING: "test_step", TrainerFn.PREDICTING: "predict_step"}[trainer.state.fn]
+            self._step_name, self._args, self._kwargs = step, (0,), {}
+            mb = self._split(self._sample_batch(), exact=False)[0]
+            mb = pytree.tree_map(lambda t: t.to(self.root_device) if isinstance(t, torch.Tensor) else t, mb)
+            x = self._capture(mb)
+            costs = []
+            # Profiling must leave no trace: BatchNorm statistics are put back and the RNG (dropout)
+            # is forked, so training afterwards is what it would have been without it.
+            buffers = {n: b.clone() for n, b in seq.named_buffers()}
+            devices = [self.root_device] if self.root_device.type == "cuda" else []
+            with self.precision_plugin.forward_context(), torch.random.fork_rng(devices=devices):
+                for i, layer in enumerate(seq):
+                    layer.to(self.root_device)
+                    x = tuple(t.detach().requires_grad_(t.is_floating_point()) if isinstance(t, torch.Tensor) else t
+                              for t in x)
+                    times = []
+                    for _ in range(repeats + 1):  # the first run warms caches and allocators up
+                        start = self._now()
+                        out = layer(*x)
+                        outs = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
+                        if outs:
+                            torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
+                        times.append(self._now() - start)
+                    costs.append(sorted(times[1:])[len(times[1:]) // 2])
+                    layer.zero_grad(set_to_none=True)
+                    for t in x:
+                        if isinstance(t, torch.Tensor):
+                            t.grad = None
+                    if self.root_device.type != "cpu":
+                        layer.to("cpu")
+                    x = tuple(t.detach() if isinstance(t, torch.Tensor) else t for t in _tuple(out))
+            with torch.no_grad():
+                for n, b in seq.named_buffers():
+                    b.copy_(buffers[n])
+            log.info("twobp: forward+backward seconds per layer: %s", ", ".join(f"{c:.2e}" for c in costs))
+        box = [costs]
+        if dist.is_initialized() and self.world_size > 1:
+            dist.broadcast_object_list(box, src=0, device=self.root_device if self.root_device.type == "cuda" else None)
+        return box[0]
+
+    def _now(self) -> float:
+        if self.root_device.type == "cuda":
+            torch.cuda.synchronize(self.root_device)
+        return time.perf_counter()
 
     def _sequential_call(self, *inputs: Any) -> Any:
         mode, value = self._mode
@@ -257,6 +340,7 @@ class TwoBPStrategy(DDPStrategy):
         self._executor = PipelineExecutor(
             self._schedule_obj, self._modules, loss_fn=self._last_stage_loss, device=self.root_device,
             group=getattr(self, "_pp_group", None),
+            grad_reduce=self._start_reduce if self.world_size > self.pipeline_degree else None,
         )
         # Clipping by norm must see the norm of the whole model, not of this rank's stages.
         self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_global_norm  # type: ignore[method-assign]
@@ -353,27 +437,33 @@ class TwoBPStrategy(DDPStrategy):
             # Lightning's backward would; the scaler unscales before clipping and stepping.
             scaler = getattr(self.precision_plugin, "scaler", None)
             result = ex.step(inputs, targets, loss_scale=float(scaler.get_scale()) if scaler is not None else 1.0)
-        self._reduce_data_parallel([q.grad for q in params if q.grad is not None])
         self._stash = [(q, q.grad) for q in params if q.grad is not None]
         for q, g in zip(params, kept):
             q.grad = g
         return self._share_loss_and_logs(result.loss).to(self.root_device)
 
-    def _reduce_data_parallel(self, grads: list[torch.Tensor]) -> None:
-        """Average this stage's gradients over the data-parallel replicas, as DDP would, in one
-        flat all-reduce per dtype (after the step's last W; not yet overlapped with it)."""
+    def _start_reduce(self, stage: int, params: list[nn.Parameter]) -> Any:
+        """Average ``stage``'s gradients over its data-parallel replicas, as DDP would: called by the
+        executor right after the stage's last W, one flat asynchronous all-reduce per dtype, so it runs
+        while the rank does its remaining work; the returned function finishes it at the step's end."""
         dp = self.world_size // self.pipeline_degree
-        if dp == 1 or not grads:
-            return
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-        for g in grads:
-            by_dtype.setdefault(g.dtype, []).append(g)
-        for same in by_dtype.values():
-            flat = torch.cat([g.reshape(-1) for g in same])
-            dist.all_reduce(flat, group=self._dp_group)  # SUM: gloo has no AVG
-            flat.div_(dp)
-            for g, part in zip(same, flat.split([g.numel() for g in same])):
-                g.copy_(part.view_as(g))
+        for q in params:
+            by_dtype.setdefault(q.grad.dtype, []).append(q.grad)
+        started = []
+        for grads in by_dtype.values():
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            work = dist.all_reduce(flat, group=self._dp_group, async_op=True)  # SUM: gloo has no AVG
+            started.append((work, flat, grads))
+
+        def finish() -> None:
+            for work, flat, grads in started:
+                work.wait()
+                flat.div_(dp)
+                for g, part in zip(grads, flat.split([g.numel() for g in grads])):
+                    g.copy_(part.view_as(g))
+
+        return finish
 
     def _share_loss_and_logs(self, loss: torch.Tensor | None) -> torch.Tensor | None:
         """The loss and logged values live on the last stage: average the logs over micro-batches

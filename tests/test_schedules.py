@@ -560,3 +560,24 @@ def test_package_imports_no_torch():
             elif isinstance(node, ast.ImportFrom) and node.level == 0:
                 names = [node.module or ""]
             assert not any(n.split(".")[0] == "torch" for n in names), path.name
+
+
+@pytest.mark.parametrize("name", SCHEDULES)
+@pytest.mark.parametrize("p", [2, 3, 4])
+def test_grad_reduce_follows_each_stages_last_weight_gradient(name, p):
+    from lightning_twobp.schedules import GradReduce, add_grad_reduce, lower_communication
+
+    spr = 2 if name in ("zb-v", "interleaved-1f1b") else 1
+    sched = build_schedule(name, p * spr, 2 * p, stages_per_rank=spr)
+    lowered = lower_communication(sched)
+    for rank, row in enumerate(add_grad_reduce(lowered, sched)):
+        assert [op for op in row if not isinstance(op, GradReduce)] == list(lowered[rank]), "nothing else moves"
+        reduces = [i for i, op in enumerate(row) if isinstance(op, GradReduce)]
+        assert sorted(row[i].stage for i in reduces) == sorted(sched.stages_of(rank)), "one reduce per local stage"
+        for i in reduces:
+            s = row[i].stage
+            later = [op for op in row[i + 1:] if isinstance(op, Action) and op.stage == s and op.kind in ("W", "BW", "B")]
+            assert not later, f"rank {rank}: {s}REDUCE before {later[0]}"
+            last = max(j for j, op in enumerate(row[:i]) if isinstance(op, Action) and op.stage == s and op.kind in ("W", "BW"))
+            between = row[last + 1:i]
+            assert all(not isinstance(op, Action) for op in between), f"rank {rank}: {s}REDUCE waits for {between}"

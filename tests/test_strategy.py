@@ -203,18 +203,20 @@ def _replica_batches(dp_rank: int) -> DataLoader:
     return DataLoader(TensorDataset(x[dp_rank::2], y[dp_rank::2]), batch_size=8)
 
 
-def _fit_dp_pp(rank: int, world: int) -> dict:
+def _fit_dp_pp(rank: int, world: int, schedule: str) -> dict:
     os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world), RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
     model = Regressor()
-    trainer = _trainer(TwoBPStrategy(schedule="zb-h1", pipeline_degree=2), world, gradient_clip_val=0.05)
+    trainer = _trainer(TwoBPStrategy(schedule=schedule, pipeline_degree=2), world, gradient_clip_val=0.05)
     trainer.fit(model, _replica_batches(rank // 2))
     return {n: q.detach().clone() for n, q in model.named_parameters()}
 
 
-def test_dp_x_pp_matches_one_process_on_the_union_of_the_shards():
-    """4 processes = 2 pipelines x 2 stages; each step's gradient is the mean over both shards
-    (and clipping by norm sees the whole model once)."""
+@pytest.mark.parametrize("schedule", ["zb-h1", "zb-v"])
+def test_dp_x_pp_matches_one_process_on_the_union_of_the_shards(schedule):
+    """4 processes = 2 pipelines x 2 ranks; each step's gradient is the mean over both shards
+    (and clipping by norm sees the whole model once). On the V each rank holds two stages, whose
+    reduces start at different times during the step."""
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(64, 6, generator=g), torch.randn(64, 2, generator=g)
     # step i of one process: replica 0's batch i, then replica 1's batch i (16 samples)
@@ -222,9 +224,10 @@ def test_dp_x_pp_matches_one_process_on_the_union_of_the_shards():
     model = Regressor()
     _trainer("auto", 1, gradient_clip_val=0.05).fit(model, DataLoader(TensorDataset(x[order], y[order]), batch_size=16))
     ref = dict(model.named_parameters())
-    results = run_distributed(_fit_dp_pp, 4, timeout=240)
+    results = run_distributed(_fit_dp_pp, 4, schedule, timeout=240)
     for rank, params in enumerate(results):
-        assert set(params) == {n for n in ref if (n < "layers.4") == (rank % 2 == 0)}, "stage layout"
+        assert set(params) == set(results[rank % 2]), "replicas hold the same stages"
+        assert set(params).isdisjoint(results[1 - rank % 2]) and set(results[0]) | set(results[1]) == set(ref)
         for name, value in params.items():
             torch.testing.assert_close(value, ref[name].detach(), rtol=1e-5, atol=1e-6, msg=f"rank {rank} {name}")
 
@@ -277,3 +280,49 @@ def test_checkpoint_resume_is_bitwise_and_consolidates(tmp_path):
         assert torch.equal(q.detach(), final[name]), name
     loaded = AdamRegressor.load_from_checkpoint(tmp_path / "full.ckpt")
     assert torch.equal(loaded.layers[0].weight, final["layers.0.weight"])
+
+
+class Heavy(nn.Module):
+    """No parameters, most of the time: what balance="params" cannot see."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("m", torch.eye(16) * 0.5)
+
+    def forward(self, x):
+        for _ in range(300):
+            x = torch.tanh(x @ self.m) * 2.0
+        return x
+
+
+class HeavyRegressor(Regressor):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.Sequential(
+            nn.Linear(6, 16), Heavy(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 2)
+        )
+
+
+def _fit_balanced(rank: int, world: int, balance: str) -> dict:
+    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world), RANK=str(rank),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
+    model = HeavyRegressor()
+    strategy = TwoBPStrategy(schedule="zb-h1", balance=balance)
+    _trainer(strategy, world).fit(model, _data())
+    return {"sizes": strategy.stage_sizes, "params": {n: q.detach().clone() for n, q in model.named_parameters()}}
+
+
+def test_balance_by_time_profiles_the_layers():
+    """The parameter-free Heavy layer costs most of the time: "time" gives it a stage of its own
+    (with the first layer), "params" does not see it; profiling leaves the numerics untouched."""
+    model = HeavyRegressor()
+    _trainer("auto", 1).fit(model, _data())
+    ref = dict(model.named_parameters())
+    by_time = run_distributed(_fit_balanced, 2, "time", timeout=180)
+    by_params = run_distributed(_fit_balanced, 2, "params", timeout=180)
+    assert by_time[0]["sizes"] == by_time[1]["sizes"] == [2, 5]
+    assert by_params[0]["sizes"] != [2, 5]
+    for out in by_time:
+        for name, value in out["params"].items():
+            torch.testing.assert_close(value, ref[name].detach(), rtol=1e-5, atol=1e-6, msg=name)

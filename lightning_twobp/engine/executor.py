@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_twobp.engine.stage import Stage
-from lightning_twobp.schedules import Action, Comm, Schedule, lower_communication
+from lightning_twobp.schedules import Action, Comm, GradReduce, Schedule, add_grad_reduce, lower_communication
 
 __all__ = ["ActionRecord", "PipelineError", "PipelineExecutor", "StepResult"]
 
@@ -94,6 +94,9 @@ class PipelineExecutor:
         group: the pipeline's process group (default: the world); pipeline rank r is group rank r.
         device: where activations live (default: the device of the first parameter, else CPU).
         record: record each op's start/end and receive waits, and the bytes each micro-batch's F saves.
+        grad_reduce: data parallelism: ``grad_reduce(stage, params)`` is called as soon as ``stage``'s
+            gradients are complete (a pass places a :class:`GradReduce` after its last W); it starts
+            their reduce and returns a function that finishes it, called at the end of the step.
     """
 
     def __init__(
@@ -105,6 +108,7 @@ class PipelineExecutor:
         group: dist.ProcessGroup | None = None,
         device: torch.device | str | None = None,
         record: bool = False,
+        grad_reduce: Callable[[int, list[nn.Parameter]], Callable[[], None]] | None = None,
     ) -> None:
         schedule.validate()
         self.schedule = schedule
@@ -131,7 +135,11 @@ class PipelineExecutor:
             device = first.device if first is not None else torch.device("cpu")
         self.device = torch.device(device)
         self.record = record
-        self.ops = lower_communication(schedule)[self.rank]
+        lowered = lower_communication(schedule)
+        self._grad_reduce = grad_reduce
+        if grad_reduce is not None:
+            lowered = add_grad_reduce(lowered, schedule)
+        self.ops = lowered[self.rank]
         if group is None or group is dist.GroupMember.WORLD:
             self._global = list(range(world))
         else:
@@ -142,6 +150,7 @@ class PipelineExecutor:
             "W": self._backward_weight,
             "BW": self._backward,
         }
+        self._pending: list[Callable[[], None]] = []  # reduces started this step
         self._signature: str | None = None
         self._meta_in: dict[int, list[_Meta]] = {}  # stage -> its inputs' metadata
         self._meta_out: dict[int, list[_Meta]] = {}  # stage -> its outputs' metadata (non-last)
@@ -170,6 +179,7 @@ class PipelineExecutor:
         self._targets = list(targets) if targets is not None else []
         for st in self.stages.values():  # a step that failed part-way leaves micro-batches behind
             st.discard()
+        self._pending = []
         self._exchange_meta()
         self._acts: dict[tuple[int, int], tuple] = {}  # (stage, mb) -> inputs handed over locally
         self._grads: dict[tuple[int, int], list] = {}  # (stage, mb) -> grads of its outputs
@@ -193,11 +203,14 @@ class PipelineExecutor:
                 i = j
                 continue
             op = self.ops[i]
-            self._run(i, self._handlers[op.kind], op)
+            self._run(i, self._reduce if isinstance(op, GradReduce) else self._handlers[op.kind], op)
             i += 1
         for works in self._sends:
             for w in works:
                 w.wait()
+        pending, self._pending = self._pending, []
+        for finish in pending:
+            finish()
         res = self._result
         if self._events:
             # On a GPU the host only launches kernels: times come from CUDA events, read once the
@@ -355,6 +368,10 @@ class PipelineExecutor:
 
     def _backward_weight(self, a: Action) -> None:
         self.stages[a.stage].backward_weight(a.microbatches)
+
+    def _reduce(self, op: GradReduce) -> None:
+        params = [p for p in self.stages[op.stage].module.parameters() if p.grad is not None]
+        self._pending.append(self._grad_reduce(op.stage, params))
 
     # ------------------------------------------------------------------ communication
     def _post(self, comms: list[Comm]) -> None:

@@ -7,6 +7,7 @@
 """
 
 from .comm import Comm, check_comm_deadlock, check_comm_order, lower_communication
+from .grad_reduce import GradReduce, add_grad_reduce
 from .ir import Action, Schedule, stage_to_rank
 from .registry import SCHEDULES, build_schedule, check_split
 from .simulate import Costs, DeadlockError, SimResult, simulate
@@ -17,9 +18,11 @@ __all__ = [
     "Comm",
     "Costs",
     "DeadlockError",
+    "GradReduce",
     "SCHEDULES",
     "Schedule",
     "SimResult",
+    "add_grad_reduce",
     "build_schedule",
     "check_comm_deadlock",
     "check_comm_order",
