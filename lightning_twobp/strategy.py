@@ -560,8 +560,16 @@ class TwoBPStrategy(DDPStrategy):
     def restore_checkpoint_after_setup(self) -> bool:
         return True  # loading needs the partitioned model: each rank reads only its own stages
 
+    def _optimizer_names(self) -> list[list[str]]:
+        """Per optimizer, the parameter names in ``optimizer.state_dict()``'s index order."""
+        names = {id(q): n for n, q in self.lightning_module.named_parameters()}
+        return [[names[id(q)] for g in opt.param_groups for q in g["params"]] for opt in self.optimizers]
+
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        """A directory: weights and optimizer state by parameter name with torch.distributed.checkpoint
+        (each rank writes its own stages, replicas are deduplicated), the rest in ``meta.pt``. State kept
+        by name, not by a stage's parameter index, is what lets a run resume under another partition."""
         import torch.distributed.checkpoint as dcp
         from pathlib import Path
 
@@ -571,21 +579,31 @@ class TwoBPStrategy(DDPStrategy):
                 path.unlink()
             path.mkdir(parents=True, exist_ok=True)
         self.barrier()
-        dcp.save({"model": checkpoint.pop("state_dict")}, checkpoint_id=path)
         optimizer_states = checkpoint.pop("optimizer_states", [])
-        p = self.pipeline_degree
-        if self.global_rank < p:  # the first replica writes each stage's optimizer state
-            torch.save(optimizer_states, path / f"optim-pp{self.global_rank}.pt")
+        optim: dict[str, Any] = {}  # "optimizer/parameter name/state key" -> value
+        for i, (state, names) in enumerate(zip(optimizer_states, self._optimizer_names())):
+            for index, values in state["state"].items():
+                for key, value in values.items():
+                    optim[f"{i}/{names[index]}/{key}"] = value
+        dcp.save({"model": checkpoint.pop("state_dict"), "optim": optim}, checkpoint_id=path)
         if self.global_rank == 0:
-            checkpoint["twobp"] = {"pipeline_degree": p, "stages_per_rank": self._stages_per_rank,
-                                   "schedule": self.schedule_name}
+            # Hyper-parameters of each param group (lr, betas, ...): the same on every stage.
+            checkpoint["optimizer_groups"] = [
+                [{k: v for k, v in g.items() if k != "params"} for g in state["param_groups"]]
+                for state in optimizer_states
+            ]
+            checkpoint["twobp"] = {"pipeline_degree": self.pipeline_degree,
+                                   "stages_per_rank": self._stages_per_rank, "schedule": self.schedule_name}
             torch.save(checkpoint, path / "meta.pt")
         self.barrier()
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """Each rank reads the weights and optimizer state of its own parameters, by name, whatever the
+        pipeline degree or partition the checkpoint was saved with."""
         import torch.distributed.checkpoint as dcp
         from pathlib import Path
+        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
         path = Path(self.broadcast(str(checkpoint_path)))
         if not (path / "meta.pt").is_file():
@@ -594,21 +612,43 @@ class TwoBPStrategy(DDPStrategy):
                 f"ModelCheckpoint wrote, or load a consolidated file with strategy='auto'"
             )
         checkpoint = torch.load(path / "meta.pt", map_location="cpu", weights_only=False)
-        model = {"model": self.lightning_module.state_dict()}  # this rank's tensors, loaded in place
-        dcp.load(model, checkpoint_id=path)
-        checkpoint["state_dict"] = model["model"]
+        # Which optimizer states exist, and their shapes, from the checkpoint's own metadata.
+        stored = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+        all_names = self._optimizer_names()
+        local = {f"{i}/{n}" for i, names in enumerate(all_names) for n in names}
+        optim: dict[str, Any] = {}
+        for key, meta in stored.items():
+            if not key.startswith("optim."):
+                continue
+            name = key[len("optim."):]
+            if name.rsplit("/", 1)[0] in local:
+                optim[name] = (torch.empty(meta.size, dtype=meta.properties.dtype)
+                               if isinstance(meta, TensorStorageMetadata) else None)
+        state = {"model": self.lightning_module.state_dict(), "optim": optim}  # loaded in place
+        dcp.load(state, checkpoint_id=path)
+        checkpoint["state_dict"] = state["model"]
+        groups = checkpoint.pop("optimizer_groups", None)
+        if groups is not None:
+            checkpoint["optimizer_states"] = []
+            for i, (opt, names) in enumerate(zip(self.optimizers, all_names)):
+                per_param: dict[int, dict[str, Any]] = {}
+                for index, n in enumerate(names):
+                    prefix = f"{i}/{n}/"
+                    values = {k[len(prefix):]: v for k, v in state["optim"].items() if k.startswith(prefix)}
+                    if values:
+                        per_param[index] = values
+                current = opt.state_dict()["param_groups"]
+                saved = groups[i] if i < len(groups) else []
+                param_groups = [{**g, **(saved[j] if j < len(saved) else {}), "params": g["params"]}
+                                for j, g in enumerate(current)]
+                checkpoint["optimizer_states"].append({"state": per_param, "param_groups": param_groups})
         saved = checkpoint.get("twobp", {})
-        pp_rank = self.global_rank % self.pipeline_degree
-        if saved.get("pipeline_degree") == self.pipeline_degree and saved.get("stages_per_rank") == self._stages_per_rank:
-            checkpoint["optimizer_states"] = torch.load(path / f"optim-pp{pp_rank}.pt", map_location="cpu", weights_only=False)
-        else:
-            # The weights re-partition by name; optimizer state is per stage and does not.
+        if saved.get("pipeline_degree") != self.pipeline_degree or saved.get("stages_per_rank") != self._stages_per_rank:
             rank_zero_info(
-                f"twobp: the checkpoint was saved with pipeline_degree={saved.get('pipeline_degree')}, "
-                f"stages_per_rank={saved.get('stages_per_rank')}; weights are restored, optimizer state starts fresh"
+                f"twobp: resuming a checkpoint saved with pipeline_degree={saved.get('pipeline_degree')}, "
+                f"stages_per_rank={saved.get('stages_per_rank')} on pipeline_degree={self.pipeline_degree}, "
+                f"stages_per_rank={self._stages_per_rank}: weights and optimizer state re-partition by name"
             )
-            checkpoint.pop("optimizer_states", None)
-            checkpoint.pop("lr_schedulers", None)
         return checkpoint
 
     @override

@@ -326,3 +326,78 @@ def test_balance_by_time_profiles_the_layers():
     for out in by_time:
         for name, value in out["params"].items():
             torch.testing.assert_close(value, ref[name].detach(), rtol=1e-5, atol=1e-6, msg=name)
+
+
+def _fit_then_save(rank: int, world: int, folder: str, max_steps: int) -> dict:
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world), RANK=str(rank),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
+    model = AdamRegressor()
+    cb = ModelCheckpoint(dirpath=folder, every_n_train_steps=2, save_top_k=-1)
+    trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=TwoBPStrategy(schedule="zb-h1", num_microbatches=4),
+                         logger=False, enable_progress_bar=False, enable_model_summary=False,
+                         use_distributed_sampler=False, callbacks=[cb], max_steps=max_steps,
+                         limit_train_batches=2)  # checkpoints at epoch ends: resumable data
+    trainer.fit(model, _data())
+    return {n: q.detach().clone() for n, q in model.named_parameters()}
+
+
+def _resume_elsewhere(rank: int, world: int, ckpt: str, strategy_kwargs: dict) -> dict:
+    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world), RANK=str(rank),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
+    model = AdamRegressor()
+    trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=TwoBPStrategy(num_microbatches=4, **strategy_kwargs),
+                         logger=False, enable_progress_bar=False, enable_model_summary=False,
+                         use_distributed_sampler=False, enable_checkpointing=False, max_steps=4,
+                         limit_train_batches=2)
+    trainer.fit(model, _data(), ckpt_path=ckpt)
+    return {n: q.detach().clone() for n, q in model.named_parameters()}
+
+
+@pytest.mark.parametrize("world, strategy_kwargs", [(1, dict()), (2, dict(schedule="zb-v"))],
+                         ids=["pp2-to-pp1", "pp2-to-v"])
+def test_resume_under_another_partition_restores_optimizer_state(tmp_path, world, strategy_kwargs):
+    """Saved at step 2 by a 2-stage pipeline, resumed to step 4 by one process (every stage on one
+    rank) or by the V (4 stages, new boundaries): Adam's moments come back by parameter name, so the
+    result is the uninterrupted run's (a fresh Adam state would move the weights elsewhere)."""
+    straight = run_distributed(_fit_then_save, 2, str(tmp_path / "straight"), 4, timeout=180)
+    final = {**straight[0], **straight[1]}
+    step2 = sorted((tmp_path / "straight").iterdir())[0]
+    assert "step=2" in step2.name
+    resumed = run_distributed(_resume_elsewhere, world, str(step2), strategy_kwargs, timeout=180)
+    merged = {k: v for r in resumed for k, v in r.items()}
+    assert set(merged) == set(final)
+    for name, value in merged.items():
+        torch.testing.assert_close(value, final[name], rtol=1e-5, atol=1e-7, msg=name)
+
+
+def _fit_monitored(model, strategy, devices: int, folder: str) -> dict:
+    from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
+
+    ckpt = ModelCheckpoint(dirpath=folder, monitor="val_loss", mode="min", save_top_k=1)
+    stop = EarlyStopping(monitor="val_loss", patience=1, min_delta=0.02)
+    trainer = pl.Trainer(accelerator="cpu", devices=devices, strategy=strategy, logger=False, enable_progress_bar=False,
+                         enable_model_summary=False, use_distributed_sampler=False, callbacks=[ckpt, stop],
+                         max_epochs=20, limit_train_batches=2)
+    trainer.fit(model, _data(), _eval_data())
+    return {"epoch": trainer.current_epoch, "stopped": stop.stopped_epoch, "best": float(ckpt.best_model_score),
+            "path": ckpt.best_model_path}
+
+
+def _fit_monitored_pipelined(rank: int, world: int, folder: str) -> dict:
+    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world), RANK=str(rank),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
+    return _fit_monitored(Regressor(lr=0.05), TwoBPStrategy(schedule="zb-h1"), world, folder)
+
+
+def test_model_checkpoint_and_early_stopping_on_a_validation_metric(tmp_path):
+    """val_loss is the true mean and known on every rank, so EarlyStopping stops every rank at the
+    one-process epoch and ModelCheckpoint keeps the one-process best, as a loadable sharded directory."""
+    ref = _fit_monitored(Regressor(lr=0.05), "auto", 1, str(tmp_path / "ref"))
+    assert 0 < ref["stopped"] < 19, "the reference must stop early for this test to mean something"
+    for out in run_distributed(_fit_monitored_pipelined, 2, str(tmp_path / "pp"), timeout=180):
+        assert (out["epoch"], out["stopped"]) == (ref["epoch"], ref["stopped"])
+        assert out["best"] == pytest.approx(ref["best"], rel=1e-5)
+        assert os.path.basename(out["path"]) == os.path.basename(ref["path"])
+        assert os.path.isfile(os.path.join(out["path"], "meta.pt"))
