@@ -1,6 +1,7 @@
 """Engine benchmark: step time of every schedule, with and without 2BP, against one process.
 
     python -m lightning_twobp.bench [--json PATH] [--repeats N] [--quick]
+    python -m lightning_twobp.bench --trainer    # the same steps through Trainer vs the bare engine
 
 Two gloo processes with one intra-op thread each run the tiny LLaMa-like model (8 blocks x 512, 8 heads,
 vocab 1024) on a batch of 32 x 128 tokens. Every configuration runs in the same process group, alternated
@@ -268,7 +269,26 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timelines", metavar="DIR", help="draw each configuration's recorded step as DIR/measured-*.png")
     ap.add_argument("--split", action="store_true", help="only measure (B + W) / BW on one block")
     ap.add_argument("--tokens", type=int, nargs="+", default=[512, 256, 64], help="tokens per micro-batch for --split")
+    ap.add_argument("--trainer", action="store_true",
+                    help="only compare the step through Trainer(strategy=TwoBPStrategy) with the bare engine's")
     args = ap.parse_args(argv)
+    if args.trainer:
+        from lightning_twobp.bench_trainer import bench_trainer
+
+        if args.quick:
+            args.batch, args.seq, args.layers, args.repeats = 8, 32, 4, 2
+        rows = bench_trainer(args.batch, args.seq, args.microbatches, args.repeats, args.layers)
+        print(f"tiny LLaMa {args.layers} x 512, batch {args.batch} x {args.seq}, m={args.microbatches}, 2 ranks x 1 thread, "
+              f"median of {args.repeats} alternated steps")
+        print(f"{'schedule':<12}{'Trainer s':>11}{'bare s':>9}{'Trainer/bare':>14}")
+        for label, r in rows.items():
+            print(f"{label:<12}{r['lightning_step_s']:>11.3f}{r['bare_step_s']:>9.3f}{r['ratio']:>14.3f}")
+        if args.json:
+            with open(args.json, "w") as fh:
+                json.dump(dict(batch=args.batch, seq=args.seq, layers=args.layers, microbatches=args.microbatches,
+                               repeats=args.repeats, rows=rows), fh, indent=2)
+            print(f"wrote {args.json}")
+        return 0
     if args.split:
         _keep_freed_memory()
         print(f"{'tokens':>7}{'BW ms':>9}{'B ms':>9}{'W ms':>9}{'(B+W)/BW':>10}")

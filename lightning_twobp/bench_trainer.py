@@ -1,0 +1,144 @@
+"""What Lightning costs on top of the engine: the same pipeline step through ``Trainer`` and bare.
+
+    python -m lightning_twobp.bench --trainer [--json PATH] [--repeats N] [--quick]
+
+Two gloo processes with one thread each train the engine benchmark's tiny LLaMa (8 blocks x 512,
+batch 32 x 128 tokens, m = 8) with ``Trainer(strategy=TwoBPStrategy(...))``. Inside the same fit, after
+every Lightning step a callback runs one bare step of an identical, separately built pipeline (the
+engine's ``step`` + ``AdamW.step`` + ``zero_grad``, nothing else), so the two alternate A/B/A/B in one
+run. The Lightning step is one loop iteration from ``on_train_batch_start`` to the next, minus the bare
+step run inside it: data fetch, micro-batch split, capture, the pipeline, loss and log sharing, the
+optimizer step and Lightning's bookkeeping (logger and progress bar off). Medians after one warm-up.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import statistics
+import time
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, Dataset
+
+from lightning_twobp.engine import PipelineExecutor
+from lightning_twobp.models.llama import LlamaConfig, build_llama
+from lightning_twobp.partition import split_sequential
+from lightning_twobp.schedules import build_schedule
+
+CONFIGS = (("zb-h1", True), ("1f1b", True), ("gpipe", True))
+
+
+def _loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
+
+
+class _SameBatch(Dataset):
+    """The benchmark's one batch, over and over (so data loading is as cheap as it can be)."""
+
+    def __init__(self, ids: torch.Tensor, tgt: torch.Tensor, steps: int) -> None:
+        self.ids, self.tgt, self.steps = ids, tgt, steps
+
+    def __len__(self) -> int:
+        return self.steps * len(self.ids)
+
+    def __getitem__(self, i: int):
+        return self.ids[i % len(self.ids)], self.tgt[i % len(self.ids)]
+
+
+class _Llama(pl.LightningModule):
+    def __init__(self, model: torch.nn.Sequential) -> None:
+        super().__init__()
+        self.layers = model
+
+    def training_step(self, batch, batch_idx):
+        ids, tgt = batch
+        loss = _loss(self.layers(ids), tgt)
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-4)
+
+
+class _Alternate(pl.Callback):
+    """Times each Lightning loop iteration and runs one bare engine step after it."""
+
+    def __init__(self, bare) -> None:
+        self.bare = bare
+        self.starts: list[float] = []
+        self.bare_times: list[float] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        dist.barrier()
+        self.starts.append(time.perf_counter())
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        dist.barrier()
+        t = time.perf_counter()
+        self.bare()
+        dist.barrier()
+        self.bare_times.append(time.perf_counter() - t)
+
+
+def _worker(rank: int, world: int, batch: int, seq: int, m: int, repeats: int, layers: int, port: int) -> dict:
+    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world), RANK=str(rank),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    from lightning_twobp import TwoBPStrategy
+    from lightning_twobp.bench import _keep_freed_memory
+
+    _keep_freed_memory()
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=1024, dim=512, n_layers=layers, n_heads=8, max_seq_len=seq)
+    ids = torch.randint(0, cfg.vocab_size, (batch, seq))
+    tgt = torch.roll(ids, -1, dims=1)
+    out = {}
+    for name, split in CONFIGS:
+        full = build_llama(cfg)
+        strategy = TwoBPStrategy(schedule=name, split_backward=split, num_microbatches=m)
+        lm = _Llama(copy.deepcopy(full))
+        steps = repeats + 1
+        # The bare pipeline: the same schedule and cut, its own copy of the weights and its own AdamW.
+        state: dict = {}
+
+        def bare() -> None:
+            if not state:
+                sched = strategy.schedule
+                parts = split_sequential(full, strategy.stage_sizes)
+                mods = {s: parts[s] for s in sched.stages_of(rank)}
+                state["ex"] = PipelineExecutor(sched, mods, loss_fn=_loss)
+                state["opt"] = torch.optim.AdamW([q for md in mods.values() for q in md.parameters()], lr=1e-4)
+            ex = state["ex"]
+            mbs = ids.chunk(m) if 0 in ex.stages else None
+            tgts = tgt.chunk(m) if ex.last in ex.stages else None
+            ex.step(mbs, tgts)
+            state["opt"].step()
+            state["opt"].zero_grad(set_to_none=True)
+
+        timer = _Alternate(bare)
+        trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=steps, logger=False,
+                             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                             use_distributed_sampler=False, callbacks=[timer])
+        trainer.fit(lm, DataLoader(_SameBatch(ids, tgt, steps + 1), batch_size=batch))
+        # iteration i runs from start i to start i + 1 and contains bare step i; the last iteration
+        # has no next start, and the first (i = 0) is the warm-up
+        periods = [b - a for a, b in zip(timer.starts, timer.starts[1:])]
+        lightning = [p - w for p, w in zip(periods, timer.bare_times)][1:]
+        bare_times = timer.bare_times[1:len(periods)]
+        out[f"{name}{'+2BP' if split and not name.startswith('zb') else ''}"] = {"lightning": lightning, "bare": bare_times}
+    return out
+
+
+def bench_trainer(batch: int = 32, seq: int = 128, m: int = 8, repeats: int = 5, layers: int = 8) -> dict:
+    from lightning_twobp.testing import free_port, run_distributed
+
+    per_rank = run_distributed(_worker, 2, batch, seq, m, repeats, layers, free_port(), timeout=3600)
+    rows = {}
+    for label, t in per_rank[0].items():  # barrier to barrier: the same on both ranks
+        light, bare = statistics.median(t["lightning"]), statistics.median(t["bare"])
+        rows[label] = {"lightning_step_s": light, "bare_step_s": bare, "ratio": light / bare,
+                       "pair_ratios": [a / b for a, b in zip(t["lightning"], t["bare"])]}
+    return rows
