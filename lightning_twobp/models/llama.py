@@ -3,6 +3,7 @@
 RMSNorm, rotary position embeddings, SwiGLU feed-forward and causal scaled-dot-product attention with an
 optional grouped-query layout, as in the 2BP paper's Transformer-7b (dim 4096, 32 layers, 32 heads).
 Every element of the Sequential takes and returns one tensor, so any contiguous slice is a stage.
+:class:`LlamaLM` is the LightningModule around it (next-token cross-entropy).
 """
 
 from __future__ import annotations
@@ -12,6 +13,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from typing_extensions import override
+
+from lightning_twobp.models.base import PipelineModule
 
 
 @dataclass(frozen=True)
@@ -140,3 +144,47 @@ def _init(model: nn.Module) -> None:
             nn.init.normal_(m.weight, std=0.02)
         elif isinstance(m, nn.Embedding):
             nn.init.normal_(m.weight, std=0.02)
+
+
+class LlamaLM(PipelineModule):
+    """A LLaMa-like causal LM as a LightningModule; ``self.layers`` is :func:`build_llama`'s Sequential.
+
+    Batches are ``(ids, targets)``, both ``(B, T)`` int64 with ``T <= max_seq_len``; the loss is the
+    cross-entropy of the logits against ``targets``. The 2BP paper's Transformer-7b is ``dim=4096,
+    n_layers=32, n_heads=32, ffn_hidden=11008, vocab_size=32000, max_seq_len=1024`` (6.74e9 parameters).
+    ``seed`` seeds the initialisation so every process builds the same weights.
+    """
+
+    def __init__(
+        self,
+        vocab_size: int = 256,
+        dim: int = 128,
+        n_layers: int = 4,
+        n_heads: int = 4,
+        n_kv_heads: int | None = None,
+        ffn_hidden: int | None = None,
+        max_seq_len: int = 64,
+        lr: float = 3e-3,
+        weight_decay: float = 0.0,
+        warmup_steps: int = 0,
+        lr_decay: str = "constant",
+        seed: int | None = 0,
+    ) -> None:
+        super().__init__(lr=lr, weight_decay=weight_decay, warmup_steps=warmup_steps, lr_decay=lr_decay)
+        self.save_hyperparameters()
+        self.config = LlamaConfig(
+            vocab_size=vocab_size, dim=dim, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv_heads,
+            ffn_hidden=ffn_hidden, max_seq_len=max_seq_len,
+        )
+        if seed is not None:
+            torch.manual_seed(seed)
+        self.layers = build_llama(self.config)
+
+    @override
+    def compute_loss(self, output: torch.Tensor, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        targets = batch[1]  # (B, T)
+        return F.cross_entropy(output.reshape(-1, output.shape[-1]).float(), targets.reshape(-1))  # (B*T, V)
+
+    @override
+    def sample_input(self, batch_size: int) -> torch.Tensor:
+        return torch.zeros(batch_size, self.config.max_seq_len, dtype=torch.long, device=self._layers_device)
