@@ -465,7 +465,7 @@ class TwoBPStrategy(DDPStrategy):
 
         return finish
 
-    def _share_loss_and_logs(self, loss: torch.Tensor | None) -> torch.Tensor | None:
+    def _share_loss_and_logs(self, loss: torch.Tensor | None, evaluating: bool = False) -> torch.Tensor | None:
         """The loss and logged values live on the last stage: average the logs over micro-batches
         (weighted by their sizes), send both to every rank, log once everywhere (the logger writes
         from global rank 0)."""
@@ -493,6 +493,10 @@ class TwoBPStrategy(DDPStrategy):
             )
         shared_loss, means = box[0]
         for name, (value, kw) in means.items():
+            if evaluating:
+                # Epoch-level metrics: every rank of a pipeline holds the same value, so the mean over
+                # the world is the mean over the data-parallel replicas (what one process would log).
+                kw = {"sync_dist": True, **kw}
             lm.log(name, value.to(self.root_device) if isinstance(value, torch.Tensor) else value, **kw)
         return shared_loss
 
@@ -518,7 +522,7 @@ class TwoBPStrategy(DDPStrategy):
                 finally:
                     self._mode = ("idle", None)
                 self._logs.append(logs)
-        self._share_loss_and_logs(None)
+        self._share_loss_and_logs(None, evaluating=True)
         if name != "predict_step" or outs is None:
             return None
         # predictions live on the rank holding the last stage: the micro-batches' outputs, joined

@@ -1,0 +1,377 @@
+"""``twobp-plan``: the memory of every pipeline rank for a recipe, before any GPU is touched.
+
+    twobp-plan recipe=llama7b-4gpu plan.gpu_memory_gib=80
+    twobp-plan recipe=llama7b-4gpu schedule=zb-h2 trainer.devices=8 strategy.pipeline_degree=4
+
+The model is built on the ``meta`` device (no memory, no compute), cut into stages as the strategy
+would (``balance="params"``, or the given list; ``"time"`` is measured at run time, so the plan uses
+parameters), and each stage runs one micro-batch through the real split backward
+(:class:`~lightning_twobp.engine.Stage`) on meta tensors. That gives, per stage:
+
+* **activations per micro-batch** (``M_act``): the tensors autograd saves in F, held until B;
+* **held from B to W per micro-batch** (``M_W``): what 2BP keeps after B for the deferred W. When
+  every weight gradient has a direct formula (Linear, RMSNorm scale) B frees the graph and only the
+  weight-GEMM operands and their output gradients stay; otherwise (convolutions, BatchNorm, LayerNorm,
+  the Mamba scan) the graph stays until W, about ``M_act``. The first stage, fed token ids or images,
+  runs its whole backward in B and holds nothing.
+
+Replaying the schedule's action order then gives each rank's peak: F adds ``M_act``, B trades it for
+``M_W``, W frees it (BW frees at once). This is the 2BP paper's memory cost made explicit: the same
+schedule with and without the split. Weights, gradients and optimizer state complete the total; the
+CUDA context, communication buffers, the allocator's fragmentation and temporary workspaces are not
+modelled, hence ``plan.headroom``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import asdict, dataclass, field
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+from torch import nn
+
+from lightning_twobp.config import CONF_DIR, hydra_overrides
+from lightning_twobp.contract import find_sequential
+from lightning_twobp.engine import Stage
+from lightning_twobp.partition import partition
+from lightning_twobp.schedules import Schedule, build_schedule
+
+__all__ = ["RankPlan", "StagePlan", "main", "plan", "plan_recipe"]
+
+GiB = 2**30
+
+
+@dataclass
+class StagePlan:
+    stage: int
+    rank: int
+    layers: tuple[int, int]  # first and last index in the Sequential
+    params: int
+    weight_bytes: int
+    grad_bytes: int
+    optimizer_bytes: int
+    activation_bytes: int  # M_act: saved by one micro-batch's F, held until its B
+    held_bytes: int  # M_W: held by one micro-batch from its B to its W under 2BP
+    graph_kept: bool  # True when W re-enters the autograd graph (then M_W ~ M_act)
+
+
+@dataclass
+class RankPlan:
+    rank: int
+    stages: list[int]
+    static_bytes: int  # weights + grads + optimizer state of its stages
+    split: dict = field(default_factory=dict)  # {"in_flight", "activation_bytes", "total_bytes"} with 2BP
+    fused: dict = field(default_factory=dict)  # the same schedule without the split
+    fits: bool | None = None
+
+
+@dataclass
+class Plan:
+    recipe: str
+    model: str
+    params: int
+    world: int
+    pipeline_degree: int
+    data_parallel: int
+    schedule: str
+    fused_schedule: str
+    num_microbatches: int
+    microbatch_size: int
+    precision: str
+    optimizer: str
+    gpu_memory_gib: float | None
+    headroom: float
+    stages: list[StagePlan]
+    ranks: list[RankPlan]
+    notes: list[str]
+
+
+def _int_devices(cfg: DictConfig) -> int:
+    devices = cfg.trainer.get("devices", 1)
+    if isinstance(devices, (list, tuple)) or OmegaConf.is_list(devices):
+        devices = len(devices)
+    if not isinstance(devices, int) or devices < 1:
+        raise ValueError(f"twobp-plan needs a device count: trainer.devices is {devices!r}; set trainer.devices=N")
+    return devices * int(cfg.trainer.get("num_nodes", 1) or 1)
+
+
+def _bytes(precision: str) -> tuple[int, torch.dtype]:
+    """Bytes per parameter, and the activations' dtype, for a Lightning precision string."""
+    p = str(precision)
+    if p in ("bf16-true", "16-true"):
+        return 2, torch.bfloat16 if p.startswith("bf16") else torch.float16
+    if p in ("bf16-mixed", "bf16"):
+        return 4, torch.bfloat16  # fp32 weights, bf16 activations under autocast
+    if p in ("16-mixed", "16"):
+        return 4, torch.float16
+    if p in ("32-true", "32"):
+        return 4, torch.float32
+    raise ValueError(f"twobp-plan knows precisions 32-true, bf16-mixed, 16-mixed, bf16-true, 16-true; got {p!r}")
+
+
+def _storage_key(t: torch.Tensor) -> int:
+    return t.untyped_storage()._cdata  # one entry per storage: views and re-saves count once
+
+
+@dataclass(frozen=True)
+class _Measured:
+    out_shape: tuple[int, ...]
+    out_dtype: torch.dtype
+    activation_bytes: int
+    held_bytes: int  # weight-GEMM operands and recorded gradients (without the graph)
+    graph_kept: bool
+    saved_input: int  # bytes of the input, when the layer saves it (0 otherwise)
+    saves_output: bool  # whether the layer saves its own output (a ReLU does, a Linear does not)
+
+
+def _measure(layer: nn.Module, x: torch.Tensor, needs_input_grad: bool) -> _Measured:
+    """One micro-batch through ``layer`` on meta with the split backward (the real :class:`Stage`)."""
+    params = {_storage_key(q) for q in layer.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        k = _storage_key(t)
+        if k not in params:
+            saved[k] = t.untyped_storage().nbytes()
+        return t
+
+    stage = Stage(layer)
+    inp = x.detach().requires_grad_(needs_input_grad)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = stage.forward(0, inp)
+    act = sum(saved.values())
+    saved_input = saved.get(_storage_key(inp), 0)
+    saves_output = _storage_key(out) in saved
+    if not out.requires_grad:
+        return _Measured(tuple(out.shape), out.dtype, act, 0, False, saved_input, saves_output)
+    stage.backward_input(0, torch.ones_like(out))
+    p = stage._pending[0]
+    held: dict[int, int] = {}
+    tensors = [f.operand for f in p.fast] + [t for v in p.captured.values() for t in v] + [g for _, g in p.edge_grads]
+    for t in tensors:
+        if isinstance(t, torch.Tensor):
+            held[_storage_key(t)] = t.untyped_storage().nbytes()
+    kept = bool(p.frontier)
+    stage.backward_weight(0)
+    return _Measured(tuple(out.shape), out.dtype, act, sum(held.values()), kept, saved_input, saves_output)
+
+
+def _signature(layer: nn.Module, x: torch.Tensor, needs_input_grad: bool) -> tuple:
+    """Layers with equal signatures save equal bytes: the paper models' identical blocks are measured once."""
+    params = tuple((n, tuple(q.shape), q.dtype) for n, q in layer.named_parameters())
+    return (type(layer), params, repr(layer), tuple(x.shape), x.dtype, needs_input_grad)
+
+
+def _measure_stage(layers: nn.Sequential, x: torch.Tensor, first: bool, cache: dict) -> tuple[torch.Tensor, int, int, bool]:
+    """(output, M_act, M_W, graph kept) of a stage, layer by layer. A stage's graph is kept from B to W
+    as soon as one of its layers needs it (one ``retain_graph`` for the whole stage), and then M_W is
+    the whole M_act plus what W reads. The first stage (no input gradient) runs all of its backward in
+    B and holds nothing."""
+    act = held = 0
+    kept = prev_saves_output = False
+    for i, layer in enumerate(layers):
+        needs = x.is_floating_point() and not (first and i == 0)
+        key = _signature(layer, x, needs)
+        if key not in cache:
+            cache[key] = _measure(layer, x, needs)
+        m = cache[key]
+        # a tensor saved by both sides of a layer boundary (a ReLU's output, the next conv's input) is one
+        shared = m.saved_input if prev_saves_output else 0
+        act, held, kept = act + m.activation_bytes - shared, held + m.held_bytes, kept or m.graph_kept
+        prev_saves_output = m.saves_output
+        x = torch.empty(m.out_shape, dtype=m.out_dtype, device="meta")
+    if first:
+        return x, act, 0, False
+    return x, act, held + (act if kept else 0), kept
+
+
+def _replay(schedule: Schedule, rank: int, act: dict[int, int], held: dict[int, int]) -> dict:
+    """Peak activation memory of ``rank`` over its action order."""
+    a = {s: 0 for s in act}
+    w = {s: 0 for s in act}
+    peak = peak_in_flight = 0
+    for op in schedule.actions[rank]:
+        s = op.stage
+        if op.kind == "F":
+            a[s] += 1
+        elif op.kind == "B":
+            a[s] -= 1
+            w[s] += 1
+        elif op.kind == "W":
+            w[s] -= len(op.microbatches)
+        elif op.kind == "BW":
+            a[s] -= 1
+        mem = sum(a[t] * act[t] + w[t] * held[t] for t in act)
+        peak = max(peak, mem)
+        peak_in_flight = max(peak_in_flight, sum(a.values()) + sum(w.values()))
+    return {"in_flight": peak_in_flight, "activation_bytes": peak}
+
+
+def plan(cfg: DictConfig, recipe: str = "") -> Plan:
+    """The memory plan of the run ``cfg`` describes (a composed twobp-train config)."""
+    from hydra.utils import instantiate
+
+    notes: list[str] = []
+    world = _int_devices(cfg)
+    st = cfg.strategy
+    p = int(st.get("pipeline_degree") or world)
+    if world % p:
+        raise ValueError(f"{world} devices cannot be split into pipelines of {p}: use a divisor of {world}")
+    name = st.schedule
+    spr = int(st.get("stages_per_rank") or (2 if name in ("zb-v", "interleaved-1f1b") else 1))
+    m = int(st.get("num_microbatches") or 2 * p)
+    split = bool(st.get("split_backward", True))
+    num_stages = p * spr
+    schedule = build_schedule(name, num_stages, m, stages_per_rank=spr, split_backward=split)
+    if name.startswith("zb"):  # zero-bubble schedules only exist split: compare with 1F1B's layout
+        fused_name = "interleaved-1f1b" if spr == 2 else "1f1b"
+        fused = build_schedule(fused_name, num_stages, m, stages_per_rank=spr, split_backward=False)
+    else:
+        fused_name = name
+        fused = build_schedule(name, num_stages, m, stages_per_rank=spr, split_backward=False)
+    batch = int(cfg.data.batch_size)
+    if batch % m:
+        raise ValueError(f"batch size {batch} does not split into {m} micro-batches: set data.batch_size to a multiple of {m}")
+    mbs = batch // m
+    precision = str(cfg.trainer.get("precision", "32-true"))
+    param_bytes, act_dtype = _bytes(precision)
+    optimizer = str(cfg.plan.get("optimizer", "adamw"))
+    states = {"adamw": 2, "adam": 2, "sgd": 1}.get(optimizer)
+    if states is None:
+        raise ValueError(f"plan.optimizer={optimizer!r}: choose adamw, adam or sgd")
+
+    with torch.device("meta"):
+        lm = instantiate(cfg.model)
+    _, seq = find_sequential(lm, st.get("layers"))
+    balance = st.get("balance", "params")
+    if balance == "time":
+        notes.append('balance="time" is measured at run time; planned with balance="params"')
+        balance = "params"
+    sizes = partition(seq, num_stages, list(balance) if OmegaConf.is_list(balance) else balance)
+    x = lm.sample_input(mbs)
+    scale = 1.0
+    if act_dtype != torch.float32:
+        # Autocast's activations, approximately: the model in the half dtype (norms and softmax that
+        # autocast keeps in fp32 are counted at half). A model whose forward mixes dtypes by hand
+        # cannot run cast; it is measured in fp32 and the activations are halved.
+        cast = x.to(act_dtype) if x.is_floating_point() else x
+        try:
+            seq.to(act_dtype)
+            with torch.no_grad():
+                seq(cast)  # on meta: shapes and dtypes only, no compute
+            x = cast
+        except RuntimeError:
+            seq.to(torch.float32)
+            scale = torch.finfo(act_dtype).bits / 32
+            notes.append(f"{precision}: activations measured in fp32 and scaled by {scale:g}")
+    stages, start = [], 0
+    cache: dict = {}
+    for s, n in enumerate(sizes):
+        module = seq[start:start + n]
+        n_params = sum(q.numel() for q in module.parameters())
+        try:
+            x, act, held, kept = _measure_stage(module, x, s == 0, cache)
+        except RuntimeError as e:
+            if scale != 1.0 or act_dtype == torch.float32:
+                raise
+            raise RuntimeError(f"stage {s} does not run in {act_dtype} on meta ({e}); plan with trainer.precision=32-true") from e
+        act, held = int(act * scale), int(held * scale)
+        if s == num_stages - 1:
+            act += x.numel() * 4  # the loss: cross-entropy saves fp32 log-probabilities of the output's size
+        stages.append(StagePlan(
+            stage=s, rank=schedule.stage_to_rank[s], layers=(start, start + n - 1), params=n_params,
+            weight_bytes=n_params * param_bytes, grad_bytes=n_params * param_bytes,
+            optimizer_bytes=n_params * states * (4 if param_bytes == 4 else 2),
+            activation_bytes=act, held_bytes=held, graph_kept=kept,
+        ))
+        start += n
+    if any(sp.graph_kept for sp in stages):
+        notes.append("stages marked * keep their autograd graph from B to W (no direct weight formula for some "
+                     "layer: convolution, BatchNorm, LayerNorm or the scan), so 2BP holds about M_act there")
+    act = {sp.stage: sp.activation_bytes for sp in stages}
+    held = {sp.stage: sp.held_bytes for sp in stages}
+    gpu = cfg.plan.get("gpu_memory_gib")
+    headroom = float(cfg.plan.get("headroom", 0.9))
+    ranks = []
+    for r in range(p):
+        mine = list(schedule.stages_of(r))
+        static = sum(stages[s].weight_bytes + stages[s].grad_bytes + stages[s].optimizer_bytes for s in mine)
+        a = {s: act[s] for s in mine}
+        with_split = _replay(schedule, r, a, {s: held[s] for s in mine})
+        without = _replay(fused, r, a, {s: 0 for s in mine})
+        with_split["total_bytes"] = static + with_split["activation_bytes"]
+        without["total_bytes"] = static + without["activation_bytes"]
+        fits = None if gpu is None else with_split["total_bytes"] <= headroom * float(gpu) * GiB
+        ranks.append(RankPlan(rank=r, stages=mine, static_bytes=static, split=with_split, fused=without, fits=fits))
+    return Plan(
+        recipe=recipe, model=str(cfg.model._target_).rsplit(".", 1)[-1], params=sum(sp.params for sp in stages),
+        world=world, pipeline_degree=p, data_parallel=world // p,
+        schedule=schedule.name + (" + 2BP" if split and not name.startswith("zb") else ""), fused_schedule=fused_name,
+        num_microbatches=m, microbatch_size=mbs, precision=precision, optimizer=optimizer,
+        gpu_memory_gib=None if gpu is None else float(gpu), headroom=headroom, stages=stages, ranks=ranks, notes=notes,
+    )
+
+
+def format_plan(pl: Plan) -> str:
+    g = lambda b: f"{b / GiB:8.2f}"  # noqa: E731
+    lines = [
+        f"twobp-plan {pl.recipe}: {pl.model}, {pl.params / 1e9:.3f}e9 parameters; {pl.world} devices = pipeline "
+        f"{pl.pipeline_degree} x data {pl.data_parallel}; {pl.schedule}, m={pl.num_microbatches}, micro-batch "
+        f"{pl.microbatch_size}; {pl.precision}; {pl.optimizer}",
+        "",
+        "per stage (GiB)    layers      params   weights    grads    optim   act/mb  B->W/mb",
+    ]
+    for sp in pl.stages:
+        lines.append(
+            f"  stage {sp.stage:<2} rank {sp.rank:<2} {sp.layers[0]:>3}-{sp.layers[1]:<4} {sp.params / 1e6:9.1f}M"
+            f"{g(sp.weight_bytes)} {g(sp.grad_bytes)} {g(sp.optimizer_bytes)} {g(sp.activation_bytes)} {g(sp.held_bytes)}"
+            f"{' *' if sp.graph_kept else ''}"
+        )
+    cap = "" if pl.gpu_memory_gib is None else f"  fits {pl.gpu_memory_gib:g} GiB x {pl.headroom:g}?"
+    lines += ["", f"per rank (GiB)      static | {pl.schedule}: in-flight  act    total | {pl.fused_schedule} "
+                  f"(no 2BP): in-flight  act    total{cap}"]
+    for rp in pl.ranks:
+        fit = "" if rp.fits is None else ("   yes" if rp.fits else "   NO")
+        lines.append(
+            f"  rank {rp.rank:<2} {str(rp.stages):<8}{g(rp.static_bytes)} |{rp.split['in_flight']:>12}{g(rp.split['activation_bytes'])}"
+            f"{g(rp.split['total_bytes'])} |{rp.fused['in_flight']:>20}{g(rp.fused['activation_bytes'])}{g(rp.fused['total_bytes'])}{fit}"
+        )
+    peak = max(rp.split["total_bytes"] for rp in pl.ranks)
+    peak_f = max(rp.fused["total_bytes"] for rp in pl.ranks)
+    lines.append(f"\npeak rank: {peak / GiB:.2f} GiB with 2BP, {peak_f / GiB:.2f} GiB without "
+                 f"({peak / peak_f - 1:+.1%}: what the split costs in memory)")
+    lines += [f"note: {n}" for n in pl.notes]
+    return "\n".join(lines)
+
+
+def plan_recipe(overrides: list[str]) -> Plan:
+    """Compose the twobp-train config with ``overrides`` (e.g. ``["recipe=llama7b-4gpu"]``) and plan it."""
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
+        cfg = compose("config", overrides=hydra_overrides(overrides), return_hydra_config=True)
+    recipe = cfg.hydra.runtime.choices.get("recipes", "")
+    return plan(cfg, recipe)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if args and args[0] in ("-h", "--help"):
+        print(__doc__)
+        return 0
+    json_path = next((a.split("=", 1)[1] for a in args if a.startswith("--json=")), None)
+    args = [a for a in args if not a.startswith("--json=")]
+    result = plan_recipe(args)
+    print(format_plan(result))
+    if json_path:
+        with open(json_path, "w") as fh:
+            json.dump(asdict(result), fh, indent=2)
+    if any(rp.fits is False for rp in result.ranks):
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

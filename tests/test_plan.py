@@ -1,0 +1,66 @@
+"""twobp-plan: the memory it predicts on meta is what the engine holds on a real device."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lightning_twobp.engine import PipelineExecutor
+from lightning_twobp.plan import format_plan, plan_recipe
+from lightning_twobp.schedules import build_schedule
+
+
+def _ce(logits, target):
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
+
+
+def test_planned_activations_match_what_the_engine_saves():
+    """One stage holding the whole tiny LLaMa: the bytes autograd saves in a real F (recorded by the
+    executor on CPU, loss included) against the plan's M_act, built on the meta device."""
+    planned = plan_recipe(["trainer.devices=1", "strategy.num_microbatches=4"])
+    (stage,) = planned.stages
+    from lightning_twobp.models import LlamaLM
+
+    lm = LlamaLM(vocab_size=256, dim=128, n_layers=4, n_heads=4, max_seq_len=64)
+    ex = PipelineExecutor(build_schedule("1f1b", 1, 4), {0: lm.layers}, loss_fn=_ce, record=True)
+    ids = torch.randint(0, 256, (16, 64))
+    res = ex.step(list(ids.chunk(4)), list(ids.roll(-1, 1).chunk(4)))
+    measured = res.held_bytes[(0, 0)]
+    assert planned.microbatch_size == 4
+    assert stage.activation_bytes == pytest.approx(measured, rel=0.05), (stage.activation_bytes, measured)
+
+
+def test_the_7b_plan_counts_and_fits():
+    p = plan_recipe(["recipe=llama7b-4gpu"])
+    assert 6.7e9 < p.params < 6.8e9
+    assert [s.layers for s in p.stages] == [(0, 8), (9, 16), (17, 24), (25, 33)]
+    # 16 bytes per parameter for fp32 weights + grads + two AdamW states
+    for s in p.stages:
+        assert s.weight_bytes + s.grad_bytes + s.optimizer_bytes == 16 * s.params
+    assert all(r.fits for r in p.ranks) and p.gpu_memory_gib == 80
+    # 1F1B keeps p - r micro-batches in flight on rank r; the paper's 1F1B + 2BP holds the last
+    # rank's W until the cool-down, so every micro-batch is in flight there
+    assert [r.fused["in_flight"] for r in p.ranks] == [4, 3, 2, 1]
+    assert p.ranks[-1].split["in_flight"] == 4
+    # the first stage (token ids in) runs its whole backward in B: nothing waits for W
+    assert p.stages[0].held_bytes == 0 and all(s.held_bytes > 0 for s in p.stages[1:])
+
+
+def test_gpipe_holds_every_microbatch_and_zb_h1_bounds_it():
+    gpipe = plan_recipe(["schedule=gpipe", "strategy.split_backward=false", "trainer.devices=2"])
+    assert [r.fused["in_flight"] for r in gpipe.ranks] == [4, 4]
+    zb = plan_recipe(["schedule=zb-h1", "trainer.devices=2"])  # m = 4
+    assert max(r.split["in_flight"] for r in zb.ranks) < 4 + 2
+    assert "zb-h1" in format_plan(zb) and "1f1b (no 2BP)" in format_plan(zb)
+
+
+def test_cli_exit_code_says_whether_it_fits():
+    cmd = [sys.executable, "-m", "lightning_twobp.plan", "recipe=llama7b-4gpu"]
+    ok = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert ok.returncode == 0 and "yes" in ok.stdout, ok.stdout + ok.stderr
+    tight = subprocess.run(cmd + ["plan.gpu_memory_gib=24"], capture_output=True, text=True, timeout=120)
+    assert tight.returncode == 1 and " NO" in tight.stdout
