@@ -56,7 +56,12 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     if cfg.get("validate"):
         trainer.validate(model, datamodule=data)
     summary = next((c.summary for c in callbacks if hasattr(c, "summary")), {})
-    return summary if trainer.global_rank == 0 else {}
+    rank = trainer.global_rank
+    if torch.distributed.is_initialized():
+        # Lightning leaves the process group up; tearing it down here lets its threads stop before
+        # the interpreter exits (otherwise gloo can abort at exit with "terminate called ...").
+        torch.distributed.destroy_process_group()
+    return summary if rank == 0 else {}
 
 
 def _launched_by_lightning(cfg: DictConfig) -> bool:

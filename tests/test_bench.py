@@ -26,3 +26,14 @@ def test_bench_quick_writes_every_configuration(tmp_path, capsys):
 def test_split_ratio_harness():
     r = bench.bench_split(tokens=32, repeats=2, seq=16)
     assert r["deferred_fraction"] == 1.0 and r["bw_ms"] > 0 and r["median_ratio"] > 0
+
+
+def test_trainer_harness_compares_like_with_like():
+    from lightning_twobp.bench_trainer import bench_trainer
+
+    rows = bench_trainer(batch=8, seq=16, m=4, repeats=1, layers=2)
+    assert set(rows) == {"zb-h1", "1f1b+2BP", "gpipe+2BP"}
+    for r in rows.values():
+        assert r["lightning_step_s"] > 0 and r["bare_step_s"] > 0
+        # the Trainer's pipeline and the bare one trained the same weights on the same batches
+        assert r["max_param_diff"] < 1e-5, r
