@@ -16,7 +16,7 @@ The pipeline computes the gradients inside ``training_step``; they are set aside
 
 Validation, test and predict run forward-only through the pipeline; clipping by norm uses the
 global norm. ``devices = pipeline_degree x dp``: each stage's gradients are averaged over its
-data-parallel group after the step. Checkpoints are directories sharded with torch.distributed.checkpoint
+data-parallel group, started asynchronously as soon as the stage's last W has run. Checkpoints are directories sharded with torch.distributed.checkpoint
 (see :mod:`lightning_twobp.checkpoint` to consolidate them). Under fp16 with a GradScaler the
 pipeline's backward starts from the scaled loss.
 """
@@ -24,6 +24,7 @@ pipeline's backward starts from the scaled loss.
 from __future__ import annotations
 
 import logging
+import pickle
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -43,6 +44,8 @@ from lightning_twobp.partition import partition
 from lightning_twobp.schedules import SCHEDULES, Schedule, build_schedule, check_split
 
 log = logging.getLogger(__name__)
+
+_GROUP = "__group__"  # key of a parameter's group hyper-parameters in a checkpoint's "optim"
 
 __all__ = ["TwoBPStrategy"]
 
@@ -225,6 +228,16 @@ class TwoBPStrategy(DDPStrategy):
         bounds = [0]
         for n in sizes:
             bounds.append(bounds[-1] + n)
+        # Checked on every rank (each knows the whole cut), so every rank stops, not only the empty one.
+        for r in range(self.pipeline_degree):
+            stages = schedule.stages_of(r)
+            if not any(q.requires_grad for s in stages for i in range(bounds[s], bounds[s + 1]) for q in seq[i].parameters()):
+                here = ", ".join(f"stage {s}: layers {bounds[s]}-{bounds[s + 1] - 1}" for s in stages)
+                raise ValueError(
+                    f"pipeline rank {r} would hold no trainable parameters ({here}), so configure_optimizers "
+                    f"would get an empty parameter list: give it a layer with parameters with balance=[...] "
+                    f"(layers per stage now {list(sizes)}), or use fewer pipeline ranks"
+                )
         mine = set(schedule.stages_of(rank))
         modules: dict[int, nn.Module] = {}
         for s in range(num_stages):
@@ -271,47 +284,67 @@ class TwoBPStrategy(DDPStrategy):
         that timed on their own could disagree on the cut and deadlock."""
         costs: list[float] | None = None
         if self.global_rank == 0:
-            trainer = self.lightning_module.trainer
-            step = {TrainerFn.FITTING: "training_step", TrainerFn.VALIDATING: "validation_step",
-                    TrainerFn.TESTING: "test_step", TrainerFn.PREDICTING: "predict_step"}[trainer.state.fn]
-            self._step_name, self._args, self._kwargs = step, (0,), {}
-            mb = self._split(self._sample_batch(), exact=False)[0]
-            mb = pytree.tree_map(lambda t: t.to(self.root_device) if isinstance(t, torch.Tensor) else t, mb)
-            x = self._capture(mb)
-            costs = []
-            # Profiling must leave no trace: BatchNorm statistics are put back and the RNG (dropout)
-            # is forked, so training afterwards is what it would have been without it.
-            buffers = {n: b.clone() for n, b in seq.named_buffers()}
+            # Profiling must leave no trace: the RNG is forked around all of it (reading a batch draws
+            # a loader seed and a shuffle; dropout draws too), BatchNorm statistics are put back, so
+            # training afterwards is what it would have been, and rank 0 stays in step with the rest.
             devices = [self.root_device] if self.root_device.type == "cuda" else []
-            with self.precision_plugin.forward_context(), torch.random.fork_rng(devices=devices):
-                for i, layer in enumerate(seq):
-                    layer.to(self.root_device)
-                    x = tuple(t.detach().requires_grad_(t.is_floating_point()) if isinstance(t, torch.Tensor) else t
-                              for t in x)
-                    times = []
-                    for _ in range(repeats + 1):  # the first run warms caches and allocators up
-                        start = self._now()
-                        out = layer(*x)
-                        outs = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
-                        if outs:
-                            torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
-                        times.append(self._now() - start)
-                    costs.append(sorted(times[1:])[len(times[1:]) // 2])
-                    layer.zero_grad(set_to_none=True)
-                    for t in x:
-                        if isinstance(t, torch.Tensor):
-                            t.grad = None
-                    if self.root_device.type != "cpu":
-                        layer.to("cpu")
-                    x = tuple(t.detach() if isinstance(t, torch.Tensor) else t for t in _tuple(out))
-            with torch.no_grad():
-                for n, b in seq.named_buffers():
-                    b.copy_(buffers[n])
-            log.info("twobp: forward+backward seconds per layer: %s", ", ".join(f"{c:.2e}" for c in costs))
+            with torch.random.fork_rng(devices=devices):
+                costs = self._time_layers(seq, repeats)
         box = [costs]
         if dist.is_initialized() and self.world_size > 1:
             dist.broadcast_object_list(box, src=0, device=self.root_device if self.root_device.type == "cuda" else None)
         return box[0]
+
+    def _time_layers(self, seq: nn.Sequential, repeats: int) -> list[float]:
+        lm = self.lightning_module
+        trainer = lm.trainer
+        step = {TrainerFn.FITTING: "training_step", TrainerFn.VALIDATING: "validation_step",
+                TrainerFn.TESTING: "test_step", TrainerFn.PREDICTING: "predict_step"}[trainer.state.fn]
+        self._step_name, self._args, self._kwargs = step, (0,), {}
+        mb = self._split(self._sample_batch(), exact=False)[0]
+        mb = pytree.tree_map(lambda t: t.to(self.root_device) if isinstance(t, torch.Tensor) else t, mb)
+        # The step runs up to the Sequential on this device; whatever it uses besides the Sequential
+        # (small: the Sequential holds the layers) goes there now, as model_to_device will anyway.
+        inside = {id(m) for m in seq.modules()}
+        with torch.no_grad():
+            for m in lm.modules():
+                if id(m) in inside:
+                    continue
+                for k, q in m._parameters.items():  # this module's own, not its children's
+                    if q is not None:
+                        q.data = q.data.to(self.root_device)
+                for k, b in m._buffers.items():
+                    if b is not None:
+                        m._buffers[k] = b.to(self.root_device)
+        x = self._capture(mb)
+        costs = []
+        buffers = {n: b.clone() for n, b in seq.named_buffers()}
+        with self.precision_plugin.forward_context():
+            for i, layer in enumerate(seq):
+                layer.to(self.root_device)
+                x = tuple(t.detach().requires_grad_(t.is_floating_point()) if isinstance(t, torch.Tensor) else t
+                          for t in x)
+                times = []
+                for _ in range(repeats + 1):  # the first run warms caches and allocators up
+                    start = self._now()
+                    out = layer(*x)
+                    outs = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
+                    if outs:
+                        torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
+                    times.append(self._now() - start)
+                costs.append(sorted(times[1:])[len(times[1:]) // 2])
+                layer.zero_grad(set_to_none=True)
+                for t in x:
+                    if isinstance(t, torch.Tensor):
+                        t.grad = None
+                if self.root_device.type != "cpu":
+                    layer.to("cpu")
+                x = tuple(t.detach() if isinstance(t, torch.Tensor) else t for t in _tuple(out))
+        with torch.no_grad():
+            for n, b in seq.named_buffers():
+                b.copy_(buffers[n])
+        log.info("twobp: forward+backward seconds per layer: %s", ", ".join(f"{c:.2e}" for c in costs))
+        return costs
 
     def _now(self) -> float:
         if self.root_device.type == "cuda":
@@ -344,10 +377,13 @@ class TwoBPStrategy(DDPStrategy):
         )
         # Clipping by norm must see the norm of the whole model, not of this rank's stages.
         self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_global_norm  # type: ignore[method-assign]
+        scaler = getattr(self.precision_plugin, "scaler", None)
+        if scaler is not None and self.world_size > 1:
+            self._agree_on_overflow(scaler)
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
-        # Optimizers are created after the move to the device and hold no state yet (resuming from
-        # a checkpoint, which would bring state, is not supported by this strategy yet).
+        # Optimizers are created after the move to the device and hold no state yet; a checkpoint's
+        # state is loaded afterwards (restore_checkpoint_after_setup), by parameter name.
         self.setup_precision_plugin()
 
     @override
@@ -528,6 +564,26 @@ class TwoBPStrategy(DDPStrategy):
         # predictions live on the rank holding the last stage: the micro-batches' outputs, joined
         return pytree.tree_map(lambda *xs: torch.cat(xs) if isinstance(xs[0], torch.Tensor) else list(xs), *results)
 
+    def _agree_on_overflow(self, scaler: Any) -> None:
+        """fp16: a GradScaler skips the step and halves its scale when *its* gradients overflow. Each
+        rank holds other stages' gradients, so an overflow on one stage must skip the step on every
+        rank, or the stages drift apart and their scales disagree (the pipeline's backward starts from
+        the last stage's scale). After ``unscale_`` the ranks OR their inf/NaN flags (one all-reduce),
+        as DDP gets for free from gradients that are already identical."""
+        unscale = scaler.unscale_
+
+        def unscale_everywhere(optimizer: Any) -> None:
+            unscale(optimizer)
+            flags = scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
+            total = torch.zeros((), device=self.root_device)
+            for f in flags.values():
+                total += f.to(self.root_device, torch.float32)
+            dist.all_reduce(total)  # the world: every stage of every replica steps or skips together
+            for f in flags.values():
+                f.copy_((total > 0).to(f.dtype))
+
+        scaler.unscale_ = unscale_everywhere
+
     def _clip_grad_by_global_norm(self, optimizer: Any, clip_val: float) -> None:
         """``torch.nn.utils.clip_grad_norm_`` with the norm over every stage of the pipeline."""
         grads = [q.grad for q in self.precision_plugin.main_params(optimizer) if q.grad is not None]
@@ -589,6 +645,13 @@ class TwoBPStrategy(DDPStrategy):
             for index, values in state["state"].items():
                 for key, value in values.items():
                     optim[f"{i}/{names[index]}/{key}"] = value
+            # Each parameter's group hyper-parameters (lr, weight decay, ...), so that a rank whose
+            # groups differ from rank 0's (another cut) rebuilds its own groups right.
+            for g in state["param_groups"]:
+                # pickled: checkpoint would flatten a dict (and its tuples) into separate entries
+                hyper = pickle.dumps({k: v for k, v in g.items() if k != "params"})
+                for index in g["params"]:
+                    optim[f"{i}/{names[index]}/{_GROUP}"] = hyper
         dcp.save({"model": checkpoint.pop("state_dict"), "optim": optim}, checkpoint_id=path)
         if self.global_rank == 0:
             # Hyper-parameters of each param group (lr, betas, ...): the same on every stage.
@@ -639,13 +702,26 @@ class TwoBPStrategy(DDPStrategy):
                 for index, n in enumerate(names):
                     prefix = f"{i}/{n}/"
                     values = {k[len(prefix):]: v for k, v in state["optim"].items() if k.startswith(prefix)}
+                    values.pop(_GROUP, None)
                     if values:
                         per_param[index] = values
                 current = opt.state_dict()["param_groups"]
                 saved = groups[i] if i < len(groups) else []
-                param_groups = [{**g, **(saved[j] if j < len(saved) else {}), "params": g["params"]}
-                                for j, g in enumerate(current)]
+                param_groups = []
+                for j, g in enumerate(current):
+                    # the group's settings as saved with its first parameter; older checkpoints: by position
+                    first = f"{i}/{names[g['params'][0]]}/{_GROUP}" if g["params"] else None
+                    stored = state["optim"].get(first)
+                    hyper = pickle.loads(stored) if stored is not None else (saved[j] if j < len(saved) else {})
+                    param_groups.append({**g, **hyper, "params": g["params"]})
                 checkpoint["optimizer_states"].append({"state": per_param, "param_groups": param_groups})
+        # LR schedulers were saved from rank 0: a rank with other param groups keeps its own per-group
+        # base learning rates (the groups' lr came back by name above) and takes the shared step count.
+        for config, state in zip(self.lr_scheduler_configs, checkpoint.get("lr_schedulers", [])):
+            local = getattr(config.scheduler, "base_lrs", None)
+            if local is not None and len(state.get("base_lrs", local)) != len(local):
+                state["base_lrs"] = list(local)
+                state.pop("_last_lr", None)
         saved = checkpoint.get("twobp", {})
         if saved.get("pipeline_degree") != self.pipeline_degree or saved.get("stages_per_rank") != self._stages_per_rank:
             rank_zero_info(

@@ -95,7 +95,7 @@ def _trainer(strategy, devices: int, **kw) -> pl.Trainer:
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         # Lightning shuffles training data whenever it installs a DistributedSampler; the comparison
         # needs the reference's order (every rank of one pipeline reads the same batches either way).
-        use_distributed_sampler=False, **kw,
+        use_distributed_sampler=kw.pop("use_distributed_sampler", False), **kw,
     )
 
 
@@ -152,6 +152,12 @@ class TwoSequentials(Regressor):
         self.head = nn.Sequential(nn.Linear(2, 2))
 
 
+class ParamFreeMiddle(Regressor):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Tanh(), nn.Linear(16, 2))
+
+
 class Manual(Regressor):
     def __init__(self) -> None:
         super().__init__()
@@ -178,8 +184,10 @@ def _expect_error(rank: int, world: int, model_cls, strategy_kwargs: dict, train
         (Manual, dict(), dict(), 8, "automatic optimization only"),
         (Regressor, dict(balance=[4, 4, 1]), dict(), 8, r"balance=\[4, 4, 1\] has 3 entries for 2 stages"),
         (Regressor, dict(pipeline_degree=3), dict(), 8, "2 devices cannot be split into pipelines of 3"),
+        (ParamFreeMiddle, dict(schedule="zb-v", balance=[1, 1, 1, 1], num_microbatches=2), dict(), 8,
+         r"pipeline rank 1 would hold no trainable parameters \(stage 1: layers 1-1, stage 2: layers 2-2\)"),
     ],
-    ids=["batch", "two-sequentials", "manual", "balance", "degree"],
+    ids=["batch", "two-sequentials", "manual", "balance", "degree", "rank-without-parameters"],
 )
 def test_errors_before_compute(model_cls, strategy_kwargs, trainer_kwargs, batch, match):
     import re
@@ -196,19 +204,15 @@ def test_bad_arguments_fail_at_construction():
         TwoBPStrategy(schedule="zb-h1", split_backward=False)
 
 
-def _replica_batches(dp_rank: int) -> DataLoader:
-    """Replica d reads samples d, d+2, d+4, ... of the shared data (its own shard)."""
-    g = torch.Generator().manual_seed(1)
-    x, y = torch.randn(64, 6, generator=g), torch.randn(64, 2, generator=g)
-    return DataLoader(TensorDataset(x[dp_rank::2], y[dp_rank::2]), batch_size=8)
-
-
 def _fit_dp_pp(rank: int, world: int, schedule: str) -> dict:
     os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world), RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
     model = Regressor()
-    trainer = _trainer(TwoBPStrategy(schedule=schedule, pipeline_degree=2), world, gradient_clip_val=0.05)
-    trainer.fit(model, _replica_batches(rank // 2))
+    # Lightning's DistributedSampler shards the data by data-parallel rank (the strategy's
+    # distributed_sampler_kwargs); for training it shuffles with seed 0: replica d reads perm[d::2].
+    trainer = _trainer(TwoBPStrategy(schedule=schedule, pipeline_degree=2), world, gradient_clip_val=0.05,
+                       use_distributed_sampler=True)
+    trainer.fit(model, _data())
     return {n: q.detach().clone() for n, q in model.named_parameters()}
 
 
@@ -219,8 +223,10 @@ def test_dp_x_pp_matches_one_process_on_the_union_of_the_shards(schedule):
     reduces start at different times during the step."""
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(64, 6, generator=g), torch.randn(64, 2, generator=g)
+    # DistributedSampler(shuffle=True, seed=0) at epoch 0: one permutation, replica d takes perm[d::2];
     # step i of one process: replica 0's batch i, then replica 1's batch i (16 samples)
-    order = torch.cat([torch.stack([torch.arange(0, 64, 2)[i * 8:(i + 1) * 8], torch.arange(1, 64, 2)[i * 8:(i + 1) * 8]]).reshape(-1) for i in range(4)])
+    perm = torch.randperm(64, generator=torch.Generator().manual_seed(0))
+    order = torch.cat([torch.cat([perm[0::2][i * 8:(i + 1) * 8], perm[1::2][i * 8:(i + 1) * 8]]) for i in range(4)])
     model = Regressor()
     _trainer("auto", 1, gradient_clip_val=0.05).fit(model, DataLoader(TensorDataset(x[order], y[order]), batch_size=16))
     ref = dict(model.named_parameters())
@@ -401,3 +407,85 @@ def test_model_checkpoint_and_early_stopping_on_a_validation_metric(tmp_path):
         assert out["best"] == pytest.approx(ref["best"], rel=1e-5)
         assert os.path.basename(out["path"]) == os.path.basename(ref["path"])
         assert os.path.isfile(os.path.join(out["path"], "meta.pt"))
+
+
+class _InjectOverflow(pl.Callback):
+    """An inf in rank 1's (scaled) gradients at step 1 only; records whether each rank stepped."""
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.before = {n: q.detach().clone() for n, q in pl_module.named_parameters()}
+
+    def on_after_backward(self, trainer, pl_module):
+        if trainer.global_step == 1 and trainer.global_rank == 1:
+            next(q for q in pl_module.parameters() if q.grad is not None).grad.view(-1)[0] = float("inf")
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if batch_idx == 1:
+            self.stepped = any(not torch.equal(q, self.before[n]) for n, q in pl_module.named_parameters())
+
+
+def _fit_with_overflow(rank: int, world: int) -> dict:
+    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world), RANK=str(rank),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
+    probe = _InjectOverflow()
+    trainer = _trainer(TwoBPStrategy(schedule="zb-h1"), world, plugins="fp16-scaler", callbacks=[probe])
+    trainer.fit(Regressor(), _data())
+    return {"stepped": probe.stepped, "scale": float(trainer.precision_plugin.scaler.get_scale())}
+
+
+def test_fp16_overflow_on_one_stage_skips_the_step_everywhere():
+    """A GradScaler that sees inf on one stage skips the step; every other stage must skip it too and
+    halve its scale alike, or the stages drift apart (each rank's scaler sees only its own grads)."""
+    out = run_distributed(_fit_with_overflow, 2, timeout=180)
+    assert [o["stepped"] for o in out] == [False, False], out
+    assert out[0]["scale"] == out[1]["scale"] == 2.0**11, out
+
+
+class GroupedRegressor(AdamRegressor):
+    """Two param groups, biases (not decayed) first; the first stage has no biases, so rank 0 has one
+    group and rank 1 two: matching groups by position would give rank 1's biases the weights' decay."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.Sequential(
+            nn.Linear(6, 16, bias=False), nn.Tanh(), nn.Linear(16, 16, bias=False), nn.Tanh(), nn.Linear(16, 16),
+            nn.Tanh(), nn.Linear(16, 2),
+        )
+
+    def configure_optimizers(self):
+        w = [q for n, q in self.named_parameters() if n.endswith("weight")]
+        b = [q for n, q in self.named_parameters() if n.endswith("bias")]
+        groups = [g for g in ({"params": b, "weight_decay": 0.0}, {"params": w, "weight_decay": 0.1}) if g["params"]]
+        opt = torch.optim.AdamW(groups, lr=0.01)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1 + step))
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+def _group_settings(rank: int, world: int, folder: str, resume: bool) -> dict:
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world), RANK=str(rank),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
+    model = GroupedRegressor()
+    cb = ModelCheckpoint(dirpath=folder, every_n_train_steps=2, save_top_k=-1)
+    strategy = TwoBPStrategy(schedule="1f1b", num_microbatches=4, balance=[3, 4])
+    trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=strategy,
+                         logger=False, enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
+                         callbacks=[] if resume else [cb], enable_checkpointing=not resume, max_steps=4 if resume else 2,
+                         limit_train_batches=2)
+    ckpt = os.path.join(folder, sorted(os.listdir(folder))[0]) if resume else None
+    trainer.fit(model, _data(), ckpt_path=ckpt)
+    names = {id(q): n for n, q in model.named_parameters()}
+    # (weight decay, lr) per parameter: the lr follows the schedule 0.01 / (1 + step) in every group
+    return {names[id(q)]: (g["weight_decay"], g["lr"]) for g in trainer.optimizers[0].param_groups for q in g["params"]}
+
+
+def test_resume_rebuilds_each_ranks_own_param_groups(tmp_path):
+    """Every parameter keeps its own group's settings after a resume, whatever the rank's groups."""
+    run_distributed(_group_settings, 2, str(tmp_path), False, timeout=180)
+    resumed = run_distributed(_group_settings, 2, str(tmp_path), True, timeout=180)
+    assert not any(n.endswith("bias") for n in resumed[0]) and any(n.endswith("bias") for n in resumed[1])
+    for settings in resumed:
+        assert settings and all(d == (0.1 if n.endswith("weight") else 0.0) for n, (d, _) in settings.items()), settings
+        assert all(lr == pytest.approx(0.01 / 5) for _, lr in settings.values()), settings  # after step 4
