@@ -62,3 +62,17 @@ def test_trains_on_a_tokenized_text_file(tmp_path):
           "callbacks=none", f"hydra.run.dir={tmp_path}/run"], tmp_path)
     metrics = (tmp_path / "run" / "logs" / "version_0" / "metrics.csv").read_text()
     assert "val_loss" in metrics and "train_loss" in metrics
+
+
+def test_under_torchrun(tmp_path):
+    """Processes started by torchrun: Lightning reads the ranks from the environment, twobp-train
+    launches nothing itself, and every rank writes into the one run directory it is given."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    out = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         "-m", "lightning_twobp.train", "trainer.max_steps=5", f"hydra.run.dir={tmp_path}/run"],
+        capture_output=True, text=True, timeout=240, env=env, cwd=tmp_path,
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["steps"] == 5 and summary["num_stages"] == 2 and len(summary["peak_memory_bytes_per_rank"]) == 2
