@@ -130,8 +130,11 @@ def _reference(**trainer_kwargs) -> tuple[dict, float]:
         (dict(), dict(precision="bf16-mixed"), 2e-2),
         # fp16 with a GradScaler (Lightning attaches one on GPU; here given explicitly on CPU)
         (dict(schedule="zb-h1"), dict(plugins="fp16-scaler", gradient_clip_val=0.05), 1e-2),
+        (dict(schedule="interleaved-1f1b"), dict(), 1e-5),
+        (dict(schedule="1f1b", split_backward=False), dict(), 1e-5),
     ],
-    ids=["1f1b-2bp", "zb-h1", "gpipe-accumulate", "zb-v-clip-value", "zb-h2-clip-norm", "bf16-mixed", "fp16-scaler"],
+    ids=["1f1b-2bp", "zb-h1", "gpipe-accumulate", "zb-v-clip-value", "zb-h2-clip-norm", "bf16-mixed", "fp16-scaler",
+         "interleaved-2bp", "1f1b-fused"],
 )
 def test_fit_matches_one_process(strategy_kwargs, trainer_kwargs, rtol):
     ref, ref_loss = _reference(**trainer_kwargs)
@@ -144,6 +147,19 @@ def test_fit_matches_one_process(strategy_kwargs, trainer_kwargs, rtol):
             torch.testing.assert_close(value, ref[name], rtol=rtol, atol=rtol / 10, msg=name)
     assert seen == set(ref), "every parameter lives on exactly one rank"
     assert all(set(results[0]["params"]).isdisjoint(r["params"]) for r in results[1:])
+
+
+@pytest.mark.parametrize("strategy_kwargs", [dict(schedule="1f1b"), dict(schedule="zb-h2", num_microbatches=4)],
+                         ids=["1f1b-2bp", "zb-h2"])
+def test_fit_on_four_pipeline_ranks_matches_one_process(strategy_kwargs):
+    ref, ref_loss = _reference(gradient_clip_val=0.05)
+    results = run_distributed(_fit_pipelined, 4, strategy_kwargs, dict(gradient_clip_val=0.05), timeout=240)
+    merged = {n: v for out in results for n, v in out["params"].items()}
+    assert set(merged) == set(ref) and sum(len(out["params"]) for out in results) == len(ref)
+    for out in results:
+        assert out["train_loss"] == pytest.approx(ref_loss, rel=1e-5)
+    for name, value in merged.items():
+        torch.testing.assert_close(value, ref[name], rtol=1e-5, atol=1e-6, msg=name)
 
 
 class TwoSequentials(Regressor):
