@@ -271,18 +271,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, nargs="+", default=[512, 256, 64], help="tokens per micro-batch for --split")
     ap.add_argument("--trainer", action="store_true",
                     help="only compare the step through Trainer(strategy=TwoBPStrategy) with the bare engine's")
+    ap.add_argument("--only", nargs="+", metavar="LABEL", help="with --trainer: configurations whose label starts so")
     args = ap.parse_args(argv)
     if args.trainer:
         from lightning_twobp.bench_trainer import bench_trainer
 
         if args.quick:
             args.batch, args.seq, args.layers, args.repeats = 8, 32, 4, 2
-        rows = bench_trainer(args.batch, args.seq, args.microbatches, args.repeats, args.layers)
+        rows = bench_trainer(args.batch, args.seq, args.microbatches, args.repeats, args.layers, args.only)
         print(f"tiny LLaMa {args.layers} x 512, batch {args.batch} x {args.seq}, m={args.microbatches}, 2 ranks x 1 thread, "
               f"median of {args.repeats} alternated steps")
-        print(f"{'schedule':<12}{'Trainer s':>11}{'bare s':>9}{'Trainer/bare (median of pairs)':>32}")
+        print(f"{'configuration':<32}{'Trainer s':>11}{'bare s':>9}{'Trainer/bare (median of pairs)':>32}")
         for label, r in rows.items():
-            print(f"{label:<12}{r['lightning_step_s']:>11.3f}{r['bare_step_s']:>9.3f}{r['ratio']:>32.3f}")
+            print(f"{label:<32}{r['lightning_step_s']:>11.3f}{r['bare_step_s']:>9.3f}{r['ratio']:>32.3f}")
         if args.json:
             with open(args.json, "w") as fh:
                 json.dump(dict(batch=args.batch, seq=args.seq, layers=args.layers, microbatches=args.microbatches,

@@ -3,7 +3,8 @@
     python -m lightning_twobp.bench --trainer [--json PATH] [--repeats N] [--quick]
 
 Two gloo processes with one thread each train the engine benchmark's tiny LLaMa (8 blocks x 512,
-batch 32 x 128 tokens, m = 8) with ``Trainer(strategy=TwoBPStrategy(...))``. Inside the same fit, after
+batch 32 x 128 tokens) in each of the engine benchmark's configurations (every schedule with and
+without 2BP, m = 8, and the paper's 1F1B-1 and 1F1B-2) with ``Trainer(strategy=TwoBPStrategy(...))``. Inside the same fit, after
 every Lightning step a callback runs one bare step of an identical, separately built pipeline (the
 engine's ``step`` + ``AdamW.step`` + ``zero_grad``, nothing else), so the two alternate A/B/A/B in one
 run. The Lightning step is one loop iteration from ``on_train_batch_start`` to the next, minus the bare
@@ -30,7 +31,6 @@ from lightning_twobp.models.llama import LlamaConfig, build_llama
 from lightning_twobp.partition import split_sequential
 from lightning_twobp.schedules import build_schedule
 
-CONFIGS = (("zb-h1", True), ("1f1b", True), ("gpipe", True))
 _WARMUP = 2  # untimed pairs at the start of each fit
 
 
@@ -86,7 +86,7 @@ class _Alternate(pl.Callback):
         self.bare_times.append(time.perf_counter() - t)
 
 
-def _worker(rank: int, world: int, batch: int, seq: int, m: int, repeats: int, layers: int, port: int) -> dict:
+def _worker(rank: int, world: int, batch: int, seq: int, runs: list, repeats: int, layers: int, port: int) -> dict:
     os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world), RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     from lightning_twobp import TwoBPStrategy
@@ -98,9 +98,11 @@ def _worker(rank: int, world: int, batch: int, seq: int, m: int, repeats: int, l
     ids = torch.randint(0, cfg.vocab_size, (batch, seq))
     tgt = torch.roll(ids, -1, dims=1)
     out = {}
-    for name, split in CONFIGS:
+    for c in runs:
+        m = c.num_microbatches
         full = build_llama(cfg)
-        strategy = TwoBPStrategy(schedule=name, split_backward=split, num_microbatches=m)
+        strategy = TwoBPStrategy(schedule=c.name, split_backward=c.split_backward, num_microbatches=m,
+                                 stages_per_rank=c.stages_per_rank)
         lm = _Llama(copy.deepcopy(full))
         steps = repeats + _WARMUP + 1  # the last iteration has no next start to end it
         # The bare pipeline: the same schedule and cut, its own copy of the weights and its own AdamW.
@@ -133,15 +135,20 @@ def _worker(rank: int, world: int, batch: int, seq: int, m: int, repeats: int, l
         # Like with like: both pipelines ran the same steps on the same data from the same weights.
         mine = {n: q for n, q in lm.layers.named_parameters()}
         diff = max((q - mine[n]).abs().max().item() for n, q in full.named_parameters() if n in mine)
-        out[f"{name}{'+2BP' if split and not name.startswith('zb') else ''}"] = {
+        out[c.label] = {
             "lightning": lightning, "bare": bare_times, "max_param_diff": diff}
     return out
 
 
-def bench_trainer(batch: int = 32, seq: int = 128, m: int = 8, repeats: int = 5, layers: int = 8) -> dict:
+def bench_trainer(batch: int = 32, seq: int = 128, m: int = 8, repeats: int = 5, layers: int = 8,
+                  labels: list[str] | None = None) -> dict:
+    """Trainer / bare for the engine benchmark's configurations (:func:`lightning_twobp.bench.configs`),
+    or those of them whose label starts with one of ``labels``."""
+    from lightning_twobp.bench import configs
     from lightning_twobp.testing import free_port, run_distributed
 
-    per_rank = run_distributed(_worker, 2, batch, seq, m, repeats, layers, free_port(), timeout=3600)
+    runs = [c for c in configs(m) if labels is None or any(c.label.startswith(x) for x in labels)]
+    per_rank = run_distributed(_worker, 2, batch, seq, runs, repeats, layers, free_port(), timeout=7200)
     rows = {}
     for label, t in per_rank[0].items():  # barrier to barrier: the same on both ranks
         light, bare = statistics.median(t["lightning"]), statistics.median(t["bare"])

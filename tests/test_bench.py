@@ -31,8 +31,8 @@ def test_split_ratio_harness():
 def test_trainer_harness_compares_like_with_like():
     from lightning_twobp.bench_trainer import bench_trainer
 
-    rows = bench_trainer(batch=8, seq=16, m=4, repeats=1, layers=2)
-    assert set(rows) == {"zb-h1", "1f1b+2BP", "gpipe+2BP"}
+    rows = bench_trainer(batch=8, seq=16, m=4, repeats=1, layers=2, labels=["zb-h1", "zb-v", "gpipe+2BP"])
+    assert set(rows) == {"zb-h1 S=2 m=4", "zb-v S=4 m=4", "gpipe+2BP S=2 m=4"}
     for r in rows.values():
         assert r["lightning_step_s"] > 0 and r["bare_step_s"] > 0
         # the Trainer's pipeline and the bare one trained the same weights on the same batches
