@@ -55,8 +55,11 @@ class PipelineModule(pl.LightningModule):
 
     layers: nn.Sequential
 
-    def __init__(self, lr: float, weight_decay: float = 0.0, warmup_steps: int = 0, lr_decay: str = "constant") -> None:
+    def __init__(self, lr: float, weight_decay: float = 0.0, warmup_steps: int = 0, lr_decay: str = "constant",
+                 seed: int | None = 0) -> None:
         super().__init__()
+        if seed is not None:  # before the subclass builds its layers: every process builds the same weights
+            torch.manual_seed(seed)
         if lr_decay not in _DECAYS:
             raise ValueError(f"lr_decay={lr_decay!r}: choose one of {', '.join(_DECAYS)}")
         if warmup_steps < 0:

@@ -143,11 +143,9 @@ class BertMLM(PipelineModule):
         lr_decay: str = "constant",
         seed: int | None = 0,
     ) -> None:
-        super().__init__(lr=lr, weight_decay=weight_decay, warmup_steps=warmup_steps, lr_decay=lr_decay)
+        super().__init__(lr=lr, weight_decay=weight_decay, warmup_steps=warmup_steps, lr_decay=lr_decay, seed=seed)
         self.save_hyperparameters()
         self.max_seq_len = max_seq_len
-        if seed is not None:
-            torch.manual_seed(seed)
         self.layers = build_bert(vocab_size, dim, n_layers, n_heads, ffn_hidden or 4 * dim, max_seq_len,
                                  type_vocab_size, dropout)
 

@@ -170,14 +170,12 @@ class LlamaLM(PipelineModule):
         lr_decay: str = "constant",
         seed: int | None = 0,
     ) -> None:
-        super().__init__(lr=lr, weight_decay=weight_decay, warmup_steps=warmup_steps, lr_decay=lr_decay)
+        super().__init__(lr=lr, weight_decay=weight_decay, warmup_steps=warmup_steps, lr_decay=lr_decay, seed=seed)
         self.save_hyperparameters()
         self.config = LlamaConfig(
             vocab_size=vocab_size, dim=dim, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv_heads,
             ffn_hidden=ffn_hidden, max_seq_len=max_seq_len,
         )
-        if seed is not None:
-            torch.manual_seed(seed)
         self.layers = build_llama(self.config)
 
     @override

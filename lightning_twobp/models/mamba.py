@@ -195,11 +195,9 @@ class MambaLM(PipelineModule):
         lr_decay: str = "constant",
         seed: int | None = 0,
     ) -> None:
-        super().__init__(lr=lr, weight_decay=weight_decay, warmup_steps=warmup_steps, lr_decay=lr_decay)
+        super().__init__(lr=lr, weight_decay=weight_decay, warmup_steps=warmup_steps, lr_decay=lr_decay, seed=seed)
         self.save_hyperparameters()
         self.max_seq_len = max_seq_len
-        if seed is not None:
-            torch.manual_seed(seed)
         self.layers = build_mamba(vocab_size, dim, n_layers, d_state, d_conv, expand, dt_rank, scan_chunk)
 
     @override

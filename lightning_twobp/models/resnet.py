@@ -128,11 +128,9 @@ class ResNetClassifier(PipelineModule):
         lr_decay: str = "constant",
         seed: int | None = 0,
     ) -> None:
-        super().__init__(lr=lr, weight_decay=weight_decay, warmup_steps=warmup_steps, lr_decay=lr_decay)
+        super().__init__(lr=lr, weight_decay=weight_decay, warmup_steps=warmup_steps, lr_decay=lr_decay, seed=seed)
         self.save_hyperparameters()
         self.image_size = image_size
-        if seed is not None:
-            torch.manual_seed(seed)
         self.layers = build_resnet(depth, num_classes, width, norm)
         self.train_acc = MulticlassAccuracy(num_classes, average="micro")
         self.val_acc = MulticlassAccuracy(num_classes, average="micro")
