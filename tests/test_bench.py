@@ -1,4 +1,4 @@
-"""The benchmark harness runs end to end (a tiny model, one repeat): a smoke test, not a timing."""
+"""The benchmark harnesses run end to end (a tiny model, one repeat): smoke tests, not timings."""
 
 from __future__ import annotations
 
@@ -6,17 +6,21 @@ import json
 
 import pytest
 
-from lightning_twobp import bench
+from lightning_twobp.bench import main
+from lightning_twobp.bench.engine import configs
+from lightning_twobp.bench.peer import contenders, run_peer, write
+from lightning_twobp.bench.split import bench_split
+from lightning_twobp.bench.workload import Workload
 
 pytestmark = pytest.mark.dist
 
 
 def test_bench_quick_writes_every_configuration(tmp_path, capsys):
     out = tmp_path / "bench.json"
-    assert bench.main(["--quick", "--json", str(out)]) == 0
+    assert main(["--quick", "--json", str(out)]) == 0
     data = json.loads(out.read_text())
     names = {(c["name"], c["split_backward"], c["num_microbatches"]) for c in data["configs"]}
-    assert names == {(c.name, c.split_backward, c.num_microbatches) for c in bench.configs(8)}
+    assert names == {(c.name, c.split_backward, c.num_microbatches) for c in configs(8)}
     for c in data["configs"]:
         assert c["median_step_s"] > 0 and c["samples_per_s"] > 0 and c["simulated_step_s"] > 0
     assert data["single_process_step_s"] > 0
@@ -24,16 +28,42 @@ def test_bench_quick_writes_every_configuration(tmp_path, capsys):
 
 
 def test_split_ratio_harness():
-    r = bench.bench_split(tokens=32, repeats=2, seq=16)
+    r = bench_split(tokens=32, repeats=2, seq=16)
     assert r["deferred_fraction"] == 1.0 and r["bw_ms"] > 0 and r["median_ratio"] > 0
 
 
 def test_trainer_harness_compares_like_with_like():
-    from lightning_twobp.bench_trainer import bench_trainer
+    from lightning_twobp.bench.trainer import bench_trainer
 
-    rows = bench_trainer(batch=8, seq=16, m=4, repeats=1, layers=2, labels=["zb-h1", "zb-v", "gpipe+2BP"])
+    wl = Workload(batch=8, seq=16, layers=2, dim=32, heads=2, vocab=64)
+    rows = bench_trainer(wl, m=4, repeats=1, labels=["zb-h1", "zb-v", "gpipe+2BP"])
     assert set(rows) == {"zb-h1 S=2 m=4", "zb-v S=4 m=4", "gpipe+2BP S=2 m=4"}
     for r in rows.values():
         assert r["lightning_step_s"] > 0 and r["bare_step_s"] > 0
         # the Trainer's pipeline and the bare one trained the same weights on the same batches
         assert r["max_param_diff"] < 1e-5, r
+
+
+def test_peer_benchmark_checks_every_contender_against_one_process(tmp_path):
+    # Every contender, ours and torch's, in one process group; gradients checked before timing.
+    result = run_peer(Workload.quick(), m=4, rounds=1, warmup=0, steps=2)
+    labels = {r["label"] for r in result["rows"]}
+    assert labels == {c.label for c in contenders()}
+    assert all(r["max_grad_diff"] < 1e-5 and r["step_s"] > 0 for r in result["rows"])
+    # each of ours is paired with its torch counterpart; torch has no ZB-H2, so ZB1P stands in
+    pairs = {p["ours"]: p["torch"] for p in result["pairs"]}
+    assert pairs["zb-h2"] == "torch InterleavedZeroBubble (1/rank)" and pairs["zb-v"] == "torch ZBVZeroBubble"
+    assert result["best"]["ours"] in labels and result["best_vs_best"] > 0
+    paths = write(result, tmp_path)
+    assert "best vs best" in paths[0].read_text() and paths[1].read_text().startswith("label,")
+    assert json.loads(paths[2].read_text())["rows"]
+
+
+def test_peer_benchmark_without_torch_pipelining(monkeypatch):
+    import lightning_twobp.bench.peer as peer
+
+    monkeypatch.setattr(peer, "torch_pipelining_available", lambda: False)
+    result = run_peer(Workload.quick(), m=4, rounds=1, warmup=0, labels=["zb-h1", "torch 1F1B"])
+    assert [r["label"] for r in result["rows"]] == ["zb-h1"]
+    assert result["pairs"] == [] and result["best_vs_best"] is None
+    assert "not importable" in peer.markdown(result)

@@ -18,7 +18,8 @@ from lightning_twobp.schedules import (
     lower_communication,
     simulate,
 )
-from lightning_twobp.schedules.zero_bubble import memory_limits, peak_activations
+from lightning_twobp.schedules import peak_activations
+from lightning_twobp.schedules.builders.zb_greedy import memory_limits
 
 
 def expected_refusal(name: str, ranks: int, m: int, spr: int, split: bool) -> str | None:

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_twobp.engine.stage import Stage
-from lightning_twobp.schedules import Action, Comm, GradReduce, Schedule, add_grad_reduce, lower_communication
+from lightning_twobp.schedules import Action, Comm, GradReduce, Schedule, add_grad_reduce, lower_communication, validate
 
 __all__ = ["ActionRecord", "PipelineError", "PipelineExecutor", "StepResult"]
 
@@ -110,7 +110,7 @@ class PipelineExecutor:
         record: bool = False,
         grad_reduce: Callable[[int, list[nn.Parameter]], Callable[[], None]] | None = None,
     ) -> None:
-        schedule.validate()
+        validate(schedule)
         self.schedule = schedule
         self.group = group
         world = dist.get_world_size(group) if dist.is_initialized() else 1

@@ -4,14 +4,28 @@
 >>> schedule = build_schedule("1f1b", num_stages=4, num_microbatches=8)
 >>> round(simulate(schedule).bubble_fraction, 3)
 0.143
+
+Modules: :mod:`.ir` (the data), :mod:`.placement` (names, layouts, defaults), :mod:`.builders` (one
+family each), :mod:`.validate`, :mod:`.simulate`, and the passes :mod:`.lower` (communication) and
+:mod:`.grad_reduce` (the data-parallel reduce). The imports go one way: ``ir`` needs nothing.
 """
 
-from .comm import Comm, check_comm_deadlock, check_comm_order, lower_communication
+from .builders.zb_greedy import peak_activations
 from .grad_reduce import GradReduce, add_grad_reduce
-from .ir import Action, Schedule, stage_to_rank
-from .registry import SCHEDULES, build_schedule, check_split
-from .simulate import Costs, DeadlockError, SimResult, simulate
-from .zero_bubble import peak_activations
+from .ir import Action, DeadlockError, Schedule
+from .lower import Comm, check_comm_deadlock, check_comm_order, lower_communication
+from .placement import (
+    SCHEDULES,
+    check_layout,
+    check_split,
+    default_num_microbatches,
+    default_stages_per_rank,
+    schedule_label,
+    stage_to_rank,
+)
+from .registry import build_schedule
+from .simulate import Costs, SimResult, simulate
+from .validate import validate
 
 __all__ = [
     "Action",
@@ -26,9 +40,14 @@ __all__ = [
     "build_schedule",
     "check_comm_deadlock",
     "check_comm_order",
+    "check_layout",
     "check_split",
+    "default_num_microbatches",
+    "default_stages_per_rank",
     "lower_communication",
     "peak_activations",
+    "schedule_label",
     "simulate",
     "stage_to_rank",
+    "validate",
 ]

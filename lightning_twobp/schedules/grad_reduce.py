@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .comm import Comm, Op
+from .lower import Comm, Op
 from .ir import Action, Schedule
 
 __all__ = ["GradReduce", "add_grad_reduce"]

@@ -57,8 +57,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .ir import Action, Schedule, format_grid
-from .simulate import DeadlockError
+from .ir import Action, DeadlockError, Schedule, format_grid
 
 COMM_KINDS = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
 

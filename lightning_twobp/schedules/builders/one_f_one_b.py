@@ -3,7 +3,7 @@
 Each rank runs a warm-up of forwards, a steady phase alternating one forward with
 one backward, and a cool-down of the remaining backwards.
 
-With the split backward this is the 2BP paper's 1F1B+2BP (Cooper et al., 2024):
+With the split backward this is the 2BP paper's 1F1B+2BP (Rae, Lee and Richings, 2024):
 backward-p1 (B) takes the backward's place and backward-p2 (W) is deferred.  In
 the cool-down, where 1F1B idles waiting for the gradient of the next micro-batch,
 each B is followed by the W of the oldest micro-batch still without one; whatever
@@ -15,7 +15,8 @@ from __future__ import annotations
 
 from collections import deque
 
-from .ir import Action, Schedule, stage_to_rank
+from ..ir import Action, Schedule
+from ..placement import stage_to_rank
 
 
 def one_f_one_b(num_stages: int, num_microbatches: int, *, split_backward: bool = True,

@@ -10,7 +10,8 @@ stages per rank the stages are placed on the "loop" map (stage s on rank s % p).
 
 from __future__ import annotations
 
-from .ir import Action, Schedule, stage_to_rank
+from ..ir import Action, Schedule
+from ..placement import stage_to_rank
 
 
 def gpipe(num_stages: int, num_microbatches: int, *, stages_per_rank: int = 1,

@@ -1,6 +1,6 @@
 """What Lightning costs on top of the engine: the same pipeline step through ``Trainer`` and bare.
 
-    python -m lightning_twobp.bench --trainer [--json PATH] [--repeats N] [--quick]
+    twobp-bench --trainer [--json PATH] [--repeats N] [--quick] [--only LABEL ...]
 
 Two gloo processes with one thread each train the engine benchmark's tiny LLaMa (8 blocks x 512,
 batch 32 x 128 tokens) in each of the engine benchmark's configurations (every schedule with and
@@ -23,19 +23,15 @@ import time
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset
 
+from lightning_twobp.bench.engine import configs
+from lightning_twobp.bench.workload import WORLD, Workload, keep_freed_memory, loss_fn
 from lightning_twobp.engine import PipelineExecutor
-from lightning_twobp.models.llama import LlamaConfig, build_llama
 from lightning_twobp.partition import split_sequential
-from lightning_twobp.schedules import build_schedule
+from lightning_twobp.testing import free_port, run_distributed
 
 _WARMUP = 2  # untimed pairs at the start of each fit
-
-
-def _loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
 
 
 class _SameBatch(Dataset):
@@ -58,7 +54,7 @@ class _Llama(pl.LightningModule):
 
     def training_step(self, batch, batch_idx):
         ids, tgt = batch
-        loss = _loss(self.layers(ids), tgt)
+        loss = loss_fn(self.layers(ids), tgt)
         self.log("train_loss", loss)
         return loss
 
@@ -86,21 +82,16 @@ class _Alternate(pl.Callback):
         self.bare_times.append(time.perf_counter() - t)
 
 
-def _worker(rank: int, world: int, batch: int, seq: int, runs: list, repeats: int, layers: int, port: int) -> dict:
+def _worker(rank: int, world: int, wl: Workload, runs: list, repeats: int, port: int) -> dict:
     os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world), RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     from lightning_twobp import TwoBPStrategy
-    from lightning_twobp.bench import _keep_freed_memory
-
-    _keep_freed_memory()
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=1024, dim=512, n_layers=layers, n_heads=8, max_seq_len=seq)
-    ids = torch.randint(0, cfg.vocab_size, (batch, seq))
-    tgt = torch.roll(ids, -1, dims=1)
+    keep_freed_memory()
+    ids, tgt = wl.data()
     out = {}
     for c in runs:
         m = c.num_microbatches
-        full = build_llama(cfg)
+        full = wl.model()
         strategy = TwoBPStrategy(schedule=c.name, split_backward=c.split_backward, num_microbatches=m,
                                  stages_per_rank=c.stages_per_rank)
         lm = _Llama(copy.deepcopy(full))
@@ -113,7 +104,7 @@ def _worker(rank: int, world: int, batch: int, seq: int, runs: list, repeats: in
                 sched = strategy.schedule
                 parts = split_sequential(full, strategy.stage_sizes)
                 mods = {s: parts[s] for s in sched.stages_of(rank)}
-                state["ex"] = PipelineExecutor(sched, mods, loss_fn=_loss)
+                state["ex"] = PipelineExecutor(sched, mods, loss_fn=loss_fn)
                 state["opt"] = torch.optim.AdamW([q for md in mods.values() for q in md.parameters()], lr=1e-4)
             ex = state["ex"]
             mbs = ids.chunk(m) if 0 in ex.stages else None
@@ -126,7 +117,7 @@ def _worker(rank: int, world: int, batch: int, seq: int, runs: list, repeats: in
         trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=steps, logger=False,
                              enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                              use_distributed_sampler=False, callbacks=[timer])
-        trainer.fit(lm, DataLoader(_SameBatch(ids, tgt, steps + 1), batch_size=batch))
+        trainer.fit(lm, DataLoader(_SameBatch(ids, tgt, steps + 1), batch_size=wl.batch))
         # iteration i runs from start i to start i + 1 and contains bare step i; the last iteration
         # has no next start, and the first ones warm caches, the allocator and the shape exchange up
         periods = [b - a for a, b in zip(timer.starts, timer.starts[1:])]
@@ -140,15 +131,11 @@ def _worker(rank: int, world: int, batch: int, seq: int, runs: list, repeats: in
     return out
 
 
-def bench_trainer(batch: int = 32, seq: int = 128, m: int = 8, repeats: int = 5, layers: int = 8,
-                  labels: list[str] | None = None) -> dict:
-    """Trainer / bare for the engine benchmark's configurations (:func:`lightning_twobp.bench.configs`),
+def bench_trainer(wl: Workload = Workload(), m: int = 8, repeats: int = 5, labels: list[str] | None = None) -> dict:
+    """Trainer / bare for the engine benchmark's configurations (:func:`lightning_twobp.bench.engine.configs`),
     or those of them whose label starts with one of ``labels``."""
-    from lightning_twobp.bench import configs
-    from lightning_twobp.testing import free_port, run_distributed
-
     runs = [c for c in configs(m) if labels is None or any(c.label.startswith(x) for x in labels)]
-    per_rank = run_distributed(_worker, 2, batch, seq, runs, repeats, layers, free_port(), timeout=7200)
+    per_rank = run_distributed(_worker, WORLD, wl, runs, repeats, free_port(), timeout=7200)
     rows = {}
     for label, t in per_rank[0].items():  # barrier to barrier: the same on both ranks
         light, bare = statistics.median(t["lightning"]), statistics.median(t["bare"])

@@ -1,0 +1,83 @@
+"""``twobp-bench``: the engine benchmark by default; ``--peer``, ``--trainer`` and ``--split`` for the others.
+
+    twobp-bench [--json PATH] [--repeats N] [--timelines DIR] [--quick]
+    twobp-bench --peer [--rounds N] [--steps K] [--out DIR] [--only LABEL ...] [--quick]
+    twobp-bench --trainer [--json PATH] [--repeats N] [--only LABEL ...] [--quick]
+    twobp-bench --split [--tokens 512 256 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from lightning_twobp.bench.workload import Workload
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="twobp-bench", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    mode = ap.add_mutually_exclusive_group()
+    mode.add_argument("--peer", action="store_true", help="side by side with torch.distributed.pipelining")
+    mode.add_argument("--trainer", action="store_true", help="through Trainer(strategy=TwoBPStrategy) vs the bare engine")
+    mode.add_argument("--split", action="store_true", help="only (B + W) / BW on one block")
+    ap.add_argument("--json", help="write the results as JSON to this path (engine, trainer)")
+    ap.add_argument("--out", help="--peer: write peer.md, peer.csv and peer.json into this directory")
+    ap.add_argument("--repeats", type=int, default=5, help="timed steps per configuration (engine, trainer)")
+    ap.add_argument("--rounds", type=int, default=7, help="--peer: timed rounds (each contender once per round)")
+    ap.add_argument("--steps", type=int, default=1, help="--peer: back-to-back training steps per timed sample")
+    ap.add_argument("--microbatches", type=int, default=8)
+    ap.add_argument("--quick", action="store_true", help="a small model and few repeats, to check the harness")
+    ap.add_argument("--timelines", metavar="DIR", help="draw each configuration's recorded step as DIR/measured-*.png")
+    ap.add_argument("--tokens", type=int, nargs="+", default=[512, 256, 64], help="--split: tokens per micro-batch")
+    ap.add_argument("--only", nargs="+", metavar="LABEL", help="--peer, --trainer: contenders whose label starts so")
+    args = ap.parse_args(argv)
+    wl = Workload.quick() if args.quick else Workload()
+    m = args.microbatches
+
+    if args.split:
+        from lightning_twobp.bench.split import bench_split
+        from lightning_twobp.bench.workload import keep_freed_memory
+
+        keep_freed_memory()
+        print(f"{'tokens':>7}{'BW ms':>9}{'B ms':>9}{'W ms':>9}{'(B+W)/BW':>10}")
+        for n in args.tokens:
+            r = bench_split(n)
+            print(f"{n:>7}{r['bw_ms']:>9.2f}{r['b_ms']:>9.2f}{r['w_ms']:>9.2f}{r['median_ratio']:>10.3f}")
+        return 0
+
+    if args.peer:
+        from lightning_twobp.bench.peer import markdown, run_peer, write
+
+        rounds = 1 if args.quick else args.rounds
+        result = run_peer(wl, m, rounds=rounds, warmup=1, steps=args.steps, labels=args.only)
+        print(markdown(result))
+        if args.out:
+            for path in write(result, args.out):
+                print(f"wrote {path}")
+        return 0
+
+    if args.trainer:
+        from lightning_twobp.bench.trainer import bench_trainer
+
+        repeats = 2 if args.quick else args.repeats
+        rows = bench_trainer(wl, m, repeats, args.only)
+        print(f"tiny LLaMa {wl.layers} x {wl.dim}, batch {wl.batch} x {wl.seq}, m={m}, 2 ranks x 1 thread, "
+              f"median of {repeats} alternated steps")
+        print(f"{'configuration':<32}{'Trainer s':>11}{'bare s':>9}{'Trainer/bare (median of pairs)':>32}")
+        for label, r in rows.items():
+            print(f"{label:<32}{r['lightning_step_s']:>11.3f}{r['bare_step_s']:>9.3f}{r['ratio']:>32.3f}")
+        if args.json:
+            with open(args.json, "w") as fh:
+                json.dump(dict(workload=wl.__dict__, microbatches=m, repeats=repeats, rows=rows), fh, indent=2)
+            print(f"wrote {args.json}")
+        return 0
+
+    from lightning_twobp.bench.engine import run_engine
+
+    result = run_engine(wl, m, repeats=1 if args.quick else args.repeats, timelines=args.timelines)
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(result, fh, indent=2)
+        print(f"wrote {args.json}")
+    return 0

@@ -1,0 +1,336 @@
+"""Side by side with torch.distributed.pipelining: the same stages, data and micro-batching, one process group.
+
+    twobp-bench --peer [--rounds N] [--steps K] [--out DIR] [--only LABEL ...] [--quick]
+
+What a user choosing a pipeline engine would compare. On 2 gloo ranks with one thread each, every
+contender gets its own deep copy of the same stage modules (the workload's cut, :mod:`.workload`) and its
+own AdamW, and trains on the same batch split into the same micro-batches:
+
+* ours: every schedule, with and without 2BP where both exist, through :class:`PipelineExecutor`;
+* torch's: ``PipelineStage`` with ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B,
+  ScheduleInterleavedZeroBubble (1 and 2 stages per rank), ScheduleZBVZeroBubble, ScheduleDualPipeV;
+* a single process, one thread, accumulating the same micro-batches (rank 0 alone): a bubble-free
+  2-stage pipeline would take half of it, the "ideal".
+
+A timed sample is ``K`` back-to-back training steps (pipeline step, ``optimizer.step()``,
+``zero_grad()``) between two barriers, divided by ``K``: with ``K > 1`` ranks are free to run into the
+next step as far as the engine lets them, which is what a training loop does. Contenders take turns in
+rounds (round ``i`` starts at contender ``i``), after warm-up rounds; the table shows medians, and each
+ratio is the median over rounds of the per-round ratio, so drift of the shared machine cancels.
+
+Before any timing each contender runs one step from the seed weights, and its gradients are compared
+with the single-process gradients of the same micro-batching (fp32, rtol 1e-5, atol 1e-7); a mismatch
+fails the run. Without ``torch.distributed.pipelining`` the table has our rows only, and says so.
+"""
+
+from __future__ import annotations
+
+import copy
+import csv
+import io
+import json
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_twobp.bench.workload import WORLD, Workload, keep_freed_memory, loss_fn, reference_grads
+from lightning_twobp.engine import PipelineExecutor
+from lightning_twobp.schedules import build_schedule, schedule_label
+from lightning_twobp.testing import run_distributed
+
+__all__ = ["Contender", "contenders", "run_peer"]
+
+RTOL, ATOL = 1e-5, 1e-7
+
+
+@dataclass(frozen=True)
+class Contender:
+    """One pipeline to time. ``schedule`` is our schedule name or the torch class name."""
+
+    side: str  # "ours" | "torch"
+    schedule: str
+    split_backward: bool = True
+    stages_per_rank: int = 1
+    placement: str = "loop"  # stage s on rank s % p ("loop") or the V (rank r holds r and 2p - 1 - r)
+    counterpart: str | None = None  # label of the torch contender ours is compared with
+
+    @property
+    def label(self) -> str:
+        if self.side == "ours":
+            return schedule_label(self.schedule, self.split_backward)
+        name = self.schedule.removeprefix("Schedule")
+        return f"torch {name}" + (f" ({self.stages_per_rank}/rank)" if self.schedule == "ScheduleInterleavedZeroBubble" else "")
+
+    @property
+    def num_stages(self) -> int:
+        return WORLD * self.stages_per_rank
+
+    def stage_ids(self, rank: int) -> tuple[int, ...]:
+        if self.stages_per_rank == 1:
+            return (rank,)
+        if self.placement == "v":
+            return (rank, 2 * WORLD - 1 - rank)
+        return tuple(rank + k * WORLD for k in range(self.stages_per_rank))
+
+
+_T_GPIPE = "torch GPipe"
+_T_1F1B = "torch 1F1B"
+_T_INTERLEAVED = "torch Interleaved1F1B"
+_T_ZB1P = "torch InterleavedZeroBubble (1/rank)"
+_T_ZBV = "torch ZBVZeroBubble"
+
+
+def contenders() -> list[Contender]:
+    """Ours, each paired with its torch counterpart (the same order, or for ZB-H2 the nearest torch
+    has: ZB1P, its ZB-H1), then torch's."""
+    ours = [
+        Contender("ours", "gpipe", False, counterpart=_T_GPIPE),
+        Contender("ours", "gpipe", True, counterpart=_T_GPIPE),
+        Contender("ours", "1f1b", False, counterpart=_T_1F1B),
+        Contender("ours", "1f1b", True, counterpart=_T_1F1B),
+        Contender("ours", "interleaved-1f1b", False, 2, counterpart=_T_INTERLEAVED),
+        Contender("ours", "interleaved-1f1b", True, 2, counterpart=_T_INTERLEAVED),
+        Contender("ours", "zb-h1", True, counterpart=_T_ZB1P),
+        Contender("ours", "zb-h2", True, counterpart=_T_ZB1P),
+        Contender("ours", "zb-v", True, 2, "v", counterpart=_T_ZBV),
+    ]
+    theirs = [
+        Contender("torch", "ScheduleGPipe", False),
+        Contender("torch", "Schedule1F1B", False),
+        Contender("torch", "ScheduleInterleaved1F1B", False, 2),
+        Contender("torch", "ScheduleInterleavedZeroBubble", True, 1),
+        Contender("torch", "ScheduleInterleavedZeroBubble", True, 2),
+        Contender("torch", "ScheduleZBVZeroBubble", True, 2, "v"),
+        Contender("torch", "ScheduleDualPipeV", True, 2, "v"),
+    ]
+    return ours + theirs
+
+
+def torch_pipelining_available() -> bool:
+    try:
+        import torch.distributed.pipelining  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@dataclass
+class _Runner:
+    """A contender built on this rank: one training step, and its gradients by full-model name."""
+
+    contender: Contender
+    step: Callable[[], None]
+    params: dict[str, nn.Parameter]
+    optimizer: torch.optim.Optimizer = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.optimizer = torch.optim.AdamW(list(self.params.values()), lr=1e-4)
+
+    def train_step(self) -> None:
+        self.step()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+
+def _local_stages(c: Contender, model: nn.Sequential, wl: Workload, rank: int) -> tuple[dict[int, nn.Module], dict[str, nn.Parameter]]:
+    """This rank's stages of a fresh copy of ``model``, and their parameters by full-model name (a slice
+    of a Sequential keeps the layers' names)."""
+    parts = wl.stages(copy.deepcopy(model), c.num_stages)
+    mods = {s: parts[s] for s in c.stage_ids(rank)}
+    return mods, {n: q for mod in mods.values() for n, q in mod.named_parameters()}
+
+
+def _build(c: Contender, model: nn.Sequential, wl: Workload, m: int, rank: int, ids: torch.Tensor, tgt: torch.Tensor) -> _Runner:
+    mods, params = _local_stages(c, model, wl, rank)
+    last = c.num_stages - 1
+    if c.side == "ours":
+        sched = build_schedule(c.schedule, c.num_stages, m, stages_per_rank=c.stages_per_rank,
+                               split_backward=c.split_backward)
+        assert set(sched.stages_of(rank)) == set(mods), (c, sched.stage_to_rank)
+        ex = PipelineExecutor(sched, mods, loss_fn=loss_fn)
+        inputs = list(ids.chunk(m)) if 0 in mods else None
+        targets = list(tgt.chunk(m)) if last in mods else None
+        return _Runner(c, lambda: ex.step(inputs, targets), params)
+
+    import torch.distributed.pipelining as pp
+
+    stages = [pp.PipelineStage(mods[s], s, c.num_stages, torch.device("cpu")) for s in c.stage_ids(rank)]
+    cls = getattr(pp, c.schedule)
+    single = c.schedule in ("ScheduleGPipe", "Schedule1F1B")
+    sched = cls(stages[0] if single else stages, n_microbatches=m, loss_fn=loss_fn)
+    args = (ids,) if 0 in mods else ()
+    kwargs: dict[str, Any] = {"target": tgt, "losses": []} if last in mods else {}
+
+    def step() -> None:
+        if "losses" in kwargs:
+            kwargs["losses"].clear()
+        sched.step(*args, **kwargs)
+
+    return _Runner(c, step, params)
+
+
+def _grad_error(params: dict[str, nn.Parameter], ref: dict[str, torch.Tensor]) -> tuple[float, list[str]]:
+    """Largest absolute gradient difference from the reference, and the parameters outside tolerance."""
+    worst, bad = 0.0, []
+    for name, q in params.items():
+        if q.grad is None:
+            bad.append(f"{name}: no gradient")
+            continue
+        diff = (q.grad - ref[name]).abs()
+        worst = max(worst, diff.max().item())
+        if not torch.allclose(q.grad, ref[name], rtol=RTOL, atol=ATOL):
+            bad.append(f"{name}: max abs diff {diff.max().item():.3g}")
+    return worst, bad
+
+
+def _worker(rank: int, world: int, wl: Workload, m: int, rounds: int, warmup: int, steps: int,
+            labels: list[str] | None, with_torch: bool) -> dict:
+    keep_freed_memory()
+    model = wl.model()
+    ids, tgt = wl.data()
+    ref = reference_grads(copy.deepcopy(model), ids, tgt, m)
+    chosen = [c for c in contenders() if (with_torch or c.side == "ours")
+              and (labels is None or any(c.label.startswith(x) for x in labels))]
+    runners = [_build(c, model, wl, m, rank, ids, tgt) for c in chosen]
+
+    # Exactness first: one step from the seed weights, gradients against one process, no optimizer step.
+    checks = {}
+    for r in runners:
+        dist.barrier()
+        r.step()
+        checks[r.contender.label] = _grad_error(r.params, ref)
+        r.optimizer.zero_grad(set_to_none=True)
+
+    single = copy.deepcopy(model)
+    single_opt = torch.optim.AdamW(single.parameters(), lr=1e-4)
+
+    def run_single(both: bool) -> float:
+        """Gradient accumulation of the whole model on one thread; ``both``: every rank at once, which
+        shows what two busy cores cost each other (shared caches and memory bandwidth)."""
+        dist.barrier()
+        t = time.perf_counter()
+        if rank == 0 or both:
+            for _ in range(steps):
+                for x, y in zip(ids.chunk(m), tgt.chunk(m)):
+                    (loss_fn(single(x), y) / m).backward()
+                single_opt.step()
+                single_opt.zero_grad(set_to_none=True)
+        dist.barrier()
+        return (time.perf_counter() - t) / steps
+
+    def timed(r: _Runner) -> float:
+        dist.barrier()
+        t = time.perf_counter()
+        for _ in range(steps):
+            r.train_step()
+        dist.barrier()
+        return (time.perf_counter() - t) / steps
+
+    times: dict[str, list[float]] = {r.contender.label: [] for r in runners}
+    times["single"], times["single (both cores)"] = [], []
+    for i in range(warmup + rounds):
+        order = runners[i % len(runners):] + runners[: i % len(runners)]
+        sample = {r.contender.label: timed(r) for r in order}
+        sample["single"] = run_single(False)
+        sample["single (both cores)"] = run_single(True)
+        if i >= warmup:
+            for k, v in sample.items():
+                times[k].append(v)
+    return {"times": times, "checks": checks}
+
+
+def run_peer(wl: Workload = Workload(), m: int = 8, rounds: int = 7, warmup: int = 1, steps: int = 1,
+             labels: list[str] | None = None) -> dict:
+    """Run the side-by-side benchmark; returns the rows, the pairs and best-vs-best (see :func:`report`)."""
+    with_torch = torch_pipelining_available()
+    per_rank = run_distributed(_worker, WORLD, wl, m, rounds, warmup, steps, labels, with_torch, timeout=14400)
+    times = per_rank[0]["times"]  # barrier to barrier: the same on every rank
+    failures = []
+    rows = []
+    by_label = {c.label: c for c in contenders()}
+    ideal = statistics.median(times["single"]) / WORLD
+    for label, samples in times.items():
+        if label.startswith("single"):
+            continue
+        c = by_label[label]
+        worst = max(out["checks"][label][0] for out in per_rank)
+        bad = [b for out in per_rank for b in out["checks"][label][1]]
+        if bad:
+            failures.append(f"{label}: " + "; ".join(bad[:5]))
+        med = statistics.median(samples)
+        rows.append(dict(label=label, side=c.side, schedule=c.schedule, split_backward=c.split_backward,
+                         stages_per_rank=c.stages_per_rank, counterpart=c.counterpart, step_s=med,
+                         samples_per_s=wl.batch / med, ideal_over_step=ideal / med, max_grad_diff=worst,
+                         samples_s=samples))
+    if failures:
+        raise AssertionError("gradients differ from one process:\n" + "\n".join(failures))
+
+    def pair_ratio(a: str, b: str) -> float:
+        """Median over rounds of time(b) / time(a): above 1 means ``a`` is faster."""
+        return statistics.median(tb / ta for ta, tb in zip(times[a], times[b]))
+
+    pairs = [dict(ours=r["label"], torch=r["counterpart"], speedup=pair_ratio(r["label"], r["counterpart"]))
+             for r in rows if r["side"] == "ours" and r["counterpart"] in times]
+    best = {}
+    for side in ("ours", "torch"):
+        side_rows = [r for r in rows if r["side"] == side]
+        if side_rows:
+            best[side] = min(side_rows, key=lambda r: r["step_s"])["label"]
+    best_vs_best = pair_ratio(best["ours"], best["torch"]) if len(best) == 2 else None
+    return dict(workload=asdict(wl), world=WORLD, microbatches=m, rounds=rounds, warmup_rounds=warmup,
+                steps_per_sample=steps, torch_version=torch.__version__, torch_pipelining=with_torch,
+                single_step_s=statistics.median(times["single"]), ideal_step_s=ideal,
+                single_both_cores_step_s=statistics.median(times["single (both cores)"]),
+                rows=rows, pairs=pairs, best=best, best_vs_best=best_vs_best,
+                ours_best_over_ideal=ideal / min(r["step_s"] for r in rows if r["side"] == "ours"))
+
+
+def markdown(result: dict) -> str:
+    """The result as Markdown: the contenders, the pairs, best against best."""
+    wl = result["workload"]
+    out = io.StringIO()
+    w = out.write
+    w(f"tiny LLaMa {wl['layers']} x {wl['dim']}, batch {wl['batch']} x {wl['seq']}, m = {result['microbatches']}, "
+      f"{result['world']} gloo ranks x 1 thread, torch {result['torch_version']}; a sample is "
+      f"{result['steps_per_sample']} back-to-back training step(s), median of {result['rounds']} rounds\n\n")
+    w(f"single process, 1 thread: {result['single_step_s']:.3f} s/step; ideal bubble-free 2-stage step "
+      f"(half of it): **{result['ideal_step_s']:.3f} s**; single process on both cores at once: "
+      f"{result['single_both_cores_step_s']:.3f} s/step\n\n")
+    if not result["torch_pipelining"]:
+        w("torch.distributed.pipelining is not importable in this torch build: only our rows are shown.\n\n")
+    w("| contender | s/step | samples/s | ideal / step | max grad diff vs 1 process |\n|---|---:|---:|---:|---:|\n")
+    for r in sorted(result["rows"], key=lambda r: r["step_s"]):
+        w(f"| {r['label']} | {r['step_s']:.3f} | {r['samples_per_s']:.2f} | {r['ideal_over_step']:.3f} | "
+          f"{r['max_grad_diff']:.1e} |\n")
+    if result["pairs"]:
+        w("\n| ours | torch counterpart | speed-up (median of per-round ratios) |\n|---|---|---:|\n")
+        for p in result["pairs"]:
+            w(f"| {p['ours']} | {p['torch']} | **{p['speedup']:.3f}x** |\n")
+    if result["best_vs_best"] is not None:
+        w(f"\nbest vs best: ours ({result['best']['ours']}) is **{result['best_vs_best']:.3f}x** torch's "
+          f"({result['best']['torch']}); ")
+    w(f"our best is {result['ours_best_over_ideal']:.3f} of the ideal step\n")
+    return out.getvalue()
+
+
+def write(result: dict, folder: str | Path) -> list[Path]:
+    """``peer.md``, ``peer.csv`` (one row per contender) and ``peer.json`` into ``folder``."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = [folder / "peer.md", folder / "peer.csv", folder / "peer.json"]
+    paths[0].write_text(markdown(result))
+    with paths[1].open("w", newline="") as fh:
+        cols = ["label", "side", "schedule", "split_backward", "stages_per_rank", "counterpart", "step_s",
+                "samples_per_s", "ideal_over_step", "max_grad_diff"]
+        writer = csv.DictWriter(fh, fieldnames=cols, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(result["rows"])
+    paths[2].write_text(json.dumps(result, indent=2))
+    return paths

@@ -1,0 +1,51 @@
+"""Zero Bubble schedules at the costs given: the paper's order, or a greedy one where it is faster.
+
+:func:`zero_bubble` builds candidates and keeps the fastest at ``costs``:
+
+* the paper's handcrafted order (:mod:`.zb_orders`), made for ``T_F = T_B = T_W``;
+* greedy schedules (:mod:`.zb_greedy`) built at ``costs`` and at unit costs, with both W policies
+  (``"eager"``, ``"fit"``) and, on the V, both B tie-breaks.
+
+"Fastest" is the steady-state time per iteration when iterations overlap (what training runs: each
+rank starts its next iteration after its own last W, see :func:`~..simulate.simulate`), then the
+single iteration's makespan, then the order above (the paper's order wins ties). So building with
+measured costs can never give a schedule slower, at those costs, than the paper's order or the
+unit-cost build, and every candidate respects the family's memory limits (the paper order's counts).
+"""
+
+from __future__ import annotations
+
+from ..ir import Schedule
+from ..simulate import Costs, simulate
+from .zb_greedy import POLICIES, greedy
+from .zb_orders import paper_order
+
+__all__ = ["STEADY_ITERATIONS", "schedule_score", "zero_bubble"]
+
+# Iterations simulated to measure the steady state: enough for every built-in order to settle.
+STEADY_ITERATIONS = 4
+
+
+def schedule_score(schedule: Schedule, costs: Costs) -> tuple[float, float]:
+    """``(steady-state period, single-iteration makespan)`` at ``costs``: lower is faster. Rounded to 1e-9
+    so that float noise between equally fast orders does not decide."""
+    period = simulate(schedule, costs, iterations=STEADY_ITERATIONS).period
+    return (round(period, 9), round(simulate(schedule, costs).makespan, 9))
+
+
+def zero_bubble(name: str, num_stages: int, num_microbatches: int, *,
+                stages_per_rank: int, costs: Costs | None = None) -> Schedule:
+    """Build ``zb-h1``, ``zb-h2`` (one stage per rank) or ``zb-v`` (V, two per rank)."""
+    target = costs or Costs()
+    target.check(num_stages)
+    candidates = [paper_order(name, num_stages // stages_per_rank, num_microbatches)]
+    tie_breaks = ("later-stage", "smallest-mb") if name == "zb-v" else ("later-stage",)
+    builds = [target] if target == Costs() else [target, Costs()]
+    for at in builds:
+        for policy in POLICIES:
+            for tie_break in tie_breaks:
+                candidates.append(greedy(name, num_stages, num_microbatches, stages_per_rank=stages_per_rank,
+                                         costs=at, policy=policy, b_tie_break=tie_break))
+    scores = [schedule_score(c, target) for c in candidates]
+    best = min(range(len(candidates)), key=lambda i: (scores[i], i))
+    return candidates[best]
