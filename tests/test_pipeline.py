@@ -207,3 +207,91 @@ def test_failure_on_a_first_stage_is_named(at, where):
     with pytest.raises(RuntimeError) as info:
         run_distributed(_failing_first_stage, 2, at, timeout=60)
     assert where in str(info.value) and "boom" in str(info.value)
+
+
+def _grads_match(model, ref, owned) -> list[str]:
+    bad = []
+    for (n, q), (_, r) in zip(model.named_parameters(), ref.named_parameters()):
+        if id(q) in owned and (q.grad is None or not torch.allclose(q.grad, r.grad, rtol=1e-5, atol=1e-7)):
+            bad.append(f"grad of {n} differs")
+    return bad
+
+
+def _steps_without_collectives(rank: int, world: int, name: str) -> list[str]:
+    """After the first step no collective runs: back-to-back steps may overlap, and a change of the
+    first stage's input shapes (another sequence length) is agreed on by a message, not a collective."""
+    spr = 2 if name == "zb-v" else 1
+    sched = build_schedule(name, world * spr, 4, stages_per_rank=spr)
+    torch.manual_seed(0)
+    model = build_llama(LlamaConfig(vocab_size=VOCAB, dim=16, n_layers=2 * world * spr, n_heads=2, max_seq_len=2 * SEQ))
+    ref = copy.deepcopy(model)
+    parts = split_sequential(model, even_sizes(len(model), world * spr))
+    mine = {s: parts[s] for s in sched.stages_of(rank)}
+    ex = PipelineExecutor(sched, mine, loss_fn=loss_fn)
+    last = sched.num_stages - 1
+
+    def step(ids):
+        return ex.step(list(ids) if 0 in mine else None, list(ids) if last in mine else None)
+
+    step(torch.randint(0, VOCAB, (4, MB_SIZE, SEQ)))
+    import torch.distributed as dist
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("a collective ran inside a pipeline step")
+
+    for fn in ("all_gather_object", "broadcast_object_list", "all_reduce", "all_gather", "barrier", "broadcast"):
+        setattr(dist, fn, forbidden)
+    batches = [torch.randint(0, VOCAB, (4, MB_SIZE, t)) for t in (SEQ, SEQ, 2 * SEQ, 2 * SEQ, SEQ)]
+    model.zero_grad(set_to_none=True)
+    for ids in batches:
+        step(ids)
+    for ids in batches:
+        for i in range(4):
+            (loss_fn(ref(ids[i]), ids[i]) / 4).backward()
+    return _grads_match(model, ref, {id(q) for mod in mine.values() for q in mod.parameters()})
+
+
+@pytest.mark.parametrize("name, p", [("1f1b", 2), ("zb-h2", 4), ("zb-v", 2)])
+def test_steps_run_back_to_back_without_collectives_and_follow_shape_changes(name, p):
+    assert run_distributed(_steps_without_collectives, p, name, timeout=180) == [[]] * p
+
+
+class _Widens(torch.nn.Module):
+    """Returns float64 once ``widen`` is set: a change on one rank that no signature covers."""
+
+    widen = False
+
+    def forward(self, x):
+        return x.double() if self.widen else x
+
+
+class _ToFloat(torch.nn.Module):
+    def forward(self, x):
+        return x.float()
+
+
+def _local_change(rank: int, world: int, reset: bool) -> list[str]:
+    sched = build_schedule("1f1b", world, 2)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), _Widens(), _ToFloat(), torch.nn.Linear(8, 4))
+    ref = copy.deepcopy(model)
+    parts = [model[:2], model[2:]]
+    ex = PipelineExecutor(sched, {rank: parts[rank]}, loss_fn=F.cross_entropy)
+    x, y = torch.randn(2, 3, 8), torch.randint(0, 4, (2, 3))
+    ex.step(list(x) if rank == 0 else None, list(y) if rank == 1 else None)
+    model[1].widen = ref[1].widen = True
+    if reset:
+        ex.reset_shapes()
+    model.zero_grad(set_to_none=True)
+    ex.step(list(x) if rank == 0 else None, list(y) if rank == 1 else None)
+    (sum(F.cross_entropy(ref(x[i]), y[i]) for i in range(2)) / 2).backward()
+    return _grads_match(model, ref, {id(q) for q in parts[rank].parameters()})
+
+
+def test_a_change_on_one_rank_is_refused_by_name_or_followed_after_reset_shapes():
+    with pytest.raises(RuntimeError) as info:
+        run_distributed(_local_change, 2, False, timeout=60)
+    msg = str(info.value)
+    assert "the output stage 0 sends for micro-batch 0 changed" in msg and "float64" in msg
+    assert "reset_shapes() on every rank" in msg
+    assert run_distributed(_local_change, 2, True, timeout=60) == [[], []]

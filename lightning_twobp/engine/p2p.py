@@ -1,0 +1,222 @@
+"""One rank's point-to-point traffic in its pipeline: tags, posting, receive buffers, shape agreement.
+
+The executor says *what* to send and receive (the lowered schedule's :class:`Comm` ops); this module
+does it with ``torch.distributed``:
+
+* a run of consecutive comm ops is posted as one ``batch_isend_irecv`` (on NCCL a group, so a rank's
+  activation send and its gradient receive progress together and cannot deadlock; the schedules pass
+  ``check_comm_deadlock`` under that strict model);
+* each message has its own tag: between two ranks several streams can interleave (the V and the loop
+  maps send activations and gradients each way), and gloo matches by (peer, tag), so a message never
+  lands in another's buffer. NCCL ignores tags and matches in posting order, which the communication
+  pass keeps consistent per pair of ranks;
+* receive buffers are allocated once per shape signature and reused every step. A fresh multi-MB buffer
+  per message would be page-faulted in again each time on CPU (glibc returns large freed blocks to the
+  OS) and costs an allocation on GPU; a buffer's contents are dead by the end of the step that used it
+  (every micro-batch's B and W run inside the step), so the next step may overwrite it;
+* the shapes between stages: the rank holding stage 0 sends a tiny signature of its micro-batches'
+  shapes and dtypes to every other rank at the start of each step. Every rank's first action waits on
+  stage 0's first forward anyway, so this costs a small message and no waiting, where an object
+  collective would stop every rank until the slowest finished its previous step (no overlap of
+  iterations). When the signature changes, all ranks exchange their metadata again (see
+  :meth:`PipelineExecutor._exchange_meta`). What a rank changes on its own (autocast, ``requires_grad``)
+  is caught when it sends: a tensor whose metadata differs from what the receiver expects raises,
+  naming the stage and both metadata, instead of landing in a buffer of another shape.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from lightning_twobp.schedules import Comm, Schedule
+
+__all__ = ["MAX_TENSORS", "P2P", "TensorMeta"]
+
+MAX_TENSORS = 64  # tensors one stage may pass to the next (part of the message tag)
+_SIGNATURE_TAG = 2**31 - 2  # above every message tag: ((mb * S + edge) * 2 + dir) * 64 + index
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    requires_grad: bool
+
+    @classmethod
+    def of(cls, t: torch.Tensor) -> TensorMeta:
+        return cls(tuple(t.shape), t.dtype, t.requires_grad)
+
+    def __str__(self) -> str:
+        grad = ", requires grad" if self.requires_grad else ""
+        return f"{tuple(self.shape)} {str(self.dtype).removeprefix('torch.')}{grad}"
+
+
+class P2P:
+    """Sends and receives of one pipeline rank. ``rank`` is the rank in ``group`` (the pipeline)."""
+
+    def __init__(self, schedule: Schedule, rank: int, group: dist.ProcessGroup | None, device: torch.device) -> None:
+        self.schedule = schedule
+        self.rank = rank
+        self.group = group
+        self.device = device
+        world = schedule.num_ranks
+        if group is None or group is dist.GroupMember.WORLD:
+            self.global_ranks = list(range(world))
+        else:
+            self.global_ranks = [dist.get_global_rank(group, r) for r in range(world)]
+        self.meta_in: dict[int, list[TensorMeta]] = {}  # stage -> metadata of its inputs
+        self.meta_out: dict[int, list[TensorMeta]] = {}  # stage -> metadata of its outputs (non-last)
+        self._buffers: dict[tuple[str, int, int], list[torch.Tensor]] = {}
+        self._signature: int | None = None
+        self.start_step()
+
+    # ------------------------------------------------------------------ per step
+    def start_step(self) -> None:
+        self._recvs: dict[tuple[str, int, int], tuple[list, list[torch.Tensor]]] = {}
+        self._sends: list[list] = []
+        self.wait_time = 0.0  # seconds blocked on receives since the last reset (for records)
+
+    def finish_sends(self) -> None:
+        """Wait for every send of the step (their tensors must live until then)."""
+        for works in self._sends:
+            for w in works:
+                w.wait()
+        self._sends = []
+
+    def new_shapes(self) -> None:
+        """The shapes between stages changed: forget their metadata and the receive buffers."""
+        self._buffers.clear()
+        self.meta_in.clear()
+        self.meta_out.clear()
+
+    def drop_buffers(self) -> None:
+        """Forget everything learned about shapes, so that the next step agrees on them again: after a
+        failed step (a receive may still be posted into a buffer) or on request."""
+        self.new_shapes()
+        self._signature = None
+
+    # ------------------------------------------------------------------ shapes
+    def signature_changed(self, local: int | None) -> bool:
+        """Whether stage 0's input signature differs from the last step's, on every rank alike.
+
+        ``local`` is this rank's signature when it holds stage 0 (else ``None``); that rank sends it to
+        the others, who receive it before anything else of the step."""
+        if self.schedule.num_ranks == 1:
+            value = local
+        elif local is not None:
+            sig = torch.tensor([local], dtype=torch.int64, device=self.device)
+            works = [dist.isend(sig, self.global_ranks[r], group=self.group, tag=_SIGNATURE_TAG)
+                     for r in range(self.schedule.num_ranks) if r != self.rank]
+            self._sends.append([w for w in works if w is not None])
+            self._keep = sig  # alive until the sends finish
+            value = local
+        else:
+            sig = torch.empty(1, dtype=torch.int64, device=self.device)
+            src = self.global_ranks[self.schedule.stage_to_rank[0]]
+            dist.recv(sig, src, group=self.group, tag=_SIGNATURE_TAG)
+            value = int(sig.item())  # on a GPU, the step's one host sync
+        changed = value != self._signature
+        self._signature = value
+        return changed
+
+    # ------------------------------------------------------------------ messages
+    def tag(self, direction: str, edge: int, mb: int, index: int) -> int:
+        """A tag per message (see the module docstring)."""
+        if index >= MAX_TENSORS:
+            raise ValueError(f"at most {MAX_TENSORS} tensors may pass between two stages, got {index + 1}")
+        return ((mb * self.schedule.num_stages + edge) * 2 + (direction == "B")) * MAX_TENSORS + index
+
+    def _recv_metas(self, direction: str, stage: int) -> list[TensorMeta]:
+        if direction == "F":
+            return self.meta_in[stage]
+        return [mt for mt in self.meta_out[stage] if mt.requires_grad]
+
+    def _buffer(self, key: tuple[str, int, int]) -> list[torch.Tensor]:
+        bufs = self._buffers.get(key)
+        if bufs is None:
+            bufs = [torch.empty(mt.shape, dtype=mt.dtype, device=self.device) for mt in self._recv_metas(key[0], key[1])]
+            self._buffers[key] = bufs
+        return bufs
+
+    def post(self, comms: Sequence[Comm], outgoing: dict[tuple[str, int, int], list[torch.Tensor]]) -> None:
+        """Post one batch: the sends take their tensors out of ``outgoing`` (keyed like the receives,
+        ``(direction, stage, micro-batch)``); the receives are waited for by :meth:`wait`."""
+        ops: list[dist.P2POp] = []
+        owner: list[tuple[str, int, int] | None] = []  # per op: the receive it belongs to, or None
+        recvs: dict[tuple[str, int, int], list[torch.Tensor]] = {}
+        for c in comms:
+            peer = self.global_ranks[c.peer]
+            key = (c.kind[-1], c.stage, c.microbatch)
+            if c.is_send:
+                edge = c.stage if key[0] == "F" else c.stage - 1
+                for i, t in enumerate(outgoing.pop(key)):
+                    ops.append(dist.P2POp(dist.isend, t.contiguous(), peer, self.group, self.tag(key[0], edge, c.microbatch, i)))
+                    owner.append(None)
+            else:
+                edge = c.stage - 1 if key[0] == "F" else c.stage
+                bufs = self._buffer(key)
+                ops.extend(dist.P2POp(dist.irecv, b, peer, self.group, self.tag(key[0], edge, c.microbatch, i))
+                           for i, b in enumerate(bufs))
+                owner.extend([key] * len(bufs))
+                recvs[key] = bufs
+        if not ops:
+            return
+        works = dist.batch_isend_irecv(ops)
+        if len(works) == len(ops):
+            # One work per op (gloo): each must be waited exactly once, since a gloo work's wait
+            # blocks for a further completion when called again.
+            for key, bufs in recvs.items():
+                self._recvs[key] = ([w for w, o in zip(works, owner) if o == key], bufs)
+            self._sends.append([w for w, o in zip(works, owner) if o is None])
+        else:
+            # One work for the whole group (NCCL coalescing): waiting on it again is a no-op.
+            for key, bufs in recvs.items():
+                self._recvs[key] = (works, bufs)
+            self._sends.append(works)
+
+    def wait(self, key: tuple[str, int, int]) -> tuple[torch.Tensor, ...]:
+        """The tensors of a posted receive, once they have arrived. Activations that require grad come
+        back as fresh leaves (``detach().requires_grad_()``) over the reused buffer."""
+        works, bufs = self._recvs.pop(key)
+        t = time.perf_counter()
+        for w in works:
+            w.wait()
+        self.wait_time += time.perf_counter() - t
+        if key[0] == "F":
+            metas = self.meta_in[key[1]]
+            return tuple(b.detach().requires_grad_() if mt.requires_grad else b for b, mt in zip(bufs, metas))
+        return tuple(bufs)
+
+    # ------------------------------------------------------------------ objects (shape exchange, evaluation)
+    def send_object(self, obj: Any, to_stage: int) -> None:
+        dst = self.global_ranks[self.schedule.stage_to_rank[to_stage]]
+        dist.send_object_list([obj], dst=dst, group=self.group, device=self._object_device())
+
+    def recv_object(self, from_stage: int) -> Any:
+        box = [None]
+        src = self.global_ranks[self.schedule.stage_to_rank[from_stage]]
+        dist.recv_object_list(box, src=src, group=self.group, device=self._object_device())
+        return box[0]
+
+    def _object_device(self) -> torch.device | None:
+        # Object collectives on NCCL need the current CUDA device; on gloo the CPU.
+        return self.device if self.device.type == "cuda" else None
+
+
+def check_outgoing(actual: Sequence[TensorMeta], expected: Sequence[TensorMeta], what: str) -> None:
+    """Raise if what a stage is about to send differs from what its peer will receive into (shape,
+    dtype, and for activations whether they require grad)."""
+    if list(actual) != list(expected):
+        raise RuntimeError(
+            f"{what} changed since the shapes between stages were agreed: now "
+            f"[{', '.join(map(str, actual))}], the receiving rank expects [{', '.join(map(str, expected))}]. "
+            f"Shapes may change with the first stage's input (every rank then agrees on them again); a change "
+            f"made on one rank alone (autocast, requires_grad, a layer's output) needs executor.reset_shapes() "
+            f"on every rank before the next step"
+        )
