@@ -25,7 +25,7 @@ import sys
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
-from lightning_twobp.schedules import Action, Costs, Schedule, simulate
+from lightning_twobp.schedules import Action, Costs, Schedule, schedule_label, simulate
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -141,26 +141,26 @@ def plot_timeline(timeline: Iterable[Any], *, num_ranks: int, title: str | None 
 
 def plot_schedule(schedule: Schedule, costs: Costs | None = None,
                   path: str | os.PathLike | None = None, *, name: str | None = None,
-                  ax: Axes | None = None) -> Figure:
+                  ax: Axes | None = None, iterations: int = 1) -> Figure:
     """Simulate ``schedule`` at ``costs`` (default unit costs) and plot its timeline.
 
-    The title names the schedule (``name``, default ``schedule.name`` plus "+ 2BP"
-    for a split GPipe or 1F1B), the ranks ``p``, the micro-batches ``m`` and the
-    simulated bubble fraction (idle time over ``p * makespan``).
+    The title names the schedule (``name``, default :func:`schedule_label`), the ranks ``p``, the
+    micro-batches ``m`` and the simulated bubble fraction (idle time over ``p * makespan``). With
+    ``iterations > 1`` the iterations run back to back, overlapping as far as each rank's order
+    allows, and the title gives the steady-state period and bubble instead.
     """
-    result = simulate(schedule, costs)
+    result = simulate(schedule, costs, iterations=iterations)
     p = schedule.num_ranks
     if name is None:
-        name = schedule.name
-        if schedule.split_backward and name in ("gpipe", "1f1b", "interleaved-1f1b"):
-            name += " + 2BP"
+        name = schedule_label(schedule.name, schedule.split_backward)
     shape = f"p={p}"
     if schedule.stages_per_rank > 1:
         shape += f" x {schedule.stages_per_rank} stages"
-    title = (
-        f"{name}: {shape}, m={schedule.num_microbatches}, "
-        f"makespan {result.makespan:g}, bubble {result.bubble_fraction:.1%}"
-    )
+    if iterations == 1:
+        timing = f"makespan {result.makespan:g}, bubble {result.bubble_fraction:.1%}"
+    else:
+        timing = f"{iterations} iterations overlapped: period {result.period:g}, bubble {result.steady_bubble:.1%}"
+    title = f"{name}: {shape}, m={schedule.num_microbatches}, {timing}"
     return plot_timeline(result.timeline, num_ranks=p, title=title, ax=ax, path=path,
                          unit=_cost_unit(costs or Costs()))
 
