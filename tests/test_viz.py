@@ -124,9 +124,14 @@ def test_plot_schedule_title(tmp_path):
     fig = plot_schedule(schedule, path=tmp_path / "s.png")
     title = fig.axes[0].get_title()
     bubble = simulate(schedule).bubble_fraction
-    assert "1f1b + 2BP" in title and "p=4" in title and "m=8" in title
+    assert "1f1b+2BP" in title and "p=4" in title and "m=8" in title
     assert f"{bubble:.1%}" in title
     assert (tmp_path / "s.png").stat().st_size > 0
+    # Overlapped iterations: the title gives the steady state.
+    zb = build_schedule("zb-h2", 4, 8)
+    title = plot_schedule(zb, iterations=2).axes[0].get_title()
+    steady = simulate(zb, iterations=2)
+    assert "2 iterations overlapped" in title and f"period {steady.period:g}" in title
 
 
 def test_bad_input_raises():
