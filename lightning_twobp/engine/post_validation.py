@@ -1,0 +1,277 @@
+"""The optimizer step's global checks without stopping the pipeline: the Zero Bubble paper's
+optimizer post-validation (Qi et al., ICLR 2024, §4).
+
+Two checks need every stage's gradients: clipping by the global gradient norm, and the non-finite
+check (an inf or NaN gradient on any stage skips the step everywhere, or the stages drift apart).
+Done before the step, each is an all-reduce that waits for the slowest rank to finish its last W, so
+the first stage cannot start the next iteration early and ZB-H2's and ZB-V's parallelograms cannot
+tile. Both rarely change anything in stable training, so :class:`StepValidation` with
+``overlap=True``
+
+1. starts the all-reduce of each rank's ``(norm^p, non-finite)`` asynchronously (:meth:`before_step`),
+   keeps a copy of the parameters, the optimizer state and the param-group settings, and lets the
+   optimizer step with the gradients as they are;
+2. later, once the next pipeline step has run (the reduction arrived long before),
+   :meth:`validate` looks at the global result. Only if it would have changed the step (the norm is
+   above ``max_norm``, or a gradient is not finite) it puts the copy back and redoes the step
+   exactly as the synchronous check would have (clipped gradients, or no step), and says so: the
+   pipeline step that ran on the speculative weights must then run again.
+
+The parameters after every step are bitwise those of ``overlap=False``, which checks before stepping
+(the reference; tests compare the two). The price is memory: one copy of the parameters and of the
+optimizer state (2 more for Adam), and the step's gradients are kept until :meth:`validate`, so the
+caller must drop them with ``zero_grad(set_to_none=True)`` (the default), never zero them in place.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.utils import clip_grads_with_norm_, get_total_norm
+
+__all__ = ["StepValidation", "Verdict"]
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What the global check said about one optimizer step.
+
+    ``total_norm`` is the global gradient norm (``None`` without clipping); ``clipped``: it was above
+    ``max_norm`` and the gradients were scaled down; ``skipped``: a gradient somewhere was not finite
+    and the step did not happen; ``redone``: the weights differ from the speculative step's, so work
+    done with those must be redone (overlap mode only).
+    """
+
+    total_norm: torch.Tensor | None
+    clipped: bool
+    skipped: bool
+    redone: bool = False
+
+
+class StepValidation:
+    """Global-norm clipping and the non-finite check for one rank's optimizer over a pipeline.
+
+    Args:
+        optimizer: this rank's optimizer (its parameters are this rank's stages').
+        max_norm: clip the gradients to this global norm (``None``: no clipping).
+        norm_type: the norm's order (2 by default; ``inf`` for the largest absolute value).
+        check_finite: skip the step on every rank when any gradient is inf or NaN.
+        group: the ranks whose gradients make up the model (the pipeline); ``None`` for one process.
+        device: where the small reduction tensor lives (the gradients' device).
+        overlap: step speculatively and check later (:meth:`validate`), or check before stepping.
+        not_counted: ids of parameters that are clipped but not counted in the norm (a tied copy
+            whose first holder counts it).
+
+    Call :meth:`before_step` after the step's gradients are complete and right before
+    ``optimizer.step()``; with ``overlap=True`` call :meth:`validate` before the next
+    ``before_step`` (best: after the next pipeline step, when the reduction has long arrived).
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, *, max_norm: float | None = None,
+                 norm_type: float = 2.0, check_finite: bool = True, group: dist.ProcessGroup | None = None,
+                 device: torch.device | str = "cpu", overlap: bool = True,
+                 not_counted: frozenset[int] | set[int] = frozenset()) -> None:
+        if max_norm is not None and not max_norm > 0:
+            raise ValueError(f"max_norm must be > 0 (or None for no clipping), got {max_norm!r}")
+        self.optimizer = optimizer
+        self.max_norm = max_norm
+        self.norm_type = float(norm_type)
+        self.check_finite = check_finite
+        self.group = group
+        self.device = torch.device(device)
+        self.overlap = overlap
+        self.not_counted = frozenset(not_counted)
+        self.last: Verdict | None = None  # the latest verdict
+        self.skipped_steps = 0
+        self._pending: tuple[Any, torch.Tensor] | None = None
+        self._grads: list[tuple[nn.Parameter, torch.Tensor]] = []
+        self._params: dict[int, torch.Tensor] = {}
+        self._state: dict[int, dict[str, Any] | None] = {}
+        self._groups: list[dict[str, Any]] = []
+
+    @property
+    def active(self) -> bool:
+        """Whether anything needs checking (no clipping and no finite check: the step is left alone)."""
+        return self.max_norm is not None or self.check_finite
+
+    @property
+    def pending(self) -> bool:
+        """A speculative step waits for :meth:`validate`."""
+        return self._pending is not None
+
+    # ------------------------------------------------------------------ the check
+    def _params_with_grads(self) -> list[nn.Parameter]:
+        return [q for g in self.optimizer.param_groups for q in g["params"] if q.grad is not None]
+
+    def _local_stats(self, params: Sequence[nn.Parameter]) -> torch.Tensor:
+        """``[norm^p over counted gradients, 1 if non-finite else 0]`` for this rank (max instead of sum
+        for the inf-norm, reduced the same way)."""
+        counted = [q.grad for q in params if id(q) not in self.not_counted]
+        if counted:
+            local = get_total_norm(counted, self.norm_type).to(self.device, torch.float32)
+        else:
+            local = torch.zeros((), device=self.device)
+        power = local if self.norm_type == float("inf") else local.pow(self.norm_type)
+        return torch.stack([power, torch.isfinite(local).logical_not().float()])
+
+    def _reduce(self, stats: torch.Tensor, async_op: bool) -> Any:
+        if self.group is None and not dist.is_initialized():
+            return None
+        if dist.get_world_size(self.group) == 1:
+            return None
+        if self.norm_type == float("inf"):
+            return dist.all_reduce(stats, op=dist.ReduceOp.MAX, group=self.group, async_op=async_op)
+        return dist.all_reduce(stats, group=self.group, async_op=async_op)  # SUM of both entries
+
+    def _decide(self, stats: torch.Tensor) -> tuple[torch.Tensor | None, bool, bool]:
+        """``(total norm, clip?, skip?)`` from the reduced statistics, as one process would decide."""
+        skip = self.check_finite and bool(stats[1] > 0)
+        total = None
+        clip = False
+        if self.max_norm is not None:
+            total = stats[0] if self.norm_type == float("inf") else stats[0].pow(1.0 / self.norm_type)
+            # clip_grads_with_norm_ scales by min(1, max_norm / (total + 1e-6)): anything below 1 changes the step
+            clip = bool(self.max_norm / (total + 1e-6) < 1.0)
+        return total, clip, skip
+
+    def _apply(self, params: Sequence[nn.Parameter], total: torch.Tensor | None, clip: bool, skip: bool) -> None:
+        """What the synchronous check does to the gradients before ``optimizer.step()``: drop them all
+        (the optimizer then skips every parameter) or clip them in place."""
+        if skip:
+            for q in params:
+                q.grad = None
+        elif total is not None:
+            # Always applied in the synchronous check, as clip_grad_norm_ does: a factor of exactly 1.0
+            # when below max_norm, so the speculative step (which never multiplies) is bitwise the same.
+            clip_grads_with_norm_(params, self.max_norm, total, foreach=None)
+
+    # ------------------------------------------------------------------ the step
+    def before_step(self) -> None:
+        """The step's gradients are complete and ``optimizer.step()`` comes next."""
+        if not self.active:
+            return
+        if self._pending is not None:
+            raise RuntimeError("the previous speculative step was never validated: call validate() first")
+        params = self._params_with_grads()
+        stats = self._local_stats(params)
+        if not self.overlap:
+            self._reduce(stats, async_op=False)
+            total, clip, skip = self._decide(stats)
+            self._apply(params, total, clip, skip)
+            self._record(total, clip, skip, redone=False)
+            return
+        work = self._reduce(stats, async_op=True)
+        self._snapshot()
+        self._grads = [(q, q.grad) for q in params]
+        # Tensor._version counts in-place writes: a redo must see the gradients the step saw.
+        self._versions = [g._version for _, g in self._grads]
+        self._pending = (work, stats)
+
+    def validate(self) -> Verdict | None:
+        """Overlap mode: the verdict on the last speculative step (``None`` if there was none). When it
+        would have changed the step, the copy is put back and the step redone as the synchronous check
+        would have (``redone=True``): anything computed since with the speculative weights is stale."""
+        if self._pending is None:
+            return None
+        work, stats = self._pending
+        self._pending = None
+        if work is not None:
+            work.wait()
+        total, clip, skip = self._decide(stats)
+        grads, self._grads = self._grads, []
+        if not clip and not skip:
+            return self._record(total, False, False, redone=False)
+        changed = [i for i, (_, g) in enumerate(grads) if g._version != self._versions[i]]
+        if changed and not skip:
+            raise RuntimeError(
+                f"{len(changed)} gradients were changed in place after the speculative optimizer step "
+                f"(zero_grad(set_to_none=False)?), so the step cannot be redone with clipping: zero "
+                f"gradients with zero_grad(set_to_none=True), or validate with overlap=False"
+            )
+        self._restore()
+        if not skip:
+            self._redo(grads, total)
+        return self._record(total, clip, skip, redone=True)
+
+    def _record(self, total: torch.Tensor | None, clip: bool, skip: bool, redone: bool) -> Verdict:
+        self.skipped_steps += skip
+        self.last = Verdict(total, clip, skip, redone)
+        return self.last
+
+    def _redo(self, grads: list[tuple[nn.Parameter, torch.Tensor]], total: torch.Tensor | None) -> None:
+        """The step again, with the clipped gradients and the settings it first ran with (an LR
+        scheduler may have moved the learning rate since)."""
+        params = [q for q, _ in grads]
+        current = [q.grad for q in params]
+        now = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
+        try:
+            for q, g in grads:
+                q.grad = g
+            for g, saved in zip(self.optimizer.param_groups, self._groups):
+                g.update(saved)
+            self._apply(params, total, clip=True, skip=False)
+            self.optimizer.step()
+        finally:
+            for q, g in zip(params, current):
+                q.grad = g
+            for g, saved in zip(self.optimizer.param_groups, now):
+                g.update(saved)
+
+    # ------------------------------------------------------------------ the copy
+    @torch.no_grad()
+    def _snapshot(self) -> None:
+        """Copy the parameters, the optimizer state and the group settings (buffers kept across steps)."""
+        state = self.optimizer.state
+        for g in self.optimizer.param_groups:
+            for q in g["params"]:
+                buf = self._params.get(id(q))
+                if buf is None or buf.shape != q.shape or buf.dtype != q.dtype:
+                    self._params[id(q)] = q.detach().clone()
+                else:
+                    buf.copy_(q)
+                st = state.get(q)
+                if not st:
+                    self._state[id(q)] = None
+                    continue
+                kept = self._state.get(id(q)) or {}
+                copied: dict[str, Any] = {}
+                for k, v in st.items():
+                    if isinstance(v, torch.Tensor):
+                        old = kept.get(k)
+                        if isinstance(old, torch.Tensor) and old.shape == v.shape and old.dtype == v.dtype:
+                            copied[k] = old.copy_(v)
+                        else:
+                            copied[k] = v.detach().clone()
+                    else:
+                        copied[k] = copy.deepcopy(v)
+                self._state[id(q)] = copied
+        self._groups = [copy.deepcopy({k: v for k, v in g.items() if k != "params"}) for g in self.optimizer.param_groups]
+
+    @torch.no_grad()
+    def _restore(self) -> None:
+        state = self.optimizer.state
+        for g in self.optimizer.param_groups:
+            for q in g["params"]:
+                q.copy_(self._params[id(q)])
+                saved = self._state.get(id(q))
+                if saved is None:
+                    state.pop(q, None)
+                    continue
+                st = state.setdefault(q, {})
+                for k in list(st):
+                    if k not in saved:
+                        del st[k]
+                for k, v in saved.items():
+                    if isinstance(v, torch.Tensor):
+                        if isinstance(st.get(k), torch.Tensor) and st[k].shape == v.shape and st[k].dtype == v.dtype:
+                            st[k].copy_(v)
+                        else:
+                            st[k] = v.clone()
+                    else:
+                        st[k] = copy.deepcopy(v)

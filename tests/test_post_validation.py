@@ -1,0 +1,145 @@
+"""Optimizer post-validation: stepping before the global check is bitwise the same as checking first."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lightning_twobp.engine import PipelineExecutor
+from lightning_twobp.engine.post_validation import StepValidation
+from lightning_twobp.models.llama import LlamaConfig, build_llama
+from lightning_twobp.partition import even_sizes, split_sequential
+from lightning_twobp.schedules import build_schedule
+from lightning_twobp.testing import run_distributed
+
+
+def _single_process_run(overlap: bool, nan_at: int | None, max_norm: float | None, steps: int = 8):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 6), torch.nn.Tanh(), torch.nn.Linear(6, 3))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.7)
+    sv = StepValidation(opt, max_norm=max_norm, overlap=overlap)
+    gen = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(5, 6, generator=gen) * (1 + 3 * (i % 3)), torch.randint(0, 3, (5,), generator=gen))
+               for i in range(steps)]
+    redone = 0
+
+    def grads_of(i):
+        x, y = batches[i]
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        if i == nan_at:
+            model[2].bias.grad[0] = float("nan")
+
+    for i in range(steps):
+        grads_of(i)
+        v = sv.validate()
+        if v is not None and v.redone:  # step i ran on speculative weights: run it again
+            redone += 1
+            opt.zero_grad(set_to_none=True)
+            grads_of(i)
+        sv.before_step()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        sched.step()
+    sv.validate()
+    return [q.detach().clone() for q in model.parameters()], sv, redone
+
+
+@pytest.mark.parametrize("max_norm, nan_at", [(None, None), (None, 3), (0.5, None), (0.5, 5), (100.0, None)])
+def test_speculative_steps_equal_checking_first_bitwise(max_norm, nan_at):
+    sync, sv_sync, _ = _single_process_run(False, nan_at, max_norm)
+    spec, sv_spec, redone = _single_process_run(True, nan_at, max_norm)
+    for a, b in zip(sync, spec):
+        assert torch.equal(a, b)
+    assert sv_sync.skipped_steps == sv_spec.skipped_steps == (0 if nan_at is None else 1)
+    if max_norm == 0.5:
+        assert redone > 0  # some steps clipped: the speculative ones were redone
+    if max_norm in (None, 100.0) and nan_at is None:
+        assert redone == 0
+    assert all(torch.isfinite(q).all() for q in spec)
+
+
+def test_gradients_zeroed_in_place_are_refused():
+    model = torch.nn.Linear(3, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sv = StepValidation(opt, max_norm=1e-3)
+    model(torch.randn(2, 3)).sum().backward()
+    sv.before_step()
+    opt.step()
+    opt.zero_grad(set_to_none=False)
+    with pytest.raises(RuntimeError, match="set_to_none=True"):
+        sv.validate()
+
+
+def test_validate_is_required_between_speculative_steps():
+    model = torch.nn.Linear(3, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sv = StepValidation(opt)
+    model(torch.randn(2, 3)).sum().backward()
+    sv.before_step()
+    with pytest.raises(RuntimeError, match="call validate"):
+        sv.before_step()
+    with pytest.raises(ValueError, match="max_norm must be > 0"):
+        StepValidation(opt, max_norm=0.0)
+
+
+VOCAB, SEQ = 32, 8
+
+
+def _pipeline_run(rank: int, world: int, name: str, overlap: bool, max_norm: float | None, nan_at: int | None):
+    spr = 2 if name == "zb-v" else 1
+    sched = build_schedule(name, world * spr, 4, stages_per_rank=spr)
+    torch.manual_seed(0)
+    model = build_llama(LlamaConfig(vocab_size=VOCAB, dim=16, n_layers=2 * world * spr, n_heads=2, max_seq_len=SEQ))
+    parts = split_sequential(model, even_sizes(len(model), world * spr))
+    mine = {s: parts[s] for s in sched.stages_of(rank)}
+    loss_fn = lambda out, y: F.cross_entropy(out.reshape(-1, VOCAB), y.reshape(-1))  # noqa: E731
+    ex = PipelineExecutor(sched, mine, loss_fn=loss_fn)
+    params = [q for mod in mine.values() for q in mod.parameters()]
+    opt = torch.optim.AdamW(params, lr=0.02)
+    sv = StepValidation(opt, max_norm=max_norm, overlap=overlap)
+    gen = torch.Generator().manual_seed(2)
+    batches = [torch.randint(0, VOCAB, (4, 2, SEQ), generator=gen) for _ in range(6)]
+    last = sched.num_stages - 1
+    redone = 0
+
+    def pipeline(i):
+        ids = batches[i]
+        ex.step(list(ids) if 0 in mine else None, list(ids) if last in mine else None)
+        if i == nan_at and rank == world - 1:
+            params[-1].grad.view(-1)[0] = float("inf")
+
+    for i in range(len(batches)):
+        pipeline(i)
+        v = sv.validate()
+        if v is not None and v.redone:
+            redone += 1
+            opt.zero_grad(set_to_none=True)
+            pipeline(i)
+        sv.before_step()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    sv.validate()
+    return [q.detach().clone() for q in params], sv.skipped_steps, redone
+
+
+def _compare_modes(rank: int, world: int, name: str, max_norm: float | None, nan_at: int | None) -> list[str]:
+    sync, skipped_a, _ = _pipeline_run(rank, world, name, False, max_norm, nan_at)
+    spec, skipped_b, redone = _pipeline_run(rank, world, name, True, max_norm, nan_at)
+    bad = [f"parameter {i} differs" for i, (a, b) in enumerate(zip(sync, spec)) if not torch.equal(a, b)]
+    if skipped_a != skipped_b or skipped_a != (nan_at is not None):
+        bad.append(f"skipped {skipped_a} vs {skipped_b}")
+    if nan_at is not None and redone == 0:
+        bad.append("the step with an overflow was not redone")
+    return bad
+
+
+@pytest.mark.parametrize("name, p", [("zb-h2", 2), ("zb-v", 2)])
+@pytest.mark.parametrize("max_norm, nan_at", [(None, None), (0.3, None), (None, 2), (0.3, 3)])
+def test_post_validation_over_a_pipeline_equals_checking_first(name, p, max_norm, nan_at):
+    # Clipping by the global norm over both ranks, and an inf injected on the last rank only.
+    assert run_distributed(_compare_modes, p, name, max_norm, nan_at, timeout=180) == [[]] * p
