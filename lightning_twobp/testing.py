@@ -79,11 +79,12 @@ def run_distributed(
             try:
                 rank, status, value = queue.get(timeout=min(left, 1.0))
             except Exception:
-                if errors:
-                    continue
-                if any(p.exitcode not in (None, 0) for p in procs):
-                    dead = [(i, p.exitcode) for i, p in enumerate(procs) if p.exitcode not in (None, 0)]
-                    raise RuntimeError(f"ranks died without a report (rank, exit code): {dead}") from None
+                for i, proc in enumerate(procs):
+                    if proc.exitcode not in (None, 0) and i not in results and f"--- rank {i} " not in "".join(errors):
+                        # Died without a report (killed): give the others a few seconds to say what they
+                        # saw of it, then stop them.
+                        errors.append(f"--- rank {i} died without a report, exit code {proc.exitcode} ---")
+                        deadline = min(deadline, datetime.datetime.now() + datetime.timedelta(seconds=10))
                 continue
             if status == "ok":
                 results[rank] = pickle.loads(value)

@@ -144,7 +144,7 @@ def test_failure_names_rank_step_and_action():
     with pytest.raises(RuntimeError) as info:
         run_distributed(_failing, 2, timeout=60)
     msg = str(info.value)
-    assert "rank 1, step" in msg and "action 1F0" in msg and "boom" in msg and "ERROR HERE" in msg
+    assert "rank 1, step 0, op 1 (1F0)" in msg and "boom" in msg and "ERROR HERE" in msg
 
 
 def _batchnorm(rank: int, world: int) -> list[str]:
@@ -202,7 +202,7 @@ def _failing_first_stage(rank: int, world: int, at: int) -> None:
     ex.step(list(ids) if rank == 0 else None, list(ids) if rank == 1 else None)
 
 
-@pytest.mark.parametrize("at, where", [(1, "rank 0, shape exchange"), (2, "rank 0, step 0, action 0F0")])
+@pytest.mark.parametrize("at, where", [(1, "rank 0, step 0, shape exchange"), (2, "rank 0, step 0, op 0 (0F0)")])
 def test_failure_on_a_first_stage_is_named(at, where):
     with pytest.raises(RuntimeError) as info:
         run_distributed(_failing_first_stage, 2, at, timeout=60)
@@ -295,3 +295,48 @@ def test_a_change_on_one_rank_is_refused_by_name_or_followed_after_reset_shapes(
     assert "the output stage 0 sends for micro-batch 0 changed" in msg and "float64" in msg
     assert "reset_shapes() on every rank" in msg
     assert run_distributed(_local_change, 2, True, timeout=60) == [[], []]
+
+
+class _Vanishes(torch.nn.Module):
+    """Sends its own process ``sig`` (SIGKILL: it dies; SIGSTOP: it hangs) on its ``at``-th call."""
+
+    def __init__(self, sig: int, at: int) -> None:
+        super().__init__()
+        self.sig, self.at, self.calls = sig, at, 0
+
+    def forward(self, x):
+        self.calls += 1
+        if self.calls == self.at:
+            import os
+
+            os.kill(os.getpid(), self.sig)
+        return x
+
+
+def _lost_rank(rank: int, world: int, sig: int, victim: int) -> None:
+    sched = build_schedule("zb-h1", world, 4)
+    torch.manual_seed(0)
+    model = build_llama(LlamaConfig(vocab_size=VOCAB, dim=16, n_layers=world, n_heads=2, max_seq_len=SEQ))
+    parts = split_sequential(model, even_sizes(len(model), world))
+    stage = parts[rank]
+    if rank == victim:  # calls: 1 = the probe of step 0, then 4 forwards per step: dies in step 2
+        stage = torch.nn.Sequential(_Vanishes(sig, at=1 + 4 * 2 + 2), *stage)
+    ex = PipelineExecutor(sched, {rank: stage}, loss_fn=loss_fn, timeout=3)
+    ids = torch.randint(0, VOCAB, (4, MB_SIZE, SEQ))
+    for _ in range(4):
+        ex.step(list(ids) if rank == 0 else None, list(ids) if rank == world - 1 else None)
+
+
+@pytest.mark.parametrize("p, victim", [(2, 1), (4, 2)])
+@pytest.mark.parametrize("how", ["SIGKILL", "SIGSTOP"])
+def test_a_killed_or_hung_rank_is_named_by_the_survivors(p, victim, how):
+    import signal
+
+    with pytest.raises(RuntimeError) as info:
+        run_distributed(_lost_rank, p, getattr(signal, how), victim, timeout=60)
+    msg = str(info.value)
+    assert f"rank {victim} died without a report" in msg or how == "SIGSTOP"
+    named = f"pipeline rank {victim} (stage {victim}, global rank {victim}, host "
+    assert named in msg and "stopped answering" in msg, msg[-3000:]
+    assert ("its connection closed: the process died" in msg) if how == "SIGKILL" else ("nothing came for 3 s" in msg)
+    assert "step 2" in msg

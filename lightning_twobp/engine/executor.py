@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_twobp.engine.p2p import P2P, TensorMeta, check_outgoing
+from lightning_twobp.engine.p2p import P2P, PeerLost, TensorMeta, check_outgoing
 from lightning_twobp.engine.stage import Stage
 from lightning_twobp.schedules import Action, Comm, GradReduce, Schedule, add_grad_reduce, lower_communication, validate
 
@@ -89,6 +89,9 @@ class PipelineExecutor:
         grad_reduce: data parallelism: ``grad_reduce(stage, params)`` is called as soon as ``stage``'s
             gradients are complete (a pass places a :class:`GradReduce` after its last W); it starts
             their reduce and returns a function that finishes it, called at the end of the step.
+        timeout: seconds a rank waits on another before it reports that rank as lost (a
+            :class:`PipelineError` naming its pipeline rank, stage and host); ``None``: the process
+            group's own timeout (30 minutes by default).
     """
 
     def __init__(
@@ -101,6 +104,7 @@ class PipelineExecutor:
         device: torch.device | str | None = None,
         record: bool = False,
         grad_reduce: Callable[[int, list[nn.Parameter]], Callable[[], None]] | None = None,
+        timeout: float | None = 600.0,
     ) -> None:
         validate(schedule)
         self.schedule = schedule
@@ -132,7 +136,8 @@ class PipelineExecutor:
         if grad_reduce is not None:
             lowered = add_grad_reduce(lowered, schedule)
         self.ops = lowered[self.rank]
-        self._p2p = P2P(schedule, self.rank, group, self.device)
+        self._p2p = P2P(schedule, self.rank, group, self.device, timeout=timeout)
+        self.steps = 0  # steps run so far, counted from 0 in error messages
         self._handlers = {
             "F": self._forward,
             "B": self._backward_input,
@@ -176,6 +181,9 @@ class PipelineExecutor:
         self._p2p.start_step()
         try:
             self._exchange_meta()
+        except PeerLost as e:
+            self._p2p.drop_buffers()
+            raise PipelineError(f"rank {self.rank}, step {self.steps}, before the first action: {e}") from e
         except BaseException:
             self._p2p.drop_buffers()
             raise
@@ -190,10 +198,15 @@ class PipelineExecutor:
             self._t0_event.record()
         try:
             self._run_ops()
+            self._p2p.finish_sends()
+        except PeerLost as e:
+            self._p2p.drop_buffers()
+            raise PipelineError(f"rank {self.rank}, step {self.steps}, after the last action: {e}") from e
         except BaseException:
             self._p2p.drop_buffers()  # a receive may still be posted into one of them
             raise
-        self._p2p.finish_sends()
+        finally:
+            self.steps += 1
         pending, self._pending = self._pending, []
         for finish in pending:
             finish()
@@ -278,7 +291,7 @@ class PipelineExecutor:
         except Exception as e:  # name the rank, the step and the action, then show where
             what = ", ".join(map(str, arg)) if isinstance(arg, list) else str(arg)
             raise PipelineError(
-                f"rank {self.rank}, step {step}, action {what}: {type(e).__name__}: {e}\n"
+                f"rank {self.rank}, step {self.steps}, op {step} ({what}): {type(e).__name__}: {e}\n"
                 f"{self._listing(step)}"
             ) from e
         if self.record:
@@ -427,7 +440,7 @@ class PipelineExecutor:
                 out = self._probe(s, inputs)
             except Exception as e:
                 raise PipelineError(
-                    f"rank {self.rank}, shape exchange before the first action, stage {s} on micro-batch 0: "
+                    f"rank {self.rank}, step {self.steps}, shape exchange before the first action, stage {s} on micro-batch 0: "
                     f"{type(e).__name__}: {e}"
                 ) from e
             p2p.meta_out[s] = [TensorMeta.of(t) for t in out]

@@ -26,6 +26,8 @@ does it with ``torch.distributed``:
 
 from __future__ import annotations
 
+import datetime
+import socket
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -36,10 +38,15 @@ import torch.distributed as dist
 
 from lightning_twobp.schedules import Comm, Schedule
 
-__all__ = ["MAX_TENSORS", "P2P", "TensorMeta"]
+__all__ = ["MAX_TENSORS", "P2P", "PeerLost", "TensorMeta"]
 
 MAX_TENSORS = 64  # tensors one stage may pass to the next (part of the message tag)
 _SIGNATURE_TAG = 2**31 - 2  # above every message tag: ((mb * S + edge) * 2 + dir) * 64 + index
+
+
+class PeerLost(RuntimeError):
+    """Another rank of the pipeline stopped answering: its process died, or nothing came within the
+    timeout (hung, stopped, or far slower). The message names it by pipeline rank, stage and host."""
 
 
 @dataclass(frozen=True)
@@ -58,18 +65,29 @@ class TensorMeta:
 
 
 class P2P:
-    """Sends and receives of one pipeline rank. ``rank`` is the rank in ``group`` (the pipeline)."""
+    """Sends and receives of one pipeline rank. ``rank`` is the rank in ``group`` (the pipeline).
 
-    def __init__(self, schedule: Schedule, rank: int, group: dist.ProcessGroup | None, device: torch.device) -> None:
+    ``timeout`` (seconds, ``None`` for the process group's own) bounds every wait on a peer: a peer
+    that sends nothing for that long is reported as lost (:class:`PeerLost`), by pipeline rank, stage
+    and host, instead of the process group's default of 30 minutes.
+    """
+
+    def __init__(self, schedule: Schedule, rank: int, group: dist.ProcessGroup | None, device: torch.device,
+                 timeout: float | None = None) -> None:
         self.schedule = schedule
         self.rank = rank
         self.group = group
         self.device = device
+        self.timeout = None if timeout is None else datetime.timedelta(seconds=timeout)
         world = schedule.num_ranks
         if group is None or group is dist.GroupMember.WORLD:
             self.global_ranks = list(range(world))
         else:
             self.global_ranks = [dist.get_global_rank(group, r) for r in range(world)]
+        # Host names, once, so that a lost peer can be named where it ran.
+        self.hosts = [socket.gethostname()] * world
+        if world > 1:
+            dist.all_gather_object(self.hosts, socket.gethostname(), group=group)
         self.meta_in: dict[int, list[TensorMeta]] = {}  # stage -> metadata of its inputs
         self.meta_out: dict[int, list[TensorMeta]] = {}  # stage -> metadata of its outputs (non-last)
         self._buffers: dict[tuple[str, int, int], list[torch.Tensor]] = {}
@@ -78,16 +96,44 @@ class P2P:
 
     # ------------------------------------------------------------------ per step
     def start_step(self) -> None:
-        self._recvs: dict[tuple[str, int, int], tuple[list, list[torch.Tensor]]] = {}
-        self._sends: list[list] = []
+        self._recvs: dict[tuple[str, int, int], tuple[list, list[torch.Tensor], int]] = {}
+        self._sends: list[tuple[list, list[int]]] = []  # (works, the pipeline ranks they go to)
         self.wait_time = 0.0  # seconds blocked on receives since the last reset (for records)
 
     def finish_sends(self) -> None:
         """Wait for every send of the step (their tensors must live until then)."""
-        for works in self._sends:
+        for works, peers in self._sends:
             for w in works:
-                w.wait()
+                self._wait(w, peers, "the receipt of what this rank sent")
         self._sends = []
+
+    def _wait(self, work: Any, peers: Sequence[int], what: str) -> None:
+        """``work.wait()``, bounded by the timeout; a lost peer raises :class:`PeerLost` naming it."""
+        try:
+            if self.timeout is None:
+                work.wait()
+            else:
+                work.wait(self.timeout)
+        except RuntimeError as e:
+            raise PeerLost(self.describe_loss(peers, what, e)) from e
+
+    def describe_loss(self, peers: Sequence[int], what: str, error: BaseException) -> str:
+        text = str(error)
+        names = " or ".join(self.describe_rank(r) for r in sorted(set(peers)))
+        if "Timed out" in text or "timed out" in text:
+            secs = self.timeout.total_seconds() if self.timeout is not None else None
+            why = (f"nothing came for {secs:g} s: it is hung, stopped or far slower than this rank (raise the "
+                   f"timeout if a step can take that long)" if secs is not None else "the wait timed out")
+        elif any(k in text for k in ("Connection closed", "Connection reset", "closed by peer", "Broken pipe")):
+            why = "its connection closed: the process died or was killed"
+        else:
+            why = f"{type(error).__name__}: {text}"
+        return f"{names} stopped answering while pipeline rank {self.rank} waited for {what}: {why}"
+
+    def describe_rank(self, pp_rank: int) -> str:
+        stages = ", ".join(map(str, self.schedule.stages_of(pp_rank)))
+        return (f"pipeline rank {pp_rank} (stage {stages}, global rank {self.global_ranks[pp_rank]}, "
+                f"host {self.hosts[pp_rank]})")
 
     def new_shapes(self) -> None:
         """The shapes between stages changed: forget their metadata and the receive buffers."""
@@ -111,15 +157,16 @@ class P2P:
             value = local
         elif local is not None:
             sig = torch.tensor([local], dtype=torch.int64, device=self.device)
-            works = [dist.isend(sig, self.global_ranks[r], group=self.group, tag=_SIGNATURE_TAG)
-                     for r in range(self.schedule.num_ranks) if r != self.rank]
-            self._sends.append([w for w in works if w is not None])
+            others = [r for r in range(self.schedule.num_ranks) if r != self.rank]
+            works = [dist.isend(sig, self.global_ranks[r], group=self.group, tag=_SIGNATURE_TAG) for r in others]
+            self._sends.append(([w for w in works if w is not None], others))
             self._keep = sig  # alive until the sends finish
             value = local
         else:
             sig = torch.empty(1, dtype=torch.int64, device=self.device)
-            src = self.global_ranks[self.schedule.stage_to_rank[0]]
-            dist.recv(sig, src, group=self.group, tag=_SIGNATURE_TAG)
+            src = self.schedule.stage_to_rank[0]
+            work = dist.irecv(sig, self.global_ranks[src], group=self.group, tag=_SIGNATURE_TAG)
+            self._wait(work, [src], "the start of the step (stage 0's input shapes)")
             value = int(sig.item())  # on a GPU, the step's one host sync
         changed = value != self._signature
         self._signature = value
@@ -149,7 +196,8 @@ class P2P:
         ``(direction, stage, micro-batch)``); the receives are waited for by :meth:`wait`."""
         ops: list[dist.P2POp] = []
         owner: list[tuple[str, int, int] | None] = []  # per op: the receive it belongs to, or None
-        recvs: dict[tuple[str, int, int], list[torch.Tensor]] = {}
+        recvs: dict[tuple[str, int, int], tuple[list[torch.Tensor], int]] = {}
+        peers: list[int] = []  # the pipeline ranks this batch sends to
         for c in comms:
             peer = self.global_ranks[c.peer]
             key = (c.kind[-1], c.stage, c.microbatch)
@@ -158,35 +206,41 @@ class P2P:
                 for i, t in enumerate(outgoing.pop(key)):
                     ops.append(dist.P2POp(dist.isend, t.contiguous(), peer, self.group, self.tag(key[0], edge, c.microbatch, i)))
                     owner.append(None)
+                peers.append(c.peer)
             else:
                 edge = c.stage - 1 if key[0] == "F" else c.stage
                 bufs = self._buffer(key)
                 ops.extend(dist.P2POp(dist.irecv, b, peer, self.group, self.tag(key[0], edge, c.microbatch, i))
                            for i, b in enumerate(bufs))
                 owner.extend([key] * len(bufs))
-                recvs[key] = bufs
+                recvs[key] = (bufs, c.peer)
         if not ops:
             return
-        works = dist.batch_isend_irecv(ops)
+        try:
+            works = dist.batch_isend_irecv(ops)
+        except RuntimeError as e:
+            raise PeerLost(self.describe_loss(peers + [p for _, p in recvs.values()], "a send or receive to be posted", e)) from e
         if len(works) == len(ops):
             # One work per op (gloo): each must be waited exactly once, since a gloo work's wait
             # blocks for a further completion when called again.
-            for key, bufs in recvs.items():
-                self._recvs[key] = ([w for w, o in zip(works, owner) if o == key], bufs)
-            self._sends.append([w for w, o in zip(works, owner) if o is None])
+            for key, (bufs, peer) in recvs.items():
+                self._recvs[key] = ([w for w, o in zip(works, owner) if o == key], bufs, peer)
+            self._sends.append(([w for w, o in zip(works, owner) if o is None], peers))
         else:
             # One work for the whole group (NCCL coalescing): waiting on it again is a no-op.
-            for key, bufs in recvs.items():
-                self._recvs[key] = (works, bufs)
-            self._sends.append(works)
+            for key, (bufs, peer) in recvs.items():
+                self._recvs[key] = (works, bufs, peer)
+            self._sends.append((works, peers))
 
     def wait(self, key: tuple[str, int, int]) -> tuple[torch.Tensor, ...]:
         """The tensors of a posted receive, once they have arrived. Activations that require grad come
         back as fresh leaves (``detach().requires_grad_()``) over the reused buffer."""
-        works, bufs = self._recvs.pop(key)
+        works, bufs, peer = self._recvs.pop(key)
         t = time.perf_counter()
+        direction, stage, mb = key
+        what = (f"the input of {stage}F{mb}" if direction == "F" else f"the output gradient of {stage}B{mb}")
         for w in works:
-            w.wait()
+            self._wait(w, [peer], what)
         self.wait_time += time.perf_counter() - t
         if key[0] == "F":
             metas = self.meta_in[key[1]]
@@ -195,13 +249,19 @@ class P2P:
 
     # ------------------------------------------------------------------ objects (shape exchange, evaluation)
     def send_object(self, obj: Any, to_stage: int) -> None:
-        dst = self.global_ranks[self.schedule.stage_to_rank[to_stage]]
-        dist.send_object_list([obj], dst=dst, group=self.group, device=self._object_device())
+        peer = self.schedule.stage_to_rank[to_stage]
+        try:
+            dist.send_object_list([obj], dst=self.global_ranks[peer], group=self.group, device=self._object_device())
+        except RuntimeError as e:
+            raise PeerLost(self.describe_loss([peer], f"stage {to_stage} to take its input", e)) from e
 
     def recv_object(self, from_stage: int) -> Any:
         box = [None]
-        src = self.global_ranks[self.schedule.stage_to_rank[from_stage]]
-        dist.recv_object_list(box, src=src, group=self.group, device=self._object_device())
+        peer = self.schedule.stage_to_rank[from_stage]
+        try:
+            dist.recv_object_list(box, src=self.global_ranks[peer], group=self.group, device=self._object_device())
+        except RuntimeError as e:
+            raise PeerLost(self.describe_loss([peer], f"the output of stage {from_stage}", e)) from e
         return box[0]
 
     def _object_device(self) -> torch.device | None:
