@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from lightning_twobp.engine import ActionRecord
 from lightning_twobp.schedules import build_schedule, simulate
 from lightning_twobp.trace import chrome_trace, write_chrome_trace
@@ -22,7 +24,7 @@ def test_chrome_trace_has_a_track_per_rank_and_the_actions(tmp_path):
     assert (0, "wait 0B0") in names and (0, "0SEND_F0") in names
     b = next(e for e in trace["traceEvents"] if e.get("name") == "0B0" and e["pid"] == 0)
     # the box starts once the gradient arrived; the wait is a separate event
-    assert b["ts"] == 35000.0 and b["dur"] == 15000.0 and b["args"]["microbatches"] == [0]
+    assert b["ts"] == pytest.approx(35000.0) and b["dur"] == pytest.approx(15000.0) and b["args"]["microbatches"] == [0]
     processes = [e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "process_name"]
     assert processes == ["pipeline: rank 0", "pipeline: rank 1", "pipeline: simulated rank 0", "pipeline: simulated rank 1"]
     path = write_chrome_trace(tmp_path / "t.json", records)
