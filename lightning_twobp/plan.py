@@ -33,7 +33,8 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from lightning_twobp.config import CONF_DIR, hydra_overrides
-from lightning_twobp.contract import find_sequential
+from lightning_twobp.lightning.contract import find_sequential
+from lightning_twobp.lightning.layout import default_num_microbatches, default_stages_per_rank, schedule_label
 from lightning_twobp.engine import Stage
 from lightning_twobp.partition import partition
 from lightning_twobp.schedules import Schedule, build_schedule
@@ -220,8 +221,8 @@ def plan(cfg: DictConfig, recipe: str = "") -> Plan:
     if world % p:
         raise ValueError(f"{world} devices cannot be split into pipelines of {p}: use a divisor of {world}")
     name = st.schedule
-    spr = int(st.get("stages_per_rank") or (2 if name in ("zb-v", "interleaved-1f1b") else 1))
-    m = int(st.get("num_microbatches") or 2 * p)
+    spr = int(st.get("stages_per_rank") or default_stages_per_rank(name))
+    m = int(st.get("num_microbatches") or default_num_microbatches(p))
     split = bool(st.get("split_backward", True))
     num_stages = p * spr
     schedule = build_schedule(name, num_stages, m, stages_per_rank=spr, split_backward=split)
@@ -308,7 +309,7 @@ def plan(cfg: DictConfig, recipe: str = "") -> Plan:
     return Plan(
         recipe=recipe, model=str(cfg.model._target_).rsplit(".", 1)[-1], params=sum(sp.params for sp in stages),
         world=world, pipeline_degree=p, data_parallel=world // p,
-        schedule=schedule.name + (" + 2BP" if split and not name.startswith("zb") else ""), fused_schedule=fused_name,
+        schedule=schedule_label(schedule.name, split), fused_schedule=fused_name,
         num_microbatches=m, microbatch_size=mbs, precision=precision, optimizer=optimizer,
         gpu_memory_gib=None if gpu is None else float(gpu), headroom=headroom, stages=stages, ranks=ranks, notes=notes,
     )

@@ -13,7 +13,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_twobp  # noqa: F401  (registers "twobp")
 from lightning_twobp import TwoBPStrategy
-from lightning_twobp.contract import find_sequential
+from lightning_twobp.lightning.contract import find_sequential
 from lightning_twobp.models import BertMLM, LlamaLM, MambaLM, PipelineModule, ResNetClassifier
 from lightning_twobp.models.base import WarmupThenDecay
 from lightning_twobp.models.mamba import selective_scan
