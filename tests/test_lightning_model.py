@@ -271,3 +271,51 @@ def test_model_zoo_matches_one_process(name):
         assert set(out["params"]) == set(ref)
         for n, value in out["params"].items():
             torch.testing.assert_close(value, ref[n], rtol=1e-5, atol=1e-6, msg=n)
+
+
+# ---------------------------------------------------------------------------------------------- metrics
+class Classifier(pl.LightningModule):
+    """Logs a torchmetrics Metric object, as Lightning's docs show it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from torchmetrics.classification import MulticlassAccuracy
+
+        torch.manual_seed(0)
+        self.layers = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))
+        self.acc = MulticlassAccuracy(num_classes=4, average="micro")
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        logits = self.layers(x)
+        self.acc(logits, y)
+        self.log("train_acc", self.acc, on_step=True, on_epoch=True)
+        return F.cross_entropy(logits, y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.5)
+
+
+def _class_data() -> DataLoader:
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(32, 6, generator=g)
+    return DataLoader(TensorDataset(x, (x[:, 0] > 0).long() + 2 * (x[:, 1] > 0).long()), batch_size=8)
+
+
+def _fit_classifier(strategy, devices: int) -> dict:
+    trainer = _trainer(strategy, devices, max_epochs=2, max_steps=-1)
+    trainer.fit(Classifier(), _class_data())
+    return {k: float(v) for k, v in trainer.callback_metrics.items()}
+
+
+def _fit_classifier_pipelined(rank: int, world: int) -> dict:
+    _env(rank, world)
+    return _fit_classifier(TwoBPStrategy(num_microbatches=4), world)
+
+
+def test_a_logged_torchmetrics_metric_gives_the_one_process_values():
+    ref = _fit_classifier("auto", 1)
+    assert {"train_acc_step", "train_acc_epoch"} <= set(ref)
+    for out in run_distributed(_fit_classifier_pipelined, 2, timeout=180):
+        for key in ("train_acc_step", "train_acc_epoch"):
+            assert out[key] == pytest.approx(ref[key], rel=1e-6), key

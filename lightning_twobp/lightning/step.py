@@ -73,6 +73,28 @@ class _Captured(Exception):
         self.inputs = inputs
 
 
+def _is_metric(value: Any) -> bool:
+    try:
+        from torchmetrics import Metric
+    except ImportError:  # pragma: no cover - torchmetrics comes with Lightning
+        return False
+    return isinstance(value, Metric)
+
+
+def metric_batch_value(metric: Any, name: str) -> torch.Tensor:
+    """The value a torchmetrics ``Metric`` computed on its last call (this micro-batch), which is
+    what Lightning logs for ``self.log(name, metric)`` at a step. torchmetrics keeps it in the
+    private ``_forward_cache``, which Lightning reads too; this is the one place we read it
+    (``tests/test_step.py`` checks it still holds the call's value)."""
+    value = getattr(metric, "_forward_cache", None)
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(
+            f"self.log({name!r}, {type(metric).__name__}) under strategy='twobp': the metric has no value for this "
+            f"micro-batch; call it first (self.metric(preds, target)), as Lightning requires for logging a Metric"
+        )
+    return value
+
+
 class _LogRecorder:
     """Stands in for ``LightningModule.log`` during one micro-batch: records instead of logging."""
 
@@ -84,11 +106,12 @@ class _LogRecorder:
             return
         if args:
             raise TypeError("pass self.log options by keyword under strategy='twobp'")
+        if _is_metric(value):
+            value = metric_batch_value(value, name)
         if not isinstance(value, (torch.Tensor, int, float)):
             raise TypeError(
-                f"self.log({name!r}, {type(value).__name__}) from a step under strategy='twobp': log a tensor or a "
-                f"number (for a torchmetrics Metric, the value it returns: self.log({name!r}, self.metric(preds, "
-                f"target))); see docs/strategy.md, 'Logging and metrics'"
+                f"self.log({name!r}, {type(value).__name__}) from a step under strategy='twobp': log a tensor, a "
+                f"number or a torchmetrics Metric; see docs/strategy.md, 'Logging and metrics'"
             )
         self.store[name] = (value.detach() if isinstance(value, torch.Tensor) else value, kwargs)
 
