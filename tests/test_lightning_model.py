@@ -235,6 +235,31 @@ class InplaceFirst(Regressor):
                                     nn.ReLU(inplace=True), nn.Linear(16, 2))
 
 
+class Embed(nn.Module):
+    def __init__(self, wte: nn.Embedding, wpe: nn.Embedding) -> None:
+        super().__init__()
+        self.wte, self.wpe = wte, wpe
+
+    def forward(self, ids):  # (B, T) -> (B, T, C)
+        return self.wte(ids) + self.wpe(torch.arange(ids.shape[1], device=ids.device))
+
+
+class HFGPT2(Tied):
+    """A tiny random-init Hugging Face GPT-2 (tie_word_embeddings=True: lm_head is wte), its parts
+    put in one nn.Sequential: the embedding on the first stage, the tied head on the last."""
+
+    def __init__(self) -> None:
+        pl.LightningModule.__init__(self)
+        transformers = pytest.importorskip("transformers")
+        torch.manual_seed(0)
+        cfg = transformers.GPT2Config(n_layer=4, n_embd=16, n_head=2, vocab_size=11, n_positions=8, bos_token_id=0,
+                                      eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        hf = transformers.GPT2LMHeadModel(cfg)
+        assert hf.lm_head.weight is hf.transformer.wte.weight
+        t = hf.transformer
+        self.layers = nn.Sequential(Embed(t.wte, t.wpe), *t.h, t.ln_f, hf.lm_head)
+
+
 def _token_data() -> DataLoader:
     g = torch.Generator().manual_seed(3)
     x = torch.randint(0, 11, (32, 5), generator=g)
@@ -244,6 +269,7 @@ def _token_data() -> DataLoader:
 ZOO = {
     "tied": (Tied, dict(schedule="1f1b"), _token_data),
     "tied-zb-v": (Tied, dict(schedule="zb-v", balance=[1, 1, 2, 1]), _token_data),
+    "hf-gpt2-tied": (HFGPT2, dict(schedule="zb-h1"), _token_data),
     "tuple": (TupleBoundary, dict(schedule="zb-h1"), _data),
     "inplace": (InplaceFirst, dict(schedule="1f1b", balance=[1, 4]), _data),
 }
