@@ -345,3 +345,22 @@ def test_a_logged_torchmetrics_metric_gives_the_one_process_values():
     for out in run_distributed(_fit_classifier_pipelined, 2, timeout=180):
         for key in ("train_acc_step", "train_acc_epoch"):
             assert out[key] == pytest.approx(ref[key], rel=1e-6), key
+
+
+def _fit_tied_dp(rank: int, world: int) -> dict:
+    _env(rank, world)
+    model = Tied()
+    # both replicas read the same batches (no DistributedSampler): their average is one process's step
+    _trainer(TwoBPStrategy(pipeline_degree=2, gather_full_model=True), world, gradient_clip_val=0.5).fit(model, _token_data())
+    return {n: q.detach().clone() for n, q in model.named_parameters()}
+
+
+def test_tied_weights_under_dp_x_pp():
+    """2 replicas x 2 pipeline ranks: each replica's tied copies are summed within the replica, then
+    the stage's gradients averaged over the replicas."""
+    model = Tied()
+    _trainer("auto", 1, gradient_clip_val=0.5).fit(model, _token_data())
+    ref = dict(model.named_parameters())
+    for params in run_distributed(_fit_tied_dp, 4, timeout=240):
+        for n, value in params.items():
+            torch.testing.assert_close(value, ref[n].detach(), rtol=1e-5, atol=1e-6, msg=n)

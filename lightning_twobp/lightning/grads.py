@@ -106,20 +106,19 @@ class TiedParameters:
     and optimizer updates keep the copies equal. The global norm counts it once, on its first holder.
     """
 
-    def __init__(self, shared: list[SharedParameter], global_ranks: Callable[[Sequence[int]], list[int]],
-                 pp_rank: int) -> None:
-        self.pp_rank = pp_rank
+    def __init__(self, shared: list[SharedParameter], replica_groups: Callable[[Sequence[int]], list[list[int]]]) -> None:
+        """``replica_groups(pipeline_ranks)``: the global ranks of those pipeline ranks in every
+        data-parallel replica, one list per replica."""
+        me = dist.get_rank() if shared else 0
         self._tied: list[tuple[nn.Parameter, dist.ProcessGroup, int]] = []  # (param, holders' group, first holder)
         groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
         for sp in shared:  # every rank creates every group, in one order, as torch requires
-            for ranks in global_ranks(sp.ranks):
-                key = tuple(ranks)
-                if key not in groups:
-                    groups[key] = dist.new_group(list(key))
-            if sp.param is not None:
-                mine = tuple(global_ranks(sp.ranks)[_replica_index(global_ranks(sp.ranks), dist.get_rank())])
-                self._tied.append((sp.param, groups[mine], mine[0]))
-        self.not_counted = {id(q) for q, _, first in self._tied if first != dist.get_rank()}
+            for ranks in map(tuple, replica_groups(sp.ranks)):
+                if ranks not in groups:
+                    groups[ranks] = dist.new_group(list(ranks))
+                if sp.param is not None and me in ranks:
+                    self._tied.append((sp.param, groups[ranks], ranks[0]))
+        self.not_counted = {id(q) for q, _, first in self._tied if first != me}
 
     def __bool__(self) -> bool:
         return bool(self._tied)
@@ -135,10 +134,6 @@ class TiedParameters:
             if q.grad is None:
                 q.grad = torch.zeros_like(q)
             dist.all_reduce(q.grad, group=group)
-
-
-def _replica_index(groups: list[list[int]], rank: int) -> int:
-    return next(i for i, g in enumerate(groups) if rank in g)
 
 
 def clip_by_global_norm(params: Iterable[nn.Parameter], max_norm: float, group: dist.ProcessGroup | None,

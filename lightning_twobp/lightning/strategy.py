@@ -29,7 +29,7 @@ from typing_extensions import override
 
 from lightning_twobp.engine import PipelineExecutor
 from lightning_twobp.lightning import checkpoint as ckpt
-from lightning_twobp.lightning.contract import Contract, find_contract
+from lightning_twobp.lightning.contract import find_contract
 from lightning_twobp.lightning.grads import (
     GradStash,
     TiedParameters,
@@ -62,7 +62,6 @@ _NOT_YET = "the pipeline is built in setup(), when a Trainer call starts: call t
 class _Pipeline:
     """Everything one Trainer call builds in ``setup`` and ``teardown`` takes apart."""
 
-    contract: Contract
     local: LocalModel
     executor: PipelineExecutor
     runner: StepRunner
@@ -268,8 +267,7 @@ class TwoBPStrategy(DDPStrategy):
             grad_reduce=dp_reduce(self._group("dp"), layout.dp_degree) if layout.dp_degree > 1 else None,
         )
         tied = TiedParameters(
-            local.shared, lambda ranks: [[layout.global_rank_of(r, d) for r in ranks] for d in range(layout.dp_degree)],
-            layout.pp_rank,
+            local.shared, lambda ranks: [[layout.global_rank_of(r, d) for r in ranks] for d in range(layout.dp_degree)]
         )
         if local.shared:
             rank_zero_info("twobp: parameters shared across pipeline ranks, kept in sync: " + "; ".join(
@@ -280,7 +278,7 @@ class TwoBPStrategy(DDPStrategy):
         if user_scaler is not None and self.world_size > 1:
             scaler = overflow_agreeing_scaler(user_scaler, self.root_device, None)
         self.precision_plugin = pipelined_precision(user_precision, self._clip_by_norm, scaler)
-        return _Pipeline(contract, local, executor, runner, tied, user_precision, user_scaler)
+        return _Pipeline(local, executor, runner, tied, user_precision, user_scaler)
 
     @override
     def on_exception(self, exception: BaseException) -> None:
