@@ -4,7 +4,7 @@ Importing the package registers ``strategy="twobp"`` with Lightning (Lightning h
 discovery for strategies, so a third-party strategy registers itself on import).
 """
 
-from lightning_twobp.strategy import TwoBPStrategy
+from lightning_twobp.lightning import TwoBPStrategy
 
 __version__ = "0.1.0"
 

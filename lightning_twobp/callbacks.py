@@ -13,6 +13,8 @@ import torch
 from torch.utils import _pytree as pytree
 from typing_extensions import override
 
+from lightning_twobp.lightning.layout import schedule_label
+
 __all__ = ["RunSummary"]
 
 
@@ -97,7 +99,7 @@ class RunSummary(pl.Callback):
         lines = [f"\nrun summary: {s['steps']} steps in {seconds:.1f} s, {s['samples_per_s']:.1f} samples/s"
                  + (f", {s['tokens_per_s']:.0f} tokens/s" if s["tokens_per_s"] else "")]
         if pipeline:
-            lines.append(f"pipeline: {pipeline['schedule']}{' + 2BP' if pipeline['split_backward'] and not pipeline['schedule'].startswith('zb') else ''}, "
+            lines.append(f"pipeline: {schedule_label(pipeline['schedule'], pipeline['split_backward'])}, "
                          f"{pipeline['num_stages']} stages on {p} ranks x {dp} replica(s), {pipeline['num_microbatches']} micro-batches")
         if s["final_train_loss"] is not None:
             first = "" if s["first_train_loss"] is None else f"{s['first_train_loss']:.3f} -> "

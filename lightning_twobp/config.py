@@ -1,10 +1,9 @@
-"""Where twobp-train and twobp-plan find their Hydra configs, and the ``recipe=`` spelling.
+"""Where twobp-train and twobp-plan find their Hydra configs.
 
-``conf/`` holds the composable groups (model, data, trainer, strategy, schedule, callbacks, logger) and
-``recipes/`` the complete named runs. Hydra names a config group after its directory, so the recipes
-are the group ``recipes``, found through a search path to the directory above ``conf/``; users write
-``recipe=NAME`` (one run, one recipe), which is rewritten to ``recipes=NAME`` here, after checking that
-the recipe exists (Hydra's own message for a typo is a long list of search paths).
+``conf/`` holds the composable groups (model, data, trainer, strategy, schedule, callbacks, logger)
+and, as the group ``recipe``, the complete named runs of the repository's ``recipes/`` (``conf/recipe``
+links there). A regular install ships them inside the package as ``lightning_twobp/configs/``
+(see setup.py); a source checkout (``pip install -e .``) reads ``conf/`` itself.
 """
 
 from __future__ import annotations
@@ -12,41 +11,14 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-__all__ = ["CONF_DIR", "RECIPES_DIR", "hydra_overrides", "recipes"]
+__all__ = ["CONF_DIR", "recipes"]
 
-_ROOT = Path(os.environ.get("TWOBP_CONFIG_ROOT", Path(__file__).resolve().parent.parent))
-CONF_DIR = _ROOT / "conf"
-RECIPES_DIR = _ROOT / "recipes"
+_PACKAGED = Path(__file__).resolve().parent / "configs"
+CONF_DIR = Path(os.environ["TWOBP_CONF_DIR"]) if "TWOBP_CONF_DIR" in os.environ else (
+    _PACKAGED if _PACKAGED.is_dir() else Path(__file__).resolve().parent.parent / "conf"
+)
 
 
 def recipes() -> list[str]:
-    return sorted(p.stem for p in RECIPES_DIR.glob("*.yaml"))
-
-
-def _check_root() -> None:
-    if not (CONF_DIR / "config.yaml").is_file():
-        raise FileNotFoundError(
-            f"no Hydra configs at {CONF_DIR}: install lightning_twobp from its repository with "
-            f"`pip install -e .`, or point TWOBP_CONFIG_ROOT at a directory holding conf/ and recipes/"
-        )
-
-
-def hydra_overrides(args: list[str]) -> list[str]:
-    """Command-line overrides for Hydra: ``recipe=`` becomes ``recipes=``, unknown recipes fail here,
-    and the search path that makes ``recipes/`` a config group is added."""
-    _check_root()
-    out = []
-    for a in args:
-        key, sep, value = a.partition("=")
-        if sep and key.lstrip("+~") in ("recipe", "recipes"):
-            known = recipes()
-            for name in value.split(","):  # a -m sweep lists several
-                if name.strip() not in known:
-                    raise SystemExit(
-                        f"unknown recipe {name.strip()!r}: choose one of {', '.join(known)} (files in {RECIPES_DIR})"
-                    )
-            a = f"{key.replace('recipes', 'recipe').replace('recipe', 'recipes')}={value}"
-        out.append(a)
-    if not any(a.startswith("hydra.searchpath=") for a in out):
-        out.append(f"hydra.searchpath=[file://{_ROOT}]")
-    return out
+    """The names ``recipe=`` takes."""
+    return sorted(p.stem for p in (CONF_DIR / "recipe").glob("*.yaml"))

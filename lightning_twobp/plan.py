@@ -24,6 +24,7 @@ modelled, hence ``plan.headroom``.
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from dataclasses import asdict, dataclass, field
@@ -32,8 +33,9 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from lightning_twobp.config import CONF_DIR, hydra_overrides
-from lightning_twobp.contract import find_sequential
+from lightning_twobp.config import CONF_DIR, recipes
+from lightning_twobp.lightning.contract import find_sequential
+from lightning_twobp.lightning.layout import default_num_microbatches, default_stages_per_rank, schedule_label
 from lightning_twobp.engine import Stage
 from lightning_twobp.partition import partition
 from lightning_twobp.schedules import Schedule, build_schedule
@@ -220,8 +222,8 @@ def plan(cfg: DictConfig, recipe: str = "") -> Plan:
     if world % p:
         raise ValueError(f"{world} devices cannot be split into pipelines of {p}: use a divisor of {world}")
     name = st.schedule
-    spr = int(st.get("stages_per_rank") or (2 if name in ("zb-v", "interleaved-1f1b") else 1))
-    m = int(st.get("num_microbatches") or 2 * p)
+    spr = int(st.get("stages_per_rank") or default_stages_per_rank(name))
+    m = int(st.get("num_microbatches") or default_num_microbatches(p))
     split = bool(st.get("split_backward", True))
     num_stages = p * spr
     schedule = build_schedule(name, num_stages, m, stages_per_rank=spr, split_backward=split)
@@ -308,7 +310,7 @@ def plan(cfg: DictConfig, recipe: str = "") -> Plan:
     return Plan(
         recipe=recipe, model=str(cfg.model._target_).rsplit(".", 1)[-1], params=sum(sp.params for sp in stages),
         world=world, pipeline_degree=p, data_parallel=world // p,
-        schedule=schedule.name + (" + 2BP" if split and not name.startswith("zb") else ""), fused_schedule=fused_name,
+        schedule=schedule_label(schedule.name, split), fused_schedule=fused_name,
         num_microbatches=m, microbatch_size=mbs, precision=precision, optimizer=optimizer,
         gpu_memory_gib=None if gpu is None else float(gpu), headroom=headroom, stages=stages, ranks=ranks, notes=notes,
     )
@@ -351,22 +353,23 @@ def plan_recipe(overrides: list[str]) -> Plan:
     from hydra import compose, initialize_config_dir
 
     with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
-        cfg = compose("config", overrides=hydra_overrides(overrides), return_hydra_config=True)
-    recipe = cfg.hydra.runtime.choices.get("recipes", "")
+        cfg = compose("config", overrides=list(overrides), return_hydra_config=True)
+    recipe = cfg.hydra.runtime.choices.get("recipe", "")
     return plan(cfg, recipe)
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = sys.argv[1:] if argv is None else argv
-    if args and args[0] in ("-h", "--help"):
-        print(__doc__)
-        return 0
-    json_path = next((a.split("=", 1)[1] for a in args if a.startswith("--json=")), None)
-    args = [a for a in args if not a.startswith("--json=")]
-    result = plan_recipe(args)
+    ap = argparse.ArgumentParser(
+        prog="twobp-plan", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=f"recipes (recipe=NAME): {', '.join(recipes())}",
+    )
+    ap.add_argument("--json", metavar="PATH", help="also write the plan as JSON to PATH")
+    ap.add_argument("overrides", nargs="*", help="Hydra overrides, as for twobp-train (recipe=NAME key=value ...)")
+    args = ap.parse_args(sys.argv[1:] if argv is None else argv)
+    result = plan_recipe(args.overrides)
     print(format_plan(result))
-    if json_path:
-        with open(json_path, "w") as fh:
+    if args.json:
+        with open(args.json, "w") as fh:
             json.dump(asdict(result), fh, indent=2)
     if any(rp.fits is False for rp in result.ranks):
         return 1

@@ -5,8 +5,9 @@
     twobp-train schedule=gpipe strategy.split_backward=false trainer.max_steps=50
     twobp-train -m schedule=1f1b,zb-h1             # a sweep: one run per schedule
 
-The config is ``conf/config.yaml`` (one default per group) with ``recipes/<name>.yaml`` on top; every
-value can be overridden on the command line. Lightning launches the processes (gloo on CPU, NCCL on
+The config is ``conf/config.yaml`` (one default per group) with the recipe, ``recipes/<name>.yaml``
+(the config group ``recipe``), on top; every value can be overridden on the command line;
+``twobp-train --help`` lists the recipes, the groups and the common overrides. Lightning launches the processes (gloo on CPU, NCCL on
 GPU); under torchrun or SLURM it uses the processes that exist. Each run writes its config, logs, a
 sharded checkpoint and ``summary.json`` under ``outputs/<recipe>/<time>/``.
 
@@ -31,7 +32,7 @@ from hydra.types import RunMode
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from lightning_twobp.config import CONF_DIR, hydra_overrides
+from lightning_twobp.config import CONF_DIR
 
 __all__ = ["main", "train"]
 
@@ -89,7 +90,6 @@ def _hydra_main(cfg: DictConfig) -> None:
 
 
 def main() -> None:
-    sys.argv = [sys.argv[0], *hydra_overrides(sys.argv[1:])]
     _hydra_main()
 
 

@@ -12,7 +12,7 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
 from lightning_twobp import TwoBPStrategy
-from lightning_twobp.config import CONF_DIR, hydra_overrides, recipes
+from lightning_twobp.config import CONF_DIR, recipes
 from lightning_twobp.plan import format_plan, plan
 
 GROUPS = {g.name: sorted(p.stem for p in g.glob("*.yaml")) for g in CONF_DIR.iterdir() if g.is_dir()}
@@ -20,7 +20,7 @@ GROUPS = {g.name: sorted(p.stem for p in g.glob("*.yaml")) for g in CONF_DIR.ite
 
 def _compose(overrides: list[str], out_dir: Path):
     with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
-        cfg = compose("config", overrides=hydra_overrides(overrides), return_hydra_config=True)
+        cfg = compose("config", overrides=overrides, return_hydra_config=True)
     cfg.hydra.runtime.output_dir = str(out_dir)
     HydraConfig.instance().set_config(cfg)  # for ${hydra:...} in callbacks and loggers
     return cfg
@@ -95,6 +95,13 @@ def test_zero_bubble_without_split_is_refused(tmp_path):
         instantiate(cfg.strategy)
 
 
-def test_unknown_recipe_names_the_known_ones():
-    with pytest.raises(SystemExit, match="unknown recipe 'llama-7b'.*llama7b-4gpu"):
-        hydra_overrides(["recipe=llama-7b"])
+def test_unknown_recipe_names_the_known_ones(tmp_path):
+    with pytest.raises(Exception, match=r"(?s)recipe/llama-7b.*Available options in 'recipe'.*llama7b-4gpu"):
+        _compose(["recipe=llama-7b"], tmp_path)
+
+
+def test_recipe_is_a_config_group_of_the_repositorys_recipes_dir():
+    assert recipes() == sorted(p.stem for p in (CONF_DIR.parent / "recipes").glob("*.yaml"))
+    assert "cpu-tiny-llama" in recipes() and "llama7b-4gpu" in recipes()
+    for name in recipes():
+        assert (CONF_DIR / "recipe" / f"{name}.yaml").read_text().startswith("# @package _global_")

@@ -13,7 +13,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_twobp  # noqa: F401  (registers "twobp")
 from lightning_twobp import TwoBPStrategy
-from lightning_twobp.contract import find_sequential
+from lightning_twobp.lightning.contract import find_sequential
 from lightning_twobp.models import BertMLM, LlamaLM, MambaLM, PipelineModule, ResNetClassifier
 from lightning_twobp.models.base import WarmupThenDecay
 from lightning_twobp.models.mamba import selective_scan
@@ -187,10 +187,13 @@ def _results(model: PipelineModule, trainer: pl.Trainer, name: str) -> dict:
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
     # validation_step after training: the pipeline forward-only, BatchNorm on its running statistics
     metrics.update(trainer.validate(model, _data(name, BATCH), verbose=False)[0])
+    # After a pipelined Trainer call the model is whole, the other ranks' layers on the meta device:
+    # what this rank trained is what is not on meta.
     return {
-        "params": {n: q.detach().clone() for n, q in model.named_parameters()},
+        "params": {n: q.detach().clone() for n, q in model.named_parameters() if not q.is_meta},
         # BatchNorm's running statistics and batch counts (the only buffers that training changes)
-        "buffers": {n: b.clone() for n, b in model.named_buffers() if "running_" in n or "num_batches" in n},
+        "buffers": {n: b.clone() for n, b in model.named_buffers()
+                    if ("running_" in n or "num_batches" in n) and not b.is_meta},
         "metrics": metrics,
     }
 

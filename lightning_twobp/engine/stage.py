@@ -30,6 +30,7 @@ in B and W only accumulates them. Both stay exact; ``Stage.deferred_fraction`` t
 from __future__ import annotations
 
 import logging
+import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,6 +39,8 @@ import torch
 from torch import nn
 from torch.autograd.graph import GradientEdge, Node
 from torch.utils import _pytree as pytree
+
+from lightning_twobp.engine.graph import SavedUnavailable, saved
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +86,7 @@ class Stage:
         # Counters for the split's coverage: edges deferred to W vs taken in B.
         self.deferred_edges = 0
         self.early_edges = 0
+        self._warned = False  # the slow-path warning, once per stage
 
     # ------------------------------------------------------------------ bookkeeping
     def refresh_parameters(self) -> None:
@@ -249,6 +253,15 @@ class Stage:
             return self._input_grads(p, grads)
         self.deferred_edges += plan.num_deferred
         self.early_edges += plan.num_early
+        if plan.unreadable and not self._warned:
+            self._warned = True
+            warnings.warn(
+                f"2BP split of {type(self.module).__name__}: {len(plan.unreadable)} weight gradient(s) that have a "
+                f"direct formula could not read their saved operand ({plan.unreadable[0]}), so they take the "
+                f"slow path: B keeps the micro-batch's whole autograd graph (about its activation memory, "
+                f"M_act in twobp-plan) until W, for every micro-batch in flight. Warned once per stage.",
+                RuntimeWarning, stacklevel=2,
+            )
         # Outputs that do not reach any input (``return y, self.scale * 2``) feed only weights:
         # their whole backward is W's, from the output itself.
         p.weight_roots = [(p.outputs[i], grads_out[i]) for i in plan.weight_roots]
@@ -378,6 +391,7 @@ class _Plan:
     fallback: bool
     num_deferred: int
     num_early: int
+    unreadable: list[str] = field(default_factory=list)  # fast-path reads that failed (see engine.graph)
 
 
 def _leaf_param(node: Node, params: dict[int, nn.Parameter]) -> nn.Parameter | None:
@@ -443,6 +457,7 @@ def _plan(
     early_seen: set[tuple[Node, int]] = set()
     num_deferred = 0
     fallback = False
+    unreadable: list[str] = []
     for node in reversed(order):  # parents first: the order B reaches them
         if not to_input[node] or getattr(node, "variable", None) is not None:
             continue
@@ -451,7 +466,11 @@ def _plan(
             if n is None or to_input[n] or not to_param[n]:
                 continue
             if len(sources[n]) == 1:
-                direct = _direct_weight_grad(node, pos, n, params)
+                try:
+                    direct = _direct_weight_grad(node, pos, n, params)
+                except SavedUnavailable as e:
+                    direct = None
+                    unreadable.append(str(e))
                 if direct is not None:
                     fast.append(direct)
                     num_deferred += 1
@@ -474,8 +493,8 @@ def _plan(
     ]
     if fallback:
         log.debug("weight-only node shared by several frontier nodes: W taken in B for this micro-batch")
-        return _Plan([], [], [], [], True, 0, num_deferred + len(early))
-    return _Plan(frontier, fast, early, weight_roots, False, num_deferred, len(early))
+        return _Plan([], [], [], [], True, 0, num_deferred + len(early), unreadable)
+    return _Plan(frontier, fast, early, weight_roots, False, num_deferred, len(early), unreadable)
 
 
 @dataclass
@@ -496,32 +515,32 @@ class _FastW:
 
 
 def _direct_weight_grad(node: Node, pos: int, child: Node, params: dict[int, nn.Parameter]) -> _FastW | None:
+    """The direct formula for the weight edge ``pos`` of ``node``, or None when it has none. Raises
+    :class:`~lightning_twobp.engine.graph.SavedUnavailable` when it should have one but the saved
+    operand cannot be read (the caller falls back and says so)."""
     name = node.name()
-    try:
-        if name in ("MmBackward0", "AddmmBackward0"):
-            mat2_pos = 1 if name == "MmBackward0" else 2
-            if name == "AddmmBackward0" and (node._saved_alpha != 1 or node._saved_beta != 1):
-                return None
-            if pos == mat2_pos and child.name() == "TBackward0":
-                (leaf, _), = child.next_functions
-                param = _leaf_param(leaf, params) if leaf is not None else None
-                if param is not None and param.dim() == 2:
-                    mat1 = node._saved_self if name == "MmBackward0" else node._saved_mat1
-                    if mat1 is not None and mat1.dtype == param.dtype:
-                        # detached: unpacked saved inputs come back attached to the forward graph
-                        return _FastW("mm", node, param, mat1.detach())
-            if name == "AddmmBackward0" and pos == 0:
-                param = _leaf_param(child, params)
-                if param is not None and param.dim() == 1:
-                    return _FastW("sum", node, param, None)
-        elif name == "MulBackward0" and pos in (0, 1):
+    if name in ("MmBackward0", "AddmmBackward0"):
+        mat2_pos = 1 if name == "MmBackward0" else 2
+        if name == "AddmmBackward0" and (saved(node, "alpha") != 1 or saved(node, "beta") != 1):
+            return None
+        if pos == mat2_pos and child.name() == "TBackward0":
+            (leaf, _), = child.next_functions
+            param = _leaf_param(leaf, params) if leaf is not None else None
+            if param is not None and param.dim() == 2:
+                mat1 = saved(node, "self" if name == "MmBackward0" else "mat1")
+                if mat1 is not None and mat1.dtype == param.dtype:
+                    # detached: unpacked saved inputs come back attached to the forward graph
+                    return _FastW("mm", node, param, mat1.detach())
+        if name == "AddmmBackward0" and pos == 0:
             param = _leaf_param(child, params)
-            if param is not None:
-                operand = node._saved_other if pos == 0 else node._saved_self
-                if isinstance(operand, torch.Tensor) and operand.dtype == param.dtype:
-                    return _FastW("mul", node, param, operand.detach())
-    except (AttributeError, RuntimeError, ValueError):  # a saved tensor not kept, or freed: use autograd
-        return None
+            if param is not None and param.dim() == 1:
+                return _FastW("sum", node, param, None)
+    elif name == "MulBackward0" and pos in (0, 1):
+        param = _leaf_param(child, params)
+        if param is not None:
+            operand = saved(node, "other" if pos == 0 else "self")
+            if isinstance(operand, torch.Tensor) and operand.dtype == param.dtype:
+                return _FastW("mul", node, param, operand.detach())
     return None
 
 

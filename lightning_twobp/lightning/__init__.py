@@ -1,0 +1,5 @@
+"""The Lightning layer: ``TwoBPStrategy`` and the small modules it delegates to (docs/architecture.md)."""
+
+from lightning_twobp.lightning.strategy import TwoBPStrategy
+
+__all__ = ["TwoBPStrategy"]

@@ -1,0 +1,158 @@
+"""The model contract: which part of a LightningModule is pipelined, and how its call is intercepted.
+
+Today there is one kind, :class:`SequentialContract`: the pipelined layers are one ``nn.Sequential``,
+found at the top of the module tree or named by ``layers="model.blocks"``, and ``training_step`` calls
+it once. Sequentials nested inside another Sequential are part of it and do not count.
+
+The strategy talks to a contract only through :class:`Contract` (the layers as a list, a stage built
+from a run of them, the call intercepted for the length of a ``with``, layers swapped in and out), so a
+second kind (e.g. blocks in an ``nn.ModuleList`` called in a loop with keyword side inputs) is one more
+class beside this one and one more branch in :func:`find_contract`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+__all__ = ["Contract", "SequentialContract", "StageModule", "find_contract", "find_sequential"]
+
+
+class Contract(Protocol):
+    """What the strategy needs of the pipelined part of a model."""
+
+    name: str  # dotted path in the LightningModule ("" for the module itself)
+
+    def layers(self) -> list[nn.Module]:
+        """The pipelined layers, in order (the unit the partition cuts between)."""
+
+    def stage_module(self, first: int, stop: int) -> nn.Module:
+        """Layers ``first .. stop - 1`` as one module, called with the stage's positional inputs."""
+
+    def intercept(self, call: Callable[..., Any]) -> Any:
+        """A context manager: while it is open, calling the pipelined block calls ``call(*args)``."""
+
+    def swap(self, replacements: Mapping[int, nn.Module]) -> dict[int, nn.Module]:
+        """Put ``replacements`` in at the given layer indices; return the layers they replaced."""
+
+
+def _inplace(module: nn.Module) -> bool:
+    """torch's in-place activations and dropouts say so in their ``inplace`` attribute."""
+    return bool(getattr(module, "inplace", False))
+
+
+class StageModule(nn.Module):
+    """A run of a Sequential's layers as one pipeline stage, called as the Sequential calls them.
+
+    The executor passes a stage's inputs positionally (a tuple of tensors between stages, since
+    only tensors travel): one input is the layer's argument, several are given to the first layer as
+    the one tuple the previous layer returned, as ``nn.Sequential`` does. When the first layer works
+    in place (``nn.ReLU(inplace=True)``) the stage's inputs, which are leaves that require grad, are
+    cloned first: autograd refuses an in-place op on such a leaf.
+    """
+
+    def __init__(self, layers: list[nn.Module]) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(layers)  # shared with the user's Sequential, not copied
+        self._clone_inputs = _inplace(layers[0])
+
+    def forward(self, *inputs: Any) -> Any:
+        if self._clone_inputs:
+            inputs = tuple(x.clone() if isinstance(x, torch.Tensor) and x.requires_grad else x for x in inputs)
+        x = inputs[0] if len(inputs) == 1 else inputs
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+class SequentialContract:
+    """The pipelined part is one ``nn.Sequential`` (see the module docstring)."""
+
+    def __init__(self, name: str, seq: nn.Sequential) -> None:
+        self.name = name
+        self.seq = seq
+
+    def layers(self) -> list[nn.Module]:
+        return list(self.seq)
+
+    def stage_module(self, first: int, stop: int) -> nn.Module:
+        return StageModule([self.seq[i] for i in range(first, stop)])
+
+    @contextmanager
+    def intercept(self, call: Callable[..., Any]) -> Iterator[None]:
+        # An instance attribute shadows the class's forward for this ``with`` only; nothing stays.
+        self.seq.forward = call  # type: ignore[method-assign]
+        try:
+            yield
+        finally:
+            del self.seq.forward
+
+    def swap(self, replacements: Mapping[int, nn.Module]) -> dict[int, nn.Module]:
+        old = {}
+        for i, module in replacements.items():
+            old[i] = self.seq[i]
+            self.seq[i] = module
+        return old
+
+
+def find_contract(module: nn.Module, layers: str | None = None) -> Contract:
+    """The contract of ``module``: today always a :class:`SequentialContract`."""
+    return SequentialContract(*find_sequential(module, layers))
+
+
+def _outermost_sequentials(module: nn.Module) -> list[tuple[str, nn.Sequential]]:
+    found: list[tuple[str, nn.Sequential]] = []
+    stack: list[tuple[str, nn.Module]] = [("", module)]
+    while stack:
+        name, mod = stack.pop()
+        if isinstance(mod, nn.Sequential) and mod is not module:
+            found.append((name, mod))
+            continue  # what is inside belongs to it
+        stack.extend((f"{name}.{n}" if name else n, child) for n, child in reversed(list(mod.named_children())))
+    return sorted(found, key=lambda item: item[0])
+
+
+def find_sequential(module: nn.Module, layers: str | None = None) -> tuple[str, nn.Sequential]:
+    """The ``(dotted name, Sequential)`` to pipeline in ``module``.
+
+    With ``layers`` the Sequential at that dotted path; without it, the one outermost
+    Sequential. Raises ``ValueError`` naming the candidates and the fix.
+    """
+    if layers is not None:
+        try:
+            target = module.get_submodule(layers)
+        except AttributeError:
+            names = [n for n, _ in _outermost_sequentials(module)] or ["(none)"]
+            raise ValueError(
+                f"layers={layers!r} names no submodule of {type(module).__name__}; Sequentials found: "
+                f"{', '.join(names)}"
+            ) from None
+        if not isinstance(target, nn.Sequential):
+            raise ValueError(
+                f"layers={layers!r} points to {type(target).__name__}, not to an nn.Sequential: put the layers "
+                f"to pipeline in one nn.Sequential (nn.Sequential(*blocks), called once in training_step) and "
+                f"point layers= at it"
+            )
+        return layers, target
+    found = _outermost_sequentials(module)
+    if isinstance(module, nn.Sequential):
+        return "", module
+    if not found:
+        raise ValueError(
+            f"{type(module).__name__} holds no nn.Sequential: put the layers to pipeline in one "
+            f"nn.Sequential (e.g. self.blocks = nn.Sequential(...)) and call it once in each step"
+        )
+    if len(found) > 1:
+        names = ", ".join(n for n, _ in found)
+        raise ValueError(
+            f"{type(module).__name__} holds {len(found)} nn.Sequential modules ({names}): name the one that "
+            f"training_step calls with layers=..., e.g. layers={found[0][0]!r}. When they are called from "
+            f"another module's forward (torchvision's ResNet calls layer1..layer4), none of them is the "
+            f"pipeline: build one nn.Sequential of the model's parts in order (e.g. nn.Sequential(m.conv1, "
+            f"m.bn1, m.relu, m.maxpool, m.layer1, ..., m.avgpool, nn.Flatten(1), m.fc)) and call that"
+        )
+    return found[0]

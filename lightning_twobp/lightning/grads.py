@@ -1,0 +1,201 @@
+"""Gradients between the pipeline and Lightning's optimizer step.
+
+* :class:`GradStash`: the pipeline computes a step's gradients inside ``training_step``; Lightning's
+  automatic optimization runs ``zero_grad`` and ``backward`` after it. The stash sets them aside and
+  adds them back in ``backward``, scaled by ``1 / accumulate_grad_batches`` as Lightning scales the
+  loss, so ``zero_grad``, accumulation and ``optimizer.step`` see what ``loss.backward()`` gives.
+* :func:`dp_reduce`: each stage's gradients averaged over its data-parallel replicas, started as
+  soon as the stage's last W has run (the executor calls it).
+* :class:`TiedParameters`: a parameter used on several pipeline ranks (tied embeddings) starts from
+  one value and gets the sum of its ranks' gradients each step, as Megatron does for embeddings.
+* :func:`clip_by_global_norm` and :func:`overflow_agreeing_scaler`: global-norm clipping and the fp16
+  overflow decision over every stage. Each is one small function with a narrow interface, so the Zero
+  Bubble paper's optimizer post-validation can replace both later.
+* :func:`pipelined_precision`: hooks those two into Lightning where it expects them, the precision
+  plugin's ``clip_grad_by_norm`` and its ``scaler``, on a copy of the plugin (the user's stays as it was).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.utils import clip_grads_with_norm_, get_total_norm
+
+from lightning_twobp.lightning.model import SharedParameter
+
+__all__ = [
+    "GradStash",
+    "TiedParameters",
+    "clip_by_global_norm",
+    "dp_reduce",
+    "overflow_agreeing_scaler",
+    "pipelined_precision",
+]
+
+
+class GradStash:
+    """Gradients of the last pipeline step, held between ``training_step`` and ``backward``."""
+
+    def __init__(self) -> None:
+        self._stash: list[tuple[nn.Parameter, torch.Tensor]] = []
+
+    @contextmanager
+    def collect(self, params: Sequence[nn.Parameter]) -> Iterator[None]:
+        """Inside: the step's gradients start from zero. After: they are stashed, and the gradients
+        from before (an accumulation window's earlier micro-steps) are back in ``.grad``."""
+        kept = [q.grad for q in params]
+        for q in params:
+            q.grad = None
+        try:
+            yield
+            self._stash = [(q, q.grad) for q in params if q.grad is not None]
+        finally:
+            for q, g in zip(params, kept):
+                q.grad = g
+
+    def add_to_grads(self, scale: float) -> None:
+        """Add the stashed gradients, times ``scale``, into ``.grad`` (``None`` counts as zero)."""
+        for q, g in self._stash:
+            g = g if scale == 1.0 else g * scale
+            if q.grad is None:
+                q.grad = g
+            else:
+                q.grad.add_(g)
+        self._stash = []
+
+
+def dp_reduce(group: dist.ProcessGroup, dp: int) -> Callable[[int, list[nn.Parameter]], Callable[[], None]]:
+    """The executor's ``grad_reduce``: average a stage's gradients over ``group`` (its ``dp``
+    replicas), as DDP would. One flat asynchronous all-reduce per dtype starts at once, so it runs
+    while the rank does its remaining work; the returned function finishes it at the step's end."""
+
+    def start(stage: int, params: list[nn.Parameter]) -> Callable[[], None]:
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for q in params:
+            by_dtype.setdefault(q.grad.dtype, []).append(q.grad)
+        started = []
+        for grads in by_dtype.values():
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            work = dist.all_reduce(flat, group=group, async_op=True)  # SUM: gloo has no AVG
+            started.append((work, flat, grads))
+
+        def finish() -> None:
+            for work, flat, grads in started:
+                work.wait()
+                flat.div_(dp)
+                for g, part in zip(grads, flat.split([g.numel() for g in grads])):
+                    g.copy_(part.view_as(g))
+
+        return finish
+
+    return start
+
+
+class TiedParameters:
+    """Keeps a parameter that layers on several pipeline ranks use (tied embeddings) one parameter.
+
+    Every rank holding it gets the first holder's value at setup and, every step, the sum of the
+    holders' gradients (each holder's gradient is the part of the loss's gradient that flows
+    through its own uses, so the sum is what one process accumulates). Identical values, gradients
+    and optimizer updates keep the copies equal. The global norm counts it once, on its first holder.
+    """
+
+    def __init__(self, shared: list[SharedParameter], replica_groups: Callable[[Sequence[int]], list[list[int]]]) -> None:
+        """``replica_groups(pipeline_ranks)``: the global ranks of those pipeline ranks in every
+        data-parallel replica, one list per replica."""
+        me = dist.get_rank() if shared else 0
+        self._tied: list[tuple[nn.Parameter, dist.ProcessGroup, int]] = []  # (param, holders' group, first holder)
+        groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
+        for sp in shared:  # every rank creates every group, in one order, as torch requires
+            for ranks in map(tuple, replica_groups(sp.ranks)):
+                if ranks not in groups:
+                    groups[ranks] = dist.new_group(list(ranks))
+                if sp.param is not None and me in ranks:
+                    self._tied.append((sp.param, groups[ranks], ranks[0]))
+        self.not_counted = {id(q) for q, _, first in self._tied if first != me}
+
+    def __bool__(self) -> bool:
+        return bool(self._tied)
+
+    @torch.no_grad()
+    def sync_values(self) -> None:
+        for q, group, first in self._tied:
+            dist.broadcast(q.data, src=first, group=group)
+
+    @torch.no_grad()
+    def reduce_grads(self) -> None:
+        for q, group, _ in self._tied:
+            if q.grad is None:
+                q.grad = torch.zeros_like(q)
+            dist.all_reduce(q.grad, group=group)
+
+
+def clip_by_global_norm(params: Iterable[nn.Parameter], max_norm: float, group: dist.ProcessGroup | None,
+                        device: torch.device, not_counted: set[int] = frozenset()) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` with the 2-norm over every stage of the pipeline: this rank's
+    norm from :func:`~torch.nn.utils.get_total_norm`, squared and summed over ``group`` (the
+    pipeline; replicas hold the same, already averaged gradients), then
+    :func:`~torch.nn.utils.clip_grads_with_norm_`. Parameters in ``not_counted`` (a tied copy whose
+    first holder counts it) are clipped but not counted. Returns the global norm."""
+    params = [q for q in params if q.grad is not None]
+    counted = [q.grad for q in params if id(q) not in not_counted]
+    local = get_total_norm(counted).to(device, torch.float32) if counted else torch.zeros((), device=device)
+    squared = local.square()
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(squared, group=group)
+    total = squared.sqrt()
+    clip_grads_with_norm_(params, max_norm, total)
+    return total
+
+
+def overflow_agreeing_scaler(scaler: torch.amp.GradScaler, device: torch.device,
+                             group: dist.ProcessGroup | None) -> torch.amp.GradScaler:
+    """fp16: a GradScaler skips the step and lowers its scale when *its* gradients hold inf/NaN. Each
+    rank holds other stages' gradients, so one stage's overflow must skip the step on every rank, or
+    the stages drift apart and their scales disagree (the pipeline's backward starts from the last
+    stage's scale). torch's :class:`~torch.distributed.fsdp.sharded_grad_scaler.ShardedGradScaler`
+    ORs the inf flags over a process group in ``unscale_`` (one all-reduce); this returns one with
+    ``scaler``'s settings and state, over ``group`` (the world)."""
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    agreeing = ShardedGradScaler(
+        device=device.type, init_scale=scaler.get_scale(), growth_factor=scaler.get_growth_factor(),
+        backoff_factor=scaler.get_backoff_factor(), growth_interval=scaler.get_growth_interval(),
+        enabled=scaler.is_enabled(), process_group=group if group is not None else dist.group.WORLD,
+    )
+    if scaler.is_enabled():
+        agreeing.load_state_dict(scaler.state_dict())
+    return agreeing
+
+
+class _GlobalNormClipping:
+    """Mixed into a copy of the precision plugin: clipping by norm uses the pipeline's global norm."""
+
+    _twobp_clip_by_norm: Callable[[Any, float], None]
+
+    def clip_grad_by_norm(self, optimizer: Any, clip_val: float) -> None:
+        self._twobp_clip_by_norm(optimizer, clip_val)
+
+
+_CLASSES: dict[type, type] = {}
+
+
+def pipelined_precision(plugin: Any, clip_by_norm: Callable[[Any, float], None], scaler: Any = None) -> Any:
+    """A copy of Lightning's precision ``plugin`` (same class, plus :class:`_GlobalNormClipping`)
+    whose ``clip_grad_by_norm`` calls ``clip_by_norm(optimizer, max_norm)`` and whose ``scaler`` is
+    ``scaler`` when given. The original plugin and its scaler are not touched."""
+    cls = type(plugin)
+    if cls not in _CLASSES:
+        _CLASSES[cls] = type(f"Pipelined{cls.__name__}", (_GlobalNormClipping, cls), {"__module__": __name__})
+    new = copy.copy(plugin)
+    new.__class__ = _CLASSES[cls]
+    new._twobp_clip_by_norm = clip_by_norm
+    if scaler is not None:
+        new.scaler = scaler
+    return new

@@ -1,0 +1,88 @@
+"""Where ranks, stages and micro-batches go: the defaults, the process mesh, the schedule's label.
+
+The defaults live here once, for the strategy and for ``twobp-plan`` alike (the lead's
+``lightning_twobp.schedules`` may take them over; then this module re-exports them).
+
+Ranks form a 2-D :class:`~torch.distributed.device_mesh.DeviceMesh` with named dimensions
+``("dp", "pp")``: global rank ``d * p + r`` is pipeline rank ``r`` of data-parallel replica ``d``, so a
+pipeline is ``p`` consecutive ranks (on one node when ``p`` divides the GPUs per node: its
+point-to-point traffic stays on the fast links) and a data-parallel group holds one stage's replicas.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+__all__ = [
+    "MeshLayout",
+    "check_degree",
+    "default_num_microbatches",
+    "default_stages_per_rank",
+    "schedule_label",
+]
+
+# Schedules that place two stages on each rank by default (the V, and the interleaved loop).
+_TWO_STAGES_PER_RANK = ("zb-v", "interleaved-1f1b")
+
+
+def default_stages_per_rank(schedule: str) -> int:
+    """Stages per rank when none is given: 2 for ``zb-v`` (a V) and ``interleaved-1f1b``, else 1."""
+    return 2 if schedule in _TWO_STAGES_PER_RANK else 1
+
+
+def default_num_microbatches(pipeline_degree: int) -> int:
+    """``m = 2p``: the 2BP paper's 1F1B-2 setting, small enough for 1F1B's bubble to matter."""
+    return 2 * pipeline_degree
+
+
+def schedule_label(name: str, split_backward: bool) -> str:
+    """``"1f1b + 2BP"`` for a split schedule; the Zero Bubble ones are split by definition."""
+    return f"{name} + 2BP" if split_backward and not name.startswith("zb") else name
+
+
+def check_degree(world_size: int, pipeline_degree: int) -> None:
+    """Raise ``ValueError`` when the world does not split into whole pipelines."""
+    if pipeline_degree < 1 or world_size % pipeline_degree:
+        raise ValueError(
+            f"{world_size} devices cannot be split into pipelines of {pipeline_degree}: devices x num_nodes "
+            f"must be a multiple of pipeline_degree (use pipeline_degree={world_size} or a divisor of it)"
+        )
+
+
+@dataclass(frozen=True)
+class MeshLayout:
+    """This rank's place in the ``("dp", "pp")`` mesh."""
+
+    world_size: int
+    pipeline_degree: int
+    global_rank: int
+
+    def __post_init__(self) -> None:
+        check_degree(self.world_size, self.pipeline_degree)
+
+    @property
+    def dp_degree(self) -> int:
+        return self.world_size // self.pipeline_degree
+
+    @property
+    def pp_rank(self) -> int:
+        return self.global_rank % self.pipeline_degree
+
+    @property
+    def dp_rank(self) -> int:
+        return self.global_rank // self.pipeline_degree
+
+    def global_rank_of(self, pp_rank: int, dp_rank: int | None = None) -> int:
+        """Global rank of pipeline rank ``pp_rank`` in replica ``dp_rank`` (default: this rank's)."""
+        d = self.dp_rank if dp_rank is None else dp_rank
+        return d * self.pipeline_degree + pp_rank
+
+    def init_mesh(self, device: torch.device) -> DeviceMesh | None:
+        """The ``("dp", "pp")`` device mesh over the world; ``None`` without a process group."""
+        if not dist.is_initialized():
+            return None
+        return init_device_mesh(device.type, (self.dp_degree, self.pipeline_degree), mesh_dim_names=("dp", "pp"))

@@ -1,0 +1,220 @@
+"""Cutting the user's model into this rank's stages for one Trainer call, and putting it back.
+
+For the length of a Trainer call the layers of other pipeline ranks are set aside: the contract's
+layers are swapped for empty :class:`_Remote` placeholders (so ``configure_optimizers``,
+``state_dict`` and checkpoints see this rank's parameters, under the full model's names) and the
+set-aside layers keep their structure on the ``meta`` device (no memory). :meth:`LocalModel.restore`
+undoes the swap in ``teardown``, after an exception too. Then the model is whole again: every rank's
+``state_dict`` has every key. With ``gather=True`` the other ranks' trained weights are broadcast in
+first; without it, those layers stay on ``meta`` and calling one raises an error that says where the
+weights are and how to get them.
+
+Parameters used by layers on several pipeline ranks (tied embeddings: ``wte`` on the first stage,
+``lm_head`` on the last) are found here, before any compute; :mod:`lightning_twobp.lightning.grads`
+keeps their copies in sync.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_twobp.lightning.contract import Contract
+from lightning_twobp.schedules import Schedule
+
+__all__ = ["LocalModel", "SharedParameter", "split_model"]
+
+_HOW_TO_GET_WEIGHTS = (
+    "to have every rank hold all trained weights after the Trainer call, pass "
+    "TwoBPStrategy(gather_full_model=True); or merge a checkpoint into one file with "
+    "`twobp-consolidate CHECKPOINT_DIR model.ckpt` and load it with "
+    "model.load_state_dict(torch.load('model.ckpt')['state_dict'], assign=True)"
+)
+
+
+class _Remote(nn.Module):
+    """Stands in, during a Trainer call, for a layer that lives on another pipeline rank."""
+
+    def __init__(self, stage: int, rank: int) -> None:
+        super().__init__()
+        self.stage, self.rank = stage, rank
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError(
+            f"this layer belongs to pipeline stage {self.stage} on pipeline rank {self.rank}; under "
+            f"strategy='twobp' the pipelined layers run only through the pipeline, from training_step"
+        )
+
+    def extra_repr(self) -> str:
+        return f"stage={self.stage}, rank={self.rank}"
+
+
+# Layers left on the meta device after a Trainer call -> the guard that explains a call to them.
+_GUARDS: weakref.WeakKeyDictionary[nn.Module, Any] = weakref.WeakKeyDictionary()
+
+
+def _guard(where: str) -> Any:
+    def check(module: nn.Module, args: Any) -> None:
+        if any(t.is_meta for t in _tensors(module)):
+            raise RuntimeError(f"{where}: its weights are not on this rank (they are on the meta device); {_HOW_TO_GET_WEIGHTS}")
+
+    return check
+
+
+def _tensors(module: nn.Module) -> Iterable[torch.Tensor]:
+    yield from module.parameters()
+    yield from module.buffers()
+
+
+@dataclass(frozen=True)
+class SharedParameter:
+    """A parameter that layers on several pipeline ranks use (tied weights)."""
+
+    names: tuple[str, ...]  # its names in the Sequential, one per use ("0.weight", "5.weight")
+    ranks: tuple[int, ...]  # pipeline ranks holding a layer that uses it, ascending
+    param: nn.Parameter | None  # this rank's copy, None when no local layer uses it
+
+
+@dataclass
+class LocalModel:
+    """This rank's share of the contract's layers during one Trainer call."""
+
+    contract: Contract
+    sizes: list[int]  # layers per stage
+    stages: dict[int, nn.Module]  # this rank's stage modules, by stage index
+    removed: dict[int, nn.Module] = field(default_factory=dict)  # layer index -> the set-aside layer
+    owner: dict[int, int] = field(default_factory=dict)  # layer index -> pipeline rank holding it
+    shared: list[SharedParameter] = field(default_factory=list)
+
+    @property
+    def bounds(self) -> list[int]:
+        return _bounds(self.sizes)
+
+    def restore(self, gather: bool, group: dist.ProcessGroup | None, pp_rank: int, device: torch.device) -> None:
+        """Put the set-aside layers back into the contract. With ``gather`` every pipeline rank
+        first receives the trained weights of the layers it did not hold (one broadcast per tensor
+        from the rank that trained it, layer by layer, each landing on the CPU right away)."""
+        if gather:
+            self._gather(group, pp_rank, device)
+        self.contract.swap(self.removed)
+        for i, layer in self.removed.items():
+            if any(t.is_meta for t in _tensors(layer)) and layer not in _GUARDS:
+                where = f"{self.contract.name or 'the Sequential'}[{i}] was trained on pipeline rank {self.owner[i]}"
+                _GUARDS[layer] = layer.register_forward_pre_hook(_guard(where))
+        self.removed = {}
+
+    def _gather(self, group: dist.ProcessGroup | None, pp_rank: int, device: torch.device) -> None:
+        # Every distinct tensor once, in one order every rank derives from the same model structure,
+        # from the rank holding the first layer that uses it.
+        layers = [self.removed.get(i, layer) for i, layer in enumerate(self.contract.layers())]
+        received: dict[int, torch.Tensor] = {}
+        seen: set[int] = set()
+        for i, layer in enumerate(layers):
+            owner = self.owner[i]
+            src = dist.get_global_rank(group, owner) if group is not None else owner
+            for t in _tensors(layer):
+                if id(t) in seen:
+                    continue
+                seen.add(id(t))
+                if owner == pp_rank:  # after teardown's move to the CPU: NCCL sends from the device
+                    dist.broadcast(t.detach().to(device), src=src, group=group)
+                    continue
+                buf = torch.empty_like(t, device=device)
+                dist.broadcast(buf, src=src, group=group)
+                if t.is_meta:
+                    received[id(t)] = buf.cpu()
+        _replace_tensors(list(self.removed.values()), lambda t: received[id(t)], lambda t: id(t) in received)
+
+
+def _bounds(sizes: list[int]) -> list[int]:
+    bounds = [0]
+    for n in sizes:
+        bounds.append(bounds[-1] + n)
+    return bounds
+
+
+def _replace_tensors(layers: list[nn.Module], make: Any, which: Any) -> None:
+    """Replace the parameters and buffers of ``layers`` for which ``which(t)`` holds by ``make(t)``
+    (a new Parameter for a parameter). A tensor used several times, in one layer or in several, is
+    replaced by one new tensor: ties stay tied."""
+    made: dict[int, torch.Tensor] = {}
+    with torch.no_grad():
+        for layer in layers:
+            for module in layer.modules():
+                for name, t in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]:
+                    if id(t) not in made:
+                        if not which(t):
+                            continue
+                        new = make(t)
+                        made[id(t)] = nn.Parameter(new, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else new
+                    setattr(module, name, made[id(t)])
+
+
+def _to_meta(layers: list[nn.Module], keep: set[int]) -> None:
+    """Free the tensors of ``layers``, keeping their structure (shapes, dtypes) on the meta device.
+    Tensors in ``keep`` (shared with a layer this rank trains) are left alone."""
+    _replace_tensors(layers, lambda t: torch.empty_like(t, device="meta"), lambda t: id(t) not in keep and not t.is_meta)
+
+
+def _check_trainable(layers: list[nn.Module], bounds: list[int], schedule: Schedule) -> None:
+    # Checked on every rank (each knows the whole cut), so every rank stops, not only the empty one.
+    for r in range(schedule.num_ranks):
+        stages = schedule.stages_of(r)
+        if not any(q.requires_grad for s in stages for i in range(bounds[s], bounds[s + 1]) for q in layers[i].parameters()):
+            here = ", ".join(f"stage {s}: layers {bounds[s]}-{bounds[s + 1] - 1}" for s in stages)
+            raise ValueError(
+                f"pipeline rank {r} would hold no trainable parameters ({here}), so configure_optimizers "
+                f"would get an empty parameter list: give it a layer with parameters with balance=[...] "
+                f"(layers per stage now {[bounds[k + 1] - bounds[k] for k in range(len(bounds) - 1)]}), "
+                f"or use fewer pipeline ranks"
+            )
+
+
+def _check_materialized(layers: list[nn.Module], bounds: list[int], mine: Iterable[int], name: str) -> None:
+    for s in mine:
+        for i in range(bounds[s], bounds[s + 1]):
+            if any(t.is_meta for t in _tensors(layers[i])):
+                raise ValueError(
+                    f"{name or 'the Sequential'}[{i}] (stage {s}, this rank's) has no weights here: a previous "
+                    f"Trainer call with another pipeline layout left it on the meta device. {_HOW_TO_GET_WEIGHTS}"
+                )
+
+
+def _shared_parameters(layers: list[nn.Module], layer_rank: list[int], mine: set[int]) -> list[SharedParameter]:
+    uses: dict[int, tuple[nn.Parameter, list[str], set[int]]] = {}
+    for i, layer in enumerate(layers):
+        for n, q in layer.named_parameters(remove_duplicate=False):
+            _, names, ranks = uses.setdefault(id(q), (q, [], set()))
+            names.append(f"{i}.{n}")
+            ranks.add(layer_rank[i])
+    out = []
+    for q, names, ranks in uses.values():
+        if len(ranks) > 1:
+            used_here = any(layer_rank[int(n.split(".", 1)[0])] in mine for n in names)
+            out.append(SharedParameter(tuple(names), tuple(sorted(ranks)), q if used_here else None))
+    return out
+
+
+def split_model(contract: Contract, sizes: list[int], schedule: Schedule, pp_rank: int) -> LocalModel:
+    """Keep ``pp_rank``'s stages of ``contract`` and set the other layers aside (see the module
+    docstring). Raises ``ValueError`` before any change when a rank would train nothing."""
+    layers = contract.layers()
+    bounds = _bounds(sizes)
+    _check_trainable(layers, bounds, schedule)
+    mine = set(schedule.stages_of(pp_rank))
+    _check_materialized(layers, bounds, mine, contract.name)
+    layer_stage = [s for s in range(len(sizes)) for _ in range(sizes[s])]
+    layer_rank = [schedule.stage_to_rank[s] for s in layer_stage]
+    local_ids = {id(t) for i, layer in enumerate(layers) if layer_stage[i] in mine for t in _tensors(layer)}
+    stages = {s: contract.stage_module(bounds[s], bounds[s + 1]) for s in sorted(mine)}
+    removed = {i: layer for i, layer in enumerate(layers) if layer_stage[i] not in mine}
+    shared = _shared_parameters(layers, layer_rank, {pp_rank})
+    _to_meta(list(removed.values()), local_ids)
+    contract.swap({i: _Remote(layer_stage[i], layer_rank[i]) for i in removed})
+    return LocalModel(contract, list(sizes), stages, removed, dict(enumerate(layer_rank)), shared)

@@ -1,0 +1,123 @@
+"""``balance="time"``: forward + backward seconds of every pipelined layer, measured on real data.
+
+Rank 0 measures on one micro-batch of the first batch the running loop will read, each layer on
+this rank's device one at a time (so a model that fits only across the pipeline can still be
+profiled); every rank gets rank 0's numbers, since ranks that timed on their own could disagree on
+the cut and deadlock. Profiling leaves no trace: the RNG is forked around all of it (reading a batch
+draws a loader seed and a shuffle; dropout draws too) and buffers (BatchNorm statistics) are put
+back, so training afterwards is what it would have been.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch.trainer.states import TrainerFn
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from lightning_twobp.lightning.contract import StageModule
+from lightning_twobp.lightning.step import StepRunner
+
+log = logging.getLogger(__name__)
+
+__all__ = ["HOOKS", "first_batch", "profile_layers"]
+
+HOOKS = {TrainerFn.FITTING: "training_step", TrainerFn.VALIDATING: "validation_step",
+         TrainerFn.TESTING: "test_step", TrainerFn.PREDICTING: "predict_step"}
+
+
+def first_batch(trainer: Any) -> Any:
+    """The first batch of the data the running Trainer call will read. Its loop sets its data up
+    now (the loop's own ``setup_data``, which it would call a moment later and then skips; it
+    synchronises the ranks, so every rank calls this), and the batch comes from the Trainer's
+    public dataloader properties."""
+    fn = trainer.state.fn
+    loop, loaders = {
+        TrainerFn.FITTING: (trainer.fit_loop, lambda: trainer.train_dataloader),
+        TrainerFn.VALIDATING: (trainer.validate_loop, lambda: trainer.val_dataloaders),
+        TrainerFn.TESTING: (trainer.test_loop, lambda: trainer.test_dataloaders),
+        TrainerFn.PREDICTING: (trainer.predict_loop, lambda: trainer.predict_dataloaders),
+    }[fn]
+    loop.setup_data()
+    found = loaders()
+    if isinstance(found, (list, tuple)):
+        found = found[0] if found else None
+    if isinstance(found, dict):
+        found = next(iter(found.values()), None)
+    if found is None:
+        raise ValueError(
+            'balance="time" profiles the layers on the first batch of the data, and none was found: pass '
+            "the dataloader to the Trainer call, or use balance='params' or a list of layer counts"
+        )
+    return next(iter(found))
+
+
+def _now(device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+def profile_layers(runner: StepRunner, layers: list[nn.Module], trainer: Any, m: int, device: torch.device,
+                   precision: Any, repeats: int = 3) -> list[float]:
+    """Seconds per layer (median of ``repeats`` after a warm-up run), the same list on every rank."""
+    costs: list[float] | None = None
+    devices = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        batch = first_batch(trainer)
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            costs = _time_layers(runner, layers, trainer, batch, m, device, precision, repeats)
+    box = [costs]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(box, src=0, device=device if device.type == "cuda" else None)
+    return box[0]
+
+
+def _time_layers(runner: StepRunner, layers: list[nn.Module], trainer: Any, batch: Any, m: int,
+                 device: torch.device, precision: Any, repeats: int) -> list[float]:
+    lm = runner.module
+    state = runner.begin(HOOKS[trainer.state.fn], (batch, 0), {}, m, exact=False)
+    mb = pytree.tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, state.microbatches[0])
+    # The step runs up to the pipelined block on this device; whatever it uses besides the block
+    # (small: the block holds the layers) goes there now, as model_to_device will anyway.
+    inside = {id(t) for layer in layers for t in [*layer.parameters(), *layer.buffers()]}
+    moved = []
+    with torch.no_grad():
+        for t in [*lm.parameters(), *lm.buffers()]:
+            if id(t) not in inside and t.device != device:
+                moved.append((t, t.data))
+                t.data = t.data.to(device)
+    try:
+        x = runner.capture(mb)
+    finally:
+        for t, data in moved:
+            t.data = data
+    costs = []
+    buffers = [(b, b.clone()) for layer in layers for b in layer.buffers()]
+    home = [next(iter([*layer.parameters(), *layer.buffers()]), torch.empty(0)).device for layer in layers]
+    with precision.forward_context():
+        for i, layer in enumerate(layers):
+            layer.to(device)
+            x = tuple(t.detach().requires_grad_(t.is_floating_point()) if isinstance(t, torch.Tensor) else t for t in x)
+            times = []
+            for _ in range(repeats + 1):  # the first run warms caches and allocators up
+                start = _now(device)
+                out = StageModule([layer])(*x)  # as the stage runs it (tuples, in-place first layers)
+                outs = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
+                if outs:
+                    torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
+                times.append(_now(device) - start)
+            costs.append(sorted(times[1:])[len(times[1:]) // 2])
+            layer.zero_grad(set_to_none=True)
+            layer.to(home[i])
+            x = tuple(t.detach() if isinstance(t, torch.Tensor) else t for t in (out if isinstance(out, tuple) else (out,)))
+    with torch.no_grad():
+        for b, saved in buffers:
+            b.copy_(saved)
+    log.info("twobp: forward+backward seconds per layer: %s", ", ".join(f"{c:.2e}" for c in costs))
+    return costs

@@ -1,0 +1,223 @@
+"""Running the user's ``training_step`` (or ``validation_step`` ...) once per micro-batch.
+
+On the rank holding the first stage the step runs up to the pipelined block's call, whose inputs are
+*captured* (the step stops there); on the rank holding the last stage it runs whole, with the call
+*provided* the pipeline's output, so the loss, metrics and ``self.log`` happen there, per micro-batch.
+``self.log`` is recorded during each micro-batch (the first stage's calls, before the block, are
+dropped: the last stage logs them again) and the values reach Lightning once per step through
+:func:`share_logs`: a mean over micro-batches weighted by their sizes, on every rank of the pipeline.
+
+Everything that lives for one step is in one :class:`StepState`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils import _pytree as pytree
+
+from lightning_twobp.lightning.contract import Contract
+
+__all__ = ["StepRunner", "StepState", "share_logs", "split_microbatches"]
+
+Logs = dict[str, tuple[Any, dict]]  # name -> (value, self.log's keyword options)
+
+
+def split_microbatches(batch: Any, m: int, exact: bool = True) -> list[Any]:
+    """``batch`` cut along its first dimension into ``m`` micro-batches: equal ones for training
+    (``exact``); evaluation takes a smaller last batch as up to ``m`` nearly equal pieces."""
+    leaves, spec = pytree.tree_flatten(batch)
+    sizes = {x.shape[0] for x in leaves if isinstance(x, torch.Tensor) and x.dim() > 0}
+    if len(sizes) != 1:
+        raise ValueError(
+            f"cannot split the batch into micro-batches: its tensors have first dimensions {sorted(sizes)}; "
+            f"every tensor in the batch needs the same batch dimension first"
+        )
+    (n,) = sizes
+    if exact and n % m:
+        raise ValueError(
+            f"batch size {n} does not split into {m} micro-batches: use a batch size that is a multiple "
+            f"of {m}, or set num_microbatches to a divisor of {n}"
+        )
+    m = min(m, n)
+    chunks = [x.tensor_split(m) if isinstance(x, torch.Tensor) and x.dim() > 0 else [x] * m for x in leaves]
+    return [pytree.tree_unflatten([c[i] for c in chunks], spec) for i in range(m)]
+
+
+def batch_size(batch: Any) -> int:
+    leaves = [x for x in pytree.tree_leaves(batch) if isinstance(x, torch.Tensor) and x.dim() > 0]
+    return leaves[0].shape[0] if leaves else 1
+
+
+@dataclass
+class StepState:
+    """One step: which hook, its extra arguments, the micro-batches and what each logged."""
+
+    hook: str  # "training_step", "validation_step", "test_step" or "predict_step"
+    args: tuple  # the hook's arguments after the batch (batch_idx, dataloader_idx)
+    kwargs: dict
+    microbatches: list[Any]
+    logs: list[Logs] = field(default_factory=list)
+    results: list[Any] = field(default_factory=list)  # what the hook returned, per micro-batch (last stage)
+
+
+class _Captured(Exception):
+    """Raised by the intercepted block on the first stage to stop the step at its inputs."""
+
+    def __init__(self, inputs: tuple) -> None:
+        super().__init__("captured")
+        self.inputs = inputs
+
+
+def _is_metric(value: Any) -> bool:
+    try:
+        from torchmetrics import Metric
+    except ImportError:  # pragma: no cover - torchmetrics comes with Lightning
+        return False
+    return isinstance(value, Metric)
+
+
+def metric_batch_value(metric: Any, name: str) -> torch.Tensor:
+    """The value a torchmetrics ``Metric`` computed on its last call (this micro-batch), which is
+    what Lightning logs for ``self.log(name, metric)`` at a step. torchmetrics keeps it in the
+    private ``_forward_cache``, which Lightning reads too; this is the one place we read it
+    (``tests/test_step.py`` checks it still holds the call's value)."""
+    value = getattr(metric, "_forward_cache", None)
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(
+            f"self.log({name!r}, {type(metric).__name__}) under strategy='twobp': the metric has no value for this "
+            f"micro-batch; call it first (self.metric(preds, target)), as Lightning requires for logging a Metric"
+        )
+    return value
+
+
+class _LogRecorder:
+    """Stands in for ``LightningModule.log`` during one micro-batch: records instead of logging."""
+
+    def __init__(self, store: Logs | None) -> None:
+        self.store = store
+
+    def __call__(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
+        if self.store is None:  # first stage, before the block: the last stage logs it
+            return
+        if args:
+            raise TypeError("pass self.log options by keyword under strategy='twobp'")
+        if _is_metric(value):
+            value = metric_batch_value(value, name)
+        if not isinstance(value, (torch.Tensor, int, float)):
+            raise TypeError(
+                f"self.log({name!r}, {type(value).__name__}) from a step under strategy='twobp': log a tensor, a "
+                f"number or a torchmetrics Metric; see docs/strategy.md, 'Logging and metrics'"
+            )
+        self.store[name] = (value.detach() if isinstance(value, torch.Tensor) else value, kwargs)
+
+
+class StepRunner:
+    """Calls a LightningModule's step hook per micro-batch with the pipelined block intercepted."""
+
+    def __init__(self, module: Any, contract: Contract) -> None:
+        self.module = module
+        self.contract = contract
+        self.state: StepState | None = None
+
+    def begin(self, hook: str, args: tuple, kwargs: dict, m: int, exact: bool) -> StepState:
+        batch, rest = args[0], args[1:]
+        self.state = StepState(hook, rest, kwargs, split_microbatches(batch, m, exact))
+        return self.state
+
+    def _call(self, mb: Any, block: Callable[..., Any], logs: Logs | None) -> Any:
+        state = self.state
+        recorder = _LogRecorder(logs)
+        lm = self.module
+        with self.contract.intercept(block):
+            # ``self.log`` answered by the recorder for this call only (an instance attribute
+            # shadows the method; removed again below, also when the step raises).
+            lm.__dict__["log"] = recorder
+            try:
+                return getattr(lm, state.hook)(mb, *state.args, **state.kwargs)
+            finally:
+                del lm.__dict__["log"]
+
+    def capture(self, mb: Any) -> tuple:
+        """The pipelined block's positional inputs for micro-batch ``mb`` (first stage)."""
+
+        def block(*inputs: Any, **kwargs: Any) -> Any:
+            if kwargs:
+                raise TypeError(
+                    f"{self._name} was called with keyword arguments {sorted(kwargs)}: an nn.Sequential takes "
+                    f"one positional input"
+                )
+            raise _Captured(inputs)
+
+        try:
+            self._call(mb, block, None)
+        except _Captured as c:
+            inputs = c.inputs
+        else:
+            raise RuntimeError(
+                f"{self.state.hook} did not call {self._name}: under strategy='twobp' it must call the pipelined "
+                f"block exactly once (when another module's forward calls it, point layers= at a Sequential "
+                f"that {self.state.hook} calls itself)"
+            )
+        for x in inputs:
+            if isinstance(x, torch.Tensor) and x.requires_grad:
+                raise ValueError(
+                    f"the input of {self._name} requires grad: a module with parameters runs before it in "
+                    f"{self.state.hook}, which the pipeline cannot train; move it into the Sequential"
+                )
+        return inputs
+
+    def provide(self, index: int, output: Any) -> Any:
+        """Run the hook on micro-batch ``index`` with the block answered by ``output`` (last stage);
+        record its logs and return what the hook returned."""
+        logs: Logs = {}
+        result = self._call(self.state.microbatches[index], lambda *a, **k: output, logs)
+        self.state.logs.append(logs)
+        self.state.results.append(result)
+        return result
+
+    def loss(self, output: Any, index: int) -> torch.Tensor:
+        """The executor's ``loss_fn``: the training step on micro-batch ``index`` returns the loss."""
+        out = self.provide(index, output)
+        loss = out.get("loss") if isinstance(out, dict) else out
+        if not isinstance(loss, torch.Tensor):
+            raise TypeError(
+                f"{self.state.hook} returned {type(out).__name__} on micro-batch {index}: under strategy='twobp' "
+                f"it must return the loss tensor (or a dict with 'loss')"
+            )
+        return loss
+
+    @property
+    def _name(self) -> str:
+        return self.contract.name or "the Sequential"
+
+
+def share_logs(state: StepState | None, loss: torch.Tensor | None, src: int, group: dist.ProcessGroup | None,
+               device: torch.device) -> tuple[torch.Tensor | None, Logs]:
+    """The loss and the logged values of one step, on every rank of the pipeline.
+
+    They live on the rank holding the last stage (``src``, a global rank): there each logged value is
+    averaged over the micro-batches, weighted by their sizes (for means, e.g. a loss or a micro-
+    averaged accuracy, the value one process logs for the whole batch), and both are broadcast to
+    the pipeline's ranks (one object broadcast per step; ``state`` is None on other ranks)."""
+    payload = None
+    if state is not None:
+        sizes = [batch_size(mb) for mb in state.microbatches]
+        weights = [n / sum(sizes) for n in sizes]
+        means: Logs = {}
+        for name in state.logs[0] if state.logs else {}:
+            values = [logs[name][0] for logs in state.logs]
+            kw = state.logs[0][name][1]
+            if isinstance(values[0], torch.Tensor):
+                means[name] = (sum(v.float().cpu() * w for v, w in zip(values, weights)), kw)
+            else:
+                means[name] = (sum(v * w for v, w in zip(values, weights)), kw)
+        payload = (None if loss is None else loss.detach().cpu(), means)
+    box = [payload]
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.broadcast_object_list(box, src=src, group=group, device=device if device.type == "cuda" else None)
+    return box[0]

@@ -1,0 +1,452 @@
+"""``Trainer(strategy="twobp")``: an unchanged LightningModule trained through a 2BP pipeline.
+
+This class holds Lightning's hooks only; each job lives in its own module (see docs/architecture.md):
+the contract finds the pipelined layers (:mod:`.contract`), :mod:`.layout` places ranks and stages,
+:mod:`.model` cuts the model for one Trainer call and puts it back, :mod:`.step` runs the user's step
+per micro-batch, :mod:`.grads` carries gradients to Lightning's optimizer step, :mod:`.checkpoint`
+saves and loads, :mod:`.profile` measures layers for ``balance="time"``; the engine
+(:class:`~lightning_twobp.engine.PipelineExecutor`) runs the schedule.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.utils import _pytree as pytree
+from typing_extensions import override
+
+from lightning_twobp.engine import PipelineExecutor
+from lightning_twobp.lightning import checkpoint as ckpt
+from lightning_twobp.lightning.contract import find_contract
+from lightning_twobp.lightning.grads import (
+    GradStash,
+    TiedParameters,
+    clip_by_global_norm,
+    dp_reduce,
+    overflow_agreeing_scaler,
+    pipelined_precision,
+)
+from lightning_twobp.lightning.layout import (
+    MeshLayout,
+    check_degree,
+    default_num_microbatches,
+    default_stages_per_rank,
+    schedule_label,
+)
+from lightning_twobp.lightning.model import LocalModel, split_model
+from lightning_twobp.lightning.profile import profile_layers
+from lightning_twobp.lightning.step import StepRunner, share_logs
+from lightning_twobp.partition import partition
+from lightning_twobp.schedules import SCHEDULES, Schedule, build_schedule, check_split
+
+log = logging.getLogger(__name__)
+
+__all__ = ["TwoBPStrategy"]
+
+_NOT_YET = "the pipeline is built in setup(), when a Trainer call starts: call trainer.fit (or validate, test, predict) first"
+
+
+@dataclass
+class _Pipeline:
+    """Everything one Trainer call builds in ``setup`` and ``teardown`` takes apart."""
+
+    local: LocalModel
+    executor: PipelineExecutor
+    runner: StepRunner
+    tied: TiedParameters
+    user_precision: Any  # the precision plugin as Lightning gave it (ours is a copy)
+    user_scaler: Any  # its GradScaler, or None; gets the trained scale back at teardown
+
+
+class TwoBPStrategy(DDPStrategy):
+    """Pipeline parallelism with 2BP for an unchanged LightningModule.
+
+    Args:
+        schedule: one of :data:`lightning_twobp.schedules.SCHEDULES`.
+        split_backward: 2BP's split into B and W (``False``: the fused backward; ZB schedules are split).
+        num_microbatches: micro-batches per step (default ``2 * pipeline_degree``); the batch size
+            must divide by it.
+        pipeline_degree: ranks per pipeline (default: every device, one pipeline); the devices
+            left over form data-parallel replicas, ``devices x num_nodes = pipeline_degree x dp``.
+        stages_per_rank: stages on each rank (default 2 for ``zb-v`` and ``interleaved-1f1b``, else 1).
+        balance: ``"params"`` (default), ``"time"`` (forward + backward time of every layer, measured
+            on the first micro-batch of the data before training), or a list of layer counts per stage.
+        layers: dotted name of the Sequential to pipeline, when the module holds several.
+        gather_full_model: at the end of each Trainer call, every rank receives the trained weights
+            of the stages it did not hold, so the model is complete on every rank. Off by default:
+            then those layers stay on the ``meta`` device and calling one says how to get them.
+        accelerator, parallel_devices, cluster_environment, precision_plugin, process_group_backend,
+        timeout, start_method: as for :class:`~lightning.pytorch.strategies.DDPStrategy`. DDP's own
+            options (``find_unused_parameters``, communication hooks, ...) raise ``TypeError``: there
+            is no DistributedDataParallel wrapper.
+    """
+
+    strategy_name = "twobp"
+
+    def __init__(
+        self,
+        schedule: str = "1f1b",
+        split_backward: bool = True,
+        num_microbatches: int | None = None,
+        pipeline_degree: int | None = None,
+        stages_per_rank: int | None = None,
+        balance: str | Sequence[int] = "params",
+        layers: str | None = None,
+        gather_full_model: bool = False,
+        accelerator: Any = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: Any = None,
+        precision_plugin: Any = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = None,
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        **kwargs: Any,
+    ) -> None:
+        if kwargs:
+            raise TypeError(
+                f"TwoBPStrategy got {', '.join(sorted(kwargs))}: DistributedDataParallel's options do not apply "
+                f"(the pipeline schedule computes the gradients and reduces them over data-parallel replicas "
+                f"itself); remove them"
+            )
+        if schedule not in SCHEDULES:  # checked now, not at setup: the Trainer is not built yet
+            raise ValueError(f"unknown schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")
+        check_split(schedule, split_backward)
+        extra = {} if timeout is None else {"timeout": timeout}
+        super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
+                         cluster_environment=cluster_environment, precision_plugin=precision_plugin,
+                         process_group_backend=process_group_backend, start_method=start_method, **extra)
+        self.schedule_name = schedule
+        self.split_backward = split_backward
+        self.balance = balance
+        self.layers = layers
+        self.gather_full_model = gather_full_model
+        self._num_microbatches = num_microbatches
+        self._pipeline_degree = pipeline_degree
+        self._stages_per_rank = stages_per_rank or default_stages_per_rank(schedule)
+        self._mesh: DeviceMesh | None = None
+        self._pipeline: _Pipeline | None = None
+        self._stash = GradStash()
+        self._failed = False
+        self.stage_sizes: list[int] | None = None  # layers per stage, once the pipeline is built
+
+    # ------------------------------------------------------------------ layout, for users' code
+    @property
+    def pipeline_degree(self) -> int:
+        return self._pipeline_degree or self.world_size
+
+    @property
+    def num_microbatches(self) -> int:
+        return self._num_microbatches or default_num_microbatches(self.pipeline_degree)
+
+    @property
+    def stages_per_rank(self) -> int:
+        return self._stages_per_rank
+
+    @property
+    def _layout(self) -> MeshLayout:
+        return MeshLayout(self.world_size, self.pipeline_degree, self.global_rank)
+
+    @property
+    def device_mesh(self) -> DeviceMesh:
+        """The ``("dp", "pp")`` :class:`~torch.distributed.device_mesh.DeviceMesh` of the run."""
+        if self._mesh is None:
+            raise RuntimeError(f"TwoBPStrategy.device_mesh: the mesh is made when the processes start; {_NOT_YET}")
+        return self._mesh
+
+    @property
+    def pp_rank(self) -> int:
+        """This rank's place in its pipeline, ``0 .. pipeline_degree - 1``."""
+        return self._layout.pp_rank
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's data-parallel replica, ``0 .. world_size / pipeline_degree - 1``."""
+        return self._layout.dp_rank
+
+    @property
+    def schedule(self) -> Schedule:
+        return self._built("schedule").executor.schedule
+
+    @property
+    def stage_ids(self) -> tuple[int, ...]:
+        """The pipeline stages this rank holds."""
+        return tuple(self.schedule.stages_of(self.pp_rank))
+
+    @property
+    def is_first_stage(self) -> bool:
+        """Whether this rank holds stage 0 (the step runs up to the pipelined block here)."""
+        return 0 in self.stage_ids
+
+    @property
+    def is_last_stage(self) -> bool:
+        """Whether this rank holds the last stage (the loss and ``self.log`` happen here)."""
+        return self.schedule.num_stages - 1 in self.stage_ids
+
+    def _built(self, what: str) -> _Pipeline:
+        if self._pipeline is None:
+            raise RuntimeError(f"TwoBPStrategy.{what}: {_NOT_YET}")
+        return self._pipeline
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # Every stage of one pipeline sees the same batch: the data splits by data-parallel rank.
+        return {"num_replicas": self._layout.dp_degree, "rank": self.dp_rank}
+
+    # ------------------------------------------------------------------ setup and teardown
+    @override
+    def setup_distributed(self) -> None:
+        super().setup_distributed()
+        check_degree(self.world_size, self.pipeline_degree)
+        self._mesh = self._layout.init_mesh(self.root_device)
+
+    def _group(self, dim: str) -> dist.ProcessGroup | None:
+        return self._mesh.get_group(dim) if self._mesh is not None else None
+
+    @override
+    def setup(self, trainer: Any) -> None:
+        assert self.accelerator is not None and self.lightning_module is not None
+        self.accelerator.setup(trainer)
+        self._failed = False
+        self._pipeline = self._build(trainer)
+        self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        if self._pipeline.tied:
+            self._pipeline.tied.sync_values()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        # Optimizers are created after the move to the device and hold no state yet; a checkpoint's
+        # state is loaded afterwards (restore_checkpoint_after_setup), by parameter name.
+        self.setup_precision_plugin()
+
+    def _build(self, trainer: Any) -> _Pipeline:
+        lm = self.lightning_module
+        if not lm.automatic_optimization:
+            raise ValueError(
+                "strategy='twobp' supports automatic optimization only: the pipeline schedule owns the "
+                "backward, so manual_backward cannot run it; set self.automatic_optimization = True"
+            )
+        check_degree(self.world_size, self.pipeline_degree)
+        contract = find_contract(lm, self.layers)
+        runner = StepRunner(lm, contract)
+        num_stages = self.pipeline_degree * self._stages_per_rank
+        costs = None
+        if self.balance == "time":
+            costs = profile_layers(runner, contract.layers(), trainer, self.num_microbatches, self.root_device,
+                                   self.precision_plugin)
+        sizes = partition(nn.Sequential(*contract.layers()), num_stages, self.balance, costs=costs)
+        self.stage_sizes = list(sizes)
+        schedule = build_schedule(self.schedule_name, num_stages, self.num_microbatches,
+                                  stages_per_rank=self._stages_per_rank, split_backward=self.split_backward)
+        layout = self._layout
+        local = split_model(contract, sizes, schedule, layout.pp_rank)
+        for s, module in local.stages.items():
+            first = local.bounds[s]
+            log.info("stage %d: layers %d-%d (%d parameters) on pipeline rank %d", s, first, first + sizes[s] - 1,
+                     sum(q.numel() for q in module.parameters()), layout.pp_rank)
+        rank_zero_info(
+            f"twobp: {schedule_label(schedule.name, self.split_backward)}, {num_stages} stages on "
+            f"{self.pipeline_degree} ranks x {layout.dp_degree} replica(s), {self.num_microbatches} micro-batches; "
+            f"layers per stage {sizes}"
+        )
+        pp_group = self._group("pp")
+        executor = PipelineExecutor(
+            schedule, local.stages, loss_fn=runner.loss, device=self.root_device, group=pp_group,
+            grad_reduce=dp_reduce(self._group("dp"), layout.dp_degree) if layout.dp_degree > 1 else None,
+        )
+        tied = TiedParameters(
+            local.shared, lambda ranks: [[layout.global_rank_of(r, d) for r in ranks] for d in range(layout.dp_degree)]
+        )
+        if local.shared:
+            rank_zero_info("twobp: parameters shared across pipeline ranks, kept in sync: " + "; ".join(
+                f"{contract.name}.{{{', '.join(sp.names)}}} on ranks {list(sp.ranks)}" for sp in local.shared))
+        user_precision = self.precision_plugin
+        user_scaler = getattr(user_precision, "scaler", None)
+        scaler = None
+        if user_scaler is not None and self.world_size > 1:
+            scaler = overflow_agreeing_scaler(user_scaler, self.root_device, None)
+        self.precision_plugin = pipelined_precision(user_precision, self._clip_by_norm, scaler)
+        return _Pipeline(local, executor, runner, tied, user_precision, user_scaler)
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        self._failed = True  # teardown gathers nothing then: another rank may be gone
+        super().on_exception(exception)
+
+    @override
+    def teardown(self) -> None:
+        """Lightning's teardown (optimizers and model to the CPU), then the model is put back whole
+        and the precision plugin is Lightning's own again, with the trained loss scale."""
+        pipeline, self._pipeline = self._pipeline, None
+        super().teardown()
+        if pipeline is None:
+            return
+        gather = self.gather_full_model and not self._failed and dist.is_initialized()
+        pipeline.local.restore(gather, self._group("pp"), self.pp_rank, self.root_device)
+        ours = self.precision_plugin
+        if pipeline.user_scaler is not None and ours.scaler is not pipeline.user_scaler and pipeline.user_scaler.is_enabled():
+            pipeline.user_scaler.load_state_dict(ours.scaler.state_dict())
+        self.precision_plugin = pipeline.user_precision
+
+    # ------------------------------------------------------------------ training
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        pipeline = self._built("training_step")
+        ex, runner = pipeline.executor, pipeline.runner
+        runner.begin("training_step", args, kwargs, self.num_microbatches, exact=True)
+        params = [q for q in self.lightning_module.parameters() if q.requires_grad]
+        with self._stash.collect(params), self.precision_plugin.train_step_context():
+            inputs = [runner.capture(mb) for mb in runner.state.microbatches] if 0 in ex.stages else None
+            targets = list(range(self.num_microbatches)) if ex.last in ex.stages else None
+            # With a GradScaler (fp16), the pipeline's backward starts from the scaled loss, as
+            # Lightning's backward would; the scaler unscales before clipping and stepping.
+            scaler = getattr(self.precision_plugin, "scaler", None)
+            result = ex.step(inputs, targets, loss_scale=float(scaler.get_scale()) if scaler is not None else 1.0)
+            if pipeline.tied:
+                pipeline.tied.reduce_grads()
+        loss = self._share_and_log(result.loss, evaluating=False)
+        return loss.to(self.root_device)
+
+    @override
+    def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """Add the gradients the pipeline computed in ``training_step`` (after Lightning's zero_grad)."""
+        lm = self.lightning_module
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, lm)  # on_before_backward
+        self._stash.add_to_grads(1.0 / lm.trainer.accumulate_grad_batches)
+        return self.precision_plugin.post_backward(closure_loss, lm)  # on_after_backward
+
+    def _clip_by_norm(self, optimizer: Any, max_norm: float) -> None:
+        tied = self._built("clip_gradients").tied
+        clip_by_global_norm(self.precision_plugin.main_params(optimizer), max_norm, self._group("pp"),
+                            self.root_device, tied.not_counted)
+
+    def _share_and_log(self, loss: torch.Tensor | None, evaluating: bool) -> torch.Tensor | None:
+        """The last stage's loss and logs, on every rank of the pipeline, logged once there."""
+        pipeline = self._pipeline
+        ex = pipeline.executor
+        src = self._layout.global_rank_of(ex.schedule.stage_to_rank[ex.last])
+        state = pipeline.runner.state if ex.last in ex.stages else None
+        shared_loss, means = share_logs(state, loss, src, self._group("pp"), self.root_device)
+        for name, (value, kw) in means.items():
+            if evaluating:
+                # Epoch-level metrics: every rank of a pipeline holds the same value, so the mean over
+                # the world is the mean over the data-parallel replicas (what one process would log).
+                kw = {"sync_dist": True, **kw}
+            self.lightning_module.log(name, value.to(self.root_device) if isinstance(value, torch.Tensor) else value, **kw)
+        return shared_loss
+
+    # ------------------------------------------------------------------ evaluation
+    def _eval_step(self, hook: str, args: tuple, kwargs: dict) -> Any:
+        """Validation, test and predict: a forward-only pipeline pass, then ``hook`` on the last stage
+        per micro-batch with the pipelined block answered by the pipeline; logs averaged and shared."""
+        pipeline = self._built(hook)
+        ex, runner = pipeline.executor, pipeline.runner
+        state = runner.begin(hook, args, kwargs, self.num_microbatches, exact=False)
+        inputs = [runner.capture(mb) for mb in state.microbatches] if 0 in ex.stages else None
+        outs = ex.forward_only(inputs, len(state.microbatches))
+        for i, out in enumerate(outs or []):
+            runner.provide(i, out)
+        self._share_and_log(None, evaluating=True)
+        if hook != "predict_step" or outs is None:
+            return None
+        # predictions live on the rank holding the last stage: the micro-batches' outputs, joined
+        return pytree.tree_map(lambda *xs: torch.cat(xs) if isinstance(xs[0], torch.Tensor) else list(xs), *state.results)
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.val_step_context():
+            return self._eval_step("validation_step", args, kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.test_step_context():
+            return self._eval_step("test_step", args, kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.predict_step_context():
+            return self._eval_step("predict_step", args, kwargs)
+
+    # ------------------------------------------------------------------ checkpoints
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True  # loading needs the partitioned model: each rank reads only its own stages
+
+    @property
+    @override
+    def lightning_restore_optimizer(self) -> bool:
+        return False  # load_checkpoint restores the optimizers by parameter name
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        """A directory (see :mod:`lightning_twobp.lightning.checkpoint`); every rank writes its stages."""
+        if storage_options is not None:
+            raise TypeError(
+                "TwoBPStrategy.save_checkpoint(..., storage_options=...) is not supported: the checkpoint is "
+                "written with torch.distributed.checkpoint, not through a CheckpointIO plugin"
+            )
+        path = Path(self.broadcast(str(filepath)))
+        if self.global_rank == 0:
+            if path.is_file():
+                path.unlink()
+            path.mkdir(parents=True, exist_ok=True)
+        self.barrier()
+        layout = {"pipeline_degree": self.pipeline_degree, "stages_per_rank": self._stages_per_rank,
+                  "schedule": self.schedule_name}
+        ckpt.save(checkpoint, path, self.lightning_module, self.optimizers, self.global_rank, layout)
+        self.barrier()
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """Each rank reads the weights and optimizer state of its own parameters, by name, whatever the
+        pipeline degree or partition the checkpoint was saved with."""
+        path = Path(self.broadcast(str(checkpoint_path)))
+        lm = self.lightning_module
+        checkpoint = ckpt.load(path, lm, self.optimizers, weights_only, strict=lm.strict_loading)
+        # LR schedulers were saved from rank 0: a rank with other param groups keeps its own per-group
+        # base learning rates (the groups' lr came back by name) and takes the shared step count.
+        for config, state in zip(self.lr_scheduler_configs, checkpoint.get("lr_schedulers", [])):
+            local = getattr(config.scheduler, "base_lrs", None)
+            if local is not None and len(state.get("base_lrs", local)) != len(local):
+                state["base_lrs"] = list(local)
+                state.pop("_last_lr", None)
+        saved = checkpoint.get("twobp", {})
+        if saved.get("pipeline_degree") != self.pipeline_degree or saved.get("stages_per_rank") != self._stages_per_rank:
+            rank_zero_info(
+                f"twobp: resuming a checkpoint saved with pipeline_degree={saved.get('pipeline_degree')}, "
+                f"stages_per_rank={saved.get('stages_per_rank')} on pipeline_degree={self.pipeline_degree}, "
+                f"stages_per_rank={self._stages_per_rank}: weights and optimizer state re-partition by name"
+            )
+        return checkpoint
+
+    @override
+    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+        pass  # load_checkpoint loaded the weights already, by name
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        strategy_registry.register(
+            cls.strategy_name, cls, description="2BP pipeline parallelism (lightning_twobp)"
+        )
+
+
+def _register() -> None:
+    if TwoBPStrategy.strategy_name not in StrategyRegistry:
+        TwoBPStrategy.register_strategies(StrategyRegistry)
+
+
+_register()

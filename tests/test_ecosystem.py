@@ -1,0 +1,109 @@
+"""Lightning's own demo models and LightningCLI under strategy="twobp"."""
+
+from __future__ import annotations
+
+import os
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.demos.boring_classes import BoringModel, DemoModel, RandomDataset
+from torch import nn
+from torch.utils.data import DataLoader
+
+import lightning_twobp  # noqa: F401  (registers "twobp")
+from lightning_twobp import TwoBPStrategy
+from lightning_twobp.testing import run_distributed
+
+pytestmark = pytest.mark.dist
+
+
+def _env(rank: int, world: int) -> None:
+    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world), RANK=str(rank),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
+
+
+# The contract's one change, as docs/strategy.md shows it: the layers to pipeline are one nn.Sequential
+# (with at least as many layers as stages). Everything else is the demo's own code.
+def boring() -> BoringModel:
+    torch.manual_seed(0)
+    model = BoringModel()
+    model.layer = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 2))
+    return model
+
+
+def demo() -> DemoModel:
+    torch.manual_seed(0)
+    model = DemoModel()
+    model.l1 = nn.Sequential(nn.Linear(32, 16), nn.ReLU(), nn.Linear(16, 10))
+    return model
+
+
+DEMOS = {
+    # its own train_dataloader: batches of 1, so one micro-batch; an MSE loss (a mean): exact
+    "BoringModel": (boring, None, 1, 1e-6),
+    # DemoModel's loss is x.sum(), a sum over the batch. The pipeline differentiates the mean of the
+    # micro-batch losses (as accumulate_grad_batches does), 1/m of the sum's gradient; its Adam is
+    # invariant to that scale up to eps, so the weights agree to about 1e-5.
+    "DemoModel": (demo, lambda: DataLoader(RandomDataset(32, 64), batch_size=4), 2, 1e-5),
+}
+
+
+def _fit(name: str, strategy, devices: int) -> dict:
+    make, data, _, _ = DEMOS[name]
+    model = make()
+    trainer = pl.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=4, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         limit_val_batches=2, use_distributed_sampler=False)
+    torch.manual_seed(1)  # RandomDataset draws at construction
+    trainer.fit(model, data() if data else None)
+    return {n: q.detach().clone() for n, q in model.named_parameters()}
+
+
+def _fit_pipelined(rank: int, world: int, name: str) -> dict:
+    _env(rank, world)
+    return _fit(name, TwoBPStrategy(num_microbatches=DEMOS[name][2], gather_full_model=True), world)
+
+
+@pytest.mark.parametrize("name", list(DEMOS))
+def test_lightning_demo_models_train_as_in_one_process(name):
+    ref = _fit(name, "auto", 1)
+    atol = DEMOS[name][3]
+    for params in run_distributed(_fit_pipelined, 2, name, timeout=180):
+        assert set(params) == set(ref)
+        for n, value in params.items():
+            torch.testing.assert_close(value, ref[n], rtol=1e-5, atol=atol, msg=n)
+
+
+class CLIModel(BoringModel):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 2))
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(RandomDataset(32, 64), batch_size=4)  # m = 2p = 4 by default
+
+
+def _cli(rank: int, world: int, strategy_args: list[str]) -> dict:
+    from lightning.pytorch.cli import LightningCLI
+
+    _env(rank, world)
+    cli = LightningCLI(
+        CLIModel, save_config_callback=None,
+        args=["fit", "--trainer.accelerator=cpu", f"--trainer.devices={world}", "--trainer.max_steps=2",
+              "--trainer.logger=false", "--trainer.enable_progress_bar=false", "--trainer.enable_checkpointing=false",
+              "--trainer.enable_model_summary=false", *strategy_args],
+    )
+    s = cli.trainer.strategy
+    return {"type": type(s).__name__, "schedule": s.schedule_name, "m": s.num_microbatches,
+            "steps": cli.trainer.global_step}
+
+
+@pytest.mark.parametrize("strategy_args, schedule", [
+    (["--trainer.strategy=twobp"], "1f1b"),
+    (["--trainer.strategy=lightning_twobp.TwoBPStrategy", "--trainer.strategy.schedule=zb-h1",
+      "--trainer.strategy.num_microbatches=2"], "zb-h1"),
+], ids=["name", "class-path"])
+def test_lightning_cli(strategy_args, schedule):
+    for out in run_distributed(_cli, 2, strategy_args, timeout=180):
+        assert out["type"] == "TwoBPStrategy" and out["schedule"] == schedule and out["steps"] == 2

@@ -1,0 +1,67 @@
+"""The fence around autograd nodes' private attributes, and the split's fast path it feeds."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from lightning_twobp.engine import Stage
+from lightning_twobp.engine import stage as stage_mod
+from lightning_twobp.engine.graph import READS, SavedUnavailable, check_saved_attributes, saved
+from lightning_twobp.models.llama import Block, LlamaConfig
+
+
+def test_saved_attributes_the_fast_path_reads_still_exist():
+    """Fails loudly when a torch release renames or changes a node attribute the fast W reads."""
+    check_saved_attributes()
+    assert set(READS) == {"MmBackward0", "AddmmBackward0", "MulBackward0"}
+
+
+def test_a_missing_attribute_is_a_typed_error():
+    node = (torch.randn(2, requires_grad=True) * 2).grad_fn
+    with pytest.raises(SavedUnavailable, match="no saved attribute 'nonexistent'"):
+        saved(node, "nonexistent")
+
+
+def _block_stage() -> Stage:
+    torch.manual_seed(0)
+    return Stage(Block(LlamaConfig(dim=32, n_heads=4, n_kv_heads=2, max_seq_len=16)))
+
+
+def test_every_llama_weight_takes_the_direct_formula_and_b_frees_the_graph():
+    stage = _block_stage()
+    stage.forward(0, torch.randn(2, 7, 32, requires_grad=True))
+    stage.backward_input(0, torch.ones(2, 7, 32))
+    pending = stage._pending[0]
+    params = list(stage.module.parameters())
+    assert pending.frontier == [], "some weight grads need the autograd graph kept until W"
+    assert pending.outputs == [], "B kept the graph"
+    assert {id(f.param) for f in pending.fast} == {id(q) for q in params}, "a weight took the slow path"
+    stage.backward_weight(0)
+    assert stage.deferred_fraction == 1.0 and all(q.grad is not None for q in params)
+
+
+def test_a_failed_read_falls_back_exactly_and_warns_once(monkeypatch):
+    ref = _block_stage()
+    x = torch.randn(2, 7, 32, requires_grad=True)
+    out = ref.module(x)
+    out.backward(torch.ones_like(out))
+
+    def unavailable(node, name):
+        raise SavedUnavailable(f"{node.name()}: simulated")
+
+    monkeypatch.setattr(stage_mod, "saved", unavailable)
+    stage = _block_stage()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for mb in (0, 1):
+            stage.forward(mb, x)
+            stage.backward_input(mb, torch.ones(2, 7, 32) / 2)
+            stage.backward_weight(mb)
+    slow = [w for w in caught if issubclass(w.category, RuntimeWarning) and "slow path" in str(w.message)]
+    assert len(slow) == 1, [str(w.message) for w in caught]
+    assert "Block" in str(slow[0].message) and "activation memory" in str(slow[0].message)
+    for (n, q), (_, r) in zip(stage.module.named_parameters(), ref.module.named_parameters()):
+        torch.testing.assert_close(q.grad, r.grad, rtol=1e-5, atol=1e-6, msg=n)

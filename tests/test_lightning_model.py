@@ -1,0 +1,366 @@
+"""The user's model after a Trainer call, and models the plain Regressor does not cover: tied
+weights across stages, tuples between stages, in-place first layers. Each against one process."""
+
+from __future__ import annotations
+
+import os
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import lightning_twobp  # noqa: F401  (registers "twobp")
+from lightning_twobp import TwoBPStrategy
+from lightning_twobp.testing import run_distributed
+
+pytestmark = pytest.mark.dist
+
+
+def _env(rank: int, world: int) -> None:
+    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world), RANK=str(rank),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
+
+
+def _trainer(strategy, devices: int, **kw) -> pl.Trainer:
+    return pl.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=kw.pop("max_steps", 3),
+                      logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                      enable_model_summary=False, use_distributed_sampler=False, **kw)
+
+
+class Regressor(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 2))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.mse_loss(self.layers(x), y)
+        self.log("train_loss", loss)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", F.mse_loss(self.layers(x), y))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _data(n: int = 32, d_in: int = 6, d_out: int = 2) -> DataLoader:
+    g = torch.Generator().manual_seed(1)
+    return DataLoader(TensorDataset(torch.randn(n, d_in, generator=g), torch.randn(n, d_out, generator=g)), batch_size=8)
+
+
+# ---------------------------------------------------------------------------------------------- after fit
+def _after_fit(rank: int, world: int, gather: bool) -> dict:
+    _env(rank, world)
+    model = Regressor()
+    keys = set(model.state_dict())
+    strategy = TwoBPStrategy(gather_full_model=gather)
+    trainer = _trainer(strategy, world, max_steps=2)
+    trainer.fit(model, _data())
+    out: dict = {
+        "keys_equal": set(model.state_dict()) == keys,
+        "restored": "log" not in model.__dict__ and "forward" not in model.layers.__dict__,
+        "precision_is_lightnings": type(trainer.precision_plugin).__name__ == "Precision",
+        "meta": sorted(n for n, q in model.named_parameters() if q.is_meta),
+    }
+    x = torch.randn(4, 6)
+    try:
+        out["call"] = model.layers(x)
+    except RuntimeError as e:
+        out["call"] = str(e)
+    # a second fit, by another Trainer, then a validation by a third
+    _trainer(TwoBPStrategy(gather_full_model=gather), world, max_steps=4).fit(model, _data())
+    out["val_loss"] = _trainer(TwoBPStrategy(gather_full_model=gather), world).validate(model, _data(), verbose=False)[0]["val_loss"]
+    out["params"] = {n: q.detach().clone() for n, q in model.named_parameters() if not q.is_meta}
+    return out
+
+
+def _reference_twice() -> tuple[dict, float, Regressor]:
+    model = Regressor()
+    _trainer("auto", 1, max_steps=2).fit(model, _data())
+    _trainer("auto", 1, max_steps=4).fit(model, _data())
+    val = _trainer("auto", 1).validate(model, _data(), verbose=False)[0]["val_loss"]
+    return {n: q.detach() for n, q in model.named_parameters()}, val, model
+
+
+@pytest.mark.parametrize("gather", [True, False], ids=["gather", "no-gather"])
+def test_model_is_whole_after_fit_and_fits_again(gather):
+    ref, ref_val, _ = _reference_twice()
+    results = run_distributed(_after_fit, 2, gather, timeout=240)
+    for out in results:
+        assert out["keys_equal"], "state_dict must hold every key on every rank after fit"
+        assert out["restored"] and out["precision_is_lightnings"], "something of the user's stayed patched"
+        assert out["val_loss"] == pytest.approx(ref_val, rel=1e-5)
+        if gather:
+            assert out["meta"] == [] and isinstance(out["call"], torch.Tensor)
+            assert set(out["params"]) == set(ref)
+        else:
+            assert out["meta"], "without gathering, the other rank's layers have no weights here"
+            assert "pipeline rank" in out["call"] and "gather_full_model=True" in out["call"], out["call"]
+            assert "twobp-consolidate" in out["call"]
+        for name, value in out["params"].items():
+            torch.testing.assert_close(value, ref[name], rtol=1e-5, atol=1e-6, msg=name)
+    if gather:  # every rank holds the same, complete, trained model
+        torch.testing.assert_close(results[0]["call"], results[1]["call"])
+
+
+class FailsAtStep1(Regressor):
+    def training_step(self, batch, batch_idx):
+        if batch_idx == 1:
+            raise ValueError("boom")
+        return super().training_step(batch, batch_idx)
+
+
+def _fit_that_fails(rank: int, world: int) -> dict:
+    _env(rank, world)
+    model = FailsAtStep1()
+    keys = set(model.state_dict())
+    try:
+        _trainer(TwoBPStrategy(), world).fit(model, _data())
+    except Exception as e:  # rank 0 raises the step's error; the others lose their peer
+        raised = f"{type(e).__name__}: {e}"
+    else:
+        raised = ""
+    return {"raised": raised, "keys_equal": set(model.state_dict()) == keys,
+            "restored": "log" not in model.__dict__ and "forward" not in model.layers.__dict__,
+            "placeholders": [type(m).__name__ for m in model.layers if type(m).__name__ == "_Remote"]}
+
+
+def test_model_is_put_back_after_an_exception():
+    results = run_distributed(_fit_that_fails, 2, timeout=180)
+    assert "boom" in results[0]["raised"]
+    for out in results:
+        assert out["raised"] and out["keys_equal"] and out["restored"] and out["placeholders"] == []
+
+
+# ---------------------------------------------------------------------------------------------- layout API
+def _layout(rank: int, world: int) -> dict:
+    _env(rank, world)
+    seen = {}
+
+    class Probe(pl.Callback):
+        def on_train_start(self, trainer, pl_module):
+            s = trainer.strategy
+            seen.update(mesh=s.device_mesh.mesh_dim_names, shape=tuple(s.device_mesh.shape), pp=s.pp_rank,
+                        dp=s.dp_rank, stages=s.stage_ids, first=s.is_first_stage, last=s.is_last_stage)
+
+    strategy = TwoBPStrategy(schedule="zb-v", pipeline_degree=2)
+    _trainer(strategy, world, max_steps=1, callbacks=[Probe()]).fit(Regressor(), DataLoader(_data().dataset, batch_size=8))
+    return seen
+
+
+def test_device_mesh_and_stage_properties():
+    with pytest.raises(RuntimeError, match="call trainer.fit"):
+        TwoBPStrategy().stage_ids
+    out = run_distributed(_layout, 4, timeout=180)
+    for rank, seen in enumerate(out):
+        assert seen["mesh"] == ("dp", "pp") and seen["shape"] == (2, 2)
+        assert (seen["dp"], seen["pp"]) == (rank // 2, rank % 2)
+        # the V: rank 0 holds stages 0 and 3 (first and last), rank 1 stages 1 and 2
+        assert seen["stages"] == ((0, 3) if rank % 2 == 0 else (1, 2))
+        assert seen["first"] == seen["last"] == (rank % 2 == 0)
+
+
+def test_options_that_do_not_apply_raise_type_error():
+    with pytest.raises(TypeError, match="find_unused_parameters.*do not apply"):
+        TwoBPStrategy(find_unused_parameters=True)
+    with pytest.raises(TypeError, match="storage_options"):
+        TwoBPStrategy().save_checkpoint({}, "x", storage_options={"a": 1})
+
+
+# ---------------------------------------------------------------------------------------------- model zoo
+class Tied(pl.LightningModule):
+    """A language model whose output head is its input embedding (GPT-2's tie_word_embeddings)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        emb = nn.Embedding(11, 8)
+        head = nn.Linear(8, 11, bias=False)
+        head.weight = emb.weight
+        self.layers = nn.Sequential(emb, nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), head)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.cross_entropy(self.layers(x).flatten(0, 1), y.flatten())
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.5)
+
+
+class Masked(nn.Module):
+    """Takes and returns (hidden, mask): what a stage boundary passes as a tuple of tensors."""
+
+    def __init__(self, first: bool = False) -> None:
+        super().__init__()
+        self.first = first
+        self.lin = nn.Linear(6, 6)
+
+    def forward(self, x):
+        if self.first:
+            x = (x, (x[..., :1] > 0).float())
+        h, mask = x
+        return torch.tanh(self.lin(h)) * mask + h * (1 - mask), mask
+
+
+class TupleBoundary(Regressor):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.Sequential(Masked(first=True), Masked(), Masked(), Masked())
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        h, _ = self.layers(x)
+        loss = F.mse_loss(h[:, :2], y)
+        self.log("train_loss", loss)
+        return loss
+
+
+class InplaceFirst(Regressor):
+    """torchvision-style: the second stage starts with an in-place ReLU."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.Sequential(nn.Linear(6, 16), nn.ReLU(inplace=True), nn.Linear(16, 16),
+                                    nn.ReLU(inplace=True), nn.Linear(16, 2))
+
+
+class Embed(nn.Module):
+    def __init__(self, wte: nn.Embedding, wpe: nn.Embedding) -> None:
+        super().__init__()
+        self.wte, self.wpe = wte, wpe
+
+    def forward(self, ids):  # (B, T) -> (B, T, C)
+        return self.wte(ids) + self.wpe(torch.arange(ids.shape[1], device=ids.device))
+
+
+class HFGPT2(Tied):
+    """A tiny random-init Hugging Face GPT-2 (tie_word_embeddings=True: lm_head is wte), its parts
+    put in one nn.Sequential: the embedding on the first stage, the tied head on the last."""
+
+    def __init__(self) -> None:
+        pl.LightningModule.__init__(self)
+        transformers = pytest.importorskip("transformers")
+        torch.manual_seed(0)
+        cfg = transformers.GPT2Config(n_layer=4, n_embd=16, n_head=2, vocab_size=11, n_positions=8, bos_token_id=0,
+                                      eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        hf = transformers.GPT2LMHeadModel(cfg)
+        assert hf.lm_head.weight is hf.transformer.wte.weight
+        t = hf.transformer
+        self.layers = nn.Sequential(Embed(t.wte, t.wpe), *t.h, t.ln_f, hf.lm_head)
+
+
+def _token_data() -> DataLoader:
+    g = torch.Generator().manual_seed(3)
+    x = torch.randint(0, 11, (32, 5), generator=g)
+    return DataLoader(TensorDataset(x, (x + 1) % 11), batch_size=8)
+
+
+ZOO = {
+    "tied": (Tied, dict(schedule="1f1b"), _token_data),
+    "tied-zb-v": (Tied, dict(schedule="zb-v", balance=[1, 1, 2, 1]), _token_data),
+    "hf-gpt2-tied": (HFGPT2, dict(schedule="zb-h1"), _token_data),
+    "tuple": (TupleBoundary, dict(schedule="zb-h1"), _data),
+    "inplace": (InplaceFirst, dict(schedule="1f1b", balance=[1, 4]), _data),
+}
+
+
+def _fit_zoo(rank: int, world: int, name: str) -> dict:
+    _env(rank, world)
+    cls, kw, data = ZOO[name]
+    model = cls()
+    trainer = _trainer(TwoBPStrategy(gather_full_model=True, **kw), world, gradient_clip_val=0.5)
+    trainer.fit(model, data())
+    return {"params": {n: q.detach().clone() for n, q in model.named_parameters()},
+            "loss": float(trainer.callback_metrics["train_loss"])}
+
+
+@pytest.mark.parametrize("name", list(ZOO))
+def test_model_zoo_matches_one_process(name):
+    cls, _, data = ZOO[name]
+    model = cls()
+    trainer = _trainer("auto", 1, gradient_clip_val=0.5)
+    trainer.fit(model, data())
+    ref = {n: q.detach() for n, q in model.named_parameters()}
+    for out in run_distributed(_fit_zoo, 2, name, timeout=180):
+        assert out["loss"] == pytest.approx(float(trainer.callback_metrics["train_loss"]), rel=1e-5)
+        assert set(out["params"]) == set(ref)
+        for n, value in out["params"].items():
+            torch.testing.assert_close(value, ref[n], rtol=1e-5, atol=1e-6, msg=n)
+
+
+# ---------------------------------------------------------------------------------------------- metrics
+class Classifier(pl.LightningModule):
+    """Logs a torchmetrics Metric object, as Lightning's docs show it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from torchmetrics.classification import MulticlassAccuracy
+
+        torch.manual_seed(0)
+        self.layers = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))
+        self.acc = MulticlassAccuracy(num_classes=4, average="micro")
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        logits = self.layers(x)
+        self.acc(logits, y)
+        self.log("train_acc", self.acc, on_step=True, on_epoch=True)
+        return F.cross_entropy(logits, y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.5)
+
+
+def _class_data() -> DataLoader:
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(32, 6, generator=g)
+    return DataLoader(TensorDataset(x, (x[:, 0] > 0).long() + 2 * (x[:, 1] > 0).long()), batch_size=8)
+
+
+def _fit_classifier(strategy, devices: int) -> dict:
+    trainer = _trainer(strategy, devices, max_epochs=2, max_steps=-1)
+    trainer.fit(Classifier(), _class_data())
+    return {k: float(v) for k, v in trainer.callback_metrics.items()}
+
+
+def _fit_classifier_pipelined(rank: int, world: int) -> dict:
+    _env(rank, world)
+    return _fit_classifier(TwoBPStrategy(num_microbatches=4), world)
+
+
+def test_a_logged_torchmetrics_metric_gives_the_one_process_values():
+    ref = _fit_classifier("auto", 1)
+    assert {"train_acc_step", "train_acc_epoch"} <= set(ref)
+    for out in run_distributed(_fit_classifier_pipelined, 2, timeout=180):
+        for key in ("train_acc_step", "train_acc_epoch"):
+            assert out[key] == pytest.approx(ref[key], rel=1e-6), key
+
+
+def _fit_tied_dp(rank: int, world: int) -> dict:
+    _env(rank, world)
+    model = Tied()
+    # both replicas read the same batches (no DistributedSampler): their average is one process's step
+    _trainer(TwoBPStrategy(pipeline_degree=2, gather_full_model=True), world, gradient_clip_val=0.5).fit(model, _token_data())
+    return {n: q.detach().clone() for n, q in model.named_parameters()}
+
+
+def test_tied_weights_under_dp_x_pp():
+    """2 replicas x 2 pipeline ranks: each replica's tied copies are summed within the replica, then
+    the stage's gradients averaged over the replicas."""
+    model = Tied()
+    _trainer("auto", 1, gradient_clip_val=0.5).fit(model, _token_data())
+    ref = dict(model.named_parameters())
+    for params in run_distributed(_fit_tied_dp, 4, timeout=240):
+        for n, value in params.items():
+            torch.testing.assert_close(value, ref[n].detach(), rtol=1e-5, atol=1e-6, msg=n)
