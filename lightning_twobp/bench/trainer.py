@@ -124,7 +124,7 @@ def _worker(rank: int, world: int, wl: Workload, runs: list, repeats: int, port:
         lightning = [p - w for p, w in zip(periods, timer.bare_times)][_WARMUP:]
         bare_times = timer.bare_times[_WARMUP:len(periods)]
         # Like with like: both pipelines ran the same steps on the same data from the same weights.
-        mine = {n: q for n, q in lm.layers.named_parameters()}
+        mine = {n: q for n, q in lm.layers.named_parameters() if not q.is_meta}  # the layers it trained
         diff = max((q - mine[n]).abs().max().item() for n, q in full.named_parameters() if n in mine)
         out[c.label] = {
             "lightning": lightning, "bare": bare_times, "max_param_diff": diff}

@@ -1,7 +1,7 @@
 """Where ranks, stages and micro-batches go: the defaults, the process mesh, the schedule's label.
 
-The defaults live here once, for the strategy and for ``twobp-plan`` alike (the lead's
-``lightning_twobp.schedules`` may take them over; then this module re-exports them).
+The defaults (``default_num_microbatches``, ``default_stages_per_rank``) and ``schedule_label`` are
+:mod:`lightning_twobp.schedules.placement`'s, re-exported here for the strategy and ``twobp-plan``.
 
 Ranks form a 2-D :class:`~torch.distributed.device_mesh.DeviceMesh` with named dimensions
 ``("dp", "pp")``: global rank ``d * p + r`` is pipeline rank ``r`` of data-parallel replica ``d``, so a
@@ -17,6 +17,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from lightning_twobp.schedules import default_num_microbatches, default_stages_per_rank, schedule_label
+
 __all__ = [
     "MeshLayout",
     "check_degree",
@@ -24,25 +26,6 @@ __all__ = [
     "default_stages_per_rank",
     "schedule_label",
 ]
-
-# Schedules that place two stages on each rank by default (the V, and the interleaved loop).
-_TWO_STAGES_PER_RANK = ("zb-v", "interleaved-1f1b")
-
-
-def default_stages_per_rank(schedule: str) -> int:
-    """Stages per rank when none is given: 2 for ``zb-v`` (a V) and ``interleaved-1f1b``, else 1."""
-    return 2 if schedule in _TWO_STAGES_PER_RANK else 1
-
-
-def default_num_microbatches(pipeline_degree: int) -> int:
-    """``m = 2p``: the 2BP paper's 1F1B-2 setting, small enough for 1F1B's bubble to matter."""
-    return 2 * pipeline_degree
-
-
-def schedule_label(name: str, split_backward: bool) -> str:
-    """``"1f1b + 2BP"`` for a split schedule; the Zero Bubble ones are split by definition."""
-    return f"{name} + 2BP" if split_backward and not name.startswith("zb") else name
-
 
 def check_degree(world_size: int, pipeline_degree: int) -> None:
     """Raise ``ValueError`` when the world does not split into whole pipelines."""
