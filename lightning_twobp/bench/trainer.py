@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_twobp.bench.engine import configs
-from lightning_twobp.bench.workload import WORLD, Workload, keep_freed_memory, loss_fn
+from lightning_twobp.bench.workload import WORLD, Workload, loss_fn
 from lightning_twobp.engine import PipelineExecutor
 from lightning_twobp.partition import split_sequential
 from lightning_twobp.testing import free_port, run_distributed
@@ -86,7 +86,6 @@ def _worker(rank: int, world: int, wl: Workload, runs: list, repeats: int, port:
     os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world), RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     from lightning_twobp import TwoBPStrategy
-    keep_freed_memory()
     ids, tgt = wl.data()
     out = {}
     for c in runs:

@@ -13,10 +13,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lightning_twobp.engine.memory import keep_freed_memory
 from lightning_twobp.models.llama import LlamaConfig, build_llama
 from lightning_twobp.partition import even_sizes, split_sequential
 
 WORLD = 2
+
+__all__ = ["WORLD", "Workload", "keep_freed_memory", "loss_fn", "reference_grads", "stage_sizes"]
 
 
 @dataclass(frozen=True)
@@ -76,17 +79,3 @@ def reference_grads(model: nn.Module, ids: torch.Tensor, tgt: torch.Tensor, m: i
     grads = {n: q.grad.detach().clone() for n, q in model.named_parameters()}
     model.zero_grad(set_to_none=True)
     return grads
-
-
-def keep_freed_memory() -> None:
-    """Stop glibc from handing large freed blocks back to the OS after every step (see
-    docs/benchmarks.md, "glibc's allocator")."""
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:  # not glibc: nothing to tune
-        return
-    m_trim_threshold, m_mmap_threshold = -1, -3
-    libc.mallopt(m_mmap_threshold, 32 * 1024 * 1024)
-    libc.mallopt(m_trim_threshold, 1 << 30)

@@ -88,7 +88,9 @@ class StepValidation:
         self.overlap = overlap
         self.not_counted = frozenset(not_counted)
         self.last: Verdict | None = None  # the latest verdict
-        self.skipped_steps = 0
+        self.skipped_steps = 0  # steps not taken: a gradient was not finite
+        self.clipped_steps = 0  # steps whose gradients were scaled down to max_norm
+        self.redone_steps = 0  # speculative steps put back and redone (overlap mode)
         self._pending: tuple[Any, torch.Tensor] | None = None
         self._grads: list[tuple[nn.Parameter, torch.Tensor]] = []
         self._params: dict[int, torch.Tensor] = {}
@@ -201,6 +203,8 @@ class StepValidation:
 
     def _record(self, total: torch.Tensor | None, clip: bool, skip: bool, redone: bool) -> Verdict:
         self.skipped_steps += skip
+        self.clipped_steps += clip and not skip
+        self.redone_steps += redone
         self.last = Verdict(total, clip, skip, redone)
         return self.last
 

@@ -8,9 +8,10 @@
   soon as the stage's last W has run (the executor calls it).
 * :class:`TiedParameters`: a parameter used on several pipeline ranks (tied embeddings) starts from
   one value and gets the sum of its ranks' gradients each step, as Megatron does for embeddings.
-* :func:`clip_by_global_norm` and :func:`overflow_agreeing_scaler`: global-norm clipping and the fp16
-  overflow decision over every stage. Each is one small function with a narrow interface, so the Zero
-  Bubble paper's optimizer post-validation can replace both later.
+* :func:`overflow_agreeing_scaler`: the fp16 overflow decision over every stage. Global-norm clipping
+  (and skipping a step with a non-finite gradient) is the engine's
+  :class:`~lightning_twobp.engine.StepValidation`, checked before the step or after it (the Zero Bubble
+  paper's optimizer post-validation); the strategy calls it where Lightning clips.
 * :func:`pipelined_precision`: hooks those two into Lightning where it expects them, the precision
   plugin's ``clip_grad_by_norm`` and its ``scaler``, on a copy of the plugin (the user's stays as it was).
 """
@@ -18,21 +19,19 @@
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.nn.utils import clip_grads_with_norm_, get_total_norm
 
 from lightning_twobp.lightning.model import SharedParameter
 
 __all__ = [
     "GradStash",
     "TiedParameters",
-    "clip_by_global_norm",
     "dp_reduce",
     "overflow_agreeing_scaler",
     "pipelined_precision",
@@ -134,24 +133,6 @@ class TiedParameters:
             if q.grad is None:
                 q.grad = torch.zeros_like(q)
             dist.all_reduce(q.grad, group=group)
-
-
-def clip_by_global_norm(params: Iterable[nn.Parameter], max_norm: float, group: dist.ProcessGroup | None,
-                        device: torch.device, not_counted: set[int] = frozenset()) -> torch.Tensor:
-    """``torch.nn.utils.clip_grad_norm_`` with the 2-norm over every stage of the pipeline: this rank's
-    norm from :func:`~torch.nn.utils.get_total_norm`, squared and summed over ``group`` (the
-    pipeline; replicas hold the same, already averaged gradients), then
-    :func:`~torch.nn.utils.clip_grads_with_norm_`. Parameters in ``not_counted`` (a tied copy whose
-    first holder counts it) are clipped but not counted. Returns the global norm."""
-    params = [q for q in params if q.grad is not None]
-    counted = [q.grad for q in params if id(q) not in not_counted]
-    local = get_total_norm(counted).to(device, torch.float32) if counted else torch.zeros((), device=device)
-    squared = local.square()
-    if group is not None and dist.get_world_size(group) > 1:
-        dist.all_reduce(squared, group=group)
-    total = squared.sqrt()
-    clip_grads_with_norm_(params, max_norm, total)
-    return total
 
 
 def overflow_agreeing_scaler(scaler: torch.amp.GradScaler, device: torch.device,

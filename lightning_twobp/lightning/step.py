@@ -22,7 +22,7 @@ from torch.utils import _pytree as pytree
 
 from lightning_twobp.lightning.contract import Contract
 
-__all__ = ["StepRunner", "StepState", "share_logs", "split_microbatches"]
+__all__ = ["StepRunner", "StepState", "share_logs", "split_microbatches", "step_means"]
 
 Logs = dict[str, tuple[Any, dict]]  # name -> (value, self.log's keyword options)
 
@@ -63,6 +63,7 @@ class StepState:
     microbatches: list[Any]
     logs: list[Logs] = field(default_factory=list)
     results: list[Any] = field(default_factory=list)  # what the hook returned, per micro-batch (last stage)
+    losses: list[torch.Tensor] = field(default_factory=list)  # training: each micro-batch's loss, detached
 
 
 class _Captured(Exception):
@@ -189,33 +190,45 @@ class StepRunner:
                 f"{self.state.hook} returned {type(out).__name__} on micro-batch {index}: under strategy='twobp' "
                 f"it must return the loss tensor (or a dict with 'loss')"
             )
+        self.state.losses.append(loss.detach())
         return loss
+
+    def mean_loss(self) -> torch.Tensor:
+        """The step's loss: the mean over micro-batches, computed as the executor computes it."""
+        return torch.stack(self.state.losses).mean()
 
     @property
     def _name(self) -> str:
         return self.contract.name or "the Sequential"
 
 
+def step_means(state: StepState) -> Logs:
+    """Each logged value averaged over the step's micro-batches, weighted by their sizes: for means (a
+    loss, a micro-averaged accuracy) the value one process logs for the whole batch."""
+    sizes = [batch_size(mb) for mb in state.microbatches]
+    weights = [n / sum(sizes) for n in sizes]
+    means: Logs = {}
+    for name in state.logs[0] if state.logs else {}:
+        values = [logs[name][0] for logs in state.logs]
+        kw = state.logs[0][name][1]
+        if isinstance(values[0], torch.Tensor):
+            means[name] = (sum(v.float() * w for v, w in zip(values, weights)), kw)
+        else:
+            means[name] = (sum(v * w for v, w in zip(values, weights)), kw)
+    return means
+
+
 def share_logs(state: StepState | None, loss: torch.Tensor | None, src: int, group: dist.ProcessGroup | None,
                device: torch.device) -> tuple[torch.Tensor | None, Logs]:
-    """The loss and the logged values of one step, on every rank of the pipeline.
+    """The loss and the logged values of one evaluation step, on every rank of the pipeline.
 
     They live on the rank holding the last stage (``src``, a global rank): there each logged value is
-    averaged over the micro-batches, weighted by their sizes (for means, e.g. a loss or a micro-
-    averaged accuracy, the value one process logs for the whole batch), and both are broadcast to
-    the pipeline's ranks (one object broadcast per step; ``state`` is None on other ranks)."""
+    averaged over the micro-batches (:func:`step_means`), and both are broadcast to the pipeline's ranks
+    (one object broadcast; ``state`` is None on other ranks). Training steps use the non-blocking
+    :class:`~.logs.LogChannel` instead."""
     payload = None
     if state is not None:
-        sizes = [batch_size(mb) for mb in state.microbatches]
-        weights = [n / sum(sizes) for n in sizes]
-        means: Logs = {}
-        for name in state.logs[0] if state.logs else {}:
-            values = [logs[name][0] for logs in state.logs]
-            kw = state.logs[0][name][1]
-            if isinstance(values[0], torch.Tensor):
-                means[name] = (sum(v.float().cpu() * w for v, w in zip(values, weights)), kw)
-            else:
-                means[name] = (sum(v * w for v, w in zip(values, weights)), kw)
+        means = {name: (v.cpu() if isinstance(v, torch.Tensor) else v, kw) for name, (v, kw) in step_means(state).items()}
         payload = (None if loss is None else loss.detach().cpu(), means)
     box = [payload]
     if dist.is_initialized() and dist.get_world_size(group) > 1:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal
@@ -27,13 +27,13 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.utils import _pytree as pytree
 from typing_extensions import override
 
-from lightning_twobp.engine import PipelineExecutor
+from lightning_twobp.engine import PipelineExecutor, StepValidation, Verdict
+from lightning_twobp.engine.memory import keep_freed_memory
 from lightning_twobp.lightning import checkpoint as ckpt
 from lightning_twobp.lightning.contract import find_contract
 from lightning_twobp.lightning.grads import (
     GradStash,
     TiedParameters,
-    clip_by_global_norm,
     dp_reduce,
     overflow_agreeing_scaler,
     pipelined_precision,
@@ -47,7 +47,8 @@ from lightning_twobp.lightning.layout import (
 )
 from lightning_twobp.lightning.model import LocalModel, split_model
 from lightning_twobp.lightning.profile import profile_layers
-from lightning_twobp.lightning.step import StepRunner, share_logs
+from lightning_twobp.lightning.logs import LogChannel
+from lightning_twobp.lightning.step import Logs, StepRunner, share_logs, step_means
 from lightning_twobp.partition import partition
 from lightning_twobp.schedules import SCHEDULES, Schedule, build_schedule, check_split
 
@@ -68,6 +69,9 @@ class _Pipeline:
     tied: TiedParameters
     user_precision: Any  # the precision plugin as Lightning gave it (ours is a copy)
     user_scaler: Any  # its GradScaler, or None; gets the trained scale back at teardown
+    logs: LogChannel | None  # the last stage's loss and logs to the other ranks (None: one rank)
+    checks: dict[int, StepValidation] = field(default_factory=dict)  # per optimizer: clip / non-finite
+    means: Logs = field(default_factory=dict)  # the training step's logged means (last stage)
 
 
 class TwoBPStrategy(DDPStrategy):
@@ -87,6 +91,15 @@ class TwoBPStrategy(DDPStrategy):
         gather_full_model: at the end of each Trainer call, every rank receives the trained weights
             of the stages it did not hold, so the model is complete on every rank. Off by default:
             then those layers stay on the ``meta`` device and calling one says how to get them.
+        post_validation: clipping by the global gradient norm (``gradient_clip_val``) without stopping
+            the pipeline: each rank steps at once and the global check follows, rolling the step back
+            and redoing it exactly when it would have changed it (the Zero Bubble paper's optimizer
+            post-validation; :class:`~lightning_twobp.engine.StepValidation`). ``None`` (default): on
+            for ``zb-h2`` and ``zb-v``, whose zero bubble needs consecutive steps to overlap; off (check
+            first, then step) for the others, which do not overlap anyway. Costs one copy of the
+            parameters and optimizer state while a step is unchecked. Not with fp16's GradScaler.
+        timeout: as for DDPStrategy (the process group); the pipeline's own waits on another rank are
+            bounded by ``pipeline_timeout`` seconds (600), after which that rank is named as lost.
         accelerator, parallel_devices, cluster_environment, precision_plugin, process_group_backend,
         timeout, start_method: as for :class:`~lightning.pytorch.strategies.DDPStrategy`. DDP's own
             options (``find_unused_parameters``, communication hooks, ...) raise ``TypeError``: there
@@ -105,6 +118,8 @@ class TwoBPStrategy(DDPStrategy):
         balance: str | Sequence[int] = "params",
         layers: str | None = None,
         gather_full_model: bool = False,
+        post_validation: bool | None = None,
+        pipeline_timeout: float | None = 600.0,
         accelerator: Any = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: Any = None,
@@ -132,6 +147,10 @@ class TwoBPStrategy(DDPStrategy):
         self.balance = balance
         self.layers = layers
         self.gather_full_model = gather_full_model
+        self.post_validation = post_validation
+        self._step_checks = {"clipped": 0, "skipped": 0, "redone": 0}
+        self.pipeline_timeout = pipeline_timeout
+        self._log_group: dist.ProcessGroup | None = None
         self._num_microbatches = num_microbatches
         self._pipeline_degree = pipeline_degree
         self._stages_per_rank = stages_per_rank or default_stages_per_rank(schedule)
@@ -149,6 +168,13 @@ class TwoBPStrategy(DDPStrategy):
     @property
     def num_microbatches(self) -> int:
         return self._num_microbatches or default_num_microbatches(self.pipeline_degree)
+
+    @property
+    def step_checks(self) -> dict[str, int]:
+        """Optimizer steps so far whose global check changed them: ``clipped`` (by the global norm),
+        ``skipped`` (a gradient was not finite) and ``redone`` (stepped speculatively, then put back and
+        redone, with ``post_validation``). Kept after the Trainer call."""
+        return dict(self._step_checks)
 
     @property
     def stages_per_rank(self) -> int:
@@ -211,6 +237,14 @@ class TwoBPStrategy(DDPStrategy):
         super().setup_distributed()
         check_degree(self.world_size, self.pipeline_degree)
         self._mesh = self._layout.init_mesh(self.root_device)
+        layout = self._layout
+        if self.pipeline_degree > 1:
+            # The loss and logs travel on a group of their own, so that their messages never mix with
+            # the schedule's (NCCL matches messages between two ranks in posting order, ignoring tags).
+            for d in range(layout.dp_degree):  # every rank creates every group, in one order
+                group = dist.new_group([layout.global_rank_of(r, d) for r in range(self.pipeline_degree)])
+                if d == layout.dp_rank:
+                    self._log_group = group
 
     def _group(self, dim: str) -> dist.ProcessGroup | None:
         return self._mesh.get_group(dim) if self._mesh is not None else None
@@ -239,6 +273,8 @@ class TwoBPStrategy(DDPStrategy):
                 "backward, so manual_backward cannot run it; set self.automatic_optimization = True"
             )
         check_degree(self.world_size, self.pipeline_degree)
+        if self.root_device.type == "cpu":
+            keep_freed_memory()  # see lightning_twobp.engine.memory: measured page faults every step otherwise
         contract = find_contract(lm, self.layers)
         runner = StepRunner(lm, contract)
         num_stages = self.pipeline_degree * self._stages_per_rank
@@ -263,9 +299,14 @@ class TwoBPStrategy(DDPStrategy):
         )
         pp_group = self._group("pp")
         executor = PipelineExecutor(
-            schedule, local.stages, loss_fn=runner.loss, device=self.root_device, group=pp_group,
+            schedule, local.stages, loss_fn=self._loss, device=self.root_device, group=pp_group,
             grad_reduce=dp_reduce(self._group("dp"), layout.dp_degree) if layout.dp_degree > 1 else None,
+            timeout=self.pipeline_timeout,
         )
+        logs = None
+        if self._log_group is not None:
+            logs = LogChannel(self._log_group, layout.pp_rank, schedule.stage_to_rank[schedule.num_stages - 1],
+                              self.pipeline_degree, self.root_device)
         tied = TiedParameters(
             local.shared, lambda ranks: [[layout.global_rank_of(r, d) for r in ranks] for d in range(layout.dp_degree)]
         )
@@ -277,13 +318,25 @@ class TwoBPStrategy(DDPStrategy):
         scaler = None
         if user_scaler is not None and self.world_size > 1:
             scaler = overflow_agreeing_scaler(user_scaler, self.root_device, None)
+        if self.post_validation and user_scaler is not None and user_scaler.is_enabled():
+            raise ValueError(
+                "post_validation=True with fp16 mixed precision: the GradScaler's overflow check runs before "
+                "the step, on every rank at once; use precision='bf16-mixed', or post_validation=False"
+            )
         self.precision_plugin = pipelined_precision(user_precision, self._clip_by_norm, scaler)
-        return _Pipeline(local, executor, runner, tied, user_precision, user_scaler)
+        return _Pipeline(local, executor, runner, tied, user_precision, user_scaler, logs)
 
     @override
     def on_exception(self, exception: BaseException) -> None:
         self._failed = True  # teardown gathers nothing then: another rank may be gone
         super().on_exception(exception)
+
+    @override
+    def on_train_end(self) -> None:
+        self._validate()  # the last optimizer step's verdict: the trained weights are the checked ones
+        if self._pipeline is not None and self._pipeline.logs is not None:
+            self._pipeline.logs.flush()
+        super().on_train_end()
 
     @override
     def teardown(self) -> None:
@@ -304,8 +357,22 @@ class TwoBPStrategy(DDPStrategy):
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         pipeline = self._built("training_step")
-        ex, runner = pipeline.executor, pipeline.runner
+        runner = pipeline.runner
         runner.begin("training_step", args, kwargs, self.num_microbatches, exact=True)
+        loss, means = self._pipeline_step(pipeline)
+        verdict = self._validate()  # the previous optimizer step's global check, long arrived
+        if verdict is not None and verdict.redone:
+            # That step was clipped or skipped after all: this step ran on the speculative weights.
+            runner.begin("training_step", args, kwargs, self.num_microbatches, exact=True)
+            loss, means = self._pipeline_step(pipeline)
+        for name, (value, kw) in means.items():
+            self.lightning_module.log(name, value.to(self.root_device) if isinstance(value, torch.Tensor) else value, **kw)
+        return loss.to(self.root_device)
+
+    def _pipeline_step(self, pipeline: _Pipeline) -> tuple[torch.Tensor, Logs]:
+        """One pipeline step over the micro-batches ``runner.begin`` made: the gradients set aside for
+        ``backward``, the mean loss and the logged means on every rank of the pipeline."""
+        ex, runner = pipeline.executor, pipeline.runner
         params = [q for q in self.lightning_module.parameters() if q.requires_grad]
         with self._stash.collect(params), self.precision_plugin.train_step_context():
             inputs = [runner.capture(mb) for mb in runner.state.microbatches] if 0 in ex.stages else None
@@ -316,8 +383,33 @@ class TwoBPStrategy(DDPStrategy):
             result = ex.step(inputs, targets, loss_scale=float(scaler.get_scale()) if scaler is not None else 1.0)
             if pipeline.tied:
                 pipeline.tied.reduce_grads()
-        loss = self._share_and_log(result.loss, evaluating=False)
-        return loss.to(self.root_device)
+        if ex.last in ex.stages:
+            return result.loss, pipeline.means
+        return pipeline.logs.receive()
+
+    def _loss(self, output: Any, index: int) -> torch.Tensor:
+        """The executor's loss: the user's step on micro-batch ``index``; after the last one the loss and
+        the logs leave for the other ranks at once (:class:`~.logs.LogChannel`), not at the step's end."""
+        pipeline = self._pipeline
+        runner = pipeline.runner
+        loss = runner.loss(output, index)
+        if index == len(runner.state.microbatches) - 1:
+            pipeline.means = step_means(runner.state)
+            if pipeline.logs is not None:
+                pipeline.logs.send(runner.mean_loss(), pipeline.means)
+        return loss
+
+    def _validate(self) -> Verdict | None:
+        """The pending speculative optimizer step's verdict, if any (see ``post_validation``)."""
+        pipeline = self._pipeline
+        verdict = None
+        for check in pipeline.checks.values() if pipeline is not None else ():
+            verdict = check.validate() or verdict
+        self._count_checks()
+        if verdict is not None and verdict.skipped:
+            log.warning("twobp: an optimizer step was skipped on every rank: a gradient was not finite "
+                        "(%d skipped so far)", sum(c.skipped_steps for c in pipeline.checks.values()))
+        return verdict
 
     @override
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -328,29 +420,48 @@ class TwoBPStrategy(DDPStrategy):
         return self.precision_plugin.post_backward(closure_loss, lm)  # on_after_backward
 
     def _clip_by_norm(self, optimizer: Any, max_norm: float) -> None:
-        tied = self._built("clip_gradients").tied
-        clip_by_global_norm(self.precision_plugin.main_params(optimizer), max_norm, self._group("pp"),
-                            self.root_device, tied.not_counted)
+        """Clipping by the global norm over every stage (and skipping a step with a non-finite gradient,
+        on every rank): checked first, or after the step with ``post_validation``."""
+        pipeline = self._built("clip_gradients")
+        check = pipeline.checks.get(id(optimizer))
+        if check is None:
+            overlap = self.post_validation
+            if overlap is None:
+                scaler = getattr(self.precision_plugin, "scaler", None)
+                overlap = self.schedule_name in ("zb-h2", "zb-v") and (scaler is None or not scaler.is_enabled())
+            check = StepValidation(optimizer, max_norm=max_norm, group=self._group("pp"), device=self.root_device,
+                                   overlap=overlap, not_counted=pipeline.tied.not_counted)
+            pipeline.checks[id(optimizer)] = check
+        check.max_norm = max_norm
+        check.validate()  # nothing pending normally: training_step validated already
+        check.before_step()
+        self._count_checks()
 
-    def _share_and_log(self, loss: torch.Tensor | None, evaluating: bool) -> torch.Tensor | None:
-        """The last stage's loss and logs, on every rank of the pipeline, logged once there."""
+    def _count_checks(self) -> None:
+        checks = self._pipeline.checks.values() if self._pipeline is not None else ()
+        if checks:
+            self._step_checks = {"clipped": sum(c.clipped_steps for c in checks),
+                                 "skipped": sum(c.skipped_steps for c in checks),
+                                 "redone": sum(c.redone_steps for c in checks)}
+
+    def _share_eval_logs(self) -> None:
+        """An evaluation step's logs, from the last stage to every rank of the pipeline, logged there."""
         pipeline = self._pipeline
         ex = pipeline.executor
         src = self._layout.global_rank_of(ex.schedule.stage_to_rank[ex.last])
         state = pipeline.runner.state if ex.last in ex.stages else None
-        shared_loss, means = share_logs(state, loss, src, self._group("pp"), self.root_device)
+        _, means = share_logs(state, None, src, self._group("pp"), self.root_device)
         for name, (value, kw) in means.items():
-            if evaluating:
-                # Epoch-level metrics: every rank of a pipeline holds the same value, so the mean over
-                # the world is the mean over the data-parallel replicas (what one process would log).
-                kw = {"sync_dist": True, **kw}
+            # Epoch-level metrics: every rank of a pipeline holds the same value, so the mean over
+            # the world is the mean over the data-parallel replicas (what one process would log).
+            kw = {"sync_dist": True, **kw}
             self.lightning_module.log(name, value.to(self.root_device) if isinstance(value, torch.Tensor) else value, **kw)
-        return shared_loss
 
     # ------------------------------------------------------------------ evaluation
     def _eval_step(self, hook: str, args: tuple, kwargs: dict) -> Any:
         """Validation, test and predict: a forward-only pipeline pass, then ``hook`` on the last stage
         per micro-batch with the pipelined block answered by the pipeline; logs averaged and shared."""
+        self._validate()  # evaluate the checked weights, not a speculative step's
         pipeline = self._built(hook)
         ex, runner = pipeline.executor, pipeline.runner
         state = runner.begin(hook, args, kwargs, self.num_microbatches, exact=False)
@@ -358,7 +469,7 @@ class TwoBPStrategy(DDPStrategy):
         outs = ex.forward_only(inputs, len(state.microbatches))
         for i, out in enumerate(outs or []):
             runner.provide(i, out)
-        self._share_and_log(None, evaluating=True)
+        self._share_eval_logs()
         if hook != "predict_step" or outs is None:
             return None
         # predictions live on the rank holding the last stage: the micro-batches' outputs, joined
@@ -398,6 +509,7 @@ class TwoBPStrategy(DDPStrategy):
                 "TwoBPStrategy.save_checkpoint(..., storage_options=...) is not supported: the checkpoint is "
                 "written with torch.distributed.checkpoint, not through a CheckpointIO plugin"
             )
+        self._validate()  # save the checked weights, not a speculative step's
         path = Path(self.broadcast(str(filepath)))
         if self.global_rank == 0:
             if path.is_file():

@@ -1,0 +1,120 @@
+"""The training step's loss and logged values, from the last stage to every rank of its pipeline,
+without holding the pipeline up.
+
+They exist on the rank holding the last stage once its last forward has run. An object broadcast at
+the end of the step would make every rank wait for that rank's *whole* step (its remaining B and W),
+so the first stage could not start the next step early. Instead the last stage sends them the moment
+its last forward is done (:meth:`LogChannel.send`, called from the loss of the last micro-batch),
+with non-blocking sends of small tensors on a process group of their own (so the messages never mix
+with the schedule's, which NCCL would match in posting order), and the other ranks take them at the
+end of their step (:meth:`LogChannel.receive`), when they have long arrived.
+
+A message is a header ``[values, names signature, bytes of names]`` (int64) and the values
+(float64: the mean loss, then each logged value, each weighted by micro-batch size as
+:func:`~.step.step_means` does); the names, their ``self.log`` options and types travel as pickled
+bytes only when they change (the first step, a metric logged only every few steps). Float64 holds
+every float32, bfloat16 and int below 2**53 exactly, so the values logged are the last stage's.
+On a GPU the receiving ranks read the 3-number header on the host: one synchronisation per step
+at its end, on data that arrived during the step.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import pickle
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from lightning_twobp.lightning.step import Logs
+
+__all__ = ["LogChannel"]
+
+_TAG_HEADER, _TAG_VALUES, _TAG_NAMES = 11, 12, 13
+
+
+def _spec_of(means: Logs) -> list[tuple[str, dict, str]]:
+    """Names, ``self.log`` options and the value's kind (python int, float, or a tensor's dtype)."""
+    spec = []
+    for name, (value, kw) in means.items():
+        kind = str(value.dtype) if isinstance(value, torch.Tensor) else type(value).__name__
+        spec.append((name, kw, kind))
+    return spec
+
+
+def _signature(blob: bytes) -> int:
+    return int(hashlib.sha1(blob).hexdigest()[:15], 16)
+
+
+def _restore(value: torch.Tensor, kind: str) -> Any:
+    if kind == "int":
+        return int(value.item())
+    if kind == "float":
+        return float(value.item())
+    return value.to(getattr(torch, kind.removeprefix("torch.")))
+
+
+class LogChannel:
+    """One pipeline's channel from its last-stage rank (``src``, a rank in ``group``) to the others."""
+
+    def __init__(self, group: dist.ProcessGroup, pp_rank: int, src: int, num_ranks: int, device: torch.device) -> None:
+        self.group = group
+        self.pp_rank = pp_rank
+        self.src = src
+        self.device = device
+        self.peers = [r for r in range(num_ranks) if r != src]
+        self._global = [dist.get_global_rank(group, r) for r in range(num_ranks)]
+        self._sent_spec: int | None = None  # sender: the names signature the receivers know
+        self._spec: tuple[int, list[tuple[str, dict, str]]] | None = None  # receiver: the last names
+        self._in_flight: list[Any] = []  # sender: works and tensors of the previous message
+
+    @property
+    def sender(self) -> bool:
+        return self.pp_rank == self.src
+
+    def flush(self) -> None:
+        """Wait until the last message has been taken (before this rank leaves: its process ending
+        with a send in flight would cut the connection under a receiver)."""
+        for work in self._in_flight[0::2]:
+            work.wait()
+        self._in_flight = []
+
+    def send(self, loss: torch.Tensor, means: Logs) -> None:
+        """On the last stage's rank, right after its last forward: send without waiting."""
+        self.flush()  # the previous step's message has long been taken
+        spec = _spec_of(means)
+        blob = pickle.dumps(spec)
+        signature = _signature(blob)
+        names = blob if signature != self._sent_spec else b""
+        self._sent_spec = signature
+        values = torch.stack([loss.detach().to(self.device, torch.float64).reshape(())] + [
+            (v.detach().to(self.device, torch.float64) if isinstance(v, torch.Tensor)
+             else torch.tensor(float(v), dtype=torch.float64, device=self.device)).reshape(())
+            for v, _ in means.values()
+        ])
+        header = torch.tensor([values.numel(), signature, len(names)], dtype=torch.int64, device=self.device)
+        tensors = [(header, _TAG_HEADER), (values, _TAG_VALUES)]
+        if names:
+            tensors.append((torch.frombuffer(bytearray(names), dtype=torch.uint8).to(self.device), _TAG_NAMES))
+        for peer in self.peers:
+            for t, tag in tensors:
+                self._in_flight += [dist.isend(t, self._global[peer], group=self.group, tag=tag), t]
+
+    def receive(self) -> tuple[torch.Tensor, Logs]:
+        """On the other ranks, at the end of their step: the loss and the logged means."""
+        src = self._global[self.src]
+        header = torch.empty(3, dtype=torch.int64, device=self.device)
+        dist.recv(header, src, group=self.group, tag=_TAG_HEADER)
+        count, signature, nbytes = header.tolist()  # on a GPU: the step's host read
+        values = torch.empty(count, dtype=torch.float64, device=self.device)
+        dist.recv(values, src, group=self.group, tag=_TAG_VALUES)
+        if nbytes:
+            blob = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+            dist.recv(blob, src, group=self.group, tag=_TAG_NAMES)
+            self._spec = (signature, pickle.loads(blob.cpu().numpy().tobytes()))
+        if self._spec is None or self._spec[0] != signature:
+            raise RuntimeError("the logged names were never received: the log channel lost a message")
+        spec = self._spec[1]
+        means: Logs = {name: (_restore(values[i + 1], kind), kw) for i, (name, kw, kind) in enumerate(spec)}
+        return values[0].float(), means
