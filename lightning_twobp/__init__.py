@@ -4,8 +4,8 @@ Importing the package registers ``strategy="twobp"`` with Lightning (Lightning h
 discovery for strategies, so a third-party strategy registers itself on import).
 """
 
-from lightning_twobp.lightning import TwoBPStrategy
+from lightning_twobp.lightning import NonFiniteError, TwoBPStrategy
 
 __version__ = "0.1.0"
 
-__all__ = ["TwoBPStrategy"]
+__all__ = ["NonFiniteError", "TwoBPStrategy"]

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+from pathlib import Path
 import sys
 from typing import Any
 
@@ -34,7 +35,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from lightning_twobp.config import CONF_DIR
 
-__all__ = ["main", "train"]
+__all__ = ["main", "resume_path", "train"]
 
 
 def train(cfg: DictConfig) -> dict[str, Any]:
@@ -53,7 +54,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     trainer: pl.Trainer = instantiate(
         cfg.trainer, strategy=strategy, callbacks=callbacks, logger=loggers or False, default_root_dir=out_dir
     )
-    trainer.fit(model, datamodule=data, ckpt_path=cfg.get("ckpt_path"))
+    trainer.fit(model, datamodule=data, ckpt_path=resume_path(cfg.get("ckpt_path"), out_dir))
     if cfg.get("validate"):
         trainer.validate(model, datamodule=data)
     summary = next((c.summary for c in callbacks if hasattr(c, "summary")), {})
@@ -63,6 +64,25 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         # the interpreter exits (otherwise gloo can abort at exit with "terminate called ...").
         torch.distributed.destroy_process_group()
     return summary if rank == 0 else {}
+
+
+def resume_path(ckpt_path: str | None, out_dir: str) -> str | None:
+    """``ckpt_path`` as given, or for ``last`` the newest complete checkpoint of this recipe's earlier
+    runs (``outputs/<recipe>/*/checkpoints/*.ckpt``, the run directory's siblings). Lightning's own
+    ``"last"`` would look only in this run's new, empty directory."""
+    if ckpt_path != "last":
+        return ckpt_path
+    from lightning_twobp.lightning.checkpoint import MANIFEST
+
+    runs = Path(out_dir).resolve().parent
+    found = [m.parent for m in runs.glob(f"*/checkpoints/*.ckpt/{MANIFEST}")]
+    if not found:
+        raise FileNotFoundError(
+            f"ckpt_path=last: no complete checkpoint under {runs}/*/checkpoints/ (earlier runs of this recipe); "
+            f"pass a checkpoint's path, quoted for Hydra when it holds '=': "
+            f"'ckpt_path=\"outputs/.../checkpoints/epoch=0-step=10.ckpt\"'"
+        )
+    return str(max(found, key=lambda p: (p / MANIFEST).stat().st_mtime))
 
 
 def _launched_by_lightning(cfg: DictConfig) -> bool:

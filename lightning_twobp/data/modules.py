@@ -3,9 +3,15 @@
 no path is given, local files otherwise; nothing is downloaded.
 
 Train batches are shuffled with a seeded generator (every process draws the same order; under a
-distributed run Lightning's DistributedSampler takes over, seeded the same way on every rank) and
+distributed run a StatefulDistributedSampler over the data-parallel replicas, seeded the same way on
+every rank) and
 drop the last partial batch, since a pipeline splits every training batch into equal micro-batches.
 Validation is unshuffled and keeps its last batch (evaluation takes uneven micro-batches).
+
+The loaders are torchdata's ``StatefulDataLoader``: Lightning saves its position in every
+checkpoint, so a run resumed from a mid-epoch checkpoint sees exactly the batches the uninterrupted
+run would have (an ordinary ``DataLoader`` restarts the epoch, and Lightning warns it is not
+resumable).
 """
 
 from __future__ import annotations
@@ -15,7 +21,9 @@ from pathlib import Path
 
 import lightning.pytorch as pl
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import Dataset
+from torchdata.stateful_dataloader import StatefulDataLoader
+from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
 
 from lightning_twobp.data.images import ImageFolder, ImageTensors
 from lightning_twobp.data.synthetic import CountingTokens, MaskedCountingTokens, MaskedTokens, SyntheticImages
@@ -51,18 +59,35 @@ class _DataModule(pl.LightningDataModule):
         self.setup()
         return self._sets[1]
 
-    def _loader(self, ds: Dataset, train: bool) -> DataLoader:
-        return DataLoader(
+    def _replicas(self) -> dict[str, int] | None:
+        """The strategy's data-parallel split (``num_replicas``, ``rank``) under a distributed run."""
+        trainer = getattr(self, "_trainer", None) or getattr(self, "trainer", None)
+        strategy = getattr(trainer, "strategy", None)
+        if strategy is None or getattr(strategy, "world_size", 1) <= 1:
+            return None
+        return getattr(strategy, "distributed_sampler_kwargs", None)
+
+    def _loader(self, ds: Dataset, train: bool) -> StatefulDataLoader:
+        # Under a distributed run the training sampler is torchdata's StatefulDistributedSampler, made
+        # here: Lightning leaves a DistributedSampler alone, whereas the one it would inject itself sits
+        # inside a rebuilt batch sampler whose position a resume does not restore (measured: another
+        # order of batches after resuming mid-epoch).
+        replicas = self._replicas() if train else None
+        sampler = None
+        if replicas:
+            sampler = StatefulDistributedSampler(ds, shuffle=True, seed=self.seed, **replicas)
+        return StatefulDataLoader(
             ds,
             batch_size=self.batch_size,
-            shuffle=train,
+            shuffle=train and sampler is None,
+            sampler=sampler,
             drop_last=train,
-            generator=torch.Generator().manual_seed(self.seed) if train else None,
+            generator=torch.Generator().manual_seed(self.seed) if train and sampler is None else None,
             num_workers=self.num_workers,
             persistent_workers=self.num_workers > 0,
         )
 
-    def train_dataloader(self) -> DataLoader:
+    def train_dataloader(self) -> StatefulDataLoader:
         ds = self.train_set
         if len(ds) < self.batch_size:
             raise ValueError(
@@ -71,7 +96,7 @@ class _DataModule(pl.LightningDataModule):
             )
         return self._loader(ds, train=True)
 
-    def val_dataloader(self) -> DataLoader | list:
+    def val_dataloader(self) -> StatefulDataLoader | list:
         ds = self.val_set
         return [] if ds is None else self._loader(ds, train=False)  # []: Lightning skips validation
 

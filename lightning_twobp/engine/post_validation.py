@@ -52,6 +52,8 @@ class Verdict:
     clipped: bool
     skipped: bool
     redone: bool = False
+    nonfinite_ranks: tuple[int, ...] = ()  # ranks of ``group`` that held a non-finite gradient
+    extra: torch.Tensor | None = None  # the caller's ``extra`` statistics, summed over ``group``
 
 
 class StepValidation:
@@ -91,6 +93,7 @@ class StepValidation:
         self.skipped_steps = 0  # steps not taken: a gradient was not finite
         self.clipped_steps = 0  # steps whose gradients were scaled down to max_norm
         self.redone_steps = 0  # speculative steps put back and redone (overlap mode)
+        self.nonfinite_params: list[nn.Parameter] = []  # this rank's, at the latest skipped step
         self._pending: tuple[Any, torch.Tensor] | None = None
         self._grads: list[tuple[nn.Parameter, torch.Tensor]] = []
         self._params: dict[int, torch.Tensor] = {}
@@ -111,16 +114,33 @@ class StepValidation:
     def _params_with_grads(self) -> list[nn.Parameter]:
         return [q for g in self.optimizer.param_groups for q in g["params"] if q.grad is not None]
 
-    def _local_stats(self, params: Sequence[nn.Parameter]) -> torch.Tensor:
-        """``[norm^p over counted gradients, 1 if non-finite else 0]`` for this rank (max instead of sum
-        for the inf-norm, reduced the same way)."""
+    def _slots(self) -> tuple[int, int]:
+        """(this rank's place in ``group``, the group's size): which rank was not finite travels too."""
+        if not dist.is_initialized():
+            return 0, 1
+        return dist.get_rank(self.group), dist.get_world_size(self.group)
+
+    def _local_stats(self, params: Sequence[nn.Parameter], extra: torch.Tensor | None) -> torch.Tensor:
+        """``[norm^p over counted gradients, 1 if non-finite else 0, that flag in this rank's slot of
+        the group, *extra]`` for this rank (max instead of sum for the inf-norm, reduced the same way).
+        A non-finite tied copy counts even where its norm does not."""
         counted = [q.grad for q in params if id(q) not in self.not_counted]
+        others = [q.grad for q in params if id(q) in self.not_counted]
         if counted:
             local = get_total_norm(counted, self.norm_type).to(self.device, torch.float32)
         else:
             local = torch.zeros((), device=self.device)
         power = local if self.norm_type == float("inf") else local.pow(self.norm_type)
-        return torch.stack([power, torch.isfinite(local).logical_not().float()])
+        bad = torch.isfinite(local).logical_not().float()
+        if others:
+            bad = torch.maximum(bad, torch.isfinite(get_total_norm(others, 2.0)).logical_not().float().to(bad.device))
+        me, size = self._slots()
+        flags = torch.zeros(size, device=self.device)
+        flags[me] = bad
+        parts = [power.reshape(1), bad.reshape(1), flags]
+        if extra is not None:
+            parts.append(extra.to(self.device, torch.float32).reshape(-1))
+        return torch.cat(parts)
 
     def _reduce(self, stats: torch.Tensor, async_op: bool) -> Any:
         if self.group is None and not dist.is_initialized():
@@ -130,6 +150,14 @@ class StepValidation:
         if self.norm_type == float("inf"):
             return dist.all_reduce(stats, op=dist.ReduceOp.MAX, group=self.group, async_op=async_op)
         return dist.all_reduce(stats, group=self.group, async_op=async_op)  # SUM of both entries
+
+    def _details(self, stats: torch.Tensor) -> dict[str, Any]:
+        """Which ranks of the group were not finite, and the summed ``extra``."""
+        size = self._slots()[1]
+        flags = stats[2:2 + size].tolist()
+        extra = stats[2 + size:]
+        return {"nonfinite_ranks": tuple(r for r, f in enumerate(flags) if f > 0),
+                "extra": extra if extra.numel() else None}
 
     def _decide(self, stats: torch.Tensor) -> tuple[torch.Tensor | None, bool, bool]:
         """``(total norm, clip?, skip?)`` from the reduced statistics, as one process would decide."""
@@ -146,6 +174,7 @@ class StepValidation:
         """What the synchronous check does to the gradients before ``optimizer.step()``: drop them all
         (the optimizer then skips every parameter) or clip them in place."""
         if skip:
+            self._note_nonfinite(params)
             for q in params:
                 q.grad = None
         elif total is not None:
@@ -154,26 +183,28 @@ class StepValidation:
             clip_grads_with_norm_(params, self.max_norm, total, foreach=None)
 
     # ------------------------------------------------------------------ the step
-    def before_step(self) -> None:
-        """The step's gradients are complete and ``optimizer.step()`` comes next."""
+    def before_step(self, extra: torch.Tensor | None = None) -> Verdict | None:
+        """The step's gradients are complete and ``optimizer.step()`` comes next. ``extra``: a few
+        numbers of the caller's that ride along the reduction (summed), returned in the verdict.
+        Returns the verdict when checking first (``overlap=False``)."""
         if not self.active:
-            return
+            return None
         if self._pending is not None:
             raise RuntimeError("the previous speculative step was never validated: call validate() first")
         params = self._params_with_grads()
-        stats = self._local_stats(params)
+        stats = self._local_stats(params, extra)
         if not self.overlap:
             self._reduce(stats, async_op=False)
             total, clip, skip = self._decide(stats)
             self._apply(params, total, clip, skip)
-            self._record(total, clip, skip, redone=False)
-            return
+            return self._record(total, clip, skip, redone=False, **self._details(stats))
         work = self._reduce(stats, async_op=True)
         self._snapshot()
         self._grads = [(q, q.grad) for q in params]
         # Tensor._version counts in-place writes: a redo must see the gradients the step saw.
         self._versions = [g._version for _, g in self._grads]
         self._pending = (work, stats)
+        return None
 
     def validate(self) -> Verdict | None:
         """Overlap mode: the verdict on the last speculative step (``None`` if there was none). When it
@@ -186,9 +217,10 @@ class StepValidation:
         if work is not None:
             work.wait()
         total, clip, skip = self._decide(stats)
+        details = self._details(stats)
         grads, self._grads = self._grads, []
         if not clip and not skip:
-            return self._record(total, False, False, redone=False)
+            return self._record(total, False, False, redone=False, **details)
         changed = [i for i, (_, g) in enumerate(grads) if g._version != self._versions[i]]
         if changed and not skip:
             raise RuntimeError(
@@ -197,15 +229,23 @@ class StepValidation:
                 f"gradients with zero_grad(set_to_none=True), or validate with overlap=False"
             )
         self._restore()
-        if not skip:
+        if skip:
+            self._note_nonfinite([q for q, g in grads if g is q.grad])
+        else:
             self._redo(grads, total)
-        return self._record(total, clip, skip, redone=True)
+        return self._record(total, clip, skip, redone=True, **details)
 
-    def _record(self, total: torch.Tensor | None, clip: bool, skip: bool, redone: bool) -> Verdict:
+    def _note_nonfinite(self, params: Sequence[nn.Parameter]) -> None:
+        """This rank's parameters with a non-finite gradient, for the caller's message (failure path only:
+        one host sync per parameter)."""
+        self.nonfinite_params = [q for q in params if q.grad is not None and not bool(torch.isfinite(q.grad).all())]
+
+    def _record(self, total: torch.Tensor | None, clip: bool, skip: bool, redone: bool,
+                nonfinite_ranks: tuple[int, ...] = (), extra: torch.Tensor | None = None) -> Verdict:
         self.skipped_steps += skip
         self.clipped_steps += clip and not skip
         self.redone_steps += redone
-        self.last = Verdict(total, clip, skip, redone)
+        self.last = Verdict(total, clip, skip, redone, nonfinite_ranks, extra)
         return self.last
 
     def _redo(self, grads: list[tuple[nn.Parameter, torch.Tensor]], total: torch.Tensor | None) -> None:

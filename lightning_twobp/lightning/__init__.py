@@ -1,5 +1,5 @@
 """The Lightning layer: ``TwoBPStrategy`` and the small modules it delegates to (docs/architecture.md)."""
 
-from lightning_twobp.lightning.strategy import TwoBPStrategy
+from lightning_twobp.lightning.strategy import NonFiniteError, TwoBPStrategy
 
-__all__ = ["TwoBPStrategy"]
+__all__ = ["NonFiniteError", "TwoBPStrategy"]

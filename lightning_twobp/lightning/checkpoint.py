@@ -7,6 +7,14 @@ model (``torch.distributed.checkpoint.state_dict``: ``get_model_state_dict`` and
 state *and* its param-group settings by name). Replicas are deduplicated. The rest of Lightning's
 checkpoint (loops, callbacks, schedulers, hyper-parameters) goes to ``meta.pt`` from rank 0.
 
+Saving is crash-safe and loading verified. Every rank writes into a hidden sibling
+``.NAME.partial``; rank 0 writes ``meta.pt`` and then ``twobp-manifest.json`` (the size and SHA-256 of
+every file, each rank hashing its own shards) and renames the directory into place last. A process
+killed at any point leaves the previous checkpoint at ``NAME`` (``last.ckpt`` included) or, in the
+instant between the two renames, a complete one that :func:`resolve` finds. Loading checks every file
+against the manifest first (the ranks share the hashing) and refuses a missing, truncated or changed
+file by name; ``meta.pt`` loads with ``weights_only=True`` unless the caller says otherwise.
+
 Because everything is keyed by name, a run resumes under another pipeline degree, schedule or cut:
 each rank reads the entries of the parameters it holds now.
 
@@ -20,14 +28,22 @@ LightningModule loads with ``Model.load_from_checkpoint(OUT.ckpt)``.
 from __future__ import annotations
 
 import argparse
+import ctypes
+import hashlib
+import json
 import os
+import pickle
+import shutil
 import sys
 import tempfile
+import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
 from torch import nn
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.checkpoint.state_dict import (
@@ -38,55 +54,289 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-__all__ = ["consolidate", "load", "main", "save"]
+__all__ = ["CheckpointError", "MANIFEST", "consolidate", "load", "main", "resolve", "rng_state", "save", "set_rng_state",
+           "verify"]
 
 META = "meta.pt"  # Lightning's checkpoint without weights and optimizer state, from rank 0
+MANIFEST = "twobp-manifest.json"  # size and SHA-256 of every other file; written last, it marks completion
 _OPTIM = StateDictOptions(flatten_optimizer_state_dict=True)
+_CHUNK = 1 << 20
 
 
-def save(checkpoint: dict[str, Any], path: Path, module: nn.Module, optimizers: list[Any], rank: int,
+class CheckpointError(RuntimeError):
+    """A checkpoint that is incomplete, corrupt or not ours: the message names the file and what is wrong."""
+
+
+def _partial(path: Path) -> Path:
+    return path.with_name(f".{path.name}.partial")  # hidden: Lightning's "last*" lookup never sees it
+
+
+def _old(path: Path) -> Path:
+    return path.with_name(f".{path.name}.old")
+
+
+def _sha256(file: Path) -> str:
+    h = hashlib.sha256()
+    with open(file, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _entry(file: Path) -> dict[str, Any]:
+    return {"size": file.stat().st_size, "sha256": _sha256(file)}
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _rmtree(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    elif path.exists() or path.is_symlink():
+        path.unlink()
+
+
+def _world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _gather_to_zero(value: Any) -> list[Any]:
+    rank, world = _world()
+    if world == 1:
+        return [value]
+    out = [None] * world if rank == 0 else None
+    dist.gather_object(value, out, dst=0)
+    return out or []
+
+
+def _barrier() -> None:
+    if _world()[1] > 1:
+        dist.barrier()
+
+
+def rng_state() -> dict[str, torch.Tensor]:
+    """This process's random states (Lightning's ``_collect_rng_states``: torch, CUDA, NumPy, Python)
+    as tensors, so torch.distributed.checkpoint stores them per rank without pickling."""
+    states = _collect_rng_states(include_cuda=torch.cuda.is_available())
+    out = {"torch": states["torch"]}
+    for i, t in enumerate(states.get("torch.cuda", [])):
+        out[f"cuda{i}"] = t
+    version, words, gauss = states["python"]
+    out["python"] = torch.tensor([version, *words], dtype=torch.int64)
+    out["python_gauss"] = torch.tensor([float("nan") if gauss is None else gauss], dtype=torch.float64)
+    if "numpy" in states:
+        _, key, pos, has_gauss, cached = states["numpy"]
+        out["numpy"] = torch.tensor([*key.tolist(), pos, has_gauss], dtype=torch.int64)
+        out["numpy_gauss"] = torch.tensor([cached], dtype=torch.float64)
+    return out
+
+
+def set_rng_state(state: dict[str, torch.Tensor]) -> None:
+    """Restore what :func:`rng_state` took."""
+    python = state["python"].tolist()
+    gauss = float(state["python_gauss"][0])
+    states: dict[str, Any] = {"torch": state["torch"], "python": (python[0], python[1:], None if gauss != gauss else gauss)}
+    cuda = [state[k] for k in sorted(k for k in state if k.startswith("cuda"))]
+    if cuda and torch.cuda.is_available():
+        states["torch.cuda"] = cuda
+    if "numpy" in state:
+        import numpy as np
+
+        words = state["numpy"].tolist()
+        states["numpy"] = ("MT19937", np.array(words[:-2], dtype=np.uint32), words[-2], words[-1],
+                           float(state["numpy_gauss"][0]))
+    _set_rng_states(states)
+
+
+# Each step of a save is a function of its own, so a test can kill the process between any two of them.
+def _write_shards(state: dict[str, Any], tmp: Path) -> dict[str, Any]:
+    """Every rank writes its tensors (torch.distributed.checkpoint names rank r's files ``__r_*``) and
+    hashes its own files while the others hash theirs."""
+    dcp.save(state, checkpoint_id=tmp)
+    rank = _world()[0]
+    return {f.name: _entry(f) for f in sorted(tmp.glob(f"__{rank}_*")) if f.is_file()}
+
+
+def _write_meta(checkpoint: dict[str, Any], tmp: Path) -> None:
+    torch.save(checkpoint, tmp / META)
+
+
+def _write_manifest(files: dict[str, Any], tmp: Path, layout: dict[str, Any]) -> None:
+    files = {**files, ".metadata": _entry(tmp / ".metadata"), META: _entry(tmp / META)}
+    body = json.dumps({"format": 1, "layout": layout, "files": files}, indent=1, sort_keys=True)
+    with open(tmp / MANIFEST, "w") as f:
+        f.write(body)
+        f.flush()
+        os.fsync(f.fileno())
+    for name in files:
+        _fsync(tmp / name)
+    _fsync(tmp)
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two paths atomically: ``renameat2(RENAME_EXCHANGE)`` (Linux 3.15+, glibc 2.28+, local
+    filesystems); False where the system or the filesystem cannot."""
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return False
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    return fn(-100, os.fsencode(a), -100, os.fsencode(b), 2) == 0  # AT_FDCWD, RENAME_EXCHANGE
+
+
+def _swap_into_place(tmp: Path, path: Path) -> None:
+    """The complete checkpoint at ``tmp`` replaces ``path``. Where the filesystem can, in one atomic
+    exchange: ``path`` holds the previous checkpoint or the new one at every instant. Elsewhere in
+    two renames (a directory cannot be renamed over a non-empty one): a crash between them leaves
+    ``path`` missing and the new checkpoint complete under its hidden name, which :func:`resolve` reads."""
+    old = _old(path)
+    _rmtree(old)
+    if path.exists() or path.is_symlink():
+        if _exchange(tmp, path):
+            _fsync(path.parent)
+            _rmtree(tmp)  # now the previous checkpoint
+            return
+        os.rename(path, old)
+    os.rename(tmp, path)
+    _fsync(path.parent)
+    _rmtree(old)
+
+
+def save(checkpoint: dict[str, Any], path: Path, module: nn.Module, optimizers: list[Any],
          layout: dict[str, Any]) -> None:
-    """Write ``checkpoint`` (Lightning's dict) as a sharded directory at ``path``. Every rank calls it;
-    the caller makes the directory and synchronises around it."""
+    """Write ``checkpoint`` (Lightning's dict) as a sharded directory at ``path``; every rank calls it.
+
+    Crash-safe: everything goes into the hidden sibling ``.NAME.partial``; rank 0 writes the
+    Lightning metadata and a manifest (size and SHA-256 of every file) last, then renames the
+    directory into place. Until that rename ``path`` holds the previous checkpoint untouched."""
+    rank, _ = _world()
+    path = Path(path)
+    tmp = _partial(path)
+    if rank == 0:
+        _rmtree(tmp)  # left by a save that crashed
+        tmp.mkdir(parents=True)
+    _barrier()
     checkpoint.pop("state_dict", None)
     checkpoint.pop("optimizer_states", None)
     state = {"model": get_model_state_dict(module)}
     for i, opt in enumerate(optimizers):
         state[f"optimizer_{i}"] = get_optimizer_state_dict(module, opt, options=_OPTIM)
-    dcp.save(state, checkpoint_id=path)
+    state["rng"] = {f"rank{rank}": rng_state()}  # every rank's own streams (dropout differs per stage)
+    mine = _write_shards(state, tmp)
+    files = {name: entry for part in _gather_to_zero(mine) for name, entry in part.items()}
     if rank == 0:
-        torch.save({**checkpoint, "twobp": layout}, path / META)
+        _write_meta({**checkpoint, "twobp": layout}, tmp)
+        _write_manifest(files, tmp, layout)
+        _swap_into_place(tmp, path)
+    _barrier()
+
+
+def resolve(path: str | os.PathLike) -> Path:
+    """The directory to read for ``path``: ``path`` itself, or, when a crash fell between the two
+    renames of a save, the complete checkpoint under its hidden name (newest first)."""
+    path = Path(path)
+    if path.exists():
+        return path
+    for candidate in (_partial(path), _old(path)):
+        if (candidate / MANIFEST).is_file():
+            warnings.warn(f"{path} is missing (a save was interrupted while renaming); reading the complete "
+                          f"checkpoint {candidate} instead", stacklevel=2)
+            return candidate
+    raise FileNotFoundError(f"no checkpoint at {path}")
+
+
+def _check(path: Path, names: list[str], files: dict[str, Any]) -> list[str]:
+    problems = []
+    for name in names:
+        file, want = path / name, files[name]
+        if not file.is_file():
+            problems.append(f"{file}: missing")
+        elif (size := file.stat().st_size) != want["size"]:
+            problems.append(f"{file}: {size} bytes, the manifest says {want['size']} (truncated or partly written)")
+        elif _sha256(file) != want["sha256"]:
+            problems.append(f"{file}: its SHA-256 differs from the manifest's (the file was changed or damaged "
+                            f"after it was written)")
+    return problems
+
+
+def verify(path: str | os.PathLike, *, shared: bool = True) -> dict[str, Any]:
+    """Check every file of the checkpoint against its manifest; return the manifest. With ``shared``
+    (and a process group), rank r hashes every world-size-th file and the verdict is shared, so all
+    ranks raise the same :class:`CheckpointError` together."""
+    path = Path(path)
+    manifest_file = path / MANIFEST
+    if not (path / META).is_file() and not manifest_file.is_file():
+        raise CheckpointError(
+            f"{path} is not a strategy='twobp' checkpoint (no {META}, no {MANIFEST}): pass the checkpoint "
+            f"directory ModelCheckpoint wrote, or load a consolidated file with strategy='auto'"
+        )
+    if not manifest_file.is_file():
+        raise CheckpointError(f"{path} has no {MANIFEST}: it was not written completely (or by a version of "
+                              f"lightning_twobp before 0.2); resume from an earlier checkpoint")
+    try:
+        manifest = json.loads(manifest_file.read_text())
+        files = manifest["files"]
+    except (ValueError, KeyError, TypeError) as err:
+        raise CheckpointError(f"{manifest_file}: unreadable manifest ({err}); resume from another checkpoint") from err
+    rank, world = _world() if shared else (0, 1)
+    names = sorted(files)
+    problems = _check(path, names[rank::world], files)
+    if world > 1:
+        gathered: list[Any] = [None] * world
+        dist.all_gather_object(gathered, problems)
+        problems = [p for part in gathered for p in part]
+    if problems:
+        raise CheckpointError(f"checkpoint {path} is damaged, not loaded: " + "; ".join(problems)
+                              + ". Resume from another checkpoint (the previous save is kept until a new one "
+                              "is complete)")
+    return manifest
 
 
 def load(path: Path, module: nn.Module, optimizers: list[Any], weights_only: bool | None,
          strict: bool = True) -> dict[str, Any]:
-    """Load this rank's weights (and, when ``optimizers`` are given, their state) from the sharded
-    directory ``path`` into ``module`` and ``optimizers`` in place; return the rest of the checkpoint."""
-    if not (path / META).is_file():
-        raise FileNotFoundError(
-            f"{path} is not a strategy='twobp' checkpoint (no {META}): pass the checkpoint directory "
-            f"ModelCheckpoint wrote, or load a consolidated file with strategy='auto'"
-        )
-    checkpoint = torch.load(path / META, map_location="cpu", weights_only=True if weights_only is None else weights_only)
+    """Verify the checkpoint, load this rank's weights (and, when ``optimizers`` are given, their
+    state) from it into ``module`` and ``optimizers`` in place; return the rest of the checkpoint."""
+    path = resolve(path)
+    verify(path)
+    try:
+        checkpoint = torch.load(path / META, map_location="cpu", weights_only=weights_only is not False)
+    except pickle.UnpicklingError as err:
+        raise CheckpointError(
+            f"{path / META} holds objects that torch.load(weights_only=True) refuses ({err}). If you trust "
+            f"this checkpoint, pass weights_only=False (Trainer.fit(..., weights_only=False)), or register "
+            f"the types with torch.serialization.add_safe_globals"
+        ) from err
     state: dict[str, Any] = {"model": get_model_state_dict(module)}
     for i, opt in enumerate(optimizers):
         # The optimizer's own state dict as the template (torch fills a fresh optimizer's state first).
         state[f"optimizer_{i}"] = get_optimizer_state_dict(module, opt, options=_OPTIM)
+    # This rank's random states, where the checkpoint has them (it may come from another world size).
+    prefix = f"rng.rank{_world()[0]}."
+    saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    rng = {k[len(prefix):]: torch.empty(tuple(m.size), dtype=m.properties.dtype)
+           for k, m in saved.items() if k.startswith(prefix)}
+    if rng:
+        state["rng"] = {prefix.split(".")[1]: rng}
     dcp.load(state, checkpoint_id=path)
     set_model_state_dict(module, state["model"], options=StateDictOptions(strict=strict))
     for i, opt in enumerate(optimizers):
         set_optimizer_state_dict(module, opt, state[f"optimizer_{i}"], options=_OPTIM)
+    checkpoint["twobp_rng"] = rng or None  # restored by the strategy right before the next training step
     return checkpoint
 
 
 def consolidate(checkpoint_dir: str | os.PathLike, out_path: str | os.PathLike) -> dict:
     """Merge the stages of ``checkpoint_dir`` into one Lightning checkpoint at ``out_path``; return it."""
-    src = Path(checkpoint_dir)
-    if not (src / META).is_file() or not (src / ".metadata").is_file():
-        raise FileNotFoundError(
-            f"{src} is not a strategy='twobp' checkpoint directory (it needs {META} and .metadata, "
-            f"as ModelCheckpoint writes them under strategy='twobp')"
-        )
+    src = resolve(checkpoint_dir)
+    verify(src, shared=False)
     with tempfile.TemporaryDirectory() as tmp:
         merged = Path(tmp) / "merged.pt"
         dcp_to_torch_save(src, merged)  # no process group needed: reads every shard

@@ -156,27 +156,37 @@ def overflow_agreeing_scaler(scaler: torch.amp.GradScaler, device: torch.device,
 
 
 class _GlobalNormClipping:
-    """Mixed into a copy of the precision plugin: clipping by norm uses the pipeline's global norm."""
+    """Mixed into a copy of the precision plugin: clipping by norm uses the pipeline's global norm, and
+    every optimizer step passes the pipeline's global check (clipping and non-finite gradients) last,
+    after the user's ``on_before_optimizer_step`` hooks and Lightning's clipping call."""
 
     _twobp_clip_by_norm: Callable[[Any, float], None]
+    _twobp_before_step: Callable[[Any], None]
 
     def clip_grad_by_norm(self, optimizer: Any, clip_val: float) -> None:
         self._twobp_clip_by_norm(optimizer, clip_val)
+
+    def _after_closure(self, model: Any, optimizer: Any) -> None:
+        super()._after_closure(model, optimizer)  # type: ignore[misc]
+        self._twobp_before_step(optimizer)
 
 
 _CLASSES: dict[type, type] = {}
 
 
-def pipelined_precision(plugin: Any, clip_by_norm: Callable[[Any, float], None], scaler: Any = None) -> Any:
+def pipelined_precision(plugin: Any, clip_by_norm: Callable[[Any, float], None],
+                        before_step: Callable[[Any], None], scaler: Any = None) -> Any:
     """A copy of Lightning's precision ``plugin`` (same class, plus :class:`_GlobalNormClipping`)
-    whose ``clip_grad_by_norm`` calls ``clip_by_norm(optimizer, max_norm)`` and whose ``scaler`` is
-    ``scaler`` when given. The original plugin and its scaler are not touched."""
+    whose ``clip_grad_by_norm`` calls ``clip_by_norm(optimizer, max_norm)``, which calls
+    ``before_step(optimizer)`` right before each optimizer step, and whose ``scaler`` is ``scaler``
+    when given. The original plugin and its scaler are not touched."""
     cls = type(plugin)
     if cls not in _CLASSES:
         _CLASSES[cls] = type(f"Pipelined{cls.__name__}", (_GlobalNormClipping, cls), {"__module__": __name__})
     new = copy.copy(plugin)
     new.__class__ = _CLASSES[cls]
     new._twobp_clip_by_norm = clip_by_norm
+    new._twobp_before_step = before_step
     if scaler is not None:
         new.scaler = scaler
     return new

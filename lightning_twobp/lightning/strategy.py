@@ -48,15 +48,19 @@ from lightning_twobp.lightning.layout import (
 from lightning_twobp.lightning.model import LocalModel, split_model
 from lightning_twobp.lightning.profile import profile_layers
 from lightning_twobp.lightning.logs import LogChannel
-from lightning_twobp.lightning.step import Logs, StepRunner, share_logs, step_means
+from lightning_twobp.lightning.step import Logs, StepRunner, check_batches, share_logs, step_means
 from lightning_twobp.partition import partition
 from lightning_twobp.schedules import SCHEDULES, Schedule, build_schedule, check_split
 
 log = logging.getLogger(__name__)
 
-__all__ = ["TwoBPStrategy"]
+__all__ = ["NonFiniteError", "TwoBPStrategy"]
 
 _NOT_YET = "the pipeline is built in setup(), when a Trainer call starts: call trainer.fit (or validate, test, predict) first"
+
+
+class NonFiniteError(RuntimeError):
+    """A loss or gradient was inf or NaN under ``on_nonfinite="stop"``: raised on every rank at once."""
 
 
 @dataclass
@@ -71,6 +75,7 @@ class _Pipeline:
     user_scaler: Any  # its GradScaler, or None; gets the trained scale back at teardown
     logs: LogChannel | None  # the last stage's loss and logs to the other ranks (None: one rank)
     checks: dict[int, StepValidation] = field(default_factory=dict)  # per optimizer: clip / non-finite
+    max_norms: dict[int, float] = field(default_factory=dict)  # per optimizer: this step's clipping, if any
     means: Logs = field(default_factory=dict)  # the training step's logged means (last stage)
 
 
@@ -98,6 +103,13 @@ class TwoBPStrategy(DDPStrategy):
             for ``zb-h2`` and ``zb-v``, whose zero bubble needs consecutive steps to overlap; off (check
             first, then step) for the others, which do not overlap anyway. Costs one copy of the
             parameters and optimizer state while a step is unchecked. Not with fp16's GradScaler.
+        on_nonfinite: an inf or NaN gradient on any stage (a NaN loss makes every gradient NaN) is
+            seen by every rank in the same step: one all-reduce of ``pipeline_degree + 3`` numbers
+            per optimizer step, the one clipping needs anyway. ``"stop"`` (default): every rank
+            raises :class:`NonFiniteError` naming the step, the stages and the first non-finite
+            micro-batch loss, before the step changes any weight. ``"skip"``: the step is skipped on
+            every rank, with a warning; ``strategy.step_checks["skipped"]`` counts them and
+            ``pipeline/skipped_steps`` is logged. With fp16's GradScaler the scaler does this instead.
         timeout: as for DDPStrategy (the process group); the pipeline's own waits on another rank are
             bounded by ``pipeline_timeout`` seconds (600), after which that rank is named as lost.
         accelerator, parallel_devices, cluster_environment, precision_plugin, process_group_backend,
@@ -119,6 +131,7 @@ class TwoBPStrategy(DDPStrategy):
         layers: str | None = None,
         gather_full_model: bool = False,
         post_validation: bool | None = None,
+        on_nonfinite: Literal["stop", "skip"] = "stop",
         pipeline_timeout: float | None = 600.0,
         accelerator: Any = None,
         parallel_devices: list[torch.device] | None = None,
@@ -138,6 +151,14 @@ class TwoBPStrategy(DDPStrategy):
         if schedule not in SCHEDULES:  # checked now, not at setup: the Trainer is not built yet
             raise ValueError(f"unknown schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")
         check_split(schedule, split_backward)
+        for name, value in (("num_microbatches", num_microbatches), ("pipeline_degree", pipeline_degree),
+                            ("stages_per_rank", stages_per_rank)):
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise ValueError(f"TwoBPStrategy({name}={value!r}): it must be a positive integer, or None for "
+                                 f"the default")
+        if on_nonfinite not in ("stop", "skip"):
+            raise ValueError(f"on_nonfinite={on_nonfinite!r}: choose 'stop' (raise on every rank, naming the "
+                             f"stage, micro-batch and step) or 'skip' (skip that optimizer step everywhere)")
         extra = {} if timeout is None else {"timeout": timeout}
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, precision_plugin=precision_plugin,
@@ -148,6 +169,7 @@ class TwoBPStrategy(DDPStrategy):
         self.layers = layers
         self.gather_full_model = gather_full_model
         self.post_validation = post_validation
+        self.on_nonfinite = on_nonfinite
         self._step_checks = {"clipped": 0, "skipped": 0, "redone": 0}
         self.pipeline_timeout = pipeline_timeout
         self._log_group: dist.ProcessGroup | None = None
@@ -159,6 +181,7 @@ class TwoBPStrategy(DDPStrategy):
         self._stash = GradStash()
         self._failed = False
         self.stage_sizes: list[int] | None = None  # layers per stage, once the pipeline is built
+        self._resume_rng: dict[str, torch.Tensor] | None = None  # a checkpoint's random states, not yet restored
 
     # ------------------------------------------------------------------ layout, for users' code
     @property
@@ -323,7 +346,7 @@ class TwoBPStrategy(DDPStrategy):
                 "post_validation=True with fp16 mixed precision: the GradScaler's overflow check runs before "
                 "the step, on every rank at once; use precision='bf16-mixed', or post_validation=False"
             )
-        self.precision_plugin = pipelined_precision(user_precision, self._clip_by_norm, scaler)
+        self.precision_plugin = pipelined_precision(user_precision, self._clip_by_norm, self._before_step, scaler)
         return _Pipeline(local, executor, runner, tied, user_precision, user_scaler, logs)
 
     @override
@@ -355,6 +378,18 @@ class TwoBPStrategy(DDPStrategy):
 
     # ------------------------------------------------------------------ training
     @override
+    def on_train_start(self) -> None:
+        check_batches(self.lightning_module.trainer.train_dataloader, self.num_microbatches)
+        super().on_train_start()
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        if self._resume_rng is not None:
+            ckpt.set_rng_state(self._resume_rng)
+            self._resume_rng = None
+        super().on_train_batch_start(batch, batch_idx)
+
+    @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         pipeline = self._built("training_step")
         runner = pipeline.runner
@@ -367,6 +402,9 @@ class TwoBPStrategy(DDPStrategy):
             loss, means = self._pipeline_step(pipeline)
         for name, (value, kw) in means.items():
             self.lightning_module.log(name, value.to(self.root_device) if isinstance(value, torch.Tensor) else value, **kw)
+        if self._step_checks["skipped"]:  # every rank knows the count: nothing travels
+            self.lightning_module.log("pipeline/skipped_steps", float(self._step_checks["skipped"]), on_step=True,
+                                      on_epoch=False)
         return loss.to(self.root_device)
 
     def _pipeline_step(self, pipeline: _Pipeline) -> tuple[torch.Tensor, Logs]:
@@ -404,12 +442,66 @@ class TwoBPStrategy(DDPStrategy):
         pipeline = self._pipeline
         verdict = None
         for check in pipeline.checks.values() if pipeline is not None else ():
-            verdict = check.validate() or verdict
-        self._count_checks()
-        if verdict is not None and verdict.skipped:
-            log.warning("twobp: an optimizer step was skipped on every rank: a gradient was not finite "
-                        "(%d skipped so far)", sum(c.skipped_steps for c in pipeline.checks.values()))
+            verdict = self._judge(check, check.validate(), done=True) or verdict
         return verdict
+
+    def _judge(self, check: StepValidation, verdict: Verdict | None, done: bool) -> Verdict | None:
+        """Count the verdict; a step skipped for a non-finite gradient stops training on every rank
+        (``on_nonfinite="stop"``) or is logged (``"skip"``). Every rank sees the same verdict."""
+        self._count_checks()
+        if verdict is None or not verdict.skipped:
+            return verdict
+        # ``done``: the step counter has moved past the step the verdict is about (a speculative step)
+        step = self.lightning_module.trainer.global_step - int(done)
+        stages = sorted(s for r in verdict.nonfinite_ranks for s in self.schedule.stages_of(r))
+        bad_mb = int(verdict.extra[0].item()) - 1 if verdict.extra is not None else -1
+        where = (f"the optimizer step at global step {step}: a gradient was not finite on pipeline rank(s) "
+                 f"{list(verdict.nonfinite_ranks)} (stage(s) {stages})")
+        if bad_mb >= 0:
+            where += f", and the loss of micro-batch {bad_mb} already was"
+        ids = {id(q) for q in check.nonfinite_params}
+        names = [n for n, q in self.lightning_module.named_parameters() if id(q) in ids]
+        if self.on_nonfinite == "stop":
+            mine = f" On pipeline rank {self.pp_rank}: {', '.join(names[:4]) or 'none'}" + (
+                f" and {len(names) - 4} more" if len(names) > 4 else "") + "."
+            raise NonFiniteError(
+                f"twobp: training stopped at {where}; the step was not taken on any rank (on_nonfinite='stop')."
+                f"{mine} Skip such steps with TwoBPStrategy(on_nonfinite='skip'), lower the learning rate, "
+                f"clip gradients (Trainer(gradient_clip_val=...)), or find the operation with "
+                f"torch.autograd.detect_anomaly (docs/troubleshooting.md)"
+            )
+        log.warning("twobp: %s; the step was skipped on every rank (%d skipped so far; on_nonfinite='skip')",
+                    where, self._step_checks["skipped"])
+        return verdict
+
+    def _before_step(self, optimizer: Any) -> None:
+        """Right before each optimizer step: the pipeline's global check, with this step's clipping
+        threshold (if Lightning asked for clipping) and a flag of the last stage's first non-finite
+        micro-batch loss riding along. Checked first, or after the step with ``post_validation``."""
+        pipeline = self._built("optimizer_step")
+        scaler = getattr(self.precision_plugin, "scaler", None)
+        fp16 = scaler is not None and scaler.is_enabled()  # the GradScaler owns the inf/NaN check then
+        max_norm = pipeline.max_norms.pop(id(optimizer), None)
+        check = pipeline.checks.get(id(optimizer))
+        if check is None:
+            overlap = self.post_validation
+            if overlap is None:
+                overlap = self.schedule_name in ("zb-h2", "zb-v") and not fp16
+            check = StepValidation(optimizer, max_norm=max_norm, check_finite=not fp16, group=self._group("pp"),
+                                   device=self.root_device, overlap=overlap, not_counted=pipeline.tied.not_counted)
+            pipeline.checks[id(optimizer)] = check
+        check.max_norm = max_norm
+        self._judge(check, check.validate(), done=True)  # nothing pending normally: training_step validated it
+        extra = None
+        if check.check_finite:
+            extra = torch.zeros(1, device=self.root_device)
+            losses = pipeline.runner.state.losses if pipeline.executor.last in pipeline.executor.stages else []
+            if losses:
+                finite = torch.isfinite(torch.stack(losses).float())
+                # 1 + the first non-finite micro-batch, or 0: no host sync until the check's verdict
+                first = torch.where(finite.all(), 0, finite.logical_not().int().argmax() + 1)
+                extra = first.reshape(1).float().to(self.root_device)
+        self._judge(check, check.before_step(extra=extra), done=False)
 
     @override
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -420,22 +512,8 @@ class TwoBPStrategy(DDPStrategy):
         return self.precision_plugin.post_backward(closure_loss, lm)  # on_after_backward
 
     def _clip_by_norm(self, optimizer: Any, max_norm: float) -> None:
-        """Clipping by the global norm over every stage (and skipping a step with a non-finite gradient,
-        on every rank): checked first, or after the step with ``post_validation``."""
-        pipeline = self._built("clip_gradients")
-        check = pipeline.checks.get(id(optimizer))
-        if check is None:
-            overlap = self.post_validation
-            if overlap is None:
-                scaler = getattr(self.precision_plugin, "scaler", None)
-                overlap = self.schedule_name in ("zb-h2", "zb-v") and (scaler is None or not scaler.is_enabled())
-            check = StepValidation(optimizer, max_norm=max_norm, group=self._group("pp"), device=self.root_device,
-                                   overlap=overlap, not_counted=pipeline.tied.not_counted)
-            pipeline.checks[id(optimizer)] = check
-        check.max_norm = max_norm
-        check.validate()  # nothing pending normally: training_step validated already
-        check.before_step()
-        self._count_checks()
+        """Lightning asks to clip by norm: by the global norm over every stage, in :meth:`_before_step`."""
+        self._built("clip_gradients").max_norms[id(optimizer)] = max_norm
 
     def _count_checks(self) -> None:
         checks = self._pipeline.checks.values() if self._pipeline is not None else ()
@@ -511,15 +589,9 @@ class TwoBPStrategy(DDPStrategy):
             )
         self._validate()  # save the checked weights, not a speculative step's
         path = Path(self.broadcast(str(filepath)))
-        if self.global_rank == 0:
-            if path.is_file():
-                path.unlink()
-            path.mkdir(parents=True, exist_ok=True)
-        self.barrier()
         layout = {"pipeline_degree": self.pipeline_degree, "stages_per_rank": self._stages_per_rank,
                   "schedule": self.schedule_name}
-        ckpt.save(checkpoint, path, self.lightning_module, self.optimizers, self.global_rank, layout)
-        self.barrier()
+        ckpt.save(checkpoint, path, self.lightning_module, self.optimizers, layout)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
@@ -535,6 +607,9 @@ class TwoBPStrategy(DDPStrategy):
             if local is not None and len(state.get("base_lrs", local)) != len(local):
                 state["base_lrs"] = list(local)
                 state.pop("_last_lr", None)
+        # Each rank's random streams come back right before the next training step (not now: setting up
+        # the loaders and the sanity check would draw from them first, which the uninterrupted run did not).
+        self._resume_rng = checkpoint.pop("twobp_rng", None)
         saved = checkpoint.get("twobp", {})
         if saved.get("pipeline_degree") != self.pipeline_degree or saved.get("stages_per_rank") != self._stages_per_rank:
             rank_zero_info(
