@@ -5,7 +5,8 @@ discovery for strategies, so a third-party strategy registers itself on import).
 """
 
 from lightning_twobp.lightning import NonFiniteError, TwoBPStrategy
+from lightning_twobp.monitor import PipelineMonitor
 
 __version__ = "0.1.0"
 
-__all__ = ["NonFiniteError", "TwoBPStrategy"]
+__all__ = ["NonFiniteError", "PipelineMonitor", "TwoBPStrategy"]

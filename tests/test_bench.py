@@ -67,3 +67,13 @@ def test_peer_benchmark_without_torch_pipelining(monkeypatch):
     assert [r["label"] for r in result["rows"]] == ["zb-h1"]
     assert result["pairs"] == [] and result["best_vs_best"] is None
     assert "not importable" in peer.markdown(result)
+
+
+def test_soak_harness_samples_every_rank():
+    from lightning_twobp.bench.soak import markdown, soak
+
+    result = soak(steps=12, every=4, warmup=0.3)
+    assert [r["rank"] for r in result["ranks"]] == [0, 1]
+    for r in result["ranks"]:
+        assert [s for s, _, _ in r["samples"]] == [4, 8, 12] and r["rss_last_mb"] > 0
+    assert "slope after warm-up" in markdown(result)

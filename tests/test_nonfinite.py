@@ -121,6 +121,10 @@ def test_a_nan_loss_stops_every_rank_naming_step_stages_and_microbatch(schedule)
         assert err is not None, f"rank {rank} trained on"
         assert f"global step {BAD_STEP}" in err and "pipeline rank(s) [0, 1]" in err, err
         assert f"micro-batch {BAD_MB}" in err and "on_nonfinite='skip'" in err and "detect_anomaly" in err, err
+        if schedule == "zb-h2":  # post-validation without clipping keeps no copy: the step stood
+            assert "the step was taken before the check" in err, err
+            continue
+        assert "the step was not taken on any rank" in err, err
         for name, value in r["weights"].items():
             torch.testing.assert_close(value, ref[name], rtol=1e-5, atol=1e-6, msg=f"rank {rank} {name}")
 

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -76,3 +79,84 @@ def test_under_torchrun(tmp_path):
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["steps"] == 5 and summary["num_stages"] == 2 and len(summary["peak_memory_bytes_per_rank"]) == 2
+
+
+def _agent(node: int, port: int, tmp_path: Path, extra: list[str]) -> subprocess.Popen:
+    """One node: a torchrun agent with one process, joining a c10d rendezvous on localhost, in a
+    session of its own (so the node can be killed whole, agent and worker)."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+         "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "twobp-test",
+         "-m", "lightning_twobp.train", "trainer.devices=1", "trainer.num_nodes=2", "callbacks=none",
+         f"hydra.run.dir={tmp_path}/run", *extra],
+        stdout=open(tmp_path / f"node{node}.log", "w"), stderr=subprocess.STDOUT, env=env, cwd=tmp_path,
+        start_new_session=True,
+    )
+
+
+def _tree(pid: int) -> list[int]:
+    """``pid`` and its descendants (torchrun starts its workers in sessions of their own)."""
+    parents: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        parents.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo.extend(parents.get(p, []))
+    return out
+
+
+def _final_loss(run: Path) -> float:
+    rows = [line.split(",") for line in (run / "logs" / "version_0" / "metrics.csv").read_text().splitlines()]
+    col = rows[0].index("train_loss")
+    return float([r for r in rows[1:] if len(r) > col and r[col]][-1][col])
+
+
+def test_two_nodes_train_as_one_process_and_a_lost_node_is_named(tmp_path):
+    """Two torchrun agents (``--nnodes 2``, a c10d rendezvous on localhost) train the default recipe:
+    the last loss equals one process's; then a node killed mid-run (agent and worker) ends the other's
+    job with an error naming the lost pipeline rank, within the pipeline timeout."""
+    from lightning_twobp.testing import free_port
+
+    steps = ["trainer.max_steps=5", "trainer.log_every_n_steps=1"]
+    one = tmp_path / "one"
+    one.mkdir()
+    _run([*steps, "trainer.devices=1", "callbacks=none", f"hydra.run.dir={one}/run"], one)
+    two = tmp_path / "two"
+    two.mkdir()
+    port = free_port()
+    nodes = [_agent(n, port, two, steps) for n in range(2)]
+    codes = [p.wait(timeout=300) for p in nodes]
+    assert codes == [0, 0], [(two / f"node{n}.log").read_text()[-3000:] for n in range(2)]
+    assert abs(_final_loss(two / "run") - _final_loss(one / "run")) <= 1e-5 * abs(_final_loss(one / "run"))
+
+    lost = tmp_path / "lost"
+    lost.mkdir()
+    port = free_port()
+    nodes = [_agent(n, port, lost, ["trainer.max_steps=100000", "strategy.pipeline_timeout=60"]) for n in range(2)]
+    logs = [lost / f"node{n}.log" for n in range(2)]
+    deadline = time.monotonic() + 240
+    while "twobp: " not in "".join(p.read_text() for p in logs if p.exists()):  # the pipeline is built
+        assert time.monotonic() < deadline, [p.read_text()[-2000:] for p in logs]
+        time.sleep(1)
+    time.sleep(10)  # some steps in
+    try:
+        for pid in _tree(nodes[1].pid):  # the second node dies whole: its agent and its worker
+            os.kill(pid, signal.SIGKILL)
+        code = nodes[0].wait(timeout=180)
+    finally:
+        for p in nodes:
+            for pid in _tree(p.pid):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+    text = logs[0].read_text()
+    assert code != 0, text[-3000:]
+    assert re.search(r"pipeline rank [01] \(stage [01], global rank [01], host [^)]+\) stopped answering", text), text[-3000:]

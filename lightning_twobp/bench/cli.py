@@ -4,6 +4,7 @@
     twobp-bench --peer [--rounds N] [--steps K] [--out DIR] [--only LABEL ...] [--quick]
     twobp-bench --trainer [--json PATH] [--repeats N] [--only LABEL ...] [--quick]
     twobp-bench --split [--tokens 512 256 64]
+    twobp-bench --soak N [--json PATH]
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ def main(argv: list[str] | None = None) -> int:
     mode.add_argument("--peer", action="store_true", help="side by side with torch.distributed.pipelining")
     mode.add_argument("--trainer", action="store_true", help="through Trainer(strategy=TwoBPStrategy) vs the bare engine")
     mode.add_argument("--split", action="store_true", help="only (B + W) / BW on one block")
+    mode.add_argument("--soak", type=int, metavar="N", help="N Trainer steps of the default recipe: does memory stay flat?")
     ap.add_argument("--json", help="write the results as JSON to this path (engine, trainer)")
     ap.add_argument("--out", help="--peer: write peer.md, peer.csv and peer.json into this directory")
     ap.add_argument("--repeats", type=int, default=5, help="timed steps per configuration (engine, trainer)")
@@ -44,6 +46,18 @@ def main(argv: list[str] | None = None) -> int:
         for n in args.tokens:
             r = bench_split(n)
             print(f"{n:>7}{r['bw_ms']:>9.2f}{r['b_ms']:>9.2f}{r['w_ms']:>9.2f}{r['median_ratio']:>10.3f}")
+        return 0
+
+    if args.soak:
+        from lightning_twobp.bench.soak import markdown as soak_markdown
+        from lightning_twobp.bench.soak import soak
+
+        result = soak(args.soak)
+        print(soak_markdown(result))
+        if args.json:
+            with open(args.json, "w") as fh:
+                json.dump(result, fh, indent=1)
+            print(f"wrote {args.json}")
         return 0
 
     if args.peer:

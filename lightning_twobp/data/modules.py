@@ -2,9 +2,8 @@
 (``_target_: lightning_twobp.data.TokenDataModule``, ...). Each uses a learnable synthetic task when
 no path is given, local files otherwise; nothing is downloaded.
 
-Train batches are shuffled with a seeded generator (every process draws the same order; under a
-distributed run a StatefulDistributedSampler over the data-parallel replicas, seeded the same way on
-every rank) and
+Train batches are shuffled by torchdata's StatefulDistributedSampler, seeded, over the data-parallel
+replicas (one replica in a single process, so one process and one pipeline see the same batches) and
 drop the last partial batch, since a pipeline splits every training batch into equal micro-batches.
 Validation is unshuffled and keeps its last batch (evaluation takes uneven micro-batches).
 
@@ -72,9 +71,10 @@ class _DataModule(pl.LightningDataModule):
         # here: Lightning leaves a DistributedSampler alone, whereas the one it would inject itself sits
         # inside a rebuilt batch sampler whose position a resume does not restore (measured: another
         # order of batches after resuming mid-epoch).
-        replicas = self._replicas() if train else None
+        # One process uses the same sampler as one replica, so a pipeline sees the batches one process does.
         sampler = None
-        if replicas:
+        if train:
+            replicas = self._replicas() or {"num_replicas": 1, "rank": 0}
             sampler = StatefulDistributedSampler(ds, shuffle=True, seed=self.seed, **replicas)
         return StatefulDataLoader(
             ds,

@@ -54,6 +54,7 @@ class Verdict:
     redone: bool = False
     nonfinite_ranks: tuple[int, ...] = ()  # ranks of ``group`` that held a non-finite gradient
     extra: torch.Tensor | None = None  # the caller's ``extra`` statistics, summed over ``group``
+    nonfinite: bool = False  # a gradient was not finite (skipped, or taken with ``rollback=False``)
 
 
 class StepValidation:
@@ -69,6 +70,9 @@ class StepValidation:
         overlap: step speculatively and check later (:meth:`validate`), or check before stepping.
         not_counted: ids of parameters that are clipped but not counted in the norm (a tied copy
             whose first holder counts it).
+        rollback: overlap mode keeps a copy to put back (default). ``False`` without clipping: no copy
+            (no memory), and a non-finite step stands; :meth:`validate` only reports it
+            (``Verdict.nonfinite``), for a caller that stops training then.
 
     Call :meth:`before_step` after the step's gradients are complete and right before
     ``optimizer.step()``; with ``overlap=True`` call :meth:`validate` before the next
@@ -78,7 +82,7 @@ class StepValidation:
     def __init__(self, optimizer: torch.optim.Optimizer, *, max_norm: float | None = None,
                  norm_type: float = 2.0, check_finite: bool = True, group: dist.ProcessGroup | None = None,
                  device: torch.device | str = "cpu", overlap: bool = True,
-                 not_counted: frozenset[int] | set[int] = frozenset()) -> None:
+                 not_counted: frozenset[int] | set[int] = frozenset(), rollback: bool = True) -> None:
         if max_norm is not None and not max_norm > 0:
             raise ValueError(f"max_norm must be > 0 (or None for no clipping), got {max_norm!r}")
         self.optimizer = optimizer
@@ -88,6 +92,9 @@ class StepValidation:
         self.group = group
         self.device = torch.device(device)
         self.overlap = overlap
+        self.rollback = rollback
+        if overlap and not rollback and max_norm is not None:
+            raise ValueError("clipping after the step needs rollback=True: a clipped step is put back and redone")
         self.not_counted = frozenset(not_counted)
         self.last: Verdict | None = None  # the latest verdict
         self.skipped_steps = 0  # steps not taken: a gradient was not finite
@@ -174,7 +181,7 @@ class StepValidation:
         """What the synchronous check does to the gradients before ``optimizer.step()``: drop them all
         (the optimizer then skips every parameter) or clip them in place."""
         if skip:
-            self._note_nonfinite(params)
+            self._note_nonfinite([(q, q.grad) for q in params])
             for q in params:
                 q.grad = None
         elif total is not None:
@@ -199,7 +206,8 @@ class StepValidation:
             self._apply(params, total, clip, skip)
             return self._record(total, clip, skip, redone=False, **self._details(stats))
         work = self._reduce(stats, async_op=True)
-        self._snapshot()
+        if self.rollback:
+            self._snapshot()
         self._grads = [(q, q.grad) for q in params]
         # Tensor._version counts in-place writes: a redo must see the gradients the step saw.
         self._versions = [g._version for _, g in self._grads]
@@ -221,6 +229,10 @@ class StepValidation:
         grads, self._grads = self._grads, []
         if not clip and not skip:
             return self._record(total, False, False, redone=False, **details)
+        if not self.rollback:  # nothing to put back: the step stands, the verdict says what it was
+            if skip:
+                self._note_nonfinite(grads)
+            return self._record(total, False, False, redone=False, nonfinite=skip, **details)
         changed = [i for i, (_, g) in enumerate(grads) if g._version != self._versions[i]]
         if changed and not skip:
             raise RuntimeError(
@@ -230,22 +242,23 @@ class StepValidation:
             )
         self._restore()
         if skip:
-            self._note_nonfinite([q for q, g in grads if g is q.grad])
+            self._note_nonfinite(grads)
         else:
             self._redo(grads, total)
         return self._record(total, clip, skip, redone=True, **details)
 
-    def _note_nonfinite(self, params: Sequence[nn.Parameter]) -> None:
+    def _note_nonfinite(self, grads: Sequence[tuple[nn.Parameter, torch.Tensor | None]]) -> None:
         """This rank's parameters with a non-finite gradient, for the caller's message (failure path only:
         one host sync per parameter)."""
-        self.nonfinite_params = [q for q in params if q.grad is not None and not bool(torch.isfinite(q.grad).all())]
+        self.nonfinite_params = [q for q, g in grads if g is not None and not bool(torch.isfinite(g).all())]
 
     def _record(self, total: torch.Tensor | None, clip: bool, skip: bool, redone: bool,
-                nonfinite_ranks: tuple[int, ...] = (), extra: torch.Tensor | None = None) -> Verdict:
+                nonfinite_ranks: tuple[int, ...] = (), extra: torch.Tensor | None = None,
+                nonfinite: bool | None = None) -> Verdict:
         self.skipped_steps += skip
         self.clipped_steps += clip and not skip
         self.redone_steps += redone
-        self.last = Verdict(total, clip, skip, redone, nonfinite_ranks, extra)
+        self.last = Verdict(total, clip, skip, redone, nonfinite_ranks, extra, skip if nonfinite is None else nonfinite)
         return self.last
 
     def _redo(self, grads: list[tuple[nn.Parameter, torch.Tensor]], total: torch.Tensor | None) -> None:

@@ -59,6 +59,15 @@ __all__ = ["NonFiniteError", "TwoBPStrategy"]
 _NOT_YET = "the pipeline is built in setup(), when a Trainer call starts: call trainer.fit (or validate, test, predict) first"
 
 
+@dataclass(frozen=True)
+class StepRecords:
+    """One recorded training step on this rank: its ops as they ran, and each (stage, micro-batch)'s
+    saved bytes."""
+
+    records: list[Any]
+    held_bytes: dict[tuple[int, int], int]
+
+
 class NonFiniteError(RuntimeError):
     """A loss or gradient was inf or NaN under ``on_nonfinite="stop"``: raised on every rank at once."""
 
@@ -101,13 +110,15 @@ class TwoBPStrategy(DDPStrategy):
             and redoing it exactly when it would have changed it (the Zero Bubble paper's optimizer
             post-validation; :class:`~lightning_twobp.engine.StepValidation`). ``None`` (default): on
             for ``zb-h2`` and ``zb-v``, whose zero bubble needs consecutive steps to overlap; off (check
-            first, then step) for the others, which do not overlap anyway. Costs one copy of the
-            parameters and optimizer state while a step is unchecked. Not with fp16's GradScaler.
+            first, then step) for the others, which do not overlap anyway. With clipping or
+            ``on_nonfinite="skip"`` it costs one copy of the parameters and optimizer state while a
+            step is unchecked (none otherwise). Not with fp16's GradScaler.
         on_nonfinite: an inf or NaN gradient on any stage (a NaN loss makes every gradient NaN) is
             seen by every rank in the same step: one all-reduce of ``pipeline_degree + 3`` numbers
             per optimizer step, the one clipping needs anyway. ``"stop"`` (default): every rank
             raises :class:`NonFiniteError` naming the step, the stages and the first non-finite
-            micro-batch loss, before the step changes any weight. ``"skip"``: the step is skipped on
+            micro-batch loss (before the step changes any weight, except under post-validation
+            without clipping, where the error comes a step later and says so). ``"skip"``: the step is skipped on
             every rank, with a warning; ``strategy.step_checks["skipped"]`` counts them and
             ``pipeline/skipped_steps`` is logged. With fp16's GradScaler the scaler does this instead.
         timeout: as for DDPStrategy (the process group); the pipeline's own waits on another rank are
@@ -182,6 +193,8 @@ class TwoBPStrategy(DDPStrategy):
         self._failed = False
         self.stage_sizes: list[int] | None = None  # layers per stage, once the pipeline is built
         self._resume_rng: dict[str, torch.Tensor] | None = None  # a checkpoint's random states, not yet restored
+        self._record_next = False
+        self.last_records: StepRecords | None = None  # this rank's ops of the latest recorded step
 
     # ------------------------------------------------------------------ layout, for users' code
     @property
@@ -198,6 +211,12 @@ class TwoBPStrategy(DDPStrategy):
         ``skipped`` (a gradient was not finite) and ``redone`` (stepped speculatively, then put back and
         redone, with ``post_validation``). Kept after the Trainer call."""
         return dict(self._step_checks)
+
+    def record_next_step(self) -> None:
+        """Record the next training step's ops on this rank (every rank must ask for the same step):
+        :attr:`last_records` then holds their times (:class:`~lightning_twobp.engine.ActionRecord`)
+        and the bytes each micro-batch's forward saved. Costs one clock read per op on that step."""
+        self._record_next = True
 
     @property
     def stages_per_rank(self) -> int:
@@ -418,7 +437,11 @@ class TwoBPStrategy(DDPStrategy):
             # With a GradScaler (fp16), the pipeline's backward starts from the scaled loss, as
             # Lightning's backward would; the scaler unscales before clipping and stepping.
             scaler = getattr(self.precision_plugin, "scaler", None)
+            ex.record = self._record_next
             result = ex.step(inputs, targets, loss_scale=float(scaler.get_scale()) if scaler is not None else 1.0)
+            if self._record_next:
+                ex.record = self._record_next = False
+                self.last_records = StepRecords(list(result.records), dict(result.held_bytes))
             if pipeline.tied:
                 pipeline.tied.reduce_grads()
         if ex.last in ex.stages:
@@ -449,7 +472,7 @@ class TwoBPStrategy(DDPStrategy):
         """Count the verdict; a step skipped for a non-finite gradient stops training on every rank
         (``on_nonfinite="stop"``) or is logged (``"skip"``). Every rank sees the same verdict."""
         self._count_checks()
-        if verdict is None or not verdict.skipped:
+        if verdict is None or not verdict.nonfinite:
             return verdict
         # ``done``: the step counter has moved past the step the verdict is about (a speculative step)
         step = self.lightning_module.trainer.global_step - int(done)
@@ -464,8 +487,15 @@ class TwoBPStrategy(DDPStrategy):
         if self.on_nonfinite == "stop":
             mine = f" On pipeline rank {self.pp_rank}: {', '.join(names[:4]) or 'none'}" + (
                 f" and {len(names) - 4} more" if len(names) > 4 else "") + "."
+            taken = ("the step was not taken on any rank" if verdict.skipped else
+                     "the step was taken before the check (post-validation keeps no copy to undo it when not "
+                     "clipping), so the weights in memory are not finite; checkpoints on disk are from before")
+            if dist.is_initialized() and dist.get_world_size() > 1:
+                # Every rank raises here; meet first, so that no rank tears down its connections while
+                # another still receives this step's last messages (it would see a lost peer instead).
+                dist.all_reduce(torch.zeros(1, device=self.root_device))
             raise NonFiniteError(
-                f"twobp: training stopped at {where}; the step was not taken on any rank (on_nonfinite='stop')."
+                f"twobp: training stopped at {where}; {taken} (on_nonfinite='stop')."
                 f"{mine} Skip such steps with TwoBPStrategy(on_nonfinite='skip'), lower the learning rate, "
                 f"clip gradients (Trainer(gradient_clip_val=...)), or find the operation with "
                 f"torch.autograd.detect_anomaly (docs/troubleshooting.md)"
@@ -487,8 +517,12 @@ class TwoBPStrategy(DDPStrategy):
             overlap = self.post_validation
             if overlap is None:
                 overlap = self.schedule_name in ("zb-h2", "zb-v") and not fp16
+            # A copy to put back is needed to redo a clipped step or skip a non-finite one; stopping
+            # on a non-finite step needs none (no memory, no copying every step).
+            rollback = max_norm is not None or self.on_nonfinite == "skip"
             check = StepValidation(optimizer, max_norm=max_norm, check_finite=not fp16, group=self._group("pp"),
-                                   device=self.root_device, overlap=overlap, not_counted=pipeline.tied.not_counted)
+                                   device=self.root_device, overlap=overlap, not_counted=pipeline.tied.not_counted,
+                                   rollback=rollback or not overlap)
             pipeline.checks[id(optimizer)] = check
         check.max_norm = max_norm
         self._judge(check, check.validate(), done=True)  # nothing pending normally: training_step validated it

@@ -1,0 +1,97 @@
+"""Does memory stay flat over a long run? ``twobp-bench --soak N``.
+
+Two gloo processes train the default recipe's model and data (tiny LLaMa 4 x 128, counting task,
+ZB-H1, m = 4, batch 16 x 64) with ``Trainer(strategy="twobp")`` for N steps, several epochs, with
+checkpointing and validation off. Every rank samples its resident set size (``/proc/self/statm``)
+every ``every`` steps; the report gives each rank's RSS after warm-up, at the end, and the slope
+of a least-squares line through the samples after warm-up (MB per 1,000 steps). A leak of one
+micro-batch's activations per step would show as tens of MB per 1,000 steps; allocator noise as
+well under one.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+
+import lightning.pytorch as pl
+import torch
+
+from lightning_twobp.testing import free_port, run_distributed
+
+__all__ = ["rss_mb", "soak"]
+
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+def rss_mb() -> float:
+    """This process's resident set size in MB (Linux; 0 elsewhere)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * _PAGE / 1e6
+    except OSError:
+        return 0.0
+
+
+class _Sampler(pl.Callback):
+    def __init__(self, every: int) -> None:
+        self.every = every
+        self.samples: list[tuple[int, float, float]] = []  # (step, seconds since start, RSS MB)
+        self._t0 = time.perf_counter()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        step = trainer.global_step
+        if step % self.every == 0:
+            self.samples.append((step, time.perf_counter() - self._t0, rss_mb()))
+
+
+def _worker(rank: int, world: int, port: int, steps: int, every: int) -> list[tuple[int, float, float]]:
+    from lightning_twobp import TwoBPStrategy
+    from lightning_twobp.data import TokenDataModule
+    from lightning_twobp.models import LlamaLM
+
+    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world), RANK=str(rank),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    model = LlamaLM(vocab_size=256, dim=128, n_layers=4, n_heads=4, max_seq_len=64, lr=3e-3)
+    data = TokenDataModule(vocab_size=256, seq_len=64, batch_size=16, num_train=4096, num_val=0, seed=0)
+    sampler = _Sampler(every)
+    trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=TwoBPStrategy(schedule="zb-h1", num_microbatches=4),
+                         max_steps=steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, limit_val_batches=0, callbacks=[sampler])
+    trainer.fit(model, datamodule=data)
+    return sampler.samples
+
+
+def _slope(points: list[tuple[int, float]]) -> float:
+    """Least-squares slope of (step, MB), in MB per 1,000 steps."""
+    if len(points) < 2:
+        return 0.0
+    xs, ys = [p[0] for p in points], [p[1] for p in points]
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    var = sum((x - mx) ** 2 for x in xs)
+    return 1000 * sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var if var else 0.0
+
+
+def soak(steps: int = 2000, every: int = 20, warmup: float = 0.1) -> dict:
+    """Run the soak; returns per rank: RSS after warm-up (the first ``warmup`` fraction of steps) and
+    at the end, the slope after warm-up, steps per second, and the samples."""
+    per_rank = run_distributed(_worker, 2, free_port(), steps, every, timeout=max(600, steps * 2))
+    ranks = []
+    for rank, samples in enumerate(per_rank):
+        after = [(s, mb) for s, _, mb in samples if s >= warmup * steps]
+        ranks.append(dict(rank=rank, rss_first_mb=samples[0][2], rss_after_warmup_mb=after[0][1],
+                          rss_last_mb=samples[-1][2], slope_mb_per_1000_steps=_slope(after),
+                          steps_per_s=samples[-1][0] / samples[-1][1] if samples[-1][1] else 0.0, samples=samples))
+    return dict(steps=steps, every=every, warmup_fraction=warmup, torch_version=torch.__version__, ranks=ranks)
+
+
+def markdown(result: dict) -> str:
+    lines = [f"{result['steps']} steps of the default recipe's model (tiny LLaMa 4 x 128, ZB-H1, m = 4) on 2 gloo "
+             f"ranks; RSS sampled every {result['every']} steps",
+             "", "| rank | RSS first MB | after warm-up MB | last MB | slope after warm-up (MB / 1,000 steps) | steps/s |",
+             "|---:|---:|---:|---:|---:|---:|"]
+    for r in result["ranks"]:
+        lines.append(f"| {r['rank']} | {r['rss_first_mb']:.1f} | {r['rss_after_warmup_mb']:.1f} | {r['rss_last_mb']:.1f} "
+                     f"| {r['slope_mb_per_1000_steps']:+.2f} | {r['steps_per_s']:.1f} |")
+    return "\n".join(lines)

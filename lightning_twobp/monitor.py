@@ -1,0 +1,302 @@
+"""``PipelineMonitor``: throughput, memory and bubbles per pipeline rank while ``Trainer(strategy="twobp")``
+trains, and Chrome traces of chosen steps.
+
+Lightning's ``ThroughputMonitor`` multiplies by the world size, so under pipeline parallelism it
+counts every sample once per stage; ``DeviceStatsMonitor`` sees only its own rank. This callback
+counts each sample once per pipeline (times the data-parallel replicas), with Lightning's own
+:class:`~lightning.fabric.utilities.throughput.Throughput` and its names (``throughput/samples_per_sec``,
+``throughput/items_per_sec`` with a ``length_fn``, ``throughput/flops_per_sec`` and
+``throughput/device/mfu`` with ``flops_per_batch`` on a GPU whose peak is known; ``device/`` there
+means one pipeline). At logging steps only, every rank contributes a few numbers through one
+tensor all-gather, logged per pipeline rank as ``pipeline/rank{r}/...``:
+
+* ``rss_mb`` (the process's resident memory) and, on GPU, ``max_allocated_mb`` / ``max_reserved_mb``
+  since the previous log;
+* ``bubble``: the idle fraction of the rank's step measured from the executor's own op timings
+  (the step before each logging step is recorded), beside ``bubble_simulated``, what
+  :func:`~lightning_twobp.schedules.simulate` predicts for the same schedule at the costs measured in
+  that step;
+* ``held_mb_per_microbatch``: what one micro-batch's forward saves on the rank until its backward.
+
+``trace_steps=[10, 11]`` records those steps on every rank and writes each as a Chrome trace
+(``chrome://tracing`` or https://ui.perfetto.dev: a track per rank, with the simulated schedule at
+the measured costs below it) and, with matplotlib, a PNG timeline, into ``trace_dir`` (default:
+``<log dir>/traces``).
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.fabric.utilities.throughput import Throughput, get_available_flops
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
+from lightning_twobp.schedules import Action, Costs, simulate
+
+__all__ = ["PipelineMonitor", "measured_costs", "rss_mb"]
+
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+_FIELDS = ("rss_mb", "max_allocated_mb", "max_reserved_mb", "bubble", "bubble_simulated", "held_mb_per_microbatch")
+
+
+def rss_mb() -> float:
+    """This process's resident set size in MB (Linux; NaN elsewhere)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * _PAGE / 1e6
+    except OSError:
+        return float("nan")
+
+
+def _parse(op: str) -> Action | None:
+    try:
+        return Action.parse(op)
+    except ValueError:
+        return None  # communication and bookkeeping ops
+
+
+def measured_costs(records: Sequence[Any], num_stages: int) -> Costs:
+    """Median F, B and W seconds per stage from recorded ops, their receive waits excluded (a fused
+    BW counts as B, with W zero)."""
+    per: dict[tuple[str, int], list[float]] = {}
+    for r in records:
+        a = _parse(r.op)
+        if a is None or a.kind not in ("F", "B", "W", "BW"):
+            continue
+        kind = "B" if a.kind == "BW" else a.kind
+        per.setdefault((kind, a.stage), []).append((r.end - r.start - r.wait) / len(a.microbatches))
+
+    def col(kind: str) -> tuple[float, ...]:
+        return tuple(statistics.median(per[(kind, s)]) if (kind, s) in per else 0.0 for s in range(num_stages))
+
+    return Costs(f=col("F"), b=col("B"), w=col("W"))
+
+
+def _busy(records: Sequence[Any]) -> tuple[float, float]:
+    """(compute seconds, step seconds) of one rank's recorded step."""
+    ops = [r for r in records if _parse(r.op) is not None]
+    if not ops:
+        return 0.0, 0.0
+    return sum(r.end - r.start - r.wait for r in ops), max(r.end for r in records)
+
+
+class PipelineMonitor(pl.Callback):
+    """Throughput, memory and bubbles per pipeline rank, logged every ``log_every_n_steps`` (the
+    Trainer's by default), and Chrome traces of ``trace_steps``.
+
+    Args:
+        log_every_n_steps: how often to log (default: ``trainer.log_every_n_steps``).
+        batch_size_fn: samples in a batch (default: the first dimension of its first tensor).
+        length_fn: items (tokens) in a batch, for ``throughput/items_per_sec``.
+        flops_per_batch: FLOPs of one training batch (forward and backward), e.g. from
+            :func:`lightning.fabric.utilities.throughput.measure_flops` on the meta device; gives
+            ``flops_per_sec`` and, where the device's peak is known, ``device/mfu``.
+        window_size: batches over which throughput is averaged (at most one logging interval).
+        trace_steps: global steps to record and write as Chrome traces.
+        trace_dir: where the traces go.
+        prog_bar: show ``samples_per_sec`` in the progress bar.
+    """
+
+    def __init__(self, log_every_n_steps: int | None = None, batch_size_fn: Callable[[Any], int] | None = None,
+                 length_fn: Callable[[Any], int] | None = None, flops_per_batch: float | None = None,
+                 window_size: int = 50, trace_steps: Sequence[int] = (), trace_dir: str | os.PathLike | None = None,
+                 prog_bar: bool = True) -> None:
+        super().__init__()
+        if log_every_n_steps is not None and log_every_n_steps < 1:
+            raise ValueError(f"PipelineMonitor(log_every_n_steps={log_every_n_steps}): must be at least 1")
+        self.log_every_n_steps = log_every_n_steps
+        self.batch_size_fn = batch_size_fn or _batch_size
+        self.length_fn = length_fn
+        self.flops_per_batch = flops_per_batch
+        self.window_size = window_size
+        self.trace_steps = {int(s) for s in trace_steps}
+        self.trace_dir = trace_dir
+        self.prog_bar = prog_bar
+        self.traces: list[str] = []  # the files written
+        self.last: dict[str, float] = {}  # the latest logged values
+
+    # ------------------------------------------------------------------ helpers
+    @staticmethod
+    def _pipeline(trainer: pl.Trainer) -> Any | None:
+        strategy = trainer.strategy
+        return strategy if hasattr(strategy, "record_next_step") else None
+
+    def _every(self, trainer: pl.Trainer) -> int:
+        return self.log_every_n_steps or max(1, trainer.log_every_n_steps)
+
+    def _records_wanted(self, trainer: pl.Trainer, step: int) -> bool:
+        """Record the step that ends right before a logging step, and the traced ones."""
+        return (step + 1) % self._every(trainer) == 0 or step in self.trace_steps
+
+    # ------------------------------------------------------------------ hooks
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        strategy = self._pipeline(trainer)
+        dp = strategy.world_size // strategy.pipeline_degree if strategy is not None else trainer.world_size
+        pp = strategy.pipeline_degree if strategy is not None else 1
+        device = trainer.strategy.root_device
+        peak = None
+        if device.type == "cuda":
+            dtype = torch.bfloat16 if "bf16" in str(trainer.precision) else (
+                torch.float16 if "16" in str(trainer.precision) else torch.float32)
+            peak = get_available_flops(device, dtype)
+        # One "device" of Throughput is one pipeline: its peak is pp devices' peak.
+        # Throughput reports rates once its window is full: at most one logging interval long, so the
+        # first log already has them.
+        window = max(2, min(self.window_size, self._every(trainer)))
+        self._throughput = Throughput(available_flops=peak * pp if peak else None, world_size=dp,
+                                      window_size=window, separator="/")
+        self._t0 = time.perf_counter()
+        self._batches = self._samples = self._lengths = 0
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+        strategy = self._pipeline(trainer)
+        if strategy is not None and self._records_wanted(trainer, trainer.global_step):
+            strategy.record_next_step()
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        now = time.perf_counter() - self._t0
+        self._batches += 1
+        self._samples += self.batch_size_fn(batch)
+        if self.length_fn is not None:
+            self._lengths += self.length_fn(batch)
+        flops = self.flops_per_batch * self._batches if self.flops_per_batch else None
+        self._throughput.update(time=now, batches=self._batches, samples=self._samples,
+                                lengths=self._lengths if self.length_fn is not None else None, flops=flops)
+        step = trainer.global_step  # counted: the step that just ran is step - 1
+        strategy = self._pipeline(trainer)
+        if strategy is not None and step - 1 in self.trace_steps:
+            self._write_trace(trainer, strategy, step - 1)
+        if step % self._every(trainer) == 0:
+            self._log(trainer, pl_module, strategy)
+
+    # ------------------------------------------------------------------ logging
+    def _log(self, trainer: pl.Trainer, pl_module: pl.LightningModule, strategy: Any | None) -> None:
+        computed = self._throughput.compute()
+        for k in [k for k in computed if k.startswith("device/")]:
+            computed.setdefault(k[len("device/"):], computed[k])  # one replica: the global rate is the pipeline's
+        values = {f"throughput/{k}": float(v) for k, v in computed.items()
+                  if k not in ("time", "batches", "samples", "lengths", "flops")}
+        if strategy is not None:
+            values.update(self._per_rank(trainer, strategy))
+        self.last = values
+        for name, value in values.items():
+            if value == value:  # NaN: not known here (CUDA memory on CPU, ...)
+                pl_module.log(name, value, on_step=True, on_epoch=False,
+                              prog_bar=self.prog_bar and name == "throughput/samples_per_sec")
+
+    def _local(self, trainer: pl.Trainer, strategy: Any) -> torch.Tensor:
+        nan = float("nan")
+        device = strategy.root_device
+        alloc = reserved = nan
+        if device.type == "cuda":
+            alloc = torch.cuda.max_memory_allocated(device) / 1e6
+            reserved = torch.cuda.max_memory_reserved(device) / 1e6
+            torch.cuda.reset_peak_memory_stats(device)
+        bubble = simulated = held = nan
+        rec = strategy.last_records
+        if rec is not None and rec.records:
+            busy, span = _busy(rec.records)
+            bubble = 1.0 - busy / span if span > 0 else nan
+            if rec.held_bytes:
+                held = statistics.fmean(rec.held_bytes.values()) / 1e6
+        return torch.tensor([rss_mb(), alloc, reserved, bubble, simulated, held], dtype=torch.float64)
+
+    def _per_rank(self, trainer: pl.Trainer, strategy: Any) -> dict[str, float]:
+        """Every rank's numbers, gathered with one tensor all-gather (and the simulated bubble from
+        the records of every stage, gathered as a small tensor of per-stage costs)."""
+        mine = self._local(trainer, strategy)
+        costs = self._local_costs(strategy)
+        row = torch.cat([mine, costs])
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            rows = [torch.empty_like(row) for _ in range(dist.get_world_size())]
+            dist.all_gather(rows, row)
+        else:
+            rows = [row]
+        sim = self._simulated(strategy, [r[len(_FIELDS):] for r in rows])
+        out: dict[str, float] = {}
+        pp = strategy.pipeline_degree
+        for r in range(pp):  # the first replica's pipeline: global ranks 0 .. pp - 1 (consecutive)
+            for name, value in zip(_FIELDS, rows[r][:len(_FIELDS)].tolist()):
+                if name == "bubble_simulated" and sim is not None:
+                    value = sim[r]
+                out[f"pipeline/rank{r}/{name}"] = value
+        return out
+
+    def _local_costs(self, strategy: Any) -> torch.Tensor:
+        """This rank's measured (F, B, W) per stage of the whole pipeline, zeros for stages it does
+        not hold, so that the sum over the pipeline's ranks is the full table."""
+        schedule = strategy.schedule
+        n = schedule.num_stages
+        table = torch.zeros(3 * n, dtype=torch.float64)
+        rec = strategy.last_records
+        if rec is None or not rec.records:
+            return table
+        c = measured_costs(rec.records, n)
+        for s in schedule.stages_of(strategy.pp_rank):
+            table[s], table[n + s], table[2 * n + s] = c.f[s], c.b[s], c.w[s]
+        return table
+
+    def _simulated(self, strategy: Any, tables: list[torch.Tensor]) -> list[float] | None:
+        schedule = strategy.schedule
+        n = schedule.num_stages
+        total = sum(tables[: strategy.pipeline_degree])
+        if not bool((total[:n] > 0).all()):
+            return None
+        costs = Costs(f=tuple(total[:n].tolist()), b=tuple(total[n:2 * n].tolist()), w=tuple(total[2 * n:].tolist()))
+        result = simulate(schedule, costs)
+        return [(result.makespan - b) / result.makespan for b in result.busy]
+
+    # ------------------------------------------------------------------ traces
+    def _write_trace(self, trainer: pl.Trainer, strategy: Any, step: int) -> None:
+        from lightning_twobp.trace import write_chrome_trace
+
+        mine = list(strategy.last_records.records) if strategy.last_records is not None else []
+        everyone: list[Any] = [None] * (dist.get_world_size() if dist.is_initialized() else 1)
+        if len(everyone) > 1:
+            dist.all_gather_object(everyone, mine)  # traced steps only
+        else:
+            everyone = [mine]
+        if trainer.global_rank != 0:
+            return
+        pp = strategy.pipeline_degree
+        by_rank = everyone[:pp]
+        costs = measured_costs([r for recs in by_rank for r in recs], strategy.schedule.num_stages)
+        sim = simulate(strategy.schedule, costs)
+        out = Path(self.trace_dir or Path(trainer.log_dir or trainer.default_root_dir) / "traces")
+        out.mkdir(parents=True, exist_ok=True)
+        path = write_chrome_trace(out / f"step{step}.json", by_rank, simulated=sim.timeline,
+                                  title=f"{strategy.schedule_name} step {step}")
+        self.traces.append(str(path))
+        rank_zero_info(f"twobp: step {step} on every pipeline rank, with the simulated schedule at its measured "
+                       f"costs, as a Chrome trace: {path} (open in https://ui.perfetto.dev or chrome://tracing)")
+        try:
+            from lightning_twobp.viz import plot_timeline
+
+            flat = [r for recs in by_rank for r in recs]
+            fig = plot_timeline(flat, num_ranks=pp, title=f"step {step}, measured", path=out / f"step{step}.png")
+            import matplotlib.pyplot as plt
+
+            plt.close(fig)
+            self.traces.append(str(out / f"step{step}.png"))
+        except ImportError:
+            pass
+
+
+def _batch_size(batch: Any) -> int:
+    from torch.utils import _pytree as pytree
+
+    for x in pytree.tree_leaves(batch):
+        if isinstance(x, torch.Tensor) and x.dim() > 0:
+            return int(x.shape[0])
+    return 1
