@@ -30,31 +30,14 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader
 
-from lightning_twobp.bench.trainer import _SameBatch
-from lightning_twobp.bench.workload import WORLD, Workload, keep_freed_memory, loss_fn
+from lightning_twobp.bench.trainer import _Llama, _SameBatch
+from lightning_twobp.bench.workload import WORLD, Workload, keep_freed_memory
 from lightning_twobp.models.llama_loop import LlamaLoop
 from lightning_twobp.testing import free_port, run_distributed
 
 __all__ = ["bench_modulelist", "main"]
 
 _WARMUP = 2  # untimed iterations at the start of each fit
-
-
-class _LM(pl.LightningModule):
-    """Either form as ``self.model``: the Sequential (pipelined as one) or the loop (its ModuleList)."""
-
-    def __init__(self, model: torch.nn.Module) -> None:
-        super().__init__()
-        self.model = model
-
-    def training_step(self, batch, batch_idx):
-        ids, tgt = batch
-        loss = loss_fn(self.model(ids), tgt)
-        self.log("train_loss", loss)
-        return loss
-
-    def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=1e-4)
 
 
 def _sequential(wl: Workload) -> torch.nn.Module:
@@ -84,14 +67,14 @@ def _fit(form: Callable[[Workload], torch.nn.Module], wl: Workload, schedule: st
     from lightning_twobp import TwoBPStrategy
 
     ids, tgt = wl.data()
-    lm = _LM(form(wl))
+    lm = _Llama(form(wl))  # either form as self.layers: the Sequential, or the loop whose ModuleList is found
     timer = _Timer()
     trainer = pl.Trainer(accelerator="cpu", devices=WORLD, strategy=TwoBPStrategy(schedule=schedule, num_microbatches=m),
                          max_steps=steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, use_distributed_sampler=False, callbacks=[timer])
     trainer.fit(lm, DataLoader(_SameBatch(ids, tgt, steps), batch_size=wl.batch))
     periods = [b - a for a, b in zip(timer.starts, timer.starts[1:])][_WARMUP:]
-    return periods, [q.detach().clone() for q in lm.model.parameters() if not q.is_meta]  # what this rank trained
+    return periods, [q.detach().clone() for q in lm.layers.parameters() if not q.is_meta]  # what this rank trained
 
 
 def _worker(rank: int, world: int, wl: Workload, schedules: list[str], m: int, rounds: int, steps: int,
