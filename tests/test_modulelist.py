@@ -363,6 +363,12 @@ def test_discovery_and_its_errors():
     with pytest.raises(ValueError, match=r"holds 2 candidates for the pipeline \(decoder \(ModuleList, 2 layers\), encoder"):
         find_contract(Two())
     assert find_contract(Two(), layers="encoder").list_name == "encoder"
+    with_metrics = Two()
+    del with_metrics.decoder
+    with_metrics.metrics = nn.ModuleList(nn.Identity() for _ in range(2))  # no parameters: not a candidate
+    assert find_contract(with_metrics).list_name == "encoder"
+    with pytest.raises(ValueError, match="holds no nn.Sequential and no nn.ModuleList of blocks with parameters"):
+        find_contract(nn.Linear(2, 2))
     with pytest.raises(ValueError, match="not to an nn.Sequential or an nn.ModuleList"):
         find_contract(Two(), layers="encoder.0")
     with pytest.raises(ValueError, match="give one dotted path"):

@@ -163,6 +163,12 @@ def find_contract(module: nn.Module, layers: str | None = None) -> Contract:
         )
     if isinstance(module, nn.Sequential):
         return SequentialContract("", module)
+    if not found:
+        raise ValueError(
+            f"{type(module).__name__} holds no nn.Sequential and no nn.ModuleList of blocks with parameters: keep the "
+            f"blocks the model's forward loops over in an nn.ModuleList (self.blocks = nn.ModuleList(...)), or put "
+            f"the layers to pipeline in one nn.Sequential called once in each step"
+        )
     lists = [(n, m) for n, m in found if isinstance(m, nn.ModuleList)]
     if not lists:
         return SequentialContract(*find_sequential(module))

@@ -68,8 +68,9 @@ class _Stop(BaseException):
 
 
 def identical_blocks(ml: nn.ModuleList) -> bool:
-    """Whether ``ml`` holds blocks of one class: what automatic discovery pipelines."""
-    return len(ml) > 0 and len({type(m) for m in ml}) == 1
+    """Whether ``ml`` holds blocks of one class that have parameters: what automatic discovery pipelines
+    (a ModuleList of metrics or of parameter-free modules is not a stack of layers)."""
+    return len(ml) > 0 and len({type(m) for m in ml}) == 1 and next(ml.parameters(), None) is not None
 
 
 class LayerGroup(nn.Module):
