@@ -175,11 +175,10 @@ def _pipelined(rank: int, world: int, name: str, kw: dict, validate: bool) -> di
     _env(rank, world)
     model = _make(name)
     _fit(model, TwoBPStrategy(num_microbatches=M, gather_full_model=True, **kw), world, BATCH)
-    out: dict = {}
-    if validate:
+    out: dict = {"params": {n: q.detach().clone() for n, q in model.named_parameters()}}  # whole: gather_full_model
+    if validate:  # a Trainer without gather_full_model: the other ranks' layers are left on meta after it
         data = DataLoader(_padded_tokens(2 * BATCH), batch_size=BATCH)
         out["val_loss"] = _trainer(TwoBPStrategy(num_microbatches=M, **kw), world).validate(model, data, verbose=False)[0]["val_loss"]
-    out["params"] = {n: q.detach().clone() for n, q in model.named_parameters() if not q.is_meta}
     return out
 
 
