@@ -8,7 +8,8 @@ batch 32 x 128 tokens, m = 8) with ``Trainer(strategy=TwoBPStrategy(schedule=S))
 :func:`~lightning_twobp.models.llama.build_llama`'s Sequential (the Sequential contract) and once as
 :class:`~lightning_twobp.models.llama_loop.LlamaLoop` (the same modules and weights, its blocks in an
 ``nn.ModuleList`` called in a loop with the rotary tables as keyword side inputs: the ModuleList
-contract). The two forms alternate, one fit of ``K`` steps each per round (A/B/A/B in the same
+contract), with the same blocks on each stage (``balance=``; the embedding with the first stage's
+blocks, the head with the last's). The two forms alternate, one fit of ``K`` steps each per round (A/B/A/B in the same
 processes); each fit times its loop iterations barrier to barrier (``on_train_batch_start`` to the
 next), drops the first two (warm-up, shape exchange) and takes the median. The ratio is the median over
 rounds of loop-form step / Sequential step: each round's two fits ran back to back, so drift on a
@@ -31,7 +32,9 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader
 
 from lightning_twobp.bench.trainer import _Llama, _SameBatch
-from lightning_twobp.bench.workload import WORLD, Workload, keep_freed_memory
+from lightning_twobp.bench.workload import WORLD, Workload, keep_freed_memory, stage_sizes
+from lightning_twobp.partition import even_sizes
+from lightning_twobp.schedules.placement import default_stages_per_rank
 from lightning_twobp.models.llama_loop import LlamaLoop
 from lightning_twobp.testing import free_port, run_distributed
 
@@ -40,13 +43,16 @@ __all__ = ["bench_modulelist", "main"]
 _WARMUP = 2  # untimed iterations at the start of each fit
 
 
-def _sequential(wl: Workload) -> torch.nn.Module:
-    return wl.model()  # seed 0
+def _sequential(wl: Workload, num_stages: int) -> tuple[torch.nn.Module, list[int]]:
+    """The Sequential, with the embedding joining the first stage's blocks and the head the last's."""
+    return wl.model(), stage_sizes(wl.layers, num_stages)  # seed 0
 
 
-def _loop(wl: Workload) -> torch.nn.Module:
+def _loop(wl: Workload, num_stages: int) -> tuple[torch.nn.Module, list[int]]:
+    """The loop form, with the same blocks per stage (its layers are the blocks; the embedding and the
+    head belong to the first and the last)."""
     torch.manual_seed(0)  # as Workload.model: the same modules in the same order, so the same weights
-    return LlamaLoop(wl.config)
+    return LlamaLoop(wl.config), even_sizes(wl.layers, num_stages)
 
 
 class _Timer(pl.Callback):
@@ -62,14 +68,16 @@ class _Timer(pl.Callback):
         self.starts.append(time.perf_counter())
 
 
-def _fit(form: Callable[[Workload], torch.nn.Module], wl: Workload, schedule: str, m: int,
+def _fit(form: Callable[[Workload, int], tuple[torch.nn.Module, list[int]]], wl: Workload, schedule: str, m: int,
          steps: int) -> tuple[list[float], list[torch.Tensor]]:
     from lightning_twobp import TwoBPStrategy
 
     ids, tgt = wl.data()
-    lm = _Llama(form(wl))  # either form as self.layers: the Sequential, or the loop whose ModuleList is found
+    model, balance = form(wl, WORLD * default_stages_per_rank(schedule))
+    lm = _Llama(model)  # either form as self.layers: the Sequential, or the loop whose ModuleList is found
     timer = _Timer()
-    trainer = pl.Trainer(accelerator="cpu", devices=WORLD, strategy=TwoBPStrategy(schedule=schedule, num_microbatches=m),
+    strategy = TwoBPStrategy(schedule=schedule, num_microbatches=m, balance=balance)
+    trainer = pl.Trainer(accelerator="cpu", devices=WORLD, strategy=strategy,
                          max_steps=steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, use_distributed_sampler=False, callbacks=[timer])
     trainer.fit(lm, DataLoader(_SameBatch(ids, tgt, steps), batch_size=wl.batch))
