@@ -34,7 +34,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from lightning_twobp.config import CONF_DIR, recipes
-from lightning_twobp.lightning.contract import find_sequential
+from lightning_twobp.lightning.contract import SequentialContract, find_contract
 from lightning_twobp.lightning.layout import default_num_microbatches, default_stages_per_rank, schedule_label
 from lightning_twobp.engine import Stage
 from lightning_twobp.partition import partition
@@ -246,7 +246,13 @@ def plan(cfg: DictConfig, recipe: str = "") -> Plan:
 
     with torch.device("meta"):
         lm = instantiate(cfg.model)
-    _, seq = find_sequential(lm, st.get("layers"))
+    contract = find_contract(lm, st.get("layers"))
+    if not isinstance(contract, SequentialContract):
+        raise ValueError(
+            f"twobp-plan measures the layers of an nn.Sequential; {contract.name} is pipelined as the nn.ModuleList "
+            f"{contract.list_name} (the ModuleList contract), which it does not plan yet"
+        )
+    seq = contract.seq
     balance = st.get("balance", "params")
     if balance == "time":
         notes.append('balance="time" is measured at run time; planned with balance="params"')

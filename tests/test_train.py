@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -37,7 +38,12 @@ def test_default_recipe_trains_checkpoints_and_summarises(tmp_path):
     assert (tmp_path / "run" / ".hydra" / "config.yaml").is_file()
 
 
-@pytest.mark.parametrize("recipe", ["cpu-tiny-bert", "cpu-tiny-mamba", "cpu-tiny-resnet"])
+_NO_TRANSFORMERS = pytest.mark.skipif(importlib.util.find_spec("transformers") is None,
+                                      reason="cpu-tiny-hf-gpt2 builds a Hugging Face model: pip install transformers")
+
+
+@pytest.mark.parametrize("recipe", ["cpu-tiny-bert", "cpu-tiny-mamba", "cpu-tiny-resnet",
+                                    pytest.param("cpu-tiny-hf-gpt2", marks=_NO_TRANSFORMERS)])
 def test_tiny_recipes_learn(recipe, tmp_path):
     _run([f"recipe={recipe}", "trainer.max_steps=40", f"hydra.run.dir={tmp_path}/run"], tmp_path)
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())

@@ -1,25 +1,31 @@
 """The model contract: which part of a LightningModule is pipelined, and how its call is intercepted.
 
-Today there is one kind, :class:`SequentialContract`: the pipelined layers are one ``nn.Sequential``,
-found at the top of the module tree or named by ``layers="model.blocks"``, and ``training_step`` calls
-it once. Sequentials nested inside another Sequential are part of it and do not count.
+Two kinds:
+
+* :class:`SequentialContract`: the pipelined layers are one ``nn.Sequential``, found at the top of the
+  module tree or named by ``layers="model.blocks"``, and ``training_step`` calls it once. Sequentials
+  nested inside another Sequential are part of it and do not count.
+* :class:`~lightning_twobp.lightning.loop.ModuleListContract`: blocks in an ``nn.ModuleList`` that the
+  model's own forward calls in a loop with keyword side inputs (Hugging Face, nanoGPT, torchtitan),
+  named by ``layers="model.transformer.h"`` or found as the one ModuleList of identical blocks.
 
 The strategy talks to a contract only through :class:`Contract` (the layers as a list, a stage built
-from a run of them, the call intercepted for the length of a ``with``, layers swapped in and out), so a
-second kind (e.g. blocks in an ``nn.ModuleList`` called in a loop with keyword side inputs) is one more
-class beside this one and one more branch in :func:`find_contract`.
+from a run of them, the call intercepted for the length of a ``with``, layers swapped in and out);
+:func:`find_contract` picks the kind.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any, Protocol
 
 import torch
 from torch import nn
 
-__all__ = ["Contract", "SequentialContract", "StageModule", "find_contract", "find_sequential"]
+from lightning_twobp.lightning.loop import ModuleListContract, identical_blocks
+
+__all__ = ["Contract", "ModuleListContract", "SequentialContract", "StageModule", "find_contract", "find_sequential"]
 
 
 class Contract(Protocol):
@@ -30,14 +36,27 @@ class Contract(Protocol):
     def layers(self) -> list[nn.Module]:
         """The pipelined layers, in order (the unit the partition cuts between)."""
 
-    def stage_module(self, first: int, stop: int) -> nn.Module:
-        """Layers ``first .. stop - 1`` as one module, called with the stage's positional inputs."""
+    def stage_module(self, first: int, stop: int, bounds: Sequence[int]) -> nn.Module:
+        """Layers ``first .. stop - 1`` as one module, called with the stage's positional inputs
+        (``bounds``: every stage's first layer, and the number of layers)."""
 
     def intercept(self, call: Callable[..., Any]) -> Any:
         """A context manager: while it is open, calling the pipelined block calls ``call(*args)``."""
 
     def swap(self, replacements: Mapping[int, nn.Module]) -> dict[int, nn.Module]:
         """Put ``replacements`` in at the given layer indices; return the layers they replaced."""
+
+    def bind(self, runner: Any) -> None:
+        """The step runner that calls :meth:`intercept` (a contract may re-run the step through it)."""
+
+    def describe(self, i: int) -> str:
+        """Layer ``i``, for messages."""
+
+    def parts(self, layer: nn.Module) -> list[nn.Module]:
+        """The modules a user can call in ``layer`` (guarded when their weights are elsewhere)."""
+
+    def parameter_name(self, i: int, name: str) -> str:
+        """The name of parameter ``name`` of layer ``i``, relative to :attr:`name`."""
 
 
 def _inplace(module: nn.Module) -> bool:
@@ -79,7 +98,7 @@ class SequentialContract:
     def layers(self) -> list[nn.Module]:
         return list(self.seq)
 
-    def stage_module(self, first: int, stop: int) -> nn.Module:
+    def stage_module(self, first: int, stop: int, bounds: Sequence[int]) -> nn.Module:
         return StageModule([self.seq[i] for i in range(first, stop)])
 
     @contextmanager
@@ -98,10 +117,81 @@ class SequentialContract:
             self.seq[i] = module
         return old
 
+    def bind(self, runner: Any) -> None:
+        pass  # the runner captures and provides; nothing to keep
+
+    def describe(self, i: int) -> str:
+        return f"{self.name or 'the Sequential'}[{i}]"
+
+    def parts(self, layer: nn.Module) -> list[nn.Module]:
+        return [layer]
+
+    def parameter_name(self, i: int, name: str) -> str:
+        return f"{i}.{name}"
+
 
 def find_contract(module: nn.Module, layers: str | None = None) -> Contract:
-    """The contract of ``module``: today always a :class:`SequentialContract`."""
-    return SequentialContract(*find_sequential(module, layers))
+    """The contract of ``module``: a :class:`SequentialContract` or a
+    :class:`~lightning_twobp.lightning.loop.ModuleListContract`.
+
+    With ``layers`` the Sequential or ModuleList at that dotted path. Without it, the one outermost
+    Sequential or ModuleList of identical blocks (walking the module tree, a Sequential's or such a
+    ModuleList's insides do not count). Raises ``ValueError`` naming the candidates and the fix.
+    """
+    if layers is not None and not isinstance(layers, str):
+        raise ValueError(
+            f"layers={layers!r}: give one dotted path (e.g. layers='model.transformer.h'); pipelining several "
+            f"ModuleLists or Sequentials in one pipeline is not supported"
+        )
+    found = _outermost_pipelines(module)
+    if layers is not None:
+        try:
+            target = module.get_submodule(layers)
+        except AttributeError:
+            names = [f"{n} ({type(m).__name__})" for n, m in found] or ["(none)"]
+            raise ValueError(
+                f"layers={layers!r} names no submodule of {type(module).__name__}; candidates found: {', '.join(names)}"
+            ) from None
+        if isinstance(target, nn.Sequential):
+            return SequentialContract(layers, target)
+        if isinstance(target, nn.ModuleList):
+            return ModuleListContract(module, layers, target)
+        raise ValueError(
+            f"layers={layers!r} points to {type(target).__name__}, not to an nn.Sequential or an nn.ModuleList: point "
+            f"layers= at the blocks the model's forward loops over (an nn.ModuleList, e.g. layers='model.transformer.h'), "
+            f"or put the layers in one nn.Sequential called once in training_step"
+        )
+    if isinstance(module, nn.Sequential):
+        return SequentialContract("", module)
+    if not found:
+        raise ValueError(
+            f"{type(module).__name__} holds no nn.Sequential and no nn.ModuleList of blocks with parameters: keep the "
+            f"blocks the model's forward loops over in an nn.ModuleList (self.blocks = nn.ModuleList(...)), or put "
+            f"the layers to pipeline in one nn.Sequential called once in each step"
+        )
+    lists = [(n, m) for n, m in found if isinstance(m, nn.ModuleList)]
+    if not lists:
+        return SequentialContract(*find_sequential(module))
+    if len(found) > 1:
+        names = ", ".join(f"{n} ({type(m).__name__}, {len(m)} layers)" for n, m in found)
+        raise ValueError(
+            f"{type(module).__name__} holds {len(found)} candidates for the pipeline ({names}): name the one to "
+            f"pipeline with layers=..., e.g. layers={lists[0][0]!r} for the blocks its forward loops over"
+        )
+    return ModuleListContract(module, *lists[0])
+
+
+def _outermost_pipelines(module: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Outermost Sequentials and ModuleLists of identical blocks below ``module``, by name."""
+    found: list[tuple[str, nn.Module]] = []
+    stack: list[tuple[str, nn.Module]] = [("", module)]
+    while stack:
+        name, mod = stack.pop()
+        if mod is not module and (isinstance(mod, nn.Sequential) or (isinstance(mod, nn.ModuleList) and identical_blocks(mod))):
+            found.append((name, mod))
+            continue
+        stack.extend((f"{name}.{n}" if name else n, child) for n, child in reversed(list(mod.named_children())))
+    return sorted(found, key=lambda item: item[0])
 
 
 def _outermost_sequentials(module: nn.Module) -> list[tuple[str, nn.Sequential]]:

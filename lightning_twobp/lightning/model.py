@@ -76,7 +76,7 @@ def _tensors(module: nn.Module) -> Iterable[torch.Tensor]:
 class SharedParameter:
     """A parameter that layers on several pipeline ranks use (tied weights)."""
 
-    names: tuple[str, ...]  # its names in the Sequential, one per use ("0.weight", "5.weight")
+    names: tuple[str, ...]  # its names in the contract, one per use ("0.weight", "5.weight" in a Sequential)
     ranks: tuple[int, ...]  # pipeline ranks holding a layer that uses it, ascending
     param: nn.Parameter | None  # this rank's copy, None when no local layer uses it
 
@@ -104,9 +104,10 @@ class LocalModel:
             self._gather(group, pp_rank, device)
         self.contract.swap(self.removed)
         for i, layer in self.removed.items():
-            if any(t.is_meta for t in _tensors(layer)) and layer not in _GUARDS:
-                where = f"{self.contract.name or 'the Sequential'}[{i}] was trained on pipeline rank {self.owner[i]}"
-                _GUARDS[layer] = layer.register_forward_pre_hook(_guard(where))
+            for part in self.contract.parts(layer):
+                if any(t.is_meta for t in _tensors(part)) and part not in _GUARDS:
+                    where = f"{self.contract.describe(i)} was trained on pipeline rank {self.owner[i]}"
+                    _GUARDS[part] = part.register_forward_pre_hook(_guard(where))
         self.removed = {}
 
     def _gather(self, group: dist.ProcessGroup | None, pp_rank: int, device: torch.device) -> None:
@@ -176,29 +177,26 @@ def _check_trainable(layers: list[nn.Module], bounds: list[int], schedule: Sched
             )
 
 
-def _check_materialized(layers: list[nn.Module], bounds: list[int], mine: Iterable[int], name: str) -> None:
+def _check_materialized(layers: list[nn.Module], bounds: list[int], mine: Iterable[int], contract: Contract) -> None:
     for s in mine:
         for i in range(bounds[s], bounds[s + 1]):
             if any(t.is_meta for t in _tensors(layers[i])):
                 raise ValueError(
-                    f"{name or 'the Sequential'}[{i}] (stage {s}, this rank's) has no weights here: a previous "
+                    f"{contract.describe(i)} (stage {s}, this rank's) has no weights here: a previous "
                     f"Trainer call with another pipeline layout left it on the meta device. {_HOW_TO_GET_WEIGHTS}"
                 )
 
 
-def _shared_parameters(layers: list[nn.Module], layer_rank: list[int], mine: set[int]) -> list[SharedParameter]:
-    uses: dict[int, tuple[nn.Parameter, list[str], set[int]]] = {}
+def _shared_parameters(contract: Contract, layers: list[nn.Module], layer_rank: list[int], mine: set[int]) -> list[SharedParameter]:
+    uses: dict[int, tuple[nn.Parameter, list[str], set[int], bool]] = {}
     for i, layer in enumerate(layers):
         for n, q in layer.named_parameters(remove_duplicate=False):
-            _, names, ranks = uses.setdefault(id(q), (q, [], set()))
-            names.append(f"{i}.{n}")
+            _, names, ranks, here = uses.setdefault(id(q), (q, [], set(), False))
+            names.append(contract.parameter_name(i, n))
             ranks.add(layer_rank[i])
-    out = []
-    for q, names, ranks in uses.values():
-        if len(ranks) > 1:
-            used_here = any(layer_rank[int(n.split(".", 1)[0])] in mine for n in names)
-            out.append(SharedParameter(tuple(names), tuple(sorted(ranks)), q if used_here else None))
-    return out
+            uses[id(q)] = (q, names, ranks, here or layer_rank[i] in mine)
+    return [SharedParameter(tuple(names), tuple(sorted(ranks)), q if here else None)
+            for q, names, ranks, here in uses.values() if len(ranks) > 1]
 
 
 def split_model(contract: Contract, sizes: list[int], schedule: Schedule, pp_rank: int) -> LocalModel:
@@ -208,13 +206,13 @@ def split_model(contract: Contract, sizes: list[int], schedule: Schedule, pp_ran
     bounds = _bounds(sizes)
     _check_trainable(layers, bounds, schedule)
     mine = set(schedule.stages_of(pp_rank))
-    _check_materialized(layers, bounds, mine, contract.name)
+    _check_materialized(layers, bounds, mine, contract)
     layer_stage = [s for s in range(len(sizes)) for _ in range(sizes[s])]
     layer_rank = [schedule.stage_to_rank[s] for s in layer_stage]
     local_ids = {id(t) for i, layer in enumerate(layers) if layer_stage[i] in mine for t in _tensors(layer)}
-    stages = {s: contract.stage_module(bounds[s], bounds[s + 1]) for s in sorted(mine)}
+    stages = {s: contract.stage_module(bounds[s], bounds[s + 1], bounds) for s in sorted(mine)}
     removed = {i: layer for i, layer in enumerate(layers) if layer_stage[i] not in mine}
-    shared = _shared_parameters(layers, layer_rank, {pp_rank})
+    shared = _shared_parameters(contract, layers, layer_rank, {pp_rank})
     _to_meta(list(removed.values()), local_ids)
     contract.swap({i: _Remote(layer_stage[i], layer_rank[i]) for i in removed})
     return LocalModel(contract, list(sizes), stages, removed, dict(enumerate(layer_rank)), shared)

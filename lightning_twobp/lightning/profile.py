@@ -20,7 +20,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from lightning_twobp.lightning.contract import StageModule
+from lightning_twobp.lightning.contract import SequentialContract, StageModule
 from lightning_twobp.lightning.step import StepRunner
 
 log = logging.getLogger(__name__)
@@ -66,6 +66,12 @@ def _now(device: torch.device) -> float:
 def profile_layers(runner: StepRunner, layers: list[nn.Module], trainer: Any, m: int, device: torch.device,
                    precision: Any, repeats: int = 3) -> list[float]:
     """Seconds per layer (median of ``repeats`` after a warm-up run), the same list on every rank."""
+    if not isinstance(runner.contract, SequentialContract):
+        raise ValueError(
+            f'balance="time" times the layers of an nn.Sequential one by one; {runner.contract.name} is pipelined as '
+            f"an nn.ModuleList of blocks (the ModuleList contract), which it cannot time yet: use balance='params' "
+            f"(the default) or a list of blocks per stage"
+        )
     costs: list[float] | None = None
     devices = [device] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices):

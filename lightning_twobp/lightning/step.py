@@ -148,6 +148,7 @@ class StepRunner:
         self.module = module
         self.contract = contract
         self.state: StepState | None = None
+        contract.bind(self)  # the ModuleList contract's later stages re-run the step's capture through it
 
     def begin(self, hook: str, args: tuple, kwargs: dict, m: int, exact: bool) -> StepState:
         batch, rest = args[0], args[1:]

@@ -58,7 +58,11 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: LlamaConfig) -> None:
+    """Causal self-attention with rotary position embeddings: from its own cos/sin tables, or from
+    ``cos``/``sin`` passed in (the loop form, :mod:`lightning_twobp.models.llama_loop`, makes them
+    once before the loop, as Hugging Face's models do)."""
+
+    def __init__(self, cfg: LlamaConfig, rope_tables: bool = True) -> None:
         super().__init__()
         self.n_heads = cfg.n_heads
         self.n_kv = cfg.n_kv_heads or cfg.n_heads
@@ -71,23 +75,33 @@ class Attention(nn.Module):
         self.wk = nn.Linear(cfg.dim, self.n_kv * self.head_dim, bias=False)
         self.wv = nn.Linear(cfg.dim, self.n_kv * self.head_dim, bias=False)
         self.wo = nn.Linear(cfg.n_heads * self.head_dim, cfg.dim, bias=False)
-        inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, self.head_dim, 2).float() / self.head_dim))
-        ang = torch.outer(torch.arange(cfg.max_seq_len).float(), inv)  # (T, D/2)
-        self.register_buffer("cos", ang.cos(), persistent=False)
-        self.register_buffer("sin", ang.sin(), persistent=False)
+        if rope_tables:
+            cos, sin = rope_tables_of(cfg)
+            self.register_buffer("cos", cos, persistent=False)
+            self.register_buffer("sin", sin, persistent=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor | None = None, sin: torch.Tensor | None = None) -> torch.Tensor:
         b, t, _ = x.shape
         q = self.wq(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, D)
         k = self.wk(x).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
-        cos, sin = self.cos[:t].to(q.dtype), self.sin[:t].to(q.dtype)
+        if cos is None or sin is None:
+            cos, sin = self.cos, self.sin
+        cos, sin = cos[:t].to(q.dtype), sin[:t].to(q.dtype)
         q, k = _rope(q, cos, sin), _rope(k, cos, sin)
         if self.n_kv != self.n_heads:
             rep = self.n_heads // self.n_kv
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.wo(y.transpose(1, 2).reshape(b, t, -1))
+
+
+def rope_tables_of(cfg: LlamaConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotary cos and sin tables, each (max_seq_len, head_dim / 2)."""
+    head_dim = cfg.dim // cfg.n_heads
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    ang = torch.outer(torch.arange(cfg.max_seq_len).float(), inv)  # (T, D/2)
+    return ang.cos(), ang.sin()
 
 
 class FeedForward(nn.Module):
@@ -102,15 +116,15 @@ class FeedForward(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: LlamaConfig) -> None:
+    def __init__(self, cfg: LlamaConfig, rope_tables: bool = True) -> None:
         super().__init__()
         self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.attn = Attention(cfg)
+        self.attn = Attention(cfg, rope_tables)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.ffn = FeedForward(cfg.dim, cfg.hidden)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, C) -> (B, T, C)
-        x = x + self.attn(self.attn_norm(x))
+    def forward(self, x: torch.Tensor, cos: torch.Tensor | None = None, sin: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin)  # (B, T, C) -> (B, T, C)
         return x + self.ffn(self.ffn_norm(x))
 
 
@@ -176,6 +190,10 @@ class LlamaLM(PipelineModule):
             vocab_size=vocab_size, dim=dim, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv_heads,
             ffn_hidden=ffn_hidden, max_seq_len=max_seq_len,
         )
+        self._build()
+
+    def _build(self) -> None:
+        """The model, from the seeded RNG (a subclass may build another form of it)."""
         self.layers = build_llama(self.config)
 
     @override

@@ -1,0 +1,126 @@
+"""Values that live on another pipeline stage: shapes without data, and an error when they are used.
+
+Under the ModuleList contract every stage runs the model's own ``forward`` on its micro-batch
+(:mod:`lightning_twobp.lightning.loop`). What a stage does not hold (the embedding on a later stage,
+the blocks of other stages) is not computed there: it yields an :class:`Elsewhere` tensor, which has
+the shape, dtype and device of the real value but no data (it computes on the ``meta`` device, so it
+costs no memory and no FLOPs). Code that only asks for shapes and dtypes (building an attention mask
+from ``inputs_embeds``, rotary embeddings from ``hidden_states.dtype``) runs unchanged, and every
+value derived from one is again an ``Elsewhere``. Reading one raises :class:`ElsewhereError`:
+
+* on the host (``bool``, ``.item()``, ``.tolist()``): control flow that depends on the data;
+* in place into a real tensor (``mask.masked_fill_(elsewhere > 0, ...)``);
+* and, checked by the contract, when one reaches a block this stage runs or the model's output.
+
+So a result can never silently depend on a value a stage does not have.
+
+``torch.Tensor._make_wrapper_subclass`` and ``torch._C._disabled_torch_function_impl`` are how torch's
+own wrapper subclasses (DTensor, FakeTensor) are written; they are used here only, and
+``tests/test_modulelist.py::test_elsewhere_tensors_compute_shapes_and_refuse_reads`` fails when a torch
+version changes them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+__all__ = ["Elsewhere", "ElsewhereError", "elsewhere", "find_elsewhere"]
+
+_aten = torch.ops.aten
+_HOST_READS = {_aten._local_scalar_dense.default, _aten.is_nonzero.default}
+_WRITES: dict[Any, list[int]] = {}  # op -> indices of the arguments it writes to
+
+
+class ElsewhereError(RuntimeError):
+    """A value computed on another pipeline stage was used on this one."""
+
+
+class Elsewhere(torch.Tensor):
+    """A tensor whose value is on another stage (see the module docstring). ``where`` says which
+    module or block produced it and where that runs."""
+
+    __torch_function__ = torch._C._disabled_torch_function_impl  # plain dispatch, as wrapper subclasses do
+
+    _meta: torch.Tensor
+    where: str
+
+    @staticmethod
+    def __new__(cls, meta: torch.Tensor, device: torch.device, where: str) -> Elsewhere:
+        t = torch.Tensor._make_wrapper_subclass(
+            cls, meta.shape, strides=meta.stride(), storage_offset=meta.storage_offset(), dtype=meta.dtype,
+            device=device, requires_grad=False,
+        )
+        t._meta = meta
+        t.where = where
+        return t
+
+    def __repr__(self, *, tensor_contents: Any = None) -> str:
+        return f"Elsewhere(shape={tuple(self.shape)}, dtype={self.dtype}, from {self.where})"
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        flat, spec = pytree.tree_flatten((args, kwargs))
+        first = next(x for x in flat if isinstance(x, Elsewhere))
+        if func in _HOST_READS:
+            raise ElsewhereError(
+                f"a value computed by {first.where} was read on the host (Python control flow on it: `if`, "
+                f"bool(), .item(), .tolist()). Under strategy='twobp' this stage does not have it: control flow "
+                f"between the pipelined blocks that depends on the data is not supported"
+            )
+        for i in _written(func):
+            if i < len(args) and isinstance(args[i], torch.Tensor) and not isinstance(args[i], Elsewhere):
+                raise ElsewhereError(
+                    f"{func} writes a value computed by {first.where} into a tensor this stage holds; under "
+                    f"strategy='twobp' this stage does not have that value"
+                )
+        device = first.device
+        meta = []
+        for x in flat:
+            if isinstance(x, Elsewhere):
+                x = x._meta
+            elif isinstance(x, torch.Tensor):
+                x = x.detach().to("meta")
+            meta.append(x)
+        a, k = pytree.tree_unflatten(meta, spec)
+        if k.get("device") is not None:  # factory and copy ops: the result lives where they say
+            device = torch.device(k["device"])
+            k["device"] = torch.device("meta")
+        out = func(*a, **k)
+        return pytree.tree_map(lambda x: Elsewhere(x, device, first.where) if isinstance(x, torch.Tensor) else x, out)
+
+
+def _written(func: Any) -> list[int]:
+    if func not in _WRITES:
+        _WRITES[func] = [i for i, a in enumerate(func._schema.arguments) if a.alias_info is not None and a.alias_info.is_write]
+    return _WRITES[func]
+
+
+def elsewhere(t: torch.Tensor, where: str) -> Elsewhere:
+    """An :class:`Elsewhere` standing for ``t`` (its shape, dtype and device, not its data)."""
+    if isinstance(t, Elsewhere):
+        return t
+    return Elsewhere(torch.empty_like(t, device="meta"), t.device, where)
+
+
+def find_elsewhere(obj: Any, depth: int = 6) -> Elsewhere | None:
+    """The first :class:`Elsewhere` in ``obj``, looking into tuples, lists and dicts (Hugging Face's
+    ``ModelOutput`` is a dict) ``depth`` levels down."""
+    if isinstance(obj, Elsewhere):
+        return obj
+    if depth == 0 or isinstance(obj, (torch.Tensor, str, bytes, int, float, bool, type(None))):
+        return None
+    if isinstance(obj, dict):
+        items = obj.values()
+    elif isinstance(obj, (tuple, list)):
+        items = obj
+    else:
+        return None
+    for x in items:
+        found = find_elsewhere(x, depth - 1)
+        if found is not None:
+            return found
+    return None

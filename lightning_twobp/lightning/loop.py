@@ -1,0 +1,619 @@
+"""The ModuleList contract: blocks in an ``nn.ModuleList`` that the model's own ``forward`` calls in a loop.
+
+Hugging Face decoders and encoders, torchtitan's and nanoGPT's models all look like this::
+
+    h = self.wte(ids) + self.wpe(pos)                          # before the loop: the first stage
+    mask, rope = make_mask(attention_mask, h), self.rotary(h)   # side inputs, from the batch
+    for block in self.h:                                        # the pipelined blocks
+        h = block(h, attention_mask=mask, position_embeddings=rope, use_cache=False)
+    return self.lm_head(self.ln_f(h))                           # after the loop: the last stage
+
+**Every stage runs the model's unchanged forward on its micro-batch** (torchtitan's choice: keep the
+model's forward and drop what a stage does not hold; torch's ``pipeline()`` tracer instead cuts a
+traced graph, which an HF forward with its data-dependent mask code and cache objects does not
+survive, and which sends every value a later stage uses). While a stage runs:
+
+* a block before the stage's first is skipped: it returns, at once, an
+  :class:`~lightning_twobp.lightning.elsewhere.Elsewhere` value of its output's shape;
+* the stage's first block gets the hidden state the previous stage sent instead of its argument;
+* the stage's blocks run; at the next stage's first block the stage stops and sends that block's
+  hidden state (a tensor) on;
+* modules with parameters outside the blocks belong to the first layer (those registered before the
+  ModuleList: embeddings) or to the last (those registered after it: final norm, LM head). On other
+  stages they, too, yield ``Elsewhere`` values, computed on the meta device.
+
+So **side inputs are recomputed on every stage from its own micro-batch**, by the model's own code:
+masks, position ids, rotary embeddings, cache positions, non-tensor flags; none of them travels. A
+value that does depend on something a stage does not hold reaches it as ``Elsewhere`` and raises
+there (see :mod:`.elsewhere`): a side input computed from the embeddings, a block that returns several
+hidden states (a residual stream), data-dependent control flow between blocks, per-block hidden
+states collected for the output. Blocks called out of order, skipped or repeated raise too.
+
+What a stage needs to re-run the model is the micro-batch's call of it, i.e. the arguments the step
+passed to the model. The first stage captures them (as the Sequential contract captures its input)
+and gets them from the executor. Every other stage re-runs the step's code up to the model call on
+its own rank's copy of the batch. The executor does not say which micro-batch a stage is running,
+so a 0-d int64 micro-batch index travels beside the hidden state, and a stage picks its micro-batch's
+arguments with it on the device (``index_select``; no host sync in training). The last stage needs
+no index: it runs the model inside the step itself, where the executor hands the loss function the
+micro-batch index.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from lightning_twobp.lightning.elsewhere import Elsewhere, ElsewhereError, elsewhere, find_elsewhere
+
+__all__ = ["LayerGroup", "LoopStage", "ModuleListContract", "identical_blocks"]
+
+_MISSING = object()
+
+
+class _Stop(BaseException):
+    """Raised at the next stage's first block to end a stage's run (a BaseException, so that no
+    ``except Exception`` in model code swallows it)."""
+
+    def __init__(self, hidden: torch.Tensor) -> None:
+        super().__init__("stage done")
+        self.hidden = hidden
+
+
+def identical_blocks(ml: nn.ModuleList) -> bool:
+    """Whether ``ml`` holds blocks of one class that have parameters: what automatic discovery pipelines
+    (a ModuleList of metrics or of parameter-free modules is not a stack of layers)."""
+    return len(ml) > 0 and len({type(m) for m in ml}) == 1 and next(ml.parameters(), None) is not None
+
+
+class LayerGroup(nn.Module):
+    """Layer ``i`` as the partition sees it: block ``i``, with the modules that run before the loop
+    (layer 0) or after it (the last layer). Holds the user's modules, not copies; not callable."""
+
+    def __init__(self, parts: list[tuple[str, nn.Module]]) -> None:
+        super().__init__()
+        self.paths = [p for p, _ in parts]  # each part's dotted path in the LightningModule
+        for k, (_, module) in enumerate(parts):
+            self.add_module(str(k), module)
+
+    def parts(self) -> list[nn.Module]:
+        return [self._modules[str(k)] for k in range(len(self.paths))]
+
+    def path_of(self, name: str) -> str:
+        """The LightningModule's name for ``name`` (``"k.rest"`` inside this group)."""
+        k, _, rest = name.partition(".")
+        return f"{self.paths[int(k)]}.{rest}" if rest else self.paths[int(k)]
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        raise TypeError("a LayerGroup is a unit of the partition, not a module to call")
+
+
+class LoopStage(nn.Module):
+    """One pipeline stage of the ModuleList contract: layers ``first .. stop - 1``.
+
+    Its inputs are ``(micro-batch index, *model-call tensors)`` on the first stage and ``(hidden,
+    index)`` on the others; it returns ``(hidden, index)``, or the hidden state alone when the next
+    stage is the last. The last stage returns its input: it runs inside the step (see the module
+    docstring), through :meth:`ModuleListContract.intercept`.
+    """
+
+    def __init__(self, contract: ModuleListContract, first: int, stop: int, last_first: int) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(contract.layers()[first:stop])  # the user's modules, shared
+        self.first, self.stop, self.last_first = first, stop, last_first
+        self._contract = [contract]  # a list: not a submodule
+
+    def forward(self, *inputs: Any) -> Any:
+        if self.stop == self._contract[0].num_blocks:
+            return inputs[0]
+        return self._contract[0].run_stage(self, inputs)
+
+
+@dataclass
+class _Call:
+    """One micro-batch's call of the model: which module, and its arguments, flattened."""
+
+    owner: nn.Module
+    spec: Any  # pytree spec of (args, kwargs)
+    leaves: list[Any]  # the non-tensor leaves; tensor positions hold None
+    positions: list[int]  # where the tensors go among the leaves
+    tensors: list[torch.Tensor]
+
+    def rebuild(self, tensors: list[torch.Tensor] | tuple) -> tuple[tuple, dict]:
+        leaves = list(self.leaves)
+        for pos, t in zip(self.positions, tensors):
+            leaves[pos] = t
+        return pytree.tree_unflatten(leaves, self.spec)
+
+
+@dataclass
+class _Calls:
+    """The model calls of one step's micro-batches, in order (one per micro-batch)."""
+
+    state: Any  # the StepState they belong to
+    calls: list[_Call] = field(default_factory=list)
+    checked: bool = False
+    stacked: list[torch.Tensor | None] | None = None
+
+    def check(self, name: str) -> None:
+        if self.checked:
+            return
+        first = self.calls[0]
+        for k, c in enumerate(self.calls[1:], 1):
+            if c.owner is not first.owner or c.spec != first.spec or c.positions != first.positions:
+                raise ValueError(
+                    f"the step calls {name} differently in micro-batch {k} than in micro-batch 0 (another module, "
+                    f"other keyword arguments, or a tensor where there was none): under strategy='twobp' every "
+                    f"stage re-runs the same call on its micro-batch, so the call's structure must not depend on "
+                    f"the data"
+                )
+            for pos, (a, b) in enumerate(zip(first.leaves, c.leaves)):
+                if pos not in first.positions and not _same(a, b):
+                    raise ValueError(
+                        f"the step calls {name} with {a!r} in micro-batch 0 and {b!r} in micro-batch {k} (argument "
+                        f"{pos} of the call, flattened): non-tensor arguments must be the same in every micro-batch"
+                    )
+        self.checked = True
+
+    def select(self, index: torch.Tensor) -> tuple[nn.Module, tuple, dict]:
+        """The owner and arguments of micro-batch ``index`` (a 0-d tensor): in training picked on
+        the device from the stacked calls; in evaluation (micro-batches may differ in size, and
+        forward-only passes synchronise anyway) read on the host."""
+        first = self.calls[0]
+        if torch.is_grad_enabled():
+            if self.stacked is None:
+                self.stacked = [
+                    torch.stack(ts) if all(t.shape == ts[0].shape and t.dtype == ts[0].dtype for t in ts) else None
+                    for ts in zip(*(c.tensors for c in self.calls))
+                ]
+            if all(s is not None for s in self.stacked):
+                at = index.reshape(1).to(self.stacked[0].device) if self.stacked else index
+                tensors = [torch.index_select(s, 0, at)[0] for s in self.stacked]
+                return (first.owner, *first.rebuild(tensors))
+        call = self.calls[int(index)]
+        return (call.owner, *call.rebuild(call.tensors))
+
+
+def _same(a: Any, b: Any) -> bool:
+    if a is b:
+        return True
+    try:
+        return bool(a == b)
+    except Exception:  # objects without a usable ==
+        return False
+
+
+@dataclass
+class _Run:
+    """One stage's pass through the model's forward."""
+
+    first: int  # the stage's first block
+    stop: int  # the next stage's first block (num_blocks on the last stage)
+    inject: torch.Tensor | None  # the received hidden state (None on the first stage)
+    device: torch.device
+    next: int = 0  # the block the loop must call next
+
+
+class ModuleListContract:
+    """The pipelined part is the ``nn.ModuleList`` at ``name`` in ``root`` (see the module docstring).
+
+    ``layers()`` has one :class:`LayerGroup` per block; the first also holds the modules with
+    parameters registered before the ModuleList, the last those registered after it. The model is the
+    outermost module on the path to the ModuleList that the step calls (``model`` for
+    ``model.transformer.h``, or the LightningModule's own forward).
+    """
+
+    def __init__(self, root: nn.Module, name: str, blocks: nn.ModuleList) -> None:
+        self.root = root
+        self.list_name = name
+        self.blocks = blocks
+        self.num_blocks = len(blocks)
+        if not self.num_blocks:
+            raise ValueError(f"{name} is an empty nn.ModuleList: there is nothing to pipeline")
+        if len({id(b) for b in blocks}) != self.num_blocks:
+            raise ValueError(
+                f"{name} holds the same module more than once (blocks that share their weights): under "
+                f"strategy='twobp' each block is one layer on one stage; give every entry its own module"
+            )
+        self.ancestors = _ancestors(root, name)  # (path, module), the LightningModule first
+        # The module the step calls: the outermost one below the LightningModule, or its own forward.
+        self.name = self.ancestors[1][0] if len(self.ancestors) > 1 else "forward"
+        pre, post = _placement(root, blocks, name, {id(m) for _, m in self.ancestors})
+        parts: list[list[tuple[str, nn.Module]]] = [[(f"{name}.{i}", b)] for i, b in enumerate(blocks)]
+        parts[0][:0] = pre
+        parts[-1].extend(post)
+        self._groups = [LayerGroup(p) for p in parts]
+        self._slots = {path: _slot(root, path) for p in parts for path, _ in p}
+        self._runner: Any = None
+        self._calls: _Calls | None = None
+        self._active: _Run | None = None
+        self._last_first: int | None = None  # set when this rank builds the last stage
+        self._stage_of: list[int] = [0] * self.num_blocks
+        self._twins: dict[int, nn.Module] = {}
+        self._shapes: dict[tuple, tuple[Any, list[Any]]] = {}  # block call -> its output's structure
+        self._block_calls = [self._block_call(i) for i in range(self.num_blocks)]
+        self._previous: list[Any] = [_MISSING] * self.num_blocks  # the blocks' own instance forwards, if any
+
+    # ------------------------------------------------------------------ the Contract interface
+    def layers(self) -> list[nn.Module]:
+        return list(self._groups)
+
+    def stage_module(self, first: int, stop: int, bounds: list[int]) -> nn.Module:
+        self._stage_of = [k for k in range(len(bounds) - 1) for _ in range(bounds[k], bounds[k + 1])]
+        if stop == self.num_blocks:
+            self._last_first = first
+        return LoopStage(self, first, stop, bounds[-2])
+
+    def bind(self, runner: Any) -> None:
+        """The step runner (:class:`~lightning_twobp.lightning.step.StepRunner`): stages after the
+        first re-run the step's code up to the model call through it."""
+        self._runner = runner
+
+    def describe(self, i: int) -> str:
+        return f"layer {i} of {self.list_name} ({', '.join(self._groups[i].paths)})"
+
+    def parts(self, layer: nn.Module) -> list[nn.Module]:
+        return layer.parts() if isinstance(layer, LayerGroup) else [layer]
+
+    def parameter_name(self, i: int, name: str) -> str:
+        full = self._groups[i].path_of(name)
+        prefix = f"{self.name}."
+        return full[len(prefix):] if full.startswith(prefix) else full
+
+    def swap(self, replacements: Mapping[int, nn.Module]) -> dict[int, nn.Module]:
+        old: dict[int, nn.Module] = {}
+        for i, new in replacements.items():
+            group = self._groups[i]
+            old[i] = group if new is not group else self._occupant(group.paths[0])
+            for k, path in enumerate(group.paths):
+                module = group.parts()[k] if new is group else (new if path == f"{self.list_name}.{i}" else copy.copy(new))
+                parent, attr = self._slots[path]
+                setattr(parent, attr, module)
+        return old
+
+    @contextmanager
+    def intercept(self, call: Callable[..., Any]) -> Iterator[None]:
+        """While open, calling the model calls ``call(index, *tensors)`` first: on the first stage
+        that raises (the step stops there, its call captured); on the last stage it returns the
+        hidden state the previous stage sent, and the model's forward runs the last stage's blocks
+        and what comes after them, so the step goes on to the loss."""
+        called = [0]
+        installed = []
+        for path, module in self.ancestors:
+            installed.append((module, module.__dict__.get("forward", _MISSING)))
+            module.__dict__["forward"] = self._model_call(module, path, call, called)
+        try:
+            yield
+        finally:
+            _uninstall(installed)
+
+    # ------------------------------------------------------------------ the model call
+    def _model_call(self, owner: nn.Module, path: str, call: Callable[..., Any], called: list[int]) -> Callable[..., Any]:
+        real = _real_forward(owner, owner.__dict__.get("forward", _MISSING))
+
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            if self._active is not None:  # a nested module on the path, inside the model's own forward
+                return real(*args, **kwargs)
+            if called[0]:
+                raise RuntimeError(
+                    f"the step called {path or 'self'} a second time: under strategy='twobp' it must call the model "
+                    f"once per step (the pipeline runs it once per micro-batch)"
+                )
+            called[0] += 1
+            return self._capture_or_resume(owner, path, real, call, args, kwargs)
+
+        return forward
+
+    def _capture_or_resume(self, owner: nn.Module, path: str, real: Callable[..., Any], call: Callable[..., Any],
+                           args: tuple, kwargs: dict) -> Any:
+        flat, spec = pytree.tree_flatten((args, kwargs))
+        positions = [k for k, x in enumerate(flat) if isinstance(x, torch.Tensor)]
+        tensors = [flat[k] for k in positions]
+        grads = [k for k, t in zip(positions, tensors) if t.requires_grad]
+        if grads:
+            raise ValueError(
+                f"an argument of {path or 'self'} requires grad: a module with parameters runs before it in the step, "
+                f"which the pipeline cannot train; call that module inside the model's forward (before the loop "
+                f"over {self.list_name})"
+            )
+        device = tensors[0].device if tensors else _device_of(owner)
+        calls = self._step_calls()
+        index = torch.full((), len(calls.calls), dtype=torch.long, device=device)
+        try:
+            value = call(index, *tensors)
+        except BaseException:  # the first stage: the runner stops the step here
+            leaves = [None if k in positions else x for k, x in enumerate(flat)]
+            calls.calls.append(_Call(owner, spec, leaves, positions, tensors))
+            raise
+        # The last stage: value is what the previous stage sent (the first stage's own inputs when
+        # one stage holds everything).
+        if self._last_first is None:
+            raise RuntimeError("the model's call was answered on a rank that does not hold the last stage")
+        first = self._last_first
+        run = _Run(first, self.num_blocks, value if first > 0 else None, device)
+        with self._running(run):
+            out = real(*args, **kwargs)
+        if run.next != self.num_blocks:
+            raise RuntimeError(
+                f"{path or 'forward'} returned after calling {run.next} of the {self.num_blocks} blocks of "
+                f"{self.list_name}: under strategy='twobp' the loop must call every block, in order, once"
+            )
+        bad = find_elsewhere(out)
+        if bad is not None:
+            raise ElsewhereError(
+                f"{path or 'forward'} returned a value computed by {bad.where}, which runs on another pipeline stage "
+                f"(per-block outputs collected by the loop: output_hidden_states=True, output_attentions=True, a "
+                f"cache, or a block that returns several values): under strategy='twobp' only the last stage's "
+                f"values can be returned; turn those outputs off"
+            )
+        return out
+
+    def _step_calls(self) -> _Calls:
+        if self._runner is None:
+            raise RuntimeError("the ModuleList contract needs the step runner: StepRunner binds it (contract.bind)")
+        state = self._runner.state
+        if self._calls is None or self._calls.state is not state:
+            self._calls = _Calls(state)
+        return self._calls
+
+    # ------------------------------------------------------------------ a stage's run
+    def run_stage(self, stage: LoopStage, inputs: tuple) -> Any:
+        calls = self._step_calls()
+        for mb in calls.state.microbatches[len(calls.calls):]:  # stages after the first capture here
+            self._runner.capture(mb)
+        calls.check(self.name)
+        if stage.first == 0:
+            index, tensors = inputs[0], inputs[1:]
+            owner = calls.calls[0].owner
+            args, kwargs = calls.calls[0].rebuild(tensors)
+            inject = None
+        else:
+            inject, index = inputs[0], inputs[1]
+            owner, args, kwargs = calls.select(index)
+        run = _Run(stage.first, stage.stop, inject, index.device)
+        with self._running(run):
+            try:
+                owner(*args, **kwargs)
+            except _Stop as stop:
+                hidden = stop.hidden
+            else:
+                raise RuntimeError(
+                    f"the model's forward returned before calling block {stage.stop} of {self.list_name}, where pipeline "
+                    f"stage {self._stage_of[stage.first]}'s layers end: under strategy='twobp' the loop must call every "
+                    f"block, in order, once"
+                )
+        # The index is passed on as a copy: the received one sits in a buffer the next receive reuses.
+        return (hidden, index.clone()) if stage.stop < stage.last_first else hidden
+
+    @contextmanager
+    def _running(self, run: _Run) -> Iterator[_Run]:
+        installed = []
+        for i in range(self.num_blocks):
+            block = self.blocks[i]
+            self._previous[i] = block.__dict__.get("forward", _MISSING)
+            installed.append((block, self._previous[i]))
+            block.__dict__["forward"] = self._block_calls[i]
+        for i, group in enumerate(self._groups):
+            if run.first <= i < run.stop:
+                continue
+            for path, part in zip(group.paths, group.parts()):
+                if path != f"{self.list_name}.{i}":
+                    occupant = self._occupant(path)
+                    installed.append((occupant, occupant.__dict__.get("forward", _MISSING)))
+                    occupant.__dict__["forward"] = self._absent(path, part, i, run)
+        self._active = run
+        try:
+            yield run
+        finally:
+            self._active = None
+            _uninstall(installed)
+
+    def _block_call(self, i: int) -> Callable[..., Any]:
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            run = self._active
+            if run is None or i != run.next:
+                expected = "none (the model's forward has returned)" if run is None else str(run.next)
+                raise RuntimeError(
+                    f"{self.list_name}[{i}] was called when block {expected} was next: under strategy='twobp' the loop "
+                    f"must call every block in order, once per step; a loop that skips, repeats or reorders blocks (by "
+                    f"the data, the RNG or a setting, e.g. LayerDrop) is not supported"
+                )
+            run.next += 1
+            if not args or not isinstance(args[0], torch.Tensor):
+                raise TypeError(
+                    f"{self.list_name}[{i}] was called without a tensor as its first positional argument: under "
+                    f"strategy='twobp' a block takes the hidden state first (then any keyword side inputs)"
+                )
+            if i < run.first:
+                return self._skipped(i, args, kwargs, run)
+            if i == run.first and run.inject is not None:
+                args = (run.inject, *args[1:])
+            if i == run.stop:
+                self._check_real(i, args[0], "the hidden state entering it")
+                raise _Stop(args[0])
+            bad = find_elsewhere((args, kwargs))
+            if bad is not None:
+                self._check_real(i, bad, "the hidden state entering it" if bad is args[0] else "an argument of it")
+            out = _real_forward(self.blocks[i], self._previous[i])(*args, **kwargs)
+            self._shapes.setdefault(self._key(i, args, kwargs), _structure(out))
+            return out
+
+        return forward
+
+    def _check_real(self, i: int, x: Any, what: str) -> None:
+        if isinstance(x, Elsewhere):
+            raise ElsewhereError(
+                f"{what} ({self.list_name}[{i}]) was computed by {x.where}, which is not on this pipeline stage: "
+                f"under strategy='twobp' only the hidden state passes between stages; a block's side inputs must "
+                f"come from the batch (masks, positions, rotary embeddings), not from layers of other stages (a "
+                f"block that returns several hidden states, e.g. a residual stream, is not supported), and "
+                f"modules with parameters run either before the loop (registered before {self.list_name}: the "
+                f"first stage) or after it (registered after: the last stage), not between blocks"
+            )
+
+    def _key(self, i: int, args: tuple, kwargs: dict) -> tuple:
+        flags = tuple((k, v) for k, v in kwargs.items() if v is None or isinstance(v, (bool, int, str)))
+        return (i, tuple(args[0].shape), args[0].dtype, self.root.training, torch.is_grad_enabled(), flags)
+
+    def _skipped(self, i: int, args: tuple, kwargs: dict, run: _Run) -> Any:
+        """What a block before this stage's first returns here: its output's structure, every tensor an
+        Elsewhere. Learned from the block's own run on this rank, or once from its meta twin."""
+        key = self._key(i, args, kwargs)
+        if key not in self._shapes:
+            twin = self._twin(self._block_part(i))
+            a, k = pytree.tree_map(lambda x: elsewhere(x, f"{self.list_name}[{i}]") if isinstance(x, torch.Tensor) else x,
+                                   (args, kwargs))
+            try:
+                with torch.no_grad():
+                    out = twin(*a, **k)
+            except ElsewhereError:
+                raise
+            except Exception as e:
+                raise RuntimeError(
+                    f"could not pass over {self.list_name}[{i}] on pipeline stage {self._stage_of[run.first]}: to learn "
+                    f"the shape of what a block of another stage returns, it runs once on the meta device, which "
+                    f"failed ({type(e).__name__}: {e})"
+                ) from e
+            self._shapes[key] = _structure(out)
+        spec, leaves = self._shapes[key]
+        where = f"{self.list_name}[{i}] (pipeline stage {self._stage_of[i]})"
+        return pytree.tree_unflatten(
+            [Elsewhere(torch.empty(x[1], dtype=x[2], device="meta"), run.device, where) if _is_shape(x) else x for x in leaves],
+            spec,
+        )
+
+    def _block_part(self, i: int) -> nn.Module:
+        group = self._groups[i]
+        return group.parts()[group.paths.index(f"{self.list_name}.{i}")]
+
+    def _absent(self, path: str, part: nn.Module, layer: int, run: _Run) -> Callable[..., Any]:
+        """A module of another stage, called during this stage's run: its outputs as Elsewhere values,
+        from its meta twin (no memory, no compute)."""
+        where = f"{path} (pipeline stage {self._stage_of[layer]})"
+
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            a, k = pytree.tree_map(lambda x: elsewhere(x, where) if isinstance(x, torch.Tensor) else x, (args, kwargs))
+            try:
+                with torch.no_grad():
+                    return self._twin(part)(*a, **k)
+            except ElsewhereError:
+                raise
+            except Exception as e:
+                raise RuntimeError(
+                    f"{path} runs on pipeline stage {self._stage_of[layer]}; to stand in for it on stage "
+                    f"{self._stage_of[run.first]} it runs on the meta device, which failed ({type(e).__name__}: {e})"
+                ) from e
+
+        return forward
+
+    def _twin(self, module: nn.Module) -> nn.Module:
+        """``module`` with every tensor on the meta device (a structural copy: no data is copied)."""
+        twin = self._twins.get(id(module))
+        if twin is None:
+            memo: dict[int, Any] = {}
+            for t in [*module.parameters(), *module.buffers()]:
+                meta = torch.empty_like(t, device="meta")
+                memo[id(t)] = nn.Parameter(meta, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else meta
+            twin = copy.deepcopy(module, memo)
+            for m in twin.modules():  # instance forwards this contract installed are not the module's own
+                fwd = m.__dict__.get("forward")
+                if fwd is not None and getattr(fwd, "__qualname__", "").startswith(type(self).__qualname__):
+                    del m.__dict__["forward"]
+            self._twins[id(module)] = twin
+        return twin
+
+    def _occupant(self, path: str) -> nn.Module:
+        parent, attr = self._slots[path]
+        return parent._modules[attr]
+
+
+# ---------------------------------------------------------------------------------------------- helpers
+def _real_forward(module: nn.Module, previous: Any) -> Callable[..., Any]:
+    """The module's forward as it was before this contract shadowed it."""
+    if previous is not _MISSING:
+        return previous
+    return type(module).forward.__get__(module)
+
+
+def _uninstall(installed: list[tuple[nn.Module, Any]]) -> None:
+    for module, previous in reversed(installed):
+        if previous is _MISSING:
+            module.__dict__.pop("forward", None)
+        else:
+            module.__dict__["forward"] = previous
+
+
+def _is_shape(x: Any) -> bool:
+    return isinstance(x, tuple) and len(x) == 3 and x[0] is _SHAPE
+
+
+_SHAPE = object()
+
+
+def _structure(out: Any) -> tuple[Any, list[Any]]:
+    leaves, spec = pytree.tree_flatten(out)
+    return spec, [(_SHAPE, tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else x for x in leaves]
+
+
+def _device_of(module: nn.Module) -> torch.device:
+    first = next(iter([*module.parameters(), *module.buffers()]), None)
+    return first.device if first is not None else torch.device("cpu")
+
+
+def _ancestors(root: nn.Module, path: str) -> list[tuple[str, nn.Module]]:
+    out = [("", root)]
+    module, prefix = root, ""
+    for part in path.split(".")[:-1]:
+        module = module._modules[part]
+        prefix = f"{prefix}.{part}" if prefix else part
+        out.append((prefix, module))
+    return out
+
+
+def _slot(root: nn.Module, path: str) -> tuple[nn.Module, str]:
+    parent_path, _, attr = path.rpartition(".")
+    return (root.get_submodule(parent_path) if parent_path else root), attr
+
+
+def _placement(root: nn.Module, blocks: nn.ModuleList, name: str, ancestors: set[int]) -> tuple[list, list]:
+    """The modules with parameters outside the blocks, as ``(pre, post)`` lists of ``(path, module)``:
+    registered before the ModuleList (in module-tree order) they run before the loop, after it
+    after. Parameters held directly by a module on the path to the ModuleList cannot be placed."""
+    seen = {id(m) for m in blocks.modules()}
+    pre: list[tuple[str, nn.Module]] = []
+    post: list[tuple[str, nn.Module]] = []
+    side = pre
+
+    def walk(module: nn.Module, prefix: str) -> None:
+        nonlocal side
+        loose = [n for n, _ in module.named_parameters(recurse=False)]
+        if loose:
+            where = prefix[:-1] or f"the {type(module).__name__} itself"
+            raise ValueError(
+                f"{where} holds parameters directly ({', '.join(loose)}) beside the blocks in {name}: under "
+                f"strategy='twobp' every parameter outside the blocks must belong to a submodule that runs before "
+                f"the loop (the first stage) or after it (the last stage); put it in a small module of its own"
+            )
+        for attr, child in module._modules.items():
+            if child is blocks:
+                side = post
+                continue
+            if child is None or id(child) in seen:
+                continue
+            path = prefix + attr
+            if id(child) in ancestors:
+                walk(child, path + ".")
+                continue
+            seen.update(id(m) for m in child.modules())
+            if next(child.parameters(), None) is not None:
+                side.append((path, child))
+
+    walk(root, "")
+    return pre, post

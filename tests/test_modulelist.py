@@ -1,0 +1,395 @@
+"""The ModuleList contract: models whose blocks sit in an nn.ModuleList called in a loop with keyword side
+inputs, pipelined as they are. Hugging Face GPT-2 (tied embeddings) and Llama with padding masks, a
+nanoGPT written here, and this package's LLaMa in the loop form, each against one process with the
+same micro-batching (fp32, rtol 1e-5); then the errors for what the contract does not support."""
+
+from __future__ import annotations
+
+import os
+import re
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import lightning_twobp  # noqa: F401  (registers "twobp")
+from lightning_twobp import TwoBPStrategy
+from lightning_twobp.lightning.contract import ModuleListContract, SequentialContract, find_contract
+from lightning_twobp.lightning.elsewhere import ElsewhereError, elsewhere, find_elsewhere
+from lightning_twobp.models import LlamaLoopLM
+from lightning_twobp.testing import run_distributed
+
+VOCAB, SEQ, BATCH, M = 13, 8, 8, 4
+
+
+def _env(rank: int, world: int) -> None:
+    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world), RANK=str(rank),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
+
+
+def _trainer(strategy, devices: int, **kw) -> pl.Trainer:
+    return pl.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=kw.pop("max_steps", 3),
+                      logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                      enable_model_summary=False, use_distributed_sampler=False, num_sanity_val_steps=0, **kw)
+
+
+def _padded_tokens(n: int = 4 * BATCH) -> TensorDataset:
+    """Right-padded sequences of 3..SEQ tokens: (ids, targets, attention_mask); targets -100 on padding."""
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(1, VOCAB, (n, SEQ), generator=g)
+    lengths = torch.randint(3, SEQ + 1, (n,), generator=g)
+    mask = (torch.arange(SEQ)[None] < lengths[:, None]).long()
+    targets = torch.where(mask.bool(), (ids + 1) % VOCAB, torch.full_like(ids, -100))
+    return TensorDataset(ids * mask, targets, mask)
+
+
+# ---------------------------------------------------------------------------------------------- models
+class CausalLM(pl.LightningModule):
+    """A LightningModule around a model called as ``self.model(ids, attention_mask)`` -> logits."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.model = MODELS[name]()
+
+    def _loss(self, batch):
+        ids, targets, mask = batch
+        out = self.model(input_ids=ids, attention_mask=mask)
+        logits = out.logits if hasattr(out, "logits") else out
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100)
+
+    def training_step(self, batch, batch_idx):
+        loss = self._loss(batch)
+        self.log("train_loss", loss)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", self._loss(batch))
+
+    def configure_optimizers(self):
+        # SGD, not Adam: attention's key bias has a zero gradient in exact arithmetic (softmax ignores a
+        # constant over keys), and Adam turns that rounding noise into full-size steps whose sign flips
+        # with the order of a sum (tied embeddings add two gradients), so no rtol could compare them
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+
+def _hf_gpt2() -> nn.Module:
+    transformers = pytest.importorskip("transformers", reason="the Hugging Face models need transformers")
+    cfg = transformers.GPT2Config(n_layer=4, n_embd=16, n_head=2, vocab_size=VOCAB, n_positions=SEQ, bos_token_id=0,
+                                  eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    model = transformers.GPT2LMHeadModel(cfg)  # GPT-2's defaults otherwise: tied embeddings, use_cache=True
+    assert model.lm_head.weight is model.transformer.wte.weight
+    return model
+
+
+def _hf_llama() -> nn.Module:
+    transformers = pytest.importorskip("transformers", reason="the Hugging Face models need transformers")
+    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=4,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
+                                   bos_token_id=0, eos_token_id=0, pad_token_id=None, use_cache=False)
+    return transformers.LlamaForCausalLM(cfg)
+
+
+class NanoBlock(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.ln_1, self.ln_2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.c_attn, self.c_proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+        self.n_head = 2
+
+    def forward(self, x, attn_mask):  # (B, T, C), (B, 1, T, T) bool: True = attend
+        b, t, c = x.shape
+        q, k, v = self.c_attn(self.ln_1(x)).split(c, dim=2)
+        q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
+        x = x + self.c_proj(y.transpose(1, 2).reshape(b, t, c))
+        return x + self.mlp(self.ln_2(x))
+
+
+class NanoGPT(nn.Module):
+    """nanoGPT's layout (transformer.{wte, wpe, drop, h, ln_f}, lm_head tied to wte), with a padding mask
+    made before the loop and passed to every block by keyword."""
+
+    def __init__(self, d: int = 16, n_layer: int = 4) -> None:
+        super().__init__()
+        self.transformer = nn.ModuleDict(dict(
+            wte=nn.Embedding(VOCAB, d), wpe=nn.Embedding(SEQ, d), drop=nn.Dropout(0.0),
+            h=nn.ModuleList(NanoBlock(d) for _ in range(n_layer)), ln_f=nn.LayerNorm(d),
+        ))
+        self.lm_head = nn.Linear(d, VOCAB, bias=False)
+        self.transformer.wte.weight = self.lm_head.weight  # nanoGPT ties this way round
+
+    def forward(self, input_ids, attention_mask):
+        t = input_ids.shape[1]
+        pos = torch.arange(t, device=input_ids.device)
+        x = self.transformer.drop(self.transformer.wte(input_ids) + self.transformer.wpe(pos))
+        causal = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
+        mask = causal[None, None] & attention_mask.bool()[:, None, None, :]  # (B, 1, T, T)
+        mask = mask | torch.eye(t, dtype=torch.bool, device=x.device)  # padded queries attend to themselves
+        for block in self.transformer.h:
+            x = block(x, attn_mask=mask)
+        return self.lm_head(self.transformer.ln_f(x))
+
+
+MODELS = {"hf-gpt2": _hf_gpt2, "hf-llama": _hf_llama, "nanogpt": NanoGPT}
+
+
+def _fit(model: pl.LightningModule, strategy, devices: int, batch_size: int, **kw) -> pl.Trainer:
+    data = _padded_tokens() if not isinstance(model, LlamaLoopLM) else _counting()
+    trainer = _trainer(strategy, devices, gradient_clip_val=0.5, **kw)
+    trainer.fit(model, DataLoader(data, batch_size=batch_size))
+    return trainer
+
+
+def _counting() -> TensorDataset:
+    g = torch.Generator().manual_seed(5)
+    start = torch.randint(0, 64, (4 * BATCH, 1), generator=g)
+    ids = (start + torch.arange(16)) % 64
+    return TensorDataset(ids, (ids + 1) % 64)
+
+
+def _make(name: str) -> pl.LightningModule:
+    if name == "llama-loop":
+        return LlamaLoopLM(vocab_size=64, dim=32, n_layers=4, n_heads=4, max_seq_len=16, lr=1e-2)
+    return CausalLM(name)
+
+
+def _reference(name: str, validate: bool) -> tuple[dict, float | None]:
+    """One process, micro-batches of BATCH / M accumulated over M steps: the pipeline's micro-batching."""
+    model = _make(name)
+    _fit(model, "auto", 1, BATCH // M, accumulate_grad_batches=M)
+    val = None
+    if validate:
+        # micro-batches as the pipeline cuts them: a token mean over padded sequences is not a mean over
+        # samples, so the whole batch's value would differ (docs/strategy.md, "Logging and metrics")
+        data = DataLoader(_padded_tokens(2 * BATCH), batch_size=BATCH // M)
+        val = _trainer("auto", 1).validate(model, data, verbose=False)[0]["val_loss"]
+    return {n: q.detach() for n, q in model.named_parameters()}, val
+
+
+def _pipelined(rank: int, world: int, name: str, kw: dict, validate: bool) -> dict:
+    _env(rank, world)
+    model = _make(name)
+    _fit(model, TwoBPStrategy(num_microbatches=M, gather_full_model=True, **kw), world, BATCH)
+    out: dict = {"params": {n: q.detach().clone() for n, q in model.named_parameters()}}  # whole: gather_full_model
+    if validate:  # a Trainer without gather_full_model: the other ranks' layers are left on meta after it
+        data = DataLoader(_padded_tokens(2 * BATCH), batch_size=BATCH)
+        out["val_loss"] = _trainer(TwoBPStrategy(num_microbatches=M, **kw), world).validate(model, data, verbose=False)[0]["val_loss"]
+    return out
+
+
+CASES = {
+    # GPT-2's defaults: tied embeddings (wte on the first stage, lm_head on the last), a DynamicCache
+    "hf-gpt2": ("hf-gpt2", dict(schedule="1f1b"), False),
+    # the V: 4 stages on 2 ranks, so stages 1 and 2 re-run the step themselves; and validation
+    "hf-llama-zb-v": ("hf-llama", dict(schedule="zb-v"), True),
+    "nanogpt-zb-h1": ("nanogpt", dict(schedule="zb-h1", layers="model.transformer.h"), False),
+    "llama-loop-interleaved": ("llama-loop", dict(schedule="interleaved-1f1b"), False),
+}
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("case", list(CASES))
+def test_modulelist_models_match_one_process(case):
+    name, kw, validate = CASES[case]
+    ref, ref_val = _reference(name, validate)
+    for out in run_distributed(_pipelined, 2, name, kw, validate, timeout=240):
+        assert set(out["params"]) == set(ref)
+        for n, value in out["params"].items():
+            torch.testing.assert_close(value, ref[n], rtol=1e-5, atol=1e-6, msg=n)
+        if validate:
+            assert out["val_loss"] == pytest.approx(ref_val, rel=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------- errors
+class Gate(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(6, 6)
+
+    def forward(self, x, scale=None, residual=None):
+        y = torch.tanh(self.lin(x))
+        y = y if scale is None else y * scale
+        return y if residual is None else (y, residual + y)
+
+
+class Loop(nn.Module):
+    """A small loop model whose forward does one thing the contract does not support (``kind``)."""
+
+    def __init__(self, kind: str = "") -> None:
+        super().__init__()
+        self.kind = kind
+        if kind == "registered-late":
+            self.blocks = nn.ModuleList(Gate() for _ in range(4))
+            self.embed = nn.Linear(6, 6)  # registered after the blocks, but called before them
+        else:
+            self.embed = nn.Linear(6, 6)
+            self.blocks = nn.ModuleList(Gate() for _ in range(4))
+        if kind == "loose":
+            self.scale = nn.Parameter(torch.ones(6))
+        self.head = nn.Linear(6, 2)
+
+    def forward(self, x, offset=0.0):
+        h = self.embed(x) + offset
+        side = (h.sum(-1, keepdim=True) > 0).float() if self.kind == "side-from-embedding" else None
+        residual = torch.zeros_like(x) if self.kind == "residual" else None
+        hs = []
+        for i, block in enumerate(self.blocks):
+            if self.kind == "skip" and i == 1:
+                continue
+            if residual is None:
+                h = block(h, scale=side)
+            else:
+                h, residual = block(h, residual=residual)  # two hidden states between blocks
+            hs.append(h)
+            if self.kind == "control-flow" and h.abs().max() > 1e6:
+                break
+        out = self.head(h)
+        return (out, hs) if self.kind == "collect" else out
+
+
+class LoopRegressor(pl.LightningModule):
+    def __init__(self, kind: str = "") -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.model = Loop(kind)
+        self.kind = kind
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        out = self.model(x, offset=float(x[0, 0])) if self.kind == "data-flag" else self.model(x)
+        if self.kind == "twice":
+            out = out + self.model(x)
+        out = out[0] if isinstance(out, tuple) else out
+        return F.mse_loss(out, y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _regression() -> DataLoader:
+    g = torch.Generator().manual_seed(1)
+    return DataLoader(TensorDataset(torch.randn(16, 6, generator=g), torch.randn(16, 2, generator=g)), batch_size=8)
+
+
+def _errors(rank: int, world: int, kinds: list[str]) -> dict:
+    """One process holding both stages of the V (zb-v, pipeline degree 1): every stage-to-stage rule
+    applies, without a second process."""
+    _env(rank, world)
+    out = {}
+    for kind in kinds:
+        try:
+            _trainer(TwoBPStrategy(schedule="zb-v", num_microbatches=2), world, max_steps=1).fit(LoopRegressor(kind), _regression())
+        except Exception as e:  # noqa: BLE001 - the message is what is tested
+            out[kind] = f"{type(e).__name__}: {e}"
+        else:
+            out[kind] = "trained"
+    return out
+
+
+ERRORS = {
+    "": "trained",
+    "control-flow": r"read on the host.*control flow between the pipelined blocks that depends on the data",
+    "side-from-embedding": r"an argument of it \(model.blocks\[2\]\) was computed by model.embed \(pipeline stage 0\)",
+    "collect": r"model returned a value computed by model.blocks\[0\] \(pipeline stage 0\)",
+    "skip": r"model.blocks\[2\] was called when block 1 was next",
+    "registered-late": r"the hidden state entering it \(model.blocks\[0\]\) was computed by model.embed \(pipeline stage 1\)",
+    "loose": r"model holds parameters directly \(scale\) beside the blocks in model.blocks",
+    "twice": r"the step called model a second time",
+    "residual": r"an argument of it \(model.blocks\[2\]\) was computed by model.blocks\[1\] \(pipeline stage 0\)",
+    "data-flag": r"the step calls model with .* in micro-batch 0 and .* in micro-batch 1",
+}
+
+
+@pytest.mark.dist
+def test_what_the_contract_does_not_support_raises_before_a_silent_answer():
+    results = run_distributed(_errors, 1, list(ERRORS), timeout=240)[0]
+    for kind, match in ERRORS.items():
+        if match == "trained":
+            assert results[kind] == "trained", results[kind]
+        else:
+            assert results[kind] != "trained", f"{kind}: trained without an error"
+            assert re.search(match, results[kind], re.S), f"{kind}: {results[kind]}"
+
+
+# ---------------------------------------------------------------------------------------------- units
+def test_elsewhere_tensors_compute_shapes_and_refuse_reads():
+    x = elsewhere(torch.randn(2, 3, 4), "embed (pipeline stage 0)")
+    y = torch.nn.functional.layer_norm(x + torch.randn(4), (4,)).to(torch.float16)[:, 1:]
+    assert type(y).__name__ == "Elsewhere" and y.shape == (2, 2, 4) and y.dtype == torch.float16
+    assert y.device == torch.device("cpu") and "embed (pipeline stage 0)" in repr(y)
+    real = torch.arange(x.shape[1], device=x.device)  # shapes and devices are real
+    assert type(real) is torch.Tensor and real.tolist() == [0, 1, 2]
+    with pytest.raises(ElsewhereError, match="read on the host"):
+        bool(x.sum() > 0)
+    with pytest.raises(ElsewhereError, match="read on the host"):
+        x.max().item()
+    with pytest.raises(ElsewhereError, match="writes a value computed by embed"):
+        torch.zeros(2, 3, 4).add_(x)
+    assert find_elsewhere({"a": (1, [torch.ones(1), y])}) is y and find_elsewhere((torch.ones(1), None)) is None
+
+
+def test_hugging_face_models_are_found_and_placed():
+    transformers = pytest.importorskip("transformers", reason="the Hugging Face models need transformers")
+    lm = CausalLM("hf-gpt2")
+    c = find_contract(lm)
+    assert isinstance(c, ModuleListContract) and c.list_name == "model.transformer.h" and c.name == "model"
+    groups = [g.paths for g in c.layers()]
+    assert groups[0] == ["model.transformer.wte", "model.transformer.wpe", "model.transformer.h.0"]
+    assert groups[-1] == ["model.transformer.h.3", "model.transformer.ln_f", "model.lm_head"]
+    c = find_contract(CausalLM("hf-llama"))
+    assert c.list_name == "model.model.layers"
+    assert [g.paths for g in c.layers()][-1] == ["model.model.layers.3", "model.model.norm", "model.lm_head"]
+    assert transformers  # the rotary embedding (buffers only) stays on every stage: in no group
+    assert all("rotary" not in p for g in c.layers() for p in g.paths)
+
+
+def test_discovery_and_its_errors():
+    assert isinstance(find_contract(LoopRegressor()), ModuleListContract)
+    seq = nn.Sequential(nn.Linear(2, 2))
+    assert isinstance(find_contract(seq), SequentialContract)
+
+    class Two(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.encoder = nn.ModuleList(nn.Linear(2, 2) for _ in range(2))
+            self.decoder = nn.ModuleList(nn.Linear(2, 2) for _ in range(2))
+
+    with pytest.raises(ValueError, match=r"holds 2 candidates for the pipeline \(decoder \(ModuleList, 2 layers\), encoder"):
+        find_contract(Two())
+    assert find_contract(Two(), layers="encoder").list_name == "encoder"
+    with_metrics = Two()
+    del with_metrics.decoder
+    with_metrics.metrics = nn.ModuleList(nn.Identity() for _ in range(2))  # no parameters: not a candidate
+    assert find_contract(with_metrics).list_name == "encoder"
+    with pytest.raises(ValueError, match="holds no nn.Sequential and no nn.ModuleList of blocks with parameters"):
+        find_contract(nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="not to an nn.Sequential or an nn.ModuleList"):
+        find_contract(Two(), layers="encoder.0")
+    with pytest.raises(ValueError, match="give one dotted path"):
+        find_contract(Two(), layers=["encoder", "decoder"])
+    shared = nn.Linear(2, 2)
+    with pytest.raises(ValueError, match="holds the same module more than once"):
+        find_contract(_holder(nn.ModuleList([shared, shared])), layers="blocks")
+
+
+def _holder(blocks: nn.ModuleList) -> nn.Module:
+    m = nn.Module()
+    m.blocks = blocks
+    return m
+
+
+def test_swap_puts_every_part_back():
+    lm = CausalLM("nanogpt")
+    before = dict(lm.named_modules())
+    c = find_contract(lm)
+    stand_in = nn.Identity()
+    removed = c.swap({0: stand_in, 3: stand_in})
+    assert lm.model.transformer.h[0] is stand_in and isinstance(lm.model.transformer.wte, nn.Identity)
+    assert lm.model.lm_head is not before["model.lm_head"] and lm.model.transformer.ln_f is not before["model.transformer.ln_f"]
+    c.swap(removed)
+    assert dict(lm.named_modules()) == before
