@@ -350,9 +350,11 @@ def test_token_data_module_synthetic():
     ids, targets = _first(train)
     assert ids.shape == targets.shape == (8, 16) and ids.dtype == targets.dtype == torch.long
     assert torch.equal(targets, (ids + 1) % 64)
-    # Seeded shuffle: a second module (another process) draws the same batches; each epoch reshuffles.
+    # Seeded shuffle: a second module (another process) draws the same batches; each epoch reshuffles
+    # (Lightning calls set_epoch on the sampler every epoch, as on any DistributedSampler).
     other = TokenDataModule(64, 16, 8, num_train=20, num_val=5, seed=2).train_dataloader()
     assert _same(_first(dm.train_dataloader()), _first(other))
+    other.sampler.set_epoch(1)
     assert not _same(_first(other), _first(dm.train_dataloader()))
     val = list(dm.val_dataloader())
     assert [b[0].shape[0] for b in val] == [5]  # unshuffled, nothing dropped
