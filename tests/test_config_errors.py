@@ -3,9 +3,12 @@
 
 from __future__ import annotations
 
+import os
+
 import lightning.pytorch as pl
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -13,6 +16,18 @@ from torch.utils.data import DataLoader, TensorDataset
 import lightning_twobp  # noqa: F401  (registers "twobp")
 from lightning_twobp import TwoBPStrategy
 from lightning_twobp.train import resume_path
+
+
+@pytest.fixture(autouse=True)
+def _no_leftover_process_group():
+    """These fits run in the test process: Lightning starts a one-rank process group there and sets
+    MASTER_PORT, which later tests' subprocesses would inherit (and find the port taken)."""
+    env = dict(os.environ)
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    os.environ.clear()
+    os.environ.update(env)
 
 
 class Net(pl.LightningModule):
