@@ -39,6 +39,7 @@ import torch.distributed as dist
 from lightning.fabric.utilities.throughput import Throughput, get_available_flops
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
+from lightning_twobp.lightning.step import batch_size
 from lightning_twobp.schedules import Action, Costs, simulate
 
 __all__ = ["PipelineMonitor", "measured_costs", "rss_mb"]
@@ -113,7 +114,7 @@ class PipelineMonitor(pl.Callback):
         if log_every_n_steps is not None and log_every_n_steps < 1:
             raise ValueError(f"PipelineMonitor(log_every_n_steps={log_every_n_steps}): must be at least 1")
         self.log_every_n_steps = log_every_n_steps
-        self.batch_size_fn = batch_size_fn or _batch_size
+        self.batch_size_fn = batch_size_fn or batch_size
         self.length_fn = length_fn
         self.flops_per_batch = flops_per_batch
         self.window_size = window_size
@@ -291,12 +292,3 @@ class PipelineMonitor(pl.Callback):
             self.traces.append(str(out / f"step{step}.png"))
         except ImportError:
             pass
-
-
-def _batch_size(batch: Any) -> int:
-    from torch.utils import _pytree as pytree
-
-    for x in pytree.tree_leaves(batch):
-        if isinstance(x, torch.Tensor) and x.dim() > 0:
-            return int(x.shape[0])
-    return 1

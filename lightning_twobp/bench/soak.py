@@ -18,20 +18,10 @@ import time
 import lightning.pytorch as pl
 import torch
 
+from lightning_twobp.monitor import rss_mb
 from lightning_twobp.testing import free_port, run_distributed
 
-__all__ = ["rss_mb", "soak"]
-
-_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
-
-
-def rss_mb() -> float:
-    """This process's resident set size in MB (Linux; 0 elsewhere)."""
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * _PAGE / 1e6
-    except OSError:
-        return 0.0
+__all__ = ["markdown", "soak"]
 
 
 class _Sampler(pl.Callback):
