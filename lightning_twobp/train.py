@@ -35,7 +35,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from lightning_twobp.config import CONF_DIR
 
-__all__ = ["main", "resume_path", "train"]
+__all__ = ["instantiate_data", "main", "resume_path", "train"]
 
 
 def train(cfg: DictConfig) -> dict[str, Any]:
@@ -47,7 +47,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
     out_dir = HydraConfig.get().runtime.output_dir if HydraConfig.initialized() else os.getcwd()
     model = instantiate(cfg.model)
-    data = instantiate(cfg.data)
+    data = instantiate_data(cfg)
     strategy = instantiate(cfg.strategy, _convert_="all")  # balance may be a list
     callbacks = [instantiate(c) for c in (cfg.get("callbacks") or {}).values()]
     loggers = [instantiate(lg) for lg in (cfg.get("logger") or {}).values()]
@@ -64,6 +64,28 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         # the interpreter exits (otherwise gloo can abort at exit with "terminate called ...").
         torch.distributed.destroy_process_group()
     return summary if rank == 0 else {}
+
+
+# which data groups fit which models: what a mismatch is told to use instead
+_DATA_FOR = "data=images for ResNet, data=masked-counting (or masked-tokens) for BERT, data=counting (or tokens) for the LMs"
+
+
+def instantiate_data(cfg: DictConfig) -> Any:
+    """``cfg.data`` built; a data group that reads a field the model does not have (``data=counting``
+    with ``model=tiny-resnet``) is refused naming both groups and the ones that fit."""
+    from omegaconf.errors import InterpolationKeyError, MissingMandatoryValue
+
+    try:
+        return instantiate(cfg.data)
+    except InterpolationKeyError as e:
+        choices = HydraConfig.get().runtime.choices if HydraConfig.initialized() else {}
+        raise ValueError(
+            f"data={choices.get('data', '?')} does not fit model={choices.get('model', '?')} ({e}): use {_DATA_FOR}"
+        ) from e
+    except MissingMandatoryValue as e:
+        key = getattr(e, "full_key", "") or "a value"
+        raise ValueError(f"{key} has no value: give it on the command line, e.g. {key}=data/my-corpus/train.bin "
+                         f"(twobp-tokenize writes token files)") from e
 
 
 def resume_path(ckpt_path: str | None, out_dir: str) -> str | None:

@@ -1,9 +1,17 @@
-"""Bad configurations refused before any compute, each message naming the numbers and the fix
-(docs/troubleshooting.md has the table)."""
+"""Every refused configuration, as one table: each case is a bad input a user can give, the error it
+must raise before any compute, and the words of the message that name the numbers and the fix.
+
+docs/troubleshooting.md, "Every refused configuration", has one row per case id (checked below), so
+the table users read and the cases CI runs cannot drift apart.
+"""
 
 from __future__ import annotations
 
+import json
 import os
+import re
+from collections.abc import Callable
+from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
@@ -15,13 +23,16 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_twobp  # noqa: F401  (registers "twobp")
 from lightning_twobp import TwoBPStrategy
+from lightning_twobp.testing import free_port
 from lightning_twobp.train import resume_path
+
+DOCS = Path(__file__).resolve().parents[1] / "docs" / "troubleshooting.md"
 
 
 @pytest.fixture(autouse=True)
 def _no_leftover_process_group():
-    """These fits run in the test process: Lightning starts a one-rank process group there and sets
-    MASTER_PORT, which later tests' subprocesses would inherit (and find the port taken)."""
+    """Some cases run a Trainer in the test process: Lightning starts a one-rank process group there and
+    sets MASTER_PORT, which later tests' subprocesses would inherit (and find the port taken)."""
     env = dict(os.environ)
     yield
     if dist.is_initialized():
@@ -30,7 +41,10 @@ def _no_leftover_process_group():
     os.environ.update(env)
 
 
+# ---------------------------------------------------------------------------------------------- models
 class Net(pl.LightningModule):
+    """Three layers in one Sequential called once per step: the smallest model the strategy accepts."""
+
     def __init__(self) -> None:
         super().__init__()
         self.layers = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 2))
@@ -43,47 +57,443 @@ class Net(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
-@pytest.mark.parametrize("name", ["num_microbatches", "pipeline_degree", "stages_per_rank"])
-@pytest.mark.parametrize("value", [0, -2, 1.5])
-def test_counts_must_be_positive_integers(name, value):
-    with pytest.raises(ValueError, match=rf"TwoBPStrategy\({name}={value}\): it must be a positive integer"):
-        TwoBPStrategy(**{name: value})
+class TwoSequentials(Net):
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = nn.Sequential(nn.Linear(2, 2))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.mse_loss(self.head(self.layers(x)), y)
 
 
-def _fit(samples: int, batch: int, m: int, drop_last: bool) -> int:
-    model = Net()
-    data = DataLoader(TensorDataset(torch.randn(samples, 6), torch.randn(samples, 2)), batch_size=batch,
-                      drop_last=drop_last)
-    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=TwoBPStrategy(num_microbatches=m), max_epochs=1,
-                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False)
-    trainer.fit(model, data)
-    return trainer.global_step
+class NoSequential(Net):
+    def __init__(self) -> None:
+        super().__init__()
+        del self.layers
+        self.proj = nn.Linear(6, 2)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.mse_loss(self.proj(x), y)
 
 
-@pytest.mark.parametrize("samples, batch, m, drop_last, match", [
-    (20, 8, 4, False, r"last batch holds 4 samples .* pass drop_last=True"),  # 4 splits into 4: accepted
-    (22, 8, 4, False, r"last batch holds 6 samples \(22 samples in batches of 8\), which do not split into 4 "
-                      r"micro-batches: pass drop_last=True"),
-    (16, 2, 4, True, r"training batch size 2 is smaller than num_microbatches=4"),
-    (18, 6, 4, True, r"training batch size 6 does not split into 4 micro-batches"),
-])
-def test_batches_that_cannot_split_are_refused_before_the_first_step(samples, batch, m, drop_last, match):
-    if samples == 20:  # the control: every batch splits, training runs
-        assert _fit(samples, batch, m, drop_last) == 3
-        return
-    with pytest.raises(ValueError, match=match):
-        _fit(samples, batch, m, drop_last)
+class SkipsLayers(Net):
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.mse_loss(x[:, :2] * self.layers[2].bias, y)
 
 
-def test_ckpt_path_last_names_where_it_looked(tmp_path):
+class TrainedInput(Net):
+    def __init__(self) -> None:
+        super().__init__()
+        self.pre = nn.Linear(6, 6)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.mse_loss(self.layers(self.pre(x)), y)
+
+
+class Manual(Net):
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+
+class ReturnsString(Net):
+    def training_step(self, batch, batch_idx):
+        x, _ = batch
+        self.layers(x)
+        return "done"
+
+
+class LogsString(Net):
+    def training_step(self, batch, batch_idx):
+        self.log("phase", "warmup")
+        return super().training_step(batch, batch_idx)
+
+
+class SharedBlocks(pl.LightningModule):
+    """A ModuleList holding one block twice (weights shared between positions of the loop)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        block = nn.Linear(6, 6)
+        self.blocks = nn.ModuleList([block, block, nn.Linear(6, 6)])
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.mse_loss(self(x)[:, :2], y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+class LooseParameter(SharedBlocks):
+    """A parameter held directly by the module that loops over the blocks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Linear(6, 6) for _ in range(3)])
+        self.scale = nn.Parameter(torch.ones(6))
+
+    def forward(self, x):
+        return super().forward(x * self.scale)
+
+
+def _data(samples: int = 16, batch: int = 8, drop_last: bool = True, second_dim: int = 2) -> DataLoader:
+    g = torch.Generator().manual_seed(0)
+    return DataLoader(TensorDataset(torch.randn(samples, 6, generator=g), torch.randn(samples, second_dim, generator=g)),
+                      batch_size=batch, drop_last=drop_last)
+
+
+def _trainer(strategy: TwoBPStrategy, **kw) -> pl.Trainer:
+    kw = dict(accelerator="cpu", devices=1, strategy=strategy, max_steps=2, logger=False, enable_checkpointing=False,
+              enable_progress_bar=False, enable_model_summary=False) | kw
+    return pl.Trainer(**kw)
+
+
+def _fit(model: pl.LightningModule | None = None, data: DataLoader | None = None, ckpt_path: str | None = None,
+         trainer: dict | None = None, **strategy) -> pl.Trainer:
+    t = _trainer(TwoBPStrategy(**strategy), **(trainer or {}))
+    t.fit(model or Net(), data if data is not None else _data(), ckpt_path=ckpt_path)
+    return t
+
+
+def _one_rank_group() -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+
+
+def _executor(schedule: tuple, modules: dict, step: tuple | None = None) -> None:
+    from lightning_twobp.engine import PipelineExecutor
+    from lightning_twobp.schedules import build_schedule
+
+    _one_rank_group()
+    ex = PipelineExecutor(build_schedule(*schedule[:3], **schedule[3] if len(schedule) > 3 else {}), modules,
+                          loss_fn=F.mse_loss)
+    if step is not None:
+        ex.step(*step)
+
+
+def _saved_checkpoint(tmp: Path) -> Path:
+    """A real strategy='twobp' checkpoint of two steps of Net."""
+    t = _fit()
+    path = tmp / "c.ckpt"
+    t.save_checkpoint(path)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return path
+
+
+def _damage(tmp: Path) -> str:
+    path = _saved_checkpoint(tmp)
+    shard = sorted(path.glob("*.distcp"))[0]
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x01  # one bit, the size unchanged
+    shard.write_bytes(bytes(data))
+    _fit(ckpt_path=str(path), trainer=dict(max_steps=3))
+    return ""
+
+
+def _without_manifest(tmp: Path) -> None:
+    path = _saved_checkpoint(tmp)
+    (path / "twobp-manifest.json").unlink()
+    _fit(ckpt_path=str(path), trainer=dict(max_steps=3))
+
+
+def _not_twobp(tmp: Path) -> None:
+    folder = tmp / "other.ckpt"
+    folder.mkdir()
+    _fit(ckpt_path=str(folder), trainer=dict(max_steps=3))
+
+
+def _storage_options(tmp: Path) -> None:
+    t = _fit()
+    t.strategy.save_checkpoint(t._checkpoint_connector.dump_checkpoint(), tmp / "c.ckpt", storage_options={"a": 1})
+
+
+def _compose(*overrides: str):
+    from hydra import compose, initialize_config_dir
+    from hydra.core.hydra_config import HydraConfig
+
+    from lightning_twobp.config import CONF_DIR
+
+    with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
+        cfg = compose("config", overrides=list(overrides), return_hydra_config=True)
+    HydraConfig.instance().set_config(cfg)  # for ${hydra:...} in the run directory's paths
+    return cfg
+
+
+def _instantiate(*overrides: str):
+    from lightning_twobp.train import instantiate_data
+
+    return instantiate_data(_compose(*overrides))
+
+
+def _plan(*overrides: str):
+    from lightning_twobp.plan import plan_recipe
+
+    return plan_recipe(list(overrides))
+
+
+def _token_file(tmp: Path, n: int, dtype: str = "uint16", sidecar: dict | None = None, extra_byte: bool = False) -> Path:
+    import numpy as np
+
+    path = tmp / "train.bin"
+    data = (np.arange(n) % 250).astype(dtype).tobytes() + (b"\0" if extra_byte else b"")
+    path.write_bytes(data)
+    if sidecar is not None:
+        (tmp / "train.bin.json").write_text(json.dumps(sidecar))
+    return path
+
+
+def _tokens(tmp: Path, n: int = 1000, seq_len: int = 8, vocab_size: int | None = None, **kw) -> None:
+    from lightning_twobp.data.tokens import TokenFile
+
+    TokenFile(_token_file(tmp, n, **kw), seq_len, vocab_size=vocab_size)
+
+
+def _last(tmp: Path) -> None:
+    run = tmp / "outputs" / "cpu-tiny-llama" / "2026-12-01_10-00-00"
+    run.mkdir(parents=True)
+    resume_path("last", str(run))
+
+
+def _build(name: str, *args, **kw):
+    import importlib
+
+    module, cls = name.rsplit(".", 1)
+    return getattr(importlib.import_module(module), cls)(*args, **kw)
+
+
+# ---------------------------------------------------------------------------------------------- the table
+# id -> (what is run, given a tmp_path; the exception; a regex the message must match)
+Case = tuple[Callable[[Path], object], type[BaseException], str]
+S, X, D = "lightning_twobp.schedules.build_schedule", "lightning_twobp.models", "lightning_twobp.data"
+CASES: dict[str, Case] = {
+    # schedules: pure data, refused when built
+    "schedule-unknown": (lambda t: _build(S, "zb-x", 2, 4), ValueError,
+                         r"unknown schedule 'zb-x'; choose one of gpipe, 1f1b, .*zb-v"),
+    "schedule-zero-stages": (lambda t: _build(S, "1f1b", 0, 4), ValueError, r"num_stages must be an int >= 1, got 0"),
+    "schedule-zero-microbatches": (lambda t: _build(S, "1f1b", 2, 0), ValueError,
+                                   r"num_microbatches must be an int >= 1, got 0"),
+    "schedule-stages-not-multiple": (lambda t: _build(S, "interleaved-1f1b", 6, 4, stages_per_rank=4), ValueError,
+                                     r"num_stages=6 is not a multiple of stages_per_rank=4: use 4 or 8"),
+    "schedule-1f1b-two-stages-per-rank": (lambda t: _build(S, "1f1b", 4, 4, stages_per_rank=2), ValueError,
+                                          r"1f1b runs one stage per rank.*build_schedule\('interleaved-1f1b', 4, 4"),
+    "schedule-zb-h1-two-stages-per-rank": (lambda t: _build(S, "zb-h1", 4, 4, stages_per_rank=2), ValueError,
+                                           r"zb-h1 runs one stage per rank.*build_schedule\('zb-v', 4, 4"),
+    "schedule-zb-v-one-stage-per-rank": (lambda t: _build(S, "zb-v", 2, 4), ValueError,
+                                         r"zb-v needs stages_per_rank=2 .*build_schedule\('zb-v', 4, 4, stages_per_rank=2\)"),
+    "schedule-zb-fused": (lambda t: _build(S, "zb-h2", 2, 4, split_backward=False), ValueError,
+                          r"zb-h2 is split by definition .* use '1f1b' or 'gpipe'"),
+    "schedule-interleaved-microbatches": (lambda t: _build(S, "interleaved-1f1b", 8, 6, stages_per_rank=2), ValueError,
+                                          r"on 4 ranks needs a micro-batch count that is a multiple of 4: use 4"),
+    # the executor: refused when it is made, or before the first action
+    "executor-ranks": (lambda t: _executor(("1f1b", 2, 2), {0: nn.Linear(2, 2)}), ValueError,
+                       r"schedule '1f1b' has 2 ranks but the process group has 1: build the schedule with "
+                       r"num_stages = 1 x stages_per_rank"),
+    "executor-modules": (lambda t: _executor(("1f1b", 1, 2), {1: nn.Linear(2, 2)}), ValueError,
+                         r"rank 0 holds stages \[0\] in schedule '1f1b', but modules were given for stages \[1\]"),
+    "executor-microbatches": (lambda t: _executor(("1f1b", 1, 4), {0: nn.Linear(2, 2)},
+                                                  ([torch.ones(1, 2)] * 3, [torch.ones(1, 2)] * 3)), ValueError,
+                              r"rank 0 holds stage 0: pass inputs as a sequence of 4 micro-batches \(got 3 items\)"),
+    "executor-non-tensor-between-stages": (
+        lambda t: _executor(("interleaved-1f1b", 2, 2, {"stages_per_rank": 2}),
+                            {0: _DictOut(), 1: nn.Identity()}, ([torch.ones(1, 2)] * 2, [torch.ones(1, 2)] * 2)),
+        RuntimeError, r"shape exchange before the first action, stage 0 .* values passed between pipeline stages "
+                      r"must be tensors"),
+    # TwoBPStrategy(...): refused when it is constructed
+    "strategy-num-microbatches": (lambda t: TwoBPStrategy(num_microbatches=0), ValueError,
+                                  r"TwoBPStrategy\(num_microbatches=0\): it must be a positive integer"),
+    "strategy-pipeline-degree": (lambda t: TwoBPStrategy(pipeline_degree=-2), ValueError,
+                                 r"TwoBPStrategy\(pipeline_degree=-2\): it must be a positive integer"),
+    "strategy-stages-per-rank": (lambda t: TwoBPStrategy(stages_per_rank=1.5), ValueError,
+                                 r"TwoBPStrategy\(stages_per_rank=1.5\): it must be a positive integer"),
+    "strategy-schedule": (lambda t: TwoBPStrategy(schedule="zero-bubble"), ValueError,
+                          r"unknown schedule 'zero-bubble'; choose one of"),
+    "strategy-zb-fused": (lambda t: TwoBPStrategy(schedule="zb-v", split_backward=False), ValueError,
+                          r"zb-v is split by definition"),
+    "strategy-on-nonfinite": (lambda t: TwoBPStrategy(on_nonfinite="ignore"), ValueError,
+                              r"on_nonfinite='ignore': choose 'stop' .* or 'skip'"),
+    "strategy-balance-name": (lambda t: TwoBPStrategy(balance="flops"), ValueError,
+                              r"balance='flops': choose 'params' \(the default\), 'time' or a list of layer counts"),
+    "strategy-balance-list": (lambda t: TwoBPStrategy(balance=[3, 0]), ValueError,
+                              r"balance=\[3, 0\]: a list of layer counts per stage must hold integers >= 1"),
+    "strategy-pipeline-timeout": (lambda t: TwoBPStrategy(pipeline_timeout=0), ValueError,
+                                  r"pipeline_timeout=0: give the seconds .* \(> 0, default 600\)"),
+    "strategy-ddp-options": (lambda t: TwoBPStrategy(find_unused_parameters=True), TypeError,
+                             r"TwoBPStrategy got find_unused_parameters: DistributedDataParallel's options do not "
+                             r"apply .* remove them"),
+    # a Trainer call: refused at setup or when training starts, before the first step
+    "fit-devices-not-multiple": (lambda t: _fit(pipeline_degree=2), ValueError,
+                                 r"1 devices cannot be split into pipelines of 2: .*use pipeline_degree=1"),
+    "fit-more-stages-than-layers": (lambda t: _fit(schedule="interleaved-1f1b", stages_per_rank=4), ValueError,
+                                    r"3 layers cannot fill 4 stages: lower the number of stages to <= 3"),
+    "fit-balance-sum": (lambda t: _fit(schedule="interleaved-1f1b", stages_per_rank=2, balance=[1, 1]), ValueError,
+                        r"balance=\[1, 1\] sums to 2, but the Sequential has 3 layers"),
+    "fit-balance-entries": (lambda t: _fit(schedule="interleaved-1f1b", stages_per_rank=2, balance=[1, 1, 1]),
+                            ValueError, r"balance=\[1, 1, 1\] has 3 entries for 2 stages"),
+    "fit-batch-smaller-than-m": (lambda t: _fit(data=_data(16, 2), num_microbatches=4), ValueError,
+                                 r"the training batch size 2 is smaller than num_microbatches=4"),
+    "fit-batch-not-divisible": (lambda t: _fit(data=_data(18, 6), num_microbatches=4), ValueError,
+                                r"training batch size 6 does not split into 4 micro-batches: use a batch size that "
+                                r"is a multiple of 4, or set num_microbatches to a divisor of 6"),
+    "fit-last-batch": (lambda t: _fit(data=_data(22, 8, drop_last=False), num_microbatches=4), ValueError,
+                       r"last batch holds 6 samples \(22 samples in batches of 8\), which do not split into 4 "
+                       r"micro-batches: pass drop_last=True"),
+    "fit-batch-tensors-differ": (lambda t: _fit(data=_batch_of_two_sizes(), num_microbatches=2), ValueError,
+                                 r"cannot split the batch into micro-batches: its tensors have first dimensions "
+                                 r"\[4, 8\]"),
+    "fit-two-sequentials": (lambda t: _fit(TwoSequentials()), ValueError,
+                            r"TwoSequentials holds 2 nn.Sequential modules \(head, layers\): name the one that "
+                            r"training_step calls with layers=\.\.\."),
+    "fit-layers-unknown": (lambda t: _fit(layers="blocks"), ValueError,
+                           r"layers='blocks' names no submodule of Net; candidates found: layers"),
+    "fit-layers-not-a-sequence": (lambda t: _fit(layers="layers.0"), ValueError,
+                                  r"layers='layers.0' points to Linear, not to an nn.Sequential or an nn.ModuleList"),
+    "fit-no-sequential": (lambda t: _fit(NoSequential()), ValueError,
+                          r"NoSequential holds no nn.Sequential and no nn.ModuleList of blocks with parameters"),
+    "fit-manual-optimization": (lambda t: _fit(Manual()), ValueError,
+                                r"strategy='twobp' supports automatic optimization only.*"
+                                r"self.automatic_optimization = True"),
+    "fit-step-skips-layers": (lambda t: _fit(SkipsLayers()), RuntimeError,
+                              r"training_step did not call layers: under strategy='twobp' it must call the "
+                              r"pipelined block exactly once"),
+    "fit-input-requires-grad": (lambda t: _fit(TrainedInput()), ValueError,
+                                r"the input of layers requires grad: a module with parameters runs before it in "
+                                r"training_step.*move it into the Sequential"),
+    "fit-step-returns-no-loss": (lambda t: _fit(ReturnsString()), RuntimeError,
+                                 r"training_step returned str on micro-batch 0: .* must return the loss tensor"),
+    "fit-log-a-string": (lambda t: _fit(LogsString()), RuntimeError,
+                         r"self.log\('phase', str\) from a step under strategy='twobp': log a tensor, a number or a "
+                         r"torchmetrics Metric"),
+    "fit-shared-blocks": (lambda t: _fit(SharedBlocks()), ValueError,
+                          r"blocks holds the same module more than once .* give every entry its own module"),
+    "fit-loose-parameter": (lambda t: _fit(LooseParameter()), ValueError,
+                            r"holds parameters directly \(scale\) beside the blocks in blocks"),
+    # checkpoints: refused before anything is loaded
+    "checkpoint-not-twobp": (_not_twobp, RuntimeError,
+                             r"other.ckpt is not a strategy='twobp' checkpoint \(no meta.pt, no twobp-manifest.json\)"),
+    "checkpoint-damaged": (_damage, RuntimeError,
+                           r"checkpoint .*c.ckpt is damaged, not loaded: .*\.distcp: its SHA-256 differs"),
+    "checkpoint-no-manifest": (_without_manifest, RuntimeError,
+                               r"c.ckpt has no twobp-manifest.json: it was not written completely"),
+    "checkpoint-storage-options": (_storage_options, TypeError,
+                                   r"save_checkpoint\(\.\.\., storage_options=\.\.\.\) is not supported"),
+    "checkpoint-last-none": (_last, FileNotFoundError,
+                             r"ckpt_path=last: no complete checkpoint under .*cpu-tiny-llama/\*/checkpoints/ .* "
+                             r"quoted for Hydra"),
+    # twobp-train and twobp-plan: the Hydra config
+    "train-unknown-recipe": (lambda t: _compose("recipe=llama-7b"), Exception,
+                             r"Could not find 'recipe/llama-7b'"),
+    "train-model-data-mismatch": (lambda t: _instantiate("model=tiny-resnet", "data=counting"), ValueError,
+                                  r"data=counting does not fit model=tiny-resnet \(Interpolation key 'model.vocab_size' "
+                                  r"not found\): use data=images for ResNet"),
+    "train-tokens-without-path": (lambda t: _instantiate("data=tokens"), ValueError,
+                                  r"data.train_path has no value: give it on the command line, e.g. "
+                                  r"data.train_path=data/my-corpus/train.bin"),
+    "plan-devices-not-multiple": (lambda t: _plan("trainer.devices=3", "strategy.pipeline_degree=2"), ValueError,
+                                  r"3 devices cannot be split into pipelines of 2: use a divisor of 3"),
+    "plan-batch-not-divisible": (lambda t: _plan("data.batch_size=6", "strategy.num_microbatches=4"), ValueError,
+                                 r"batch size 6 does not split into 4 micro-batches: set data.batch_size to a "
+                                 r"multiple of 4"),
+    "plan-precision": (lambda t: _plan("trainer.precision=8-true"), ValueError,
+                       r"twobp-plan knows precisions .*; got '8-true'"),
+    "plan-optimizer": (lambda t: _plan("plan.optimizer=lion"), ValueError,
+                       r"plan.optimizer='lion': choose adamw, adam or sgd"),
+    # data
+    "data-batch-size": (lambda t: _build(f"{D}.TokenDataModule", vocab_size=16, seq_len=8, batch_size=0), ValueError,
+                        r"batch_size is 0: it must be at least 1"),
+    "data-val-without-train": (lambda t: _build(f"{D}.TokenDataModule", vocab_size=16, seq_len=8, batch_size=2,
+                                                val_path="v.bin"), ValueError,
+                               r"val_path v.bin was given without a train path"),
+    "data-mask-token": (lambda t: _build(f"{D}.synthetic.MaskedCountingTokens", 16, 8, 10, mask_token_id=16),
+                        ValueError, r"mask_token_id 16 is outside the vocabulary of 16 ids: use an id in \[0, 16\)"),
+    "data-image-path": (lambda t: _build(f"{D}.ImageDataModule", num_classes=2, image_size=8, batch_size=2,
+                                         path=str(t / "nope")).setup(), FileNotFoundError,
+                        r"image path .*nope does not exist"),
+    "tokens-missing": (lambda t: _build(f"{D}.tokens.TokenFile", t / "train.bin", 8), FileNotFoundError,
+                       r"token file .*train.bin does not exist: write one with `twobp-tokenize"),
+    "tokens-no-sidecar": (lambda t: _tokens(t), ValueError,
+                          r"train.bin has no sidecar train.bin.json saying its dtype: pass dtype='uint16' or "
+                          r"dtype='uint32'"),
+    "tokens-truncated": (lambda t: _tokens(t, sidecar={"dtype": "uint16"}, extra_byte=True), ValueError,
+                         r"train.bin is 2,001 bytes, not a multiple of 2 \(uint16's item size\)"),
+    "tokens-too-short": (lambda t: _tokens(t, n=8, sidecar={"dtype": "uint16"}), ValueError,
+                         r"train.bin holds 8 tokens, too short for seq_len 8 \+ 1"),
+    "tokens-outside-vocab": (lambda t: _tokens(t, vocab_size=128, sidecar={"dtype": "uint16"}), ValueError,
+                             r"train.bin holds token id 249, outside the model's vocab_size 128: set vocab_size >= 250"),
+    # models
+    "model-heads": (lambda t: _build(f"{X}.LlamaLM", dim=30, n_heads=4), ValueError, r"dim 30 must divide by n_heads 4"),
+    "model-lr-decay": (lambda t: _build(f"{X}.LlamaLM", lr_decay="linear-ish"), ValueError,
+                       r"lr_decay='linear-ish': choose one of"),
+    "model-hf-arch": (lambda t: _build(f"{X}.HFCausalLM", arch="t5"), ValueError, r"arch='t5': choose one of"),
+}
+
+
+class _DictOut(nn.Module):
+    def forward(self, x):
+        return {"hidden": x}
+
+
+def _collate_gone_wrong(samples):
+    return torch.stack([s[0] for s in samples]), torch.zeros(4, 2)
+
+
+def _batch_of_two_sizes() -> DataLoader:
+    """Batches of an 8-row input and a 4-row target."""
+    return DataLoader(TensorDataset(torch.randn(16, 6)), batch_size=8, drop_last=True, collate_fn=_collate_gone_wrong)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_refused_before_any_compute_with_the_numbers_and_the_fix(case, tmp_path):
+    call, exc, match = CASES[case]
+    with pytest.raises(exc) as info:
+        call(tmp_path)
+    # Hydra and Lightning wrap some errors: the message may sit in the cause
+    msgs, err = [], info.value
+    while err is not None:
+        msgs.append(str(err))
+        err = err.__cause__ or err.__context__
+    assert any(re.search(match, m, re.S) for m in msgs), f"{case}: {msgs}"
+
+
+def test_every_case_has_a_row_in_the_docs_table():
+    text = DOCS.read_text()
+    section = text.split("## Every refused configuration", 1)[1].split("\n## ", 1)[0]
+    rows = re.findall(r"^\| `([a-z0-9-]+)` \|", section, re.M)
+    assert len(rows) == len(set(rows)), "a case id appears twice in the docs table"
+    assert set(rows) == set(CASES), (f"docs only: {sorted(set(rows) - set(CASES))}; "
+                                     f"tests only: {sorted(set(CASES) - set(rows))}")
+    assert len(CASES) >= 40
+
+
+def test_a_batch_that_splits_trains():
+    """The control for the batch cases: 20 samples in batches of 8 leave a last batch of 4, which splits
+    into 4 micro-batches, so nothing is refused and every batch trains."""
+    t = _fit(data=_data(20, 8, drop_last=False), num_microbatches=4, trainer=dict(max_steps=-1, max_epochs=1))
+    assert t.global_step == 3
+
+
+def test_ckpt_path_last_finds_the_newest_complete_checkpoint(tmp_path):
     run = tmp_path / "outputs" / "cpu-tiny-llama" / "2026-12-01_10-00-00"
     run.mkdir(parents=True)
-    with pytest.raises(FileNotFoundError, match=r"ckpt_path=last: no complete checkpoint under .*cpu-tiny-llama/\*"
-                                                r"/checkpoints/ .* quoted for Hydra"):
-        resume_path("last", str(run))
     older = tmp_path / "outputs" / "cpu-tiny-llama" / "2026-11-30_10-00-00" / "checkpoints" / "epoch=0-step=5.ckpt"
     older.mkdir(parents=True)
     (older / "twobp-manifest.json").write_text("{}")
     assert resume_path("last", str(run)) == str(older)
     assert resume_path("some/path", str(run)) == "some/path" and resume_path(None, str(run)) is None
+
+
+def test_pipeline_timeout_bounds_lightnings_collectives_too():
+    from datetime import timedelta
+
+    assert TwoBPStrategy()._timeout == timedelta(seconds=600)
+    assert TwoBPStrategy(pipeline_timeout=5)._timeout == timedelta(seconds=60)  # not below a minute
+    assert TwoBPStrategy(pipeline_timeout=5, timeout=timedelta(seconds=90))._timeout == timedelta(seconds=90)

@@ -121,8 +121,10 @@ class TwoBPStrategy(DDPStrategy):
             without clipping, where the error comes a step later and says so). ``"skip"``: the step is skipped on
             every rank, with a warning; ``strategy.step_checks["skipped"]`` counts them and
             ``pipeline/skipped_steps`` is logged. With fp16's GradScaler the scaler does this instead.
-        timeout: as for DDPStrategy (the process group); the pipeline's own waits on another rank are
-            bounded by ``pipeline_timeout`` seconds (600), after which that rank is named as lost.
+        pipeline_timeout: seconds (default 600) the pipeline's own waits on another rank may take,
+            after which that rank is named as lost (its pipeline rank, stage and host). Also the
+            process group's timeout unless ``timeout`` is given (at least 60 s), so a hung rank
+            stops Lightning's collectives in minutes rather than torch's default 30.
         accelerator, parallel_devices, cluster_environment, precision_plugin, process_group_backend,
         timeout, start_method: as for :class:`~lightning.pytorch.strategies.DDPStrategy`. DDP's own
             options (``find_unused_parameters``, communication hooks, ...) raise ``TypeError``: there
@@ -170,6 +172,22 @@ class TwoBPStrategy(DDPStrategy):
         if on_nonfinite not in ("stop", "skip"):
             raise ValueError(f"on_nonfinite={on_nonfinite!r}: choose 'stop' (raise on every rank, naming the "
                              f"stage, micro-batch and step) or 'skip' (skip that optimizer step everywhere)")
+        if isinstance(balance, str):
+            if balance not in ("params", "time"):
+                raise ValueError(f"balance={balance!r}: choose 'params' (the default), 'time' or a list of layer "
+                                 f"counts per stage, e.g. balance=[3, 5]")
+        elif not (isinstance(balance, Sequence) and balance
+                  and all(isinstance(b, int) and not isinstance(b, bool) and b >= 1 for b in balance)):
+            raise ValueError(f"balance={balance!r}: a list of layer counts per stage must hold integers >= 1, "
+                             f"e.g. balance=[3, 5]")
+        if pipeline_timeout is not None and (isinstance(pipeline_timeout, bool)
+                                             or not isinstance(pipeline_timeout, (int, float)) or pipeline_timeout <= 0):
+            raise ValueError(f"pipeline_timeout={pipeline_timeout!r}: give the seconds a rank waits for another "
+                             f"before naming it as lost (> 0, default 600), or None for the process group's timeout")
+        if timeout is None and pipeline_timeout is not None:
+            # Lightning's own collectives (logging, checkpoints, the non-finite check) then give up on a
+            # hung rank after the same time as the pipeline's waits, not after torch's 30 minutes.
+            timeout = timedelta(seconds=max(float(pipeline_timeout), 60.0))
         extra = {} if timeout is None else {"timeout": timeout}
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, precision_plugin=precision_plugin,
