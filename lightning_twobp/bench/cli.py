@@ -1,10 +1,11 @@
-"""``twobp-bench``: the engine benchmark by default; ``--peer``, ``--trainer`` and ``--split`` for the others.
+"""``twobp-bench``: the engine benchmark by default; ``--peer``, ``--trainer``, ``--split``, ``--soak`` and ``--paper`` for the others.
 
     twobp-bench [--json PATH] [--repeats N] [--timelines DIR] [--quick]
     twobp-bench --peer [--rounds N] [--steps K] [--out DIR] [--only LABEL ...] [--quick]
     twobp-bench --trainer [--json PATH] [--repeats N] [--only LABEL ...] [--quick]
     twobp-bench --split [--tokens 512 256 64]
     twobp-bench --soak N [--json PATH]
+    twobp-bench --paper [--out DIR] [--quick] [--repeats N]
 """
 
 from __future__ import annotations
@@ -23,9 +24,12 @@ def main(argv: list[str] | None = None) -> int:
     mode.add_argument("--trainer", action="store_true", help="through Trainer(strategy=TwoBPStrategy) vs the bare engine")
     mode.add_argument("--split", action="store_true", help="only (B + W) / BW on one block")
     mode.add_argument("--soak", type=int, metavar="N", help="N Trainer steps of the default recipe: does memory stay flat?")
+    mode.add_argument("--paper", action="store_true",
+                      help="the 2BP paper's three questions (throughput, peak memory, scaling) on its four models")
     ap.add_argument("--json", help="write the results as JSON to this path (engine, trainer)")
-    ap.add_argument("--out", help="--peer: write peer.md, peer.csv and peer.json into this directory")
-    ap.add_argument("--repeats", type=int, default=5, help="timed steps per configuration (engine, trainer)")
+    ap.add_argument("--out", help="--peer: write peer.md, peer.csv and peer.json into this directory; "
+                                  "--paper: paper.md, paper.json, paper-rq*.csv and paper-rq*.png")
+    ap.add_argument("--repeats", type=int, default=5, help="timed steps per configuration (engine, trainer, paper)")
     ap.add_argument("--rounds", type=int, default=7, help="--peer: timed rounds (each contender once per round)")
     ap.add_argument("--steps", type=int, default=1, help="--peer: back-to-back training steps per timed sample")
     ap.add_argument("--microbatches", type=int, default=8)
@@ -58,6 +62,18 @@ def main(argv: list[str] | None = None) -> int:
             with open(args.json, "w") as fh:
                 json.dump(result, fh, indent=1)
             print(f"wrote {args.json}")
+        return 0
+
+    if args.paper:
+        from lightning_twobp.bench.paper import markdown as paper_markdown
+        from lightning_twobp.bench.paper import run_paper
+        from lightning_twobp.bench.paper import write as paper_write
+
+        result = run_paper(quick=args.quick, repeats=1 if args.quick else args.repeats)
+        print(paper_markdown(result))
+        if args.out:
+            for path in paper_write(result, args.out):
+                print(f"wrote {path}")
         return 0
 
     if args.peer:
