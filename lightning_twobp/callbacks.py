@@ -3,17 +3,14 @@
 from __future__ import annotations
 
 import json
-import resource
-import time
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
-import torch
-from torch.utils import _pytree as pytree
 from typing_extensions import override
 
 from lightning_twobp.lightning.layout import schedule_label
+from lightning_twobp.monitor import PipelineMonitor
 
 __all__ = ["RunSummary"]
 
@@ -23,48 +20,47 @@ class RunSummary(pl.Callback):
     throughput, the loss from first to last, peak memory per pipeline rank, and where the logs and
     checkpoint went.
 
-    Throughput counts each sample once: under pipeline parallelism every rank of a pipeline sees the
-    same batch (Lightning's ThroughputMonitor multiplies by the world size, which over-counts), so the
-    global batch is the batch size times the data-parallel replicas. Peak memory is
-    ``torch.cuda.max_memory_allocated`` on a GPU and the process's peak resident set on CPU.
+    The figures are :class:`~lightning_twobp.PipelineMonitor`'s (:meth:`~PipelineMonitor.run_figures`):
+    the monitor among the Trainer's callbacks, or a silent one of its own when there is none. So each
+    sample counts once per pipeline (Lightning's ThroughputMonitor multiplies by the world size, which
+    over-counts), times the data-parallel replicas. Peak memory is CUDA's peak allocated on a GPU and
+    the process's peak resident set on CPU.
     """
 
     def __init__(self, filename: str = "summary.json") -> None:
         self.filename = filename
         self.summary: dict[str, Any] = {}
+        self._own: PipelineMonitor | None = None
+
+    def _monitor(self, trainer: pl.Trainer) -> PipelineMonitor:
+        found = next((c for c in trainer.callbacks if isinstance(c, PipelineMonitor)), None)
+        if found is not None:
+            return found
+        if self._own is None:
+            self._own = PipelineMonitor(log=False, measure_flops=False, log_every_n_steps=10**9)
+        return self._own
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if trainer.strategy.root_device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(trainer.strategy.root_device)
-        self._start = time.perf_counter()
-        self._samples = self._tokens = self._steps = 0
         self._first_loss: float | None = None
+        if self._monitor(trainer) is self._own:
+            self._own.on_train_start(trainer, pl_module)
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        leaves = [x for x in pytree.tree_leaves(batch) if isinstance(x, torch.Tensor) and x.dim() > 0]
-        if leaves:
-            self._samples += leaves[0].shape[0]
-            if leaves[0].dim() == 2 and not leaves[0].is_floating_point():  # (B, T) token ids
-                self._tokens += leaves[0].numel()
-        self._steps += 1
+        if self._monitor(trainer) is self._own:
+            self._own.on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
         if self._first_loss is None and "train_loss" in trainer.callback_metrics:
             self._first_loss = float(trainer.callback_metrics["train_loss"])
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        seconds = time.perf_counter() - self._start
-        strategy = trainer.strategy
-        device = strategy.root_device
-        if device.type == "cuda":
-            peak = torch.cuda.max_memory_allocated(device)
-        else:
-            peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
-        peaks = strategy.all_gather(torch.tensor([float(peak)], device=device)).reshape(-1).tolist()
+        figures = self._monitor(trainer).run_figures(trainer)  # a collective: every rank
+        peaks = figures["peak_memory_bytes_per_rank"]
         if trainer.global_rank != 0:
             return
+        strategy = trainer.strategy
         p = getattr(strategy, "pipeline_degree", 1)
         dp = trainer.world_size // p
         pipeline = {}
@@ -82,15 +78,11 @@ class RunSummary(pl.Callback):
         loss = trainer.callback_metrics.get("train_loss")
         ckpt = trainer.checkpoint_callback.best_model_path if trainer.checkpoint_callback else ""
         log_dir = trainer.logger.log_dir if trainer.logger is not None else None
+        seconds = figures["seconds"]
         self.summary = {
-            "steps": self._steps,
-            "seconds": seconds,
-            "samples_per_s": self._samples * dp / seconds,
-            "tokens_per_s": self._tokens * dp / seconds if self._tokens else None,
+            **figures,
             "first_train_loss": self._first_loss,
             "final_train_loss": None if loss is None else float(loss),
-            "peak_memory_bytes_per_rank": peaks,
-            "peak_memory_kind": "peak CUDA memory allocated" if device.type == "cuda" else "peak RSS",
             "checkpoint": ckpt or None,
             "log_dir": log_dir,
             **pipeline,
@@ -101,6 +93,9 @@ class RunSummary(pl.Callback):
         if pipeline:
             lines.append(f"pipeline: {schedule_label(pipeline['schedule'], pipeline['split_backward'])}, "
                          f"{pipeline['num_stages']} stages on {p} ranks x {dp} replica(s), {pipeline['num_microbatches']} micro-batches")
+        if s["flops_per_batch"]:
+            lines.append(f"FLOPs per batch (measured, forward + backward): {s['flops_per_batch']:.3e}; achieved "
+                         f"{s['flops_per_batch'] * s['steps'] * dp / seconds / 1e12:.3f} TFLOP/s over the run")
         if s["final_train_loss"] is not None:
             first = "" if s["first_train_loss"] is None else f"{s['first_train_loss']:.3f} -> "
             lines.append(f"train_loss: {first}{s['final_train_loss']:.3f}")

@@ -7,8 +7,11 @@ counts each sample once per pipeline (times the data-parallel replicas), with Li
 :class:`~lightning.fabric.utilities.throughput.Throughput` and its names (``throughput/samples_per_sec``,
 ``throughput/items_per_sec`` with a ``length_fn``, ``throughput/flops_per_sec`` and
 ``throughput/device/mfu`` with ``flops_per_batch`` on a GPU whose peak is known; ``device/`` there
-means one pipeline). At logging steps only, every rank contributes a few numbers through one
-tensor all-gather, logged per pipeline rank as ``pipeline/rank{r}/...``:
+means one pipeline). FLOPs per batch are measured once, by default, with torch's FLOP formulas (:class:`FlopCount`)
+on step ``flops_step`` (every rank counts its own stages' forward and backward, one all-reduce adds
+them). At logging steps only, every rank contributes a few numbers through one tensor all-gather,
+logged per pipeline stage as ``pipeline/stage{k}/...`` (a rank that holds two stages, as in ZB-V,
+logs as ``pipeline/stage{a}+{b}/...``: memory and idle time belong to the process, not to one stage):
 
 * ``rss_mb`` (the process's resident memory) and, on GPU, ``max_allocated_mb`` / ``max_reserved_mb``
   since the previous log;
@@ -22,6 +25,9 @@ tensor all-gather, logged per pipeline rank as ``pipeline/rank{r}/...``:
 (``chrome://tracing`` or https://ui.perfetto.dev: a track per rank, with the simulated schedule at
 the measured costs below it) and, with matplotlib, a PNG timeline, into ``trace_dir`` (default:
 ``<log dir>/traces``).
+
+:meth:`PipelineMonitor.run_figures` gives the whole run's throughput and each rank's peak memory;
+:class:`~lightning_twobp.callbacks.RunSummary` prints and writes those.
 """
 
 from __future__ import annotations
@@ -37,12 +43,15 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.throughput import Throughput, get_available_flops
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import flop_registry
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_twobp.lightning.step import batch_size
 from lightning_twobp.schedules import Action, Costs, simulate
 
-__all__ = ["PipelineMonitor", "measured_costs", "rss_mb"]
+__all__ = ["FlopCount", "PipelineMonitor", "measured_costs", "rss_mb", "stage_names", "tokens_in"]
 
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 _FIELDS = ("rss_mb", "max_allocated_mb", "max_reserved_mb", "bubble", "bubble_simulated", "held_mb_per_microbatch")
@@ -55,6 +64,59 @@ def rss_mb() -> float:
             return int(f.read().split()[1]) * _PAGE / 1e6
     except OSError:
         return float("nan")
+
+
+def peak_rss_bytes() -> int:
+    """The process's peak resident set size so far (Linux reports KiB)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def tokens_in(batch: Any) -> int | None:
+    """Tokens in a language-model batch: the element count of its first tensor when that is a
+    ``(B, T)`` integer tensor of token ids; ``None`` for other batches (images, features)."""
+    leaves = [x for x in pytree.tree_leaves(batch) if isinstance(x, torch.Tensor) and x.dim() > 0]
+    if leaves and leaves[0].dim() == 2 and not leaves[0].is_floating_point():
+        return leaves[0].numel()
+    return None
+
+
+class FlopCount(TorchDispatchMode):
+    """FLOPs of the ops run inside it, by torch's own formulas (``torch.utils.flop_counter``).
+
+    Not ``FlopCounterMode`` itself: its per-module attribution hooks every module's inputs for the
+    backward, which breaks the split backward's ``autograd.grad`` over stage inputs; and it decomposes
+    ops it has no formula for, which would change what the counted step computes. This runs every op
+    as it is and adds up only the ones torch has a formula for (matmuls, convolutions, attention).
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.total = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        formula = _formula(func._overloadpacket)
+        if formula is not None:
+            self.total += formula(*args, **kwargs, out_val=out)
+        return out
+
+
+def _formula(packet: Any) -> Callable | None:
+    """torch's FLOP formula for an op; an in-place op (``addmm_``, with which W accumulates into
+    ``.grad``) costs what its out-of-place form does."""
+    formula = flop_registry.get(packet)
+    name = getattr(packet, "__name__", "")
+    if formula is None and name.endswith("_"):
+        formula = flop_registry.get(getattr(torch.ops.aten, name[:-1], None))
+    return formula
+
+
+def stage_names(schedule: Any, pipeline_degree: int) -> list[str]:
+    """The log name of each pipeline rank: ``stage{k}``, or ``stage{a}+{b}`` for a rank of two stages."""
+    return ["stage" + "+".join(str(k) for k in schedule.stages_of(r)) for r in range(pipeline_degree)]
 
 
 def _parse(op: str) -> Action | None:
@@ -96,27 +158,35 @@ class PipelineMonitor(pl.Callback):
     Args:
         log_every_n_steps: how often to log (default: ``trainer.log_every_n_steps``).
         batch_size_fn: samples in a batch (default: the first dimension of its first tensor).
-        length_fn: items (tokens) in a batch, for ``throughput/items_per_sec``.
-        flops_per_batch: FLOPs of one training batch (forward and backward), e.g. from
-            :func:`lightning.fabric.utilities.throughput.measure_flops` on the meta device; gives
+        length_fn: items (tokens) in a batch, for ``throughput/items_per_sec`` (default:
+            :func:`tokens_in`, the token count of a ``(B, T)`` batch of ids; nothing for others).
+        flops_per_batch: FLOPs of one training batch (forward and backward). By default measured
+            on step ``flops_step`` (``measure_flops=False``: not measured); gives
             ``flops_per_sec`` and, where the device's peak is known, ``device/mfu``.
         window_size: batches over which throughput is averaged (at most one logging interval).
         trace_steps: global steps to record and write as Chrome traces.
         trace_dir: where the traces go.
         prog_bar: show ``samples_per_sec`` in the progress bar.
+        measure_flops, flops_step: count the FLOPs of that training step (the second, by default:
+            the first may hold one-off work) with :class:`FlopCount`; it runs that step a little slower.
+        log: log the figures (``False``: only gather them, for :class:`RunSummary`).
     """
 
     def __init__(self, log_every_n_steps: int | None = None, batch_size_fn: Callable[[Any], int] | None = None,
                  length_fn: Callable[[Any], int] | None = None, flops_per_batch: float | None = None,
                  window_size: int = 50, trace_steps: Sequence[int] = (), trace_dir: str | os.PathLike | None = None,
-                 prog_bar: bool = True) -> None:
+                 prog_bar: bool = True, measure_flops: bool = True, flops_step: int = 1, log: bool = True) -> None:
         super().__init__()
         if log_every_n_steps is not None and log_every_n_steps < 1:
             raise ValueError(f"PipelineMonitor(log_every_n_steps={log_every_n_steps}): must be at least 1")
         self.log_every_n_steps = log_every_n_steps
         self.batch_size_fn = batch_size_fn or batch_size
-        self.length_fn = length_fn
+        self.length_fn = length_fn if length_fn is not None else tokens_in
         self.flops_per_batch = flops_per_batch
+        self.measure_flops = measure_flops and flops_per_batch is None
+        self.flops_step = flops_step
+        self.log = log
+        self._counter: FlopCount | None = None
         self.window_size = window_size
         self.trace_steps = {int(s) for s in trace_steps}
         self.trace_dir = trace_dir
@@ -156,6 +226,8 @@ class PipelineMonitor(pl.Callback):
                                       window_size=window, separator="/")
         self._t0 = time.perf_counter()
         self._batches = self._samples = self._lengths = 0
+        self._counted_lengths = False  # whether any batch had a length (tokens)
+        self._peak_cuda = 0.0  # the run's peak CUDA memory allocated, bytes (peaks are reset at each log)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
 
@@ -163,17 +235,43 @@ class PipelineMonitor(pl.Callback):
         strategy = self._pipeline(trainer)
         if strategy is not None and self._records_wanted(trainer, trainer.global_step):
             strategy.record_next_step()
+        if self.measure_flops and trainer.global_step == self.flops_step and self._counter is None:
+            # Counts this rank's share of the step: its stages' F, B and W (the optimizer's
+            # elementwise ops count nothing). Meta-device passes of the ModuleList contract, which
+            # stand in for other stages' blocks, run at the first step only, before this one.
+            self._counter = FlopCount()
+            self._counter.__enter__()
+
+    def _stop_counting(self, trainer: pl.Trainer) -> None:
+        counter, self._counter = self._counter, None
+        counter.__exit__(None, None, None)
+        self.measure_flops = False
+        total = torch.tensor(float(counter.total), dtype=torch.float64, device=trainer.strategy.root_device)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(total)  # every rank's stages, over all replicas
+        strategy = self._pipeline(trainer)
+        dp = strategy.world_size // strategy.pipeline_degree if strategy is not None else trainer.world_size
+        self.flops_per_batch = float(total) / dp
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        if self._counter is not None:
+            self._counter.__exit__(None, None, None)
+            self._counter = None
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
+        if self._counter is not None:
+            self._stop_counting(trainer)
         now = time.perf_counter() - self._t0
         self._batches += 1
         self._samples += self.batch_size_fn(batch)
-        if self.length_fn is not None:
-            self._lengths += self.length_fn(batch)
-        flops = self.flops_per_batch * self._batches if self.flops_per_batch else None
+        n = self.length_fn(batch)
+        if n is not None:
+            self._lengths += n
+            self._counted_lengths = True
+        flops = self.flops_per_batch or None  # Throughput takes each batch's FLOPs, not a running total
         self._throughput.update(time=now, batches=self._batches, samples=self._samples,
-                                lengths=self._lengths if self.length_fn is not None else None, flops=flops)
+                                lengths=self._lengths if self._counted_lengths else None, flops=flops)
         step = trainer.global_step  # counted: the step that just ran is step - 1
         strategy = self._pipeline(trainer)
         if strategy is not None and step - 1 in self.trace_steps:
@@ -191,6 +289,8 @@ class PipelineMonitor(pl.Callback):
         if strategy is not None:
             values.update(self._per_rank(trainer, strategy))
         self.last = values
+        if not self.log:
+            return
         for name, value in values.items():
             if value == value:  # NaN: not known here (CUDA memory on CPU, ...)
                 pl_module.log(name, value, on_step=True, on_epoch=False,
@@ -201,6 +301,7 @@ class PipelineMonitor(pl.Callback):
         device = strategy.root_device
         alloc = reserved = nan
         if device.type == "cuda":
+            self._peak_cuda = max(self._peak_cuda, torch.cuda.max_memory_allocated(device))
             alloc = torch.cuda.max_memory_allocated(device) / 1e6
             reserved = torch.cuda.max_memory_reserved(device) / 1e6
             torch.cuda.reset_peak_memory_stats(device)
@@ -227,12 +328,42 @@ class PipelineMonitor(pl.Callback):
         sim = self._simulated(strategy, [r[len(_FIELDS):] for r in rows])
         out: dict[str, float] = {}
         pp = strategy.pipeline_degree
+        names = stage_names(strategy.schedule, pp)
         for r in range(pp):  # the first replica's pipeline: global ranks 0 .. pp - 1 (consecutive)
             for name, value in zip(_FIELDS, rows[r][:len(_FIELDS)].tolist()):
                 if name == "bubble_simulated" and sim is not None:
                     value = sim[r]
-                out[f"pipeline/rank{r}/{name}"] = value
+                out[f"pipeline/{names[r]}/{name}"] = value
         return out
+
+    # ------------------------------------------------------------------ the whole run
+    def run_figures(self, trainer: pl.Trainer) -> dict[str, Any]:
+        """The run so far: steps, seconds, samples/s and tokens/s (each sample once per pipeline,
+        times the replicas), FLOPs per batch, and every rank's peak memory (CUDA's peak allocated on
+        a GPU, the peak resident set on CPU), gathered with one all-gather: call it on every rank."""
+        device = trainer.strategy.root_device
+        if device.type == "cuda":
+            peak, kind = max(self._peak_cuda, torch.cuda.max_memory_allocated(device)), "peak CUDA memory allocated"
+        else:
+            peak, kind = peak_rss_bytes(), "peak RSS"
+        mine = torch.tensor([float(peak)], dtype=torch.float64, device=device)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            rows = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+            dist.all_gather(rows, mine)
+        else:
+            rows = [mine]
+        strategy = self._pipeline(trainer)
+        dp = strategy.world_size // strategy.pipeline_degree if strategy is not None else trainer.world_size
+        seconds = time.perf_counter() - self._t0
+        return {
+            "steps": self._batches,
+            "seconds": seconds,
+            "samples_per_s": self._samples * dp / seconds if seconds else None,
+            "tokens_per_s": self._lengths * dp / seconds if seconds and self._counted_lengths else None,
+            "flops_per_batch": self.flops_per_batch,
+            "peak_memory_bytes_per_rank": [float(r) for r in rows],
+            "peak_memory_kind": kind,
+        }
 
     def _local_costs(self, strategy: Any) -> torch.Tensor:
         """This rank's measured (F, B, W) per stage of the whole pipeline, zeros for stages it does

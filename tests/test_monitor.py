@@ -39,19 +39,38 @@ class Net(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.01)
 
 
-def _fit(rank: int, world: int, port: int, folder: str) -> dict:
+def _data() -> DataLoader:
+    g = torch.Generator().manual_seed(1)
+    return DataLoader(TensorDataset(torch.randn(256, 16, generator=g), torch.randn(256, 2, generator=g)), batch_size=16)
+
+
+def _fit(rank: int, world: int, port: int, folder: str, schedule: str = "zb-h1", summary: bool = False) -> dict:
+    from lightning_twobp.callbacks import RunSummary
+
     os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world), RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    g = torch.Generator().manual_seed(1)
-    data = DataLoader(TensorDataset(torch.randn(256, 16, generator=g), torch.randn(256, 2, generator=g)), batch_size=16)
     monitor = PipelineMonitor(log_every_n_steps=2, length_fn=lambda b: b[0].numel(), trace_steps=[3],
                               trace_dir=f"{folder}/traces")
-    trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=TwoBPStrategy(schedule="zb-h1", num_microbatches=4),
+    callbacks = [RunSummary()] if summary else [monitor]  # RunSummary alone: it brings a silent monitor
+    trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=TwoBPStrategy(schedule=schedule, num_microbatches=4),
                          max_steps=6, logger=CSVLogger(folder, name="logs"), log_every_n_steps=2,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                         use_distributed_sampler=False, callbacks=[monitor])
-    trainer.fit(Net(), data)
-    return {"last": monitor.last, "traces": monitor.traces}
+                         use_distributed_sampler=False, callbacks=callbacks, default_root_dir=folder)
+    trainer.fit(Net(), _data())
+    if summary:
+        return {"summary": callbacks[0].summary}
+    return {"last": monitor.last, "traces": monitor.traces, "flops": monitor.flops_per_batch}
+
+
+def _one_process_flops() -> int:
+    """FLOPs of one batch's forward and backward of the whole model in one process."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    x, y = next(iter(_data()))
+    net = Net()
+    with FlopCounterMode(display=False) as counter:
+        F.mse_loss(net.layers(x), y).backward()
+    return counter.get_total_flops()
 
 
 def test_monitor_logs_every_pipeline_rank_and_writes_a_trace(tmp_path):
@@ -61,12 +80,15 @@ def test_monitor_logs_every_pipeline_rank_and_writes_a_trace(tmp_path):
     # one pipeline: each sample counted once, not once per stage as ThroughputMonitor would
     assert last["throughput/samples_per_sec"] == pytest.approx(16 * last["throughput/batches_per_sec"])
     assert last["throughput/items_per_sec"] == pytest.approx(16 * 16 * last["throughput/batches_per_sec"])
-    for r in (0, 1):
-        assert last[f"pipeline/rank{r}/rss_mb"] > 10
-        assert 0 <= last[f"pipeline/rank{r}/bubble"] < 1 and 0 <= last[f"pipeline/rank{r}/bubble_simulated"] < 1
-        assert last[f"pipeline/rank{r}/held_mb_per_microbatch"] > 0
+    for k in (0, 1):
+        assert last[f"pipeline/stage{k}/rss_mb"] > 10
+        assert 0 <= last[f"pipeline/stage{k}/bubble"] < 1 and 0 <= last[f"pipeline/stage{k}/bubble_simulated"] < 1
+        assert last[f"pipeline/stage{k}/held_mb_per_microbatch"] > 0
+    # FLOPs measured on step 1, each rank its own stages, added up: the one-process count exactly
+    assert out[0]["flops"] == out[1]["flops"] == _one_process_flops()
+    assert last["throughput/flops_per_sec"] == pytest.approx(out[0]["flops"] * last["throughput/batches_per_sec"])
     rows = list(csv.DictReader(open(tmp_path / "logs" / "version_0" / "metrics.csv")))
-    logged = [row for row in rows if row.get("pipeline/rank1/bubble")]
+    logged = [row for row in rows if row.get("pipeline/stage1/bubble")]
     assert [int(row["step"]) for row in logged] == [1, 3, 5]  # steps 2, 4, 6 (Lightning logs step - 1)
     # the trace: both ranks' ops of step 3, and the simulated schedule beside them
     trace_json = [p for p in out[0]["traces"] if p.endswith(".json")]
@@ -75,6 +97,59 @@ def test_monitor_logs_every_pipeline_rank_and_writes_a_trace(tmp_path):
     names = {e["name"] for e in events if e.get("ph") == "X"}
     assert {"0F0", "1F0", "1B0", "1W0"} <= names, sorted(names)[:20]
     assert len({e["pid"] for e in events if e.get("ph") == "X"}) >= 3  # rank 0, rank 1, simulated
+
+
+def test_a_rank_of_two_stages_logs_under_both_and_run_summary_uses_the_same_figures(tmp_path):
+    out = run_distributed(_fit, 2, free_port(), str(tmp_path / "v"), "zb-v", timeout=180)
+    last = out[0]["last"]
+    assert {"pipeline/stage0+3/bubble", "pipeline/stage1+2/bubble"} <= set(last), sorted(last)
+    assert out[0]["flops"] == _one_process_flops()
+    summary = run_distributed(_fit, 2, free_port(), str(tmp_path / "s"), "zb-h1", True, timeout=180)[0]["summary"]
+    assert summary["steps"] == 6 and len(summary["peak_memory_bytes_per_rank"]) == 2
+    assert min(summary["peak_memory_bytes_per_rank"]) > 10e6 and summary["peak_memory_kind"] == "peak RSS"
+    assert summary["samples_per_s"] == pytest.approx(6 * 16 / summary["seconds"])
+    assert summary["tokens_per_s"] is None  # float features, no token ids
+    assert json.loads((tmp_path / "s" / "summary.json").read_text())["steps"] == 6
+
+
+def _loop_model(name: str) -> pl.LightningModule:
+    from lightning_twobp.models import HFCausalLM, LlamaLoopLM
+
+    torch.manual_seed(0)
+    if name == "hf-gpt2":
+        pytest.importorskip("transformers")
+        return HFCausalLM(arch="gpt2", vocab_size=64, dim=32, n_layers=4, n_heads=4, max_seq_len=16, lr=1e-2)
+    return LlamaLoopLM(vocab_size=64, dim=32, n_layers=4, n_heads=4, max_seq_len=16, lr=1e-2)
+
+
+def _tokens() -> DataLoader:
+    g = torch.Generator().manual_seed(5)
+    ids = (torch.randint(0, 64, (64, 1), generator=g) + torch.arange(16)) % 64
+    return DataLoader(TensorDataset(ids, (ids + 1) % 64), batch_size=8)
+
+
+def _loop_flops(rank: int, world: int, port: int, name: str) -> float:
+    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world), RANK=str(rank),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    monitor = PipelineMonitor(log_every_n_steps=2)
+    trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=TwoBPStrategy(schedule="zb-h1", num_microbatches=4),
+                         max_steps=3, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, use_distributed_sampler=False, callbacks=[monitor])
+    trainer.fit(_loop_model(name), _tokens())
+    return monitor.flops_per_batch
+
+
+@pytest.mark.parametrize("name", ["llama-loop", "hf-gpt2"])
+def test_flops_of_a_modulelist_model_equal_one_process(name):
+    """The ModuleList contract runs other stages' blocks on the meta device to learn shapes: none of
+    that may count, and the split backward's W must count like autograd's weight gradients."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    got = run_distributed(_loop_flops, 2, free_port(), name, timeout=180)
+    model = _loop_model(name)
+    with FlopCounterMode(display=False) as counter:
+        model.training_step(next(iter(_tokens())), 0).backward()
+    assert got[0] == got[1] == counter.get_total_flops()
 
 
 def test_measured_costs_take_medians_per_stage_without_waits():
