@@ -4,7 +4,8 @@ Two gloo processes train the default recipe's model and data (tiny LLaMa 4 x 128
 ZB-H1, m = 4, batch 16 x 64) with ``Trainer(strategy="twobp")`` for N steps, several epochs, with
 checkpointing and validation off. Every rank samples its resident set size (``/proc/self/statm``)
 every ``every`` steps; the report gives each rank's RSS after warm-up, at the end, and the slope
-of a least-squares line through the samples after warm-up (MB per 1,000 steps). A leak of one
+of a least-squares line through the samples after warm-up and through the second half (MB per
+1,000 steps): growth that levels off (allocator arenas filling) shows as a second-half slope near zero. A leak of one
 micro-batch's activations per step would show as tens of MB per 1,000 steps; allocator noise as
 well under one.
 """
@@ -70,8 +71,10 @@ def soak(steps: int = 2000, every: int = 20, warmup: float = 0.1) -> dict:
     ranks = []
     for rank, samples in enumerate(per_rank):
         after = [(s, mb) for s, _, mb in samples if s >= warmup * steps]
+        late = [(s, mb) for s, _, mb in samples if s >= steps / 2]
         ranks.append(dict(rank=rank, rss_first_mb=samples[0][2], rss_after_warmup_mb=after[0][1],
                           rss_last_mb=samples[-1][2], slope_mb_per_1000_steps=_slope(after),
+                          slope_second_half_mb_per_1000_steps=_slope(late),
                           steps_per_s=samples[-1][0] / samples[-1][1] if samples[-1][1] else 0.0, samples=samples))
     return dict(steps=steps, every=every, warmup_fraction=warmup, torch_version=torch.__version__, ranks=ranks)
 
@@ -79,9 +82,11 @@ def soak(steps: int = 2000, every: int = 20, warmup: float = 0.1) -> dict:
 def markdown(result: dict) -> str:
     lines = [f"{result['steps']} steps of the default recipe's model (tiny LLaMa 4 x 128, ZB-H1, m = 4) on 2 gloo "
              f"ranks; RSS sampled every {result['every']} steps",
-             "", "| rank | RSS first MB | after warm-up MB | last MB | slope after warm-up (MB / 1,000 steps) | steps/s |",
-             "|---:|---:|---:|---:|---:|---:|"]
+             "", "| rank | RSS first MB | after warm-up MB | last MB | slope after warm-up | slope, second half | steps/s |",
+             "|---:|---:|---:|---:|---:|---:|---:|"]
     for r in result["ranks"]:
         lines.append(f"| {r['rank']} | {r['rss_first_mb']:.1f} | {r['rss_after_warmup_mb']:.1f} | {r['rss_last_mb']:.1f} "
-                     f"| {r['slope_mb_per_1000_steps']:+.2f} | {r['steps_per_s']:.1f} |")
+                     f"| {r['slope_mb_per_1000_steps']:+.2f} | {r['slope_second_half_mb_per_1000_steps']:+.2f} "
+                     f"| {r['steps_per_s']:.1f} |")
+    lines.append("\nslopes in MB per 1,000 steps (least squares through the samples)")
     return "\n".join(lines)

@@ -1,0 +1,120 @@
+"""What ``PipelineMonitor`` costs: step time with and without it, alternated in one process group.
+
+    python -m lightning_twobp.bench.monitor [--rounds 5] [--steps 150] [--every 50] [--json PATH]
+
+Two gloo processes (one intra-op thread each) fit the default recipe's model and data (tiny LLaMa
+4 x 128, counting task, ZB-H1, m = 4, batch 16 x 64) with ``Trainer(strategy="twobp")``, once with the
+monitor logging every ``--every`` steps (as the recipes run it, FLOPs counted on step 1) and once
+without, alternated A/B/A/B for ``--rounds`` rounds. A callback takes the time of every step; the
+steady-state figure is the median step time from step 5 on (a logging step and the recorded step
+before it included, at their share), and the FLOP-counting step 1 is reported on its own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import lightning.pytorch as pl
+import torch
+
+from lightning_twobp.testing import free_port, run_distributed
+
+__all__ = ["bench_monitor"]
+
+
+class _StepClock(pl.Callback):
+    def __init__(self) -> None:
+        self.ends: list[float] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if not self.ends:
+            self.ends.append(time.perf_counter())
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.ends.append(time.perf_counter())
+
+    def durations(self) -> list[float]:
+        return [b - a for a, b in zip(self.ends, self.ends[1:])]
+
+
+def _fit(rank: int, world: int, steps: int, every: int, monitored: bool) -> list[float]:
+    from lightning_twobp import PipelineMonitor, TwoBPStrategy
+    from lightning_twobp.data import TokenDataModule
+    from lightning_twobp.models import LlamaLM
+
+    model = LlamaLM(vocab_size=256, dim=128, n_layers=4, n_heads=4, max_seq_len=64, lr=3e-3)
+    data = TokenDataModule(vocab_size=256, seq_len=64, batch_size=16, num_train=4096, num_val=0, seed=0)
+    clock = _StepClock()
+    callbacks = [clock] + ([PipelineMonitor(log_every_n_steps=every)] if monitored else [])
+    trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=TwoBPStrategy(schedule="zb-h1", num_microbatches=4),
+                         max_steps=steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, limit_val_batches=0, log_every_n_steps=every, callbacks=callbacks)
+    trainer.fit(model, datamodule=data)
+    return clock.durations()
+
+
+def _worker(rank: int, world: int, port: int, rounds: int, steps: int, every: int) -> dict:
+    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world), RANK=str(rank),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    out: dict[str, list[list[float]]] = {"with": [], "without": []}
+    _fit(rank, world, 10, every, True)  # warm-up: imports, allocator, the first process group
+    for _ in range(rounds):
+        for label, monitored in (("with", True), ("without", False)):
+            out[label].append(_fit(rank, world, steps, every, monitored))
+    return out
+
+
+def bench_monitor(rounds: int = 5, steps: int = 150, every: int = 50) -> dict:
+    per_rank = run_distributed(_worker, 2, free_port(), rounds, steps, every, timeout=3600)
+    runs = per_rank[0]  # barrier-bound: every rank's step ends together
+    rows = []
+    for k in range(rounds):
+        a, b = runs["with"][k], runs["without"][k]
+        rows.append(dict(round=k, with_s=statistics.median(a[5:]), without_s=statistics.median(b[5:]),
+                         with_mean_s=statistics.fmean(a[5:]), without_mean_s=statistics.fmean(b[5:]),
+                         flops_step_with_s=a[1], flops_step_without_s=b[1]))
+    for r in rows:
+        r["mean_ratio"] = r["with_mean_s"] / r["without_mean_s"]
+        r["flops_step_ratio"] = r["flops_step_with_s"] / r["flops_step_without_s"]
+    return dict(rounds=rounds, steps=steps, every=every, torch_version=torch.__version__, rows=rows,
+                median_mean_ratio=statistics.median(r["mean_ratio"] for r in rows),
+                median_flops_step_ratio=statistics.median(r["flops_step_ratio"] for r in rows))
+
+
+def markdown(result: dict) -> str:
+    lines = [f"PipelineMonitor logging every {result['every']} steps vs none: {result['steps']} steps of the default "
+             f"recipe's model (tiny LLaMa 4 x 128, ZB-H1, m = 4) per fit, 2 gloo ranks, alternated over "
+             f"{result['rounds']} rounds",
+             "", "| round | mean step with (ms) | without (ms) | with / without | step 1 (FLOPs counted) with / without |",
+             "|---:|---:|---:|---:|---:|"]
+    for r in result["rows"]:
+        lines.append(f"| {r['round']} | {1e3 * r['with_mean_s']:.1f} | {1e3 * r['without_mean_s']:.1f} | "
+                     f"{r['mean_ratio']:.3f} | {r['flops_step_ratio']:.2f} |")
+    lines.append(f"\nmedian over rounds: with / without {result['median_mean_ratio']:.3f} (steps 5 on, logging and "
+                 f"recorded steps included); the FLOP-counting step {result['median_flops_step_ratio']:.2f}x, once per run")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m lightning_twobp.bench.monitor", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=150)
+    ap.add_argument("--every", type=int, default=50)
+    ap.add_argument("--json")
+    args = ap.parse_args(argv)
+    result = bench_monitor(args.rounds, args.steps, args.every)
+    print(markdown(result))
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(result, fh, indent=1)
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
