@@ -49,7 +49,8 @@ def test_quick_run_writes_every_table_and_plot(quick_result, tmp_path):
                      "paper-rq1.png", "paper-rq2.png", "paper-rq3.png"}
     assert all(p.stat().st_size > 0 for p in paths)
     md = (tmp_path / "paper.md").read_text()
-    assert "### RQ1" in md and "### RQ2" in md and "### RQ3" in md
+    assert "### Summary" in md and "### RQ1" in md and "### RQ2" in md and "### RQ3" in md
+    assert all(math.isfinite(x) and x > 0 for x in result["split_over_fused"].values())
     assert json.loads((tmp_path / "paper.json").read_text())["rq1"]
     assert (tmp_path / "paper-rq1.csv").read_text().startswith("model,")
 

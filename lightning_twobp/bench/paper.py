@@ -57,7 +57,8 @@ from lightning_twobp.partition import split_sequential
 from lightning_twobp.schedules import Costs, Schedule, build_schedule, simulate
 from lightning_twobp.testing import run_distributed
 
-__all__ = ["LayerCosts", "PaperModel", "Row", "models", "peak_held_bytes", "rows", "run_paper", "scaling", "write"]
+__all__ = ["LayerCosts", "PaperModel", "Row", "markdown", "models", "peak_held_bytes", "rows", "run_paper", "scaling",
+           "summary", "write"]
 
 DEGREES = (2, 4, 8)
 # What the paper reports that we could find: its abstract gives the one headline figure (no schedule
@@ -367,8 +368,9 @@ def _worker(rank: int, world: int, quick: bool, repeats: int, with_torch: bool) 
         for r in runners[k:] + runners[:k]:
             times[r.key].append(_timed(r, device))
 
-    # One recorded step per row of ours (recording adds a saved-tensor hook: not timed): the per-op
-    # costs for RQ3 and the bytes each micro-batch holds for RQ2; on CUDA, the peak allocated.
+    # Two recorded steps per row of ours (recording adds a saved-tensor hook: not timed): the per-op
+    # costs for RQ3 (medians over both) and the bytes each micro-batch holds for RQ2; on CUDA, the
+    # peak allocated.
     records, held, cuda_peak = {}, {}, {}
     for r in runners:
         if device.type == "cuda":
@@ -376,11 +378,13 @@ def _worker(rank: int, world: int, quick: bool, repeats: int, with_torch: bool) 
             base = torch.cuda.memory_allocated(device)
         if r.executor is not None:
             r.executor.record = True
-            r.zero()
-            dist.barrier()
-            res = r.step()
+            records[r.key] = []
+            for _ in range(2):
+                r.zero()
+                dist.barrier()
+                res = r.step()
+                records[r.key] += [(x.op, x.start, x.end, x.wait) for x in res.records]
             r.executor.record = False
-            records[r.key] = [(x.op, x.start, x.end, x.wait) for x in res.records]
             held[r.key] = dict(res.held_bytes)
         else:
             _timed(r, device)
@@ -414,8 +418,7 @@ def run_paper(quick: bool = False, repeats: int = 5, timeout: float = 3600.0) ->
     profiles = per_rank[0]["profiles"]
     failures, rq1, rq2, rq3 = [], [], [], []
     for pm in models(quick):
-        mine = {r.label: r for r in rows(with_torch)}
-        for r in mine.values():
+        for r in rows(with_torch):
             key = f"{pm.name} {r.label}"
             worst = max(out["checks"][key][0] for out in per_rank)
             bad = [b for out in per_rank for b in out["checks"][key][1]]
@@ -426,8 +429,7 @@ def run_paper(quick: bool = False, repeats: int = 5, timeout: float = 3600.0) ->
                        split_backward=r.split_backward, num_stages=r.num_stages(), m=r.m(), step_s=t,
                        samples_per_s=pm.batch / t, baseline=r.baseline,
                        ratio=_median_ratio(times[f"{pm.name} {r.baseline}"], times[key]) if r.baseline else None,
-                       paper_ratio=PAPER_RATIO.get(pm.name) if r.baseline in ("GPipe", "1F1B-1", "1F1B-2")
-                       and r.side == "ours" and not r.label.startswith("ZB") else None,
+                       paper_ratio=PAPER_RATIO.get(pm.name) if r.label.endswith("+2BP") else None,
                        vs_torch=_median_ratio(times[f"{pm.name} {r.counterpart}"], times[key]) if r.counterpart else None,
                        max_grad_diff=worst, samples=times[key])
             rq1.append(row)
@@ -452,11 +454,17 @@ def run_paper(quick: bool = False, repeats: int = 5, timeout: float = 3600.0) ->
         raise AssertionError("gradients differ from one process:\n" + "\n".join(failures))
     _add_memory_ratios(rq2)
     _add_scaling_ratios(rq3)
+    # The split's own price on each model: (B + W) / BW of its layers alone at 1F1B-2's micro-batch,
+    # the first layer left out (its input takes no gradient, so its B is the whole backward).
+    split = {}
+    for pm in models(quick):
+        c = profiles[(pm.name, 2 * WORLD)]
+        split[pm.name] = (sum(c.b[1:]) + sum(c.w[1:])) / sum(c.bw[1:])
     return dict(quick=quick, repeats=repeats, world=WORLD, device=per_rank[0]["device"], torch_version=torch.__version__,
                 torch_pipelining=with_torch, seconds=time.perf_counter() - start,
                 models=[dict(name=pm.name, paper=pm.paper, kwargs=dict(pm.kwargs), batch=pm.batch, size=pm.size)
                         for pm in models(quick)],
-                rq1=rq1, rq2=rq2, rq3=rq3)
+                split_over_fused=split, rq1=rq1, rq2=rq2, rq3=rq3)
 
 
 def _add_memory_ratios(rq2: list[dict]) -> None:
@@ -486,6 +494,42 @@ def _f(x: float | None, fmt: str = ".3f") -> str:
     return "" if x is None else format(x, fmt)
 
 
+_SPLIT_ROWS = ("GPipe+2BP", "1F1B-1+2BP", "1F1B-2+2BP", "ZB-H1", "ZB-H2", "ZB-V")
+
+
+def summary(result: dict) -> str:
+    """One line per model and question: RQ1's and RQ2's ratios, RQ3's simulated ratios per p."""
+    out = io.StringIO()
+    w = out.write
+    names = [m["name"] for m in result["models"]]
+    rq1 = {(r["model"], r["row"]): r for r in result["rq1"]}
+    torch_cols = [k for k in ("GPipe", "1F1B-1", "1F1B-2") if rq1[(names[0], k)]["vs_torch"] is not None]
+    w("RQ1, throughput with 2BP / without (Zero Bubble rows: over fused 1F1B-2); (B + W) / BW of the layers "
+      "alone; ours fused / torch's same order:\n\n")
+    w("| model | " + " | ".join(_SPLIT_ROWS) + " | (B + W) / BW | " + " | ".join(f"{k} / torch" for k in torch_cols) +
+      " |\n|---|" + "---:|" * (len(_SPLIT_ROWS) + 1 + len(torch_cols)) + "\n")
+    for n in names:
+        cells = [f"{rq1[(n, k)]['ratio']:.3f}" for k in _SPLIT_ROWS] + [f"{result['split_over_fused'][n]:.3f}"]
+        cells += [f"{rq1[(n, k)]['vs_torch']:.3f}" for k in torch_cols]
+        w(f"| {n} | " + " | ".join(cells) + " |\n")
+    rq2 = {(r["model"], r["row"]): r for r in result["rq2"]}
+    w("\nRQ2, peak held bytes with 2BP / without, rank 0 / rank 1 (first column: fused 1F1B-2's peaks in MB):\n\n")
+    w("| model | 1F1B-2 MB | " + " | ".join(_SPLIT_ROWS) + " |\n|---|---:|" + "---:|" * len(_SPLIT_ROWS) + "\n")
+    for n in names:
+        base = " / ".join(f"{b / 1e6:.1f}" for b in rq2[(n, "1F1B-2")]["peak_held_bytes"])
+        cells = [" / ".join(f"{x:.2f}" for x in rq2[(n, k)]["ratio_per_rank"]) for k in _SPLIT_ROWS]
+        w(f"| {n} | {base} | " + " | ".join(cells) + " |\n")
+    rq3 = {(r["model"], r["row"]): {s["p"]: s for s in r["simulated"]} for r in result["rq3"]}
+    degrees = sorted({p for sims in rq3.values() for p in sims})
+    w("\nRQ3, simulated throughput with 2BP / without at pipeline degree p (empty: more stages than blocks):\n\n")
+    w("| model | p | " + " | ".join(_SPLIT_ROWS) + " |\n|---|---:|" + "---:|" * len(_SPLIT_ROWS) + "\n")
+    for n in names:
+        for p in degrees:
+            cells = [f"{rq3[(n, k)][p]['ratio']:.2f}" if p in rq3[(n, k)] else "" for k in _SPLIT_ROWS]
+            w(f"| {n} | {p} | " + " | ".join(cells) + " |\n")
+    return out.getvalue()
+
+
 def markdown(result: dict) -> str:
     out = io.StringIO()
     w = out.write
@@ -494,6 +538,7 @@ def markdown(result: dict) -> str:
       f"{' (--quick)' if result['quick'] else ''}\n\n")
     w("Models: " + "; ".join(f"{m['name']} ({m['paper']}): {m['kwargs']}, batch {m['batch']} x {m['size']}"
                              for m in result["models"]) + "\n\n")
+    w("### Summary\n\n" + summary(result) + "\n")
     w("### RQ1: throughput\n\n2BP / no-2BP is the median over rounds of time(baseline) / time(row), the baseline "
       "being the same schedule without 2BP (fused 1F1B-2 for the Zero Bubble rows). The paper's column holds "
       "what we found of its figures: its abstract's headline only.\n\n")
@@ -556,14 +601,23 @@ def _plots(result: dict, folder: Path) -> list[Path]:
         fig.savefig(path, dpi=100)
         plt.close(fig)
         paths.append(path)
-    fig, axes = plt.subplots(1, len(names), figsize=(4 * len(names), 3.5), squeeze=False)
-    for ax, n in zip(axes[0], names):
+    # RQ3: one column per model; samples/s on top, the ratio to the row's baseline below. One colour per
+    # schedule family, solid without 2BP, dashed with it.
+    families = list(dict.fromkeys(r["row"].removesuffix("+2BP") for r in result["rq3"]))
+    colour = {f: f"C{i}" for i, f in enumerate(families)}
+    fig, axes = plt.subplots(2, len(names), figsize=(4 * len(names), 6), squeeze=False, sharex=True)
+    for col, n in enumerate(names):
         for r in (r for r in result["rq3"] if r["model"] == n):
-            ax.plot([s["p"] for s in r["simulated"]], [s["samples_per_s"] for s in r["simulated"]], marker="o",
-                    linestyle="--" if r["row"].endswith("2BP") or r["row"].startswith("ZB") else "-", label=r["row"])
-        ax.set_title(f"RQ3 {n}: simulated")
-        ax.set_xlabel("pipeline degree p")
-        ax.set_ylabel("samples/s")
+            ps = [s["p"] for s in r["simulated"]]
+            style = dict(marker="o", color=colour[r["row"].removesuffix("+2BP")], label=r["row"],
+                         linestyle="-" if r["baseline"] is None else "--")
+            axes[0][col].plot(ps, [s["samples_per_s"] for s in r["simulated"]], **style)
+            if r["baseline"] is not None:
+                axes[1][col].plot(ps, [s["ratio"] for s in r["simulated"]], **style)
+        axes[0][col].set_title(f"RQ3 {n}: simulated samples/s")
+        axes[1][col].set_title("vs its baseline (no 2BP)")
+        axes[1][col].axhline(1.0, color="black", linewidth=0.8)
+        axes[1][col].set_xlabel("pipeline degree p")
     axes[0][0].legend(fontsize=6)
     path = folder / "paper-rq3.png"
     fig.tight_layout()
