@@ -1,4 +1,4 @@
-"""``twobp-bench``: the engine benchmark by default; ``--peer``, ``--trainer``, ``--split``, ``--soak`` and ``--paper`` for the others.
+"""``twobp-bench``: the engine benchmark by default; ``--peer``, ``--trainer``, ``--split``, ``--soak``, ``--paper``.
 
     twobp-bench [--json PATH] [--repeats N] [--timelines DIR] [--quick]
     twobp-bench --peer [--rounds N] [--steps K] [--out DIR] [--only LABEL ...] [--quick]

@@ -1,4 +1,4 @@
-"""The 2BP paper's three research questions (Rae, Lee, Richings 2024, arXiv 2405.18047, §4) on this machine.
+"""The 2BP paper's three research questions (Rae, Lee, Richings 2024, arXiv 2405.18047) on this machine.
 
     twobp-bench --paper [--out DIR] [--quick] [--repeats N]
 
@@ -16,8 +16,8 @@
   from its F until its last backward (W, or BW). The first stage takes no input gradient, so its B
   runs the whole backward and frees the graph there (W is empty), which the replay follows. Not
   counted: the output gradients a deferred W keeps after B (2BP's "intermediate derivatives"), so
-  the 2BP figures are a lower bound. On CUDA, ``torch.cuda.max_memory_allocated`` per rank over one
-  step (the path is written for ranks with one GPU each; on this project's CPU runs it is not taken).
+  the 2BP figures are a lower bound. On CUDA, ``torch.cuda.max_memory_allocated`` per rank over the
+  recorded steps (the path is written for ranks with one GPU each; this project's CPU runs do not take it).
 * **RQ3 scaling.** Pipeline degree p = 2, 4, 8 by :func:`~lightning_twobp.schedules.simulate`: a
   one-thread profile of every layer (F, B, W and fused BW at the row's micro-batch size) gives the
   shape, cut into p (2p for ZB-V) stages by the same rule; one factor per kind rescales it to the F,
@@ -27,8 +27,9 @@
   the bubble.
 
 Every row's gradients (ours and torch's) are checked once against a single process accumulating the
-same micro-batches (fp32, rtol 1e-5, atol 1e-7, the peer benchmark's check); a mismatch fails the run. All rows of all models take
-turns within one 2-rank gloo process group (1 thread per rank), the order rotated every round.
+same micro-batches (fp32, rtol 1e-5, atol 1e-7, the peer benchmark's check); a mismatch fails the
+run. All rows of all models take turns within one 2-rank gloo process group (1 thread per rank), the
+order rotated every round.
 """
 
 from __future__ import annotations
@@ -249,25 +250,33 @@ def _inputs_of(layers: nn.Sequential, x: torch.Tensor) -> list[torch.Tensor]:
 
 
 def _profile(layers: nn.Sequential, x: torch.Tensor, reps: int) -> LayerCosts:
-    """Median F, B, W and BW seconds of every layer alone on one micro-batch ``x`` (after one warm-up)."""
+    """Median F, B, W and BW seconds of every layer alone on one micro-batch ``x`` (after one warm-up),
+    on the device of ``x``."""
     cols: dict[str, list[float]] = {k: [] for k in ("f", "b", "w", "bw")}
+    layers = layers.to(x.device)
+
+    def now() -> float:
+        if x.device.type == "cuda":
+            torch.cuda.synchronize(x.device)
+        return time.perf_counter()
+
     for layer, inp in zip(layers, _inputs_of(copy.deepcopy(layers), x)):
         st = Stage(layer)
         inp = inp.detach().requires_grad_(inp.is_floating_point() and layer is not layers[0])
         samples: dict[str, list[float]] = {k: [] for k in cols}
         for rep in range(reps + 1):
-            t0 = time.perf_counter()
+            t0 = now()
             y = st.forward(0, inp)
-            t1 = time.perf_counter()
+            t1 = now()
             g = torch.ones_like(y)
             st.backward_input(0, g)
-            t2 = time.perf_counter()
+            t2 = now()
             st.backward_weight(0)
-            t3 = time.perf_counter()
+            t3 = now()
             st.forward(0, inp)
-            t4 = time.perf_counter()
+            t4 = now()
             st.backward(0, g)
-            t5 = time.perf_counter()
+            t5 = now()
             if rep:
                 for k, v in zip(cols, (t1 - t0, t2 - t1, t3 - t2, t5 - t4)):
                     samples[k].append(v)
@@ -353,7 +362,8 @@ def _worker(rank: int, world: int, quick: bool, repeats: int, with_torch: bool) 
         for m in (WORLD, 2 * WORLD):
             refs[(pm.name, m)] = {k: g.to(device) for k, g in _reference(layers, loss_fn, x, y, m).items()}
             if rank == 0:  # rank 1 waits at the next barrier: the profile runs on a quiet core
-                profiles[(pm.name, m)] = _profile(copy.deepcopy(layers), x[: pm.batch // m], reps=1 if quick else 3)
+                profiles[(pm.name, m)] = _profile(copy.deepcopy(layers), x[: pm.batch // m].to(device),
+                                                   reps=1 if quick else 3)
         runners += [_build(pm, r, layers, loss_fn, x, y, rank, device) for r in rows(with_torch)]
     dist.barrier()
 
@@ -584,7 +594,8 @@ def _plots(result: dict, folder: Path) -> list[Path]:
 
     names = [m["name"] for m in result["models"]]
     paths = []
-    for rq, key, title in (("rq1", "ratio", "RQ1: throughput, 2BP / no-2BP"), ("rq2", "ratio", "RQ2: peak held bytes, 2BP / no-2BP (the rank that grows most)")):
+    for rq, key, title in (("rq1", "ratio", "RQ1: throughput, 2BP / no-2BP"),
+                           ("rq2", "ratio", "RQ2: peak held bytes, 2BP / no-2BP (the rank that grows most)")):
         data = [r for r in result[rq] if r.get(key) is not None]
         labels = list(dict.fromkeys(r["row"] for r in data))
         fig, ax = plt.subplots(figsize=(9, 4))
