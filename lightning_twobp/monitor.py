@@ -51,7 +51,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from lightning_twobp.lightning.step import batch_size
 from lightning_twobp.schedules import Action, Costs, simulate
 
-__all__ = ["FlopCount", "PipelineMonitor", "measured_costs", "rss_mb", "stage_names", "tokens_in"]
+__all__ = ["FlopCount", "PipelineMonitor", "measured_costs", "op_medians", "rss_mb", "stage_names", "tokens_in"]
 
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 _FIELDS = ("rss_mb", "max_allocated_mb", "max_reserved_mb", "bubble", "bubble_simulated", "held_mb_per_microbatch")
@@ -126,19 +126,26 @@ def _parse(op: str) -> Action | None:
         return None  # communication and bookkeeping ops
 
 
-def measured_costs(records: Sequence[Any], num_stages: int) -> Costs:
-    """Median F, B and W seconds per stage from recorded ops, their receive waits excluded (a fused
-    BW counts as B, with W zero)."""
+def op_medians(records: Sequence[Any]) -> dict[tuple[str, int], float]:
+    """Median seconds per micro-batch of each compute kind (F, B, W, BW) on each stage, from
+    recorded ops, their receive waits excluded (a W of several micro-batches counts per micro-batch)."""
     per: dict[tuple[str, int], list[float]] = {}
     for r in records:
         a = _parse(r.op)
         if a is None or a.kind not in ("F", "B", "W", "BW"):
             continue
-        kind = "B" if a.kind == "BW" else a.kind
-        per.setdefault((kind, a.stage), []).append((r.end - r.start - r.wait) / len(a.microbatches))
+        per.setdefault((a.kind, a.stage), []).append((r.end - r.start - r.wait) / len(a.microbatches))
+    return {k: statistics.median(v) for k, v in per.items()}
+
+
+def measured_costs(records: Sequence[Any], num_stages: int) -> Costs:
+    """Median F, B and W seconds per stage from recorded ops (:func:`op_medians`; a fused BW counts
+    as B, with W zero)."""
+    med = op_medians(records)
 
     def col(kind: str) -> tuple[float, ...]:
-        return tuple(statistics.median(per[(kind, s)]) if (kind, s) in per else 0.0 for s in range(num_stages))
+        fallback = "BW" if kind == "B" else kind  # a stage that ran fused backwards has no B
+        return tuple(med.get((kind, s), med.get((fallback, s), 0.0)) for s in range(num_stages))
 
     return Costs(f=col("F"), b=col("B"), w=col("W"))
 

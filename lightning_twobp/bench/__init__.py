@@ -3,7 +3,11 @@
 * :mod:`.engine`  every schedule with and without 2BP, against one process and the simulator;
 * :mod:`.peer`    side by side with torch.distributed.pipelining, schedule for schedule;
 * :mod:`.trainer` the same steps through ``Trainer(strategy="twobp")`` against the bare engine;
-* :mod:`.split`   (B + W) / BW on one block.
+* :mod:`.split`   (B + W) / BW on one block;
+* :mod:`.paper`   the 2BP paper's three questions (throughput, peak memory, scaling) on its four models;
+* :mod:`.soak`    memory over a long Trainer run;
+* :mod:`.monitor` what ``PipelineMonitor`` costs (``python -m lightning_twobp.bench.monitor``);
+* :mod:`.modulelist` the ModuleList contract against the Sequential one (``python -m lightning_twobp.bench.modulelist``).
 
 ``twobp-bench`` (:mod:`.cli`) runs them.
 """

@@ -21,7 +21,8 @@ import torch.distributed as dist
 
 from lightning_twobp.bench.workload import WORLD, Workload, keep_freed_memory, loss_fn
 from lightning_twobp.engine import PipelineExecutor
-from lightning_twobp.schedules import Action, Costs, build_schedule, schedule_label, simulate
+from lightning_twobp.monitor import op_medians
+from lightning_twobp.schedules import Costs, build_schedule, schedule_label, simulate
 from lightning_twobp.testing import run_distributed
 
 
@@ -51,23 +52,8 @@ def configs(m: int) -> list[Config]:
 
 
 def _measure_costs(records) -> dict:
-    """Median duration of each compute kind per stage, from recorded ops (waits excluded)."""
-    per: dict[tuple[str, int], list[float]] = {}
-    for r in records:
-        kind_stage = _parse(r.op)
-        if kind_stage is None:
-            continue
-        kind, stage, n = kind_stage
-        per.setdefault((kind, stage), []).append((r.end - r.start - r.wait) / n)
-    return {f"{k}{s}": statistics.median(v) for (k, s), v in per.items()}
-
-
-def _parse(op: str):
-    try:
-        a = Action.parse(op)
-    except ValueError:
-        return None
-    return a.kind, a.stage, len(a.microbatches) if a.kind == "W" else 1
+    """Median duration of each compute kind per stage, from recorded ops (waits excluded), keyed "F0", "BW1", ..."""
+    return {f"{k}{s}": v for (k, s), v in op_medians(records).items()}
 
 
 def _bench(rank: int, world: int, wl: Workload, m: int, repeats: int) -> dict:
