@@ -56,7 +56,8 @@ class RunSummary(pl.Callback):
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        figures = self._monitor(trainer).run_figures(trainer)  # a collective: every rank
+        monitor = self._monitor(trainer)
+        figures = monitor.run_figures(trainer)  # a collective: every rank
         peaks = figures["peak_memory_bytes_per_rank"]
         if trainer.global_rank != 0:
             return
@@ -85,6 +86,7 @@ class RunSummary(pl.Callback):
             "final_train_loss": None if loss is None else float(loss),
             "checkpoint": ckpt or None,
             "log_dir": log_dir,
+            "traces": list(monitor.traces),
             **pipeline,
         }
         s = self.summary
@@ -94,7 +96,8 @@ class RunSummary(pl.Callback):
             lines.append(f"pipeline: {schedule_label(pipeline['schedule'], pipeline['split_backward'])}, "
                          f"{pipeline['num_stages']} stages on {p} ranks x {dp} replica(s), {pipeline['num_microbatches']} micro-batches")
         if s["flops_per_batch"]:
-            lines.append(f"FLOPs per batch (measured, forward + backward): {s['flops_per_batch']:.3e}; achieved "
+            how = "measured, forward + backward" if monitor.flops_measured else "as given"
+            lines.append(f"FLOPs per batch ({how}): {s['flops_per_batch']:.3e}; achieved "
                          f"{s['flops_per_batch'] * s['steps'] * dp / seconds / 1e12:.3f} TFLOP/s over the run")
         if s["final_train_loss"] is not None:
             first = "" if s["first_train_loss"] is None else f"{s['first_train_loss']:.3f} -> "
@@ -104,6 +107,8 @@ class RunSummary(pl.Callback):
             lines.append(f"  rank {r}: {s['peak_memory_kind']} {b / 2**20:,.0f} MiB" + (f"  ({where})" if where else ""))
         if log_dir:
             lines.append(f"logs: {log_dir}")
+        if monitor.traces:
+            lines.append("pipeline timelines (Chrome traces: https://ui.perfetto.dev; pictures): " + ", ".join(monitor.traces))
         if ckpt:
             lines.append(f"checkpoint (sharded directory): {ckpt}\n  one file: twobp-consolidate {ckpt} model.ckpt")
         print("\n".join(lines), flush=True)

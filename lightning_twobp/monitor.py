@@ -11,7 +11,8 @@ means one pipeline). FLOPs per batch are measured once, by default, with torch's
 on step ``flops_step`` (every rank counts its own stages' forward and backward, one all-reduce adds
 them). At logging steps only, every rank contributes a few numbers through one tensor all-gather,
 logged per pipeline stage as ``pipeline/stage{k}/...`` (a rank that holds two stages, as in ZB-V,
-logs as ``pipeline/stage{a}+{b}/...``: memory and idle time belong to the process, not to one stage):
+logs as ``pipeline/stage{a}_{b}/...``: memory and idle time belong to the process, not to one stage),
+for the first data-parallel replica's pipeline:
 
 * ``rss_mb`` (the process's resident memory) and, on GPU, ``max_allocated_mb`` / ``max_reserved_mb``
   since the previous log;
@@ -43,15 +44,15 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.throughput import Throughput, get_available_flops
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_twobp.lightning.step import batch_size
 from lightning_twobp.schedules import Action, Costs, simulate
 
-__all__ = ["FlopCount", "PipelineMonitor", "measured_costs", "op_medians", "rss_mb", "stage_names", "tokens_in"]
+__all__ = ["FlopCount", "PipelineMonitor", "measured_costs", "rss_mb", "stage_names", "tokens_in"]
 
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 _FIELDS = ("rss_mb", "max_allocated_mb", "max_reserved_mb", "bubble", "bubble_simulated", "held_mb_per_microbatch")
@@ -99,9 +100,14 @@ class FlopCount(TorchDispatchMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         formula = _formula(func._overloadpacket)
-        if formula is not None:
+        if formula is not None and not _on_meta(out):  # shape passes standing in for other stages
             self.total += formula(*args, **kwargs, out_val=out)
         return out
+
+
+def _on_meta(out: Any) -> bool:
+    leaves = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+    return bool(leaves) and leaves[0].is_meta
 
 
 def _formula(packet: Any) -> Callable | None:
@@ -115,8 +121,9 @@ def _formula(packet: Any) -> Callable | None:
 
 
 def stage_names(schedule: Any, pipeline_degree: int) -> list[str]:
-    """The log name of each pipeline rank: ``stage{k}``, or ``stage{a}+{b}`` for a rank of two stages."""
-    return ["stage" + "+".join(str(k) for k in schedule.stages_of(r)) for r in range(pipeline_degree)]
+    """The log name of each pipeline rank: ``stage{k}``, or ``stage{a}_{b}`` for a rank of two stages
+    (not ``+``, which MLflow's logger strips from metric names)."""
+    return ["stage" + "_".join(str(k) for k in schedule.stages_of(r)) for r in range(pipeline_degree)]
 
 
 def _parse(op: str) -> Action | None:
@@ -186,12 +193,16 @@ class PipelineMonitor(pl.Callback):
         super().__init__()
         if log_every_n_steps is not None and log_every_n_steps < 1:
             raise ValueError(f"PipelineMonitor(log_every_n_steps={log_every_n_steps}): must be at least 1")
+        if not isinstance(flops_step, int) or isinstance(flops_step, bool) or flops_step < 0:
+            raise ValueError(f"PipelineMonitor(flops_step={flops_step!r}): the global step whose FLOPs are counted, "
+                             f"an int >= 0 (default 1)")
         self.log_every_n_steps = log_every_n_steps
         self.batch_size_fn = batch_size_fn or batch_size
         self.length_fn = length_fn if length_fn is not None else tokens_in
         self.flops_per_batch = flops_per_batch
         self.measure_flops = measure_flops and flops_per_batch is None
         self.flops_step = flops_step
+        self.flops_measured = False  # whether flops_per_batch was counted here (not given)
         self.log = log
         self._counter: FlopCount | None = None
         self.window_size = window_size
@@ -235,6 +246,7 @@ class PipelineMonitor(pl.Callback):
         self._batches = self._samples = self._lengths = 0
         self._counted_lengths = False  # whether any batch had a length (tokens)
         self._peak_cuda = 0.0  # the run's peak CUDA memory allocated, bytes (peaks are reset at each log)
+        self._last_step = trainer.global_step  # the optimizer steps seen (several batches each under accumulation)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
 
@@ -249,10 +261,15 @@ class PipelineMonitor(pl.Callback):
             self._counter = FlopCount()
             self._counter.__enter__()
 
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        if self._counter is not None:  # the step's F, B and W are done: the optimizer is not counted
+            self._stop_counting(trainer)
+
     def _stop_counting(self, trainer: pl.Trainer) -> None:
         counter, self._counter = self._counter, None
         counter.__exit__(None, None, None)
         self.measure_flops = False
+        self.flops_measured = True
         total = torch.tensor(float(counter.total), dtype=torch.float64, device=trainer.strategy.root_device)
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(total)  # every rank's stages, over all replicas
@@ -260,10 +277,16 @@ class PipelineMonitor(pl.Callback):
         dp = strategy.world_size // strategy.pipeline_degree if strategy is not None else trainer.world_size
         self.flops_per_batch = float(total) / dp
 
-    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+    def _drop_counter(self) -> None:
         if self._counter is not None:
             self._counter.__exit__(None, None, None)
             self._counter = None
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._drop_counter()
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._drop_counter()  # a counted batch that was skipped (on_train_batch_start returned -1)
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
@@ -280,6 +303,9 @@ class PipelineMonitor(pl.Callback):
         self._throughput.update(time=now, batches=self._batches, samples=self._samples,
                                 lengths=self._lengths if self._counted_lengths else None, flops=flops)
         step = trainer.global_step  # counted: the step that just ran is step - 1
+        if step == self._last_step:
+            return  # accumulating: no optimizer step ended with this batch
+        self._last_step = step
         strategy = self._pipeline(trainer)
         if strategy is not None and step - 1 in self.trace_steps:
             self._write_trace(trainer, strategy, step - 1)
@@ -326,12 +352,13 @@ class PipelineMonitor(pl.Callback):
         the records of every stage, gathered as a small tensor of per-stage costs)."""
         mine = self._local(trainer, strategy)
         costs = self._local_costs(strategy)
-        row = torch.cat([mine, costs])
+        row = torch.cat([mine, costs]).to(strategy.root_device)  # NCCL gathers CUDA tensors only
         if dist.is_initialized() and dist.get_world_size() > 1:
             rows = [torch.empty_like(row) for _ in range(dist.get_world_size())]
             dist.all_gather(rows, row)
         else:
             rows = [row]
+        rows = [r.cpu() for r in rows]
         sim = self._simulated(strategy, [r[len(_FIELDS):] for r in rows])
         out: dict[str, float] = {}
         pp = strategy.pipeline_degree
@@ -362,6 +389,7 @@ class PipelineMonitor(pl.Callback):
         strategy = self._pipeline(trainer)
         dp = strategy.world_size // strategy.pipeline_degree if strategy is not None else trainer.world_size
         seconds = time.perf_counter() - self._t0
+        rows = [r.cpu() for r in rows]
         return {
             "steps": self._batches,
             "seconds": seconds,
@@ -400,6 +428,8 @@ class PipelineMonitor(pl.Callback):
     def _write_trace(self, trainer: pl.Trainer, strategy: Any, step: int) -> None:
         from lightning_twobp.trace import write_chrome_trace
 
+        # Every rank asks: trainer.log_dir broadcasts from rank 0 for some loggers (CSVLogger).
+        out = Path(self.trace_dir or Path(trainer.log_dir or trainer.default_root_dir) / "traces")
         mine = list(strategy.last_records.records) if strategy.last_records is not None else []
         everyone: list[Any] = [None] * (dist.get_world_size() if dist.is_initialized() else 1)
         if len(everyone) > 1:
@@ -412,7 +442,6 @@ class PipelineMonitor(pl.Callback):
         by_rank = everyone[:pp]
         costs = measured_costs([r for recs in by_rank for r in recs], strategy.schedule.num_stages)
         sim = simulate(strategy.schedule, costs)
-        out = Path(self.trace_dir or Path(trainer.log_dir or trainer.default_root_dir) / "traces")
         out.mkdir(parents=True, exist_ok=True)
         path = write_chrome_trace(out / f"step{step}.json", by_rank, simulated=sim.timeline,
                                   title=f"{strategy.schedule_name} step {step}")

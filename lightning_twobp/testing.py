@@ -49,11 +49,12 @@ def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, queue: 
 
 
 def run_distributed(
-    fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0, threads: int = 1
+    fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0, threads: int = 1, grace: float = 5.0
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned processes; return the results by
     rank. ``fn`` must be importable (defined at module level). Raises if any rank fails or the group
-    does not finish within ``timeout`` seconds."""
+    does not finish within ``timeout`` seconds. After a rank fails, the others have ``grace`` seconds
+    (at least 10 after one dies without a report) to report theirs before they are stopped."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
@@ -84,7 +85,7 @@ def run_distributed(
                         # Died without a report (killed): give the others a few seconds to say what they
                         # saw of it, then stop them.
                         errors.append(f"--- rank {i} died without a report, exit code {proc.exitcode} ---")
-                        deadline = min(deadline, datetime.datetime.now() + datetime.timedelta(seconds=10))
+                        deadline = min(deadline, datetime.datetime.now() + datetime.timedelta(seconds=max(grace, 10)))
                 continue
             if status == "ok":
                 results[rank] = pickle.loads(value)
@@ -92,7 +93,7 @@ def run_distributed(
                 errors.append(f"--- rank {rank} ---\n{value}")
                 # The others may be blocked on the failed rank: give them a few seconds to report
                 # their side (often "connection closed"), then stop them.
-                deadline = min(deadline, datetime.datetime.now() + datetime.timedelta(seconds=5))
+                deadline = min(deadline, datetime.datetime.now() + datetime.timedelta(seconds=grace))
     finally:
         for p in procs:
             p.join(timeout=0 if errors or len(results) < world_size else 10)

@@ -46,8 +46,8 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         torch.set_num_threads(int(cfg.threads_per_process))
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
     out_dir = HydraConfig.get().runtime.output_dir if HydraConfig.initialized() else os.getcwd()
+    data = instantiate_data(cfg)  # first: a config error there is refused before a large model is built
     model = instantiate(cfg.model)
-    data = instantiate_data(cfg)
     strategy = instantiate(cfg.strategy, _convert_="all")  # balance may be a list
     callbacks = [instantiate(c) for c in (cfg.get("callbacks") or {}).values()]
     loggers = [instantiate(lg) for lg in (cfg.get("logger") or {}).values()]
@@ -78,14 +78,17 @@ def instantiate_data(cfg: DictConfig) -> Any:
     try:
         return instantiate(cfg.data)
     except InterpolationKeyError as e:
+        if "'model." not in str(e):
+            raise  # another missing key (a typo in an interpolation): Hydra's message names it
         choices = HydraConfig.get().runtime.choices if HydraConfig.initialized() else {}
         raise ValueError(
             f"data={choices.get('data', '?')} does not fit model={choices.get('model', '?')} ({e}): use {_DATA_FOR}"
         ) from e
     except MissingMandatoryValue as e:
         key = getattr(e, "full_key", "") or "a value"
-        raise ValueError(f"{key} has no value: give it on the command line, e.g. {key}=data/my-corpus/train.bin "
-                         f"(twobp-tokenize writes token files)") from e
+        example = f"{key}=data/my-corpus/train.bin (twobp-tokenize writes token files)" if key.endswith("_path") \
+            else f"{key}=..."
+        raise ValueError(f"{key} has no value: give it on the command line, e.g. {example}") from e
 
 
 def resume_path(ckpt_path: str | None, out_dir: str) -> str | None:

@@ -53,6 +53,10 @@ class Net(pl.LightningModule):
         x, y = batch
         return F.mse_loss(self.layers(x), y)
 
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", F.mse_loss(self.layers(x), y))
+
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
@@ -158,10 +162,24 @@ def _trainer(strategy: TwoBPStrategy, **kw) -> pl.Trainer:
     return pl.Trainer(**kw)
 
 
+# What the latest _fit did: its model, the weights before, the module forwards it ran.
+_SEEN: dict = {}
+
+
+def _count_forward(module, args, output) -> None:
+    _SEEN["forwards"] = _SEEN.get("forwards", 0) + 1
+
+
 def _fit(model: pl.LightningModule | None = None, data: DataLoader | None = None, ckpt_path: str | None = None,
-         trainer: dict | None = None, **strategy) -> pl.Trainer:
+         trainer: dict | None = None, val: DataLoader | None = None, **strategy) -> pl.Trainer:
     t = _trainer(TwoBPStrategy(**strategy), **(trainer or {}))
-    t.fit(model or Net(), data if data is not None else _data(), ckpt_path=ckpt_path)
+    model = model or Net()
+    _SEEN.update(model=model, before={k: v.detach().clone() for k, v in model.state_dict().items()}, forwards=0)
+    handle = torch.nn.modules.module.register_module_forward_hook(_count_forward)
+    try:
+        t.fit(model, data if data is not None else _data(), val, ckpt_path=ckpt_path)
+    finally:
+        handle.remove()
     return t
 
 
@@ -214,6 +232,7 @@ def _not_twobp(tmp: Path) -> None:
 
 def _storage_options(tmp: Path) -> None:
     t = _fit()
+    _SEEN.clear()  # the fit trained; the refusal is the save's
     t.strategy.save_checkpoint(t._checkpoint_connector.dump_checkpoint(), tmp / "c.ckpt", storage_options={"a": 1})
 
 
@@ -332,7 +351,7 @@ CASES: dict[str, Case] = {
                              r"apply .* remove them"),
     # a Trainer call: refused at setup or when training starts, before the first step
     "fit-devices-not-multiple": (lambda t: _fit(pipeline_degree=2), ValueError,
-                                 r"1 devices cannot be split into pipelines of 2: .*use pipeline_degree=1"),
+                                 r"1 devices cannot be split into pipelines of 2: .*\(use one of \[1\]\)"),
     "fit-more-stages-than-layers": (lambda t: _fit(schedule="interleaved-1f1b", stages_per_rank=4), ValueError,
                                     r"3 layers cannot fill 4 stages: lower the number of stages to <= 3"),
     "fit-balance-sum": (lambda t: _fit(schedule="interleaved-1f1b", stages_per_rank=2, balance=[1, 1]), ValueError,
@@ -341,6 +360,9 @@ CASES: dict[str, Case] = {
                             ValueError, r"balance=\[1, 1, 1\] has 3 entries for 2 stages"),
     "fit-batch-smaller-than-m": (lambda t: _fit(data=_data(16, 2), num_microbatches=4), ValueError,
                                  r"the training batch size 2 is smaller than num_microbatches=4"),
+    "fit-batch-before-sanity-check": (lambda t: _fit(data=_data(16, 2), val=_data(16, 8), num_microbatches=4,
+                                                     trainer=dict(num_sanity_val_steps=2)), ValueError,
+                                      r"the training batch size 2 is smaller than num_microbatches=4"),
     "fit-batch-not-divisible": (lambda t: _fit(data=_data(18, 6), num_microbatches=4), ValueError,
                                 r"training batch size 6 does not split into 4 micro-batches: use a batch size that "
                                 r"is a multiple of 4, or set num_microbatches to a divisor of 6"),
@@ -451,23 +473,44 @@ def _batch_of_two_sizes() -> DataLoader:
     return DataLoader(TensorDataset(torch.randn(16, 6)), batch_size=8, drop_last=True, collate_fn=_collate_gone_wrong)
 
 
+# Refused at the first forward of step 0 (what only the user's own step can show); every other case
+# is refused before any module runs.
+AT_FIRST_FORWARD = {"fit-step-skips-layers", "fit-input-requires-grad", "fit-step-returns-no-loss", "fit-log-a-string",
+                    "fit-batch-tensors-differ"}
+
+
+def _docs_rows() -> dict[str, list[str]]:
+    section = DOCS.read_text().split("## Every refused configuration", 1)[1].split("\n## ", 1)[0]
+    return {m[0]: [c.strip() for c in m[1].split(" | ")]
+            for m in re.findall(r"^\| `([a-z0-9-]+)` \| (.*) \|$", section, re.M)}
+
+
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_refused_before_any_compute_with_the_numbers_and_the_fix(case, tmp_path):
     call, exc, match = CASES[case]
+    _SEEN.clear()
     with pytest.raises(exc) as info:
         call(tmp_path)
-    # Hydra and Lightning wrap some errors: the message may sit in the cause
-    msgs, err = [], info.value
-    while err is not None:
-        msgs.append(str(err))
-        err = err.__cause__ or err.__context__
-    assert any(re.search(match, m, re.S) for m in msgs), f"{case}: {msgs}"
+    # Hydra and Lightning wrap some errors: the message may sit in the raised error's cause
+    err = info.value
+    msgs = [f"{type(e).__name__}: {e}" for e in (err, err.__cause__) if e is not None]
+    message = next((m for m in msgs if re.search(match, m, re.S)), None)
+    assert message is not None, f"{case}: {msgs}"
+    # the docs row quotes the message: every fragment between its "..." is in it
+    quoted = _docs_rows()[case][1].replace("`", "").split(" then ")
+    for part in (p.strip() for q in quoted for p in q.split("...")):
+        assert len(part) < 12 or part.rstrip(", ") in message.replace("`", ""), \
+            f"{case}: the docs quote {part!r}, not in {message!r}"
+    if "model" in _SEEN:  # a Trainer call: no weight changed, no module ran unless the step had to
+        if case not in AT_FIRST_FORWARD:
+            assert _SEEN["forwards"] == 0, f"{case}: {_SEEN['forwards']} module forwards ran before the refusal"
+        after = _SEEN["model"].state_dict()
+        assert all(torch.equal(v, after[k]) for k, v in _SEEN["before"].items() if not after[k].is_meta), case
 
 
 def test_every_case_has_a_row_in_the_docs_table():
-    text = DOCS.read_text()
-    section = text.split("## Every refused configuration", 1)[1].split("\n## ", 1)[0]
-    rows = re.findall(r"^\| `([a-z0-9-]+)` \|", section, re.M)
+    rows = re.findall(r"^\| `([a-z0-9-]+)` \|", DOCS.read_text().split("## Every refused configuration", 1)[1]
+                      .split("\n## ", 1)[0], re.M)
     assert len(rows) == len(set(rows)), "a case id appears twice in the docs table"
     assert set(rows) == set(CASES), (f"docs only: {sorted(set(rows) - set(CASES))}; "
                                      f"tests only: {sorted(set(CASES) - set(rows))}")
@@ -492,8 +535,19 @@ def test_ckpt_path_last_finds_the_newest_complete_checkpoint(tmp_path):
 
 
 def test_pipeline_timeout_bounds_lightnings_collectives_too():
+    """The process group's timeout follows pipeline_timeout, and so do the groups the strategy makes
+    (torch's new_group would give them its own 30-minute default); checkpoint I/O keeps 30 minutes."""
     from datetime import timedelta
 
     assert TwoBPStrategy()._timeout == timedelta(seconds=600)
     assert TwoBPStrategy(pipeline_timeout=5)._timeout == timedelta(seconds=60)  # not below a minute
     assert TwoBPStrategy(pipeline_timeout=5, timeout=timedelta(seconds=90))._timeout == timedelta(seconds=90)
+    strategy = _fit(pipeline_timeout=5).strategy
+
+    def timeout(group):
+        return group._get_backend(torch.device("cpu")).options._timeout
+
+    assert timeout(dist.group.WORLD) == timedelta(seconds=60)
+    assert timeout(strategy.device_mesh.get_group("pp")) == timeout(strategy.device_mesh.get_group("dp")) \
+        == timedelta(seconds=60)
+    assert timeout(strategy._io_group) == timedelta(minutes=30)

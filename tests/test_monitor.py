@@ -62,6 +62,34 @@ def _fit(rank: int, world: int, port: int, folder: str, schedule: str = "zb-h1",
     return {"last": monitor.last, "traces": monitor.traces, "flops": monitor.flops_per_batch}
 
 
+class _CountLogs(PipelineMonitor):
+    def __init__(self, **kw) -> None:
+        super().__init__(**kw)
+        self.logged_at: list[int] = []
+
+    def _log(self, trainer, pl_module, strategy):
+        self.logged_at.append(trainer.global_step)
+        super()._log(trainer, pl_module, strategy)
+
+
+def _accumulating(rank: int, world: int, port: int) -> dict:
+    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world), RANK=str(rank),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    monitor = _CountLogs(log_every_n_steps=2)
+    trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=TwoBPStrategy(schedule="zb-h1", num_microbatches=4),
+                         max_steps=4, accumulate_grad_batches=2, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
+                         callbacks=[monitor])
+    trainer.fit(Net(), _data())
+    return {"logged_at": monitor.logged_at, "flops": monitor.flops_per_batch}
+
+
+def test_under_gradient_accumulation_it_logs_once_per_optimizer_step():
+    out = run_distributed(_accumulating, 2, free_port(), timeout=180)
+    assert out[0]["logged_at"] == out[1]["logged_at"] == [2, 4]  # not after each of the 2 batches
+    assert out[0]["flops"] == _one_process_flops()  # per batch, as Throughput counts
+
+
 def _one_process_flops() -> int:
     """FLOPs of one batch's forward and backward of the whole model in one process."""
     from torch.utils.flop_counter import FlopCounterMode
@@ -102,7 +130,7 @@ def test_monitor_logs_every_pipeline_rank_and_writes_a_trace(tmp_path):
 def test_a_rank_of_two_stages_logs_under_both_and_run_summary_uses_the_same_figures(tmp_path):
     out = run_distributed(_fit, 2, free_port(), str(tmp_path / "v"), "zb-v", timeout=180)
     last = out[0]["last"]
-    assert {"pipeline/stage0+3/bubble", "pipeline/stage1+2/bubble"} <= set(last), sorted(last)
+    assert {"pipeline/stage0_3/bubble", "pipeline/stage1_2/bubble"} <= set(last), sorted(last)
     assert out[0]["flops"] == _one_process_flops()
     summary = run_distributed(_fit, 2, free_port(), str(tmp_path / "s"), "zb-h1", True, timeout=180)[0]["summary"]
     assert summary["steps"] == 6 and len(summary["peak_memory_bytes_per_rank"]) == 2

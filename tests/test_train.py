@@ -7,6 +7,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -27,8 +28,12 @@ def _run(args: list[str], cwd: Path, timeout: int = 240) -> subprocess.Completed
 
 
 def test_default_recipe_trains_checkpoints_and_summarises(tmp_path):
-    out = _run(["trainer.max_steps=30", f"hydra.run.dir={tmp_path}/run"], tmp_path)
+    out = _run(["trainer.max_steps=30", "callbacks.monitor.trace_steps=[10]", f"hydra.run.dir={tmp_path}/run"], tmp_path)
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    # the monitor's figures: FLOPs measured on step 1, the traced step written where the summary says
+    assert summary["flops_per_batch"] > 0 and summary["tokens_per_s"] > 0
+    assert [Path(t).name for t in summary["traces"]] == ["step10.json", "step10.png"]
+    assert all(Path(t).is_file() for t in summary["traces"]) and "step10.json" in out.stdout
     assert summary["steps"] == 30 and summary["schedule"] == "zb-h1" and summary["num_stages"] == 2
     assert summary["first_train_loss"] > 5.0 and summary["final_train_loss"] < 4.0, "the loss did not fall"
     assert len(summary["peak_memory_bytes_per_rank"]) == 2 and summary["samples_per_s"] > 0
@@ -145,7 +150,18 @@ def test_two_nodes_train_as_one_process_and_a_lost_node_is_named(tmp_path):
     lost = tmp_path / "lost"
     lost.mkdir()
     port = free_port()
-    nodes = [_agent(n, port, lost, ["trainer.max_steps=100000", "strategy.pipeline_timeout=60"]) for n in range(2)]
+    # node 0 first, so that its agent hosts the rendezvous store: killing node 1 then cannot take the
+    # store down with it (node 0's agent would then end its worker before the worker names node 1)
+    nodes = [_agent(0, port, lost, ["trainer.max_steps=100000", "strategy.pipeline_timeout=60"])]
+    deadline = time.monotonic() + 60
+    while True:  # until node 0's agent listens on the rendezvous port
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            break
+        except OSError:
+            assert time.monotonic() < deadline, "node 0's agent never opened the rendezvous store"
+            time.sleep(0.2)
+    nodes.append(_agent(1, port, lost, ["trainer.max_steps=100000", "strategy.pipeline_timeout=60"]))
     logs = [lost / f"node{n}.log" for n in range(2)]
     deadline = time.monotonic() + 240
     while "twobp: " not in "".join(p.read_text() for p in logs if p.exists()):  # the pipeline is built

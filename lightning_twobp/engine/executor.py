@@ -138,6 +138,7 @@ class PipelineExecutor:
         self.ops = lowered[self.rank]
         self._p2p = P2P(schedule, self.rank, group, self.device, timeout=timeout)
         self.steps = 0  # steps run so far, counted from 0 in error messages
+        self.step_label: str | None = None  # the caller's name for the next step in messages ("global step 7")
         self._handlers = {
             "F": self._forward,
             "B": self._backward_input,
@@ -154,6 +155,9 @@ class PipelineExecutor:
         self._p2p.drop_buffers()
 
     # ------------------------------------------------------------------ public
+    def _which(self) -> str:
+        return self.step_label or f"step {self.steps}"
+
     def step(
         self, inputs: Sequence[Any] | None = None, targets: Sequence[Any] | None = None, *, loss_scale: float = 1.0
     ) -> StepResult:
@@ -183,7 +187,7 @@ class PipelineExecutor:
             self._exchange_meta()
         except PeerLost as e:
             self._p2p.drop_buffers()
-            raise PipelineError(f"rank {self.rank}, step {self.steps}, before the first action: {e}") from e
+            raise PipelineError(f"rank {self.rank}, {self._which()}, before the first action: {e}") from e
         except BaseException:
             self._p2p.drop_buffers()
             raise
@@ -201,7 +205,7 @@ class PipelineExecutor:
             self._p2p.finish_sends()
         except PeerLost as e:
             self._p2p.drop_buffers()
-            raise PipelineError(f"rank {self.rank}, step {self.steps}, after the last action: {e}") from e
+            raise PipelineError(f"rank {self.rank}, {self._which()}, after the last action: {e}") from e
         except BaseException:
             self._p2p.drop_buffers()  # a receive may still be posted into one of them
             raise
@@ -291,7 +295,7 @@ class PipelineExecutor:
         except Exception as e:  # name the rank, the step and the action, then show where
             what = ", ".join(map(str, arg)) if isinstance(arg, list) else str(arg)
             raise PipelineError(
-                f"rank {self.rank}, step {self.steps}, op {step} ({what}): {type(e).__name__}: {e}\n"
+                f"rank {self.rank}, {self._which()}, op {step} ({what}): {type(e).__name__}: {e}\n"
                 f"{self._listing(step)}"
             ) from e
         if self.record:
@@ -440,7 +444,7 @@ class PipelineExecutor:
                 out = self._probe(s, inputs)
             except Exception as e:
                 raise PipelineError(
-                    f"rank {self.rank}, step {self.steps}, shape exchange before the first action, stage {s} on micro-batch 0: "
+                    f"rank {self.rank}, {self._which()}, shape exchange before the first action, stage {s} on micro-batch 0: "
                     f"{type(e).__name__}: {e}"
                 ) from e
             p2p.meta_out[s] = [TensorMeta.of(t) for t in out]

@@ -131,8 +131,9 @@ class P2P:
         return f"{names} stopped answering while pipeline rank {self.rank} waited for {what}: {why}"
 
     def describe_rank(self, pp_rank: int) -> str:
-        stages = ", ".join(map(str, self.schedule.stages_of(pp_rank)))
-        return (f"pipeline rank {pp_rank} (stage {stages}, global rank {self.global_ranks[pp_rank]}, "
+        held = self.schedule.stages_of(pp_rank)
+        stages = ("stage " if len(held) == 1 else "stages ") + ", ".join(map(str, held))
+        return (f"pipeline rank {pp_rank} ({stages}, global rank {self.global_ranks[pp_rank]}, "
                 f"host {self.hosts[pp_rank]})")
 
     def new_shapes(self) -> None:

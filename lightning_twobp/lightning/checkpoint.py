@@ -108,18 +108,18 @@ def _world() -> tuple[int, int]:
     return 0, 1
 
 
-def _gather_to_zero(value: Any) -> list[Any]:
+def _gather_to_zero(value: Any, group: dist.ProcessGroup | None) -> list[Any]:
     rank, world = _world()
     if world == 1:
         return [value]
     out = [None] * world if rank == 0 else None
-    dist.gather_object(value, out, dst=0)
+    dist.gather_object(value, out, dst=0, group=group)
     return out or []
 
 
-def _barrier() -> None:
+def _barrier(group: dist.ProcessGroup | None) -> None:
     if _world()[1] > 1:
-        dist.barrier()
+        dist.barrier(group=group)
 
 
 def rng_state() -> dict[str, torch.Tensor]:
@@ -157,10 +157,10 @@ def set_rng_state(state: dict[str, torch.Tensor]) -> None:
 
 
 # Each step of a save is a function of its own, so a test can kill the process between any two of them.
-def _write_shards(state: dict[str, Any], tmp: Path) -> dict[str, Any]:
+def _write_shards(state: dict[str, Any], tmp: Path, group: dist.ProcessGroup | None) -> dict[str, Any]:
     """Every rank writes its tensors (torch.distributed.checkpoint names rank r's files ``__r_*``) and
     hashes its own files while the others hash theirs."""
-    dcp.save(state, checkpoint_id=tmp)
+    dcp.save(state, checkpoint_id=tmp, process_group=group)
     rank = _world()[0]
     return {f.name: _entry(f) for f in sorted(tmp.glob(f"__{rank}_*")) if f.is_file()}
 
@@ -211,8 +211,10 @@ def _swap_into_place(tmp: Path, path: Path) -> None:
 
 
 def save(checkpoint: dict[str, Any], path: Path, module: nn.Module, optimizers: list[Any],
-         layout: dict[str, Any]) -> None:
+         layout: dict[str, Any], group: dist.ProcessGroup | None = None) -> None:
     """Write ``checkpoint`` (Lightning's dict) as a sharded directory at ``path``; every rank calls it.
+    ``group``: the process group of its collectives (the world's by default; the strategy passes one
+    whose timeout covers writing and hashing a large checkpoint).
 
     Crash-safe: everything goes into the hidden sibling ``.NAME.partial``; rank 0 writes the
     Lightning metadata and a manifest (size and SHA-256 of every file) last, then renames the
@@ -223,20 +225,20 @@ def save(checkpoint: dict[str, Any], path: Path, module: nn.Module, optimizers: 
     if rank == 0:
         _rmtree(tmp)  # left by a save that crashed
         tmp.mkdir(parents=True)
-    _barrier()
+    _barrier(group)
     checkpoint.pop("state_dict", None)
     checkpoint.pop("optimizer_states", None)
     state = {"model": get_model_state_dict(module)}
     for i, opt in enumerate(optimizers):
         state[f"optimizer_{i}"] = get_optimizer_state_dict(module, opt, options=_OPTIM)
     state["rng"] = {f"rank{rank}": rng_state()}  # every rank's own streams (dropout differs per stage)
-    mine = _write_shards(state, tmp)
-    files = {name: entry for part in _gather_to_zero(mine) for name, entry in part.items()}
+    mine = _write_shards(state, tmp, group)
+    files = {name: entry for part in _gather_to_zero(mine, group) for name, entry in part.items()}
     if rank == 0:
         _write_meta({**checkpoint, "twobp": layout}, tmp)
         _write_manifest(files, tmp, layout)
         _swap_into_place(tmp, path)
-    _barrier()
+    _barrier(group)
 
 
 def resolve(path: str | os.PathLike) -> Path:
@@ -267,7 +269,7 @@ def _check(path: Path, names: list[str], files: dict[str, Any]) -> list[str]:
     return problems
 
 
-def verify(path: str | os.PathLike, *, shared: bool = True) -> dict[str, Any]:
+def verify(path: str | os.PathLike, *, shared: bool = True, group: dist.ProcessGroup | None = None) -> dict[str, Any]:
     """Check every file of the checkpoint against its manifest; return the manifest. With ``shared``
     (and a process group), rank r hashes every world-size-th file and the verdict is shared, so all
     ranks raise the same :class:`CheckpointError` together."""
@@ -291,7 +293,7 @@ def verify(path: str | os.PathLike, *, shared: bool = True) -> dict[str, Any]:
     problems = _check(path, names[rank::world], files)
     if world > 1:
         gathered: list[Any] = [None] * world
-        dist.all_gather_object(gathered, problems)
+        dist.all_gather_object(gathered, problems, group=group)
         problems = [p for part in gathered for p in part]
     if problems:
         raise CheckpointError(f"checkpoint {path} is damaged, not loaded: " + "; ".join(problems)
@@ -301,11 +303,12 @@ def verify(path: str | os.PathLike, *, shared: bool = True) -> dict[str, Any]:
 
 
 def load(path: Path, module: nn.Module, optimizers: list[Any], weights_only: bool | None,
-         strict: bool = True) -> dict[str, Any]:
+         strict: bool = True, group: dist.ProcessGroup | None = None) -> dict[str, Any]:
     """Verify the checkpoint, load this rank's weights (and, when ``optimizers`` are given, their
-    state) from it into ``module`` and ``optimizers`` in place; return the rest of the checkpoint."""
+    state) from it into ``module`` and ``optimizers`` in place; return the rest of the checkpoint.
+    ``group``: as for :func:`save`."""
     path = resolve(path)
-    verify(path)
+    verify(path, group=group)
     try:
         checkpoint = torch.load(path / META, map_location="cpu", weights_only=weights_only is not False)
     except pickle.UnpicklingError as err:
@@ -325,7 +328,7 @@ def load(path: Path, module: nn.Module, optimizers: list[Any], weights_only: boo
            for k, m in saved.items() if k.startswith(prefix)}
     if rng:
         state["rng"] = {prefix.split(".")[1]: rng}
-    dcp.load(state, checkpoint_id=path)
+    dcp.load(state, checkpoint_id=path, process_group=group)
     set_model_state_dict(module, state["model"], options=StateDictOptions(strict=strict))
     for i, opt in enumerate(optimizers):
         set_optimizer_state_dict(module, opt, state[f"optimizer_{i}"], options=_OPTIM)

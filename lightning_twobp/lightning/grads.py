@@ -21,6 +21,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -105,16 +106,17 @@ class TiedParameters:
     and optimizer updates keep the copies equal. The global norm counts it once, on its first holder.
     """
 
-    def __init__(self, shared: list[SharedParameter], replica_groups: Callable[[Sequence[int]], list[list[int]]]) -> None:
+    def __init__(self, shared: list[SharedParameter], replica_groups: Callable[[Sequence[int]], list[list[int]]],
+                 timeout: timedelta | None = None) -> None:
         """``replica_groups(pipeline_ranks)``: the global ranks of those pipeline ranks in every
-        data-parallel replica, one list per replica."""
+        data-parallel replica, one list per replica. ``timeout``: of the holders' groups."""
         me = dist.get_rank() if shared else 0
         self._tied: list[tuple[nn.Parameter, dist.ProcessGroup, int]] = []  # (param, holders' group, first holder)
         groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
         for sp in shared:  # every rank creates every group, in one order, as torch requires
             for ranks in map(tuple, replica_groups(sp.ranks)):
                 if ranks not in groups:
-                    groups[ranks] = dist.new_group(list(ranks))
+                    groups[ranks] = dist.new_group(list(ranks), timeout=timeout)
                 if sp.param is not None and me in ranks:
                     self._tied.append((sp.param, groups[ranks], ranks[0]))
         self.not_counted = {id(q) for q, _, first in self._tied if first != me}

@@ -12,6 +12,8 @@ point-to-point traffic stays on the fast links) and a data-parallel group holds 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -32,7 +34,7 @@ def check_degree(world_size: int, pipeline_degree: int) -> None:
     if pipeline_degree < 1 or world_size % pipeline_degree:
         raise ValueError(
             f"{world_size} devices cannot be split into pipelines of {pipeline_degree}: devices x num_nodes "
-            f"must be a multiple of pipeline_degree (use pipeline_degree={world_size} or a divisor of it)"
+            f"must be a multiple of pipeline_degree (use one of {[d for d in range(1, world_size + 1) if world_size % d == 0]})"
         )
 
 
@@ -64,8 +66,33 @@ class MeshLayout:
         d = self.dp_rank if dp_rank is None else dp_rank
         return d * self.pipeline_degree + pp_rank
 
-    def init_mesh(self, device: torch.device) -> DeviceMesh | None:
-        """The ``("dp", "pp")`` device mesh over the world; ``None`` without a process group."""
+    def init_mesh(self, device: torch.device, timeout: timedelta | None = None) -> DeviceMesh | None:
+        """The ``("dp", "pp")`` device mesh over the world; ``None`` without a process group. Its
+        groups get ``timeout`` (torch's ``new_group`` would give them its own default, 30 minutes
+        for gloo, not the world's)."""
         if not dist.is_initialized():
             return None
-        return init_device_mesh(device.type, (self.dp_degree, self.pipeline_degree), mesh_dim_names=("dp", "pp"))
+        override = None
+        options = group_options(dist.get_backend(), timeout)
+        if options is not None:
+            override = {"dp": options, "pp": options}
+        return init_device_mesh(device.type, (self.dp_degree, self.pipeline_degree), mesh_dim_names=("dp", "pp"),
+                                backend_override=override)
+
+
+def group_options(backend: str, timeout: timedelta | None) -> tuple[str, Any] | None:
+    """``(backend, options)`` carrying ``timeout`` for a DeviceMesh's groups (gloo, NCCL), or ``None``
+    (no timeout given, or a backend whose options we do not know: torch's defaults then)."""
+    if timeout is None:
+        return None
+    if backend == "nccl":
+        from torch.distributed import ProcessGroupNCCL
+
+        opts = ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        return "nccl", opts
+    if backend == "gloo":
+        from torch._C._distributed_c10d import Backend
+
+        return "gloo", Backend.Options("gloo", timeout)
+    return None

@@ -11,6 +11,8 @@ saves and loads, :mod:`.profile` measures layers for ``balance="time"``; the eng
 from __future__ import annotations
 
 import logging
+import math
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -88,6 +90,19 @@ class _Pipeline:
     means: Logs = field(default_factory=dict)  # the training step's logged means (last stage)
 
 
+_IO_TIMEOUT = timedelta(minutes=30)  # at least this for checkpoint collectives
+
+
+def _is_count(value: Any) -> bool:
+    """An integer >= 1 (numpy's too), not a bool."""
+    if isinstance(value, bool):
+        return False
+    try:
+        return operator.index(value) >= 1
+    except TypeError:
+        return False
+
+
 class TwoBPStrategy(DDPStrategy):
     """Pipeline parallelism with 2BP for an unchanged LightningModule.
 
@@ -123,8 +138,11 @@ class TwoBPStrategy(DDPStrategy):
             ``pipeline/skipped_steps`` is logged. With fp16's GradScaler the scaler does this instead.
         pipeline_timeout: seconds (default 600) the pipeline's own waits on another rank may take,
             after which that rank is named as lost (its pipeline rank, stage and host). Also the
-            process group's timeout unless ``timeout`` is given (at least 60 s), so a hung rank
-            stops Lightning's collectives in minutes rather than torch's default 30.
+            timeout of the process group and of every group the strategy makes (the mesh's, the
+            loss and logs', tied weights') unless ``timeout`` is given (at least 60 s), so a hung
+            rank stops Lightning's collectives in minutes rather than torch's default 30.
+            Checkpoint saves and loads use a group of their own with at least 30 minutes: writing
+            and hashing a large checkpoint may take longer than a hung rank should.
         accelerator, parallel_devices, cluster_environment, precision_plugin, process_group_backend,
         timeout, start_method: as for :class:`~lightning.pytorch.strategies.DDPStrategy`. DDP's own
             options (``find_unused_parameters``, communication hooks, ...) raise ``TypeError``: there
@@ -176,12 +194,12 @@ class TwoBPStrategy(DDPStrategy):
             if balance not in ("params", "time"):
                 raise ValueError(f"balance={balance!r}: choose 'params' (the default), 'time' or a list of layer "
                                  f"counts per stage, e.g. balance=[3, 5]")
-        elif not (isinstance(balance, Sequence) and balance
-                  and all(isinstance(b, int) and not isinstance(b, bool) and b >= 1 for b in balance)):
+        elif not (isinstance(balance, Sequence) and balance and all(_is_count(b) for b in balance)):
             raise ValueError(f"balance={balance!r}: a list of layer counts per stage must hold integers >= 1, "
                              f"e.g. balance=[3, 5]")
         if pipeline_timeout is not None and (isinstance(pipeline_timeout, bool)
-                                             or not isinstance(pipeline_timeout, (int, float)) or pipeline_timeout <= 0):
+                                             or not isinstance(pipeline_timeout, (int, float))
+                                             or not math.isfinite(pipeline_timeout) or pipeline_timeout <= 0):
             raise ValueError(f"pipeline_timeout={pipeline_timeout!r}: give the seconds a rank waits for another "
                              f"before naming it as lost (> 0, default 600), or None for the process group's timeout")
         if timeout is None and pipeline_timeout is not None:
@@ -202,6 +220,8 @@ class TwoBPStrategy(DDPStrategy):
         self._step_checks = {"clipped": 0, "skipped": 0, "redone": 0}
         self.pipeline_timeout = pipeline_timeout
         self._log_group: dist.ProcessGroup | None = None
+        self._io_group: dist.ProcessGroup | None = None
+        self._batches_checked = False  # the training batches split into micro-batches (checked once per fit)
         self._num_microbatches = num_microbatches
         self._pipeline_degree = pipeline_degree
         self._stages_per_rank = stages_per_rank or default_stages_per_rank(schedule)
@@ -296,13 +316,17 @@ class TwoBPStrategy(DDPStrategy):
     def setup_distributed(self) -> None:
         super().setup_distributed()
         check_degree(self.world_size, self.pipeline_degree)
-        self._mesh = self._layout.init_mesh(self.root_device)
+        self._mesh = self._layout.init_mesh(self.root_device, self._timeout)
+        # Checkpoint I/O (writing, hashing, verifying a large checkpoint) may take longer than a hung
+        # rank should: its collectives get a group of their own with at least torch's 30 minutes.
+        self._io_group = dist.new_group(timeout=max(self._timeout, _IO_TIMEOUT)) if dist.is_initialized() else None
         layout = self._layout
         if self.pipeline_degree > 1:
             # The loss and logs travel on a group of their own, so that their messages never mix with
             # the schedule's (NCCL matches messages between two ranks in posting order, ignoring tags).
             for d in range(layout.dp_degree):  # every rank creates every group, in one order
-                group = dist.new_group([layout.global_rank_of(r, d) for r in range(self.pipeline_degree)])
+                group = dist.new_group([layout.global_rank_of(r, d) for r in range(self.pipeline_degree)],
+                                       timeout=self._timeout)
                 if d == layout.dp_rank:
                     self._log_group = group
 
@@ -314,6 +338,7 @@ class TwoBPStrategy(DDPStrategy):
         assert self.accelerator is not None and self.lightning_module is not None
         self.accelerator.setup(trainer)
         self._failed = False
+        self._batches_checked = False
         self._pipeline = self._build(trainer)
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
@@ -368,7 +393,8 @@ class TwoBPStrategy(DDPStrategy):
             logs = LogChannel(self._log_group, layout.pp_rank, schedule.stage_to_rank[schedule.num_stages - 1],
                               self.pipeline_degree, self.root_device)
         tied = TiedParameters(
-            local.shared, lambda ranks: [[layout.global_rank_of(r, d) for r in ranks] for d in range(layout.dp_degree)]
+            local.shared, lambda ranks: [[layout.global_rank_of(r, d) for r in ranks] for d in range(layout.dp_degree)],
+            timeout=self._timeout,
         )
         if local.shared:
             rank_zero_info("twobp: parameters shared across pipeline ranks, kept in sync: " + "; ".join(
@@ -415,8 +441,25 @@ class TwoBPStrategy(DDPStrategy):
 
     # ------------------------------------------------------------------ training
     @override
+    def on_validation_start(self) -> None:
+        trainer = self.lightning_module.trainer
+        if trainer.sanity_checking and not self._batches_checked:
+            # The sanity check runs before Lightning loads the training data: load it now, so that a
+            # batch that cannot split is refused before any validation step runs.
+            trainer.fit_loop.setup_data()
+            self._check_batches()
+        super().on_validation_start()
+
+    def _check_batches(self) -> None:
+        loader = self.lightning_module.trainer.train_dataloader
+        if loader is not None:
+            check_batches(loader, self.num_microbatches)
+            self._batches_checked = True
+
+    @override
     def on_train_start(self) -> None:
-        check_batches(self.lightning_module.trainer.train_dataloader, self.num_microbatches)
+        if not self._batches_checked:
+            self._check_batches()
         super().on_train_start()
 
     @override
@@ -456,6 +499,7 @@ class TwoBPStrategy(DDPStrategy):
             # Lightning's backward would; the scaler unscales before clipping and stepping.
             scaler = getattr(self.precision_plugin, "scaler", None)
             ex.record = self._record_next
+            ex.step_label = f"global step {self.lightning_module.trainer.global_step}"  # named so in errors
             result = ex.step(inputs, targets, loss_scale=float(scaler.get_scale()) if scaler is not None else 1.0)
             if self._record_next:
                 ex.record = self._record_next = False
@@ -643,7 +687,7 @@ class TwoBPStrategy(DDPStrategy):
         path = Path(self.broadcast(str(filepath)))
         layout = {"pipeline_degree": self.pipeline_degree, "stages_per_rank": self._stages_per_rank,
                   "schedule": self.schedule_name}
-        ckpt.save(checkpoint, path, self.lightning_module, self.optimizers, layout)
+        ckpt.save(checkpoint, path, self.lightning_module, self.optimizers, layout, group=self._io_group)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
@@ -651,7 +695,7 @@ class TwoBPStrategy(DDPStrategy):
         pipeline degree or partition the checkpoint was saved with."""
         path = Path(self.broadcast(str(checkpoint_path)))
         lm = self.lightning_module
-        checkpoint = ckpt.load(path, lm, self.optimizers, weights_only, strict=lm.strict_loading)
+        checkpoint = ckpt.load(path, lm, self.optimizers, weights_only, strict=lm.strict_loading, group=self._io_group)
         # LR schedulers were saved from rank 0: a rank with other param groups keeps its own per-group
         # base learning rates (the groups' lr came back by name) and takes the shared step count.
         for config, state in zip(self.lr_scheduler_configs, checkpoint.get("lr_schedulers", [])):
