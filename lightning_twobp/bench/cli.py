@@ -4,7 +4,7 @@
     twobp-bench --peer [--rounds N] [--steps K] [--out DIR] [--only LABEL ...] [--quick]
     twobp-bench --trainer [--json PATH] [--repeats N] [--only LABEL ...] [--quick]
     twobp-bench --split [--tokens 512 256 64]
-    twobp-bench --soak N [--json PATH]
+    twobp-bench --soak N [--python-memory] [--json PATH]
     twobp-bench --paper [--out DIR] [--quick] [--repeats N]
 """
 
@@ -24,6 +24,8 @@ def main(argv: list[str] | None = None) -> int:
     mode.add_argument("--trainer", action="store_true", help="through Trainer(strategy=TwoBPStrategy) vs the bare engine")
     mode.add_argument("--split", action="store_true", help="only (B + W) / BW on one block")
     mode.add_argument("--soak", type=int, metavar="N", help="N Trainer steps of the default recipe: does memory stay flat?")
+    ap.add_argument("--python-memory", action="store_true",
+                    help="--soak: also trace Python's own allocations (tracemalloc), to tell objects from native growth")
     mode.add_argument("--paper", action="store_true",
                       help="the 2BP paper's three questions (throughput, peak memory, scaling) on its four models")
     ap.add_argument("--json", help="write the results as JSON to this path (engine, trainer)")
@@ -56,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
         from lightning_twobp.bench.soak import markdown as soak_markdown
         from lightning_twobp.bench.soak import soak
 
-        result = soak(args.soak)
+        result = soak(args.soak, python=args.python_memory)
         print(soak_markdown(result))
         if args.json:
             with open(args.json, "w") as fh:

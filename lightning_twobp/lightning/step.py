@@ -22,7 +22,7 @@ from torch.utils import _pytree as pytree
 
 from lightning_twobp.lightning.contract import Contract
 
-__all__ = ["StepRunner", "StepState", "check_batches", "share_logs", "split_microbatches", "step_means"]
+__all__ = ["StepRunner", "StepState", "check_batch_size", "check_batches", "share_logs", "split_microbatches", "step_means"]
 
 Logs = dict[str, tuple[Any, dict]]  # name -> (value, self.log's keyword options)
 
@@ -48,6 +48,16 @@ def split_microbatches(batch: Any, m: int, exact: bool = True) -> list[Any]:
     return [pytree.tree_unflatten([c[i] for c in chunks], spec) for i in range(m)]
 
 
+def check_batch_size(size: int, m: int) -> None:
+    """A training batch of ``size`` samples splits into ``m`` equal micro-batches."""
+    if size < m:
+        raise ValueError(f"the training batch size {size} is smaller than num_microbatches={m}: every micro-batch "
+                         f"needs a sample; use a batch size of at least {m} (a multiple of it), or fewer micro-batches")
+    if size % m:
+        raise ValueError(f"training batch size {size} does not split into {m} micro-batches: use a batch size that "
+                         f"is a multiple of {m}, or set num_microbatches to a divisor of {size}")
+
+
 def check_batches(loader: Any, m: int) -> None:
     """Before the first training step: every batch the training ``loader`` will yield splits into ``m``
     equal micro-batches, the last one included. Loaders whose sizes cannot be known are checked batch
@@ -55,12 +65,7 @@ def check_batches(loader: Any, m: int) -> None:
     size = getattr(loader, "batch_size", None)
     if not isinstance(size, int):
         return
-    if size < m:
-        raise ValueError(f"the training batch size {size} is smaller than num_microbatches={m}: every micro-batch "
-                         f"needs a sample; use a batch size of at least {m} (a multiple of it), or fewer micro-batches")
-    if size % m:
-        raise ValueError(f"training batch size {size} does not split into {m} micro-batches: use a batch size that "
-                         f"is a multiple of {m}, or set num_microbatches to a divisor of {size}")
+    check_batch_size(size, m)
     try:
         samples = len(loader.sampler)
     except (TypeError, AttributeError):

@@ -50,7 +50,7 @@ from lightning_twobp.lightning.layout import (
 from lightning_twobp.lightning.model import LocalModel, split_model
 from lightning_twobp.lightning.profile import profile_layers
 from lightning_twobp.lightning.logs import LogChannel
-from lightning_twobp.lightning.step import Logs, StepRunner, check_batches, share_logs, step_means
+from lightning_twobp.lightning.step import Logs, StepRunner, check_batch_size, check_batches, share_logs, step_means
 from lightning_twobp.partition import partition
 from lightning_twobp.schedules import SCHEDULES, Schedule, build_schedule, check_split
 
@@ -444,11 +444,25 @@ class TwoBPStrategy(DDPStrategy):
     def on_validation_start(self) -> None:
         trainer = self.lightning_module.trainer
         if trainer.sanity_checking and not self._batches_checked:
-            # The sanity check runs before Lightning loads the training data: load it now, so that a
-            # batch that cannot split is refused before any validation step runs.
-            trainer.fit_loop.setup_data()
-            self._check_batches()
+            self._check_batch_size_early(trainer)
         super().on_validation_start()
+
+    def _check_batch_size_early(self, trainer: Any) -> None:
+        """The sanity check runs before Lightning loads the training data. A batch size that cannot
+        split into micro-batches is refused before its first validation step: the training loader is
+        asked for (as Lightning will ask again later) with every random generator put back afterwards,
+        so the data and the run stay what they are without this check. The last batch, which needs
+        Lightning's sampler, is checked when training starts."""
+        from lightning.pytorch.utilities.seed import isolate_rng
+
+        source = trainer.fit_loop._data_source
+        if not source.is_defined():
+            return
+        with isolate_rng(include_cuda=True):
+            loader = source.dataloader()
+        size = getattr(loader, "batch_size", None)
+        if isinstance(size, int):
+            check_batch_size(size, self.num_microbatches)
 
     def _check_batches(self) -> None:
         loader = self.lightning_module.trainer.train_dataloader
