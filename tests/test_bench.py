@@ -72,8 +72,9 @@ def test_peer_benchmark_without_torch_pipelining(monkeypatch):
 def test_soak_harness_samples_every_rank():
     from lightning_twobp.bench.soak import markdown, soak
 
-    result = soak(steps=12, every=4, warmup=0.3)
+    result = soak(steps=12, every=4, warmup=0.3, python=True)
     assert [r["rank"] for r in result["ranks"]] == [0, 1]
     for r in result["ranks"]:
-        assert [s for s, _, _ in r["samples"]] == [4, 8, 12] and r["rss_last_mb"] > 0
-    assert "slope after warm-up" in markdown(result)
+        assert [s[0] for s in r["samples"]] == [4, 8, 12] and r["rss_last_mb"] > 0
+        assert 0 < r["python_after_warmup_mb"] < r["rss_last_mb"]  # traced: Python's own share of the RSS
+    assert "slope after warm-up" in markdown(result) and "not traced" not in markdown(result)
