@@ -24,7 +24,8 @@ for the first data-parallel replica's pipeline:
 
 ``trace_steps=[10, 11]`` records those steps on every rank and writes each as a Chrome trace
 (``chrome://tracing`` or https://ui.perfetto.dev: a track per rank, with the simulated schedule at
-the measured costs below it) and, with matplotlib, a PNG timeline, into ``trace_dir`` (default:
+the measured costs below it) and, with matplotlib, a PNG of the same two timelines on one time axis,
+into ``trace_dir`` (default:
 ``<log dir>/traces``).
 
 :meth:`PipelineMonitor.run_figures` gives the whole run's throughput and each rank's peak memory;
@@ -449,12 +450,19 @@ class PipelineMonitor(pl.Callback):
         rank_zero_info(f"twobp: step {step} on every pipeline rank, with the simulated schedule at its measured "
                        f"costs, as a Chrome trace: {path} (open in https://ui.perfetto.dev or chrome://tracing)")
         try:
-            from lightning_twobp.viz import plot_timeline
-
-            flat = [r for recs in by_rank for r in recs]
-            fig = plot_timeline(flat, num_ranks=pp, title=f"step {step}, measured", path=out / f"step{step}.png")
             import matplotlib.pyplot as plt
 
+            from lightning_twobp.viz import plot_timeline
+
+            # measured above, simulated at the measured costs below, on one time axis
+            flat = [r for recs in by_rank for r in recs]
+            fig, (top, bottom) = plt.subplots(2, 1, figsize=(12, 1.2 + 1.2 * pp), sharex=True)
+            plot_timeline(flat, num_ranks=pp, title=f"step {step}, measured", ax=top, unit="s")
+            plot_timeline(sim.timeline, num_ranks=pp, ax=bottom, unit="s",
+                          title=f"simulated at the measured costs ({sim.makespan:.3f} s)")
+            top.set_xlim(0, max([sim.makespan] + [r.end for r in flat]))  # shared: neither panel cut off
+            fig.tight_layout()
+            fig.savefig(out / f"step{step}.png", dpi=110)
             plt.close(fig)
             self.traces.append(str(out / f"step{step}.png"))
         except ImportError:
