@@ -78,3 +78,29 @@ def test_soak_harness_samples_every_rank():
         assert [s[0] for s in r["samples"]] == [4, 8, 12] and r["rss_last_mb"] > 0
         assert 0 < r["python_after_warmup_mb"] < r["rss_last_mb"]  # traced: Python's own share of the RSS
     assert "slope after warm-up" in markdown(result) and "not traced" not in markdown(result)
+
+
+def test_gpu_script_runs_its_cuda_code_path_on_the_cpu_at_toy_sizes(tmp_path, capsys):
+    # The one-GPU script (twobp-bench --gpu) must stay runnable where no GPU is: --quick takes the same
+    # code at toy sizes on the CPU. Every one-process pipeline's gradients equal plain autograd's.
+    out = tmp_path / "gpu.json"
+    assert main(["--gpu", "--quick", "--json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    for part in ("layer", "head"):
+        c = r["costs_s"][part]
+        assert all(c[k] > 0 for k in ("F", "B", "W", "BW")) and c["split_over_fused"] > 0
+    assert {p["schedule"] for p in r["pipeline"]} == {"gpipe", "gpipe+2BP", "interleaved-1f1b",
+                                                     "interleaved-1f1b+2BP", "zb-v"}
+    assert all(p["grads_match"] and p["max_grad_diff"] < 1e-5 for p in r["pipeline"]), r["pipeline"]
+    sims = {(s["schedule"], s["m"]): s for s in r["simulated"]}
+    assert sims[("1f1b", 4)]["speedup_over_1f1b"] == pytest.approx(1.0)
+    assert {k[0] for k in sims} == {"1f1b", "1f1b+2BP", "zb-h1", "zb-h2", "zb-v"}
+    assert "(B + W) / BW" in capsys.readouterr().out
+
+
+def test_gpu_script_without_a_gpu_says_to_use_quick(monkeypatch):
+    from lightning_twobp.bench.gpu import run_gpu
+
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    with pytest.raises(RuntimeError, match="needs a CUDA GPU; on a CPU run it with --quick"):
+        run_gpu()

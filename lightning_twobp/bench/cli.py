@@ -1,4 +1,4 @@
-"""``twobp-bench``: the engine benchmark by default; ``--peer``, ``--trainer``, ``--split``, ``--soak``, ``--paper``.
+"""``twobp-bench``: the engine benchmark by default; ``--peer``, ``--trainer``, ``--split``, ``--soak``, ``--paper``, ``--gpu``.
 
     twobp-bench [--json PATH] [--repeats N] [--timelines DIR] [--quick]
     twobp-bench --peer [--rounds N] [--steps K] [--out DIR] [--only LABEL ...] [--quick]
@@ -6,13 +6,14 @@
     twobp-bench --split [--tokens 512 256 64]
     twobp-bench --soak N [--python-memory] [--json PATH]
     twobp-bench --paper [--out DIR] [--quick] [--repeats N]
+    twobp-bench --gpu [--json PATH] [--quick]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 
+from lightning_twobp.bench.report import write_json
 from lightning_twobp.bench.workload import Workload
 
 
@@ -26,6 +27,9 @@ def main(argv: list[str] | None = None) -> int:
     mode.add_argument("--soak", type=int, metavar="N", help="N Trainer steps of the default recipe: does memory stay flat?")
     ap.add_argument("--python-memory", action="store_true",
                     help="--soak: also trace Python's own allocations (tracemalloc), to tell objects from native growth")
+    mode.add_argument("--gpu", action="store_true",
+                      help="one GPU in bf16: a LLaMa-7B layer's F/B/W/BW, the pipeline in one process on the GPU, "
+                           "the 7B costs simulated on 4 stages (with --quick: toy sizes on the CPU)")
     mode.add_argument("--paper", action="store_true",
                       help="the 2BP paper's three questions (throughput, peak memory, scaling) on its four models")
     ap.add_argument("--json", help="write the results as JSON to this path (engine, trainer)")
@@ -61,9 +65,17 @@ def main(argv: list[str] | None = None) -> int:
         result = soak(args.soak, python=args.python_memory)
         print(soak_markdown(result))
         if args.json:
-            with open(args.json, "w") as fh:
-                json.dump(result, fh, indent=1)
-            print(f"wrote {args.json}")
+            write_json(result, args.json)
+        return 0
+
+    if args.gpu:
+        from lightning_twobp.bench.gpu import markdown as gpu_markdown
+        from lightning_twobp.bench.gpu import run_gpu
+
+        result = run_gpu(quick=args.quick, repeats=3 if args.quick else max(args.repeats, 20))
+        print(gpu_markdown(result))
+        if args.json:
+            write_json(result, args.json)
         return 0
 
     if args.paper:
@@ -100,16 +112,12 @@ def main(argv: list[str] | None = None) -> int:
         for label, r in rows.items():
             print(f"{label:<32}{r['lightning_step_s']:>11.3f}{r['bare_step_s']:>9.3f}{r['ratio']:>32.3f}")
         if args.json:
-            with open(args.json, "w") as fh:
-                json.dump(dict(workload=wl.__dict__, microbatches=m, repeats=repeats, rows=rows), fh, indent=2)
-            print(f"wrote {args.json}")
+            write_json(dict(workload=wl.__dict__, microbatches=m, repeats=repeats, rows=rows), args.json)
         return 0
 
     from lightning_twobp.bench.engine import run_engine
 
     result = run_engine(wl, m, repeats=1 if args.quick else args.repeats, timelines=args.timelines)
     if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(result, fh, indent=2)
-        print(f"wrote {args.json}")
+        write_json(result, args.json)
     return 0

@@ -20,7 +20,6 @@ their weights must come out equal (``max_param_diff``).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import time
@@ -32,6 +31,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader
 
 from lightning_twobp.bench.trainer import _Llama, _SameBatch
+from lightning_twobp.bench.report import write_json
 from lightning_twobp.bench.workload import WORLD, Workload, keep_freed_memory, stage_sizes
 from lightning_twobp.partition import even_sizes
 from lightning_twobp.schedules.placement import default_stages_per_rank
@@ -139,9 +139,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{schedule:<12}{r['sequential_step_s']:>14.3f}{r['loop_step_s']:>14.3f}{r['ratio']:>8.3f}  {rounds:<20}"
               f"{r['max_param_diff']:.3g}")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
-        print(f"wrote {args.json}")
+        write_json(rows, args.json)
     return 0
 
 

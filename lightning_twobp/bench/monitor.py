@@ -22,7 +22,6 @@ on CPU.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import time
@@ -30,6 +29,7 @@ import time
 import lightning.pytorch as pl
 import torch
 
+from lightning_twobp.bench.report import write_json
 from lightning_twobp.testing import free_port, run_distributed
 
 __all__ = ["bench_monitor"]
@@ -177,9 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     result = bench_monitor(args.rounds, args.steps, args.every)
     print(markdown(result))
     if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(result, fh, indent=1)
-        print(f"wrote {args.json}")
+        write_json(result, args.json)
     return 0
 
 

@@ -455,8 +455,11 @@ class TwoBPStrategy(DDPStrategy):
         Lightning's sampler, is checked when training starts."""
         from lightning.pytorch.utilities.seed import isolate_rng
 
-        source = trainer.fit_loop._data_source
-        if not source.is_defined():
+        # Lightning's private handle on the training data (2.x); read nowhere else. Should a release
+        # rename it, the check falls back to on_train_start, and test_config_errors's
+        # "fit-batch-before-sanity-check" case (no forward may run) fails and says so.
+        source = getattr(trainer.fit_loop, "_data_source", None)
+        if source is None or not source.is_defined():
             return
         with isolate_rng(include_cuda=True):
             loader = source.dataloader()
