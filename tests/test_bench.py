@@ -80,9 +80,10 @@ def test_soak_harness_samples_every_rank():
     assert "slope after warm-up" in markdown(result) and "not traced" not in markdown(result)
 
 
-def test_gpu_script_runs_its_cuda_code_path_on_the_cpu_at_toy_sizes(tmp_path, capsys):
+def test_gpu_script_runs_its_cuda_code_path_on_the_cpu_at_toy_sizes(tmp_path, capsys, monkeypatch):
     # The one-GPU script (twobp-bench --gpu) must stay runnable where no GPU is: --quick takes the same
     # code at toy sizes on the CPU. Every one-process pipeline's gradients equal plain autograd's.
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)  # the exact CPU check, also on a GPU box
     out = tmp_path / "gpu.json"
     assert main(["--gpu", "--quick", "--json", str(out)]) == 0
     r = json.loads(out.read_text())

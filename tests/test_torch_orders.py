@@ -3,7 +3,7 @@
 The peer benchmark times both engines; these tests take the runtimes out. torch's own action lists
 (read by :func:`lightning_twobp.bench.torch_orders.torch_order`) and ours, built at those costs, are
 simulated at the same costs: ours must never take longer, one iteration or several overlapped, nor
-hold more micro-batches in flight than torch's order of the same family. (Found by this test: ZB-H2
+hold more micro-batches in flight at the fullest rank than torch's order of the same family. (Found by this test: ZB-H2
 at m = p with W > B lost 1.2% to ZB1P once iterations overlap; it now also weighs ZB-H1's order.)
 """
 
@@ -45,16 +45,18 @@ def _cases():
 def test_ours_never_slower_than_torchs_order(cls, spr, ours, split, memory, p, m):
     try:
         theirs = torch_order(cls, p, m, spr)
-    except ValueError as e:  # torch refuses the counts (e.g. m not a multiple of its rounds)
-        pytest.skip(f"torch: {e}")
+    except ValueError as e:
+        if "torch refuses" not in str(e):  # a conversion that does not validate must fail, not skip
+            raise
+        pytest.skip(str(e))
     for costs in COSTS:
         # Built as a user would with those costs measured (``costs=``; the fixed orders ignore it).
         mine = build_schedule(ours, p * spr, m, stages_per_rank=spr, split_backward=split, costs=costs)
-        assert mine.stage_to_rank == theirs.stage_to_rank
         for k in (1, 3):
             a, b = simulate(mine, costs, iterations=k), simulate(theirs, costs, iterations=k)
             assert a.makespan <= b.makespan + 1e-9, (costs, k, a.makespan, b.makespan)
-            if memory:
+            if memory:  # at the fullest rank, which decides whether a job fits (rank by rank, the
+                # faster V at m = p holds one more on rank 0 than torch's: 4 vs 3, within torch's 4)
                 assert max(a.peak_inflight) <= max(b.peak_inflight), (costs, a.peak_inflight, b.peak_inflight)
 
 
@@ -64,6 +66,19 @@ def test_the_benchmarks_zb_v_is_torchs_order_and_shorter_at_m_equal_p():
     assert build_schedule("zb-v", 4, 8, stages_per_rank=2).actions == torch_order("ScheduleZBVZeroBubble", 2, 8).actions
     short, long = build_schedule("zb-v", 8, 4, stages_per_rank=2), torch_order("ScheduleZBVZeroBubble", 4, 4)
     assert simulate(short).makespan == 27 and simulate(long).makespan == 30
+
+
+def test_the_benchmarks_zb_h1_is_torchs_zb1p_order():
+    assert build_schedule("zb-h1", 2, 8).actions == torch_order("ScheduleInterleavedZeroBubble", 2, 8).actions
+
+
+@pytest.mark.parametrize("p,m", [(2, 2), (3, 3), (4, 4), (4, 8), (3, 12)])
+def test_zb_h2_is_never_slower_than_zb_h1_at_the_same_costs(p, m):
+    from lightning_twobp.schedules.builders.zero_bubble import schedule_score
+
+    for costs in COSTS:
+        h2, h1 = build_schedule("zb-h2", p, m, costs=costs), build_schedule("zb-h1", p, m, costs=costs)
+        assert schedule_score(h2, costs) <= schedule_score(h1, costs), costs
 
 
 def test_an_unknown_torch_class_is_named():

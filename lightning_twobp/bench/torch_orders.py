@@ -37,6 +37,10 @@ def torch_order(cls_name: str, num_ranks: int, num_microbatches: int, stages_per
     spr = fixed_spr or stages_per_rank
     p, m = num_ranks, num_microbatches
     rounds = max(1, m // p)
+    if cls_name == "ScheduleInterleavedZeroBubble" and m % rounds:
+        # torch's __init__ refuses these counts; its order for them does not exist
+        raise ValueError(f"torch refuses {cls_name} with {m} micro-batches on {p} ranks (not a multiple of "
+                         f"its {rounds} rounds)")
     sizes = types.SimpleNamespace(pp_group_size=p, n_local_stages=spr, _n_microbatches=m, num_stages=p * spr,
                                   number_of_rounds=rounds, microbatches_per_round=m // rounds, rank=0)
     cls = getattr(torch_schedules, cls_name)

@@ -5,8 +5,8 @@
 * the paper's handcrafted order (:mod:`.zb_orders`), made for ``T_F = T_B = T_W``;
 * greedy schedules (:mod:`.zb_greedy`) built at ``costs`` and at unit costs, with both W policies
   (``"eager"``, ``"fit"``) and, on the V, both B tie-breaks;
-* for ZB-H2, also ZB-H1's order (it fits ZB-H2's looser memory limits), so ZB-H2 is never slower
-  than ZB-H1 at the same costs.
+* for ZB-H2, also ZB-H1's build at the same costs (it fits ZB-H2's looser memory limits), so ZB-H2
+  never scores worse than ZB-H1 at those costs.
 
 "Fastest" is the steady-state time per iteration when iterations overlap (what training runs: each
 rank starts its next iteration after its own last W, see :func:`~..simulate.simulate`), then the
@@ -53,7 +53,7 @@ def zero_bubble(name: str, num_stages: int, num_microbatches: int, *,
     if name == "zb-h2":
         # ZB-H1's order holds fewer micro-batches than ZB-H2's limits allow, so it is a ZB-H2 schedule
         # too; where it is faster (W > B at m = p, iterations overlapped) ZB-H2 must not lose to it.
-        h1 = paper_order("zb-h1", num_stages, num_microbatches)
+        h1 = zero_bubble("zb-h1", num_stages, num_microbatches, stages_per_rank=stages_per_rank, costs=costs)
         candidates.append(replace(h1, name=candidates[0].name))
     scores = [schedule_score(c, target) for c in candidates]
     best = min(range(len(candidates)), key=lambda i: (scores[i], i))
