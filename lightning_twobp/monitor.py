@@ -53,7 +53,7 @@ from torch.utils.flop_counter import flop_registry
 from lightning_twobp.lightning.step import batch_size
 from lightning_twobp.schedules import Action, Costs, simulate
 
-__all__ = ["FlopCount", "PipelineMonitor", "measured_costs", "rss_mb", "stage_names", "tokens_in"]
+__all__ = ["FlopCount", "PipelineMonitor", "busy_seconds", "measured_costs", "rss_mb", "stage_names", "tokens_in"]
 
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 _FIELDS = ("rss_mb", "max_allocated_mb", "max_reserved_mb", "bubble", "bubble_simulated", "held_mb_per_microbatch")
@@ -158,7 +158,7 @@ def measured_costs(records: Sequence[Any], num_stages: int) -> Costs:
     return Costs(f=col("F"), b=col("B"), w=col("W"))
 
 
-def _busy(records: Sequence[Any]) -> tuple[float, float]:
+def busy_seconds(records: Sequence[Any]) -> tuple[float, float]:
     """(compute seconds, step seconds) of one rank's recorded step."""
     ops = [r for r in records if _parse(r.op) is not None]
     if not ops:
@@ -342,7 +342,7 @@ class PipelineMonitor(pl.Callback):
         bubble = simulated = held = nan
         rec = strategy.last_records
         if rec is not None and rec.records:
-            busy, span = _busy(rec.records)
+            busy, span = busy_seconds(rec.records)
             bubble = 1.0 - busy / span if span > 0 else nan
             if rec.held_bytes:
                 held = statistics.fmean(rec.held_bytes.values()) / 1e6

@@ -42,6 +42,7 @@ from torch import nn
 
 from lightning_twobp.bench.workload import WORLD, Workload, keep_freed_memory, loss_fn, reference_grads
 from lightning_twobp.engine import PipelineExecutor
+from lightning_twobp.monitor import busy_seconds
 from lightning_twobp.schedules import build_schedule, schedule_label
 from lightning_twobp.testing import run_distributed
 
@@ -247,10 +248,6 @@ def _worker(rank: int, world: int, wl: Workload, m: int, rounds: int, warmup: in
     return {"times": times, "checks": checks, "busy": _busy(runners, steps)}
 
 
-def _is_comm(op: str) -> bool:
-    return "SEND" in op or "RECV" in op or "REDUCE" in op
-
-
 def _busy(runners: list[_Runner], steps: int) -> dict[str, float]:
     """This rank's compute per step in each of our contenders: ``steps`` recorded steps, the F, B, W
     and BW ops' durations less their time blocked on receives, averaged (recording adds a little to
@@ -265,7 +262,7 @@ def _busy(runners: list[_Runner], steps: int) -> dict[str, float]:
         dist.barrier()
         for _ in range(steps):
             res = r.step()
-            total += sum(a.end - a.start - a.wait for a in res.records if not _is_comm(a.op))
+            total += busy_seconds(res.records)[0]
             r.optimizer.step()
             r.optimizer.zero_grad(set_to_none=True)
         r.executor.record = False
