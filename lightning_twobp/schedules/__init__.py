@@ -5,15 +5,18 @@
 >>> round(simulate(schedule).bubble_fraction, 3)
 0.143
 
-Modules: :mod:`.ir` (the data), :mod:`.placement` (names, layouts, defaults), :mod:`.builders` (one
-family each), :mod:`.validate`, :mod:`.simulate`, and the passes :mod:`.lower` (communication) and
+Modules: :mod:`.ir` (the data), :mod:`.spec` (the registry: one :class:`ScheduleSpec` per name;
+:mod:`.catalog` registers the built-in ones), :mod:`.placement` (layouts and defaults, read from the
+specs), :mod:`.builders` (one family each), :mod:`.validate`, :mod:`.simulate`, :mod:`.memory` (the
+one replay of what a schedule holds), and the passes :mod:`.lower` (communication) and
 :mod:`.grad_reduce` (the data-parallel reduce). The imports go one way: ``ir`` needs nothing.
 """
 
-from .builders.zb_greedy import peak_activations
+from . import catalog  # noqa: F401  (registers the built-in schedules)
 from .grad_reduce import GradReduce, add_grad_reduce
 from .ir import Action, DeadlockError, Schedule
 from .lower import Comm, check_comm_deadlock, check_comm_order, lower_communication
+from .memory import MemoryPeaks, peak_activations, peak_inflight, replay_memory
 from .placement import (
     SCHEDULES,
     check_layout,
@@ -25,16 +28,21 @@ from .placement import (
 )
 from .registry import build_schedule
 from .simulate import Costs, SimResult, simulate
+from .spec import BuildRequest, MemoryClass, ScheduleSpec, register_schedule, schedule_spec, unregister_schedule
 from .validate import validate
 
 __all__ = [
     "Action",
+    "BuildRequest",
     "Comm",
     "Costs",
     "DeadlockError",
     "GradReduce",
+    "MemoryClass",
+    "MemoryPeaks",
     "SCHEDULES",
     "Schedule",
+    "ScheduleSpec",
     "SimResult",
     "add_grad_reduce",
     "build_schedule",
@@ -46,8 +54,13 @@ __all__ = [
     "default_stages_per_rank",
     "lower_communication",
     "peak_activations",
+    "peak_inflight",
+    "register_schedule",
+    "replay_memory",
     "schedule_label",
+    "schedule_spec",
     "simulate",
     "stage_to_rank",
+    "unregister_schedule",
     "validate",
 ]

@@ -1,11 +1,13 @@
-"""``build_schedule``: one entry point that checks arguments and dispatches by name."""
+"""``build_schedule``: one entry point that checks arguments and dispatches through the schedule's spec."""
 
 from __future__ import annotations
 
-from .builders import gpipe, interleaved_one_f_one_b, one_f_one_b, zero_bubble
+from dataclasses import replace
+
 from .ir import Schedule
-from .placement import check_layout, check_split
+from .placement import check_layout, check_split, place
 from .simulate import Costs
+from .spec import BuildRequest, schedule_spec
 from .validate import validate
 
 __all__ = ["build_schedule"]
@@ -22,16 +24,19 @@ def build_schedule(name: str, num_stages: int, num_microbatches: int, *,
     paper's order and greedy ones at those costs) and is ignored by the fixed-order
     ones.  Raises ValueError for combinations that do not exist, saying what would work.
     """
+    spec = schedule_spec(name)
     check_layout(name, num_stages, stages_per_rank, num_microbatches)
     check_split(name, split_backward)
-    m = num_microbatches
-    if name == "gpipe":
-        schedule = gpipe(num_stages, m, stages_per_rank=stages_per_rank, split_backward=split_backward)
-    elif name == "1f1b":
-        schedule = one_f_one_b(num_stages, m, split_backward=split_backward)
-    elif name == "interleaved-1f1b":
-        schedule = interleaved_one_f_one_b(num_stages, m, stages_per_rank=stages_per_rank,
-                                           split_backward=split_backward)
-    else:
-        schedule = zero_bubble(name, num_stages, m, stages_per_rank=stages_per_rank, costs=costs)
+    costs = costs or Costs()
+    costs.check(num_stages)
+    req = BuildRequest(name=name, num_stages=num_stages, num_microbatches=num_microbatches,
+                       stages_per_rank=stages_per_rank, split_backward=split_backward, costs=costs,
+                       stage_to_rank=place(spec.placement, num_stages, stages_per_rank))
+    schedule = spec.builder(req)
+    if schedule.stage_to_rank != req.stage_to_rank:
+        raise ValueError(f"schedule {name!r}: its builder placed the stages as {schedule.stage_to_rank}, its spec's "
+                         f"{spec.placement!r} placement as {req.stage_to_rank}: make the builder use "
+                         f"BuildRequest.stage_to_rank")
+    if schedule.name != name:  # a builder shared by several specs (a registered variant) names its own family
+        schedule = replace(schedule, name=name)
     return validate(schedule)

@@ -51,7 +51,7 @@ weights and biases, norm scales: every LLaMa block), B frees the autograd graph 
 only W's operands stay: each Linear's input and output gradient, each scale's
 normalised input. That is the paper's M_W, smaller than M_B. Otherwise the whole graph
 stays until W, and M_W equals M_B. ``simulate().peak_inflight`` reports the F-to-last-W
-count and :func:`peak_activations` the F-to-B one.
+count and :func:`~..memory.peak_activations` the F-to-B one.
 """
 
 from __future__ import annotations
@@ -60,26 +60,25 @@ import heapq
 from collections import deque
 
 from ..ir import Action, Schedule
-from ..placement import stage_to_rank
 from ..simulate import Costs
 
-__all__ = ["POLICIES", "greedy", "memory_limits", "peak_activations"]
+__all__ = ["POLICIES", "greedy", "memory_limits"]
 
 POLICIES = ("eager", "fit")
 
 
-def greedy(name: str, num_stages: int, num_microbatches: int, *, stages_per_rank: int, costs: Costs,
+def greedy(name: str, placement: tuple[int, ...], num_microbatches: int, *, costs: Costs,
            policy: str = "eager", b_tie_break: str = "later-stage") -> Schedule:
-    """One greedy ``zb-h1``, ``zb-h2`` (one stage per rank) or ``zb-v`` (V, two per rank) schedule."""
+    """One greedy ``zb-h1``, ``zb-h2`` (one stage per rank) or ``zb-v`` (V, two per rank) schedule over
+    the stage-to-rank map ``placement``."""
     if policy not in POLICIES:
         raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
-    costs.check(num_stages)
-    placement = stage_to_rank(name, num_stages, stages_per_rank)
-    limit_fb, limit_fw = memory_limits(name, num_stages // stages_per_rank)
+    costs.check(len(placement))
+    limit_fb, limit_fw = memory_limits(name, max(placement) + 1)
     rows = _GreedyScheduler(placement, num_microbatches, costs, limit_fb, limit_fw,
-                            later_stage_first=name == "zb-v", b_tie_break=b_tie_break,
+                            later_stage_first=len(placement) > max(placement) + 1, b_tie_break=b_tie_break,
                             wait_for_b=policy == "fit").run()
-    return Schedule(name=name, num_stages=num_stages, num_microbatches=num_microbatches,
+    return Schedule(name=name, num_stages=len(placement), num_microbatches=num_microbatches,
                     stage_to_rank=placement, actions=rows, split_backward=True)
 
 
@@ -94,26 +93,6 @@ def memory_limits(name: str, num_ranks: int) -> tuple[list[int], list[int]]:
     if name == "zb-v":
         return [2 * p] * p, [2 * p] * p
     raise ValueError(f"no zero-bubble memory limits for {name!r}")
-
-
-def peak_activations(schedule: Schedule) -> tuple[int, ...]:
-    """Per rank, the most (stage, micro-batch) pairs held between F and B (or BW) at once.
-
-    That is the paper's M_B count, the one the F->B limits bound; compare
-    ``simulate(schedule).peak_inflight``, which holds a pair until its last B/W,
-    the count that matters for this project's autograd split backward.
-    """
-    peaks = []
-    for row in schedule.actions:
-        held = peak = 0
-        for action in row:
-            if action.kind == "F":
-                held += 1
-                peak = max(peak, held)
-            elif action.is_backward:
-                held -= 1
-        peaks.append(peak)
-    return tuple(peaks)
 
 
 class _GreedyScheduler:

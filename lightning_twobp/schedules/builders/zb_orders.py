@@ -42,7 +42,7 @@ Each rank holds at most ``2p`` (stage, micro-batch) pairs, each half a 1F1B stag
 from __future__ import annotations
 
 from ..ir import Action, Schedule
-from ..placement import stage_to_rank
+from ..placement import place
 
 __all__ = ["paper_order"]
 
@@ -59,9 +59,9 @@ def paper_order(name: str, num_ranks: int, num_microbatches: int) -> Schedule:
         num_stages = p
     else:
         raise ValueError(f"no paper order for {name!r}")
-    spr = num_stages // p
+    placement = place("v", num_stages, 2) if num_stages > p else place("one", num_stages)
     return Schedule(name=name, num_stages=num_stages, num_microbatches=m,
-                    stage_to_rank=stage_to_rank(name, num_stages, spr), actions=rows, split_backward=True)
+                    stage_to_rank=placement, actions=rows, split_backward=True)
 
 
 def _cycles(stage: int, m: int, d_b: int, d_w: int) -> tuple[Action, ...]:

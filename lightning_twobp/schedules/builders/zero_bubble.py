@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from ..ir import Schedule
+from ..spec import BuildRequest
 from ..simulate import Costs, simulate
 from .zb_greedy import POLICIES, greedy
 from .zb_orders import paper_order
@@ -37,23 +38,21 @@ def schedule_score(schedule: Schedule, costs: Costs) -> tuple[float, float]:
     return (round(period, 9), round(simulate(schedule, costs).makespan, 9))
 
 
-def zero_bubble(name: str, num_stages: int, num_microbatches: int, *,
-                stages_per_rank: int, costs: Costs | None = None) -> Schedule:
-    """Build ``zb-h1``, ``zb-h2`` (one stage per rank) or ``zb-v`` (V, two per rank)."""
-    target = costs or Costs()
-    target.check(num_stages)
-    candidates = [paper_order(name, num_stages // stages_per_rank, num_microbatches)]
-    tie_breaks = ("later-stage", "smallest-mb") if name == "zb-v" else ("later-stage",)
+def zero_bubble(req: BuildRequest) -> Schedule:
+    """Build ``zb-h1``, ``zb-h2`` (one stage per rank) or ``zb-v`` (V, two per rank) at ``req.costs``."""
+    target = req.costs
+    candidates = [paper_order(req.name, req.num_ranks, req.num_microbatches)]
+    tie_breaks = ("later-stage", "smallest-mb") if req.stages_per_rank == 2 else ("later-stage",)
     builds = [target] if target == Costs() else [target, Costs()]
     for at in builds:
         for policy in POLICIES:
             for tie_break in tie_breaks:
-                candidates.append(greedy(name, num_stages, num_microbatches, stages_per_rank=stages_per_rank,
-                                         costs=at, policy=policy, b_tie_break=tie_break))
-    if name == "zb-h2":
+                candidates.append(greedy(req.name, req.stage_to_rank, req.num_microbatches, costs=at,
+                                         policy=policy, b_tie_break=tie_break))
+    if req.name == "zb-h2":
         # ZB-H1's order holds fewer micro-batches than ZB-H2's limits allow, so it is a ZB-H2 schedule
         # too; where it is faster (W > B at m = p, iterations overlapped) ZB-H2 must not lose to it.
-        h1 = zero_bubble("zb-h1", num_stages, num_microbatches, stages_per_rank=stages_per_rank, costs=costs)
+        h1 = zero_bubble(replace(req, name="zb-h1"))
         candidates.append(replace(h1, name=candidates[0].name))
     scores = [schedule_score(c, target) for c in candidates]
     best = min(range(len(candidates)), key=lambda i: (scores[i], i))
