@@ -38,7 +38,7 @@ from lightning_twobp.lightning.contract import SequentialContract, find_contract
 from lightning_twobp.lightning.layout import default_num_microbatches, default_stages_per_rank, schedule_label
 from lightning_twobp.engine import Stage
 from lightning_twobp.partition import partition
-from lightning_twobp.schedules import Schedule, build_schedule, replay_memory, schedule_spec
+from lightning_twobp.schedules import MemoryCosts, Schedule, build_schedule, replay_memory, schedule_spec
 
 __all__ = ["RankPlan", "StagePlan", "main", "plan", "plan_recipe"]
 
@@ -88,6 +88,13 @@ class Plan:
     stages: list[StagePlan]
     ranks: list[RankPlan]
     notes: list[str]
+
+    def memory_costs(self) -> MemoryCosts:
+        """The plan's bytes per stage for the schedule model: ``simulate(schedule, Costs(memory=...))``
+        then reports each rank's planned total (``RankPlan.split["total_bytes"]``) as ``peak_bytes``."""
+        return MemoryCosts(activation=[sp.activation_bytes for sp in self.stages],
+                           held=[sp.held_bytes for sp in self.stages],
+                           fixed=[sp.weight_bytes + sp.grad_bytes + sp.optimizer_bytes for sp in self.stages])
 
 
 def _int_devices(cfg: DictConfig) -> int:

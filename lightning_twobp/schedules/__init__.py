@@ -8,15 +8,16 @@
 Modules: :mod:`.ir` (the data), :mod:`.spec` (the registry: one :class:`ScheduleSpec` per name;
 :mod:`.catalog` registers the built-in ones), :mod:`.placement` (layouts and defaults, read from the
 specs), :mod:`.builders` (one family each), :mod:`.validate`, :mod:`.simulate`, :mod:`.memory` (the
-one replay of what a schedule holds), and the passes :mod:`.lower` (communication) and
-:mod:`.grad_reduce` (the data-parallel reduce). The imports go one way: ``ir`` needs nothing.
+one replay of what a schedule holds), :mod:`.deferral` (the cap on W waiting after their B), and the
+passes :mod:`.lower` (communication) and :mod:`.grad_reduce` (the data-parallel reduce). The imports go one way: ``ir`` needs nothing.
 """
 
 from . import catalog  # noqa: F401  (registers the built-in schedules)
+from .deferral import peak_pending_w, pending_w_cap
 from .grad_reduce import GradReduce, add_grad_reduce
 from .ir import Action, DeadlockError, Schedule
 from .lower import Comm, check_comm_deadlock, check_comm_order, lower_communication
-from .memory import MemoryPeaks, peak_activations, peak_inflight, replay_memory
+from .memory import MemoryCosts, MemoryPeaks, memory_levels, peak_activations, peak_bytes, peak_inflight, replay_memory
 from .placement import (
     SCHEDULES,
     check_layout,
@@ -39,6 +40,7 @@ __all__ = [
     "DeadlockError",
     "GradReduce",
     "MemoryClass",
+    "MemoryCosts",
     "MemoryPeaks",
     "SCHEDULES",
     "Schedule",
@@ -53,8 +55,12 @@ __all__ = [
     "default_num_microbatches",
     "default_stages_per_rank",
     "lower_communication",
+    "memory_levels",
     "peak_activations",
+    "peak_bytes",
     "peak_inflight",
+    "peak_pending_w",
+    "pending_w_cap",
     "register_schedule",
     "replay_memory",
     "schedule_label",

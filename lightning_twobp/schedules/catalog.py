@@ -9,6 +9,7 @@ is half a stage, so ``2p`` of them are fused 1F1B's ``p`` full ones.
 from __future__ import annotations
 
 from .builders import gpipe, interleaved_one_f_one_b, one_f_one_b, zero_bubble
+from .builders.v_orders import v_memory_bound
 from .placement import (
     check_interleaved_microbatches,
     check_one_stage_or_interleaved,
@@ -43,6 +44,14 @@ BUILT_IN = (
     ScheduleSpec("zb-v", zero_bubble, MemoryClass("p", lambda p, m, v, split: min(2 * p, 2 * m)),
                  placement="v", stages_per_rank=(2,), default_stages_per_rank=2, split_only=True,
                  fused_baseline="interleaved-1f1b", overlaps=True, checks=(check_two_stages_v,)),
+    ScheduleSpec("v-half", zero_bubble,
+                 MemoryClass("(p + 2) // 2", lambda p, m, v, split: min(v_memory_bound("v-half", p), 2 * m)),
+                 placement="v", stages_per_rank=(2,), default_stages_per_rank=2, split_only=True,
+                 fused_baseline="interleaved-1f1b", checks=(check_two_stages_v,)),
+    ScheduleSpec("v-min", zero_bubble,
+                 MemoryClass("(p + 4) // 3", lambda p, m, v, split: min(v_memory_bound("v-min", p), 2 * m)),
+                 placement="v", stages_per_rank=(2,), default_stages_per_rank=2, split_only=True,
+                 fused_baseline="interleaved-1f1b", checks=(check_two_stages_v,)),
 )
 
 for _spec in BUILT_IN:

@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from .ir import Action, DeadlockError, Schedule, format_grid
-from .memory import peak_inflight
+from .memory import MemoryCosts, peak_bytes, peak_inflight
 from .per_stage import PerStage, check_stage_count, stage_value, store_per_stage
 
 
@@ -42,12 +42,15 @@ class Costs:
 
     ``comm`` is added to a dependency that crosses ranks.  Defaults are the unit
     costs of the Zero Bubble paper's handcrafted analysis (T_F = T_B = T_W).
+    ``memory`` gives the bytes per stage (:class:`~.memory.MemoryCosts`: F to B, B to W,
+    fixed); its unit default makes ``SimResult.peak_bytes`` the in-flight count.
     """
 
     f: Cost = 1.0
     b: Cost = 1.0
     w: Cost = 1.0
     comm: float = 0.0
+    memory: MemoryCosts = MemoryCosts()
 
     def __post_init__(self) -> None:
         store_per_stage(self, "Costs", ("f", "b", "w"))
@@ -57,6 +60,12 @@ class Costs:
     def check(self, num_stages: int) -> None:
         """Raise ValueError when a per-stage sequence does not have one value per stage."""
         check_stage_count(self, "Costs", ("f", "b", "w"), num_stages)
+        self.memory.check(num_stages)
+
+    @property
+    def times(self) -> tuple:
+        """The durations alone (what a builder's timing depends on), for comparing costs."""
+        return (self.f, self.b, self.w, self.comm)
 
     def of(self, kind: str, stage: int) -> float:
         """Duration of one micro-batch of ``kind`` on ``stage`` (BW = B + W)."""
@@ -78,6 +87,8 @@ class SimResult:
     memory); ``timeline`` is ``(rank, action, start, end)`` sorted by start then rank.
     ``iteration_ends[i]`` is when the last rank finished iteration ``i``; with two or
     more iterations, :attr:`period` and :attr:`steady_bubble` describe the steady state.
+    ``peak_bytes[r]`` is rank ``r``'s fixed bytes plus the most its micro-batches hold at once
+    at ``Costs.memory`` (:mod:`.memory`; unit costs: ``peak_inflight``).
     """
 
     makespan: float
@@ -86,6 +97,7 @@ class SimResult:
     peak_inflight: tuple[int, ...]
     timeline: tuple[tuple[int, Action, float, float], ...] = field(repr=False)
     iteration_ends: tuple[float, ...] = ()
+    peak_bytes: tuple[float, ...] = ()
 
     @property
     def bubble_time(self) -> tuple[float, ...]:
@@ -198,6 +210,7 @@ def simulate(schedule: Schedule, costs: Costs | None = None, *, iterations: int 
         bubble_fraction=idle / (len(rows) * makespan) if makespan > 0 else 0.0,
         busy=tuple(busy),
         peak_inflight=peak_inflight(schedule),
+        peak_bytes=peak_bytes(schedule, costs.memory),
         timeline=tuple(sorted(timeline, key=lambda t: (t[2], t[0]))),
         iteration_ends=tuple(iteration_ends),
     )

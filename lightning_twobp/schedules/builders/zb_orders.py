@@ -43,13 +43,17 @@ from __future__ import annotations
 
 from ..ir import Action, Schedule
 from ..placement import place
+from .v_orders import V_SCHEDULES, v_order
 
 __all__ = ["paper_order"]
 
 
 def paper_order(name: str, num_ranks: int, num_microbatches: int) -> Schedule:
-    """The paper's fixed order for ``zb-h1``, ``zb-h2`` (``num_ranks`` stages) or ``zb-v`` (``2 num_ranks``)."""
+    """The paper's fixed order for ``zb-h1``, ``zb-h2`` (``num_ranks`` stages) or ``zb-v`` (``2 num_ranks``);
+    ``v-half`` and ``v-min`` are the follow-up paper's (:mod:`.v_orders`)."""
     p, m = num_ranks, num_microbatches
+    if name in V_SCHEDULES:
+        return v_order(name, p, m)
     if name == "zb-v":
         rows = tuple(_v_row(p, m, r) for r in range(p))
         num_stages = 2 * p
