@@ -215,7 +215,7 @@ def plan(cfg: DictConfig, recipe: str = "") -> Plan:
         raise ValueError(f"{world} devices cannot be split into pipelines of {p}: use a divisor of {world}")
     name = st.schedule
     spr = int(st.get("stages_per_rank") or default_stages_per_rank(name))
-    m = int(st.get("num_microbatches") or default_num_microbatches(p))
+    m = int(st.get("num_microbatches") or default_num_microbatches(p, name))
     split = bool(st.get("split_backward", True))
     num_stages = p * spr
     schedule = build_schedule(name, num_stages, m, stages_per_rank=spr, split_backward=split)
