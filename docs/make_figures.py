@@ -9,6 +9,9 @@ communication cost), and writes
 * ``docs/img/<key>.png``: the timeline (10 x 2.6 inches at 100 dpi), and for the Zero Bubble
   schedules ``docs/img/<key>-overlapped.png``: two iterations back to back;
 * ``docs/img/schedules_table.md``: one row per schedule;
+* ``docs/img/memory.png``: what rank 0 holds over one iteration, for 1F1B, 1F1B + 2BP (uncapped and
+  capped), ZB-H1, V-Half and V-Min; and the bubble-vs-memory table (KEY ``memory-table``) at m = 8 and
+  16, unit and measured-like costs;
 * the blocks of ``docs/schedules.md`` between ``<!-- generated:KEY -->`` and
   ``<!-- /generated:KEY -->``: the table (KEY ``table``) and each section's numbers,
   so the prose never carries a number the code did not produce.
@@ -27,6 +30,7 @@ from lightning_twobp.schedules import (
     SimResult,
     build_schedule,
     lower_communication,
+    memory_levels,
     peak_activations,
     simulate,
 )
@@ -49,11 +53,12 @@ class Entry:
     stages_per_rank: int = 1
     split: bool = True
     microbatches: int = MICROBATCHES
+    max_pending_w: int | None = None
 
-    def build(self) -> Schedule:
-        return build_schedule(self.name, RANKS * self.stages_per_rank, self.microbatches,
+    def build(self, costs: Costs = COSTS, microbatches: int | None = None) -> Schedule:
+        return build_schedule(self.name, RANKS * self.stages_per_rank, microbatches or self.microbatches,
                               stages_per_rank=self.stages_per_rank, split_backward=self.split,
-                              costs=COSTS)
+                              costs=costs, max_pending_w=self.max_pending_w)
 
 
 ENTRIES = (
@@ -70,7 +75,22 @@ ENTRIES = (
     Entry("zb-h1", "ZB-H1", "zb-h1"),
     Entry("zb-h2", "ZB-H2", "zb-h2"),
     Entry("zb-v", "ZB-V", "zb-v", stages_per_rank=2),
+    Entry("v-half", "V-Half", "v-half", stages_per_rank=2),
+    Entry("v-min", "V-Min", "v-min", stages_per_rank=2),
 )
+
+# Measured-like costs per full stage, from the tiny LLaMa's measured 2-rank run (docs/benchmarks.md,
+# "Measured costs per stage", in units of F): stage 0 takes token ids, so its B is the whole backward
+# (317 / 162 ms) and its W empty; the other stages B = 187 / 174, W = 146 / 174. A V stage is half of one.
+MEASURED_FIRST = (1.0, 1.96, 0.0)
+MEASURED_REST = (1.0, 1.07, 0.84)
+MEMORY_MS = (8, 16)  # the bubble-vs-memory table's micro-batch counts
+
+
+def measured_costs(num_stages: int, stages_per_rank: int) -> Costs:
+    """The measured-like costs above for ``num_stages`` stages, each ``1 / stages_per_rank`` of a full one."""
+    per = [MEASURED_FIRST if s == 0 else MEASURED_REST for s in range(num_stages)]
+    return Costs(*([c[k] / stages_per_rank for c in per] for k in range(3)))
 
 
 def floor(result: SimResult) -> float:
@@ -97,6 +117,10 @@ def paper_bubble(entry: Entry, m: int) -> tuple[str, float | None]:
         return f"idle (p-1)(F+B-W) = {idle:g}: {value:.1%}", value
     if entry.name in ("zb-h2", "zb-v"):
         return "0 (iterations overlap)", 0.0
+    if entry.name == "v-half":  # Qi et al., NeurIPS 2024: no closed form, a ratio to 1F1B's
+        return "about half of 1F1B's", None
+    if entry.name == "v-min":
+        return "comparable to 1F1B's", None
     return "—", None
 
 
@@ -138,7 +162,7 @@ def summary(entry: Entry, schedule: Schedule, result: SimResult) -> str:
     text, value = paper_bubble(entry, schedule.num_microbatches)
     overlapped = steady(schedule)
     if value is None:
-        paper = "the 2BP paper gives no formula"
+        paper = "the 2BP paper gives no formula" if text == "—" else f"the paper gives no formula: {text}"
     elif value == 0.0:
         paper = (f"the paper's 0 needs overlapping iterations: {STEADY} back to back run at a period of "
                  f"{overlapped.period:g}, bubble {overlapped.steady_bubble:.1%}")
@@ -153,6 +177,60 @@ def summary(entry: Entry, schedule: Schedule, result: SimResult) -> str:
         f"Peak in-flight micro-batches per rank: {same(result.peak_inflight)} from F to the "
         f"last B/W, {same(peak_activations(schedule))} from F to B."
     )
+
+
+# ------------------------------------------------------------------ memory: the table and the picture
+def memory_entries() -> list[Entry]:
+    """1F1B, capped 1F1B + 2BP at k = 0..p and uncapped, the Zero Bubble family, V-Half and V-Min."""
+    capped = [Entry(f"1f1b-2bp-k{k}", f"1F1B + 2BP, k = {k}", "1f1b", max_pending_w=k) for k in range(RANKS + 1)]
+    by_key = {e.key: e for e in ENTRIES}
+    return [by_key["1f1b"], *capped, *(by_key[k] for k in ("1f1b-2bp", "zb-h1", "zb-h2", "zb-v", "v-half", "v-min"))]
+
+
+def memory_row(entry: Entry, m: int, measured: bool) -> str:
+    spr = entry.stages_per_rank
+    costs = measured_costs(RANKS * spr, spr) if measured else COSTS
+    schedule = entry.build(costs, m)
+    one, overlapped = simulate(schedule, costs), simulate(schedule, costs, iterations=STEADY)
+    fused = min(RANKS, m)  # fused 1F1B's peak: p full-stage micro-batches on rank 0
+    to_w, to_b = max(one.peak_inflight) / spr / fused, max(peak_activations(schedule)) / spr / fused
+    return (f"| {entry.label} | {m} | {'measured-like' if measured else 'unit'} | {one.makespan:.4g} "
+            f"| {one.bubble_fraction:.1%} | {overlapped.steady_bubble:.1%} | {to_w:.2f} | {to_b:.2f} |")
+
+
+def memory_table() -> str:
+    head = ("| schedule | m | costs | makespan | bubble | overlapped bubble | peak F→last W (× 1F1B) "
+            "| peak F→B (× 1F1B) |\n|---|---|---|---|---|---|---|---|\n")
+    rows = [memory_row(e, m, measured) for measured in (False, True) for m in MEMORY_MS for e in memory_entries()]
+    return head + "\n".join(rows) + "\n"
+
+
+def plot_memory(path: Path) -> None:
+    """Rank 0's micro-batches held from F to their last B/W over one simulated iteration (unit costs per
+    full stage: a V stage costs half), in fused 1F1B stages' micro-batches (a V pair is half of one)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = ("1f1b", "1f1b-2bp", "1f1b-2bp-k1", "zb-h1", "v-half", "v-min")
+    entries = {e.key: e for e in [*ENTRIES, *memory_entries()]}
+    fig, ax = plt.subplots(figsize=(10, 3.2), dpi=100)
+    for key in keys:
+        entry = entries[key]
+        half = 1.0 / entry.stages_per_rank  # a V stage is half a full one: half the time too
+        costs = Costs(f=half, b=half, w=half)
+        schedule = entry.build(costs)
+        ends = [end for rank, _, _, end in simulate(schedule, costs).timeline if rank == 0]
+        levels = [x / entry.stages_per_rank for x in memory_levels(schedule)[0]]
+        ax.step([0.0, *ends], [0.0, *levels], where="post", label=entry.label)
+    ax.set_xlabel("time (unit costs: F = B = W = 1 per full stage)")
+    ax.set_ylabel("held on rank 0 (stages' micro-batches)")
+    ax.set_title(f"What rank 0 holds from F to the last B/W, p = {RANKS}, m = {MICROBATCHES}")
+    ax.legend(fontsize=7, ncol=3)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
 
 
 def moved_receives(schedule: Schedule) -> int:
@@ -214,12 +292,16 @@ def main() -> None:
         if entry.name.startswith("zb-"):
             plot_schedule(schedule, COSTS, path=IMG / f"{entry.key}-overlapped.png", name=entry.label, iterations=2)
         rows.append((entry, schedule, result))
+    plot_memory(IMG / "memory.png")
+    memory = memory_table()
+    print(memory)
     text = table(rows)
     (IMG / "schedules_table.md").write_text(text)
     print(text)
     if DOC.exists():
         doc = fill(DOC.read_text(), "table", text)
         doc = fill(doc, "comm-example", comm_example())
+        doc = fill(doc, "memory-table", memory)
         for entry, schedule, result in rows:
             doc = fill(doc, entry.key, summary(entry, schedule, result))
         DOC.write_text(doc)

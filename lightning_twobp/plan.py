@@ -15,7 +15,7 @@ parameters), and each stage runs one micro-batch through the real split backward
   the Mamba scan) the graph stays until W, about ``M_act``. The first stage, fed token ids or images,
   runs its whole backward in B and holds nothing.
 
-Replaying the schedule's action order then gives each rank's peak: F adds ``M_act``, B trades it for
+Replaying the schedule's action order (:func:`~lightning_twobp.schedules.replay_memory`) then gives each rank's peak: F adds ``M_act``, B trades it for
 ``M_W``, W frees it (BW frees at once). This is the 2BP paper's memory cost made explicit: the same
 schedule with and without the split. Weights, gradients and optimizer state complete the total; the
 CUDA context, communication buffers, the allocator's fragmentation and temporary workspaces are not
@@ -38,7 +38,7 @@ from lightning_twobp.lightning.contract import SequentialContract, find_contract
 from lightning_twobp.lightning.layout import default_num_microbatches, default_stages_per_rank, schedule_label
 from lightning_twobp.engine import Stage
 from lightning_twobp.partition import partition
-from lightning_twobp.schedules import Schedule, build_schedule
+from lightning_twobp.schedules import MemoryCosts, Schedule, build_schedule, replay_memory, schedule_spec
 
 __all__ = ["RankPlan", "StagePlan", "main", "plan", "plan_recipe"]
 
@@ -88,6 +88,13 @@ class Plan:
     stages: list[StagePlan]
     ranks: list[RankPlan]
     notes: list[str]
+
+    def memory_costs(self) -> MemoryCosts:
+        """The plan's bytes per stage for the schedule model: ``simulate(schedule, Costs(memory=...))``
+        then reports each rank's planned total (``RankPlan.split["total_bytes"]``) as ``peak_bytes``."""
+        return MemoryCosts(activation=[sp.activation_bytes for sp in self.stages],
+                           held=[sp.held_bytes for sp in self.stages],
+                           fixed=[sp.weight_bytes + sp.grad_bytes + sp.optimizer_bytes for sp in self.stages])
 
 
 def _int_devices(cfg: DictConfig) -> int:
@@ -190,25 +197,10 @@ def _measure_stage(layers: nn.Sequential, x: torch.Tensor, first: bool, cache: d
 
 
 def _replay(schedule: Schedule, rank: int, act: dict[int, int], held: dict[int, int]) -> dict:
-    """Peak activation memory of ``rank`` over its action order."""
-    a = {s: 0 for s in act}
-    w = {s: 0 for s in act}
-    peak = peak_in_flight = 0
-    for op in schedule.actions[rank]:
-        s = op.stage
-        if op.kind == "F":
-            a[s] += 1
-        elif op.kind == "B":
-            a[s] -= 1
-            w[s] += 1
-        elif op.kind == "W":
-            w[s] -= len(op.microbatches)
-        elif op.kind == "BW":
-            a[s] -= 1
-        mem = sum(a[t] * act[t] + w[t] * held[t] for t in act)
-        peak = max(peak, mem)
-        peak_in_flight = max(peak_in_flight, sum(a.values()) + sum(w.values()))
-    return {"in_flight": peak_in_flight, "activation_bytes": peak}
+    """Peak activation memory of ``rank`` over its action order (``act`` and ``held`` cover its stages)."""
+    count = replay_memory(schedule).per_rank[rank]
+    peak = replay_memory(schedule, lambda s, _: act.get(s, 0), lambda s, _: held.get(s, 0)).per_rank[rank]
+    return {"in_flight": count, "activation_bytes": peak}
 
 
 def plan(cfg: DictConfig, recipe: str = "") -> Plan:
@@ -223,16 +215,13 @@ def plan(cfg: DictConfig, recipe: str = "") -> Plan:
         raise ValueError(f"{world} devices cannot be split into pipelines of {p}: use a divisor of {world}")
     name = st.schedule
     spr = int(st.get("stages_per_rank") or default_stages_per_rank(name))
-    m = int(st.get("num_microbatches") or default_num_microbatches(p))
+    m = int(st.get("num_microbatches") or default_num_microbatches(p, name))
     split = bool(st.get("split_backward", True))
     num_stages = p * spr
     schedule = build_schedule(name, num_stages, m, stages_per_rank=spr, split_backward=split)
-    if name.startswith("zb"):  # zero-bubble schedules only exist split: compare with 1F1B's layout
-        fused_name = "interleaved-1f1b" if spr == 2 else "1f1b"
-        fused = build_schedule(fused_name, num_stages, m, stages_per_rank=spr, split_backward=False)
-    else:
-        fused_name = name
-        fused = build_schedule(name, num_stages, m, stages_per_rank=spr, split_backward=False)
+    # a split-only schedule is compared with its spec's fused baseline at the same stage count
+    fused_name = schedule_spec(name).fused_baseline or name
+    fused = build_schedule(fused_name, num_stages, m, stages_per_rank=spr, split_backward=False)
     batch = int(cfg.data.batch_size)
     if batch % m:
         raise ValueError(f"batch size {batch} does not split into {m} micro-batches: set data.batch_size to a multiple of {m}")

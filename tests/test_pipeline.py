@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from lightning_twobp.engine import PipelineExecutor
 from lightning_twobp.models.llama import LlamaConfig, build_llama
 from lightning_twobp.partition import even_sizes, split_sequential
-from lightning_twobp.schedules import build_schedule
+from lightning_twobp.schedules import build_schedule, schedule_spec
 from lightning_twobp.testing import run_distributed
 
 pytestmark = pytest.mark.dist
@@ -33,7 +33,7 @@ def configs(name: str, p: int) -> list[tuple[int, int, bool]]:
     """(stages per rank, micro-batches, split) that the schedule allows for p ranks."""
     odd = 3 if p == 2 else 5
     ms = [1, p, 2 * p, odd]
-    splits = [True] if name.startswith("zb") else [True, False]
+    splits = [True] if schedule_spec(name).split_only else [True, False]
     out = []
     for split in splits:
         if name in ("1f1b", "zb-h1", "zb-h2"):
@@ -42,7 +42,7 @@ def configs(name: str, p: int) -> list[tuple[int, int, bool]]:
             out += [(spr, m, split) for spr in (1, 2) for m in ms]
         elif name == "interleaved-1f1b":
             out += [(1, m, split) for m in (1, odd)] + [(2, m, split) for m in (p, 2 * p, 3 * p)]
-        elif name == "zb-v":
+        elif name in ("zb-v", "v-half", "v-min"):
             out += [(2, m, split) for m in ms]
     return out
 
@@ -85,7 +85,7 @@ def _check_schedule(rank: int, world: int, name: str) -> list[str]:
 
 
 @pytest.mark.parametrize("p", [2, 4])
-@pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "zb-v"])
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "zb-v", "v-half", "v-min"])
 def test_schedule_matches_single_process(name, p):
     results = run_distributed(_check_schedule, p, name, timeout=240)
     failures = [f for per_rank in results for f in per_rank]

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from lightning_twobp.engine import PipelineExecutor
 from lightning_twobp.plan import format_plan, plan_recipe
-from lightning_twobp.schedules import build_schedule
+from lightning_twobp.schedules import Costs, build_schedule, simulate
 
 
 def _ce(logits, target):
@@ -48,6 +48,13 @@ def test_the_7b_plan_counts_and_fits():
     assert p.ranks[-1].split["in_flight"] == 4
     # the first stage (token ids in) runs its whole backward in B: nothing waits for W
     assert p.stages[0].held_bytes == 0 and all(s.held_bytes > 0 for s in p.stages[1:])
+
+
+def test_the_plans_bytes_are_the_schedule_models():
+    p = plan_recipe(["schedule=zb-h1", "trainer.devices=2"])
+    schedule = build_schedule("zb-h1", 2, p.num_microbatches)
+    peaks = simulate(schedule, Costs(memory=p.memory_costs())).peak_bytes
+    assert list(peaks) == [r.split["total_bytes"] for r in p.ranks]
 
 
 def test_gpipe_holds_every_microbatch_and_zb_h1_bounds_it():

@@ -20,6 +20,7 @@ from lightning_twobp.schedules import (
     Schedule,
     build_schedule,
     check_comm_deadlock,
+    default_stages_per_rank,
     check_comm_order,
     lower_communication,
     simulate,
@@ -252,7 +253,7 @@ def test_zb_reaches_the_floor_from_m_equals_2p(name):
 @pytest.mark.parametrize("costs", [Costs(), Costs(f=1, b=2, w=1), Costs(f=2, b=1, w=0.5)])
 def test_no_schedule_beats_the_floor(costs):
     for name in SCHEDULES:
-        spr = 2 if name == "zb-v" else 1
+        spr = default_stages_per_rank(name) if name != "interleaved-1f1b" else 1  # m = 1, 3 below
         for split in (True, False) if name in ("gpipe", "1f1b") else (True,):
             for p in (1, 2, 4):
                 for m in (1, 3, 8):
@@ -536,7 +537,7 @@ def test_package_imports_no_torch():
 def test_grad_reduce_follows_each_stages_last_weight_gradient(name, p):
     from lightning_twobp.schedules import GradReduce, add_grad_reduce, lower_communication
 
-    spr = 2 if name in ("zb-v", "interleaved-1f1b") else 1
+    spr = default_stages_per_rank(name)
     sched = build_schedule(name, p * spr, 2 * p, stages_per_rank=spr)
     lowered = lower_communication(sched)
     for rank, row in enumerate(add_grad_reduce(lowered, sched)):

@@ -16,6 +16,7 @@ from lightning_twobp.schedules import (
     check_comm_deadlock,
     check_comm_order,
     lower_communication,
+    schedule_spec,
     simulate,
 )
 from lightning_twobp.schedules import peak_activations
@@ -26,9 +27,9 @@ def expected_refusal(name: str, ranks: int, m: int, spr: int, split: bool) -> st
     """The message fragment build_schedule must raise with, or None if it must build."""
     if name in ("1f1b", "zb-h1", "zb-h2") and spr != 1:
         return "runs one stage per rank"
-    if name == "zb-v" and spr != 2:
-        return "zb-v needs stages_per_rank=2"
-    if name.startswith("zb-") and not split:
+    if name in ("zb-v", "v-half", "v-min") and spr != 2:
+        return f"{name} needs stages_per_rank=2"
+    if schedule_spec(name).split_only and not split:
         return "split by definition"
     if name == "interleaved-1f1b" and spr > 1 and m % ranks:
         return f"multiple of {ranks}"
@@ -71,7 +72,7 @@ def test_build_simulate_lower(name, ranks, m, spr, split):
     assert sum(result.busy) == 3 * ranks * spr * m
     assert result.makespan >= max(result.busy) + (ranks - 1)
     assert 0 <= result.bubble_fraction < 1
-    if name.startswith("zb-"):
+    if schedule_spec(name).split_only:
         _assert_memory_limits(s, result, name, ranks)
     lowered = _assert_comm_ok(s)
     # Lowering only adds communication; compute order is untouched.
@@ -88,14 +89,14 @@ costs_strategy = st.builds(
 
 
 @given(
-    name=st.sampled_from(["zb-h1", "zb-h2", "zb-v"]),
+    name=st.sampled_from(["zb-h1", "zb-h2", "zb-v", "v-half", "v-min"]),
     ranks=st.integers(1, 6),
     m=st.integers(1, 16),
     costs=costs_strategy,
 )
 @settings(max_examples=60, deadline=None)
 def test_greedy_terminates_at_any_costs(name, ranks, m, costs):
-    spr = 2 if name == "zb-v" else 1
+    spr = schedule_spec(name).default_stages_per_rank
     s = build_schedule(name, ranks * spr, m, stages_per_rank=spr, costs=costs)
     result = simulate(s, costs)
     assert result.makespan >= max(result.busy) + (ranks - 1) * costs.f - 1e-9

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from lightning_twobp.bench.workload import WORLD, Workload, keep_freed_memory, loss_fn
 from lightning_twobp.engine import PipelineExecutor
 from lightning_twobp.monitor import op_medians
-from lightning_twobp.schedules import Costs, build_schedule, schedule_label, simulate
+from lightning_twobp.schedules import Costs, build_schedule, schedule_label, schedule_spec, simulate
 from lightning_twobp.testing import run_distributed
 
 
@@ -41,10 +41,10 @@ class Config:
 
 def configs(m: int) -> list[Config]:
     out = []
-    for name, spr in (("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2)):
-        for split in (False, True):
-            out.append(Config(name, split, WORLD * spr, m, spr))
-    out += [Config("zb-h1", True, WORLD, m), Config("zb-h2", True, WORLD, m), Config("zb-v", True, 2 * WORLD, m, 2)]
+    for name in ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "zb-v"):
+        spec = schedule_spec(name)
+        spr = spec.default_stages_per_rank
+        out += [Config(name, split, WORLD * spr, m, spr) for split in ((True,) if spec.split_only else (False, True))]
     # The 2BP paper's 1F1B-1 (m = p) and 1F1B-2 (m = 2p) settings.
     for mm in (WORLD, 2 * WORLD):
         out += [Config("1f1b", False, WORLD, mm), Config("1f1b", True, WORLD, mm)]

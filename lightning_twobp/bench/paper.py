@@ -55,7 +55,7 @@ from lightning_twobp.engine import PipelineExecutor
 from lightning_twobp.engine.stage import Stage
 from lightning_twobp.monitor import measured_costs
 from lightning_twobp.partition import split_sequential
-from lightning_twobp.schedules import Costs, Schedule, build_schedule, simulate
+from lightning_twobp.schedules import Costs, Schedule, build_schedule, default_stages_per_rank, replay_memory, simulate
 from lightning_twobp.testing import run_distributed
 
 __all__ = ["LayerCosts", "PaperModel", "Row", "markdown", "models", "peak_held_bytes", "rows", "run_paper", "scaling",
@@ -132,7 +132,7 @@ class Row:
 
     @property
     def stages_per_rank(self) -> int:
-        return 2 if self.schedule == "zb-v" else 1
+        return default_stages_per_rank(self.schedule) if self.side == "ours" else 1
 
     def num_stages(self, p: int = WORLD) -> int:
         return p * self.stages_per_rank
@@ -169,26 +169,9 @@ def peak_held_bytes(schedule: Schedule, held: dict[tuple[int, int], int],
     ``held[(stage, mb)]`` is what micro-batch ``mb``'s F saves on ``stage``; it is held until the
     micro-batch's last backward action on that stage (its W, or BW), or until its B on the stages in
     ``frees_at_b`` (a stage whose input takes no gradient runs its whole backward in B)."""
-    per_rank, per_stage = [], {s: 0 for s in range(schedule.num_stages)}
-    for row in schedule.actions:
-        last: dict[tuple[int, int], int] = {}
-        for i, a in enumerate(row):
-            if a.kind != "F" and not (a.kind == "W" and a.stage in frees_at_b):
-                for mb in a.microbatches:
-                    last[(a.stage, mb)] = i
-        now: dict[int, int] = {}
-        peak = 0
-        for i, a in enumerate(row):
-            for mb in a.microbatches:
-                if a.kind == "F":
-                    now[a.stage] = now.get(a.stage, 0) + held[(a.stage, mb)]
-                elif last.get((a.stage, mb)) == i:
-                    now[a.stage] -= held[(a.stage, mb)]
-            if a.kind == "F":
-                per_stage[a.stage] = max(per_stage[a.stage], now[a.stage])
-                peak = max(peak, sum(now.values()))
-        per_rank.append(peak)
-    return tuple(per_rank), per_stage
+    after_b = {k: 0 if k[0] in frees_at_b else v for k, v in held.items()}
+    peaks = replay_memory(schedule, held, after_b)
+    return peaks.per_rank, dict(enumerate(peaks.per_stage))
 
 
 # ---------------------------------------------------------------------------------------------- RQ3: scaling

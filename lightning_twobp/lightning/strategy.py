@@ -52,7 +52,7 @@ from lightning_twobp.lightning.profile import profile_layers
 from lightning_twobp.lightning.logs import LogChannel
 from lightning_twobp.lightning.step import Logs, StepRunner, check_batch_size, check_batches, share_logs, step_means
 from lightning_twobp.partition import partition
-from lightning_twobp.schedules import SCHEDULES, Schedule, build_schedule, check_split
+from lightning_twobp.schedules import SCHEDULES, Schedule, build_schedule, check_split, schedule_spec
 
 log = logging.getLogger(__name__)
 
@@ -595,7 +595,7 @@ class TwoBPStrategy(DDPStrategy):
         if check is None:
             overlap = self.post_validation
             if overlap is None:
-                overlap = self.schedule_name in ("zb-h2", "zb-v") and not fp16
+                overlap = schedule_spec(self.schedule_name).overlaps and not fp16
             # A copy to put back is needed to redo a clipped step or skip a non-finite one; stopping
             # on a non-finite step needs none (no memory, no copying every step).
             rollback = max_norm is not None or self.on_nonfinite == "skip"

@@ -1,13 +1,15 @@
-"""Which schedules exist, where their stages live, and their defaults: the layout rules in one place.
+"""Where a schedule's stages live, and whether ``(name, stages, stages per rank, micro-batches)`` makes sense.
 
-Everything that decides whether ``(name, num_stages, stages_per_rank, num_microbatches)`` makes sense
-is here, so that the builders, the strategy and the planner apply the same rules and give the same
-errors: :func:`check_layout` raises a ``ValueError`` that says what would work.
+Each function reads the schedule's :class:`~.spec.ScheduleSpec`, so the builders, the strategy and
+the planner apply the same rules and give the same errors: :func:`check_layout` raises a
+``ValueError`` that says what would work. The schedule-specific rules are the small ``check_*``
+functions below, which specs list in their ``checks``.
 """
 
 from __future__ import annotations
 
 from .ir import is_index
+from .spec import PLACEMENTS, SCHEDULES, schedule_spec
 
 __all__ = [
     "SCHEDULES",
@@ -15,37 +17,33 @@ __all__ = [
     "check_split",
     "default_num_microbatches",
     "default_stages_per_rank",
+    "place",
     "schedule_label",
     "stage_to_rank",
 ]
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "zb-v")
-
-# Zero Bubble schedules exist only with B and W as separate actions.
-SPLIT_ONLY = ("zb-h1", "zb-h2", "zb-v")
-# Schedules with exactly one stage per rank.
-_ONE_STAGE = ("1f1b", "zb-h1", "zb-h2")
-
 
 def default_stages_per_rank(name: str) -> int:
     """2 for the schedules built around several stages per rank (the V, interleaved 1F1B), else 1."""
-    return 2 if name in ("zb-v", "interleaved-1f1b") else 1
+    return schedule_spec(name).default_stages_per_rank
 
 
-def default_num_microbatches(num_ranks: int) -> int:
-    """``2p``: the 2BP paper's 1F1B-2 and the smallest count at which ZB-H2 and ZB-V reach zero bubble."""
-    return 2 * num_ranks
+def default_num_microbatches(num_ranks: int, name: str | None = None) -> int:
+    """The schedule's default ``m``; ``2p`` for every built-in one: the 2BP paper's 1F1B-2 and the smallest
+    count at which ZB-H2 and ZB-V reach zero bubble."""
+    return 2 * num_ranks if name is None else schedule_spec(name).default_num_microbatches(num_ranks)
 
 
 def schedule_label(name: str, split_backward: bool) -> str:
     """The short name of a schedule as the docs and benchmarks write it: ``"1f1b+2BP"`` for 2BP's split
     of a schedule that also has a fused form, the bare name otherwise (``"zb-h1"`` is split by definition)."""
-    return f"{name}+2BP" if split_backward and name not in SPLIT_ONLY else name
+    split_only = name in SCHEDULES and schedule_spec(name).split_only
+    return f"{name}+2BP" if split_backward and not split_only else name
 
 
 def check_split(name: str, split_backward: bool) -> None:
-    """Raise ``ValueError`` for a Zero Bubble schedule without the split (it has no fused form)."""
-    if name in SPLIT_ONLY and not split_backward:
+    """Raise ``ValueError`` for a split-only schedule without the split (it has no fused form)."""
+    if schedule_spec(name).split_only and not split_backward:
         raise ValueError(
             f"{name} is split by definition (its backward is separate B and W actions); got "
             f"split_backward=False: use '1f1b' or 'gpipe' for a fused backward"
@@ -55,8 +53,7 @@ def check_split(name: str, split_backward: bool) -> None:
 def check_layout(name: str, num_stages: int, stages_per_rank: int, num_microbatches: int | None = None) -> int:
     """Check a schedule name, its stage counts and (when given) its micro-batch count; return the
     number of ranks ``p = num_stages // stages_per_rank``."""
-    if name not in SCHEDULES:
-        raise ValueError(f"unknown schedule {name!r}; choose one of {', '.join(SCHEDULES)}")
+    spec = schedule_spec(name)
     if not is_index(num_stages) or num_stages < 1:
         raise ValueError(f"num_stages must be an int >= 1, got {num_stages!r}")
     if not is_index(stages_per_rank) or stages_per_rank < 1:
@@ -67,53 +64,82 @@ def check_layout(name: str, num_stages: int, stages_per_rank: int, num_microbatc
             f"use {num_stages - num_stages % stages_per_rank or stages_per_rank} or "
             f"{num_stages + stages_per_rank - num_stages % stages_per_rank} stages"
         )
-    ranks = num_stages // stages_per_rank
-    m = "m" if num_microbatches is None else num_microbatches
-    if name == "1f1b" and stages_per_rank != 1:
-        raise ValueError(
-            f"1f1b runs one stage per rank; got stages_per_rank={stages_per_rank}: use "
-            f"build_schedule('interleaved-1f1b', {num_stages}, {m}, "
-            f"stages_per_rank={stages_per_rank}) or stages_per_rank=1"
-        )
-    if name in ("zb-h1", "zb-h2") and stages_per_rank != 1:
-        raise ValueError(
-            f"{name} runs one stage per rank; got stages_per_rank={stages_per_rank}: use "
-            f"stages_per_rank=1, or build_schedule('zb-v', {2 * ranks}, {m}, "
-            f"stages_per_rank=2) for a V over {ranks} ranks"
-        )
-    if name == "zb-v" and stages_per_rank != 2:
-        raise ValueError(
-            f"zb-v needs stages_per_rank=2 (a V of 2 stages per rank); got {stages_per_rank}: "
-            f"use build_schedule('zb-v', {2 * ranks}, {m}, stages_per_rank=2) for {ranks} ranks"
-        )
-    if num_microbatches is None:
-        return ranks
-    if not is_index(num_microbatches) or num_microbatches < 1:
+    for check in spec.checks:
+        check(name, num_stages, stages_per_rank, num_microbatches)
+    if spec.stages_per_rank is not None and stages_per_rank not in spec.stages_per_rank:
+        raise ValueError(f"{name} runs {' or '.join(map(str, spec.stages_per_rank))} stages per rank; got "
+                         f"stages_per_rank={stages_per_rank}")
+    if num_microbatches is not None and (not is_index(num_microbatches) or num_microbatches < 1):
         raise ValueError(f"num_microbatches must be an int >= 1, got {num_microbatches!r}")
-    if name == "interleaved-1f1b" and stages_per_rank > 1 and num_microbatches % ranks:
-        start = max(ranks, (num_microbatches // ranks) * ranks)
-        options = [start, start + ranks, start + 2 * ranks]
-        raise ValueError(
-            f"interleaved-1f1b with {stages_per_rank} stages per rank on {ranks} ranks needs "
-            f"a micro-batch count that is a multiple of {ranks}: use {options[0]}, "
-            f"{options[1]} or {options[2]} (got {num_microbatches})"
-        )
-    return ranks
+    return num_stages // stages_per_rank
+
+
+def place(placement: str, num_stages: int, stages_per_rank: int = 1) -> tuple[int, ...]:
+    """Stage-to-rank map of a placement (:data:`~.spec.PLACEMENTS`) over ``p = num_stages // stages_per_rank``
+    ranks: "one" and "loop" put stage ``s`` on rank ``s % p`` (so every rank holds stages ``r, r + p, ...``),
+    "v" puts ``s`` on ``s`` for ``s < p`` and on ``2p - 1 - s`` after (Qi et al., ZB-V: the forward goes
+    down the ranks and back up, rank 0 holds the first and the last stage)."""
+    if placement not in PLACEMENTS:
+        raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
+    ranks = num_stages // stages_per_rank
+    if placement == "v":
+        if stages_per_rank != 2:
+            raise ValueError(f"the V placement holds 2 stages per rank, got {stages_per_rank}")
+        return tuple(s if s < ranks else 2 * ranks - 1 - s for s in range(num_stages))
+    return tuple(s % ranks for s in range(num_stages))
 
 
 def stage_to_rank(name: str, num_stages: int, stages_per_rank: int = 1) -> tuple[int, ...]:
-    """The stage-to-rank placement a schedule uses; ``num_stages`` counts all stages.
+    """The stage-to-rank placement schedule ``name`` uses; ``num_stages`` counts all stages."""
+    check_layout(name, num_stages, stages_per_rank)
+    return place(schedule_spec(name).placement, num_stages, stages_per_rank)
 
-    With ``p = num_stages // stages_per_rank`` ranks:
 
-    * one stage per rank: stage ``s`` on rank ``s``;
-    * "loop" (GPipe / Megatron interleaved, ``v = stages_per_rank`` chunks): ``s -> s % p``,
-      so every rank holds stages ``r, r + p, r + 2p, ...``;
-    * "V" (``zb-v``, exactly two stages per rank): ``s -> s`` for ``s < p`` and
-      ``2p - 1 - s`` after, so rank 0 holds the first and the last stage and the
-      forward pass goes down the ranks and back up (Qi et al., ZB-V).
-    """
-    ranks = check_layout(name, num_stages, stages_per_rank)
-    if name == "zb-v":
-        return tuple(s if s < ranks else 2 * ranks - 1 - s for s in range(num_stages))
-    return tuple(s % ranks for s in range(num_stages))
+# ------------------------------------------------------------------ rules that specs list in `checks`
+def check_one_stage_or_interleaved(name: str, num_stages: int, stages_per_rank: int, m: int | None) -> None:
+    """1F1B: one stage per rank; several is Megatron's interleaved 1F1B."""
+    if stages_per_rank != 1:
+        raise ValueError(
+            f"{name} runs one stage per rank; got stages_per_rank={stages_per_rank}: use "
+            f"build_schedule('interleaved-1f1b', {num_stages}, {_m(m)}, "
+            f"stages_per_rank={stages_per_rank}) or stages_per_rank=1"
+        )
+
+
+def check_one_stage_or_v(name: str, num_stages: int, stages_per_rank: int, m: int | None) -> None:
+    """ZB-H1 / ZB-H2: one stage per rank; two is the V."""
+    if stages_per_rank != 1:
+        ranks = num_stages // stages_per_rank
+        raise ValueError(
+            f"{name} runs one stage per rank; got stages_per_rank={stages_per_rank}: use "
+            f"stages_per_rank=1, or build_schedule('zb-v', {2 * ranks}, {_m(m)}, "
+            f"stages_per_rank=2) for a V over {ranks} ranks"
+        )
+
+
+def check_two_stages_v(name: str, num_stages: int, stages_per_rank: int, m: int | None) -> None:
+    """The V schedules (ZB-V, V-Half, V-Min): exactly two stages per rank."""
+    if stages_per_rank != 2:
+        ranks = num_stages // stages_per_rank
+        raise ValueError(
+            f"{name} needs stages_per_rank=2 (a V of 2 stages per rank); got {stages_per_rank}: "
+            f"use build_schedule('{name}', {2 * ranks}, {_m(m)}, stages_per_rank=2) for {ranks} ranks"
+        )
+
+
+def check_interleaved_microbatches(name: str, num_stages: int, stages_per_rank: int, m: int | None) -> None:
+    """Interleaved 1F1B's groups of p micro-batches: with several stages per rank, m is a multiple of p."""
+    ranks = num_stages // stages_per_rank
+    if m is None or stages_per_rank == 1 or not is_index(m) or m < 1 or m % ranks == 0:
+        return
+    start = max(ranks, (m // ranks) * ranks)
+    options = [start, start + ranks, start + 2 * ranks]
+    raise ValueError(
+        f"{name} with {stages_per_rank} stages per rank on {ranks} ranks needs "
+        f"a micro-batch count that is a multiple of {ranks}: use {options[0]}, "
+        f"{options[1]} or {options[2]} (got {m})"
+    )
+
+
+def _m(m: int | None) -> int | str:
+    return "m" if m is None else m

@@ -29,9 +29,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from .ir import Action, DeadlockError, Schedule, format_grid
+from .memory import MemoryCosts, peak_bytes, peak_inflight
+from .per_stage import PerStage, check_stage_count, stage_value, store_per_stage
 
 
-Cost = float | Sequence[float]
+Cost = PerStage
 
 
 @dataclass(frozen=True)
@@ -40,44 +42,36 @@ class Costs:
 
     ``comm`` is added to a dependency that crosses ranks.  Defaults are the unit
     costs of the Zero Bubble paper's handcrafted analysis (T_F = T_B = T_W).
+    ``memory`` gives the bytes per stage (:class:`~.memory.MemoryCosts`: F to B, B to W,
+    fixed); its unit default makes ``SimResult.peak_bytes`` the in-flight count.
     """
 
     f: Cost = 1.0
     b: Cost = 1.0
     w: Cost = 1.0
     comm: float = 0.0
+    memory: MemoryCosts = MemoryCosts()
 
     def __post_init__(self) -> None:
-        for name in ("f", "b", "w"):
-            value = getattr(self, name)
-            if isinstance(value, (int, float)):
-                values: tuple[float, ...] = (float(value),)
-            else:
-                values = tuple(float(v) for v in value)
-                if not values:
-                    raise ValueError(f"Costs.{name} needs at least one value")
-                # Stored as a tuple so that Costs stays hashable.
-                object.__setattr__(self, name, values)
-            if any(v < 0 for v in values):
-                raise ValueError(f"Costs.{name} must be >= 0, got {value!r}")
+        store_per_stage(self, "Costs", ("f", "b", "w"))
         if self.comm < 0:
             raise ValueError(f"Costs.comm must be >= 0, got {self.comm!r}")
 
     def check(self, num_stages: int) -> None:
         """Raise ValueError when a per-stage sequence does not have one value per stage."""
-        for name in ("f", "b", "w"):
-            value = getattr(self, name)
-            if isinstance(value, tuple) and len(value) != num_stages:
-                raise ValueError(
-                    f"Costs.{name} has {len(value)} values for {num_stages} stages"
-                )
+        check_stage_count(self, "Costs", ("f", "b", "w"), num_stages)
+        self.memory.check(num_stages)
+
+    @property
+    def times(self) -> tuple:
+        """The durations alone (what a builder's timing depends on), for comparing costs."""
+        return (self.f, self.b, self.w, self.comm)
 
     def of(self, kind: str, stage: int) -> float:
         """Duration of one micro-batch of ``kind`` on ``stage`` (BW = B + W)."""
         if kind == "BW":
             return self.of("B", stage) + self.of("W", stage)
-        value = {"F": self.f, "B": self.b, "W": self.w}[kind]
-        return value[stage] if isinstance(value, tuple) else value
+        return stage_value({"F": self.f, "B": self.b, "W": self.w}[kind], stage)
 
     def duration(self, action: Action) -> float:
         return self.of(action.kind, action.stage) * len(action.microbatches)
@@ -93,6 +87,8 @@ class SimResult:
     memory); ``timeline`` is ``(rank, action, start, end)`` sorted by start then rank.
     ``iteration_ends[i]`` is when the last rank finished iteration ``i``; with two or
     more iterations, :attr:`period` and :attr:`steady_bubble` describe the steady state.
+    ``peak_bytes[r]`` is rank ``r``'s fixed bytes plus the most its micro-batches hold at once
+    at ``Costs.memory`` (:mod:`.memory`; unit costs: ``peak_inflight``).
     """
 
     makespan: float
@@ -101,6 +97,7 @@ class SimResult:
     peak_inflight: tuple[int, ...]
     timeline: tuple[tuple[int, Action, float, float], ...] = field(repr=False)
     iteration_ends: tuple[float, ...] = ()
+    peak_bytes: tuple[float, ...] = ()
 
     @property
     def bubble_time(self) -> tuple[float, ...]:
@@ -212,28 +209,11 @@ def simulate(schedule: Schedule, costs: Costs | None = None, *, iterations: int 
         makespan=makespan,
         bubble_fraction=idle / (len(rows) * makespan) if makespan > 0 else 0.0,
         busy=tuple(busy),
-        peak_inflight=tuple(_peak_inflight(row) for row in rows),
+        peak_inflight=peak_inflight(schedule),
+        peak_bytes=peak_bytes(schedule, costs.memory),
         timeline=tuple(sorted(timeline, key=lambda t: (t[2], t[0]))),
         iteration_ends=tuple(iteration_ends),
     )
-
-
-def _peak_inflight(row: Sequence[Action]) -> int:
-    # A rank runs its actions one at a time, so walking its list in order visits
-    # acquisitions (F) and releases (last B/W/BW of a pair) in time order.
-    last: dict[tuple[int, int], int] = {}
-    for pos, action in enumerate(row):
-        if action.kind != "F":
-            for mb in action.microbatches:
-                last[(action.stage, mb)] = pos
-    held = peak = 0
-    for pos, action in enumerate(row):
-        if action.kind == "F":
-            held += 1
-            peak = max(peak, held)
-        else:
-            held -= sum(1 for mb in action.microbatches if last[(action.stage, mb)] == pos)
-    return peak
 
 
 def _deadlock_report(schedule: Schedule, pos: list[int], ends: dict) -> str:

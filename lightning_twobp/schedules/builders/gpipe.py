@@ -11,30 +11,29 @@ stages per rank the stages are placed on the "loop" map (stage s on rank s % p).
 from __future__ import annotations
 
 from ..ir import Action, Schedule
-from ..placement import stage_to_rank
+from ..spec import BuildRequest
 
 
-def gpipe(num_stages: int, num_microbatches: int, *, stages_per_rank: int = 1,
-          split_backward: bool = True) -> Schedule:
-    placement = stage_to_rank("gpipe", num_stages, stages_per_rank)
-    ranks = num_stages // stages_per_rank
-    mbs = range(num_microbatches)
-    backward = "B" if split_backward else "BW"
+def gpipe(req: BuildRequest) -> Schedule:
+    """All F, then all B (or BW), then one batched W per local stage; any placement."""
+    placement = req.stage_to_rank
+    mbs = range(req.num_microbatches)
+    backward = "B" if req.split_backward else "BW"
     rows = []
-    for rank in range(ranks):
-        local = [s for s in range(num_stages) if placement[s] == rank]
+    for rank in range(req.num_ranks):
+        local = [s for s in range(req.num_stages) if placement[s] == rank]
         row = [Action("F", s, m) for s in local for m in mbs]
         # Backward visits the local stages last-to-first: the gradient enters a rank
         # through its highest stage.
         row += [Action(backward, s, m) for s in reversed(local) for m in mbs]
-        if split_backward:
+        if req.split_backward:
             row += [Action("W", s, tuple(mbs)) for s in reversed(local)]
         rows.append(tuple(row))
     return Schedule(
-        name="gpipe",
-        num_stages=num_stages,
-        num_microbatches=num_microbatches,
+        name=req.name,
+        num_stages=req.num_stages,
+        num_microbatches=req.num_microbatches,
         stage_to_rank=placement,
         actions=tuple(rows),
-        split_backward=split_backward,
+        split_backward=req.split_backward,
     )

@@ -16,30 +16,21 @@ from __future__ import annotations
 from collections import deque
 
 from ..ir import Action, Schedule
-from ..placement import stage_to_rank
+from ..spec import BuildRequest
 
 
-def one_f_one_b(num_stages: int, num_microbatches: int, *, split_backward: bool = True,
-                name: str = "1f1b") -> Schedule:
+def one_f_one_b(req: BuildRequest) -> Schedule:
     """Plain 1F1B, one stage per rank; rank r warms up with ``min(p-1-r, m)`` forwards."""
-    ranks = num_stages
     rows = []
-    for rank in range(ranks):
-        order = [(rank, m) for m in range(num_microbatches)]
-        warmup = min(ranks - 1 - rank, num_microbatches)
-        rows.append(_row(order, order, warmup, split_backward))
-    return Schedule(
-        name=name,
-        num_stages=num_stages,
-        num_microbatches=num_microbatches,
-        stage_to_rank=stage_to_rank(name, num_stages, 1),
-        actions=tuple(rows),
-        split_backward=split_backward,
-    )
+    for rank in range(req.num_ranks):
+        local = [s for s, r in enumerate(req.stage_to_rank) if r == rank]
+        order = [(s, m) for s in local for m in range(req.num_microbatches)]
+        warmup = min(req.num_ranks - 1 - rank, req.num_microbatches)
+        rows.append(_row(order, order, warmup, req.split_backward))
+    return _schedule(req, rows)
 
 
-def interleaved_one_f_one_b(num_stages: int, num_microbatches: int, *,
-                            stages_per_rank: int, split_backward: bool = True) -> Schedule:
+def interleaved_one_f_one_b(req: BuildRequest) -> Schedule:
     """Megatron-LM's interleaved 1F1B (Narayanan et al., SC'21 §2.2) on the loop map.
 
     With ``v = stages_per_rank`` chunks, rank r holds stages ``r, r+p, ...``.  Virtual
@@ -48,13 +39,11 @@ def interleaved_one_f_one_b(num_stages: int, num_microbatches: int, *,
     Warm-up is ``(p-r-1)*2 + (v-1)*p`` steps, capped at ``m*v``.  Needs ``m % p == 0``
     (checked by the registry).  ``v == 1`` is exactly plain 1F1B.
     """
-    name = "interleaved-1f1b"
-    if stages_per_rank == 1:
-        return one_f_one_b(num_stages, num_microbatches, split_backward=split_backward,
-                           name=name)
-    v = stages_per_rank
-    ranks = num_stages // v
-    total = num_microbatches * v
+    if req.stages_per_rank == 1:
+        return one_f_one_b(req)
+    v = req.stages_per_rank
+    ranks = req.num_ranks
+    total = req.num_microbatches * v
 
     def order(rank: int, backward: bool) -> list[tuple[int, int]]:
         steps = []
@@ -69,15 +58,13 @@ def interleaved_one_f_one_b(num_stages: int, num_microbatches: int, *,
     rows = []
     for rank in range(ranks):
         warmup = min((ranks - rank - 1) * 2 + (v - 1) * ranks, total)
-        rows.append(_row(order(rank, False), order(rank, True), warmup, split_backward))
-    return Schedule(
-        name=name,
-        num_stages=num_stages,
-        num_microbatches=num_microbatches,
-        stage_to_rank=stage_to_rank(name, num_stages, v),
-        actions=tuple(rows),
-        split_backward=split_backward,
-    )
+        rows.append(_row(order(rank, False), order(rank, True), warmup, req.split_backward))
+    return _schedule(req, rows)
+
+
+def _schedule(req: BuildRequest, rows: list[tuple[Action, ...]]) -> Schedule:
+    return Schedule(name=req.name, num_stages=req.num_stages, num_microbatches=req.num_microbatches,
+                    stage_to_rank=req.stage_to_rank, actions=tuple(rows), split_backward=req.split_backward)
 
 
 def _row(forwards: list[tuple[int, int]], backwards: list[tuple[int, int]], warmup: int,

@@ -26,13 +26,15 @@ counts (stage, micro-batch) pairs
 The limits (:func:`memory_limits`, ``p`` ranks, rank ``r``) are those of the paper's own orders, so no
 greedy schedule holds more than the handcrafted one of its family:
 
-=========  ==================  ===================
-schedule   F->B (M_B) limit    F->W limit
-=========  ==================  ===================
-ZB-H1      ``p - r``           ``p``
-ZB-H2      ``2(p - r) - 1``    ``2p - 1``
-ZB-V       ``2p``              ``2p``
-=========  ==================  ===================
+=========  ====================  ====================
+schedule   F->B (M_B) limit      F->W limit
+=========  ====================  ====================
+ZB-H1      ``p - r``             ``p``
+ZB-H2      ``2(p - r) - 1``      ``2p - 1``
+ZB-V       ``2p``                ``2p``
+V-Half     ``2((p + 2) // 2)``   ``2((p + 2) // 2)``
+V-Min      ``2((p + 4) // 3)``   ``2((p + 4) // 3)``
+=========  ====================  ====================
 
 On the V a stage is half a 1F1B stage, so ``2p`` half-stage pairs are 1F1B's ``p``
 full ones.  An F of the first chunk also keeps one slot free for the second chunk
@@ -51,41 +53,45 @@ weights and biases, norm scales: every LLaMa block), B frees the autograd graph 
 only W's operands stay: each Linear's input and output gradient, each scale's
 normalised input. That is the paper's M_W, smaller than M_B. Otherwise the whole graph
 stays until W, and M_W equals M_B. ``simulate().peak_inflight`` reports the F-to-last-W
-count and :func:`peak_activations` the F-to-B one.
+count and :func:`~..memory.peak_activations` the F-to-B one.
 """
 
 from __future__ import annotations
 
 import heapq
 from collections import deque
+from collections.abc import Sequence
 
 from ..ir import Action, Schedule
-from ..placement import stage_to_rank
 from ..simulate import Costs
+from .v_orders import V_SCHEDULES, v_memory_bound
 
-__all__ = ["POLICIES", "greedy", "memory_limits", "peak_activations"]
+__all__ = ["POLICIES", "greedy", "memory_limits"]
 
 POLICIES = ("eager", "fit")
 
 
-def greedy(name: str, num_stages: int, num_microbatches: int, *, stages_per_rank: int, costs: Costs,
-           policy: str = "eager", b_tie_break: str = "later-stage") -> Schedule:
-    """One greedy ``zb-h1``, ``zb-h2`` (one stage per rank) or ``zb-v`` (V, two per rank) schedule."""
+def greedy(name: str, placement: tuple[int, ...], num_microbatches: int, *, costs: Costs,
+           policy: str = "eager", b_tie_break: str = "later-stage",
+           max_pending_w: Sequence[int] | None = None) -> Schedule:
+    """One greedy schedule of the Zero Bubble families (``zb-h1``, ``zb-h2``: one stage per rank;
+    ``zb-v``, ``v-half``, ``v-min``: the V) over the stage-to-rank map ``placement``, within the
+    family's memory limits and, with ``max_pending_w``, at most that many W waiting per stage before
+    each F or B (over it, the oldest waiting W of the stage runs first)."""
     if policy not in POLICIES:
         raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
-    costs.check(num_stages)
-    placement = stage_to_rank(name, num_stages, stages_per_rank)
-    limit_fb, limit_fw = memory_limits(name, num_stages // stages_per_rank)
+    costs.check(len(placement))
+    limit_fb, limit_fw = memory_limits(name, max(placement) + 1)
     rows = _GreedyScheduler(placement, num_microbatches, costs, limit_fb, limit_fw,
-                            later_stage_first=name == "zb-v", b_tie_break=b_tie_break,
-                            wait_for_b=policy == "fit").run()
-    return Schedule(name=name, num_stages=num_stages, num_microbatches=num_microbatches,
+                            later_stage_first=len(placement) > max(placement) + 1, b_tie_break=b_tie_break,
+                            wait_for_b=policy == "fit", max_pending_w=max_pending_w).run()
+    return Schedule(name=name, num_stages=len(placement), num_microbatches=num_microbatches,
                     stage_to_rank=placement, actions=rows, split_backward=True)
 
 
 def memory_limits(name: str, num_ranks: int) -> tuple[list[int], list[int]]:
-    """Per-rank ``(F->B limit, F->W limit)`` of ``zb-h1``, ``zb-h2`` or ``zb-v``: the counts the paper's
-    orders hold (see the module docstring)."""
+    """Per-rank ``(F->B limit, F->W limit)`` of ``zb-h1``, ``zb-h2``, ``zb-v``, ``v-half`` or ``v-min``:
+    the counts the papers' orders hold (see the module docstring)."""
     p = num_ranks
     if name == "zb-h1":
         return [p - r for r in range(p)], [p] * p
@@ -93,27 +99,9 @@ def memory_limits(name: str, num_ranks: int) -> tuple[list[int], list[int]]:
         return [2 * (p - r) - 1 for r in range(p)], [2 * p - 1] * p
     if name == "zb-v":
         return [2 * p] * p, [2 * p] * p
+    if name in V_SCHEDULES:  # the controllable-memory paper's V-Half and V-Min: F to W, both counts
+        return [v_memory_bound(name, p)] * p, [v_memory_bound(name, p)] * p
     raise ValueError(f"no zero-bubble memory limits for {name!r}")
-
-
-def peak_activations(schedule: Schedule) -> tuple[int, ...]:
-    """Per rank, the most (stage, micro-batch) pairs held between F and B (or BW) at once.
-
-    That is the paper's M_B count, the one the F->B limits bound; compare
-    ``simulate(schedule).peak_inflight``, which holds a pair until its last B/W,
-    the count that matters for this project's autograd split backward.
-    """
-    peaks = []
-    for row in schedule.actions:
-        held = peak = 0
-        for action in row:
-            if action.kind == "F":
-                held += 1
-                peak = max(peak, held)
-            elif action.is_backward:
-                held -= 1
-        peaks.append(peak)
-    return tuple(peaks)
 
 
 class _GreedyScheduler:
@@ -121,7 +109,8 @@ class _GreedyScheduler:
 
     def __init__(self, placement: tuple[int, ...], num_microbatches: int, costs: Costs,
                  limit_fb: list[int], limit_fw: list[int], later_stage_first: bool,
-                 b_tie_break: str = "later-stage", wait_for_b: bool = False) -> None:
+                 b_tie_break: str = "later-stage", wait_for_b: bool = False,
+                 max_pending_w: Sequence[int] | None = None) -> None:
         if any(fw < fb for fb, fw in zip(limit_fb, limit_fw)):
             # A full F->W count must leave a W to run, or the rank could stall.
             raise ValueError(f"F->W limits {limit_fw} below F->B limits {limit_fb}")
@@ -133,6 +122,7 @@ class _GreedyScheduler:
         self.limit_fw = limit_fw
         self.b_tie_break = b_tie_break
         self.wait_for_b = wait_for_b
+        self.max_pending_w = max_pending_w
         ranks = len(limit_fb)
         # Candidate stages in preference order.
         self.local = [
@@ -148,6 +138,7 @@ class _GreedyScheduler:
         self.next_f = [0] * self.num_stages
         self.b_todo: list[list[int]] = [[] for _ in range(self.num_stages)]
         self.w_todo: list[deque[tuple[int, int]]] = [deque() for _ in range(ranks)]
+        self.pending_w = [0] * self.num_stages  # per stage: B done, W not done
         self.activations = [0] * ranks  # F done, B not done
         self.inflight = [0] * ranks     # F done, W not done
         self.free = [0.0] * ranks
@@ -190,6 +181,9 @@ class _GreedyScheduler:
         return end + hop <= now
 
     def _pick(self, rank: int, now: float) -> Action | None:
+        forced = self._over_cap(rank)
+        if forced is not None:
+            return forced
         last = self.num_stages - 1
         ready_b = []
         for s in self.local[rank]:
@@ -226,6 +220,14 @@ class _GreedyScheduler:
             return w
         return None
 
+    def _over_cap(self, rank: int) -> Action | None:
+        """The oldest waiting W of a stage over its ``max_pending_w``: it runs before any F or B."""
+        if self.max_pending_w is not None:
+            for s, m in self.w_todo[rank]:  # oldest B first
+                if self.pending_w[s] > self.max_pending_w[s]:
+                    return Action("W", s, m)
+        return None
+
     def _next_b_arrival(self, rank: int) -> float | None:
         """When the earliest B of this rank whose gradient is already computed becomes ready."""
         last = self.num_stages - 1
@@ -254,9 +256,11 @@ class _GreedyScheduler:
             self.b_todo[s].remove(m)
             self.b_end[(s, m)] = end
             self.w_todo[rank].append((s, m))
+            self.pending_w[s] += 1
             self.activations[rank] -= 1
         else:
-            self.w_todo[rank].popleft()
+            self.w_todo[rank].remove((s, m))
+            self.pending_w[s] -= 1
             self.inflight[rank] -= 1
         self.free[rank] = end
         self.rows[rank].append(action)

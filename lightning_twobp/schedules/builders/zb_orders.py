@@ -42,14 +42,18 @@ Each rank holds at most ``2p`` (stage, micro-batch) pairs, each half a 1F1B stag
 from __future__ import annotations
 
 from ..ir import Action, Schedule
-from ..placement import stage_to_rank
+from ..placement import place
+from .v_orders import V_SCHEDULES, v_order
 
 __all__ = ["paper_order"]
 
 
 def paper_order(name: str, num_ranks: int, num_microbatches: int) -> Schedule:
-    """The paper's fixed order for ``zb-h1``, ``zb-h2`` (``num_ranks`` stages) or ``zb-v`` (``2 num_ranks``)."""
+    """The paper's fixed order for ``zb-h1``, ``zb-h2`` (``num_ranks`` stages) or ``zb-v`` (``2 num_ranks``);
+    ``v-half`` and ``v-min`` are the follow-up paper's (:mod:`.v_orders`)."""
     p, m = num_ranks, num_microbatches
+    if name in V_SCHEDULES:
+        return v_order(name, p, m)
     if name == "zb-v":
         rows = tuple(_v_row(p, m, r) for r in range(p))
         num_stages = 2 * p
@@ -59,9 +63,9 @@ def paper_order(name: str, num_ranks: int, num_microbatches: int) -> Schedule:
         num_stages = p
     else:
         raise ValueError(f"no paper order for {name!r}")
-    spr = num_stages // p
+    placement = place("v", num_stages, 2) if num_stages > p else place("one", num_stages)
     return Schedule(name=name, num_stages=num_stages, num_microbatches=m,
-                    stage_to_rank=stage_to_rank(name, num_stages, spr), actions=rows, split_backward=True)
+                    stage_to_rank=placement, actions=rows, split_backward=True)
 
 
 def _cycles(stage: int, m: int, d_b: int, d_w: int) -> tuple[Action, ...]:

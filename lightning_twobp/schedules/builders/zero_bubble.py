@@ -1,8 +1,10 @@
 """Zero Bubble schedules at the costs given: the paper's order, or a greedy one where it is faster.
 
-:func:`zero_bubble` builds candidates and keeps the fastest at ``costs``:
+The families: ZB-H1, ZB-H2 and ZB-V (Qi et al., ICLR 2024) and the V-shape schedules at controlled
+memory, V-Half and V-Min (Qi et al., NeurIPS 2024). :func:`zero_bubble` builds candidates and keeps
+the fastest at ``costs``:
 
-* the paper's handcrafted order (:mod:`.zb_orders`), made for ``T_F = T_B = T_W``;
+* the paper's handcrafted order (:mod:`.zb_orders`, :mod:`.v_orders`), made for ``T_F = T_B = T_W``;
 * greedy schedules (:mod:`.zb_greedy`) built at ``costs`` and at unit costs, with both W policies
   (``"eager"``, ``"fit"``) and, on the V, both B tie-breaks;
 * for ZB-H2, also ZB-H1's build at the same costs (it fits ZB-H2's looser memory limits), so ZB-H2
@@ -13,13 +15,17 @@ rank starts its next iteration after its own last W, see :func:`~..simulate.simu
 single iteration's makespan, then the order above (the paper's order wins ties). So building with
 measured costs can never give a schedule slower, at those costs, than the paper's order or the
 unit-cost build, and every candidate respects the family's memory limits (the paper order's counts).
+With ``max_pending_w`` every candidate is built (greedy) or capped (:func:`~..deferral.cap_pending_w`)
+under the cap, so the choice is the fastest capped schedule, never slower than the capped paper order.
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
 
+from ..deferral import cap_pending_w
 from ..ir import Schedule
+from ..spec import BuildRequest
 from ..simulate import Costs, simulate
 from .zb_greedy import POLICIES, greedy
 from .zb_orders import paper_order
@@ -37,23 +43,24 @@ def schedule_score(schedule: Schedule, costs: Costs) -> tuple[float, float]:
     return (round(period, 9), round(simulate(schedule, costs).makespan, 9))
 
 
-def zero_bubble(name: str, num_stages: int, num_microbatches: int, *,
-                stages_per_rank: int, costs: Costs | None = None) -> Schedule:
-    """Build ``zb-h1``, ``zb-h2`` (one stage per rank) or ``zb-v`` (V, two per rank)."""
-    target = costs or Costs()
-    target.check(num_stages)
-    candidates = [paper_order(name, num_stages // stages_per_rank, num_microbatches)]
-    tie_breaks = ("later-stage", "smallest-mb") if name == "zb-v" else ("later-stage",)
-    builds = [target] if target == Costs() else [target, Costs()]
+def zero_bubble(req: BuildRequest) -> Schedule:
+    """Build ``zb-h1``, ``zb-h2`` (one stage per rank), ``zb-v``, ``v-half`` or ``v-min`` (V, two per rank) at
+    ``req.costs``, under ``req.max_pending_w`` when given."""
+    target = req.costs
+    candidates = [paper_order(req.name, req.num_ranks, req.num_microbatches)]
+    if req.max_pending_w is not None:
+        candidates = [cap_pending_w(candidates[0], req.max_pending_w)]
+    tie_breaks = ("later-stage", "smallest-mb") if req.stages_per_rank == 2 else ("later-stage",)
+    builds = [target] if target.times == Costs().times else [target, Costs()]
     for at in builds:
         for policy in POLICIES:
             for tie_break in tie_breaks:
-                candidates.append(greedy(name, num_stages, num_microbatches, stages_per_rank=stages_per_rank,
-                                         costs=at, policy=policy, b_tie_break=tie_break))
-    if name == "zb-h2":
+                candidates.append(greedy(req.name, req.stage_to_rank, req.num_microbatches, costs=at,
+                                         policy=policy, b_tie_break=tie_break, max_pending_w=req.max_pending_w))
+    if req.name == "zb-h2":
         # ZB-H1's order holds fewer micro-batches than ZB-H2's limits allow, so it is a ZB-H2 schedule
         # too; where it is faster (W > B at m = p, iterations overlapped) ZB-H2 must not lose to it.
-        h1 = zero_bubble("zb-h1", num_stages, num_microbatches, stages_per_rank=stages_per_rank, costs=costs)
+        h1 = zero_bubble(replace(req, name="zb-h1"))
         candidates.append(replace(h1, name=candidates[0].name))
     scores = [schedule_score(c, target) for c in candidates]
     best = min(range(len(candidates)), key=lambda i: (scores[i], i))

@@ -1,0 +1,154 @@
+"""What a schedule holds: one replay of each rank's action order, in micro-batch counts or in bytes.
+
+A (stage, micro-batch) pair is allocated by its F and freed by its backward, in two steps when the
+backward is split (the Zero Bubble paper's accounting, Qi et al. ICLR 2024 §3.1; the 2BP paper's
+"intermediate derivatives", Rae et al. 2024 §5):
+
+* ``F``  adds ``activation(s, m)``: what the forward saves for the backward (the paper's M_B);
+* ``B``  trades it for ``held(s, m)``: what W still needs (the weight GEMMs' inputs and output
+  gradients, the paper's M_W), or the whole graph where a layer has no direct weight formula;
+* ``W``  frees ``held(s, m)`` (a batched W, for each of its micro-batches);
+* ``BW`` frees ``activation(s, m)`` at once.
+
+A rank runs its actions one at a time, so walking its list in order visits every allocation and
+release in time order: the peak over the walk is the rank's peak, whatever the costs. With
+``activation = held = 1`` the replay counts the pairs held from F to their last B/W/BW
+(``SimResult.peak_inflight``); with ``held = 0``, from F to B (:func:`peak_activations`, the count the
+paper states its budgets in). :class:`MemoryCosts` gives the bytes per stage; ``simulate`` adds each
+rank's fixed bytes (weights, gradients, optimizer state, receive buffers) to report its peak bytes:
+
+    peak_bytes[r] = sum_{s on r} fixed[s] + max_t sum_{s on r} (a_s(t) activation[s] + w_s(t) held[s])
+
+where ``a_s(t)`` counts stage s's micro-batches past F and not yet past B at list position t, and
+``w_s(t)`` those past B and not yet past W.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+from .ir import Action, Schedule
+from .per_stage import PerStage, check_stage_count, stage_value, store_per_stage
+
+__all__ = ["MemoryCosts", "MemoryPeaks", "memory_levels", "peak_bytes", "peak_activations", "peak_inflight", "replay_memory", "row_peak"]
+
+_FIELDS = ("activation", "held", "fixed")
+# Bytes of one (stage, micro-batch): a number for all, one per stage, or one per (stage, micro-batch).
+PerPair = PerStage | Mapping[tuple[int, int], float] | Callable[[int, int], float]
+
+
+@dataclass(frozen=True)
+class MemoryCosts:
+    """Per stage: bytes one micro-batch holds from F to B (``activation``), from B to W (``held``),
+    and the stage's ``fixed`` bytes; each a number or one number per stage.
+
+    The unit defaults (1, 1, 0) make peak bytes the count of (stage, micro-batch) pairs held from F to
+    their last backward action, so callers that pass no memory costs see ``peak_inflight``.
+    """
+
+    activation: PerStage = 1
+    held: PerStage = 1
+    fixed: PerStage = 0
+
+    def __post_init__(self) -> None:
+        store_per_stage(self, "MemoryCosts", _FIELDS)
+
+    def check(self, num_stages: int) -> None:
+        """Raise ValueError when a per-stage sequence does not have one value per stage."""
+        check_stage_count(self, "MemoryCosts", _FIELDS, num_stages)
+
+    def of(self, name: str, stage: int) -> float:
+        """``activation``, ``held`` or ``fixed`` bytes of ``stage``."""
+        return stage_value(getattr(self, name), stage)
+
+    def fixed_of(self, schedule: Schedule) -> tuple[float, ...]:
+        """Each rank's fixed bytes: the sum over the stages it holds."""
+        return tuple(sum(self.of("fixed", s) for s in schedule.stages_of(r)) for r in range(schedule.num_ranks))
+
+
+@dataclass(frozen=True)
+class MemoryPeaks:
+    """The most held at once, per rank and per stage (fixed bytes not included)."""
+
+    per_rank: tuple[float, ...]
+    per_stage: tuple[float, ...]
+
+
+def _per_pair(value: PerPair) -> Callable[[int, int], float]:
+    if callable(value):
+        return value
+    if isinstance(value, Mapping):
+        return lambda s, m: value[(s, m)]
+    if isinstance(value, (int, float)):
+        return lambda s, m: value
+    per_stage = tuple(value)
+    return lambda s, m: per_stage[s]
+
+
+def _change(kind: str, act: Callable[[int, int], float], keep: Callable[[int, int], float], s: int, mb: int) -> float:
+    if kind == "F":
+        return act(s, mb)
+    if kind == "B":
+        return keep(s, mb) - act(s, mb)
+    return -keep(s, mb) if kind == "W" else -act(s, mb)
+
+
+def memory_levels(schedule: Schedule, activation: PerPair = 1, held: PerPair = 1) -> tuple[tuple[float, ...], ...]:
+    """Per rank, what it holds right after each action of its list (see the module docstring).
+
+    ``activation`` and ``held`` are a number, one number per stage, a mapping ``(stage, mb) -> bytes``
+    or a function of ``(stage, mb)``.
+    """
+    return tuple(tuple(sum(levels.values()) for levels in _walk(row, activation, held)) for row in schedule.actions)
+
+
+def replay_memory(schedule: Schedule, activation: PerPair = 1, held: PerPair = 1) -> MemoryPeaks:
+    """The peaks over :func:`memory_levels`: per rank, and per stage (on its rank)."""
+    per_stage = [0] * schedule.num_stages
+    per_rank = []
+    for row in schedule.actions:
+        peak = 0
+        for levels in _walk(row, activation, held):
+            for s, level in levels.items():
+                per_stage[s] = max(per_stage[s], level)
+            peak = max(peak, sum(levels.values()))
+        per_rank.append(peak)
+    return MemoryPeaks(per_rank=tuple(per_rank), per_stage=tuple(per_stage))
+
+
+def row_peak(row: Sequence[Action], activation: PerPair = 1, held: PerPair = 1) -> float:
+    """The most one rank's list ``row`` holds at once (what :func:`replay_memory` reports per rank)."""
+    return max((sum(levels.values()) for levels in _walk(row, activation, held)), default=0)
+
+
+def _walk(row: Sequence[Action], activation: PerPair, held: PerPair):
+    """Each stage's level after each action of ``row`` (one dict, updated in place, yielded per action)."""
+    act, keep = _per_pair(activation), _per_pair(held)
+    now: dict[int, float] = {}
+    for action in row:
+        s = action.stage
+        for mb in action.microbatches:
+            now[s] = now.get(s, 0) + _change(action.kind, act, keep, s, mb)
+        yield now
+
+
+def peak_bytes(schedule: Schedule, memory: MemoryCosts) -> tuple[float, ...]:
+    """Per rank: its fixed bytes plus the most its micro-batches hold at once (the module's formula)."""
+    held = replay_memory(schedule, memory.activation, memory.held).per_rank
+    return tuple(fixed + h for fixed, h in zip(memory.fixed_of(schedule), held))
+
+
+def peak_inflight(schedule: Schedule) -> tuple[int, ...]:
+    """Per rank, the most (stage, micro-batch) pairs held from F until their last B/W/BW at once."""
+    return replay_memory(schedule, 1, 1).per_rank
+
+
+def peak_activations(schedule: Schedule) -> tuple[int, ...]:
+    """Per rank, the most (stage, micro-batch) pairs held between F and B (or BW) at once.
+
+    That is the Zero Bubble paper's M_B count, the one its memory budgets (and our greedy's F->B
+    limits) bound; :func:`peak_inflight` holds a pair until its last B/W, the count that matters for
+    this project's autograd split backward when a stage keeps its graph until W.
+    """
+    return replay_memory(schedule, 1, 0).per_rank
