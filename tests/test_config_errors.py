@@ -346,6 +346,14 @@ CASES: dict[str, Case] = {
                               r"balance=\[3, 0\]: a list of layer counts per stage must hold integers >= 1"),
     "strategy-pipeline-timeout": (lambda t: TwoBPStrategy(pipeline_timeout=0), ValueError,
                                   r"pipeline_timeout=0: give the seconds .* \(> 0, default 600\)"),
+    "strategy-split-backward-not-bool": (lambda t: TwoBPStrategy(split_backward="false"), ValueError,
+                                         r"TwoBPStrategy\(split_backward='false'\): it must be True or False, not a "
+                                         r"str; pass a bool"),
+    "strategy-gather-not-bool": (lambda t: TwoBPStrategy(gather_full_model="no"), ValueError,
+                                 r"TwoBPStrategy\(gather_full_model='no'\): it must be True or False, not a str"),
+    "strategy-post-validation-not-bool": (lambda t: TwoBPStrategy(post_validation="maybe"), ValueError,
+                                          r"TwoBPStrategy\(post_validation='maybe'\): it must be True or False, or "
+                                          r"None \(on for zb-h2 and zb-v, the default\)"),
     "strategy-ddp-options": (lambda t: TwoBPStrategy(find_unused_parameters=True), TypeError,
                              r"TwoBPStrategy got find_unused_parameters: DistributedDataParallel's options do not "
                              r"apply .* remove them"),

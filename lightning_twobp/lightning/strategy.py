@@ -32,6 +32,7 @@ from typing_extensions import override
 from lightning_twobp.engine import PipelineExecutor, StepValidation, Verdict
 from lightning_twobp.engine.memory import keep_freed_memory
 from lightning_twobp.lightning import checkpoint as ckpt
+from lightning_twobp.lightning.checks import check_flag
 from lightning_twobp.lightning.contract import find_contract
 from lightning_twobp.lightning.grads import (
     GradStash,
@@ -179,6 +180,9 @@ class TwoBPStrategy(DDPStrategy):
                 f"(the pipeline schedule computes the gradients and reduces them over data-parallel replicas "
                 f"itself); remove them"
             )
+        check_flag("split_backward", split_backward)
+        check_flag("gather_full_model", gather_full_model)
+        check_flag("post_validation", post_validation, none="on for zb-h2 and zb-v, the default")
         if schedule not in SCHEDULES:  # checked now, not at setup: the Trainer is not built yet
             raise ValueError(f"unknown schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")
         check_split(schedule, split_backward)
