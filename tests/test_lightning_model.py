@@ -110,6 +110,35 @@ def test_model_is_whole_after_fit_and_fits_again(gather):
         torch.testing.assert_close(results[0]["call"], results[1]["call"])
 
 
+PRECISIONS = {"bf16-true": torch.bfloat16, "16-true": torch.float16, "64-true": torch.float64}
+
+
+def _gathered(rank: int, world: int) -> dict:
+    _env(rank, world)
+    out = {}
+    for precision in PRECISIONS:
+        model = Regressor()
+        _trainer(TwoBPStrategy(gather_full_model=True), world, max_steps=2, precision=precision).fit(model, _data())
+        out[precision] = {n: t.detach().clone() for n, t in model.state_dict().items()}
+    return out
+
+
+def test_gather_full_model_receives_in_the_owners_dtype():
+    """Under "bf16-true", "16-true" and "64-true" the trained stages are in that dtype: every rank's copy of
+    the other rank's layers is the owner's tensor, bitwise and in its dtype (a float32 receive buffer read
+    bf16 bytes as garbage and aborted on float64); "64-true" also matches one process."""
+    ranks = run_distributed(_gathered, 2, timeout=300)
+    for precision, dtype in PRECISIONS.items():
+        first, second = ranks[0][precision], ranks[1][precision]
+        for name, value in first.items():
+            assert value.dtype == second[name].dtype == dtype, (precision, name)
+            assert torch.equal(value, second[name]), (precision, name)
+    model = Regressor()
+    _trainer("auto", 1, max_steps=2, precision="64-true").fit(model, _data())
+    for name, value in model.state_dict().items():
+        torch.testing.assert_close(ranks[0]["64-true"][name], value, rtol=1e-5, atol=1e-7, msg=name)
+
+
 class FailsAtStep1(Regressor):
     def training_step(self, batch, batch_idx):
         if batch_idx == 1:
