@@ -67,6 +67,17 @@ def _guard(where: str) -> Any:
     return check
 
 
+def _unguard(contract: Contract, layers: Iterable[nn.Module]) -> None:
+    """Drop the guards a previous Trainer call left on layers this one sets aside again: during the call
+    placeholders stand in for them, and the ModuleList contract runs meta twins of them (deep copies,
+    hooks included) to learn shapes, which a guard would refuse. ``restore`` guards them again."""
+    for layer in layers:
+        for part in contract.parts(layer):
+            handle = _GUARDS.pop(part, None)
+            if handle is not None:
+                handle.remove()
+
+
 def _tensors(module: nn.Module) -> Iterable[torch.Tensor]:
     yield from module.parameters()
     yield from module.buffers()
@@ -224,6 +235,7 @@ def split_model(contract: Contract, sizes: list[int], schedule: Schedule, pp_ran
     stages = {s: contract.stage_module(bounds[s], bounds[s + 1], bounds) for s in sorted(mine)}
     removed = {i: layer for i, layer in enumerate(layers) if layer_stage[i] not in mine}
     shared = _shared_parameters(contract, layers, layer_rank, {pp_rank})
+    _unguard(contract, removed.values())
     _to_meta(list(removed.values()), local_ids)
     contract.swap({i: _Remote(layer_stage[i], layer_rank[i]) for i in removed})
     return LocalModel(contract, list(sizes), stages, removed, dict(enumerate(layer_rank)), shared)
