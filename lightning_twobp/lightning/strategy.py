@@ -14,6 +14,7 @@ import logging
 import math
 import operator
 from collections.abc import Sequence
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -48,6 +49,7 @@ from lightning_twobp.lightning.layout import (
     default_stages_per_rank,
     schedule_label,
 )
+from lightning_twobp.lightning.loaders import keep_users_sampler
 from lightning_twobp.lightning.model import LocalModel, split_model
 from lightning_twobp.lightning.profile import profile_layers
 from lightning_twobp.lightning.logs import LogChannel
@@ -86,6 +88,7 @@ class _Pipeline:
     user_precision: Any  # the precision plugin as Lightning gave it (ours is a copy)
     user_scaler: Any  # its GradScaler, or None; gets the trained scale back at teardown
     logs: LogChannel | None  # the last stage's loss and logs to the other ranks (None: one rank)
+    scope: ExitStack  # what the Trainer call changed outside the model, undone at teardown
     checks: dict[int, StepValidation] = field(default_factory=dict)  # per optimizer: clip / non-finite
     max_norms: dict[int, float] = field(default_factory=dict)  # per optimizer: this step's clipping, if any
     means: Logs = field(default_factory=dict)  # the training step's logged means (last stage)
@@ -414,7 +417,10 @@ class TwoBPStrategy(DDPStrategy):
                 "the step, on every rank at once; use precision='bf16-mixed', or post_validation=False"
             )
         self.precision_plugin = pipelined_precision(user_precision, self._clip_by_norm, self._before_step, scaler)
-        return _Pipeline(local, executor, runner, tied, user_precision, user_scaler, logs)
+        scope = ExitStack()
+        if layout.dp_degree == 1:  # nothing to split: the loader's own sampler, as one process reads it
+            scope.callback(keep_users_sampler(trainer))
+        return _Pipeline(local, executor, runner, tied, user_precision, user_scaler, logs, scope)
 
     @override
     def on_exception(self, exception: BaseException) -> None:
@@ -438,6 +444,7 @@ class TwoBPStrategy(DDPStrategy):
             return
         gather = self.gather_full_model and not self._failed and dist.is_initialized()
         pipeline.local.restore(gather, self._group("pp"), self.pp_rank, self.root_device)
+        pipeline.scope.close()
         ours = self.precision_plugin
         if pipeline.user_scaler is not None and ours.scaler is not pipeline.user_scaler and pipeline.user_scaler.is_enabled():
             pipeline.user_scaler.load_state_dict(ours.scaler.state_dict())
