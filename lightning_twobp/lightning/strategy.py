@@ -52,6 +52,7 @@ from lightning_twobp.lightning.layout import (
 from lightning_twobp.lightning.loaders import keep_users_sampler
 from lightning_twobp.lightning.model import LocalModel, split_model
 from lightning_twobp.lightning.profile import profile_layers
+from lightning_twobp.lightning.quiet import known_warnings_off
 from lightning_twobp.lightning.logs import LogChannel
 from lightning_twobp.lightning.step import Logs, StepRunner, check_batch_size, check_batches, share_logs, step_means
 from lightning_twobp.partition import partition
@@ -418,6 +419,7 @@ class TwoBPStrategy(DDPStrategy):
             )
         self.precision_plugin = pipelined_precision(user_precision, self._clip_by_norm, self._before_step, scaler)
         scope = ExitStack()
+        scope.enter_context(known_warnings_off())  # the Trainer call's data loaders build next
         if layout.dp_degree == 1:  # nothing to split: the loader's own sampler, as one process reads it
             scope.callback(keep_users_sampler(trainer))
         return _Pipeline(local, executor, runner, tied, user_precision, user_scaler, logs, scope)
