@@ -117,6 +117,12 @@ class LogsString(Net):
         return super().training_step(batch, batch_idx)
 
 
+class GathersInStep(Net):
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.mse_loss(self.layers(self.all_gather(x)[0]), y)
+
+
 class SharedBlocks(pl.LightningModule):
     """A ModuleList holding one block twice (weights shared between positions of the loop)."""
 
@@ -403,6 +409,13 @@ CASES: dict[str, Case] = {
     "fit-log-a-string": (lambda t: _fit(LogsString()), RuntimeError,
                          r"self.log\('phase', str\) from a step under strategy='twobp': log a tensor, a number or a "
                          r"torchmetrics Metric"),
+    "fit-num-nodes-one-machine": (lambda t: _fit(trainer=dict(num_nodes=2)), ValueError,
+                                  r"Trainer\(num_nodes=2, devices=1\) on one machine: Lightning starts 1 process\(es\) "
+                                  r"here and they would wait for 1 more from 1 other node\(s\) .* use num_nodes=1 with "
+                                  r"devices=2"),
+    "fit-all-gather-in-step": (lambda t: _fit(GathersInStep()), RuntimeError,
+                               r"self.all_gather in training_step under strategy='twobp': .* would wait forever; "
+                               r"gather where every rank runs at once"),
     "fit-shared-blocks": (lambda t: _fit(SharedBlocks()), ValueError,
                           r"blocks holds the same module more than once .* give every entry its own module"),
     "fit-loose-parameter": (lambda t: _fit(LooseParameter()), ValueError,

@@ -125,6 +125,18 @@ def metric_batch_value(metric: Any, name: str) -> torch.Tensor:
     return value
 
 
+def _no_collective(hook: str) -> Callable[..., Any]:
+    def all_gather(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError(
+            f"self.all_gather in {hook} under strategy='twobp': the step runs once per micro-batch, on the "
+            f"pipeline's ranks at different times (the first stage's part before the pipeline starts, the last "
+            f"stage's inside it), so a collective there would wait forever; gather where every rank runs at once "
+            f"(on_train_batch_end, on_validation_epoch_end), or log with self.log(..., sync_dist=True)"
+        )
+
+    return all_gather
+
+
 class _LogRecorder:
     """Stands in for ``LightningModule.log`` during one micro-batch: records instead of logging."""
 
@@ -165,13 +177,14 @@ class StepRunner:
         recorder = _LogRecorder(logs)
         lm = self.module
         with self.contract.intercept(block):
-            # ``self.log`` answered by the recorder for this call only (an instance attribute
-            # shadows the method; removed again below, also when the step raises).
+            # ``self.log`` answered by the recorder and ``self.all_gather`` refused, for this call only
+            # (instance attributes shadow the methods; removed again below, also when the step raises).
             lm.__dict__["log"] = recorder
+            lm.__dict__["all_gather"] = _no_collective(state.hook)
             try:
                 return getattr(lm, state.hook)(mb, *state.args, **state.kwargs)
             finally:
-                del lm.__dict__["log"]
+                del lm.__dict__["log"], lm.__dict__["all_gather"]
 
     def capture(self, mb: Any) -> tuple:
         """The pipelined block's positional inputs for micro-batch ``mb`` (first stage)."""

@@ -33,7 +33,7 @@ from typing_extensions import override
 from lightning_twobp.engine import PipelineExecutor, StepValidation, Verdict
 from lightning_twobp.engine.memory import keep_freed_memory
 from lightning_twobp.lightning import checkpoint as ckpt
-from lightning_twobp.lightning.checks import check_flag
+from lightning_twobp.lightning.checks import check_flag, check_nodes
 from lightning_twobp.lightning.contract import find_contract
 from lightning_twobp.lightning.grads import (
     GradStash,
@@ -320,6 +320,12 @@ class TwoBPStrategy(DDPStrategy):
         return {"num_replicas": self._layout.dp_degree, "rank": self.dp_rank}
 
     # ------------------------------------------------------------------ setup and teardown
+    @override
+    def set_world_ranks(self) -> None:
+        # Called when the Trainer is built, before Lightning launches any process.
+        check_nodes(self.num_nodes, self.num_processes, self.cluster_environment)
+        super().set_world_ranks()
+
     @override
     def setup_distributed(self) -> None:
         super().setup_distributed()
