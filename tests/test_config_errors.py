@@ -123,6 +123,16 @@ class GathersInStep(Net):
         return F.mse_loss(self.layers(self.all_gather(x)[0]), y)
 
 
+class StrayTensor(Net):
+    def configure_optimizers(self):
+        return torch.optim.SGD([*self.parameters(), torch.zeros(3, requires_grad=True)], lr=0.1)
+
+
+class EmptyOptimizer(Net):
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.layers[3:].parameters(), lr=0.1)
+
+
 class SharedBlocks(pl.LightningModule):
     """A ModuleList holding one block twice (weights shared between positions of the loop)."""
 
@@ -416,6 +426,13 @@ CASES: dict[str, Case] = {
     "fit-all-gather-in-step": (lambda t: _fit(GathersInStep()), RuntimeError,
                                r"self.all_gather in training_step under strategy='twobp': .* would wait forever; "
                                r"gather where every rank runs at once"),
+    "fit-optimizer-outside-model": (lambda t: _fit(StrayTensor()), ValueError,
+                                    r"an optimizer of configure_optimizers on pipeline rank 0 holds 1 tensor\(s\) that "
+                                    r"are not parameters of the LightningModule \(shapes \(3,\)\).*register it in the "
+                                    r"module"),
+    "fit-optimizer-empty": (lambda t: _fit(EmptyOptimizer()), ValueError,
+                            r"configure_optimizers on pipeline rank 0 \(stages \[0\]\) gave an optimizer an empty "
+                            r"parameter list .* build every optimizer from self.parameters\(\)"),
     "fit-shared-blocks": (lambda t: _fit(SharedBlocks()), ValueError,
                           r"blocks holds the same module more than once .* give every entry its own module"),
     "fit-loose-parameter": (lambda t: _fit(LooseParameter()), ValueError,

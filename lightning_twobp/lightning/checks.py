@@ -5,9 +5,13 @@ start, optimizers the pipeline cannot step. Each error names the value and the f
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Sequence
 from typing import Any
 
-__all__ = ["check_flag", "check_nodes"]
+import torch.distributed as dist
+from torch import nn
+
+__all__ = ["check_flag", "check_nodes", "checked_optimizers"]
 
 _LOOPBACK = ("", "127.0.0.1", "localhost", "::1")
 
@@ -43,3 +47,58 @@ def check_nodes(num_nodes: int, devices: int, environment: Any) -> None:
         f"with devices={num_nodes * devices}; across machines run the same command on each node with "
         f"NODE_RANK=0..{num_nodes - 1} and MASTER_ADDR=<node 0's address>, or launch with torchrun or srun"
     )
+
+
+def checked_optimizers(setup: Callable[[], None], module: nn.Module, optimizers: Callable[[], list[Any]],
+                       pp_rank: int, stages: Sequence[int]) -> None:
+    """Run ``setup`` (Lightning's ``configure_optimizers``) and check what it built, on every rank together:
+    a failure on one rank (torch's "empty parameter list" where an optimizer covers other stages' layers
+    only) is raised on every rank at once, not left for the others to wait on at the first step."""
+    error: Exception | None = None
+    try:
+        setup()
+    except Exception as e:  # noqa: BLE001 - shared with the other ranks, then raised again
+        error = e
+    if error is None:
+        problem = _outside(module, optimizers(), pp_rank)
+    elif isinstance(error, ValueError) and "empty parameter list" in str(error):
+        problem = (
+            f"configure_optimizers on pipeline rank {pp_rank} (stages {list(stages)}) gave an optimizer an empty "
+            f"parameter list ({error}): under strategy='twobp' each rank holds only its own stages' parameters, so "
+            f"an optimizer over some layers only (e.g. self.layers[:3].parameters()) has none on the ranks that "
+            f"hold none of them; build every optimizer from self.parameters() (param groups by name for different "
+            f"settings), and leave layers untrained with requires_grad_(False) instead of leaving them out"
+        )
+    else:
+        problem = f"configure_optimizers failed on pipeline rank {pp_rank}: {type(error).__name__}: {error}"
+    others = [p for p in _everyone(problem) if p and p != problem]
+    if error is not None:
+        if problem.startswith("configure_optimizers on"):
+            raise ValueError(problem) from error
+        raise error
+    if problem:
+        raise ValueError(problem)
+    if others:
+        raise RuntimeError(f"twobp: stopped before the first step because {others[0]}")
+
+
+def _outside(module: nn.Module, optimizers: list[Any], pp_rank: int) -> str | None:
+    mine = {id(q) for q in module.parameters()}
+    stray = [q for opt in optimizers for group in opt.param_groups for q in group["params"] if id(q) not in mine]
+    if not stray:
+        return None
+    shapes = ", ".join(str(tuple(q.shape)) for q in stray[:4]) + (" ..." if len(stray) > 4 else "")
+    return (
+        f"an optimizer of configure_optimizers on pipeline rank {pp_rank} holds {len(stray)} tensor(s) that are not "
+        f"parameters of the LightningModule (shapes {shapes}): under strategy='twobp' the pipeline computes the "
+        f"gradients of the module's parameters only, and checkpoints key optimizer state by parameter name; "
+        f"register it in the module (self.scale = nn.Parameter(...)) or leave it out of the optimizer"
+    )
+
+
+def _everyone(problem: str | None) -> list[str | None]:
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [problem]
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, problem)
+    return every

@@ -33,7 +33,7 @@ from typing_extensions import override
 from lightning_twobp.engine import PipelineExecutor, StepValidation, Verdict
 from lightning_twobp.engine.memory import keep_freed_memory
 from lightning_twobp.lightning import checkpoint as ckpt
-from lightning_twobp.lightning.checks import check_flag, check_nodes
+from lightning_twobp.lightning.checks import check_flag, check_nodes, checked_optimizers
 from lightning_twobp.lightning.contract import find_contract
 from lightning_twobp.lightning.grads import (
     GradStash,
@@ -359,7 +359,8 @@ class TwoBPStrategy(DDPStrategy):
         if self._pipeline.tied:
             self._pipeline.tied.sync_values()
         if trainer.state.fn == TrainerFn.FITTING:
-            self.setup_optimizers(trainer)
+            checked_optimizers(lambda: self.setup_optimizers(trainer), self.lightning_module, lambda: self.optimizers,
+                               self.pp_rank, self.stage_ids)
         # Optimizers are created after the move to the device and hold no state yet; a checkpoint's
         # state is loaded afterwards (restore_checkpoint_after_setup), by parameter name.
         self.setup_precision_plugin()
