@@ -123,6 +123,12 @@ class GathersInStep(Net):
         return F.mse_loss(self.layers(self.all_gather(x)[0]), y)
 
 
+class CallsTwice(Net):
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.mse_loss(self.layers(x), y) + F.mse_loss(self.layers(-x), -y)
+
+
 class StrayTensor(Net):
     def configure_optimizers(self):
         return torch.optim.SGD([*self.parameters(), torch.zeros(3, requires_grad=True)], lr=0.1)
@@ -411,6 +417,9 @@ CASES: dict[str, Case] = {
     "fit-step-skips-layers": (lambda t: _fit(SkipsLayers()), RuntimeError,
                               r"training_step did not call layers: under strategy='twobp' it must call the "
                               r"pipelined block exactly once"),
+    "fit-step-calls-twice": (lambda t: _fit(CallsTwice()), RuntimeError,
+                             r"the step called layers a second time: under strategy='twobp' it must call the "
+                             r"pipelined Sequential once per step .* layers\(torch.cat\(\[x, -x\]\)\)"),
     "fit-input-requires-grad": (lambda t: _fit(TrainedInput()), ValueError,
                                 r"the input of layers requires grad: a module with parameters runs before it in "
                                 r"training_step.*move it into the Sequential"),
@@ -513,7 +522,7 @@ def _batch_of_two_sizes() -> DataLoader:
 
 # Refused at the first forward of step 0 (what only the user's own step can show); every other case
 # is refused before any module runs.
-AT_FIRST_FORWARD = {"fit-step-skips-layers", "fit-input-requires-grad", "fit-step-returns-no-loss", "fit-log-a-string",
+AT_FIRST_FORWARD = {"fit-step-calls-twice", "fit-step-skips-layers", "fit-input-requires-grad", "fit-step-returns-no-loss", "fit-log-a-string",
                     "fit-batch-tensors-differ"}
 
 
