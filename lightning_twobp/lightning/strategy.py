@@ -53,6 +53,7 @@ from lightning_twobp.lightning.loaders import keep_users_sampler
 from lightning_twobp.lightning.model import LocalModel, split_model
 from lightning_twobp.lightning.profile import profile_layers
 from lightning_twobp.lightning.quiet import known_warnings_off
+from lightning_twobp.lightning.rng import StageStreams
 from lightning_twobp.lightning.logs import LogChannel
 from lightning_twobp.lightning.step import Logs, StepRunner, check_batch_size, check_batches, share_logs, step_means
 from lightning_twobp.partition import partition
@@ -90,6 +91,7 @@ class _Pipeline:
     user_scaler: Any  # its GradScaler, or None; gets the trained scale back at teardown
     logs: LogChannel | None  # the last stage's loss and logs to the other ranks (None: one rank)
     scope: ExitStack  # what the Trainer call changed outside the model, undone at teardown
+    streams: StageStreams  # this rank's stages' random streams
     checks: dict[int, StepValidation] = field(default_factory=dict)  # per optimizer: clip / non-finite
     max_norms: dict[int, float] = field(default_factory=dict)  # per optimizer: this step's clipping, if any
     means: Logs = field(default_factory=dict)  # the training step's logged means (last stage)
@@ -387,6 +389,7 @@ class TwoBPStrategy(DDPStrategy):
         schedule = build_schedule(self.schedule_name, num_stages, self.num_microbatches,
                                   stages_per_rank=self._stages_per_rank, split_backward=self.split_backward)
         layout = self._layout
+        streams = StageStreams(schedule.stages_of(layout.pp_rank), layout.dp_rank, self.root_device)
         local = split_model(contract, sizes, schedule, layout.pp_rank)
         for s, module in local.stages.items():
             first = local.bounds[s]
@@ -401,7 +404,7 @@ class TwoBPStrategy(DDPStrategy):
         executor = PipelineExecutor(
             schedule, local.stages, loss_fn=self._loss, device=self.root_device, group=pp_group,
             grad_reduce=dp_reduce(self._group("dp"), layout.dp_degree) if layout.dp_degree > 1 else None,
-            timeout=self.pipeline_timeout,
+            timeout=self.pipeline_timeout, around=streams.fork,
         )
         logs = None
         if self._log_group is not None:
@@ -429,7 +432,7 @@ class TwoBPStrategy(DDPStrategy):
         scope.enter_context(known_warnings_off())  # the Trainer call's data loaders build next
         if layout.dp_degree == 1:  # nothing to split: the loader's own sampler, as one process reads it
             scope.callback(keep_users_sampler(trainer))
-        return _Pipeline(local, executor, runner, tied, user_precision, user_scaler, logs, scope)
+        return _Pipeline(local, executor, runner, tied, user_precision, user_scaler, logs, scope, streams)
 
     @override
     def on_exception(self, exception: BaseException) -> None:
@@ -504,6 +507,7 @@ class TwoBPStrategy(DDPStrategy):
         if self._resume_rng is not None:
             ckpt.set_rng_state(self._resume_rng)
             self._resume_rng = None
+        self._built("on_train_batch_start").streams.apply_pending()
         super().on_train_batch_start(batch, batch_idx)
 
     @override
@@ -527,10 +531,10 @@ class TwoBPStrategy(DDPStrategy):
     def _pipeline_step(self, pipeline: _Pipeline) -> tuple[torch.Tensor, Logs]:
         """One pipeline step over the micro-batches ``runner.begin`` made: the gradients set aside for
         ``backward``, the mean loss and the logged means on every rank of the pipeline."""
-        ex, runner = pipeline.executor, pipeline.runner
+        ex = pipeline.executor
         params = [q for q in self.lightning_module.parameters() if q.requires_grad]
         with self._stash.collect(params), self.precision_plugin.train_step_context():
-            inputs = [runner.capture(mb) for mb in runner.state.microbatches] if 0 in ex.stages else None
+            inputs = self._capture(pipeline)
             targets = list(range(self.num_microbatches)) if ex.last in ex.stages else None
             # With a GradScaler (fp16), the pipeline's backward starts from the scaled loss, as
             # Lightning's backward would; the scaler unscales before clipping and stepping.
@@ -546,6 +550,16 @@ class TwoBPStrategy(DDPStrategy):
         if ex.last in ex.stages:
             return result.loss, pipeline.means
         return pipeline.logs.receive()
+
+    @staticmethod
+    def _capture(pipeline: _Pipeline) -> list[tuple] | None:
+        """The first stage's inputs: its part of the step, up to the pipelined block, per micro-batch,
+        drawing from stage 0's random stream (the last stage's part runs inside its F)."""
+        if 0 not in pipeline.executor.stages:
+            return None
+        runner = pipeline.runner
+        with pipeline.streams.fork(0):
+            return [runner.capture(mb) for mb in runner.state.microbatches]
 
     def _loss(self, output: Any, index: int) -> torch.Tensor:
         """The executor's loss: the user's step on micro-batch ``index``; after the last one the loss and
@@ -676,10 +690,11 @@ class TwoBPStrategy(DDPStrategy):
         pipeline = self._built(hook)
         ex, runner = pipeline.executor, pipeline.runner
         state = runner.begin(hook, args, kwargs, self.num_microbatches, exact=False)
-        inputs = [runner.capture(mb) for mb in state.microbatches] if 0 in ex.stages else None
-        outs = ex.forward_only(inputs, len(state.microbatches))
-        for i, out in enumerate(outs or []):
-            runner.provide(i, out)
+        outs = ex.forward_only(self._capture(pipeline), len(state.microbatches))
+        if outs is not None:
+            with pipeline.streams.fork(ex.last):  # the last stage's part of the step, after the block
+                for i, out in enumerate(outs):
+                    runner.provide(i, out)
         self._share_eval_logs()
         if hook != "predict_step" or outs is None:
             return None
@@ -724,7 +739,8 @@ class TwoBPStrategy(DDPStrategy):
         path = Path(self.broadcast(str(filepath)))
         layout = {"pipeline_degree": self.pipeline_degree, "stages_per_rank": self._stages_per_rank,
                   "schedule": self.schedule_name}
-        ckpt.save(checkpoint, path, self.lightning_module, self.optimizers, layout, group=self._io_group)
+        streams = self._pipeline.streams.state_dict() if self._pipeline is not None else None
+        ckpt.save(checkpoint, path, self.lightning_module, self.optimizers, layout, group=self._io_group, streams=streams)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
@@ -732,7 +748,10 @@ class TwoBPStrategy(DDPStrategy):
         pipeline degree or partition the checkpoint was saved with."""
         path = Path(self.broadcast(str(checkpoint_path)))
         lm = self.lightning_module
-        checkpoint = ckpt.load(path, lm, self.optimizers, weights_only, strict=lm.strict_loading, group=self._io_group)
+        streams = self._built("load_checkpoint").streams
+        checkpoint = ckpt.load(path, lm, self.optimizers, weights_only, strict=lm.strict_loading, group=self._io_group,
+                               streams=streams.names())
+        streams.resume(checkpoint.pop("twobp_streams", {}))
         # LR schedulers were saved from rank 0: a rank with other param groups keeps its own per-group
         # base learning rates (the groups' lr came back by name) and takes the shared step count.
         for config, state in zip(self.lr_scheduler_configs, checkpoint.get("lr_schedulers", [])):
