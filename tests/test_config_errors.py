@@ -129,6 +129,28 @@ class CallsTwice(Net):
         return F.mse_loss(self.layers(x), y) + F.mse_loss(self.layers(-x), -y)
 
 
+class SyncsOnStep(Net):
+    def __init__(self) -> None:
+        super().__init__()
+        from torchmetrics import MeanMetric
+
+        self.mean = MeanMetric(dist_sync_on_step=True)
+
+
+class LogsLooseMetric(Net):
+    def __init__(self) -> None:
+        super().__init__()
+        from torchmetrics import MeanMetric
+
+        self.loose = {"mean": MeanMetric()}  # a plain dict: not a submodule
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.loose["mean"](loss)
+        self.log("mean", self.loose["mean"])
+        return loss
+
+
 class StrayTensor(Net):
     def configure_optimizers(self):
         return torch.optim.SGD([*self.parameters(), torch.zeros(3, requires_grad=True)], lr=0.1)
@@ -442,6 +464,12 @@ CASES: dict[str, Case] = {
     "fit-optimizer-empty": (lambda t: _fit(EmptyOptimizer()), ValueError,
                             r"configure_optimizers on pipeline rank 0 \(stages \[0\]\) gave an optimizer an empty "
                             r"parameter list .* build every optimizer from self.parameters\(\)"),
+    "fit-metric-dist-sync-on-step": (lambda t: _fit(SyncsOnStep()), ValueError,
+                                     r"mean \(MeanMetric\) has dist_sync_on_step=True: under strategy='twobp' only the "
+                                     r"last stage's rank runs the step past the pipelined block.*drop dist_sync_on_step"),
+    "fit-log-loose-metric": (lambda t: _fit(LogsLooseMetric()), RuntimeError,
+                             r"self.log\('mean', MeanMetric\) under strategy='twobp': log a Metric that is an "
+                             r"attribute of the LightningModule"),
     "fit-shared-blocks": (lambda t: _fit(SharedBlocks()), ValueError,
                           r"blocks holds the same module more than once .* give every entry its own module"),
     "fit-loose-parameter": (lambda t: _fit(LooseParameter()), ValueError,
@@ -522,7 +550,7 @@ def _batch_of_two_sizes() -> DataLoader:
 
 # Refused at the first forward of step 0 (what only the user's own step can show); every other case
 # is refused before any module runs.
-AT_FIRST_FORWARD = {"fit-step-calls-twice", "fit-step-skips-layers", "fit-input-requires-grad", "fit-step-returns-no-loss", "fit-log-a-string",
+AT_FIRST_FORWARD = {"fit-log-loose-metric", "fit-step-calls-twice", "fit-step-skips-layers", "fit-input-requires-grad", "fit-step-returns-no-loss", "fit-log-a-string",
                     "fit-batch-tensors-differ"}
 
 

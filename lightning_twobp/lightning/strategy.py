@@ -50,6 +50,7 @@ from lightning_twobp.lightning.layout import (
     schedule_label,
 )
 from lightning_twobp.lightning.loaders import keep_users_sampler
+from lightning_twobp.lightning.metrics import StepMetrics
 from lightning_twobp.lightning.model import LocalModel, split_model
 from lightning_twobp.lightning.profile import profile_layers
 from lightning_twobp.lightning.quiet import known_warnings_off
@@ -92,6 +93,7 @@ class _Pipeline:
     logs: LogChannel | None  # the last stage's loss and logs to the other ranks (None: one rank)
     scope: ExitStack  # what the Trainer call changed outside the model, undone at teardown
     streams: StageStreams  # this rank's stages' random streams
+    metrics: StepMetrics  # the module's torchmetrics Metrics, accumulated per step over its micro-batches
     checks: dict[int, StepValidation] = field(default_factory=dict)  # per optimizer: clip / non-finite
     max_norms: dict[int, float] = field(default_factory=dict)  # per optimizer: this step's clipping, if any
     means: Logs = field(default_factory=dict)  # the training step's logged means (last stage)
@@ -378,7 +380,8 @@ class TwoBPStrategy(DDPStrategy):
         if self.root_device.type == "cpu":
             keep_freed_memory()  # see lightning_twobp.engine.memory: measured page faults every step otherwise
         contract = find_contract(lm, self.layers)
-        runner = StepRunner(lm, contract)
+        metrics = StepMetrics(lm)
+        runner = StepRunner(lm, contract, metrics)
         num_stages = self.pipeline_degree * self._stages_per_rank
         costs = None
         if self.balance == "time":
@@ -430,9 +433,11 @@ class TwoBPStrategy(DDPStrategy):
         self.precision_plugin = pipelined_precision(user_precision, self._clip_by_norm, self._before_step, scaler)
         scope = ExitStack()
         scope.enter_context(known_warnings_off())  # the Trainer call's data loaders build next
+        scope.callback(metrics.sync_over(self._group("dp")))
         if layout.dp_degree == 1:  # nothing to split: the loader's own sampler, as one process reads it
             scope.callback(keep_users_sampler(trainer))
-        return _Pipeline(local, executor, runner, tied, user_precision, user_scaler, logs, scope, streams)
+        return _Pipeline(local, executor, runner, tied, user_precision, user_scaler, logs, scope, streams,
+                         metrics)
 
     @override
     def on_exception(self, exception: BaseException) -> None:
@@ -519,9 +524,11 @@ class TwoBPStrategy(DDPStrategy):
         verdict = self._validate()  # the previous optimizer step's global check, long arrived
         if verdict is not None and verdict.redone:
             # That step was clipped or skipped after all: this step ran on the speculative weights.
+            pipeline.metrics.undo()
             runner.begin("training_step", args, kwargs, self.num_microbatches, exact=True)
             loss, means = self._pipeline_step(pipeline)
         for name, (value, kw) in means.items():
+            value = pipeline.metrics.resolve(value)
             self.lightning_module.log(name, value.to(self.root_device) if isinstance(value, torch.Tensor) else value, **kw)
         if self._step_checks["skipped"]:  # every rank knows the count: nothing travels
             self.lightning_module.log("pipeline/skipped_steps", float(self._step_checks["skipped"]), on_step=True,
@@ -541,6 +548,7 @@ class TwoBPStrategy(DDPStrategy):
             scaler = getattr(self.precision_plugin, "scaler", None)
             ex.record = self._record_next
             ex.step_label = f"global step {self.lightning_module.trainer.global_step}"  # named so in errors
+            pipeline.metrics.begin()
             result = ex.step(inputs, targets, loss_scale=float(scaler.get_scale()) if scaler is not None else 1.0)
             if self._record_next:
                 ex.record = self._record_next = False
@@ -549,7 +557,9 @@ class TwoBPStrategy(DDPStrategy):
                 pipeline.tied.reduce_grads()
         if ex.last in ex.stages:
             return result.loss, pipeline.means
-        return pipeline.logs.receive()
+        loss, means, states = pipeline.logs.receive()
+        pipeline.metrics.apply(states)
+        return loss, means
 
     @staticmethod
     def _capture(pipeline: _Pipeline) -> list[tuple] | None:
@@ -568,9 +578,10 @@ class TwoBPStrategy(DDPStrategy):
         runner = pipeline.runner
         loss = runner.loss(output, index)
         if index == len(runner.state.microbatches) - 1:
+            states = pipeline.metrics.end()
             pipeline.means = step_means(runner.state)
             if pipeline.logs is not None:
-                pipeline.logs.send(runner.mean_loss(), pipeline.means)
+                pipeline.logs.send(runner.mean_loss(), pipeline.means, states)
         return loss
 
     def _validate(self) -> Verdict | None:
@@ -674,9 +685,14 @@ class TwoBPStrategy(DDPStrategy):
         pipeline = self._pipeline
         ex = pipeline.executor
         src = self._layout.global_rank_of(ex.schedule.stage_to_rank[ex.last])
-        state = pipeline.runner.state if ex.last in ex.stages else None
-        _, means = share_logs(state, None, src, self._group("pp"), self.root_device)
+        last = ex.last in ex.stages
+        state = pipeline.runner.state if last else None
+        _, means, states = share_logs(state, None, src, self._group("pp"), self.root_device,
+                                      pipeline.metrics.end() if last else None)
+        if not last:
+            pipeline.metrics.apply(states)
         for name, (value, kw) in means.items():
+            value = pipeline.metrics.resolve(value)
             # Epoch-level metrics: every rank of a pipeline holds the same value, so the mean over
             # the world is the mean over the data-parallel replicas (what one process would log).
             kw = {"sync_dist": True, **kw}
@@ -690,6 +706,7 @@ class TwoBPStrategy(DDPStrategy):
         pipeline = self._built(hook)
         ex, runner = pipeline.executor, pipeline.runner
         state = runner.begin(hook, args, kwargs, self.num_microbatches, exact=False)
+        pipeline.metrics.begin()
         outs = ex.forward_only(self._capture(pipeline), len(state.microbatches))
         if outs is not None:
             with pipeline.streams.fork(ex.last):  # the last stage's part of the step, after the block
