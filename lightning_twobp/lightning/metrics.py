@@ -154,6 +154,11 @@ class StepMetrics:
             self._before[name] = _Before(_copy(m.metric_state), m.update_count, _forward_cache(m))
             m.reset()
 
+    def clear(self) -> None:
+        """Empty again (after the first stage's part of the step, which the last stage runs again)."""
+        for m in self.metrics.values():
+            m.reset()
+
     def end(self) -> States:
         """On the last stage's rank, after the step's last micro-batch: each updated Metric's step state
         (for the other ranks), its step value computed, the state from before merged back in."""

@@ -541,6 +541,7 @@ class TwoBPStrategy(DDPStrategy):
         ex = pipeline.executor
         params = [q for q in self.lightning_module.parameters() if q.requires_grad]
         with self._stash.collect(params), self.precision_plugin.train_step_context():
+            pipeline.metrics.begin()  # before any part of the step runs on this rank
             inputs = self._capture(pipeline)
             targets = list(range(self.num_microbatches)) if ex.last in ex.stages else None
             # With a GradScaler (fp16), the pipeline's backward starts from the scaled loss, as
@@ -548,7 +549,6 @@ class TwoBPStrategy(DDPStrategy):
             scaler = getattr(self.precision_plugin, "scaler", None)
             ex.record = self._record_next
             ex.step_label = f"global step {self.lightning_module.trainer.global_step}"  # named so in errors
-            pipeline.metrics.begin()
             result = ex.step(inputs, targets, loss_scale=float(scaler.get_scale()) if scaler is not None else 1.0)
             if self._record_next:
                 ex.record = self._record_next = False
@@ -569,7 +569,9 @@ class TwoBPStrategy(DDPStrategy):
             return None
         runner = pipeline.runner
         with pipeline.streams.fork(0):
-            return [runner.capture(mb) for mb in runner.state.microbatches]
+            inputs = [runner.capture(mb) for mb in runner.state.microbatches]
+        pipeline.metrics.clear()  # what this part updated counts where the last stage runs it again
+        return inputs
 
     def _loss(self, output: Any, index: int) -> torch.Tensor:
         """The executor's loss: the user's step on micro-batch ``index``; after the last one the loss and
