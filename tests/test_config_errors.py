@@ -466,7 +466,8 @@ CASES: dict[str, Case] = {
                             r"parameter list .* build every optimizer from self.parameters\(\)"),
     "fit-metric-dist-sync-on-step": (lambda t: _fit(SyncsOnStep()), ValueError,
                                      r"mean \(MeanMetric\) has dist_sync_on_step=True: under strategy='twobp' only the "
-                                     r"last stage's rank runs the step past the pipelined block.*drop dist_sync_on_step"),
+                                     r"last stage's rank runs the step past the pipelined block.*drop "
+                                     r"dist_sync_on_step"),
     "fit-log-loose-metric": (lambda t: _fit(LogsLooseMetric()), RuntimeError,
                              r"self.log\('mean', MeanMetric\) under strategy='twobp': log a Metric that is an "
                              r"attribute of the LightningModule"),
@@ -550,7 +551,8 @@ def _batch_of_two_sizes() -> DataLoader:
 
 # Refused at the first forward of step 0 (what only the user's own step can show); every other case
 # is refused before any module runs.
-AT_FIRST_FORWARD = {"fit-log-loose-metric", "fit-step-calls-twice", "fit-step-skips-layers", "fit-input-requires-grad", "fit-step-returns-no-loss", "fit-log-a-string",
+AT_FIRST_FORWARD = {"fit-log-loose-metric", "fit-step-calls-twice",
+                    "fit-step-skips-layers", "fit-input-requires-grad", "fit-step-returns-no-loss", "fit-log-a-string",
                     "fit-batch-tensors-differ"}
 
 

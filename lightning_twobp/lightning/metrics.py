@@ -137,9 +137,9 @@ class StepMetrics:
         path = self._paths.get(id(metric))
         if path is None:
             raise TypeError(
-                f"self.log({name!r}, {type(metric).__name__}) under strategy='twobp': log a Metric that is an attribute "
-                f"of the LightningModule (self.acc = MulticlassAccuracy(...)), so that every rank of the pipeline logs "
-                f"its own copy of it"
+                f"self.log({name!r}, {type(metric).__name__}) under strategy='twobp': log a Metric that is an "
+                f"attribute of the LightningModule (self.acc = MulticlassAccuracy(...)), so that every rank of the "
+                f"pipeline logs its own copy of it"
             )
         return MetricRef(path)
 

@@ -145,14 +145,16 @@ class LocalModel:
         _replace_tensors(list(self.removed.values()), lambda t: received[id(t)], lambda t: id(t) in received)
 
 
-def _owner_dtypes(order: list[tuple[torch.Tensor, int]], pp_rank: int, group: dist.ProcessGroup | None) -> list[torch.dtype]:
+def _owner_dtypes(order: list[tuple[torch.Tensor, int]], pp_rank: int,
+                  group: dist.ProcessGroup | None) -> list[torch.dtype]:
     """Each tensor's dtype on the rank that trained it. The set-aside copies here keep the dtype they had
     when the Trainer call cut the model, before the precision plugin converted the trained stages
     (``"bf16-true"``, ``"64-true"``): a receive buffer in that dtype would read the owner's bytes wrongly."""
     mine = [str(t.dtype) if owner == pp_rank else None for t, owner in order]
     every: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(every, mine, group=group)
-    return [getattr(torch, next(d[k] for d in every if d[k] is not None).removeprefix("torch.")) for k in range(len(order))]
+    owners = [next(d[k] for d in every if d[k] is not None) for k in range(len(order))]
+    return [getattr(torch, name.removeprefix("torch.")) for name in owners]
 
 
 def _bounds(sizes: list[int]) -> list[int]:

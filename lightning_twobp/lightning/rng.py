@@ -88,5 +88,6 @@ class StageStreams:
         for s, state in self._pending.items():
             cuda = [state.get(f"cuda{i}") for i in range(len(self._devices))]
             # a device stream the checkpoint lacks (saved on the CPU, resumed on a GPU) starts anew
-            self._states[s] = [state["torch"], *(c if c is not None else new for c, new in zip(cuda, self._states[s][1:]))]
+            self._states[s] = [state["torch"], *(c if c is not None else new
+                                                 for c, new in zip(cuda, self._states[s][1:]))]
         self._pending = {}

@@ -759,7 +759,8 @@ class TwoBPStrategy(DDPStrategy):
         layout = {"pipeline_degree": self.pipeline_degree, "stages_per_rank": self._stages_per_rank,
                   "schedule": self.schedule_name}
         streams = self._pipeline.streams.state_dict() if self._pipeline is not None else None
-        ckpt.save(checkpoint, path, self.lightning_module, self.optimizers, layout, group=self._io_group, streams=streams)
+        ckpt.save(checkpoint, path, self.lightning_module, self.optimizers, layout, group=self._io_group,
+                  streams=streams)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
