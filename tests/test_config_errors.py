@@ -117,6 +117,50 @@ class LogsString(Net):
         return super().training_step(batch, batch_idx)
 
 
+class GathersInStep(Net):
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.mse_loss(self.layers(self.all_gather(x)[0]), y)
+
+
+class CallsTwice(Net):
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.mse_loss(self.layers(x), y) + F.mse_loss(self.layers(-x), -y)
+
+
+class SyncsOnStep(Net):
+    def __init__(self) -> None:
+        super().__init__()
+        from torchmetrics import MeanMetric
+
+        self.mean = MeanMetric(dist_sync_on_step=True)
+
+
+class LogsLooseMetric(Net):
+    def __init__(self) -> None:
+        super().__init__()
+        from torchmetrics import MeanMetric
+
+        self.loose = {"mean": MeanMetric()}  # a plain dict: not a submodule
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.loose["mean"](loss)
+        self.log("mean", self.loose["mean"])
+        return loss
+
+
+class StrayTensor(Net):
+    def configure_optimizers(self):
+        return torch.optim.SGD([*self.parameters(), torch.zeros(3, requires_grad=True)], lr=0.1)
+
+
+class EmptyOptimizer(Net):
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.layers[3:].parameters(), lr=0.1)
+
+
 class SharedBlocks(pl.LightningModule):
     """A ModuleList holding one block twice (weights shared between positions of the loop)."""
 
@@ -346,6 +390,14 @@ CASES: dict[str, Case] = {
                               r"balance=\[3, 0\]: a list of layer counts per stage must hold integers >= 1"),
     "strategy-pipeline-timeout": (lambda t: TwoBPStrategy(pipeline_timeout=0), ValueError,
                                   r"pipeline_timeout=0: give the seconds .* \(> 0, default 600\)"),
+    "strategy-split-backward-not-bool": (lambda t: TwoBPStrategy(split_backward="false"), ValueError,
+                                         r"TwoBPStrategy\(split_backward='false'\): it must be True or False, not a "
+                                         r"str; pass a bool"),
+    "strategy-gather-not-bool": (lambda t: TwoBPStrategy(gather_full_model="no"), ValueError,
+                                 r"TwoBPStrategy\(gather_full_model='no'\): it must be True or False, not a str"),
+    "strategy-post-validation-not-bool": (lambda t: TwoBPStrategy(post_validation="maybe"), ValueError,
+                                          r"TwoBPStrategy\(post_validation='maybe'\): it must be True or False, or "
+                                          r"None \(on for zb-h2 and zb-v, the default\)"),
     "strategy-ddp-options": (lambda t: TwoBPStrategy(find_unused_parameters=True), TypeError,
                              r"TwoBPStrategy got find_unused_parameters: DistributedDataParallel's options do not "
                              r"apply .* remove them"),
@@ -387,6 +439,9 @@ CASES: dict[str, Case] = {
     "fit-step-skips-layers": (lambda t: _fit(SkipsLayers()), RuntimeError,
                               r"training_step did not call layers: under strategy='twobp' it must call the "
                               r"pipelined block exactly once"),
+    "fit-step-calls-twice": (lambda t: _fit(CallsTwice()), RuntimeError,
+                             r"the step called layers a second time: under strategy='twobp' it must call the "
+                             r"pipelined Sequential once per step .* layers\(torch.cat\(\[x, -x\]\)\)"),
     "fit-input-requires-grad": (lambda t: _fit(TrainedInput()), ValueError,
                                 r"the input of layers requires grad: a module with parameters runs before it in "
                                 r"training_step.*move it into the Sequential"),
@@ -395,6 +450,27 @@ CASES: dict[str, Case] = {
     "fit-log-a-string": (lambda t: _fit(LogsString()), RuntimeError,
                          r"self.log\('phase', str\) from a step under strategy='twobp': log a tensor, a number or a "
                          r"torchmetrics Metric"),
+    "fit-num-nodes-one-machine": (lambda t: _fit(trainer=dict(num_nodes=2)), ValueError,
+                                  r"Trainer\(num_nodes=2, devices=1\) on one machine: Lightning starts 1 process\(es\) "
+                                  r"here and they would wait for 1 more from 1 other node\(s\) .* use num_nodes=1 with "
+                                  r"devices=2"),
+    "fit-all-gather-in-step": (lambda t: _fit(GathersInStep()), RuntimeError,
+                               r"self.all_gather in training_step under strategy='twobp': .* would wait forever; "
+                               r"gather where every rank runs at once"),
+    "fit-optimizer-outside-model": (lambda t: _fit(StrayTensor()), ValueError,
+                                    r"an optimizer of configure_optimizers on pipeline rank 0 holds 1 tensor\(s\) that "
+                                    r"are not parameters of the LightningModule \(shapes \(3,\)\).*register it in the "
+                                    r"module"),
+    "fit-optimizer-empty": (lambda t: _fit(EmptyOptimizer()), ValueError,
+                            r"configure_optimizers on pipeline rank 0 \(stages \[0\]\) gave an optimizer an empty "
+                            r"parameter list .* build every optimizer from self.parameters\(\)"),
+    "fit-metric-dist-sync-on-step": (lambda t: _fit(SyncsOnStep()), ValueError,
+                                     r"mean \(MeanMetric\) has dist_sync_on_step=True: under strategy='twobp' only the "
+                                     r"last stage's rank runs the step past the pipelined block.*drop "
+                                     r"dist_sync_on_step"),
+    "fit-log-loose-metric": (lambda t: _fit(LogsLooseMetric()), RuntimeError,
+                             r"self.log\('mean', MeanMetric\) under strategy='twobp': log a Metric that is an "
+                             r"attribute of the LightningModule"),
     "fit-shared-blocks": (lambda t: _fit(SharedBlocks()), ValueError,
                           r"blocks holds the same module more than once .* give every entry its own module"),
     "fit-loose-parameter": (lambda t: _fit(LooseParameter()), ValueError,
@@ -475,7 +551,8 @@ def _batch_of_two_sizes() -> DataLoader:
 
 # Refused at the first forward of step 0 (what only the user's own step can show); every other case
 # is refused before any module runs.
-AT_FIRST_FORWARD = {"fit-step-skips-layers", "fit-input-requires-grad", "fit-step-returns-no-loss", "fit-log-a-string",
+AT_FIRST_FORWARD = {"fit-log-loose-metric", "fit-step-calls-twice",
+                    "fit-step-skips-layers", "fit-input-requires-grad", "fit-step-returns-no-loss", "fit-log-a-string",
                     "fit-batch-tensors-differ"}
 
 

@@ -7,6 +7,7 @@ import os
 
 import lightning.pytorch as pl
 import pytest
+from lightning.pytorch.loggers.logger import Logger
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -108,6 +109,35 @@ def test_model_is_whole_after_fit_and_fits_again(gather):
             torch.testing.assert_close(value, ref[name], rtol=1e-5, atol=1e-6, msg=name)
     if gather:  # every rank holds the same, complete, trained model
         torch.testing.assert_close(results[0]["call"], results[1]["call"])
+
+
+PRECISIONS = {"bf16-true": torch.bfloat16, "16-true": torch.float16, "64-true": torch.float64}
+
+
+def _gathered(rank: int, world: int) -> dict:
+    _env(rank, world)
+    out = {}
+    for precision in PRECISIONS:
+        model = Regressor()
+        _trainer(TwoBPStrategy(gather_full_model=True), world, max_steps=2, precision=precision).fit(model, _data())
+        out[precision] = {n: t.detach().clone() for n, t in model.state_dict().items()}
+    return out
+
+
+def test_gather_full_model_receives_in_the_owners_dtype():
+    """Under "bf16-true", "16-true" and "64-true" the trained stages are in that dtype: every rank's copy of
+    the other rank's layers is the owner's tensor, bitwise and in its dtype (a float32 receive buffer read
+    bf16 bytes as garbage and aborted on float64); "64-true" also matches one process."""
+    ranks = run_distributed(_gathered, 2, timeout=300)
+    for precision, dtype in PRECISIONS.items():
+        first, second = ranks[0][precision], ranks[1][precision]
+        for name, value in first.items():
+            assert value.dtype == second[name].dtype == dtype, (precision, name)
+            assert torch.equal(value, second[name]), (precision, name)
+    model = Regressor()
+    _trainer("auto", 1, max_steps=2, precision="64-true").fit(model, _data())
+    for name, value in model.state_dict().items():
+        torch.testing.assert_close(ranks[0]["64-true"][name], value, rtol=1e-5, atol=1e-7, msg=name)
 
 
 class FailsAtStep1(Regressor):
@@ -300,51 +330,119 @@ def test_model_zoo_matches_one_process(name):
 
 
 # ---------------------------------------------------------------------------------------------- metrics
+def _metrics() -> nn.ModuleDict:
+    from torchmetrics import SumMetric
+    from torchmetrics.classification import MulticlassAccuracy, MulticlassAUROC, MulticlassF1Score
+
+    return nn.ModuleDict({
+        "acc_micro": MulticlassAccuracy(num_classes=4, average="micro"),
+        "acc_macro": MulticlassAccuracy(num_classes=4),  # torchmetrics' default: not a mean over samples
+        "acc_weighted": MulticlassAccuracy(num_classes=4, average="weighted"),
+        "f1": MulticlassF1Score(num_classes=4),
+        "auroc": MulticlassAUROC(num_classes=4),  # concatenated states
+        "seen": SumMetric(),  # a sum: counted once per replica, not once per pipeline rank
+    })
+
+
 class Classifier(pl.LightningModule):
-    """Logs a torchmetrics Metric object, as Lightning's docs show it."""
+    """Logs torchmetrics Metric objects, as Lightning's docs show it, in training and validation."""
+
+    def __init__(self, lr: float = 0.5) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))
+        self.train_metrics, self.val_metrics = _metrics(), _metrics()
+        self.lr = lr
+
+    def _step(self, batch, metrics: nn.ModuleDict, prefix: str) -> torch.Tensor:
+        x, y = batch
+        logits = self.layers(x)
+        for name, metric in metrics.items():
+            metric(torch.ones(len(y)) if name == "seen" else logits, *(() if name == "seen" else (y,)))
+            self.log(f"{prefix}_{name}", metric, on_step=True, on_epoch=True)
+        return F.cross_entropy(logits, y)
+
+    def training_step(self, batch, batch_idx):
+        return self._step(batch, self.train_metrics, "train")
+
+    def validation_step(self, batch, batch_idx):
+        self._step(batch, self.val_metrics, "val")
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+
+def _class_data(n: int = 32) -> DataLoader:
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(n, 6, generator=g)
+    y = (x[:, 0] > 0).long() + 2 * (x[:, 1] > 0).long()
+    return DataLoader(TensorDataset(x, torch.where(torch.rand(n, generator=g) < 0.3, (y + 1) % 4, y)), batch_size=8)
+
+
+class _Recorder(Logger):
+    """What a logger is given, on every rank: each training and validation step's values and each epoch's."""
 
     def __init__(self) -> None:
         super().__init__()
-        from torchmetrics.classification import MulticlassAccuracy
+        self.rows: list[dict[str, float]] = []
 
-        torch.manual_seed(0)
-        self.layers = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))
-        self.acc = MulticlassAccuracy(num_classes=4, average="micro")
+    name, version = "recorder", 0
 
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        logits = self.layers(x)
-        self.acc(logits, y)
-        self.log("train_acc", self.acc, on_step=True, on_epoch=True)
-        return F.cross_entropy(logits, y)
+    def log_hyperparams(self, *args, **kwargs) -> None:
+        pass
 
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.5)
+    def log_metrics(self, metrics, step=None) -> None:
+        self.rows.append({k: float(v) for k, v in metrics.items() if k not in ("epoch", "step")})
 
 
-def _class_data() -> DataLoader:
-    g = torch.Generator().manual_seed(4)
-    x = torch.randn(32, 6, generator=g)
-    return DataLoader(TensorDataset(x, (x[:, 0] > 0).long() + 2 * (x[:, 1] > 0).long()), batch_size=8)
-
-
-def _fit_classifier(strategy, devices: int) -> dict:
-    trainer = _trainer(strategy, devices, max_epochs=2, max_steps=-1)
-    trainer.fit(Classifier(), _class_data())
-    return {k: float(v) for k, v in trainer.callback_metrics.items()}
+def _fit_classifier(strategy, devices: int, lr: float = 0.5, **kw) -> list[dict[str, float]]:
+    recorder = _Recorder()
+    trainer = pl.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_epochs=2, logger=recorder,
+                         log_every_n_steps=1, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, num_sanity_val_steps=0,
+                         use_distributed_sampler=kw.pop("use_distributed_sampler", False), **kw)
+    trainer.fit(Classifier(lr), _class_data(), _class_data(16))
+    return recorder.rows
 
 
 def _fit_classifier_pipelined(rank: int, world: int) -> dict:
     _env(rank, world)
-    return _fit_classifier(TwoBPStrategy(num_microbatches=4), world)
+    return {"pp": _fit_classifier(TwoBPStrategy(num_microbatches=4), world),
+            # 2 replicas of a one-rank pipeline, each reading its shard; lr=0 so that the epoch's values
+            # depend on the data only: over both shards, they are one process's over the whole set
+            "dp": _fit_classifier(TwoBPStrategy(pipeline_degree=1, num_microbatches=4), world, lr=0.0,
+                                  use_distributed_sampler=True)}
 
 
-def test_a_logged_torchmetrics_metric_gives_the_one_process_values():
+def test_logged_torchmetrics_metrics_give_the_one_process_values():
+    """Macro and weighted accuracy, F1 and AUROC (and micro accuracy, a sum), logged as Metric objects, at
+    each training and validation step (the whole batch's value, not a mean of micro-batch values) and
+    each epoch (synced over the data-parallel replicas, once per replica), on every rank."""
     ref = _fit_classifier("auto", 1)
-    assert {"train_acc_step", "train_acc_epoch"} <= set(ref)
-    for out in run_distributed(_fit_classifier_pipelined, 2, timeout=180):
-        for key in ("train_acc_step", "train_acc_epoch"):
-            assert out[key] == pytest.approx(ref[key], rel=1e-6), key
+    keys = {f"{p}_{m}_{at}" for p in ("train", "val") for m in _metrics() for at in ("step", "epoch")}
+    logged = set().union(*ref)
+    assert keys <= logged, sorted(keys - logged)
+    ref_dp = _epochs(_fit_classifier("auto", 1, lr=0.0))
+    for out in run_distributed(_fit_classifier_pipelined, 2, timeout=300):
+        assert len(out["pp"]) == len(ref)
+        for got, want in zip(out["pp"], ref):
+            assert set(got) == set(want)
+            for key, value in want.items():
+                assert got[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
+        dp = _epochs(out["dp"])
+        assert set(dp) == set(ref_dp) and len(ref_dp) == 2 * 2 * len(_metrics())
+        for key, value in ref_dp.items():
+            assert dp[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
+
+
+def _epochs(rows: list[dict[str, float]]) -> dict[tuple[int, str], float]:
+    """Each epoch's values, by (epoch, name)."""
+    out: dict[tuple[int, str], float] = {}
+    for row in rows:
+        for k, v in row.items():
+            if k.endswith("_epoch"):
+                out[(sum(1 for (_, n) in out if n == k), k)] = v
+    return out
 
 
 def _fit_tied_dp(rank: int, world: int) -> dict:

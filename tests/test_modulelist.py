@@ -69,6 +69,10 @@ class CausalLM(pl.LightningModule):
     def validation_step(self, batch, batch_idx):
         self.log("val_loss", self._loss(batch))
 
+    def predict_step(self, batch, batch_idx):
+        out = self.model(input_ids=batch[0], attention_mask=batch[2])
+        return out.logits if hasattr(out, "logits") else out
+
     def configure_optimizers(self):
         # SGD, not Adam: attention's key bias has a zero gradient in exact arithmetic (softmax ignores a
         # constant over keys), and Adam turns that rounding noise into full-size steps whose sign flips
@@ -158,34 +162,51 @@ def _make(name: str) -> pl.LightningModule:
     return CausalLM(name)
 
 
-def _reference(name: str, validate: bool) -> tuple[dict, float | None]:
+def _again(model: pl.LightningModule, strategy, devices: int, batch_size: int, **kw) -> dict:
+    """After a fit: validate, predict and fit again, each by a new Trainer (docs/strategy.md, "After a
+    Trainer call"). Validation on micro-batches as the pipeline cuts them: a token mean over padded
+    sequences is not a mean over samples, so the whole batch's value would differ."""
+    val = DataLoader(_padded_tokens(2 * BATCH), batch_size=batch_size)
+    out = {"val_loss": _trainer(strategy(), devices).validate(model, val, verbose=False)[0]["val_loss"]}
+    preds = _trainer(strategy(), devices).predict(model, DataLoader(_padded_tokens(2 * BATCH), batch_size=BATCH))
+    out["preds"] = None if preds is None or preds[0] is None else torch.cat(preds)
+    _fit(model, strategy(), devices, batch_size, **kw)
+    out["params"] = _own(model)
+    return out
+
+
+def _own(model: nn.Module) -> dict:
+    """The weights on this rank: all of them, or without gather_full_model those of its own stages."""
+    return {n: q.detach().clone() for n, q in model.named_parameters() if not q.is_meta}
+
+
+def _reference(name: str, again: bool) -> dict:
     """One process, micro-batches of BATCH / M accumulated over M steps: the pipeline's micro-batching."""
     model = _make(name)
     _fit(model, "auto", 1, BATCH // M, accumulate_grad_batches=M)
-    val = None
-    if validate:
-        # micro-batches as the pipeline cuts them: a token mean over padded sequences is not a mean over
-        # samples, so the whole batch's value would differ (docs/strategy.md, "Logging and metrics")
-        data = DataLoader(_padded_tokens(2 * BATCH), batch_size=BATCH // M)
-        val = _trainer("auto", 1).validate(model, data, verbose=False)[0]["val_loss"]
-    return {n: q.detach() for n, q in model.named_parameters()}, val
+    out = {"params": _own(model)}
+    if again:
+        out["again"] = _again(model, lambda: "auto", 1, BATCH // M, accumulate_grad_batches=M)
+    return out
 
 
-def _pipelined(rank: int, world: int, name: str, kw: dict, validate: bool) -> dict:
+def _pipelined(rank: int, world: int, name: str, kw: dict, again: bool) -> dict:
     _env(rank, world)
     model = _make(name)
-    _fit(model, TwoBPStrategy(num_microbatches=M, gather_full_model=True, **kw), world, BATCH)
-    out: dict = {"params": {n: q.detach().clone() for n, q in model.named_parameters()}}  # whole: gather_full_model
-    if validate:  # a Trainer without gather_full_model: the other ranks' layers are left on meta after it
-        data = DataLoader(_padded_tokens(2 * BATCH), batch_size=BATCH)
-        out["val_loss"] = _trainer(TwoBPStrategy(num_microbatches=M, **kw), world).validate(model, data, verbose=False)[0]["val_loss"]
+    # Without gather_full_model the other stages' modules stay on the meta device after fit, and the
+    # next Trainer calls stand in for them again (the meta twins of GPT-2's wte, Llama's embed_tokens).
+    _fit(model, TwoBPStrategy(num_microbatches=M, gather_full_model=not again, **kw), world, BATCH)
+    out = {"params": _own(model)}
+    if again:
+        out["again"] = _again(model, lambda: TwoBPStrategy(num_microbatches=M, **kw), world, BATCH)
     return out
 
 
 CASES = {
-    # GPT-2's defaults: tied embeddings (wte on the first stage, lm_head on the last), a DynamicCache
-    "hf-gpt2": ("hf-gpt2", dict(schedule="1f1b"), False),
-    # the V: 4 stages on 2 ranks, so stages 1 and 2 re-run the step themselves; and validation
+    # GPT-2's defaults: tied embeddings (wte on the first stage, lm_head on the last), a DynamicCache;
+    # then validate, predict and fit again without gathering
+    "hf-gpt2": ("hf-gpt2", dict(schedule="1f1b"), True),
+    # the V: 4 stages on 2 ranks, so stages 1 and 2 re-run the step themselves; and the same again
     "hf-llama-zb-v": ("hf-llama", dict(schedule="zb-v"), True),
     "nanogpt-zb-h1": ("nanogpt", dict(schedule="zb-h1", layers="model.transformer.h"), False),
     "llama-loop-interleaved": ("llama-loop", dict(schedule="interleaved-1f1b"), False),
@@ -195,14 +216,24 @@ CASES = {
 @pytest.mark.dist
 @pytest.mark.parametrize("case", list(CASES))
 def test_modulelist_models_match_one_process(case):
-    name, kw, validate = CASES[case]
-    ref, ref_val = _reference(name, validate)
-    for out in run_distributed(_pipelined, 2, name, kw, validate, timeout=240):
-        assert set(out["params"]) == set(ref)
+    name, kw, again = CASES[case]
+    ref = _reference(name, again)
+    results = run_distributed(_pipelined, 2, name, kw, again, timeout=300)
+    if not again:  # gathered: every rank holds every weight
+        assert all(set(out["params"]) == set(ref["params"]) for out in results)
+    assert set().union(*(out["params"] for out in results)) == set(ref["params"])
+    for out in results:
         for n, value in out["params"].items():
-            torch.testing.assert_close(value, ref[n], rtol=1e-5, atol=1e-6, msg=n)
-        if validate:
-            assert out["val_loss"] == pytest.approx(ref_val, rel=1e-5)
+            torch.testing.assert_close(value, ref["params"][n], rtol=1e-5, atol=1e-6, msg=n)
+    if again:
+        assert [out["again"]["preds"] is not None for out in results].count(True) == 1
+        for out in (r["again"] for r in results):
+            assert out["val_loss"] == pytest.approx(ref["again"]["val_loss"], rel=1e-5)
+            if out["preds"] is not None:
+                torch.testing.assert_close(out["preds"], ref["again"]["preds"], rtol=1e-5, atol=1e-6)
+            assert out["params"]
+            for n, value in out["params"].items():
+                torch.testing.assert_close(value, ref["again"]["params"][n], rtol=1e-5, atol=1e-6, msg=n)
 
 
 # ---------------------------------------------------------------------------------------------- errors

@@ -87,3 +87,90 @@ def test_resume_mid_epoch_is_bitwise(tmp_path):
             assert loss == straight["losses"][step], f"rank {rank}: step {step}'s loss differs after resuming"
         for name, value in straight["weights"].items():
             assert torch.equal(resumed["weights"][name], value), f"rank {rank}: {name} differs after resuming"
+
+
+# ---------------------------------------------------------------------------------------------- stage streams
+class Masks(pl.LightningModule):
+    """Four stages of Linear + Dropout: same-shaped dropouts, so stages drawing from equal streams would
+    draw equal masks. Each dropout's masks are recorded per training step, micro-batch by micro-batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.Sequential(nn.Linear(6, 16), nn.Dropout(0.5),
+                                    *[m for _ in range(3) for m in (nn.Linear(16, 16), nn.Dropout(0.5))])
+        self.masks: dict[int, dict[int, list[torch.Tensor]]] = {}  # dropout -> global step -> masks
+        for k in range(4):
+            self.layers[2 * k + 1].register_forward_hook(self._recorder(k))
+
+    def _recorder(self, k: int):
+        def record(module, args, out):
+            self.masks.setdefault(k, {}).setdefault(self.trainer.global_step, []).append((out == 0).clone())
+
+        return record
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.mse_loss(self.layers(x)[:, :2], y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+M = 4  # micro-batches of 2 samples: each mask is 2 x 16
+
+
+def _masks(world: int, max_steps: int, folder: str | None = None, ckpt_path: str | None = None, **kw) -> dict:
+    """Each dropout's masks per step: the last M records of the step (a stage's shape probe before the
+    first step of a Trainer call runs its forward once more, outside its stream)."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    pl.seed_everything(7, verbose=False)
+    model = Masks()
+    cbs = [ModelCheckpoint(dirpath=folder, every_n_train_steps=2, save_top_k=-1)] if folder else []
+    strategy = TwoBPStrategy(num_microbatches=M, **{"schedule": "zb-v", "balance": [2, 2, 2, 2], **kw})
+    pl.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=max_steps, logger=False,
+               enable_checkpointing=bool(folder), enable_progress_bar=False, enable_model_summary=False,
+               callbacks=cbs).fit(model, datamodule=Data(), ckpt_path=ckpt_path)
+    return {k: {step: ms[-M:] for step, ms in steps.items()} for k, steps in model.masks.items()}
+
+
+def _stream_runs(rank: int, world: int, port: int, folder: str) -> dict:
+    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world), RANK=str(rank),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    return {
+        "first": _masks(world, 4, folder=folder),  # zb-v: stages 0, 3 on rank 0; 1, 2 on rank 1
+        "second": _masks(world, 4),
+        # resumed at step 2 under interleaved 1F1B: stages 0, 2 on rank 0; 1, 3 on rank 1
+        "resumed": _masks(world, 4, ckpt_path=f"{folder}/epoch=0-step=2.ckpt", schedule="interleaved-1f1b"),
+        # 2 data-parallel replicas of a pipeline of one rank holding both stages of the V
+        "replicas": _masks(world, 2, pipeline_degree=1, balance=[4, 4]),
+    }
+
+
+def _equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> int:
+    return sum(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+def test_each_stage_draws_from_its_own_stream_restored_by_stage(tmp_path):
+    """Dropout masks: never equal between stages (each stage had its own stream) nor between data-parallel
+    replicas; the same in a second run with the same seed; and after resuming under another layout, the
+    same per stage as the uninterrupted run (a stage's stream is stored by stage, not by rank)."""
+    ranks = run_distributed(_stream_runs, 2, free_port(), str(tmp_path), timeout=360)
+    masks = {}  # dropout -> step -> masks, from whichever rank held it
+    for run in ("first", "second", "resumed"):
+        masks[run] = {k: steps for r in ranks for k, steps in r[run].items()}
+        assert sorted(masks[run]) == [0, 1, 2, 3]
+    first = masks["first"]
+    for step in range(4):
+        for a in range(4):
+            for b in range(a + 1, 4):
+                assert _equal(first[a][step], first[b][step]) == 0, f"step {step}: dropouts {a} and {b} drew alike"
+    assert all(_equal(first[k][s], masks["second"][k][s]) == M for k in range(4) for s in range(4))
+    assert sorted(masks["resumed"][0]) == [2, 3]
+    assert all(_equal(first[k][s], masks["resumed"][k][s]) == M for k in range(4) for s in (2, 3))
+    replicas = [r["replicas"] for r in ranks]
+    for k in range(4):
+        for step in range(2):
+            assert _equal(replicas[0][k][step], replicas[1][k][step]) == 0, f"replicas drew alike: dropout {k}"
+    assert all(_equal(replicas[0][a][0], replicas[0][b][0]) == 0 for a, b in ((0, 2), (1, 3)))

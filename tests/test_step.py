@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_twobp.lightning.step import metric_batch_value, split_microbatches
+from lightning_twobp.lightning.step import split_microbatches
 
 
 def test_split_is_along_the_first_dimension_and_keeps_the_structure():
@@ -17,12 +17,72 @@ def test_split_is_along_the_first_dimension_and_keeps_the_structure():
     assert [len(mb["y"]) for mb in split_microbatches(batch, 3, exact=False)] == [2, 1, 1]
 
 
-def test_a_metrics_batch_value_is_where_lightning_reads_it():
-    """Fails loudly when torchmetrics stops keeping the last call's value where Lightning reads it."""
+def test_the_torchmetrics_private_state_we_set_is_what_lightning_and_torchmetrics_read():
+    """Fails loudly when torchmetrics or Lightning change what lightning/metrics.py relies on: Lightning logs a
+    Metric's ``_forward_cache`` at a step, ``update_count`` reads ``_update_count``, and ``_reduce_states``
+    merges a state before the current one (sums added, concatenated states in order)."""
+    import lightning.pytorch as pl
+    from torchmetrics import CatMetric, SumMetric
+
+    from lightning_twobp.lightning.metrics import _finish_step, _merge
+
+    metric = CatMetric()
+    metric.update(torch.tensor([1.0, 2.0]))
+    before = {"value": list(metric.value)}  # reset() empties the list in place
+    metric.reset()
+    metric.update(torch.tensor([3.0]))
+    _merge(metric, before)
+    _finish_step(metric, 5, torch.tensor(0.25))
+    assert metric.compute().tolist() == [1.0, 2.0, 3.0] and metric.update_count == 5
+    total = SumMetric()
+    total.update(torch.tensor(2.0))
+    _merge(total, {"sum_value": torch.tensor(3.0)})
+    assert float(total.compute()) == 5.0
+
+    class Logs(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = torch.nn.Linear(2, 1)
+            self.total = SumMetric()
+
+        def training_step(self, batch, batch_idx):
+            self.total(torch.tensor(1.0))
+            _finish_step(self.total, 1, torch.tensor(0.25))
+            self.log("total", self.total)
+            return self.layer(batch[0]).sum()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=1, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(Logs(), torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.ones(2, 2)), batch_size=2))
+    assert float(trainer.callback_metrics["total"]) == 0.25
+
+
+def test_a_steps_metric_state_is_the_whole_batchs_on_every_rank():
+    """Without processes: the last stage's step over two micro-batches, and another rank given its states."""
     from torchmetrics.classification import MulticlassAccuracy
 
-    metric = MulticlassAccuracy(num_classes=3, average="micro")
-    with pytest.raises(TypeError, match="call it first"):
-        metric_batch_value(metric, "acc")
-    value = metric(torch.tensor([0, 1, 2, 2]), torch.tensor([0, 1, 1, 2]))
-    assert torch.equal(metric_batch_value(metric, "acc"), value) and float(value) == 0.75
+    from lightning_twobp.lightning.metrics import StepMetrics
+
+    def module() -> torch.nn.Module:
+        m = torch.nn.Module()
+        m.acc = MulticlassAccuracy(num_classes=3)  # macro: not a mean over samples
+        return m
+
+    preds, target = torch.tensor([0, 1, 2, 2, 1, 0]), torch.tensor([0, 1, 1, 2, 2, 0])
+    whole = MulticlassAccuracy(num_classes=3)
+    whole(preds[:2], target[:2])
+    batch_value = whole(preds[2:], target[2:])
+    last, other = module(), module()
+    last.acc(preds[:2], target[:2])  # a first step, before the pipeline's
+    other.acc(preds[:2], target[:2])
+    mine, theirs = StepMetrics(last), StepMetrics(other)
+    mine.begin(), theirs.begin()
+    last.acc(preds[2:4], target[2:4])
+    last.acc(preds[4:], target[4:])
+    theirs.apply(mine.end())
+    for m in (last.acc, other.acc):
+        assert float(m._forward_cache) == float(batch_value)  # the step's value: the whole batch's
+        assert float(m.compute()) == float(whole.compute()) and m.update_count == 2

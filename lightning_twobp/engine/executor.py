@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import time
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -92,6 +93,9 @@ class PipelineExecutor:
         timeout: seconds a rank waits on another before it reports that rank as lost (a
             :class:`PipelineError` naming its pipeline rank, stage and host); ``None``: the process
             group's own timeout (30 minutes by default).
+        around: ``around(stage)`` gives a context manager entered around each F, B, W and BW of that
+            stage and its forward-only passes (the strategy's per-stage random streams); the shape
+            probe before a step runs outside it, so it leaves no trace there.
     """
 
     def __init__(
@@ -105,8 +109,10 @@ class PipelineExecutor:
         record: bool = False,
         grad_reduce: Callable[[int, list[nn.Parameter]], Callable[[], None]] | None = None,
         timeout: float | None = 600.0,
+        around: Callable[[int], AbstractContextManager[Any]] | None = None,
     ) -> None:
         validate(schedule)
+        self._around = around
         self.schedule = schedule
         self.group = group
         world = dist.get_world_size(group) if dist.is_initialized() else 1
@@ -251,7 +257,8 @@ class PipelineExecutor:
                 else:
                     x = tuple(t.to(self.device) for t in self._p2p.recv_object(s - 1))
                 try:
-                    out = layers(*x)
+                    with self._context(Action("F", s, mb)):
+                        out = layers(*x)
                 except Exception as e:
                     raise PipelineError(
                         f"rank {self.rank}, forward-only pass, stage {s}, micro-batch {mb}: {type(e).__name__}: {e}"
@@ -288,7 +295,7 @@ class PipelineExecutor:
                 ev = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
                 ev[0].record()
         try:
-            with torch.profiler.record_function(self._labels[step]):
+            with torch.profiler.record_function(self._labels[step]), self._context(arg):
                 handler(arg)
         except PipelineError:
             raise
@@ -307,6 +314,9 @@ class PipelineExecutor:
                 ActionRecord(self.rank, step, label, start - self._t0, time.perf_counter() - self._t0,
                              self._p2p.wait_time)
             )
+
+    def _context(self, op: Any) -> AbstractContextManager[Any]:
+        return self._around(op.stage) if self._around is not None and isinstance(op, Action) else nullcontext()
 
     def _listing(self, at: int) -> str:
         cells = [f"  {i:3d} {op}" + ("   <-- ERROR HERE" if i == at else "") for i, op in enumerate(self.ops)]

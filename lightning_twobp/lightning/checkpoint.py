@@ -37,6 +37,7 @@ import shutil
 import sys
 import tempfile
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -211,10 +212,12 @@ def _swap_into_place(tmp: Path, path: Path) -> None:
 
 
 def save(checkpoint: dict[str, Any], path: Path, module: nn.Module, optimizers: list[Any],
-         layout: dict[str, Any], group: dist.ProcessGroup | None = None) -> None:
+         layout: dict[str, Any], group: dist.ProcessGroup | None = None,
+         streams: dict[str, dict[str, torch.Tensor]] | None = None) -> None:
     """Write ``checkpoint`` (Lightning's dict) as a sharded directory at ``path``; every rank calls it.
     ``group``: the process group of its collectives (the world's by default; the strategy passes one
-    whose timeout covers writing and hashing a large checkpoint).
+    whose timeout covers writing and hashing a large checkpoint). ``streams``: this rank's stages'
+    random streams, by name (:meth:`~.rng.StageStreams.state_dict`), stored beside the rank's own.
 
     Crash-safe: everything goes into the hidden sibling ``.NAME.partial``; rank 0 writes the
     Lightning metadata and a manifest (size and SHA-256 of every file) last, then renames the
@@ -231,7 +234,7 @@ def save(checkpoint: dict[str, Any], path: Path, module: nn.Module, optimizers: 
     state = {"model": get_model_state_dict(module)}
     for i, opt in enumerate(optimizers):
         state[f"optimizer_{i}"] = get_optimizer_state_dict(module, opt, options=_OPTIM)
-    state["rng"] = {f"rank{rank}": rng_state()}  # every rank's own streams (dropout differs per stage)
+    state["rng"] = {f"rank{rank}": rng_state(), **(streams or {})}  # the rank's streams, and its stages'
     mine = _write_shards(state, tmp, group)
     files = {name: entry for part in _gather_to_zero(mine, group) for name, entry in part.items()}
     if rank == 0:
@@ -303,10 +306,11 @@ def verify(path: str | os.PathLike, *, shared: bool = True, group: dist.ProcessG
 
 
 def load(path: Path, module: nn.Module, optimizers: list[Any], weights_only: bool | None,
-         strict: bool = True, group: dist.ProcessGroup | None = None) -> dict[str, Any]:
+         strict: bool = True, group: dist.ProcessGroup | None = None, streams: Sequence[str] = ()) -> dict[str, Any]:
     """Verify the checkpoint, load this rank's weights (and, when ``optimizers`` are given, their
     state) from it into ``module`` and ``optimizers`` in place; return the rest of the checkpoint.
-    ``group``: as for :func:`save`."""
+    ``group``: as for :func:`save`. ``streams``: the names of the stage streams to read, where the
+    checkpoint has them (returned under ``twobp_streams``)."""
     path = resolve(path)
     verify(path, group=group)
     try:
@@ -321,18 +325,25 @@ def load(path: Path, module: nn.Module, optimizers: list[Any], weights_only: boo
     for i, opt in enumerate(optimizers):
         # The optimizer's own state dict as the template (torch fills a fresh optimizer's state first).
         state[f"optimizer_{i}"] = get_optimizer_state_dict(module, opt, options=_OPTIM)
-    # This rank's random states, where the checkpoint has them (it may come from another world size).
-    prefix = f"rng.rank{_world()[0]}."
+    # This rank's random states and its stages', where the checkpoint has them (it may come from another
+    # world size or layout).
+    own = f"rank{_world()[0]}"
     saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
-    rng = {k[len(prefix):]: torch.empty(tuple(m.size), dtype=m.properties.dtype)
-           for k, m in saved.items() if k.startswith(prefix)}
+    rng = {}
+    for name in (own, *streams):
+        prefix = f"rng.{name}."
+        found = {k[len(prefix):]: torch.empty(tuple(m.size), dtype=m.properties.dtype)
+                 for k, m in saved.items() if k.startswith(prefix)}
+        if found:
+            rng[name] = found
     if rng:
-        state["rng"] = {prefix.split(".")[1]: rng}
+        state["rng"] = rng
     dcp.load(state, checkpoint_id=path, process_group=group)
     set_model_state_dict(module, state["model"], options=StateDictOptions(strict=strict))
     for i, opt in enumerate(optimizers):
         set_optimizer_state_dict(module, opt, state[f"optimizer_{i}"], options=_OPTIM)
-    checkpoint["twobp_rng"] = rng or None  # restored by the strategy right before the next training step
+    checkpoint["twobp_rng"] = rng.pop(own, None)  # restored by the strategy right before the next training step
+    checkpoint["twobp_streams"] = rng
     return checkpoint
 
 

@@ -88,6 +88,24 @@ class StageModule(nn.Module):
         return x
 
 
+def _once(call: Callable[..., Any], name: str) -> Callable[..., Any]:
+    """``call`` for the step's first call of the pipelined block; a second call raises. The last stage
+    answers every call with the pipeline's one output, so a second call would get the first one's."""
+    calls = [0]
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        if calls[0]:
+            raise RuntimeError(
+                f"the step called {name} a second time: under strategy='twobp' it must call the pipelined "
+                f"Sequential once per step (the pipeline runs it once per micro-batch); call it once on all its "
+                f"inputs (e.g. {name}(torch.cat([x, -x]))) and split the output"
+            )
+        calls[0] += 1
+        return call(*args, **kwargs)
+
+    return forward
+
+
 class SequentialContract:
     """The pipelined part is one ``nn.Sequential`` (see the module docstring)."""
 
@@ -104,7 +122,7 @@ class SequentialContract:
     @contextmanager
     def intercept(self, call: Callable[..., Any]) -> Iterator[None]:
         # An instance attribute shadows the class's forward for this ``with`` only; nothing stays.
-        self.seq.forward = call  # type: ignore[method-assign]
+        self.seq.forward = _once(call, self.name or "the Sequential")  # type: ignore[method-assign]
         try:
             yield
         finally:

@@ -11,9 +11,11 @@ end of their step (:meth:`LogChannel.receive`), when they have long arrived.
 
 A message is a header ``[values, names signature, bytes of names]`` (int64) and the values
 (float64: the mean loss, then each logged value, each weighted by micro-batch size as
-:func:`~.step.step_means` does); the names, their ``self.log`` options and types travel as pickled
-bytes only when they change (the first step, a metric logged only every few steps). Float64 holds
-every float32, bfloat16 and int below 2**53 exactly, so the values logged are the last stage's.
+:func:`~.step.step_means` does, then the step states of the torchmetrics Metrics, flattened: see
+:mod:`.metrics`); the names, their ``self.log`` options and types, and the states' names, dtypes and
+shapes travel as pickled bytes only when they change (the first step, a metric logged only every few
+steps, a last batch of another size). Float64 holds every float32, bfloat16 and int below 2**53
+exactly, so the values logged and the states merged are the last stage's.
 On a GPU the receiving ranks read the 3-number header on the host: one synchronisation per step
 at its end, on data that arrived during the step.
 """
@@ -21,12 +23,14 @@ at its end, on data that arrived during the step.
 from __future__ import annotations
 
 import hashlib
+import math
 import pickle
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from lightning_twobp.lightning.metrics import MetricRef, States
 from lightning_twobp.lightning.step import Logs
 
 __all__ = ["LogChannel"]
@@ -35,12 +39,34 @@ _TAG_HEADER, _TAG_VALUES, _TAG_NAMES = 11, 12, 13
 
 
 def _spec_of(means: Logs) -> list[tuple[str, dict, str]]:
-    """Names, ``self.log`` options and the value's kind (python int, float, or a tensor's dtype)."""
+    """Names, ``self.log`` options and the value's kind (python int, float, a tensor's dtype, or the
+    path of a Metric)."""
     spec = []
     for name, (value, kw) in means.items():
-        kind = str(value.dtype) if isinstance(value, torch.Tensor) else type(value).__name__
+        if isinstance(value, MetricRef):
+            kind = f"metric:{value.path}"
+        else:
+            kind = str(value.dtype) if isinstance(value, torch.Tensor) else type(value).__name__
         spec.append((name, kw, kind))
     return spec
+
+
+def _states_spec(states: States) -> list[tuple[str, str, str, tuple[int, ...]]]:
+    return [(path, k, str(v.dtype), tuple(v.shape)) for path, st in states.items() for k, v in st.items()]
+
+
+def _unflatten(spec: list[tuple[str, str, str, tuple[int, ...]]], flat: torch.Tensor) -> States:
+    states: States = {}
+    at = 0
+    for path, k, dtype, shape in spec:
+        n = math.prod(shape)
+        states.setdefault(path, {})[k] = flat[at:at + n].reshape(shape).to(_dtype(dtype))
+        at += n
+    return states
+
+
+def _dtype(kind: str) -> torch.dtype:
+    return getattr(torch, kind.removeprefix("torch."))
 
 
 def _signature(blob: bytes) -> int:
@@ -48,11 +74,13 @@ def _signature(blob: bytes) -> int:
 
 
 def _restore(value: torch.Tensor, kind: str) -> Any:
+    if kind.startswith("metric:"):
+        return MetricRef(kind.removeprefix("metric:"))
     if kind == "int":
         return int(value.item())
     if kind == "float":
         return float(value.item())
-    return value.to(getattr(torch, kind.removeprefix("torch.")))
+    return value.to(_dtype(kind))
 
 
 class LogChannel:
@@ -80,19 +108,21 @@ class LogChannel:
             work.wait()
         self._in_flight = []
 
-    def send(self, loss: torch.Tensor, means: Logs) -> None:
+    def send(self, loss: torch.Tensor, means: Logs, states: States | None = None) -> None:
         """On the last stage's rank, right after its last forward: send without waiting."""
         self.flush()  # the previous step's message has long been taken
-        spec = _spec_of(means)
+        states = states or {}
+        spec = (_spec_of(means), _states_spec(states))
         blob = pickle.dumps(spec)
         signature = _signature(blob)
         names = blob if signature != self._sent_spec else b""
         self._sent_spec = signature
-        values = torch.stack([loss.detach().to(self.device, torch.float64).reshape(())] + [
+        values = torch.cat([loss.detach().to(self.device, torch.float64).reshape(1)] + [
             (v.detach().to(self.device, torch.float64) if isinstance(v, torch.Tensor)
-             else torch.tensor(float(v), dtype=torch.float64, device=self.device)).reshape(())
+             else torch.tensor(0.0 if isinstance(v, MetricRef) else float(v), dtype=torch.float64,
+                               device=self.device)).reshape(1)
             for v, _ in means.values()
-        ])
+        ] + [v.detach().to(self.device, torch.float64).reshape(-1) for st in states.values() for v in st.values()])
         header = torch.tensor([values.numel(), signature, len(names)], dtype=torch.int64, device=self.device)
         tensors = [(header, _TAG_HEADER), (values, _TAG_VALUES)]
         if names:
@@ -101,8 +131,9 @@ class LogChannel:
             for t, tag in tensors:
                 self._in_flight += [dist.isend(t, self._global[peer], group=self.group, tag=tag), t]
 
-    def receive(self) -> tuple[torch.Tensor, Logs]:
-        """On the other ranks, at the end of their step: the loss and the logged means."""
+    def receive(self) -> tuple[torch.Tensor, Logs, States]:
+        """On the other ranks, at the end of their step: the loss, the logged means and the Metrics'
+        step states."""
         src = self._global[self.src]
         header = torch.empty(3, dtype=torch.int64, device=self.device)
         dist.recv(header, src, group=self.group, tag=_TAG_HEADER)
@@ -115,6 +146,6 @@ class LogChannel:
             self._spec = (signature, pickle.loads(blob.cpu().numpy().tobytes()))
         if self._spec is None or self._spec[0] != signature:
             raise RuntimeError("the logged names were never received: the log channel lost a message")
-        spec = self._spec[1]
+        spec, state_spec = self._spec[1]
         means: Logs = {name: (_restore(values[i + 1], kind), kw) for i, (name, kw, kind) in enumerate(spec)}
-        return values[0].float(), means
+        return values[0].float(), means, _unflatten(state_spec, values[1 + len(spec):])

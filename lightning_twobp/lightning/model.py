@@ -67,6 +67,17 @@ def _guard(where: str) -> Any:
     return check
 
 
+def _unguard(contract: Contract, layers: Iterable[nn.Module]) -> None:
+    """Drop the guards a previous Trainer call left on layers this one sets aside again: during the call
+    placeholders stand in for them, and the ModuleList contract runs meta twins of them (deep copies,
+    hooks included) to learn shapes, which a guard would refuse. ``restore`` guards them again."""
+    for layer in layers:
+        for part in contract.parts(layer):
+            handle = _GUARDS.pop(part, None)
+            if handle is not None:
+                handle.remove()
+
+
 def _tensors(module: nn.Module) -> Iterable[torch.Tensor]:
     yield from module.parameters()
     yield from module.buffers()
@@ -114,23 +125,36 @@ class LocalModel:
         # Every distinct tensor once, in one order every rank derives from the same model structure,
         # from the rank holding the first layer that uses it.
         layers = [self.removed.get(i, layer) for i, layer in enumerate(self.contract.layers())]
-        received: dict[int, torch.Tensor] = {}
+        order: list[tuple[torch.Tensor, int]] = []
         seen: set[int] = set()
         for i, layer in enumerate(layers):
-            owner = self.owner[i]
-            src = dist.get_global_rank(group, owner) if group is not None else owner
             for t in _tensors(layer):
-                if id(t) in seen:
-                    continue
-                seen.add(id(t))
-                if owner == pp_rank:  # after teardown's move to the CPU: NCCL sends from the device
-                    dist.broadcast(t.detach().to(device), src=src, group=group)
-                    continue
-                buf = torch.empty_like(t, device=device)
-                dist.broadcast(buf, src=src, group=group)
-                if t.is_meta:
-                    received[id(t)] = buf.cpu()
+                if id(t) not in seen:
+                    seen.add(id(t))
+                    order.append((t, self.owner[i]))
+        received: dict[int, torch.Tensor] = {}
+        for (t, owner), dtype in zip(order, _owner_dtypes(order, pp_rank, group)):
+            src = dist.get_global_rank(group, owner) if group is not None else owner
+            if owner == pp_rank:  # after teardown's move to the CPU: NCCL sends from the device
+                dist.broadcast(t.detach().to(device), src=src, group=group)
+                continue
+            buf = torch.empty(t.shape, dtype=dtype, device=device)
+            dist.broadcast(buf, src=src, group=group)
+            if t.is_meta:
+                received[id(t)] = buf.cpu()
         _replace_tensors(list(self.removed.values()), lambda t: received[id(t)], lambda t: id(t) in received)
+
+
+def _owner_dtypes(order: list[tuple[torch.Tensor, int]], pp_rank: int,
+                  group: dist.ProcessGroup | None) -> list[torch.dtype]:
+    """Each tensor's dtype on the rank that trained it. The set-aside copies here keep the dtype they had
+    when the Trainer call cut the model, before the precision plugin converted the trained stages
+    (``"bf16-true"``, ``"64-true"``): a receive buffer in that dtype would read the owner's bytes wrongly."""
+    mine = [str(t.dtype) if owner == pp_rank else None for t, owner in order]
+    every: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(every, mine, group=group)
+    owners = [next(d[k] for d in every if d[k] is not None) for k in range(len(order))]
+    return [getattr(torch, name.removeprefix("torch.")) for name in owners]
 
 
 def _bounds(sizes: list[int]) -> list[int]:
@@ -213,6 +237,7 @@ def split_model(contract: Contract, sizes: list[int], schedule: Schedule, pp_ran
     stages = {s: contract.stage_module(bounds[s], bounds[s + 1], bounds) for s in sorted(mine)}
     removed = {i: layer for i, layer in enumerate(layers) if layer_stage[i] not in mine}
     shared = _shared_parameters(contract, layers, layer_rank, {pp_rank})
+    _unguard(contract, removed.values())
     _to_meta(list(removed.values()), local_ids)
     contract.swap({i: _Remote(layer_stage[i], layer_rank[i]) for i in removed})
     return LocalModel(contract, list(sizes), stages, removed, dict(enumerate(layer_rank)), shared)

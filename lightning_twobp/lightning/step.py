@@ -6,6 +6,8 @@ On the rank holding the first stage the step runs up to the pipelined block's ca
 ``self.log`` is recorded during each micro-batch (the first stage's calls, before the block, are
 dropped: the last stage logs them again) and the values reach Lightning once per step through
 :func:`share_logs`: a mean over micro-batches weighted by their sizes, on every rank of the pipeline.
+A logged torchmetrics ``Metric`` is recorded by reference instead: its state accumulates the step's
+micro-batches and each rank logs its own copy (:mod:`.metrics`).
 
 Everything that lives for one step is in one :class:`StepState`.
 """
@@ -21,8 +23,10 @@ import torch.distributed as dist
 from torch.utils import _pytree as pytree
 
 from lightning_twobp.lightning.contract import Contract
+from lightning_twobp.lightning.metrics import MetricRef, States, StepMetrics, is_metric
 
-__all__ = ["StepRunner", "StepState", "check_batch_size", "check_batches", "share_logs", "split_microbatches", "step_means"]
+__all__ = ["StepRunner", "StepState", "check_batch_size", "check_batches", "share_logs", "split_microbatches",
+           "step_means"]
 
 Logs = dict[str, tuple[Any, dict]]  # name -> (value, self.log's keyword options)
 
@@ -103,42 +107,33 @@ class _Captured(Exception):
         self.inputs = inputs
 
 
-def _is_metric(value: Any) -> bool:
-    try:
-        from torchmetrics import Metric
-    except ImportError:  # pragma: no cover - torchmetrics comes with Lightning
-        return False
-    return isinstance(value, Metric)
-
-
-def metric_batch_value(metric: Any, name: str) -> torch.Tensor:
-    """The value a torchmetrics ``Metric`` computed on its last call (this micro-batch), which is
-    what Lightning logs for ``self.log(name, metric)`` at a step. torchmetrics keeps it in the
-    private ``_forward_cache``, which Lightning reads too; this is the one place we read it
-    (``tests/test_step.py`` checks it still holds the call's value)."""
-    value = getattr(metric, "_forward_cache", None)
-    if not isinstance(value, torch.Tensor):
-        raise TypeError(
-            f"self.log({name!r}, {type(metric).__name__}) under strategy='twobp': the metric has no value for this "
-            f"micro-batch; call it first (self.metric(preds, target)), as Lightning requires for logging a Metric"
+def _no_collective(hook: str) -> Callable[..., Any]:
+    def all_gather(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError(
+            f"self.all_gather in {hook} under strategy='twobp': the step runs once per micro-batch, on the "
+            f"pipeline's ranks at different times (the first stage's part before the pipeline starts, the last "
+            f"stage's inside it), so a collective there would wait forever; gather where every rank runs at once "
+            f"(on_train_batch_end, on_validation_epoch_end), or log with self.log(..., sync_dist=True)"
         )
-    return value
+
+    return all_gather
 
 
 class _LogRecorder:
     """Stands in for ``LightningModule.log`` during one micro-batch: records instead of logging."""
 
-    def __init__(self, store: Logs | None) -> None:
+    def __init__(self, store: Logs | None, metrics: StepMetrics) -> None:
         self.store = store
+        self.metrics = metrics
 
     def __call__(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
         if self.store is None:  # first stage, before the block: the last stage logs it
             return
         if args:
             raise TypeError("pass self.log options by keyword under strategy='twobp'")
-        if _is_metric(value):
-            value = metric_batch_value(value, name)
-        if not isinstance(value, (torch.Tensor, int, float)):
+        if is_metric(value):
+            value = self.metrics.ref(value, name)
+        if not isinstance(value, (torch.Tensor, int, float, MetricRef)):
             raise TypeError(
                 f"self.log({name!r}, {type(value).__name__}) from a step under strategy='twobp': log a tensor, a "
                 f"number or a torchmetrics Metric; see docs/strategy.md, 'Logging and metrics'"
@@ -149,9 +144,10 @@ class _LogRecorder:
 class StepRunner:
     """Calls a LightningModule's step hook per micro-batch with the pipelined block intercepted."""
 
-    def __init__(self, module: Any, contract: Contract) -> None:
+    def __init__(self, module: Any, contract: Contract, metrics: StepMetrics) -> None:
         self.module = module
         self.contract = contract
+        self.metrics = metrics
         self.state: StepState | None = None
         contract.bind(self)  # the ModuleList contract's later stages re-run the step's capture through it
 
@@ -162,16 +158,17 @@ class StepRunner:
 
     def _call(self, mb: Any, block: Callable[..., Any], logs: Logs | None) -> Any:
         state = self.state
-        recorder = _LogRecorder(logs)
+        recorder = _LogRecorder(logs, self.metrics)
         lm = self.module
         with self.contract.intercept(block):
-            # ``self.log`` answered by the recorder for this call only (an instance attribute
-            # shadows the method; removed again below, also when the step raises).
+            # ``self.log`` answered by the recorder and ``self.all_gather`` refused, for this call only
+            # (instance attributes shadow the methods; removed again below, also when the step raises).
             lm.__dict__["log"] = recorder
+            lm.__dict__["all_gather"] = _no_collective(state.hook)
             try:
                 return getattr(lm, state.hook)(mb, *state.args, **state.kwargs)
             finally:
-                del lm.__dict__["log"]
+                del lm.__dict__["log"], lm.__dict__["all_gather"]
 
     def capture(self, mb: Any) -> tuple:
         """The pipelined block's positional inputs for micro-batch ``mb`` (first stage)."""
@@ -234,14 +231,17 @@ class StepRunner:
 
 def step_means(state: StepState) -> Logs:
     """Each logged value averaged over the step's micro-batches, weighted by their sizes: for means (a
-    loss, a micro-averaged accuracy) the value one process logs for the whole batch."""
+    loss, a micro-averaged accuracy) the value one process logs for the whole batch. A Metric stays a
+    reference: its state holds the whole step."""
     sizes = [batch_size(mb) for mb in state.microbatches]
     weights = [n / sum(sizes) for n in sizes]
     means: Logs = {}
     for name in state.logs[0] if state.logs else {}:
         values = [logs[name][0] for logs in state.logs]
         kw = state.logs[0][name][1]
-        if isinstance(values[0], torch.Tensor):
+        if isinstance(values[0], MetricRef):
+            means[name] = (values[0], kw)
+        elif isinstance(values[0], torch.Tensor):
             means[name] = (sum(v.float() * w for v, w in zip(values, weights)), kw)
         else:
             means[name] = (sum(v * w for v, w in zip(values, weights)), kw)
@@ -249,17 +249,19 @@ def step_means(state: StepState) -> Logs:
 
 
 def share_logs(state: StepState | None, loss: torch.Tensor | None, src: int, group: dist.ProcessGroup | None,
-               device: torch.device) -> tuple[torch.Tensor | None, Logs]:
-    """The loss and the logged values of one evaluation step, on every rank of the pipeline.
+               device: torch.device, states: States | None = None) -> tuple[torch.Tensor | None, Logs, States]:
+    """The loss, the logged values and the Metrics' step states of one evaluation step, on every rank of
+    the pipeline.
 
     They live on the rank holding the last stage (``src``, a global rank): there each logged value is
-    averaged over the micro-batches (:func:`step_means`), and both are broadcast to the pipeline's ranks
+    averaged over the micro-batches (:func:`step_means`), and all are broadcast to the pipeline's ranks
     (one object broadcast; ``state`` is None on other ranks). Training steps use the non-blocking
     :class:`~.logs.LogChannel` instead."""
     payload = None
     if state is not None:
         means = {name: (v.cpu() if isinstance(v, torch.Tensor) else v, kw) for name, (v, kw) in step_means(state).items()}
-        payload = (None if loss is None else loss.detach().cpu(), means)
+        metrics = {p: {k: v.cpu() for k, v in st.items()} for p, st in (states or {}).items()}
+        payload = (None if loss is None else loss.detach().cpu(), means, metrics)
     box = [payload]
     if dist.is_initialized() and dist.get_world_size(group) > 1:
         dist.broadcast_object_list(box, src=src, group=group, device=device if device.type == "cuda" else None)

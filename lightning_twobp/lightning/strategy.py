@@ -14,6 +14,7 @@ import logging
 import math
 import operator
 from collections.abc import Sequence
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -32,6 +33,7 @@ from typing_extensions import override
 from lightning_twobp.engine import PipelineExecutor, StepValidation, Verdict
 from lightning_twobp.engine.memory import keep_freed_memory
 from lightning_twobp.lightning import checkpoint as ckpt
+from lightning_twobp.lightning.checks import check_flag, check_nodes, checked_optimizers
 from lightning_twobp.lightning.contract import find_contract
 from lightning_twobp.lightning.grads import (
     GradStash,
@@ -47,8 +49,12 @@ from lightning_twobp.lightning.layout import (
     default_stages_per_rank,
     schedule_label,
 )
+from lightning_twobp.lightning.loaders import keep_users_sampler
+from lightning_twobp.lightning.metrics import StepMetrics
 from lightning_twobp.lightning.model import LocalModel, split_model
 from lightning_twobp.lightning.profile import profile_layers
+from lightning_twobp.lightning.quiet import known_warnings_off
+from lightning_twobp.lightning.rng import StageStreams
 from lightning_twobp.lightning.logs import LogChannel
 from lightning_twobp.lightning.step import Logs, StepRunner, check_batch_size, check_batches, share_logs, step_means
 from lightning_twobp.partition import partition
@@ -85,6 +91,9 @@ class _Pipeline:
     user_precision: Any  # the precision plugin as Lightning gave it (ours is a copy)
     user_scaler: Any  # its GradScaler, or None; gets the trained scale back at teardown
     logs: LogChannel | None  # the last stage's loss and logs to the other ranks (None: one rank)
+    scope: ExitStack  # what the Trainer call changed outside the model, undone at teardown
+    streams: StageStreams  # this rank's stages' random streams
+    metrics: StepMetrics  # the module's torchmetrics Metrics, accumulated per step over its micro-batches
     checks: dict[int, StepValidation] = field(default_factory=dict)  # per optimizer: clip / non-finite
     max_norms: dict[int, float] = field(default_factory=dict)  # per optimizer: this step's clipping, if any
     means: Logs = field(default_factory=dict)  # the training step's logged means (last stage)
@@ -179,6 +188,9 @@ class TwoBPStrategy(DDPStrategy):
                 f"(the pipeline schedule computes the gradients and reduces them over data-parallel replicas "
                 f"itself); remove them"
             )
+        check_flag("split_backward", split_backward)
+        check_flag("gather_full_model", gather_full_model)
+        check_flag("post_validation", post_validation, none="on for zb-h2 and zb-v, the default")
         if schedule not in SCHEDULES:  # checked now, not at setup: the Trainer is not built yet
             raise ValueError(f"unknown schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")
         check_split(schedule, split_backward)
@@ -313,6 +325,12 @@ class TwoBPStrategy(DDPStrategy):
 
     # ------------------------------------------------------------------ setup and teardown
     @override
+    def set_world_ranks(self) -> None:
+        # Called when the Trainer is built, before Lightning launches any process.
+        check_nodes(self.num_nodes, self.num_processes, self.cluster_environment)
+        super().set_world_ranks()
+
+    @override
     def setup_distributed(self) -> None:
         super().setup_distributed()
         check_degree(self.world_size, self.pipeline_degree)
@@ -345,7 +363,8 @@ class TwoBPStrategy(DDPStrategy):
         if self._pipeline.tied:
             self._pipeline.tied.sync_values()
         if trainer.state.fn == TrainerFn.FITTING:
-            self.setup_optimizers(trainer)
+            checked_optimizers(lambda: self.setup_optimizers(trainer), self.lightning_module, lambda: self.optimizers,
+                               self.pp_rank, self.stage_ids)
         # Optimizers are created after the move to the device and hold no state yet; a checkpoint's
         # state is loaded afterwards (restore_checkpoint_after_setup), by parameter name.
         self.setup_precision_plugin()
@@ -361,7 +380,8 @@ class TwoBPStrategy(DDPStrategy):
         if self.root_device.type == "cpu":
             keep_freed_memory()  # see lightning_twobp.engine.memory: measured page faults every step otherwise
         contract = find_contract(lm, self.layers)
-        runner = StepRunner(lm, contract)
+        metrics = StepMetrics(lm)
+        runner = StepRunner(lm, contract, metrics)
         num_stages = self.pipeline_degree * self._stages_per_rank
         costs = None
         if self.balance == "time":
@@ -372,6 +392,7 @@ class TwoBPStrategy(DDPStrategy):
         schedule = build_schedule(self.schedule_name, num_stages, self.num_microbatches,
                                   stages_per_rank=self._stages_per_rank, split_backward=self.split_backward)
         layout = self._layout
+        streams = StageStreams(schedule.stages_of(layout.pp_rank), layout.dp_rank, self.root_device)
         local = split_model(contract, sizes, schedule, layout.pp_rank)
         for s, module in local.stages.items():
             first = local.bounds[s]
@@ -386,7 +407,7 @@ class TwoBPStrategy(DDPStrategy):
         executor = PipelineExecutor(
             schedule, local.stages, loss_fn=self._loss, device=self.root_device, group=pp_group,
             grad_reduce=dp_reduce(self._group("dp"), layout.dp_degree) if layout.dp_degree > 1 else None,
-            timeout=self.pipeline_timeout,
+            timeout=self.pipeline_timeout, around=streams.fork,
         )
         logs = None
         if self._log_group is not None:
@@ -410,7 +431,13 @@ class TwoBPStrategy(DDPStrategy):
                 "the step, on every rank at once; use precision='bf16-mixed', or post_validation=False"
             )
         self.precision_plugin = pipelined_precision(user_precision, self._clip_by_norm, self._before_step, scaler)
-        return _Pipeline(local, executor, runner, tied, user_precision, user_scaler, logs)
+        scope = ExitStack()
+        scope.enter_context(known_warnings_off())  # the Trainer call's data loaders build next
+        scope.callback(metrics.sync_over(self._group("dp")))
+        if layout.dp_degree == 1:  # nothing to split: the loader's own sampler, as one process reads it
+            scope.callback(keep_users_sampler(trainer))
+        return _Pipeline(local, executor, runner, tied, user_precision, user_scaler, logs, scope, streams,
+                         metrics)
 
     @override
     def on_exception(self, exception: BaseException) -> None:
@@ -434,6 +461,7 @@ class TwoBPStrategy(DDPStrategy):
             return
         gather = self.gather_full_model and not self._failed and dist.is_initialized()
         pipeline.local.restore(gather, self._group("pp"), self.pp_rank, self.root_device)
+        pipeline.scope.close()
         ours = self.precision_plugin
         if pipeline.user_scaler is not None and ours.scaler is not pipeline.user_scaler and pipeline.user_scaler.is_enabled():
             pipeline.user_scaler.load_state_dict(ours.scaler.state_dict())
@@ -484,6 +512,7 @@ class TwoBPStrategy(DDPStrategy):
         if self._resume_rng is not None:
             ckpt.set_rng_state(self._resume_rng)
             self._resume_rng = None
+        self._built("on_train_batch_start").streams.apply_pending()
         super().on_train_batch_start(batch, batch_idx)
 
     @override
@@ -495,9 +524,11 @@ class TwoBPStrategy(DDPStrategy):
         verdict = self._validate()  # the previous optimizer step's global check, long arrived
         if verdict is not None and verdict.redone:
             # That step was clipped or skipped after all: this step ran on the speculative weights.
+            pipeline.metrics.undo()
             runner.begin("training_step", args, kwargs, self.num_microbatches, exact=True)
             loss, means = self._pipeline_step(pipeline)
         for name, (value, kw) in means.items():
+            value = pipeline.metrics.resolve(value)
             self.lightning_module.log(name, value.to(self.root_device) if isinstance(value, torch.Tensor) else value, **kw)
         if self._step_checks["skipped"]:  # every rank knows the count: nothing travels
             self.lightning_module.log("pipeline/skipped_steps", float(self._step_checks["skipped"]), on_step=True,
@@ -507,10 +538,11 @@ class TwoBPStrategy(DDPStrategy):
     def _pipeline_step(self, pipeline: _Pipeline) -> tuple[torch.Tensor, Logs]:
         """One pipeline step over the micro-batches ``runner.begin`` made: the gradients set aside for
         ``backward``, the mean loss and the logged means on every rank of the pipeline."""
-        ex, runner = pipeline.executor, pipeline.runner
+        ex = pipeline.executor
         params = [q for q in self.lightning_module.parameters() if q.requires_grad]
         with self._stash.collect(params), self.precision_plugin.train_step_context():
-            inputs = [runner.capture(mb) for mb in runner.state.microbatches] if 0 in ex.stages else None
+            pipeline.metrics.begin()  # before any part of the step runs on this rank
+            inputs = self._capture(pipeline)
             targets = list(range(self.num_microbatches)) if ex.last in ex.stages else None
             # With a GradScaler (fp16), the pipeline's backward starts from the scaled loss, as
             # Lightning's backward would; the scaler unscales before clipping and stepping.
@@ -525,7 +557,21 @@ class TwoBPStrategy(DDPStrategy):
                 pipeline.tied.reduce_grads()
         if ex.last in ex.stages:
             return result.loss, pipeline.means
-        return pipeline.logs.receive()
+        loss, means, states = pipeline.logs.receive()
+        pipeline.metrics.apply(states)
+        return loss, means
+
+    @staticmethod
+    def _capture(pipeline: _Pipeline) -> list[tuple] | None:
+        """The first stage's inputs: its part of the step, up to the pipelined block, per micro-batch,
+        drawing from stage 0's random stream (the last stage's part runs inside its F)."""
+        if 0 not in pipeline.executor.stages:
+            return None
+        runner = pipeline.runner
+        with pipeline.streams.fork(0):
+            inputs = [runner.capture(mb) for mb in runner.state.microbatches]
+        pipeline.metrics.clear()  # what this part updated counts where the last stage runs it again
+        return inputs
 
     def _loss(self, output: Any, index: int) -> torch.Tensor:
         """The executor's loss: the user's step on micro-batch ``index``; after the last one the loss and
@@ -534,9 +580,10 @@ class TwoBPStrategy(DDPStrategy):
         runner = pipeline.runner
         loss = runner.loss(output, index)
         if index == len(runner.state.microbatches) - 1:
+            states = pipeline.metrics.end()
             pipeline.means = step_means(runner.state)
             if pipeline.logs is not None:
-                pipeline.logs.send(runner.mean_loss(), pipeline.means)
+                pipeline.logs.send(runner.mean_loss(), pipeline.means, states)
         return loss
 
     def _validate(self) -> Verdict | None:
@@ -640,9 +687,14 @@ class TwoBPStrategy(DDPStrategy):
         pipeline = self._pipeline
         ex = pipeline.executor
         src = self._layout.global_rank_of(ex.schedule.stage_to_rank[ex.last])
-        state = pipeline.runner.state if ex.last in ex.stages else None
-        _, means = share_logs(state, None, src, self._group("pp"), self.root_device)
+        last = ex.last in ex.stages
+        state = pipeline.runner.state if last else None
+        _, means, states = share_logs(state, None, src, self._group("pp"), self.root_device,
+                                      pipeline.metrics.end() if last else None)
+        if not last:
+            pipeline.metrics.apply(states)
         for name, (value, kw) in means.items():
+            value = pipeline.metrics.resolve(value)
             # Epoch-level metrics: every rank of a pipeline holds the same value, so the mean over
             # the world is the mean over the data-parallel replicas (what one process would log).
             kw = {"sync_dist": True, **kw}
@@ -656,10 +708,12 @@ class TwoBPStrategy(DDPStrategy):
         pipeline = self._built(hook)
         ex, runner = pipeline.executor, pipeline.runner
         state = runner.begin(hook, args, kwargs, self.num_microbatches, exact=False)
-        inputs = [runner.capture(mb) for mb in state.microbatches] if 0 in ex.stages else None
-        outs = ex.forward_only(inputs, len(state.microbatches))
-        for i, out in enumerate(outs or []):
-            runner.provide(i, out)
+        pipeline.metrics.begin()
+        outs = ex.forward_only(self._capture(pipeline), len(state.microbatches))
+        if outs is not None:
+            with pipeline.streams.fork(ex.last):  # the last stage's part of the step, after the block
+                for i, out in enumerate(outs):
+                    runner.provide(i, out)
         self._share_eval_logs()
         if hook != "predict_step" or outs is None:
             return None
@@ -704,7 +758,9 @@ class TwoBPStrategy(DDPStrategy):
         path = Path(self.broadcast(str(filepath)))
         layout = {"pipeline_degree": self.pipeline_degree, "stages_per_rank": self._stages_per_rank,
                   "schedule": self.schedule_name}
-        ckpt.save(checkpoint, path, self.lightning_module, self.optimizers, layout, group=self._io_group)
+        streams = self._pipeline.streams.state_dict() if self._pipeline is not None else None
+        ckpt.save(checkpoint, path, self.lightning_module, self.optimizers, layout, group=self._io_group,
+                  streams=streams)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
@@ -712,7 +768,10 @@ class TwoBPStrategy(DDPStrategy):
         pipeline degree or partition the checkpoint was saved with."""
         path = Path(self.broadcast(str(checkpoint_path)))
         lm = self.lightning_module
-        checkpoint = ckpt.load(path, lm, self.optimizers, weights_only, strict=lm.strict_loading, group=self._io_group)
+        streams = self._built("load_checkpoint").streams
+        checkpoint = ckpt.load(path, lm, self.optimizers, weights_only, strict=lm.strict_loading, group=self._io_group,
+                               streams=streams.names())
+        streams.resume(checkpoint.pop("twobp_streams", {}))
         # LR schedulers were saved from rank 0: a rank with other param groups keeps its own per-group
         # base learning rates (the groups' lr came back by name) and takes the shared step count.
         for config, state in zip(self.lr_scheduler_configs, checkpoint.get("lr_schedulers", [])):

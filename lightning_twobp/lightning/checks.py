@@ -1,0 +1,104 @@
+"""Refusals before any compute that need no pipeline: options of the wrong type, a launch that cannot
+start, optimizers the pipeline cannot step. Each error names the value and the fix
+(docs/troubleshooting.md keeps a row per error)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch.distributed as dist
+from torch import nn
+
+__all__ = ["check_flag", "check_nodes", "checked_optimizers"]
+
+_LOOPBACK = ("", "127.0.0.1", "localhost", "::1")
+
+
+def check_flag(name: str, value: Any, none: str | None = None) -> None:
+    """``value`` is a bool (or ``None`` where ``none`` says what ``None`` means). A string is refused:
+    ``"false"`` and ``"no"`` are truthy, so ``if value:`` would take them as true."""
+    if isinstance(value, bool) or (value is None and none is not None):
+        return
+    allowed = "True or False" + (f", or None ({none})" if none is not None else "")
+    raise ValueError(
+        f"TwoBPStrategy({name}={value!r}): it must be {allowed}, not a {type(value).__name__}; pass a bool "
+        f"(e.g. {name}=False). On the command line Hydra and LightningCLI read true/false as booleans: "
+        f"strategy.{name}=false"
+    )
+
+
+def check_nodes(num_nodes: int, devices: int, environment: Any) -> None:
+    """``num_nodes > 1`` while Lightning launches the processes on this machine and nothing says which node
+    this is: the ranks started here would wait for the other nodes' ranks, which nobody starts (a hang
+    until the process group's timeout). Refused before anything is launched."""
+    if num_nodes <= 1 or environment is None or environment.creates_processes_externally:
+        return
+    if os.environ.get("NODE_RANK") or os.environ.get("GROUP_RANK"):
+        return  # a multi-node run started by hand on each node
+    address = os.environ.get("MASTER_ADDR", "")
+    if address not in _LOOPBACK:
+        return
+    raise ValueError(
+        f"Trainer(num_nodes={num_nodes}, devices={devices}) on one machine: Lightning starts {devices} process(es) "
+        f"here and they would wait for {(num_nodes - 1) * devices} more from {num_nodes - 1} other node(s) that "
+        f"nothing starts (NODE_RANK is not set, MASTER_ADDR={address or 'unset'}). On one machine use num_nodes=1 "
+        f"with devices={num_nodes * devices}; across machines run the same command on each node with "
+        f"NODE_RANK=0..{num_nodes - 1} and MASTER_ADDR=<node 0's address>, or launch with torchrun or srun"
+    )
+
+
+def checked_optimizers(setup: Callable[[], None], module: nn.Module, optimizers: Callable[[], list[Any]],
+                       pp_rank: int, stages: Sequence[int]) -> None:
+    """Run ``setup`` (Lightning's ``configure_optimizers``) and check what it built, on every rank together:
+    a failure on one rank (torch's "empty parameter list" where an optimizer covers other stages' layers
+    only) is raised on every rank at once, not left for the others to wait on at the first step."""
+    error: Exception | None = None
+    try:
+        setup()
+    except Exception as e:  # noqa: BLE001 - shared with the other ranks, then raised again
+        error = e
+    if error is None:
+        problem = _outside(module, optimizers(), pp_rank)
+    elif isinstance(error, ValueError) and "empty parameter list" in str(error):
+        problem = (
+            f"configure_optimizers on pipeline rank {pp_rank} (stages {list(stages)}) gave an optimizer an empty "
+            f"parameter list ({error}): under strategy='twobp' each rank holds only its own stages' parameters, so "
+            f"an optimizer over some layers only (e.g. self.layers[:3].parameters()) has none on the ranks that "
+            f"hold none of them; build every optimizer from self.parameters() (param groups by name for different "
+            f"settings), and leave layers untrained with requires_grad_(False) instead of leaving them out"
+        )
+    else:
+        problem = f"configure_optimizers failed on pipeline rank {pp_rank}: {type(error).__name__}: {error}"
+    others = [p for p in _everyone(problem) if p and p != problem]
+    if error is not None:
+        if problem.startswith("configure_optimizers on"):
+            raise ValueError(problem) from error
+        raise error
+    if problem:
+        raise ValueError(problem)
+    if others:
+        raise RuntimeError(f"twobp: stopped before the first step because {others[0]}")
+
+
+def _outside(module: nn.Module, optimizers: list[Any], pp_rank: int) -> str | None:
+    mine = {id(q) for q in module.parameters()}
+    stray = [q for opt in optimizers for group in opt.param_groups for q in group["params"] if id(q) not in mine]
+    if not stray:
+        return None
+    shapes = ", ".join(str(tuple(q.shape)) for q in stray[:4]) + (" ..." if len(stray) > 4 else "")
+    return (
+        f"an optimizer of configure_optimizers on pipeline rank {pp_rank} holds {len(stray)} tensor(s) that are not "
+        f"parameters of the LightningModule (shapes {shapes}): under strategy='twobp' the pipeline computes the "
+        f"gradients of the module's parameters only, and checkpoints key optimizer state by parameter name; "
+        f"register it in the module (self.scale = nn.Parameter(...)) or leave it out of the optimizer"
+    )
+
+
+def _everyone(problem: str | None) -> list[str | None]:
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [problem]
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, problem)
+    return every
