@@ -47,18 +47,24 @@ STEADY = 4  # iterations simulated back to back for the steady state
 
 @dataclass(frozen=True)
 class Entry:
-    key: str           # file name and marker key
-    label: str         # shown in the title and the table
-    name: str          # build_schedule name
+    key: str  # file name and marker key
+    label: str  # shown in the title and the table
+    name: str  # build_schedule name
     stages_per_rank: int = 1
     split: bool = True
     microbatches: int = MICROBATCHES
     max_pending_w: int | None = None
 
     def build(self, costs: Costs = COSTS, microbatches: int | None = None) -> Schedule:
-        return build_schedule(self.name, RANKS * self.stages_per_rank, microbatches or self.microbatches,
-                              stages_per_rank=self.stages_per_rank, split_backward=self.split,
-                              costs=costs, max_pending_w=self.max_pending_w)
+        return build_schedule(
+            self.name,
+            RANKS * self.stages_per_rank,
+            microbatches or self.microbatches,
+            stages_per_rank=self.stages_per_rank,
+            split_backward=self.split,
+            costs=costs,
+            max_pending_w=self.max_pending_w,
+        )
 
 
 ENTRIES = (
@@ -68,10 +74,8 @@ ENTRIES = (
     Entry("1f1b-2bp", "1F1B + 2BP", "1f1b"),
     Entry("1f1b-1", "1F1B-1", "1f1b", split=False, microbatches=RANKS),
     Entry("1f1b-1-2bp", "1F1B-1 + 2BP", "1f1b", microbatches=RANKS),
-    Entry("interleaved-1f1b", "interleaved 1F1B", "interleaved-1f1b", stages_per_rank=2,
-          split=False),
-    Entry("interleaved-1f1b-2bp", "interleaved 1F1B + 2BP", "interleaved-1f1b",
-          stages_per_rank=2),
+    Entry("interleaved-1f1b", "interleaved 1F1B", "interleaved-1f1b", stages_per_rank=2, split=False),
+    Entry("interleaved-1f1b-2bp", "interleaved 1F1B + 2BP", "interleaved-1f1b", stages_per_rank=2),
     Entry("zb-h1", "ZB-H1", "zb-h1"),
     Entry("zb-h2", "ZB-H2", "zb-h2"),
     Entry("zb-v", "ZB-V", "zb-v", stages_per_rank=2),
@@ -164,8 +168,10 @@ def summary(entry: Entry, schedule: Schedule, result: SimResult) -> str:
     if value is None:
         paper = "the 2BP paper gives no formula" if text == "—" else f"the paper gives no formula: {text}"
     elif value == 0.0:
-        paper = (f"the paper's 0 needs overlapping iterations: {STEADY} back to back run at a period of "
-                 f"{overlapped.period:g}, bubble {overlapped.steady_bubble:.1%}")
+        paper = (
+            f"the paper's 0 needs overlapping iterations: {STEADY} back to back run at a period of "
+            f"{overlapped.period:g}, bubble {overlapped.steady_bubble:.1%}"
+        )
     elif abs(value - result.bubble_fraction) < 1e-9:
         paper = f"as the paper's {text}"
     else:
@@ -194,13 +200,17 @@ def memory_row(entry: Entry, m: int, measured: bool) -> str:
     one, overlapped = simulate(schedule, costs), simulate(schedule, costs, iterations=STEADY)
     fused = min(RANKS, m)  # fused 1F1B's peak: p full-stage micro-batches on rank 0
     to_w, to_b = max(one.peak_inflight) / spr / fused, max(peak_activations(schedule)) / spr / fused
-    return (f"| {entry.label} | {m} | {'measured-like' if measured else 'unit'} | {one.makespan:.4g} "
-            f"| {one.bubble_fraction:.1%} | {overlapped.steady_bubble:.1%} | {to_w:.2f} | {to_b:.2f} |")
+    return (
+        f"| {entry.label} | {m} | {'measured-like' if measured else 'unit'} | {one.makespan:.4g} "
+        f"| {one.bubble_fraction:.1%} | {overlapped.steady_bubble:.1%} | {to_w:.2f} | {to_b:.2f} |"
+    )
 
 
 def memory_table() -> str:
-    head = ("| schedule | m | costs | makespan | bubble | overlapped bubble | peak F→last W (× 1F1B) "
-            "| peak F→B (× 1F1B) |\n|---|---|---|---|---|---|---|---|\n")
+    head = (
+        "| schedule | m | costs | makespan | bubble | overlapped bubble | peak F→last W (× 1F1B) "
+        "| peak F→B (× 1F1B) |\n|---|---|---|---|---|---|---|---|\n"
+    )
     rows = [memory_row(e, m, measured) for measured in (False, True) for m in MEMORY_MS for e in memory_entries()]
     return head + "\n".join(rows) + "\n"
 
@@ -242,8 +252,7 @@ def moved_receives(schedule: Schedule) -> int:
                 continue
             consumer = next(a for a in ops[i:] if not isinstance(a, Comm))
             forward = op.kind == "RECV_F"
-            moved += (consumer.stage, consumer.microbatch, consumer.kind == "F") != (
-                op.stage, op.microbatch, forward)
+            moved += (consumer.stage, consumer.microbatch, consumer.kind == "F") != (op.stage, op.microbatch, forward)
     return moved
 
 
@@ -266,11 +275,12 @@ def comm_example() -> str:
             cells.append("[" + " ".join(batch) + "]")
         lines.append(f"rank {rank}  " + " ".join(cells))
     moved = ", ".join(
-        f"{entry.label} {moved_receives(entry.build())}" for entry in ENTRIES
-        if entry.microbatches == MICROBATCHES
+        f"{entry.label} {moved_receives(entry.build())}" for entry in ENTRIES if entry.microbatches == MICROBATCHES
     )
-    return ("```text\n" + "\n".join(lines) + "\n```\n\n"
-            f"Receives the repairs moved earlier, at p = {RANKS}, m = {MICROBATCHES}: {moved}.")
+    return (
+        "```text\n" + "\n".join(lines) + "\n```\n\n"
+        f"Receives the repairs moved earlier, at p = {RANKS}, m = {MICROBATCHES}: {moved}."
+    )
 
 
 def fill(doc: str, key: str, text: str) -> str:

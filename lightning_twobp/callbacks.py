@@ -47,8 +47,9 @@ class RunSummary(pl.Callback):
             self._own.on_train_start(trainer, pl_module)
 
     @override
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         if self._monitor(trainer) is self._own:
             self._own.on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
         if self._first_loss is None and "train_loss" in trainer.callback_metrics:
@@ -71,10 +72,16 @@ class RunSummary(pl.Callback):
             for n in strategy.stage_sizes:
                 bounds.append(bounds[-1] + n)
             pipeline = {
-                "schedule": sched.name, "split_backward": sched.split_backward, "num_stages": sched.num_stages,
-                "num_microbatches": sched.num_microbatches, "pipeline_degree": p, "data_parallel": dp,
-                "stages_per_rank": {r: [f"stage {s}: layers {bounds[s]}-{bounds[s + 1] - 1}" for s in sched.stages_of(r)]
-                                    for r in range(p)},
+                "schedule": sched.name,
+                "split_backward": sched.split_backward,
+                "num_stages": sched.num_stages,
+                "num_microbatches": sched.num_microbatches,
+                "pipeline_degree": p,
+                "data_parallel": dp,
+                "stages_per_rank": {
+                    r: [f"stage {s}: layers {bounds[s]}-{bounds[s + 1] - 1}" for s in sched.stages_of(r)]
+                    for r in range(p)
+                },
             }
         loss = trainer.callback_metrics.get("train_loss")
         ckpt = trainer.checkpoint_callback.best_model_path if trainer.checkpoint_callback else ""
@@ -90,25 +97,36 @@ class RunSummary(pl.Callback):
             **pipeline,
         }
         s = self.summary
-        lines = [f"\nrun summary: {s['steps']} steps in {seconds:.1f} s, {s['samples_per_s']:.1f} samples/s"
-                 + (f", {s['tokens_per_s']:.0f} tokens/s" if s["tokens_per_s"] else "")]
+        lines = [
+            f"\nrun summary: {s['steps']} steps in {seconds:.1f} s, {s['samples_per_s']:.1f} samples/s"
+            + (f", {s['tokens_per_s']:.0f} tokens/s" if s["tokens_per_s"] else "")
+        ]
         if pipeline:
-            lines.append(f"pipeline: {schedule_label(pipeline['schedule'], pipeline['split_backward'])}, "
-                         f"{pipeline['num_stages']} stages on {p} ranks x {dp} replica(s), {pipeline['num_microbatches']} micro-batches")
+            lines.append(
+                f"pipeline: {schedule_label(pipeline['schedule'], pipeline['split_backward'])}, "
+                f"{pipeline['num_stages']} stages on {p} ranks x {dp} replica(s), {pipeline['num_microbatches']} "
+                f"micro-batches"
+            )
         if s["flops_per_batch"]:
             how = "measured, forward + backward" if monitor.flops_measured else "as given"
-            lines.append(f"FLOPs per batch ({how}): {s['flops_per_batch']:.3e}; achieved "
-                         f"{s['flops_per_batch'] * s['steps'] * dp / seconds / 1e12:.3f} TFLOP/s over the run")
+            lines.append(
+                f"FLOPs per batch ({how}): {s['flops_per_batch']:.3e}; achieved "
+                f"{s['flops_per_batch'] * s['steps'] * dp / seconds / 1e12:.3f} TFLOP/s over the run"
+            )
         if s["final_train_loss"] is not None:
             first = "" if s["first_train_loss"] is None else f"{s['first_train_loss']:.3f} -> "
             lines.append(f"train_loss: {first}{s['final_train_loss']:.3f}")
         for r, b in enumerate(peaks):
             where = "; ".join(pipeline["stages_per_rank"].get(r % p, [])) if pipeline else ""
-            lines.append(f"  rank {r}: {s['peak_memory_kind']} {b / 2**20:,.0f} MiB" + (f"  ({where})" if where else ""))
+            lines.append(
+                f"  rank {r}: {s['peak_memory_kind']} {b / 2**20:,.0f} MiB" + (f"  ({where})" if where else "")
+            )
         if log_dir:
             lines.append(f"logs: {log_dir}")
         if monitor.traces:
-            lines.append("pipeline timelines (Chrome traces: https://ui.perfetto.dev; pictures): " + ", ".join(monitor.traces))
+            lines.append(
+                "pipeline timelines (Chrome traces: https://ui.perfetto.dev; pictures): " + ", ".join(monitor.traces)
+            )
         if ckpt:
             lines.append(f"checkpoint (sharded directory): {ckpt}\n  one file: twobp-consolidate {ckpt} model.ckpt")
         print("\n".join(lines), flush=True)

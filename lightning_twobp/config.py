@@ -14,8 +14,10 @@ from pathlib import Path
 __all__ = ["CONF_DIR", "recipes"]
 
 _PACKAGED = Path(__file__).resolve().parent / "configs"
-CONF_DIR = Path(os.environ["TWOBP_CONF_DIR"]) if "TWOBP_CONF_DIR" in os.environ else (
-    _PACKAGED if _PACKAGED.is_dir() else Path(__file__).resolve().parent.parent / "conf"
+CONF_DIR = (
+    Path(os.environ["TWOBP_CONF_DIR"])
+    if "TWOBP_CONF_DIR" in os.environ
+    else (_PACKAGED if _PACKAGED.is_dir() else Path(__file__).resolve().parent.parent / "conf")
 )
 
 

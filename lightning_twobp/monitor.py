@@ -187,16 +187,28 @@ class PipelineMonitor(pl.Callback):
         log: log the figures (``False``: only gather them, for :class:`RunSummary`).
     """
 
-    def __init__(self, log_every_n_steps: int | None = None, batch_size_fn: Callable[[Any], int] | None = None,
-                 length_fn: Callable[[Any], int] | None = None, flops_per_batch: float | None = None,
-                 window_size: int = 50, trace_steps: Sequence[int] = (), trace_dir: str | os.PathLike | None = None,
-                 prog_bar: bool = True, measure_flops: bool = True, flops_step: int = 1, log: bool = True) -> None:
+    def __init__(
+        self,
+        log_every_n_steps: int | None = None,
+        batch_size_fn: Callable[[Any], int] | None = None,
+        length_fn: Callable[[Any], int] | None = None,
+        flops_per_batch: float | None = None,
+        window_size: int = 50,
+        trace_steps: Sequence[int] = (),
+        trace_dir: str | os.PathLike | None = None,
+        prog_bar: bool = True,
+        measure_flops: bool = True,
+        flops_step: int = 1,
+        log: bool = True,
+    ) -> None:
         super().__init__()
         if log_every_n_steps is not None and log_every_n_steps < 1:
             raise ValueError(f"PipelineMonitor(log_every_n_steps={log_every_n_steps}): must be at least 1")
         if not isinstance(flops_step, int) or isinstance(flops_step, bool) or flops_step < 0:
-            raise ValueError(f"PipelineMonitor(flops_step={flops_step!r}): the global step whose FLOPs are counted, "
-                             f"an int >= 0 (default 1)")
+            raise ValueError(
+                f"PipelineMonitor(flops_step={flops_step!r}): the global step whose FLOPs are counted, "
+                f"an int >= 0 (default 1)"
+            )
         self.log_every_n_steps = log_every_n_steps
         self.batch_size_fn = batch_size_fn or batch_size
         self.length_fn = length_fn if length_fn is not None else tokens_in
@@ -234,15 +246,19 @@ class PipelineMonitor(pl.Callback):
         device = trainer.strategy.root_device
         peak = None
         if device.type == "cuda":
-            dtype = torch.bfloat16 if "bf16" in str(trainer.precision) else (
-                torch.float16 if "16" in str(trainer.precision) else torch.float32)
+            dtype = (
+                torch.bfloat16
+                if "bf16" in str(trainer.precision)
+                else (torch.float16 if "16" in str(trainer.precision) else torch.float32)
+            )
             peak = get_available_flops(device, dtype)
         # One "device" of Throughput is one pipeline: its peak is pp devices' peak.
         # Throughput reports rates once its window is full: at most one logging interval long, so the
         # first log already has them.
         window = max(2, min(self.window_size, self._every(trainer)))
-        self._throughput = Throughput(available_flops=peak * pp if peak else None, world_size=dp,
-                                      window_size=window, separator="/")
+        self._throughput = Throughput(
+            available_flops=peak * pp if peak else None, world_size=dp, window_size=window, separator="/"
+        )
         self._t0 = time.perf_counter()
         self._batches = self._samples = self._lengths = 0
         self._counted_lengths = False  # whether any batch had a length (tokens)
@@ -251,7 +267,9 @@ class PipelineMonitor(pl.Callback):
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
 
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         strategy = self._pipeline(trainer)
         if strategy is not None and self._records_wanted(trainer, trainer.global_step):
             strategy.record_next_step()
@@ -289,8 +307,9 @@ class PipelineMonitor(pl.Callback):
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._drop_counter()  # a counted batch that was skipped (on_train_batch_start returned -1)
 
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         if self._counter is not None:
             self._stop_counting(trainer)
         now = time.perf_counter() - self._t0
@@ -301,8 +320,13 @@ class PipelineMonitor(pl.Callback):
             self._lengths += n
             self._counted_lengths = True
         flops = self.flops_per_batch or None  # Throughput takes each batch's FLOPs, not a running total
-        self._throughput.update(time=now, batches=self._batches, samples=self._samples,
-                                lengths=self._lengths if self._counted_lengths else None, flops=flops)
+        self._throughput.update(
+            time=now,
+            batches=self._batches,
+            samples=self._samples,
+            lengths=self._lengths if self._counted_lengths else None,
+            flops=flops,
+        )
         step = trainer.global_step  # counted: the step that just ran is step - 1
         if step == self._last_step:
             return  # accumulating: no optimizer step ended with this batch
@@ -317,9 +341,12 @@ class PipelineMonitor(pl.Callback):
     def _log(self, trainer: pl.Trainer, pl_module: pl.LightningModule, strategy: Any | None) -> None:
         computed = self._throughput.compute()
         for k in [k for k in computed if k.startswith("device/")]:
-            computed.setdefault(k[len("device/"):], computed[k])  # one replica: the global rate is the pipeline's
-        values = {f"throughput/{k}": float(v) for k, v in computed.items()
-                  if k not in ("time", "batches", "samples", "lengths", "flops")}
+            computed.setdefault(k[len("device/") :], computed[k])  # one replica: the global rate is the pipeline's
+        values = {
+            f"throughput/{k}": float(v)
+            for k, v in computed.items()
+            if k not in ("time", "batches", "samples", "lengths", "flops")
+        }
         if strategy is not None:
             values.update(self._per_rank(trainer, strategy))
         self.last = values
@@ -327,8 +354,13 @@ class PipelineMonitor(pl.Callback):
             return
         for name, value in values.items():
             if value == value:  # NaN: not known here (CUDA memory on CPU, ...)
-                pl_module.log(name, value, on_step=True, on_epoch=False,
-                              prog_bar=self.prog_bar and name == "throughput/samples_per_sec")
+                pl_module.log(
+                    name,
+                    value,
+                    on_step=True,
+                    on_epoch=False,
+                    prog_bar=self.prog_bar and name == "throughput/samples_per_sec",
+                )
 
     def _local(self, trainer: pl.Trainer, strategy: Any) -> torch.Tensor:
         nan = float("nan")
@@ -360,12 +392,12 @@ class PipelineMonitor(pl.Callback):
         else:
             rows = [row]
         rows = [r.cpu() for r in rows]
-        sim = self._simulated(strategy, [r[len(_FIELDS):] for r in rows])
+        sim = self._simulated(strategy, [r[len(_FIELDS) :] for r in rows])
         out: dict[str, float] = {}
         pp = strategy.pipeline_degree
         names = stage_names(strategy.schedule, pp)
         for r in range(pp):  # the first replica's pipeline: global ranks 0 .. pp - 1 (consecutive)
-            for name, value in zip(_FIELDS, rows[r][:len(_FIELDS)].tolist()):
+            for name, value in zip(_FIELDS, rows[r][: len(_FIELDS)].tolist(), strict=False):
                 if name == "bubble_simulated" and sim is not None:
                     value = sim[r]
                 out[f"pipeline/{names[r]}/{name}"] = value
@@ -421,7 +453,7 @@ class PipelineMonitor(pl.Callback):
         total = sum(tables[: strategy.pipeline_degree])
         if not bool((total[:n] > 0).all()):
             return None
-        costs = Costs(f=tuple(total[:n].tolist()), b=tuple(total[n:2 * n].tolist()), w=tuple(total[2 * n:].tolist()))
+        costs = Costs(f=tuple(total[:n].tolist()), b=tuple(total[n : 2 * n].tolist()), w=tuple(total[2 * n :].tolist()))
         result = simulate(schedule, costs)
         return [(result.makespan - b) / result.makespan for b in result.busy]
 
@@ -444,11 +476,14 @@ class PipelineMonitor(pl.Callback):
         costs = measured_costs([r for recs in by_rank for r in recs], strategy.schedule.num_stages)
         sim = simulate(strategy.schedule, costs)
         out.mkdir(parents=True, exist_ok=True)
-        path = write_chrome_trace(out / f"step{step}.json", by_rank, simulated=sim.timeline,
-                                  title=f"{strategy.schedule_name} step {step}")
+        path = write_chrome_trace(
+            out / f"step{step}.json", by_rank, simulated=sim.timeline, title=f"{strategy.schedule_name} step {step}"
+        )
         self.traces.append(str(path))
-        rank_zero_info(f"twobp: step {step} on every pipeline rank, with the simulated schedule at its measured "
-                       f"costs, as a Chrome trace: {path} (open in https://ui.perfetto.dev or chrome://tracing)")
+        rank_zero_info(
+            f"twobp: step {step} on every pipeline rank, with the simulated schedule at its measured "
+            f"costs, as a Chrome trace: {path} (open in https://ui.perfetto.dev or chrome://tracing)"
+        )
         try:
             import matplotlib.pyplot as plt
 
@@ -458,8 +493,13 @@ class PipelineMonitor(pl.Callback):
             flat = [r for recs in by_rank for r in recs]
             fig, (top, bottom) = plt.subplots(2, 1, figsize=(12, 1.2 + 1.2 * pp), sharex=True)
             plot_timeline(flat, num_ranks=pp, title=f"step {step}, measured", ax=top, unit="s")
-            plot_timeline(sim.timeline, num_ranks=pp, ax=bottom, unit="s",
-                          title=f"simulated at the measured costs ({sim.makespan:.3f} s)")
+            plot_timeline(
+                sim.timeline,
+                num_ranks=pp,
+                ax=bottom,
+                unit="s",
+                title=f"simulated at the measured costs ({sim.makespan:.3f} s)",
+            )
             top.set_xlim(0, max([sim.makespan] + [r.end for r in flat]))  # shared: neither panel cut off
             fig.tight_layout()
             fig.savefig(out / f"step{step}.png", dpi=110)

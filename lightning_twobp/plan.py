@@ -15,7 +15,8 @@ parameters), and each stage runs one micro-batch through the real split backward
   the Mamba scan) the graph stays until W, about ``M_act``. The first stage, fed token ids or images,
   runs its whole backward in B and holds nothing.
 
-Replaying the schedule's action order (:func:`~lightning_twobp.schedules.replay_memory`) then gives each rank's peak: F adds ``M_act``, B trades it for
+Replaying the schedule's action order (:func:`~lightning_twobp.schedules.replay_memory`) then gives each rank's peak: F
+adds ``M_act``, B trades it for
 ``M_W``, W frees it (BW frees at once). This is the 2BP paper's memory cost made explicit: the same
 schedule with and without the split. Weights, gradients and optimizer state complete the total; the
 CUDA context, communication buffers, the allocator's fragmentation and temporary workspaces are not
@@ -34,9 +35,9 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from lightning_twobp.config import CONF_DIR, recipes
+from lightning_twobp.engine import Stage
 from lightning_twobp.lightning.contract import SequentialContract, find_contract
 from lightning_twobp.lightning.layout import default_num_microbatches, default_stages_per_rank, schedule_label
-from lightning_twobp.engine import Stage
 from lightning_twobp.partition import partition
 from lightning_twobp.schedules import MemoryCosts, Schedule, build_schedule, replay_memory, schedule_spec
 
@@ -92,9 +93,11 @@ class Plan:
     def memory_costs(self) -> MemoryCosts:
         """The plan's bytes per stage for the schedule model: ``simulate(schedule, Costs(memory=...))``
         then reports each rank's planned total (``RankPlan.split["total_bytes"]``) as ``peak_bytes``."""
-        return MemoryCosts(activation=[sp.activation_bytes for sp in self.stages],
-                           held=[sp.held_bytes for sp in self.stages],
-                           fixed=[sp.weight_bytes + sp.grad_bytes + sp.optimizer_bytes for sp in self.stages])
+        return MemoryCosts(
+            activation=[sp.activation_bytes for sp in self.stages],
+            held=[sp.held_bytes for sp in self.stages],
+            fixed=[sp.weight_bytes + sp.grad_bytes + sp.optimizer_bytes for sp in self.stages],
+        )
 
 
 def _int_devices(cfg: DictConfig) -> int:
@@ -173,7 +176,9 @@ def _signature(layer: nn.Module, x: torch.Tensor, needs_input_grad: bool) -> tup
     return (type(layer), params, repr(layer), tuple(x.shape), x.dtype, needs_input_grad)
 
 
-def _measure_stage(layers: nn.Sequential, x: torch.Tensor, first: bool, cache: dict) -> tuple[torch.Tensor, int, int, bool]:
+def _measure_stage(
+    layers: nn.Sequential, x: torch.Tensor, first: bool, cache: dict
+) -> tuple[torch.Tensor, int, int, bool]:
     """(output, M_act, M_W, graph kept) of a stage, layer by layer. A stage's graph is kept from B to W
     as soon as one of its layers needs it (one ``retain_graph`` for the whole stage), and then M_W is
     the whole M_act plus what W reads. The first stage (no input gradient) runs all of its backward in
@@ -224,7 +229,9 @@ def plan(cfg: DictConfig, recipe: str = "") -> Plan:
     fused = build_schedule(fused_name, num_stages, m, stages_per_rank=spr, split_backward=False)
     batch = int(cfg.data.batch_size)
     if batch % m:
-        raise ValueError(f"batch size {batch} does not split into {m} micro-batches: set data.batch_size to a multiple of {m}")
+        raise ValueError(
+            f"batch size {batch} does not split into {m} micro-batches: set data.batch_size to a multiple of {m}"
+        )
     mbs = batch // m
     precision = str(cfg.trainer.get("precision", "32-true"))
     param_bytes, act_dtype = _bytes(precision)
@@ -266,27 +273,39 @@ def plan(cfg: DictConfig, recipe: str = "") -> Plan:
     stages, start = [], 0
     cache: dict = {}
     for s, n in enumerate(sizes):
-        module = seq[start:start + n]
+        module = seq[start : start + n]
         n_params = sum(q.numel() for q in module.parameters())
         try:
             x, act, held, kept = _measure_stage(module, x, s == 0, cache)
         except RuntimeError as e:
             if scale != 1.0 or act_dtype == torch.float32:
                 raise
-            raise RuntimeError(f"stage {s} does not run in {act_dtype} on meta ({e}); plan with trainer.precision=32-true") from e
+            raise RuntimeError(
+                f"stage {s} does not run in {act_dtype} on meta ({e}); plan with trainer.precision=32-true"
+            ) from e
         act, held = int(act * scale), int(held * scale)
         if s == num_stages - 1:
             act += x.numel() * 4  # the loss: cross-entropy saves fp32 log-probabilities of the output's size
-        stages.append(StagePlan(
-            stage=s, rank=schedule.stage_to_rank[s], layers=(start, start + n - 1), params=n_params,
-            weight_bytes=n_params * param_bytes, grad_bytes=n_params * param_bytes,
-            optimizer_bytes=n_params * states * (4 if param_bytes == 4 else 2),
-            activation_bytes=act, held_bytes=held, graph_kept=kept,
-        ))
+        stages.append(
+            StagePlan(
+                stage=s,
+                rank=schedule.stage_to_rank[s],
+                layers=(start, start + n - 1),
+                params=n_params,
+                weight_bytes=n_params * param_bytes,
+                grad_bytes=n_params * param_bytes,
+                optimizer_bytes=n_params * states * (4 if param_bytes == 4 else 2),
+                activation_bytes=act,
+                held_bytes=held,
+                graph_kept=kept,
+            )
+        )
         start += n
     if any(sp.graph_kept for sp in stages):
-        notes.append("stages marked * keep their autograd graph from B to W (no direct weight formula for some "
-                     "layer: convolution, BatchNorm, LayerNorm or the scan), so 2BP holds about M_act there")
+        notes.append(
+            "stages marked * keep their autograd graph from B to W (no direct weight formula for some "
+            "layer: convolution, BatchNorm, LayerNorm or the scan), so 2BP holds about M_act there"
+        )
     act = {sp.stage: sp.activation_bytes for sp in stages}
     held = {sp.stage: sp.held_bytes for sp in stages}
     gpu = cfg.plan.get("gpu_memory_gib")
@@ -303,11 +322,23 @@ def plan(cfg: DictConfig, recipe: str = "") -> Plan:
         fits = None if gpu is None else with_split["total_bytes"] <= headroom * float(gpu) * GiB
         ranks.append(RankPlan(rank=r, stages=mine, static_bytes=static, split=with_split, fused=without, fits=fits))
     return Plan(
-        recipe=recipe, model=str(cfg.model._target_).rsplit(".", 1)[-1], params=sum(sp.params for sp in stages),
-        world=world, pipeline_degree=p, data_parallel=world // p,
-        schedule=schedule_label(schedule.name, split), fused_schedule=fused_name,
-        num_microbatches=m, microbatch_size=mbs, precision=precision, optimizer=optimizer,
-        gpu_memory_gib=None if gpu is None else float(gpu), headroom=headroom, stages=stages, ranks=ranks, notes=notes,
+        recipe=recipe,
+        model=str(cfg.model._target_).rsplit(".", 1)[-1],
+        params=sum(sp.params for sp in stages),
+        world=world,
+        pipeline_degree=p,
+        data_parallel=world // p,
+        schedule=schedule_label(schedule.name, split),
+        fused_schedule=fused_name,
+        num_microbatches=m,
+        microbatch_size=mbs,
+        precision=precision,
+        optimizer=optimizer,
+        gpu_memory_gib=None if gpu is None else float(gpu),
+        headroom=headroom,
+        stages=stages,
+        ranks=ranks,
+        notes=notes,
     )
 
 
@@ -323,22 +354,30 @@ def format_plan(pl: Plan) -> str:
     for sp in pl.stages:
         lines.append(
             f"  stage {sp.stage:<2} rank {sp.rank:<2} {sp.layers[0]:>3}-{sp.layers[1]:<4} {sp.params / 1e6:9.1f}M"
-            f"{g(sp.weight_bytes)} {g(sp.grad_bytes)} {g(sp.optimizer_bytes)} {g(sp.activation_bytes)} {g(sp.held_bytes)}"
+            f"{g(sp.weight_bytes)} {g(sp.grad_bytes)} {g(sp.optimizer_bytes)} {g(sp.activation_bytes)} "
+            f"{g(sp.held_bytes)}"
             f"{' *' if sp.graph_kept else ''}"
         )
     cap = "" if pl.gpu_memory_gib is None else f"  fits {pl.gpu_memory_gib:g} GiB x {pl.headroom:g}?"
-    lines += ["", f"per rank (GiB)      static | {pl.schedule}: in-flight  act    total | {pl.fused_schedule} "
-                  f"(no 2BP): in-flight  act    total{cap}"]
+    lines += [
+        "",
+        f"per rank (GiB)      static | {pl.schedule}: in-flight  act    total | {pl.fused_schedule} "
+        f"(no 2BP): in-flight  act    total{cap}",
+    ]
     for rp in pl.ranks:
         fit = "" if rp.fits is None else ("   yes" if rp.fits else "   NO")
         lines.append(
-            f"  rank {rp.rank:<2} {str(rp.stages):<8}{g(rp.static_bytes)} |{rp.split['in_flight']:>12}{g(rp.split['activation_bytes'])}"
-            f"{g(rp.split['total_bytes'])} |{rp.fused['in_flight']:>20}{g(rp.fused['activation_bytes'])}{g(rp.fused['total_bytes'])}{fit}"
+            f"  rank {rp.rank:<2} {str(rp.stages):<8}{g(rp.static_bytes)} "
+            f"|{rp.split['in_flight']:>12}{g(rp.split['activation_bytes'])}"
+            f"{g(rp.split['total_bytes'])} "
+            f"|{rp.fused['in_flight']:>20}{g(rp.fused['activation_bytes'])}{g(rp.fused['total_bytes'])}{fit}"
         )
     peak = max(rp.split["total_bytes"] for rp in pl.ranks)
     peak_f = max(rp.fused["total_bytes"] for rp in pl.ranks)
-    lines.append(f"\npeak rank: {peak / GiB:.2f} GiB with 2BP, {peak_f / GiB:.2f} GiB without "
-                 f"({peak / peak_f - 1:+.1%}: what the split costs in memory)")
+    lines.append(
+        f"\npeak rank: {peak / GiB:.2f} GiB with 2BP, {peak_f / GiB:.2f} GiB without "
+        f"({peak / peak_f - 1:+.1%}: what the split costs in memory)"
+    )
     lines += [f"note: {n}" for n in pl.notes]
     return "\n".join(lines)
 
@@ -355,7 +394,9 @@ def plan_recipe(overrides: list[str]) -> Plan:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
-        prog="twobp-plan", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+        prog="twobp-plan",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=f"recipes (recipe=NAME): {', '.join(recipes())}",
     )
     ap.add_argument("--json", metavar="PATH", help="also write the plan as JSON to PATH")

@@ -27,7 +27,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, queue: Any, threads: int, timeout: float) -> None:
+def _worker(
+    rank: int, world: int, port: int, fn: Callable, args: tuple, queue: Any, threads: int, timeout: float
+) -> None:
     torch.set_num_threads(threads)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     try:

@@ -28,8 +28,13 @@ def _action(op: str) -> Action | None:
         return None
 
 
-def chrome_trace(records_by_rank: Sequence[Iterable[Any]], *, simulated: Iterable[tuple[int, Action, float, float]] | None = None,
-                 simulated_scale: float = 1.0, title: str = "pipeline") -> dict:
+def chrome_trace(
+    records_by_rank: Sequence[Iterable[Any]],
+    *,
+    simulated: Iterable[tuple[int, Action, float, float]] | None = None,
+    simulated_scale: float = 1.0,
+    title: str = "pipeline",
+) -> dict:
     """The trace as a dict (``json.dump`` it, or use :func:`write_chrome_trace`).
 
     ``records_by_rank[r]`` are rank r's ``ActionRecord`` (times in seconds from its step's start);
@@ -45,30 +50,74 @@ def chrome_trace(records_by_rank: Sequence[Iterable[Any]], *, simulated: Iterabl
             action = _action(r.op)
             ts = r.start * _US
             if action is None:  # a batch of sends and receives, a reduce
-                events.append({"ph": "X", "name": r.op, "pid": pid, "tid": 1, "ts": ts,
-                               "dur": max((r.end - r.start) * _US, 0.0), "cat": "comm"})
+                events.append(
+                    {
+                        "ph": "X",
+                        "name": r.op,
+                        "pid": pid,
+                        "tid": 1,
+                        "ts": ts,
+                        "dur": max((r.end - r.start) * _US, 0.0),
+                        "cat": "comm",
+                    }
+                )
                 continue
             if r.wait > 0:
-                events.append({"ph": "X", "name": f"wait {r.op}", "pid": pid, "tid": 1, "ts": ts,
-                               "dur": r.wait * _US, "cat": "wait"})
-            events.append({
-                "ph": "X", "name": r.op, "pid": pid, "tid": 0, "ts": ts + r.wait * _US,
-                "dur": max((r.end - r.start - r.wait) * _US, 0.0), "cat": action.kind,
-                "args": {"stage": action.stage, "microbatches": list(action.microbatches), "kind": action.kind,
-                         "wait_ms": r.wait * 1e3, "step": r.step},
-            })
+                events.append(
+                    {
+                        "ph": "X",
+                        "name": f"wait {r.op}",
+                        "pid": pid,
+                        "tid": 1,
+                        "ts": ts,
+                        "dur": r.wait * _US,
+                        "cat": "wait",
+                    }
+                )
+            events.append(
+                {
+                    "ph": "X",
+                    "name": r.op,
+                    "pid": pid,
+                    "tid": 0,
+                    "ts": ts + r.wait * _US,
+                    "dur": max((r.end - r.start - r.wait) * _US, 0.0),
+                    "cat": action.kind,
+                    "args": {
+                        "stage": action.stage,
+                        "microbatches": list(action.microbatches),
+                        "kind": action.kind,
+                        "wait_ms": r.wait * 1e3,
+                        "step": r.step,
+                    },
+                }
+            )
         pid += 1
     if simulated is not None:
         ranks = sorted({rank for rank, *_ in simulated})
         first = pid
         for rank in ranks:
-            events.append({"ph": "M", "name": "process_name", "pid": first + rank,
-                           "args": {"name": f"{title}: simulated rank {rank}"}})
+            events.append(
+                {
+                    "ph": "M",
+                    "name": "process_name",
+                    "pid": first + rank,
+                    "args": {"name": f"{title}: simulated rank {rank}"},
+                }
+            )
         for rank, action, start, end in simulated:
-            events.append({"ph": "X", "name": str(action), "pid": first + rank, "tid": 0,
-                           "ts": start * simulated_scale * _US, "dur": (end - start) * simulated_scale * _US,
-                           "cat": action.kind, "args": {"stage": action.stage,
-                                                        "microbatches": list(action.microbatches)}})
+            events.append(
+                {
+                    "ph": "X",
+                    "name": str(action),
+                    "pid": first + rank,
+                    "tid": 0,
+                    "ts": start * simulated_scale * _US,
+                    "dur": (end - start) * simulated_scale * _US,
+                    "cat": action.kind,
+                    "args": {"stage": action.stage, "microbatches": list(action.microbatches)},
+                }
+            )
     return {"traceEvents": events, "displayTimeUnit": "ms"}
 
 

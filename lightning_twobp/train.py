@@ -7,7 +7,8 @@
 
 The config is ``conf/config.yaml`` (one default per group) with the recipe, ``recipes/<name>.yaml``
 (the config group ``recipe``), on top; every value can be overridden on the command line;
-``twobp-train --help`` lists the recipes, the groups and the common overrides. Lightning launches the processes (gloo on CPU, NCCL on
+``twobp-train --help`` lists the recipes, the groups and the common overrides. Lightning launches the processes (gloo
+on CPU, NCCL on
 GPU); under torchrun or SLURM it uses the processes that exist. Each run writes its config, logs, a
 sharded checkpoint and ``summary.json`` under ``outputs/<recipe>/<time>/``.
 
@@ -21,8 +22,8 @@ from __future__ import annotations
 
 import os
 import subprocess
-from pathlib import Path
 import sys
+from pathlib import Path
 from typing import Any
 
 import hydra
@@ -67,7 +68,9 @@ def train(cfg: DictConfig) -> dict[str, Any]:
 
 
 # which data groups fit which models: what a mismatch is told to use instead
-_DATA_FOR = "data=images for ResNet, data=masked-counting (or masked-tokens) for BERT, data=counting (or tokens) for the LMs"
+_DATA_FOR = (
+    "data=images for ResNet, data=masked-counting (or masked-tokens) for BERT, data=counting (or tokens) for the LMs"
+)
 
 
 def instantiate_data(cfg: DictConfig) -> Any:
@@ -86,8 +89,11 @@ def instantiate_data(cfg: DictConfig) -> Any:
         ) from e
     except MissingMandatoryValue as e:
         key = getattr(e, "full_key", "") or "a value"
-        example = f"{key}=data/my-corpus/train.bin (twobp-tokenize writes token files)" if key.endswith("_path") \
+        example = (
+            f"{key}=data/my-corpus/train.bin (twobp-tokenize writes token files)"
+            if key.endswith("_path")
             else f"{key}=..."
+        )
         raise ValueError(f"{key} has no value: give it on the command line, e.g. {example}") from e
 
 
@@ -113,7 +119,12 @@ def resume_path(ckpt_path: str | None, out_dir: str) -> str | None:
 def _launched_by_lightning(cfg: DictConfig) -> bool:
     """Whether Lightning will start the other ranks by re-running this command line."""
     devices = cfg.trainer.get("devices", 1)
-    many = devices == -1 or devices == "auto" or (isinstance(devices, int) and devices > 1) or cfg.trainer.get("num_nodes", 1) > 1
+    many = (
+        devices == -1
+        or devices == "auto"
+        or (isinstance(devices, int) and devices > 1)
+        or cfg.trainer.get("num_nodes", 1) > 1
+    )
     external = any(k in os.environ for k in ("LOCAL_RANK", "SLURM_NTASKS", "TORCHELASTIC_RUN_ID"))
     return many and not external
 
@@ -122,12 +133,19 @@ def _launched_by_lightning(cfg: DictConfig) -> bool:
 def _hydra_main(cfg: DictConfig) -> None:
     hc = HydraConfig.get()
     if hc.mode == RunMode.MULTIRUN and _launched_by_lightning(cfg):
-        job = [sys.executable, "-m", "lightning_twobp.train", *hc.overrides.task,
-               f"hydra.run.dir={hc.runtime.output_dir}"]
+        job = [
+            sys.executable,
+            "-m",
+            "lightning_twobp.train",
+            *hc.overrides.task,
+            f"hydra.run.dir={hc.runtime.output_dir}",
+        ]
         print(f"sweep job {hc.job.num}: {' '.join(hc.overrides.task)}", flush=True)
         done = subprocess.run(job)
         if done.returncode:
-            raise SystemExit(f"sweep job {hc.job.num} ({' '.join(hc.overrides.task)}) failed with exit code {done.returncode}")
+            raise SystemExit(
+                f"sweep job {hc.job.num} ({' '.join(hc.overrides.task)}) failed with exit code {done.returncode}"
+            )
         return
     if OmegaConf.select(cfg, "print_config", default=False):
         print(OmegaConf.to_yaml(cfg))

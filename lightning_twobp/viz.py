@@ -36,21 +36,30 @@ __all__ = ["KIND_COLORS", "plot_schedule", "plot_timeline"]
 # Okabe-Ito palette (distinguishable under the common colour-vision deficiencies).
 # W gets the only green: it is the action 2BP moves, and the eye should find it.
 KIND_COLORS = {
-    "F": "#0072B2",   # blue
-    "B": "#E69F00",   # orange
-    "W": "#009E73",   # bluish green
+    "F": "#0072B2",  # blue
+    "B": "#E69F00",  # orange
+    "W": "#009E73",  # bluish green
     "BW": "#D55E00",  # vermillion: the fused backward, B and W in one
 }
 _KIND_NAMES = {
-    "F": "F forward", "B": "B input grad", "W": "W weight grad", "BW": "BW fused backward",
+    "F": "F forward",
+    "B": "B input grad",
+    "W": "W weight grad",
+    "BW": "BW fused backward",
 }
 _FONT_SIZE = 7
 _INSTALL_HINT = "pip install 'lightning_twobp[plots]'"
 
 
-def plot_timeline(timeline: Iterable[Any], *, num_ranks: int, title: str | None = None,
-                  ax: Axes | None = None, path: str | os.PathLike | None = None,
-                  unit: str | None = None) -> Figure:
+def plot_timeline(
+    timeline: Iterable[Any],
+    *,
+    num_ranks: int,
+    title: str | None = None,
+    ax: Axes | None = None,
+    path: str | os.PathLike | None = None,
+    unit: str | None = None,
+) -> Figure:
     """Draw ``timeline`` (see the module docstring for the accepted forms); return the Figure.
 
     Rank 0 is the top row; a box spans its action's start to end, coloured by kind
@@ -69,8 +78,7 @@ def plot_timeline(timeline: Iterable[Any], *, num_ranks: int, title: str | None 
     boxes = list(_compute_boxes(timeline))
     if not boxes:
         raise ValueError(
-            "no compute actions to draw: expected labels like '1F3', '0B2' or '0W0+1+2' "
-            "(communication ops are skipped)"
+            "no compute actions to draw: expected labels like '1F3', '0B2' or '0W0+1+2' (communication ops are skipped)"
         )
     for rank, action, _, _ in boxes:
         if not 0 <= rank < num_ranks:
@@ -104,16 +112,28 @@ def plot_timeline(timeline: Iterable[Any], *, num_ranks: int, title: str | None 
         base = KIND_COLORS[action.kind]
         face = _lighten(base, 0.5 * index / max(depth - 1, 1)) if index else base
         rect = Rectangle(
-            (start, rank - 0.4), end - start, 0.8,
-            facecolor=face, edgecolor=base if index else "white",
-            hatch="//" if index else None, linewidth=0.6,
+            (start, rank - 0.4),
+            end - start,
+            0.8,
+            facecolor=face,
+            edgecolor=base if index else "white",
+            hatch="//" if index else None,
+            linewidth=0.6,
         )
         rect.set_gid(f"action {rank} {action}")
         ax.add_patch(rect)
         text = _microbatch_text(action)
         if (end - start) * px_per_unit >= len(text) * char_px + 3:
-            ax.text((start + end) / 2, rank, text, ha="center", va="center",
-                    fontsize=_FONT_SIZE, color=_text_color(face), clip_on=True)
+            ax.text(
+                (start + end) / 2,
+                rank,
+                text,
+                ha="center",
+                va="center",
+                fontsize=_FONT_SIZE,
+                color=_text_color(face),
+                clip_on=True,
+            )
 
     ax.set_yticks(range(num_ranks))
     ax.set_yticklabels([f"rank {r}" for r in range(num_ranks)])
@@ -128,20 +148,33 @@ def plot_timeline(timeline: Iterable[Any], *, num_ranks: int, title: str | None 
     kinds = [k for k in KIND_COLORS if any(a.kind == k for _, a, _, _ in boxes)]
     handles = [Patch(facecolor=KIND_COLORS[k], label=_KIND_NAMES[k]) for k in kinds]
     if depth > 1:
-        handles.append(Patch(facecolor=_lighten("#777777", 0.5), edgecolor="#777777",
-                             hatch="//", label="later stage on a rank"))
+        handles.append(
+            Patch(facecolor=_lighten("#777777", 0.5), edgecolor="#777777", hatch="//", label="later stage on a rank")
+        )
     handles.append(Patch(facecolor="white", edgecolor="#bbbbbb", label="idle"))
-    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.005, 1.0),
-              fontsize=_FONT_SIZE, frameon=False, borderaxespad=0.0)
+    ax.legend(
+        handles=handles,
+        loc="upper left",
+        bbox_to_anchor=(1.005, 1.0),
+        fontsize=_FONT_SIZE,
+        frameon=False,
+        borderaxespad=0.0,
+    )
 
     if path is not None:
         fig.savefig(path, dpi=fig.dpi)
     return fig
 
 
-def plot_schedule(schedule: Schedule, costs: Costs | None = None,
-                  path: str | os.PathLike | None = None, *, name: str | None = None,
-                  ax: Axes | None = None, iterations: int = 1) -> Figure:
+def plot_schedule(
+    schedule: Schedule,
+    costs: Costs | None = None,
+    path: str | os.PathLike | None = None,
+    *,
+    name: str | None = None,
+    ax: Axes | None = None,
+    iterations: int = 1,
+) -> Figure:
     """Simulate ``schedule`` at ``costs`` (default unit costs) and plot its timeline.
 
     The title names the schedule (``name``, default :func:`schedule_label`), the ranks ``p``, the
@@ -161,8 +194,7 @@ def plot_schedule(schedule: Schedule, costs: Costs | None = None,
     else:
         timing = f"{iterations} iterations overlapped: period {result.period:g}, bubble {result.steady_bubble:.1%}"
     title = f"{name}: {shape}, m={schedule.num_microbatches}, {timing}"
-    return plot_timeline(result.timeline, num_ranks=p, title=title, ax=ax, path=path,
-                         unit=_cost_unit(costs or Costs()))
+    return plot_timeline(result.timeline, num_ranks=p, title=title, ax=ax, path=path, unit=_cost_unit(costs or Costs()))
 
 
 # --------------------------------------------------------------------------- helpers
@@ -206,8 +238,7 @@ def _compute_boxes(timeline: Iterable[Any]):
     """Yield ``(rank, Action, start, end)`` for the compute entries of ``timeline``."""
     for item in timeline:
         if all(hasattr(item, a) for a in ("rank", "start", "end")):
-            what = next((getattr(item, a) for a in ("action", "op", "label") if hasattr(item, a)),
-                        None)
+            what = next((getattr(item, a) for a in ("action", "op", "label") if hasattr(item, a)), None)
             if what is None:
                 raise ValueError(f"timeline entry {item!r} has no 'action', 'op' or 'label'")
             rank, start, end = item.rank, item.start, item.end

@@ -90,8 +90,13 @@ def test_gpu_script_runs_its_cuda_code_path_on_the_cpu_at_toy_sizes(tmp_path, ca
     for part in ("layer", "head"):
         c = r["costs_s"][part]
         assert all(c[k] > 0 for k in ("F", "B", "W", "BW")) and c["split_over_fused"] > 0
-    assert {p["schedule"] for p in r["pipeline"]} == {"gpipe", "gpipe+2BP", "interleaved-1f1b",
-                                                     "interleaved-1f1b+2BP", "zb-v"}
+    assert {p["schedule"] for p in r["pipeline"]} == {
+        "gpipe",
+        "gpipe+2BP",
+        "interleaved-1f1b",
+        "interleaved-1f1b+2BP",
+        "zb-v",
+    }
     assert all(p["grads_match"] and p["max_grad_diff"] < 1e-5 for p in r["pipeline"]), r["pipeline"]
     sims = {(s["schedule"], s["m"]): s for s in r["simulated"]}
     assert sims[("1f1b", 4)]["speedup_over_1f1b"] == pytest.approx(1.0)

@@ -7,8 +7,7 @@ import math
 
 import pytest
 
-from lightning_twobp.bench import main
-from lightning_twobp.bench import paper
+from lightning_twobp.bench import main, paper
 from lightning_twobp.bench.paper import LayerCosts, models, peak_held_bytes, rows, scaling
 from lightning_twobp.schedules import Action, Schedule, validate
 
@@ -38,15 +37,25 @@ def test_quick_run_writes_every_table_and_plot(quick_result, tmp_path):
         if r["baseline"] is not None:
             assert all(math.isfinite(x) and x > 0 for x in r["ratio_per_rank"]), r
     for r in result["rq3"]:
-        assert [s["p"] for s in r["simulated"]] == ([2, 4] if r["row"] == "ZB-V" and r["model"] != "resnet" else [2, 4, 8])
+        assert [s["p"] for s in r["simulated"]] == (
+            [2, 4] if r["row"] == "ZB-V" and r["model"] != "resnet" else [2, 4, 8]
+        )
         for s in r["simulated"]:
             assert math.isfinite(s["samples_per_s"]) and s["samples_per_s"] > 0
             if r["baseline"] is not None:
                 assert math.isfinite(s["ratio"]) and s["ratio"] > 0
     paths = paper.write(result, tmp_path)
     names = {p.name for p in paths}
-    assert names == {"paper.md", "paper.json", "paper-rq1.csv", "paper-rq2.csv", "paper-rq3.csv",
-                     "paper-rq1.png", "paper-rq2.png", "paper-rq3.png"}
+    assert names == {
+        "paper.md",
+        "paper.json",
+        "paper-rq1.csv",
+        "paper-rq2.csv",
+        "paper-rq3.csv",
+        "paper-rq1.png",
+        "paper-rq2.png",
+        "paper-rq3.png",
+    }
     assert all(p.stat().st_size > 0 for p in paths)
     md = (tmp_path / "paper.md").read_text()
     assert "### Summary" in md and "### RQ1" in md and "### RQ2" in md and "### RQ3" in md
@@ -65,10 +74,17 @@ def test_cli_paper_mode_writes_into_out(quick_result, tmp_path, monkeypatch, cap
 
 def test_peak_held_bytes_replay_by_hand():
     a = Action.parse
-    sched = Schedule("hand", 2, 3, (0, 1), [
-        [a("0F0"), a("0F1"), a("0B0"), a("0F2"), a("0B1"), a("0B2"), a("0W0+1+2")],
-        [a("1F0"), a("1B0"), a("1F1"), a("1B1"), a("1W0"), a("1F2"), a("1B2"), a("1W1"), a("1W2")],
-    ], split_backward=True)
+    sched = Schedule(
+        "hand",
+        2,
+        3,
+        (0, 1),
+        [
+            [a("0F0"), a("0F1"), a("0B0"), a("0F2"), a("0B1"), a("0B2"), a("0W0+1+2")],
+            [a("1F0"), a("1B0"), a("1F1"), a("1B1"), a("1W0"), a("1F2"), a("1B2"), a("1W1"), a("1W2")],
+        ],
+        split_backward=True,
+    )
     validate(sched)
     held = {(0, 0): 1, (0, 1): 2, (0, 2): 4, (1, 0): 10, (1, 1): 20, (1, 2): 40}
     # Rank 0 frees at B (its stage takes no input gradient): 1, 1+2, 2, 2+4, 4, 0 -> 6.

@@ -44,8 +44,14 @@ def _data() -> DataLoader:
 
 
 def _env(rank: int, world: int) -> None:
-    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world), RANK=str(rank),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
+    os.environ.update(
+        LOCAL_RANK=str(rank),
+        NODE_RANK="0",
+        WORLD_SIZE=str(world),
+        RANK=str(rank),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT="29500",
+    )
 
 
 def _fit(world: int, folder: str, max_steps: int = 4, ckpt_path: str | None = None, save: bool = True) -> dict:
@@ -53,12 +59,23 @@ def _fit(world: int, folder: str, max_steps: int = 4, ckpt_path: str | None = No
 
     cbs = [ModelCheckpoint(dirpath=folder, every_n_train_steps=2, save_top_k=-1, save_last=True)] if save else []
     model = Net()
-    trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=TwoBPStrategy(schedule="1f1b"), logger=False,
-                         enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
-                         callbacks=cbs, enable_checkpointing=save, max_steps=max_steps)  # 2 steps an epoch
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=world,
+        strategy=TwoBPStrategy(schedule="1f1b"),
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+        callbacks=cbs,
+        enable_checkpointing=save,
+        max_steps=max_steps,
+    )  # 2 steps an epoch
     trainer.fit(model, _data(), ckpt_path=ckpt_path)
-    return {"step": trainer.global_step,
-            "weights": {n: q.detach().clone() for n, q in model.named_parameters() if not q.is_meta}}
+    return {
+        "step": trainer.global_step,
+        "weights": {n: q.detach().clone() for n, q in model.named_parameters() if not q.is_meta},
+    }
 
 
 # Where to die: (function of lightning_twobp.lightning.checkpoint, rank, before or after it runs).
@@ -133,7 +150,7 @@ def _resume_all(rank: int, world: int, root: str, points: list[str]) -> dict:
 
 def test_kill_9_during_a_save_leaves_a_checkpoint_that_resumes_exactly(tmp_path):
     for point in POINTS:
-        with pytest.raises(Exception):  # the killed rank's exit, and its peer's lost connection
+        with pytest.raises(Exception):  # noqa: B017 the killed rank's exit, and its peer's lost connection
             run_distributed(_crash, 2, str(tmp_path / point), point, timeout=120)
     states = {p: sorted(x.name for x in (tmp_path / p).iterdir()) for p in POINTS}
     assert ".last.ckpt.partial" in states["between-shards"], states  # what the crash left behind

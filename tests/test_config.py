@@ -61,9 +61,14 @@ def _data_for(model: str) -> str:
     "override",
     [f"model={o} data={_data_for(o)}" for o in GROUPS["model"]]
     + [f"{g}={o}" for g in ("schedule", "callbacks", "logger", "strategy") for o in GROUPS[g]]
-    + ["data=images model=tiny-resnet", "data=masked-counting model=tiny-bert",
-       "data=tokens data.train_path=x.bin", "data=masked-tokens data.train_path=x.bin model=tiny-bert",
-       "trainer=gpu", "trainer=cpu"],
+    + [
+        "data=images model=tiny-resnet",
+        "data=masked-counting model=tiny-bert",
+        "data=tokens data.train_path=x.bin",
+        "data=masked-tokens data.train_path=x.bin model=tiny-bert",
+        "trainer=gpu",
+        "trainer=cpu",
+    ],
 )
 def test_every_group_option_composes_and_instantiates(override, tmp_path):
     if override == "logger=tensorboard":

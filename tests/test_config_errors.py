@@ -196,13 +196,27 @@ class LooseParameter(SharedBlocks):
 
 def _data(samples: int = 16, batch: int = 8, drop_last: bool = True, second_dim: int = 2) -> DataLoader:
     g = torch.Generator().manual_seed(0)
-    return DataLoader(TensorDataset(torch.randn(samples, 6, generator=g), torch.randn(samples, second_dim, generator=g)),
-                      batch_size=batch, drop_last=drop_last)
+    return DataLoader(
+        TensorDataset(torch.randn(samples, 6, generator=g), torch.randn(samples, second_dim, generator=g)),
+        batch_size=batch,
+        drop_last=drop_last,
+    )
 
 
 def _trainer(strategy: TwoBPStrategy, **kw) -> pl.Trainer:
-    kw = dict(accelerator="cpu", devices=1, strategy=strategy, max_steps=2, logger=False, enable_checkpointing=False,
-              enable_progress_bar=False, enable_model_summary=False) | kw
+    kw = (
+        dict(
+            accelerator="cpu",
+            devices=1,
+            strategy=strategy,
+            max_steps=2,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        )
+        | kw
+    )
     return pl.Trainer(**kw)
 
 
@@ -214,8 +228,14 @@ def _count_forward(module, args, output) -> None:
     _SEEN["forwards"] = _SEEN.get("forwards", 0) + 1
 
 
-def _fit(model: pl.LightningModule | None = None, data: DataLoader | None = None, ckpt_path: str | None = None,
-         trainer: dict | None = None, val: DataLoader | None = None, **strategy) -> pl.Trainer:
+def _fit(
+    model: pl.LightningModule | None = None,
+    data: DataLoader | None = None,
+    ckpt_path: str | None = None,
+    trainer: dict | None = None,
+    val: DataLoader | None = None,
+    **strategy,
+) -> pl.Trainer:
     t = _trainer(TwoBPStrategy(**strategy), **(trainer or {}))
     model = model or Net()
     _SEEN.update(model=model, before={k: v.detach().clone() for k, v in model.state_dict().items()}, forwards=0)
@@ -236,8 +256,9 @@ def _executor(schedule: tuple, modules: dict, step: tuple | None = None) -> None
     from lightning_twobp.schedules import build_schedule
 
     _one_rank_group()
-    ex = PipelineExecutor(build_schedule(*schedule[:3], **schedule[3] if len(schedule) > 3 else {}), modules,
-                          loss_fn=F.mse_loss)
+    ex = PipelineExecutor(
+        build_schedule(*schedule[:3], **schedule[3] if len(schedule) > 3 else {}), modules, loss_fn=F.mse_loss
+    )
     if step is not None:
         ex.step(*step)
 
@@ -304,7 +325,9 @@ def _plan(*overrides: str):
     return plan_recipe(list(overrides))
 
 
-def _token_file(tmp: Path, n: int, dtype: str = "uint16", sidecar: dict | None = None, extra_byte: bool = False) -> Path:
+def _token_file(
+    tmp: Path, n: int, dtype: str = "uint16", sidecar: dict | None = None, extra_byte: bool = False
+) -> Path:
     import numpy as np
 
     path = tmp / "train.bin"
@@ -340,197 +363,419 @@ Case = tuple[Callable[[Path], object], type[BaseException], str]
 S, X, D = "lightning_twobp.schedules.build_schedule", "lightning_twobp.models", "lightning_twobp.data"
 CASES: dict[str, Case] = {
     # schedules: pure data, refused when built
-    "schedule-unknown": (lambda t: _build(S, "zb-x", 2, 4), ValueError,
-                         r"unknown schedule 'zb-x'; choose one of gpipe, 1f1b, .*zb-v"),
+    "schedule-unknown": (
+        lambda t: _build(S, "zb-x", 2, 4),
+        ValueError,
+        r"unknown schedule 'zb-x'; choose one of gpipe, 1f1b, .*zb-v",
+    ),
     "schedule-zero-stages": (lambda t: _build(S, "1f1b", 0, 4), ValueError, r"num_stages must be an int >= 1, got 0"),
-    "schedule-zero-microbatches": (lambda t: _build(S, "1f1b", 2, 0), ValueError,
-                                   r"num_microbatches must be an int >= 1, got 0"),
-    "schedule-stages-not-multiple": (lambda t: _build(S, "interleaved-1f1b", 6, 4, stages_per_rank=4), ValueError,
-                                     r"num_stages=6 is not a multiple of stages_per_rank=4: use 4 or 8"),
-    "schedule-1f1b-two-stages-per-rank": (lambda t: _build(S, "1f1b", 4, 4, stages_per_rank=2), ValueError,
-                                          r"1f1b runs one stage per rank.*build_schedule\('interleaved-1f1b', 4, 4"),
-    "schedule-zb-h1-two-stages-per-rank": (lambda t: _build(S, "zb-h1", 4, 4, stages_per_rank=2), ValueError,
-                                           r"zb-h1 runs one stage per rank.*build_schedule\('zb-v', 4, 4"),
-    "schedule-zb-v-one-stage-per-rank": (lambda t: _build(S, "zb-v", 2, 4), ValueError,
-                                         r"zb-v needs stages_per_rank=2 .*build_schedule\('zb-v', 4, 4, stages_per_rank=2\)"),
-    "schedule-zb-fused": (lambda t: _build(S, "zb-h2", 2, 4, split_backward=False), ValueError,
-                          r"zb-h2 is split by definition .* use '1f1b' or 'gpipe'"),
-    "schedule-interleaved-microbatches": (lambda t: _build(S, "interleaved-1f1b", 8, 6, stages_per_rank=2), ValueError,
-                                          r"on 4 ranks needs a micro-batch count that is a multiple of 4: use 4"),
+    "schedule-zero-microbatches": (
+        lambda t: _build(S, "1f1b", 2, 0),
+        ValueError,
+        r"num_microbatches must be an int >= 1, got 0",
+    ),
+    "schedule-stages-not-multiple": (
+        lambda t: _build(S, "interleaved-1f1b", 6, 4, stages_per_rank=4),
+        ValueError,
+        r"num_stages=6 is not a multiple of stages_per_rank=4: use 4 or 8",
+    ),
+    "schedule-1f1b-two-stages-per-rank": (
+        lambda t: _build(S, "1f1b", 4, 4, stages_per_rank=2),
+        ValueError,
+        r"1f1b runs one stage per rank.*build_schedule\('interleaved-1f1b', 4, 4",
+    ),
+    "schedule-zb-h1-two-stages-per-rank": (
+        lambda t: _build(S, "zb-h1", 4, 4, stages_per_rank=2),
+        ValueError,
+        r"zb-h1 runs one stage per rank.*build_schedule\('zb-v', 4, 4",
+    ),
+    "schedule-zb-v-one-stage-per-rank": (
+        lambda t: _build(S, "zb-v", 2, 4),
+        ValueError,
+        r"zb-v needs stages_per_rank=2 .*build_schedule\('zb-v', 4, 4, stages_per_rank=2\)",
+    ),
+    "schedule-zb-fused": (
+        lambda t: _build(S, "zb-h2", 2, 4, split_backward=False),
+        ValueError,
+        r"zb-h2 is split by definition .* use '1f1b' or 'gpipe'",
+    ),
+    "schedule-interleaved-microbatches": (
+        lambda t: _build(S, "interleaved-1f1b", 8, 6, stages_per_rank=2),
+        ValueError,
+        r"on 4 ranks needs a micro-batch count that is a multiple of 4: use 4",
+    ),
     # the executor: refused when it is made, or before the first action
-    "executor-ranks": (lambda t: _executor(("1f1b", 2, 2), {0: nn.Linear(2, 2)}), ValueError,
-                       r"schedule '1f1b' has 2 ranks but the process group has 1: build the schedule with "
-                       r"num_stages = 1 x stages_per_rank"),
-    "executor-modules": (lambda t: _executor(("1f1b", 1, 2), {1: nn.Linear(2, 2)}), ValueError,
-                         r"rank 0 holds stages \[0\] in schedule '1f1b', but modules were given for stages \[1\]"),
-    "executor-microbatches": (lambda t: _executor(("1f1b", 1, 4), {0: nn.Linear(2, 2)},
-                                                  ([torch.ones(1, 2)] * 3, [torch.ones(1, 2)] * 3)), ValueError,
-                              r"rank 0 holds stage 0: pass inputs as a sequence of 4 micro-batches \(got 3 items\)"),
+    "executor-ranks": (
+        lambda t: _executor(("1f1b", 2, 2), {0: nn.Linear(2, 2)}),
+        ValueError,
+        r"schedule '1f1b' has 2 ranks but the process group has 1: build the schedule with "
+        r"num_stages = 1 x stages_per_rank",
+    ),
+    "executor-modules": (
+        lambda t: _executor(("1f1b", 1, 2), {1: nn.Linear(2, 2)}),
+        ValueError,
+        r"rank 0 holds stages \[0\] in schedule '1f1b', but modules were given for stages \[1\]",
+    ),
+    "executor-microbatches": (
+        lambda t: _executor(("1f1b", 1, 4), {0: nn.Linear(2, 2)}, ([torch.ones(1, 2)] * 3, [torch.ones(1, 2)] * 3)),
+        ValueError,
+        r"rank 0 holds stage 0: pass inputs as a sequence of 4 micro-batches \(got 3 items\)",
+    ),
     "executor-non-tensor-between-stages": (
-        lambda t: _executor(("interleaved-1f1b", 2, 2, {"stages_per_rank": 2}),
-                            {0: _DictOut(), 1: nn.Identity()}, ([torch.ones(1, 2)] * 2, [torch.ones(1, 2)] * 2)),
-        RuntimeError, r"shape exchange before the first action, stage 0 .* values passed between pipeline stages "
-                      r"must be tensors"),
+        lambda t: _executor(
+            ("interleaved-1f1b", 2, 2, {"stages_per_rank": 2}),
+            {0: _DictOut(), 1: nn.Identity()},
+            ([torch.ones(1, 2)] * 2, [torch.ones(1, 2)] * 2),
+        ),
+        RuntimeError,
+        r"shape exchange before the first action, stage 0 .* values passed between pipeline stages "
+        r"must be tensors",
+    ),
     # TwoBPStrategy(...): refused when it is constructed
-    "strategy-num-microbatches": (lambda t: TwoBPStrategy(num_microbatches=0), ValueError,
-                                  r"TwoBPStrategy\(num_microbatches=0\): it must be a positive integer"),
-    "strategy-pipeline-degree": (lambda t: TwoBPStrategy(pipeline_degree=-2), ValueError,
-                                 r"TwoBPStrategy\(pipeline_degree=-2\): it must be a positive integer"),
-    "strategy-stages-per-rank": (lambda t: TwoBPStrategy(stages_per_rank=1.5), ValueError,
-                                 r"TwoBPStrategy\(stages_per_rank=1.5\): it must be a positive integer"),
-    "strategy-schedule": (lambda t: TwoBPStrategy(schedule="zero-bubble"), ValueError,
-                          r"unknown schedule 'zero-bubble'; choose one of"),
-    "strategy-zb-fused": (lambda t: TwoBPStrategy(schedule="zb-v", split_backward=False), ValueError,
-                          r"zb-v is split by definition"),
-    "strategy-on-nonfinite": (lambda t: TwoBPStrategy(on_nonfinite="ignore"), ValueError,
-                              r"on_nonfinite='ignore': choose 'stop' .* or 'skip'"),
-    "strategy-balance-name": (lambda t: TwoBPStrategy(balance="flops"), ValueError,
-                              r"balance='flops': choose 'params' \(the default\), 'time' or a list of layer counts"),
-    "strategy-balance-list": (lambda t: TwoBPStrategy(balance=[3, 0]), ValueError,
-                              r"balance=\[3, 0\]: a list of layer counts per stage must hold integers >= 1"),
-    "strategy-pipeline-timeout": (lambda t: TwoBPStrategy(pipeline_timeout=0), ValueError,
-                                  r"pipeline_timeout=0: give the seconds .* \(> 0, default 600\)"),
-    "strategy-split-backward-not-bool": (lambda t: TwoBPStrategy(split_backward="false"), ValueError,
-                                         r"TwoBPStrategy\(split_backward='false'\): it must be True or False, not a "
-                                         r"str; pass a bool"),
-    "strategy-gather-not-bool": (lambda t: TwoBPStrategy(gather_full_model="no"), ValueError,
-                                 r"TwoBPStrategy\(gather_full_model='no'\): it must be True or False, not a str"),
-    "strategy-post-validation-not-bool": (lambda t: TwoBPStrategy(post_validation="maybe"), ValueError,
-                                          r"TwoBPStrategy\(post_validation='maybe'\): it must be True or False, or "
-                                          r"None \(on for zb-h2 and zb-v, the default\)"),
-    "strategy-ddp-options": (lambda t: TwoBPStrategy(find_unused_parameters=True), TypeError,
-                             r"TwoBPStrategy got find_unused_parameters: DistributedDataParallel's options do not "
-                             r"apply .* remove them"),
+    "strategy-num-microbatches": (
+        lambda t: TwoBPStrategy(num_microbatches=0),
+        ValueError,
+        r"TwoBPStrategy\(num_microbatches=0\): it must be a positive integer",
+    ),
+    "strategy-pipeline-degree": (
+        lambda t: TwoBPStrategy(pipeline_degree=-2),
+        ValueError,
+        r"TwoBPStrategy\(pipeline_degree=-2\): it must be a positive integer",
+    ),
+    "strategy-stages-per-rank": (
+        lambda t: TwoBPStrategy(stages_per_rank=1.5),
+        ValueError,
+        r"TwoBPStrategy\(stages_per_rank=1.5\): it must be a positive integer",
+    ),
+    "strategy-schedule": (
+        lambda t: TwoBPStrategy(schedule="zero-bubble"),
+        ValueError,
+        r"unknown schedule 'zero-bubble'; choose one of",
+    ),
+    "strategy-zb-fused": (
+        lambda t: TwoBPStrategy(schedule="zb-v", split_backward=False),
+        ValueError,
+        r"zb-v is split by definition",
+    ),
+    "strategy-on-nonfinite": (
+        lambda t: TwoBPStrategy(on_nonfinite="ignore"),
+        ValueError,
+        r"on_nonfinite='ignore': choose 'stop' .* or 'skip'",
+    ),
+    "strategy-balance-name": (
+        lambda t: TwoBPStrategy(balance="flops"),
+        ValueError,
+        r"balance='flops': choose 'params' \(the default\), 'time' or a list of layer counts",
+    ),
+    "strategy-balance-list": (
+        lambda t: TwoBPStrategy(balance=[3, 0]),
+        ValueError,
+        r"balance=\[3, 0\]: a list of layer counts per stage must hold integers >= 1",
+    ),
+    "strategy-pipeline-timeout": (
+        lambda t: TwoBPStrategy(pipeline_timeout=0),
+        ValueError,
+        r"pipeline_timeout=0: give the seconds .* \(> 0, default 600\)",
+    ),
+    "strategy-split-backward-not-bool": (
+        lambda t: TwoBPStrategy(split_backward="false"),
+        ValueError,
+        r"TwoBPStrategy\(split_backward='false'\): it must be True or False, not a "
+        r"str; pass a bool",
+    ),
+    "strategy-gather-not-bool": (
+        lambda t: TwoBPStrategy(gather_full_model="no"),
+        ValueError,
+        r"TwoBPStrategy\(gather_full_model='no'\): it must be True or False, not a str",
+    ),
+    "strategy-post-validation-not-bool": (
+        lambda t: TwoBPStrategy(post_validation="maybe"),
+        ValueError,
+        r"TwoBPStrategy\(post_validation='maybe'\): it must be True or False, or "
+        r"None \(on for zb-h2 and zb-v, the default\)",
+    ),
+    "strategy-ddp-options": (
+        lambda t: TwoBPStrategy(find_unused_parameters=True),
+        TypeError,
+        r"TwoBPStrategy got find_unused_parameters: DistributedDataParallel's options do not "
+        r"apply .* remove them",
+    ),
     # a Trainer call: refused at setup or when training starts, before the first step
-    "fit-devices-not-multiple": (lambda t: _fit(pipeline_degree=2), ValueError,
-                                 r"1 devices cannot be split into pipelines of 2: .*\(use one of \[1\]\)"),
-    "fit-more-stages-than-layers": (lambda t: _fit(schedule="interleaved-1f1b", stages_per_rank=4), ValueError,
-                                    r"3 layers cannot fill 4 stages: lower the number of stages to <= 3"),
-    "fit-balance-sum": (lambda t: _fit(schedule="interleaved-1f1b", stages_per_rank=2, balance=[1, 1]), ValueError,
-                        r"balance=\[1, 1\] sums to 2, but the Sequential has 3 layers"),
-    "fit-balance-entries": (lambda t: _fit(schedule="interleaved-1f1b", stages_per_rank=2, balance=[1, 1, 1]),
-                            ValueError, r"balance=\[1, 1, 1\] has 3 entries for 2 stages"),
-    "fit-batch-smaller-than-m": (lambda t: _fit(data=_data(16, 2), num_microbatches=4), ValueError,
-                                 r"the training batch size 2 is smaller than num_microbatches=4"),
-    "fit-batch-before-sanity-check": (lambda t: _fit(data=_data(16, 2), val=_data(16, 8), num_microbatches=4,
-                                                     trainer=dict(num_sanity_val_steps=2)), ValueError,
-                                      r"the training batch size 2 is smaller than num_microbatches=4"),
-    "fit-batch-not-divisible": (lambda t: _fit(data=_data(18, 6), num_microbatches=4), ValueError,
-                                r"training batch size 6 does not split into 4 micro-batches: use a batch size that "
-                                r"is a multiple of 4, or set num_microbatches to a divisor of 6"),
-    "fit-last-batch": (lambda t: _fit(data=_data(22, 8, drop_last=False), num_microbatches=4), ValueError,
-                       r"last batch holds 6 samples \(22 samples in batches of 8\), which do not split into 4 "
-                       r"micro-batches: pass drop_last=True"),
-    "fit-batch-tensors-differ": (lambda t: _fit(data=_batch_of_two_sizes(), num_microbatches=2), ValueError,
-                                 r"cannot split the batch into micro-batches: its tensors have first dimensions "
-                                 r"\[4, 8\]"),
-    "fit-two-sequentials": (lambda t: _fit(TwoSequentials()), ValueError,
-                            r"TwoSequentials holds 2 nn.Sequential modules \(head, layers\): name the one that "
-                            r"training_step calls with layers=\.\.\."),
-    "fit-layers-unknown": (lambda t: _fit(layers="blocks"), ValueError,
-                           r"layers='blocks' names no submodule of Net; candidates found: layers"),
-    "fit-layers-not-a-sequence": (lambda t: _fit(layers="layers.0"), ValueError,
-                                  r"layers='layers.0' points to Linear, not to an nn.Sequential or an nn.ModuleList"),
-    "fit-no-sequential": (lambda t: _fit(NoSequential()), ValueError,
-                          r"NoSequential holds no nn.Sequential and no nn.ModuleList of blocks with parameters"),
-    "fit-manual-optimization": (lambda t: _fit(Manual()), ValueError,
-                                r"strategy='twobp' supports automatic optimization only.*"
-                                r"self.automatic_optimization = True"),
-    "fit-step-skips-layers": (lambda t: _fit(SkipsLayers()), RuntimeError,
-                              r"training_step did not call layers: under strategy='twobp' it must call the "
-                              r"pipelined block exactly once"),
-    "fit-step-calls-twice": (lambda t: _fit(CallsTwice()), RuntimeError,
-                             r"the step called layers a second time: under strategy='twobp' it must call the "
-                             r"pipelined Sequential once per step .* layers\(torch.cat\(\[x, -x\]\)\)"),
-    "fit-input-requires-grad": (lambda t: _fit(TrainedInput()), ValueError,
-                                r"the input of layers requires grad: a module with parameters runs before it in "
-                                r"training_step.*move it into the Sequential"),
-    "fit-step-returns-no-loss": (lambda t: _fit(ReturnsString()), RuntimeError,
-                                 r"training_step returned str on micro-batch 0: .* must return the loss tensor"),
-    "fit-log-a-string": (lambda t: _fit(LogsString()), RuntimeError,
-                         r"self.log\('phase', str\) from a step under strategy='twobp': log a tensor, a number or a "
-                         r"torchmetrics Metric"),
-    "fit-num-nodes-one-machine": (lambda t: _fit(trainer=dict(num_nodes=2)), ValueError,
-                                  r"Trainer\(num_nodes=2, devices=1\) on one machine: Lightning starts 1 process\(es\) "
-                                  r"here and they would wait for 1 more from 1 other node\(s\) .* use num_nodes=1 with "
-                                  r"devices=2"),
-    "fit-all-gather-in-step": (lambda t: _fit(GathersInStep()), RuntimeError,
-                               r"self.all_gather in training_step under strategy='twobp': .* would wait forever; "
-                               r"gather where every rank runs at once"),
-    "fit-optimizer-outside-model": (lambda t: _fit(StrayTensor()), ValueError,
-                                    r"an optimizer of configure_optimizers on pipeline rank 0 holds 1 tensor\(s\) that "
-                                    r"are not parameters of the LightningModule \(shapes \(3,\)\).*register it in the "
-                                    r"module"),
-    "fit-optimizer-empty": (lambda t: _fit(EmptyOptimizer()), ValueError,
-                            r"configure_optimizers on pipeline rank 0 \(stages \[0\]\) gave an optimizer an empty "
-                            r"parameter list .* build every optimizer from self.parameters\(\)"),
-    "fit-metric-dist-sync-on-step": (lambda t: _fit(SyncsOnStep()), ValueError,
-                                     r"mean \(MeanMetric\) has dist_sync_on_step=True: under strategy='twobp' only the "
-                                     r"last stage's rank runs the step past the pipelined block.*drop "
-                                     r"dist_sync_on_step"),
-    "fit-log-loose-metric": (lambda t: _fit(LogsLooseMetric()), RuntimeError,
-                             r"self.log\('mean', MeanMetric\) under strategy='twobp': log a Metric that is an "
-                             r"attribute of the LightningModule"),
-    "fit-shared-blocks": (lambda t: _fit(SharedBlocks()), ValueError,
-                          r"blocks holds the same module more than once .* give every entry its own module"),
-    "fit-loose-parameter": (lambda t: _fit(LooseParameter()), ValueError,
-                            r"holds parameters directly \(scale\) beside the blocks in blocks"),
+    "fit-devices-not-multiple": (
+        lambda t: _fit(pipeline_degree=2),
+        ValueError,
+        r"1 devices cannot be split into pipelines of 2: .*\(use one of \[1\]\)",
+    ),
+    "fit-more-stages-than-layers": (
+        lambda t: _fit(schedule="interleaved-1f1b", stages_per_rank=4),
+        ValueError,
+        r"3 layers cannot fill 4 stages: lower the number of stages to <= 3",
+    ),
+    "fit-balance-sum": (
+        lambda t: _fit(schedule="interleaved-1f1b", stages_per_rank=2, balance=[1, 1]),
+        ValueError,
+        r"balance=\[1, 1\] sums to 2, but the Sequential has 3 layers",
+    ),
+    "fit-balance-entries": (
+        lambda t: _fit(schedule="interleaved-1f1b", stages_per_rank=2, balance=[1, 1, 1]),
+        ValueError,
+        r"balance=\[1, 1, 1\] has 3 entries for 2 stages",
+    ),
+    "fit-batch-smaller-than-m": (
+        lambda t: _fit(data=_data(16, 2), num_microbatches=4),
+        ValueError,
+        r"the training batch size 2 is smaller than num_microbatches=4",
+    ),
+    "fit-batch-before-sanity-check": (
+        lambda t: _fit(data=_data(16, 2), val=_data(16, 8), num_microbatches=4, trainer=dict(num_sanity_val_steps=2)),
+        ValueError,
+        r"the training batch size 2 is smaller than num_microbatches=4",
+    ),
+    "fit-batch-not-divisible": (
+        lambda t: _fit(data=_data(18, 6), num_microbatches=4),
+        ValueError,
+        r"training batch size 6 does not split into 4 micro-batches: use a batch size that "
+        r"is a multiple of 4, or set num_microbatches to a divisor of 6",
+    ),
+    "fit-last-batch": (
+        lambda t: _fit(data=_data(22, 8, drop_last=False), num_microbatches=4),
+        ValueError,
+        r"last batch holds 6 samples \(22 samples in batches of 8\), which do not split into 4 "
+        r"micro-batches: pass drop_last=True",
+    ),
+    "fit-batch-tensors-differ": (
+        lambda t: _fit(data=_batch_of_two_sizes(), num_microbatches=2),
+        ValueError,
+        r"cannot split the batch into micro-batches: its tensors have first dimensions "
+        r"\[4, 8\]",
+    ),
+    "fit-two-sequentials": (
+        lambda t: _fit(TwoSequentials()),
+        ValueError,
+        r"TwoSequentials holds 2 nn.Sequential modules \(head, layers\): name the one that "
+        r"training_step calls with layers=\.\.\.",
+    ),
+    "fit-layers-unknown": (
+        lambda t: _fit(layers="blocks"),
+        ValueError,
+        r"layers='blocks' names no submodule of Net; candidates found: layers",
+    ),
+    "fit-layers-not-a-sequence": (
+        lambda t: _fit(layers="layers.0"),
+        ValueError,
+        r"layers='layers.0' points to Linear, not to an nn.Sequential or an nn.ModuleList",
+    ),
+    "fit-no-sequential": (
+        lambda t: _fit(NoSequential()),
+        ValueError,
+        r"NoSequential holds no nn.Sequential and no nn.ModuleList of blocks with parameters",
+    ),
+    "fit-manual-optimization": (
+        lambda t: _fit(Manual()),
+        ValueError,
+        r"strategy='twobp' supports automatic optimization only.*"
+        r"self.automatic_optimization = True",
+    ),
+    "fit-step-skips-layers": (
+        lambda t: _fit(SkipsLayers()),
+        RuntimeError,
+        r"training_step did not call layers: under strategy='twobp' it must call the "
+        r"pipelined block exactly once",
+    ),
+    "fit-step-calls-twice": (
+        lambda t: _fit(CallsTwice()),
+        RuntimeError,
+        r"the step called layers a second time: under strategy='twobp' it must call the "
+        r"pipelined Sequential once per step .* layers\(torch.cat\(\[x, -x\]\)\)",
+    ),
+    "fit-input-requires-grad": (
+        lambda t: _fit(TrainedInput()),
+        ValueError,
+        r"the input of layers requires grad: a module with parameters runs before it in "
+        r"training_step.*move it into the Sequential",
+    ),
+    "fit-step-returns-no-loss": (
+        lambda t: _fit(ReturnsString()),
+        RuntimeError,
+        r"training_step returned str on micro-batch 0: .* must return the loss tensor",
+    ),
+    "fit-log-a-string": (
+        lambda t: _fit(LogsString()),
+        RuntimeError,
+        r"self.log\('phase', str\) from a step under strategy='twobp': log a tensor, a number or a "
+        r"torchmetrics Metric",
+    ),
+    "fit-num-nodes-one-machine": (
+        lambda t: _fit(trainer=dict(num_nodes=2)),
+        ValueError,
+        r"Trainer\(num_nodes=2, devices=1\) on one machine: Lightning starts 1 process\(es\) "
+        r"here and they would wait for 1 more from 1 other node\(s\) .* use num_nodes=1 with "
+        r"devices=2",
+    ),
+    "fit-all-gather-in-step": (
+        lambda t: _fit(GathersInStep()),
+        RuntimeError,
+        r"self.all_gather in training_step under strategy='twobp': .* would wait forever; "
+        r"gather where every rank runs at once",
+    ),
+    "fit-optimizer-outside-model": (
+        lambda t: _fit(StrayTensor()),
+        ValueError,
+        r"an optimizer of configure_optimizers on pipeline rank 0 holds 1 tensor\(s\) that "
+        r"are not parameters of the LightningModule \(shapes \(3,\)\).*register it in the "
+        r"module",
+    ),
+    "fit-optimizer-empty": (
+        lambda t: _fit(EmptyOptimizer()),
+        ValueError,
+        r"configure_optimizers on pipeline rank 0 \(stages \[0\]\) gave an optimizer an empty "
+        r"parameter list .* build every optimizer from self.parameters\(\)",
+    ),
+    "fit-metric-dist-sync-on-step": (
+        lambda t: _fit(SyncsOnStep()),
+        ValueError,
+        r"mean \(MeanMetric\) has dist_sync_on_step=True: under strategy='twobp' only the "
+        r"last stage's rank runs the step past the pipelined block.*drop "
+        r"dist_sync_on_step",
+    ),
+    "fit-log-loose-metric": (
+        lambda t: _fit(LogsLooseMetric()),
+        RuntimeError,
+        r"self.log\('mean', MeanMetric\) under strategy='twobp': log a Metric that is an "
+        r"attribute of the LightningModule",
+    ),
+    "fit-shared-blocks": (
+        lambda t: _fit(SharedBlocks()),
+        ValueError,
+        r"blocks holds the same module more than once .* give every entry its own module",
+    ),
+    "fit-loose-parameter": (
+        lambda t: _fit(LooseParameter()),
+        ValueError,
+        r"holds parameters directly \(scale\) beside the blocks in blocks",
+    ),
     # checkpoints: refused before anything is loaded
-    "checkpoint-not-twobp": (_not_twobp, RuntimeError,
-                             r"other.ckpt is not a strategy='twobp' checkpoint \(no meta.pt, no twobp-manifest.json\)"),
-    "checkpoint-damaged": (_damage, RuntimeError,
-                           r"checkpoint .*c.ckpt is damaged, not loaded: .*\.distcp: its SHA-256 differs"),
-    "checkpoint-no-manifest": (_without_manifest, RuntimeError,
-                               r"c.ckpt has no twobp-manifest.json: it was not written completely"),
-    "checkpoint-storage-options": (_storage_options, TypeError,
-                                   r"save_checkpoint\(\.\.\., storage_options=\.\.\.\) is not supported"),
-    "checkpoint-last-none": (_last, FileNotFoundError,
-                             r"ckpt_path=last: no complete checkpoint under .*cpu-tiny-llama/\*/checkpoints/ .* "
-                             r"quoted for Hydra"),
+    "checkpoint-not-twobp": (
+        _not_twobp,
+        RuntimeError,
+        r"other.ckpt is not a strategy='twobp' checkpoint \(no meta.pt, no twobp-manifest.json\)",
+    ),
+    "checkpoint-damaged": (
+        _damage,
+        RuntimeError,
+        r"checkpoint .*c.ckpt is damaged, not loaded: .*\.distcp: its SHA-256 differs",
+    ),
+    "checkpoint-no-manifest": (
+        _without_manifest,
+        RuntimeError,
+        r"c.ckpt has no twobp-manifest.json: it was not written completely",
+    ),
+    "checkpoint-storage-options": (
+        _storage_options,
+        TypeError,
+        r"save_checkpoint\(\.\.\., storage_options=\.\.\.\) is not supported",
+    ),
+    "checkpoint-last-none": (
+        _last,
+        FileNotFoundError,
+        r"ckpt_path=last: no complete checkpoint under .*cpu-tiny-llama/\*/checkpoints/ .* "
+        r"quoted for Hydra",
+    ),
     # twobp-train and twobp-plan: the Hydra config
-    "train-unknown-recipe": (lambda t: _compose("recipe=llama-7b"), Exception,
-                             r"Could not find 'recipe/llama-7b'"),
-    "train-model-data-mismatch": (lambda t: _instantiate("model=tiny-resnet", "data=counting"), ValueError,
-                                  r"data=counting does not fit model=tiny-resnet \(Interpolation key 'model.vocab_size' "
-                                  r"not found\): use data=images for ResNet"),
-    "train-tokens-without-path": (lambda t: _instantiate("data=tokens"), ValueError,
-                                  r"data.train_path has no value: give it on the command line, e.g. "
-                                  r"data.train_path=data/my-corpus/train.bin"),
-    "plan-devices-not-multiple": (lambda t: _plan("trainer.devices=3", "strategy.pipeline_degree=2"), ValueError,
-                                  r"3 devices cannot be split into pipelines of 2: use a divisor of 3"),
-    "plan-batch-not-divisible": (lambda t: _plan("data.batch_size=6", "strategy.num_microbatches=4"), ValueError,
-                                 r"batch size 6 does not split into 4 micro-batches: set data.batch_size to a "
-                                 r"multiple of 4"),
-    "plan-precision": (lambda t: _plan("trainer.precision=8-true"), ValueError,
-                       r"twobp-plan knows precisions .*; got '8-true'"),
-    "plan-optimizer": (lambda t: _plan("plan.optimizer=lion"), ValueError,
-                       r"plan.optimizer='lion': choose adamw, adam or sgd"),
+    "train-unknown-recipe": (lambda t: _compose("recipe=llama-7b"), Exception, r"Could not find 'recipe/llama-7b'"),
+    "train-model-data-mismatch": (
+        lambda t: _instantiate("model=tiny-resnet", "data=counting"),
+        ValueError,
+        r"data=counting does not fit model=tiny-resnet \(Interpolation key 'model.vocab_size' "
+        r"not found\): use data=images for ResNet",
+    ),
+    "train-tokens-without-path": (
+        lambda t: _instantiate("data=tokens"),
+        ValueError,
+        r"data.train_path has no value: give it on the command line, e.g. "
+        r"data.train_path=data/my-corpus/train.bin",
+    ),
+    "plan-devices-not-multiple": (
+        lambda t: _plan("trainer.devices=3", "strategy.pipeline_degree=2"),
+        ValueError,
+        r"3 devices cannot be split into pipelines of 2: use a divisor of 3",
+    ),
+    "plan-batch-not-divisible": (
+        lambda t: _plan("data.batch_size=6", "strategy.num_microbatches=4"),
+        ValueError,
+        r"batch size 6 does not split into 4 micro-batches: set data.batch_size to a "
+        r"multiple of 4",
+    ),
+    "plan-precision": (
+        lambda t: _plan("trainer.precision=8-true"),
+        ValueError,
+        r"twobp-plan knows precisions .*; got '8-true'",
+    ),
+    "plan-optimizer": (
+        lambda t: _plan("plan.optimizer=lion"),
+        ValueError,
+        r"plan.optimizer='lion': choose adamw, adam or sgd",
+    ),
     # data
-    "data-batch-size": (lambda t: _build(f"{D}.TokenDataModule", vocab_size=16, seq_len=8, batch_size=0), ValueError,
-                        r"batch_size is 0: it must be at least 1"),
-    "data-val-without-train": (lambda t: _build(f"{D}.TokenDataModule", vocab_size=16, seq_len=8, batch_size=2,
-                                                val_path="v.bin"), ValueError,
-                               r"val_path v.bin was given without a train path"),
-    "data-mask-token": (lambda t: _build(f"{D}.synthetic.MaskedCountingTokens", 16, 8, 10, mask_token_id=16),
-                        ValueError, r"mask_token_id 16 is outside the vocabulary of 16 ids: use an id in \[0, 16\)"),
-    "data-image-path": (lambda t: _build(f"{D}.ImageDataModule", num_classes=2, image_size=8, batch_size=2,
-                                         path=str(t / "nope")).setup(), FileNotFoundError,
-                        r"image path .*nope does not exist"),
-    "tokens-missing": (lambda t: _build(f"{D}.tokens.TokenFile", t / "train.bin", 8), FileNotFoundError,
-                       r"token file .*train.bin does not exist: write one with `twobp-tokenize"),
-    "tokens-no-sidecar": (lambda t: _tokens(t), ValueError,
-                          r"train.bin has no sidecar train.bin.json saying its dtype: pass dtype='uint16' or "
-                          r"dtype='uint32'"),
-    "tokens-truncated": (lambda t: _tokens(t, sidecar={"dtype": "uint16"}, extra_byte=True), ValueError,
-                         r"train.bin is 2,001 bytes, not a multiple of 2 \(uint16's item size\)"),
-    "tokens-too-short": (lambda t: _tokens(t, n=8, sidecar={"dtype": "uint16"}), ValueError,
-                         r"train.bin holds 8 tokens, too short for seq_len 8 \+ 1"),
-    "tokens-outside-vocab": (lambda t: _tokens(t, vocab_size=128, sidecar={"dtype": "uint16"}), ValueError,
-                             r"train.bin holds token id 249, outside the model's vocab_size 128: set vocab_size >= 250"),
+    "data-batch-size": (
+        lambda t: _build(f"{D}.TokenDataModule", vocab_size=16, seq_len=8, batch_size=0),
+        ValueError,
+        r"batch_size is 0: it must be at least 1",
+    ),
+    "data-val-without-train": (
+        lambda t: _build(f"{D}.TokenDataModule", vocab_size=16, seq_len=8, batch_size=2, val_path="v.bin"),
+        ValueError,
+        r"val_path v.bin was given without a train path",
+    ),
+    "data-mask-token": (
+        lambda t: _build(f"{D}.synthetic.MaskedCountingTokens", 16, 8, 10, mask_token_id=16),
+        ValueError,
+        r"mask_token_id 16 is outside the vocabulary of 16 ids: use an id in \[0, 16\)",
+    ),
+    "data-image-path": (
+        lambda t: _build(
+            f"{D}.ImageDataModule", num_classes=2, image_size=8, batch_size=2, path=str(t / "nope")
+        ).setup(),
+        FileNotFoundError,
+        r"image path .*nope does not exist",
+    ),
+    "tokens-missing": (
+        lambda t: _build(f"{D}.tokens.TokenFile", t / "train.bin", 8),
+        FileNotFoundError,
+        r"token file .*train.bin does not exist: write one with `twobp-tokenize",
+    ),
+    "tokens-no-sidecar": (
+        lambda t: _tokens(t),
+        ValueError,
+        r"train.bin has no sidecar train.bin.json saying its dtype: pass dtype='uint16' or "
+        r"dtype='uint32'",
+    ),
+    "tokens-truncated": (
+        lambda t: _tokens(t, sidecar={"dtype": "uint16"}, extra_byte=True),
+        ValueError,
+        r"train.bin is 2,001 bytes, not a multiple of 2 \(uint16's item size\)",
+    ),
+    "tokens-too-short": (
+        lambda t: _tokens(t, n=8, sidecar={"dtype": "uint16"}),
+        ValueError,
+        r"train.bin holds 8 tokens, too short for seq_len 8 \+ 1",
+    ),
+    "tokens-outside-vocab": (
+        lambda t: _tokens(t, vocab_size=128, sidecar={"dtype": "uint16"}),
+        ValueError,
+        r"train.bin holds token id 249, outside the model's vocab_size 128: set vocab_size >= 250",
+    ),
     # models
-    "model-heads": (lambda t: _build(f"{X}.LlamaLM", dim=30, n_heads=4), ValueError, r"dim 30 must divide by n_heads 4"),
-    "model-lr-decay": (lambda t: _build(f"{X}.LlamaLM", lr_decay="linear-ish"), ValueError,
-                       r"lr_decay='linear-ish': choose one of"),
+    "model-heads": (
+        lambda t: _build(f"{X}.LlamaLM", dim=30, n_heads=4),
+        ValueError,
+        r"dim 30 must divide by n_heads 4",
+    ),
+    "model-lr-decay": (
+        lambda t: _build(f"{X}.LlamaLM", lr_decay="linear-ish"),
+        ValueError,
+        r"lr_decay='linear-ish': choose one of",
+    ),
     "model-hf-arch": (lambda t: _build(f"{X}.HFCausalLM", arch="t5"), ValueError, r"arch='t5': choose one of"),
 }
 
@@ -551,15 +796,23 @@ def _batch_of_two_sizes() -> DataLoader:
 
 # Refused at the first forward of step 0 (what only the user's own step can show); every other case
 # is refused before any module runs.
-AT_FIRST_FORWARD = {"fit-log-loose-metric", "fit-step-calls-twice",
-                    "fit-step-skips-layers", "fit-input-requires-grad", "fit-step-returns-no-loss", "fit-log-a-string",
-                    "fit-batch-tensors-differ"}
+AT_FIRST_FORWARD = {
+    "fit-log-loose-metric",
+    "fit-step-calls-twice",
+    "fit-step-skips-layers",
+    "fit-input-requires-grad",
+    "fit-step-returns-no-loss",
+    "fit-log-a-string",
+    "fit-batch-tensors-differ",
+}
 
 
 def _docs_rows() -> dict[str, list[str]]:
     section = DOCS.read_text().split("## Every refused configuration", 1)[1].split("\n## ", 1)[0]
-    return {m[0]: [c.strip() for c in m[1].split(" | ")]
-            for m in re.findall(r"^\| `([a-z0-9-]+)` \| (.*) \|$", section, re.M)}
+    return {
+        m[0]: [c.strip() for c in m[1].split(" | ")]
+        for m in re.findall(r"^\| `([a-z0-9-]+)` \| (.*) \|$", section, re.M)
+    }
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -576,8 +829,9 @@ def test_refused_before_any_compute_with_the_numbers_and_the_fix(case, tmp_path)
     # the docs row quotes the message: every fragment between its "..." is in it
     quoted = _docs_rows()[case][1].replace("`", "").split(" then ")
     for part in (p.strip() for q in quoted for p in q.split("...")):
-        assert len(part) < 12 or part.rstrip(", ") in message.replace("`", ""), \
+        assert len(part) < 12 or part.rstrip(", ") in message.replace("`", ""), (
             f"{case}: the docs quote {part!r}, not in {message!r}"
+        )
     if "model" in _SEEN:  # a Trainer call: no weight changed, no module ran unless the step had to
         if case not in AT_FIRST_FORWARD:
             assert _SEEN["forwards"] == 0, f"{case}: {_SEEN['forwards']} module forwards ran before the refusal"
@@ -586,11 +840,15 @@ def test_refused_before_any_compute_with_the_numbers_and_the_fix(case, tmp_path)
 
 
 def test_every_case_has_a_row_in_the_docs_table():
-    rows = re.findall(r"^\| `([a-z0-9-]+)` \|", DOCS.read_text().split("## Every refused configuration", 1)[1]
-                      .split("\n## ", 1)[0], re.M)
+    rows = re.findall(
+        r"^\| `([a-z0-9-]+)` \|",
+        DOCS.read_text().split("## Every refused configuration", 1)[1].split("\n## ", 1)[0],
+        re.M,
+    )
     assert len(rows) == len(set(rows)), "a case id appears twice in the docs table"
-    assert set(rows) == set(CASES), (f"docs only: {sorted(set(rows) - set(CASES))}; "
-                                     f"tests only: {sorted(set(CASES) - set(rows))}")
+    assert set(rows) == set(CASES), (
+        f"docs only: {sorted(set(rows) - set(CASES))}; tests only: {sorted(set(CASES) - set(rows))}"
+    )
     assert len(CASES) >= 40
 
 
@@ -625,6 +883,9 @@ def test_pipeline_timeout_bounds_lightnings_collectives_too():
         return group._get_backend(torch.device("cpu")).options._timeout
 
     assert timeout(dist.group.WORLD) == timedelta(seconds=60)
-    assert timeout(strategy.device_mesh.get_group("pp")) == timeout(strategy.device_mesh.get_group("dp")) \
+    assert (
+        timeout(strategy.device_mesh.get_group("pp"))
+        == timeout(strategy.device_mesh.get_group("dp"))
         == timedelta(seconds=60)
+    )
     assert timeout(strategy._io_group) == timedelta(minutes=30)

@@ -42,7 +42,12 @@ def test_named_layers():
 @pytest.mark.parametrize(
     "module, layers, match",
     [
-        (Two(), None, r"holds 2 nn.Sequential modules \(decoder, encoder\): name the one that training_step calls with layers=..., e.g. layers='decoder'"),
+        (
+            Two(),
+            None,
+            r"holds 2 nn.Sequential modules \(decoder, encoder\): name the one that training_step calls with "
+            r"layers=..., e.g. layers='decoder'",
+        ),
         (nn.Linear(2, 2), None, r"holds no nn.Sequential: put the layers to pipeline in one nn.Sequential"),
         (Two(), "middle", r"layers='middle' names no submodule of Two; Sequentials found: decoder, encoder"),
         (One(), "embed", r"layers='embed' points to Embedding, not to an nn.Sequential"),

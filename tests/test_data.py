@@ -34,7 +34,7 @@ Image = pytest.importorskip("PIL.Image")
 
 
 def _same(a, b) -> bool:
-    return all(torch.equal(x, y) for x, y in zip(a, b))
+    return all(torch.equal(x, y) for x, y in zip(a, b, strict=False))
 
 
 def test_counting_tokens_counts_and_is_seeded():
@@ -316,12 +316,18 @@ _IMG, _LAB = torch.zeros(2, 3, 4, 4), torch.zeros(2, dtype=torch.long)
     [
         ({"images": _IMG}, r"dict with keys 'images' \(N, 3, H, W\) and 'labels' \(N,\); found \['images'\]"),
         (torch.zeros(3), r"must hold a dict .*found Tensor"),
-        ({"images": torch.zeros(2, 4, 4), "labels": _LAB}, r"'images' must be \(N, 3, H, W\), channels first; got \(2, 4, 4\)"),  # noqa: E501
+        (
+            {"images": torch.zeros(2, 4, 4), "labels": _LAB},
+            r"'images' must be \(N, 3, H, W\), channels first; got \(2, 4, 4\)",
+        ),  # noqa: E501
         ({"images": torch.zeros(2, 4, 4, 3), "labels": _LAB}, r"channels first; got \(2, 4, 4, 3\)"),
         ({"images": _IMG, "labels": torch.zeros(3, dtype=torch.long)}, r"holds 2 images but 3 labels"),
         ({"images": _IMG, "labels": torch.zeros(2)}, r"'labels' must be an integer tensor \(N,\); got torch\.float32"),
         ({"images": _IMG.int(), "labels": _LAB}, r"uint8 \(0\.\.255\) or float; got torch\.int32"),
-        ({"images": _IMG, "labels": torch.tensor([0, 5])}, r"labels in \[0, 5\], outside num_classes 3: set num_classes >= 6"),  # noqa: E501
+        (
+            {"images": _IMG, "labels": torch.tensor([0, 5])},
+            r"labels in \[0, 5\], outside num_classes 3: set num_classes >= 6",
+        ),  # noqa: E501
     ],
 )
 def test_image_tensors_errors(tmp_path, obj, match):
@@ -364,8 +370,13 @@ def test_token_data_module_synthetic():
 def test_token_data_module_from_files(tmp_path):
     (tmp_path / "t.txt").write_text("counting is easy; text is harder. " * 40)
     tokens_mod.main([str(tmp_path / "t.txt"), "--out", str(tmp_path / "d")])
-    dm = TokenDataModule(BYTE_VOCAB_SIZE, seq_len=16, batch_size=4, train_path=str(tmp_path / "d" / "train.bin"),
-                         val_path=str(tmp_path / "d" / "val.bin"))
+    dm = TokenDataModule(
+        BYTE_VOCAB_SIZE,
+        seq_len=16,
+        batch_size=4,
+        train_path=str(tmp_path / "d" / "train.bin"),
+        val_path=str(tmp_path / "d" / "val.bin"),
+    )
     ids, targets = _first(dm.train_dataloader())
     assert ids.shape == targets.shape == (4, 16) and torch.equal(ids[:, 1:], targets[:, :-1])
     assert _first(dm.val_dataloader())[0].shape[1] == 16
@@ -393,8 +404,9 @@ def test_masked_lm_data_module(tmp_path):
     assert ids.shape == (4, 32) and (scored.sum(1) == 5).all()
     assert (labels[scored] < 256).all() and (ids == BYTE_VOCAB_SIZE - 1).any()  # bytes scored, 383 masks
     with pytest.raises(ValueError, match=r"mask_token_id 256 is train\.bin's end-of-text id"):
-        MaskedLMDataModule(BYTE_VOCAB_SIZE, 32, 4, train_path=str(tmp_path / "d" / "train.bin"),
-                           mask_token_id=EOT_ID).setup()
+        MaskedLMDataModule(
+            BYTE_VOCAB_SIZE, 32, 4, train_path=str(tmp_path / "d" / "train.bin"), mask_token_id=EOT_ID
+        ).setup()
 
 
 def test_image_data_module_synthetic_folder_and_tensors(tmp_path):
@@ -414,8 +426,10 @@ def test_image_data_module_synthetic_folder_and_tensors(tmp_path):
     with pytest.raises(ValueError, match=r"train only: \['dog'\], val only: \['cow'\]"):
         ImageDataModule(2, 8, 2, path=str(root), val_path=str(other)).setup()
 
-    torch.save({"images": torch.randint(0, 256, (6, 3, 10, 10), dtype=torch.uint8), "labels": torch.arange(6) % 2},
-               tmp_path / "t.pt")
+    torch.save(
+        {"images": torch.randint(0, 256, (6, 3, 10, 10), dtype=torch.uint8), "labels": torch.arange(6) % 2},
+        tmp_path / "t.pt",
+    )
     x, y = _first(ImageDataModule(2, 8, 3, path=str(tmp_path / "t.pt")).train_dataloader())
     assert x.shape == (3, 3, 8, 8) and y.shape == (3,)
     with pytest.raises(FileNotFoundError, match=r"image path .*nowhere does not exist"):
@@ -443,8 +457,16 @@ class _Tiny(pl.LightningModule):
 def test_trainer_runs_a_data_module(tmp_path, num_val):
     # Lightning accepts the module as written, including no validation set (val_dataloader -> []).
     dm = TokenDataModule(64, 8, 4, num_train=16, num_val=num_val)
-    trainer = pl.Trainer(accelerator="cpu", devices=1, max_epochs=1, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
     trainer.fit(_Tiny(), dm)
     assert trainer.global_step == 4  # 16 samples in batches of 4
     assert ("val_loss" in trainer.callback_metrics) == bool(num_val)

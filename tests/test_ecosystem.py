@@ -19,8 +19,14 @@ pytestmark = pytest.mark.dist
 
 
 def _env(rank: int, world: int) -> None:
-    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world), RANK=str(rank),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
+    os.environ.update(
+        LOCAL_RANK=str(rank),
+        NODE_RANK="0",
+        WORLD_SIZE=str(world),
+        RANK=str(rank),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT="29500",
+    )
 
 
 # The contract's one change, as docs/strategy.md shows it: the layers to pipeline are one nn.Sequential
@@ -52,9 +58,18 @@ DEMOS = {
 def _fit(name: str, strategy, devices: int) -> dict:
     make, data, _, _ = DEMOS[name]
     model = make()
-    trainer = pl.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=4, logger=False,
-                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                         limit_val_batches=2, use_distributed_sampler=False)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy,
+        max_steps=4,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=2,
+        use_distributed_sampler=False,
+    )
     torch.manual_seed(1)  # RandomDataset draws at construction
     trainer.fit(model, data() if data else None)
     return {n: q.detach().clone() for n, q in model.named_parameters()}
@@ -89,21 +104,44 @@ def _cli(rank: int, world: int, strategy_args: list[str]) -> dict:
 
     _env(rank, world)
     cli = LightningCLI(
-        CLIModel, save_config_callback=None,
-        args=["fit", "--trainer.accelerator=cpu", f"--trainer.devices={world}", "--trainer.max_steps=2",
-              "--trainer.logger=false", "--trainer.enable_progress_bar=false", "--trainer.enable_checkpointing=false",
-              "--trainer.enable_model_summary=false", *strategy_args],
+        CLIModel,
+        save_config_callback=None,
+        args=[
+            "fit",
+            "--trainer.accelerator=cpu",
+            f"--trainer.devices={world}",
+            "--trainer.max_steps=2",
+            "--trainer.logger=false",
+            "--trainer.enable_progress_bar=false",
+            "--trainer.enable_checkpointing=false",
+            "--trainer.enable_model_summary=false",
+            *strategy_args,
+        ],
     )
     s = cli.trainer.strategy
-    return {"type": type(s).__name__, "schedule": s.schedule_name, "m": s.num_microbatches,
-            "steps": cli.trainer.global_step}
+    return {
+        "type": type(s).__name__,
+        "schedule": s.schedule_name,
+        "m": s.num_microbatches,
+        "steps": cli.trainer.global_step,
+    }
 
 
-@pytest.mark.parametrize("strategy_args, schedule", [
-    (["--trainer.strategy=twobp"], "1f1b"),
-    (["--trainer.strategy=lightning_twobp.TwoBPStrategy", "--trainer.strategy.schedule=zb-h1",
-      "--trainer.strategy.num_microbatches=2"], "zb-h1"),
-], ids=["name", "class-path"])
+@pytest.mark.parametrize(
+    "strategy_args, schedule",
+    [
+        (["--trainer.strategy=twobp"], "1f1b"),
+        (
+            [
+                "--trainer.strategy=lightning_twobp.TwoBPStrategy",
+                "--trainer.strategy.schedule=zb-h1",
+                "--trainer.strategy.num_microbatches=2",
+            ],
+            "zb-h1",
+        ),
+    ],
+    ids=["name", "class-path"],
+)
 def test_lightning_cli(strategy_args, schedule):
     for out in run_distributed(_cli, 2, strategy_args, timeout=180):
         assert out["type"] == "TwoBPStrategy" and out["schedule"] == schedule and out["steps"] == 2

@@ -7,9 +7,9 @@ import os
 
 import lightning.pytorch as pl
 import pytest
-from lightning.pytorch.loggers.logger import Logger
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.loggers.logger import Logger
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -21,14 +21,29 @@ pytestmark = pytest.mark.dist
 
 
 def _env(rank: int, world: int) -> None:
-    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world), RANK=str(rank),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
+    os.environ.update(
+        LOCAL_RANK=str(rank),
+        NODE_RANK="0",
+        WORLD_SIZE=str(world),
+        RANK=str(rank),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT="29500",
+    )
 
 
 def _trainer(strategy, devices: int, **kw) -> pl.Trainer:
-    return pl.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=kw.pop("max_steps", 3),
-                      logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                      enable_model_summary=False, use_distributed_sampler=False, **kw)
+    return pl.Trainer(
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy,
+        max_steps=kw.pop("max_steps", 3),
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+        **kw,
+    )
 
 
 class Regressor(pl.LightningModule):
@@ -53,7 +68,9 @@ class Regressor(pl.LightningModule):
 
 def _data(n: int = 32, d_in: int = 6, d_out: int = 2) -> DataLoader:
     g = torch.Generator().manual_seed(1)
-    return DataLoader(TensorDataset(torch.randn(n, d_in, generator=g), torch.randn(n, d_out, generator=g)), batch_size=8)
+    return DataLoader(
+        TensorDataset(torch.randn(n, d_in, generator=g), torch.randn(n, d_out, generator=g)), batch_size=8
+    )
 
 
 # ---------------------------------------------------------------------------------------------- after fit
@@ -77,7 +94,9 @@ def _after_fit(rank: int, world: int, gather: bool) -> dict:
         out["call"] = str(e)
     # a second fit, by another Trainer, then a validation by a third
     _trainer(TwoBPStrategy(gather_full_model=gather), world, max_steps=4).fit(model, _data())
-    out["val_loss"] = _trainer(TwoBPStrategy(gather_full_model=gather), world).validate(model, _data(), verbose=False)[0]["val_loss"]
+    out["val_loss"] = _trainer(TwoBPStrategy(gather_full_model=gather), world).validate(model, _data(), verbose=False)[
+        0
+    ]["val_loss"]
     out["params"] = {n: q.detach().clone() for n, q in model.named_parameters() if not q.is_meta}
     return out
 
@@ -157,9 +176,12 @@ def _fit_that_fails(rank: int, world: int) -> dict:
         raised = f"{type(e).__name__}: {e}"
     else:
         raised = ""
-    return {"raised": raised, "keys_equal": set(model.state_dict()) == keys,
-            "restored": "log" not in model.__dict__ and "forward" not in model.layers.__dict__,
-            "placeholders": [type(m).__name__ for m in model.layers if type(m).__name__ == "_Remote"]}
+    return {
+        "raised": raised,
+        "keys_equal": set(model.state_dict()) == keys,
+        "restored": "log" not in model.__dict__ and "forward" not in model.layers.__dict__,
+        "placeholders": [type(m).__name__ for m in model.layers if type(m).__name__ == "_Remote"],
+    }
 
 
 def test_model_is_put_back_after_an_exception():
@@ -177,17 +199,26 @@ def _layout(rank: int, world: int) -> dict:
     class Probe(pl.Callback):
         def on_train_start(self, trainer, pl_module):
             s = trainer.strategy
-            seen.update(mesh=s.device_mesh.mesh_dim_names, shape=tuple(s.device_mesh.shape), pp=s.pp_rank,
-                        dp=s.dp_rank, stages=s.stage_ids, first=s.is_first_stage, last=s.is_last_stage)
+            seen.update(
+                mesh=s.device_mesh.mesh_dim_names,
+                shape=tuple(s.device_mesh.shape),
+                pp=s.pp_rank,
+                dp=s.dp_rank,
+                stages=s.stage_ids,
+                first=s.is_first_stage,
+                last=s.is_last_stage,
+            )
 
     strategy = TwoBPStrategy(schedule="zb-v", pipeline_degree=2)
-    _trainer(strategy, world, max_steps=1, callbacks=[Probe()]).fit(Regressor(), DataLoader(_data().dataset, batch_size=8))
+    _trainer(strategy, world, max_steps=1, callbacks=[Probe()]).fit(
+        Regressor(), DataLoader(_data().dataset, batch_size=8)
+    )
     return seen
 
 
 def test_device_mesh_and_stage_properties():
     with pytest.raises(RuntimeError, match="call trainer.fit"):
-        TwoBPStrategy().stage_ids
+        _ = TwoBPStrategy().stage_ids
     out = run_distributed(_layout, 4, timeout=180)
     for rank, seen in enumerate(out):
         assert seen["mesh"] == ("dp", "pp") and seen["shape"] == (2, 2)
@@ -261,8 +292,9 @@ class InplaceFirst(Regressor):
     def __init__(self) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.layers = nn.Sequential(nn.Linear(6, 16), nn.ReLU(inplace=True), nn.Linear(16, 16),
-                                    nn.ReLU(inplace=True), nn.Linear(16, 2))
+        self.layers = nn.Sequential(
+            nn.Linear(6, 16), nn.ReLU(inplace=True), nn.Linear(16, 16), nn.ReLU(inplace=True), nn.Linear(16, 2)
+        )
 
 
 class Embed(nn.Module):
@@ -282,8 +314,18 @@ class HFGPT2(Tied):
         pl.LightningModule.__init__(self)
         transformers = pytest.importorskip("transformers")
         torch.manual_seed(0)
-        cfg = transformers.GPT2Config(n_layer=4, n_embd=16, n_head=2, vocab_size=11, n_positions=8, bos_token_id=0,
-                                      eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        cfg = transformers.GPT2Config(
+            n_layer=4,
+            n_embd=16,
+            n_head=2,
+            vocab_size=11,
+            n_positions=8,
+            bos_token_id=0,
+            eos_token_id=0,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+        )
         hf = transformers.GPT2LMHeadModel(cfg)
         assert hf.lm_head.weight is hf.transformer.wte.weight
         t = hf.transformer
@@ -311,8 +353,10 @@ def _fit_zoo(rank: int, world: int, name: str) -> dict:
     model = cls()
     trainer = _trainer(TwoBPStrategy(gather_full_model=True, **kw), world, gradient_clip_val=0.5)
     trainer.fit(model, data())
-    return {"params": {n: q.detach().clone() for n, q in model.named_parameters()},
-            "loss": float(trainer.callback_metrics["train_loss"])}
+    return {
+        "params": {n: q.detach().clone() for n, q in model.named_parameters()},
+        "loss": float(trainer.callback_metrics["train_loss"]),
+    }
 
 
 @pytest.mark.parametrize("name", list(ZOO))
@@ -334,14 +378,16 @@ def _metrics() -> nn.ModuleDict:
     from torchmetrics import SumMetric
     from torchmetrics.classification import MulticlassAccuracy, MulticlassAUROC, MulticlassF1Score
 
-    return nn.ModuleDict({
-        "acc_micro": MulticlassAccuracy(num_classes=4, average="micro"),
-        "acc_macro": MulticlassAccuracy(num_classes=4),  # torchmetrics' default: not a mean over samples
-        "acc_weighted": MulticlassAccuracy(num_classes=4, average="weighted"),
-        "f1": MulticlassF1Score(num_classes=4),
-        "auroc": MulticlassAUROC(num_classes=4),  # concatenated states
-        "seen": SumMetric(),  # a sum: counted once per replica, not once per pipeline rank
-    })
+    return nn.ModuleDict(
+        {
+            "acc_micro": MulticlassAccuracy(num_classes=4, average="micro"),
+            "acc_macro": MulticlassAccuracy(num_classes=4),  # torchmetrics' default: not a mean over samples
+            "acc_weighted": MulticlassAccuracy(num_classes=4, average="weighted"),
+            "f1": MulticlassF1Score(num_classes=4),
+            "auroc": MulticlassAUROC(num_classes=4),  # concatenated states
+            "seen": SumMetric(),  # a sum: counted once per replica, not once per pipeline rank
+        }
+    )
 
 
 class Classifier(pl.LightningModule):
@@ -397,21 +443,34 @@ class _Recorder(Logger):
 
 def _fit_classifier(strategy, devices: int, lr: float = 0.5, **kw) -> list[dict[str, float]]:
     recorder = _Recorder()
-    trainer = pl.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_epochs=2, logger=recorder,
-                         log_every_n_steps=1, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False, num_sanity_val_steps=0,
-                         use_distributed_sampler=kw.pop("use_distributed_sampler", False), **kw)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy,
+        max_epochs=2,
+        logger=recorder,
+        log_every_n_steps=1,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        use_distributed_sampler=kw.pop("use_distributed_sampler", False),
+        **kw,
+    )
     trainer.fit(Classifier(lr), _class_data(), _class_data(16))
     return recorder.rows
 
 
 def _fit_classifier_pipelined(rank: int, world: int) -> dict:
     _env(rank, world)
-    return {"pp": _fit_classifier(TwoBPStrategy(num_microbatches=4), world),
-            # 2 replicas of a one-rank pipeline, each reading its shard; lr=0 so that the epoch's values
-            # depend on the data only: over both shards, they are one process's over the whole set
-            "dp": _fit_classifier(TwoBPStrategy(pipeline_degree=1, num_microbatches=4), world, lr=0.0,
-                                  use_distributed_sampler=True)}
+    return {
+        "pp": _fit_classifier(TwoBPStrategy(num_microbatches=4), world),
+        # 2 replicas of a one-rank pipeline, each reading its shard; lr=0 so that the epoch's values
+        # depend on the data only: over both shards, they are one process's over the whole set
+        "dp": _fit_classifier(
+            TwoBPStrategy(pipeline_degree=1, num_microbatches=4), world, lr=0.0, use_distributed_sampler=True
+        ),
+    }
 
 
 def test_logged_torchmetrics_metrics_give_the_one_process_values():
@@ -425,7 +484,7 @@ def test_logged_torchmetrics_metrics_give_the_one_process_values():
     ref_dp = _epochs(_fit_classifier("auto", 1, lr=0.0))
     for out in run_distributed(_fit_classifier_pipelined, 2, timeout=300):
         assert len(out["pp"]) == len(ref)
-        for got, want in zip(out["pp"], ref):
+        for got, want in zip(out["pp"], ref, strict=False):
             assert set(got) == set(want)
             for key, value in want.items():
                 assert got[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
@@ -449,7 +508,9 @@ def _fit_tied_dp(rank: int, world: int) -> dict:
     _env(rank, world)
     model = Tied()
     # both replicas read the same batches (no DistributedSampler): their average is one process's step
-    _trainer(TwoBPStrategy(pipeline_degree=2, gather_full_model=True), world, gradient_clip_val=0.5).fit(model, _token_data())
+    _trainer(TwoBPStrategy(pipeline_degree=2, gather_full_model=True), world, gradient_clip_val=0.5).fit(
+        model, _token_data()
+    )
     return {n: q.detach().clone() for n, q in model.named_parameters()}
 
 

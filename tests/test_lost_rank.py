@@ -59,15 +59,28 @@ class Report(RuntimeError):
 
 
 def _fit(rank: int, world: int, port: int, victim: int, sig: int, folder: str, schedule: str, degree: int) -> None:
-    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world), RANK=str(rank),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(
+        LOCAL_RANK=str(rank),
+        NODE_RANK="0",
+        WORLD_SIZE=str(world),
+        RANK=str(rank),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
     g = torch.Generator().manual_seed(1)
     data = DataLoader(TensorDataset(torch.randn(64, 8, generator=g), torch.randn(64, 8, generator=g)), batch_size=8)
-    trainer = pl.Trainer(accelerator="cpu", devices=world, max_steps=8, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
-                         strategy=TwoBPStrategy(schedule=schedule, num_microbatches=4, pipeline_degree=degree,
-                                                pipeline_timeout=TIMEOUT),
-                         callbacks=[_Vanish(victim, sig, at=2, folder=folder)])
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=world,
+        max_steps=8,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+        strategy=TwoBPStrategy(schedule=schedule, num_microbatches=4, pipeline_degree=degree, pipeline_timeout=TIMEOUT),
+        callbacks=[_Vanish(victim, sig, at=2, folder=folder)],
+    )
     try:
         trainer.fit(Net(), data)
     except Exception as e:
@@ -82,15 +95,26 @@ def _fit(rank: int, world: int, port: int, victim: int, sig: int, folder: str, s
 
 def _reports(world: int, victim: int, how: str, tmp_path, schedule: str = "1f1b", degree: int | None = None):
     with pytest.raises(RuntimeError) as info:
-        run_distributed(_fit, world, free_port(), victim, getattr(signal, how), str(tmp_path), schedule, degree,
-                        timeout=180, grace=90)
+        run_distributed(
+            _fit,
+            world,
+            free_port(),
+            victim,
+            getattr(signal, how),
+            str(tmp_path),
+            schedule,
+            degree,
+            timeout=180,
+            grace=90,
+        )
     parts = {int(p.split()[0]): p for p in str(info.value).split("--- rank ")[1:]}
     survivors = set(range(world)) - {victim}
     assert survivors <= set(parts), f"not every survivor reported by itself: {sorted(parts)}"
     for r in survivors:
         assert "Report: after " in parts[r], parts[r][-2000:]  # its fit raised, not the harness
-    return {r: parts[r] for r in survivors}, {r: float(re.search(r"Report: after ([0-9.]+) s", parts[r])[1])
-                                               for r in survivors}
+    return {r: parts[r] for r in survivors}, {
+        r: float(re.search(r"Report: after ([0-9.]+) s", parts[r])[1]) for r in survivors
+    }
 
 
 def _named(victim: int, stages: str) -> str:
@@ -102,7 +126,9 @@ def test_a_rank_lost_during_fit_is_named_by_its_neighbours(world, victim, how, t
     reports, took = _reports(world, victim, how, tmp_path)
     for r in {victim - 1, victim + 1} & set(reports):  # the ranks that wait on it directly
         assert _named(victim, f"stage {victim}") + " stopped answering" in reports[r], reports[r][-3000:]
-        assert f"nothing came for {TIMEOUT} s" in reports[r] if how == "SIGSTOP" else "its connection closed" in reports[r]
+        assert (
+            f"nothing came for {TIMEOUT} s" in reports[r] if how == "SIGSTOP" else "its connection closed" in reports[r]
+        )
         assert ", global step 2, " in reports[r], reports[r][-3000:]  # the training step being run
         assert took[r] < TIMEOUT + 15, took
     # ranks further away name the neighbour that stopped answering them once it raised, a few

@@ -28,13 +28,28 @@ from lightning_twobp.testing import run_distributed
 #     the tied reference; the untied head adds Vd = 102,989,824: 1,475,184,640.
 #   ResNet-152 / -50: torchvision's 60,192,808 / 25,557,032 (same layout, counted by hand).
 PAPER = {
-    "llama-7b": (LlamaLM, dict(vocab_size=32000, dim=4096, n_layers=32, n_heads=32, ffn_hidden=11008, max_seq_len=1024),
-                 6_738_415_616, (1, 1024), (1, 1024, 32000)),
-    "bert-large": (BertMLM, dict(vocab_size=30522, dim=1024, n_layers=24, n_heads=16, ffn_hidden=4096, max_seq_len=512),
-                   335_174_458 - 2 * 1024 + 30522 * 1024, (1, 512), (1, 512, 30522)),
+    "llama-7b": (
+        LlamaLM,
+        dict(vocab_size=32000, dim=4096, n_layers=32, n_heads=32, ffn_hidden=11008, max_seq_len=1024),
+        6_738_415_616,
+        (1, 1024),
+        (1, 1024, 32000),
+    ),
+    "bert-large": (
+        BertMLM,
+        dict(vocab_size=30522, dim=1024, n_layers=24, n_heads=16, ffn_hidden=4096, max_seq_len=512),
+        335_174_458 - 2 * 1024 + 30522 * 1024,
+        (1, 512),
+        (1, 512, 30522),
+    ),
     # max_seq_len only sizes sample_input; 128 keeps the meta forward of 48 scans short
-    "mamba-1.4b": (MambaLM, dict(vocab_size=50288, dim=2048, n_layers=48, max_seq_len=128),
-                   1_372_194_816 + 50288 * 2048, (1, 128), (1, 128, 50288)),
+    "mamba-1.4b": (
+        MambaLM,
+        dict(vocab_size=50288, dim=2048, n_layers=48, max_seq_len=128),
+        1_372_194_816 + 50288 * 2048,
+        (1, 128),
+        (1, 128, 50288),
+    ),
     "resnet-152": (ResNetClassifier, dict(depth=152), 60_192_808, (1, 3, 224, 224), (1, 1000)),
     "resnet-50": (ResNetClassifier, dict(depth=50), 25_557_032, (1, 3, 224, 224), (1, 1000)),
 }
@@ -91,7 +106,7 @@ def test_every_layer_maps_one_tensor_to_one_tensor(name):
         meta = cls(**kwargs)
     assert meta.layers(meta.sample_input(3)).shape == (3, *full.shape[1:])
     same = cls(**kwargs)  # the seed: every process builds the same weights
-    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), same.state_dict().values()))
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), same.state_dict().values(), strict=False))
 
 
 def test_selective_scan_chunks_match_the_recurrence():
@@ -128,8 +143,9 @@ def test_adamw_groups_and_lr_schedule():
 
 
 def test_fit_with_warmup_and_cosine_steps_the_schedule():
-    model = LlamaLM(vocab_size=64, dim=16, n_layers=1, n_heads=2, max_seq_len=16, lr=0.01, warmup_steps=2,
-                    lr_decay="cosine")
+    model = LlamaLM(
+        vocab_size=64, dim=16, n_layers=1, n_heads=2, max_seq_len=16, lr=0.01, warmup_steps=2, lr_decay="cosine"
+    )
     trainer = _trainer("auto", 1, max_steps=3)
     trainer.fit(model, _data("llama", BATCH))
     # LambdaLR steps after every optimizer step: the lr now is the one step 3 would use
@@ -177,9 +193,16 @@ def _model(name: str) -> PipelineModule:
 
 def _trainer(strategy, devices: int, **kw) -> pl.Trainer:
     return pl.Trainer(
-        accelerator="cpu", devices=devices, strategy=strategy, max_steps=kw.pop("max_steps", STEPS), logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        use_distributed_sampler=False, **kw,
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy,
+        max_steps=kw.pop("max_steps", STEPS),
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+        **kw,
     )
 
 
@@ -192,16 +215,23 @@ def _results(model: PipelineModule, trainer: pl.Trainer, name: str) -> dict:
     return {
         "params": {n: q.detach().clone() for n, q in model.named_parameters() if not q.is_meta},
         # BatchNorm's running statistics and batch counts (the only buffers that training changes)
-        "buffers": {n: b.clone() for n, b in model.named_buffers()
-                    if ("running_" in n or "num_batches" in n) and not b.is_meta},
+        "buffers": {
+            n: b.clone() for n, b in model.named_buffers() if ("running_" in n or "num_batches" in n) and not b.is_meta
+        },
         "metrics": metrics,
     }
 
 
 def _fit_all_pipelined(rank: int, world: int) -> dict:
     # Processes exist already (as under torchrun): Lightning's environment reads these.
-    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world), RANK=str(rank),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
+    os.environ.update(
+        LOCAL_RANK=str(rank),
+        NODE_RANK="0",
+        WORLD_SIZE=str(world),
+        RANK=str(rank),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT="29500",
+    )
     out = {}
     for name in TINY:  # one spawn for every model: starting processes is the slow part on 2 cores
         model = _model(name)

@@ -26,14 +26,30 @@ VOCAB, SEQ, BATCH, M = 13, 8, 8, 4
 
 
 def _env(rank: int, world: int) -> None:
-    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world), RANK=str(rank),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
+    os.environ.update(
+        LOCAL_RANK=str(rank),
+        NODE_RANK="0",
+        WORLD_SIZE=str(world),
+        RANK=str(rank),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT="29500",
+    )
 
 
 def _trainer(strategy, devices: int, **kw) -> pl.Trainer:
-    return pl.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=kw.pop("max_steps", 3),
-                      logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                      enable_model_summary=False, use_distributed_sampler=False, num_sanity_val_steps=0, **kw)
+    return pl.Trainer(
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy,
+        max_steps=kw.pop("max_steps", 3),
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+        num_sanity_val_steps=0,
+        **kw,
+    )
 
 
 def _padded_tokens(n: int = 4 * BATCH) -> TensorDataset:
@@ -82,8 +98,18 @@ class CausalLM(pl.LightningModule):
 
 def _hf_gpt2() -> nn.Module:
     transformers = pytest.importorskip("transformers", reason="the Hugging Face models need transformers")
-    cfg = transformers.GPT2Config(n_layer=4, n_embd=16, n_head=2, vocab_size=VOCAB, n_positions=SEQ, bos_token_id=0,
-                                  eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    cfg = transformers.GPT2Config(
+        n_layer=4,
+        n_embd=16,
+        n_head=2,
+        vocab_size=VOCAB,
+        n_positions=SEQ,
+        bos_token_id=0,
+        eos_token_id=0,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
     model = transformers.GPT2LMHeadModel(cfg)  # GPT-2's defaults otherwise: tied embeddings, use_cache=True
     assert model.lm_head.weight is model.transformer.wte.weight
     return model
@@ -91,9 +117,19 @@ def _hf_gpt2() -> nn.Module:
 
 def _hf_llama() -> nn.Module:
     transformers = pytest.importorskip("transformers", reason="the Hugging Face models need transformers")
-    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=4,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
-                                   bos_token_id=0, eos_token_id=0, pad_token_id=None, use_cache=False)
+    cfg = transformers.LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=SEQ,
+        bos_token_id=0,
+        eos_token_id=0,
+        pad_token_id=None,
+        use_cache=False,
+    )
     return transformers.LlamaForCausalLM(cfg)
 
 
@@ -120,10 +156,15 @@ class NanoGPT(nn.Module):
 
     def __init__(self, d: int = 16, n_layer: int = 4) -> None:
         super().__init__()
-        self.transformer = nn.ModuleDict(dict(
-            wte=nn.Embedding(VOCAB, d), wpe=nn.Embedding(SEQ, d), drop=nn.Dropout(0.0),
-            h=nn.ModuleList(NanoBlock(d) for _ in range(n_layer)), ln_f=nn.LayerNorm(d),
-        ))
+        self.transformer = nn.ModuleDict(
+            dict(
+                wte=nn.Embedding(VOCAB, d),
+                wpe=nn.Embedding(SEQ, d),
+                drop=nn.Dropout(0.0),
+                h=nn.ModuleList(NanoBlock(d) for _ in range(n_layer)),
+                ln_f=nn.LayerNorm(d),
+            )
+        )
         self.lm_head = nn.Linear(d, VOCAB, bias=False)
         self.transformer.wte.weight = self.lm_head.weight  # nanoGPT ties this way round
 
@@ -314,7 +355,9 @@ def _errors(rank: int, world: int, kinds: list[str]) -> dict:
     out = {}
     for kind in kinds:
         try:
-            _trainer(TwoBPStrategy(schedule="zb-v", num_microbatches=2), world, max_steps=1).fit(LoopRegressor(kind), _regression())
+            _trainer(TwoBPStrategy(schedule="zb-v", num_microbatches=2), world, max_steps=1).fit(
+                LoopRegressor(kind), _regression()
+            )
         except Exception as e:  # noqa: BLE001 - the message is what is tested
             out[kind] = f"{type(e).__name__}: {e}"
         else:
@@ -328,7 +371,9 @@ ERRORS = {
     "side-from-embedding": r"an argument of it \(model.blocks\[2\]\) was computed by model.embed \(pipeline stage 0\)",
     "collect": r"model returned a value computed by model.blocks\[0\] \(pipeline stage 0\)",
     "skip": r"model.blocks\[2\] was called when block 1 was next",
-    "registered-late": r"the hidden state entering it \(model.blocks\[0\]\) was computed by model.embed \(pipeline stage 1\)",
+    "registered-late": (
+        r"the hidden state entering it \(model.blocks\[0\]\) was computed by model.embed \(pipeline stage 1\)"
+    ),
     "loose": r"model holds parameters directly \(scale\) beside the blocks in model.blocks",
     "twice": r"the step called model a second time",
     "residual": r"an argument of it \(model.blocks\[2\]\) was computed by model.blocks\[1\] \(pipeline stage 0\)",
@@ -390,7 +435,9 @@ def test_discovery_and_its_errors():
             self.encoder = nn.ModuleList(nn.Linear(2, 2) for _ in range(2))
             self.decoder = nn.ModuleList(nn.Linear(2, 2) for _ in range(2))
 
-    with pytest.raises(ValueError, match=r"holds 2 candidates for the pipeline \(decoder \(ModuleList, 2 layers\), encoder"):
+    with pytest.raises(
+        ValueError, match=r"holds 2 candidates for the pipeline \(decoder \(ModuleList, 2 layers\), encoder"
+    ):
         find_contract(Two())
     assert find_contract(Two(), layers="encoder").list_name == "encoder"
     with_metrics = Two()
@@ -421,6 +468,9 @@ def test_swap_puts_every_part_back():
     stand_in = nn.Identity()
     removed = c.swap({0: stand_in, 3: stand_in})
     assert lm.model.transformer.h[0] is stand_in and isinstance(lm.model.transformer.wte, nn.Identity)
-    assert lm.model.lm_head is not before["model.lm_head"] and lm.model.transformer.ln_f is not before["model.transformer.ln_f"]
+    assert (
+        lm.model.lm_head is not before["model.lm_head"]
+        and lm.model.transformer.ln_f is not before["model.transformer.ln_f"]
+    )
     c.swap(removed)
     assert dict(lm.named_modules()) == before

@@ -7,6 +7,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import pathlib
 
 import lightning.pytorch as pl
 import pytest
@@ -47,15 +48,32 @@ def _data() -> DataLoader:
 def _fit(rank: int, world: int, port: int, folder: str, schedule: str = "zb-h1", summary: bool = False) -> dict:
     from lightning_twobp.callbacks import RunSummary
 
-    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world), RANK=str(rank),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    monitor = PipelineMonitor(log_every_n_steps=2, length_fn=lambda b: b[0].numel(), trace_steps=[3],
-                              trace_dir=f"{folder}/traces")
+    os.environ.update(
+        LOCAL_RANK=str(rank),
+        NODE_RANK="0",
+        WORLD_SIZE=str(world),
+        RANK=str(rank),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
+    monitor = PipelineMonitor(
+        log_every_n_steps=2, length_fn=lambda b: b[0].numel(), trace_steps=[3], trace_dir=f"{folder}/traces"
+    )
     callbacks = [RunSummary()] if summary else [monitor]  # RunSummary alone: it brings a silent monitor
-    trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=TwoBPStrategy(schedule=schedule, num_microbatches=4),
-                         max_steps=6, logger=CSVLogger(folder, name="logs"), log_every_n_steps=2,
-                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                         use_distributed_sampler=False, callbacks=callbacks, default_root_dir=folder)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=world,
+        strategy=TwoBPStrategy(schedule=schedule, num_microbatches=4),
+        max_steps=6,
+        logger=CSVLogger(folder, name="logs"),
+        log_every_n_steps=2,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+        callbacks=callbacks,
+        default_root_dir=folder,
+    )
     trainer.fit(Net(), _data())
     if summary:
         return {"summary": callbacks[0].summary}
@@ -73,13 +91,28 @@ class _CountLogs(PipelineMonitor):
 
 
 def _accumulating(rank: int, world: int, port: int) -> dict:
-    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world), RANK=str(rank),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(
+        LOCAL_RANK=str(rank),
+        NODE_RANK="0",
+        WORLD_SIZE=str(world),
+        RANK=str(rank),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
     monitor = _CountLogs(log_every_n_steps=2)
-    trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=TwoBPStrategy(schedule="zb-h1", num_microbatches=4),
-                         max_steps=4, accumulate_grad_batches=2, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
-                         callbacks=[monitor])
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=world,
+        strategy=TwoBPStrategy(schedule="zb-h1", num_microbatches=4),
+        max_steps=4,
+        accumulate_grad_batches=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+        callbacks=[monitor],
+    )
     trainer.fit(Net(), _data())
     return {"logged_at": monitor.logged_at, "flops": monitor.flops_per_batch}
 
@@ -115,13 +148,13 @@ def test_monitor_logs_every_pipeline_rank_and_writes_a_trace(tmp_path):
     # FLOPs measured on step 1, each rank its own stages, added up: the one-process count exactly
     assert out[0]["flops"] == out[1]["flops"] == _one_process_flops()
     assert last["throughput/flops_per_sec"] == pytest.approx(out[0]["flops"] * last["throughput/batches_per_sec"])
-    rows = list(csv.DictReader(open(tmp_path / "logs" / "version_0" / "metrics.csv")))
+    rows = list(csv.DictReader((tmp_path / "logs" / "version_0" / "metrics.csv").open()))
     logged = [row for row in rows if row.get("pipeline/stage1/bubble")]
     assert [int(row["step"]) for row in logged] == [1, 3, 5]  # steps 2, 4, 6 (Lightning logs step - 1)
     # the trace: both ranks' ops of step 3, and the simulated schedule beside them
     trace_json = [p for p in out[0]["traces"] if p.endswith(".json")]
     assert trace_json == [str(tmp_path / "traces" / "step3.json")] and out[1]["traces"] == []
-    events = json.load(open(trace_json[0]))["traceEvents"]
+    events = json.loads(pathlib.Path(trace_json[0]).read_text())["traceEvents"]
     names = {e["name"] for e in events if e.get("ph") == "X"}
     assert {"0F0", "1F0", "1B0", "1W0"} <= names, sorted(names)[:20]
     assert len({e["pid"] for e in events if e.get("ph") == "X"}) >= 3  # rank 0, rank 1, simulated
@@ -157,12 +190,27 @@ def _tokens() -> DataLoader:
 
 
 def _loop_flops(rank: int, world: int, port: int, name: str) -> float:
-    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world), RANK=str(rank),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(
+        LOCAL_RANK=str(rank),
+        NODE_RANK="0",
+        WORLD_SIZE=str(world),
+        RANK=str(rank),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
     monitor = PipelineMonitor(log_every_n_steps=2)
-    trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=TwoBPStrategy(schedule="zb-h1", num_microbatches=4),
-                         max_steps=3, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False, use_distributed_sampler=False, callbacks=[monitor])
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=world,
+        strategy=TwoBPStrategy(schedule="zb-h1", num_microbatches=4),
+        max_steps=3,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+        callbacks=[monitor],
+    )
     trainer.fit(_loop_model(name), _tokens())
     return monitor.flops_per_batch
 
@@ -183,7 +231,12 @@ def test_flops_of_a_modulelist_model_equal_one_process(name):
 def test_measured_costs_take_medians_per_stage_without_waits():
     from lightning_twobp.engine import ActionRecord
 
-    recs = [ActionRecord(0, 0, "0F0", 0.0, 1.0), ActionRecord(0, 0, "0F1", 1.0, 3.0, wait=1.0),
-            ActionRecord(1, 0, "1BW0", 2.0, 5.0), ActionRecord(1, 0, "1W0+1", 5.0, 7.0), ActionRecord(1, 0, "SEND", 7.0, 9.0)]
+    recs = [
+        ActionRecord(0, 0, "0F0", 0.0, 1.0),
+        ActionRecord(0, 0, "0F1", 1.0, 3.0, wait=1.0),
+        ActionRecord(1, 0, "1BW0", 2.0, 5.0),
+        ActionRecord(1, 0, "1W0+1", 5.0, 7.0),
+        ActionRecord(1, 0, "SEND", 7.0, 9.0),
+    ]
     c = measured_costs(recs, 2)
     assert c.f == (1.0, 0.0) and c.b == (0.0, 3.0) and c.w == (0.0, 1.0)

@@ -66,9 +66,19 @@ def _data(nan: bool) -> DataLoader:
 
 
 def _trainer(devices, strategy, max_steps, callbacks=(), **kw):
-    return pl.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=max_steps, logger=False,
-                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                      use_distributed_sampler=False, callbacks=list(callbacks), **kw)
+    return pl.Trainer(
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy,
+        max_steps=max_steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+        callbacks=list(callbacks),
+        **kw,
+    )
 
 
 def _weights(model) -> dict:
@@ -76,8 +86,14 @@ def _weights(model) -> dict:
 
 
 def _fit(rank: int, world: int, port: int, kwargs: dict, nan_data: bool, inf_at: int | None) -> dict:
-    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world), RANK=str(rank),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(
+        LOCAL_RANK=str(rank),
+        NODE_RANK="0",
+        WORLD_SIZE=str(world),
+        RANK=str(rank),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
     model = Net(inf_at)
     logged: list[float] = []
 
@@ -91,13 +107,24 @@ def _fit(rank: int, world: int, port: int, kwargs: dict, nan_data: bool, inf_at:
         error = None
     except NonFiniteError as err:
         error = str(err)
-    return {"error": error, "weights": _weights(model), "step": trainer.global_step,
-            "checks": trainer.strategy.step_checks, "logged": logged}
+    return {
+        "error": error,
+        "weights": _weights(model),
+        "step": trainer.global_step,
+        "checks": trainer.strategy.step_checks,
+        "logged": logged,
+    }
 
 
 def _anomaly(rank: int, world: int, port: int) -> str:
-    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world), RANK=str(rank),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(
+        LOCAL_RANK=str(rank),
+        NODE_RANK="0",
+        WORLD_SIZE=str(world),
+        RANK=str(rank),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
     trainer = _trainer(world, TwoBPStrategy(num_microbatches=M, pipeline_timeout=60), 5, detect_anomaly=True)
     try:
         trainer.fit(Net(), _data(True))
@@ -131,13 +158,20 @@ def test_a_nan_loss_stops_every_rank_naming_step_stages_and_microbatch(schedule)
 
 def test_skip_drops_the_step_on_every_stage_and_replica():
     # 2 pipelines x 2 stages; the inf is on the first stage of both replicas' pipelines
-    out = run_distributed(_fit, 4, free_port(), dict(schedule="1f1b", pipeline_degree=2, on_nonfinite="skip"),
-                          False, BAD_STEP, timeout=240)
+    out = run_distributed(
+        _fit,
+        4,
+        free_port(),
+        dict(schedule="1f1b", pipeline_degree=2, on_nonfinite="skip"),
+        False,
+        BAD_STEP,
+        timeout=240,
+    )
     ref = _reference(5, skip_at=BAD_STEP)
     for rank, r in enumerate(out):
         assert r["error"] is None and r["step"] == 5
         assert r["checks"]["skipped"] == 1, r["checks"]
-        assert r["logged"][BAD_STEP + 1:] == [1.0] * (5 - BAD_STEP - 1), r["logged"]
+        assert r["logged"][BAD_STEP + 1 :] == [1.0] * (5 - BAD_STEP - 1), r["logged"]
         for name, value in r["weights"].items():
             torch.testing.assert_close(value, ref[name], rtol=1e-5, atol=1e-6, msg=f"rank {rank} {name}")
     for rank in (2, 3):  # the replicas hold bitwise the same weights

@@ -41,8 +41,10 @@ class Net(pl.LightningModule):
 
     def configure_optimizers(self):
         opt = torch.optim.AdamW(self.parameters(), lr=0.05)
-        return {"optimizer": opt, "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.StepLR(opt, 1, 0.8),
-                                                    "interval": "step"}}
+        return {
+            "optimizer": opt,
+            "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.StepLR(opt, 1, 0.8), "interval": "step"},
+        }
 
 
 def _data() -> DataLoader:
@@ -82,8 +84,14 @@ class _CountCollectives(pl.Callback):
 
 
 def _fit(rank: int, world: int, port: int, strategy_kwargs: dict, clip: float | None, inf_at: int | None) -> dict:
-    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world), RANK=str(rank),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(
+        LOCAL_RANK=str(rank),
+        NODE_RANK="0",
+        WORLD_SIZE=str(world),
+        RANK=str(rank),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
     model = Net(inf_at)
     counter = _CountCollectives()
     seen: list[float] = []
@@ -92,13 +100,26 @@ def _fit(rank: int, world: int, port: int, strategy_kwargs: dict, clip: float | 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             seen.append(float(trainer.callback_metrics["train_loss"]))
 
-    trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=TwoBPStrategy(**strategy_kwargs), max_steps=6,
-                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False, use_distributed_sampler=False, gradient_clip_val=clip,
-                         callbacks=[counter, _Logged()])
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=world,
+        strategy=TwoBPStrategy(**strategy_kwargs),
+        max_steps=6,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+        gradient_clip_val=clip,
+        callbacks=[counter, _Logged()],
+    )
     trainer.fit(model, _data())
-    return {"params": {n: q.detach().clone() for n, q in model.named_parameters() if not q.is_meta},
-            "calls": counter.calls, "losses": seen, "checks": trainer.strategy.step_checks}
+    return {
+        "params": {n: q.detach().clone() for n, q in model.named_parameters() if not q.is_meta},
+        "calls": counter.calls,
+        "losses": seen,
+        "checks": trainer.strategy.step_checks,
+    }
 
 
 def _reference(clip: float | None) -> list[float]:
@@ -109,9 +130,17 @@ def _reference(clip: float | None) -> list[float]:
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             losses.append(float(trainer.callback_metrics["train_loss"]))
 
-    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=6, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, gradient_clip_val=clip,
-                         callbacks=[_Logged()])
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=6,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        gradient_clip_val=clip,
+        callbacks=[_Logged()],
+    )
     trainer.fit(model, _data())
     return losses
 
@@ -141,7 +170,7 @@ def test_post_validation_is_bitwise_checking_first(schedule, clip, inf_at):
     kwargs = dict(schedule=schedule, num_microbatches=4, on_nonfinite="skip")
     first = run_distributed(_fit, 2, free_port(), dict(kwargs, post_validation=False), clip, inf_at, timeout=180)
     after = run_distributed(_fit, 2, free_port(), dict(kwargs, post_validation=True), clip, inf_at, timeout=180)
-    for a, b in zip(first, after):
+    for a, b in zip(first, after, strict=False):
         assert a["params"].keys() == b["params"].keys()
         for name in a["params"]:
             assert torch.equal(a["params"][name], b["params"][name]), name
@@ -150,7 +179,9 @@ def test_post_validation_is_bitwise_checking_first(schedule, clip, inf_at):
         assert a["checks"]["redone"] == 0 and a["checks"]["skipped"] == b["checks"]["skipped"] == (inf_at is not None)
         assert a["checks"]["clipped"] == b["checks"]["clipped"]
         if clip is not None:
-            assert b["checks"]["clipped"] > 0 and b["checks"]["redone"] == b["checks"]["clipped"] + b["checks"]["skipped"]
+            assert (
+                b["checks"]["clipped"] > 0 and b["checks"]["redone"] == b["checks"]["clipped"] + b["checks"]["skipped"]
+            )
     if clip is not None:
         # and both equal one process (which clips by the same global norm) up to float order
         ref = _reference(clip) if inf_at is None else None

@@ -17,7 +17,7 @@ def _brute(weights, k):
     best = None
     for cuts in itertools.combinations(range(1, n), k - 1):
         bounds = (0, *cuts, n)
-        worst = max(sum(weights[a:b]) for a, b in zip(bounds, bounds[1:]))
+        worst = max(sum(weights[a:b]) for a, b in zip(bounds, bounds[1:], strict=False))
         best = worst if best is None else min(best, worst)
     return best
 
@@ -32,7 +32,7 @@ def test_balanced_sizes_is_optimal(weights, k):
     sizes = balanced_sizes(weights, k)
     assert len(sizes) == k and sum(sizes) == len(weights) and min(sizes) >= 1
     bounds = [0, *itertools.accumulate(sizes)]
-    worst = max(sum(weights[a:b]) for a, b in zip(bounds, bounds[1:]))
+    worst = max(sum(weights[a:b]) for a, b in zip(bounds, bounds[1:], strict=False))
     assert worst == _brute(weights, k)
 
 

@@ -70,7 +70,7 @@ def _check_schedule(rank: int, world: int, name: str) -> list[str]:
             failures.append(f"{tag}: loss {res.loss.item()} != {ref_loss.item()}")
         owned = {id(q) for mod in mine.values() for q in mod.parameters()}
         checked = 0
-        for (n, q), (_, r) in zip(model.named_parameters(), ref.named_parameters()):
+        for (n, q), (_, r) in zip(model.named_parameters(), ref.named_parameters(), strict=False):
             if id(q) not in owned:
                 continue
             checked += 1
@@ -151,8 +151,12 @@ def _batchnorm(rank: int, world: int) -> list[str]:
     """BatchNorm statistics after a step equal one process's: the shape exchange leaves no trace."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(
-        torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.ReLU(),
-        torch.nn.Linear(16, 16), torch.nn.BatchNorm1d(16), torch.nn.Linear(16, 4),
+        torch.nn.Linear(8, 16),
+        torch.nn.BatchNorm1d(16),
+        torch.nn.ReLU(),
+        torch.nn.Linear(16, 16),
+        torch.nn.BatchNorm1d(16),
+        torch.nn.Linear(16, 4),
     )
     ref = copy.deepcopy(model)
     x, y = torch.randn(4, 6, 8), torch.randint(0, 4, (4, 6))
@@ -163,13 +167,13 @@ def _batchnorm(rank: int, world: int) -> list[str]:
     ex.step(list(x) if rank == 0 else None, list(y) if rank == 1 else None)
     bad = []
     mine = {id(b) for b in parts[rank].buffers()}
-    for (n, a), (_, b) in zip(model.named_buffers(), ref.named_buffers()):
+    for (n, a), (_, b) in zip(model.named_buffers(), ref.named_buffers(), strict=False):
         if id(a) in mine and not torch.allclose(a.float(), b.float(), rtol=1e-5):
             bad.append(f"buffer {n} differs")
     if len(mine) < 2:
         bad.append("no buffers checked")
     owned = {id(q) for q in parts[rank].parameters()}
-    for (n, q), (_, r) in zip(model.named_parameters(), ref.named_parameters()):
+    for (n, q), (_, r) in zip(model.named_parameters(), ref.named_parameters(), strict=False):
         if id(q) in owned and not torch.allclose(q.grad, r.grad, rtol=1e-5, atol=1e-7):
             bad.append(f"grad {n} differs")
     return bad
@@ -211,7 +215,7 @@ def test_failure_on_a_first_stage_is_named(at, where):
 
 def _grads_match(model, ref, owned) -> list[str]:
     bad = []
-    for (n, q), (_, r) in zip(model.named_parameters(), ref.named_parameters()):
+    for (n, q), (_, r) in zip(model.named_parameters(), ref.named_parameters(), strict=False):
         if id(q) in owned and (q.grad is None or not torch.allclose(q.grad, r.grad, rtol=1e-5, atol=1e-7)):
             bad.append(f"grad of {n} differs")
     return bad

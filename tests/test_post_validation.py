@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -22,8 +21,10 @@ def _single_process_run(overlap: bool, nan_at: int | None, max_norm: float | Non
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.7)
     sv = StepValidation(opt, max_norm=max_norm, overlap=overlap)
     gen = torch.Generator().manual_seed(1)
-    batches = [(torch.randn(5, 6, generator=gen) * (1 + 3 * (i % 3)), torch.randint(0, 3, (5,), generator=gen))
-               for i in range(steps)]
+    batches = [
+        (torch.randn(5, 6, generator=gen) * (1 + 3 * (i % 3)), torch.randint(0, 3, (5,), generator=gen))
+        for i in range(steps)
+    ]
     redone = 0
 
     def grads_of(i):
@@ -52,7 +53,7 @@ def _single_process_run(overlap: bool, nan_at: int | None, max_norm: float | Non
 def test_speculative_steps_equal_checking_first_bitwise(max_norm, nan_at):
     sync, sv_sync, _ = _single_process_run(False, nan_at, max_norm)
     spec, sv_spec, redone = _single_process_run(True, nan_at, max_norm)
-    for a, b in zip(sync, spec):
+    for a, b in zip(sync, spec, strict=False):
         assert torch.equal(a, b)
     assert sv_sync.skipped_steps == sv_spec.skipped_steps == (0 if nan_at is None else 1)
     if max_norm == 0.5:
@@ -129,7 +130,7 @@ def _pipeline_run(rank: int, world: int, name: str, overlap: bool, max_norm: flo
 def _compare_modes(rank: int, world: int, name: str, max_norm: float | None, nan_at: int | None) -> list[str]:
     sync, skipped_a, _ = _pipeline_run(rank, world, name, False, max_norm, nan_at)
     spec, skipped_b, redone = _pipeline_run(rank, world, name, True, max_norm, nan_at)
-    bad = [f"parameter {i} differs" for i, (a, b) in enumerate(zip(sync, spec)) if not torch.equal(a, b)]
+    bad = [f"parameter {i} differs" for i, (a, b) in enumerate(zip(sync, spec, strict=False)) if not torch.equal(a, b)]
     if skipped_a != skipped_b or skipped_a != (nan_at is not None):
         bad.append(f"skipped {skipped_a} vs {skipped_b}")
     if nan_at is not None and redone == 0:

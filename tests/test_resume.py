@@ -25,8 +25,15 @@ class Dropout(pl.LightningModule):
     def __init__(self) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.layers = nn.Sequential(nn.Linear(6, 32), nn.Dropout(0.5), nn.Tanh(), nn.Linear(32, 32), nn.Dropout(0.5),
-                                    nn.Tanh(), nn.Linear(32, 2))
+        self.layers = nn.Sequential(
+            nn.Linear(6, 32),
+            nn.Dropout(0.5),
+            nn.Tanh(),
+            nn.Linear(32, 32),
+            nn.Dropout(0.5),
+            nn.Tanh(),
+            nn.Linear(32, 2),
+        )
 
     def training_step(self, batch, batch_idx):
         x, y = batch
@@ -63,16 +70,30 @@ def _fit(world: int, max_steps: int, folder: str | None = None, ckpt_path: str |
         cbs.append(ModelCheckpoint(dirpath=folder, every_n_train_steps=3, save_top_k=-1))
     pl.seed_everything(7, verbose=False)
     model = Dropout()
-    trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=TwoBPStrategy(schedule="zb-h1", num_microbatches=4, balance=[3, 4]),
-                         max_steps=max_steps, logger=False, enable_checkpointing=bool(folder), enable_progress_bar=False,
-                         enable_model_summary=False, callbacks=cbs)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=world,
+        strategy=TwoBPStrategy(schedule="zb-h1", num_microbatches=4, balance=[3, 4]),
+        max_steps=max_steps,
+        logger=False,
+        enable_checkpointing=bool(folder),
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=cbs,
+    )
     trainer.fit(model, datamodule=Data(), ckpt_path=ckpt_path)
     return {"losses": losses, "weights": {n: q.detach().clone() for n, q in model.named_parameters() if not q.is_meta}}
 
 
 def _runs(rank: int, world: int, port: int, folder: str) -> dict:
-    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world), RANK=str(rank),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(
+        LOCAL_RANK=str(rank),
+        NODE_RANK="0",
+        WORLD_SIZE=str(world),
+        RANK=str(rank),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
     straight = _fit(world, 7)
     _fit(world, 3, folder=folder)  # stops at step 3 of 16, mid-epoch, with a checkpoint there
     resumed = _fit(world, 7, ckpt_path=f"{folder}/epoch=0-step=3.ckpt")
@@ -97,8 +118,9 @@ class Masks(pl.LightningModule):
     def __init__(self) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.layers = nn.Sequential(nn.Linear(6, 16), nn.Dropout(0.5),
-                                    *[m for _ in range(3) for m in (nn.Linear(16, 16), nn.Dropout(0.5))])
+        self.layers = nn.Sequential(
+            nn.Linear(6, 16), nn.Dropout(0.5), *[m for _ in range(3) for m in (nn.Linear(16, 16), nn.Dropout(0.5))]
+        )
         self.masks: dict[int, dict[int, list[torch.Tensor]]] = {}  # dropout -> global step -> masks
         for k in range(4):
             self.layers[2 * k + 1].register_forward_hook(self._recorder(k))
@@ -129,15 +151,29 @@ def _masks(world: int, max_steps: int, folder: str | None = None, ckpt_path: str
     model = Masks()
     cbs = [ModelCheckpoint(dirpath=folder, every_n_train_steps=2, save_top_k=-1)] if folder else []
     strategy = TwoBPStrategy(num_microbatches=M, **{"schedule": "zb-v", "balance": [2, 2, 2, 2], **kw})
-    pl.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=max_steps, logger=False,
-               enable_checkpointing=bool(folder), enable_progress_bar=False, enable_model_summary=False,
-               callbacks=cbs).fit(model, datamodule=Data(), ckpt_path=ckpt_path)
+    pl.Trainer(
+        accelerator="cpu",
+        devices=world,
+        strategy=strategy,
+        max_steps=max_steps,
+        logger=False,
+        enable_checkpointing=bool(folder),
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=cbs,
+    ).fit(model, datamodule=Data(), ckpt_path=ckpt_path)
     return {k: {step: ms[-M:] for step, ms in steps.items()} for k, steps in model.masks.items()}
 
 
 def _stream_runs(rank: int, world: int, port: int, folder: str) -> dict:
-    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world), RANK=str(rank),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(
+        LOCAL_RANK=str(rank),
+        NODE_RANK="0",
+        WORLD_SIZE=str(world),
+        RANK=str(rank),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
     return {
         "first": _masks(world, 4, folder=folder),  # zb-v: stages 0, 3 on rank 0; 1, 2 on rank 1
         "second": _masks(world, 4),

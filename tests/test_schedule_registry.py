@@ -67,8 +67,9 @@ def test_placement_and_defaults_come_from_the_spec():
 
 
 def test_schedules_is_a_live_view_of_the_registry():
-    spec = ScheduleSpec("loop-copy", gpipe, MemoryClass("m", lambda p, m, v, split: v * m), placement="loop",
-                        stages_per_rank=None)
+    spec = ScheduleSpec(
+        "loop-copy", gpipe, MemoryClass("m", lambda p, m, v, split: v * m), placement="loop", stages_per_rank=None
+    )
     register_schedule(spec)
     try:
         assert "loop-copy" in SCHEDULES and list(SCHEDULES)[-1] == "loop-copy"
@@ -81,12 +82,15 @@ def test_schedules_is_a_live_view_of_the_registry():
     assert "loop-copy" not in SCHEDULES
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(placement="ring"), "placement must be one of"),
-    (dict(placement="one", stages_per_rank=(1, 2)), "placement 'one' holds exactly one stage per rank"),
-    (dict(placement="loop", stages_per_rank=(2,)), "default_stages_per_rank=1 is not among the accepted"),
-    (dict(name=" x"), "non-empty string"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(placement="ring"), "placement must be one of"),
+        (dict(placement="one", stages_per_rank=(1, 2)), "placement 'one' holds exactly one stage per rank"),
+        (dict(placement="loop", stages_per_rank=(2,)), "default_stages_per_rank=1 is not among the accepted"),
+        (dict(name=" x"), "non-empty string"),
+    ],
+)
 def test_a_bad_spec_is_refused(kwargs, match):
     args = dict(name="x", builder=gpipe, memory=MemoryClass("m", lambda p, m, v, split: m)) | kwargs
     with pytest.raises(ValueError, match=match):
@@ -94,8 +98,14 @@ def test_a_bad_spec_is_refused(kwargs, match):
 
 
 def test_a_builder_that_ignores_the_spec_placement_is_named():
-    spec = ScheduleSpec("v-gpipe", gpipe, MemoryClass("m", lambda p, m, v, split: v * m), placement="v",
-                        stages_per_rank=(2,), default_stages_per_rank=2)
+    spec = ScheduleSpec(
+        "v-gpipe",
+        gpipe,
+        MemoryClass("m", lambda p, m, v, split: v * m),
+        placement="v",
+        stages_per_rank=(2,),
+        default_stages_per_rank=2,
+    )
     register_schedule(spec)
     try:
         s = build_schedule("v-gpipe", 4, 2, stages_per_rank=2)  # gpipe reads the request's placement
@@ -114,10 +124,17 @@ def test_every_built_in_schedule_has_a_hydra_option():
 
 def test_one_replay_gives_counts_and_bytes():
     a = Action.parse
-    s = Schedule("hand", 2, 2, (0, 1), [
-        [a("0F0"), a("0F1"), a("0B0"), a("0B1"), a("0W0+1")],
-        [a("1F0"), a("1B0"), a("1F1"), a("1BW1"), a("1W0")],
-    ], split_backward=True)
+    s = Schedule(
+        "hand",
+        2,
+        2,
+        (0, 1),
+        [
+            [a("0F0"), a("0F1"), a("0B0"), a("0B1"), a("0W0+1")],
+            [a("1F0"), a("1B0"), a("1F1"), a("1BW1"), a("1W0")],
+        ],
+        split_backward=True,
+    )
     assert replay_memory(s).per_rank == simulate(s).peak_inflight == (2, 2)
     assert peak_activations(s) == (2, 1)
     # F adds the activation, B trades it for what W needs, W frees that; BW frees at once.
@@ -131,11 +148,13 @@ def test_one_replay_gives_counts_and_bytes():
 
 
 def test_importing_the_schedules_loads_no_torch_and_lightning_still_finds_twobp():
-    code = ("import sys, lightning_twobp.schedules\n"
-            "assert not {'torch', 'lightning'} & set(sys.modules), 'schedules imported torch or lightning'\n"
-            "import lightning.pytorch\n"
-            "from lightning.pytorch.strategies import StrategyRegistry\n"
-            "assert 'twobp' in StrategyRegistry, 'import lightning_twobp no longer registers twobp'\n")
+    code = (
+        "import sys, lightning_twobp.schedules\n"
+        "assert not {'torch', 'lightning'} & set(sys.modules), 'schedules imported torch or lightning'\n"
+        "import lightning.pytorch\n"
+        "from lightning.pytorch.strategies import StrategyRegistry\n"
+        "assert 'twobp' in StrategyRegistry, 'import lightning_twobp no longer registers twobp'\n"
+    )
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
@@ -162,7 +181,7 @@ def _walk_executor(rank: int, world: int, names: list[str]) -> list[str]:
             ex = PipelineExecutor(sched, mine, loss_fn=nn.functional.mse_loss)
             ex.step(list(x) if 0 in mine else None, list(y) if sched.num_stages - 1 in mine else None)
             for s, mod in mine.items():
-                for q, r in zip(mod.parameters(), ref[s].parameters()):
+                for q, r in zip(mod.parameters(), ref[s].parameters(), strict=False):
                     if q.grad is None or not torch.allclose(q.grad, r.grad, rtol=1e-5, atol=1e-7):
                         failures.append(f"{name} split={split}: stage {s} gradient differs from one process")
     return failures
@@ -175,8 +194,9 @@ def test_every_registered_schedule_runs_on_two_ranks_like_one_process():
 
 
 def _copy_spec() -> ScheduleSpec:
-    return ScheduleSpec("gpipe-copy", gpipe, MemoryClass("m", lambda p, m, v, split: v * m), placement="loop",
-                        stages_per_rank=None)
+    return ScheduleSpec(
+        "gpipe-copy", gpipe, MemoryClass("m", lambda p, m, v, split: v * m), placement="loop", stages_per_rank=None
+    )
 
 
 class _Tiny(pl.LightningModule):
@@ -197,15 +217,29 @@ def _fit(rank: int, world: int, schedule: str | None) -> dict:
 
     if schedule is not None:
         register_schedule(_copy_spec())  # the only edit a new schedule needs, in this process
-        os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world), RANK=str(rank),
-                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+        os.environ.update(
+            LOCAL_RANK=str(rank),
+            NODE_RANK="0",
+            WORLD_SIZE=str(world),
+            RANK=str(rank),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(free_port()),
+        )
     model = _Tiny()
     g = torch.Generator().manual_seed(1)
     data = DataLoader(TensorDataset(torch.randn(32, 4, generator=g), torch.randn(32, 2, generator=g)), batch_size=8)
     strategy = "auto" if schedule is None else TwoBPStrategy(schedule=schedule, num_microbatches=4)
-    trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=3, logger=False,
-                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                         use_distributed_sampler=False)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=world,
+        strategy=strategy,
+        max_steps=3,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+    )
     trainer.fit(model, data)
     return {n: q.detach().clone() for n, q in model.named_parameters() if not q.is_meta}
 

@@ -57,10 +57,13 @@ def test_capped_1f1b_peak_bytes_formula():
                 assert result.peak_bytes == tuple(10 * (p - r) + 3 * min(cap, m - p + r) for r in range(p))
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(activation=-1), "MemoryCosts.activation must be >= 0"),
-    (dict(held=()), "MemoryCosts.held needs at least one value"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(activation=-1), "MemoryCosts.activation must be >= 0"),
+        (dict(held=()), "MemoryCosts.held needs at least one value"),
+    ],
+)
 def test_bad_memory_costs_are_refused(kwargs, match):
     with pytest.raises(ValueError, match=match):
         MemoryCosts(**kwargs)
@@ -77,8 +80,15 @@ def test_memory_costs_need_one_value_per_stage():
 def _fused_as_b_then_w(name: str, p: int, m: int):
     rows = []
     for row in build_schedule(name, p, m, split_backward=False).actions:
-        rows.append(tuple(x for a in row for x in (
-            (Action("B", a.stage, a.microbatch), Action("W", a.stage, a.microbatch)) if a.kind == "BW" else (a,))))
+        rows.append(
+            tuple(
+                x
+                for a in row
+                for x in (
+                    (Action("B", a.stage, a.microbatch), Action("W", a.stage, a.microbatch)) if a.kind == "BW" else (a,)
+                )
+            )
+        )
     return tuple(rows)
 
 
@@ -112,7 +122,7 @@ def test_unit_cost_time_does_not_grow_with_the_cap(name):
     for p in (2, 3, 4):
         for m in (p, 2 * p, 2 * p + 1):
             scores = [schedule_score(_build(name, p, m, max_pending_w=k), Costs()) for k in range(m + 1)]
-            assert all(b <= a for a, b in zip(scores, scores[1:])), (p, m, scores)
+            assert all(b <= a for a, b in zip(scores, scores[1:], strict=False)), (p, m, scores)
 
 
 def test_where_a_looser_cap_is_slower():
@@ -138,17 +148,23 @@ def test_a_byte_budget_becomes_a_cap_per_stage():
     assert pending_w_cap(memory, 600, 4)[1:] == (6, 2, 12)
     assert pending_w_cap(memory, 600, 4)[0] >= 2**31 - 1  # holds nothing from B to W: not capped
     s = build_schedule("1f1b", 4, 8, max_pending_w=pending_w_cap(memory, 150, 4))
-    assert all(a <= b for a, b in zip(peak_pending_w(s)[1:], (1, 0, 3)))
+    assert all(a <= b for a, b in zip(peak_pending_w(s)[1:], (1, 0, 3), strict=False))
 
 
-@pytest.mark.parametrize("kwargs, fix", [
-    (dict(max_pending_w=-1), "max_pending_w=-1: give the most micro-batches per stage whose W may wait"),
-    (dict(max_pending_w=1.5), "an int >= 0 (0 runs each W right after its B)"),
-    (dict(max_pending_w=(1, 2)), "or one per stage (4 ints >= 0)"),
-    (dict(max_pending_w=True), "or None for no cap"),
-    (dict(max_pending_w=2, split_backward=False),
-     "1f1b with split_backward=False runs fused BW and has none to cap: drop max_pending_w or use split_backward=True"),
-])
+@pytest.mark.parametrize(
+    "kwargs, fix",
+    [
+        (dict(max_pending_w=-1), "max_pending_w=-1: give the most micro-batches per stage whose W may wait"),
+        (dict(max_pending_w=1.5), "an int >= 0 (0 runs each W right after its B)"),
+        (dict(max_pending_w=(1, 2)), "or one per stage (4 ints >= 0)"),
+        (dict(max_pending_w=True), "or None for no cap"),
+        (
+            dict(max_pending_w=2, split_backward=False),
+            "1f1b with split_backward=False runs fused BW and has none to cap: drop max_pending_w or use "
+            "split_backward=True",
+        ),
+    ],
+)
 def test_bad_caps_are_refused_before_building(kwargs, fix):
     with pytest.raises(ValueError) as info:
         build_schedule("1f1b", 4, 8, **kwargs)

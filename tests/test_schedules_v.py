@@ -32,7 +32,10 @@ def test_the_memory_bounds_are_the_papers():
     # The paper's table, in micro-batches of a full stage: (p + 2) // 2 and (p + 4) // 3 against 1F1B's p.
     assert [v_memory_bound("v-half", p) // 2 for p in range(2, 9)] == [2, 2, 3, 3, 4, 4, 5]
     assert [v_memory_bound("v-min", p) // 2 for p in range(2, 9)] == [2, 2, 2, 3, 3, 3, 4]
-    assert schedule_spec("v-half").memory.bound(8, 32, 2, True) == 10 and schedule_spec("v-min").memory.label == "(p + 4) // 3"
+    assert (
+        schedule_spec("v-half").memory.bound(8, 32, 2, True) == 10
+        and schedule_spec("v-min").memory.label == "(p + 4) // 3"
+    )
 
 
 @pytest.mark.parametrize("name", V)
@@ -57,8 +60,13 @@ def test_built_schedules_never_hold_more_than_their_memory_class(name, costs):
 costs_strategy = st.one_of(
     st.builds(Costs, f=st.just(1.0), b=st.floats(1.0, 3.0), w=st.floats(0.25, 1.0)),  # B > W
     st.builds(Costs, f=st.just(1.0), b=st.floats(0.25, 1.0), w=st.floats(1.0, 3.0)),  # W > B
-    st.builds(Costs, f=st.floats(0.25, 3.0), b=st.floats(0.25, 3.0), w=st.floats(0.0, 3.0),
-              comm=st.sampled_from([0.1, 0.5, 1.0])),  # comm > 0
+    st.builds(
+        Costs,
+        f=st.floats(0.25, 3.0),
+        b=st.floats(0.25, 3.0),
+        w=st.floats(0.0, 3.0),
+        comm=st.sampled_from([0.1, 0.5, 1.0]),
+    ),  # comm > 0
 )
 
 
@@ -102,11 +110,17 @@ def test_golden_order(name):
     assert v_order(name, 2, 4).actions == tuple(row(text) for text in GOLDEN[name])
 
 
-@pytest.mark.parametrize("kwargs, fix", [
-    (dict(stages_per_rank=1), "v-half needs stages_per_rank=2 (a V of 2 stages per rank); got 1: use "
-                              "build_schedule('v-half', 8, 8, stages_per_rank=2) for 4 ranks"),
-    (dict(stages_per_rank=2, split_backward=False), "v-half is split by definition"),
-])
+@pytest.mark.parametrize(
+    "kwargs, fix",
+    [
+        (
+            dict(stages_per_rank=1),
+            "v-half needs stages_per_rank=2 (a V of 2 stages per rank); got 1: use "
+            "build_schedule('v-half', 8, 8, stages_per_rank=2) for 4 ranks",
+        ),
+        (dict(stages_per_rank=2, split_backward=False), "v-half is split by definition"),
+    ],
+)
 def test_errors_say_what_would_work(kwargs, fix):
     num_stages = 8 if kwargs["stages_per_rank"] == 2 else 4
     with pytest.raises(ValueError) as info:

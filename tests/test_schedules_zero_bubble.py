@@ -27,7 +27,7 @@ def test_simulate_iterations_validates_and_reports_the_steady_state():
     one = simulate(s)
     assert one.iteration_ends == (one.makespan,)
     with pytest.raises(ValueError, match="iterations=k"):
-        one.period
+        _ = one.period
     with pytest.raises(ValueError, match="iterations must be an int >= 1"):
         simulate(s, iterations=0)
     # 1F1B cannot overlap: rank 0 ends each iteration last, and every other rank needs its next F.
@@ -73,8 +73,8 @@ def test_paper_orders_are_valid_and_hold_the_papers_memory(name, spr):
         for m in range(1, 4 * p + 2):
             s = validate(paper_order(name, p, m))
             limit_fb, limit_fw = memory_limits(name, p)
-            assert all(a <= lim for a, lim in zip(peak_activations(s), limit_fb)), (p, m)
-            assert all(x <= lim for x, lim in zip(simulate(s).peak_inflight, limit_fw)), (p, m)
+            assert all(a <= lim for a, lim in zip(peak_activations(s), limit_fb, strict=False)), (p, m)
+            assert all(x <= lim for x, lim in zip(simulate(s).peak_inflight, limit_fw, strict=False)), (p, m)
             if m >= 2 * p:
                 # The limits are exactly the paper order's counts: the greedy gets no more memory.
                 assert list(simulate(s).peak_inflight) == limit_fw, (p, m)
@@ -100,7 +100,7 @@ def test_zb_h2_is_the_parallelogram():
     for r in range(p):
         mine = [(t0, t1) for rank, _, t0, t1 in timeline if rank == r]
         assert mine[0][0] == r and mine[-1][1] == 3 * m + r  # busy from r to 3m + r without a gap
-        assert all(a[1] == b[0] for a, b in zip(mine, mine[1:]))
+        assert all(a[1] == b[0] for a, b in zip(mine, mine[1:], strict=False))
 
 
 # ------------------------------------------------------------------- cost-aware building
@@ -109,8 +109,13 @@ costs_strategy = st.one_of(
     st.builds(Costs, f=st.just(1.0), b=st.floats(1.0, 3.0), w=st.floats(0.25, 1.0)),  # B > W
     st.builds(Costs, f=st.just(1.0), b=st.floats(0.25, 1.0), w=st.floats(1.0, 3.0)),  # W > B
     st.builds(lambda f, b: Costs(f=f, b=b, w=b / 2), st.floats(0.25, 2.0), st.floats(0.5, 3.0)),  # W = B/2
-    st.builds(Costs, f=st.floats(0.25, 3.0), b=st.floats(0.25, 3.0), w=st.floats(0.0, 3.0),
-              comm=st.sampled_from([0.1, 0.5, 1.0])),  # comm > 0
+    st.builds(
+        Costs,
+        f=st.floats(0.25, 3.0),
+        b=st.floats(0.25, 3.0),
+        w=st.floats(0.0, 3.0),
+        comm=st.sampled_from([0.1, 0.5, 1.0]),
+    ),  # comm > 0
 )
 
 
@@ -123,8 +128,8 @@ def test_cost_aware_build_never_loses(family, p, m, costs):
     for other in (_build(name, p, m), paper_order(name, p, m)):
         assert score <= schedule_score(other, costs)
     limit_fb, limit_fw = memory_limits(name, p)
-    assert all(a <= lim for a, lim in zip(peak_activations(tuned), limit_fb))
-    assert all(x <= lim for x, lim in zip(simulate(tuned).peak_inflight, limit_fw))
+    assert all(a <= lim for a, lim in zip(peak_activations(tuned), limit_fb, strict=False))
+    assert all(x <= lim for x, lim in zip(simulate(tuned).peak_inflight, limit_fw, strict=False))
 
 
 def test_measured_costs_no_longer_make_zb_h1_slower():

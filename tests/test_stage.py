@@ -203,7 +203,10 @@ CASES = {
     "same-shape-bias": (SameShapeBias, lambda: (_x(1, 8),)),
     "broadcast-grad": (BroadcastGrad, lambda: (_x(4, 8),)),
     "mid-embedding-tied": (MidEmbeddingTied, lambda: (_x(2, 5, 8), torch.randint(0, 16, (2, 5)))),
-    "llama-block": (lambda: Block(LlamaConfig(dim=32, n_heads=4, n_kv_heads=2, max_seq_len=16)), lambda: (_x(2, 7, 32),)),
+    "llama-block": (
+        lambda: Block(LlamaConfig(dim=32, n_heads=4, n_kv_heads=2, max_seq_len=16)),
+        lambda: (_x(2, 7, 32),),
+    ),
 }
 
 
@@ -215,7 +218,7 @@ def _tensor_outputs(out):
 def _reference(module, inputs_per_mb, grads_per_mb):
     """loss.backward() on the whole module, micro-batch by micro-batch; returns input grads, .grads."""
     in_grads = []
-    for inputs, grads in zip(inputs_per_mb, grads_per_mb):
+    for inputs, grads in zip(inputs_per_mb, grads_per_mb, strict=False):
         xs = [x.detach().requires_grad_() if isinstance(x, torch.Tensor) and x.requires_grad else x for x in inputs]
         outs = _tensor_outputs(module(*xs))
         torch.autograd.backward(outs, grads)
@@ -241,7 +244,7 @@ def test_split_backward_matches_autograd(name, mode):
         fn = stage.backward_input if mode == "split" else stage.backward
         got = fn(i, grads[i])
         assert len(got) == len(mbs[i])
-        for g, r in zip(got, ref_in[i]):
+        for g, r in zip(got, ref_in[i], strict=False):
             if r is None:
                 assert g is None
             else:
@@ -349,7 +352,7 @@ def test_loss_output_with_implicit_grad_on_a_split_stage():
     assert all(q.grad is None for q in block.parameters())
     stage.backward_weight(0)
     torch.testing.assert_close(gx, xr.grad, rtol=RTOL, atol=ATOL)
-    for q, r in zip(block.parameters(), ref.parameters()):
+    for q, r in zip(block.parameters(), ref.parameters(), strict=False):
         torch.testing.assert_close(q.grad, r.grad, rtol=RTOL, atol=ATOL)
 
 

@@ -67,8 +67,14 @@ def _evaluate(model, strategy, devices) -> tuple[float, torch.Tensor | None]:
 
 
 def _eval_pipelined(rank: int, world: int, strategy_kwargs: dict) -> tuple:
-    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world), RANK=str(rank),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
+    os.environ.update(
+        LOCAL_RANK=str(rank),
+        NODE_RANK="0",
+        WORLD_SIZE=str(world),
+        RANK=str(rank),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT="29500",
+    )
     return _evaluate(Regressor(), TwoBPStrategy(**strategy_kwargs), world)
 
 
@@ -76,7 +82,7 @@ def _eval_pipelined(rank: int, world: int, strategy_kwargs: dict) -> tuple:
 def test_validate_and_predict_match_one_process(strategy_kwargs):
     ref_loss, ref_preds = _evaluate(Regressor(), "auto", 1)
     results = run_distributed(_eval_pipelined, 2, strategy_kwargs, timeout=180)
-    for val_loss, preds in results:
+    for val_loss, _preds in results:
         assert val_loss == pytest.approx(ref_loss, rel=1e-5), "val_loss must be the mean over each batch"
     # predictions come back on the rank holding the last stage (rank 0 on the V, else the last rank)
     last = [p for _, p in results if p is not None]
@@ -97,18 +103,31 @@ def _trainer(strategy, devices: int, **kw) -> pl.Trainer:
 
         kw["plugins"] = [MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=2.0**12))]
     return pl.Trainer(
-        accelerator="cpu", devices=devices, strategy=strategy, max_steps=kw.pop("max_steps", 3), logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy,
+        max_steps=kw.pop("max_steps", 3),
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
         # Lightning shuffles training data whenever it installs a DistributedSampler; the comparison
         # needs the reference's order (every rank of one pipeline reads the same batches either way).
-        use_distributed_sampler=kw.pop("use_distributed_sampler", False), **kw,
+        use_distributed_sampler=kw.pop("use_distributed_sampler", False),
+        **kw,
     )
 
 
 def _fit_pipelined(rank: int, world: int, strategy_kwargs: dict, trainer_kwargs: dict) -> dict:
     # Processes exist already (as under torchrun): Lightning's environment reads these.
-    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world), RANK=str(rank),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29500"))
+    os.environ.update(
+        LOCAL_RANK=str(rank),
+        NODE_RANK="0",
+        WORLD_SIZE=str(world),
+        RANK=str(rank),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=os.environ.get("MASTER_PORT", "29500"),
+    )
     model = Regressor()
     trainer = _trainer(TwoBPStrategy(**strategy_kwargs), world, **trainer_kwargs)
     trainer.fit(model, _data())
@@ -131,7 +150,11 @@ def _reference(**trainer_kwargs) -> tuple[dict, float]:
         (dict(), dict(use_distributed_sampler=True), 1e-5),
         (dict(schedule="zb-h1", num_microbatches=4), dict(), 1e-5),
         (dict(schedule="gpipe", split_backward=False), dict(accumulate_grad_batches=2, max_steps=2), 1e-5),
-        (dict(schedule="zb-v", num_microbatches=2), dict(gradient_clip_val=0.05, gradient_clip_algorithm="value"), 1e-5),
+        (
+            dict(schedule="zb-v", num_microbatches=2),
+            dict(gradient_clip_val=0.05, gradient_clip_algorithm="value"),
+            1e-5,
+        ),
         (dict(schedule="zb-h2"), dict(gradient_clip_val=0.05), 1e-5),  # by norm: the global norm
         # bf16 autocast: the pipeline and one process round differently (per micro-batch vs whole
         # batch matmuls), so 2e-2 relative, as bf16's 8-bit mantissa allows after 3 steps.
@@ -141,8 +164,17 @@ def _reference(**trainer_kwargs) -> tuple[dict, float]:
         (dict(schedule="interleaved-1f1b"), dict(), 1e-5),
         (dict(schedule="1f1b", split_backward=False), dict(), 1e-5),
     ],
-    ids=["1f1b-2bp", "zb-h1", "gpipe-accumulate", "zb-v-clip-value", "zb-h2-clip-norm", "bf16-mixed", "fp16-scaler",
-         "interleaved-2bp", "1f1b-fused"],
+    ids=[
+        "1f1b-2bp",
+        "zb-h1",
+        "gpipe-accumulate",
+        "zb-v-clip-value",
+        "zb-h2-clip-norm",
+        "bf16-mixed",
+        "fp16-scaler",
+        "interleaved-2bp",
+        "1f1b-fused",
+    ],
 )
 def test_fit_matches_one_process(strategy_kwargs, trainer_kwargs, rtol):
     ref, ref_loss = _reference(**trainer_kwargs)
@@ -157,8 +189,9 @@ def test_fit_matches_one_process(strategy_kwargs, trainer_kwargs, rtol):
     assert all(set(results[0]["params"]).isdisjoint(r["params"]) for r in results[1:])
 
 
-@pytest.mark.parametrize("strategy_kwargs", [dict(schedule="1f1b"), dict(schedule="zb-h2", num_microbatches=4)],
-                         ids=["1f1b-2bp", "zb-h2"])
+@pytest.mark.parametrize(
+    "strategy_kwargs", [dict(schedule="1f1b"), dict(schedule="zb-h2", num_microbatches=4)], ids=["1f1b-2bp", "zb-h2"]
+)
 def test_fit_on_four_pipeline_ranks_matches_one_process(strategy_kwargs):
     ref, ref_loss = _reference(gradient_clip_val=0.05)
     results = run_distributed(_fit_pipelined, 4, strategy_kwargs, dict(gradient_clip_val=0.05), timeout=240)
@@ -194,8 +227,14 @@ class FirstStageOptimizer(Regressor):
 
 
 def _expect_error(rank: int, world: int, model_cls, strategy_kwargs: dict, trainer_kwargs: dict, batch: int) -> str:
-    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world), RANK=str(rank),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
+    os.environ.update(
+        LOCAL_RANK=str(rank),
+        NODE_RANK="0",
+        WORLD_SIZE=str(world),
+        RANK=str(rank),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT="29500",
+    )
     x = torch.randn(16, 6)
     loader = DataLoader(TensorDataset(x, torch.randn(16, 2)), batch_size=batch)
     try:
@@ -213,11 +252,21 @@ def _expect_error(rank: int, world: int, model_cls, strategy_kwargs: dict, train
         (Manual, dict(), dict(), 8, "automatic optimization only"),
         (Regressor, dict(balance=[4, 4, 1]), dict(), 8, r"balance=\[4, 4, 1\] has 3 entries for 2 stages"),
         (Regressor, dict(pipeline_degree=3), dict(), 8, "2 devices cannot be split into pipelines of 3"),
-        (ParamFreeMiddle, dict(schedule="zb-v", balance=[1, 1, 1, 1], num_microbatches=2), dict(), 8,
-         r"pipeline rank 1 would hold no trainable parameters \(stage 1: layers 1-1, stage 2: layers 2-2\)"),
+        (
+            ParamFreeMiddle,
+            dict(schedule="zb-v", balance=[1, 1, 1, 1], num_microbatches=2),
+            dict(),
+            8,
+            r"pipeline rank 1 would hold no trainable parameters \(stage 1: layers 1-1, stage 2: layers 2-2\)",
+        ),
         # torch's "empty parameter list" on rank 1 alone: both ranks stop at once, naming it
-        (FirstStageOptimizer, dict(), dict(), 8,
-         r"configure_optimizers on pipeline rank 1 \(stages \[1\]\) gave an optimizer an empty parameter list"),
+        (
+            FirstStageOptimizer,
+            dict(),
+            dict(),
+            8,
+            r"configure_optimizers on pipeline rank 1 \(stages \[1\]\) gave an optimizer an empty parameter list",
+        ),
     ],
     ids=["batch", "two-sequentials", "manual", "balance", "degree", "rank-without-parameters", "optimizer-empty"],
 )
@@ -237,13 +286,20 @@ def test_bad_arguments_fail_at_construction():
 
 
 def _fit_dp_pp(rank: int, world: int, schedule: str) -> dict:
-    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world), RANK=str(rank),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
+    os.environ.update(
+        LOCAL_RANK=str(rank),
+        NODE_RANK="0",
+        WORLD_SIZE=str(world),
+        RANK=str(rank),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT="29500",
+    )
     model = Regressor()
     # Lightning's DistributedSampler shards the data by data-parallel rank (the strategy's
     # distributed_sampler_kwargs); for training it shuffles with seed 0: replica d reads perm[d::2].
-    trainer = _trainer(TwoBPStrategy(schedule=schedule, pipeline_degree=2), world, gradient_clip_val=0.05,
-                       use_distributed_sampler=True)
+    trainer = _trainer(
+        TwoBPStrategy(schedule=schedule, pipeline_degree=2), world, gradient_clip_val=0.05, use_distributed_sampler=True
+    )
     trainer.fit(model, _data())
     return _trained(model)
 
@@ -258,7 +314,7 @@ def test_dp_x_pp_matches_one_process_on_the_union_of_the_shards(schedule):
     # DistributedSampler(shuffle=True, seed=0) at epoch 0: one permutation, replica d takes perm[d::2];
     # step i of one process: replica 0's batch i, then replica 1's batch i (16 samples)
     perm = torch.randperm(64, generator=torch.Generator().manual_seed(0))
-    order = torch.cat([torch.cat([perm[0::2][i * 8:(i + 1) * 8], perm[1::2][i * 8:(i + 1) * 8]]) for i in range(4)])
+    order = torch.cat([torch.cat([perm[0::2][i * 8 : (i + 1) * 8], perm[1::2][i * 8 : (i + 1) * 8]]) for i in range(4)])
     model = Regressor()
     _trainer("auto", 1, gradient_clip_val=0.05).fit(model, DataLoader(TensorDataset(x[order], y[order]), batch_size=16))
     ref = dict(model.named_parameters())
@@ -278,23 +334,47 @@ class AdamRegressor(Regressor):
 def _fit_with_checkpoints(rank: int, world: int, folder: str) -> dict:
     from lightning.pytorch.callbacks import ModelCheckpoint
 
-    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world), RANK=str(rank),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
+    os.environ.update(
+        LOCAL_RANK=str(rank),
+        NODE_RANK="0",
+        WORLD_SIZE=str(world),
+        RANK=str(rank),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT="29500",
+    )
     runs = {}
     for name, kw in (("straight", dict(max_steps=4)), ("resumed-to-2", dict(max_steps=2))):
         cb = ModelCheckpoint(dirpath=f"{folder}/{name}", every_n_train_steps=2, save_top_k=-1)
         model = AdamRegressor()
-        trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=TwoBPStrategy(schedule="zb-h1"), logger=False,
-                             enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
-                             callbacks=[cb], limit_train_batches=2, **kw)  # checkpoints at epoch ends
+        trainer = pl.Trainer(
+            accelerator="cpu",
+            devices=world,
+            strategy=TwoBPStrategy(schedule="zb-h1"),
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            use_distributed_sampler=False,
+            callbacks=[cb],
+            limit_train_batches=2,
+            **kw,
+        )  # checkpoints at epoch ends
         trainer.fit(model, _data())
         runs[name] = _trained(model)
     # resume the second run from its step-2 checkpoint, up to step 4
     ckpt = sorted(os.listdir(f"{folder}/resumed-to-2"))[-1]
     model = AdamRegressor()
-    trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=TwoBPStrategy(schedule="zb-h1"), logger=False,
-                         enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
-                         enable_checkpointing=False, max_steps=4, limit_train_batches=2)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=world,
+        strategy=TwoBPStrategy(schedule="zb-h1"),
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+        enable_checkpointing=False,
+        max_steps=4,
+        limit_train_batches=2,
+    )
     trainer.fit(model, _data(), ckpt_path=f"{folder}/resumed-to-2/{ckpt}")
     runs["resumed"] = _trained(model)
     return runs
@@ -343,8 +423,14 @@ class HeavyRegressor(Regressor):
 
 
 def _fit_balanced(rank: int, world: int, balance: str) -> dict:
-    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world), RANK=str(rank),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
+    os.environ.update(
+        LOCAL_RANK=str(rank),
+        NODE_RANK="0",
+        WORLD_SIZE=str(world),
+        RANK=str(rank),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT="29500",
+    )
     model = HeavyRegressor()
     strategy = TwoBPStrategy(schedule="zb-h1", balance=balance)
     _trainer(strategy, world).fit(model, _data())
@@ -369,32 +455,61 @@ def test_balance_by_time_profiles_the_layers():
 def _fit_then_save(rank: int, world: int, folder: str, max_steps: int) -> dict:
     from lightning.pytorch.callbacks import ModelCheckpoint
 
-    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world), RANK=str(rank),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
+    os.environ.update(
+        LOCAL_RANK=str(rank),
+        NODE_RANK="0",
+        WORLD_SIZE=str(world),
+        RANK=str(rank),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT="29500",
+    )
     model = AdamRegressor()
     cb = ModelCheckpoint(dirpath=folder, every_n_train_steps=2, save_top_k=-1)
-    trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=TwoBPStrategy(schedule="zb-h1", num_microbatches=4),
-                         logger=False, enable_progress_bar=False, enable_model_summary=False,
-                         use_distributed_sampler=False, callbacks=[cb], max_steps=max_steps,
-                         limit_train_batches=2)  # checkpoints at epoch ends: resumable data
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=world,
+        strategy=TwoBPStrategy(schedule="zb-h1", num_microbatches=4),
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+        callbacks=[cb],
+        max_steps=max_steps,
+        limit_train_batches=2,
+    )  # checkpoints at epoch ends: resumable data
     trainer.fit(model, _data())
     return _trained(model)
 
 
 def _resume_elsewhere(rank: int, world: int, ckpt: str, strategy_kwargs: dict) -> dict:
-    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world), RANK=str(rank),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
+    os.environ.update(
+        LOCAL_RANK=str(rank),
+        NODE_RANK="0",
+        WORLD_SIZE=str(world),
+        RANK=str(rank),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT="29500",
+    )
     model = AdamRegressor()
-    trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=TwoBPStrategy(num_microbatches=4, **strategy_kwargs),
-                         logger=False, enable_progress_bar=False, enable_model_summary=False,
-                         use_distributed_sampler=False, enable_checkpointing=False, max_steps=4,
-                         limit_train_batches=2)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=world,
+        strategy=TwoBPStrategy(num_microbatches=4, **strategy_kwargs),
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+        enable_checkpointing=False,
+        max_steps=4,
+        limit_train_batches=2,
+    )
     trainer.fit(model, _data(), ckpt_path=ckpt)
     return _trained(model)
 
 
-@pytest.mark.parametrize("world, strategy_kwargs", [(1, dict()), (2, dict(schedule="zb-v"))],
-                         ids=["pp2-to-pp1", "pp2-to-v"])
+@pytest.mark.parametrize(
+    "world, strategy_kwargs", [(1, dict()), (2, dict(schedule="zb-v"))], ids=["pp2-to-pp1", "pp2-to-v"]
+)
 def test_resume_under_another_partition_restores_optimizer_state(tmp_path, world, strategy_kwargs):
     """Saved at step 2 by a 2-stage pipeline, resumed to step 4 by one process (every stage on one
     rank) or by the V (4 stages, new boundaries): Adam's moments come back by parameter name, so the
@@ -415,17 +530,36 @@ def _fit_monitored(model, strategy, devices: int, folder: str) -> dict:
 
     ckpt = ModelCheckpoint(dirpath=folder, monitor="val_loss", mode="min", save_top_k=1)
     stop = EarlyStopping(monitor="val_loss", patience=1, min_delta=0.02)
-    trainer = pl.Trainer(accelerator="cpu", devices=devices, strategy=strategy, logger=False, enable_progress_bar=False,
-                         enable_model_summary=False, use_distributed_sampler=False, callbacks=[ckpt, stop],
-                         max_epochs=20, limit_train_batches=2)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+        callbacks=[ckpt, stop],
+        max_epochs=20,
+        limit_train_batches=2,
+    )
     trainer.fit(model, _data(), _eval_data())
-    return {"epoch": trainer.current_epoch, "stopped": stop.stopped_epoch, "best": float(ckpt.best_model_score),
-            "path": ckpt.best_model_path}
+    return {
+        "epoch": trainer.current_epoch,
+        "stopped": stop.stopped_epoch,
+        "best": float(ckpt.best_model_score),
+        "path": ckpt.best_model_path,
+    }
 
 
 def _fit_monitored_pipelined(rank: int, world: int, folder: str) -> dict:
-    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world), RANK=str(rank),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
+    os.environ.update(
+        LOCAL_RANK=str(rank),
+        NODE_RANK="0",
+        WORLD_SIZE=str(world),
+        RANK=str(rank),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT="29500",
+    )
     return _fit_monitored(Regressor(lr=0.05), TwoBPStrategy(schedule="zb-h1"), world, folder)
 
 
@@ -457,8 +591,14 @@ class _InjectOverflow(pl.Callback):
 
 
 def _fit_with_overflow(rank: int, world: int) -> dict:
-    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world), RANK=str(rank),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
+    os.environ.update(
+        LOCAL_RANK=str(rank),
+        NODE_RANK="0",
+        WORLD_SIZE=str(world),
+        RANK=str(rank),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT="29500",
+    )
     probe = _InjectOverflow()
     trainer = _trainer(TwoBPStrategy(schedule="zb-h1"), world, plugins="fp16-scaler", callbacks=[probe])
     trainer.fit(Regressor(), _data())
@@ -481,8 +621,13 @@ class GroupedRegressor(AdamRegressor):
         super().__init__()
         torch.manual_seed(0)
         self.layers = nn.Sequential(
-            nn.Linear(6, 16, bias=False), nn.Tanh(), nn.Linear(16, 16, bias=False), nn.Tanh(), nn.Linear(16, 16),
-            nn.Tanh(), nn.Linear(16, 2),
+            nn.Linear(6, 16, bias=False),
+            nn.Tanh(),
+            nn.Linear(16, 16, bias=False),
+            nn.Tanh(),
+            nn.Linear(16, 16),
+            nn.Tanh(),
+            nn.Linear(16, 2),
         )
 
     def configure_optimizers(self):
@@ -497,15 +642,30 @@ class GroupedRegressor(AdamRegressor):
 def _group_settings(rank: int, world: int, folder: str, resume: bool) -> dict:
     from lightning.pytorch.callbacks import ModelCheckpoint
 
-    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world), RANK=str(rank),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
+    os.environ.update(
+        LOCAL_RANK=str(rank),
+        NODE_RANK="0",
+        WORLD_SIZE=str(world),
+        RANK=str(rank),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT="29500",
+    )
     model = GroupedRegressor()
     cb = ModelCheckpoint(dirpath=folder, every_n_train_steps=2, save_top_k=-1)
     strategy = TwoBPStrategy(schedule="1f1b", num_microbatches=4, balance=[3, 4])
-    trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=strategy,
-                         logger=False, enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
-                         callbacks=[] if resume else [cb], enable_checkpointing=not resume, max_steps=4 if resume else 2,
-                         limit_train_batches=2)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=world,
+        strategy=strategy,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+        callbacks=[] if resume else [cb],
+        enable_checkpointing=not resume,
+        max_steps=4 if resume else 2,
+        limit_train_batches=2,
+    )
     ckpt = os.path.join(folder, sorted(os.listdir(folder))[0]) if resume else None
     trainer.fit(model, _data(), ckpt_path=ckpt)
     names = {id(q): n for n, q in model.named_parameters()}

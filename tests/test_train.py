@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -28,7 +29,9 @@ def _run(args: list[str], cwd: Path, timeout: int = 240) -> subprocess.Completed
 
 
 def test_default_recipe_trains_checkpoints_and_summarises(tmp_path):
-    out = _run(["trainer.max_steps=30", "callbacks.monitor.trace_steps=[10]", f"hydra.run.dir={tmp_path}/run"], tmp_path)
+    out = _run(
+        ["trainer.max_steps=30", "callbacks.monitor.trace_steps=[10]", f"hydra.run.dir={tmp_path}/run"], tmp_path
+    )
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     # the monitor's figures: FLOPs measured on step 1, the traced step written where the summary says
     assert summary["flops_per_batch"] > 0 and summary["tokens_per_s"] > 0
@@ -43,12 +46,16 @@ def test_default_recipe_trains_checkpoints_and_summarises(tmp_path):
     assert (tmp_path / "run" / ".hydra" / "config.yaml").is_file()
 
 
-_NO_TRANSFORMERS = pytest.mark.skipif(importlib.util.find_spec("transformers") is None,
-                                      reason="cpu-tiny-hf-gpt2 builds a Hugging Face model: pip install transformers")
+_NO_TRANSFORMERS = pytest.mark.skipif(
+    importlib.util.find_spec("transformers") is None,
+    reason="cpu-tiny-hf-gpt2 builds a Hugging Face model: pip install transformers",
+)
 
 
-@pytest.mark.parametrize("recipe", ["cpu-tiny-bert", "cpu-tiny-mamba", "cpu-tiny-resnet",
-                                    pytest.param("cpu-tiny-hf-gpt2", marks=_NO_TRANSFORMERS)])
+@pytest.mark.parametrize(
+    "recipe",
+    ["cpu-tiny-bert", "cpu-tiny-mamba", "cpu-tiny-resnet", pytest.param("cpu-tiny-hf-gpt2", marks=_NO_TRANSFORMERS)],
+)
 def test_tiny_recipes_learn(recipe, tmp_path):
     _run([f"recipe={recipe}", "trainer.max_steps=40", f"hydra.run.dir={tmp_path}/run"], tmp_path)
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
@@ -57,8 +64,18 @@ def test_tiny_recipes_learn(recipe, tmp_path):
 
 def test_multirun_runs_each_job_once(tmp_path):
     """Under -m each job is one ordinary run (Lightning's launcher re-runs only that job's command)."""
-    out = _run(["-m", "trainer.max_steps=3", "schedule=1f1b,zb-h1", "callbacks=none", "logger=none",
-                f"hydra.sweep.dir={tmp_path}/sweep"], tmp_path, timeout=300)
+    out = _run(
+        [
+            "-m",
+            "trainer.max_steps=3",
+            "schedule=1f1b,zb-h1",
+            "callbacks=none",
+            "logger=none",
+            f"hydra.sweep.dir={tmp_path}/sweep",
+        ],
+        tmp_path,
+        timeout=300,
+    )
     jobs = sorted(p.name for p in (tmp_path / "sweep").iterdir() if p.is_dir())
     assert jobs == ["0", "1"], (jobs, out.stdout[-2000:])
     assert out.stdout.count("sweep job") == 2
@@ -68,12 +85,34 @@ def test_trains_on_a_tokenized_text_file(tmp_path):
     """The real-data path a user takes: local text -> twobp-tokenize -> data=tokens."""
     text = tmp_path / "corpus.txt"
     text.write_text("the quick brown fox jumps over the lazy dog. " * 400)
-    tok = subprocess.run([str(Path(sys.executable).parent / "twobp-tokenize"), str(text), "--out", str(tmp_path / "corpus"),
-                          "--val-fraction", "0.1"], capture_output=True, text=True, timeout=60)
+    tok = subprocess.run(
+        [
+            str(Path(sys.executable).parent / "twobp-tokenize"),
+            str(text),
+            "--out",
+            str(tmp_path / "corpus"),
+            "--val-fraction",
+            "0.1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert tok.returncode == 0, tok.stderr
-    _run(["data=tokens", f"data.train_path={tmp_path}/corpus/train.bin", f"data.val_path={tmp_path}/corpus/val.bin",
-          "data.num_workers=0", "model.vocab_size=384", "trainer.max_steps=20", "trainer.val_check_interval=10",
-          "callbacks=none", f"hydra.run.dir={tmp_path}/run"], tmp_path)
+    _run(
+        [
+            "data=tokens",
+            f"data.train_path={tmp_path}/corpus/train.bin",
+            f"data.val_path={tmp_path}/corpus/val.bin",
+            "data.num_workers=0",
+            "model.vocab_size=384",
+            "trainer.max_steps=20",
+            "trainer.val_check_interval=10",
+            "callbacks=none",
+            f"hydra.run.dir={tmp_path}/run",
+        ],
+        tmp_path,
+    )
     metrics = (tmp_path / "run" / "logs" / "version_0" / "metrics.csv").read_text()
     assert "val_loss" in metrics and "train_loss" in metrics
 
@@ -83,9 +122,23 @@ def test_under_torchrun(tmp_path):
     launches nothing itself, and every rank writes into the one run directory it is given."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
     out = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         "-m", "lightning_twobp.train", "trainer.max_steps=5", f"hydra.run.dir={tmp_path}/run"],
-        capture_output=True, text=True, timeout=240, env=env, cwd=tmp_path,
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "-m",
+            "lightning_twobp.train",
+            "trainer.max_steps=5",
+            f"hydra.run.dir={tmp_path}/run",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
+        cwd=tmp_path,
     )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
@@ -97,11 +150,32 @@ def _agent(node: int, port: int, tmp_path: Path, extra: list[str]) -> subprocess
     session of its own (so the node can be killed whole, agent and worker)."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
     return subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
-         "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "twobp-test",
-         "-m", "lightning_twobp.train", "trainer.devices=1", "trainer.num_nodes=2", "callbacks=none",
-         f"hydra.run.dir={tmp_path}/run", *extra],
-        stdout=open(tmp_path / f"node{node}.log", "w"), stderr=subprocess.STDOUT, env=env, cwd=tmp_path,
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes",
+            "2",
+            "--nproc-per-node",
+            "1",
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            f"127.0.0.1:{port}",
+            "--rdzv-id",
+            "twobp-test",
+            "-m",
+            "lightning_twobp.train",
+            "trainer.devices=1",
+            "trainer.num_nodes=2",
+            "callbacks=none",
+            f"hydra.run.dir={tmp_path}/run",
+            *extra,
+        ],
+        stdout=open(tmp_path / f"node{node}.log", "w"),
+        stderr=subprocess.STDOUT,
+        env=env,
+        cwd=tmp_path,
         start_new_session=True,
     )
 
@@ -175,10 +249,10 @@ def test_two_nodes_train_as_one_process_and_a_lost_node_is_named(tmp_path):
     finally:
         for p in nodes:
             for pid in _tree(p.pid):
-                try:
+                with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
     text = logs[0].read_text()
     assert code != 0, text[-3000:]
-    assert re.search(r"pipeline rank [01] \(stage [01], global rank [01], host [^)]+\) stopped answering", text), text[-3000:]
+    assert re.search(r"pipeline rank [01] \(stage [01], global rank [01], host [^)]+\) stopped answering", text), text[
+        -3000:
+    ]

@@ -18,8 +18,7 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 def boxes(fig) -> list[str]:
     """gids of the boxes plot_timeline drew ("action <rank> <label>")."""
-    return [p.get_gid() for ax in fig.axes for p in ax.patches
-            if (p.get_gid() or "").startswith("action ")]
+    return [p.get_gid() for ax in fig.axes for p in ax.patches if (p.get_gid() or "").startswith("action ")]
 
 
 @dataclass(frozen=True)
@@ -101,8 +100,7 @@ def test_boxes_span_start_to_end_coloured_by_kind(tmp_path):
     from matplotlib.colors import to_hex
 
     fig = plot_timeline(COMPUTE, num_ranks=2, path=tmp_path / "t.png")
-    rects = {p.get_gid(): p for p in fig.axes[0].patches
-             if (p.get_gid() or "").startswith("action ")}
+    rects = {p.get_gid(): p for p in fig.axes[0].patches if (p.get_gid() or "").startswith("action ")}
     w = rects["action 0 0W0+1"]
     assert w.get_x() == pytest.approx(0.62) and w.get_width() == pytest.approx(0.20)
     assert to_hex(w.get_facecolor()) == KIND_COLORS["W"].lower()

@@ -56,16 +56,26 @@ class Data(_DataModule):
 
 
 def _known(caught: list) -> list[str]:
-    return [str(w.message) for w in caught
-            if any(re.match(m, str(w.message)) and issubclass(w.category, c) for m, c, _ in KNOWN_WARNINGS)]
+    return [
+        str(w.message)
+        for w in caught
+        if any(re.match(m, str(w.message)) and issubclass(w.category, c) for m, c, _ in KNOWN_WARNINGS)
+    ]
 
 
 def test_a_fit_shows_neither_known_deprecation_warning_and_only_for_its_length():
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        pl.Trainer(accelerator="cpu", devices=1, strategy=TwoBPStrategy(), max_steps=2, logger=False,
-                   enable_checkpointing=False, enable_progress_bar=False,
-                   enable_model_summary=False).fit(Net(), datamodule=Data())
+        pl.Trainer(
+            accelerator="cpu",
+            devices=1,
+            strategy=TwoBPStrategy(),
+            max_steps=2,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        ).fit(Net(), datamodule=Data())
         assert _known(caught) == []
         # after the call the filters are the user's again: the same two warnings show
         data = Data()

@@ -19,7 +19,9 @@ REPO = Path(__file__).resolve().parent.parent
 
 def _run(cmd: list[str], cwd: Path, timeout: int = 300) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=cwd, env={**env, "PYTHONUNBUFFERED": "1"})
+    out = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=timeout, cwd=cwd, env={**env, "PYTHONUNBUFFERED": "1"}
+    )
     assert out.returncode == 0, f"{' '.join(cmd)}\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
     return out
 
@@ -29,7 +31,10 @@ def installed(tmp_path_factory) -> Path:
     """A fresh virtualenv holding the wheel; the dependencies (torch, Lightning, Hydra) come from this
     environment through a .pth file, so nothing is downloaded and no CUDA build is pulled."""
     tmp = tmp_path_factory.mktemp("wheel")
-    _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp), str(REPO)], tmp)
+    _run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp), str(REPO)],
+        tmp,
+    )
     (wheel,) = tmp.glob("lightning_twobp-*.whl")
     venv = tmp / "venv"
     _run([sys.executable, "-m", "venv", "--without-pip", str(venv)], tmp)
@@ -42,8 +47,14 @@ def installed(tmp_path_factory) -> Path:
 
 def test_the_wheel_trains_and_plans_outside_the_repository(installed, tmp_path):
     bin_ = installed / "bin"
-    where = _run([str(bin_ / "python"), "-c", "import lightning_twobp, lightning_twobp.config as c; "
-                  "print(lightning_twobp.__file__); print(c.CONF_DIR)"], tmp_path).stdout.split()
+    where = _run(
+        [
+            str(bin_ / "python"),
+            "-c",
+            "import lightning_twobp, lightning_twobp.config as c; print(lightning_twobp.__file__); print(c.CONF_DIR)",
+        ],
+        tmp_path,
+    ).stdout.split()
     assert str(installed) in where[0] and where[1].endswith("lightning_twobp/configs"), where
     assert "recipe: " in _run([str(bin_ / "twobp-train"), "--help"], tmp_path).stdout
     _run([str(bin_ / "twobp-train"), "trainer.max_steps=5", f"hydra.run.dir={tmp_path}/run"], tmp_path)

@@ -7,7 +7,8 @@
 * :mod:`.paper`   the 2BP paper's three questions (throughput, peak memory, scaling) on its four models;
 * :mod:`.soak`    memory over a long Trainer run;
 * :mod:`.monitor` what ``PipelineMonitor`` costs (``python -m lightning_twobp.bench.monitor``);
-* :mod:`.modulelist` the ModuleList contract against the Sequential one (``python -m lightning_twobp.bench.modulelist``);
+* :mod:`.modulelist` the ModuleList contract against the Sequential one (``python -m
+lightning_twobp.bench.modulelist``);
 * :mod:`.gpu`     on one GPU in bf16: a LLaMa-7B layer's F/B/W, the pipeline on the GPU, the 7B costs simulated.
 
 Each writes its JSON through :func:`.report.write_json`.

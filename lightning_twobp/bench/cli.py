@@ -1,12 +1,13 @@
-"""``twobp-bench``: the engine benchmark by default; ``--peer``, ``--trainer``, ``--split``, ``--soak``, ``--paper``, ``--gpu``.
+"""``twobp-bench``: the engine benchmark by default; ``--peer``, ``--trainer``, ``--split``, ``--soak``, ``--paper``,
+``--gpu``.
 
-    twobp-bench [--json PATH] [--repeats N] [--timelines DIR] [--quick]
-    twobp-bench --peer [--rounds N] [--steps K] [--out DIR] [--only LABEL ...] [--quick]
-    twobp-bench --trainer [--json PATH] [--repeats N] [--only LABEL ...] [--quick]
-    twobp-bench --split [--tokens 512 256 64]
-    twobp-bench --soak N [--python-memory] [--json PATH]
-    twobp-bench --paper [--out DIR] [--quick] [--repeats N]
-    twobp-bench --gpu [--json PATH] [--quick]
+twobp-bench [--json PATH] [--repeats N] [--timelines DIR] [--quick]
+twobp-bench --peer [--rounds N] [--steps K] [--out DIR] [--only LABEL ...] [--quick]
+twobp-bench --trainer [--json PATH] [--repeats N] [--only LABEL ...] [--quick]
+twobp-bench --split [--tokens 512 256 64]
+twobp-bench --soak N [--python-memory] [--json PATH]
+twobp-bench --paper [--out DIR] [--quick] [--repeats N]
+twobp-bench --gpu [--json PATH] [--quick]
 """
 
 from __future__ import annotations
@@ -18,23 +19,40 @@ from lightning_twobp.bench.workload import Workload
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="twobp-bench", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="twobp-bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     mode = ap.add_mutually_exclusive_group()
     mode.add_argument("--peer", action="store_true", help="side by side with torch.distributed.pipelining")
-    mode.add_argument("--trainer", action="store_true", help="through Trainer(strategy=TwoBPStrategy) vs the bare engine")
+    mode.add_argument(
+        "--trainer", action="store_true", help="through Trainer(strategy=TwoBPStrategy) vs the bare engine"
+    )
     mode.add_argument("--split", action="store_true", help="only (B + W) / BW on one block")
-    mode.add_argument("--soak", type=int, metavar="N", help="N Trainer steps of the default recipe: does memory stay flat?")
-    ap.add_argument("--python-memory", action="store_true",
-                    help="--soak: also trace Python's own allocations (tracemalloc), to tell objects from native growth")
-    mode.add_argument("--gpu", action="store_true",
-                      help="one GPU in bf16: a LLaMa-7B layer's F/B/W/BW, the pipeline in one process on the GPU, "
-                           "the 7B costs simulated on 4 stages (with --quick: toy sizes on the CPU)")
-    mode.add_argument("--paper", action="store_true",
-                      help="the 2BP paper's three questions (throughput, peak memory, scaling) on its four models")
+    mode.add_argument(
+        "--soak", type=int, metavar="N", help="N Trainer steps of the default recipe: does memory stay flat?"
+    )
+    ap.add_argument(
+        "--python-memory",
+        action="store_true",
+        help="--soak: also trace Python's own allocations (tracemalloc), to tell objects from native growth",
+    )
+    mode.add_argument(
+        "--gpu",
+        action="store_true",
+        help="one GPU in bf16: a LLaMa-7B layer's F/B/W/BW, the pipeline in one process on the GPU, "
+        "the 7B costs simulated on 4 stages (with --quick: toy sizes on the CPU)",
+    )
+    mode.add_argument(
+        "--paper",
+        action="store_true",
+        help="the 2BP paper's three questions (throughput, peak memory, scaling) on its four models",
+    )
     ap.add_argument("--json", help="write the results as JSON to this path (engine, trainer)")
-    ap.add_argument("--out", help="--peer: write peer.md, peer.csv and peer.json into this directory; "
-                                  "--paper: paper.md, paper.json, paper-rq*.csv and paper-rq*.png")
+    ap.add_argument(
+        "--out",
+        help="--peer: write peer.md, peer.csv and peer.json into this directory; "
+        "--paper: paper.md, paper.json, paper-rq*.csv and paper-rq*.png",
+    )
     ap.add_argument("--repeats", type=int, default=5, help="timed steps per configuration (engine, trainer, paper)")
     ap.add_argument("--rounds", type=int, default=7, help="--peer: timed rounds (each contender once per round)")
     ap.add_argument("--steps", type=int, default=1, help="--peer: back-to-back training steps per timed sample")
@@ -106,8 +124,10 @@ def main(argv: list[str] | None = None) -> int:
 
         repeats = 2 if args.quick else args.repeats
         rows = bench_trainer(wl, m, repeats, args.only)
-        print(f"tiny LLaMa {wl.layers} x {wl.dim}, batch {wl.batch} x {wl.seq}, m={m}, 2 ranks x 1 thread, "
-              f"median of {repeats} alternated steps")
+        print(
+            f"tiny LLaMa {wl.layers} x {wl.dim}, batch {wl.batch} x {wl.seq}, m={m}, 2 ranks x 1 thread, "
+            f"median of {repeats} alternated steps"
+        )
         print(f"{'configuration':<32}{'Trainer s':>11}{'bare s':>9}{'Trainer/bare (median of pairs)':>32}")
         for label, r in rows.items():
             print(f"{label:<32}{r['lightning_step_s']:>11.3f}{r['bare_step_s']:>9.3f}{r['ratio']:>32.3f}")

@@ -63,7 +63,9 @@ def _bench(rank: int, world: int, wl: Workload, m: int, repeats: int) -> dict:
     runs = configs(m)
     execs = {}
     for c in runs:
-        sched = build_schedule(c.name, c.num_stages, c.num_microbatches, stages_per_rank=c.stages_per_rank, split_backward=c.split_backward)
+        sched = build_schedule(
+            c.name, c.num_stages, c.num_microbatches, stages_per_rank=c.stages_per_rank, split_backward=c.split_backward
+        )
         parts = wl.stages(model, c.num_stages)
         mods = {s: parts[s] for s in sched.stages_of(rank)}
         execs[c] = PipelineExecutor(sched, mods, loss_fn=loss_fn, record=False)
@@ -90,7 +92,7 @@ def _bench(rank: int, world: int, wl: Workload, m: int, repeats: int) -> dict:
         t = time.perf_counter()
         if rank == 0 or both:
             single.zero_grad(set_to_none=True)
-            for x, y in zip(chunks(ids, m), chunks(tgt, m)):
+            for x, y in zip(chunks(ids, m), chunks(tgt, m), strict=False):
                 (loss_fn(single(x), y) / m).backward()
         dist.barrier()
         return time.perf_counter() - t
@@ -122,7 +124,9 @@ def _bench(rank: int, world: int, wl: Workload, m: int, repeats: int) -> dict:
 
 def _predict(c: Config, costs: dict, comm: float) -> float | None:
     """The simulator's makespan for ``c`` from the per-stage costs measured in its own run."""
-    sched = build_schedule(c.name, c.num_stages, c.num_microbatches, stages_per_rank=c.stages_per_rank, split_backward=c.split_backward)
+    sched = build_schedule(
+        c.name, c.num_stages, c.num_microbatches, stages_per_rank=c.stages_per_rank, split_backward=c.split_backward
+    )
     n = c.num_stages
     f = [costs.get(f"F{s}", 0.0) for s in range(n)]
     if c.split_backward:
@@ -147,7 +151,6 @@ def _draw_timelines(per_rank: list[dict], folder: str) -> None:
         path = Path(folder) / f"measured-{slug}.png"
         plot_timeline(ops, num_ranks=WORLD, title=f"measured: {label}", unit="s", path=path)
         print(f"wrote {path}")
-
 
 
 def run_engine(wl: Workload = Workload(), m: int = 8, repeats: int = 5, timelines: str | None = None) -> dict:
@@ -179,24 +182,43 @@ def run_engine(wl: Workload = Workload(), m: int = 8, repeats: int = 5, timeline
                 all_steps_s=out["times"][c.label],
             )
         )
-    print(f"\ntiny LLaMa {wl.layers} x {wl.dim}, batch {wl.batch} x {wl.seq} tokens, {WORLD} ranks x 1 thread, "
-          f"median of {repeats} alternated steps ({time.perf_counter() - start:.0f} s in all)")
-    print(f"single process, 1 thread, grad accumulation over m={m}: {single:.3f} s/step; "
-          f"ideal bubble-free 2-stage: {ideal:.3f} s")
-    print(f"the same on both cores at once: {times['single_both']:.3f} s/step (two busy cores slow each other "
-          f"by {times['single_both'] / single - 1:+.1%}); with that, a bubble-free 2-stage step: {ideal_busy:.3f} s")
-    hdr = (f"{'schedule':<20}{'2BP':>5}{'S':>3}{'m':>4}{'step s':>9}{'samples/s':>11}{'ideal/step':>12}"
-           f"{'busy-ideal/step':>17}{'simulated s':>13}")
+    print(
+        f"\ntiny LLaMa {wl.layers} x {wl.dim}, batch {wl.batch} x {wl.seq} tokens, {WORLD} ranks x 1 thread, "
+        f"median of {repeats} alternated steps ({time.perf_counter() - start:.0f} s in all)"
+    )
+    print(
+        f"single process, 1 thread, grad accumulation over m={m}: {single:.3f} s/step; "
+        f"ideal bubble-free 2-stage: {ideal:.3f} s"
+    )
+    print(
+        f"the same on both cores at once: {times['single_both']:.3f} s/step (two busy cores slow each other "
+        f"by {times['single_both'] / single - 1:+.1%}); with that, a bubble-free 2-stage step: {ideal_busy:.3f} s"
+    )
+    hdr = (
+        f"{'schedule':<20}{'2BP':>5}{'S':>3}{'m':>4}{'step s':>9}{'samples/s':>11}{'ideal/step':>12}"
+        f"{'busy-ideal/step':>17}{'simulated s':>13}"
+    )
     print(hdr)
     print("-" * len(hdr))
     for r in rows:
         eff = "" if r["ideal_over_step"] is None else f"{r['ideal_over_step']:.3f}"
         eff2 = "" if r["busy_ideal_over_step"] is None else f"{r['busy_ideal_over_step']:.3f}"
-        print(f"{r['name']:<20}{'yes' if r['split_backward'] else 'no':>5}{r['num_stages']:>3}{r['num_microbatches']:>4}"
-              f"{r['median_step_s']:>9.3f}{r['samples_per_s']:>11.2f}{eff:>12}{eff2:>17}{r['simulated_step_s']:>13.3f}")
+        print(
+            f"{r['name']:<20}{'yes' if r['split_backward'] else 'no':>5}{r['num_stages']:>3}{r['num_microbatches']:>4}"
+            f"{r['median_step_s']:>9.3f}{r['samples_per_s']:>11.2f}{eff:>12}{eff2:>17}{r['simulated_step_s']:>13.3f}"
+        )
     if timelines:
         _draw_timelines(per_rank, timelines)
-    return dict(model=asdict(wl.config), batch=wl.batch, seq=wl.seq, world=WORLD, repeats=repeats,
-                single_process_step_s=single, ideal_step_s=ideal,
-                single_process_both_cores_step_s=times["single_both"], busy_ideal_step_s=ideal_busy,
-                configs=rows, measured_costs=out["costs"])
+    return dict(
+        model=asdict(wl.config),
+        batch=wl.batch,
+        seq=wl.seq,
+        world=WORLD,
+        repeats=repeats,
+        single_process_step_s=single,
+        ideal_step_s=ideal,
+        single_process_both_cores_step_s=times["single_both"],
+        busy_ideal_step_s=ideal_busy,
+        configs=rows,
+        measured_costs=out["costs"],
+    )

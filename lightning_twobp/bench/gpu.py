@@ -78,8 +78,13 @@ class _HeadLoss(nn.Module):
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), target.reshape(-1))
 
 
-def time_split(module: nn.Module, make: Callable[[], tuple[tuple, dict, torch.Tensor | None]],
-               clock: _Clock, repeats: int, warmup: int = 3) -> dict[str, float]:
+def time_split(
+    module: nn.Module,
+    make: Callable[[], tuple[tuple, dict, torch.Tensor | None]],
+    clock: _Clock,
+    repeats: int,
+    warmup: int = 3,
+) -> dict[str, float]:
     """Median seconds of F, B, W and the fused BW of ``module``, alternated ``warmup + repeats`` times.
 
     ``make()`` gives fresh ``(inputs, kwargs, grad_output)`` (``grad_output=None`` for a scalar loss).
@@ -116,8 +121,13 @@ def time_split(module: nn.Module, make: Callable[[], tuple[tuple, dict, torch.Te
 
 def layer_costs(device: torch.device, dtype: torch.dtype, shape: dict, repeats: int) -> dict[str, dict]:
     """Part 1: one transformer layer and the head, timed as :func:`time_split` does."""
-    cfg = LlamaConfig(vocab_size=shape["vocab_size"], dim=shape["dim"], n_heads=shape["n_heads"],
-                      ffn_hidden=shape["ffn_hidden"], max_seq_len=shape["seq"])
+    cfg = LlamaConfig(
+        vocab_size=shape["vocab_size"],
+        dim=shape["dim"],
+        n_heads=shape["n_heads"],
+        ffn_hidden=shape["ffn_hidden"],
+        max_seq_len=shape["seq"],
+    )
     clock = _Clock(device)
     batch = shape["tokens"] // shape["seq"]
     gen = torch.Generator(device="cpu").manual_seed(0)
@@ -151,9 +161,13 @@ def one_process_pipeline(device: torch.device, wl: Workload, m: int, repeats: in
         plain.append(clock.seconds(t0, clock.mark()))
     reference_s = statistics.median(plain)
     rows = []
-    for name, num_stages, per_rank, split in (("gpipe", 4, 4, False), ("gpipe", 4, 4, True),
-                                              ("interleaved-1f1b", 4, 4, False),
-                                              ("interleaved-1f1b", 4, 4, True), ("zb-v", 2, 2, True)):
+    for name, num_stages, per_rank, split in (
+        ("gpipe", 4, 4, False),
+        ("gpipe", 4, 4, True),
+        ("interleaved-1f1b", 4, 4, False),
+        ("interleaved-1f1b", 4, 4, True),
+        ("zb-v", 2, 2, True),
+    ):
         model = copy.deepcopy(ref_model)
         stages = wl.stages(model, num_stages)
         schedule = build_schedule(name, num_stages, m, stages_per_rank=per_rank, split_backward=split)
@@ -175,9 +189,17 @@ def one_process_pipeline(device: torch.device, wl: Workload, m: int, repeats: in
             b = clock.mark()
             steps.append(clock.seconds(a, b))
         peak_mb = (torch.cuda.max_memory_allocated(device) - base) / 2**20 if device.type == "cuda" else None
-        rows.append(dict(schedule=schedule_label(name, split), stages=num_stages, step_s=statistics.median(steps),
-                         over_one_process=statistics.median(steps) / reference_s, peak_mb_over_weights=peak_mb,
-                         max_grad_diff=diff, grads_match=close))
+        rows.append(
+            dict(
+                schedule=schedule_label(name, split),
+                stages=num_stages,
+                step_s=statistics.median(steps),
+                over_one_process=statistics.median(steps) / reference_s,
+                peak_mb_over_weights=peak_mb,
+                max_grad_diff=diff,
+                grads_match=close,
+            )
+        )
         del ex, model, stages
     return rows
 
@@ -204,13 +226,24 @@ def simulated_7b(layer: dict, head: dict) -> list[dict]:
         bv, wv = per_stage("B", vs, n // 2), per_stage("W", vs, n // 2)
         bv[0], wv[0] = per_stage("BW", vs, n // 2)[0], 0.0
         v_costs = Costs(f=per_stage("F", vs, n // 2), b=bv, w=wv)
-        cases = [("1f1b", False, STAGES, 1, fused), ("1f1b", True, STAGES, 1, split),
-                 ("zb-h1", True, STAGES, 1, split), ("zb-h2", True, STAGES, 1, split),
-                 ("zb-v", True, vs, 2, v_costs)]
+        cases = [
+            ("1f1b", False, STAGES, 1, fused),
+            ("1f1b", True, STAGES, 1, split),
+            ("zb-h1", True, STAGES, 1, split),
+            ("zb-h2", True, STAGES, 1, split),
+            ("zb-v", True, vs, 2, v_costs),
+        ]
         for name, sb, ns, spr, costs in cases:
             sim = simulate(build_schedule(name, ns, m, stages_per_rank=spr, split_backward=sb, costs=costs), costs)
-            rows.append(dict(schedule=schedule_label(name, sb), m=m, makespan_s=sim.makespan,
-                             bubble=sim.bubble_fraction, speedup_over_1f1b=base / sim.makespan))
+            rows.append(
+                dict(
+                    schedule=schedule_label(name, sb),
+                    m=m,
+                    makespan_s=sim.makespan,
+                    bubble=sim.bubble_fraction,
+                    speedup_over_1f1b=base / sim.makespan,
+                )
+            )
     return rows
 
 
@@ -225,8 +258,11 @@ def run_gpu(*, quick: bool = False, repeats: int = 20) -> dict:
     costs = layer_costs(device, dtype, shape, 3 if quick else repeats)
     wl = Workload.quick() if quick else Workload()
     result = dict(
-        device=torch.cuda.get_device_name(device) if cuda else "cpu", dtype=str(dtype).removeprefix("torch."),
-        torch_version=torch.__version__, shape=shape, costs_s=costs,
+        device=torch.cuda.get_device_name(device) if cuda else "cpu",
+        dtype=str(dtype).removeprefix("torch."),
+        torch_version=torch.__version__,
+        shape=shape,
+        costs_s=costs,
         pipeline=one_process_pipeline(device, wl, 8 if not quick else 4, 2 if quick else 10),
         simulated=simulated_7b(costs["layer"], costs["head"]),
         paper_speedup=PAPER_SPEEDUP,
@@ -235,22 +271,40 @@ def run_gpu(*, quick: bool = False, repeats: int = 20) -> dict:
 
 
 def markdown(r: dict) -> str:
-    out = [f"{r['device']}, {r['dtype']}, torch {r['torch_version']}; layer dim {r['shape']['dim']}, "
-           f"{r['shape']['n_heads']} heads, SwiGLU {r['shape']['ffn_hidden']}, {r['shape']['tokens']} tokens", "",
-           "| module | F ms | B ms | W ms | fused BW ms | (B + W) / BW |", "|---|---:|---:|---:|---:|---:|"]
+    out = [
+        f"{r['device']}, {r['dtype']}, torch {r['torch_version']}; layer dim {r['shape']['dim']}, "
+        f"{r['shape']['n_heads']} heads, SwiGLU {r['shape']['ffn_hidden']}, {r['shape']['tokens']} tokens",
+        "",
+        "| module | F ms | B ms | W ms | fused BW ms | (B + W) / BW |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
     for name, c in r["costs_s"].items():
-        out.append(f"| {name} | {c['F'] * 1e3:.2f} | {c['B'] * 1e3:.2f} | {c['W'] * 1e3:.2f} | {c['BW'] * 1e3:.2f} "
-                   f"| **{c['split_over_fused']:.3f}** |")
-    out += ["", "| one process, every stage here | stages | step ms | / plain autograd | peak MB | max grad diff |",
-            "|---|---:|---:|---:|---:|---:|"]
+        out.append(
+            f"| {name} | {c['F'] * 1e3:.2f} | {c['B'] * 1e3:.2f} | {c['W'] * 1e3:.2f} | {c['BW'] * 1e3:.2f} "
+            f"| **{c['split_over_fused']:.3f}** |"
+        )
+    out += [
+        "",
+        "| one process, every stage here | stages | step ms | / plain autograd | peak MB | max grad diff |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
     for p in r["pipeline"]:
         peak = "" if p["peak_mb_over_weights"] is None else f"{p['peak_mb_over_weights']:.1f}"
-        out.append(f"| {p['schedule']} | {p['stages']} | {p['step_s'] * 1e3:.2f} | {p['over_one_process']:.3f} "
-                   f"| {peak} | {p['max_grad_diff']:.1e}{'' if p['grads_match'] else ' (MISMATCH)'} |")
-    out += ["", f"Simulated at these costs, {STAGES} stages x {LAYERS_PER_STAGE} layers (the paper: "
-            f"{r['paper_speedup']:.2f}x for 1F1B-1 + 2BP over 1F1B-1):", "",
-            "| schedule | m | makespan ms | bubble | over fused 1F1B, same m |", "|---|---:|---:|---:|---:|"]
+        out.append(
+            f"| {p['schedule']} | {p['stages']} | {p['step_s'] * 1e3:.2f} | {p['over_one_process']:.3f} "
+            f"| {peak} | {p['max_grad_diff']:.1e}{'' if p['grads_match'] else ' (MISMATCH)'} |"
+        )
+    out += [
+        "",
+        f"Simulated at these costs, {STAGES} stages x {LAYERS_PER_STAGE} layers (the paper: "
+        f"{r['paper_speedup']:.2f}x for 1F1B-1 + 2BP over 1F1B-1):",
+        "",
+        "| schedule | m | makespan ms | bubble | over fused 1F1B, same m |",
+        "|---|---:|---:|---:|---:|",
+    ]
     for s in r["simulated"]:
-        out.append(f"| {s['schedule']} | {s['m']} | {s['makespan_s'] * 1e3:.1f} | {s['bubble']:.3f} "
-                   f"| **{s['speedup_over_1f1b']:.3f}x** |")
+        out.append(
+            f"| {s['schedule']} | {s['m']} | {s['makespan_s'] * 1e3:.1f} | {s['bubble']:.3f} "
+            f"| **{s['speedup_over_1f1b']:.3f}x** |"
+        )
     return "\n".join(out)

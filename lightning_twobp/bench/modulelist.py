@@ -30,12 +30,12 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader
 
-from lightning_twobp.bench.trainer import _Llama, _SameBatch
 from lightning_twobp.bench.report import write_json
+from lightning_twobp.bench.trainer import _Llama, _SameBatch
 from lightning_twobp.bench.workload import WORLD, Workload, keep_freed_memory, stage_sizes
+from lightning_twobp.models.llama_loop import LlamaLoop
 from lightning_twobp.partition import even_sizes
 from lightning_twobp.schedules.placement import default_stages_per_rank
-from lightning_twobp.models.llama_loop import LlamaLoop
 from lightning_twobp.testing import free_port, run_distributed
 
 __all__ = ["bench_modulelist", "main"]
@@ -68,8 +68,9 @@ class _Timer(pl.Callback):
         self.starts.append(time.perf_counter())
 
 
-def _fit(form: Callable[[Workload, int], tuple[torch.nn.Module, list[int]]], wl: Workload, schedule: str, m: int,
-         steps: int) -> tuple[list[float], list[torch.Tensor]]:
+def _fit(
+    form: Callable[[Workload, int], tuple[torch.nn.Module, list[int]]], wl: Workload, schedule: str, m: int, steps: int
+) -> tuple[list[float], list[torch.Tensor]]:
     from lightning_twobp import TwoBPStrategy
 
     ids, tgt = wl.data()
@@ -77,18 +78,34 @@ def _fit(form: Callable[[Workload, int], tuple[torch.nn.Module, list[int]]], wl:
     lm = _Llama(model)  # either form as self.layers: the Sequential, or the loop whose ModuleList is found
     timer = _Timer()
     strategy = TwoBPStrategy(schedule=schedule, num_microbatches=m, balance=balance)
-    trainer = pl.Trainer(accelerator="cpu", devices=WORLD, strategy=strategy,
-                         max_steps=steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False, use_distributed_sampler=False, callbacks=[timer])
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=WORLD,
+        strategy=strategy,
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+        callbacks=[timer],
+    )
     trainer.fit(lm, DataLoader(_SameBatch(ids, tgt, steps), batch_size=wl.batch))
-    periods = [b - a for a, b in zip(timer.starts, timer.starts[1:])][_WARMUP:]
+    periods = [b - a for a, b in zip(timer.starts, timer.starts[1:], strict=False)][_WARMUP:]
     return periods, [q.detach().clone() for q in lm.layers.parameters() if not q.is_meta]  # what this rank trained
 
 
-def _worker(rank: int, world: int, wl: Workload, schedules: list[str], m: int, rounds: int, steps: int,
-            port: int) -> dict:
-    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world), RANK=str(rank),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def _worker(
+    rank: int, world: int, wl: Workload, schedules: list[str], m: int, rounds: int, steps: int, port: int
+) -> dict:
+    os.environ.update(
+        LOCAL_RANK=str(rank),
+        NODE_RANK="0",
+        WORLD_SIZE=str(world),
+        RANK=str(rank),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
     keep_freed_memory()
     out: dict = {}
     for schedule in schedules:
@@ -98,13 +115,18 @@ def _worker(rank: int, world: int, wl: Workload, schedules: list[str], m: int, r
             b, wb = _fit(_loop, wl, schedule, m, steps)
             seq_steps.append(statistics.median(a))
             loop_steps.append(statistics.median(b))
-            diff = max([diff] + [(x - y).abs().max().item() for x, y in zip(wa, wb)])
+            diff = max([diff] + [(x - y).abs().max().item() for x, y in zip(wa, wb, strict=False)])
         out[schedule] = {"sequential": seq_steps, "loop": loop_steps, "max_param_diff": diff}
     return out
 
 
-def bench_modulelist(wl: Workload = Workload(), schedules: tuple[str, ...] = ("1f1b", "zb-v"), m: int = 8,
-                     rounds: int = 3, steps: int = 5) -> dict:
+def bench_modulelist(
+    wl: Workload = Workload(),
+    schedules: tuple[str, ...] = ("1f1b", "zb-v"),
+    m: int = 8,
+    rounds: int = 3,
+    steps: int = 5,
+) -> dict:
     """Per schedule: the two forms' step times per round, the ratio (median over rounds of loop /
     Sequential) and the largest weight difference between the two forms after each fit."""
     if steps <= _WARMUP:
@@ -112,18 +134,23 @@ def bench_modulelist(wl: Workload = Workload(), schedules: tuple[str, ...] = ("1
     per_rank = run_distributed(_worker, WORLD, wl, list(schedules), m, rounds, steps, free_port(), timeout=7200)
     rows = {}
     for schedule, t in per_rank[0].items():  # barrier to barrier: the same on both ranks
-        ratios = [b / a for a, b in zip(t["sequential"], t["loop"])]
+        ratios = [b / a for a, b in zip(t["sequential"], t["loop"], strict=False)]
         rows[schedule] = {
-            "sequential_step_s": statistics.median(t["sequential"]), "loop_step_s": statistics.median(t["loop"]),
-            "ratio": statistics.median(ratios), "round_ratios": ratios,
+            "sequential_step_s": statistics.median(t["sequential"]),
+            "loop_step_s": statistics.median(t["loop"]),
+            "ratio": statistics.median(ratios),
+            "round_ratios": ratios,
             "max_param_diff": max(r[schedule]["max_param_diff"] for r in per_rank),
         }
     return rows
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m lightning_twobp.bench.modulelist", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m lightning_twobp.bench.modulelist",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     ap.add_argument("--rounds", type=int, default=3, help="rounds: each form fitted once per round")
     ap.add_argument("--steps", type=int, default=5, help=f"steps per fit (the first {_WARMUP} are not timed)")
     ap.add_argument("--schedules", nargs="+", default=["1f1b", "zb-v"])
@@ -136,8 +163,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'schedule':<12}{'Sequential s':>14}{'ModuleList s':>14}{'ratio':>8}  rounds{'':>14}max weight diff")
     for schedule, r in rows.items():
         rounds = " ".join(f"{x:.3f}" for x in r["round_ratios"])
-        print(f"{schedule:<12}{r['sequential_step_s']:>14.3f}{r['loop_step_s']:>14.3f}{r['ratio']:>8.3f}  {rounds:<20}"
-              f"{r['max_param_diff']:.3g}")
+        print(
+            f"{schedule:<12}{r['sequential_step_s']:>14.3f}{r['loop_step_s']:>14.3f}{r['ratio']:>8.3f}  {rounds:<20}"
+            f"{r['max_param_diff']:.3g}"
+        )
     if args.json:
         write_json(rows, args.json)
     return 0

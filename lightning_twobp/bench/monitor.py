@@ -47,7 +47,7 @@ class _StepClock(pl.Callback):
         self.ends.append(time.perf_counter())
 
     def durations(self) -> list[float]:
-        return [b - a for a, b in zip(self.ends, self.ends[1:])]
+        return [b - a for a, b in zip(self.ends, self.ends[1:], strict=False)]
 
 
 def _timed_monitor(every: int):
@@ -75,13 +75,13 @@ def _timed_monitor(every: int):
 
 
 def _fit(rank: int, world: int, steps: int, every: int, monitored: bool) -> dict:
-    from lightning_twobp import TwoBPStrategy
-    from lightning_twobp.data import TokenDataModule
-    from lightning_twobp.models import LlamaLM
-
     import tempfile
 
     from lightning.pytorch.loggers import CSVLogger
+
+    from lightning_twobp import TwoBPStrategy
+    from lightning_twobp.data import TokenDataModule
+    from lightning_twobp.models import LlamaLM
 
     model = LlamaLM(vocab_size=256, dim=128, n_layers=4, n_heads=4, max_seq_len=64, lr=3e-3)
     data = TokenDataModule(vocab_size=256, seq_len=64, batch_size=16, num_train=4096, num_val=0, seed=0)
@@ -90,11 +90,19 @@ def _fit(rank: int, world: int, steps: int, every: int, monitored: bool) -> dict
     # the clock last: step k's time then holds the monitor's hooks of step k
     callbacks = ([monitor] if monitor else []) + [clock]
     with tempfile.TemporaryDirectory() as logs:  # the recipes' logger: the monitor's figures are written too
-        trainer = pl.Trainer(accelerator="cpu", devices=world,
-                             strategy=TwoBPStrategy(schedule="zb-h1", num_microbatches=4), max_steps=steps,
-                             logger=CSVLogger(logs), enable_checkpointing=False, enable_progress_bar=False,
-                             enable_model_summary=False, limit_val_batches=0, log_every_n_steps=every,
-                             callbacks=callbacks)
+        trainer = pl.Trainer(
+            accelerator="cpu",
+            devices=world,
+            strategy=TwoBPStrategy(schedule="zb-h1", num_microbatches=4),
+            max_steps=steps,
+            logger=CSVLogger(logs),
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            limit_val_batches=0,
+            log_every_n_steps=every,
+            callbacks=callbacks,
+        )
         trainer.fit(model, datamodule=data)
     return {"durations": clock.durations(), "hook_s": monitor.hook_s if monitor else {}}
 
@@ -108,19 +116,28 @@ def _inside(run: dict, every: int) -> dict:
     for s in range(5, len(d) - 1):  # the last step has no next one to hold its logger's write
         if (s + 1) % every == 0:  # recorded, and logged at its end; Lightning hands the logged values to
             # the logger after the callbacks' batch end, inside step s + 1's time: both count
-            near = d[max(5, s - 6):s - 1] + d[s + 3:s + 8]
+            near = d[max(5, s - 6) : s - 1] + d[s + 3 : s + 8]
             excess.append(d[s] + d[s + 1] - hooks.get(s, 0.0) - hooks.get(s + 1, 0.0) - 2 * statistics.median(near))
     # the steps whose logging was not measured (the last) are charged at the measured mean
     logged = sum(1 for s in range(5, len(d)) if (s + 1) % every == 0)
     if excess and logged > len(excess):
         excess += [statistics.fmean(excess)] * (logged - len(excess))
-    return dict(hooks_fraction=hook_total / total, recorded_fraction=sum(excess) / total,
-                overhead_fraction=(hook_total + sum(excess)) / total)
+    return dict(
+        hooks_fraction=hook_total / total,
+        recorded_fraction=sum(excess) / total,
+        overhead_fraction=(hook_total + sum(excess)) / total,
+    )
 
 
 def _worker(rank: int, world: int, port: int, rounds: int, steps: int, every: int) -> dict:
-    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world), RANK=str(rank),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(
+        LOCAL_RANK=str(rank),
+        NODE_RANK="0",
+        WORLD_SIZE=str(world),
+        RANK=str(rank),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
     out: dict[str, list[dict]] = {"with": [], "without": []}
     _fit(rank, world, 10, every, True)  # warm-up: imports, allocator, the first process group
     for _ in range(rounds):
@@ -135,40 +152,64 @@ def bench_monitor(rounds: int = 5, steps: int = 150, every: int = 50) -> dict:
     rows = []
     for k in range(rounds):
         a, b = runs["with"][k]["durations"], runs["without"][k]["durations"]
-        rows.append(dict(round=k, with_s=statistics.median(a[5:]), without_s=statistics.median(b[5:]),
-                         with_mean_s=statistics.fmean(a[5:]), without_mean_s=statistics.fmean(b[5:]),
-                         flops_step_with_s=a[1], flops_step_without_s=b[1],
-                         # step 1 against its own fit's next steps, over the same in the fit without it
-                         flops_step_ratio=(a[1] / statistics.median(a[2:7])) / (b[1] / statistics.median(b[2:7])),
-                         **_inside(runs["with"][k], every)))
+        rows.append(
+            dict(
+                round=k,
+                with_s=statistics.median(a[5:]),
+                without_s=statistics.median(b[5:]),
+                with_mean_s=statistics.fmean(a[5:]),
+                without_mean_s=statistics.fmean(b[5:]),
+                flops_step_with_s=a[1],
+                flops_step_without_s=b[1],
+                # step 1 against its own fit's next steps, over the same in the fit without it
+                flops_step_ratio=(a[1] / statistics.median(a[2:7])) / (b[1] / statistics.median(b[2:7])),
+                **_inside(runs["with"][k], every),
+            )
+        )
     for r in rows:
         r["mean_ratio"] = r["with_mean_s"] / r["without_mean_s"]
-    return dict(rounds=rounds, steps=steps, every=every, torch_version=torch.__version__, rows=rows,
-                median_mean_ratio=statistics.median(r["mean_ratio"] for r in rows),
-                median_overhead_fraction=statistics.median(r["overhead_fraction"] for r in rows),
-                median_flops_step_ratio=statistics.median(r["flops_step_ratio"] for r in rows))
+    return dict(
+        rounds=rounds,
+        steps=steps,
+        every=every,
+        torch_version=torch.__version__,
+        rows=rows,
+        median_mean_ratio=statistics.median(r["mean_ratio"] for r in rows),
+        median_overhead_fraction=statistics.median(r["overhead_fraction"] for r in rows),
+        median_flops_step_ratio=statistics.median(r["flops_step_ratio"] for r in rows),
+    )
 
 
 def markdown(result: dict) -> str:
-    lines = [f"PipelineMonitor logging every {result['every']} steps vs none: {result['steps']} steps of the default "
-             f"recipe's model (tiny LLaMa 4 x 128, ZB-H1, m = 4) per fit, 2 gloo ranks, alternated over "
-             f"{result['rounds']} rounds",
-             "", "| round | mean step with (ms) | without (ms) | with / without | inside: hooks | recorded steps "
-             "| overhead | step 1 (FLOPs counted) / its neighbours, with / without |",
-             "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        f"PipelineMonitor logging every {result['every']} steps vs none: {result['steps']} steps of the default "
+        f"recipe's model (tiny LLaMa 4 x 128, ZB-H1, m = 4) per fit, 2 gloo ranks, alternated over "
+        f"{result['rounds']} rounds",
+        "",
+        "| round | mean step with (ms) | without (ms) | with / without | inside: hooks | recorded steps "
+        "| overhead | step 1 (FLOPs counted) / its neighbours, with / without |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for r in result["rows"]:
-        lines.append(f"| {r['round']} | {1e3 * r['with_mean_s']:.1f} | {1e3 * r['without_mean_s']:.1f} | "
-                     f"{r['mean_ratio']:.3f} | {r['hooks_fraction']:.2%} | {r['recorded_fraction']:+.2%} | "
-                     f"{r['overhead_fraction']:.2%} | {r['flops_step_ratio']:.2f} |")
-    lines.append(f"\nmedian over rounds: overhead measured inside the monitored fits {result['median_overhead_fraction']:.2%} "
-                 f"of step time; with / without across fits {result['median_mean_ratio']:.3f} (steps 5 on, noise "
-                 f"between fits included); the FLOP-counting step {result['median_flops_step_ratio']:.2f}x, once per run")
+        lines.append(
+            f"| {r['round']} | {1e3 * r['with_mean_s']:.1f} | {1e3 * r['without_mean_s']:.1f} | "
+            f"{r['mean_ratio']:.3f} | {r['hooks_fraction']:.2%} | {r['recorded_fraction']:+.2%} | "
+            f"{r['overhead_fraction']:.2%} | {r['flops_step_ratio']:.2f} |"
+        )
+    lines.append(
+        f"\nmedian over rounds: overhead measured inside the monitored fits {result['median_overhead_fraction']:.2%} "
+        f"of step time; with / without across fits {result['median_mean_ratio']:.3f} (steps 5 on, noise "
+        f"between fits included); the FLOP-counting step {result['median_flops_step_ratio']:.2f}x, once per run"
+    )
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m lightning_twobp.bench.monitor", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m lightning_twobp.bench.monitor",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--steps", type=int, default=150)
     ap.add_argument("--every", type=int, default=50)

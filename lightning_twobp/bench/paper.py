@@ -58,8 +58,19 @@ from lightning_twobp.partition import split_sequential
 from lightning_twobp.schedules import Costs, Schedule, build_schedule, default_stages_per_rank, replay_memory, simulate
 from lightning_twobp.testing import run_distributed
 
-__all__ = ["LayerCosts", "PaperModel", "Row", "markdown", "models", "peak_held_bytes", "rows", "run_paper", "scaling",
-           "summary", "write"]
+__all__ = [
+    "LayerCosts",
+    "PaperModel",
+    "Row",
+    "markdown",
+    "models",
+    "peak_held_bytes",
+    "rows",
+    "run_paper",
+    "scaling",
+    "summary",
+    "write",
+]
 
 DEGREES = (2, 4, 8)
 # What the paper reports that we could find: its abstract gives the one headline figure (no schedule
@@ -84,7 +95,9 @@ class PaperModel:
         """The seed-0 layers and the model's own loss, the same on every rank."""
         from lightning_twobp import models as zoo
 
-        cls = {"llama": zoo.LlamaLM, "bert": zoo.BertMLM, "mamba": zoo.MambaLM, "resnet": zoo.ResNetClassifier}[self.name]
+        cls = {"llama": zoo.LlamaLM, "bert": zoo.BertMLM, "mamba": zoo.MambaLM, "resnet": zoo.ResNetClassifier}[
+            self.name
+        ]
         module = cls(**dict(self.kwargs), seed=0)
         return module.layers, lambda out, target: module.compute_loss(out, (None, target))
 
@@ -143,27 +156,37 @@ class Row:
 
 def rows(with_torch: bool = True) -> list[Row]:
     out = []
-    for label, name, mult, theirs in (("GPipe", "gpipe", 2, "ScheduleGPipe"), ("1F1B-1", "1f1b", 1, "Schedule1F1B"),
-                                      ("1F1B-2", "1f1b", 2, "Schedule1F1B")):
+    for label, name, mult, _theirs in (
+        ("GPipe", "gpipe", 2, "ScheduleGPipe"),
+        ("1F1B-1", "1f1b", 1, "Schedule1F1B"),
+        ("1F1B-2", "1f1b", 2, "Schedule1F1B"),
+    ):
         counterpart = f"torch {label}" if with_torch else None
         out.append(Row(label, name, False, mult, counterpart=counterpart))
         out.append(Row(f"{label}+2BP", name, True, mult, baseline=label))
-    out += [Row(lab, name, True, 2, baseline="1F1B-2") for lab, name in (("ZB-H1", "zb-h1"), ("ZB-H2", "zb-h2"),
-                                                                        ("ZB-V", "zb-v"))]
+    out += [
+        Row(lab, name, True, 2, baseline="1F1B-2")
+        for lab, name in (("ZB-H1", "zb-h1"), ("ZB-H2", "zb-h2"), ("ZB-V", "zb-v"))
+    ]
     if with_torch:
-        out += [Row("torch GPipe", "ScheduleGPipe", False, 2, "torch"), Row("torch 1F1B-1", "Schedule1F1B", False, 1, "torch"),
-                Row("torch 1F1B-2", "Schedule1F1B", False, 2, "torch")]
+        out += [
+            Row("torch GPipe", "ScheduleGPipe", False, 2, "torch"),
+            Row("torch 1F1B-1", "Schedule1F1B", False, 1, "torch"),
+            Row("torch 1F1B-2", "Schedule1F1B", False, 2, "torch"),
+        ]
     return out
 
 
 def _schedule(r: Row, p: int = WORLD) -> Schedule:
-    return build_schedule(r.schedule, r.num_stages(p), r.m(p), stages_per_rank=r.stages_per_rank,
-                          split_backward=r.split_backward)
+    return build_schedule(
+        r.schedule, r.num_stages(p), r.m(p), stages_per_rank=r.stages_per_rank, split_backward=r.split_backward
+    )
 
 
 # ---------------------------------------------------------------------------------------------- RQ2: replay
-def peak_held_bytes(schedule: Schedule, held: dict[tuple[int, int], int],
-                    frees_at_b: Sequence[int] = (0,)) -> tuple[tuple[int, ...], dict[int, int]]:
+def peak_held_bytes(
+    schedule: Schedule, held: dict[tuple[int, int], int], frees_at_b: Sequence[int] = (0,)
+) -> tuple[tuple[int, ...], dict[int, int]]:
     """Peak bytes held per rank and per stage over one step, replaying each rank's action list.
 
     ``held[(stage, mb)]`` is what micro-batch ``mb``'s F saves on ``stage``; it is held until the
@@ -200,13 +223,21 @@ class LayerCosts:
 
 def _calibration(measured: Costs, predicted: Costs) -> tuple[float, float, float]:
     """One factor per kind (F, B, W) that turns the profile's totals into the 2-rank run's."""
+
     def ratio(a: Any, b: Any) -> float:
         return sum(a) / sum(b) if sum(b) > 0 else 1.0
+
     return ratio(measured.f, predicted.f), ratio(measured.b, predicted.b), ratio(measured.w, predicted.w)
 
 
-def scaling(layers: LayerCosts, r: Row, blocks: int, mb_size: int, alpha: tuple[float, float, float] = (1.0, 1.0, 1.0),
-            degrees: Sequence[int] = DEGREES) -> list[dict]:
+def scaling(
+    layers: LayerCosts,
+    r: Row,
+    blocks: int,
+    mb_size: int,
+    alpha: tuple[float, float, float] = (1.0, 1.0, 1.0),
+    degrees: Sequence[int] = DEGREES,
+) -> list[dict]:
     """Simulated step of row ``r`` at each pipeline degree p, m = r.mult * p micro-batches of ``mb_size``
     samples; ``alpha`` rescales F, B, W. Degrees whose stages outnumber the blocks are left out."""
     out = []
@@ -218,8 +249,15 @@ def scaling(layers: LayerCosts, r: Row, blocks: int, mb_size: int, alpha: tuple[
         c = Costs(f=[alpha[0] * x for x in c.f], b=[alpha[1] * x for x in c.b], w=[alpha[2] * x for x in c.w])
         sim = simulate(_schedule(r, p), c)
         m = r.m(p)
-        out.append(dict(p=p, m=m, makespan_s=sim.makespan, bubble=sim.bubble_fraction,
-                        samples_per_s=m * mb_size / sim.makespan if sim.makespan > 0 else float("nan")))
+        out.append(
+            dict(
+                p=p,
+                m=m,
+                makespan_s=sim.makespan,
+                bubble=sim.bubble_fraction,
+                samples_per_s=m * mb_size / sim.makespan if sim.makespan > 0 else float("nan"),
+            )
+        )
     return out
 
 
@@ -243,7 +281,7 @@ def _profile(layers: nn.Sequential, x: torch.Tensor, reps: int) -> LayerCosts:
             torch.cuda.synchronize(x.device)
         return time.perf_counter()
 
-    for layer, inp in zip(layers, _inputs_of(copy.deepcopy(layers), x)):
+    for layer, inp in zip(layers, _inputs_of(copy.deepcopy(layers), x), strict=False):
         st = Stage(layer)
         inp = inp.detach().requires_grad_(inp.is_floating_point() and layer is not layers[0])
         samples: dict[str, list[float]] = {k: [] for k in cols}
@@ -261,7 +299,7 @@ def _profile(layers: nn.Sequential, x: torch.Tensor, reps: int) -> LayerCosts:
             st.backward(0, g)
             t5 = now()
             if rep:
-                for k, v in zip(cols, (t1 - t0, t2 - t1, t3 - t2, t5 - t4)):
+                for k, v in zip(cols, (t1 - t0, t2 - t1, t3 - t2, t5 - t4), strict=False):
                     samples[k].append(v)
         layer.zero_grad(set_to_none=True)
         for k in cols:
@@ -285,15 +323,25 @@ class _Runner:
             q.grad = None
 
 
-def _reference(layers: nn.Sequential, loss_fn: Callable, x: torch.Tensor, y: torch.Tensor, m: int) -> dict[str, torch.Tensor]:
+def _reference(
+    layers: nn.Sequential, loss_fn: Callable, x: torch.Tensor, y: torch.Tensor, m: int
+) -> dict[str, torch.Tensor]:
     ref = copy.deepcopy(layers)
-    for a, b in zip(x.chunk(m), y.chunk(m)):
+    for a, b in zip(x.chunk(m), y.chunk(m), strict=False):
         (loss_fn(ref(a), b) / m).backward()
     return {n: q.grad.detach().clone() for n, q in ref.named_parameters()}
 
 
-def _build(pm: PaperModel, r: Row, layers: nn.Sequential, loss_fn: Callable, x: torch.Tensor, y: torch.Tensor,
-           rank: int, device: torch.device) -> _Runner:
+def _build(
+    pm: PaperModel,
+    r: Row,
+    layers: nn.Sequential,
+    loss_fn: Callable,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    rank: int,
+    device: torch.device,
+) -> _Runner:
     n, m = r.num_stages(), r.m()
     parts = split_sequential(copy.deepcopy(layers).to(device), stage_sizes(pm.blocks, n))
     x, y = x.to(device), y.to(device)
@@ -345,8 +393,9 @@ def _worker(rank: int, world: int, quick: bool, repeats: int, with_torch: bool) 
         for m in (WORLD, 2 * WORLD):
             refs[(pm.name, m)] = {k: g.to(device) for k, g in _reference(layers, loss_fn, x, y, m).items()}
             if rank == 0:  # rank 1 waits at the next barrier: the profile runs on a quiet core
-                profiles[(pm.name, m)] = _profile(copy.deepcopy(layers), x[: pm.batch // m].to(device),
-                                                   reps=1 if quick else 3)
+                profiles[(pm.name, m)] = _profile(
+                    copy.deepcopy(layers), x[: pm.batch // m].to(device), reps=1 if quick else 3
+                )
         runners += [_build(pm, r, layers, loss_fn, x, y, rank, device) for r in rows(with_torch)]
     dist.barrier()
 
@@ -384,8 +433,15 @@ def _worker(rank: int, world: int, quick: bool, repeats: int, with_torch: bool) 
         if device.type == "cuda":
             cuda_peak[r.key] = torch.cuda.max_memory_allocated(device) - base
         dist.barrier()
-    return dict(times=times, checks=checks, records=records, held=held, cuda_peak=cuda_peak, profiles=profiles,
-                device=str(device))
+    return dict(
+        times=times,
+        checks=checks,
+        records=records,
+        held=held,
+        cuda_peak=cuda_peak,
+        profiles=profiles,
+        device=str(device),
+    )
 
 
 @dataclass(frozen=True)
@@ -397,7 +453,7 @@ class _Rec:
 
 
 def _median_ratio(num: Sequence[float], den: Sequence[float]) -> float:
-    return statistics.median(a / b for a, b in zip(num, den))
+    return statistics.median(a / b for a, b in zip(num, den, strict=False))
 
 
 def run_paper(quick: bool = False, repeats: int = 5, timeout: float = 3600.0) -> dict:
@@ -418,13 +474,24 @@ def run_paper(quick: bool = False, repeats: int = 5, timeout: float = 3600.0) ->
             if bad:
                 failures.append(f"{key}: " + "; ".join(bad[:4]))
             t = statistics.median(times[key])
-            row = dict(model=pm.name, paper_model=pm.paper, row=r.label, side=r.side, schedule=r.schedule,
-                       split_backward=r.split_backward, num_stages=r.num_stages(), m=r.m(), step_s=t,
-                       samples_per_s=pm.batch / t, baseline=r.baseline,
-                       ratio=_median_ratio(times[f"{pm.name} {r.baseline}"], times[key]) if r.baseline else None,
-                       paper_ratio=PAPER_RATIO.get(pm.name) if r.label.endswith("+2BP") else None,
-                       vs_torch=_median_ratio(times[f"{pm.name} {r.counterpart}"], times[key]) if r.counterpart else None,
-                       max_grad_diff=worst, samples=times[key])
+            row = dict(
+                model=pm.name,
+                paper_model=pm.paper,
+                row=r.label,
+                side=r.side,
+                schedule=r.schedule,
+                split_backward=r.split_backward,
+                num_stages=r.num_stages(),
+                m=r.m(),
+                step_s=t,
+                samples_per_s=pm.batch / t,
+                baseline=r.baseline,
+                ratio=_median_ratio(times[f"{pm.name} {r.baseline}"], times[key]) if r.baseline else None,
+                paper_ratio=PAPER_RATIO.get(pm.name) if r.label.endswith("+2BP") else None,
+                vs_torch=_median_ratio(times[f"{pm.name} {r.counterpart}"], times[key]) if r.counterpart else None,
+                max_grad_diff=worst,
+                samples=times[key],
+            )
             rq1.append(row)
             if r.side != "ours":
                 continue
@@ -432,17 +499,32 @@ def run_paper(quick: bool = False, repeats: int = 5, timeout: float = 3600.0) ->
             held = {k: v for out in per_rank for k, v in out["held"][key].items()}
             ranks, stages = peak_held_bytes(sched, held)
             cuda = [out["cuda_peak"].get(key) for out in per_rank]
-            rq2.append(dict(model=pm.name, row=r.label, baseline=r.baseline, peak_held_bytes=list(ranks),
-                            peak_held_bytes_per_stage={str(s): v for s, v in stages.items()},
-                            cuda_max_allocated_bytes=cuda if all(c is not None for c in cuda) else None))
+            rq2.append(
+                dict(
+                    model=pm.name,
+                    row=r.label,
+                    baseline=r.baseline,
+                    peak_held_bytes=list(ranks),
+                    peak_held_bytes_per_stage={str(s): v for s, v in stages.items()},
+                    cuda_max_allocated_bytes=cuda if all(c is not None for c in cuda) else None,
+                )
+            )
             recs = [_Rec(*x) for out in per_rank for x in out["records"][key]]
             measured = measured_costs(recs, r.num_stages())
             layer_costs = profiles[(pm.name, r.m())]
             predicted = layer_costs.stage_costs(stage_sizes(pm.blocks, r.num_stages()), r.split_backward)
             alpha = _calibration(measured, predicted)
-            rq3.append(dict(model=pm.name, row=r.label, baseline=r.baseline, measured_step_s=t,
-                            measured_samples_per_s=pm.batch / t, alpha=list(alpha),
-                            simulated=scaling(layer_costs, r, pm.blocks, pm.batch // r.m(), alpha)))
+            rq3.append(
+                dict(
+                    model=pm.name,
+                    row=r.label,
+                    baseline=r.baseline,
+                    measured_step_s=t,
+                    measured_samples_per_s=pm.batch / t,
+                    alpha=list(alpha),
+                    simulated=scaling(layer_costs, r, pm.blocks, pm.batch // r.m(), alpha),
+                )
+            )
     if failures:
         raise AssertionError("gradients differ from one process:\n" + "\n".join(failures))
     _add_memory_ratios(rq2)
@@ -453,11 +535,23 @@ def run_paper(quick: bool = False, repeats: int = 5, timeout: float = 3600.0) ->
     for pm in models(quick):
         c = profiles[(pm.name, 2 * WORLD)]
         split[pm.name] = (sum(c.b[1:]) + sum(c.w[1:])) / sum(c.bw[1:])
-    return dict(quick=quick, repeats=repeats, world=WORLD, device=per_rank[0]["device"], torch_version=torch.__version__,
-                torch_pipelining=with_torch, seconds=time.perf_counter() - start,
-                models=[dict(name=pm.name, paper=pm.paper, kwargs=dict(pm.kwargs), batch=pm.batch, size=pm.size)
-                        for pm in models(quick)],
-                split_over_fused=split, rq1=rq1, rq2=rq2, rq3=rq3)
+    return dict(
+        quick=quick,
+        repeats=repeats,
+        world=WORLD,
+        device=per_rank[0]["device"],
+        torch_version=torch.__version__,
+        torch_pipelining=with_torch,
+        seconds=time.perf_counter() - start,
+        models=[
+            dict(name=pm.name, paper=pm.paper, kwargs=dict(pm.kwargs), batch=pm.batch, size=pm.size)
+            for pm in models(quick)
+        ],
+        split_over_fused=split,
+        rq1=rq1,
+        rq2=rq2,
+        rq3=rq3,
+    )
 
 
 def _add_memory_ratios(rq2: list[dict]) -> None:
@@ -467,7 +561,9 @@ def _add_memory_ratios(rq2: list[dict]) -> None:
         if base is None:
             r["ratio_per_rank"], r["ratio"] = None, None
             continue
-        r["ratio_per_rank"] = [a / b if b else float("nan") for a, b in zip(r["peak_held_bytes"], base["peak_held_bytes"])]
+        r["ratio_per_rank"] = [
+            a / b if b else float("nan") for a, b in zip(r["peak_held_bytes"], base["peak_held_bytes"], strict=False)
+        ]
         r["ratio"] = max(r["ratio_per_rank"])  # the rank whose peak grows the most
 
 
@@ -497,10 +593,19 @@ def summary(result: dict) -> str:
     names = [m["name"] for m in result["models"]]
     rq1 = {(r["model"], r["row"]): r for r in result["rq1"]}
     torch_cols = [k for k in ("GPipe", "1F1B-1", "1F1B-2") if rq1[(names[0], k)]["vs_torch"] is not None]
-    w("RQ1, throughput with 2BP / without (Zero Bubble rows: over fused 1F1B-2); (B + W) / BW of the layers "
-      "alone; ours fused / torch's same order:\n\n")
-    w("| model | " + " | ".join(_SPLIT_ROWS) + " | (B + W) / BW | " + " | ".join(f"{k} / torch" for k in torch_cols) +
-      " |\n|---|" + "---:|" * (len(_SPLIT_ROWS) + 1 + len(torch_cols)) + "\n")
+    w(
+        "RQ1, throughput with 2BP / without (Zero Bubble rows: over fused 1F1B-2); (B + W) / BW of the layers "
+        "alone; ours fused / torch's same order:\n\n"
+    )
+    w(
+        "| model | "
+        + " | ".join(_SPLIT_ROWS)
+        + " | (B + W) / BW | "
+        + " | ".join(f"{k} / torch" for k in torch_cols)
+        + " |\n|---|"
+        + "---:|" * (len(_SPLIT_ROWS) + 1 + len(torch_cols))
+        + "\n"
+    )
     for n in names:
         cells = [f"{rq1[(n, k)]['ratio']:.3f}" for k in _SPLIT_ROWS] + [f"{result['split_over_fused'][n]:.3f}"]
         cells += [f"{rq1[(n, k)]['vs_torch']:.3f}" for k in torch_cols]
@@ -526,45 +631,81 @@ def summary(result: dict) -> str:
 def markdown(result: dict) -> str:
     out = io.StringIO()
     w = out.write
-    w(f"{result['world']} gloo ranks x 1 thread on {result['device']}, torch {result['torch_version']}, "
-      f"median of {result['repeats']} alternated rounds ({result['seconds']:.0f} s in all)"
-      f"{' (--quick)' if result['quick'] else ''}\n\n")
-    w("Models: " + "; ".join(f"{m['name']} ({m['paper']}): {m['kwargs']}, batch {m['batch']} x {m['size']}"
-                             for m in result["models"]) + "\n\n")
+    w(
+        f"{result['world']} gloo ranks x 1 thread on {result['device']}, torch {result['torch_version']}, "
+        f"median of {result['repeats']} alternated rounds ({result['seconds']:.0f} s in all)"
+        f"{' (--quick)' if result['quick'] else ''}\n\n"
+    )
+    w(
+        "Models: "
+        + "; ".join(
+            f"{m['name']} ({m['paper']}): {m['kwargs']}, batch {m['batch']} x {m['size']}" for m in result["models"]
+        )
+        + "\n\n"
+    )
     w("### Summary\n\n" + summary(result) + "\n")
-    w("### RQ1: throughput\n\n2BP / no-2BP is the median over rounds of time(baseline) / time(row), the baseline "
-      "being the same schedule without 2BP (fused 1F1B-2 for the Zero Bubble rows). The paper's column holds "
-      "what we found of its figures: its abstract's headline only.\n\n")
-    w("| model | row | S | m | s/step | samples/s | 2BP / no-2BP | paper | ours / torch (same order) | max grad diff |\n"
-      "|---|---|---:|---:|---:|---:|---:|---|---:|---:|\n")
+    w(
+        "### RQ1: throughput\n\n2BP / no-2BP is the median over rounds of time(baseline) / time(row), the baseline "
+        "being the same schedule without 2BP (fused 1F1B-2 for the Zero Bubble rows). The paper's column holds "
+        "what we found of its figures: its abstract's headline only.\n\n"
+    )
+    w(
+        "| model | row | S | m | s/step | samples/s | 2BP / no-2BP | paper | ours / torch (same order) | max grad "
+        "diff |\n"
+        "|---|---|---:|---:|---:|---:|---:|---|---:|---:|\n"
+    )
     for r in result["rq1"]:
         ratio = f"**{r['ratio']:.3f}** (vs {r['baseline']})" if r["ratio"] is not None else ""
-        w(f"| {r['model']} | {r['row']} | {r['num_stages']} | {r['m']} | {r['step_s']:.4f} | {r['samples_per_s']:.1f} | "
-          f"{ratio} | {r['paper_ratio'] or ''} | {_f(r['vs_torch'])} | {r['max_grad_diff']:.1e} |\n")
+        w(
+            f"| {r['model']} | {r['row']} | {r['num_stages']} | {r['m']} | {r['step_s']:.4f} | "
+            f"{r['samples_per_s']:.1f} | "
+            f"{ratio} | {r['paper_ratio'] or ''} | {_f(r['vs_torch'])} | {r['max_grad_diff']:.1e} |\n"
+        )
     if not result["torch_pipelining"]:
         w("\ntorch.distributed.pipelining is not importable in this torch build: no torch rows.\n")
     cuda = any(r["cuda_max_allocated_bytes"] for r in result["rq2"])
-    w("\n### RQ2: peak memory\n\nPeak bytes the schedule holds per rank (saved activations from F until W/BW, "
-      "replayed over the action order; the deferred W's output gradients not counted), in MB, and each rank's "
-      "ratio to the baseline's" + (" ; CUDA max_memory_allocated per rank" if cuda else "") + ".\n\n")
-    w("| model | row | rank 0 MB | rank 1 MB | 2BP / no-2BP (rank 0 / rank 1) |" + (" CUDA MB per rank |" if cuda else "") +
-      "\n|---|---|---:|---:|---:|" + ("---|" if cuda else "") + "\n")
+    w(
+        "\n### RQ2: peak memory\n\nPeak bytes the schedule holds per rank (saved activations from F until W/BW, "
+        "replayed over the action order; the deferred W's output gradients not counted), in MB, and each rank's "
+        "ratio to the baseline's" + (" ; CUDA max_memory_allocated per rank" if cuda else "") + ".\n\n"
+    )
+    w(
+        "| model | row | rank 0 MB | rank 1 MB | 2BP / no-2BP (rank 0 / rank 1) |"
+        + (" CUDA MB per rank |" if cuda else "")
+        + "\n|---|---|---:|---:|---:|"
+        + ("---|" if cuda else "")
+        + "\n"
+    )
     for r in result["rq2"]:
         mb = [f"{b / 1e6:.2f}" for b in r["peak_held_bytes"]]
-        extra = (" " + " / ".join(f"{c / 1e6:.1f}" for c in r["cuda_max_allocated_bytes"]) + " |") if cuda and \
-            r["cuda_max_allocated_bytes"] else (" |" if cuda else "")
+        extra = (
+            (" " + " / ".join(f"{c / 1e6:.1f}" for c in r["cuda_max_allocated_bytes"]) + " |")
+            if cuda and r["cuda_max_allocated_bytes"]
+            else (" |" if cuda else "")
+        )
         ratio = " / ".join(f"{x:.2f}" for x in r["ratio_per_rank"]) + f" (vs {r['baseline']})" if r["ratio"] else ""
         w(f"| {r['model']} | {r['row']} | {mb[0]} | {mb[1]} | {ratio} |{extra}\n")
     degrees = sorted({s["p"] for r in result["rq3"] for s in r["simulated"]})
-    w("\n### RQ3: scaling (simulated)\n\nSamples/s simulated at pipeline degree p (m = p or 2p micro-batches of "
-      "the measured size), from per-layer profiles rescaled to the 2-rank run's measured costs, no "
-      "communication cost; in brackets the ratio to the baseline at the same p. `measured` is RQ1's 2-rank row.\n\n")
-    w("| model | row | measured p=2 | " + " | ".join(f"p={p}" for p in degrees) + " |\n|---|---|---:|" +
-      "---:|" * len(degrees) + "\n")
+    w(
+        "\n### RQ3: scaling (simulated)\n\nSamples/s simulated at pipeline degree p (m = p or 2p micro-batches of "
+        "the measured size), from per-layer profiles rescaled to the 2-rank run's measured costs, no "
+        "communication cost; in brackets the ratio to the baseline at the same p. `measured` is RQ1's 2-rank row.\n\n"
+    )
+    w(
+        "| model | row | measured p=2 | "
+        + " | ".join(f"p={p}" for p in degrees)
+        + " |\n|---|---|---:|"
+        + "---:|" * len(degrees)
+        + "\n"
+    )
     for r in result["rq3"]:
         sim = {s["p"]: s for s in r["simulated"]}
-        cells = [f"{sim[p]['samples_per_s']:.1f}" + (f" ({sim[p]['ratio']:.2f})" if sim[p].get("ratio") else "")
-                 if p in sim else "" for p in degrees]
+        cells = [
+            f"{sim[p]['samples_per_s']:.1f}" + (f" ({sim[p]['ratio']:.2f})" if sim[p].get("ratio") else "")
+            if p in sim
+            else ""
+            for p in degrees
+        ]
         w(f"| {r['model']} | {r['row']} | {r['measured_samples_per_s']:.1f} | " + " | ".join(cells) + " |\n")
     return out.getvalue()
 
@@ -577,8 +718,10 @@ def _plots(result: dict, folder: Path) -> list[Path]:
 
     names = [m["name"] for m in result["models"]]
     paths = []
-    for rq, key, title in (("rq1", "ratio", "RQ1: throughput, 2BP / no-2BP"),
-                           ("rq2", "ratio", "RQ2: peak held bytes, 2BP / no-2BP (the rank that grows most)")):
+    for rq, key, title in (
+        ("rq1", "ratio", "RQ1: throughput, 2BP / no-2BP"),
+        ("rq2", "ratio", "RQ2: peak held bytes, 2BP / no-2BP (the rank that grows most)"),
+    ):
         data = [r for r in result[rq] if r.get(key) is not None]
         labels = list(dict.fromkeys(r["row"] for r in data))
         fig, ax = plt.subplots(figsize=(9, 4))
@@ -603,8 +746,12 @@ def _plots(result: dict, folder: Path) -> list[Path]:
     for col, n in enumerate(names):
         for r in (r for r in result["rq3"] if r["model"] == n):
             ps = [s["p"] for s in r["simulated"]]
-            style = dict(marker="o", color=colour[r["row"].removesuffix("+2BP")], label=r["row"],
-                         linestyle="-" if r["baseline"] is None else "--")
+            style = dict(
+                marker="o",
+                color=colour[r["row"].removesuffix("+2BP")],
+                label=r["row"],
+                linestyle="-" if r["baseline"] is None else "--",
+            )
             axes[0][col].plot(ps, [s["samples_per_s"] for s in r["simulated"]], **style)
             if r["baseline"] is not None:
                 axes[1][col].plot(ps, [s["ratio"] for s in r["simulated"]], **style)
@@ -627,8 +774,11 @@ def write(result: dict, folder: str | Path) -> list[Path]:
     paths = [folder / "paper.md", folder / "paper.json"]
     paths[0].write_text(markdown(result))
     paths[1].write_text(json.dumps(result, indent=1))
-    flat = {"rq1": result["rq1"], "rq2": result["rq2"],
-            "rq3": [dict(model=r["model"], row=r["row"], **s) for r in result["rq3"] for s in r["simulated"]]}
+    flat = {
+        "rq1": result["rq1"],
+        "rq2": result["rq2"],
+        "rq3": [dict(model=r["model"], row=r["row"], **s) for r in result["rq3"] for s in r["simulated"]],
+    }
     for name, table in flat.items():
         path = folder / f"paper-{name}.csv"
         cols = [k for k in table[0] if k not in ("samples", "peak_held_bytes_per_stage")]

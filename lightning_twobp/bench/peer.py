@@ -67,7 +67,9 @@ class Contender:
         if self.side == "ours":
             return schedule_label(self.schedule, self.split_backward)
         name = self.schedule.removeprefix("Schedule")
-        return f"torch {name}" + (f" ({self.stages_per_rank}/rank)" if self.schedule == "ScheduleInterleavedZeroBubble" else "")
+        return f"torch {name}" + (
+            f" ({self.stages_per_rank}/rank)" if self.schedule == "ScheduleInterleavedZeroBubble" else ""
+        )
 
     @property
     def num_stages(self) -> int:
@@ -141,7 +143,9 @@ class _Runner:
         self.optimizer.zero_grad(set_to_none=True)
 
 
-def _local_stages(c: Contender, model: nn.Sequential, wl: Workload, rank: int) -> tuple[dict[int, nn.Module], dict[str, nn.Parameter]]:
+def _local_stages(
+    c: Contender, model: nn.Sequential, wl: Workload, rank: int
+) -> tuple[dict[int, nn.Module], dict[str, nn.Parameter]]:
     """This rank's stages of a fresh copy of ``model``, and their parameters by full-model name (a slice
     of a Sequential keeps the layers' names)."""
     parts = wl.stages(copy.deepcopy(model), c.num_stages)
@@ -149,12 +153,15 @@ def _local_stages(c: Contender, model: nn.Sequential, wl: Workload, rank: int) -
     return mods, {n: q for mod in mods.values() for n, q in mod.named_parameters()}
 
 
-def _build(c: Contender, model: nn.Sequential, wl: Workload, m: int, rank: int, ids: torch.Tensor, tgt: torch.Tensor) -> _Runner:
+def _build(
+    c: Contender, model: nn.Sequential, wl: Workload, m: int, rank: int, ids: torch.Tensor, tgt: torch.Tensor
+) -> _Runner:
     mods, params = _local_stages(c, model, wl, rank)
     last = c.num_stages - 1
     if c.side == "ours":
-        sched = build_schedule(c.schedule, c.num_stages, m, stages_per_rank=c.stages_per_rank,
-                               split_backward=c.split_backward)
+        sched = build_schedule(
+            c.schedule, c.num_stages, m, stages_per_rank=c.stages_per_rank, split_backward=c.split_backward
+        )
         assert set(sched.stages_of(rank)) == set(mods), (c, sched.stage_to_rank)
         ex = PipelineExecutor(sched, mods, loss_fn=loss_fn)
         inputs = list(ids.chunk(m)) if 0 in mods else None
@@ -192,14 +199,26 @@ def _grad_error(params: dict[str, nn.Parameter], ref: dict[str, torch.Tensor]) -
     return worst, bad
 
 
-def _worker(rank: int, world: int, wl: Workload, m: int, rounds: int, warmup: int, steps: int,
-            labels: list[str] | None, with_torch: bool) -> dict:
+def _worker(
+    rank: int,
+    world: int,
+    wl: Workload,
+    m: int,
+    rounds: int,
+    warmup: int,
+    steps: int,
+    labels: list[str] | None,
+    with_torch: bool,
+) -> dict:
     keep_freed_memory()
     model = wl.model()
     ids, tgt = wl.data()
     ref = reference_grads(copy.deepcopy(model), ids, tgt, m)
-    chosen = [c for c in contenders() if (with_torch or c.side == "ours")
-              and (labels is None or any(c.label.startswith(x) for x in labels))]
+    chosen = [
+        c
+        for c in contenders()
+        if (with_torch or c.side == "ours") and (labels is None or any(c.label.startswith(x) for x in labels))
+    ]
     runners = [_build(c, model, wl, m, rank, ids, tgt) for c in chosen]
 
     # Exactness first: one step from the seed weights, gradients against one process, no optimizer step.
@@ -220,7 +239,7 @@ def _worker(rank: int, world: int, wl: Workload, m: int, rounds: int, warmup: in
         t = time.perf_counter()
         if rank == 0 or both:
             for _ in range(steps):
-                for x, y in zip(ids.chunk(m), tgt.chunk(m)):
+                for x, y in zip(ids.chunk(m), tgt.chunk(m), strict=False):
                     (loss_fn(single(x), y) / m).backward()
                 single_opt.step()
                 single_opt.zero_grad(set_to_none=True)
@@ -238,7 +257,7 @@ def _worker(rank: int, world: int, wl: Workload, m: int, rounds: int, warmup: in
     times: dict[str, list[float]] = {r.contender.label: [] for r in runners}
     times["single"], times["single (both cores)"] = [], []
     for i in range(warmup + rounds):
-        order = runners[i % len(runners):] + runners[: i % len(runners)]
+        order = runners[i % len(runners) :] + runners[: i % len(runners)]
         sample = {r.contender.label: timed(r) for r in order}
         sample["single"] = run_single(False)
         sample["single (both cores)"] = run_single(True)
@@ -270,8 +289,14 @@ def _busy(runners: list[_Runner], steps: int) -> dict[str, float]:
     return out
 
 
-def run_peer(wl: Workload = Workload(), m: int = 8, rounds: int = 7, warmup: int = 1, steps: int = 1,
-             labels: list[str] | None = None) -> dict:
+def run_peer(
+    wl: Workload = Workload(),
+    m: int = 8,
+    rounds: int = 7,
+    warmup: int = 1,
+    steps: int = 1,
+    labels: list[str] | None = None,
+) -> dict:
     """Run the side-by-side benchmark; returns the rows, the pairs and best-vs-best (see :func:`report`)."""
     with_torch = torch_pipelining_available()
     per_rank = run_distributed(_worker, WORLD, wl, m, rounds, warmup, steps, labels, with_torch, timeout=14400)
@@ -290,36 +315,67 @@ def run_peer(wl: Workload = Workload(), m: int = 8, rounds: int = 7, warmup: int
             failures.append(f"{label}: " + "; ".join(bad[:5]))
         med = statistics.median(samples)
         busiest = max((out["busy"][label] for out in per_rank), default=None) if c.side == "ours" else None
-        rows.append(dict(label=label, side=c.side, schedule=c.schedule, split_backward=c.split_backward,
-                         stages_per_rank=c.stages_per_rank, counterpart=c.counterpart, step_s=med,
-                         samples_per_s=wl.batch / med, ideal_over_step=ideal / med, max_grad_diff=worst,
-                         busiest_rank_s=busiest, samples_s=samples))
+        rows.append(
+            dict(
+                label=label,
+                side=c.side,
+                schedule=c.schedule,
+                split_backward=c.split_backward,
+                stages_per_rank=c.stages_per_rank,
+                counterpart=c.counterpart,
+                step_s=med,
+                samples_per_s=wl.batch / med,
+                ideal_over_step=ideal / med,
+                max_grad_diff=worst,
+                busiest_rank_s=busiest,
+                samples_s=samples,
+            )
+        )
     if failures:
         raise AssertionError("gradients differ from one process:\n" + "\n".join(failures))
 
     def pair_ratio(a: str, b: str) -> float:
         """Median over rounds of time(b) / time(a): above 1 means ``a`` is faster."""
-        return statistics.median(tb / ta for ta, tb in zip(times[a], times[b]))
+        return statistics.median(tb / ta for ta, tb in zip(times[a], times[b], strict=False))
 
     def per_round(a: str, b: str) -> list[float]:
-        return [tb / ta for ta, tb in zip(times[a], times[b])]
+        return [tb / ta for ta, tb in zip(times[a], times[b], strict=False)]
 
-    pairs = [dict(ours=r["label"], torch=r["counterpart"], speedup=pair_ratio(r["label"], r["counterpart"]),
-                  rounds=per_round(r["label"], r["counterpart"]))
-             for r in rows if r["side"] == "ours" and r["counterpart"] in times]
+    pairs = [
+        dict(
+            ours=r["label"],
+            torch=r["counterpart"],
+            speedup=pair_ratio(r["label"], r["counterpart"]),
+            rounds=per_round(r["label"], r["counterpart"]),
+        )
+        for r in rows
+        if r["side"] == "ours" and r["counterpart"] in times
+    ]
     best = {}
     for side in ("ours", "torch"):
         side_rows = [r for r in rows if r["side"] == side]
         if side_rows:
             best[side] = min(side_rows, key=lambda r: r["step_s"])["label"]
     best_vs_best = pair_ratio(best["ours"], best["torch"]) if len(best) == 2 else None
-    return dict(workload=asdict(wl), world=WORLD, microbatches=m, rounds=rounds, warmup_rounds=warmup,
-                steps_per_sample=steps, torch_version=torch.__version__, torch_pipelining=with_torch,
-                single_step_s=statistics.median(times["single"]), ideal_step_s=ideal,
-                single_both_cores_step_s=statistics.median(times["single (both cores)"]),
-                rows=rows, pairs=pairs, best=best, best_vs_best=best_vs_best,
-                ours_best_over_ideal=ideal / min(r["step_s"] for r in rows if r["side"] == "ours"),
-                busiest_rank_bound_s=min((r["busiest_rank_s"] for r in rows if r["side"] == "ours"), default=None))
+    return dict(
+        workload=asdict(wl),
+        world=WORLD,
+        microbatches=m,
+        rounds=rounds,
+        warmup_rounds=warmup,
+        steps_per_sample=steps,
+        torch_version=torch.__version__,
+        torch_pipelining=with_torch,
+        single_step_s=statistics.median(times["single"]),
+        ideal_step_s=ideal,
+        single_both_cores_step_s=statistics.median(times["single (both cores)"]),
+        rows=rows,
+        pairs=pairs,
+        best=best,
+        best_vs_best=best_vs_best,
+        ours_best_over_ideal=ideal / min(r["step_s"] for r in rows if r["side"] == "ours"),
+        busiest_rank_bound_s=min((r["busiest_rank_s"] for r in rows if r["side"] == "ours"), default=None),
+    )
 
 
 def markdown(result: dict) -> str:
@@ -327,34 +383,50 @@ def markdown(result: dict) -> str:
     wl = result["workload"]
     out = io.StringIO()
     w = out.write
-    w(f"tiny LLaMa {wl['layers']} x {wl['dim']}, batch {wl['batch']} x {wl['seq']}, m = {result['microbatches']}, "
-      f"{result['world']} gloo ranks x 1 thread, torch {result['torch_version']}; a sample is "
-      f"{result['steps_per_sample']} back-to-back training step(s), median of {result['rounds']} rounds\n\n")
-    w(f"single process, 1 thread: {result['single_step_s']:.3f} s/step; ideal bubble-free 2-stage step "
-      f"(half of it): **{result['ideal_step_s']:.3f} s**; single process on both cores at once: "
-      f"{result['single_both_cores_step_s']:.3f} s/step\n\n")
+    w(
+        f"tiny LLaMa {wl['layers']} x {wl['dim']}, batch {wl['batch']} x {wl['seq']}, m = {result['microbatches']}, "
+        f"{result['world']} gloo ranks x 1 thread, torch {result['torch_version']}; a sample is "
+        f"{result['steps_per_sample']} back-to-back training step(s), median of {result['rounds']} rounds\n\n"
+    )
+    w(
+        f"single process, 1 thread: {result['single_step_s']:.3f} s/step; ideal bubble-free 2-stage step "
+        f"(half of it): **{result['ideal_step_s']:.3f} s**; single process on both cores at once: "
+        f"{result['single_both_cores_step_s']:.3f} s/step\n\n"
+    )
     if not result["torch_pipelining"]:
         w("torch.distributed.pipelining is not importable in this torch build: only our rows are shown.\n\n")
     bound = result.get("busiest_rank_bound_s")
     if bound:
-        w(f"busiest rank's compute per step, least over our contenders (recorded steps, waits excluded; a floor "
-          f"for those steps): **{bound:.3f} s** = {result['ideal_step_s'] / bound:.3f} of the ideal\n\n")
-    w("| contender | s/step | samples/s | ideal / step | busiest rank s | max grad diff vs 1 process |\n"
-      "|---|---:|---:|---:|---:|---:|\n")
+        w(
+            f"busiest rank's compute per step, least over our contenders (recorded steps, waits excluded; a floor "
+            f"for those steps): **{bound:.3f} s** = {result['ideal_step_s'] / bound:.3f} of the ideal\n\n"
+        )
+    w(
+        "| contender | s/step | samples/s | ideal / step | busiest rank s | max grad diff vs 1 process |\n"
+        "|---|---:|---:|---:|---:|---:|\n"
+    )
     for r in sorted(result["rows"], key=lambda r: r["step_s"]):
         busy = "" if r.get("busiest_rank_s") is None else f"{r['busiest_rank_s']:.3f}"
-        w(f"| {r['label']} | {r['step_s']:.3f} | {r['samples_per_s']:.2f} | {r['ideal_over_step']:.3f} | {busy} | "
-          f"{r['max_grad_diff']:.1e} |\n")
+        w(
+            f"| {r['label']} | {r['step_s']:.3f} | {r['samples_per_s']:.2f} | {r['ideal_over_step']:.3f} | {busy} | "
+            f"{r['max_grad_diff']:.1e} |\n"
+        )
     if result["pairs"]:
-        w("\n| ours | torch counterpart | speed-up (median of per-round ratios) | min – max over rounds "
-          "| rounds ours faster |\n|---|---|---:|---:|---:|\n")
+        w(
+            "\n| ours | torch counterpart | speed-up (median of per-round ratios) | min – max over rounds "
+            "| rounds ours faster |\n|---|---|---:|---:|---:|\n"
+        )
         for p in result["pairs"]:
             rounds = p.get("rounds") or [p["speedup"]]
-            w(f"| {p['ours']} | {p['torch']} | **{p['speedup']:.3f}x** | {min(rounds):.3f} – {max(rounds):.3f} "
-              f"| {sum(x > 1 for x in rounds)}/{len(rounds)} |\n")
+            w(
+                f"| {p['ours']} | {p['torch']} | **{p['speedup']:.3f}x** | {min(rounds):.3f} – {max(rounds):.3f} "
+                f"| {sum(x > 1 for x in rounds)}/{len(rounds)} |\n"
+            )
     if result["best_vs_best"] is not None:
-        w(f"\nbest vs best: ours ({result['best']['ours']}) is **{result['best_vs_best']:.3f}x** torch's "
-          f"({result['best']['torch']}); ")
+        w(
+            f"\nbest vs best: ours ({result['best']['ours']}) is **{result['best_vs_best']:.3f}x** torch's "
+            f"({result['best']['torch']}); "
+        )
     w(f"our best is {result['ours_best_over_ideal']:.3f} of the ideal step\n")
     return out.getvalue()
 
@@ -366,8 +438,19 @@ def write(result: dict, folder: str | Path) -> list[Path]:
     paths = [folder / "peer.md", folder / "peer.csv", folder / "peer.json"]
     paths[0].write_text(markdown(result))
     with paths[1].open("w", newline="") as fh:
-        cols = ["label", "side", "schedule", "split_backward", "stages_per_rank", "counterpart", "step_s",
-                "samples_per_s", "ideal_over_step", "busiest_rank_s", "max_grad_diff"]
+        cols = [
+            "label",
+            "side",
+            "schedule",
+            "split_backward",
+            "stages_per_rank",
+            "counterpart",
+            "step_s",
+            "samples_per_s",
+            "ideal_over_step",
+            "busiest_rank_s",
+            "max_grad_diff",
+        ]
         writer = csv.DictWriter(fh, fieldnames=cols, extrasaction="ignore")
         writer.writeheader()
         writer.writerows(result["rows"])

@@ -47,14 +47,29 @@ def _worker(rank: int, world: int, port: int, steps: int, every: int, python: bo
     from lightning_twobp.data import TokenDataModule
     from lightning_twobp.models import LlamaLM
 
-    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world), RANK=str(rank),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(
+        LOCAL_RANK=str(rank),
+        NODE_RANK="0",
+        WORLD_SIZE=str(world),
+        RANK=str(rank),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
     model = LlamaLM(vocab_size=256, dim=128, n_layers=4, n_heads=4, max_seq_len=64, lr=3e-3)
     data = TokenDataModule(vocab_size=256, seq_len=64, batch_size=16, num_train=4096, num_val=0, seed=0)
     sampler = _Sampler(every)
-    trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=TwoBPStrategy(schedule="zb-h1", num_microbatches=4),
-                         max_steps=steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False, limit_val_batches=0, callbacks=[sampler])
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=world,
+        strategy=TwoBPStrategy(schedule="zb-h1", num_microbatches=4),
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        callbacks=[sampler],
+    )
     trainer.fit(model, datamodule=data)
     return sampler.samples
 
@@ -66,7 +81,7 @@ def _slope(points: list[tuple[int, float]]) -> float:
     xs, ys = [p[0] for p in points], [p[1] for p in points]
     mx, my = statistics.fmean(xs), statistics.fmean(ys)
     var = sum((x - mx) ** 2 for x in xs)
-    return 1000 * sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var if var else 0.0
+    return 1000 * sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=False)) / var if var else 0.0
 
 
 def soak(steps: int = 2000, every: int = 20, warmup: float = 0.1, python: bool = False) -> dict:
@@ -78,31 +93,50 @@ def soak(steps: int = 2000, every: int = 20, warmup: float = 0.1, python: bool =
     for rank, samples in enumerate(per_rank):
         after = [(s[0], s[2]) for s in samples if s[0] >= warmup * steps]
         late = [(s[0], s[2]) for s in samples if s[0] >= steps / 2]
-        quarters = [_slope([(s[0], s[2]) for s in samples if q * steps / 4 <= s[0] <= (q + 1) * steps / 4])
-                    for q in range(4)]
+        quarters = [
+            _slope([(s[0], s[2]) for s in samples if q * steps / 4 <= s[0] <= (q + 1) * steps / 4]) for q in range(4)
+        ]
         python_mb = [s[3] for s in samples if s[0] >= warmup * steps and s[3] == s[3]]
-        ranks.append(dict(rank=rank, rss_first_mb=samples[0][2], rss_after_warmup_mb=after[0][1],
-                          rss_last_mb=samples[-1][2], slope_mb_per_1000_steps=_slope(after),
-                          slope_second_half_mb_per_1000_steps=_slope(late), slope_per_quarter=quarters,
-                          python_after_warmup_mb=python_mb[0] if python_mb else None,
-                          python_last_mb=python_mb[-1] if python_mb else None,
-                          steps_per_s=samples[-1][0] / samples[-1][1] if samples[-1][1] else 0.0, samples=samples))
-    return dict(steps=steps, every=every, warmup_fraction=warmup, python=python, torch_version=torch.__version__,
-                ranks=ranks)
+        ranks.append(
+            dict(
+                rank=rank,
+                rss_first_mb=samples[0][2],
+                rss_after_warmup_mb=after[0][1],
+                rss_last_mb=samples[-1][2],
+                slope_mb_per_1000_steps=_slope(after),
+                slope_second_half_mb_per_1000_steps=_slope(late),
+                slope_per_quarter=quarters,
+                python_after_warmup_mb=python_mb[0] if python_mb else None,
+                python_last_mb=python_mb[-1] if python_mb else None,
+                steps_per_s=samples[-1][0] / samples[-1][1] if samples[-1][1] else 0.0,
+                samples=samples,
+            )
+        )
+    return dict(
+        steps=steps, every=every, warmup_fraction=warmup, python=python, torch_version=torch.__version__, ranks=ranks
+    )
 
 
 def markdown(result: dict) -> str:
-    lines = [f"{result['steps']} steps of the default recipe's model (tiny LLaMa 4 x 128, ZB-H1, m = 4) on 2 gloo "
-             f"ranks; RSS sampled every {result['every']} steps",
-             "", "| rank | RSS first MB | after warm-up MB | last MB | slope after warm-up | slope, second half "
-             "| slope per quarter | Python's own MB (after warm-up → last) | steps/s |",
-             "|---:|---:|---:|---:|---:|---:|---|---|---:|"]
+    lines = [
+        f"{result['steps']} steps of the default recipe's model (tiny LLaMa 4 x 128, ZB-H1, m = 4) on 2 gloo "
+        f"ranks; RSS sampled every {result['every']} steps",
+        "",
+        "| rank | RSS first MB | after warm-up MB | last MB | slope after warm-up | slope, second half "
+        "| slope per quarter | Python's own MB (after warm-up → last) | steps/s |",
+        "|---:|---:|---:|---:|---:|---:|---|---|---:|",
+    ]
     for r in result["ranks"]:
         quarters = " / ".join(f"{q:+.1f}" for q in r.get("slope_per_quarter", []))
-        py = (f"{r['python_after_warmup_mb']:.2f} → {r['python_last_mb']:.2f}"
-              if r.get("python_after_warmup_mb") is not None else "not traced")
-        lines.append(f"| {r['rank']} | {r['rss_first_mb']:.1f} | {r['rss_after_warmup_mb']:.1f} | {r['rss_last_mb']:.1f} "
-                     f"| {r['slope_mb_per_1000_steps']:+.2f} | {r['slope_second_half_mb_per_1000_steps']:+.2f} "
-                     f"| {quarters} | {py} | {r['steps_per_s']:.1f} |")
+        py = (
+            f"{r['python_after_warmup_mb']:.2f} → {r['python_last_mb']:.2f}"
+            if r.get("python_after_warmup_mb") is not None
+            else "not traced"
+        )
+        lines.append(
+            f"| {r['rank']} | {r['rss_first_mb']:.1f} | {r['rss_after_warmup_mb']:.1f} | {r['rss_last_mb']:.1f} "
+            f"| {r['slope_mb_per_1000_steps']:+.2f} | {r['slope_second_half_mb_per_1000_steps']:+.2f} "
+            f"| {quarters} | {py} | {r['steps_per_s']:.1f} |"
+        )
     lines.append("\nslopes in MB per 1,000 steps (least squares through the samples)")
     return "\n".join(lines)

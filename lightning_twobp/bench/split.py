@@ -1,6 +1,6 @@
 """(B + W) / BW on one block: what the split backward costs over the fused one.
 
-    twobp-bench --split [--tokens 512 256 64]
+twobp-bench --split [--tokens 512 256 64]
 """
 
 from __future__ import annotations
@@ -53,7 +53,13 @@ def bench_split(tokens: int = 512, repeats: int = 21, seq: int = 128) -> dict:
     finally:
         torch.set_num_threads(threads)
     med = statistics.median
-    ratios = [(bi + wi) / fi for bi, wi, fi in zip(b, w, fused)]
-    return dict(tokens=tokens, bw_ms=med(fused) * 1e3, b_ms=med(b) * 1e3, w_ms=med(w) * 1e3,
-                ratio_of_medians=(med(b) + med(w)) / med(fused), median_ratio=med(ratios),
-                deferred_fraction=stage.deferred_fraction)
+    ratios = [(bi + wi) / fi for bi, wi, fi in zip(b, w, fused, strict=False)]
+    return dict(
+        tokens=tokens,
+        bw_ms=med(fused) * 1e3,
+        b_ms=med(b) * 1e3,
+        w_ms=med(w) * 1e3,
+        ratio_of_medians=(med(b) + med(w)) / med(fused),
+        median_ratio=med(ratios),
+        deferred_fraction=stage.deferred_fraction,
+    )

@@ -23,8 +23,16 @@ TORCH_ORDERS = {
     "ScheduleInterleavedZeroBubble": ("interleaved-1f1b", None, True),
     "ScheduleInterleaved1F1B": ("interleaved-1f1b", None, False),
 }
-_KIND = {"F": "F", "I": "B", "W": "W", "B": "BW", "FORWARD": "F", "BACKWARD_INPUT": "B",
-         "BACKWARD_WEIGHT": "W", "FULL_BACKWARD": "BW"}
+_KIND = {
+    "F": "F",
+    "I": "B",
+    "W": "W",
+    "B": "BW",
+    "FORWARD": "F",
+    "BACKWARD_INPUT": "B",
+    "BACKWARD_WEIGHT": "W",
+    "FULL_BACKWARD": "BW",
+}
 
 
 def torch_order(cls_name: str, num_ranks: int, num_microbatches: int, stages_per_rank: int = 1) -> Schedule:
@@ -39,10 +47,18 @@ def torch_order(cls_name: str, num_ranks: int, num_microbatches: int, stages_per
     rounds = max(1, m // p)
     if cls_name == "ScheduleInterleavedZeroBubble" and m % rounds:
         # torch's __init__ refuses these counts; its order for them does not exist
-        raise ValueError(f"torch refuses {cls_name} with {m} micro-batches on {p} ranks (not a multiple of "
-                         f"its {rounds} rounds)")
-    sizes = types.SimpleNamespace(pp_group_size=p, n_local_stages=spr, _n_microbatches=m, num_stages=p * spr,
-                                  number_of_rounds=rounds, microbatches_per_round=m // rounds, rank=0)
+        raise ValueError(
+            f"torch refuses {cls_name} with {m} micro-batches on {p} ranks (not a multiple of its {rounds} rounds)"
+        )
+    sizes = types.SimpleNamespace(
+        pp_group_size=p,
+        n_local_stages=spr,
+        _n_microbatches=m,
+        num_stages=p * spr,
+        number_of_rounds=rounds,
+        microbatches_per_round=m // rounds,
+        rank=0,
+    )
     cls = getattr(torch_schedules, cls_name)
     rows = []
     for r in range(p):

@@ -4,7 +4,8 @@
 
 Two gloo processes with one thread each train the engine benchmark's tiny LLaMa (8 blocks x 512,
 batch 32 x 128 tokens) in each of the engine benchmark's configurations (every schedule with and
-without 2BP, m = 8, and the paper's 1F1B-1 and 1F1B-2) with ``Trainer(strategy=TwoBPStrategy(...))``. Inside the same fit, after
+without 2BP, m = 8, and the paper's 1F1B-1 and 1F1B-2) with ``Trainer(strategy=TwoBPStrategy(...))``. Inside the same
+fit, after
 every Lightning step a callback runs one bare step of an identical, separately built pipeline (the
 engine's ``step`` + ``AdamW.step`` + ``zero_grad``, nothing else), so the two alternate A/B/A/B in one
 run. The Lightning step is one loop iteration from ``on_train_batch_start`` to the next, minus the bare
@@ -83,22 +84,31 @@ class _Alternate(pl.Callback):
 
 
 def _worker(rank: int, world: int, wl: Workload, runs: list, repeats: int, port: int) -> dict:
-    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world), RANK=str(rank),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(
+        LOCAL_RANK=str(rank),
+        NODE_RANK="0",
+        WORLD_SIZE=str(world),
+        RANK=str(rank),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
     from lightning_twobp import TwoBPStrategy
+
     ids, tgt = wl.data()
     out = {}
     for c in runs:
         m = c.num_microbatches
         full = wl.model()
-        strategy = TwoBPStrategy(schedule=c.name, split_backward=c.split_backward, num_microbatches=m,
-                                 stages_per_rank=c.stages_per_rank)
+        strategy = TwoBPStrategy(
+            schedule=c.name, split_backward=c.split_backward, num_microbatches=m, stages_per_rank=c.stages_per_rank
+        )
         lm = _Llama(copy.deepcopy(full))
         steps = repeats + _WARMUP + 1  # the last iteration has no next start to end it
         # The bare pipeline: the same schedule and cut, its own copy of the weights and its own AdamW.
         state: dict = {}
 
-        def bare() -> None:
+        # Defaults bind this iteration's values: the closure runs within the iteration anyway.
+        def bare(state: dict = state, strategy: TwoBPStrategy = strategy, full=full, m: int = m) -> None:
             if not state:
                 sched = strategy.schedule
                 parts = split_sequential(full, strategy.stage_sizes)
@@ -113,20 +123,28 @@ def _worker(rank: int, world: int, wl: Workload, runs: list, repeats: int, port:
             state["opt"].zero_grad(set_to_none=True)
 
         timer = _Alternate(bare)
-        trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=steps, logger=False,
-                             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                             use_distributed_sampler=False, callbacks=[timer])
+        trainer = pl.Trainer(
+            accelerator="cpu",
+            devices=world,
+            strategy=strategy,
+            max_steps=steps,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            use_distributed_sampler=False,
+            callbacks=[timer],
+        )
         trainer.fit(lm, DataLoader(_SameBatch(ids, tgt, steps + 1), batch_size=wl.batch))
         # iteration i runs from start i to start i + 1 and contains bare step i; the last iteration
         # has no next start, and the first ones warm caches, the allocator and the shape exchange up
-        periods = [b - a for a, b in zip(timer.starts, timer.starts[1:])]
-        lightning = [p - w for p, w in zip(periods, timer.bare_times)][_WARMUP:]
-        bare_times = timer.bare_times[_WARMUP:len(periods)]
+        periods = [b - a for a, b in zip(timer.starts, timer.starts[1:], strict=False)]
+        lightning = [p - w for p, w in zip(periods, timer.bare_times, strict=False)][_WARMUP:]
+        bare_times = timer.bare_times[_WARMUP : len(periods)]
         # Like with like: both pipelines ran the same steps on the same data from the same weights.
         mine = {n: q for n, q in lm.layers.named_parameters() if not q.is_meta}  # the layers it trained
         diff = max((q - mine[n]).abs().max().item() for n, q in full.named_parameters() if n in mine)
-        out[c.label] = {
-            "lightning": lightning, "bare": bare_times, "max_param_diff": diff}
+        out[c.label] = {"lightning": lightning, "bare": bare_times, "max_param_diff": diff}
     return out
 
 
@@ -138,10 +156,15 @@ def bench_trainer(wl: Workload = Workload(), m: int = 8, repeats: int = 5, label
     rows = {}
     for label, t in per_rank[0].items():  # barrier to barrier: the same on both ranks
         light, bare = statistics.median(t["lightning"]), statistics.median(t["bare"])
-        pairs = [a / b for a, b in zip(t["lightning"], t["bare"])]
+        pairs = [a / b for a, b in zip(t["lightning"], t["bare"], strict=False)]
         # The ratio is the median over A/B pairs: each pair ran back to back, so drift between
         # pairs (the shared machine) cancels, which a ratio of medians would not do.
-        rows[label] = {"lightning_step_s": light, "bare_step_s": bare, "ratio": statistics.median(pairs),
-                       "ratio_of_medians": light / bare, "pair_ratios": pairs,
-                       "max_param_diff": max(r[label]["max_param_diff"] for r in per_rank)}
+        rows[label] = {
+            "lightning_step_s": light,
+            "bare_step_s": bare,
+            "ratio": statistics.median(pairs),
+            "ratio_of_medians": light / bare,
+            "pair_ratios": pairs,
+            "max_param_diff": max(r[label]["max_param_diff"] for r in per_rank),
+        }
     return rows

@@ -38,8 +38,9 @@ class Workload:
 
     @property
     def config(self) -> LlamaConfig:
-        return LlamaConfig(vocab_size=self.vocab, dim=self.dim, n_layers=self.layers, n_heads=self.heads,
-                           max_seq_len=self.seq)
+        return LlamaConfig(
+            vocab_size=self.vocab, dim=self.dim, n_layers=self.layers, n_heads=self.heads, max_seq_len=self.seq
+        )
 
     def model(self) -> nn.Sequential:
         """The model with seed-0 weights: every rank and every contender builds the same one."""
@@ -74,7 +75,7 @@ def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 def reference_grads(model: nn.Module, ids: torch.Tensor, tgt: torch.Tensor, m: int) -> dict[str, torch.Tensor]:
     """Gradients of the mean loss over ``m`` micro-batches in one process: what every pipeline must match."""
     model.zero_grad(set_to_none=True)
-    for x, y in zip(ids.chunk(m), tgt.chunk(m)):
+    for x, y in zip(ids.chunk(m), tgt.chunk(m), strict=False):
         (loss_fn(model(x), y) / m).backward()
     grads = {n: q.grad.detach().clone() for n, q in model.named_parameters()}
     model.zero_grad(set_to_none=True)

@@ -32,8 +32,9 @@ def _normalise_uint8(img: torch.Tensor) -> torch.Tensor:
 def _resize(img: torch.Tensor, image_size: int) -> torch.Tensor:
     if img.shape[-2:] == (image_size, image_size):
         return img
-    return F.interpolate(img[None], size=(image_size, image_size), mode="bilinear", antialias=True,
-                         align_corners=False)[0]
+    return F.interpolate(
+        img[None], size=(image_size, image_size), mode="bilinear", antialias=True, align_corners=False
+    )[0]
 
 
 class ImageTensors(Dataset):
@@ -65,8 +66,9 @@ class ImageTensors(Dataset):
             raise ValueError(f"{path.name}: 'images' must be uint8 (0..255) or float; got {images.dtype}")
         integer = isinstance(labels, torch.Tensor) and not labels.is_floating_point() and labels.dtype != torch.bool
         if not integer or labels.dim() != 1:
-            desc = (f"{labels.dtype} {tuple(labels.shape)}" if isinstance(labels, torch.Tensor)
-                    else type(labels).__name__)
+            desc = (
+                f"{labels.dtype} {tuple(labels.shape)}" if isinstance(labels, torch.Tensor) else type(labels).__name__
+            )
             raise ValueError(f"{path.name}: 'labels' must be an integer tensor (N,); got {desc}")
         if len(labels) != len(images):
             raise ValueError(f"{path.name} holds {len(images):,} images but {len(labels):,} labels: they must match")
@@ -99,9 +101,7 @@ class ImageFolder(Dataset):
             raise FileNotFoundError(f"image folder {root} does not exist: it should hold one subdirectory per class")
         self.classes = sorted(d.name for d in root.iterdir() if d.is_dir() and not d.name.startswith("."))
         if not self.classes:
-            raise ValueError(
-                f"image folder {root} has no class subdirectories: put the images of class c in {root}/c/"
-            )
+            raise ValueError(f"image folder {root} has no class subdirectories: put the images of class c in {root}/c/")
         self.samples: list[tuple[Path, int]] = []
         for label, c in enumerate(self.classes):
             files = sorted(f for f in (root / c).iterdir() if f.suffix.lower() in IMAGE_EXTENSIONS and f.is_file())

@@ -114,9 +114,19 @@ class TokenDataModule(_DataModule):
     ``twobp-tokenize``) with it, checked against ``vocab_size``. ``num_train`` / ``num_val`` size
     the synthetic sets only."""
 
-    def __init__(self, vocab_size: int, seq_len: int, batch_size: int, train_path: str | None = None,
-                 val_path: str | None = None, num_train: int = 4096, num_val: int = 256, seed: int = 0,
-                 num_workers: int = 0, dtype: str | None = None) -> None:
+    def __init__(
+        self,
+        vocab_size: int,
+        seq_len: int,
+        batch_size: int,
+        train_path: str | None = None,
+        val_path: str | None = None,
+        num_train: int = 4096,
+        num_val: int = 256,
+        seed: int = 0,
+        num_workers: int = 0,
+        dtype: str | None = None,
+    ) -> None:
         super().__init__(batch_size, seed, num_workers)
         _check_paths(train_path, val_path)
         self.save_hyperparameters()
@@ -125,10 +135,14 @@ class TokenDataModule(_DataModule):
         h = self.hparams
         if h.train_path is None:
             # The validation set draws its own starts (seed + 1): it measures, rather than repeats, training.
-            return (CountingTokens(h.vocab_size, h.seq_len, h.num_train, h.seed),
-                    CountingTokens(h.vocab_size, h.seq_len, h.num_val, h.seed + 1) if h.num_val else None)
-        files = [TokenFile(p, h.seq_len, h.dtype, h.vocab_size) if p is not None else None
-                 for p in (h.train_path, h.val_path)]
+            return (
+                CountingTokens(h.vocab_size, h.seq_len, h.num_train, h.seed),
+                CountingTokens(h.vocab_size, h.seq_len, h.num_val, h.seed + 1) if h.num_val else None,
+            )
+        files = [
+            TokenFile(p, h.seq_len, h.dtype, h.vocab_size) if p is not None else None
+            for p in (h.train_path, h.val_path)
+        ]
         return files[0], files[1]
 
 
@@ -139,10 +153,21 @@ class MaskedLMDataModule(_DataModule):
     ``vocab_size - 1``: for token files it must be an id the tokenizer never emits (the byte
     tokenizer leaves 257..383 free)."""
 
-    def __init__(self, vocab_size: int, seq_len: int, batch_size: int, train_path: str | None = None,
-                 val_path: str | None = None, num_train: int = 4096, num_val: int = 256, seed: int = 0,
-                 num_workers: int = 0, mask_prob: float = 0.15, mask_token_id: int | None = None,
-                 dtype: str | None = None) -> None:
+    def __init__(
+        self,
+        vocab_size: int,
+        seq_len: int,
+        batch_size: int,
+        train_path: str | None = None,
+        val_path: str | None = None,
+        num_train: int = 4096,
+        num_val: int = 256,
+        seed: int = 0,
+        num_workers: int = 0,
+        mask_prob: float = 0.15,
+        mask_token_id: int | None = None,
+        dtype: str | None = None,
+    ) -> None:
         super().__init__(batch_size, seed, num_workers)
         _check_paths(train_path, val_path)
         self.save_hyperparameters()
@@ -150,6 +175,7 @@ class MaskedLMDataModule(_DataModule):
     def _build(self) -> tuple[Dataset, Dataset | None]:
         h = self.hparams
         if h.train_path is None:
+
             def make(n: int, seed: int) -> MaskedCountingTokens:
                 return MaskedCountingTokens(h.vocab_size, h.seq_len, n, seed, h.mask_prob, h.mask_token_id)
 
@@ -174,9 +200,18 @@ class ImageDataModule(_DataModule):
     ``path`` (and ``val_path``) choose the source: None for synthetic class patterns, a directory for
     an ``ImageFolder`` (one subdirectory per class), a ``.pt`` file for ``ImageTensors``."""
 
-    def __init__(self, num_classes: int, image_size: int, batch_size: int, path: str | None = None,
-                 val_path: str | None = None, num_train: int = 2048, num_val: int = 256, seed: int = 0,
-                 num_workers: int = 0) -> None:
+    def __init__(
+        self,
+        num_classes: int,
+        image_size: int,
+        batch_size: int,
+        path: str | None = None,
+        val_path: str | None = None,
+        num_train: int = 2048,
+        num_val: int = 256,
+        seed: int = 0,
+        num_workers: int = 0,
+    ) -> None:
         super().__init__(batch_size, seed, num_workers)
         _check_paths(path, val_path)
         self.save_hyperparameters()
@@ -202,9 +237,12 @@ class ImageDataModule(_DataModule):
         h = self.hparams
         if h.path is None:
             # Validation shares the seed (so the class patterns) and takes the samples after training's.
-            return (SyntheticImages(h.num_classes, h.image_size, h.num_train, h.seed),
-                    SyntheticImages(h.num_classes, h.image_size, h.num_val, h.seed, index_offset=h.num_train)
-                    if h.num_val else None)
+            return (
+                SyntheticImages(h.num_classes, h.image_size, h.num_train, h.seed),
+                SyntheticImages(h.num_classes, h.image_size, h.num_val, h.seed, index_offset=h.num_train)
+                if h.num_val
+                else None,
+            )
         train = self._open(h.path)
         val = self._open(h.val_path) if h.val_path is not None else None
         if isinstance(train, ImageFolder) and isinstance(val, ImageFolder) and val.classes != train.classes:

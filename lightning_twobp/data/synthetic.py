@@ -58,8 +58,9 @@ class CountingTokens(Dataset):
         return t[:-1], t[1:]
 
 
-def bert_mask(ids: torch.Tensor, rng: np.random.Generator, vocab_size: int, mask_token_id: int,
-              mask_prob: float = 0.15) -> tuple[torch.Tensor, torch.Tensor]:
+def bert_mask(
+    ids: torch.Tensor, rng: np.random.Generator, vocab_size: int, mask_token_id: int, mask_prob: float = 0.15
+) -> tuple[torch.Tensor, torch.Tensor]:
     """BERT's masking of one sequence: ``round(mask_prob * T)`` positions (at least one, so every
     sequence is scored) are chosen; of those 80% become ``mask_token_id``, 10% a random other token
     (never the mask token) and 10% stay. Returns ``(masked ids, labels)``, labels the original token
@@ -96,8 +97,9 @@ class MaskedTokens(Dataset):
     depends only on ``(seed, i)``: every process masks the same positions, every epoch (static
     masking, as in the original BERT)."""
 
-    def __init__(self, base: Dataset, vocab_size: int, seed: int = 0, mask_prob: float = 0.15,
-                 mask_token_id: int | None = None) -> None:
+    def __init__(
+        self, base: Dataset, vocab_size: int, seed: int = 0, mask_prob: float = 0.15, mask_token_id: int | None = None
+    ) -> None:
         mask_token_id = vocab_size - 1 if mask_token_id is None else mask_token_id
         _check_mask_args(vocab_size, mask_token_id, mask_prob)
         self.base, self.vocab_size, self.seed = base, vocab_size, seed
@@ -110,8 +112,9 @@ class MaskedTokens(Dataset):
         i = _check_index(i, len(self))
         sample = self.base[i]
         ids = sample[0] if isinstance(sample, (tuple, list)) else sample
-        return bert_mask(ids, sample_rng(self.seed, _MASK_STREAM, i), self.vocab_size, self.mask_token_id,
-                         self.mask_prob)
+        return bert_mask(
+            ids, sample_rng(self.seed, _MASK_STREAM, i), self.vocab_size, self.mask_token_id, self.mask_prob
+        )
 
 
 class _CountingAroundMask(Dataset):
@@ -134,8 +137,15 @@ class MaskedCountingTokens(MaskedTokens):
     """The counting task with BERT masking, for masked-LM models: sample i is ``(ids, labels)`` of
     ``seq_len``, labels the original token at ~``mask_prob`` of the positions and -100 elsewhere."""
 
-    def __init__(self, vocab_size: int, seq_len: int, size: int, seed: int = 0, mask_prob: float = 0.15,
-                 mask_token_id: int | None = None) -> None:
+    def __init__(
+        self,
+        vocab_size: int,
+        seq_len: int,
+        size: int,
+        seed: int = 0,
+        mask_prob: float = 0.15,
+        mask_token_id: int | None = None,
+    ) -> None:
         if vocab_size < 3:
             raise ValueError(
                 f"MaskedCountingTokens needs vocab_size >= 3 (a mask token and two to count); got {vocab_size}"

@@ -22,8 +22,16 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-__all__ = ["BYTE_VOCAB_SIZE", "EOT_ID", "TokenFile", "decode_bytes", "encode_bytes", "main", "read_sidecar",
-           "tokenize_files"]
+__all__ = [
+    "BYTE_VOCAB_SIZE",
+    "EOT_ID",
+    "TokenFile",
+    "decode_bytes",
+    "encode_bytes",
+    "main",
+    "read_sidecar",
+    "tokenize_files",
+]
 
 log = logging.getLogger(__name__)
 
@@ -79,8 +87,13 @@ def read_sidecar(path: str | os.PathLike) -> dict | None:
 
 
 def _write_sidecar(path: Path, num_tokens: int) -> None:
-    meta = {"dtype": "uint16", "vocab_size": BYTE_VOCAB_SIZE, "num_tokens": num_tokens, "tokenizer": _TOKENIZER,
-            "eot_id": EOT_ID}
+    meta = {
+        "dtype": "uint16",
+        "vocab_size": BYTE_VOCAB_SIZE,
+        "num_tokens": num_tokens,
+        "tokenizer": _TOKENIZER,
+        "eot_id": EOT_ID,
+    }
     sidecar_path(path).write_text(json.dumps(meta, indent=2) + "\n")
 
 
@@ -211,7 +224,7 @@ def tokenize_files(inputs: list[str | os.PathLike], out_dir: str | os.PathLike, 
     out.mkdir(parents=True, exist_ok=True)
     train_path, val_path = out / "train.bin", out / "val.bin"
     written = 0
-    with open(train_path, "wb") as train, (open(val_path, "wb") if n_val else open(os.devnull, "wb")) as val:
+    with open(train_path, "wb") as train, open(val_path, "wb") if n_val else open(os.devnull, "wb") as val:
 
         def emit(ids: np.ndarray) -> None:
             nonlocal written
@@ -242,11 +255,13 @@ def tokenize_files(inputs: list[str | os.PathLike], out_dir: str | os.PathLike, 
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="twobp-tokenize", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="twobp-tokenize", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("inputs", nargs="+", metavar="INPUT", help="text files (any encoding: they are read as bytes)")
-    ap.add_argument("--out", required=True, metavar="DIR",
-                    help="directory for train.bin, val.bin and their .json sidecars")
+    ap.add_argument(
+        "--out", required=True, metavar="DIR", help="directory for train.bin, val.bin and their .json sidecars"
+    )
     ap.add_argument("--val-fraction", type=float, default=0.05, help="share of the tokens for val.bin (0: none)")
     args = ap.parse_args(argv)
     try:
@@ -255,8 +270,10 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(str(e))
     out = Path(args.out)
     val = f", {out / 'val.bin'} ({n['val']:,})" if n["val"] else ""
-    print(f"wrote {n['train'] + n['val']:,} tokens from {n['files']} file(s): {out / 'train.bin'} "
-          f"({n['train']:,}){val}; byte tokenizer, vocab_size {BYTE_VOCAB_SIZE}")
+    print(
+        f"wrote {n['train'] + n['val']:,} tokens from {n['files']} file(s): {out / 'train.bin'} "
+        f"({n['train']:,}){val}; byte tokenizer, vocab_size {BYTE_VOCAB_SIZE}"
+    )
     return 0
 
 

@@ -129,9 +129,7 @@ class PipelineExecutor:
                 f"but modules were given for stages {sorted(modules)}"
             )
         self.last = schedule.num_stages - 1
-        self.stages = {
-            s: Stage(_WithLoss(m, loss_fn) if s == self.last else m) for s, m in modules.items()
-        }
+        self.stages = {s: Stage(_WithLoss(m, loss_fn) if s == self.last else m) for s, m in modules.items()}
         if device is None:
             first = next((p for m in modules.values() for p in m.parameters()), None)
             device = first.device if first is not None else torch.device("cpu")
@@ -180,8 +178,7 @@ class PipelineExecutor:
             if stage in self.stages and (seq is None or len(seq) != m):
                 got = "None" if seq is None else f"{len(seq)} items"
                 raise ValueError(
-                    f"rank {self.rank} holds stage {stage}: pass {name} as a sequence of {m} micro-batches "
-                    f"(got {got})"
+                    f"rank {self.rank} holds stage {stage}: pass {name} as a sequence of {m} micro-batches (got {got})"
                 )
         self._inputs = [_as_tuple(x) for x in inputs] if inputs is not None else []
         self._targets = list(targets) if targets is not None else []
@@ -226,9 +223,15 @@ class PipelineExecutor:
             # step's work has finished (one synchronisation per recorded step).
             torch.cuda.synchronize(self.device)
             res.records = [
-                ActionRecord(r.rank, r.step, r.op, self._t0_event.elapsed_time(a) / 1e3,
-                             self._t0_event.elapsed_time(b) / 1e3, r.wait)
-                for r, (a, b) in zip(res.records, self._events)
+                ActionRecord(
+                    r.rank,
+                    r.step,
+                    r.op,
+                    self._t0_event.elapsed_time(a) / 1e3,
+                    self._t0_event.elapsed_time(b) / 1e3,
+                    r.wait,
+                )
+                for r, (a, b) in zip(res.records, self._events, strict=False)
             ]
         if self.last in self.stages:
             res.loss = torch.stack([x.detach() for x in res.losses]).mean()
@@ -302,8 +305,7 @@ class PipelineExecutor:
         except Exception as e:  # name the rank, the step and the action, then show where
             what = ", ".join(map(str, arg)) if isinstance(arg, list) else str(arg)
             raise PipelineError(
-                f"rank {self.rank}, {self._which()}, op {step} ({what}): {type(e).__name__}: {e}\n"
-                f"{self._listing(step)}"
+                f"rank {self.rank}, {self._which()}, op {step} ({what}): {type(e).__name__}: {e}\n{self._listing(step)}"
             ) from e
         if self.record:
             if self.device.type == "cuda":
@@ -311,8 +313,9 @@ class PipelineExecutor:
                 self._events.append(ev)
             label = "+".join(map(str, arg)) if isinstance(arg, list) else str(arg)
             self._result.records.append(
-                ActionRecord(self.rank, step, label, start - self._t0, time.perf_counter() - self._t0,
-                             self._p2p.wait_time)
+                ActionRecord(
+                    self.rank, step, label, start - self._t0, time.perf_counter() - self._t0, self._p2p.wait_time
+                )
             )
 
     def _context(self, op: Any) -> AbstractContextManager[Any]:
@@ -365,8 +368,11 @@ class PipelineExecutor:
             self._acts[(s + 1, mb)] = _as_tuple(out)
         else:
             outs = _as_tuple(out)
-            check_outgoing([TensorMeta.of(t) for t in outs], self._p2p.meta_out[s],
-                           f"the output stage {s} sends for micro-batch {mb}")
+            check_outgoing(
+                [TensorMeta.of(t) for t in outs],
+                self._p2p.meta_out[s],
+                f"the output stage {s} sends for micro-batch {mb}",
+            )
             self._to_send[("F", s, mb)] = [t.detach() for t in outs]
 
     def _grad_outputs(self, s: int, mb: int) -> Any:
@@ -383,12 +389,15 @@ class PipelineExecutor:
             return
         # Only inputs that require grad travel back: the ones the previous stage's outputs required.
         metas = [mt for mt in self._p2p.meta_in[s] if mt.requires_grad]
-        needed = [g for g, mt in zip(grads, self._p2p.meta_in[s]) if mt.requires_grad]
+        needed = [g for g, mt in zip(grads, self._p2p.meta_in[s], strict=False) if mt.requires_grad]
         if s - 1 in self.stages:
             self._grads[(s - 1, mb)] = needed
         else:
-            check_outgoing([TensorMeta(tuple(g.shape), g.dtype, True) for g in needed], metas,
-                           f"the input gradient stage {s} sends for micro-batch {mb}")
+            check_outgoing(
+                [TensorMeta(tuple(g.shape), g.dtype, True) for g in needed],
+                metas,
+                f"the input gradient stage {s} sends for micro-batch {mb}",
+            )
             self._to_send[("B", s, mb)] = needed
 
     def _backward_input(self, a: Action) -> None:
@@ -415,12 +424,16 @@ class PipelineExecutor:
         """What the shapes between stages follow, as the rank holding stage 0 sees it: the micro-batches'
         shapes and dtypes, autocast, and its stages' training flags and trainable parameters."""
         parts: list[Any] = [
-            [[(tuple(t.shape), str(t.dtype), t.requires_grad) for t in mb if isinstance(t, torch.Tensor)]
-             for mb in self._inputs],
+            [
+                [(tuple(t.shape), str(t.dtype), t.requires_grad) for t in mb if isinstance(t, torch.Tensor)]
+                for mb in self._inputs
+            ],
             torch.is_autocast_enabled(self.device.type),
             str(torch.get_autocast_dtype(self.device.type)),
-            [(s, st.module.training, [q.requires_grad for q in st.module.parameters()])
-             for s, st in sorted(self.stages.items())],
+            [
+                (s, st.module.training, [q.requires_grad for q in st.module.parameters()])
+                for s, st in sorted(self.stages.items())
+            ],
         ]
         return int(hashlib.sha1(repr(parts).encode()).hexdigest()[:15], 16)  # fits an int64
 
@@ -454,7 +467,8 @@ class PipelineExecutor:
                 out = self._probe(s, inputs)
             except Exception as e:
                 raise PipelineError(
-                    f"rank {self.rank}, {self._which()}, shape exchange before the first action, stage {s} on micro-batch 0: "
+                    f"rank {self.rank}, {self._which()}, shape exchange before the first action, stage {s} on "
+                    f"micro-batch 0: "
                     f"{type(e).__name__}: {e}"
                 ) from e
             p2p.meta_out[s] = [TensorMeta.of(t) for t in out]

@@ -72,8 +72,14 @@ class P2P:
     and host, instead of the process group's default of 30 minutes.
     """
 
-    def __init__(self, schedule: Schedule, rank: int, group: dist.ProcessGroup | None, device: torch.device,
-                 timeout: float | None = None) -> None:
+    def __init__(
+        self,
+        schedule: Schedule,
+        rank: int,
+        group: dist.ProcessGroup | None,
+        device: torch.device,
+        timeout: float | None = None,
+    ) -> None:
         self.schedule = schedule
         self.rank = rank
         self.group = group
@@ -122,8 +128,12 @@ class P2P:
         names = " or ".join(self.describe_rank(r) for r in sorted(set(peers)))
         if "Timed out" in text or "timed out" in text:
             secs = self.timeout.total_seconds() if self.timeout is not None else None
-            why = (f"nothing came for {secs:g} s: it is hung, stopped or far slower than this rank (raise the "
-                   f"timeout if a step can take that long)" if secs is not None else "the wait timed out")
+            why = (
+                f"nothing came for {secs:g} s: it is hung, stopped or far slower than this rank (raise the "
+                f"timeout if a step can take that long)"
+                if secs is not None
+                else "the wait timed out"
+            )
         elif any(k in text for k in ("Connection closed", "Connection reset", "closed by peer", "Broken pipe")):
             why = "its connection closed: the process died or was killed"
         else:
@@ -133,8 +143,9 @@ class P2P:
     def describe_rank(self, pp_rank: int) -> str:
         held = self.schedule.stages_of(pp_rank)
         stages = ("stage " if len(held) == 1 else "stages ") + ", ".join(map(str, held))
-        return (f"pipeline rank {pp_rank} ({stages}, global rank {self.global_ranks[pp_rank]}, "
-                f"host {self.hosts[pp_rank]})")
+        return (
+            f"pipeline rank {pp_rank} ({stages}, global rank {self.global_ranks[pp_rank]}, host {self.hosts[pp_rank]})"
+        )
 
     def new_shapes(self) -> None:
         """The shapes between stages changed: forget their metadata and the receive buffers."""
@@ -188,7 +199,9 @@ class P2P:
     def _buffer(self, key: tuple[str, int, int]) -> list[torch.Tensor]:
         bufs = self._buffers.get(key)
         if bufs is None:
-            bufs = [torch.empty(mt.shape, dtype=mt.dtype, device=self.device) for mt in self._recv_metas(key[0], key[1])]
+            bufs = [
+                torch.empty(mt.shape, dtype=mt.dtype, device=self.device) for mt in self._recv_metas(key[0], key[1])
+            ]
             self._buffers[key] = bufs
         return bufs
 
@@ -205,14 +218,20 @@ class P2P:
             if c.is_send:
                 edge = c.stage if key[0] == "F" else c.stage - 1
                 for i, t in enumerate(outgoing.pop(key)):
-                    ops.append(dist.P2POp(dist.isend, t.contiguous(), peer, self.group, self.tag(key[0], edge, c.microbatch, i)))
+                    ops.append(
+                        dist.P2POp(
+                            dist.isend, t.contiguous(), peer, self.group, self.tag(key[0], edge, c.microbatch, i)
+                        )
+                    )
                     owner.append(None)
                 peers.append(c.peer)
             else:
                 edge = c.stage - 1 if key[0] == "F" else c.stage
                 bufs = self._buffer(key)
-                ops.extend(dist.P2POp(dist.irecv, b, peer, self.group, self.tag(key[0], edge, c.microbatch, i))
-                           for i, b in enumerate(bufs))
+                ops.extend(
+                    dist.P2POp(dist.irecv, b, peer, self.group, self.tag(key[0], edge, c.microbatch, i))
+                    for i, b in enumerate(bufs)
+                )
                 owner.extend([key] * len(bufs))
                 recvs[key] = (bufs, c.peer)
         if not ops:
@@ -220,13 +239,15 @@ class P2P:
         try:
             works = dist.batch_isend_irecv(ops)
         except RuntimeError as e:
-            raise PeerLost(self.describe_loss(peers + [p for _, p in recvs.values()], "a send or receive to be posted", e)) from e
+            raise PeerLost(
+                self.describe_loss(peers + [p for _, p in recvs.values()], "a send or receive to be posted", e)
+            ) from e
         if len(works) == len(ops):
             # One work per op (gloo): each must be waited exactly once, since a gloo work's wait
             # blocks for a further completion when called again.
             for key, (bufs, peer) in recvs.items():
-                self._recvs[key] = ([w for w, o in zip(works, owner) if o == key], bufs, peer)
-            self._sends.append(([w for w, o in zip(works, owner) if o is None], peers))
+                self._recvs[key] = ([w for w, o in zip(works, owner, strict=False) if o == key], bufs, peer)
+            self._sends.append(([w for w, o in zip(works, owner, strict=False) if o is None], peers))
         else:
             # One work for the whole group (NCCL coalescing): waiting on it again is a no-op.
             for key, (bufs, peer) in recvs.items():
@@ -239,13 +260,15 @@ class P2P:
         works, bufs, peer = self._recvs.pop(key)
         t = time.perf_counter()
         direction, stage, mb = key
-        what = (f"the input of {stage}F{mb}" if direction == "F" else f"the output gradient of {stage}B{mb}")
+        what = f"the input of {stage}F{mb}" if direction == "F" else f"the output gradient of {stage}B{mb}"
         for w in works:
             self._wait(w, [peer], what)
         self.wait_time += time.perf_counter() - t
         if key[0] == "F":
             metas = self.meta_in[key[1]]
-            return tuple(b.detach().requires_grad_() if mt.requires_grad else b for b, mt in zip(bufs, metas))
+            return tuple(
+                b.detach().requires_grad_() if mt.requires_grad else b for b, mt in zip(bufs, metas, strict=False)
+            )
         return tuple(bufs)
 
     # ------------------------------------------------------------------ objects (shape exchange, evaluation)

@@ -79,10 +79,19 @@ class StepValidation:
     ``before_step`` (best: after the next pipeline step, when the reduction has long arrived).
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, *, max_norm: float | None = None,
-                 norm_type: float = 2.0, check_finite: bool = True, group: dist.ProcessGroup | None = None,
-                 device: torch.device | str = "cpu", overlap: bool = True,
-                 not_counted: frozenset[int] | set[int] = frozenset(), rollback: bool = True) -> None:
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        *,
+        max_norm: float | None = None,
+        norm_type: float = 2.0,
+        check_finite: bool = True,
+        group: dist.ProcessGroup | None = None,
+        device: torch.device | str = "cpu",
+        overlap: bool = True,
+        not_counted: frozenset[int] | set[int] = frozenset(),
+        rollback: bool = True,
+    ) -> None:
         if max_norm is not None and not max_norm > 0:
             raise ValueError(f"max_norm must be > 0 (or None for no clipping), got {max_norm!r}")
         self.optimizer = optimizer
@@ -161,10 +170,12 @@ class StepValidation:
     def _details(self, stats: torch.Tensor) -> dict[str, Any]:
         """Which ranks of the group were not finite, and the summed ``extra``."""
         size = self._slots()[1]
-        flags = stats[2:2 + size].tolist()
-        extra = stats[2 + size:]
-        return {"nonfinite_ranks": tuple(r for r, f in enumerate(flags) if f > 0),
-                "extra": extra if extra.numel() else None}
+        flags = stats[2 : 2 + size].tolist()
+        extra = stats[2 + size :]
+        return {
+            "nonfinite_ranks": tuple(r for r, f in enumerate(flags) if f > 0),
+            "extra": extra if extra.numel() else None,
+        }
 
     def _decide(self, stats: torch.Tensor) -> tuple[torch.Tensor | None, bool, bool]:
         """``(total norm, clip?, skip?)`` from the reduced statistics, as one process would decide."""
@@ -252,9 +263,16 @@ class StepValidation:
         one host sync per parameter)."""
         self.nonfinite_params = [q for q, g in grads if g is not None and not bool(torch.isfinite(g).all())]
 
-    def _record(self, total: torch.Tensor | None, clip: bool, skip: bool, redone: bool,
-                nonfinite_ranks: tuple[int, ...] = (), extra: torch.Tensor | None = None,
-                nonfinite: bool | None = None) -> Verdict:
+    def _record(
+        self,
+        total: torch.Tensor | None,
+        clip: bool,
+        skip: bool,
+        redone: bool,
+        nonfinite_ranks: tuple[int, ...] = (),
+        extra: torch.Tensor | None = None,
+        nonfinite: bool | None = None,
+    ) -> Verdict:
         self.skipped_steps += skip
         self.clipped_steps += clip and not skip
         self.redone_steps += redone
@@ -270,14 +288,14 @@ class StepValidation:
         try:
             for q, g in grads:
                 q.grad = g
-            for g, saved in zip(self.optimizer.param_groups, self._groups):
+            for g, saved in zip(self.optimizer.param_groups, self._groups, strict=False):
                 g.update(saved)
             self._apply(params, total, clip=True, skip=False)
             self.optimizer.step()
         finally:
-            for q, g in zip(params, current):
+            for q, g in zip(params, current, strict=False):
                 q.grad = g
-            for g, saved in zip(self.optimizer.param_groups, now):
+            for g, saved in zip(self.optimizer.param_groups, now, strict=False):
                 g.update(saved)
 
     # ------------------------------------------------------------------ the copy
@@ -308,7 +326,9 @@ class StepValidation:
                     else:
                         copied[k] = copy.deepcopy(v)
                 self._state[id(q)] = copied
-        self._groups = [copy.deepcopy({k: v for k, v in g.items() if k != "params"}) for g in self.optimizer.param_groups]
+        self._groups = [
+            copy.deepcopy({k: v for k, v in g.items() if k != "params"}) for g in self.optimizer.param_groups
+        ]
 
     @torch.no_grad()
     def _restore(self) -> None:

@@ -143,7 +143,7 @@ class Stage:
         else:
             flat, _ = pytree.tree_flatten(grad_outputs)
             if len(flat) == len(p.flat_out):  # given for every output: keep those that require grad
-                grads = [g for g, o in zip(flat, p.flat_out) if _is_tensor_requiring_grad(o)]
+                grads = [g for g, o in zip(flat, p.flat_out, strict=False) if _is_tensor_requiring_grad(o)]
             else:
                 grads = [g for g in flat if g is None or isinstance(g, torch.Tensor)]
         if len(grads) != len(p.outputs):
@@ -151,7 +151,7 @@ class Stage:
                 f"micro-batch {mb}: got {len(grads)} grad_outputs for {len(p.outputs)} outputs that "
                 f"require grad; pass one gradient (or None) per such output, in output order"
             )
-        return [torch.zeros_like(o) if g is None else g for g, o in zip(grads, p.outputs)]
+        return [torch.zeros_like(o) if g is None else g for g, o in zip(grads, p.outputs, strict=False)]
 
     def _input_grads(self, p: _Pending, grads: Sequence[torch.Tensor | None]) -> tuple[Any, ...]:
         """One entry per positional input: its gradient, or None (non-tensor or no grad)."""
@@ -260,7 +260,8 @@ class Stage:
                 f"direct formula could not read their saved operand ({plan.unreadable[0]}), so they take the "
                 f"slow path: B keeps the micro-batch's whole autograd graph (about its activation memory, "
                 f"M_act in twobp-plan) until W, for every micro-batch in flight. Warned once per stage.",
-                RuntimeWarning, stacklevel=2,
+                RuntimeWarning,
+                stacklevel=2,
             )
         # Outputs that do not reach any input (``return y, self.scale * 2``) feed only weights:
         # their whole backward is W's, from the output itself.
@@ -288,7 +289,7 @@ class Stage:
         p.fast = plan.fast
         if not plan.frontier:
             p.outputs = []
-        p.edge_grads = [(e, g) for e, g in zip(plan.early_edges, grads[len(inputs) :]) if g is not None]
+        p.edge_grads = [(e, g) for e, g in zip(plan.early_edges, grads[len(inputs) :], strict=False) if g is not None]
         return self._input_grads(p, grads[: len(inputs)])
 
     # ------------------------------------------------------------------ W
@@ -328,7 +329,7 @@ class Stage:
                     allow_unused=True,
                     retain_graph=False,  # this node's saved tensors are not needed again
                 )
-                edge_grads.extend((e, g) for e, g in zip(targets, got) if g is not None)
+                edge_grads.extend((e, g) for e, g in zip(targets, got, strict=False) if g is not None)
         self._push_to_params(edge_grads)
         for m in mbs:
             del self._pending[m]
@@ -361,10 +362,8 @@ class Stage:
         params = _params_below([e.node for e, _ in through], self._params)
         if not params:
             return
-        grads = torch.autograd.grad(
-            [e for e, _ in through], params, [g for _, g in through], allow_unused=True
-        )
-        for q, g in zip(params, grads):
+        grads = torch.autograd.grad([e for e, _ in through], params, [g for _, g in through], allow_unused=True)
+        for q, g in zip(params, grads, strict=False):
             if g is not None:
                 self._accumulate(q, g)
 
@@ -399,9 +398,7 @@ def _leaf_param(node: Node, params: dict[int, nn.Parameter]) -> nn.Parameter | N
     return var if var is not None and id(var) in params else None
 
 
-def _plan(
-    outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor], params: dict[int, nn.Parameter]
-) -> _Plan:
+def _plan(outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor], params: dict[int, nn.Parameter]) -> _Plan:
     """Classify the graph below ``outputs``: input path, weight-only region, frontier edges."""
     input_ids = {id(x) for x in inputs}
     roots = [o.grad_fn for o in outputs if o.grad_fn is not None]
@@ -488,8 +485,10 @@ def _plan(
             frontier.append((node, deferred))
             num_deferred += len(deferred)
     weight_roots = [
-        i for i, o in enumerate(outputs)
-        if (o.grad_fn is None and id(o) in params) or (o.grad_fn is not None and not to_input[o.grad_fn] and to_param[o.grad_fn])
+        i
+        for i, o in enumerate(outputs)
+        if (o.grad_fn is None and id(o) in params)
+        or (o.grad_fn is not None and not to_input[o.grad_fn] and to_param[o.grad_fn])
     ]
     if fallback:
         log.debug("weight-only node shared by several frontier nodes: W taken in B for this micro-batch")
@@ -524,7 +523,7 @@ def _direct_weight_grad(node: Node, pos: int, child: Node, params: dict[int, nn.
         if name == "AddmmBackward0" and (saved(node, "alpha") != 1 or saved(node, "beta") != 1):
             return None
         if pos == mat2_pos and child.name() == "TBackward0":
-            (leaf, _), = child.next_functions
+            ((leaf, _),) = child.next_functions
             param = _leaf_param(leaf, params) if leaf is not None else None
             if param is not None and param.dim() == 2:
                 mat1 = saved(node, "self" if name == "MmBackward0" else "mat1")

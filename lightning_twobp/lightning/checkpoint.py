@@ -55,8 +55,18 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-__all__ = ["CheckpointError", "MANIFEST", "consolidate", "load", "main", "resolve", "rng_state", "save", "set_rng_state",
-           "verify"]
+__all__ = [
+    "CheckpointError",
+    "MANIFEST",
+    "consolidate",
+    "load",
+    "main",
+    "resolve",
+    "rng_state",
+    "save",
+    "set_rng_state",
+    "verify",
+]
 
 META = "meta.pt"  # Lightning's checkpoint without weights and optimizer state, from rank 0
 MANIFEST = "twobp-manifest.json"  # size and SHA-256 of every other file; written last, it marks completion
@@ -144,7 +154,10 @@ def set_rng_state(state: dict[str, torch.Tensor]) -> None:
     """Restore what :func:`rng_state` took."""
     python = state["python"].tolist()
     gauss = float(state["python_gauss"][0])
-    states: dict[str, Any] = {"torch": state["torch"], "python": (python[0], python[1:], None if gauss != gauss else gauss)}
+    states: dict[str, Any] = {
+        "torch": state["torch"],
+        "python": (python[0], python[1:], None if gauss != gauss else gauss),
+    }
     cuda = [state[k] for k in sorted(k for k in state if k.startswith("cuda"))]
     if cuda and torch.cuda.is_available():
         states["torch.cuda"] = cuda
@@ -152,8 +165,13 @@ def set_rng_state(state: dict[str, torch.Tensor]) -> None:
         import numpy as np
 
         words = state["numpy"].tolist()
-        states["numpy"] = ("MT19937", np.array(words[:-2], dtype=np.uint32), words[-2], words[-1],
-                           float(state["numpy_gauss"][0]))
+        states["numpy"] = (
+            "MT19937",
+            np.array(words[:-2], dtype=np.uint32),
+            words[-2],
+            words[-1],
+            float(state["numpy_gauss"][0]),
+        )
     _set_rng_states(states)
 
 
@@ -211,9 +229,15 @@ def _swap_into_place(tmp: Path, path: Path) -> None:
     _rmtree(old)
 
 
-def save(checkpoint: dict[str, Any], path: Path, module: nn.Module, optimizers: list[Any],
-         layout: dict[str, Any], group: dist.ProcessGroup | None = None,
-         streams: dict[str, dict[str, torch.Tensor]] | None = None) -> None:
+def save(
+    checkpoint: dict[str, Any],
+    path: Path,
+    module: nn.Module,
+    optimizers: list[Any],
+    layout: dict[str, Any],
+    group: dist.ProcessGroup | None = None,
+    streams: dict[str, dict[str, torch.Tensor]] | None = None,
+) -> None:
     """Write ``checkpoint`` (Lightning's dict) as a sharded directory at ``path``; every rank calls it.
     ``group``: the process group of its collectives (the world's by default; the strategy passes one
     whose timeout covers writing and hashing a large checkpoint). ``streams``: this rank's stages'
@@ -252,8 +276,11 @@ def resolve(path: str | os.PathLike) -> Path:
         return path
     for candidate in (_partial(path), _old(path)):
         if (candidate / MANIFEST).is_file():
-            warnings.warn(f"{path} is missing (a save was interrupted while renaming); reading the complete "
-                          f"checkpoint {candidate} instead", stacklevel=2)
+            warnings.warn(
+                f"{path} is missing (a save was interrupted while renaming); reading the complete "
+                f"checkpoint {candidate} instead",
+                stacklevel=2,
+            )
             return candidate
     raise FileNotFoundError(f"no checkpoint at {path}")
 
@@ -267,8 +294,10 @@ def _check(path: Path, names: list[str], files: dict[str, Any]) -> list[str]:
         elif (size := file.stat().st_size) != want["size"]:
             problems.append(f"{file}: {size} bytes, the manifest says {want['size']} (truncated or partly written)")
         elif _sha256(file) != want["sha256"]:
-            problems.append(f"{file}: its SHA-256 differs from the manifest's (the file was changed or damaged "
-                            f"after it was written)")
+            problems.append(
+                f"{file}: its SHA-256 differs from the manifest's (the file was changed or damaged "
+                f"after it was written)"
+            )
     return problems
 
 
@@ -284,8 +313,10 @@ def verify(path: str | os.PathLike, *, shared: bool = True, group: dist.ProcessG
             f"directory ModelCheckpoint wrote, or load a consolidated file with strategy='auto'"
         )
     if not manifest_file.is_file():
-        raise CheckpointError(f"{path} has no {MANIFEST}: it was not written completely (or by a version of "
-                              f"lightning_twobp before 0.2); resume from an earlier checkpoint")
+        raise CheckpointError(
+            f"{path} has no {MANIFEST}: it was not written completely (or by a version of "
+            f"lightning_twobp before 0.2); resume from an earlier checkpoint"
+        )
     try:
         manifest = json.loads(manifest_file.read_text())
         files = manifest["files"]
@@ -299,14 +330,24 @@ def verify(path: str | os.PathLike, *, shared: bool = True, group: dist.ProcessG
         dist.all_gather_object(gathered, problems, group=group)
         problems = [p for part in gathered for p in part]
     if problems:
-        raise CheckpointError(f"checkpoint {path} is damaged, not loaded: " + "; ".join(problems)
-                              + ". Resume from another checkpoint (the previous save is kept until a new one "
-                              "is complete)")
+        raise CheckpointError(
+            f"checkpoint {path} is damaged, not loaded: "
+            + "; ".join(problems)
+            + ". Resume from another checkpoint (the previous save is kept until a new one "
+            "is complete)"
+        )
     return manifest
 
 
-def load(path: Path, module: nn.Module, optimizers: list[Any], weights_only: bool | None,
-         strict: bool = True, group: dist.ProcessGroup | None = None, streams: Sequence[str] = ()) -> dict[str, Any]:
+def load(
+    path: Path,
+    module: nn.Module,
+    optimizers: list[Any],
+    weights_only: bool | None,
+    strict: bool = True,
+    group: dist.ProcessGroup | None = None,
+    streams: Sequence[str] = (),
+) -> dict[str, Any]:
     """Verify the checkpoint, load this rank's weights (and, when ``optimizers`` are given, their
     state) from it into ``module`` and ``optimizers`` in place; return the rest of the checkpoint.
     ``group``: as for :func:`save`. ``streams``: the names of the stage streams to read, where the
@@ -332,8 +373,11 @@ def load(path: Path, module: nn.Module, optimizers: list[Any], weights_only: boo
     rng = {}
     for name in (own, *streams):
         prefix = f"rng.{name}."
-        found = {k[len(prefix):]: torch.empty(tuple(m.size), dtype=m.properties.dtype)
-                 for k, m in saved.items() if k.startswith(prefix)}
+        found = {
+            k[len(prefix) :]: torch.empty(tuple(m.size), dtype=m.properties.dtype)
+            for k, m in saved.items()
+            if k.startswith(prefix)
+        }
         if found:
             rng[name] = found
     if rng:
@@ -364,8 +408,9 @@ def consolidate(checkpoint_dir: str | os.PathLike, out_path: str | os.PathLike) 
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="twobp-consolidate", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="twobp-consolidate", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("checkpoint_dir", help="a checkpoint directory written under strategy='twobp'")
     ap.add_argument("out", help="where to write the consolidated .ckpt file")
     args = ap.parse_args(argv)

@@ -49,8 +49,13 @@ def check_nodes(num_nodes: int, devices: int, environment: Any) -> None:
     )
 
 
-def checked_optimizers(setup: Callable[[], None], module: nn.Module, optimizers: Callable[[], list[Any]],
-                       pp_rank: int, stages: Sequence[int]) -> None:
+def checked_optimizers(
+    setup: Callable[[], None],
+    module: nn.Module,
+    optimizers: Callable[[], list[Any]],
+    pp_rank: int,
+    stages: Sequence[int],
+) -> None:
     """Run ``setup`` (Lightning's ``configure_optimizers``) and check what it built, on every rank together:
     a failure on one rank (torch's "empty parameter list" where an optimizer covers other stages' layers
     only) is raised on every rank at once, not left for the others to wait on at the first step."""

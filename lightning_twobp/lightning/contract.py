@@ -176,7 +176,8 @@ def find_contract(module: nn.Module, layers: str | None = None) -> Contract:
             return ModuleListContract(module, layers, target)
         raise ValueError(
             f"layers={layers!r} points to {type(target).__name__}, not to an nn.Sequential or an nn.ModuleList: point "
-            f"layers= at the blocks the model's forward loops over (an nn.ModuleList, e.g. layers='model.transformer.h'), "
+            f"layers= at the blocks the model's forward loops over (an nn.ModuleList, e.g. "
+            f"layers='model.transformer.h'), "
             f"or put the layers in one nn.Sequential called once in training_step"
         )
     if isinstance(module, nn.Sequential):
@@ -205,7 +206,9 @@ def _outermost_pipelines(module: nn.Module) -> list[tuple[str, nn.Module]]:
     stack: list[tuple[str, nn.Module]] = [("", module)]
     while stack:
         name, mod = stack.pop()
-        if mod is not module and (isinstance(mod, nn.Sequential) or (isinstance(mod, nn.ModuleList) and identical_blocks(mod))):
+        if mod is not module and (
+            isinstance(mod, nn.Sequential) or (isinstance(mod, nn.ModuleList) and identical_blocks(mod))
+        ):
             found.append((name, mod))
             continue
         stack.extend((f"{name}.{n}" if name else n, child) for n, child in reversed(list(mod.named_children())))

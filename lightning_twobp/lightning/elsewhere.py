@@ -50,8 +50,13 @@ class Elsewhere(torch.Tensor):
     @staticmethod
     def __new__(cls, meta: torch.Tensor, device: torch.device, where: str) -> Elsewhere:
         t = torch.Tensor._make_wrapper_subclass(
-            cls, meta.shape, strides=meta.stride(), storage_offset=meta.storage_offset(), dtype=meta.dtype,
-            device=device, requires_grad=False,
+            cls,
+            meta.shape,
+            strides=meta.stride(),
+            storage_offset=meta.storage_offset(),
+            dtype=meta.dtype,
+            device=device,
+            requires_grad=False,
         )
         t._meta = meta
         t.where = where
@@ -95,7 +100,9 @@ class Elsewhere(torch.Tensor):
 
 def _written(func: Any) -> list[int]:
     if func not in _WRITES:
-        _WRITES[func] = [i for i, a in enumerate(func._schema.arguments) if a.alias_info is not None and a.alias_info.is_write]
+        _WRITES[func] = [
+            i for i, a in enumerate(func._schema.arguments) if a.alias_info is not None and a.alias_info.is_write
+        ]
     return _WRITES[func]
 
 

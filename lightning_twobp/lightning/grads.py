@@ -56,7 +56,7 @@ class GradStash:
             yield
             self._stash = [(q, q.grad) for q in params if q.grad is not None]
         finally:
-            for q, g in zip(params, kept):
+            for q, g in zip(params, kept, strict=False):
                 q.grad = g
 
     def add_to_grads(self, scale: float) -> None:
@@ -89,7 +89,7 @@ def dp_reduce(group: dist.ProcessGroup, dp: int) -> Callable[[int, list[nn.Param
             for work, flat, grads in started:
                 work.wait()
                 flat.div_(dp)
-                for g, part in zip(grads, flat.split([g.numel() for g in grads])):
+                for g, part in zip(grads, flat.split([g.numel() for g in grads]), strict=False):
                     g.copy_(part.view_as(g))
 
         return finish
@@ -106,8 +106,12 @@ class TiedParameters:
     and optimizer updates keep the copies equal. The global norm counts it once, on its first holder.
     """
 
-    def __init__(self, shared: list[SharedParameter], replica_groups: Callable[[Sequence[int]], list[list[int]]],
-                 timeout: timedelta | None = None) -> None:
+    def __init__(
+        self,
+        shared: list[SharedParameter],
+        replica_groups: Callable[[Sequence[int]], list[list[int]]],
+        timeout: timedelta | None = None,
+    ) -> None:
         """``replica_groups(pipeline_ranks)``: the global ranks of those pipeline ranks in every
         data-parallel replica, one list per replica. ``timeout``: of the holders' groups."""
         me = dist.get_rank() if shared else 0
@@ -137,8 +141,9 @@ class TiedParameters:
             dist.all_reduce(q.grad, group=group)
 
 
-def overflow_agreeing_scaler(scaler: torch.amp.GradScaler, device: torch.device,
-                             group: dist.ProcessGroup | None) -> torch.amp.GradScaler:
+def overflow_agreeing_scaler(
+    scaler: torch.amp.GradScaler, device: torch.device, group: dist.ProcessGroup | None
+) -> torch.amp.GradScaler:
     """fp16: a GradScaler skips the step and lowers its scale when *its* gradients hold inf/NaN. Each
     rank holds other stages' gradients, so one stage's overflow must skip the step on every rank, or
     the stages drift apart and their scales disagree (the pipeline's backward starts from the last
@@ -148,9 +153,13 @@ def overflow_agreeing_scaler(scaler: torch.amp.GradScaler, device: torch.device,
     from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
     agreeing = ShardedGradScaler(
-        device=device.type, init_scale=scaler.get_scale(), growth_factor=scaler.get_growth_factor(),
-        backoff_factor=scaler.get_backoff_factor(), growth_interval=scaler.get_growth_interval(),
-        enabled=scaler.is_enabled(), process_group=group if group is not None else dist.group.WORLD,
+        device=device.type,
+        init_scale=scaler.get_scale(),
+        growth_factor=scaler.get_growth_factor(),
+        backoff_factor=scaler.get_backoff_factor(),
+        growth_interval=scaler.get_growth_interval(),
+        enabled=scaler.is_enabled(),
+        process_group=group if group is not None else dist.group.WORLD,
     )
     if scaler.is_enabled():
         agreeing.load_state_dict(scaler.state_dict())
@@ -176,8 +185,9 @@ class _GlobalNormClipping:
 _CLASSES: dict[type, type] = {}
 
 
-def pipelined_precision(plugin: Any, clip_by_norm: Callable[[Any, float], None],
-                        before_step: Callable[[Any], None], scaler: Any = None) -> Any:
+def pipelined_precision(
+    plugin: Any, clip_by_norm: Callable[[Any, float], None], before_step: Callable[[Any], None], scaler: Any = None
+) -> Any:
     """A copy of Lightning's precision ``plugin`` (same class, plus :class:`_GlobalNormClipping`)
     whose ``clip_grad_by_norm`` calls ``clip_by_norm(optimizer, max_norm)``, which calls
     ``before_step(optimizer)`` right before each optimizer step, and whose ``scaler`` is ``scaler``

@@ -29,12 +29,14 @@ __all__ = [
     "schedule_label",
 ]
 
+
 def check_degree(world_size: int, pipeline_degree: int) -> None:
     """Raise ``ValueError`` when the world does not split into whole pipelines."""
     if pipeline_degree < 1 or world_size % pipeline_degree:
         raise ValueError(
             f"{world_size} devices cannot be split into pipelines of {pipeline_degree}: devices x num_nodes "
-            f"must be a multiple of pipeline_degree (use one of {[d for d in range(1, world_size + 1) if world_size % d == 0]})"
+            f"must be a multiple of pipeline_degree (use one of "
+            f"{[d for d in range(1, world_size + 1) if world_size % d == 0]})"
         )
 
 
@@ -76,8 +78,9 @@ class MeshLayout:
         options = group_options(dist.get_backend(), timeout)
         if options is not None:
             override = {"dp": options, "pp": options}
-        return init_device_mesh(device.type, (self.dp_degree, self.pipeline_degree), mesh_dim_names=("dp", "pp"),
-                                backend_override=override)
+        return init_device_mesh(
+            device.type, (self.dp_degree, self.pipeline_degree), mesh_dim_names=("dp", "pp"), backend_override=override
+        )
 
 
 def group_options(backend: str, timeout: timedelta | None) -> tuple[str, Any] | None:

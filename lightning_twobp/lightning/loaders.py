@@ -29,9 +29,12 @@ def keep_users_sampler(trainer: Any) -> Callable[[], None]:
     fit on a ``shuffle=False`` loader must match one process)."""
     connector = getattr(trainer, "_accelerator_connector", None)
     if connector is None or not hasattr(connector, "use_distributed_sampler"):
-        warnings.warn("twobp: this Lightning version keeps its distributed-sampler switch elsewhere, so with one "
-                      "data-parallel replica Lightning's shuffling DistributedSampler replaces the loader's sampler; "
-                      "pass Trainer(use_distributed_sampler=False) to read batches in the loader's order", stacklevel=2)
+        warnings.warn(
+            "twobp: this Lightning version keeps its distributed-sampler switch elsewhere, so with one "
+            "data-parallel replica Lightning's shuffling DistributedSampler replaces the loader's sampler; "
+            "pass Trainer(use_distributed_sampler=False) to read batches in the loader's order",
+            stacklevel=2,
+        )
         return lambda: None
     before = connector.use_distributed_sampler
     connector.use_distributed_sampler = False

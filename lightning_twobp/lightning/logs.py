@@ -60,7 +60,7 @@ def _unflatten(spec: list[tuple[str, str, str, tuple[int, ...]]], flat: torch.Te
     at = 0
     for path, k, dtype, shape in spec:
         n = math.prod(shape)
-        states.setdefault(path, {})[k] = flat[at:at + n].reshape(shape).to(_dtype(dtype))
+        states.setdefault(path, {})[k] = flat[at : at + n].reshape(shape).to(_dtype(dtype))
         at += n
     return states
 
@@ -117,12 +117,20 @@ class LogChannel:
         signature = _signature(blob)
         names = blob if signature != self._sent_spec else b""
         self._sent_spec = signature
-        values = torch.cat([loss.detach().to(self.device, torch.float64).reshape(1)] + [
-            (v.detach().to(self.device, torch.float64) if isinstance(v, torch.Tensor)
-             else torch.tensor(0.0 if isinstance(v, MetricRef) else float(v), dtype=torch.float64,
-                               device=self.device)).reshape(1)
-            for v, _ in means.values()
-        ] + [v.detach().to(self.device, torch.float64).reshape(-1) for st in states.values() for v in st.values()])
+        values = torch.cat(
+            [loss.detach().to(self.device, torch.float64).reshape(1)]
+            + [
+                (
+                    v.detach().to(self.device, torch.float64)
+                    if isinstance(v, torch.Tensor)
+                    else torch.tensor(
+                        0.0 if isinstance(v, MetricRef) else float(v), dtype=torch.float64, device=self.device
+                    )
+                ).reshape(1)
+                for v, _ in means.values()
+            ]
+            + [v.detach().to(self.device, torch.float64).reshape(-1) for st in states.values() for v in st.values()]
+        )
         header = torch.tensor([values.numel(), signature, len(names)], dtype=torch.int64, device=self.device)
         tensors = [(header, _TAG_HEADER), (values, _TAG_VALUES)]
         if names:
@@ -148,4 +156,4 @@ class LogChannel:
             raise RuntimeError("the logged names were never received: the log channel lost a message")
         spec, state_spec = self._spec[1]
         means: Logs = {name: (_restore(values[i + 1], kind), kw) for i, (name, kw, kind) in enumerate(spec)}
-        return values[0].float(), means, _unflatten(state_spec, values[1 + len(spec):])
+        return values[0].float(), means, _unflatten(state_spec, values[1 + len(spec) :])

@@ -128,7 +128,7 @@ class _Call:
 
     def rebuild(self, tensors: list[torch.Tensor] | tuple) -> tuple[tuple, dict]:
         leaves = list(self.leaves)
-        for pos, t in zip(self.positions, tensors):
+        for pos, t in zip(self.positions, tensors, strict=False):
             leaves[pos] = t
         return pytree.tree_unflatten(leaves, self.spec)
 
@@ -154,7 +154,7 @@ class _Calls:
                     f"stage re-runs the same call on its micro-batch, so the call's structure must not depend on "
                     f"the data"
                 )
-            for pos, (a, b) in enumerate(zip(first.leaves, c.leaves)):
+            for pos, (a, b) in enumerate(zip(first.leaves, c.leaves, strict=False)):
                 if pos not in first.positions and not _same(a, b):
                     raise ValueError(
                         f"the step calls {name} with {a!r} in micro-batch 0 and {b!r} in micro-batch {k} (argument "
@@ -171,7 +171,7 @@ class _Calls:
             if self.stacked is None:
                 self.stacked = [
                     torch.stack(ts) if all(t.shape == ts[0].shape and t.dtype == ts[0].dtype for t in ts) else None
-                    for ts in zip(*(c.tensors for c in self.calls))
+                    for ts in zip(*(c.tensors for c in self.calls), strict=False)
                 ]
             if all(s is not None for s in self.stacked):
                 at = index.reshape(1).to(self.stacked[0].device) if self.stacked else index
@@ -265,7 +265,7 @@ class ModuleListContract:
     def parameter_name(self, i: int, name: str) -> str:
         full = self._groups[i].path_of(name)
         prefix = f"{self.name}."
-        return full[len(prefix):] if full.startswith(prefix) else full
+        return full[len(prefix) :] if full.startswith(prefix) else full
 
     def swap(self, replacements: Mapping[int, nn.Module]) -> dict[int, nn.Module]:
         old: dict[int, nn.Module] = {}
@@ -273,7 +273,9 @@ class ModuleListContract:
             group = self._groups[i]
             old[i] = group if new is not group else self._occupant(group.paths[0])
             for k, path in enumerate(group.paths):
-                module = group.parts()[k] if new is group else (new if path == f"{self.list_name}.{i}" else copy.copy(new))
+                module = (
+                    group.parts()[k] if new is group else (new if path == f"{self.list_name}.{i}" else copy.copy(new))
+                )
                 parent, attr = self._slots[path]
                 setattr(parent, attr, module)
         return old
@@ -295,7 +297,9 @@ class ModuleListContract:
             _uninstall(installed)
 
     # ------------------------------------------------------------------ the model call
-    def _model_call(self, owner: nn.Module, path: str, call: Callable[..., Any], called: list[int]) -> Callable[..., Any]:
+    def _model_call(
+        self, owner: nn.Module, path: str, call: Callable[..., Any], called: list[int]
+    ) -> Callable[..., Any]:
         real = _real_forward(owner, owner.__dict__.get("forward", _MISSING))
 
         def forward(*args: Any, **kwargs: Any) -> Any:
@@ -311,12 +315,13 @@ class ModuleListContract:
 
         return forward
 
-    def _capture_or_resume(self, owner: nn.Module, path: str, real: Callable[..., Any], call: Callable[..., Any],
-                           args: tuple, kwargs: dict) -> Any:
+    def _capture_or_resume(
+        self, owner: nn.Module, path: str, real: Callable[..., Any], call: Callable[..., Any], args: tuple, kwargs: dict
+    ) -> Any:
         flat, spec = pytree.tree_flatten((args, kwargs))
         positions = [k for k, x in enumerate(flat) if isinstance(x, torch.Tensor)]
         tensors = [flat[k] for k in positions]
-        grads = [k for k, t in zip(positions, tensors) if t.requires_grad]
+        grads = [k for k, t in zip(positions, tensors, strict=False) if t.requires_grad]
         if grads:
             raise ValueError(
                 f"an argument of {path or 'self'} requires grad: a module with parameters runs before it in the step, "
@@ -366,7 +371,7 @@ class ModuleListContract:
     # ------------------------------------------------------------------ a stage's run
     def run_stage(self, stage: LoopStage, inputs: tuple) -> Any:
         calls = self._step_calls()
-        for mb in calls.state.microbatches[len(calls.calls):]:  # stages after the first capture here
+        for mb in calls.state.microbatches[len(calls.calls) :]:  # stages after the first capture here
             self._runner.capture(mb)
         calls.check(self.name)
         if stage.first == 0:
@@ -385,8 +390,10 @@ class ModuleListContract:
                 hidden = stop.hidden
             else:
                 raise RuntimeError(
-                    f"the model's forward returned before calling block {stage.stop} of {self.list_name}, where pipeline "
-                    f"stage {self._stage_of[stage.first]}'s layers end: under strategy='twobp' the loop must call every "
+                    f"the model's forward returned before calling block {stage.stop} of {self.list_name}, where "
+                    f"pipeline "
+                    f"stage {self._stage_of[stage.first]}'s layers end: under strategy='twobp' the loop must call "
+                    f"every "
                     f"block, in order, once"
                 )
         # The index is passed on as a copy: the received one sits in a buffer the next receive reuses.
@@ -403,7 +410,7 @@ class ModuleListContract:
         for i, group in enumerate(self._groups):
             if run.first <= i < run.stop:
                 continue
-            for path, part in zip(group.paths, group.parts()):
+            for path, part in zip(group.paths, group.parts(), strict=False):
                 if path != f"{self.list_name}.{i}":
                     occupant = self._occupant(path)
                     installed.append((occupant, occupant.__dict__.get("forward", _MISSING)))
@@ -468,8 +475,9 @@ class ModuleListContract:
         key = self._key(i, args, kwargs)
         if key not in self._shapes:
             twin = self._twin(self._block_part(i))
-            a, k = pytree.tree_map(lambda x: elsewhere(x, f"{self.list_name}[{i}]") if isinstance(x, torch.Tensor) else x,
-                                   (args, kwargs))
+            a, k = pytree.tree_map(
+                lambda x: elsewhere(x, f"{self.list_name}[{i}]") if isinstance(x, torch.Tensor) else x, (args, kwargs)
+            )
             try:
                 with torch.no_grad():
                     out = twin(*a, **k)
@@ -477,7 +485,8 @@ class ModuleListContract:
                 raise
             except Exception as e:
                 raise RuntimeError(
-                    f"could not pass over {self.list_name}[{i}] on pipeline stage {self._stage_of[run.first]}: to learn "
+                    f"could not pass over {self.list_name}[{i}] on pipeline stage {self._stage_of[run.first]}: to "
+                    f"learn "
                     f"the shape of what a block of another stage returns, it runs once on the meta device, which "
                     f"failed ({type(e).__name__}: {e})"
                 ) from e
@@ -485,7 +494,10 @@ class ModuleListContract:
         spec, leaves = self._shapes[key]
         where = f"{self.list_name}[{i}] (pipeline stage {self._stage_of[i]})"
         return pytree.tree_unflatten(
-            [Elsewhere(torch.empty(x[1], dtype=x[2], device="meta"), run.device, where) if _is_shape(x) else x for x in leaves],
+            [
+                Elsewhere(torch.empty(x[1], dtype=x[2], device="meta"), run.device, where) if _is_shape(x) else x
+                for x in leaves
+            ],
             spec,
         )
 

@@ -167,8 +167,11 @@ class StepMetrics:
             if m.update_count == 0:  # not updated in this step: as it was
                 self._put(m, self._before[name])
                 continue
-            states[name] = {k: torch.cat(v) if isinstance(v, list) else v for k, v in m.metric_state.items()
-                            if not (isinstance(v, list) and not v)}
+            states[name] = {
+                k: torch.cat(v) if isinstance(v, list) else v
+                for k, v in m.metric_state.items()
+                if not (isinstance(v, list) and not v)
+            }
             self._settle(m, self._before[name])
         return states
 

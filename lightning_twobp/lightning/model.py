@@ -62,7 +62,9 @@ _GUARDS: weakref.WeakKeyDictionary[nn.Module, Any] = weakref.WeakKeyDictionary()
 def _guard(where: str) -> Any:
     def check(module: nn.Module, args: Any) -> None:
         if any(t.is_meta for t in _tensors(module)):
-            raise RuntimeError(f"{where}: its weights are not on this rank (they are on the meta device); {_HOW_TO_GET_WEIGHTS}")
+            raise RuntimeError(
+                f"{where}: its weights are not on this rank (they are on the meta device); {_HOW_TO_GET_WEIGHTS}"
+            )
 
     return check
 
@@ -133,7 +135,7 @@ class LocalModel:
                     seen.add(id(t))
                     order.append((t, self.owner[i]))
         received: dict[int, torch.Tensor] = {}
-        for (t, owner), dtype in zip(order, _owner_dtypes(order, pp_rank, group)):
+        for (t, owner), dtype in zip(order, _owner_dtypes(order, pp_rank, group), strict=False):
             src = dist.get_global_rank(group, owner) if group is not None else owner
             if owner == pp_rank:  # after teardown's move to the CPU: NCCL sends from the device
                 dist.broadcast(t.detach().to(device), src=src, group=group)
@@ -145,8 +147,9 @@ class LocalModel:
         _replace_tensors(list(self.removed.values()), lambda t: received[id(t)], lambda t: id(t) in received)
 
 
-def _owner_dtypes(order: list[tuple[torch.Tensor, int]], pp_rank: int,
-                  group: dist.ProcessGroup | None) -> list[torch.dtype]:
+def _owner_dtypes(
+    order: list[tuple[torch.Tensor, int]], pp_rank: int, group: dist.ProcessGroup | None
+) -> list[torch.dtype]:
     """Each tensor's dtype on the rank that trained it. The set-aside copies here keep the dtype they had
     when the Trainer call cut the model, before the precision plugin converted the trained stages
     (``"bf16-true"``, ``"64-true"``): a receive buffer in that dtype would read the owner's bytes wrongly."""
@@ -177,21 +180,27 @@ def _replace_tensors(layers: list[nn.Module], make: Any, which: Any) -> None:
                         if not which(t):
                             continue
                         new = make(t)
-                        made[id(t)] = nn.Parameter(new, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else new
+                        made[id(t)] = (
+                            nn.Parameter(new, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else new
+                        )
                     setattr(module, name, made[id(t)])
 
 
 def _to_meta(layers: list[nn.Module], keep: set[int]) -> None:
     """Free the tensors of ``layers``, keeping their structure (shapes, dtypes) on the meta device.
     Tensors in ``keep`` (shared with a layer this rank trains) are left alone."""
-    _replace_tensors(layers, lambda t: torch.empty_like(t, device="meta"), lambda t: id(t) not in keep and not t.is_meta)
+    _replace_tensors(
+        layers, lambda t: torch.empty_like(t, device="meta"), lambda t: id(t) not in keep and not t.is_meta
+    )
 
 
 def _check_trainable(layers: list[nn.Module], bounds: list[int], schedule: Schedule) -> None:
     # Checked on every rank (each knows the whole cut), so every rank stops, not only the empty one.
     for r in range(schedule.num_ranks):
         stages = schedule.stages_of(r)
-        if not any(q.requires_grad for s in stages for i in range(bounds[s], bounds[s + 1]) for q in layers[i].parameters()):
+        if not any(
+            q.requires_grad for s in stages for i in range(bounds[s], bounds[s + 1]) for q in layers[i].parameters()
+        ):
             here = ", ".join(f"stage {s}: layers {bounds[s]}-{bounds[s + 1] - 1}" for s in stages)
             raise ValueError(
                 f"pipeline rank {r} would hold no trainable parameters ({here}), so configure_optimizers "
@@ -211,7 +220,9 @@ def _check_materialized(layers: list[nn.Module], bounds: list[int], mine: Iterab
                 )
 
 
-def _shared_parameters(contract: Contract, layers: list[nn.Module], layer_rank: list[int], mine: set[int]) -> list[SharedParameter]:
+def _shared_parameters(
+    contract: Contract, layers: list[nn.Module], layer_rank: list[int], mine: set[int]
+) -> list[SharedParameter]:
     uses: dict[int, tuple[nn.Parameter, list[str], set[int], bool]] = {}
     for i, layer in enumerate(layers):
         for n, q in layer.named_parameters(remove_duplicate=False):
@@ -219,8 +230,11 @@ def _shared_parameters(contract: Contract, layers: list[nn.Module], layer_rank: 
             names.append(contract.parameter_name(i, n))
             ranks.add(layer_rank[i])
             uses[id(q)] = (q, names, ranks, here or layer_rank[i] in mine)
-    return [SharedParameter(tuple(names), tuple(sorted(ranks)), q if here else None)
-            for q, names, ranks, here in uses.values() if len(ranks) > 1]
+    return [
+        SharedParameter(tuple(names), tuple(sorted(ranks)), q if here else None)
+        for q, names, ranks, here in uses.values()
+        if len(ranks) > 1
+    ]
 
 
 def split_model(contract: Contract, sizes: list[int], schedule: Schedule, pp_rank: int) -> LocalModel:

@@ -27,8 +27,12 @@ log = logging.getLogger(__name__)
 
 __all__ = ["HOOKS", "first_batch", "profile_layers"]
 
-HOOKS = {TrainerFn.FITTING: "training_step", TrainerFn.VALIDATING: "validation_step",
-         TrainerFn.TESTING: "test_step", TrainerFn.PREDICTING: "predict_step"}
+HOOKS = {
+    TrainerFn.FITTING: "training_step",
+    TrainerFn.VALIDATING: "validation_step",
+    TrainerFn.TESTING: "test_step",
+    TrainerFn.PREDICTING: "predict_step",
+}
 
 
 def first_batch(trainer: Any) -> Any:
@@ -63,8 +67,15 @@ def _now(device: torch.device) -> float:
     return time.perf_counter()
 
 
-def profile_layers(runner: StepRunner, layers: list[nn.Module], trainer: Any, m: int, device: torch.device,
-                   precision: Any, repeats: int = 3) -> list[float]:
+def profile_layers(
+    runner: StepRunner,
+    layers: list[nn.Module],
+    trainer: Any,
+    m: int,
+    device: torch.device,
+    precision: Any,
+    repeats: int = 3,
+) -> list[float]:
     """Seconds per layer (median of ``repeats`` after a warm-up run), the same list on every rank."""
     if not isinstance(runner.contract, SequentialContract):
         raise ValueError(
@@ -84,8 +95,16 @@ def profile_layers(runner: StepRunner, layers: list[nn.Module], trainer: Any, m:
     return box[0]
 
 
-def _time_layers(runner: StepRunner, layers: list[nn.Module], trainer: Any, batch: Any, m: int,
-                 device: torch.device, precision: Any, repeats: int) -> list[float]:
+def _time_layers(
+    runner: StepRunner,
+    layers: list[nn.Module],
+    trainer: Any,
+    batch: Any,
+    m: int,
+    device: torch.device,
+    precision: Any,
+    repeats: int,
+) -> list[float]:
     lm = runner.module
     state = runner.begin(HOOKS[trainer.state.fn], (batch, 0), {}, m, exact=False)
     mb = pytree.tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, state.microbatches[0])
@@ -121,7 +140,9 @@ def _time_layers(runner: StepRunner, layers: list[nn.Module], trainer: Any, batc
             costs.append(sorted(times[1:])[len(times[1:]) // 2])
             layer.zero_grad(set_to_none=True)
             layer.to(home[i])
-            x = tuple(t.detach() if isinstance(t, torch.Tensor) else t for t in (out if isinstance(out, tuple) else (out,)))
+            x = tuple(
+                t.detach() if isinstance(t, torch.Tensor) else t for t in (out if isinstance(out, tuple) else (out,))
+            )
     with torch.no_grad():
         for b, saved in buffers:
             b.copy_(saved)

@@ -49,7 +49,7 @@ class StageStreams:
 
     def _install(self, states: list[torch.Tensor]) -> None:
         torch.set_rng_state(states[0])
-        for d, state in zip(self._devices, states[1:]):
+        for d, state in zip(self._devices, states[1:], strict=False):
             torch.cuda.set_rng_state(state, d)
 
     def _seeded(self, seed: int) -> list[torch.Tensor]:
@@ -76,8 +76,10 @@ class StageStreams:
 
     def state_dict(self) -> dict[str, dict[str, torch.Tensor]]:
         """Each stream as tensors, under :meth:`name` (the checkpoint's keys)."""
-        return {self.name(s): {"torch": st[0], **{f"cuda{i}": t for i, t in enumerate(st[1:])}}
-                for s, st in self._states.items()}
+        return {
+            self.name(s): {"torch": st[0], **{f"cuda{i}": t for i, t in enumerate(st[1:])}}
+            for s, st in self._states.items()
+        }
 
     def resume(self, saved: Mapping[str, Mapping[str, torch.Tensor]]) -> None:
         """Take the checkpoint's streams of this rank's stages at the next :meth:`apply_pending` (right
@@ -88,6 +90,8 @@ class StageStreams:
         for s, state in self._pending.items():
             cuda = [state.get(f"cuda{i}") for i in range(len(self._devices))]
             # a device stream the checkpoint lacks (saved on the CPU, resumed on a GPU) starts anew
-            self._states[s] = [state["torch"], *(c if c is not None else new
-                                                 for c, new in zip(cuda, self._states[s][1:]))]
+            self._states[s] = [
+                state["torch"],
+                *(c if c is not None else new for c, new in zip(cuda, self._states[s][1:], strict=False)),
+            ]
         self._pending = {}

@@ -25,8 +25,15 @@ from torch.utils import _pytree as pytree
 from lightning_twobp.lightning.contract import Contract
 from lightning_twobp.lightning.metrics import MetricRef, States, StepMetrics, is_metric
 
-__all__ = ["StepRunner", "StepState", "check_batch_size", "check_batches", "share_logs", "split_microbatches",
-           "step_means"]
+__all__ = [
+    "StepRunner",
+    "StepState",
+    "check_batch_size",
+    "check_batches",
+    "share_logs",
+    "split_microbatches",
+    "step_means",
+]
 
 Logs = dict[str, tuple[Any, dict]]  # name -> (value, self.log's keyword options)
 
@@ -55,11 +62,15 @@ def split_microbatches(batch: Any, m: int, exact: bool = True) -> list[Any]:
 def check_batch_size(size: int, m: int) -> None:
     """A training batch of ``size`` samples splits into ``m`` equal micro-batches."""
     if size < m:
-        raise ValueError(f"the training batch size {size} is smaller than num_microbatches={m}: every micro-batch "
-                         f"needs a sample; use a batch size of at least {m} (a multiple of it), or fewer micro-batches")
+        raise ValueError(
+            f"the training batch size {size} is smaller than num_microbatches={m}: every micro-batch "
+            f"needs a sample; use a batch size of at least {m} (a multiple of it), or fewer micro-batches"
+        )
     if size % m:
-        raise ValueError(f"training batch size {size} does not split into {m} micro-batches: use a batch size that "
-                         f"is a multiple of {m}, or set num_microbatches to a divisor of {size}")
+        raise ValueError(
+            f"training batch size {size} does not split into {m} micro-batches: use a batch size that "
+            f"is a multiple of {m}, or set num_microbatches to a divisor of {size}"
+        )
 
 
 def check_batches(loader: Any, m: int) -> None:
@@ -76,9 +87,11 @@ def check_batches(loader: Any, m: int) -> None:
         return
     last = samples % size
     if not getattr(loader, "drop_last", True) and last % m:
-        raise ValueError(f"the training set's last batch holds {last} samples ({samples} samples in batches of "
-                         f"{size}), which do not split into {m} micro-batches: pass drop_last=True to the training "
-                         f"DataLoader (or a sample count that is a multiple of {m})")
+        raise ValueError(
+            f"the training set's last batch holds {last} samples ({samples} samples in batches of "
+            f"{size}), which do not split into {m} micro-batches: pass drop_last=True to the training "
+            f"DataLoader (or a sample count that is a multiple of {m})"
+        )
 
 
 def batch_size(batch: Any) -> int:
@@ -242,14 +255,20 @@ def step_means(state: StepState) -> Logs:
         if isinstance(values[0], MetricRef):
             means[name] = (values[0], kw)
         elif isinstance(values[0], torch.Tensor):
-            means[name] = (sum(v.float() * w for v, w in zip(values, weights)), kw)
+            means[name] = (sum(v.float() * w for v, w in zip(values, weights, strict=False)), kw)
         else:
-            means[name] = (sum(v * w for v, w in zip(values, weights)), kw)
+            means[name] = (sum(v * w for v, w in zip(values, weights, strict=False)), kw)
     return means
 
 
-def share_logs(state: StepState | None, loss: torch.Tensor | None, src: int, group: dist.ProcessGroup | None,
-               device: torch.device, states: States | None = None) -> tuple[torch.Tensor | None, Logs, States]:
+def share_logs(
+    state: StepState | None,
+    loss: torch.Tensor | None,
+    src: int,
+    group: dist.ProcessGroup | None,
+    device: torch.device,
+    states: States | None = None,
+) -> tuple[torch.Tensor | None, Logs, States]:
     """The loss, the logged values and the Metrics' step states of one evaluation step, on every rank of
     the pipeline.
 
@@ -259,7 +278,9 @@ def share_logs(state: StepState | None, loss: torch.Tensor | None, src: int, gro
     :class:`~.logs.LogChannel` instead."""
     payload = None
     if state is not None:
-        means = {name: (v.cpu() if isinstance(v, torch.Tensor) else v, kw) for name, (v, kw) in step_means(state).items()}
+        means = {
+            name: (v.cpu() if isinstance(v, torch.Tensor) else v, kw) for name, (v, kw) in step_means(state).items()
+        }
         metrics = {p: {k: v.cpu() for k, v in st.items()} for p, st in (states or {}).items()}
         payload = (None if loss is None else loss.detach().cpu(), means, metrics)
     box = [payload]

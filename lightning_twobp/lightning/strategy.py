@@ -50,12 +50,12 @@ from lightning_twobp.lightning.layout import (
     schedule_label,
 )
 from lightning_twobp.lightning.loaders import keep_users_sampler
+from lightning_twobp.lightning.logs import LogChannel
 from lightning_twobp.lightning.metrics import StepMetrics
 from lightning_twobp.lightning.model import LocalModel, split_model
 from lightning_twobp.lightning.profile import profile_layers
 from lightning_twobp.lightning.quiet import known_warnings_off
 from lightning_twobp.lightning.rng import StageStreams
-from lightning_twobp.lightning.logs import LogChannel
 from lightning_twobp.lightning.step import Logs, StepRunner, check_batch_size, check_batches, share_logs, step_means
 from lightning_twobp.partition import partition
 from lightning_twobp.schedules import SCHEDULES, Schedule, build_schedule, check_split, schedule_spec
@@ -64,7 +64,9 @@ log = logging.getLogger(__name__)
 
 __all__ = ["NonFiniteError", "TwoBPStrategy"]
 
-_NOT_YET = "the pipeline is built in setup(), when a Trainer call starts: call trainer.fit (or validate, test, predict) first"
+_NOT_YET = (
+    "the pipeline is built in setup(), when a Trainer call starts: call trainer.fit (or validate, test, predict) first"
+)
 
 
 @dataclass(frozen=True)
@@ -194,34 +196,54 @@ class TwoBPStrategy(DDPStrategy):
         if schedule not in SCHEDULES:  # checked now, not at setup: the Trainer is not built yet
             raise ValueError(f"unknown schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")
         check_split(schedule, split_backward)
-        for name, value in (("num_microbatches", num_microbatches), ("pipeline_degree", pipeline_degree),
-                            ("stages_per_rank", stages_per_rank)):
+        for name, value in (
+            ("num_microbatches", num_microbatches),
+            ("pipeline_degree", pipeline_degree),
+            ("stages_per_rank", stages_per_rank),
+        ):
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-                raise ValueError(f"TwoBPStrategy({name}={value!r}): it must be a positive integer, or None for "
-                                 f"the default")
+                raise ValueError(
+                    f"TwoBPStrategy({name}={value!r}): it must be a positive integer, or None for the default"
+                )
         if on_nonfinite not in ("stop", "skip"):
-            raise ValueError(f"on_nonfinite={on_nonfinite!r}: choose 'stop' (raise on every rank, naming the "
-                             f"stage, micro-batch and step) or 'skip' (skip that optimizer step everywhere)")
+            raise ValueError(
+                f"on_nonfinite={on_nonfinite!r}: choose 'stop' (raise on every rank, naming the "
+                f"stage, micro-batch and step) or 'skip' (skip that optimizer step everywhere)"
+            )
         if isinstance(balance, str):
             if balance not in ("params", "time"):
-                raise ValueError(f"balance={balance!r}: choose 'params' (the default), 'time' or a list of layer "
-                                 f"counts per stage, e.g. balance=[3, 5]")
+                raise ValueError(
+                    f"balance={balance!r}: choose 'params' (the default), 'time' or a list of layer "
+                    f"counts per stage, e.g. balance=[3, 5]"
+                )
         elif not (isinstance(balance, Sequence) and balance and all(_is_count(b) for b in balance)):
-            raise ValueError(f"balance={balance!r}: a list of layer counts per stage must hold integers >= 1, "
-                             f"e.g. balance=[3, 5]")
-        if pipeline_timeout is not None and (isinstance(pipeline_timeout, bool)
-                                             or not isinstance(pipeline_timeout, (int, float))
-                                             or not math.isfinite(pipeline_timeout) or pipeline_timeout <= 0):
-            raise ValueError(f"pipeline_timeout={pipeline_timeout!r}: give the seconds a rank waits for another "
-                             f"before naming it as lost (> 0, default 600), or None for the process group's timeout")
+            raise ValueError(
+                f"balance={balance!r}: a list of layer counts per stage must hold integers >= 1, e.g. balance=[3, 5]"
+            )
+        if pipeline_timeout is not None and (
+            isinstance(pipeline_timeout, bool)
+            or not isinstance(pipeline_timeout, (int, float))
+            or not math.isfinite(pipeline_timeout)
+            or pipeline_timeout <= 0
+        ):
+            raise ValueError(
+                f"pipeline_timeout={pipeline_timeout!r}: give the seconds a rank waits for another "
+                f"before naming it as lost (> 0, default 600), or None for the process group's timeout"
+            )
         if timeout is None and pipeline_timeout is not None:
             # Lightning's own collectives (logging, checkpoints, the non-finite check) then give up on a
             # hung rank after the same time as the pipeline's waits, not after torch's 30 minutes.
             timeout = timedelta(seconds=max(float(pipeline_timeout), 60.0))
         extra = {} if timeout is None else {"timeout": timeout}
-        super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
-                         cluster_environment=cluster_environment, precision_plugin=precision_plugin,
-                         process_group_backend=process_group_backend, start_method=start_method, **extra)
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            precision_plugin=precision_plugin,
+            process_group_backend=process_group_backend,
+            start_method=start_method,
+            **extra,
+        )
         self.schedule_name = schedule
         self.split_backward = split_backward
         self.balance = balance
@@ -343,8 +365,9 @@ class TwoBPStrategy(DDPStrategy):
             # The loss and logs travel on a group of their own, so that their messages never mix with
             # the schedule's (NCCL matches messages between two ranks in posting order, ignoring tags).
             for d in range(layout.dp_degree):  # every rank creates every group, in one order
-                group = dist.new_group([layout.global_rank_of(r, d) for r in range(self.pipeline_degree)],
-                                       timeout=self._timeout)
+                group = dist.new_group(
+                    [layout.global_rank_of(r, d) for r in range(self.pipeline_degree)], timeout=self._timeout
+                )
                 if d == layout.dp_rank:
                     self._log_group = group
 
@@ -363,8 +386,13 @@ class TwoBPStrategy(DDPStrategy):
         if self._pipeline.tied:
             self._pipeline.tied.sync_values()
         if trainer.state.fn == TrainerFn.FITTING:
-            checked_optimizers(lambda: self.setup_optimizers(trainer), self.lightning_module, lambda: self.optimizers,
-                               self.pp_rank, self.stage_ids)
+            checked_optimizers(
+                lambda: self.setup_optimizers(trainer),
+                self.lightning_module,
+                lambda: self.optimizers,
+                self.pp_rank,
+                self.stage_ids,
+            )
         # Optimizers are created after the move to the device and hold no state yet; a checkpoint's
         # state is loaded afterwards (restore_checkpoint_after_setup), by parameter name.
         self.setup_precision_plugin()
@@ -385,19 +413,31 @@ class TwoBPStrategy(DDPStrategy):
         num_stages = self.pipeline_degree * self._stages_per_rank
         costs = None
         if self.balance == "time":
-            costs = profile_layers(runner, contract.layers(), trainer, self.num_microbatches, self.root_device,
-                                   self.precision_plugin)
+            costs = profile_layers(
+                runner, contract.layers(), trainer, self.num_microbatches, self.root_device, self.precision_plugin
+            )
         sizes = partition(nn.Sequential(*contract.layers()), num_stages, self.balance, costs=costs)
         self.stage_sizes = list(sizes)
-        schedule = build_schedule(self.schedule_name, num_stages, self.num_microbatches,
-                                  stages_per_rank=self._stages_per_rank, split_backward=self.split_backward)
+        schedule = build_schedule(
+            self.schedule_name,
+            num_stages,
+            self.num_microbatches,
+            stages_per_rank=self._stages_per_rank,
+            split_backward=self.split_backward,
+        )
         layout = self._layout
         streams = StageStreams(schedule.stages_of(layout.pp_rank), layout.dp_rank, self.root_device)
         local = split_model(contract, sizes, schedule, layout.pp_rank)
         for s, module in local.stages.items():
             first = local.bounds[s]
-            log.info("stage %d: layers %d-%d (%d parameters) on pipeline rank %d", s, first, first + sizes[s] - 1,
-                     sum(q.numel() for q in module.parameters()), layout.pp_rank)
+            log.info(
+                "stage %d: layers %d-%d (%d parameters) on pipeline rank %d",
+                s,
+                first,
+                first + sizes[s] - 1,
+                sum(q.numel() for q in module.parameters()),
+                layout.pp_rank,
+            )
         rank_zero_info(
             f"twobp: {schedule_label(schedule.name, self.split_backward)}, {num_stages} stages on "
             f"{self.pipeline_degree} ranks x {layout.dp_degree} replica(s), {self.num_microbatches} micro-batches; "
@@ -405,21 +445,36 @@ class TwoBPStrategy(DDPStrategy):
         )
         pp_group = self._group("pp")
         executor = PipelineExecutor(
-            schedule, local.stages, loss_fn=self._loss, device=self.root_device, group=pp_group,
+            schedule,
+            local.stages,
+            loss_fn=self._loss,
+            device=self.root_device,
+            group=pp_group,
             grad_reduce=dp_reduce(self._group("dp"), layout.dp_degree) if layout.dp_degree > 1 else None,
-            timeout=self.pipeline_timeout, around=streams.fork,
+            timeout=self.pipeline_timeout,
+            around=streams.fork,
         )
         logs = None
         if self._log_group is not None:
-            logs = LogChannel(self._log_group, layout.pp_rank, schedule.stage_to_rank[schedule.num_stages - 1],
-                              self.pipeline_degree, self.root_device)
+            logs = LogChannel(
+                self._log_group,
+                layout.pp_rank,
+                schedule.stage_to_rank[schedule.num_stages - 1],
+                self.pipeline_degree,
+                self.root_device,
+            )
         tied = TiedParameters(
-            local.shared, lambda ranks: [[layout.global_rank_of(r, d) for r in ranks] for d in range(layout.dp_degree)],
+            local.shared,
+            lambda ranks: [[layout.global_rank_of(r, d) for r in ranks] for d in range(layout.dp_degree)],
             timeout=self._timeout,
         )
         if local.shared:
-            rank_zero_info("twobp: parameters shared across pipeline ranks, kept in sync: " + "; ".join(
-                f"{contract.name}.{{{', '.join(sp.names)}}} on ranks {list(sp.ranks)}" for sp in local.shared))
+            rank_zero_info(
+                "twobp: parameters shared across pipeline ranks, kept in sync: "
+                + "; ".join(
+                    f"{contract.name}.{{{', '.join(sp.names)}}} on ranks {list(sp.ranks)}" for sp in local.shared
+                )
+            )
         user_precision = self.precision_plugin
         user_scaler = getattr(user_precision, "scaler", None)
         scaler = None
@@ -436,8 +491,7 @@ class TwoBPStrategy(DDPStrategy):
         scope.callback(metrics.sync_over(self._group("dp")))
         if layout.dp_degree == 1:  # nothing to split: the loader's own sampler, as one process reads it
             scope.callback(keep_users_sampler(trainer))
-        return _Pipeline(local, executor, runner, tied, user_precision, user_scaler, logs, scope, streams,
-                         metrics)
+        return _Pipeline(local, executor, runner, tied, user_precision, user_scaler, logs, scope, streams, metrics)
 
     @override
     def on_exception(self, exception: BaseException) -> None:
@@ -463,7 +517,11 @@ class TwoBPStrategy(DDPStrategy):
         pipeline.local.restore(gather, self._group("pp"), self.pp_rank, self.root_device)
         pipeline.scope.close()
         ours = self.precision_plugin
-        if pipeline.user_scaler is not None and ours.scaler is not pipeline.user_scaler and pipeline.user_scaler.is_enabled():
+        if (
+            pipeline.user_scaler is not None
+            and ours.scaler is not pipeline.user_scaler
+            and pipeline.user_scaler.is_enabled()
+        ):
             pipeline.user_scaler.load_state_dict(ours.scaler.state_dict())
         self.precision_plugin = pipeline.user_precision
 
@@ -529,10 +587,13 @@ class TwoBPStrategy(DDPStrategy):
             loss, means = self._pipeline_step(pipeline)
         for name, (value, kw) in means.items():
             value = pipeline.metrics.resolve(value)
-            self.lightning_module.log(name, value.to(self.root_device) if isinstance(value, torch.Tensor) else value, **kw)
+            self.lightning_module.log(
+                name, value.to(self.root_device) if isinstance(value, torch.Tensor) else value, **kw
+            )
         if self._step_checks["skipped"]:  # every rank knows the count: nothing travels
-            self.lightning_module.log("pipeline/skipped_steps", float(self._step_checks["skipped"]), on_step=True,
-                                      on_epoch=False)
+            self.lightning_module.log(
+                "pipeline/skipped_steps", float(self._step_checks["skipped"]), on_step=True, on_epoch=False
+            )
         return loss.to(self.root_device)
 
     def _pipeline_step(self, pipeline: _Pipeline) -> tuple[torch.Tensor, Logs]:
@@ -604,18 +665,26 @@ class TwoBPStrategy(DDPStrategy):
         step = self.lightning_module.trainer.global_step - int(done)
         stages = sorted(s for r in verdict.nonfinite_ranks for s in self.schedule.stages_of(r))
         bad_mb = int(verdict.extra[0].item()) - 1 if verdict.extra is not None else -1
-        where = (f"the optimizer step at global step {step}: a gradient was not finite on pipeline rank(s) "
-                 f"{list(verdict.nonfinite_ranks)} (stage(s) {stages})")
+        where = (
+            f"the optimizer step at global step {step}: a gradient was not finite on pipeline rank(s) "
+            f"{list(verdict.nonfinite_ranks)} (stage(s) {stages})"
+        )
         if bad_mb >= 0:
             where += f", and the loss of micro-batch {bad_mb} already was"
         ids = {id(q) for q in check.nonfinite_params}
         names = [n for n, q in self.lightning_module.named_parameters() if id(q) in ids]
         if self.on_nonfinite == "stop":
-            mine = f" On pipeline rank {self.pp_rank}: {', '.join(names[:4]) or 'none'}" + (
-                f" and {len(names) - 4} more" if len(names) > 4 else "") + "."
-            taken = ("the step was not taken on any rank" if verdict.skipped else
-                     "the step was taken before the check (post-validation keeps no copy to undo it when not "
-                     "clipping), so the weights in memory are not finite; checkpoints on disk are from before")
+            mine = (
+                f" On pipeline rank {self.pp_rank}: {', '.join(names[:4]) or 'none'}"
+                + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+                + "."
+            )
+            taken = (
+                "the step was not taken on any rank"
+                if verdict.skipped
+                else "the step was taken before the check (post-validation keeps no copy to undo it when not "
+                "clipping), so the weights in memory are not finite; checkpoints on disk are from before"
+            )
             if dist.is_initialized() and dist.get_world_size() > 1:
                 # Every rank raises here; meet first, so that no rank tears down its connections while
                 # another still receives this step's last messages (it would see a lost peer instead).
@@ -626,8 +695,11 @@ class TwoBPStrategy(DDPStrategy):
                 f"clip gradients (Trainer(gradient_clip_val=...)), or find the operation with "
                 f"torch.autograd.detect_anomaly (docs/troubleshooting.md)"
             )
-        log.warning("twobp: %s; the step was skipped on every rank (%d skipped so far; on_nonfinite='skip')",
-                    where, self._step_checks["skipped"])
+        log.warning(
+            "twobp: %s; the step was skipped on every rank (%d skipped so far; on_nonfinite='skip')",
+            where,
+            self._step_checks["skipped"],
+        )
         return verdict
 
     def _before_step(self, optimizer: Any) -> None:
@@ -646,9 +718,16 @@ class TwoBPStrategy(DDPStrategy):
             # A copy to put back is needed to redo a clipped step or skip a non-finite one; stopping
             # on a non-finite step needs none (no memory, no copying every step).
             rollback = max_norm is not None or self.on_nonfinite == "skip"
-            check = StepValidation(optimizer, max_norm=max_norm, check_finite=not fp16, group=self._group("pp"),
-                                   device=self.root_device, overlap=overlap, not_counted=pipeline.tied.not_counted,
-                                   rollback=rollback or not overlap)
+            check = StepValidation(
+                optimizer,
+                max_norm=max_norm,
+                check_finite=not fp16,
+                group=self._group("pp"),
+                device=self.root_device,
+                overlap=overlap,
+                not_counted=pipeline.tied.not_counted,
+                rollback=rollback or not overlap,
+            )
             pipeline.checks[id(optimizer)] = check
         check.max_norm = max_norm
         self._judge(check, check.validate(), done=True)  # nothing pending normally: training_step validated it
@@ -678,9 +757,11 @@ class TwoBPStrategy(DDPStrategy):
     def _count_checks(self) -> None:
         checks = self._pipeline.checks.values() if self._pipeline is not None else ()
         if checks:
-            self._step_checks = {"clipped": sum(c.clipped_steps for c in checks),
-                                 "skipped": sum(c.skipped_steps for c in checks),
-                                 "redone": sum(c.redone_steps for c in checks)}
+            self._step_checks = {
+                "clipped": sum(c.clipped_steps for c in checks),
+                "skipped": sum(c.skipped_steps for c in checks),
+                "redone": sum(c.redone_steps for c in checks),
+            }
 
     def _share_eval_logs(self) -> None:
         """An evaluation step's logs, from the last stage to every rank of the pipeline, logged there."""
@@ -689,8 +770,9 @@ class TwoBPStrategy(DDPStrategy):
         src = self._layout.global_rank_of(ex.schedule.stage_to_rank[ex.last])
         last = ex.last in ex.stages
         state = pipeline.runner.state if last else None
-        _, means, states = share_logs(state, None, src, self._group("pp"), self.root_device,
-                                      pipeline.metrics.end() if last else None)
+        _, means, states = share_logs(
+            state, None, src, self._group("pp"), self.root_device, pipeline.metrics.end() if last else None
+        )
         if not last:
             pipeline.metrics.apply(states)
         for name, (value, kw) in means.items():
@@ -698,7 +780,9 @@ class TwoBPStrategy(DDPStrategy):
             # Epoch-level metrics: every rank of a pipeline holds the same value, so the mean over
             # the world is the mean over the data-parallel replicas (what one process would log).
             kw = {"sync_dist": True, **kw}
-            self.lightning_module.log(name, value.to(self.root_device) if isinstance(value, torch.Tensor) else value, **kw)
+            self.lightning_module.log(
+                name, value.to(self.root_device) if isinstance(value, torch.Tensor) else value, **kw
+            )
 
     # ------------------------------------------------------------------ evaluation
     def _eval_step(self, hook: str, args: tuple, kwargs: dict) -> Any:
@@ -718,7 +802,9 @@ class TwoBPStrategy(DDPStrategy):
         if hook != "predict_step" or outs is None:
             return None
         # predictions live on the rank holding the last stage: the micro-batches' outputs, joined
-        return pytree.tree_map(lambda *xs: torch.cat(xs) if isinstance(xs[0], torch.Tensor) else list(xs), *state.results)
+        return pytree.tree_map(
+            lambda *xs: torch.cat(xs) if isinstance(xs[0], torch.Tensor) else list(xs), *state.results
+        )
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -756,11 +842,15 @@ class TwoBPStrategy(DDPStrategy):
             )
         self._validate()  # save the checked weights, not a speculative step's
         path = Path(self.broadcast(str(filepath)))
-        layout = {"pipeline_degree": self.pipeline_degree, "stages_per_rank": self._stages_per_rank,
-                  "schedule": self.schedule_name}
+        layout = {
+            "pipeline_degree": self.pipeline_degree,
+            "stages_per_rank": self._stages_per_rank,
+            "schedule": self.schedule_name,
+        }
         streams = self._pipeline.streams.state_dict() if self._pipeline is not None else None
-        ckpt.save(checkpoint, path, self.lightning_module, self.optimizers, layout, group=self._io_group,
-                  streams=streams)
+        ckpt.save(
+            checkpoint, path, self.lightning_module, self.optimizers, layout, group=self._io_group, streams=streams
+        )
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
@@ -769,12 +859,19 @@ class TwoBPStrategy(DDPStrategy):
         path = Path(self.broadcast(str(checkpoint_path)))
         lm = self.lightning_module
         streams = self._built("load_checkpoint").streams
-        checkpoint = ckpt.load(path, lm, self.optimizers, weights_only, strict=lm.strict_loading, group=self._io_group,
-                               streams=streams.names())
+        checkpoint = ckpt.load(
+            path,
+            lm,
+            self.optimizers,
+            weights_only,
+            strict=lm.strict_loading,
+            group=self._io_group,
+            streams=streams.names(),
+        )
         streams.resume(checkpoint.pop("twobp_streams", {}))
         # LR schedulers were saved from rank 0: a rank with other param groups keeps its own per-group
         # base learning rates (the groups' lr came back by name) and takes the shared step count.
-        for config, state in zip(self.lr_scheduler_configs, checkpoint.get("lr_schedulers", [])):
+        for config, state in zip(self.lr_scheduler_configs, checkpoint.get("lr_schedulers", []), strict=False):
             local = getattr(config.scheduler, "base_lrs", None)
             if local is not None and len(state.get("base_lrs", local)) != len(local):
                 state["base_lrs"] = list(local)
@@ -783,7 +880,10 @@ class TwoBPStrategy(DDPStrategy):
         # the loaders and the sanity check would draw from them first, which the uninterrupted run did not).
         self._resume_rng = checkpoint.pop("twobp_rng", None)
         saved = checkpoint.get("twobp", {})
-        if saved.get("pipeline_degree") != self.pipeline_degree or saved.get("stages_per_rank") != self._stages_per_rank:
+        if (
+            saved.get("pipeline_degree") != self.pipeline_degree
+            or saved.get("stages_per_rank") != self._stages_per_rank
+        ):
             rank_zero_info(
                 f"twobp: resuming a checkpoint saved with pipeline_degree={saved.get('pipeline_degree')}, "
                 f"stages_per_rank={saved.get('stages_per_rank')} on pipeline_degree={self.pipeline_degree}, "
@@ -798,9 +898,7 @@ class TwoBPStrategy(DDPStrategy):
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
-        strategy_registry.register(
-            cls.strategy_name, cls, description="2BP pipeline parallelism (lightning_twobp)"
-        )
+        strategy_registry.register(cls.strategy_name, cls, description="2BP pipeline parallelism (lightning_twobp)")
 
 
 def _register() -> None:

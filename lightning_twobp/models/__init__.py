@@ -15,5 +15,15 @@ from lightning_twobp.models.llama_loop import LlamaLoop, LlamaLoopLM
 from lightning_twobp.models.mamba import MambaLM
 from lightning_twobp.models.resnet import ResNetClassifier
 
-__all__ = ["BertMLM", "HFCausalLM", "LlamaConfig", "LlamaLM", "LlamaLoop", "LlamaLoopLM", "MambaLM", "PipelineModule",
-           "ResNetClassifier", "build_llama"]
+__all__ = [
+    "BertMLM",
+    "HFCausalLM",
+    "LlamaConfig",
+    "LlamaLM",
+    "LlamaLoop",
+    "LlamaLoopLM",
+    "MambaLM",
+    "PipelineModule",
+    "ResNetClassifier",
+    "build_llama",
+]

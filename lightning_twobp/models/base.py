@@ -55,8 +55,14 @@ class PipelineModule(pl.LightningModule):
 
     layers: nn.Sequential
 
-    def __init__(self, lr: float, weight_decay: float = 0.0, warmup_steps: int = 0, lr_decay: str = "constant",
-                 seed: int | None = 0) -> None:
+    def __init__(
+        self,
+        lr: float,
+        weight_decay: float = 0.0,
+        warmup_steps: int = 0,
+        lr_decay: str = "constant",
+        seed: int | None = 0,
+    ) -> None:
         super().__init__()
         if seed is not None:  # before the subclass builds its layers: every process builds the same weights
             torch.manual_seed(seed)
@@ -127,8 +133,11 @@ class PipelineModule(pl.LightningModule):
             if not q.requires_grad:
                 continue
             (no_decay if q.ndim < 2 or getattr(q, "_no_weight_decay", False) else decay).append(q)
-        groups = [g for g in ({"params": decay, "weight_decay": self.weight_decay},
-                              {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
+        groups = [
+            g
+            for g in ({"params": decay, "weight_decay": self.weight_decay}, {"params": no_decay, "weight_decay": 0.0})
+            if g["params"]
+        ]
         optimizer = torch.optim.AdamW(groups, lr=self.lr, betas=(0.9, 0.95))
         total = 0
         if self.lr_decay == "cosine":

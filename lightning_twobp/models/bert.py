@@ -96,8 +96,14 @@ class MLMHead(nn.Module):
 
 
 def build_bert(
-    vocab_size: int, dim: int, n_layers: int, n_heads: int, ffn_hidden: int, max_seq_len: int,
-    type_vocab_size: int = 0, dropout: float = 0.0,
+    vocab_size: int,
+    dim: int,
+    n_layers: int,
+    n_heads: int,
+    ffn_hidden: int,
+    max_seq_len: int,
+    type_vocab_size: int = 0,
+    dropout: float = 0.0,
 ) -> nn.Sequential:
     """Embeddings, ``n_layers`` blocks and the MLM head as one Sequential of ``n_layers + 2`` layers,
     initialised as BERT: normal(0, 0.02) weights, zero biases, unit LayerNorms."""
@@ -146,8 +152,9 @@ class BertMLM(PipelineModule):
         super().__init__(lr=lr, weight_decay=weight_decay, warmup_steps=warmup_steps, lr_decay=lr_decay, seed=seed)
         self.save_hyperparameters()
         self.max_seq_len = max_seq_len
-        self.layers = build_bert(vocab_size, dim, n_layers, n_heads, ffn_hidden or 4 * dim, max_seq_len,
-                                 type_vocab_size, dropout)
+        self.layers = build_bert(
+            vocab_size, dim, n_layers, n_heads, ffn_hidden or 4 * dim, max_seq_len, type_vocab_size, dropout
+        )
 
     @override
     def compute_loss(self, output: torch.Tensor, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:

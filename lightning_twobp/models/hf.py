@@ -88,20 +88,39 @@ class HFCausalLM(PipelineModule):
         return torch.zeros(batch_size, self.hparams.max_seq_len, dtype=torch.long, device=first.device)
 
 
-def _build(arch: str, vocab: int, dim: int, n_layers: int, n_heads: int, n_kv: int | None, seq: int, tie: bool,
-           dropout: float) -> torch.nn.Module:
+def _build(
+    arch: str, vocab: int, dim: int, n_layers: int, n_heads: int, n_kv: int | None, seq: int, tie: bool, dropout: float
+) -> torch.nn.Module:
     transformers = _transformers()
     if arch == "gpt2":
         cfg = transformers.GPT2Config(
-            vocab_size=vocab, n_embd=dim, n_layer=n_layers, n_head=n_heads, n_positions=seq, bos_token_id=0,
-            eos_token_id=0, resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout, tie_word_embeddings=tie,
+            vocab_size=vocab,
+            n_embd=dim,
+            n_layer=n_layers,
+            n_head=n_heads,
+            n_positions=seq,
+            bos_token_id=0,
+            eos_token_id=0,
+            resid_pdrop=dropout,
+            embd_pdrop=dropout,
+            attn_pdrop=dropout,
+            tie_word_embeddings=tie,
             use_cache=False,
         )
         return transformers.GPT2LMHeadModel(cfg)
     cfg = transformers.LlamaConfig(
-        vocab_size=vocab, hidden_size=dim, intermediate_size=4 * dim, num_hidden_layers=n_layers,
-        num_attention_heads=n_heads, num_key_value_heads=n_kv or n_heads, max_position_embeddings=seq,
-        bos_token_id=0, eos_token_id=0, pad_token_id=None, attention_dropout=dropout, tie_word_embeddings=tie,
+        vocab_size=vocab,
+        hidden_size=dim,
+        intermediate_size=4 * dim,
+        num_hidden_layers=n_layers,
+        num_attention_heads=n_heads,
+        num_key_value_heads=n_kv or n_heads,
+        max_position_embeddings=seq,
+        bos_token_id=0,
+        eos_token_id=0,
+        pad_token_id=None,
+        attention_dropout=dropout,
+        tie_word_embeddings=tie,
         use_cache=False,
     )
     return transformers.LlamaForCausalLM(cfg)

@@ -80,7 +80,9 @@ class Attention(nn.Module):
             self.register_buffer("cos", cos, persistent=False)
             self.register_buffer("sin", sin, persistent=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor | None = None, sin: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor | None = None, sin: torch.Tensor | None = None
+    ) -> torch.Tensor:
         b, t, _ = x.shape
         q = self.wq(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, D)
         k = self.wk(x).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
@@ -123,7 +125,9 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.ffn = FeedForward(cfg.dim, cfg.hidden)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor | None = None, sin: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor | None = None, sin: torch.Tensor | None = None
+    ) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), cos, sin)  # (B, T, C) -> (B, T, C)
         return x + self.ffn(self.ffn_norm(x))
 
@@ -154,9 +158,7 @@ def build_llama(cfg: LlamaConfig = LlamaConfig()) -> nn.Sequential:
 
 def _init(model: nn.Module) -> None:
     for m in model.modules():
-        if isinstance(m, nn.Linear):
-            nn.init.normal_(m.weight, std=0.02)
-        elif isinstance(m, nn.Embedding):
+        if isinstance(m, (nn.Linear, nn.Embedding)):
             nn.init.normal_(m.weight, std=0.02)
 
 
@@ -187,8 +189,13 @@ class LlamaLM(PipelineModule):
         super().__init__(lr=lr, weight_decay=weight_decay, warmup_steps=warmup_steps, lr_decay=lr_decay, seed=seed)
         self.save_hyperparameters()
         self.config = LlamaConfig(
-            vocab_size=vocab_size, dim=dim, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv_heads,
-            ffn_hidden=ffn_hidden, max_seq_len=max_seq_len,
+            vocab_size=vocab_size,
+            dim=dim,
+            n_layers=n_layers,
+            n_heads=n_heads,
+            n_kv_heads=n_kv_heads,
+            ffn_hidden=ffn_hidden,
+            max_seq_len=max_seq_len,
         )
         self._build()
 

@@ -58,7 +58,12 @@ def _scan_chunk(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.T
 
 
 def selective_scan(
-    u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor, D: torch.Tensor,
+    u: torch.Tensor,
+    delta: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor,
     chunk: int = 16,
 ) -> torch.Tensor:
     """The selective scan in PyTorch. ``u, delta``: (B, L, Di); ``A``: (Di, N); ``B, C``: (B, L, N);
@@ -82,8 +87,16 @@ class MambaMixer(nn.Module):
     """The Mamba-1 mixer, ``(B, L, C) -> (B, L, C)``, with the reference's parameter layout and init."""
 
     def __init__(
-        self, dim: int, d_state: int = 16, d_conv: int = 4, expand: int = 2, dt_rank: int | None = None,
-        n_layers: int = 1, scan_chunk: int = 16, dt_min: float = 1e-3, dt_max: float = 1e-1,
+        self,
+        dim: int,
+        d_state: int = 16,
+        d_conv: int = 4,
+        expand: int = 2,
+        dt_rank: int | None = None,
+        n_layers: int = 1,
+        scan_chunk: int = 16,
+        dt_min: float = 1e-3,
+        dt_max: float = 1e-1,
     ) -> None:
         super().__init__()
         d_inner = expand * dim
@@ -117,8 +130,12 @@ class MambaMixer(nn.Module):
         A = -torch.exp(self.A_log.float())  # (Di, N), < 0: every state decays
         if _fused_scan is not None and u.is_cuda:
             y = _fused_scan(
-                u.transpose(1, 2).contiguous(), delta.transpose(1, 2).contiguous(), A,
-                B.transpose(1, 2).contiguous(), C.transpose(1, 2).contiguous(), self.D.float(),
+                u.transpose(1, 2).contiguous(),
+                delta.transpose(1, 2).contiguous(),
+                A,
+                B.transpose(1, 2).contiguous(),
+                C.transpose(1, 2).contiguous(),
+                self.D.float(),
             ).transpose(1, 2)
         else:
             y = selective_scan(u, delta, A, B, C, self.D, self.scan_chunk)
@@ -154,8 +171,14 @@ class MambaHead(nn.Module):
 
 
 def build_mamba(
-    vocab_size: int, dim: int, n_layers: int, d_state: int = 16, d_conv: int = 4, expand: int = 2,
-    dt_rank: int | None = None, scan_chunk: int = 16,
+    vocab_size: int,
+    dim: int,
+    n_layers: int,
+    d_state: int = 16,
+    d_conv: int = 4,
+    expand: int = 2,
+    dt_rank: int | None = None,
+    scan_chunk: int = 16,
 ) -> nn.Sequential:
     """Embedding, ``n_layers`` blocks and the head as one Sequential of ``n_layers + 2`` layers."""
     embedding = Embedding(vocab_size, dim)
@@ -164,8 +187,15 @@ def build_mamba(
         nn.init.normal_(embedding.weight, std=0.02)
         nn.init.normal_(head.out.weight, std=0.02)
     blocks = [
-        MambaBlock(dim, d_state=d_state, d_conv=d_conv, expand=expand, dt_rank=dt_rank, n_layers=n_layers,
-                   scan_chunk=scan_chunk)
+        MambaBlock(
+            dim,
+            d_state=d_state,
+            d_conv=d_conv,
+            expand=expand,
+            dt_rank=dt_rank,
+            n_layers=n_layers,
+            scan_chunk=scan_chunk,
+        )
         for _ in range(n_layers)
     ]
     return nn.Sequential(embedding, *blocks, head)

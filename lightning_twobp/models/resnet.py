@@ -85,7 +85,9 @@ def build_resnet(depth: int | str = 50, num_classes: int = 1000, width: int = 64
     if norm not in _NORMS:
         raise ValueError(f"norm={norm!r}: choose 'batch' (BatchNorm2d) or 'group' (GroupNorm)")
     stem = nn.Sequential(
-        nn.Conv2d(3, width, 7, stride=2, padding=3, bias=False), _norm(norm, width), nn.ReLU(),
+        nn.Conv2d(3, width, 7, stride=2, padding=3, bias=False),
+        _norm(norm, width),
+        nn.ReLU(),
         nn.MaxPool2d(3, stride=2, padding=1),
     )
     layers: list[nn.Module] = [stem]

@@ -9,7 +9,8 @@ Modules: :mod:`.ir` (the data), :mod:`.spec` (the registry: one :class:`Schedule
 :mod:`.catalog` registers the built-in ones), :mod:`.placement` (layouts and defaults, read from the
 specs), :mod:`.builders` (one family each), :mod:`.validate`, :mod:`.simulate`, :mod:`.memory` (the
 one replay of what a schedule holds), :mod:`.deferral` (the cap on W waiting after their B), and the
-passes :mod:`.lower` (communication) and :mod:`.grad_reduce` (the data-parallel reduce). The imports go one way: ``ir`` needs nothing.
+passes :mod:`.lower` (communication) and :mod:`.grad_reduce` (the data-parallel reduce). The imports go one way: ``ir``
+needs nothing.
 """
 
 from . import catalog  # noqa: F401  (registers the built-in schedules)

@@ -31,8 +31,9 @@ from .memory import MemoryCosts
 __all__ = ["cap_pending_w", "check_max_pending_w", "peak_pending_w", "pending_w_cap"]
 
 
-def check_max_pending_w(value: int | Sequence[int] | None, name: str, num_stages: int,
-                        split_backward: bool) -> tuple[int, ...] | None:
+def check_max_pending_w(
+    value: int | Sequence[int] | None, name: str, num_stages: int, split_backward: bool
+) -> tuple[int, ...] | None:
     """``max_pending_w`` as one cap per stage (None: no cap); ValueError saying what works otherwise."""
     if value is None:
         return None
@@ -59,7 +60,7 @@ def pending_w_cap(memory: MemoryCosts, max_bytes: float | Sequence[float], num_s
         raise ValueError(f"max_bytes={max_bytes!r}: give bytes >= 0, one number or one per stage ({num_stages})")
     memory.check(num_stages)
     held = [memory.of("held", s) for s in range(num_stages)]
-    return tuple(math.floor(b / h) if h > 0 else 2**31 - 1 for b, h in zip(budget, held))
+    return tuple(math.floor(b / h) if h > 0 else 2**31 - 1 for b, h in zip(budget, held, strict=False))
 
 
 def cap_pending_w(schedule: Schedule, caps: Sequence[int]) -> Schedule:

@@ -16,8 +16,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .lower import Comm, Op
 from .ir import Action, Schedule
+from .lower import Comm, Op
 
 __all__ = ["GradReduce", "add_grad_reduce"]
 

@@ -58,17 +58,11 @@ class Action:
         if isinstance(mb, (tuple, list)):
             mbs = tuple(mb)
             if self.kind != "W":
-                raise ValueError(
-                    f"only W may cover several micro-batches; {self.kind} got {mbs!r}"
-                )
+                raise ValueError(f"only W may cover several micro-batches; {self.kind} got {mbs!r}")
             if not mbs or not all(is_index(m) for m in mbs):
-                raise ValueError(
-                    f"a batched W needs one or more micro-batch ints >= 0, got {mbs!r}"
-                )
+                raise ValueError(f"a batched W needs one or more micro-batch ints >= 0, got {mbs!r}")
             if list(mbs) != sorted(set(mbs)):
-                raise ValueError(
-                    f"a batched W lists distinct micro-batches in ascending order, got {mbs!r}"
-                )
+                raise ValueError(f"a batched W lists distinct micro-batches in ascending order, got {mbs!r}")
             object.__setattr__(self, "microbatch", mbs[0] if len(mbs) == 1 else mbs)
         elif not is_index(mb):
             raise ValueError(f"action micro-batch must be an int >= 0, got {mb!r}")
@@ -92,10 +86,7 @@ class Action:
         """Inverse of ``str``: ``Action.parse("1W0+1+2") == Action("W", 1, (0, 1, 2))``."""
         match = _ACTION_RE.match(text.strip())
         if match is None:
-            raise ValueError(
-                f"cannot parse action {text!r}: expected STAGE KIND MB like '2F0', "
-                "'0BW3' or '1W0+1+2'"
-            )
+            raise ValueError(f"cannot parse action {text!r}: expected STAGE KIND MB like '2F0', '0BW3' or '1W0+1+2'")
         stage, kind, mbs = match.groups()
         parts = tuple(int(m) for m in mbs.split("+"))
         return cls(kind, int(stage), parts if len(parts) > 1 else parts[0])
@@ -158,13 +149,11 @@ class Schedule:
 def format_grid(title: str, rows: Sequence[Sequence[str]]) -> str:
     """Render one row per rank, one column per list position (used for deadlock reports too)."""
     steps = max((len(row) for row in rows), default=0)
-    widths = [
-        max([len(str(i))] + [len(row[i]) for row in rows if i < len(row)]) for i in range(steps)
-    ]
+    widths = [max([len(str(i))] + [len(row[i]) for row in rows if i < len(row)]) for i in range(steps)]
     label = len(f"rank {max(len(rows) - 1, 0)}")
     header = " " * label + "  " + " ".join(f"{i:>{w}}" for i, w in enumerate(widths))
     lines = [title, header.rstrip()]
     for rank, row in enumerate(rows):
-        cells = " ".join(f"{c:>{w}}" for c, w in zip(row, widths))
+        cells = " ".join(f"{c:>{w}}" for c, w in zip(row, widths, strict=False))
         lines.append(f"{f'rank {rank}':<{label}}  {cells}".rstrip())
     return "\n".join(lines)

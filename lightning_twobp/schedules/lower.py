@@ -149,8 +149,7 @@ def lower_communication(schedule: Schedule) -> tuple[tuple[Op, ...], ...]:
         _Rendezvous(items, repair=True).run()
     _order_batches(items)
     return tuple(
-        tuple(op for item in ranked for op in (item if isinstance(item, list) else [item]))
-        for ranked in items
+        tuple(op for item in ranked for op in (item if isinstance(item, list) else [item])) for ranked in items
     )
 
 
@@ -194,8 +193,9 @@ def check_comm_deadlock(lowered: Sequence[Sequence[Op]], stage_to_rank: Sequence
     for key, rank in seen.items():
         partner = Comm(key[0], key[1], key[2], 0).partner
         if partner not in seen:
-            raise ValueError(f"rank {rank}: {key[1]}{key[0]}{key[2]} has no matching "
-                             f"{partner[1]}{partner[0]}{partner[2]}")
+            raise ValueError(
+                f"rank {rank}: {key[1]}{key[0]}{key[2]} has no matching {partner[1]}{partner[0]}{partner[2]}"
+            )
     check_comm_order(lowered)
     _Rendezvous(items, repair=False).run()
 
@@ -208,10 +208,8 @@ def message(op: Comm) -> tuple[str, int, int]:
     edge s-1), so an op and its partner name the same message.
     """
     direction = op.kind[-1]
-    if direction == "F":
-        edge = op.stage if op.is_send else op.stage - 1
-    else:
-        edge = op.stage - 1 if op.is_send else op.stage
+    sender_names_it = (direction == "F") == op.is_send
+    edge = op.stage if sender_names_it else op.stage - 1
     return (direction, edge, op.microbatch)
 
 
@@ -312,7 +310,7 @@ def _order_batches(items: list[list[Action | list[Comm]]]) -> None:
             for peer in sorted({op.peer for op in item if not op.is_send}):
                 slots = [i for i, op in enumerate(item) if not op.is_send and op.peer == peer]
                 ops = sorted((item[i] for i in slots), key=lambda o: rank_of_send[message(o)])
-                for i, op in zip(slots, ops):
+                for i, op in zip(slots, ops, strict=False):
                     item[i] = op
 
 
@@ -331,15 +329,14 @@ class _Rendezvous:
         self.pos = [0] * len(items)
         # Keys of the current batch's ops still waiting for their partner.
         self.pending: list[set[tuple[str, int, int]]] = [
-            {op.key for op in ranked[0]} if ranked and isinstance(ranked[0], list) else set()
-            for ranked in items
+            {op.key for op in ranked[0]} if ranked and isinstance(ranked[0], list) else set() for ranked in items
         ]
 
     def run(self) -> None:
         while True:
             for rank in range(len(self.items)):
                 self._advance(rank)
-            if all(p == len(r) for p, r in zip(self.pos, self.items)):
+            if all(p == len(r) for p, r in zip(self.pos, self.items, strict=False)):
                 return
             if self._match():
                 continue

@@ -31,7 +31,16 @@ from dataclasses import dataclass
 from .ir import Action, Schedule
 from .per_stage import PerStage, check_stage_count, stage_value, store_per_stage
 
-__all__ = ["MemoryCosts", "MemoryPeaks", "memory_levels", "peak_bytes", "peak_activations", "peak_inflight", "replay_memory", "row_peak"]
+__all__ = [
+    "MemoryCosts",
+    "MemoryPeaks",
+    "memory_levels",
+    "peak_bytes",
+    "peak_activations",
+    "peak_inflight",
+    "replay_memory",
+    "row_peak",
+]
 
 _FIELDS = ("activation", "held", "fixed")
 # Bytes of one (stage, micro-batch): a number for all, one per stage, or one per (stage, micro-batch).
@@ -136,7 +145,7 @@ def _walk(row: Sequence[Action], activation: PerPair, held: PerPair):
 def peak_bytes(schedule: Schedule, memory: MemoryCosts) -> tuple[float, ...]:
     """Per rank: its fixed bytes plus the most its micro-batches hold at once (the module's formula)."""
     held = replay_memory(schedule, memory.activation, memory.held).per_rank
-    return tuple(fixed + h for fixed, h in zip(memory.fixed_of(schedule), held))
+    return tuple(fixed + h for fixed, h in zip(memory.fixed_of(schedule), held, strict=False))
 
 
 def peak_inflight(schedule: Schedule) -> tuple[int, ...]:

@@ -67,8 +67,10 @@ def check_layout(name: str, num_stages: int, stages_per_rank: int, num_microbatc
     for check in spec.checks:
         check(name, num_stages, stages_per_rank, num_microbatches)
     if spec.stages_per_rank is not None and stages_per_rank not in spec.stages_per_rank:
-        raise ValueError(f"{name} runs {' or '.join(map(str, spec.stages_per_rank))} stages per rank; got "
-                         f"stages_per_rank={stages_per_rank}")
+        raise ValueError(
+            f"{name} runs {' or '.join(map(str, spec.stages_per_rank))} stages per rank; got "
+            f"stages_per_rank={stages_per_rank}"
+        )
     if num_microbatches is not None and (not is_index(num_microbatches) or num_microbatches < 1):
         raise ValueError(f"num_microbatches must be an int >= 1, got {num_microbatches!r}")
     return num_stages // stages_per_rank

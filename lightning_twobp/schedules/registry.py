@@ -15,9 +15,16 @@ from .validate import validate
 __all__ = ["build_schedule"]
 
 
-def build_schedule(name: str, num_stages: int, num_microbatches: int, *,
-                   stages_per_rank: int = 1, split_backward: bool = True,
-                   costs: Costs | None = None, max_pending_w: int | Sequence[int] | None = None) -> Schedule:
+def build_schedule(
+    name: str,
+    num_stages: int,
+    num_microbatches: int,
+    *,
+    stages_per_rank: int = 1,
+    split_backward: bool = True,
+    costs: Costs | None = None,
+    max_pending_w: int | Sequence[int] | None = None,
+) -> Schedule:
     """Build and validate schedule ``name`` for ``num_stages`` stages in total.
 
     ``stages_per_rank`` stages share a rank (``p = num_stages // stages_per_rank``
@@ -34,16 +41,25 @@ def build_schedule(name: str, num_stages: int, num_microbatches: int, *,
     caps = check_max_pending_w(max_pending_w, name, num_stages, split_backward)
     costs = costs or Costs()
     costs.check(num_stages)
-    req = BuildRequest(name=name, num_stages=num_stages, num_microbatches=num_microbatches,
-                       stages_per_rank=stages_per_rank, split_backward=split_backward, costs=costs,
-                       stage_to_rank=place(spec.placement, num_stages, stages_per_rank), max_pending_w=caps)
+    req = BuildRequest(
+        name=name,
+        num_stages=num_stages,
+        num_microbatches=num_microbatches,
+        stages_per_rank=stages_per_rank,
+        split_backward=split_backward,
+        costs=costs,
+        stage_to_rank=place(spec.placement, num_stages, stages_per_rank),
+        max_pending_w=caps,
+    )
     schedule = spec.builder(req)
     if caps is not None:  # a builder that does not build under the cap gets it applied to its order
         schedule = cap_pending_w(schedule, caps)
     if schedule.stage_to_rank != req.stage_to_rank:
-        raise ValueError(f"schedule {name!r}: its builder placed the stages as {schedule.stage_to_rank}, its spec's "
-                         f"{spec.placement!r} placement as {req.stage_to_rank}: make the builder use "
-                         f"BuildRequest.stage_to_rank")
+        raise ValueError(
+            f"schedule {name!r}: its builder placed the stages as {schedule.stage_to_rank}, its spec's "
+            f"{spec.placement!r} placement as {req.stage_to_rank}: make the builder use "
+            f"BuildRequest.stage_to_rank"
+        )
     if schedule.name != name:  # a builder shared by several specs (a registered variant) names its own family
         schedule = replace(schedule, name=name)
     return validate(schedule)

@@ -25,13 +25,11 @@ the optimizer step), reported as :attr:`SimResult.period` and
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from .ir import Action, DeadlockError, Schedule, format_grid
 from .memory import MemoryCosts, peak_bytes, peak_inflight
 from .per_stage import PerStage, check_stage_count, stage_value, store_per_stage
-
 
 Cost = PerStage
 
@@ -194,9 +192,9 @@ def simulate(schedule: Schedule, costs: Costs | None = None, *, iterations: int 
                 pos[rank] += 1
                 progress = True
 
-    if any(p < iterations * len(row) for p, row in zip(pos, rows)):
+    if any(p < iterations * len(row) for p, row in zip(pos, rows, strict=False)):
         # Iterations differ only in time, so a schedule that sticks sticks in its first one.
-        first = [min(p, len(row)) for p, row in zip(pos, rows)]
+        first = [min(p, len(row)) for p, row in zip(pos, rows, strict=False)]
         done = {(kind, stage, mb) for (it, kind, stage, mb) in ends if it == 0}
         raise DeadlockError(_deadlock_report(schedule, first, done))
 
@@ -220,9 +218,7 @@ def _deadlock_report(schedule: Schedule, pos: list[int], ends: dict) -> str:
     cells = []
     waits = []
     for rank, row in enumerate(schedule.actions):
-        cells.append(
-            [f">{a}<" if i == pos[rank] else str(a) for i, a in enumerate(row)]
-        )
+        cells.append([f">{a}<" if i == pos[rank] else str(a) for i, a in enumerate(row)])
         if pos[rank] < len(row):
             action = row[pos[rank]]
             # dependencies() says "B" for either backward; name the one this schedule uses.
@@ -231,9 +227,6 @@ def _deadlock_report(schedule: Schedule, pos: list[int], ends: dict) -> str:
                 for kind, stage, mb in dependencies(action, schedule.num_stages)
                 if (kind, stage, mb) not in ends
             ]
-            waits.append(
-                f"rank {rank} blocked at position {pos[rank]} on {action}, waiting for "
-                f"{', '.join(missing)}"
-            )
+            waits.append(f"rank {rank} blocked at position {pos[rank]} on {action}, waiting for {', '.join(missing)}")
     title = f"{schedule.name}: deadlock (blocked actions marked >like this<)"
     return format_grid(title, cells) + "\n" + "\n".join(waits)

@@ -99,11 +99,15 @@ class ScheduleSpec:
         if self.placement not in PLACEMENTS:
             raise ValueError(f"schedule {self.name!r}: placement must be one of {PLACEMENTS}, got {self.placement!r}")
         if self.placement == "one" and self.stages_per_rank != (1,):
-            raise ValueError(f"schedule {self.name!r}: placement 'one' holds exactly one stage per rank; "
-                             f"give stages_per_rank=(1,), not {self.stages_per_rank!r}")
+            raise ValueError(
+                f"schedule {self.name!r}: placement 'one' holds exactly one stage per rank; "
+                f"give stages_per_rank=(1,), not {self.stages_per_rank!r}"
+            )
         if self.stages_per_rank is not None and self.default_stages_per_rank not in self.stages_per_rank:
-            raise ValueError(f"schedule {self.name!r}: default_stages_per_rank={self.default_stages_per_rank} is not "
-                             f"among the accepted {self.stages_per_rank}")
+            raise ValueError(
+                f"schedule {self.name!r}: default_stages_per_rank={self.default_stages_per_rank} is not "
+                f"among the accepted {self.stages_per_rank}"
+            )
         if self.microbatches_per_rank < 1:
             raise ValueError(f"schedule {self.name!r}: microbatches_per_rank must be >= 1")
 

@@ -43,22 +43,15 @@ def _check_shape(schedule: Schedule) -> None:
         )
     if len(schedule.stage_to_rank) != schedule.num_stages:
         raise ValueError(
-            f"{schedule.name}: stage_to_rank has {len(schedule.stage_to_rank)} entries for "
-            f"{schedule.num_stages} stages"
+            f"{schedule.name}: stage_to_rank has {len(schedule.stage_to_rank)} entries for {schedule.num_stages} stages"
         )
     if sorted(set(schedule.stage_to_rank)) != list(range(schedule.num_ranks)):
-        raise ValueError(
-            f"{schedule.name}: stage_to_rank {schedule.stage_to_rank} leaves a rank without stages"
-        )
+        raise ValueError(f"{schedule.name}: stage_to_rank {schedule.stage_to_rank} leaves a rank without stages")
     if len(schedule.actions) != schedule.num_ranks:
-        raise ValueError(
-            f"{schedule.name}: {len(schedule.actions)} action lists for {schedule.num_ranks} ranks"
-        )
+        raise ValueError(f"{schedule.name}: {len(schedule.actions)} action lists for {schedule.num_ranks} ranks")
     for rank, pos, action in _walk(schedule):
         if not isinstance(action, Action):
-            raise ValueError(
-                f"{schedule.name}: rank {rank} position {pos}: {action!r} is not an Action"
-            )
+            raise ValueError(f"{schedule.name}: rank {rank} position {pos}: {action!r} is not an Action")
         if action.stage >= schedule.num_stages:
             raise ValueError(
                 f"{schedule.name}: rank {rank} position {pos}: {action} names stage "

@@ -63,12 +63,19 @@ def interleaved_one_f_one_b(req: BuildRequest) -> Schedule:
 
 
 def _schedule(req: BuildRequest, rows: list[tuple[Action, ...]]) -> Schedule:
-    return Schedule(name=req.name, num_stages=req.num_stages, num_microbatches=req.num_microbatches,
-                    stage_to_rank=req.stage_to_rank, actions=tuple(rows), split_backward=req.split_backward)
+    return Schedule(
+        name=req.name,
+        num_stages=req.num_stages,
+        num_microbatches=req.num_microbatches,
+        stage_to_rank=req.stage_to_rank,
+        actions=tuple(rows),
+        split_backward=req.split_backward,
+    )
 
 
-def _row(forwards: list[tuple[int, int]], backwards: list[tuple[int, int]], warmup: int,
-         split: bool) -> tuple[Action, ...]:
+def _row(
+    forwards: list[tuple[int, int]], backwards: list[tuple[int, int]], warmup: int, split: bool
+) -> tuple[Action, ...]:
     """Warm-up, steady 1F1B pairs, cool-down; with ``split``, the 2BP W placement."""
     back = "B" if split else "BW"
     n = len(forwards)

@@ -70,8 +70,14 @@ def v_order(name: str, p: int, m: int) -> Schedule:
     slots = _squeeze(_with_w(slots), p, m, with_w=True)
     slots = _squeeze(_without_w(slots), p, m, with_w=False)
     rows = tuple(tuple(sorted(mine, key=mine.get)) for mine in _with_w(_without_w(slots)))
-    return Schedule(name=name, num_stages=2 * p, num_microbatches=m, stage_to_rank=place("v", 2 * p, 2),
-                    actions=rows, split_backward=True)
+    return Schedule(
+        name=name,
+        num_stages=2 * p,
+        num_microbatches=m,
+        stage_to_rank=place("v", 2 * p, 2),
+        actions=rows,
+        split_backward=True,
+    )
 
 
 def _blocks(name: str, p: int, m: int) -> list[dict[Action, int]]:
@@ -83,8 +89,14 @@ def _blocks(name: str, p: int, m: int) -> list[dict[Action, int]]:
         mine: dict[Action, int] = {}
         for j in range(m):
             base = PERIOD * j
-            mine.update({Action("F", down, j): f0 + base, Action("F", up, j): f1 + base,
-                         Action("B", up, j): b1 + base, Action("B", down, j): b0 + base})
+            mine.update(
+                {
+                    Action("F", down, j): f0 + base,
+                    Action("F", up, j): f1 + base,
+                    Action("B", up, j): b1 + base,
+                    Action("B", down, j): b0 + base,
+                }
+            )
         out.append(mine)
     return out
 
@@ -137,8 +149,9 @@ def _squeeze(slots: list[dict[Action, int]], p: int, m: int, with_w: bool) -> li
     return slots
 
 
-def _earliest(slots: list[dict[Action, int]], r: int, a: Action, t: int, lo: int, taken: set[int],
-              cap: int, with_w: bool) -> int:
+def _earliest(
+    slots: list[dict[Action, int]], r: int, a: Action, t: int, lo: int, taken: set[int], cap: int, with_w: bool
+) -> int:
     mine = slots[r]
     for candidate in range(lo, t):
         if candidate in taken:

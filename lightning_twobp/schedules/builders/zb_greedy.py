@@ -71,9 +71,16 @@ __all__ = ["POLICIES", "greedy", "memory_limits"]
 POLICIES = ("eager", "fit")
 
 
-def greedy(name: str, placement: tuple[int, ...], num_microbatches: int, *, costs: Costs,
-           policy: str = "eager", b_tie_break: str = "later-stage",
-           max_pending_w: Sequence[int] | None = None) -> Schedule:
+def greedy(
+    name: str,
+    placement: tuple[int, ...],
+    num_microbatches: int,
+    *,
+    costs: Costs,
+    policy: str = "eager",
+    b_tie_break: str = "later-stage",
+    max_pending_w: Sequence[int] | None = None,
+) -> Schedule:
     """One greedy schedule of the Zero Bubble families (``zb-h1``, ``zb-h2``: one stage per rank;
     ``zb-v``, ``v-half``, ``v-min``: the V) over the stage-to-rank map ``placement``, within the
     family's memory limits and, with ``max_pending_w``, at most that many W waiting per stage before
@@ -82,11 +89,25 @@ def greedy(name: str, placement: tuple[int, ...], num_microbatches: int, *, cost
         raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
     costs.check(len(placement))
     limit_fb, limit_fw = memory_limits(name, max(placement) + 1)
-    rows = _GreedyScheduler(placement, num_microbatches, costs, limit_fb, limit_fw,
-                            later_stage_first=len(placement) > max(placement) + 1, b_tie_break=b_tie_break,
-                            wait_for_b=policy == "fit", max_pending_w=max_pending_w).run()
-    return Schedule(name=name, num_stages=len(placement), num_microbatches=num_microbatches,
-                    stage_to_rank=placement, actions=rows, split_backward=True)
+    rows = _GreedyScheduler(
+        placement,
+        num_microbatches,
+        costs,
+        limit_fb,
+        limit_fw,
+        later_stage_first=len(placement) > max(placement) + 1,
+        b_tie_break=b_tie_break,
+        wait_for_b=policy == "fit",
+        max_pending_w=max_pending_w,
+    ).run()
+    return Schedule(
+        name=name,
+        num_stages=len(placement),
+        num_microbatches=num_microbatches,
+        stage_to_rank=placement,
+        actions=rows,
+        split_backward=True,
+    )
 
 
 def memory_limits(name: str, num_ranks: int) -> tuple[list[int], list[int]]:
@@ -107,11 +128,19 @@ def memory_limits(name: str, num_ranks: int) -> tuple[list[int], list[int]]:
 class _GreedyScheduler:
     """Event-driven list scheduler; one instance builds one schedule."""
 
-    def __init__(self, placement: tuple[int, ...], num_microbatches: int, costs: Costs,
-                 limit_fb: list[int], limit_fw: list[int], later_stage_first: bool,
-                 b_tie_break: str = "later-stage", wait_for_b: bool = False,
-                 max_pending_w: Sequence[int] | None = None) -> None:
-        if any(fw < fb for fb, fw in zip(limit_fb, limit_fw)):
+    def __init__(
+        self,
+        placement: tuple[int, ...],
+        num_microbatches: int,
+        costs: Costs,
+        limit_fb: list[int],
+        limit_fw: list[int],
+        later_stage_first: bool,
+        b_tie_break: str = "later-stage",
+        wait_for_b: bool = False,
+        max_pending_w: Sequence[int] | None = None,
+    ) -> None:
+        if any(fw < fb for fb, fw in zip(limit_fb, limit_fw, strict=False)):
             # A full F->W count must leave a W to run, or the rank could stall.
             raise ValueError(f"F->W limits {limit_fw} below F->B limits {limit_fb}")
         self.placement = placement
@@ -126,13 +155,10 @@ class _GreedyScheduler:
         ranks = len(limit_fb)
         # Candidate stages in preference order.
         self.local = [
-            sorted((s for s in range(self.num_stages) if placement[s] == r),
-                   reverse=later_stage_first)
+            sorted((s for s in range(self.num_stages) if placement[s] == r), reverse=later_stage_first)
             for r in range(ranks)
         ]
-        self.later_local = {
-            s: sum(1 for t in self.local[placement[s]] if t > s) for s in range(self.num_stages)
-        }
+        self.later_local = {s: sum(1 for t in self.local[placement[s]] if t > s) for s in range(self.num_stages)}
         self.f_end: dict[tuple[int, int], float] = {}
         self.b_end: dict[tuple[int, int], float] = {}
         self.next_f = [0] * self.num_stages
@@ -140,7 +166,7 @@ class _GreedyScheduler:
         self.w_todo: list[deque[tuple[int, int]]] = [deque() for _ in range(ranks)]
         self.pending_w = [0] * self.num_stages  # per stage: B done, W not done
         self.activations = [0] * ranks  # F done, B not done
-        self.inflight = [0] * ranks     # F done, W not done
+        self.inflight = [0] * ranks  # F done, W not done
         self.free = [0.0] * ranks
         self.rows: list[list[Action]] = [[] for _ in range(ranks)]
 
@@ -206,8 +232,10 @@ class _GreedyScheduler:
             if m >= self.num_mb:
                 continue
             reserve = 1 + self.later_local[s]
-            if (self.activations[rank] + reserve > self.limit_fb[rank]
-                    or self.inflight[rank] + reserve > self.limit_fw[rank]):
+            if (
+                self.activations[rank] + reserve > self.limit_fb[rank]
+                or self.inflight[rank] + reserve > self.limit_fw[rank]
+            ):
                 continue
             if s == 0 or self._arrived(self.f_end.get((s - 1, m)), s - 1, rank, now):
                 return Action("F", s, m)
@@ -271,10 +299,7 @@ class _GreedyScheduler:
             lines.append(
                 f"  rank {rank}: F->B {self.activations[rank]}/{self.limit_fb[rank]}, "
                 f"F->W {self.inflight[rank]}/{self.limit_fw[rank]}, "
-                + ", ".join(
-                    f"stage {s} next F {self.next_f[s]} B pending {self.b_todo[s]}"
-                    for s in stages
-                )
+                + ", ".join(f"stage {s} next F {self.next_f[s]} B pending {self.b_todo[s]}" for s in stages)
                 + f", W pending {list(self.w_todo[rank])}"
             )
         return "\n".join(lines)

@@ -64,8 +64,9 @@ def paper_order(name: str, num_ranks: int, num_microbatches: int) -> Schedule:
     else:
         raise ValueError(f"no paper order for {name!r}")
     placement = place("v", num_stages, 2) if num_stages > p else place("one", num_stages)
-    return Schedule(name=name, num_stages=num_stages, num_microbatches=m,
-                    stage_to_rank=placement, actions=rows, split_backward=True)
+    return Schedule(
+        name=name, num_stages=num_stages, num_microbatches=m, stage_to_rank=placement, actions=rows, split_backward=True
+    )
 
 
 def _cycles(stage: int, m: int, d_b: int, d_w: int) -> tuple[Action, ...]:

@@ -25,8 +25,8 @@ from dataclasses import replace
 
 from ..deferral import cap_pending_w
 from ..ir import Schedule
-from ..spec import BuildRequest
 from ..simulate import Costs, simulate
+from ..spec import BuildRequest
 from .zb_greedy import POLICIES, greedy
 from .zb_orders import paper_order
 
@@ -55,8 +55,17 @@ def zero_bubble(req: BuildRequest) -> Schedule:
     for at in builds:
         for policy in POLICIES:
             for tie_break in tie_breaks:
-                candidates.append(greedy(req.name, req.stage_to_rank, req.num_microbatches, costs=at,
-                                         policy=policy, b_tie_break=tie_break, max_pending_w=req.max_pending_w))
+                candidates.append(
+                    greedy(
+                        req.name,
+                        req.stage_to_rank,
+                        req.num_microbatches,
+                        costs=at,
+                        policy=policy,
+                        b_tie_break=tie_break,
+                        max_pending_w=req.max_pending_w,
+                    )
+                )
     if req.name == "zb-h2":
         # ZB-H1's order holds fewer micro-batches than ZB-H2's limits allow, so it is a ZB-H2 schedule
         # too; where it is faster (W > B at m = p, iterations overlapped) ZB-H2 must not lose to it.
