@@ -1,0 +1,135 @@
+"""The pipeline's options, in one place: :class:`PipelineOptions` holds every option of
+``TwoBPStrategy`` that is not Lightning's, checks them when it is made (before any process starts or
+any compute runs) and derives the defaults. ``TwoBPStrategy``, ``twobp-plan`` and the Hydra
+``strategy`` group all go through it, so each rule and each error's wording exist once.
+
+Imports neither torch nor Lightning: ``twobp-plan`` and the config tests read it cheaply. To add an
+option: a field here with its default, its check in ``__post_init__`` (an error naming the value and
+the fix), its keyword on ``TwoBPStrategy.__init__`` and a line in ``conf/strategy/twobp.yaml``.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields
+from typing import Any
+
+from lightning_twobp.schedules import SCHEDULES, check_split, default_num_microbatches, schedule_spec
+from lightning_twobp.schedules.placement import default_stages_per_rank
+
+__all__ = ["PipelineOptions", "check_flag"]
+
+
+def check_flag(name: str, value: Any, none: str | None = None) -> None:
+    """``value`` is a bool (or ``None`` where ``none`` says what ``None`` means). A string is refused:
+    ``"false"`` and ``"no"`` are truthy, so ``if value:`` would take them as true."""
+    if isinstance(value, bool) or (value is None and none is not None):
+        return
+    allowed = "True or False" + (f", or None ({none})" if none is not None else "")
+    raise ValueError(
+        f"TwoBPStrategy({name}={value!r}): it must be {allowed}, not a {type(value).__name__}; pass a bool "
+        f"(e.g. {name}=False). On the command line Hydra and LightningCLI read true/false as booleans: "
+        f"strategy.{name}=false"
+    )
+
+
+def _is_count(value: Any) -> bool:
+    """An integer >= 1 (numpy's too), not a bool."""
+    if isinstance(value, bool):
+        return False
+    try:
+        return operator.index(value) >= 1
+    except TypeError:
+        return False
+
+
+def _check_count(name: str, value: Any) -> None:
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+        raise ValueError(f"TwoBPStrategy({name}={value!r}): it must be a positive integer, or None for the default")
+
+
+def _check_balance(balance: Any) -> None:
+    if isinstance(balance, str):
+        if balance not in ("params", "time"):
+            raise ValueError(
+                f"balance={balance!r}: choose 'params' (the default), 'time' or a list of layer "
+                f"counts per stage, e.g. balance=[3, 5]"
+            )
+    elif not (isinstance(balance, Sequence) and balance and all(_is_count(b) for b in balance)):
+        raise ValueError(
+            f"balance={balance!r}: a list of layer counts per stage must hold integers >= 1, e.g. balance=[3, 5]"
+        )
+
+
+def _check_timeout(seconds: Any) -> None:
+    if seconds is not None and (
+        isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not math.isfinite(seconds) or seconds <= 0
+    ):
+        raise ValueError(
+            f"pipeline_timeout={seconds!r}: give the seconds a rank waits for another "
+            f"before naming it as lost (> 0, default 600), or None for the process group's timeout"
+        )
+
+
+@dataclass(frozen=True)
+class PipelineOptions:
+    """What to pipeline and how (see :class:`~lightning_twobp.TwoBPStrategy` for each option)."""
+
+    schedule: str = "1f1b"
+    split_backward: bool = True
+    num_microbatches: int | None = None
+    pipeline_degree: int | None = None
+    stages_per_rank: int | None = None
+    balance: str | tuple[int, ...] = "params"
+    layers: str | None = None
+    gather_full_model: bool = False
+    post_validation: bool | None = None
+    on_nonfinite: str = "stop"
+    pipeline_timeout: float | None = 600.0
+
+    def __post_init__(self) -> None:
+        check_flag("split_backward", self.split_backward)
+        check_flag("gather_full_model", self.gather_full_model)
+        check_flag("post_validation", self.post_validation, none="on for zb-h2 and zb-v, the default")
+        if self.schedule not in SCHEDULES:  # checked now, not at setup: the Trainer is not built yet
+            raise ValueError(f"unknown schedule {self.schedule!r}; choose one of {', '.join(SCHEDULES)}")
+        check_split(self.schedule, self.split_backward)
+        for name in ("num_microbatches", "pipeline_degree", "stages_per_rank"):
+            _check_count(name, getattr(self, name))
+        if self.on_nonfinite not in ("stop", "skip"):
+            raise ValueError(
+                f"on_nonfinite={self.on_nonfinite!r}: choose 'stop' (raise on every rank, naming the "
+                f"stage, micro-batch and step) or 'skip' (skip that optimizer step everywhere)"
+            )
+        _check_balance(self.balance)
+        if not isinstance(self.balance, str):  # a list from the user or Hydra's ListConfig: frozen
+            object.__setattr__(self, "balance", tuple(operator.index(b) for b in self.balance))
+        _check_timeout(self.pipeline_timeout)
+
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, Any]) -> PipelineOptions:
+        """The options among ``values`` (a Hydra ``strategy`` node, say); other keys are ignored."""
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in values.items() if k in names})
+
+    def degree(self, world_size: int) -> int:
+        """Ranks per pipeline: the option, or every rank in one pipeline."""
+        return self.pipeline_degree or world_size
+
+    @property
+    def stages(self) -> int:
+        """Stages on each rank: the option, or the schedule's own (2 for the V schedules)."""
+        return self.stages_per_rank or default_stages_per_rank(self.schedule)
+
+    def microbatches(self, degree: int) -> int:
+        """Micro-batches per step: the option, or the schedule's default for ``degree`` ranks."""
+        return self.num_microbatches or default_num_microbatches(degree, self.schedule)
+
+    def overlaps(self, fp16: bool) -> bool:
+        """Whether an optimizer step is checked after it is taken (post-validation): the option, or the
+        schedule's spec (zb-h2 and zb-v overlap steps) unless fp16's GradScaler owns the check."""
+        if self.post_validation is not None:
+            return self.post_validation
+        return schedule_spec(self.schedule).overlaps and not fp16
