@@ -46,11 +46,10 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.throughput import Throughput, get_available_flops
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
-from torch.utils import _pytree as pytree
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
 from lightning_twobp.lightning.step import batch_size
+from lightning_twobp.private import TorchDispatchMode, pytree
 from lightning_twobp.schedules import Action, Costs, simulate
 
 __all__ = ["FlopCount", "PipelineMonitor", "busy_seconds", "measured_costs", "rss_mb", "stage_names", "tokens_in"]

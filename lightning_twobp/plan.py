@@ -37,7 +37,8 @@ from torch import nn
 from lightning_twobp.config import CONF_DIR, recipes
 from lightning_twobp.engine import Stage
 from lightning_twobp.lightning.contract import SequentialContract, find_contract
-from lightning_twobp.lightning.layout import default_num_microbatches, default_stages_per_rank, schedule_label
+from lightning_twobp.lightning.layout import check_degree, schedule_label
+from lightning_twobp.options import PipelineOptions
 from lightning_twobp.partition import partition
 from lightning_twobp.schedules import MemoryCosts, Schedule, build_schedule, replay_memory, schedule_spec
 
@@ -215,13 +216,10 @@ def plan(cfg: DictConfig, recipe: str = "") -> Plan:
     notes: list[str] = []
     world = _int_devices(cfg)
     st = cfg.strategy
-    p = int(st.get("pipeline_degree") or world)
-    if world % p:
-        raise ValueError(f"{world} devices cannot be split into pipelines of {p}: use a divisor of {world}")
-    name = st.schedule
-    spr = int(st.get("stages_per_rank") or default_stages_per_rank(name))
-    m = int(st.get("num_microbatches") or default_num_microbatches(p, name))
-    split = bool(st.get("split_backward", True))
+    opts = PipelineOptions.from_mapping(OmegaConf.to_container(st, resolve=True))  # the strategy's own checks
+    p = opts.degree(world)
+    check_degree(world, p)
+    name, spr, m, split = opts.schedule, opts.stages, opts.microbatches(p), opts.split_backward
     num_stages = p * spr
     schedule = build_schedule(name, num_stages, m, stages_per_rank=spr, split_backward=split)
     # a split-only schedule is compared with its spec's fused baseline at the same stage count
@@ -242,18 +240,18 @@ def plan(cfg: DictConfig, recipe: str = "") -> Plan:
 
     with torch.device("meta"):
         lm = instantiate(cfg.model)
-    contract = find_contract(lm, st.get("layers"))
+    contract = find_contract(lm, opts.layers)
     if not isinstance(contract, SequentialContract):
         raise ValueError(
             f"twobp-plan measures the layers of an nn.Sequential; {contract.name} is pipelined as the nn.ModuleList "
             f"{contract.list_name} (the ModuleList contract), which it does not plan yet"
         )
     seq = contract.seq
-    balance = st.get("balance", "params")
+    balance = opts.balance
     if balance == "time":
         notes.append('balance="time" is measured at run time; planned with balance="params"')
         balance = "params"
-    sizes = partition(seq, num_stages, list(balance) if OmegaConf.is_list(balance) else balance)
+    sizes = partition(seq, num_stages, balance if isinstance(balance, str) else list(balance))
     x = lm.sample_input(mbs)
     scale = 1.0
     if act_dtype != torch.float32:

@@ -888,4 +888,4 @@ def test_pipeline_timeout_bounds_lightnings_collectives_too():
         == timeout(strategy.device_mesh.get_group("dp"))
         == timedelta(seconds=60)
     )
-    assert timeout(strategy._io_group) == timedelta(minutes=30)
+    assert timeout(strategy.io_group) == timedelta(minutes=30)

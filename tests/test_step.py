@@ -24,7 +24,8 @@ def test_the_torchmetrics_private_state_we_set_is_what_lightning_and_torchmetric
     import lightning.pytorch as pl
     from torchmetrics import CatMetric, SumMetric
 
-    from lightning_twobp.lightning.metrics import _finish_step, _merge
+    from lightning_twobp.private import metric_finish_step as _finish_step
+    from lightning_twobp.private import metric_merge as _merge
 
     metric = CatMetric()
     metric.update(torch.tensor([1.0, 2.0]))

@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader
 
 from lightning_twobp.bench.report import write_json
-from lightning_twobp.bench.trainer import _Llama, _SameBatch
+from lightning_twobp.bench.trainer import LlamaModule, SameBatch
 from lightning_twobp.bench.workload import WORLD, Workload, keep_freed_memory, stage_sizes
 from lightning_twobp.models.llama_loop import LlamaLoop
 from lightning_twobp.partition import even_sizes
@@ -75,7 +75,7 @@ def _fit(
 
     ids, tgt = wl.data()
     model, balance = form(wl, WORLD * default_stages_per_rank(schedule))
-    lm = _Llama(model)  # either form as self.layers: the Sequential, or the loop whose ModuleList is found
+    lm = LlamaModule(model)  # either form as self.layers: the Sequential, or the loop whose ModuleList is found
     timer = _Timer()
     strategy = TwoBPStrategy(schedule=schedule, num_microbatches=m, balance=balance)
     trainer = pl.Trainer(
@@ -90,7 +90,7 @@ def _fit(
         use_distributed_sampler=False,
         callbacks=[timer],
     )
-    trainer.fit(lm, DataLoader(_SameBatch(ids, tgt, steps), batch_size=wl.batch))
+    trainer.fit(lm, DataLoader(SameBatch(ids, tgt, steps), batch_size=wl.batch))
     periods = [b - a for a, b in zip(timer.starts, timer.starts[1:], strict=False)][_WARMUP:]
     return periods, [q.detach().clone() for q in lm.layers.parameters() if not q.is_meta]  # what this rank trained
 

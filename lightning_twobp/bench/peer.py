@@ -185,7 +185,7 @@ def _build(
     return _Runner(c, step, params)
 
 
-def _grad_error(params: dict[str, nn.Parameter], ref: dict[str, torch.Tensor]) -> tuple[float, list[str]]:
+def grad_error(params: dict[str, nn.Parameter], ref: dict[str, torch.Tensor]) -> tuple[float, list[str]]:
     """Largest absolute gradient difference from the reference, and the parameters outside tolerance."""
     worst, bad = 0.0, []
     for name, q in params.items():
@@ -226,7 +226,7 @@ def _worker(
     for r in runners:
         dist.barrier()
         r.step()
-        checks[r.contender.label] = _grad_error(r.params, ref)
+        checks[r.contender.label] = grad_error(r.params, ref)
         r.optimizer.zero_grad(set_to_none=True)
 
     single = copy.deepcopy(model)

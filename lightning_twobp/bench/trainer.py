@@ -35,7 +35,7 @@ from lightning_twobp.testing import free_port, run_distributed
 _WARMUP = 2  # untimed pairs at the start of each fit
 
 
-class _SameBatch(Dataset):
+class SameBatch(Dataset):
     """The benchmark's one batch, over and over (so data loading is as cheap as it can be)."""
 
     def __init__(self, ids: torch.Tensor, tgt: torch.Tensor, steps: int) -> None:
@@ -48,7 +48,7 @@ class _SameBatch(Dataset):
         return self.ids[i % len(self.ids)], self.tgt[i % len(self.ids)]
 
 
-class _Llama(pl.LightningModule):
+class LlamaModule(pl.LightningModule):
     def __init__(self, model: torch.nn.Sequential) -> None:
         super().__init__()
         self.layers = model
@@ -102,7 +102,7 @@ def _worker(rank: int, world: int, wl: Workload, runs: list, repeats: int, port:
         strategy = TwoBPStrategy(
             schedule=c.name, split_backward=c.split_backward, num_microbatches=m, stages_per_rank=c.stages_per_rank
         )
-        lm = _Llama(copy.deepcopy(full))
+        lm = LlamaModule(copy.deepcopy(full))
         steps = repeats + _WARMUP + 1  # the last iteration has no next start to end it
         # The bare pipeline: the same schedule and cut, its own copy of the weights and its own AdamW.
         state: dict = {}
@@ -135,7 +135,7 @@ def _worker(rank: int, world: int, wl: Workload, runs: list, repeats: int, port:
             use_distributed_sampler=False,
             callbacks=[timer],
         )
-        trainer.fit(lm, DataLoader(_SameBatch(ids, tgt, steps + 1), batch_size=wl.batch))
+        trainer.fit(lm, DataLoader(SameBatch(ids, tgt, steps + 1), batch_size=wl.batch))
         # iteration i runs from start i to start i + 1 and contains bare step i; the last iteration
         # has no next start, and the first ones warm caches, the allocator and the shape exchange up
         periods = [b - a for a, b in zip(timer.starts, timer.starts[1:], strict=False)]

@@ -35,6 +35,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.utils import clip_grads_with_norm_, get_total_norm
 
+from lightning_twobp.private import tensor_version
+
 __all__ = ["StepValidation", "Verdict"]
 
 
@@ -221,7 +223,7 @@ class StepValidation:
             self._snapshot()
         self._grads = [(q, q.grad) for q in params]
         # Tensor._version counts in-place writes: a redo must see the gradients the step saw.
-        self._versions = [g._version for _, g in self._grads]
+        self._versions = [tensor_version(g) for _, g in self._grads]
         self._pending = (work, stats)
         return None
 
@@ -244,7 +246,7 @@ class StepValidation:
             if skip:
                 self._note_nonfinite(grads)
             return self._record(total, False, False, redone=False, nonfinite=skip, **details)
-        changed = [i for i, (_, g) in enumerate(grads) if g._version != self._versions[i]]
+        changed = [i for i, (_, g) in enumerate(grads) if tensor_version(g) != self._versions[i]]
         if changed and not skip:
             raise RuntimeError(
                 f"{len(changed)} gradients were changed in place after the speculative optimizer step "

@@ -38,9 +38,9 @@ from typing import Any
 import torch
 from torch import nn
 from torch.autograd.graph import GradientEdge, Node
-from torch.utils import _pytree as pytree
 
 from lightning_twobp.engine.graph import SavedUnavailable, saved
+from lightning_twobp.private import pytree
 
 log = logging.getLogger(__name__)
 

@@ -44,7 +44,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
 from torch import nn
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.checkpoint.state_dict import (
@@ -54,6 +53,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+
+from lightning_twobp.private import collect_rng_states, set_rng_states
 
 __all__ = [
     "CheckpointError",
@@ -136,7 +137,7 @@ def _barrier(group: dist.ProcessGroup | None) -> None:
 def rng_state() -> dict[str, torch.Tensor]:
     """This process's random states (Lightning's ``_collect_rng_states``: torch, CUDA, NumPy, Python)
     as tensors, so torch.distributed.checkpoint stores them per rank without pickling."""
-    states = _collect_rng_states(include_cuda=torch.cuda.is_available())
+    states = collect_rng_states(include_cuda=torch.cuda.is_available())
     out = {"torch": states["torch"]}
     for i, t in enumerate(states.get("torch.cuda", [])):
         out[f"cuda{i}"] = t
@@ -172,7 +173,7 @@ def set_rng_state(state: dict[str, torch.Tensor]) -> None:
             words[-1],
             float(state["numpy_gauss"][0]),
         )
-    _set_rng_states(states)
+    set_rng_states(states)
 
 
 # Each step of a save is a function of its own, so a test can kill the process between any two of them.

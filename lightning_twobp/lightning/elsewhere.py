@@ -25,7 +25,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch.utils import _pytree as pytree
+
+from lightning_twobp.private import disabled_torch_function_impl, make_wrapper_subclass, pytree
 
 __all__ = ["Elsewhere", "ElsewhereError", "elsewhere", "find_elsewhere"]
 
@@ -42,14 +43,14 @@ class Elsewhere(torch.Tensor):
     """A tensor whose value is on another stage (see the module docstring). ``where`` says which
     module or block produced it and where that runs."""
 
-    __torch_function__ = torch._C._disabled_torch_function_impl  # plain dispatch, as wrapper subclasses do
+    __torch_function__ = disabled_torch_function_impl  # plain dispatch, as wrapper subclasses do
 
     _meta: torch.Tensor
     where: str
 
     @staticmethod
     def __new__(cls, meta: torch.Tensor, device: torch.device, where: str) -> Elsewhere:
-        t = torch.Tensor._make_wrapper_subclass(
+        t = make_wrapper_subclass(
             cls,
             meta.shape,
             strides=meta.stride(),

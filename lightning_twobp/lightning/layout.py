@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from lightning_twobp.private import gloo_or_nccl_options
 from lightning_twobp.schedules import default_num_microbatches, default_stages_per_rank, schedule_label
 
 __all__ = [
@@ -86,16 +87,6 @@ class MeshLayout:
 def group_options(backend: str, timeout: timedelta | None) -> tuple[str, Any] | None:
     """``(backend, options)`` carrying ``timeout`` for a DeviceMesh's groups (gloo, NCCL), or ``None``
     (no timeout given, or a backend whose options we do not know: torch's defaults then)."""
-    if timeout is None:
+    if timeout is None or backend not in ("nccl", "gloo"):
         return None
-    if backend == "nccl":
-        from torch.distributed import ProcessGroupNCCL
-
-        opts = ProcessGroupNCCL.Options()
-        opts._timeout = timeout
-        return "nccl", opts
-    if backend == "gloo":
-        from torch._C._distributed_c10d import Backend
-
-        return "gloo", Backend.Options("gloo", timeout)
-    return None
+    return backend, gloo_or_nccl_options(backend, timeout)

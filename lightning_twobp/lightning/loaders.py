@@ -17,6 +17,8 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
+from lightning_twobp.private import without_distributed_sampler
+
 __all__ = ["keep_users_sampler"]
 
 
@@ -27,8 +29,8 @@ def keep_users_sampler(trainer: Any) -> Callable[[], None]:
     prepares each loader (after the strategy's ``setup``); there is no public setter, so this is the
     one place that writes the private attribute (``tests/test_strategy.py`` guards it: a pipeline-only
     fit on a ``shuffle=False`` loader must match one process)."""
-    connector = getattr(trainer, "_accelerator_connector", None)
-    if connector is None or not hasattr(connector, "use_distributed_sampler"):
+    undo = without_distributed_sampler(trainer)
+    if undo is None:
         warnings.warn(
             "twobp: this Lightning version keeps its distributed-sampler switch elsewhere, so with one "
             "data-parallel replica Lightning's shuffling DistributedSampler replaces the loader's sampler; "
@@ -36,10 +38,4 @@ def keep_users_sampler(trainer: Any) -> Callable[[], None]:
             stacklevel=2,
         )
         return lambda: None
-    before = connector.use_distributed_sampler
-    connector.use_distributed_sampler = False
-
-    def undo() -> None:
-        connector.use_distributed_sampler = before
-
     return undo

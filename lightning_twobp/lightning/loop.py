@@ -49,9 +49,9 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils import _pytree as pytree
 
 from lightning_twobp.lightning.elsewhere import Elsewhere, ElsewhereError, elsewhere, find_elsewhere
+from lightning_twobp.private import pytree
 
 __all__ = ["LayerGroup", "LoopStage", "ModuleListContract", "identical_blocks"]
 

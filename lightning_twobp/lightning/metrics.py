@@ -18,11 +18,10 @@ same stage in every replica), so each replica's state counts once, not once per 
 user's own ``process_group`` is put back at teardown. ``self.metric.compute()`` in a hook is exact on
 every rank for the same reason.
 
-torchmetrics has no public way to set the value Lightning logs at a step nor the update count, so
-:func:`_finish_step` writes ``_forward_cache`` and ``_update_count``, and :func:`_merge` calls
-``_reduce_states`` (what the public ``merge_state`` calls, without its refusal of metrics whose
-``update`` needs the full state: merging states by their reductions is what torchmetrics' own DDP sync
-does for every metric). ``tests/test_step.py`` guards all three.
+torchmetrics has no public way to set the value Lightning logs at a step nor the update count, nor to
+merge a state whose ``update`` needs the full state: :mod:`lightning_twobp.private` holds the three
+doors (``metric_finish_step``, ``metric_forward_cache``, ``metric_merge``), guarded by
+``tests/test_private_apis.py``.
 """
 
 from __future__ import annotations
@@ -34,6 +33,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from lightning_twobp.private import metric_finish_step, metric_forward_cache, metric_merge
 
 __all__ = ["MetricRef", "StepMetrics", "States"]
 
@@ -64,24 +65,6 @@ def _never() -> bool:
     return False
 
 
-# ------------------------------------------------------------------ the doors to torchmetrics' private state
-def _finish_step(metric: Any, count: int, value: Any) -> None:
-    """After a step: its update count, and ``value`` where Lightning reads the step's value of a logged Metric."""
-    metric._update_count = count
-    metric._forward_cache = value
-
-
-def _forward_cache(metric: Any) -> Any:
-    return getattr(metric, "_forward_cache", None)
-
-
-def _merge(metric: Any, state: dict[str, Any]) -> None:
-    """``state`` (from before the step) merged into the metric's (the step's), before it: ``pre + step``."""
-    with torch.no_grad():
-        metric._reduce_states(state)
-
-
-# ------------------------------------------------------------------
 def _copy(state: dict[str, Any]) -> dict[str, Any]:
     # reset() clears list states in place; tensors are replaced, not changed, so a reference suffices
     return {k: list(v) if isinstance(v, list) else v for k, v in state.items()}
@@ -151,7 +134,7 @@ class StepMetrics:
         """On every rank, before the step's first micro-batch: every Metric's state set aside, and empty."""
         self._before = {}
         for name, m in self.metrics.items():
-            self._before[name] = _Before(_copy(m.metric_state), m.update_count, _forward_cache(m))
+            self._before[name] = _Before(_copy(m.metric_state), m.update_count, metric_forward_cache(m))
             m.reset()
 
     def clear(self) -> None:
@@ -194,14 +177,14 @@ class StepMetrics:
 
     @staticmethod
     def _settle(m: Any, before: _Before) -> None:
-        _finish_step(m, before.count + 1, None)  # one update per step, as one process counts
+        metric_finish_step(m, before.count + 1, None)  # one update per step, as one process counts
         value = _local_value(m)
-        _merge(m, before.state)
-        _finish_step(m, before.count + 1, value)
+        metric_merge(m, before.state)
+        metric_finish_step(m, before.count + 1, value)
 
     @staticmethod
     def _put(m: Any, before: _Before) -> None:
         m.reset()
         for k, v in before.state.items():
             setattr(m, k, list(v) if isinstance(v, list) else v)
-        _finish_step(m, before.count, before.cache)
+        metric_finish_step(m, before.count, before.cache)

@@ -18,10 +18,10 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
-from torch.utils import _pytree as pytree
 
 from lightning_twobp.lightning.contract import SequentialContract, StageModule
 from lightning_twobp.lightning.step import StepRunner
+from lightning_twobp.private import pytree
 
 log = logging.getLogger(__name__)
 

@@ -20,10 +20,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.utils import _pytree as pytree
 
 from lightning_twobp.lightning.contract import Contract
 from lightning_twobp.lightning.metrics import MetricRef, States, StepMetrics, is_metric
+from lightning_twobp.private import pytree
 
 __all__ = [
     "StepRunner",
@@ -92,6 +92,26 @@ def check_batches(loader: Any, m: int) -> None:
             f"{size}), which do not split into {m} micro-batches: pass drop_last=True to the training "
             f"DataLoader (or a sample count that is a multiple of {m})"
         )
+
+
+def check_batch_size_early(trainer: Any, m: int) -> None:
+    """The sanity check runs before Lightning loads the training data. A batch size that cannot split
+    into micro-batches is refused before its first validation step: the training loader is asked for
+    (as Lightning will ask again later) with every random generator put back afterwards, so the data and
+    the run stay what they are without this check. The last batch, which needs Lightning's sampler, is
+    checked when training starts (:func:`check_batches`)."""
+    from lightning.pytorch.utilities.seed import isolate_rng
+
+    from lightning_twobp.private import training_data_source
+
+    source = training_data_source(trainer)
+    if source is None or not source.is_defined():
+        return
+    with isolate_rng(include_cuda=True):
+        loader = source.dataloader()
+    size = getattr(loader, "batch_size", None)
+    if isinstance(size, int):
+        check_batch_size(size, m)
 
 
 def batch_size(batch: Any) -> int:

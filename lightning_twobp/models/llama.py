@@ -152,11 +152,11 @@ def build_llama(cfg: LlamaConfig = LlamaConfig()) -> nn.Sequential:
     layers += [Block(cfg) for _ in range(cfg.n_layers)]
     layers.append(Head(cfg))
     model = nn.Sequential(*layers)
-    _init(model)
+    init_weights(model)
     return model
 
 
-def _init(model: nn.Module) -> None:
+def init_weights(model: nn.Module) -> None:
     for m in model.modules():
         if isinstance(m, (nn.Linear, nn.Embedding)):
             nn.init.normal_(m.weight, std=0.02)

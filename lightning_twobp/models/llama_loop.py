@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from typing_extensions import override
 
-from lightning_twobp.models.llama import Block, Embedding, Head, LlamaConfig, LlamaLM, _init, rope_tables_of
+from lightning_twobp.models.llama import Block, Embedding, Head, LlamaConfig, LlamaLM, init_weights, rope_tables_of
 
 __all__ = ["LlamaLoop", "LlamaLoopLM"]
 
@@ -49,7 +49,7 @@ class LlamaLoop(nn.Module):
         self.rotary = Rotary(cfg)
         self.blocks = nn.ModuleList(Block(cfg, rope_tables=False) for _ in range(cfg.n_layers))
         self.head = Head(cfg)
-        _init(self)
+        init_weights(self)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:  # (B, T) -> (B, T, V)
         x = self.embed(ids)

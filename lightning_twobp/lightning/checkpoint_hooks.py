@@ -1,0 +1,90 @@
+"""The strategy's ``save_checkpoint`` and ``load_checkpoint``: what of the pipeline goes into a
+checkpoint beside Lightning's own state (its layout, the stages' random streams) and the fixes a
+checkpoint needs when it comes back on another layout (LR schedulers' per-group base rates). The
+files themselves: :mod:`.checkpoint`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
+from lightning_twobp.lightning import checkpoint as ckpt
+from lightning_twobp.lightning.checkpoint import set_rng_state
+from lightning_twobp.lightning.rng import StageStreams
+
+if TYPE_CHECKING:
+    from lightning_twobp.lightning.strategy import TwoBPStrategy
+
+__all__ = ["load", "save", "set_rng_state"]
+
+
+def save(
+    strategy: TwoBPStrategy,
+    checkpoint: dict[str, Any],
+    filepath: Any,
+    storage_options: Any,
+    streams: StageStreams | None,
+) -> None:
+    """Every rank writes its stages, and the random ``streams`` of its stages, into the directory ``filepath``."""
+    if storage_options is not None:
+        raise TypeError(
+            "TwoBPStrategy.save_checkpoint(..., storage_options=...) is not supported: the checkpoint is "
+            "written with torch.distributed.checkpoint, not through a CheckpointIO plugin"
+        )
+    path = Path(strategy.broadcast(str(filepath)))
+    layout = {
+        "pipeline_degree": strategy.pipeline_degree,
+        "stages_per_rank": strategy.stages_per_rank,
+        "schedule": strategy.schedule_name,
+    }
+    lm, group = strategy.lightning_module, strategy.io_group
+    states = streams.state_dict() if streams is not None else None
+    ckpt.save(checkpoint, path, lm, strategy.optimizers, layout, group=group, streams=states)
+
+
+def load(
+    strategy: TwoBPStrategy, checkpoint_path: Any, weights_only: bool | None, streams: StageStreams
+) -> tuple[dict[str, Any], dict[str, torch.Tensor] | None]:
+    """The checkpoint Lightning restores from, this rank's weights and optimizer state loaded by name,
+    and the random states to restore right before the next training step."""
+    path = Path(strategy.broadcast(str(checkpoint_path)))
+    lm = strategy.lightning_module
+    checkpoint = ckpt.load(
+        path,
+        lm,
+        strategy.optimizers,
+        weights_only,
+        strict=lm.strict_loading,
+        group=strategy.io_group,
+        streams=streams.names(),
+    )
+    streams.resume(checkpoint.pop("twobp_streams", {}))
+    _keep_local_base_lrs(strategy.lr_scheduler_configs, checkpoint.get("lr_schedulers", []))
+    # Each rank's random streams come back right before the next training step (not now: setting up
+    # the loaders and the sanity check would draw from them first, which the uninterrupted run did not).
+    resume_rng = checkpoint.pop("twobp_rng", None)
+    _announce_relayout(strategy, checkpoint.get("twobp", {}))
+    return checkpoint, resume_rng
+
+
+def _keep_local_base_lrs(configs: list[Any], states: list[dict[str, Any]]) -> None:
+    """LR schedulers were saved from rank 0: a rank with other param groups keeps its own per-group
+    base learning rates (the groups' lr came back by name) and takes the shared step count."""
+    for config, state in zip(configs, states, strict=False):
+        local = getattr(config.scheduler, "base_lrs", None)
+        if local is not None and len(state.get("base_lrs", local)) != len(local):
+            state["base_lrs"] = list(local)
+            state.pop("_last_lr", None)
+
+
+def _announce_relayout(strategy: TwoBPStrategy, saved: dict[str, Any]) -> None:
+    degree, spr = strategy.pipeline_degree, strategy.stages_per_rank
+    if saved.get("pipeline_degree") != degree or saved.get("stages_per_rank") != spr:
+        rank_zero_info(
+            f"twobp: resuming a checkpoint saved with pipeline_degree={saved.get('pipeline_degree')}, "
+            f"stages_per_rank={saved.get('stages_per_rank')} on pipeline_degree={degree}, "
+            f"stages_per_rank={spr}: weights and optimizer state re-partition by name"
+        )

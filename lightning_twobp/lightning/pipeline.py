@@ -1,0 +1,280 @@
+"""What one Trainer call builds in ``setup`` and ``teardown`` takes apart: :func:`build_pipeline` finds
+the pipelined layers, partitions them, builds the schedule, cuts the model and assembles the
+executor, the log channel, the tied parameters, the random streams, the metrics and the optimizer
+checks into one :class:`Pipeline`."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch import nn
+
+from lightning_twobp.engine import PipelineExecutor
+from lightning_twobp.engine.memory import keep_freed_memory
+from lightning_twobp.lightning.contract import find_contract
+from lightning_twobp.lightning.grads import (
+    GradStash,
+    TiedParameters,
+    dp_reduce,
+    overflow_agreeing_scaler,
+    pipelined_precision,
+)
+from lightning_twobp.lightning.layout import check_degree, schedule_label
+from lightning_twobp.lightning.loaders import keep_users_sampler
+from lightning_twobp.lightning.logs import LogChannel
+from lightning_twobp.lightning.metrics import StepMetrics
+from lightning_twobp.lightning.model import LocalModel, split_model
+from lightning_twobp.lightning.optimizer_checks import OptimizerChecks
+from lightning_twobp.lightning.profile import profile_layers
+from lightning_twobp.lightning.quiet import known_warnings_off
+from lightning_twobp.lightning.rng import StageStreams
+from lightning_twobp.lightning.step import Logs, StepRunner, share_logs, step_means
+from lightning_twobp.partition import partition
+from lightning_twobp.private import pytree
+from lightning_twobp.schedules import Schedule, build_schedule
+
+if TYPE_CHECKING:
+    from lightning_twobp.lightning.strategy import TwoBPStrategy
+
+log = logging.getLogger(__name__)
+
+__all__ = ["Pipeline", "StepRecords", "StepRun", "build_pipeline"]
+
+
+@dataclass(frozen=True)
+class StepRecords:
+    """One recorded training step on this rank: its ops as they ran, and each (stage, micro-batch)'s
+    saved bytes."""
+
+    records: list[Any]
+    held_bytes: dict[tuple[int, int], int]
+
+
+@dataclass
+class StepRun:
+    """One training step's settings and what it leaves: whether to record its ops, its name in errors."""
+
+    label: str
+    record: bool = False
+    records: StepRecords | None = None
+
+
+@dataclass
+class Pipeline:
+    """Everything one Trainer call builds in ``setup`` and ``teardown`` takes apart."""
+
+    local: LocalModel
+    executor: PipelineExecutor
+    runner: StepRunner
+    tied: TiedParameters
+    user_precision: Any  # the precision plugin as Lightning gave it (``precision`` is ours, a copy)
+    user_scaler: Any  # its GradScaler, or None; gets the trained scale back at teardown
+    precision: Any  # the plugin the strategy uses during the call
+    logs: LogChannel | None  # the last stage's loss and logs to the other ranks (None: one rank)
+    scope: ExitStack  # what the Trainer call changed outside the model, undone at teardown
+    streams: StageStreams  # this rank's stages' random streams
+    metrics: StepMetrics  # the module's torchmetrics Metrics, accumulated per step over its micro-batches
+    checks: OptimizerChecks  # clipping and the non-finite policy, per optimizer
+    means: Logs = field(default_factory=dict)  # the training step's logged means (last stage)
+
+    @property
+    def holds_last(self) -> bool:
+        return self.executor.last in self.executor.stages
+
+    def capture(self) -> list[tuple] | None:
+        """The first stage's inputs: its part of the step, up to the pipelined block, per micro-batch,
+        drawing from stage 0's random stream (the last stage's part runs inside its F)."""
+        if 0 not in self.executor.stages:
+            return None
+        with self.streams.fork(0):
+            inputs = [self.runner.capture(mb) for mb in self.runner.state.microbatches]
+        self.metrics.clear()  # what this part updated counts where the last stage runs it again
+        return inputs
+
+    def train_step(self, stash: GradStash, params: list[nn.Parameter], run: StepRun) -> tuple[torch.Tensor, Logs]:
+        """One pipeline step over the micro-batches ``runner.begin`` made: the gradients set aside in
+        ``stash`` for ``backward``, the mean loss and the logged means on every rank of the pipeline."""
+        ex = self.executor
+        with stash.collect(params), self.precision.train_step_context():
+            self.metrics.begin()  # before any part of the step runs on this rank
+            inputs = self.capture()
+            targets = list(range(len(self.runner.state.microbatches))) if self.holds_last else None
+            # With a GradScaler (fp16), the pipeline's backward starts from the scaled loss, as
+            # Lightning's backward would; the scaler unscales before clipping and stepping.
+            scaler = getattr(self.precision, "scaler", None)
+            ex.record = run.record
+            ex.step_label = run.label  # named so in errors
+            result = ex.step(inputs, targets, loss_scale=float(scaler.get_scale()) if scaler is not None else 1.0)
+            ex.record = False
+            if run.record:
+                run.records = StepRecords(list(result.records), dict(result.held_bytes))
+            if self.tied:
+                self.tied.reduce_grads()
+        if self.holds_last:
+            return result.loss, self.means
+        assert self.logs is not None
+        loss, means, states = self.logs.receive()
+        self.metrics.apply(states)
+        return loss, means
+
+    def eval_step(self, hook: str, args: tuple, kwargs: dict, m: int, last_rank: int, group: Any) -> Any:
+        """Validation, test and predict: a forward-only pipeline pass, then ``hook`` on the last stage per
+        micro-batch with the pipelined block answered by the pipeline; the logs shared from
+        ``last_rank`` (global) over ``group`` and logged on every rank; the predictions, joined."""
+        ex, runner = self.executor, self.runner
+        state = runner.begin(hook, args, kwargs, m, exact=False)
+        self.metrics.begin()
+        outs = ex.forward_only(self.capture(), len(state.microbatches))
+        if outs is not None:
+            with self.streams.fork(ex.last):  # the last stage's part of the step, after the block
+                for i, out in enumerate(outs):
+                    runner.provide(i, out)
+        self._log_eval_means(last_rank, group)
+        if hook != "predict_step" or outs is None:
+            return None
+        # predictions live on the rank holding the last stage: the micro-batches' outputs, joined
+        return pytree.tree_map(
+            lambda *xs: torch.cat(xs) if isinstance(xs[0], torch.Tensor) else list(xs), *state.results
+        )
+
+    def _log_eval_means(self, src: int, group: Any) -> None:
+        """An evaluation step's logs, from the last stage to every rank of the pipeline, logged there."""
+        last = self.holds_last
+        device = self.executor.device
+        states = self.metrics.end() if last else None
+        _, means, states = share_logs(self.runner.state if last else None, None, src, group, device, states)
+        if not last:
+            self.metrics.apply(states)
+        lm = self.runner.module
+        for name, (value, kw) in means.items():
+            value = self.metrics.resolve(value)
+            # Epoch-level metrics: every rank of a pipeline holds the same value, so the mean over
+            # the world is the mean over the data-parallel replicas (what one process would log).
+            kw = {"sync_dist": True, **kw}
+            lm.log(name, value.to(device) if isinstance(value, torch.Tensor) else value, **kw)
+
+    def loss(self, output: Any, index: int) -> torch.Tensor:
+        """The executor's loss: the user's step on micro-batch ``index``; after the last one the loss and
+        the logs leave for the other ranks at once (:class:`~.logs.LogChannel`), not at the step's end."""
+        runner = self.runner
+        loss = runner.loss(output, index)
+        if index == len(runner.state.microbatches) - 1:
+            states = self.metrics.end()
+            self.means = step_means(runner.state)
+            if self.logs is not None:
+                self.logs.send(runner.mean_loss(), self.means, states)
+        return loss
+
+
+def _schedule(strategy: TwoBPStrategy, num_stages: int) -> Schedule:
+    opts = strategy.options
+    return build_schedule(
+        opts.schedule,
+        num_stages,
+        strategy.num_microbatches,
+        stages_per_rank=opts.stages,
+        split_backward=opts.split_backward,
+    )
+
+
+def _announce(strategy: TwoBPStrategy, local: LocalModel, schedule: Schedule, sizes: list[int]) -> None:
+    pp_rank = strategy.pp_rank
+    for s, module in local.stages.items():
+        first = local.bounds[s]
+        n = sum(q.numel() for q in module.parameters())
+        last = first + sizes[s] - 1
+        log.info("stage %d: layers %d-%d (%d parameters) on pipeline rank %d", s, first, last, n, pp_rank)
+    rank_zero_info(
+        f"twobp: {schedule_label(schedule.name, strategy.options.split_backward)}, {schedule.num_stages} stages on "
+        f"{strategy.pipeline_degree} ranks x {strategy.dp_degree} replica(s), {strategy.num_microbatches} "
+        f"micro-batches; layers per stage {sizes}"
+    )
+
+
+def _tied(strategy: TwoBPStrategy, local: LocalModel, name: str) -> TiedParameters:
+    layout = strategy.layout
+    tied = TiedParameters(
+        local.shared,
+        lambda ranks: [[layout.global_rank_of(r, d) for r in ranks] for d in range(layout.dp_degree)],
+        timeout=strategy.process_group_timeout,
+    )
+    if local.shared:
+        rank_zero_info(
+            "twobp: parameters shared across pipeline ranks, kept in sync: "
+            + "; ".join(f"{name}.{{{', '.join(sp.names)}}} on ranks {list(sp.ranks)}" for sp in local.shared)
+        )
+    return tied
+
+
+def _precision(strategy: TwoBPStrategy, clip: Callable, before_step: Callable) -> tuple[Any, Any, Any]:
+    """(the user's plugin, its scaler, ours): ours clips and checks through the pipeline."""
+    user_precision = strategy.precision_plugin
+    user_scaler = getattr(user_precision, "scaler", None)
+    scaler = None
+    if user_scaler is not None and strategy.world_size > 1:
+        scaler = overflow_agreeing_scaler(user_scaler, strategy.root_device, None)
+    if strategy.options.post_validation and user_scaler is not None and user_scaler.is_enabled():
+        raise ValueError(
+            "post_validation=True with fp16 mixed precision: the GradScaler's overflow check runs before "
+            "the step, on every rank at once; use precision='bf16-mixed', or post_validation=False"
+        )
+    return user_precision, user_scaler, pipelined_precision(user_precision, clip, before_step, scaler)
+
+
+def build_pipeline(strategy: TwoBPStrategy, trainer: Any) -> Pipeline:
+    """The pipeline of one Trainer call on this rank, from the strategy's options and layout."""
+    lm = strategy.lightning_module
+    if not lm.automatic_optimization:
+        raise ValueError(
+            "strategy='twobp' supports automatic optimization only: the pipeline schedule owns the "
+            "backward, so manual_backward cannot run it; set self.automatic_optimization = True"
+        )
+    opts, layout, device = strategy.options, strategy.layout, strategy.root_device
+    check_degree(strategy.world_size, strategy.pipeline_degree)
+    if device.type == "cpu":
+        keep_freed_memory()  # see lightning_twobp.engine.memory: measured page faults every step otherwise
+    contract = find_contract(lm, opts.layers)
+    metrics = StepMetrics(lm)
+    runner = StepRunner(lm, contract, metrics)
+    num_stages = strategy.pipeline_degree * opts.stages
+    costs = None
+    if opts.balance == "time":
+        m = strategy.num_microbatches
+        costs = profile_layers(runner, contract.layers(), trainer, m, device, strategy.precision_plugin)
+    sizes = partition(nn.Sequential(*contract.layers()), num_stages, opts.balance, costs=costs)
+    strategy.stage_sizes = list(sizes)
+    schedule = _schedule(strategy, num_stages)
+    streams = StageStreams(schedule.stages_of(layout.pp_rank), layout.dp_rank, device)
+    local = split_model(contract, sizes, schedule, layout.pp_rank)
+    _announce(strategy, local, schedule, list(sizes))
+    executor = PipelineExecutor(
+        schedule,
+        local.stages,
+        loss_fn=strategy._pipeline_loss,
+        device=device,
+        group=strategy.group("pp"),
+        grad_reduce=dp_reduce(strategy.group("dp"), layout.dp_degree) if layout.dp_degree > 1 else None,
+        timeout=opts.pipeline_timeout,
+        around=streams.fork,
+    )
+    logs = None
+    if strategy.log_group is not None:
+        last_rank = schedule.stage_to_rank[schedule.num_stages - 1]
+        logs = LogChannel(strategy.log_group, layout.pp_rank, last_rank, strategy.pipeline_degree, device)
+    tied = _tied(strategy, local, contract.name)
+    checks = OptimizerChecks(opts, strategy.group("pp"), device, schedule.stages_of, layout.pp_rank, tied.not_counted)
+    user_precision, user_scaler, precision = _precision(strategy, checks.clip_by_norm, strategy._before_step)
+    scope = ExitStack()
+    scope.enter_context(known_warnings_off())  # the Trainer call's data loaders build next
+    scope.callback(metrics.sync_over(strategy.group("dp")))
+    if layout.dp_degree == 1:  # nothing to split: the loader's own sampler, as one process reads it
+        scope.callback(keep_users_sampler(trainer))
+    return Pipeline(
+        local, executor, runner, tied, user_precision, user_scaler, precision, logs, scope, streams, metrics, checks
+    )

@@ -1,0 +1,138 @@
+"""The one door to torch's, Lightning's and torchmetrics' private names (autograd's graph has its own:
+:mod:`lightning_twobp.engine.graph`). Every other module reaches them through here, and
+``tests/test_private_apis.py`` fails on a private import or attribute anywhere else and checks that
+each name below still exists in the installed releases, so an upgrade that renames one fails there,
+by name, rather than somewhere inside a step.
+
+Each entry says why nothing public does. Torch's ``_pytree`` is the exception in kind: it is what
+torch.distributed.pipelining, torch.export and Lightning themselves use to walk nested batches, and
+it is re-exported here so that the door stays the only import of it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
+
+__all__ = [
+    "TorchDispatchMode",
+    "collect_rng_states",
+    "disabled_torch_function_impl",
+    "gloo_or_nccl_options",
+    "make_wrapper_subclass",
+    "metric_finish_step",
+    "metric_forward_cache",
+    "metric_merge",
+    "pytree",
+    "set_rng_states",
+    "tensor_version",
+    "training_data_source",
+    "without_distributed_sampler",
+]
+
+# ------------------------------------------------------------------ torch
+# A wrapper tensor subclass (lightning/elsewhere.py) dispatches plainly, as torch's own wrapper
+# subclasses do; there is no public spelling of "no __torch_function__ override".
+disabled_torch_function_impl = torch._C._disabled_torch_function_impl
+
+
+def make_wrapper_subclass(cls: type, *args: Any, **kwargs: Any) -> Any:
+    """A tensor subclass instance with no storage of its own (lightning/elsewhere.py's placeholders),
+    as torch's own wrapper subclasses make theirs."""
+    return torch.Tensor._make_wrapper_subclass(cls, *args, **kwargs)
+
+
+def tensor_version(t: torch.Tensor) -> int:
+    """Autograd's count of in-place writes to ``t``: post-validation redoes a step only when the
+    gradients it saw were not written since (engine/post_validation.py)."""
+    return t._version
+
+
+def gloo_or_nccl_options(backend: str, timeout: timedelta) -> Any:
+    """Backend options carrying ``timeout`` for a DeviceMesh's groups: ``init_device_mesh`` takes
+    ``(backend, options)`` but the options classes take the timeout only privately."""
+    if backend == "nccl":
+        from torch.distributed import ProcessGroupNCCL
+
+        opts = ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        return opts
+    from torch._C._distributed_c10d import Backend
+
+    return Backend.Options("gloo", timeout)
+
+
+# ------------------------------------------------------------------ Lightning
+def collect_rng_states(include_cuda: bool) -> dict[str, Any]:
+    """Lightning's own collection of torch, CUDA, NumPy and Python random states (what its checkpoints
+    and ``isolate_rng`` use), so a checkpoint holds exactly what one process's would."""
+    from lightning.fabric.utilities.seed import _collect_rng_states
+
+    return _collect_rng_states(include_cuda=include_cuda)
+
+
+def set_rng_states(states: dict[str, Any]) -> None:
+    from lightning.fabric.utilities.seed import _set_rng_states
+
+    _set_rng_states(states)
+
+
+def training_data_source(trainer: Any) -> Any:
+    """The fit loop's handle on the training data (2.x), or None: read before Lightning loads the data,
+    to refuse a batch size that cannot split before the sanity check runs."""
+    return getattr(trainer.fit_loop, "_data_source", None)
+
+
+def without_distributed_sampler(trainer: Any) -> Callable[[], None] | None:
+    """Switch Lightning's distributed-sampler injection off for this Trainer call; returns the undo, or
+    None where this Lightning keeps the switch elsewhere. There is no public setter after the Trainer
+    is built."""
+    connector = getattr(trainer, "_accelerator_connector", None)
+    if connector is None or not hasattr(connector, "use_distributed_sampler"):
+        return None
+    before = connector.use_distributed_sampler
+    connector.use_distributed_sampler = False
+
+    def undo() -> None:
+        connector.use_distributed_sampler = before
+
+    return undo
+
+
+# ------------------------------------------------------------------ torchmetrics
+# torchmetrics has no public way to set the value Lightning logs at a step nor the update count, and
+# its public merge_state refuses metrics whose update needs the full state (merging by the states'
+# reductions is what its own DDP sync does for every metric): lightning/metrics.py.
+def metric_finish_step(metric: Any, count: int, value: Any) -> None:
+    """After a step: its update count, and ``value`` where Lightning reads the step's value of a logged Metric."""
+    metric._update_count = count
+    metric._forward_cache = value
+
+
+def metric_forward_cache(metric: Any) -> Any:
+    return getattr(metric, "_forward_cache", None)
+
+
+def metric_merge(metric: Any, state: dict[str, Any]) -> None:
+    """``state`` (from before the step) merged into the metric's (the step's), before it: ``pre + step``."""
+    with torch.no_grad():
+        metric._reduce_states(state)
+
+
+# Names checked by tests/test_private_apis.py: (owner, attribute) that must exist.
+GUARDED: tuple[tuple[str, str], ...] = (
+    ("torch._C", "_disabled_torch_function_impl"),
+    ("torch.Tensor", "_version"),
+    ("torch.Tensor", "_make_wrapper_subclass"),
+    ("torch._C._distributed_c10d.Backend", "Options"),
+    ("torch.utils._python_dispatch", "TorchDispatchMode"),
+    ("lightning.fabric.utilities.seed", "_collect_rng_states"),
+    ("lightning.fabric.utilities.seed", "_set_rng_states"),
+    ("lightning.pytorch.plugins.precision.Precision", "_after_closure"),
+    ("torchmetrics.Metric", "_reduce_states"),
+)
