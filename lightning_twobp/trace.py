@@ -16,6 +16,8 @@ from typing import Any
 
 from lightning_twobp.schedules import Action
 
+_Timed = tuple[int, Action, float, float]  # (rank, action, start, end) of a simulated timeline
+
 __all__ = ["chrome_trace", "write_chrome_trace"]
 
 _US = 1e6  # the format counts microseconds
@@ -26,6 +28,57 @@ def _action(op: str) -> Action | None:
         return Action.parse(op)
     except ValueError:
         return None
+
+
+def _span(name: str, pid: int, tid: int, ts: float, dur: float, cat: str, **args: Any) -> dict:
+    """One complete event ("X"): times in microseconds."""
+    event = {"ph": "X", "name": name, "pid": pid, "tid": tid, "ts": ts, "dur": dur, "cat": cat}
+    if args:
+        event["args"] = args
+    return event
+
+
+def _rank_events(pid: int, name: str, records: Iterable[Any]) -> list[dict]:
+    """A measured rank: compute on thread 0; communication and the waits inside ops on thread 1."""
+    events: list[dict] = [
+        {"ph": "M", "name": "process_name", "pid": pid, "args": {"name": name}},
+        {"ph": "M", "name": "thread_name", "pid": pid, "tid": 0, "args": {"name": "compute"}},
+        {"ph": "M", "name": "thread_name", "pid": pid, "tid": 1, "args": {"name": "communication"}},
+    ]
+    for r in records:
+        action = _action(r.op)
+        ts = r.start * _US
+        if action is None:  # a batch of sends and receives, a reduce
+            events.append(_span(r.op, pid, 1, ts, max((r.end - r.start) * _US, 0.0), "comm"))
+            continue
+        if r.wait > 0:
+            events.append(_span(f"wait {r.op}", pid, 1, ts, r.wait * _US, "wait"))
+        dur = max((r.end - r.start - r.wait) * _US, 0.0)
+        args = {
+            "stage": action.stage,
+            "microbatches": list(action.microbatches),
+            "kind": action.kind,
+            "wait_ms": r.wait * 1e3,
+            "step": r.step,
+        }
+        events.append(_span(r.op, pid, 0, ts + r.wait * _US, dur, action.kind, **args))
+    return events
+
+
+def _simulated_events(
+    first: int, title: str, timeline: list[tuple[int, Action, float, float]], scale: float
+) -> list[dict]:
+    """The simulated timeline, one process per rank after the measured ones, times scaled to seconds."""
+    ranks = sorted({rank for rank, *_ in timeline})
+    events: list[dict] = [
+        {"ph": "M", "name": "process_name", "pid": first + rank, "args": {"name": f"{title}: simulated rank {rank}"}}
+        for rank in ranks
+    ]
+    for rank, action, start, end in timeline:
+        mbs = list(action.microbatches)
+        ts, dur = start * scale * _US, (end - start) * scale * _US
+        events.append(_span(str(action), first + rank, 0, ts, dur, action.kind, stage=action.stage, microbatches=mbs))
+    return events
 
 
 def chrome_trace(
@@ -43,81 +96,10 @@ def chrome_trace(
     events: list[dict] = []
     pid = 0
     for rank, records in enumerate(records_by_rank):
-        events.append({"ph": "M", "name": "process_name", "pid": pid, "args": {"name": f"{title}: rank {rank}"}})
-        events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": 0, "args": {"name": "compute"}})
-        events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": 1, "args": {"name": "communication"}})
-        for r in records:
-            action = _action(r.op)
-            ts = r.start * _US
-            if action is None:  # a batch of sends and receives, a reduce
-                events.append(
-                    {
-                        "ph": "X",
-                        "name": r.op,
-                        "pid": pid,
-                        "tid": 1,
-                        "ts": ts,
-                        "dur": max((r.end - r.start) * _US, 0.0),
-                        "cat": "comm",
-                    }
-                )
-                continue
-            if r.wait > 0:
-                events.append(
-                    {
-                        "ph": "X",
-                        "name": f"wait {r.op}",
-                        "pid": pid,
-                        "tid": 1,
-                        "ts": ts,
-                        "dur": r.wait * _US,
-                        "cat": "wait",
-                    }
-                )
-            events.append(
-                {
-                    "ph": "X",
-                    "name": r.op,
-                    "pid": pid,
-                    "tid": 0,
-                    "ts": ts + r.wait * _US,
-                    "dur": max((r.end - r.start - r.wait) * _US, 0.0),
-                    "cat": action.kind,
-                    "args": {
-                        "stage": action.stage,
-                        "microbatches": list(action.microbatches),
-                        "kind": action.kind,
-                        "wait_ms": r.wait * 1e3,
-                        "step": r.step,
-                    },
-                }
-            )
+        events += _rank_events(pid, f"{title}: rank {rank}", records)
         pid += 1
     if simulated is not None:
-        ranks = sorted({rank for rank, *_ in simulated})
-        first = pid
-        for rank in ranks:
-            events.append(
-                {
-                    "ph": "M",
-                    "name": "process_name",
-                    "pid": first + rank,
-                    "args": {"name": f"{title}: simulated rank {rank}"},
-                }
-            )
-        for rank, action, start, end in simulated:
-            events.append(
-                {
-                    "ph": "X",
-                    "name": str(action),
-                    "pid": first + rank,
-                    "tid": 0,
-                    "ts": start * simulated_scale * _US,
-                    "dur": (end - start) * simulated_scale * _US,
-                    "cat": action.kind,
-                    "args": {"stage": action.stage, "microbatches": list(action.microbatches)},
-                }
-            )
+        events += _simulated_events(pid, title, list(simulated), simulated_scale)
     return {"traceEvents": events, "displayTimeUnit": "ms"}
 
 

@@ -51,6 +51,79 @@ _FONT_SIZE = 7
 _INSTALL_HINT = "pip install 'lightning_twobp[plots]'"
 
 
+def _stage_positions(boxes: list[Any]) -> dict[int, list[int]]:
+    """Each rank's stages in order: position 0 for its first, 1 for its second (interleaved "loop" or
+    V), ..., drawn progressively lighter."""
+    local: dict[int, list[int]] = {}
+    for rank, action, _, _ in boxes:
+        local.setdefault(rank, [])
+        if action.stage not in local[rank]:
+            local[rank].append(action.stage)
+    for stages in local.values():
+        stages.sort()
+    return local
+
+
+def _draw_boxes(
+    fig: Figure, ax: Axes, boxes: list[Any], local: dict[int, list[int]], depth: int, num_ranks: int
+) -> None:
+    from matplotlib.patches import Rectangle
+
+    t_end = max(end for _, _, _, end in boxes)
+    t_end = t_end if t_end > 0 else 1.0
+    ax.set_xlim(0, t_end)
+    ax.set_ylim(num_ranks - 0.5, -0.5)  # rank 0 on top
+    px_per_unit = _axes_width_px(fig, ax) / t_end
+    char_px = 0.62 * _FONT_SIZE * fig.dpi / 72
+    for rank, action, start, end in boxes:
+        index = local[rank].index(action.stage)
+        base = KIND_COLORS[action.kind]
+        face = _lighten(base, 0.5 * index / max(depth - 1, 1)) if index else base
+        edge = base if index else "white"
+        rect = Rectangle(
+            (start, rank - 0.4),
+            end - start,
+            0.8,
+            facecolor=face,
+            edgecolor=edge,
+            hatch="//" if index else None,
+            linewidth=0.6,
+        )
+        rect.set_gid(f"action {rank} {action}")
+        ax.add_patch(rect)
+        text = _microbatch_text(action)
+        if (end - start) * px_per_unit >= len(text) * char_px + 3:
+            color = _text_color(face)
+            ax.text(
+                (start + end) / 2, rank, text, ha="center", va="center", fontsize=_FONT_SIZE, color=color, clip_on=True
+            )
+
+
+def _dress(ax: Axes, boxes: list[Any], depth: int, num_ranks: int, title: str | None, unit: str | None) -> None:
+    """Axes, labels and the legend of the kinds drawn."""
+    from matplotlib.patches import Patch
+
+    ax.set_yticks(range(num_ranks))
+    ax.set_yticklabels([f"rank {r}" for r in range(num_ranks)])
+    ax.tick_params(axis="y", length=0)
+    ax.set_xlabel(f"time ({unit})" if unit else "time")
+    for side in ("top", "right", "left"):
+        ax.spines[side].set_visible(False)
+    ax.set_facecolor("white")
+    if title:
+        ax.set_title(title, fontsize=9)
+    kinds = [k for k in KIND_COLORS if any(a.kind == k for _, a, _, _ in boxes)]
+    handles = [Patch(facecolor=KIND_COLORS[k], label=_KIND_NAMES[k]) for k in kinds]
+    if depth > 1:
+        later = Patch(
+            facecolor=_lighten("#777777", 0.5), edgecolor="#777777", hatch="//", label="later stage on a rank"
+        )
+        handles.append(later)
+    handles.append(Patch(facecolor="white", edgecolor="#bbbbbb", label="idle"))
+    legend = {"loc": "upper left", "bbox_to_anchor": (1.005, 1.0), "frameon": False, "borderaxespad": 0.0}
+    ax.legend(handles=handles, fontsize=_FONT_SIZE, **legend)
+
+
 def plot_timeline(
     timeline: Iterable[Any],
     *,
@@ -71,8 +144,6 @@ def plot_timeline(
     ``range(num_ranks)`` or nothing in ``timeline`` is a compute action.
     """
     _require_matplotlib()
-    from matplotlib.patches import Patch, Rectangle
-
     if isinstance(num_ranks, bool) or not isinstance(num_ranks, int) or num_ranks < 1:
         raise ValueError(f"num_ranks must be an int >= 1, got {num_ranks!r}")
     boxes = list(_compute_boxes(timeline))
@@ -89,77 +160,10 @@ def plot_timeline(
     else:
         fig = ax.figure
 
-    # Position of each stage among its rank's stages: 0 for the first, 1 for the
-    # second (interleaved "loop" or V), ... drawn progressively lighter.
-    local: dict[int, list[int]] = {}
-    for rank, action, _, _ in boxes:
-        local.setdefault(rank, [])
-        if action.stage not in local[rank]:
-            local[rank].append(action.stage)
-    for stages in local.values():
-        stages.sort()
+    local = _stage_positions(boxes)
     depth = max(len(s) for s in local.values())
-
-    t_end = max(end for _, _, _, end in boxes)
-    t_end = t_end if t_end > 0 else 1.0
-    ax.set_xlim(0, t_end)
-    ax.set_ylim(num_ranks - 0.5, -0.5)  # rank 0 on top
-    px_per_unit = _axes_width_px(fig, ax) / t_end
-    char_px = 0.62 * _FONT_SIZE * fig.dpi / 72
-
-    for rank, action, start, end in boxes:
-        index = local[rank].index(action.stage)
-        base = KIND_COLORS[action.kind]
-        face = _lighten(base, 0.5 * index / max(depth - 1, 1)) if index else base
-        rect = Rectangle(
-            (start, rank - 0.4),
-            end - start,
-            0.8,
-            facecolor=face,
-            edgecolor=base if index else "white",
-            hatch="//" if index else None,
-            linewidth=0.6,
-        )
-        rect.set_gid(f"action {rank} {action}")
-        ax.add_patch(rect)
-        text = _microbatch_text(action)
-        if (end - start) * px_per_unit >= len(text) * char_px + 3:
-            ax.text(
-                (start + end) / 2,
-                rank,
-                text,
-                ha="center",
-                va="center",
-                fontsize=_FONT_SIZE,
-                color=_text_color(face),
-                clip_on=True,
-            )
-
-    ax.set_yticks(range(num_ranks))
-    ax.set_yticklabels([f"rank {r}" for r in range(num_ranks)])
-    ax.tick_params(axis="y", length=0)
-    ax.set_xlabel(f"time ({unit})" if unit else "time")
-    for side in ("top", "right", "left"):
-        ax.spines[side].set_visible(False)
-    ax.set_facecolor("white")
-    if title:
-        ax.set_title(title, fontsize=9)
-
-    kinds = [k for k in KIND_COLORS if any(a.kind == k for _, a, _, _ in boxes)]
-    handles = [Patch(facecolor=KIND_COLORS[k], label=_KIND_NAMES[k]) for k in kinds]
-    if depth > 1:
-        handles.append(
-            Patch(facecolor=_lighten("#777777", 0.5), edgecolor="#777777", hatch="//", label="later stage on a rank")
-        )
-    handles.append(Patch(facecolor="white", edgecolor="#bbbbbb", label="idle"))
-    ax.legend(
-        handles=handles,
-        loc="upper left",
-        bbox_to_anchor=(1.005, 1.0),
-        fontsize=_FONT_SIZE,
-        frameon=False,
-        borderaxespad=0.0,
-    )
+    _draw_boxes(fig, ax, boxes, local, depth, num_ranks)
+    _dress(ax, boxes, depth, num_ranks, title, unit)
 
     if path is not None:
         fig.savefig(path, dpi=fig.dpi)
