@@ -75,7 +75,47 @@ def _check_timeout(seconds: Any) -> None:
 
 @dataclass(frozen=True)
 class PipelineOptions:
-    """What to pipeline and how (see :class:`~lightning_twobp.TwoBPStrategy` for each option)."""
+    """What to pipeline and how: the options of :class:`~lightning_twobp.TwoBPStrategy` (and of the Hydra
+    ``strategy`` group and ``twobp-plan``), each checked when the object is made.
+
+    Args:
+        schedule: one of :data:`lightning_twobp.schedules.SCHEDULES`.
+        split_backward: 2BP's split into B and W (``False``: the fused backward; ZB schedules are split).
+        num_microbatches: micro-batches per step (default ``2 * pipeline_degree``); the batch size
+            must divide by it.
+        pipeline_degree: ranks per pipeline (default: every device, one pipeline); the devices
+            left over form data-parallel replicas, ``devices x num_nodes = pipeline_degree x dp``.
+        stages_per_rank: stages on each rank (default 2 for ``zb-v`` and ``interleaved-1f1b``, else 1).
+        balance: ``"params"`` (default), ``"time"`` (forward + backward time of every layer, measured
+            on the first micro-batch of the data before training), or a list of layer counts per stage.
+        layers: dotted name of the Sequential to pipeline, when the module holds several.
+        gather_full_model: at the end of each Trainer call, every rank receives the trained weights
+            of the stages it did not hold, so the model is complete on every rank. Off by default:
+            then those layers stay on the ``meta`` device and calling one says how to get them.
+        post_validation: clipping by the global gradient norm (``gradient_clip_val``) without stopping
+            the pipeline: each rank steps at once and the global check follows, rolling the step back
+            and redoing it exactly when it would have changed it (the Zero Bubble paper's optimizer
+            post-validation; :class:`~lightning_twobp.engine.StepValidation`). ``None`` (default): on
+            for ``zb-h2`` and ``zb-v``, whose zero bubble needs consecutive steps to overlap; off (check
+            first, then step) for the others, which do not overlap anyway. With clipping or
+            ``on_nonfinite="skip"`` it costs one copy of the parameters and optimizer state while a
+            step is unchecked (none otherwise). Not with fp16's GradScaler.
+        on_nonfinite: an inf or NaN gradient on any stage (a NaN loss makes every gradient NaN) is
+            seen by every rank in the same step: one all-reduce of ``pipeline_degree + 3`` numbers
+            per optimizer step, the one clipping needs anyway. ``"stop"`` (default): every rank
+            raises :class:`NonFiniteError` naming the step, the stages and the first non-finite
+            micro-batch loss (before the step changes any weight, except under post-validation
+            without clipping, where the error comes a step later and says so). ``"skip"``: the step is
+            skipped on every rank, with a warning; ``strategy.step_checks["skipped"]`` counts them and
+            ``pipeline/skipped_steps`` is logged. With fp16's GradScaler the scaler does this instead.
+        pipeline_timeout: seconds (default 600) the pipeline's own waits on another rank may take,
+            after which that rank is named as lost (its pipeline rank, stage and host). Also the
+            timeout of the process group and of every group the strategy makes (the mesh's, the
+            loss and logs', tied weights') unless ``timeout`` is given (at least 60 s), so a hung
+            rank stops Lightning's collectives in minutes rather than torch's default 30.
+            Checkpoint saves and loads use a group of their own with at least 30 minutes: writing
+            and hashing a large checkpoint may take longer than a hung rank should.
+    """
 
     schedule: str = "1f1b"
     split_backward: bool = True

@@ -149,8 +149,8 @@ def test_one_replay_gives_counts_and_bytes():
 
 def test_importing_the_schedules_loads_no_torch_and_lightning_still_finds_twobp():
     code = (
-        "import sys, lightning_twobp.schedules\n"
-        "assert not {'torch', 'lightning'} & set(sys.modules), 'schedules imported torch or lightning'\n"
+        "import sys, lightning_twobp.schedules, lightning_twobp.options\n"
+        "assert not {'torch', 'lightning'} & set(sys.modules), 'schedules or options imported torch or lightning'\n"
         "import lightning.pytorch\n"
         "from lightning.pytorch.strategies import StrategyRegistry\n"
         "assert 'twobp' in StrategyRegistry, 'import lightning_twobp no longer registers twobp'\n"
