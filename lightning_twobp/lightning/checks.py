@@ -11,22 +11,11 @@ from typing import Any
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["check_flag", "check_nodes", "checked_optimizers"]
+from lightning_twobp.options import check_flag
+
+__all__ = ["check_flag", "check_nodes", "checked_optimizers"]  # check_flag: lightning_twobp.options
 
 _LOOPBACK = ("", "127.0.0.1", "localhost", "::1")
-
-
-def check_flag(name: str, value: Any, none: str | None = None) -> None:
-    """``value`` is a bool (or ``None`` where ``none`` says what ``None`` means). A string is refused:
-    ``"false"`` and ``"no"`` are truthy, so ``if value:`` would take them as true."""
-    if isinstance(value, bool) or (value is None and none is not None):
-        return
-    allowed = "True or False" + (f", or None ({none})" if none is not None else "")
-    raise ValueError(
-        f"TwoBPStrategy({name}={value!r}): it must be {allowed}, not a {type(value).__name__}; pass a bool "
-        f"(e.g. {name}=False). On the command line Hydra and LightningCLI read true/false as booleans: "
-        f"strategy.{name}=false"
-    )
 
 
 def check_nodes(num_nodes: int, devices: int, environment: Any) -> None:
