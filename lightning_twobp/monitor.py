@@ -38,6 +38,7 @@ import os
 import statistics
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import astuple, dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -55,7 +56,39 @@ from lightning_twobp.schedules import Action, Costs, simulate
 __all__ = ["FlopCount", "PipelineMonitor", "busy_seconds", "measured_costs", "rss_mb", "stage_names", "tokens_in"]
 
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
-_FIELDS = ("rss_mb", "max_allocated_mb", "max_reserved_mb", "bubble", "bubble_simulated", "held_mb_per_microbatch")
+
+
+@dataclass(frozen=True)
+class RankFigures:
+    """One rank's figures at a log, each logged as ``pipeline/<stage>/<field>`` (NaN where not known
+    here: CUDA memory on CPU, a bubble before a recorded step). A new figure is a new field and its
+    value in :meth:`PipelineMonitor._local`: the gathered tensor follows this order by construction."""
+
+    rss_mb: float
+    max_allocated_mb: float
+    max_reserved_mb: float
+    bubble: float
+    bubble_simulated: float
+    held_mb_per_microbatch: float
+
+    def tensor(self) -> torch.Tensor:
+        return torch.tensor(astuple(self), dtype=torch.float64)
+
+
+_FIELDS = tuple(f.name for f in fields(RankFigures))
+
+
+@dataclass
+class _RunCounts:
+    """What one fit has counted so far, made in ``on_train_start``."""
+
+    t0: float  # the fit's start (perf_counter)
+    last_step: int  # the optimizer steps seen (several batches each under accumulation)
+    batches: int = 0
+    samples: int = 0
+    lengths: int = 0
+    counted_lengths: bool = False  # whether any batch had a length (tokens)
+    peak_cuda: float = 0.0  # the run's peak CUDA memory allocated, bytes (peaks are reset at each log)
 
 
 def rss_mb() -> float:
@@ -258,11 +291,7 @@ class PipelineMonitor(pl.Callback):
         self._throughput = Throughput(
             available_flops=peak * pp if peak else None, world_size=dp, window_size=window, separator="/"
         )
-        self._t0 = time.perf_counter()
-        self._batches = self._samples = self._lengths = 0
-        self._counted_lengths = False  # whether any batch had a length (tokens)
-        self._peak_cuda = 0.0  # the run's peak CUDA memory allocated, bytes (peaks are reset at each log)
-        self._last_step = trainer.global_step  # the optimizer steps seen (several batches each under accumulation)
+        self._run = _RunCounts(t0=time.perf_counter(), last_step=trainer.global_step)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
 
@@ -311,25 +340,25 @@ class PipelineMonitor(pl.Callback):
     ) -> None:
         if self._counter is not None:
             self._stop_counting(trainer)
-        now = time.perf_counter() - self._t0
-        self._batches += 1
-        self._samples += self.batch_size_fn(batch)
+        now = time.perf_counter() - self._run.t0
+        self._run.batches += 1
+        self._run.samples += self.batch_size_fn(batch)
         n = self.length_fn(batch)
         if n is not None:
-            self._lengths += n
-            self._counted_lengths = True
+            self._run.lengths += n
+            self._run.counted_lengths = True
         flops = self.flops_per_batch or None  # Throughput takes each batch's FLOPs, not a running total
         self._throughput.update(
             time=now,
-            batches=self._batches,
-            samples=self._samples,
-            lengths=self._lengths if self._counted_lengths else None,
+            batches=self._run.batches,
+            samples=self._run.samples,
+            lengths=self._run.lengths if self._run.counted_lengths else None,
             flops=flops,
         )
         step = trainer.global_step  # counted: the step that just ran is step - 1
-        if step == self._last_step:
+        if step == self._run.last_step:
             return  # accumulating: no optimizer step ended with this batch
-        self._last_step = step
+        self._run.last_step = step
         strategy = self._pipeline(trainer)
         if strategy is not None and step - 1 in self.trace_steps:
             self._write_trace(trainer, strategy, step - 1)
@@ -366,7 +395,7 @@ class PipelineMonitor(pl.Callback):
         device = strategy.root_device
         alloc = reserved = nan
         if device.type == "cuda":
-            self._peak_cuda = max(self._peak_cuda, torch.cuda.max_memory_allocated(device))
+            self._run.peak_cuda = max(self._run.peak_cuda, torch.cuda.max_memory_allocated(device))
             alloc = torch.cuda.max_memory_allocated(device) / 1e6
             reserved = torch.cuda.max_memory_reserved(device) / 1e6
             torch.cuda.reset_peak_memory_stats(device)
@@ -377,7 +406,14 @@ class PipelineMonitor(pl.Callback):
             bubble = 1.0 - busy / span if span > 0 else nan
             if rec.held_bytes:
                 held = statistics.fmean(rec.held_bytes.values()) / 1e6
-        return torch.tensor([rss_mb(), alloc, reserved, bubble, simulated, held], dtype=torch.float64)
+        return RankFigures(
+            rss_mb=rss_mb(),
+            max_allocated_mb=alloc,
+            max_reserved_mb=reserved,
+            bubble=bubble,
+            bubble_simulated=simulated,
+            held_mb_per_microbatch=held,
+        ).tensor()
 
     def _per_rank(self, trainer: pl.Trainer, strategy: Any) -> dict[str, float]:
         """Every rank's numbers, gathered with one tensor all-gather (and the simulated bubble from
@@ -409,7 +445,7 @@ class PipelineMonitor(pl.Callback):
         a GPU, the peak resident set on CPU), gathered with one all-gather: call it on every rank."""
         device = trainer.strategy.root_device
         if device.type == "cuda":
-            peak, kind = max(self._peak_cuda, torch.cuda.max_memory_allocated(device)), "peak CUDA memory allocated"
+            peak, kind = max(self._run.peak_cuda, torch.cuda.max_memory_allocated(device)), "peak CUDA memory allocated"
         else:
             peak, kind = peak_rss_bytes(), "peak RSS"
         mine = torch.tensor([float(peak)], dtype=torch.float64, device=device)
@@ -420,13 +456,13 @@ class PipelineMonitor(pl.Callback):
             rows = [mine]
         strategy = self._pipeline(trainer)
         dp = strategy.world_size // strategy.pipeline_degree if strategy is not None else trainer.world_size
-        seconds = time.perf_counter() - self._t0
+        seconds = time.perf_counter() - self._run.t0
         rows = [r.cpu() for r in rows]
         return {
-            "steps": self._batches,
+            "steps": self._run.batches,
             "seconds": seconds,
-            "samples_per_s": self._samples * dp / seconds if seconds else None,
-            "tokens_per_s": self._lengths * dp / seconds if seconds and self._counted_lengths else None,
+            "samples_per_s": self._run.samples * dp / seconds if seconds else None,
+            "tokens_per_s": self._run.lengths * dp / seconds if seconds and self._run.counted_lengths else None,
             "flops_per_batch": self.flops_per_batch,
             "peak_memory_bytes_per_rank": [float(r) for r in rows],
             "peak_memory_kind": kind,

@@ -60,6 +60,24 @@ class StepResult:
     held_bytes: dict[tuple[int, int], int] = field(default_factory=dict)  # (stage, mb) -> saved bytes
 
 
+@dataclass
+class _StepRun:
+    """One step's state on this rank: made when :meth:`PipelineExecutor.step` starts, dropped when it
+    returns, so nothing of a step outlives it on the executor."""
+
+    inputs: list[tuple]  # stage 0's micro-batches (this rank holds stage 0), else empty
+    targets: list[Any]  # the last stage's targets (this rank holds it), else empty
+    loss_scale: float
+    result: StepResult = field(default_factory=lambda: StepResult(loss=None))
+    acts: dict[tuple[int, int], tuple] = field(default_factory=dict)  # (stage, mb) -> inputs handed over locally
+    grads: dict[tuple[int, int], list] = field(default_factory=dict)  # (stage, mb) -> grads of its outputs
+    to_send: dict[tuple[str, int, int], list[torch.Tensor]] = field(default_factory=dict)
+    pending: list[Callable[[], None]] = field(default_factory=list)  # reduces started this step
+    t0: float = 0.0  # the step's start (after the shape exchange)
+    t0_event: Any = None  # its CUDA event, when recording on a GPU
+    events: list[tuple[Any, Any]] = field(default_factory=list)  # CUDA (start, end) events of recorded ops
+
+
 class _WithLoss(nn.Module):
     """The last stage: the user's layers followed by the loss, so the stage's output is the loss."""
 
@@ -149,8 +167,13 @@ class PipelineExecutor:
             "W": self._backward_weight,
             "BW": self._backward,
         }
-        self._pending: list[Callable[[], None]] = []  # reduces started this step
+        self._now: _StepRun | None = None  # the step being run
         self._labels = [f"PP:{'+'.join(map(str, op)) if isinstance(op, list) else op}" for op in self.ops]
+
+    @property
+    def _current(self) -> _StepRun:
+        assert self._now is not None, "a handler ran outside step()"
+        return self._now
 
     def reset_shapes(self) -> None:
         """Agree on the shapes between stages again before the next step. Needed (on every rank) only
@@ -172,7 +195,6 @@ class PipelineExecutor:
         are those of ``loss_scale`` times the mean loss (a GradScaler's scale for fp16, so small
         gradients do not underflow on the way back).
         """
-        self._loss_scale = float(loss_scale)
         m = self.schedule.num_microbatches
         for name, seq, stage in (("inputs", inputs, 0), ("targets", targets, self.last)):
             if stage in self.stages and (seq is None or len(seq) != m):
@@ -180,11 +202,13 @@ class PipelineExecutor:
                 raise ValueError(
                     f"rank {self.rank} holds stage {stage}: pass {name} as a sequence of {m} micro-batches (got {got})"
                 )
-        self._inputs = [_as_tuple(x) for x in inputs] if inputs is not None else []
-        self._targets = list(targets) if targets is not None else []
+        self._now = _StepRun(
+            [_as_tuple(x) for x in inputs] if inputs is not None else [],
+            list(targets) if targets is not None else [],
+            float(loss_scale),
+        )
         for st in self.stages.values():  # a step that failed part-way leaves micro-batches behind
             st.discard()
-        self._pending = []
         self._p2p.start_step()
         try:
             self._exchange_meta()
@@ -194,15 +218,11 @@ class PipelineExecutor:
         except BaseException:
             self._p2p.drop_buffers()
             raise
-        self._acts: dict[tuple[int, int], tuple] = {}  # (stage, mb) -> inputs handed over locally
-        self._grads: dict[tuple[int, int], list] = {}  # (stage, mb) -> grads of its outputs
-        self._to_send: dict[tuple[str, int, int], list[torch.Tensor]] = {}
-        self._result = StepResult(loss=None)
-        self._t0 = time.perf_counter()
-        self._events: list[tuple[Any, Any]] = []  # CUDA (start, end) events of recorded ops
+        run = self._now
+        run.t0 = time.perf_counter()
         if self.record and self.device.type == "cuda":
-            self._t0_event = torch.cuda.Event(enable_timing=True)
-            self._t0_event.record()
+            run.t0_event = torch.cuda.Event(enable_timing=True)
+            run.t0_event.record()
         try:
             self._run_ops()
             self._p2p.finish_sends()
@@ -214,11 +234,11 @@ class PipelineExecutor:
             raise
         finally:
             self.steps += 1
-        pending, self._pending = self._pending, []
-        for finish in pending:
+            self._now = None
+        for finish in run.pending:
             finish()
-        res = self._result
-        if self._events:
+        res = run.result
+        if run.events:
             # On a GPU the host only launches kernels: times come from CUDA events, read once the
             # step's work has finished (one synchronisation per recorded step).
             torch.cuda.synchronize(self.device)
@@ -227,11 +247,11 @@ class PipelineExecutor:
                     r.rank,
                     r.step,
                     r.op,
-                    self._t0_event.elapsed_time(a) / 1e3,
-                    self._t0_event.elapsed_time(b) / 1e3,
+                    run.t0_event.elapsed_time(a) / 1e3,
+                    run.t0_event.elapsed_time(b) / 1e3,
                     r.wait,
                 )
-                for r, (a, b) in zip(res.records, self._events, strict=False)
+                for r, (a, b) in zip(res.records, run.events, strict=False)
             ]
         if self.last in self.stages:
             res.loss = torch.stack([x.detach() for x in res.losses]).mean()
@@ -310,11 +330,16 @@ class PipelineExecutor:
         if self.record:
             if self.device.type == "cuda":
                 ev[1].record()
-                self._events.append(ev)
+                self._current.events.append(ev)
             label = "+".join(map(str, arg)) if isinstance(arg, list) else str(arg)
-            self._result.records.append(
+            self._current.result.records.append(
                 ActionRecord(
-                    self.rank, step, label, start - self._t0, time.perf_counter() - self._t0, self._p2p.wait_time
+                    self.rank,
+                    step,
+                    label,
+                    start - self._current.t0,
+                    time.perf_counter() - self._current.t0,
+                    self._p2p.wait_time,
                 )
             )
 
@@ -329,9 +354,9 @@ class PipelineExecutor:
     # ------------------------------------------------------------------ compute handlers
     def _stage_inputs(self, s: int, mb: int) -> tuple:
         if s == 0:
-            return tuple(x.to(self.device) if isinstance(x, torch.Tensor) else x for x in self._inputs[mb])
-        if (s, mb) in self._acts:
-            return self._acts.pop((s, mb))
+            return tuple(x.to(self.device) if isinstance(x, torch.Tensor) else x for x in self._current.inputs[mb])
+        if (s, mb) in self._current.acts:
+            return self._current.acts.pop((s, mb))
         return self._p2p.wait(("F", s, mb))
 
     def _forward(self, a: Action) -> None:
@@ -339,7 +364,7 @@ class PipelineExecutor:
         inputs = self._stage_inputs(s, mb)
         stage = self.stages[s]
         if s == self.last:
-            target = self._targets[mb]
+            target = self._current.targets[mb]
             kwargs = {"target": target.to(self.device) if isinstance(target, torch.Tensor) else target}
         else:
             kwargs = {}
@@ -359,13 +384,13 @@ class PipelineExecutor:
 
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 out = stage.forward(mb, *inputs, **kwargs)
-            self._result.held_bytes[(s, mb)] = sum(storages.values())
+            self._current.result.held_bytes[(s, mb)] = sum(storages.values())
         else:
             out = stage.forward(mb, *inputs, **kwargs)
         if s == self.last:
-            self._result.losses.append(out.detach())  # the graph stays with the Stage until B
+            self._current.result.losses.append(out.detach())  # the graph stays with the Stage until B
         elif s + 1 in self.stages:  # adjacent stage on this rank: hand over, no communication
-            self._acts[(s + 1, mb)] = _as_tuple(out)
+            self._current.acts[(s + 1, mb)] = _as_tuple(out)
         else:
             outs = _as_tuple(out)
             check_outgoing(
@@ -373,15 +398,15 @@ class PipelineExecutor:
                 self._p2p.meta_out[s],
                 f"the output stage {s} sends for micro-batch {mb}",
             )
-            self._to_send[("F", s, mb)] = [t.detach() for t in outs]
+            self._current.to_send[("F", s, mb)] = [t.detach() for t in outs]
 
     def _grad_outputs(self, s: int, mb: int) -> Any:
         if s == self.last:
             # d(mean loss)/d(loss_mb) = 1/m: the step differentiates the mean over micro-batches.
-            loss = self._result.losses[-1]
-            return torch.full_like(loss, self._loss_scale / self.schedule.num_microbatches)
-        if (s, mb) in self._grads:
-            return self._grads.pop((s, mb))
+            loss = self._current.result.losses[-1]
+            return torch.full_like(loss, self._current.loss_scale / self.schedule.num_microbatches)
+        if (s, mb) in self._current.grads:
+            return self._current.grads.pop((s, mb))
         return self._p2p.wait(("B", s, mb))
 
     def _hand_back(self, s: int, mb: int, grads: tuple) -> None:
@@ -391,14 +416,14 @@ class PipelineExecutor:
         metas = [mt for mt in self._p2p.meta_in[s] if mt.requires_grad]
         needed = [g for g, mt in zip(grads, self._p2p.meta_in[s], strict=False) if mt.requires_grad]
         if s - 1 in self.stages:
-            self._grads[(s - 1, mb)] = needed
+            self._current.grads[(s - 1, mb)] = needed
         else:
             check_outgoing(
                 [TensorMeta(tuple(g.shape), g.dtype, True) for g in needed],
                 metas,
                 f"the input gradient stage {s} sends for micro-batch {mb}",
             )
-            self._to_send[("B", s, mb)] = needed
+            self._current.to_send[("B", s, mb)] = needed
 
     def _backward_input(self, a: Action) -> None:
         g = self._grad_outputs(a.stage, a.microbatch)
@@ -413,11 +438,11 @@ class PipelineExecutor:
 
     def _reduce(self, op: GradReduce) -> None:
         params = [p for p in self.stages[op.stage].module.parameters() if p.grad is not None]
-        self._pending.append(self._grad_reduce(op.stage, params))
+        self._current.pending.append(self._grad_reduce(op.stage, params))
 
     # ------------------------------------------------------------------ communication
     def _post(self, comms: list[Comm]) -> None:
-        self._p2p.post(comms, self._to_send)
+        self._p2p.post(comms, self._current.to_send)
 
     # ------------------------------------------------------------------ shapes
     def _input_signature(self) -> int:
@@ -426,7 +451,7 @@ class PipelineExecutor:
         parts: list[Any] = [
             [
                 [(tuple(t.shape), str(t.dtype), t.requires_grad) for t in mb if isinstance(t, torch.Tensor)]
-                for mb in self._inputs
+                for mb in self._current.inputs
             ],
             torch.is_autocast_enabled(self.device.type),
             str(torch.get_autocast_dtype(self.device.type)),
