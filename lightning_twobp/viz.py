@@ -292,8 +292,9 @@ def _text_color(face) -> str:
 
 def _cost_unit(costs: Costs) -> str:
     values = (costs.f, costs.b, costs.w)
-    if not any(isinstance(v, tuple) for v in values):
-        f, b, w = (float(v) for v in values)
+    numbers = [v for v in values if isinstance(v, (int, float))]  # Costs stores the others as tuples
+    if len(numbers) == len(values):
+        f, b, w = (float(v) for v in numbers)
         text = "F = B = W = 1" if f == b == w == 1.0 else f"F = {f:g}, B = {b:g}, W = {w:g}"
     else:
         text = "per-stage F, B, W costs"
