@@ -33,7 +33,8 @@ class RunSummary(pl.Callback):
         self._own: PipelineMonitor | None = None
 
     def _monitor(self, trainer: pl.Trainer) -> PipelineMonitor:
-        found = next((c for c in trainer.callbacks if isinstance(c, PipelineMonitor)), None)
+        callbacks = trainer.callbacks  # type: ignore[attr-defined]  # set by Lightning's callback connector, undeclared
+        found = next((c for c in callbacks if isinstance(c, PipelineMonitor)), None)
         if found is not None:
             return found
         if self._own is None:
@@ -62,7 +63,7 @@ class RunSummary(pl.Callback):
         peaks = figures["peak_memory_bytes_per_rank"]
         if trainer.global_rank != 0:
             return
-        strategy = trainer.strategy
+        strategy: Any = trainer.strategy  # any strategy; a pipeline's has stage_sizes and schedule
         p = getattr(strategy, "pipeline_degree", 1)
         dp = trainer.world_size // p
         pipeline = {}
@@ -84,7 +85,8 @@ class RunSummary(pl.Callback):
                 },
             }
         loss = trainer.callback_metrics.get("train_loss")
-        ckpt = trainer.checkpoint_callback.best_model_path if trainer.checkpoint_callback else ""
+        checkpoint: Any = trainer.checkpoint_callback  # a ModelCheckpoint (Lightning declares the base Checkpoint)
+        ckpt = checkpoint.best_model_path if checkpoint else ""
         log_dir = trainer.logger.log_dir if trainer.logger is not None else None
         seconds = figures["seconds"]
         self.summary = {

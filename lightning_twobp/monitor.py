@@ -52,6 +52,7 @@ from torch.utils.flop_counter import flop_registry
 from lightning_twobp.lightning.step import batch_size
 from lightning_twobp.private import TorchDispatchMode, pytree
 from lightning_twobp.schedules import Action, Costs, simulate
+from lightning_twobp.schedules.per_stage import stage_value
 
 __all__ = ["FlopCount", "PipelineMonitor", "busy_seconds", "measured_costs", "rss_mb", "stage_names", "tokens_in"]
 
@@ -264,7 +265,8 @@ class PipelineMonitor(pl.Callback):
         return strategy if hasattr(strategy, "record_next_step") else None
 
     def _every(self, trainer: pl.Trainer) -> int:
-        return self.log_every_n_steps or max(1, trainer.log_every_n_steps)
+        # the Trainer's logger connector sets log_every_n_steps on it; Lightning declares no such attribute
+        return self.log_every_n_steps or max(1, trainer.log_every_n_steps)  # type: ignore[attr-defined]
 
     def _records_wanted(self, trainer: pl.Trainer, step: int) -> bool:
         """Record the step that ends right before a logging step, and the traced ones."""
@@ -314,6 +316,7 @@ class PipelineMonitor(pl.Callback):
 
     def _stop_counting(self, trainer: pl.Trainer) -> None:
         counter, self._counter = self._counter, None
+        assert counter is not None  # called while counting
         counter.__exit__(None, None, None)
         self.measure_flops = False
         self.flops_measured = True
@@ -353,7 +356,7 @@ class PipelineMonitor(pl.Callback):
             batches=self._run.batches,
             samples=self._run.samples,
             lengths=self._run.lengths if self._run.counted_lengths else None,
-            flops=flops,
+            flops=flops,  # type: ignore[arg-type]  # Lightning annotates int; it computes with floats
         )
         step = trainer.global_step  # counted: the step that just ran is step - 1
         if step == self._run.last_step:
@@ -479,13 +482,13 @@ class PipelineMonitor(pl.Callback):
             return table
         c = measured_costs(rec.records, n)
         for s in schedule.stages_of(strategy.pp_rank):
-            table[s], table[n + s], table[2 * n + s] = c.f[s], c.b[s], c.w[s]
+            table[s], table[n + s], table[2 * n + s] = stage_value(c.f, s), stage_value(c.b, s), stage_value(c.w, s)
         return table
 
     def _simulated(self, strategy: Any, tables: list[torch.Tensor]) -> list[float] | None:
         schedule = strategy.schedule
         n = schedule.num_stages
-        total = sum(tables[: strategy.pipeline_degree])
+        total = sum(tables[: strategy.pipeline_degree], torch.zeros_like(tables[0]))
         if not bool((total[:n] > 0).all()):
             return None
         costs = Costs(f=tuple(total[:n].tolist()), b=tuple(total[n : 2 * n].tolist()), w=tuple(total[2 * n :].tolist()))

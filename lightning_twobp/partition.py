@@ -109,8 +109,9 @@ def split_sequential(seq: nn.Sequential, sizes: Sequence[int]) -> list[nn.Sequen
         raise ValueError(
             f"stage sizes {list(sizes)} must be positive and sum to the {len(seq)} layers of the Sequential"
         )
-    out, start = [], 0
+    out: list[nn.Sequential] = []
+    start = 0
     for n in sizes:
-        out.append(seq[start : start + n])
+        out.append(seq[start : start + n])  # type: ignore[arg-type]  # a Sequential: torch has no slice overload
         start += n
     return out

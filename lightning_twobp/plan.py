@@ -28,7 +28,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import typing
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -216,7 +218,8 @@ def plan(cfg: DictConfig, recipe: str = "") -> Plan:
     notes: list[str] = []
     world = _int_devices(cfg)
     st = cfg.strategy
-    opts = PipelineOptions.from_mapping(OmegaConf.to_container(st, resolve=True))  # the strategy's own checks
+    # the strategy's own checks; a DictConfig converts to a dict with str keys (OmegaConf types any container)
+    opts = PipelineOptions.from_mapping(typing.cast("dict[str, Any]", OmegaConf.to_container(st, resolve=True)))
     p = opts.degree(world)
     check_degree(world, p)
     name, spr, m, split = opts.schedule, opts.stages, opts.microbatches(p), opts.split_backward
@@ -271,7 +274,7 @@ def plan(cfg: DictConfig, recipe: str = "") -> Plan:
     stages, start = [], 0
     cache: dict = {}
     for s, n in enumerate(sizes):
-        module = seq[start : start + n]
+        module: nn.Sequential = seq[start : start + n]  # type: ignore[assignment]  # torch: no slice overload
         n_params = sum(q.numel() for q in module.parameters())
         try:
             x, act, held, kept = _measure_stage(module, x, s == 0, cache)
@@ -304,16 +307,16 @@ def plan(cfg: DictConfig, recipe: str = "") -> Plan:
             "stages marked * keep their autograd graph from B to W (no direct weight formula for some "
             "layer: convolution, BatchNorm, LayerNorm or the scan), so 2BP holds about M_act there"
         )
-    act = {sp.stage: sp.activation_bytes for sp in stages}
-    held = {sp.stage: sp.held_bytes for sp in stages}
+    act_of = {sp.stage: sp.activation_bytes for sp in stages}
+    held_of = {sp.stage: sp.held_bytes for sp in stages}
     gpu = cfg.plan.get("gpu_memory_gib")
     headroom = float(cfg.plan.get("headroom", 0.9))
     ranks = []
     for r in range(p):
         mine = list(schedule.stages_of(r))
         static = sum(stages[s].weight_bytes + stages[s].grad_bytes + stages[s].optimizer_bytes for s in mine)
-        a = {s: act[s] for s in mine}
-        with_split = _replay(schedule, r, a, {s: held[s] for s in mine})
+        a = {s: act_of[s] for s in mine}
+        with_split = _replay(schedule, r, a, {s: held_of[s] for s in mine})
         without = _replay(fused, r, a, {s: 0 for s in mine})
         with_split["total_bytes"] = static + with_split["activation_bytes"]
         without["total_bytes"] = static + without["activation_bytes"]

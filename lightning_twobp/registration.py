@@ -56,6 +56,7 @@ class _ThenRegister(importlib.abc.Loader):
 
     def exec_module(self, module: ModuleType) -> None:
         self._loader.exec_module(module)
+        assert module.__spec__ is not None  # the import system executes a module made from its spec
         module.__loader__ = module.__spec__.loader = self._loader  # Lightning's module as it would have been
         importlib.import_module(STRATEGY)
 

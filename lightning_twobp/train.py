@@ -58,7 +58,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     trainer.fit(model, datamodule=data, ckpt_path=resume_path(cfg.get("ckpt_path"), out_dir))
     if cfg.get("validate"):
         trainer.validate(model, datamodule=data)
-    summary = next((c.summary for c in callbacks if hasattr(c, "summary")), {})
+    summary: dict[str, Any] = next((c.summary for c in callbacks if hasattr(c, "summary")), {})
     rank = trainer.global_rank
     if torch.distributed.is_initialized():
         # Lightning leaves the process group up; tearing it down here lets its threads stop before

@@ -120,8 +120,14 @@ def _dress(ax: Axes, boxes: list[Any], depth: int, num_ranks: int, title: str | 
         )
         handles.append(later)
     handles.append(Patch(facecolor="white", edgecolor="#bbbbbb", label="idle"))
-    legend = {"loc": "upper left", "bbox_to_anchor": (1.005, 1.0), "frameon": False, "borderaxespad": 0.0}
-    ax.legend(handles=handles, fontsize=_FONT_SIZE, **legend)
+    ax.legend(
+        handles=handles,
+        loc="upper left",
+        bbox_to_anchor=(1.005, 1.0),
+        fontsize=_FONT_SIZE,
+        frameon=False,
+        borderaxespad=0.0,
+    )
 
 
 def plot_timeline(
@@ -296,8 +302,9 @@ def _text_color(face) -> str:
 
 def _cost_unit(costs: Costs) -> str:
     values = (costs.f, costs.b, costs.w)
-    if not any(isinstance(v, tuple) for v in values):
-        f, b, w = (float(v) for v in values)
+    numbers = [v for v in values if isinstance(v, (int, float))]  # Costs stores the others as tuples
+    if len(numbers) == len(values):
+        f, b, w = (float(v) for v in numbers)
         text = "F = B = W = 1" if f == b == w == 1.0 else f"F = {f:g}, B = {b:g}, W = {w:g}"
     else:
         text = "per-stage F, B, W costs"

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_twobp.bench.workload import Workload, loss_fn, reference_grads
+from lightning_twobp.bench.workload import Workload, grad_of, loss_fn, reference_grads
 from lightning_twobp.engine import PipelineExecutor, Stage
 from lightning_twobp.models.llama import Block, Head, LlamaConfig
 from lightning_twobp.schedules import Costs, build_schedule, schedule_label, simulate
@@ -174,8 +174,8 @@ def one_process_pipeline(device: torch.device, wl: Workload, m: int, repeats: in
         ex = PipelineExecutor(schedule, dict(enumerate(stages)), loss_fn=loss_fn, device=device)
         model.zero_grad(set_to_none=True)
         ex.step(inputs, targets)  # the gradient check, and the warm-up
-        diff = max((p.grad - ref[n]).abs().max().item() for n, p in model.named_parameters())
-        close = all(torch.allclose(p.grad, ref[n], rtol=1e-5, atol=1e-6) for n, p in model.named_parameters())
+        diff = max((grad_of(p) - ref[n]).abs().max().item() for n, p in model.named_parameters())
+        close = all(torch.allclose(grad_of(p), ref[n], rtol=1e-5, atol=1e-6) for n, p in model.named_parameters())
         model.zero_grad(set_to_none=True)  # the baseline holds the weights only, not the check's grads
         if device.type == "cuda":
             torch.cuda.synchronize(device)

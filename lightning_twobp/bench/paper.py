@@ -50,7 +50,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_twobp.bench.peer import grad_error, torch_pipelining_available
-from lightning_twobp.bench.workload import WORLD, keep_freed_memory, stage_sizes
+from lightning_twobp.bench.workload import WORLD, grad_of, keep_freed_memory, stage_sizes
 from lightning_twobp.engine import PipelineExecutor
 from lightning_twobp.engine.stage import Stage
 from lightning_twobp.monitor import measured_costs
@@ -186,7 +186,7 @@ def _schedule(r: Row, p: int = WORLD) -> Schedule:
 # ---------------------------------------------------------------------------------------------- RQ2: replay
 def peak_held_bytes(
     schedule: Schedule, held: dict[tuple[int, int], int], frees_at_b: Sequence[int] = (0,)
-) -> tuple[tuple[int, ...], dict[int, int]]:
+) -> tuple[tuple[float, ...], dict[int, float]]:
     """Peak bytes held per rank and per stage over one step, replaying each rank's action list.
 
     ``held[(stage, mb)]`` is what micro-batch ``mb``'s F saves on ``stage``; it is held until the
@@ -246,7 +246,9 @@ def scaling(
         if n > blocks:
             continue
         c = layers.stage_costs(stage_sizes(blocks, n), r.split_backward)
-        c = Costs(f=[alpha[0] * x for x in c.f], b=[alpha[1] * x for x in c.b], w=[alpha[2] * x for x in c.w])
+        f, b, w = c.f, c.b, c.w
+        assert isinstance(f, tuple) and isinstance(b, tuple) and isinstance(w, tuple)  # per-stage costs
+        c = Costs(f=[alpha[0] * x for x in f], b=[alpha[1] * x for x in b], w=[alpha[2] * x for x in w])
         sim = simulate(_schedule(r, p), c)
         m = r.m(p)
         out.append(
@@ -329,7 +331,7 @@ def _reference(
     ref = copy.deepcopy(layers)
     for a, b in zip(x.chunk(m), y.chunk(m), strict=False):
         (loss_fn(ref(a), b) / m).backward()
-    return {n: q.grad.detach().clone() for n, q in ref.named_parameters()}
+    return {n: grad_of(q).detach().clone() for n, q in ref.named_parameters()}
 
 
 def _build(
@@ -413,7 +415,9 @@ def _worker(rank: int, world: int, quick: bool, repeats: int, with_torch: bool) 
     # Two recorded steps per row of ours (recording adds a saved-tensor hook: not timed): the per-op
     # costs for RQ3 (medians over both) and the bytes each micro-batch holds for RQ2; on CUDA, the
     # peak allocated.
-    records, held, cuda_peak = {}, {}, {}
+    records: dict[str, list[tuple[str, float, float, float]]] = {}
+    held: dict[str, dict[tuple[int, int], int]] = {}
+    cuda_peak: dict[str, int] = {}
     for r in runners:
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
@@ -425,6 +429,7 @@ def _worker(rank: int, world: int, quick: bool, repeats: int, with_torch: bool) 
                 r.zero()
                 dist.barrier()
                 res = r.step()
+                assert res is not None  # ours: the executor's result
                 records[r.key] += [(x.op, x.start, x.end, x.wait) for x in res.records]
             r.executor.record = False
             held[r.key] = dict(res.held_bytes)

@@ -41,7 +41,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_twobp.bench.workload import WORLD, Workload, keep_freed_memory, loss_fn, reference_grads
-from lightning_twobp.engine import PipelineExecutor
+from lightning_twobp.engine import PipelineExecutor, StepResult
 from lightning_twobp.monitor import busy_seconds
 from lightning_twobp.schedules import build_schedule, schedule_label
 from lightning_twobp.testing import run_distributed
@@ -129,7 +129,7 @@ class _Runner:
     """A contender built on this rank: one training step, and its gradients by full-model name."""
 
     contender: Contender
-    step: Callable[[], None]
+    step: Callable[[], StepResult | None]  # ours returns the executor's result; torch's schedules return nothing
     params: dict[str, nn.Parameter]
     executor: PipelineExecutor | None = None  # ours only: to record one step's ops
     optimizer: torch.optim.Optimizer = field(init=False)
@@ -149,7 +149,7 @@ def _local_stages(
     """This rank's stages of a fresh copy of ``model``, and their parameters by full-model name (a slice
     of a Sequential keeps the layers' names)."""
     parts = wl.stages(copy.deepcopy(model), c.num_stages)
-    mods = {s: parts[s] for s in c.stage_ids(rank)}
+    mods: dict[int, nn.Module] = {s: parts[s] for s in c.stage_ids(rank)}
     return mods, {n: q for mod in mods.values() for n, q in mod.named_parameters()}
 
 
@@ -281,6 +281,7 @@ def _busy(runners: list[_Runner], steps: int) -> dict[str, float]:
         dist.barrier()
         for _ in range(steps):
             res = r.step()
+            assert res is not None  # ours: the executor's result
             total += busy_seconds(res.records)[0]
             r.optimizer.step()
             r.optimizer.zero_grad(set_to_none=True)

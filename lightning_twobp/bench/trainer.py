@@ -49,7 +49,7 @@ class SameBatch(Dataset):
 
 
 class LlamaModule(pl.LightningModule):
-    def __init__(self, model: torch.nn.Sequential) -> None:
+    def __init__(self, model: torch.nn.Module) -> None:  # the Sequential, or the loop over a ModuleList
         super().__init__()
         self.layers = model
 

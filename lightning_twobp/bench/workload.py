@@ -72,11 +72,17 @@ def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
 
 
+def grad_of(q: torch.Tensor) -> torch.Tensor:
+    """``q.grad``, which a workload's every parameter has after a backward."""
+    assert q.grad is not None, "a parameter took no part in the loss"
+    return q.grad
+
+
 def reference_grads(model: nn.Module, ids: torch.Tensor, tgt: torch.Tensor, m: int) -> dict[str, torch.Tensor]:
     """Gradients of the mean loss over ``m`` micro-batches in one process: what every pipeline must match."""
     model.zero_grad(set_to_none=True)
     for x, y in zip(ids.chunk(m), tgt.chunk(m), strict=False):
         (loss_fn(model(x), y) / m).backward()
-    grads = {n: q.grad.detach().clone() for n, q in model.named_parameters()}
+    grads = {n: grad_of(q).detach().clone() for n, q in model.named_parameters()}
     model.zero_grad(set_to_none=True)
     return grads

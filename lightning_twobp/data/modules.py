@@ -16,10 +16,13 @@ resumable).
 from __future__ import annotations
 
 import os
+from collections.abc import Sized
 from pathlib import Path
+from typing import cast
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.utilities import AttributeDict
 from torch.utils.data import Dataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
@@ -51,11 +54,13 @@ class _DataModule(pl.LightningDataModule):
     @property
     def train_set(self) -> Dataset:
         self.setup()
+        assert self._sets is not None  # setup() built them
         return self._sets[0]
 
     @property
     def val_set(self) -> Dataset | None:
         self.setup()
+        assert self._sets is not None  # setup() built them
         return self._sets[1]
 
     def _replicas(self) -> dict[str, int] | None:
@@ -89,6 +94,7 @@ class _DataModule(pl.LightningDataModule):
 
     def train_dataloader(self) -> StatefulDataLoader:
         ds = self.train_set
+        assert isinstance(ds, Sized)  # every set _build() makes has a length
         if len(ds) < self.batch_size:
             raise ValueError(
                 f"the training set holds {len(ds):,} samples, fewer than one batch of {self.batch_size} (the last "
@@ -101,7 +107,7 @@ class _DataModule(pl.LightningDataModule):
         return [] if ds is None else self._loader(ds, train=False)  # []: Lightning skips validation
 
 
-def _check_paths(train_path, val_path) -> None:
+def _check_paths(train_path: str | None, val_path: str | None) -> None:
     if val_path is not None and train_path is None:
         raise ValueError(
             f"val_path {val_path} was given without a train path: give both, or neither for synthetic data"
@@ -132,18 +138,19 @@ class TokenDataModule(_DataModule):
         self.save_hyperparameters()
 
     def _build(self) -> tuple[Dataset, Dataset | None]:
-        h = self.hparams
+        h = cast(AttributeDict, self.hparams)  # save_hyperparameters() stores an AttributeDict
         if h.train_path is None:
             # The validation set draws its own starts (seed + 1): it measures, rather than repeats, training.
             return (
                 CountingTokens(h.vocab_size, h.seq_len, h.num_train, h.seed),
                 CountingTokens(h.vocab_size, h.seq_len, h.num_val, h.seed + 1) if h.num_val else None,
             )
-        files = [
+        train, val = (
             TokenFile(p, h.seq_len, h.dtype, h.vocab_size) if p is not None else None
             for p in (h.train_path, h.val_path)
-        ]
-        return files[0], files[1]
+        )
+        assert train is not None  # train_path is set here
+        return train, val
 
 
 class MaskedLMDataModule(_DataModule):
@@ -173,14 +180,14 @@ class MaskedLMDataModule(_DataModule):
         self.save_hyperparameters()
 
     def _build(self) -> tuple[Dataset, Dataset | None]:
-        h = self.hparams
+        h = cast(AttributeDict, self.hparams)  # save_hyperparameters() stores an AttributeDict
         if h.train_path is None:
 
             def make(n: int, seed: int) -> MaskedCountingTokens:
                 return MaskedCountingTokens(h.vocab_size, h.seq_len, n, seed, h.mask_prob, h.mask_token_id)
 
             return make(h.num_train, h.seed), (make(h.num_val, h.seed + 1) if h.num_val else None)
-        sets = []
+        sets: list[Dataset | None] = []
         for k, p in enumerate((h.train_path, h.val_path)):
             if p is None:
                 sets.append(None)
@@ -192,7 +199,9 @@ class MaskedLMDataModule(_DataModule):
                     f"mask_token_id {mask_id} is {Path(p).name}'s end-of-text id: pick an id the tokenizer never emits"
                 )
             sets.append(MaskedTokens(f, h.vocab_size, h.seed + k, h.mask_prob, h.mask_token_id))
-        return sets[0], sets[1]
+        train, val = sets
+        assert train is not None  # train_path is set here
+        return train, val
 
 
 class ImageDataModule(_DataModule):
@@ -217,7 +226,7 @@ class ImageDataModule(_DataModule):
         self.save_hyperparameters()
 
     def _open(self, p: str | os.PathLike) -> Dataset:
-        h, path = self.hparams, Path(p)
+        h, path = cast(AttributeDict, self.hparams), Path(p)
         if path.is_dir():
             ds = ImageFolder(path, h.image_size)
             if len(ds.classes) > h.num_classes:
@@ -234,7 +243,7 @@ class ImageDataModule(_DataModule):
         )
 
     def _build(self) -> tuple[Dataset, Dataset | None]:
-        h = self.hparams
+        h = cast(AttributeDict, self.hparams)  # save_hyperparameters() stores an AttributeDict
         if h.path is None:
             # Validation shares the seed (so the class patterns) and takes the samples after training's.
             return (

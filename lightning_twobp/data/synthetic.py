@@ -10,6 +10,8 @@ windows of a token file (``MaskedTokens``).
 
 from __future__ import annotations
 
+from typing import Any, Protocol
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -91,6 +93,14 @@ def _check_mask_args(vocab_size: int, mask_token_id: int, mask_prob: float) -> N
         raise ValueError(f"mask_prob is {mask_prob}: it must be in (0, 1], BERT uses 0.15")
 
 
+class _Samples(Protocol):
+    """What MaskedTokens reads: a dataset with a length (torch's ``Dataset`` declares none)."""
+
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, i: int) -> Any: ...
+
+
 class MaskedTokens(Dataset):
     """BERT masking over any dataset whose samples start with a LongTensor of ids (e.g. a
     ``TokenFile``'s ``(ids, targets)``): sample i is ``(masked ids, labels)``. The masking of sample i
@@ -98,7 +108,7 @@ class MaskedTokens(Dataset):
     masking, as in the original BERT)."""
 
     def __init__(
-        self, base: Dataset, vocab_size: int, seed: int = 0, mask_prob: float = 0.15, mask_token_id: int | None = None
+        self, base: _Samples, vocab_size: int, seed: int = 0, mask_prob: float = 0.15, mask_token_id: int | None = None
     ) -> None:
         mask_token_id = vocab_size - 1 if mask_token_id is None else mask_token_id
         _check_mask_args(vocab_size, mask_token_id, mask_prob)

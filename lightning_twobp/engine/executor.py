@@ -153,7 +153,7 @@ class PipelineExecutor:
             device = first.device if first is not None else torch.device("cpu")
         self.device = torch.device(device)
         self.record = record
-        lowered = lower_communication(schedule)
+        lowered: tuple[tuple[Action | Comm | GradReduce, ...], ...] = lower_communication(schedule)
         self._grad_reduce = grad_reduce
         if grad_reduce is not None:
             lowered = add_grad_reduce(lowered, schedule)
@@ -274,6 +274,7 @@ class PipelineExecutor:
             layers = layers.module if isinstance(layers, _WithLoss) else layers
             for mb in range(num_microbatches):
                 if s == 0:
+                    assert inputs is not None  # the rank holding stage 0 passes them
                     x = tuple(t.to(self.device) if isinstance(t, torch.Tensor) else t for t in _as_tuple(inputs[mb]))
                 elif (s, mb) in carry:
                     x = carry.pop((s, mb))
@@ -361,6 +362,7 @@ class PipelineExecutor:
 
     def _forward(self, a: Action) -> None:
         s, mb = a.stage, a.microbatch
+        assert isinstance(mb, int)  # an F covers one micro-batch
         inputs = self._stage_inputs(s, mb)
         stage = self.stages[s]
         if s == self.last:
@@ -426,10 +428,12 @@ class PipelineExecutor:
             self._current.to_send[("B", s, mb)] = needed
 
     def _backward_input(self, a: Action) -> None:
+        assert isinstance(a.microbatch, int)  # a B covers one micro-batch
         g = self._grad_outputs(a.stage, a.microbatch)
         self._hand_back(a.stage, a.microbatch, self.stages[a.stage].backward_input(a.microbatch, g))
 
     def _backward(self, a: Action) -> None:
+        assert isinstance(a.microbatch, int)  # a BW covers one micro-batch
         g = self._grad_outputs(a.stage, a.microbatch)
         self._hand_back(a.stage, a.microbatch, self.stages[a.stage].backward(a.microbatch, g))
 
@@ -438,6 +442,7 @@ class PipelineExecutor:
 
     def _reduce(self, op: GradReduce) -> None:
         params = [p for p in self.stages[op.stage].module.parameters() if p.grad is not None]
+        assert self._grad_reduce is not None  # a GradReduce op is lowered only with grad_reduce
         self._current.pending.append(self._grad_reduce(op.stage, params))
 
     # ------------------------------------------------------------------ communication
@@ -487,6 +492,7 @@ class PipelineExecutor:
                 inputs = self._stage_inputs(0, 0)
                 p2p.meta_in[0] = [TensorMeta.of(t) for t in inputs if isinstance(t, torch.Tensor)]
             else:
+                assert carry is not None  # stage s - 1's output, received or computed above
                 inputs = tuple(t.detach().to(self.device).requires_grad_(t.requires_grad) for t in carry)
             try:
                 out = self._probe(s, inputs)

@@ -52,7 +52,7 @@ def check_saved_attributes() -> None:
     w = torch.randn(5, 4, requires_grad=True)
     b = torch.randn(5, requires_grad=True)
     s = torch.randn(4, requires_grad=True)
-    nodes = {
+    nodes: dict[str, Any] = {  # grad_fn, typed Optional: ops on tensors that require grad record one
         "AddmmBackward0": torch.addmm(b, x, w.t()).grad_fn,
         "MmBackward0": torch.mm(x, w.t()).grad_fn,
         "MulBackward0": (x * s).grad_fn,

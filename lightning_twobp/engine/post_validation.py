@@ -40,6 +40,11 @@ from lightning_twobp.private import tensor_version
 __all__ = ["StepValidation", "Verdict"]
 
 
+def _grad(q: nn.Parameter) -> torch.Tensor:
+    assert q.grad is not None  # the parameters checked are those with a gradient (_params_with_grads)
+    return q.grad
+
+
 @dataclass(frozen=True)
 class Verdict:
     """What the global check said about one optimizer step.
@@ -142,8 +147,8 @@ class StepValidation:
         """``[norm^p over counted gradients, 1 if non-finite else 0, that flag in this rank's slot of
         the group, *extra]`` for this rank (max instead of sum for the inf-norm, reduced the same way).
         A non-finite tied copy counts even where its norm does not."""
-        counted = [q.grad for q in params if id(q) not in self.not_counted]
-        others = [q.grad for q in params if id(q) in self.not_counted]
+        counted = [_grad(q) for q in params if id(q) not in self.not_counted]
+        others = [_grad(q) for q in params if id(q) in self.not_counted]
         if counted:
             local = get_total_norm(counted, self.norm_type).to(self.device, torch.float32)
         else:
@@ -198,6 +203,7 @@ class StepValidation:
             for q in params:
                 q.grad = None
         elif total is not None:
+            assert self.max_norm is not None  # _decide() gives a total only to clip to max_norm
             # Always applied in the synchronous check, as clip_grad_norm_ does: a factor of exactly 1.0
             # when below max_norm, so the speculative step (which never multiplies) is bitwise the same.
             clip_grads_with_norm_(params, self.max_norm, total, foreach=None)
@@ -221,7 +227,7 @@ class StepValidation:
         work = self._reduce(stats, async_op=True)
         if self.rollback:
             self._snapshot()
-        self._grads = [(q, q.grad) for q in params]
+        self._grads = [(q, _grad(q)) for q in params]
         # Tensor._version counts in-place writes: a redo must see the gradients the step saw.
         self._versions = [tensor_version(g) for _, g in self._grads]
         self._pending = (work, stats)
@@ -290,15 +296,15 @@ class StepValidation:
         try:
             for q, g in grads:
                 q.grad = g
-            for g, saved in zip(self.optimizer.param_groups, self._groups, strict=False):
-                g.update(saved)
+            for group, saved in zip(self.optimizer.param_groups, self._groups, strict=False):
+                group.update(saved)
             self._apply(params, total, clip=True, skip=False)
             self.optimizer.step()
         finally:
-            for q, g in zip(params, current, strict=False):
-                q.grad = g
-            for g, saved in zip(self.optimizer.param_groups, now, strict=False):
-                g.update(saved)
+            for q, before in zip(params, current, strict=False):
+                q.grad = before
+            for group, saved in zip(self.optimizer.param_groups, now, strict=False):
+                group.update(saved)
 
     # ------------------------------------------------------------------ the copy
     @torch.no_grad()

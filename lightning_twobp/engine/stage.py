@@ -139,7 +139,7 @@ class Stage:
                 )
             return [torch.ones_like(p.outputs[0])]
         if isinstance(grad_outputs, torch.Tensor):
-            grads = [grad_outputs]
+            grads: list[torch.Tensor | None] = [grad_outputs]
         else:
             flat, _ = pytree.tree_flatten(grad_outputs)
             if len(flat) == len(p.flat_out):  # given for every output: keep those that require grad
@@ -156,7 +156,7 @@ class Stage:
     def _input_grads(self, p: _Pending, grads: Sequence[torch.Tensor | None]) -> tuple[Any, ...]:
         """One entry per positional input: its gradient, or None (non-tensor or no grad)."""
         it = iter(grads)
-        out = []
+        out: list[torch.Tensor | None] = []
         for x in p.inputs:
             if _is_tensor_requiring_grad(x):
                 g = next(it)
@@ -338,6 +338,7 @@ class Stage:
     def _direct(self, f: _FastW, grad: torch.Tensor) -> None:
         q = f.param
         if f.kind == "mm":  # grad: (N, out), operand: (N, in) -> (out, in), the weight's own layout
+            assert f.operand is not None  # mm and mul carry their operand
             if q.grad is None:
                 q.grad = torch.mm(grad.t(), f.operand)
             else:
@@ -345,6 +346,7 @@ class Stage:
         elif f.kind == "sum":
             self._accumulate(q, grad.sum(0), fresh=True)
         else:  # "mul": reduce the broadcast dimensions, as autograd does for a broadcast operand
+            assert f.operand is not None
             g = (grad * f.operand).sum_to_size(q.shape)
             self._accumulate(q, g, fresh=True)  # a new product, never an alias of ``grad``
 
@@ -406,6 +408,7 @@ def _plan(outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor], param
     order: list[Node] = []
     children: dict[Node, list[tuple[Node, int]]] = {}
     seen: set[Node] = set()
+    n: Node | None  # a child below; a next_functions entry may be None
     stack: list[tuple[Node, bool]] = [(r, False) for r in roots]
     while stack:
         node, expanded = stack.pop()

@@ -256,7 +256,7 @@ def save(
     _barrier(group)
     checkpoint.pop("state_dict", None)
     checkpoint.pop("optimizer_states", None)
-    state = {"model": get_model_state_dict(module)}
+    state: dict[str, Any] = {"model": get_model_state_dict(module)}
     for i, opt in enumerate(optimizers):
         state[f"optimizer_{i}"] = get_optimizer_state_dict(module, opt, options=_OPTIM)
     state["rng"] = {f"rank{rank}": rng_state(), **(streams or {})}  # the rank's streams, and its stages'
@@ -370,7 +370,7 @@ def load(
     # This rank's random states and its stages', where the checkpoint has them (it may come from another
     # world size or layout).
     own = f"rank{_world()[0]}"
-    saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    saved: dict[str, Any] = dcp.FileSystemReader(path).read_metadata().state_dict_metadata  # rng.*: tensors' metadata
     rng = {}
     for name in (own, *streams):
         prefix = f"rng.{name}."

@@ -67,6 +67,7 @@ def checked_optimizers(
         problem = f"configure_optimizers failed on pipeline rank {pp_rank}: {type(error).__name__}: {error}"
     others = [p for p in _everyone(problem) if p and p != problem]
     if error is not None:
+        assert problem is not None  # both branches above describe the error
         if problem.startswith("configure_optimizers on"):
             raise ValueError(problem) from error
         raise error

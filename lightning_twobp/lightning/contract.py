@@ -148,7 +148,7 @@ class SequentialContract:
         return f"{i}.{name}"
 
 
-def find_contract(module: nn.Module, layers: str | None = None) -> Contract:
+def find_contract(module: nn.Module, layers: str | None = None) -> SequentialContract | ModuleListContract:
     """The contract of ``module``: a :class:`SequentialContract` or a
     :class:`~lightning_twobp.lightning.loop.ModuleListContract`.
 
@@ -192,17 +192,17 @@ def find_contract(module: nn.Module, layers: str | None = None) -> Contract:
     if not lists:
         return SequentialContract(*find_sequential(module))
     if len(found) > 1:
-        names = ", ".join(f"{n} ({type(m).__name__}, {len(m)} layers)" for n, m in found)
+        listed = ", ".join(f"{n} ({type(m).__name__}, {len(m)} layers)" for n, m in found)
         raise ValueError(
-            f"{type(module).__name__} holds {len(found)} candidates for the pipeline ({names}): name the one to "
+            f"{type(module).__name__} holds {len(found)} candidates for the pipeline ({listed}): name the one to "
             f"pipeline with layers=..., e.g. layers={lists[0][0]!r} for the blocks its forward loops over"
         )
     return ModuleListContract(module, *lists[0])
 
 
-def _outermost_pipelines(module: nn.Module) -> list[tuple[str, nn.Module]]:
+def _outermost_pipelines(module: nn.Module) -> list[tuple[str, nn.Sequential | nn.ModuleList]]:
     """Outermost Sequentials and ModuleLists of identical blocks below ``module``, by name."""
-    found: list[tuple[str, nn.Module]] = []
+    found: list[tuple[str, nn.Sequential | nn.ModuleList]] = []
     stack: list[tuple[str, nn.Module]] = [("", module)]
     while stack:
         name, mod = stack.pop()
@@ -258,9 +258,9 @@ def find_sequential(module: nn.Module, layers: str | None = None) -> tuple[str, 
             f"nn.Sequential (e.g. self.blocks = nn.Sequential(...)) and call it once in each step"
         )
     if len(found) > 1:
-        names = ", ".join(n for n, _ in found)
+        listed = ", ".join(n for n, _ in found)
         raise ValueError(
-            f"{type(module).__name__} holds {len(found)} nn.Sequential modules ({names}): name the one that "
+            f"{type(module).__name__} holds {len(found)} nn.Sequential modules ({listed}): name the one that "
             f"training_step calls with layers=..., e.g. layers={found[0][0]!r}. When they are called from "
             f"another module's forward (torchvision's ResNet calls layer1..layer4), none of them is the "
             f"pipeline: build one nn.Sequential of the model's parts in order (e.g. nn.Sequential(m.conv1, "

@@ -22,6 +22,7 @@ version changes them.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -43,10 +44,11 @@ class Elsewhere(torch.Tensor):
     """A tensor whose value is on another stage (see the module docstring). ``where`` says which
     module or block produced it and where that runs."""
 
-    __torch_function__ = disabled_torch_function_impl  # plain dispatch, as wrapper subclasses do
+    # plain dispatch, as wrapper subclasses do (torch's stubs type the attribute as a 4-argument classmethod)
+    __torch_function__ = disabled_torch_function_impl  # type: ignore[assignment]
 
     _meta: torch.Tensor
-    where: str
+    where: str  # type: ignore[assignment]  # shadows Tensor.where on purpose: an Elsewhere's origin
 
     @staticmethod
     def __new__(cls, meta: torch.Tensor, device: torch.device, where: str) -> Elsewhere:
@@ -63,11 +65,12 @@ class Elsewhere(torch.Tensor):
         t.where = where
         return t
 
-    def __repr__(self, *, tensor_contents: Any = None) -> str:
+    def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]  # torch's is unannotated
         return f"Elsewhere(shape={tuple(self.shape)}, dtype={self.dtype}, from {self.where})"
 
+    # torch's stubs type Tensor's as the disabled implementation (a function), not the classmethod torch documents
     @classmethod
-    def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+    def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:  # type: ignore[override]
         kwargs = kwargs or {}
         flat, spec = pytree.tree_flatten((args, kwargs))
         first = next(x for x in flat if isinstance(x, Elsewhere))
@@ -121,6 +124,7 @@ def find_elsewhere(obj: Any, depth: int = 6) -> Elsewhere | None:
         return obj
     if depth == 0 or isinstance(obj, (torch.Tensor, str, bytes, int, float, bool, type(None))):
         return None
+    items: Iterable[Any]
     if isinstance(obj, dict):
         items = obj.values()
     elif isinstance(obj, (tuple, list)):

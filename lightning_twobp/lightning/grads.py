@@ -70,7 +70,7 @@ class GradStash:
         self._stash = []
 
 
-def dp_reduce(group: dist.ProcessGroup, dp: int) -> Callable[[int, list[nn.Parameter]], Callable[[], None]]:
+def dp_reduce(group: dist.ProcessGroup | None, dp: int) -> Callable[[int, list[nn.Parameter]], Callable[[], None]]:
     """The executor's ``grad_reduce``: average a stage's gradients over ``group`` (its ``dp``
     replicas), as DDP would. One flat asynchronous all-reduce per dtype starts at once, so it runs
     while the rank does its remaining work; the returned function finishes it at the step's end."""
@@ -78,7 +78,9 @@ def dp_reduce(group: dist.ProcessGroup, dp: int) -> Callable[[int, list[nn.Param
     def start(stage: int, params: list[nn.Parameter]) -> Callable[[], None]:
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
         for q in params:
-            by_dtype.setdefault(q.grad.dtype, []).append(q.grad)
+            grad = q.grad
+            assert grad is not None  # the executor passes the parameters that have a gradient
+            by_dtype.setdefault(grad.dtype, []).append(grad)
         started = []
         for grads in by_dtype.values():
             flat = torch.cat([g.reshape(-1) for g in grads])

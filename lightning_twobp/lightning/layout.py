@@ -75,7 +75,7 @@ class MeshLayout:
         for gloo, not the world's)."""
         if not dist.is_initialized():
             return None
-        override = None
+        override: dict[int | str, Any] | None = None  # per dimension: (backend, options), as torch takes it
         options = group_options(dist.get_backend(), timeout)
         if options is not None:
             override = {"dp": options, "pp": options}

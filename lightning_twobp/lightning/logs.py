@@ -94,7 +94,10 @@ class LogChannel:
         self.peers = [r for r in range(num_ranks) if r != src]
         self._global = [dist.get_global_rank(group, r) for r in range(num_ranks)]
         self._sent_spec: int | None = None  # sender: the names signature the receivers know
-        self._spec: tuple[int, list[tuple[str, dict, str]]] | None = None  # receiver: the last names
+        # receiver: the last names (signature, (the logged values' spec, the Metrics states' spec))
+        self._spec: (
+            tuple[int, tuple[list[tuple[str, dict, str]], list[tuple[str, str, str, tuple[int, ...]]]]] | None
+        ) = None
         self._in_flight: list[Any] = []  # sender: works and tensors of the previous message
 
     @property

@@ -42,16 +42,18 @@ micro-batch index.
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeGuard, TypeVar
 
 import torch
 from torch import nn
 
 from lightning_twobp.lightning.elsewhere import Elsewhere, ElsewhereError, elsewhere, find_elsewhere
 from lightning_twobp.private import pytree
+
+_T = TypeVar("_T")
 
 __all__ = ["LayerGroup", "LoopStage", "ModuleListContract", "identical_blocks"]
 
@@ -84,7 +86,7 @@ class LayerGroup(nn.Module):
             self.add_module(str(k), module)
 
     def parts(self) -> list[nn.Module]:
-        return [self._modules[str(k)] for k in range(len(self.paths))]
+        return [_child(self, str(k)) for k in range(len(self.paths))]
 
     def path_of(self, name: str) -> str:
         """The LightningModule's name for ``name`` (``"k.rest"`` inside this group)."""
@@ -173,9 +175,10 @@ class _Calls:
                     torch.stack(ts) if all(t.shape == ts[0].shape and t.dtype == ts[0].dtype for t in ts) else None
                     for ts in zip(*(c.tensors for c in self.calls), strict=False)
                 ]
-            if all(s is not None for s in self.stacked):
-                at = index.reshape(1).to(self.stacked[0].device) if self.stacked else index
-                tensors = [torch.index_select(s, 0, at)[0] for s in self.stacked]
+            stacked = self.stacked
+            if _all_set(stacked):
+                at = index.reshape(1).to(stacked[0].device) if stacked else index
+                tensors = [torch.index_select(s, 0, at)[0] for s in stacked]
                 return (first.owner, *first.rebuild(tensors))
         call = self.calls[int(index)]
         return (call.owner, *call.rebuild(call.tensors))
@@ -245,7 +248,7 @@ class ModuleListContract:
     def layers(self) -> list[nn.Module]:
         return list(self._groups)
 
-    def stage_module(self, first: int, stop: int, bounds: list[int]) -> nn.Module:
+    def stage_module(self, first: int, stop: int, bounds: Sequence[int]) -> nn.Module:
         self._stage_of = [k for k in range(len(bounds) - 1) for _ in range(bounds[k], bounds[k + 1])]
         if stop == self.num_blocks:
             self._last_first = first
@@ -543,7 +546,7 @@ class ModuleListContract:
 
     def _occupant(self, path: str) -> nn.Module:
         parent, attr = self._slots[path]
-        return parent._modules[attr]
+        return _child(parent, attr)
 
 
 # ---------------------------------------------------------------------------------------------- helpers
@@ -560,6 +563,16 @@ def _uninstall(installed: list[tuple[nn.Module, Any]]) -> None:
             module.__dict__.pop("forward", None)
         else:
             module.__dict__["forward"] = previous
+
+
+def _child(parent: nn.Module, name: str) -> nn.Module:
+    child = parent._modules[name]
+    assert child is not None  # torch types a child slot Optional; the ones read here hold a module
+    return child
+
+
+def _all_set(xs: list[_T | None]) -> TypeGuard[list[_T]]:
+    return all(x is not None for x in xs)
 
 
 def _is_shape(x: Any) -> bool:
@@ -583,7 +596,7 @@ def _ancestors(root: nn.Module, path: str) -> list[tuple[str, nn.Module]]:
     out = [("", root)]
     module, prefix = root, ""
     for part in path.split(".")[:-1]:
-        module = module._modules[part]
+        module = _child(module, part)
         prefix = f"{prefix}.{part}" if prefix else part
         out.append((prefix, module))
     return out

@@ -93,7 +93,7 @@ class Pipeline:
         if 0 not in self.executor.stages:
             return None
         with self.streams.fork(0):
-            inputs = [self.runner.capture(mb) for mb in self.runner.state.microbatches]
+            inputs = [self.runner.capture(mb) for mb in self.runner.current.microbatches]
         self.metrics.clear()  # what this part updated counts where the last stage runs it again
         return inputs
 
@@ -104,7 +104,7 @@ class Pipeline:
         with stash.collect(params), self.precision.train_step_context():
             self.metrics.begin()  # before any part of the step runs on this rank
             inputs = self.capture()
-            targets = list(range(len(self.runner.state.microbatches))) if self.holds_last else None
+            targets = list(range(len(self.runner.current.microbatches))) if self.holds_last else None
             # With a GradScaler (fp16), the pipeline's backward starts from the scaled loss, as
             # Lightning's backward would; the scaler unscales before clipping and stepping.
             scaler = getattr(self.precision, "scaler", None)
@@ -117,6 +117,7 @@ class Pipeline:
             if self.tied:
                 self.tied.reduce_grads()
         if self.holds_last:
+            assert result.loss is not None  # the last stage's rank has the loss
             return result.loss, self.means
         assert self.logs is not None
         loss, means, states = self.logs.receive()
@@ -164,9 +165,9 @@ class Pipeline:
         the logs leave for the other ranks at once (:class:`~.logs.LogChannel`), not at the step's end."""
         runner = self.runner
         loss = runner.loss(output, index)
-        if index == len(runner.state.microbatches) - 1:
+        if index == len(runner.current.microbatches) - 1:
             states = self.metrics.end()
-            self.means = step_means(runner.state)
+            self.means = step_means(runner.current)
             if self.logs is not None:
                 self.logs.send(runner.mean_loss(), self.means, states)
         return loss

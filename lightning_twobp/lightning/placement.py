@@ -17,6 +17,8 @@ from lightning_twobp.options import PipelineOptions
 from lightning_twobp.schedules import Schedule
 
 if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
     from lightning_twobp.lightning.pipeline import Pipeline
 
 __all__ = ["PipelinePlacement"]
@@ -35,6 +37,12 @@ class PipelinePlacement:
     _mesh: DeviceMesh | None
     _timeout: timedelta | None
     _pipeline: Pipeline | None
+
+    if TYPE_CHECKING:
+        # Lightning types it Optional (a strategy not yet connected); every hook of ours runs after the
+        # Trainer connected the module. For the type checker only: Lightning's property is the one that runs.
+        @property
+        def lightning_module(self) -> pl.LightningModule: ...
 
     @property
     def schedule_name(self) -> str:

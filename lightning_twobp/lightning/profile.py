@@ -92,7 +92,9 @@ def profile_layers(
     box = [costs]
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.broadcast_object_list(box, src=0, device=device if device.type == "cuda" else None)
-    return box[0]
+    timed = box[0]
+    assert timed is not None  # rank 0 timed the layers and sent them to the others
+    return timed
 
 
 def _time_layers(

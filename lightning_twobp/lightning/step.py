@@ -189,8 +189,14 @@ class StepRunner:
         self.state = StepState(hook, rest, kwargs, split_microbatches(batch, m, exact))
         return self.state
 
+    @property
+    def current(self) -> StepState:
+        """The state of the step under way (set by :meth:`begin`)."""
+        assert self.state is not None, "no step has begun"
+        return self.state
+
     def _call(self, mb: Any, block: Callable[..., Any], logs: Logs | None) -> Any:
-        state = self.state
+        state = self.current
         recorder = _LogRecorder(logs, self.metrics)
         lm = self.module
         with self.contract.intercept(block):
@@ -220,15 +226,15 @@ class StepRunner:
             inputs = c.inputs
         else:
             raise RuntimeError(
-                f"{self.state.hook} did not call {self._name}: under strategy='twobp' it must call the pipelined "
+                f"{self.current.hook} did not call {self._name}: under strategy='twobp' it must call the pipelined "
                 f"block exactly once (when another module's forward calls it, point layers= at a Sequential "
-                f"that {self.state.hook} calls itself)"
+                f"that {self.current.hook} calls itself)"
             )
         for x in inputs:
             if isinstance(x, torch.Tensor) and x.requires_grad:
                 raise ValueError(
                     f"the input of {self._name} requires grad: a module with parameters runs before it in "
-                    f"{self.state.hook}, which the pipeline cannot train; move it into the Sequential"
+                    f"{self.current.hook}, which the pipeline cannot train; move it into the Sequential"
                 )
         return inputs
 
@@ -236,9 +242,9 @@ class StepRunner:
         """Run the hook on micro-batch ``index`` with the block answered by ``output`` (last stage);
         record its logs and return what the hook returned."""
         logs: Logs = {}
-        result = self._call(self.state.microbatches[index], lambda *a, **k: output, logs)
-        self.state.logs.append(logs)
-        self.state.results.append(result)
+        result = self._call(self.current.microbatches[index], lambda *a, **k: output, logs)
+        self.current.logs.append(logs)
+        self.current.results.append(result)
         return result
 
     def loss(self, output: Any, index: int) -> torch.Tensor:
@@ -247,15 +253,15 @@ class StepRunner:
         loss = out.get("loss") if isinstance(out, dict) else out
         if not isinstance(loss, torch.Tensor):
             raise TypeError(
-                f"{self.state.hook} returned {type(out).__name__} on micro-batch {index}: under strategy='twobp' "
+                f"{self.current.hook} returned {type(out).__name__} on micro-batch {index}: under strategy='twobp' "
                 f"it must return the loss tensor (or a dict with 'loss')"
             )
-        self.state.losses.append(loss.detach())
+        self.current.losses.append(loss.detach())
         return loss
 
     def mean_loss(self) -> torch.Tensor:
         """The step's loss: the mean over micro-batches, computed as the executor computes it."""
-        return torch.stack(self.state.losses).mean()
+        return torch.stack(self.current.losses).mean()
 
     @property
     def _name(self) -> str:
@@ -306,4 +312,6 @@ def share_logs(
     box = [payload]
     if dist.is_initialized() and dist.get_world_size(group) > 1:
         dist.broadcast_object_list(box, src=src, group=group, device=device if device.type == "cuda" else None)
-    return box[0]
+    shared = box[0]
+    assert shared is not None, "share_logs: no rank held the step's state"
+    return shared

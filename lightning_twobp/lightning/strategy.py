@@ -107,7 +107,7 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
             precision_plugin=precision_plugin,
             process_group_backend=process_group_backend,
             start_method=start_method,
-            **({} if timeout is None else {"timeout": timeout}),
+            **({} if timeout is None else {"timeout": timeout}),  # type: ignore[arg-type]  # mypy checks a **dict against every parameter
         )
         self._step_checks = {"clipped": 0, "skipped": 0, "redone": 0}
         self.log_group: dist.ProcessGroup | None = None  # the loss and logs' own group (pipeline > 1)
@@ -157,6 +157,7 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
         self._mesh = self.layout.init_mesh(self.root_device, self._timeout)
         # Checkpoint I/O (writing, hashing, verifying a large checkpoint) may take longer than a hung
         # rank should: its collectives get a group of their own with at least torch's 30 minutes.
+        assert self._timeout is not None  # __init__ passes a timedelta or keeps Lightning's default one
         self.io_group = dist.new_group(timeout=max(self._timeout, _IO_TIMEOUT)) if dist.is_initialized() else None
         layout = self.layout
         if self.pipeline_degree > 1:
@@ -170,7 +171,7 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
 
     @override
     def setup(self, trainer: Any) -> None:
-        assert self.accelerator is not None and self.lightning_module is not None
+        assert self.accelerator is not None and self.lightning_module is not None and self.model is not None
         self.accelerator.setup(trainer)
         self._failed = False
         self._batches_checked = False
@@ -217,7 +218,7 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
         pipeline.local.restore(gather, self.group("pp"), self.pp_rank, self.root_device)
         pipeline.scope.close()
         user_scaler = pipeline.user_scaler
-        ours = self.precision_plugin
+        ours: Any = self.precision_plugin  # the pipelined copy (grads.pipelined_precision), a class made at run time
         if user_scaler is not None and ours.scaler is not user_scaler and user_scaler.is_enabled():
             user_scaler.load_state_dict(ours.scaler.state_dict())
         self.precision_plugin = pipeline.user_precision
@@ -284,7 +285,7 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
     def _before_step(self, optimizer: Any) -> None:
         """Right before each optimizer step (the precision plugin calls it): the global check."""
         pipeline = self._built("optimizer_step")
-        losses = pipeline.runner.state.losses if pipeline.holds_last else []
+        losses = pipeline.runner.current.losses if pipeline.holds_last else []
         scaler = getattr(self.precision_plugin, "scaler", None)
         pipeline.checks.before_step(self.lightning_module, optimizer, scaler, losses)
 

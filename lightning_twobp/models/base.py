@@ -128,7 +128,8 @@ class PipelineModule(pl.LightningModule):
         Weight decay applies to matrices (Linear, conv, embedding weights); biases, norm scales and
         parameters flagged ``_no_weight_decay`` (Mamba's ``A_log`` and ``D``) are not decayed, as in
         the reference implementations (LLaMa, Mamba, BERT's AdamW)."""
-        decay, no_decay = [], []
+        decay: list[torch.nn.Parameter] = []
+        no_decay: list[torch.nn.Parameter] = []
         for q in self.parameters():
             if not q.requires_grad:
                 continue
@@ -139,7 +140,7 @@ class PipelineModule(pl.LightningModule):
             if g["params"]
         ]
         optimizer = torch.optim.AdamW(groups, lr=self.lr, betas=(0.9, 0.95))
-        total = 0
+        total: float = 0  # max_steps, or Lightning's estimate (inf without a bound)
         if self.lr_decay == "cosine":
             total = self.trainer.max_steps if self.trainer.max_steps > 0 else self.trainer.estimated_stepping_batches
             if not math.isfinite(total):

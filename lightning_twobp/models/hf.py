@@ -85,7 +85,7 @@ class HFCausalLM(PipelineModule):
     @override
     def sample_input(self, batch_size: int) -> torch.Tensor:
         first = next(self.model.parameters())
-        return torch.zeros(batch_size, self.hparams.max_seq_len, dtype=torch.long, device=first.device)
+        return torch.zeros(batch_size, self.hparams["max_seq_len"], dtype=torch.long, device=first.device)
 
 
 def _build(

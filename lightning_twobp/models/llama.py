@@ -62,6 +62,9 @@ class Attention(nn.Module):
     ``cos``/``sin`` passed in (the loop form, :mod:`lightning_twobp.models.llama_loop`, makes them
     once before the loop, as Hugging Face's models do)."""
 
+    cos: torch.Tensor  # buffers, with rope_tables
+    sin: torch.Tensor
+
     def __init__(self, cfg: LlamaConfig, rope_tables: bool = True) -> None:
         super().__init__()
         self.n_heads = cfg.n_heads

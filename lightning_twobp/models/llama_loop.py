@@ -29,6 +29,9 @@ __all__ = ["LlamaLoop", "LlamaLoopLM"]
 class Rotary(nn.Module):
     """The rotary cos/sin tables (buffers, no parameters), sliced to the sequence length."""
 
+    cos: torch.Tensor
+    sin: torch.Tensor
+
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
         cos, sin = rope_tables_of(cfg)

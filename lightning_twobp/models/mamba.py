@@ -108,7 +108,8 @@ class MambaMixer(nn.Module):
         self.dt_proj = nn.Linear(self.dt_rank, d_inner)
         self.A_log = nn.Parameter(torch.log(torch.arange(1, d_state + 1, dtype=torch.float32).repeat(d_inner, 1)))
         self.D = nn.Parameter(torch.ones(d_inner))
-        self.A_log._no_weight_decay = self.D._no_weight_decay = True  # as the reference: not decayed
+        # as the reference: not decayed (a flag of ours on the Parameter, read by configure_optimizers)
+        self.A_log._no_weight_decay = self.D._no_weight_decay = True  # type: ignore[attr-defined]
         self.out_proj = nn.Linear(d_inner, dim, bias=False)
         with torch.no_grad():
             std = self.dt_rank**-0.5

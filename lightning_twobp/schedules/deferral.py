@@ -37,7 +37,9 @@ def check_max_pending_w(
     """``max_pending_w`` as one cap per stage (None: no cap); ValueError saying what works otherwise."""
     if value is None:
         return None
-    caps = (value,) * num_stages if is_index(value) else tuple(value) if isinstance(value, (list, tuple)) else ()
+    caps: tuple[int, ...] = (
+        (value,) * num_stages if is_index(value) else tuple(value) if isinstance(value, (list, tuple)) else ()
+    )
     if len(caps) != num_stages or not all(is_index(k) for k in caps):
         raise ValueError(
             f"max_pending_w={value!r}: give the most micro-batches per stage whose W may wait after their B, "
@@ -90,7 +92,7 @@ def _capped_row(row: Sequence[Action], caps: Sequence[int]) -> tuple[Action, ...
                 _ran(pending, done, s, (mb,))
         out.append(action)
         if action.kind == "B":
-            pending.setdefault(action.stage, deque()).append(action.microbatch)
+            pending.setdefault(action.stage, deque()).extend(action.microbatches)  # a B covers one micro-batch
     return tuple(out)
 
 

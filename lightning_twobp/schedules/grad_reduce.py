@@ -32,7 +32,9 @@ class GradReduce:
         return f"{self.stage}REDUCE"
 
 
-def add_grad_reduce(lowered: Sequence[Sequence[Op]], schedule: Schedule) -> tuple[tuple[Op | GradReduce, ...], ...]:
+def add_grad_reduce(
+    lowered: Sequence[Sequence[Op | GradReduce]], schedule: Schedule
+) -> tuple[tuple[Op | GradReduce, ...], ...]:
     """``lowered`` (per rank, from :func:`lower_communication`) with one :class:`GradReduce` per stage,
     after the stage's last gradient action and the batch of comm ops right after it."""
     out = []

@@ -29,6 +29,7 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TypeGuard
 
 KINDS = ("F", "B", "W", "BW")
 
@@ -96,7 +97,7 @@ class DeadlockError(RuntimeError):
     """A schedule (or its lowered communication) cannot make progress."""
 
 
-def is_index(value: object) -> bool:
+def is_index(value: object) -> TypeGuard[int]:
     # bool is an int subclass; True as a stage index is always a bug.
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 

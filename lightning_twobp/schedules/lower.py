@@ -116,6 +116,8 @@ def lower_communication(schedule: Schedule) -> tuple[tuple[Op, ...], ...]:
 
     def sends(action: Action, rank: int) -> list[Comm]:
         s, m = action.stage, action.microbatch
+        if not isinstance(m, int):  # a batched W: no communication
+            return []
         if action.kind == "F" and s < last and placement[s + 1] != rank:
             return [Comm("SEND_F", s, m, placement[s + 1])]
         if action.is_backward and s > 0 and placement[s - 1] != rank:
@@ -124,6 +126,8 @@ def lower_communication(schedule: Schedule) -> tuple[tuple[Op, ...], ...]:
 
     def recvs(action: Action, rank: int) -> list[Comm]:
         s, m = action.stage, action.microbatch
+        if not isinstance(m, int):  # a batched W: no communication
+            return []
         if action.kind == "F" and s > 0 and placement[s - 1] != rank:
             return [Comm("RECV_F", s, m, placement[s - 1])]
         if action.is_backward and s < last and placement[s + 1] != rank:
@@ -282,10 +286,11 @@ def _fifo_hoist(items: list[list[Action | list[Comm]]]) -> bool:
             rank, index = where[message(send)]
             assert rank == dst, (send, rank, dst)
             if limit is not None and index > limit:
-                batch = items[dst][index]
+                batch, target = items[dst][index], items[dst][limit]
+                assert isinstance(batch, list) and isinstance(target, list)  # `where` holds batch positions
                 op = next(o for o in batch if not o.is_send and message(o) == message(send))
                 batch.remove(op)
-                items[dst][limit].append(op)
+                target.append(op)
                 where[message(send)] = (dst, limit)
                 moved = True
             else:
@@ -350,8 +355,9 @@ class _Rendezvous:
         while self.pos[rank] < len(ranked):
             if not self.pending[rank]:
                 self.pos[rank] += 1
-                if self.pos[rank] < len(ranked) and isinstance(ranked[self.pos[rank]], list):
-                    self.pending[rank] = {op.key for op in ranked[self.pos[rank]]}
+                item = ranked[self.pos[rank]] if self.pos[rank] < len(ranked) else None
+                if isinstance(item, list):
+                    self.pending[rank] = {op.key for op in item}
             else:
                 return
 
@@ -379,12 +385,16 @@ class _Rendezvous:
                 partner = Comm(*key, peer=0).partner
                 peer, index = self.where[partner]
                 here = self.pos[peer]
-                if index <= here or not isinstance(self.items[peer][here], list):
+                if index <= here:
+                    continue
+                target = self.items[peer][here]
+                if not isinstance(target, list):
                     continue
                 old = self.items[peer][index]
+                assert isinstance(old, list)  # `where` holds batch positions
                 op = next(o for o in old if o.key == partner)
                 old.remove(op)
-                self.items[peer][here].append(op)
+                target.append(op)
                 self.where[partner] = (peer, here)
                 self.pending[peer].add(partner)
                 return True

@@ -150,7 +150,7 @@ def peak_bytes(schedule: Schedule, memory: MemoryCosts) -> tuple[float, ...]:
 
 def peak_inflight(schedule: Schedule) -> tuple[int, ...]:
     """Per rank, the most (stage, micro-batch) pairs held from F until their last B/W/BW at once."""
-    return replay_memory(schedule, 1, 1).per_rank
+    return tuple(int(n) for n in replay_memory(schedule, 1, 1).per_rank)  # unit costs: whole counts
 
 
 def peak_activations(schedule: Schedule) -> tuple[int, ...]:
@@ -160,4 +160,4 @@ def peak_activations(schedule: Schedule) -> tuple[int, ...]:
     limits) bound; :func:`peak_inflight` holds a pair until its last B/W, the count that matters for
     this project's autograd split backward when a stage keeps its graph until W.
     """
-    return replay_memory(schedule, 1, 0).per_rank
+    return tuple(int(n) for n in replay_memory(schedule, 1, 0).per_rank)  # unit costs: whole counts

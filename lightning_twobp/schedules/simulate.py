@@ -25,6 +25,7 @@ the optimizer step), reported as :attr:`SimResult.period` and
 
 from __future__ import annotations
 
+from collections.abc import Container
 from dataclasses import dataclass, field
 
 from .ir import Action, DeadlockError, Schedule, format_grid
@@ -214,7 +215,7 @@ def simulate(schedule: Schedule, costs: Costs | None = None, *, iterations: int 
     )
 
 
-def _deadlock_report(schedule: Schedule, pos: list[int], ends: dict) -> str:
+def _deadlock_report(schedule: Schedule, pos: list[int], ends: Container[tuple[str, int, int]]) -> str:
     cells = []
     waits = []
     for rank, row in enumerate(schedule.actions):

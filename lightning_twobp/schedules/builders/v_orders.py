@@ -69,7 +69,7 @@ def v_order(name: str, p: int, m: int) -> Schedule:
     slots = _blocks(name, p, m)
     slots = _squeeze(_with_w(slots), p, m, with_w=True)
     slots = _squeeze(_without_w(slots), p, m, with_w=False)
-    rows = tuple(tuple(sorted(mine, key=mine.get)) for mine in _with_w(_without_w(slots)))
+    rows = tuple(tuple(sorted(mine, key=mine.__getitem__)) for mine in _with_w(_without_w(slots)))
     return Schedule(
         name=name,
         num_stages=2 * p,
@@ -166,6 +166,7 @@ def _earliest(
 def _ready_at(slots: list[dict[Action, int]], owner: tuple[int, ...], a: Action) -> int:
     """The first slot after every action ``a`` depends on (unit durations, no communication)."""
     s, j = a.stage, a.microbatch
+    assert isinstance(j, int)  # this builder's W cover one micro-batch each
     deps = [Action(a.kind, s, j - 1)] if j > 0 else []
     if a.kind == "F" and s > 0:
         deps.append(Action("F", s - 1, j))
@@ -182,4 +183,4 @@ def _peak(mine: dict[Action, int], with_w: bool) -> int:
     """The most (stage, micro-batch) pairs the rank holds from F to W in this slot assignment."""
     if not with_w:
         mine = _place_w(mine)
-    return row_peak(sorted(mine, key=mine.get))
+    return int(row_peak(sorted(mine, key=mine.__getitem__)))  # unit costs: a whole count

@@ -274,6 +274,7 @@ class _GreedyScheduler:
 
     def _commit(self, rank: int, action: Action, end: float) -> None:
         s, m = action.stage, action.microbatch
+        assert isinstance(m, int)  # the greedy places one micro-batch per action
         if action.kind == "F":
             self.next_f[s] += 1
             self.f_end[(s, m)] = end

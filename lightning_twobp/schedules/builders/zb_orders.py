@@ -126,4 +126,4 @@ def _v_row(p: int, m: int, r: int) -> tuple[Action, ...]:
         wgt(1)
     while w[0] < n:
         wgt(0)
-    return tuple(a for a in row if a.microbatch < m)
+    return tuple(a for a in row if all(mb < m for mb in a.microbatches))
