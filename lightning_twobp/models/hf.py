@@ -15,10 +15,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from typing_extensions import override
 
-from lightning_twobp.models.base import PipelineModule
+from lightning_twobp.models.base import LanguageModel
 
 __all__ = ["HFCausalLM"]
 
@@ -36,7 +35,7 @@ def _transformers() -> Any:
     return transformers
 
 
-class HFCausalLM(PipelineModule):
+class HFCausalLM(LanguageModel):
     """``transformers``' GPT-2 or Llama, random init, trained on next-token cross-entropy.
 
     Batches are ``(ids, targets)`` or ``(ids, targets, attention_mask)``, all ``(B, T)``; targets of
@@ -66,6 +65,7 @@ class HFCausalLM(PipelineModule):
         self.save_hyperparameters()
         if arch not in _ARCHS:
             raise ValueError(f"arch={arch!r}: choose one of {', '.join(_ARCHS)}")
+        self.max_seq_len = max_seq_len
         self.model = _build(arch, vocab_size, dim, n_layers, n_heads, n_kv_heads, max_seq_len, tie_embeddings, dropout)
 
     @override
@@ -74,18 +74,8 @@ class HFCausalLM(PipelineModule):
         return self.model(input_ids=ids, attention_mask=attention_mask, use_cache=False).logits  # (B, T, V)
 
     @override
-    def _step(self, batch: Any, stage: str) -> torch.Tensor:
-        ids, targets = batch[0], batch[1]
-        mask = batch[2] if len(batch) > 2 else None
-        logits = self(ids, mask)
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1), ignore_index=-100)
-        self.log(f"{stage}_loss", loss, prog_bar=True)
-        return loss
-
-    @override
-    def sample_input(self, batch_size: int) -> torch.Tensor:
-        first = next(self.model.parameters())
-        return torch.zeros(batch_size, self.hparams.max_seq_len, dtype=torch.long, device=first.device)
+    def model_output(self, batch: Any) -> torch.Tensor:
+        return self(batch[0], batch[2] if len(batch) > 2 else None)  # (ids, targets[, attention_mask])
 
 
 def _build(
