@@ -82,35 +82,29 @@ def _build(
     arch: str, vocab: int, dim: int, n_layers: int, n_heads: int, n_kv: int | None, seq: int, tie: bool, dropout: float
 ) -> torch.nn.Module:
     transformers = _transformers()
+    # Both architectures: the vocabulary, token 0 to begin and end a text, the head's tying, no key/value cache
+    common = {"vocab_size": vocab, "bos_token_id": 0, "eos_token_id": 0, "tie_word_embeddings": tie, "use_cache": False}
     if arch == "gpt2":
         cfg = transformers.GPT2Config(
-            vocab_size=vocab,
             n_embd=dim,
             n_layer=n_layers,
             n_head=n_heads,
             n_positions=seq,
-            bos_token_id=0,
-            eos_token_id=0,
             resid_pdrop=dropout,
             embd_pdrop=dropout,
             attn_pdrop=dropout,
-            tie_word_embeddings=tie,
-            use_cache=False,
+            **common,
         )
         return transformers.GPT2LMHeadModel(cfg)
     cfg = transformers.LlamaConfig(
-        vocab_size=vocab,
         hidden_size=dim,
         intermediate_size=4 * dim,
         num_hidden_layers=n_layers,
         num_attention_heads=n_heads,
         num_key_value_heads=n_kv or n_heads,
         max_position_embeddings=seq,
-        bos_token_id=0,
-        eos_token_id=0,
         pad_token_id=None,
         attention_dropout=dropout,
-        tie_word_embeddings=tie,
-        use_cache=False,
+        **common,
     )
     return transformers.LlamaForCausalLM(cfg)
