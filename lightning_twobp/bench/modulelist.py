@@ -20,7 +20,6 @@ their weights must come out equal (``max_param_diff``).
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import time
 from collections.abc import Callable
@@ -31,7 +30,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader
 
 from lightning_twobp.bench.report import write_json
-from lightning_twobp.bench.trainer import LlamaModule, SameBatch
+from lightning_twobp.bench.trainer import LlamaModule, SameBatch, quiet_trainer, set_process_env
 from lightning_twobp.bench.workload import WORLD, Workload, keep_freed_memory, stage_sizes
 from lightning_twobp.models.llama_loop import LlamaLoop
 from lightning_twobp.partition import even_sizes
@@ -78,18 +77,7 @@ def _fit(
     lm = LlamaModule(model)  # either form as self.layers: the Sequential, or the loop whose ModuleList is found
     timer = _Timer()
     strategy = TwoBPStrategy(schedule=schedule, num_microbatches=m, balance=balance)
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=WORLD,
-        strategy=strategy,
-        max_steps=steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        use_distributed_sampler=False,
-        callbacks=[timer],
-    )
+    trainer = quiet_trainer(WORLD, strategy, steps, [timer], use_distributed_sampler=False)
     trainer.fit(lm, DataLoader(SameBatch(ids, tgt, steps), batch_size=wl.batch))
     periods = [b - a for a, b in zip(timer.starts, timer.starts[1:], strict=False)][_WARMUP:]
     return periods, [q.detach().clone() for q in lm.layers.parameters() if not q.is_meta]  # what this rank trained
@@ -98,14 +86,7 @@ def _fit(
 def _worker(
     rank: int, world: int, wl: Workload, schedules: list[str], m: int, rounds: int, steps: int, port: int
 ) -> dict:
-    os.environ.update(
-        LOCAL_RANK=str(rank),
-        NODE_RANK="0",
-        WORLD_SIZE=str(world),
-        RANK=str(rank),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-    )
+    set_process_env(rank, world, port)
     keep_freed_memory()
     out: dict = {}
     for schedule in schedules:

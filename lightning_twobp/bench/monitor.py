@@ -22,7 +22,6 @@ on CPU.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import time
 
@@ -80,6 +79,7 @@ def _fit(rank: int, world: int, steps: int, every: int, monitored: bool) -> dict
     from lightning.pytorch.loggers import CSVLogger
 
     from lightning_twobp import TwoBPStrategy
+    from lightning_twobp.bench.trainer import quiet_trainer
     from lightning_twobp.data import TokenDataModule
     from lightning_twobp.models import LlamaLM
 
@@ -90,19 +90,9 @@ def _fit(rank: int, world: int, steps: int, every: int, monitored: bool) -> dict
     # the clock last: step k's time then holds the monitor's hooks of step k
     callbacks = ([monitor] if monitor else []) + [clock]
     with tempfile.TemporaryDirectory() as logs:  # the recipes' logger: the monitor's figures are written too
-        trainer = pl.Trainer(
-            accelerator="cpu",
-            devices=world,
-            strategy=TwoBPStrategy(schedule="zb-h1", num_microbatches=4),
-            max_steps=steps,
-            logger=CSVLogger(logs),
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            limit_val_batches=0,
-            log_every_n_steps=every,
-            callbacks=callbacks,
-        )
+        strategy = TwoBPStrategy(schedule="zb-h1", num_microbatches=4)
+        options = {"logger": CSVLogger(logs), "limit_val_batches": 0, "log_every_n_steps": every}
+        trainer = quiet_trainer(world, strategy, steps, callbacks, **options)
         trainer.fit(model, datamodule=data)
     return {"durations": clock.durations(), "hook_s": monitor.hook_s if monitor else {}}
 
@@ -130,14 +120,9 @@ def _inside(run: dict, every: int) -> dict:
 
 
 def _worker(rank: int, world: int, port: int, rounds: int, steps: int, every: int) -> dict:
-    os.environ.update(
-        LOCAL_RANK=str(rank),
-        NODE_RANK="0",
-        WORLD_SIZE=str(world),
-        RANK=str(rank),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-    )
+    from lightning_twobp.bench.trainer import set_process_env
+
+    set_process_env(rank, world, port)
     out: dict[str, list[dict]] = {"with": [], "without": []}
     _fit(rank, world, 10, every, True)  # warm-up: imports, allocator, the first process group
     for _ in range(rounds):

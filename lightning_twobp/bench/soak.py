@@ -12,7 +12,6 @@ well under one.
 
 from __future__ import annotations
 
-import os
 import statistics
 import time
 import tracemalloc
@@ -44,32 +43,16 @@ def _worker(rank: int, world: int, port: int, steps: int, every: int, python: bo
     if python:
         tracemalloc.start(1)  # Python's own allocations, to tell a leak of objects from native growth
     from lightning_twobp import TwoBPStrategy
+    from lightning_twobp.bench.trainer import quiet_trainer, set_process_env
     from lightning_twobp.data import TokenDataModule
     from lightning_twobp.models import LlamaLM
 
-    os.environ.update(
-        LOCAL_RANK=str(rank),
-        NODE_RANK="0",
-        WORLD_SIZE=str(world),
-        RANK=str(rank),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-    )
+    set_process_env(rank, world, port)
     model = LlamaLM(vocab_size=256, dim=128, n_layers=4, n_heads=4, max_seq_len=64, lr=3e-3)
     data = TokenDataModule(vocab_size=256, seq_len=64, batch_size=16, num_train=4096, num_val=0, seed=0)
     sampler = _Sampler(every)
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=world,
-        strategy=TwoBPStrategy(schedule="zb-h1", num_microbatches=4),
-        max_steps=steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        limit_val_batches=0,
-        callbacks=[sampler],
-    )
+    strategy = TwoBPStrategy(schedule="zb-h1", num_microbatches=4)
+    trainer = quiet_trainer(world, strategy, steps, [sampler], limit_val_batches=0)
     trainer.fit(model, datamodule=data)
     return sampler.samples
 

@@ -48,6 +48,39 @@ class SameBatch(Dataset):
         return self.ids[i % len(self.ids)], self.tgt[i % len(self.ids)]
 
 
+def set_process_env(rank: int, world: int, port: int) -> None:
+    """The environment a ``Trainer`` reads in a process :func:`~lightning_twobp.testing.run_distributed`
+    started: rank ``rank`` of ``world`` processes on this machine, the process group's store at ``port``."""
+    os.environ.update(
+        LOCAL_RANK=str(rank),
+        NODE_RANK="0",
+        WORLD_SIZE=str(world),
+        RANK=str(rank),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
+
+
+def quiet_trainer(world: int, strategy: pl.strategies.Strategy, steps: int, callbacks: list, **options) -> pl.Trainer:
+    """A CPU ``Trainer`` of ``world`` processes for ``steps`` steps that writes and prints nothing (no
+    logger, checkpoints, progress bar or model summary): the benchmarks' Trainer. ``options`` add to or
+    override these ``Trainer`` arguments."""
+    quiet = {
+        "logger": False,
+        "enable_checkpointing": False,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+    }
+    return pl.Trainer(
+        accelerator="cpu",
+        devices=world,
+        strategy=strategy,
+        max_steps=steps,
+        callbacks=callbacks,
+        **{**quiet, **options},
+    )
+
+
 class LlamaModule(pl.LightningModule):
     def __init__(self, model: torch.nn.Module) -> None:  # the Sequential, or the loop over a ModuleList
         super().__init__()
@@ -84,14 +117,7 @@ class _Alternate(pl.Callback):
 
 
 def _worker(rank: int, world: int, wl: Workload, runs: list, repeats: int, port: int) -> dict:
-    os.environ.update(
-        LOCAL_RANK=str(rank),
-        NODE_RANK="0",
-        WORLD_SIZE=str(world),
-        RANK=str(rank),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-    )
+    set_process_env(rank, world, port)
     from lightning_twobp import TwoBPStrategy
 
     ids, tgt = wl.data()
@@ -123,18 +149,7 @@ def _worker(rank: int, world: int, wl: Workload, runs: list, repeats: int, port:
             state["opt"].zero_grad(set_to_none=True)
 
         timer = _Alternate(bare)
-        trainer = pl.Trainer(
-            accelerator="cpu",
-            devices=world,
-            strategy=strategy,
-            max_steps=steps,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            use_distributed_sampler=False,
-            callbacks=[timer],
-        )
+        trainer = quiet_trainer(world, strategy, steps, [timer], use_distributed_sampler=False)
         trainer.fit(lm, DataLoader(SameBatch(ids, tgt, steps + 1), batch_size=wl.batch))
         # iteration i runs from start i to start i + 1 and contains bare step i; the last iteration
         # has no next start, and the first ones warm caches, the allocator and the shape exchange up

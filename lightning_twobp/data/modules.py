@@ -35,12 +35,19 @@ __all__ = ["ImageDataModule", "MaskedLMDataModule", "TokenDataModule"]
 
 
 class _DataModule(pl.LightningDataModule):
-    """Dataloaders over ``self._build()``'s (train, val) datasets; val may be None (no validation)."""
+    """Dataloaders over ``self._build()``'s (train, val) datasets; val may be None (no validation).
+    ``train_path`` and ``val_path`` are the subclass's files (None: synthetic data), checked here."""
 
-    def __init__(self, batch_size: int, seed: int, num_workers: int) -> None:
+    def __init__(
+        self, batch_size: int, seed: int, num_workers: int, train_path: str | None, val_path: str | None
+    ) -> None:
         super().__init__()
         if batch_size < 1:
             raise ValueError(f"batch_size is {batch_size}: it must be at least 1")
+        if val_path is not None and train_path is None:
+            raise ValueError(
+                f"val_path {val_path} was given without a train path: give both, or neither for synthetic data"
+            )
         self.batch_size, self.seed, self.num_workers = batch_size, seed, num_workers
         self._sets: tuple[Dataset, Dataset | None] | None = None
 
@@ -107,13 +114,6 @@ class _DataModule(pl.LightningDataModule):
         return [] if ds is None else self._loader(ds, train=False)  # []: Lightning skips validation
 
 
-def _check_paths(train_path: str | None, val_path: str | None) -> None:
-    if val_path is not None and train_path is None:
-        raise ValueError(
-            f"val_path {val_path} was given without a train path: give both, or neither for synthetic data"
-        )
-
-
 class TokenDataModule(_DataModule):
     """Next-token prediction (LLaMa, Mamba): batches ``(ids (B, T), targets (B, T))``, targets the
     ids shifted by one. Synthetic counting sequences without ``train_path``; token files (see
@@ -133,8 +133,7 @@ class TokenDataModule(_DataModule):
         num_workers: int = 0,
         dtype: str | None = None,
     ) -> None:
-        super().__init__(batch_size, seed, num_workers)
-        _check_paths(train_path, val_path)
+        super().__init__(batch_size, seed, num_workers, train_path, val_path)
         self.save_hyperparameters()
 
     def _build(self) -> tuple[Dataset, Dataset | None]:
@@ -175,8 +174,7 @@ class MaskedLMDataModule(_DataModule):
         mask_token_id: int | None = None,
         dtype: str | None = None,
     ) -> None:
-        super().__init__(batch_size, seed, num_workers)
-        _check_paths(train_path, val_path)
+        super().__init__(batch_size, seed, num_workers, train_path, val_path)
         self.save_hyperparameters()
 
     def _build(self) -> tuple[Dataset, Dataset | None]:
@@ -221,8 +219,7 @@ class ImageDataModule(_DataModule):
         seed: int = 0,
         num_workers: int = 0,
     ) -> None:
-        super().__init__(batch_size, seed, num_workers)
-        _check_paths(path, val_path)
+        super().__init__(batch_size, seed, num_workers, path, val_path)
         self.save_hyperparameters()
 
     def _open(self, p: str | os.PathLike) -> Dataset:

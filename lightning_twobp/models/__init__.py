@@ -7,7 +7,7 @@ Each is a LightningModule with flat keyword arguments (for Hydra's ``_target_``)
 :class:`LlamaLoopLM` this package's LLaMa written as a loop over a ModuleList.
 """
 
-from lightning_twobp.models.base import PipelineModule
+from lightning_twobp.models.base import LanguageModel, PipelineModule
 from lightning_twobp.models.bert import BertMLM
 from lightning_twobp.models.hf import HFCausalLM
 from lightning_twobp.models.llama import LlamaConfig, LlamaLM, build_llama
@@ -18,6 +18,7 @@ from lightning_twobp.models.resnet import ResNetClassifier
 __all__ = [
     "BertMLM",
     "HFCausalLM",
+    "LanguageModel",
     "LlamaConfig",
     "LlamaLM",
     "LlamaLoop",

@@ -7,8 +7,9 @@ module's one outermost ``nn.Sequential``, called once per step). ``training_step
     loss = self.compute_loss(output, batch)               # last stage: everything after it
 
 so a subclass defines the layers, :meth:`compute_loss`, and :meth:`sample_input` (one input of the
-Sequential, shaped for a memory planner). Constructors take flat keyword arguments, as Hydra passes
-them from yaml, and call ``save_hyperparameters()`` themselves.
+Sequential, shaped for a memory planner); :class:`LanguageModel` defines both for models on token ids.
+Constructors take flat keyword arguments, as Hydra passes them from yaml, and call
+``save_hyperparameters()`` themselves.
 """
 
 from __future__ import annotations
@@ -18,10 +19,11 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+import torch.nn.functional as F
 from torch import nn
 from typing_extensions import override
 
-__all__ = ["PipelineModule", "WarmupThenDecay"]
+__all__ = ["LanguageModel", "PipelineModule", "WarmupThenDecay"]
 
 _DECAYS = ("constant", "cosine")
 
@@ -85,14 +87,22 @@ class PipelineModule(pl.LightningModule):
         """Further metrics to log besides ``{stage}_loss`` (``stage``: train, val or test)."""
 
     def sample_input(self, batch_size: int) -> torch.Tensor:
-        """One input of ``self.layers`` for ``batch_size`` samples (zeros), on the device of the layers'
-        first parameter, which may be ``meta``."""
+        """One input of ``self.layers`` for ``batch_size`` samples (zeros), on the device of the model's
+        first parameter (:attr:`_parameters_device`), which may be ``meta``."""
         raise NotImplementedError(f"{type(self).__name__} must define sample_input(batch_size)")
 
+    def model_output(self, batch: Any) -> torch.Tensor:
+        """The output that :meth:`compute_loss` scores: ``self.layers(self.sequential_input(batch))``.
+
+        This is the one Sequential call: under strategy='twobp' the first stage stops here with the input
+        captured, and the last stage resumes here with the pipeline's output. A model whose blocks sit in
+        an ``nn.ModuleList`` (the loop contract) returns its forward's output instead."""
+        return self.layers(self.sequential_input(batch))
+
     @property
-    def _layers_device(self) -> torch.device:
+    def _parameters_device(self) -> torch.device:
         # Under strategy='twobp' the layers of other ranks are placeholders without parameters.
-        first = next(self.layers.parameters(), None)
+        first = next(self.parameters(), None)
         return first.device if first is not None else torch.device("cpu")
 
     # ------------------------------------------------------------------ Lightning hooks
@@ -101,9 +111,7 @@ class PipelineModule(pl.LightningModule):
         return self.layers(x)
 
     def _step(self, batch: Any, stage: str) -> torch.Tensor:
-        # The one Sequential call: under strategy='twobp' the first stage stops here with the input
-        # captured, and the last stage resumes here with the pipeline's output.
-        output = self.layers(self.sequential_input(batch))
+        output = self.model_output(batch)
         loss = self.compute_loss(output, batch)
         self.log(f"{stage}_loss", loss, prog_bar=True)
         self.log_metrics(stage, output, batch)
@@ -151,3 +159,23 @@ class PipelineModule(pl.LightningModule):
         factor = WarmupThenDecay(self.warmup_steps, int(total), self.lr_decay)
         schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+
+class LanguageModel(PipelineModule):
+    """A :class:`PipelineModule` on token ids: batches ``(ids, targets, ...)``, both ``(B, T)`` int64.
+
+    The loss is the cross-entropy of the logits ``(B, T, V)`` against ``targets``; targets of -100 (not
+    masked, or padding) are not scored. :meth:`sample_input` is ``max_seq_len`` token ids, so a subclass
+    sets ``self.max_seq_len``.
+    """
+
+    max_seq_len: int
+
+    @override
+    def compute_loss(self, output: torch.Tensor, batch: Any) -> torch.Tensor:
+        targets = batch[1]  # (B, T)
+        return F.cross_entropy(output.reshape(-1, output.shape[-1]).float(), targets.reshape(-1), ignore_index=-100)
+
+    @override
+    def sample_input(self, batch_size: int) -> torch.Tensor:
+        return torch.zeros(batch_size, self.max_seq_len, dtype=torch.long, device=self._parameters_device)

@@ -22,9 +22,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
-from typing_extensions import override
 
-from lightning_twobp.models.base import PipelineModule
+from lightning_twobp.models.base import LanguageModel
 
 __all__ = ["BertEmbeddings", "BertLayer", "BertMLM", "MLMHead", "build_bert"]
 
@@ -119,7 +118,7 @@ def build_bert(
     return model
 
 
-class BertMLM(PipelineModule):
+class BertMLM(LanguageModel):
     """BERT masked-language modelling as a LightningModule.
 
     Batches are ``(ids, labels)``, both ``(B, T)`` int64, with ``labels == -100`` at the positions that
@@ -155,12 +154,3 @@ class BertMLM(PipelineModule):
         self.layers = build_bert(
             vocab_size, dim, n_layers, n_heads, ffn_hidden or 4 * dim, max_seq_len, type_vocab_size, dropout
         )
-
-    @override
-    def compute_loss(self, output: torch.Tensor, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        labels = batch[1]  # (B, T), -100 where not masked
-        return F.cross_entropy(output.reshape(-1, output.shape[-1]).float(), labels.reshape(-1), ignore_index=-100)
-
-    @override
-    def sample_input(self, batch_size: int) -> torch.Tensor:
-        return torch.zeros(batch_size, self.max_seq_len, dtype=torch.long, device=self._layers_device)

@@ -15,10 +15,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from typing_extensions import override
 
-from lightning_twobp.models.base import PipelineModule
+from lightning_twobp.models.base import LanguageModel
 
 __all__ = ["HFCausalLM"]
 
@@ -36,7 +35,7 @@ def _transformers() -> Any:
     return transformers
 
 
-class HFCausalLM(PipelineModule):
+class HFCausalLM(LanguageModel):
     """``transformers``' GPT-2 or Llama, random init, trained on next-token cross-entropy.
 
     Batches are ``(ids, targets)`` or ``(ids, targets, attention_mask)``, all ``(B, T)``; targets of
@@ -66,6 +65,7 @@ class HFCausalLM(PipelineModule):
         self.save_hyperparameters()
         if arch not in _ARCHS:
             raise ValueError(f"arch={arch!r}: choose one of {', '.join(_ARCHS)}")
+        self.max_seq_len = max_seq_len
         self.model = _build(arch, vocab_size, dim, n_layers, n_heads, n_kv_heads, max_seq_len, tie_embeddings, dropout)
 
     @override
@@ -74,53 +74,37 @@ class HFCausalLM(PipelineModule):
         return self.model(input_ids=ids, attention_mask=attention_mask, use_cache=False).logits  # (B, T, V)
 
     @override
-    def _step(self, batch: Any, stage: str) -> torch.Tensor:
-        ids, targets = batch[0], batch[1]
-        mask = batch[2] if len(batch) > 2 else None
-        logits = self(ids, mask)
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1), ignore_index=-100)
-        self.log(f"{stage}_loss", loss, prog_bar=True)
-        return loss
-
-    @override
-    def sample_input(self, batch_size: int) -> torch.Tensor:
-        first = next(self.model.parameters())
-        return torch.zeros(batch_size, self.hparams["max_seq_len"], dtype=torch.long, device=first.device)
+    def model_output(self, batch: Any) -> torch.Tensor:
+        return self(batch[0], batch[2] if len(batch) > 2 else None)  # (ids, targets[, attention_mask])
 
 
 def _build(
     arch: str, vocab: int, dim: int, n_layers: int, n_heads: int, n_kv: int | None, seq: int, tie: bool, dropout: float
 ) -> torch.nn.Module:
     transformers = _transformers()
+    # Both architectures: the vocabulary, token 0 to begin and end a text, the head's tying, no key/value cache
+    common = {"vocab_size": vocab, "bos_token_id": 0, "eos_token_id": 0, "tie_word_embeddings": tie, "use_cache": False}
     if arch == "gpt2":
         cfg = transformers.GPT2Config(
-            vocab_size=vocab,
             n_embd=dim,
             n_layer=n_layers,
             n_head=n_heads,
             n_positions=seq,
-            bos_token_id=0,
-            eos_token_id=0,
             resid_pdrop=dropout,
             embd_pdrop=dropout,
             attn_pdrop=dropout,
-            tie_word_embeddings=tie,
-            use_cache=False,
+            **common,
         )
         return transformers.GPT2LMHeadModel(cfg)
     cfg = transformers.LlamaConfig(
-        vocab_size=vocab,
         hidden_size=dim,
         intermediate_size=4 * dim,
         num_hidden_layers=n_layers,
         num_attention_heads=n_heads,
         num_key_value_heads=n_kv or n_heads,
         max_position_embeddings=seq,
-        bos_token_id=0,
-        eos_token_id=0,
         pad_token_id=None,
         attention_dropout=dropout,
-        tie_word_embeddings=tie,
-        use_cache=False,
+        **common,
     )
     return transformers.LlamaForCausalLM(cfg)

@@ -13,9 +13,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
-from typing_extensions import override
 
-from lightning_twobp.models.base import PipelineModule
+from lightning_twobp.models.base import LanguageModel
 
 
 @dataclass(frozen=True)
@@ -165,7 +164,7 @@ def init_weights(model: nn.Module) -> None:
             nn.init.normal_(m.weight, std=0.02)
 
 
-class LlamaLM(PipelineModule):
+class LlamaLM(LanguageModel):
     """A LLaMa-like causal LM as a LightningModule; ``self.layers`` is :func:`build_llama`'s Sequential.
 
     Batches are ``(ids, targets)``, both ``(B, T)`` int64 with ``T <= max_seq_len``; the loss is the
@@ -191,6 +190,7 @@ class LlamaLM(PipelineModule):
     ) -> None:
         super().__init__(lr=lr, weight_decay=weight_decay, warmup_steps=warmup_steps, lr_decay=lr_decay, seed=seed)
         self.save_hyperparameters()
+        self.max_seq_len = max_seq_len
         self.config = LlamaConfig(
             vocab_size=vocab_size,
             dim=dim,
@@ -205,12 +205,3 @@ class LlamaLM(PipelineModule):
     def _build(self) -> None:
         """The model, from the seeded RNG (a subclass may build another form of it)."""
         self.layers = build_llama(self.config)
-
-    @override
-    def compute_loss(self, output: torch.Tensor, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        targets = batch[1]  # (B, T)
-        return F.cross_entropy(output.reshape(-1, output.shape[-1]).float(), targets.reshape(-1))  # (B*T, V)
-
-    @override
-    def sample_input(self, batch_size: int) -> torch.Tensor:
-        return torch.zeros(batch_size, self.config.max_seq_len, dtype=torch.long, device=self._layers_device)

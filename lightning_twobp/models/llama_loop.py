@@ -74,12 +74,5 @@ class LlamaLoopLM(LlamaLM):
         return self.model(x)
 
     @override
-    def _step(self, batch: Any, stage: str) -> torch.Tensor:
-        loss = self.compute_loss(self.model(batch[0]), batch)
-        self.log(f"{stage}_loss", loss, prog_bar=True)
-        return loss
-
-    @override
-    def sample_input(self, batch_size: int) -> torch.Tensor:
-        first = next(self.model.parameters())
-        return torch.zeros(batch_size, self.config.max_seq_len, dtype=torch.long, device=first.device)
+    def model_output(self, batch: Any) -> torch.Tensor:
+        return self.model(batch[0])

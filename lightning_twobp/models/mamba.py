@@ -32,9 +32,8 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
-from typing_extensions import override
 
-from lightning_twobp.models.base import PipelineModule
+from lightning_twobp.models.base import LanguageModel
 from lightning_twobp.models.llama import RMSNorm
 
 __all__ = ["MambaBlock", "MambaHead", "MambaLM", "MambaMixer", "build_mamba", "selective_scan"]
@@ -202,7 +201,7 @@ def build_mamba(
     return nn.Sequential(embedding, *blocks, head)
 
 
-class MambaLM(PipelineModule):
+class MambaLM(LanguageModel):
     """A Mamba language model as a LightningModule (next-token cross-entropy).
 
     Batches are ``(ids, targets)``, both ``(B, L)`` int64. The model takes any length; ``max_seq_len``
@@ -230,12 +229,3 @@ class MambaLM(PipelineModule):
         self.save_hyperparameters()
         self.max_seq_len = max_seq_len
         self.layers = build_mamba(vocab_size, dim, n_layers, d_state, d_conv, expand, dt_rank, scan_chunk)
-
-    @override
-    def compute_loss(self, output: torch.Tensor, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        targets = batch[1]  # (B, L)
-        return F.cross_entropy(output.reshape(-1, output.shape[-1]).float(), targets.reshape(-1))  # (B*L, V)
-
-    @override
-    def sample_input(self, batch_size: int) -> torch.Tensor:
-        return torch.zeros(batch_size, self.max_seq_len, dtype=torch.long, device=self._layers_device)

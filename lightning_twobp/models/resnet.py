@@ -151,4 +151,4 @@ class ResNetClassifier(PipelineModule):
 
     @override
     def sample_input(self, batch_size: int) -> torch.Tensor:
-        return torch.zeros(batch_size, 3, self.image_size, self.image_size, device=self._layers_device)
+        return torch.zeros(batch_size, 3, self.image_size, self.image_size, device=self._parameters_device)

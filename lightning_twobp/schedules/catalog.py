@@ -28,6 +28,23 @@ def _interleaved_bound(p: int, m: int, v: int, split: bool) -> int:
     return min(p, m) if v == 1 else min(2 * (p - 1) + (v - 1) * p + 1, v * m)
 
 
+def _v_schedule(name: str, memory: MemoryClass, overlaps: bool = False) -> ScheduleSpec:
+    """A schedule of the V family: two stages per rank placed in a V, the backward split, interleaved
+    1F1B as the fused baseline."""
+    return ScheduleSpec(
+        name,
+        zero_bubble,
+        memory,
+        placement="v",
+        stages_per_rank=(2,),
+        default_stages_per_rank=2,
+        split_only=True,
+        fused_baseline="interleaved-1f1b",
+        overlaps=overlaps,
+        checks=(check_two_stages_v,),
+    )
+
+
 BUILT_IN = (
     ScheduleSpec(
         "gpipe", gpipe, MemoryClass("m", lambda p, m, v, split: v * m), placement="loop", stages_per_rank=None
@@ -64,40 +81,9 @@ BUILT_IN = (
         overlaps=True,
         checks=(check_one_stage_or_v,),
     ),
-    ScheduleSpec(
-        "zb-v",
-        zero_bubble,
-        MemoryClass("p", lambda p, m, v, split: min(2 * p, 2 * m)),
-        placement="v",
-        stages_per_rank=(2,),
-        default_stages_per_rank=2,
-        split_only=True,
-        fused_baseline="interleaved-1f1b",
-        overlaps=True,
-        checks=(check_two_stages_v,),
-    ),
-    ScheduleSpec(
-        "v-half",
-        zero_bubble,
-        MemoryClass("(p + 2) // 2", lambda p, m, v, split: min(v_memory_bound("v-half", p), 2 * m)),
-        placement="v",
-        stages_per_rank=(2,),
-        default_stages_per_rank=2,
-        split_only=True,
-        fused_baseline="interleaved-1f1b",
-        checks=(check_two_stages_v,),
-    ),
-    ScheduleSpec(
-        "v-min",
-        zero_bubble,
-        MemoryClass("(p + 4) // 3", lambda p, m, v, split: min(v_memory_bound("v-min", p), 2 * m)),
-        placement="v",
-        stages_per_rank=(2,),
-        default_stages_per_rank=2,
-        split_only=True,
-        fused_baseline="interleaved-1f1b",
-        checks=(check_two_stages_v,),
-    ),
+    _v_schedule("zb-v", MemoryClass("p", lambda p, m, v, split: min(2 * p, 2 * m)), overlaps=True),
+    _v_schedule("v-half", MemoryClass("(p + 2) // 2", lambda p, m, v, split: min(v_memory_bound("v-half", p), 2 * m))),
+    _v_schedule("v-min", MemoryClass("(p + 4) // 3", lambda p, m, v, split: min(v_memory_bound("v-min", p), 2 * m))),
 )
 
 for _spec in BUILT_IN:
