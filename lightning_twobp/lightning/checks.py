@@ -11,7 +11,9 @@ from typing import Any
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["check_flag", "check_nodes", "checked_optimizers"]
+from lightning_twobp.schedules.deferral import check_max_pending_w
+
+__all__ = ["check_flag", "check_nodes", "check_pending_w", "checked_optimizers"]
 
 _LOOPBACK = ("", "127.0.0.1", "localhost", "::1")
 
@@ -27,6 +29,17 @@ def check_flag(name: str, value: Any, none: str | None = None) -> None:
         f"(e.g. {name}=False). On the command line Hydra and LightningCLI read true/false as booleans: "
         f"strategy.{name}=false"
     )
+
+
+def check_pending_w(value: Any, schedule: str, split_backward: bool) -> int | tuple[int, ...] | None:
+    """``max_pending_w`` as ``build_schedule`` takes it (a list from Hydra becomes a tuple); ValueError
+    naming the value and the fix. One cap per stage is counted against the stages at setup, before any
+    compute (the number of stages depends on the devices, unknown here)."""
+    if isinstance(value, Sequence) and not isinstance(value, str):
+        value = tuple(value)
+    stages = max(len(value), 1) if isinstance(value, tuple) else 1
+    check_max_pending_w(value, f"TwoBPStrategy(schedule={schedule!r})", stages, split_backward)
+    return value
 
 
 def check_nodes(num_nodes: int, devices: int, environment: Any) -> None:

@@ -33,7 +33,7 @@ from typing_extensions import override
 from lightning_twobp.engine import PipelineExecutor, StepValidation, Verdict
 from lightning_twobp.engine.memory import keep_freed_memory
 from lightning_twobp.lightning import checkpoint as ckpt
-from lightning_twobp.lightning.checks import check_flag, check_nodes, checked_optimizers
+from lightning_twobp.lightning.checks import check_flag, check_nodes, check_pending_w, checked_optimizers
 from lightning_twobp.lightning.contract import find_contract
 from lightning_twobp.lightning.grads import (
     GradStash,
@@ -125,6 +125,9 @@ class TwoBPStrategy(DDPStrategy):
         pipeline_degree: ranks per pipeline (default: every device, one pipeline); the devices
             left over form data-parallel replicas, ``devices x num_nodes = pipeline_degree x dp``.
         stages_per_rank: stages on each rank (default 2 for ``zb-v`` and ``interleaved-1f1b``, else 1).
+        max_pending_w: the most micro-batches per stage whose W may wait after their B (an int >= 0,
+            or one per stage; None: no cap): over it the oldest W runs early, trading some of 2BP's gain
+            for memory (:mod:`lightning_twobp.schedules.deferral`). Split schedules only.
         balance: ``"params"`` (default), ``"time"`` (forward + backward time of every layer, measured
             on the first micro-batch of the data before training), or a list of layer counts per stage.
         layers: dotted name of the Sequential to pipeline, when the module holds several.
@@ -169,6 +172,7 @@ class TwoBPStrategy(DDPStrategy):
         num_microbatches: int | None = None,
         pipeline_degree: int | None = None,
         stages_per_rank: int | None = None,
+        max_pending_w: int | Sequence[int] | None = None,
         balance: str | Sequence[int] = "params",
         layers: str | None = None,
         gather_full_model: bool = False,
@@ -196,6 +200,7 @@ class TwoBPStrategy(DDPStrategy):
         if schedule not in SCHEDULES:  # checked now, not at setup: the Trainer is not built yet
             raise ValueError(f"unknown schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")
         check_split(schedule, split_backward)
+        max_pending_w = check_pending_w(max_pending_w, schedule, split_backward)
         for name, value in (
             ("num_microbatches", num_microbatches),
             ("pipeline_degree", pipeline_degree),
@@ -259,6 +264,7 @@ class TwoBPStrategy(DDPStrategy):
         self._num_microbatches = num_microbatches
         self._pipeline_degree = pipeline_degree
         self._stages_per_rank = stages_per_rank or default_stages_per_rank(schedule)
+        self.max_pending_w = max_pending_w
         self._mesh: DeviceMesh | None = None
         self._pipeline: _Pipeline | None = None
         self._stash = GradStash()
@@ -424,6 +430,7 @@ class TwoBPStrategy(DDPStrategy):
             self.num_microbatches,
             stages_per_rank=self._stages_per_rank,
             split_backward=self.split_backward,
+            max_pending_w=self.max_pending_w,
         )
         layout = self._layout
         streams = StageStreams(schedule.stages_of(layout.pp_rank), layout.dp_rank, self.root_device)
