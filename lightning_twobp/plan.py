@@ -6,7 +6,8 @@
 The model is built on the ``meta`` device (no memory, no compute), cut into stages as the strategy
 would (``balance="params"``, or the given list; ``"time"`` is measured at run time, so the plan uses
 parameters), and each stage runs one micro-batch through the real split backward
-(:class:`~lightning_twobp.engine.Stage`) on meta tensors. That gives, per stage:
+(:class:`~lightning_twobp.engine.Stage`, by :mod:`~lightning_twobp.engine.footprint`) on meta tensors.
+That gives, per stage:
 
 * **activations per micro-batch** (``M_act``): the tensors autograd saves in F, held until B;
 * **held from B to W per micro-batch** (``M_W``): what 2BP keeps after B for the deferred W. When
@@ -35,7 +36,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from lightning_twobp.config import CONF_DIR, recipes
-from lightning_twobp.engine import Stage
+from lightning_twobp.engine.footprint import measure_layer
 from lightning_twobp.lightning.contract import SequentialContract, find_contract
 from lightning_twobp.lightning.layout import default_num_microbatches, default_stages_per_rank, schedule_label
 from lightning_twobp.partition import partition
@@ -123,53 +124,6 @@ def _bytes(precision: str) -> tuple[int, torch.dtype]:
     raise ValueError(f"twobp-plan knows precisions 32-true, bf16-mixed, 16-mixed, bf16-true, 16-true; got {p!r}")
 
 
-def _storage_key(t: torch.Tensor) -> int:
-    return t.untyped_storage()._cdata  # one entry per storage: views and re-saves count once
-
-
-@dataclass(frozen=True)
-class _Measured:
-    out_shape: tuple[int, ...]
-    out_dtype: torch.dtype
-    activation_bytes: int
-    held_bytes: int  # weight-GEMM operands and recorded gradients (without the graph)
-    graph_kept: bool
-    saved_input: int  # bytes of the input, when the layer saves it (0 otherwise)
-    saves_output: bool  # whether the layer saves its own output (a ReLU does, a Linear does not)
-
-
-def _measure(layer: nn.Module, x: torch.Tensor, needs_input_grad: bool) -> _Measured:
-    """One micro-batch through ``layer`` on meta with the split backward (the real :class:`Stage`)."""
-    params = {_storage_key(q) for q in layer.parameters()}
-    saved: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        k = _storage_key(t)
-        if k not in params:
-            saved[k] = t.untyped_storage().nbytes()
-        return t
-
-    stage = Stage(layer)
-    inp = x.detach().requires_grad_(needs_input_grad)
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = stage.forward(0, inp)
-    act = sum(saved.values())
-    saved_input = saved.get(_storage_key(inp), 0)
-    saves_output = _storage_key(out) in saved
-    if not out.requires_grad:
-        return _Measured(tuple(out.shape), out.dtype, act, 0, False, saved_input, saves_output)
-    stage.backward_input(0, torch.ones_like(out))
-    p = stage._pending[0]
-    held: dict[int, int] = {}
-    tensors = [f.operand for f in p.fast] + [t for v in p.captured.values() for t in v] + [g for _, g in p.edge_grads]
-    for t in tensors:
-        if isinstance(t, torch.Tensor):
-            held[_storage_key(t)] = t.untyped_storage().nbytes()
-    kept = bool(p.frontier)
-    stage.backward_weight(0)
-    return _Measured(tuple(out.shape), out.dtype, act, sum(held.values()), kept, saved_input, saves_output)
-
-
 def _signature(layer: nn.Module, x: torch.Tensor, needs_input_grad: bool) -> tuple:
     """Layers with equal signatures save equal bytes: the paper models' identical blocks are measured once."""
     params = tuple((n, tuple(q.shape), q.dtype) for n, q in layer.named_parameters())
@@ -189,7 +143,7 @@ def _measure_stage(
         needs = x.is_floating_point() and not (first and i == 0)
         key = _signature(layer, x, needs)
         if key not in cache:
-            cache[key] = _measure(layer, x, needs)
+            cache[key] = measure_layer(layer, x, needs)
         m = cache[key]
         # a tensor saved by both sides of a layer boundary (a ReLU's output, the next conv's input) is one
         shared = m.saved_input if prev_saves_output else 0

@@ -33,6 +33,7 @@ from typing_extensions import override
 from lightning_twobp.engine import PipelineExecutor, StepValidation, Verdict
 from lightning_twobp.engine.memory import keep_freed_memory
 from lightning_twobp.lightning import checkpoint as ckpt
+from lightning_twobp.lightning.autoschedule import auto_schedule, check_auto_options
 from lightning_twobp.lightning.checks import check_flag, check_nodes, check_pending_w, checked_optimizers
 from lightning_twobp.lightning.contract import find_contract
 from lightning_twobp.lightning.grads import (
@@ -59,6 +60,7 @@ from lightning_twobp.lightning.rng import StageStreams
 from lightning_twobp.lightning.step import Logs, StepRunner, check_batch_size, check_batches, share_logs, step_means
 from lightning_twobp.partition import partition
 from lightning_twobp.schedules import SCHEDULES, Schedule, build_schedule, check_split, schedule_spec
+from lightning_twobp.schedules.auto import AutoChoice, Profile
 
 log = logging.getLogger(__name__)
 
@@ -118,7 +120,13 @@ class TwoBPStrategy(DDPStrategy):
     """Pipeline parallelism with 2BP for an unchanged LightningModule.
 
     Args:
-        schedule: one of :data:`lightning_twobp.schedules.SCHEDULES`.
+        schedule: one of :data:`lightning_twobp.schedules.SCHEDULES`, or ``"auto"``: the fastest
+            predicted schedule, micro-batch count and deferral cap within ``memory_limit``, chosen from
+            the layers' measured costs before the first step (:mod:`.autoschedule`).
+        memory_limit: with ``schedule="auto"``: bytes per device (e.g. ``8e9``), a fraction of the
+            device's memory (e.g. ``0.5``), ``"1f1b"`` for fused 1F1B's predicted peak, or a multiple
+            of it (``"0.5x1f1b"``). A limit nothing fits is refused before training, naming the
+            smallest peak that would.
         split_backward: 2BP's split into B and W (``False``: the fused backward; ZB schedules are split).
         num_microbatches: micro-batches per step (default ``2 * pipeline_degree``); the batch size
             must divide by it.
@@ -173,6 +181,7 @@ class TwoBPStrategy(DDPStrategy):
         pipeline_degree: int | None = None,
         stages_per_rank: int | None = None,
         max_pending_w: int | Sequence[int] | None = None,
+        memory_limit: float | str | None = None,
         balance: str | Sequence[int] = "params",
         layers: str | None = None,
         gather_full_model: bool = False,
@@ -197,10 +206,18 @@ class TwoBPStrategy(DDPStrategy):
         check_flag("split_backward", split_backward)
         check_flag("gather_full_model", gather_full_model)
         check_flag("post_validation", post_validation, none="on for zb-h2 and zb-v, the default")
-        if schedule not in SCHEDULES:  # checked now, not at setup: the Trainer is not built yet
-            raise ValueError(f"unknown schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")
-        check_split(schedule, split_backward)
-        max_pending_w = check_pending_w(max_pending_w, schedule, split_backward)
+        if schedule not in SCHEDULES and schedule != "auto":  # checked now: the Trainer is not built yet
+            raise ValueError(f"unknown schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}, or 'auto'")
+        if schedule == "auto":
+            check_auto_options(memory_limit, stages_per_rank, max_pending_w)
+        else:
+            check_split(schedule, split_backward)
+            max_pending_w = check_pending_w(max_pending_w, schedule, split_backward)
+            if memory_limit is not None:
+                raise ValueError(
+                    f"memory_limit={memory_limit!r} is what schedule='auto' chooses within; with "
+                    f"schedule={schedule!r} drop it, or use schedule='auto'"
+                )
         for name, value in (
             ("num_microbatches", num_microbatches),
             ("pipeline_degree", pipeline_degree),
@@ -263,8 +280,11 @@ class TwoBPStrategy(DDPStrategy):
         self._batches_checked = False  # the training batches split into micro-batches (checked once per fit)
         self._num_microbatches = num_microbatches
         self._pipeline_degree = pipeline_degree
-        self._stages_per_rank = stages_per_rank or default_stages_per_rank(schedule)
+        self._stages_per_rank = stages_per_rank or (1 if schedule == "auto" else default_stages_per_rank(schedule))
         self.max_pending_w = max_pending_w
+        self.memory_limit = memory_limit
+        self.auto_choice: AutoChoice | None = None  # schedule="auto": what it chose, at the first setup
+        self._auto_profile: Profile | None = None  # and the measured costs it chose from
         self._mesh: DeviceMesh | None = None
         self._pipeline: _Pipeline | None = None
         self._stash = GradStash()
@@ -416,15 +436,19 @@ class TwoBPStrategy(DDPStrategy):
         contract = find_contract(lm, self.layers)
         metrics = StepMetrics(lm)
         runner = StepRunner(lm, contract, metrics)
+        sizes = self._choose(runner, contract.layers(), trainer) if self.memory_limit is not None else None
         num_stages = self.pipeline_degree * self._stages_per_rank
         costs = None
-        if self.balance == "time":
+        if sizes is None and self.balance == "time":
             costs = profile_layers(
                 runner, contract.layers(), trainer, self.num_microbatches, self.root_device, self.precision_plugin
             )
-        sizes = partition(nn.Sequential(*contract.layers()), num_stages, self.balance, costs=costs)
+        if sizes is None:
+            sizes = partition(nn.Sequential(*contract.layers()), num_stages, self.balance, costs=costs)
         self.stage_sizes = list(sizes)
-        schedule = build_schedule(
+        # schedule="auto": the order the search built and timed at the measured costs
+        schedule = self.auto_choice.best.schedule if self.auto_choice is not None else None
+        schedule = schedule or build_schedule(
             self.schedule_name,
             num_stages,
             self.num_microbatches,
@@ -499,6 +523,29 @@ class TwoBPStrategy(DDPStrategy):
         if layout.dp_degree == 1:  # nothing to split: the loader's own sampler, as one process reads it
             scope.callback(keep_users_sampler(trainer))
         return _Pipeline(local, executor, runner, tied, user_precision, user_scaler, logs, scope, streams, metrics)
+
+    def _choose(self, runner: StepRunner, layers: list[nn.Module], trainer: Any) -> list[int]:
+        """``schedule="auto"``: profile and search once (the first Trainer call), then take the choice's
+        schedule, micro-batch count, stages per rank and cap as if the user had named them."""
+        if self.auto_choice is None:
+            self.auto_choice, self._auto_profile = auto_schedule(
+                runner,
+                layers,
+                trainer,
+                self.root_device,
+                self.precision_plugin,
+                self._group("pp"),
+                self.pipeline_degree,
+                self.balance,
+                self.memory_limit,
+                self._num_microbatches,
+                None if self.split_backward else False,
+            )
+        best = self.auto_choice.best
+        self.schedule_name, self.split_backward = best.name, best.split_backward
+        self._num_microbatches, self._stages_per_rank = best.num_microbatches, best.stages_per_rank
+        self.max_pending_w = best.max_pending_w
+        return list(self._auto_profile.partitions[best.stages_per_rank])
 
     @override
     def on_exception(self, exception: BaseException) -> None:
