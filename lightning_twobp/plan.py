@@ -36,11 +36,12 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from lightning_twobp.config import CONF_DIR, recipes
-from lightning_twobp.engine.footprint import measure_layer
+from lightning_twobp.engine.footprint import layer_cost, measure_layer
 from lightning_twobp.lightning.contract import SequentialContract, find_contract
 from lightning_twobp.lightning.layout import default_num_microbatches, default_stages_per_rank, schedule_label
 from lightning_twobp.partition import partition
 from lightning_twobp.schedules import MemoryCosts, Schedule, build_schedule, replay_memory, schedule_spec
+from lightning_twobp.schedules import auto as search_auto
 
 __all__ = ["RankPlan", "StagePlan", "main", "plan", "plan_recipe"]
 
@@ -162,6 +163,68 @@ def _replay(schedule: Schedule, rank: int, act: dict[int, int], held: dict[int, 
     return {"in_flight": count, "activation_bytes": peak}
 
 
+def _cast(seq: nn.Sequential, x: torch.Tensor, act_dtype: torch.dtype) -> tuple[torch.Tensor, float]:
+    """``seq`` and its input ``x`` in the activations' dtype, and the factor left to apply to the bytes.
+
+    Autocast's activations, approximately: the model in the half dtype (norms and softmax that
+    autocast keeps in fp32 are counted at half). A model whose forward mixes dtypes by hand cannot run
+    cast; it is measured in fp32 and the activations are scaled (halved for bf16 and fp16)."""
+    if act_dtype == torch.float32:
+        return x, 1.0
+    cast = x.to(act_dtype) if x.is_floating_point() else x
+    try:
+        seq.to(act_dtype)
+        with torch.no_grad():
+            seq(cast)  # on meta: shapes and dtypes only, no compute
+        return cast, 1.0
+    except RuntimeError:
+        seq.to(torch.float32)
+        return x, torch.finfo(act_dtype).bits / 32
+
+
+def _choose_auto(cfg: DictConfig, p: int) -> search_auto.AutoChoice:
+    """``schedule=auto`` on paper: each layer's bytes measured on meta at every micro-batch count that
+    divides the batch (up to 4p), its time taken as parameters x samples (the GEMMs' FLOPs; meta has
+    no clock), the fixed bytes as the plan counts them; the device is ``plan.gpu_memory_gib`` x headroom."""
+    from hydra.utils import instantiate
+
+    st = cfg.strategy
+    batch = int(cfg.data.batch_size)
+    param_bytes, act_dtype = _bytes(str(cfg.trainer.get("precision", "32-true")))
+    states = {"adamw": 2, "adam": 2, "sgd": 1}.get(str(cfg.plan.get("optimizer", "adamw")), 2)
+    with torch.device("meta"):
+        lm = instantiate(cfg.model)
+    seq = find_contract(lm, st.get("layers")).seq
+    given = st.get("num_microbatches")
+    counts = [int(given)] if given else [d for d in range(1, min(batch, 4 * p) + 1) if batch % d == 0]
+    layers, cache = {}, {}
+    for m in counts:
+        (x, scale), row = _cast(seq, lm.sample_input(batch // m), act_dtype), []
+        for i, layer in enumerate(seq):
+            needs = x.is_floating_point() and i > 0
+            key = _signature(layer, x, needs)
+            fp = cache[key] = cache.get(key) or measure_layer(layer, x, needs)
+            n = sum(q.numel() for q in layer.parameters())
+            t = float(n * (batch // m))
+            fixed = n * (2 * param_bytes + states * (4 if param_bytes == 4 else 2))
+            row.append(layer_cost(fp, fixed, (t, t, t), scale))
+            x = torch.empty(fp.out_shape, dtype=fp.out_dtype, device="meta")
+        layers[m] = tuple(row)
+    balance = st.get("balance", "params")
+    balance = list(balance) if OmegaConf.is_list(balance) else ("params" if balance == "time" else balance)
+    partitions = {}
+    for v in (1, 2):
+        try:
+            partitions[v] = tuple(partition(seq, p * v, balance))
+        except ValueError:
+            continue
+    profile = search_auto.Profile(p, layers, partitions)
+    gpu = cfg.plan.get("gpu_memory_gib")
+    device = None if gpu is None else float(gpu) * GiB * float(cfg.plan.get("headroom", 0.9))
+    limit = search_auto.resolve_limit(st.get("memory_limit") or "1f1b", device, search_auto.fused_1f1b_peak(profile))
+    return search_auto.choose(search_auto.search(profile, microbatches=counts, max_caps=2 * p), limit)
+
+
 def plan(cfg: DictConfig, recipe: str = "") -> Plan:
     """The memory plan of the run ``cfg`` describes (a composed twobp-train config)."""
     from hydra.utils import instantiate
@@ -173,11 +236,29 @@ def plan(cfg: DictConfig, recipe: str = "") -> Plan:
     if world % p:
         raise ValueError(f"{world} devices cannot be split into pipelines of {p}: use a divisor of {world}")
     name = st.schedule
-    spr = int(st.get("stages_per_rank") or default_stages_per_rank(name))
-    m = int(st.get("num_microbatches") or default_num_microbatches(p, name))
-    split = bool(st.get("split_backward", True))
+    cap = st.get("max_pending_w")
+    cap = list(cap) if OmegaConf.is_list(cap) else cap
+    choice = _choose_auto(cfg, p) if name == "auto" else None
+    if choice is not None:
+        best = choice.best
+        name, spr, m, split, cap = (
+            best.name,
+            best.stages_per_rank,
+            best.num_microbatches,
+            best.split_backward,
+            best.max_pending_w,
+        )
+        notes.append(search_auto.format_choice(choice, unit="parameter-samples").split("\nsimulated")[0])
+        notes.append("schedule=auto on paper: F, B and W of a layer take its parameters x samples (no clock on meta)")
+    spr = int(st.get("stages_per_rank") or default_stages_per_rank(name)) if choice is None else spr
+    m = int(st.get("num_microbatches") or default_num_microbatches(p, name)) if choice is None else m
+    split = bool(st.get("split_backward", True)) if choice is None else split
     num_stages = p * spr
-    schedule = build_schedule(name, num_stages, m, stages_per_rank=spr, split_backward=split)
+    schedule = (
+        choice.best.schedule
+        if choice is not None
+        else build_schedule(name, num_stages, m, stages_per_rank=spr, split_backward=split, max_pending_w=cap)
+    )
     # a split-only schedule is compared with its spec's fused baseline at the same stage count
     fused_name = schedule_spec(name).fused_baseline or name
     fused = build_schedule(fused_name, num_stages, m, stages_per_rank=spr, split_backward=False)
@@ -208,22 +289,9 @@ def plan(cfg: DictConfig, recipe: str = "") -> Plan:
         notes.append('balance="time" is measured at run time; planned with balance="params"')
         balance = "params"
     sizes = partition(seq, num_stages, list(balance) if OmegaConf.is_list(balance) else balance)
-    x = lm.sample_input(mbs)
-    scale = 1.0
-    if act_dtype != torch.float32:
-        # Autocast's activations, approximately: the model in the half dtype (norms and softmax that
-        # autocast keeps in fp32 are counted at half). A model whose forward mixes dtypes by hand
-        # cannot run cast; it is measured in fp32 and the activations are halved.
-        cast = x.to(act_dtype) if x.is_floating_point() else x
-        try:
-            seq.to(act_dtype)
-            with torch.no_grad():
-                seq(cast)  # on meta: shapes and dtypes only, no compute
-            x = cast
-        except RuntimeError:
-            seq.to(torch.float32)
-            scale = torch.finfo(act_dtype).bits / 32
-            notes.append(f"{precision}: activations measured in fp32 and scaled by {scale:g}")
+    x, scale = _cast(seq, lm.sample_input(mbs), act_dtype)
+    if scale != 1.0:
+        notes.append(f"{precision}: activations measured in fp32 and scaled by {scale:g}")
     stages, start = [], 0
     cache: dict = {}
     for s, n in enumerate(sizes):

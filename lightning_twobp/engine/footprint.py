@@ -22,8 +22,9 @@ import torch
 from torch import nn
 
 from lightning_twobp.engine.stage import Stage
+from lightning_twobp.schedules.auto import LayerCost
 
-__all__ = ["LayerFootprint", "measure_layer", "storage_key"]
+__all__ = ["LayerFootprint", "layer_cost", "measure_layer", "storage_key"]
 
 
 def storage_key(t: torch.Tensor) -> int:
@@ -91,3 +92,14 @@ def measure_layer(
     t3 = now()
     seconds = (t1 - t0, t2 - t1, t3 - t2b)
     return LayerFootprint(*shape, act, sum(held.values()), kept, saved_input, saves_output, seconds, out.detach())
+
+
+def layer_cost(
+    fp: LayerFootprint, fixed: float, seconds: tuple[float, float, float] | None = None, scale: float = 1.0
+) -> LayerCost:
+    """The footprint as the search's pure :class:`~lightning_twobp.schedules.auto.LayerCost`, with the
+    layer's ``fixed`` bytes, ``seconds`` of F, B and W (default: the measured ones), and the saved bytes
+    times ``scale`` (a layer measured in fp32 standing in for half-precision activations: 0.5)."""
+    f, b, w = fp.seconds if seconds is None else seconds
+    act, held, inp = (scale * x for x in (fp.activation_bytes, fp.held_bytes, fp.saved_input))
+    return LayerCost(f, b, w, act, held, fp.graph_kept, inp, fp.saves_output, fixed)

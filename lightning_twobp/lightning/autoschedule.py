@@ -34,18 +34,18 @@ import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
-from lightning_twobp.engine.footprint import LayerFootprint, measure_layer, storage_key
+from lightning_twobp.engine.footprint import LayerFootprint, layer_cost, measure_layer, storage_key
 from lightning_twobp.lightning.contract import SequentialContract
 from lightning_twobp.lightning.profile import block_inputs, first_batch, now
 from lightning_twobp.lightning.step import StepRunner, batch_size
 from lightning_twobp.partition import partition
-from lightning_twobp.schedules import build_schedule, default_num_microbatches, simulate
 from lightning_twobp.schedules.auto import (
     AutoChoice,
     LayerCost,
     Profile,
     choose,
     format_choice,
+    fused_1f1b_peak,
     resolve_limit,
     search,
 )
@@ -88,11 +88,6 @@ def _divisors(n: int, most: int) -> list[int]:
     return [d for d in range(1, min(n, most) + 1) if n % d == 0]
 
 
-def _layer_cost(fp: LayerFootprint, fixed: float) -> LayerCost:
-    f, b, w = fp.seconds
-    return LayerCost(f, b, w, fp.activation_bytes, fp.held_bytes, fp.graph_kept, fp.saved_input, fp.saves_output, fixed)
-
-
 def _measure(layer: nn.Module, x: torch.Tensor, needs: bool, device: torch.device, repeats: int) -> LayerFootprint:
     """``repeats`` timed runs after a warm-up; bytes from the last, each phase's median seconds."""
     runs = [measure_layer(layer, x, needs, clock=lambda: now(device)) for _ in range(repeats + 1)][1:]
@@ -124,7 +119,7 @@ def _profile_layers(layers: list[nn.Module], x: tuple, device: torch.device, rep
         layer.to(device)
         fp = _measure(layer, t, t.is_floating_point() and i > 0, device, repeats)
         fixed = 2.0 * sum(q.numel() * q.element_size() for q in layer.parameters() if q.requires_grad)
-        rows.append(_layer_cost(fp, fixed))
+        rows.append(layer_cost(fp, fixed))
         layer.zero_grad(set_to_none=True)
         layer.to(home)
         t = fp.output
@@ -219,22 +214,11 @@ def auto_schedule(
     comm = {m: table[i][0][_FIELDS] for i, m in enumerate(counts)}
     weights = [c.f + c.b + c.w for c in by_m[counts[-1]]]
     profile = Profile(num_ranks, by_m, _partitions(layers, num_ranks, balance, weights), comm)
-    limit = resolve_limit(memory_limit, device_bytes(device), _fused_1f1b_peak(profile, counts))
+    limit = resolve_limit(memory_limit, device_bytes(device), fused_1f1b_peak(profile))
     candidates = search(profile, split_backward=split_backward, max_caps=2 * num_ranks)
     choice = choose(candidates, limit)
     rank_zero_info("twobp: " + format_choice(choice))
     return choice, profile
-
-
-def _fused_1f1b_peak(profile: Profile, counts: Sequence[int]) -> float | None:
-    """Fused 1F1B's predicted peak at its default m (or the nearest count profiled): what "1f1b" means."""
-    if 1 not in profile.partitions:
-        return None
-    want = default_num_microbatches(profile.num_ranks, "1f1b")
-    m = min(counts, key=lambda c: (abs(c - want), -c))
-    costs = profile.costs(m, 1)
-    schedule = build_schedule("1f1b", profile.num_ranks, m, split_backward=False)
-    return max(simulate(schedule, costs).peak_bytes)
 
 
 class SavedBytes:

@@ -38,6 +38,7 @@ __all__ = [
     "StageCost",
     "choose",
     "format_choice",
+    "fused_1f1b_peak",
     "resolve_limit",
     "search",
     "size",
@@ -289,6 +290,17 @@ def resolve_limit(memory_limit: float | str, device_bytes: float | None, fused_1
     )
 
 
+def fused_1f1b_peak(profile: Profile) -> float | None:
+    """Fused 1F1B's predicted peak (the most any rank holds) at its default m, or the nearest count
+    profiled: what ``memory_limit="1f1b"`` means. None without a one-stage-per-rank partition."""
+    if 1 not in profile.partitions:
+        return None
+    want = 2 * profile.num_ranks  # the 2BP paper's 1F1B-2, every schedule's default
+    m = min(profile.microbatch_counts, key=lambda c: (abs(c - want), -c))
+    schedule = build_schedule("1f1b", profile.num_ranks, m, split_backward=False)
+    return max(simulate(schedule, profile.costs(m, 1)).peak_bytes)
+
+
 def choose(candidates: Sequence[Candidate], limit: float) -> AutoChoice:
     """The fastest candidate whose peak is within ``limit`` (ties: the smaller peak, then the order of
     ``candidates``); :class:`NoScheduleFits` naming the smallest peak when none is."""
@@ -308,17 +320,18 @@ def choose(candidates: Sequence[Candidate], limit: float) -> AutoChoice:
     return AutoChoice(best, limit, tuple(candidates))
 
 
-def format_choice(choice: AutoChoice, max_actions: int = 64) -> str:
-    """The choice, the runners-up, and the chosen schedule's simulated timeline (rank: action@start)."""
+def format_choice(choice: AutoChoice, max_actions: int = 64, unit: str = "s") -> str:
+    """The choice, the runners-up, and the chosen schedule's simulated timeline (rank: action@start);
+    times in ``unit`` (seconds when measured)."""
     best = choice.best
     lines = [
-        f"schedule='auto': {best.label}, predicted {best.step_time:.4g} s per step, peak "
+        f"schedule='auto': {best.label}, predicted {best.step_time:.4g} {unit} per step, peak "
         f"{', '.join(size(b) for b in best.peak_bytes)} per rank (limit {size(choice.limit)}); "
         f"{len(choice.fitting)} of {len(choice.considered)} candidates fit",
     ]
     others = sorted(choice.fitting, key=lambda c: c.step_time)[1:4]
-    lines += [f"  next: {c.label}: {c.step_time:.4g} s, peak {size(c.peak)}" for c in others]
-    lines.append(f"simulated timeline (s), {best.sim.makespan:.4g} s for the first step:")
+    lines += [f"  next: {c.label}: {c.step_time:.4g} {unit}, peak {size(c.peak)}" for c in others]
+    lines.append(f"simulated timeline ({unit}), {best.sim.makespan:.4g} for the first step:")
     for rank in range(best.schedule.num_ranks):
         row = [f"{a}@{start:.3g}" for r, a, start, _ in best.sim.timeline if r == rank][:max_actions]
         lines.append(f"  rank {rank}: " + " ".join(row))
