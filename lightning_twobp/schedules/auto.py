@@ -329,10 +329,13 @@ def format_choice(choice: AutoChoice, max_actions: int = 64, unit: str = "s") ->
         f"{', '.join(size(b) for b in best.peak_bytes)} per rank (limit {size(choice.limit)}); "
         f"{len(choice.fitting)} of {len(choice.considered)} candidates fit",
     ]
-    others = sorted(choice.fitting, key=lambda c: c.step_time)[1:4]
+    others = sorted((c for c in choice.fitting if c is not best), key=lambda c: (c.step_time, c.peak))[:3]
     lines += [f"  next: {c.label}: {c.step_time:.4g} {unit}, peak {size(c.peak)}" for c in others]
-    lines.append(f"simulated timeline ({unit}), {best.sim.makespan:.4g} for the first step:")
+    first = best.sim.iteration_ends[0]
+    lines.append(f"simulated timeline ({unit}), {first:.4g} for the first step:")
     for rank in range(best.schedule.num_ranks):
-        row = [f"{a}@{start:.3g}" for r, a, start, _ in best.sim.timeline if r == rank][:max_actions]
+        # the first step's actions: the timeline holds two steps for the schedules that overlap them
+        n = min(max_actions, len(best.schedule.actions[rank]))
+        row = [f"{a}@{start:.3g}" for r, a, start, _ in best.sim.timeline if r == rank][:n]
         lines.append(f"  rank {rank}: " + " ".join(row))
     return "\n".join(lines)
