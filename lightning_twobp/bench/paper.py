@@ -49,7 +49,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_twobp.bench.peer import _grad_error, torch_pipelining_available
+from lightning_twobp.bench.peer import grad_error, torch_pipelining_available
 from lightning_twobp.bench.workload import WORLD, keep_freed_memory, stage_sizes
 from lightning_twobp.engine import PipelineExecutor
 from lightning_twobp.engine.stage import Stage
@@ -402,7 +402,7 @@ def _worker(rank: int, world: int, quick: bool, repeats: int, with_torch: bool) 
     checks = {}
     for r in runners:  # one step each from the seed weights: warm-up and the gradient check
         _timed(r, device)
-        checks[r.key] = _grad_error(r.params, refs[(r.model.name, r.row.m())])
+        checks[r.key] = grad_error(r.params, refs[(r.model.name, r.row.m())])
 
     times: dict[str, list[float]] = {r.key: [] for r in runners}
     for i in range(repeats):
