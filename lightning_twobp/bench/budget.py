@@ -152,16 +152,8 @@ def run_budget(
             fits = [r for r in rows if r["side"] == side and r["peak_bytes"] <= limit]
             best[side] = min(fits, key=lambda r: r["step_s"])["label"] if fits else None
         budgets.append(dict(times_1f1b=x, limit_bytes=limit, ours=best["ours"], torch=best["torch"]))
-    return dict(
-        workload=asdict(wl),
-        world=WORLD,
-        steps=steps,
-        torch_pipelining=with_torch,
-        baseline=base["label"],
-        rows=rows,
-        budgets=budgets,
-        skipped=skipped,
-    )
+    run = {"workload": asdict(wl), "world": WORLD, "steps": steps, "torch_pipelining": with_torch}
+    return {**run, "baseline": base["label"], "rows": rows, "budgets": budgets, "skipped": skipped}
 
 
 def markdown(result: dict) -> str:
