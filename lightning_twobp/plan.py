@@ -36,7 +36,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from lightning_twobp.config import CONF_DIR, recipes
-from lightning_twobp.engine.footprint import layer_cost, measure_layer
+from lightning_twobp.engine.footprint import LayerFootprint, layer_cost, measure_layer
 from lightning_twobp.lightning.contract import SequentialContract, find_contract
 from lightning_twobp.lightning.layout import default_num_microbatches, default_stages_per_rank, schedule_label
 from lightning_twobp.partition import partition
@@ -163,6 +163,17 @@ def _replay(schedule: Schedule, rank: int, act: dict[int, int], held: dict[int, 
     return {"in_flight": count, "activation_bytes": peak}
 
 
+def _sequential(lm: nn.Module, layers: str | None) -> nn.Sequential:
+    """The pipelined nn.Sequential of ``lm`` (the plan measures its layers one by one)."""
+    contract = find_contract(lm, layers)
+    if not isinstance(contract, SequentialContract):
+        raise ValueError(
+            f"twobp-plan measures the layers of an nn.Sequential; {contract.name} is pipelined as the nn.ModuleList "
+            f"{contract.list_name} (the ModuleList contract), which it does not plan yet"
+        )
+    return contract.seq
+
+
 def _cast(seq: nn.Sequential, x: torch.Tensor, act_dtype: torch.dtype) -> tuple[torch.Tensor, float]:
     """``seq`` and its input ``x`` in the activations' dtype, and the factor left to apply to the bytes.
 
@@ -194,10 +205,11 @@ def _choose_auto(cfg: DictConfig, p: int) -> search_auto.AutoChoice:
     states = {"adamw": 2, "adam": 2, "sgd": 1}.get(str(cfg.plan.get("optimizer", "adamw")), 2)
     with torch.device("meta"):
         lm = instantiate(cfg.model)
-    seq = find_contract(lm, st.get("layers")).seq
+    seq = _sequential(lm, st.get("layers"))
     given = st.get("num_microbatches")
     counts = [int(given)] if given else [d for d in range(1, min(batch, 4 * p) + 1) if batch % d == 0]
-    layers, cache = {}, {}
+    layers: dict[int, tuple] = {}
+    cache: dict[tuple, LayerFootprint] = {}
     for m in counts:
         (x, scale), row = _cast(seq, lm.sample_input(batch // m), act_dtype), []
         for i, layer in enumerate(seq):
@@ -277,13 +289,7 @@ def plan(cfg: DictConfig, recipe: str = "") -> Plan:
 
     with torch.device("meta"):
         lm = instantiate(cfg.model)
-    contract = find_contract(lm, st.get("layers"))
-    if not isinstance(contract, SequentialContract):
-        raise ValueError(
-            f"twobp-plan measures the layers of an nn.Sequential; {contract.name} is pipelined as the nn.ModuleList "
-            f"{contract.list_name} (the ModuleList contract), which it does not plan yet"
-        )
-    seq = contract.seq
+    seq = _sequential(lm, st.get("layers"))
     balance = st.get("balance", "params")
     if balance == "time":
         notes.append('balance="time" is measured at run time; planned with balance="params"')

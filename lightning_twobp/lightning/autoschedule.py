@@ -122,6 +122,7 @@ def _profile_layers(layers: list[nn.Module], x: tuple, device: torch.device, rep
         rows.append(layer_cost(fp, fixed))
         layer.zero_grad(set_to_none=True)
         layer.to(home)
+        assert fp.output is not None  # measure_layer always returns F's output
         t = fp.output
         largest = max(largest, t.numel() * t.element_size())
     return rows, float(largest)
@@ -147,6 +148,12 @@ def _message_seconds(nbytes: float, group: Any, device: torch.device, repeats: i
             dist.send(buf, peer, group=group)
         times.append((now(device) - start) / 2)
     return statistics.median(times[1:])
+
+
+def _from_row(row: Sequence[float]) -> LayerCost:
+    """A layer's row of the agreed table (its bools went through it as 0 and 1)."""
+    f, b, w, act, held, kept, saved_input, saves_output, fixed = row[:_FIELDS]
+    return LayerCost(f, b, w, act, held, bool(kept), saved_input, bool(saves_output), fixed)
 
 
 def _agree(table: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -199,18 +206,13 @@ def auto_schedule(
             for m in counts:
                 x = block_inputs(runner, layers, trainer, batch, m, device)
                 costs, largest = _profile_layers(layers, x, device, repeats)
-                comm = _message_seconds(largest, pp_group, device, repeats)
-                rows.append([[getattr(c, f) for f in LayerCost.__dataclass_fields__] + [comm] for c in costs])
+                seconds = _message_seconds(largest, pp_group, device, repeats)
+                rows.append([[getattr(c, f) for f in LayerCost.__dataclass_fields__] + [seconds] for c in costs])
         with torch.no_grad():
             for b, saved in buffers:
                 b.copy_(saved)
     table = _agree(torch.tensor(rows, dtype=torch.float64), device).tolist()
-    by_m = {m: tuple(LayerCost(*r[:_FIELDS]) for r in rows) for m, rows in zip(counts, table, strict=True)}
-    for m, cs in by_m.items():  # bools went through the table as 0/1
-        by_m[m] = tuple(
-            LayerCost(**{**c.__dict__, "graph_kept": bool(c.graph_kept), "saves_output": bool(c.saves_output)})
-            for c in cs
-        )
+    by_m = {m: tuple(_from_row(r) for r in layer_rows) for m, layer_rows in zip(counts, table, strict=True)}
     comm = {m: table[i][0][_FIELDS] for i, m in enumerate(counts)}
     weights = [c.f + c.b + c.w for c in by_m[counts[-1]]]
     profile = Profile(num_ranks, by_m, _partitions(layers, num_ranks, balance, weights), comm)
