@@ -179,10 +179,14 @@ def _fit_auto(rank: int, world: int, memory_limit) -> dict:
     from lightning_twobp import TwoBPStrategy
 
     _env(rank, world)
-    model, peak = Blocks(), _Peak()
+    from lightning_twobp.monitor import PipelineMonitor
+
+    model, peak, monitor = Blocks(), _Peak(), PipelineMonitor(log_every_n_steps=1, measure_flops=False, log=False)
     strategy = TwoBPStrategy(schedule="auto", memory_limit=memory_limit)
-    _trainer(strategy, world, callbacks=[peak]).fit(model, _loader())
+    _trainer(strategy, world, callbacks=[peak, monitor]).fit(model, _loader())
     choice = strategy.auto_choice
+    logged = {k: v for k, v in monitor.last.items() if k.endswith("predicted_peak_mb")}
+    assert sorted(logged.values()) == sorted(b / 1e6 for b in choice.best.peak_bytes), logged
     # what this rank holds whatever the schedule: its stages' weights and gradients (as predicted)
     fixed = sum(2 * q.numel() * q.element_size() for q in model.parameters() if not q.is_meta)
     return {
