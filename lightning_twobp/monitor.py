@@ -20,7 +20,9 @@ for the first data-parallel replica's pipeline:
   (the step before each logging step is recorded), beside ``bubble_simulated``, what
   :func:`~lightning_twobp.schedules.simulate` predicts for the same schedule at the costs measured in
   that step;
-* ``held_mb_per_microbatch``: what one micro-batch's forward saves on the rank until its backward.
+* ``held_mb_per_microbatch``: what one micro-batch's forward saves on the rank until its backward;
+* ``predicted_peak_mb``, under ``schedule="auto"``: the peak the choice was made on (weights, gradients
+  and what the schedule holds), beside ``max_allocated_mb`` on a GPU.
 
 ``trace_steps=[10, 11]`` records those steps on every rank and writes each as a Chrome trace
 (``chrome://tracing`` or https://ui.perfetto.dev: a track per rank, with the simulated schedule at
@@ -439,6 +441,10 @@ class PipelineMonitor(pl.Callback):
                 if name == "bubble_simulated" and sim is not None:
                     value = sim[r]
                 out[f"pipeline/{names[r]}/{name}"] = value
+        choice = getattr(strategy, "auto_choice", None)
+        if choice is not None:  # schedule="auto": its prediction beside what was measured (known everywhere)
+            for r in range(pp):
+                out[f"pipeline/{names[r]}/predicted_peak_mb"] = choice.best.peak_bytes[r] / 1e6
         return out
 
     # ------------------------------------------------------------------ the whole run

@@ -13,10 +13,12 @@ from __future__ import annotations
 import math
 import operator
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from lightning_twobp.schedules import SCHEDULES, check_split, default_num_microbatches, schedule_spec
+from lightning_twobp.schedules.auto import Candidate, check_auto_options
+from lightning_twobp.schedules.deferral import check_max_pending_w
 from lightning_twobp.schedules.placement import default_stages_per_rank
 
 __all__ = ["PipelineOptions", "check_flag"]
@@ -63,6 +65,17 @@ def _check_balance(balance: Any) -> None:
         )
 
 
+def _checked_pending_w(value: Any, opts: PipelineOptions) -> int | tuple[int, ...] | None:
+    """``max_pending_w`` as ``build_schedule`` takes it (a list from Hydra becomes a tuple); ValueError
+    naming the value and the fix. One cap per stage is counted against the stages at setup, before any
+    compute (the number of stages depends on the devices, unknown here)."""
+    if isinstance(value, Sequence) and not isinstance(value, str):
+        value = tuple(value)
+    stages = max(len(value), 1) if isinstance(value, tuple) else 1
+    check_max_pending_w(value, f"TwoBPStrategy(schedule={opts.schedule!r})", stages, opts.split_backward)
+    return value
+
+
 def _check_timeout(seconds: Any) -> None:
     if seconds is not None and (
         isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not math.isfinite(seconds) or seconds <= 0
@@ -79,7 +92,16 @@ class PipelineOptions:
     ``strategy`` group and ``twobp-plan``), each checked when the object is made.
 
     Args:
-        schedule: one of :data:`lightning_twobp.schedules.SCHEDULES`.
+        schedule: one of :data:`lightning_twobp.schedules.SCHEDULES`, or ``"auto"``: the fastest
+            predicted schedule, micro-batch count and deferral cap within ``memory_limit``, chosen from
+            the layers' measured costs before the first step (:mod:`lightning_twobp.lightning.autoschedule`).
+        memory_limit: with ``schedule="auto"``: bytes per device (e.g. ``8e9``), a fraction of the
+            device's memory (e.g. ``0.5``), ``"1f1b"`` for fused 1F1B's predicted peak, or a multiple
+            of it (``"0.5x1f1b"``). A limit nothing fits is refused before training, naming the
+            smallest peak that would.
+        max_pending_w: the most micro-batches per stage whose W may wait after their B (an int >= 0,
+            or one per stage; None: no cap): over it the oldest W runs early, trading some of 2BP's gain
+            for memory (:mod:`lightning_twobp.schedules.deferral`). Split schedules only.
         split_backward: 2BP's split into B and W (``False``: the fused backward; ZB schedules are split).
         num_microbatches: micro-batches per step (default ``2 * pipeline_degree``); the batch size
             must divide by it.
@@ -128,14 +150,25 @@ class PipelineOptions:
     post_validation: bool | None = None
     on_nonfinite: str = "stop"
     pipeline_timeout: float | None = 600.0
+    max_pending_w: int | tuple[int, ...] | None = None
+    memory_limit: float | str | None = None
 
     def __post_init__(self) -> None:
         check_flag("split_backward", self.split_backward)
         check_flag("gather_full_model", self.gather_full_model)
         check_flag("post_validation", self.post_validation, none="on for zb-h2 and zb-v, the default")
-        if self.schedule not in SCHEDULES:  # checked now, not at setup: the Trainer is not built yet
-            raise ValueError(f"unknown schedule {self.schedule!r}; choose one of {', '.join(SCHEDULES)}")
-        check_split(self.schedule, self.split_backward)
+        if self.schedule not in SCHEDULES and self.schedule != "auto":  # checked now: the Trainer is not built yet
+            raise ValueError(f"unknown schedule {self.schedule!r}; choose one of {', '.join(SCHEDULES)}, or 'auto'")
+        if self.schedule == "auto":
+            check_auto_options(self.memory_limit, self.stages_per_rank, self.max_pending_w)
+        else:
+            check_split(self.schedule, self.split_backward)
+            object.__setattr__(self, "max_pending_w", _checked_pending_w(self.max_pending_w, self))
+            if self.memory_limit is not None:
+                raise ValueError(
+                    f"memory_limit={self.memory_limit!r} is what schedule='auto' chooses within; with "
+                    f"schedule={self.schedule!r} drop it, or use schedule='auto'"
+                )
         for name in ("num_microbatches", "pipeline_degree", "stages_per_rank"):
             _check_count(name, getattr(self, name))
         if self.on_nonfinite not in ("stop", "skip"):
@@ -160,12 +193,30 @@ class PipelineOptions:
 
     @property
     def stages(self) -> int:
-        """Stages on each rank: the option, or the schedule's own (2 for the V schedules)."""
+        """Stages on each rank: the option, or the schedule's own (2 for the V schedules; 1 until
+        ``schedule="auto"`` has chosen)."""
+        if self.schedule == "auto":
+            return self.stages_per_rank or 1
         return self.stages_per_rank or default_stages_per_rank(self.schedule)
 
     def microbatches(self, degree: int) -> int:
         """Micro-batches per step: the option, or the schedule's default for ``degree`` ranks."""
-        return self.num_microbatches or default_num_microbatches(degree, self.schedule)
+        return self.num_microbatches or default_num_microbatches(
+            degree, None if self.schedule == "auto" else self.schedule
+        )
+
+    def chosen(self, best: Candidate) -> PipelineOptions:
+        """``schedule="auto"``'s choice as if the user had named it: the schedule, its split, m, stages per
+        rank and deferral cap."""
+        return replace(
+            self,
+            schedule=best.name,
+            split_backward=best.split_backward,
+            num_microbatches=best.num_microbatches,
+            stages_per_rank=best.stages_per_rank,
+            max_pending_w=best.max_pending_w,
+            memory_limit=None,
+        )
 
     def overlaps(self, fp16: bool) -> bool:
         """Whether an optimizer step is checked after it is taken (post-validation): the option, or the

@@ -6,7 +6,8 @@
 The model is built on the ``meta`` device (no memory, no compute), cut into stages as the strategy
 would (``balance="params"``, or the given list; ``"time"`` is measured at run time, so the plan uses
 parameters), and each stage runs one micro-batch through the real split backward
-(:class:`~lightning_twobp.engine.Stage`) on meta tensors. That gives, per stage:
+(:class:`~lightning_twobp.engine.Stage`, by :mod:`~lightning_twobp.engine.footprint`) on meta tensors.
+That gives, per stage:
 
 * **activations per micro-batch** (``M_act``): the tensors autograd saves in F, held until B;
 * **held from B to W per micro-batch** (``M_W``): what 2BP keeps after B for the deferred W. When
@@ -37,12 +38,13 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from lightning_twobp.config import CONF_DIR, recipes
-from lightning_twobp.engine import Stage
+from lightning_twobp.engine.footprint import LayerFootprint, layer_cost, measure_layer
 from lightning_twobp.lightning.contract import SequentialContract, find_contract
 from lightning_twobp.lightning.layout import check_degree, schedule_label
 from lightning_twobp.options import PipelineOptions
 from lightning_twobp.partition import partition
 from lightning_twobp.schedules import MemoryCosts, Schedule, build_schedule, replay_memory, schedule_spec
+from lightning_twobp.schedules import auto as search_auto
 
 __all__ = ["RankPlan", "StagePlan", "main", "plan", "plan_recipe"]
 
@@ -126,53 +128,6 @@ def _bytes(precision: str) -> tuple[int, torch.dtype]:
     raise ValueError(f"twobp-plan knows precisions 32-true, bf16-mixed, 16-mixed, bf16-true, 16-true; got {p!r}")
 
 
-def _storage_key(t: torch.Tensor) -> int:
-    return t.untyped_storage()._cdata  # one entry per storage: views and re-saves count once
-
-
-@dataclass(frozen=True)
-class _Measured:
-    out_shape: tuple[int, ...]
-    out_dtype: torch.dtype
-    activation_bytes: int
-    held_bytes: int  # weight-GEMM operands and recorded gradients (without the graph)
-    graph_kept: bool
-    saved_input: int  # bytes of the input, when the layer saves it (0 otherwise)
-    saves_output: bool  # whether the layer saves its own output (a ReLU does, a Linear does not)
-
-
-def _measure(layer: nn.Module, x: torch.Tensor, needs_input_grad: bool) -> _Measured:
-    """One micro-batch through ``layer`` on meta with the split backward (the real :class:`Stage`)."""
-    params = {_storage_key(q) for q in layer.parameters()}
-    saved: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        k = _storage_key(t)
-        if k not in params:
-            saved[k] = t.untyped_storage().nbytes()
-        return t
-
-    stage = Stage(layer)
-    inp = x.detach().requires_grad_(needs_input_grad)
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = stage.forward(0, inp)
-    act = sum(saved.values())
-    saved_input = saved.get(_storage_key(inp), 0)
-    saves_output = _storage_key(out) in saved
-    if not out.requires_grad:
-        return _Measured(tuple(out.shape), out.dtype, act, 0, False, saved_input, saves_output)
-    stage.backward_input(0, torch.ones_like(out))
-    p = stage._pending[0]
-    held: dict[int, int] = {}
-    tensors = [f.operand for f in p.fast] + [t for v in p.captured.values() for t in v] + [g for _, g in p.edge_grads]
-    for t in tensors:
-        if isinstance(t, torch.Tensor):
-            held[_storage_key(t)] = t.untyped_storage().nbytes()
-    kept = bool(p.frontier)
-    stage.backward_weight(0)
-    return _Measured(tuple(out.shape), out.dtype, act, sum(held.values()), kept, saved_input, saves_output)
-
-
 def _signature(layer: nn.Module, x: torch.Tensor, needs_input_grad: bool) -> tuple:
     """Layers with equal signatures save equal bytes: the paper models' identical blocks are measured once."""
     params = tuple((n, tuple(q.shape), q.dtype) for n, q in layer.named_parameters())
@@ -192,7 +147,7 @@ def _measure_stage(
         needs = x.is_floating_point() and not (first and i == 0)
         key = _signature(layer, x, needs)
         if key not in cache:
-            cache[key] = _measure(layer, x, needs)
+            cache[key] = measure_layer(layer, x, needs)
         m = cache[key]
         # a tensor saved by both sides of a layer boundary (a ReLU's output, the next conv's input) is one
         shared = m.saved_input if prev_saves_output else 0
@@ -211,6 +166,80 @@ def _replay(schedule: Schedule, rank: int, act: dict[int, int], held: dict[int, 
     return {"in_flight": count, "activation_bytes": peak}
 
 
+def _sequential(lm: nn.Module, layers: str | None) -> nn.Sequential:
+    """The pipelined nn.Sequential of ``lm`` (the plan measures its layers one by one)."""
+    contract = find_contract(lm, layers)
+    if not isinstance(contract, SequentialContract):
+        raise ValueError(
+            f"twobp-plan measures the layers of an nn.Sequential; {contract.name} is pipelined as the nn.ModuleList "
+            f"{contract.list_name} (the ModuleList contract), which it does not plan yet"
+        )
+    return contract.seq
+
+
+def _cast(seq: nn.Sequential, x: torch.Tensor, act_dtype: torch.dtype) -> tuple[torch.Tensor, float]:
+    """``seq`` and its input ``x`` in the activations' dtype, and the factor left to apply to the bytes.
+
+    Autocast's activations, approximately: the model in the half dtype (norms and softmax that
+    autocast keeps in fp32 are counted at half). A model whose forward mixes dtypes by hand cannot run
+    cast; it is measured in fp32 and the activations are scaled (halved for bf16 and fp16)."""
+    if act_dtype == torch.float32:
+        return x, 1.0
+    cast = x.to(act_dtype) if x.is_floating_point() else x
+    try:
+        seq.to(act_dtype)
+        with torch.no_grad():
+            seq(cast)  # on meta: shapes and dtypes only, no compute
+        return cast, 1.0
+    except RuntimeError:
+        seq.to(torch.float32)
+        return x, torch.finfo(act_dtype).bits / 32
+
+
+def _choose_auto(cfg: DictConfig, p: int) -> search_auto.AutoChoice:
+    """``schedule=auto`` on paper: each layer's bytes measured on meta at every micro-batch count that
+    divides the batch (up to 4p), its time taken as parameters x samples (the GEMMs' FLOPs; meta has
+    no clock), the fixed bytes as the plan counts them; the device is ``plan.gpu_memory_gib`` x headroom."""
+    from hydra.utils import instantiate
+
+    st = cfg.strategy
+    batch = int(cfg.data.batch_size)
+    param_bytes, act_dtype = _bytes(str(cfg.trainer.get("precision", "32-true")))
+    states = {"adamw": 2, "adam": 2, "sgd": 1}.get(str(cfg.plan.get("optimizer", "adamw")), 2)
+    with torch.device("meta"):
+        lm = instantiate(cfg.model)
+    seq = _sequential(lm, st.get("layers"))
+    given = st.get("num_microbatches")
+    counts = [int(given)] if given else [d for d in range(1, min(batch, 4 * p) + 1) if batch % d == 0]
+    layers: dict[int, tuple] = {}
+    cache: dict[tuple, LayerFootprint] = {}
+    for m in counts:
+        (x, scale), row = _cast(seq, lm.sample_input(batch // m), act_dtype), []
+        for i, layer in enumerate(seq):
+            needs = x.is_floating_point() and i > 0
+            key = _signature(layer, x, needs)
+            fp = cache[key] = cache.get(key) or measure_layer(layer, x, needs)
+            n = sum(q.numel() for q in layer.parameters())
+            t = float(n * (batch // m))
+            fixed = n * (2 * param_bytes + states * (4 if param_bytes == 4 else 2))
+            row.append(layer_cost(fp, fixed, (t, t, t), scale))
+            x = torch.empty(fp.out_shape, dtype=fp.out_dtype, device="meta")
+        layers[m] = tuple(row)
+    balance = st.get("balance", "params")
+    balance = list(balance) if OmegaConf.is_list(balance) else ("params" if balance == "time" else balance)
+    partitions = {}
+    for v in (1, 2):
+        try:
+            partitions[v] = tuple(partition(seq, p * v, balance))
+        except ValueError:
+            continue
+    profile = search_auto.Profile(p, layers, partitions)
+    gpu = cfg.plan.get("gpu_memory_gib")
+    device = None if gpu is None else float(gpu) * GiB * float(cfg.plan.get("headroom", 0.9))
+    limit = search_auto.resolve_limit(st.get("memory_limit") or "1f1b", device, search_auto.fused_1f1b_peak(profile))
+    return search_auto.choose(search_auto.search(profile, microbatches=counts, max_caps=2 * p), limit)
+
+
 def plan(cfg: DictConfig, recipe: str = "") -> Plan:
     """The memory plan of the run ``cfg`` describes (a composed twobp-train config)."""
     from hydra.utils import instantiate
@@ -222,9 +251,18 @@ def plan(cfg: DictConfig, recipe: str = "") -> Plan:
     opts = PipelineOptions.from_mapping(typing.cast("dict[str, Any]", OmegaConf.to_container(st, resolve=True)))
     p = opts.degree(world)
     check_degree(world, p)
-    name, spr, m, split = opts.schedule, opts.stages, opts.microbatches(p), opts.split_backward
+    choice = _choose_auto(cfg, p) if opts.schedule == "auto" else None
+    if choice is not None:
+        opts = opts.chosen(choice.best)
+        notes.append(search_auto.format_choice(choice, unit="parameter-samples").split("\nsimulated")[0])
+        notes.append("schedule=auto on paper: F, B and W of a layer take its parameters x samples (no clock on meta)")
+    name, spr, m, split, cap = opts.schedule, opts.stages, opts.microbatches(p), opts.split_backward, opts.max_pending_w
     num_stages = p * spr
-    schedule = build_schedule(name, num_stages, m, stages_per_rank=spr, split_backward=split)
+    schedule = (
+        choice.best.schedule
+        if choice is not None
+        else build_schedule(name, num_stages, m, stages_per_rank=spr, split_backward=split, max_pending_w=cap)
+    )
     # a split-only schedule is compared with its spec's fused baseline at the same stage count
     fused_name = schedule_spec(name).fused_baseline or name
     fused = build_schedule(fused_name, num_stages, m, stages_per_rank=spr, split_backward=False)
@@ -243,34 +281,15 @@ def plan(cfg: DictConfig, recipe: str = "") -> Plan:
 
     with torch.device("meta"):
         lm = instantiate(cfg.model)
-    contract = find_contract(lm, opts.layers)
-    if not isinstance(contract, SequentialContract):
-        raise ValueError(
-            f"twobp-plan measures the layers of an nn.Sequential; {contract.name} is pipelined as the nn.ModuleList "
-            f"{contract.list_name} (the ModuleList contract), which it does not plan yet"
-        )
-    seq = contract.seq
+    seq = _sequential(lm, opts.layers)
     balance = opts.balance
     if balance == "time":
         notes.append('balance="time" is measured at run time; planned with balance="params"')
         balance = "params"
     sizes = partition(seq, num_stages, balance if isinstance(balance, str) else list(balance))
-    x = lm.sample_input(mbs)
-    scale = 1.0
-    if act_dtype != torch.float32:
-        # Autocast's activations, approximately: the model in the half dtype (norms and softmax that
-        # autocast keeps in fp32 are counted at half). A model whose forward mixes dtypes by hand
-        # cannot run cast; it is measured in fp32 and the activations are halved.
-        cast = x.to(act_dtype) if x.is_floating_point() else x
-        try:
-            seq.to(act_dtype)
-            with torch.no_grad():
-                seq(cast)  # on meta: shapes and dtypes only, no compute
-            x = cast
-        except RuntimeError:
-            seq.to(torch.float32)
-            scale = torch.finfo(act_dtype).bits / 32
-            notes.append(f"{precision}: activations measured in fp32 and scaled by {scale:g}")
+    x, scale = _cast(seq, lm.sample_input(mbs), act_dtype)
+    if scale != 1.0:
+        notes.append(f"{precision}: activations measured in fp32 and scaled by {scale:g}")
     stages, start = [], 0
     cache: dict = {}
     for s, n in enumerate(sizes):

@@ -110,3 +110,23 @@ def test_gpu_script_without_a_gpu_says_to_use_quick(monkeypatch):
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)
     with pytest.raises(RuntimeError, match="needs a CUDA GPU; on a CPU run it with --quick"):
         run_gpu()
+
+
+def test_budget_benchmark_measures_each_contender_alone(tmp_path):
+    """twobp-bench --budget on the quick workload, three contenders: peaks per rank, times, exactness,
+    the fastest per side within each budget, and the four files."""
+    from lightning_twobp.bench.budget import BUDGETS, markdown, run_budget
+    from lightning_twobp.bench.budget import write as write_budget
+
+    result = run_budget(Workload.quick(), steps=1, counts=(4,), only={"1f1b+2BP k=0", "torch 1F1B"})
+    labels = {r["label"] for r in result["rows"]}
+    assert {"1f1b m=4", "1f1b+2BP k=0 m=4"} <= labels
+    assert result["baseline"] == "1f1b m=4"
+    for r in result["rows"]:
+        assert len(r["peak_bytes_per_rank"]) == 2 and r["peak_bytes"] >= 0 and r["step_s"] > 0
+        assert r["max_grad_diff"] < 1e-4
+    assert [b["times_1f1b"] for b in result["budgets"]] == list(BUDGETS)
+    assert result["budgets"][-1]["ours"] is not None  # twice fused 1F1B's peak: fused 1F1B itself fits
+    assert "| budget |" in markdown(result)
+    names = {p.name for p in write_budget(result, tmp_path)}
+    assert {"budget.md", "budget.csv", "budget.json"} <= names

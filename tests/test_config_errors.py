@@ -457,6 +457,36 @@ CASES: dict[str, Case] = {
         ValueError,
         r"zb-v is split by definition",
     ),
+    "strategy-max-pending-w": (
+        lambda t: TwoBPStrategy(max_pending_w=-1),
+        ValueError,
+        r"max_pending_w=-1: give the most micro-batches per stage whose W may wait after their B",
+    ),
+    "strategy-max-pending-w-fused": (
+        lambda t: TwoBPStrategy(max_pending_w=1, split_backward=False),
+        ValueError,
+        r"max_pending_w=1 caps the W that 2BP's split defers; .* drop max_pending_w or use split_backward=True",
+    ),
+    "strategy-auto-without-limit": (
+        lambda t: TwoBPStrategy(schedule="auto"),
+        ValueError,
+        r"schedule='auto' picks the fastest schedule within memory_limit: give memory_limit",
+    ),
+    "strategy-auto-limit-form": (
+        lambda t: TwoBPStrategy(schedule="auto", memory_limit="lots"),
+        ValueError,
+        r"memory_limit='lots': give bytes per device",
+    ),
+    "strategy-auto-chosen-option": (
+        lambda t: TwoBPStrategy(schedule="auto", memory_limit="1f1b", max_pending_w=1),
+        ValueError,
+        r"schedule='auto' chooses max_pending_w itself; got max_pending_w=1",
+    ),
+    "strategy-limit-without-auto": (
+        lambda t: TwoBPStrategy(schedule="1f1b", memory_limit=0.5),
+        ValueError,
+        r"memory_limit=0.5 is what schedule='auto' chooses within; with schedule='1f1b' drop it",
+    ),
     "strategy-on-nonfinite": (
         lambda t: TwoBPStrategy(on_nonfinite="ignore"),
         ValueError,
@@ -715,6 +745,11 @@ CASES: dict[str, Case] = {
         lambda t: _plan("plan.optimizer=lion"),
         ValueError,
         r"plan.optimizer='lion': choose adamw, adam or sgd",
+    ),
+    "plan-auto-nothing-fits": (
+        lambda t: _plan("trainer.devices=2", "schedule=auto", "strategy.memory_limit=1000"),
+        ValueError,
+        r"memory_limit=1000 bytes \(1000 B\) per device: no schedule fits; the smallest predicted peak is \d+ bytes",
     ),
     # data
     "data-batch-size": (

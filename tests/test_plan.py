@@ -71,3 +71,22 @@ def test_cli_exit_code_says_whether_it_fits():
     assert ok.returncode == 0 and "yes" in ok.stdout, ok.stdout + ok.stderr
     tight = subprocess.run(cmd + ["plan.gpu_memory_gib=24"], capture_output=True, text=True, timeout=120)
     assert tight.returncode == 1 and " NO" in tight.stdout
+
+
+def test_auto_plans_the_fastest_schedule_within_a_device_fraction():
+    """twobp-plan recipe=llama7b-4gpu schedule=auto: the choice, and every rank within the limit."""
+    from lightning_twobp.plan import GiB
+
+    p = plan_recipe(["recipe=llama7b-4gpu", "schedule=auto", "strategy.memory_limit=0.5", "plan.gpu_memory_gib=80"])
+    limit = 0.5 * 80 * 0.9 * GiB  # a fraction of the device, less plan.headroom
+    assert any(n.startswith("schedule='auto': ") for n in p.notes), p.notes
+    # the last stage's loss (cross-entropy's fp32 log-probabilities) is planned but not searched
+    assert all(r.split["total_bytes"] <= limit * 1.01 for r in p.ranks), [r.split["total_bytes"] for r in p.ranks]
+    assert "auto" not in p.schedule and "schedule='auto'" in format_plan(p)
+
+
+def test_auto_refuses_a_limit_nothing_fits_with_the_smallest_peak():
+    from lightning_twobp.schedules.auto import NoScheduleFits
+
+    with pytest.raises(NoScheduleFits, match=r"memory_limit=1000 bytes .* the smallest predicted peak is \d+ bytes"):
+        plan_recipe(["trainer.devices=2", "schedule=auto", "strategy.memory_limit=1000"])

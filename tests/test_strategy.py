@@ -163,6 +163,8 @@ def _reference(**trainer_kwargs) -> tuple[dict, float]:
         (dict(schedule="zb-h1"), dict(plugins="fp16-scaler", gradient_clip_val=0.05), 1e-2),
         (dict(schedule="interleaved-1f1b"), dict(), 1e-5),
         (dict(schedule="1f1b", split_backward=False), dict(), 1e-5),
+        # capped deferral (issue 20): at most one W waits per stage, so some W run before later F
+        (dict(schedule="1f1b", num_microbatches=4, max_pending_w=1), dict(), 1e-5),
     ],
     ids=[
         "1f1b-2bp",
@@ -174,6 +176,7 @@ def _reference(**trainer_kwargs) -> tuple[dict, float]:
         "fp16-scaler",
         "interleaved-2bp",
         "1f1b-fused",
+        "1f1b-2bp-capped",
     ],
 )
 def test_fit_matches_one_process(strategy_kwargs, trainer_kwargs, rtol):
@@ -267,8 +270,18 @@ def _expect_error(rank: int, world: int, model_cls, strategy_kwargs: dict, train
             8,
             r"configure_optimizers on pipeline rank 1 \(stages \[1\]\) gave an optimizer an empty parameter list",
         ),
+        (Regressor, dict(max_pending_w=[1, 1, 1]), dict(), 8, r"max_pending_w=\(1, 1, 1\).*one per stage \(2 ints"),
     ],
-    ids=["batch", "two-sequentials", "manual", "balance", "degree", "rank-without-parameters", "optimizer-empty"],
+    ids=[
+        "batch",
+        "two-sequentials",
+        "manual",
+        "balance",
+        "degree",
+        "rank-without-parameters",
+        "optimizer-empty",
+        "pending-w-per-stage",
+    ],
 )
 def test_errors_before_compute(model_cls, strategy_kwargs, trainer_kwargs, batch, match):
     import re
@@ -283,6 +296,10 @@ def test_bad_arguments_fail_at_construction():
         TwoBPStrategy(schedule="zb-h3")
     with pytest.raises(ValueError, match="split by definition"):
         TwoBPStrategy(schedule="zb-h1", split_backward=False)
+    with pytest.raises(ValueError, match=r"max_pending_w=-1: .*an int >= 0"):
+        TwoBPStrategy(max_pending_w=-1)
+    with pytest.raises(ValueError, match=r"split_backward=False .* drop max_pending_w or use split_backward=True"):
+        TwoBPStrategy(max_pending_w=1, split_backward=False)
 
 
 def _fit_dp_pp(rank: int, world: int, schedule: str) -> dict:

@@ -8,6 +8,7 @@ twobp-bench --split [--tokens 512 256 64]
 twobp-bench --soak N [--python-memory] [--json PATH]
 twobp-bench --paper [--out DIR] [--quick] [--repeats N]
 twobp-bench --gpu [--json PATH] [--quick]
+twobp-bench --budget [--out DIR] [--steps K] [--quick]
 """
 
 from __future__ import annotations
@@ -43,6 +44,11 @@ def main(argv: list[str] | None = None) -> int:
         "the 7B costs simulated on 4 stages (with --quick: toy sizes on the CPU)",
     )
     mode.add_argument(
+        "--budget",
+        action="store_true",
+        help="at 0.5x, 1x, 1.5x, 2x fused 1F1B's peak: the fastest of ours and of torch's that fits, alone each",
+    )
+    mode.add_argument(
         "--paper",
         action="store_true",
         help="the 2BP paper's three questions (throughput, peak memory, scaling) on its four models",
@@ -51,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--out",
         help="--peer: write peer.md, peer.csv and peer.json into this directory; "
-        "--paper: paper.md, paper.json, paper-rq*.csv and paper-rq*.png",
+        "--paper: paper.md, paper.json, paper-rq*.csv and paper-rq*.png; --budget: budget.md, .csv, .json, .png",
     )
     ap.add_argument("--repeats", type=int, default=5, help="timed steps per configuration (engine, trainer, paper)")
     ap.add_argument("--rounds", type=int, default=7, help="--peer: timed rounds (each contender once per round)")
@@ -60,7 +66,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="a small model and few repeats, to check the harness")
     ap.add_argument("--timelines", metavar="DIR", help="draw each configuration's recorded step as DIR/measured-*.png")
     ap.add_argument("--tokens", type=int, nargs="+", default=[512, 256, 64], help="--split: tokens per micro-batch")
-    ap.add_argument("--only", nargs="+", metavar="LABEL", help="--peer, --trainer: contenders whose label starts so")
+    ap.add_argument(
+        "--only",
+        nargs="+",
+        metavar="LABEL",
+        help="--peer, --trainer: contenders whose label starts so; --budget: these labels",
+    )
     args = ap.parse_args(argv)
     wl = Workload.quick() if args.quick else Workload()
     m = args.microbatches
@@ -94,6 +105,20 @@ def main(argv: list[str] | None = None) -> int:
         print(gpu_markdown(result))
         if args.json:
             write_json(result, args.json)
+        return 0
+
+    if args.budget:
+        from lightning_twobp.bench.budget import markdown as budget_markdown
+        from lightning_twobp.bench.budget import run_budget
+        from lightning_twobp.bench.budget import write as budget_write
+
+        counts = (4,) if args.quick else (8, 16)
+        only = set(args.only) if args.only else None
+        result = run_budget(wl, steps=1 if args.quick else max(args.steps, 5), counts=counts, only=only)
+        print(budget_markdown(result))
+        if args.out:
+            for path in budget_write(result, args.out):
+                print(f"wrote {path}")
         return 0
 
     if args.paper:

@@ -46,7 +46,7 @@ from lightning_twobp.monitor import busy_seconds
 from lightning_twobp.schedules import build_schedule, schedule_label
 from lightning_twobp.testing import run_distributed
 
-__all__ = ["Contender", "contenders", "run_peer"]
+__all__ = ["Contender", "build_runner", "contenders", "grad_error", "run_peer"]
 
 RTOL, ATOL = 1e-5, 1e-7
 
@@ -61,11 +61,13 @@ class Contender:
     stages_per_rank: int = 1
     placement: str = "loop"  # stage s on rank s % p ("loop") or the V (rank r holds r and 2p - 1 - r)
     counterpart: str | None = None  # label of the torch contender ours is compared with
+    max_pending_w: int | None = None  # ours: the cap on W waiting after their B (None: none)
 
     @property
     def label(self) -> str:
         if self.side == "ours":
-            return schedule_label(self.schedule, self.split_backward)
+            cap = "" if self.max_pending_w is None else f" k={self.max_pending_w}"
+            return schedule_label(self.schedule, self.split_backward) + cap
         name = self.schedule.removeprefix("Schedule")
         return f"torch {name}" + (
             f" ({self.stages_per_rank}/rank)" if self.schedule == "ScheduleInterleavedZeroBubble" else ""
@@ -153,14 +155,19 @@ def _local_stages(
     return mods, {n: q for mod in mods.values() for n, q in mod.named_parameters()}
 
 
-def _build(
+def build_runner(
     c: Contender, model: nn.Sequential, wl: Workload, m: int, rank: int, ids: torch.Tensor, tgt: torch.Tensor
 ) -> _Runner:
     mods, params = _local_stages(c, model, wl, rank)
     last = c.num_stages - 1
     if c.side == "ours":
         sched = build_schedule(
-            c.schedule, c.num_stages, m, stages_per_rank=c.stages_per_rank, split_backward=c.split_backward
+            c.schedule,
+            c.num_stages,
+            m,
+            stages_per_rank=c.stages_per_rank,
+            split_backward=c.split_backward,
+            max_pending_w=c.max_pending_w,
         )
         assert set(sched.stages_of(rank)) == set(mods), (c, sched.stage_to_rank)
         ex = PipelineExecutor(sched, mods, loss_fn=loss_fn)
@@ -219,7 +226,7 @@ def _worker(
         for c in contenders()
         if (with_torch or c.side == "ours") and (labels is None or any(c.label.startswith(x) for x in labels))
     ]
-    runners = [_build(c, model, wl, m, rank, ids, tgt) for c in chosen]
+    runners = [build_runner(c, model, wl, m, rank, ids, tgt) for c in chosen]
 
     # Exactness first: one step from the seed weights, gradients against one process, no optimizer step.
     checks = {}

@@ -17,6 +17,7 @@ from torch import nn
 
 from lightning_twobp.engine import PipelineExecutor
 from lightning_twobp.engine.memory import keep_freed_memory
+from lightning_twobp.lightning.autoschedule import auto_schedule
 from lightning_twobp.lightning.contract import find_contract
 from lightning_twobp.lightning.grads import (
     GradStash,
@@ -181,6 +182,7 @@ def _schedule(strategy: TwoBPStrategy, num_stages: int) -> Schedule:
         strategy.num_microbatches,
         stages_per_rank=opts.stages,
         split_backward=opts.split_backward,
+        max_pending_w=opts.max_pending_w,
     )
 
 
@@ -228,6 +230,42 @@ def _precision(strategy: TwoBPStrategy, clip: Callable, before_step: Callable) -
     return user_precision, user_scaler, pipelined_precision(user_precision, clip, before_step, scaler)
 
 
+def _partition(strategy: TwoBPStrategy, runner: StepRunner, layers: list[nn.Module], trainer: Any) -> list[int]:
+    """Layers per stage: by parameters, a given list, or (``balance="time"``) measured times."""
+    opts = strategy.options
+    costs = None
+    if opts.balance == "time":
+        m, device = strategy.num_microbatches, strategy.root_device
+        costs = profile_layers(runner, layers, trainer, m, device, strategy.precision_plugin)
+    num_stages = strategy.pipeline_degree * opts.stages
+    return list(partition(nn.Sequential(*layers), num_stages, opts.balance, costs=costs))
+
+
+def _choose(strategy: TwoBPStrategy, runner: StepRunner, layers: list[nn.Module], trainer: Any) -> list[int]:
+    """``schedule="auto"``: profile and search once (the first Trainer call), then run the choice as if
+    the user had named it (``strategy.options``); returns the choice's layers per stage."""
+    req = strategy.requested
+    if strategy.auto_choice is None:
+        assert req.memory_limit is not None  # PipelineOptions requires it with schedule="auto"
+        strategy.auto_choice, strategy.auto_profile = auto_schedule(
+            runner,
+            layers,
+            trainer,
+            strategy.root_device,
+            strategy.precision_plugin,
+            strategy.group("pp"),
+            strategy.pipeline_degree,
+            req.balance,
+            req.memory_limit,
+            req.num_microbatches,
+            None if req.split_backward else False,
+        )
+    assert strategy.auto_profile is not None
+    best = strategy.auto_choice.best
+    strategy.options = req.chosen(best)
+    return list(strategy.auto_profile.partitions[best.stages_per_rank])
+
+
 def build_pipeline(strategy: TwoBPStrategy, trainer: Any) -> Pipeline:
     """The pipeline of one Trainer call on this rank, from the strategy's options and layout."""
     lm = strategy.lightning_module
@@ -243,14 +281,15 @@ def build_pipeline(strategy: TwoBPStrategy, trainer: Any) -> Pipeline:
     contract = find_contract(lm, opts.layers)
     metrics = StepMetrics(lm)
     runner = StepRunner(lm, contract, metrics)
-    num_stages = strategy.pipeline_degree * opts.stages
-    costs = None
-    if opts.balance == "time":
-        m = strategy.num_microbatches
-        costs = profile_layers(runner, contract.layers(), trainer, m, device, strategy.precision_plugin)
-    sizes = partition(nn.Sequential(*contract.layers()), num_stages, opts.balance, costs=costs)
+    if strategy.requested.schedule == "auto":
+        sizes = _choose(strategy, runner, contract.layers(), trainer)
+        opts = strategy.options  # the choice, as if the user had named it
+        assert strategy.auto_choice is not None
+        schedule = strategy.auto_choice.best.schedule  # the order the search built and timed at the measured costs
+    else:
+        sizes = _partition(strategy, runner, contract.layers(), trainer)
+        schedule = _schedule(strategy, strategy.pipeline_degree * opts.stages)
     strategy.stage_sizes = list(sizes)
-    schedule = _schedule(strategy, num_stages)
     streams = StageStreams(schedule.stages_of(layout.pp_rank), layout.dp_rank, device)
     local = split_model(contract, sizes, schedule, layout.pp_rank)
     _announce(strategy, local, schedule, list(sizes))

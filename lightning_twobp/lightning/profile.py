@@ -25,7 +25,7 @@ from lightning_twobp.private import pytree
 
 log = logging.getLogger(__name__)
 
-__all__ = ["HOOKS", "first_batch", "profile_layers"]
+__all__ = ["HOOKS", "block_inputs", "first_batch", "now", "profile_layers"]
 
 HOOKS = {
     TrainerFn.FITTING: "training_step",
@@ -61,7 +61,7 @@ def first_batch(trainer: Any) -> Any:
     return next(iter(found))
 
 
-def _now(device: torch.device) -> float:
+def now(device: torch.device) -> float:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return time.perf_counter()
@@ -97,16 +97,11 @@ def profile_layers(
     return timed
 
 
-def _time_layers(
-    runner: StepRunner,
-    layers: list[nn.Module],
-    trainer: Any,
-    batch: Any,
-    m: int,
-    device: torch.device,
-    precision: Any,
-    repeats: int,
-) -> list[float]:
+def block_inputs(
+    runner: StepRunner, layers: list[nn.Module], trainer: Any, batch: Any, m: int, device: torch.device
+) -> tuple:
+    """The pipelined block's inputs for the first of ``m`` micro-batches of ``batch``, on ``device``: the
+    user's step up to the block."""
     lm = runner.module
     state = runner.begin(HOOKS[trainer.state.fn], (batch, 0), {}, m, exact=False)
     mb = pytree.tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, state.microbatches[0])
@@ -120,10 +115,23 @@ def _time_layers(
                 moved.append((t, t.data))
                 t.data = t.data.to(device)
     try:
-        x = runner.capture(mb)
+        return runner.capture(mb)
     finally:
         for t, data in moved:
             t.data = data
+
+
+def _time_layers(
+    runner: StepRunner,
+    layers: list[nn.Module],
+    trainer: Any,
+    batch: Any,
+    m: int,
+    device: torch.device,
+    precision: Any,
+    repeats: int,
+) -> list[float]:
+    x = block_inputs(runner, layers, trainer, batch, m, device)
     costs = []
     buffers = [(b, b.clone()) for layer in layers for b in layer.buffers()]
     home = [next(iter([*layer.parameters(), *layer.buffers()]), torch.empty(0)).device for layer in layers]
@@ -133,12 +141,12 @@ def _time_layers(
             x = tuple(t.detach().requires_grad_(t.is_floating_point()) if isinstance(t, torch.Tensor) else t for t in x)
             times = []
             for _ in range(repeats + 1):  # the first run warms caches and allocators up
-                start = _now(device)
+                start = now(device)
                 out = StageModule([layer])(*x)  # as the stage runs it (tuples, in-place first layers)
                 outs = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
                 if outs:
                     torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
-                times.append(_now(device) - start)
+                times.append(now(device) - start)
             costs.append(sorted(times[1:])[len(times[1:]) // 2])
             layer.zero_grad(set_to_none=True)
             layer.to(home[i])

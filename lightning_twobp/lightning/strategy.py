@@ -30,6 +30,7 @@ from lightning_twobp.lightning.pipeline import Pipeline, StepRecords, StepRun, b
 from lightning_twobp.lightning.placement import PipelinePlacement
 from lightning_twobp.lightning.step import check_batch_size_early, check_batches
 from lightning_twobp.options import PipelineOptions
+from lightning_twobp.schedules.auto import AutoChoice, Profile
 
 __all__ = ["NonFiniteError", "StepRecords", "TwoBPStrategy"]
 
@@ -40,8 +41,9 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
     """Pipeline parallelism with 2BP for an unchanged LightningModule.
 
     Args:
-        schedule, split_backward, num_microbatches, pipeline_degree, stages_per_rank, balance, layers,
-        gather_full_model, post_validation, on_nonfinite, pipeline_timeout: the pipeline's options,
+        schedule, split_backward, num_microbatches, pipeline_degree, stages_per_rank, max_pending_w,
+        memory_limit, balance, layers, gather_full_model, post_validation, on_nonfinite, pipeline_timeout:
+            the pipeline's options,
             documented and checked by :class:`~lightning_twobp.options.PipelineOptions` (before any
             process starts). ``pipeline_timeout`` is also the timeout of the process group and of every
             group the strategy makes unless ``timeout`` is given (at least 60 s), so a hung rank stops
@@ -62,6 +64,8 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
         num_microbatches: int | None = None,
         pipeline_degree: int | None = None,
         stages_per_rank: int | None = None,
+        max_pending_w: int | Sequence[int] | None = None,
+        memory_limit: float | str | None = None,
         balance: str | Sequence[int] = "params",
         layers: str | None = None,
         gather_full_model: bool = False,
@@ -83,7 +87,7 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
                 f"(the pipeline schedule computes the gradients and reduces them over data-parallel replicas "
                 f"itself); remove them"
             )
-        self.options = PipelineOptions(
+        self.requested = PipelineOptions(
             schedule=schedule,
             split_backward=split_backward,
             num_microbatches=num_microbatches,
@@ -95,7 +99,13 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
             post_validation=post_validation,
             on_nonfinite=on_nonfinite,
             pipeline_timeout=pipeline_timeout,
+            max_pending_w=max_pending_w,  # type: ignore[arg-type]  # a list is checked, then frozen to a tuple
+            memory_limit=memory_limit,
         )
+        # What runs: the user's options, or with schedule="auto" the choice made at the first setup.
+        self.options = self.requested
+        self.auto_choice: AutoChoice | None = None  # schedule="auto": what it chose, and from which costs
+        self.auto_profile: Profile | None = None
         if timeout is None and pipeline_timeout is not None:
             # Lightning's own collectives (logging, checkpoints, the non-finite check) then give up on a
             # hung rank after the same time as the pipeline's waits, not after torch's 30 minutes.

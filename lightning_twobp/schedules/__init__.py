@@ -8,7 +8,8 @@
 Modules: :mod:`.ir` (the data), :mod:`.spec` (the registry: one :class:`ScheduleSpec` per name;
 :mod:`.catalog` registers the built-in ones), :mod:`.placement` (layouts and defaults, read from the
 specs), :mod:`.builders` (one family each), :mod:`.validate`, :mod:`.simulate`, :mod:`.memory` (the
-one replay of what a schedule holds), :mod:`.deferral` (the cap on W waiting after their B), and the
+one replay of what a schedule holds), :mod:`.deferral` (the cap on W waiting after their B), :mod:`.auto`
+(the search behind ``schedule="auto"``: the fastest predicted schedule within a memory limit), and the
 passes :mod:`.lower` (communication) and :mod:`.grad_reduce` (the data-parallel reduce). The imports go one way: ``ir``
 needs nothing.
 """

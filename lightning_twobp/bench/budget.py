@@ -1,0 +1,228 @@
+"""``twobp-bench --budget``: within each memory budget, the fastest of ours against the fastest of torch's.
+
+    twobp-bench --budget [--out DIR] [--steps K] [--quick]
+
+Budgets are 0.5x, 1x, 1.5x and 2x fused 1F1B's measured peak at the first micro-batch count (m = 8). Every contender
+(ours: each schedule with and without the split, capped 1F1B + 2BP and ZB-H2, at m = 8 and 16; torch's:
+each ``torch.distributed.pipelining`` schedule at m = 8 and 16) runs alone in a fresh pair of gloo
+processes, one thread each, on the same stage modules as ``--peer`` (:mod:`.peer`):
+
+* **peak memory per rank**: the process's resident high-water mark (``VmHWM``, reset through
+  ``/proc/self/clear_refs`` once the contender is built) above its resident memory then, over one
+  warm-up and ``K`` timed training steps (pipeline step, AdamW step, ``zero_grad``). Fresh processes,
+  since freed memory is kept by the allocator (``keep_freed_memory``) and would hide the next one's;
+* **step time**: the median of the ``K`` steps, barrier to barrier;
+* **exactness**: a second copy from the seed weights runs one step, and its gradients are checked
+  against one process at the same micro-batching (rtol 1e-5), as in ``--peer``.
+
+At each budget the table shows the fastest contender of each side whose peak (the larger rank's) fits.
+Measured peaks are of a process on a shared CPU machine: a few MiB of noise (thread stacks, Python
+objects) come with them.
+"""
+
+from __future__ import annotations
+
+import copy
+import csv
+import io
+import json
+import statistics
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch.distributed as dist
+
+from lightning_twobp.bench.peer import Contender, build_runner, grad_error, torch_pipelining_available
+from lightning_twobp.bench.workload import WORLD, Workload, keep_freed_memory, reference_grads
+from lightning_twobp.testing import run_distributed
+
+__all__ = ["BUDGETS", "budget_contenders", "markdown", "run_budget", "write"]
+
+BUDGETS = (0.5, 1.0, 1.5, 2.0)
+MiB = 2**20
+
+
+def budget_contenders(with_torch: bool, counts: tuple[int, ...] = (8, 16)) -> list[tuple[Contender, int]]:
+    """(contender, m) pairs: ours with the caps that trade memory, torch's own schedules."""
+    ours = [
+        Contender("ours", "1f1b", False),
+        Contender("ours", "1f1b", True),
+        *[Contender("ours", "1f1b", True, max_pending_w=k) for k in (0, 1, 2)],
+        Contender("ours", "interleaved-1f1b", True, 2),
+        Contender("ours", "zb-h1", True),
+        Contender("ours", "zb-h2", True),
+        *[Contender("ours", "zb-h2", True, max_pending_w=k) for k in (1, 2)],
+        Contender("ours", "zb-v", True, 2, "v"),
+        Contender("ours", "v-half", True, 2, "v"),
+        Contender("ours", "v-min", True, 2, "v"),
+    ]
+    theirs = [
+        Contender("torch", "Schedule1F1B", False),
+        Contender("torch", "ScheduleGPipe", False),
+        Contender("torch", "ScheduleInterleaved1F1B", False, 2),
+        Contender("torch", "ScheduleInterleavedZeroBubble", True, 1),
+        Contender("torch", "ScheduleZBVZeroBubble", True, 2, "v"),
+    ]
+    return [(c, m) for m in counts for c in ours + (theirs if with_torch else [])]
+
+
+def _status(field: str) -> int:
+    """A ``/proc/self/status`` field in bytes (``VmRSS``, ``VmHWM``)."""
+    with open("/proc/self/status") as fh:
+        for line in fh:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
+def _reset_peak() -> None:
+    with open("/proc/self/clear_refs", "w") as fh:
+        fh.write("5")  # resets VmHWM to the current resident set (Linux >= 4.0)
+
+
+def _one(rank: int, world: int, wl: Workload, c: Contender, m: int, steps: int) -> dict:
+    keep_freed_memory()
+    model = wl.model()
+    ids, tgt = wl.data()
+    runner = build_runner(c, model, wl, m, rank, ids, tgt)
+    dist.barrier()
+    before = _status("VmRSS")
+    _reset_peak()
+    times = []
+    for i in range(steps + 1):  # the first step warms up (allocations, torch's lazy buffers)
+        dist.barrier()
+        t = time.perf_counter()
+        runner.train_step()
+        dist.barrier()
+        if i:
+            times.append(time.perf_counter() - t)
+    peak = _status("VmHWM") - before
+    # exactness, after the measurement: a fresh copy from the seed weights, one step, against one process
+    check = build_runner(c, model, wl, m, rank, ids, tgt)
+    check.step()
+    worst, bad = grad_error(check.params, reference_grads(copy.deepcopy(model), ids, tgt, m))
+    return {"peak_bytes": peak, "step_s": statistics.median(times), "max_grad_diff": worst, "bad": bad}
+
+
+def run_budget(
+    wl: Workload = Workload(), steps: int = 5, counts: tuple[int, ...] = (8, 16), only: set[str] | None = None
+) -> dict:
+    """Every contender alone, then the fastest of each side within each budget (see the module docstring).
+    ``only``: the contenders with these labels (fused ``"1f1b"``, the baseline, is always run)."""
+    with_torch = torch_pipelining_available()
+    rows, skipped, failures = [], [], []
+    for c, m in budget_contenders(with_torch, counts):
+        if only is not None and c.label not in only | {"1f1b"}:
+            continue
+        try:
+            per_rank = run_distributed(_one, WORLD, wl, c, m, steps, timeout=1800)
+        except RuntimeError as e:  # a schedule that does not take this m (torch's checks, say)
+            skipped.append(f"{c.label} m={m}: {str(e).strip().splitlines()[-1]}")
+            continue
+        bad = [b for r in per_rank for b in r["bad"]]
+        if bad:
+            failures.append(f"{c.label} m={m}: " + "; ".join(bad[:3]))
+        peaks = [r["peak_bytes"] for r in per_rank]
+        step = max(r["step_s"] for r in per_rank)
+        rows.append(
+            dict(
+                label=f"{c.label} m={m}",
+                side=c.side,
+                schedule=c.schedule,
+                split_backward=c.split_backward,
+                max_pending_w=c.max_pending_w,
+                microbatches=m,
+                peak_bytes_per_rank=peaks,
+                peak_bytes=max(peaks),
+                step_s=step,
+                samples_per_s=wl.batch / step,
+                max_grad_diff=max(r["max_grad_diff"] for r in per_rank),
+                baseline=c.label == "1f1b" and m == counts[0],
+            )
+        )
+    if failures:
+        raise AssertionError("gradients differ from one process:\n" + "\n".join(failures))
+    base = next(r for r in rows if r["baseline"])
+    budgets = []
+    for x in BUDGETS:
+        limit = x * base["peak_bytes"]
+        best = {}
+        for side in ("ours", "torch"):
+            fits = [r for r in rows if r["side"] == side and r["peak_bytes"] <= limit]
+            best[side] = min(fits, key=lambda r: r["step_s"])["label"] if fits else None
+        budgets.append(dict(times_1f1b=x, limit_bytes=limit, ours=best["ours"], torch=best["torch"]))
+    run = {"workload": asdict(wl), "world": WORLD, "steps": steps, "torch_pipelining": with_torch}
+    return {**run, "baseline": base["label"], "rows": rows, "budgets": budgets, "skipped": skipped}
+
+
+def markdown(result: dict) -> str:
+    wl = result["workload"]
+    by = {r["label"]: r for r in result["rows"]}
+    out = io.StringIO()
+    w = out.write
+    w(
+        f"tiny LLaMa {wl['layers']} x {wl['dim']}, batch {wl['batch']} x {wl['seq']}, {result['world']} gloo ranks x "
+        f"1 thread, each contender alone in a fresh pair of processes, median of {result['steps']} steps; peak = "
+        f"resident high-water mark above the built contender, the larger rank's; budgets in units of "
+        f"{result['baseline']}'s {by[result['baseline']]['peak_bytes'] / MiB:.0f} MiB\n\n"
+    )
+    w(
+        "| budget | MiB | ours: fastest that fits | MiB per rank | s/step | torch: fastest that fits | MiB per rank "
+        "| s/step | ours / torch throughput |\n|---|---:|---|---:|---:|---|---:|---:|---:|\n"
+    )
+    for b in result["budgets"]:
+        cells = []
+        for side in ("ours", "torch"):
+            r = by.get(b[side])
+            cells += (
+                [r["label"], " / ".join(f"{p / MiB:.0f}" for p in r["peak_bytes_per_rank"]), f"{r['step_s']:.3f}"]
+                if r
+                else ["none fits", "", ""]
+            )
+        ratio = f"{by[b['torch']]['step_s'] / by[b['ours']]['step_s']:.2f}x" if b["ours"] and b["torch"] else ""
+        w(f"| {b['times_1f1b']:g}x | {b['limit_bytes'] / MiB:.0f} | " + " | ".join(cells) + f" | {ratio} |\n")
+    w("\n| contender | MiB per rank | s/step | samples/s | max grad diff |\n|---|---:|---:|---:|---:|\n")
+    for r in sorted(result["rows"], key=lambda r: r["peak_bytes"]):
+        peaks = " / ".join(f"{p / MiB:.0f}" for p in r["peak_bytes_per_rank"])
+        w(f"| {r['label']} | {peaks} | {r['step_s']:.3f} | {r['samples_per_s']:.1f} | {r['max_grad_diff']:.1e} |\n")
+    if result["skipped"]:
+        w("\nnot run: " + "; ".join(result["skipped"]) + "\n")
+    return out.getvalue()
+
+
+def write(result: dict, folder: str | Path) -> list[Path]:
+    """``budget.md``, ``budget.csv``, ``budget.json`` and, with matplotlib, ``budget.png`` (throughput
+    against peak memory, one point per contender, the budgets as vertical lines) into ``folder``."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = [folder / "budget.md", folder / "budget.csv", folder / "budget.json"]
+    paths[0].write_text(markdown(result))
+    cols = ["label", "side", "microbatches", "max_pending_w", "peak_bytes", "step_s", "samples_per_s", "max_grad_diff"]
+    with paths[1].open("w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=cols, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(result["rows"])
+    paths[2].write_text(json.dumps(result, indent=1))
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return paths
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for side, color in (("ours", "tab:blue"), ("torch", "tab:orange")):
+        rows = [r for r in result["rows"] if r["side"] == side]
+        ax.scatter([r["peak_bytes"] / MiB for r in rows], [r["samples_per_s"] for r in rows], c=color, label=side)
+        for r in rows:
+            ax.annotate(r["label"], (r["peak_bytes"] / MiB, r["samples_per_s"]), fontsize=6)
+    for b in result["budgets"]:
+        ax.axvline(b["limit_bytes"] / MiB, color="grey", lw=0.8, ls="--")
+    ax.set_xlabel("peak memory, larger rank (MiB above the built model)")
+    ax.set_ylabel("samples / s")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(folder / "budget.png", dpi=110)
+    plt.close(fig)
+    return [*paths, folder / "budget.png"]

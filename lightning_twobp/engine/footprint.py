@@ -1,0 +1,105 @@
+"""What one micro-batch of one layer costs under the split backward: the bytes its F saves, the bytes
+it holds from B to W, and (given a clock) the seconds of its F, B and W.
+
+The layer runs as a real :class:`~.stage.Stage` (F, then B, then W), so the split is the one the
+executor makes. ``twobp-plan`` calls it on the ``meta`` device (shapes only, no compute: bytes without
+seconds); ``schedule="auto"`` on the training device before the first step (both).
+
+* **activation** (the Zero Bubble paper's M_B): the distinct storages autograd saves in F, the layer's
+  parameters (and views of them) excluded, since they live anyway;
+* **held** (M_W): what W still reads after B: the weight GEMMs' operands, the gradients B recorded at
+  the frontier, and the gradients of edges taken in B. When W re-enters the graph (``graph_kept``: no
+  direct weight formula for some op) the whole graph stays too, about ``activation`` more; the caller
+  adds that per stage, since one layer that keeps it keeps its whole stage's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from lightning_twobp.engine.stage import Stage
+from lightning_twobp.schedules.auto import LayerCost
+
+__all__ = ["LayerFootprint", "layer_cost", "measure_layer", "storage_key"]
+
+
+def storage_key(t: torch.Tensor) -> int:
+    """One key per storage: views and re-saves of one tensor count once."""
+    return t.untyped_storage()._cdata
+
+
+@dataclass(frozen=True)
+class LayerFootprint:
+    """One micro-batch through one layer (see the module docstring)."""
+
+    out_shape: tuple[int, ...]
+    out_dtype: torch.dtype
+    activation_bytes: int
+    held_bytes: int  # weight-GEMM operands and recorded gradients (without the graph)
+    graph_kept: bool
+    saved_input: int  # bytes of the input, when the layer saves it (0 otherwise)
+    saves_output: bool  # whether the layer saves its own output (a ReLU does, a Linear does not)
+    seconds: tuple[float, float, float] = (0.0, 0.0, 0.0)  # F, B, W (zeros without a clock)
+    output: torch.Tensor | None = field(default=None, repr=False, compare=False)  # F's output, detached
+
+
+def measure_layer(
+    layer: nn.Module, x: torch.Tensor, needs_input_grad: bool, clock: Callable[[], float] | None = None
+) -> LayerFootprint:
+    """One micro-batch ``x`` through ``layer`` as a :class:`Stage`: F, B (from a gradient of ones), W.
+
+    Gradients accumulate into the layer's parameters as in training: the caller clears them. With
+    ``needs_input_grad=False`` (the first stage, fed ids or images) B runs the whole backward and W
+    nothing, as in the executor.
+    """
+    now = clock or (lambda: 0.0)
+    params = {storage_key(q) for q in layer.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        k = storage_key(t)
+        if k not in params:
+            saved[k] = t.untyped_storage().nbytes()
+        return t
+
+    stage = Stage(layer)
+    inp = x.detach().requires_grad_(needs_input_grad)
+    t0 = now()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = stage.forward(0, inp)
+    t1 = now()
+    act = sum(saved.values())
+    saved_input = saved.get(storage_key(inp), 0)
+    saves_output = storage_key(out) in saved
+    shape = (tuple(out.shape), out.dtype)
+    if not out.requires_grad:
+        return LayerFootprint(*shape, act, 0, False, saved_input, saves_output, (t1 - t0, 0.0, 0.0), out.detach())
+    stage.backward_input(0, torch.ones_like(out))
+    t2 = now()
+    p = stage._pending[0]
+    held: dict[int, int] = {}
+    tensors = [f.operand for f in p.fast] + [t for v in p.captured.values() for t in v] + [g for _, g in p.edge_grads]
+    for t in tensors:
+        if isinstance(t, torch.Tensor):
+            held[storage_key(t)] = t.untyped_storage().nbytes()
+    kept = bool(p.frontier)
+    t2b = now()  # reading what B left is bookkeeping, not W
+    stage.backward_weight(0)
+    t3 = now()
+    seconds = (t1 - t0, t2 - t1, t3 - t2b)
+    return LayerFootprint(*shape, act, sum(held.values()), kept, saved_input, saves_output, seconds, out.detach())
+
+
+def layer_cost(
+    fp: LayerFootprint, fixed: float, seconds: tuple[float, float, float] | None = None, scale: float = 1.0
+) -> LayerCost:
+    """The footprint as the search's pure :class:`~lightning_twobp.schedules.auto.LayerCost`, with the
+    layer's ``fixed`` bytes, ``seconds`` of F, B and W (default: the measured ones), and the saved bytes
+    times ``scale`` (a layer measured in fp32 standing in for half-precision activations: 0.5)."""
+    f, b, w = fp.seconds if seconds is None else seconds
+    act, held, inp = (scale * x for x in (fp.activation_bytes, fp.held_bytes, fp.saved_input))
+    return LayerCost(f, b, w, act, held, fp.graph_kept, inp, fp.saves_output, fixed)

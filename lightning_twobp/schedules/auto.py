@@ -1,0 +1,359 @@
+"""``schedule="auto"``: the fastest predicted schedule whose predicted peak memory fits a limit.
+
+The search is pure data (no torch): a :class:`Profile` holds what was measured per layer at each
+candidate micro-batch count (F, B and W seconds, the bytes one micro-batch holds from F to B and from
+B to W, each layer's fixed bytes) and the seconds of one message between stages. For every registered
+schedule family, with and without the split where both exist, every micro-batch count ``m`` and every
+deferral cap ``k`` (:mod:`.deferral`), the schedule is built at those costs, timed by
+:func:`~.simulate.simulate` and its per-rank peak taken from the memory replay (:mod:`.memory`). The
+choice is the shortest step among those whose peak is within the limit; when none is, the refusal
+names the smallest peak that would fit. This is the search the Zero Bubble authors' controllable-memory
+work (Qi et al., NeurIPS 2024, §4) runs by hand over V-Min / V-Half / ZB-V and their Megatron fork's
+``--zero-bubble-max-pending-backward``, made one call.
+
+A step's time is the makespan of one iteration; for the schedules whose consecutive steps overlap
+(``ScheduleSpec.overlaps``: the strategy's post-validation default) it is the steady-state period
+of back-to-back iterations, what such a schedule costs per step in training.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from .ir import Schedule
+from .memory import MemoryCosts
+from .placement import schedule_label
+from .registry import build_schedule
+from .simulate import Costs, SimResult, simulate
+from .spec import SCHEDULES, schedule_spec
+
+__all__ = [
+    "AutoChoice",
+    "Candidate",
+    "LayerCost",
+    "NoScheduleFits",
+    "Profile",
+    "StageCost",
+    "choose",
+    "format_choice",
+    "fused_1f1b_peak",
+    "resolve_limit",
+    "search",
+    "size",
+    "stage_cost",
+]
+
+MiB = 2**20
+
+
+def size(nbytes: float) -> str:
+    """Bytes for people: ``512 B``, ``3.2 KiB``, ``1.5 MiB``, ``7.9 GiB``."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(nbytes) >= scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{nbytes:.0f} B"
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    """One micro-batch through one layer: seconds of F, B and W; bytes saved by F until B
+    (``activation``), held from B to W (``held``; ``graph_kept`` when W re-enters the autograd graph,
+    which then stays whole), the bytes of its input when it saves it (``saved_input``), whether it saves
+    its own output, and the bytes it holds whatever the schedule (``fixed``: weights, gradients, ...)."""
+
+    f: float = 0.0
+    b: float = 0.0
+    w: float = 0.0
+    activation: float = 0.0
+    held: float = 0.0
+    graph_kept: bool = False
+    saved_input: float = 0.0
+    saves_output: bool = False
+    fixed: float = 0.0
+
+
+@dataclass(frozen=True)
+class StageCost:
+    """A run of layers as one stage (:func:`stage_cost`)."""
+
+    f: float
+    b: float
+    w: float
+    activation: float
+    held: float
+    fixed: float
+    graph_kept: bool
+
+
+def stage_cost(layers: Sequence[LayerCost], first: bool) -> StageCost:
+    """The layers ``layers`` as one stage.
+
+    A tensor saved on both sides of a layer boundary (a ReLU's output, the next Linear's input) counts
+    once. A stage's graph is kept from B to W as soon as one layer needs it (one ``retain_graph`` for
+    the stage), and then it holds its whole activation plus what W reads. The first stage, fed ids or
+    images (no input gradient), runs its whole backward in B: its W costs nothing and it holds nothing
+    from B to W.
+    """
+    act = held = 0.0
+    kept = prev_saves_output = False
+    for layer in layers:
+        act += layer.activation - (layer.saved_input if prev_saves_output else 0.0)
+        held += layer.held
+        kept = kept or layer.graph_kept
+        prev_saves_output = layer.saves_output
+    f = sum(x.f for x in layers)
+    b = sum(x.b for x in layers)
+    w = sum(x.w for x in layers)
+    fixed = sum(x.fixed for x in layers)
+    if first:
+        return StageCost(f, b + w, 0.0, act, 0.0, fixed, False)
+    return StageCost(f, b, w, act, held + (act if kept else 0.0), fixed, kept)
+
+
+@dataclass(frozen=True)
+class Profile:
+    """What the search reads. ``layers[m]`` is every layer's :class:`LayerCost` at the micro-batch size
+    of ``m`` micro-batches per step; ``partitions[v]`` the layers per stage with ``v`` stages per rank
+    (``num_ranks * v`` stages); ``comm[m]`` the seconds of one message between stages at that size."""
+
+    num_ranks: int
+    layers: Mapping[int, Sequence[LayerCost]]
+    partitions: Mapping[int, Sequence[int]]
+    comm: Mapping[int, float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.layers:
+            raise ValueError("Profile.layers needs the layers' costs at one micro-batch count at least")
+        for v, sizes in self.partitions.items():
+            n = len(next(iter(self.layers.values())))
+            if len(sizes) != self.num_ranks * v or sum(sizes) != n:
+                raise ValueError(
+                    f"Profile.partitions[{v}] = {tuple(sizes)}: give {self.num_ranks * v} stage sizes summing to the "
+                    f"{n} layers"
+                )
+
+    @property
+    def microbatch_counts(self) -> tuple[int, ...]:
+        return tuple(sorted(self.layers))
+
+    def stages(self, m: int, stages_per_rank: int) -> tuple[StageCost, ...]:
+        """Each stage's costs at ``m`` micro-batches, ``stages_per_rank`` stages per rank."""
+        layers, out, start = self.layers[m], [], 0
+        for s, n in enumerate(self.partitions[stages_per_rank]):
+            out.append(stage_cost(layers[start : start + n], first=s == 0))
+            start += n
+        return tuple(out)
+
+    def costs(self, m: int, stages_per_rank: int) -> Costs:
+        """The schedule model's :class:`~.simulate.Costs` (with :class:`~.memory.MemoryCosts`)."""
+        st = self.stages(m, stages_per_rank)
+        memory = MemoryCosts(
+            activation=[s.activation for s in st], held=[s.held for s in st], fixed=[s.fixed for s in st]
+        )
+        return Costs(
+            f=[s.f for s in st], b=[s.b for s in st], w=[s.w for s in st], comm=self.comm.get(m, 0.0), memory=memory
+        )
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One point of the search: a schedule at ``num_microbatches`` with a deferral cap (None: none),
+    its predicted seconds per step and peak bytes per rank."""
+
+    name: str
+    split_backward: bool
+    num_microbatches: int
+    stages_per_rank: int
+    max_pending_w: int | None
+    step_time: float
+    peak_bytes: tuple[float, ...]
+    schedule: Schedule = field(repr=False, compare=False)
+    sim: SimResult = field(repr=False, compare=False)
+
+    @property
+    def peak(self) -> float:
+        return max(self.peak_bytes)
+
+    @property
+    def label(self) -> str:
+        cap = "" if self.max_pending_w is None else f", max_pending_w={self.max_pending_w}"
+        return f"{schedule_label(self.name, self.split_backward)} (m={self.num_microbatches}{cap})"
+
+
+@dataclass(frozen=True)
+class AutoChoice:
+    """The search's answer: ``best`` within ``limit`` bytes per device, and everything it weighed."""
+
+    best: Candidate
+    limit: float
+    considered: tuple[Candidate, ...] = field(repr=False)
+
+    @property
+    def fitting(self) -> tuple[Candidate, ...]:
+        return tuple(c for c in self.considered if c.peak <= self.limit)
+
+
+class NoScheduleFits(ValueError):
+    """No candidate's predicted peak is within the limit; ``smallest`` is the one that holds least."""
+
+    def __init__(self, message: str, smallest: Candidate) -> None:
+        super().__init__(message)
+        self.smallest = smallest
+
+
+def _options(name: str, split: bool | None) -> tuple[bool, ...]:
+    spec = schedule_spec(name)
+    both = (True,) if spec.split_only else (True, False)
+    return both if split is None else tuple(s for s in both if s == split)
+
+
+def search(
+    profile: Profile,
+    families: Iterable[str] | None = None,
+    microbatches: Iterable[int] | None = None,
+    split_backward: bool | None = None,
+    max_caps: int | None = None,
+) -> tuple[Candidate, ...]:
+    """Every (family, split, m, cap) the profile allows, built, timed and replayed.
+
+    ``families`` (default: every registered schedule whose default stages per rank the profile has a
+    partition for), ``microbatches`` (default: the profile's counts), ``split_backward`` (None: both
+    where both exist). Caps run from 0 to ``m - 1`` (``m`` and above change nothing), or to ``max_caps``;
+    a cap that leaves the order unchanged is not listed twice. Combinations a schedule refuses (its
+    layout rules) are skipped.
+    """
+    names = tuple(SCHEDULES) if families is None else tuple(families)
+    counts = profile.microbatch_counts if microbatches is None else tuple(microbatches)
+    out: list[Candidate] = []
+    for name in names:
+        spec = schedule_spec(name)
+        v = spec.default_stages_per_rank
+        if v not in profile.partitions:
+            continue
+        for m in counts:
+            costs = profile.costs(m, v)
+            for split in _options(name, split_backward):
+                top = m if max_caps is None else min(m, max_caps + 1)
+                seen: set[tuple] = set()
+                for k in (None, *range(top)) if split else (None,):
+                    try:
+                        schedule = build_schedule(
+                            name,
+                            profile.num_ranks * v,
+                            m,
+                            stages_per_rank=v,
+                            split_backward=split,
+                            costs=costs,
+                            max_pending_w=k,
+                        )
+                    except ValueError:
+                        continue
+                    if schedule.actions in seen:
+                        continue
+                    seen.add(schedule.actions)
+                    sim = simulate(schedule, costs, iterations=2 if spec.overlaps else 1)
+                    step = sim.period if spec.overlaps else sim.makespan
+                    out.append(Candidate(name, split, m, v, k, step, sim.peak_bytes, schedule, sim))
+    return tuple(out)
+
+
+def check_auto_options(memory_limit: Any, stages_per_rank: Any, max_pending_w: Any) -> None:
+    """What ``schedule="auto"`` takes, checked at construction: a limit of a form
+    :func:`~lightning_twobp.schedules.auto.resolve_limit` reads, and none of the options it chooses."""
+    if memory_limit is None:
+        raise ValueError(
+            "schedule='auto' picks the fastest schedule within memory_limit: give memory_limit (bytes per device, "
+            "e.g. 8e9; a fraction of the device's memory, e.g. 0.5; or '1f1b' for fused 1F1B's peak)"
+        )
+    resolve_limit(memory_limit, 1.0, 1.0)  # the form only; the numbers are known at setup
+    for name, value in (("stages_per_rank", stages_per_rank), ("max_pending_w", max_pending_w)):
+        if value is not None:
+            raise ValueError(
+                f"schedule='auto' chooses {name} itself; got {name}={value!r}: drop it, or name a schedule "
+                f"(e.g. schedule='1f1b', {name}={value!r})"
+            )
+
+
+def resolve_limit(memory_limit: float | str, device_bytes: float | None, fused_1f1b_peak: float | None) -> float:
+    """``memory_limit`` in bytes per device: a number above 1 is bytes; one in (0, 1] a fraction of
+    ``device_bytes``; ``"1f1b"`` fused 1F1B's predicted peak, ``"<x>x1f1b"`` (``"0.5x1f1b"``) x times it."""
+    if isinstance(memory_limit, str):
+        text = memory_limit.strip().lower()
+        scale = 1.0
+        if text.endswith("x1f1b"):
+            try:
+                scale = float(text[: -len("x1f1b")])
+            except ValueError:
+                scale = -1.0
+            text = "1f1b"
+        if text == "1f1b" and scale > 0 and math.isfinite(scale):
+            if fused_1f1b_peak is None:
+                raise ValueError(f"memory_limit={memory_limit!r} needs fused 1F1B's predicted peak, which is unknown")
+            return scale * fused_1f1b_peak
+    elif not isinstance(memory_limit, bool) and isinstance(memory_limit, (int, float)) and memory_limit > 0:
+        if memory_limit > 1:
+            return float(memory_limit)
+        if device_bytes is None:
+            raise ValueError(
+                f"memory_limit={memory_limit!r} is a fraction of the device's memory, which is unknown here: "
+                f"give bytes (e.g. memory_limit=8e9)"
+            )
+        return memory_limit * device_bytes
+    raise ValueError(
+        f"memory_limit={memory_limit!r}: give bytes per device (a number > 1, e.g. 8e9), a fraction of the "
+        f"device's memory (0 < x <= 1, e.g. 0.5), '1f1b' for fused 1F1B's peak or e.g. '0.5x1f1b' for a multiple"
+    )
+
+
+def fused_1f1b_peak(profile: Profile) -> float | None:
+    """Fused 1F1B's predicted peak (the most any rank holds) at its default m, or the nearest count
+    profiled: what ``memory_limit="1f1b"`` means. None without a one-stage-per-rank partition."""
+    if 1 not in profile.partitions:
+        return None
+    want = 2 * profile.num_ranks  # the 2BP paper's 1F1B-2, every schedule's default
+    m = min(profile.microbatch_counts, key=lambda c: (abs(c - want), -c))
+    schedule = build_schedule("1f1b", profile.num_ranks, m, split_backward=False)
+    return max(simulate(schedule, profile.costs(m, 1)).peak_bytes)
+
+
+def choose(candidates: Sequence[Candidate], limit: float) -> AutoChoice:
+    """The fastest candidate whose peak is within ``limit`` (ties: the smaller peak, then the order of
+    ``candidates``); :class:`NoScheduleFits` naming the smallest peak when none is."""
+    if not candidates:
+        raise ValueError("schedule='auto' has no candidate: no schedule accepts these stage and micro-batch counts")
+    fits = [c for c in candidates if c.peak <= limit]
+    if not fits:
+        smallest = min(candidates, key=lambda c: (c.peak, c.step_time))
+        raise NoScheduleFits(
+            f"memory_limit={limit:.0f} bytes ({size(limit)}) per device: no schedule fits; the smallest "
+            f"predicted peak is {smallest.peak:.0f} bytes ({size(smallest.peak)}), {smallest.label}. "
+            f"Raise memory_limit to at least {math.ceil(smallest.peak)} bytes, or use more pipeline ranks or "
+            f"smaller micro-batches (a larger batch divides into more)",
+            smallest,
+        )
+    best = min(fits, key=lambda c: (c.step_time, c.peak))
+    return AutoChoice(best, limit, tuple(candidates))
+
+
+def format_choice(choice: AutoChoice, max_actions: int = 64, unit: str = "s") -> str:
+    """The choice, the runners-up, and the chosen schedule's simulated timeline (rank: action@start);
+    times in ``unit`` (seconds when measured)."""
+    best = choice.best
+    lines = [
+        f"schedule='auto': {best.label}, predicted {best.step_time:.4g} {unit} per step, peak "
+        f"{', '.join(size(b) for b in best.peak_bytes)} per rank (limit {size(choice.limit)}); "
+        f"{len(choice.fitting)} of {len(choice.considered)} candidates fit",
+    ]
+    others = sorted((c for c in choice.fitting if c is not best), key=lambda c: (c.step_time, c.peak))[:3]
+    lines += [f"  next: {c.label}: {c.step_time:.4g} {unit}, peak {size(c.peak)}" for c in others]
+    first = best.sim.iteration_ends[0]
+    lines.append(f"simulated timeline ({unit}), {first:.4g} for the first step:")
+    for rank in range(best.schedule.num_ranks):
+        # the first step's actions: the timeline holds two steps for the schedules that overlap them
+        n = min(max_actions, len(best.schedule.actions[rank]))
+        row = [f"{a}@{start:.3g}" for r, a, start, _ in best.sim.timeline if r == rank][:n]
+        lines.append(f"  rank {rank}: " + " ".join(row))
+    return "\n".join(lines)

@@ -1,0 +1,250 @@
+"""schedule="auto" (issue 20.4): the search as data, then the strategy on 2 ranks against one process."""
+
+from __future__ import annotations
+
+import os
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from test_strategy import Regressor, _trainer  # the same Trainer settings as the strategy's exactness tests
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_twobp.schedules import build_schedule, simulate
+from lightning_twobp.schedules.auto import (
+    LayerCost,
+    NoScheduleFits,
+    Profile,
+    choose,
+    format_choice,
+    resolve_limit,
+    search,
+    stage_cost,
+)
+from lightning_twobp.testing import run_distributed
+
+# ------------------------------------------------------------------ the search, as data
+
+LAYERS = 8
+
+
+def _profile(p: int = 2, w: float = 1.0, counts=(2, 4, 8)) -> Profile:
+    """Equal layers whose bytes per micro-batch shrink with its size (batch 8 split in m) and whose
+    time does too, less a fixed cost per action: more micro-batches hold less but are not free."""
+
+    def at(m: int) -> tuple[LayerCost, ...]:
+        s = 8 / m
+        return tuple(
+            LayerCost(f=s + 0.5, b=s + 0.5, w=w * s + 0.5, activation=100 * s, held=40 * s, fixed=1000)
+            for _ in range(LAYERS)
+        )
+
+    return Profile(
+        num_ranks=p,
+        layers={m: at(m) for m in counts},
+        partitions={1: (LAYERS // p,) * p, 2: (LAYERS // (2 * p),) * (2 * p)},
+        comm={m: 0.0 for m in counts},
+    )
+
+
+def test_stage_cost_counts_shared_tensors_once_and_the_first_stage_holds_nothing():
+    relu = LayerCost(f=1, b=1, w=0, activation=10, saves_output=True)
+    linear = LayerCost(f=2, b=2, w=2, activation=10, held=10, saved_input=10, fixed=5)
+    mid = stage_cost([relu, linear], first=False)
+    assert (mid.activation, mid.held, mid.fixed) == (10, 10, 5)  # the ReLU's output is the Linear's input
+    assert (mid.f, mid.b, mid.w) == (3, 3, 2)
+    first = stage_cost([relu, linear], first=True)
+    assert (first.b, first.w, first.held) == (5, 0, 0)  # no input gradient: the whole backward is B
+    kept = stage_cost([LayerCost(activation=7, held=1, graph_kept=True)], first=False)
+    assert kept.held == 8  # W re-enters the graph: the stage's whole activation stays until W
+
+
+def test_profile_costs_feed_the_simulator():
+    prof = _profile()
+    costs = prof.costs(4, 1)
+    schedule = build_schedule("1f1b", 2, 4, split_backward=False)
+    # fused 1F1B at m = p = 2 ranks... rank 0 holds min(p, m) = 2 micro-batches of 4 layers x 200 bytes
+    assert simulate(schedule, costs).peak_bytes[0] == 4 * 1000 + 2 * 4 * 200
+
+
+def test_search_picks_the_fastest_that_fits():
+    prof = _profile()
+    candidates = search(prof)
+    loose = choose(candidates, limit=float("inf"))
+    assert loose.best.step_time == min(c.step_time for c in candidates)
+    # a limit just under the fastest's peak: the fastest among those within it
+    limit = max(c.peak for c in candidates if c.peak < loose.best.peak)
+    tight = choose(candidates, limit)
+    assert tight.best.peak <= limit < loose.best.peak
+    assert tight.best.step_time == min(c.step_time for c in candidates if c.peak <= limit)
+    assert tight.best.step_time >= loose.best.step_time
+    text = format_choice(tight)
+    assert tight.best.label in text and "rank 1:" in text
+
+
+def test_search_covers_families_microbatches_and_caps():
+    candidates = search(_profile())
+    names = {c.name for c in candidates}
+    assert {"1f1b", "zb-h1", "zb-h2", "zb-v", "v-half", "v-min"} <= names
+    assert {c.num_microbatches for c in candidates} == {2, 4, 8}
+    assert any(c.max_pending_w is not None for c in candidates)
+    assert any(not c.split_backward for c in candidates)
+    assert all(c.split_backward for c in candidates if c.name == "zb-v")
+    # a cap that changes nothing is not listed twice: every (name, split, m) order is distinct
+    keys = [(c.name, c.split_backward, c.num_microbatches, c.schedule.actions) for c in candidates]
+    assert len(keys) == len(set(keys))
+
+
+def test_a_cap_is_chosen_when_it_is_what_fits():
+    # W as long as F + B: uncapped 1F1B + 2BP is fastest but holds every W; the limit fits a cap only
+    prof = _profile(w=2.0, counts=(8,))
+    candidates = search(prof, families=["1f1b"])
+    uncapped = next(c for c in candidates if c.split_backward and c.max_pending_w is None)
+    fused = next(c for c in candidates if not c.split_backward)
+    capped = [c for c in candidates if c.max_pending_w is not None and c.peak < uncapped.peak]
+    assert capped and fused.peak < uncapped.peak
+    best = choose(candidates, max(c.peak for c in capped)).best
+    assert best.max_pending_w is not None and best.step_time <= fused.step_time
+
+
+def test_a_limit_nothing_fits_is_refused_naming_the_smallest_peak():
+    candidates = search(_profile())
+    smallest = min(c.peak for c in candidates)
+    with pytest.raises(NoScheduleFits, match=rf"smallest predicted peak is {smallest:.0f} bytes") as info:
+        choose(candidates, smallest - 1)
+    assert f"at least {smallest:.0f} bytes" in str(info.value)
+    assert info.value.smallest.peak == smallest
+    assert choose(candidates, smallest).best.peak == smallest  # exactly the smallest fits
+
+
+@pytest.mark.parametrize(
+    "value, expected",
+    [(8e9, 8e9), (0.5, 50.0), ("1f1b", 30.0), ("0.5x1f1b", 15.0), ("2X1F1B", 60.0)],
+)
+def test_memory_limit_forms(value, expected):
+    assert resolve_limit(value, device_bytes=100.0, fused_1f1b_peak=30.0) == expected
+
+
+@pytest.mark.parametrize("value", [0, -1, "big", "x1f1b", True, None])
+def test_bad_memory_limits_say_what_works(value):
+    with pytest.raises(ValueError, match="give bytes per device"):
+        resolve_limit(value, 100.0, 30.0)
+
+
+# ------------------------------------------------------------------ the strategy, 2 ranks
+
+
+class Blocks(Regressor):
+    """test_strategy's module with narrow Linear + Tanh blocks: every layer has weights, so any cut into
+    2 or 4 stages trains, and on batches of 128 the activations outweigh the weights, so memory_limit
+    has something to trade."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        blocks = [nn.Sequential(nn.Linear(6 if i == 0 else 8, 8), nn.Tanh()) for i in range(LAYERS - 1)]
+        self.layers = nn.Sequential(*blocks, nn.Linear(8, 2))
+
+
+def _loader() -> DataLoader:
+    g = torch.Generator().manual_seed(3)
+    return DataLoader(TensorDataset(torch.randn(384, 6, generator=g), torch.randn(384, 2, generator=g)), batch_size=128)
+
+
+class _Peak(pl.Callback):
+    """The bytes autograd holds during each training step, live (SavedBytes), parameters excluded."""
+
+    def __init__(self) -> None:
+        self.peak = 0
+        self._meter = None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        from lightning_twobp.lightning.autoschedule import SavedBytes
+
+        self._meter = SavedBytes(exclude=list(pl_module.parameters())).__enter__()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self._meter.__exit__(None, None, None)
+        self.peak = max(self.peak, self._meter.peak)
+
+
+def _env(rank: int, world: int) -> None:
+    os.environ.update(
+        LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world), RANK=str(rank), MASTER_ADDR="127.0.0.1"
+    )
+
+
+def _fit_auto(rank: int, world: int, memory_limit) -> dict:
+    from lightning_twobp import TwoBPStrategy
+
+    _env(rank, world)
+    from lightning_twobp.monitor import PipelineMonitor
+
+    model, peak, monitor = Blocks(), _Peak(), PipelineMonitor(log_every_n_steps=1, measure_flops=False, log=False)
+    strategy = TwoBPStrategy(schedule="auto", memory_limit=memory_limit)
+    _trainer(strategy, world, callbacks=[peak, monitor]).fit(model, _loader())
+    choice = strategy.auto_choice
+    logged = {k: v for k, v in monitor.last.items() if k.endswith("predicted_peak_mb")}
+    assert sorted(logged.values()) == sorted(b / 1e6 for b in choice.best.peak_bytes), logged
+    # what this rank holds whatever the schedule: its stages' weights and gradients (as predicted)
+    fixed = sum(2 * q.numel() * q.element_size() for q in model.parameters() if not q.is_meta)
+    return {
+        "label": choice.best.label,
+        "limit": choice.limit,
+        "predicted": choice.best.peak_bytes[strategy.pp_rank],
+        "measured": fixed + peak.peak,
+        "params": {n: q.detach().clone() for n, q in model.named_parameters() if not q.is_meta},
+    }
+
+
+def _reference() -> dict:
+    model = Blocks()
+    _trainer("auto", 1).fit(model, _loader())
+    return {n: q.detach() for n, q in model.named_parameters()}
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("memory_limit", ["1f1b", "0.8x1f1b"])
+def test_auto_trains_like_one_process_within_its_limit(memory_limit):
+    ref = _reference()
+    results = run_distributed(_fit_auto, 2, memory_limit, timeout=240)
+    assert len({r["label"] for r in results}) == 1, "every rank must choose the same schedule"
+    merged = {n: v for r in results for n, v in r["params"].items()}
+    assert set(merged) == set(ref)
+    for name, value in merged.items():
+        torch.testing.assert_close(value, ref[name], rtol=1e-5, atol=1e-6, msg=name)
+    for r in results:
+        assert r["predicted"] <= r["limit"]
+        assert r["measured"] <= r["limit"], r
+
+
+def _refused(rank: int, world: int) -> str:
+    from lightning_twobp import TwoBPStrategy
+
+    _env(rank, world)
+    try:
+        _trainer(TwoBPStrategy(schedule="auto", memory_limit=1000), world).fit(Blocks(), _loader())
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.dist
+def test_a_limit_nothing_fits_is_refused_before_training_on_every_rank():
+    out = run_distributed(_refused, 2, timeout=180)
+    assert out[0] == out[1], "both ranks refuse with the same numbers"
+    assert "memory_limit=1000 bytes" in out[0] and "the smallest predicted peak is" in out[0], out[0]
+
+
+def test_auto_options_are_checked_at_construction():
+    from lightning_twobp import TwoBPStrategy
+
+    with pytest.raises(ValueError, match="schedule='auto' picks the fastest schedule within memory_limit"):
+        TwoBPStrategy(schedule="auto")
+    with pytest.raises(ValueError, match="schedule='auto' chooses max_pending_w itself"):
+        TwoBPStrategy(schedule="auto", memory_limit="1f1b", max_pending_w=1)
+    with pytest.raises(ValueError, match="with schedule='1f1b' drop it, or use schedule='auto'"):
+        TwoBPStrategy(schedule="1f1b", memory_limit=0.5)
+    with pytest.raises(ValueError, match="give bytes per device"):
+        TwoBPStrategy(schedule="auto", memory_limit="lots")
