@@ -33,11 +33,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.nn.utils import clip_grads_with_norm_, get_total_norm
 
 from lightning_twobp.private import tensor_version
 
 __all__ = ["StepValidation", "Verdict"]
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 @dataclass(frozen=True)
@@ -142,8 +147,10 @@ class StepValidation:
         """``[norm^p over counted gradients, 1 if non-finite else 0, that flag in this rank's slot of
         the group, *extra]`` for this rank (max instead of sum for the inf-norm, reduced the same way).
         A non-finite tied copy counts even where its norm does not."""
-        counted = [q.grad for q in params if id(q) not in self.not_counted]
-        others = [q.grad for q in params if id(q) in self.not_counted]
+        # A DTensor gradient (data_parallel="shard") counts by its local shard: ``group`` then spans
+        # every rank, so each shard is summed once (a DTensor norm would reduce over its mesh again).
+        counted = [_local(q.grad) for q in params if id(q) not in self.not_counted]
+        others = [_local(q.grad) for q in params if id(q) in self.not_counted]
         if counted:
             local = get_total_norm(counted, self.norm_type).to(self.device, torch.float32)
         else:
@@ -263,7 +270,7 @@ class StepValidation:
     def _note_nonfinite(self, grads: Sequence[tuple[nn.Parameter, torch.Tensor | None]]) -> None:
         """This rank's parameters with a non-finite gradient, for the caller's message (failure path only:
         one host sync per parameter)."""
-        self.nonfinite_params = [q for q, g in grads if g is not None and not bool(torch.isfinite(g).all())]
+        self.nonfinite_params = [q for q, g in grads if g is not None and not bool(torch.isfinite(_local(g)).all())]
 
     def _record(
         self,

@@ -34,6 +34,10 @@ from lightning_twobp.options import PipelineOptions
 __all__ = ["NonFiniteError", "StepRecords", "TwoBPStrategy"]
 
 _IO_TIMEOUT = timedelta(minutes=30)  # at least this for checkpoint collectives
+_NO_SHARDED_CHECKPOINTS = (
+    "data_parallel='shard': checkpoints of sharded stages (save and resume) are not supported yet (issue 22); "
+    "train with data_parallel='replicate' to checkpoint"
+)
 
 
 class TwoBPStrategy(PipelinePlacement, DDPStrategy):
@@ -41,7 +45,7 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
 
     Args:
         schedule, split_backward, num_microbatches, pipeline_degree, stages_per_rank, balance, layers,
-        gather_full_model, post_validation, on_nonfinite, pipeline_timeout: the pipeline's options,
+        gather_full_model, post_validation, on_nonfinite, pipeline_timeout, data_parallel: the pipeline's options,
             documented and checked by :class:`~lightning_twobp.options.PipelineOptions` (before any
             process starts). ``pipeline_timeout`` is also the timeout of the process group and of every
             group the strategy makes unless ``timeout`` is given (at least 60 s), so a hung rank stops
@@ -68,6 +72,7 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
         post_validation: bool | None = None,
         on_nonfinite: Literal["stop", "skip"] = "stop",
         pipeline_timeout: float | None = 600.0,
+        data_parallel: Literal["replicate", "shard"] = "replicate",
         accelerator: Any = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: Any = None,
@@ -95,6 +100,7 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
             post_validation=post_validation,
             on_nonfinite=on_nonfinite,
             pipeline_timeout=pipeline_timeout,
+            data_parallel=data_parallel,
         )
         if timeout is None and pipeline_timeout is not None:
             # Lightning's own collectives (logging, checkpoints, the non-finite check) then give up on a
@@ -174,6 +180,9 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
         self.accelerator.setup(trainer)
         self._failed = False
         self._batches_checked = False
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if self.options.data_parallel == "shard" and fitting and trainer.checkpoint_callbacks:
+            raise ValueError(_NO_SHARDED_CHECKPOINTS + "; pass Trainer(enable_checkpointing=False)")
         self._pipeline = build_pipeline(self, trainer)
         self.precision_plugin = self._pipeline.precision
         self.precision_plugin.convert_module(self.model)
@@ -213,6 +222,7 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
         super().teardown()
         if pipeline is None:
             return
+        pipeline.unshard_for_good(self._failed)
         gather = self.options.gather_full_model and not self._failed and dist.is_initialized()
         pipeline.local.restore(gather, self.group("pp"), self.pp_rank, self.root_device)
         pipeline.scope.close()
@@ -333,6 +343,8 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
         """A directory (see :mod:`lightning_twobp.lightning.checkpoint`); every rank writes its stages."""
+        if self.options.data_parallel == "shard":
+            raise ValueError(_NO_SHARDED_CHECKPOINTS)
         self._validate()  # save the checked weights, not a speculative step's
         streams = self._pipeline.streams if self._pipeline is not None else None
         checkpoint_hooks.save(self, checkpoint, filepath, storage_options, streams)
@@ -341,6 +353,8 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """Each rank reads the weights and optimizer state of its own parameters, by name, whatever the
         pipeline degree or partition the checkpoint was saved with."""
+        if self.options.data_parallel == "shard":
+            raise ValueError(_NO_SHARDED_CHECKPOINTS)
         streams = self._built("load_checkpoint").streams
         checkpoint, self._resume_rng = checkpoint_hooks.load(self, checkpoint_path, weights_only, streams)
         return checkpoint
