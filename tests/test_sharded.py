@@ -143,10 +143,13 @@ def test_1f1b_sharded_matches_one_process_with_a_dp_th_of_the_bytes():
 
 @pytest.mark.parametrize(
     "strategy_kwargs",
-    [dict(schedule="zb-h1"), dict(schedule="1f1b", split_backward=False)],
-    ids=["zb-h1", "1f1b-fused"],
+    [dict(schedule="zb-h1"), dict(schedule="1f1b", split_backward=False), dict(schedule="zb-v")],
+    ids=["zb-h1", "1f1b-fused", "zb-v"],
 )
 def test_sharded_matches_one_process(strategy_kwargs):
+    """zb-h1's deferred W; the fused backward (FSDP2's own post-backward fires inside BW, with nothing to
+    do); zb-v's two stages per rank, each reduced after its own last W, and its post-validation (the
+    speculative step put back and redone on DTensor shards when clipping changes it)."""
     results = run_distributed(_fit, 4, strategy_kwargs, ("shard",), timeout=300)
     _check_against_reference(results, "shard")
 
