@@ -24,8 +24,10 @@ pytestmark = pytest.mark.dist
 STEPS = 3
 
 
-class AdamRegressor(pl.LightningModule):
-    """An ordinary LightningModule with Adam (two state tensors per parameter): nothing knows about shards."""
+class MomentumRegressor(pl.LightningModule):
+    """An ordinary LightningModule; nothing in it knows about shards. SGD with momentum: its update is
+    linear in the gradient and its state one buffer per parameter (Adam's update barely depends on the
+    gradient's scale, so a reduce that forgot to divide by dp would go unseen)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -40,8 +42,12 @@ class AdamRegressor(pl.LightningModule):
         self.log("train_loss", loss)
         return loss
 
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", F.mse_loss(self.layers(x * 2.0), y))
+
     def configure_optimizers(self):
-        return torch.optim.Adam(self.parameters(), lr=0.01)
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
 
 
 class Recorder(pl.Callback):
@@ -66,6 +72,11 @@ def _data() -> DataLoader:
     return DataLoader(TensorDataset(torch.randn(64, 6, generator=g), torch.randn(64, 3, generator=g)), batch_size=8)
 
 
+def _val_data() -> DataLoader:
+    g = torch.Generator().manual_seed(2)
+    return DataLoader(TensorDataset(torch.randn(32, 6, generator=g), torch.randn(32, 3, generator=g)), batch_size=8)
+
+
 def _trainer(strategy, devices: int, recorder: Recorder, **kw) -> pl.Trainer:
     return pl.Trainer(
         accelerator="cpu",
@@ -76,42 +87,49 @@ def _trainer(strategy, devices: int, recorder: Recorder, **kw) -> pl.Trainer:
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        gradient_clip_val=0.05,  # the global norm over DTensor shards on every rank
+        # The global norm over DTensor shards on every rank: one process's norms are 0.38, 0.65, 0.35,
+        # so the second step is clipped and the others are not (a wrong norm or scale changes one)
+        gradient_clip_val=0.5,
         callbacks=[recorder],
         **kw,
     )
 
 
-def _fit(rank: int, world: int, strategy_kwargs: dict, modes: tuple[str, ...]) -> dict:
+def _fit(rank: int, world: int, strategy_kwargs: dict, modes: tuple[str, ...], validate: bool = False) -> dict:
     os.environ.update(
         LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world), RANK=str(rank), MASTER_ADDR="127.0.0.1"
     )
     out = {}
     for mode in modes:
-        model, rec = AdamRegressor(), Recorder()
+        model, rec = MomentumRegressor(), Recorder()
         strategy = TwoBPStrategy(pipeline_degree=2, data_parallel=mode, **strategy_kwargs)
         # Lightning's DistributedSampler (shuffle, seed 0) gives replica d the samples perm[d::2]
         _trainer(strategy, world, rec, use_distributed_sampler=True).fit(model, _data())
         params = {n: q.detach().clone() for n, q in model.named_parameters() if not q.is_meta}
         kinds = {type(q).__name__ for q in model.parameters()}
         out[mode] = {"params": params, "losses": rec.losses, "bytes": rec.bytes, "kinds": kinds}
+        if validate:  # a second Trainer call shards the trained stages again; forward-only, then freed
+            strategy = TwoBPStrategy(pipeline_degree=2, data_parallel=mode, **strategy_kwargs)
+            trainer = _trainer(strategy, world, Recorder(), use_distributed_sampler=True)
+            out[mode]["val_loss"] = trainer.validate(model, _val_data(), verbose=False)[0]["val_loss"]
     return out
 
 
-def _reference() -> tuple[dict, list[float]]:
+def _reference() -> tuple[dict, list[float], float]:
     """One process on batches of 16: replica 0's 8 samples of each step, then replica 1's."""
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(64, 6, generator=g), torch.randn(64, 3, generator=g)
     perm = torch.randperm(64, generator=torch.Generator().manual_seed(0))
     order = torch.cat([torch.cat([perm[0::2][i * 8 : (i + 1) * 8], perm[1::2][i * 8 : (i + 1) * 8]]) for i in range(4)])
-    model, rec = AdamRegressor(), Recorder()
+    model, rec = MomentumRegressor(), Recorder()
     data = DataLoader(TensorDataset(x[order], y[order]), batch_size=16)
     _trainer("auto", 1, rec, use_distributed_sampler=False).fit(model, data)
-    return {n: q.detach() for n, q in model.named_parameters()}, rec.losses
+    val_loss = _trainer("auto", 1, Recorder()).validate(model, _val_data(), verbose=False)[0]["val_loss"]
+    return {n: q.detach() for n, q in model.named_parameters()}, rec.losses, val_loss
 
 
 def _check_against_reference(results: list[dict], mode: str) -> None:
-    ref, ref_losses = _reference()
+    ref, ref_losses, ref_val = _reference()
     for rank, res in enumerate(results):
         r = res[mode]
         assert r["kinds"] == {"Parameter"}, f"rank {rank}: after fit the model holds plain parameters again"
@@ -123,13 +141,18 @@ def _check_against_reference(results: list[dict], mode: str) -> None:
     for step, want in enumerate(ref_losses):
         got = (results[0][mode]["losses"][step] + results[2][mode]["losses"][step]) / 2
         assert got == pytest.approx(want, rel=1e-5), f"step {step}"
+    for rank, res in enumerate(results):  # the mean over the replicas, on every rank (sync_dist)
+        if "val_loss" in res[mode]:
+            assert res[mode]["val_loss"] == pytest.approx(ref_val, rel=1e-5), f"rank {rank}"
 
 
 def test_1f1b_sharded_matches_one_process_with_a_dp_th_of_the_bytes():
-    """pp2 x dp2 on 4 processes, 1F1B with the split backward: loss and every parameter after 3 Adam
-    steps with global-norm clipping equal one process; each rank's parameter, gradient and Adam state
-    bytes are half (1/dp) of the replicated layout's, up to the rows dim 0 does not split evenly."""
-    results = run_distributed(_fit, 4, {"schedule": "1f1b"}, ("shard", "replicate"), timeout=420)
+    """pp2 x dp2 on 4 processes, 1F1B with the split backward: loss and every parameter after 3 SGD
+    steps with momentum and global-norm clipping equal one process; each rank's parameter, gradient and
+    momentum
+    bytes are half (1/dp) of the replicated layout's, up to the rows dim 0 does not split evenly; a
+    second Trainer call validates the trained model sharded, as one process does."""
+    results = run_distributed(_fit, 4, {"schedule": "1f1b"}, ("shard", "replicate"), True, timeout=480)
     _check_against_reference(results, "shard")
     for rank, res in enumerate(results):
         sharded, replicated = res["shard"]["bytes"], res["replicate"]["bytes"]
