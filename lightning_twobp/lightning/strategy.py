@@ -294,7 +294,10 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
     def _before_step(self, optimizer: Any) -> None:
         """Right before each optimizer step (the precision plugin calls it): the global check."""
         pipeline = self._built("optimizer_step")
-        losses = pipeline.runner.state.losses if pipeline.holds_last else []
+        # The first non-finite micro-batch rides along the check's sum: from one last stage only (under
+        # data_parallel="shard" the check sums over every replica; replica 0's losses name it).
+        one = pipeline.sharding is None or self.dp_rank == 0
+        losses = pipeline.runner.state.losses if pipeline.holds_last and one else []
         scaler = getattr(self.precision_plugin, "scaler", None)
         pipeline.checks.before_step(self.lightning_module, optimizer, scaler, losses)
 
