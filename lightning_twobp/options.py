@@ -86,6 +86,20 @@ def _check_timeout(seconds: Any) -> None:
         )
 
 
+def _check_data_parallel(mode: Any, gather_full_model: bool) -> None:
+    if mode not in ("replicate", "shard"):
+        raise ValueError(
+            f"data_parallel={mode!r}: choose 'replicate' (every replica holds its stages' full parameters, "
+            f"gradients and optimizer state; the default) or 'shard' (FSDP2: each replica holds 1/dp of them)"
+        )
+    if mode == "shard" and gather_full_model:
+        raise ValueError(
+            "data_parallel='shard' with gather_full_model=True: gathering the sharded stages after the Trainer "
+            "call is not supported yet (issue 22); use gather_full_model=False (each rank gets its own stages' "
+            "full weights back) or data_parallel='replicate'"
+        )
+
+
 @dataclass(frozen=True)
 class PipelineOptions:
     """What to pipeline and how: the options of :class:`~lightning_twobp.TwoBPStrategy` (and of the Hydra
@@ -137,6 +151,14 @@ class PipelineOptions:
             rank stops Lightning's collectives in minutes rather than torch's default 30.
             Checkpoint saves and loads use a group of their own with at least 30 minutes: writing
             and hashing a large checkpoint may take longer than a hung rank should.
+        data_parallel: what the data-parallel replicas of a stage hold. ``"replicate"`` (default):
+            every replica the stage's full parameters, gradients and optimizer state, gradients
+            averaged after the stage's last W. ``"shard"``: FSDP2 over the ``"dp"`` mesh dimension,
+            each replica ``1/dp`` of them; the parameters are gathered once per step before the
+            stage's first F and held through its last W, the gradients reduce-scattered once after
+            it (:mod:`lightning_twobp.lightning.sharding`). Needs at least 2 replicas; not yet with
+            tied weights across stages, ``gather_full_model``, checkpoints or precisions other than
+            fp32 (each refused before any compute).
     """
 
     schedule: str = "1f1b"
@@ -152,6 +174,7 @@ class PipelineOptions:
     pipeline_timeout: float | None = 600.0
     max_pending_w: int | tuple[int, ...] | None = None
     memory_limit: float | str | None = None
+    data_parallel: str = "replicate"
 
     def __post_init__(self) -> None:
         check_flag("split_backward", self.split_backward)
@@ -180,6 +203,7 @@ class PipelineOptions:
         if not isinstance(self.balance, str):  # a list from the user or Hydra's ListConfig: frozen
             object.__setattr__(self, "balance", tuple(operator.index(b) for b in self.balance))
         _check_timeout(self.pipeline_timeout)
+        _check_data_parallel(self.data_parallel, self.gather_full_model)
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any]) -> PipelineOptions:

@@ -524,6 +524,16 @@ CASES: dict[str, Case] = {
         r"TwoBPStrategy\(post_validation='maybe'\): it must be True or False, or "
         r"None \(on for zb-h2 and zb-v, the default\)",
     ),
+    "strategy-data-parallel": (
+        lambda t: TwoBPStrategy(data_parallel="fsdp"),
+        ValueError,
+        r"data_parallel='fsdp': choose 'replicate' .* or 'shard'",
+    ),
+    "strategy-shard-gather": (
+        lambda t: TwoBPStrategy(data_parallel="shard", gather_full_model=True),
+        ValueError,
+        r"data_parallel='shard' with gather_full_model=True: .* not supported yet",
+    ),
     "strategy-ddp-options": (
         lambda t: TwoBPStrategy(find_unused_parameters=True),
         TypeError,
@@ -535,6 +545,21 @@ CASES: dict[str, Case] = {
         lambda t: _fit(pipeline_degree=2),
         ValueError,
         r"1 devices cannot be split into pipelines of 2: .*\(use one of \[1\]\)",
+    ),
+    "fit-shard-one-replica": (
+        lambda t: _fit(data_parallel="shard"),
+        ValueError,
+        r"data_parallel='shard' with 1 data-parallel replica: there is nothing to shard the stages over",
+    ),
+    "fit-shard-precision": (
+        lambda t: _fit(data_parallel="shard", trainer=dict(precision="bf16-mixed")),
+        ValueError,
+        r"data_parallel='shard' with precision='bf16-mixed': only fp32 \('32-true'\) is supported so far",
+    ),
+    "fit-shard-checkpointing": (
+        lambda t: _fit(data_parallel="shard", trainer=dict(enable_checkpointing=True, default_root_dir=str(t))),
+        ValueError,
+        r"data_parallel='shard': checkpoints of sharded stages .* not supported yet .*enable_checkpointing=False",
     ),
     "fit-more-stages-than-layers": (
         lambda t: _fit(schedule="interleaved-1f1b", stages_per_rank=4),

@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_twobp  # noqa: F401  (registers "twobp")
@@ -39,7 +40,9 @@ class Net(pl.LightningModule):
         # an overflow in one gradient of the first stage only (the loss stays finite)
         strategy = self.trainer.strategy
         if self.global_step == self.inf_at and getattr(strategy, "is_first_stage", True):
-            self.layers[0].weight.grad.view(-1)[0] = float("inf")
+            grad = self.layers[0].weight.grad
+            grad = grad.to_local() if isinstance(grad, DTensor) else grad  # data_parallel="shard": its rows
+            grad.view(-1)[0] = float("inf")
 
     def configure_optimizers(self):
         return torch.optim.Adam(self.parameters(), lr=0.01)
@@ -156,13 +159,15 @@ def test_a_nan_loss_stops_every_rank_naming_step_stages_and_microbatch(schedule)
             torch.testing.assert_close(value, ref[name], rtol=1e-5, atol=1e-6, msg=f"rank {rank} {name}")
 
 
-def test_skip_drops_the_step_on_every_stage_and_replica():
-    # 2 pipelines x 2 stages; the inf is on the first stage of both replicas' pipelines
+@pytest.mark.parametrize("data_parallel", ["replicate", "shard"])
+def test_skip_drops_the_step_on_every_stage_and_replica(data_parallel):
+    # 2 pipelines x 2 stages; the inf is on the first stage of both replicas' pipelines (sharded: in
+    # each replica's own rows of the weight, seen by the check's sum over every rank)
     out = run_distributed(
         _fit,
         4,
         free_port(),
-        dict(schedule="1f1b", pipeline_degree=2, on_nonfinite="skip"),
+        dict(schedule="1f1b", pipeline_degree=2, on_nonfinite="skip", data_parallel=data_parallel),
         False,
         BAD_STEP,
         timeout=240,

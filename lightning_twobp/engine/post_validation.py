@@ -33,6 +33,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.nn.utils import clip_grads_with_norm_, get_total_norm
 
 from lightning_twobp.private import tensor_version
@@ -40,9 +41,16 @@ from lightning_twobp.private import tensor_version
 __all__ = ["StepValidation", "Verdict"]
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
 def _grad(q: nn.Parameter) -> torch.Tensor:
+    """A checked parameter's gradient; a DTensor gradient (data_parallel="shard") by its local shard:
+    ``group`` then spans every rank, so each shard is summed once (a DTensor norm would reduce over its
+    mesh again)."""
     assert q.grad is not None  # the parameters checked are those with a gradient (_params_with_grads)
-    return q.grad
+    return _local(q.grad)
 
 
 @dataclass(frozen=True)
@@ -269,7 +277,7 @@ class StepValidation:
     def _note_nonfinite(self, grads: Sequence[tuple[nn.Parameter, torch.Tensor | None]]) -> None:
         """This rank's parameters with a non-finite gradient, for the caller's message (failure path only:
         one host sync per parameter)."""
-        self.nonfinite_params = [q for q, g in grads if g is not None and not bool(torch.isfinite(g).all())]
+        self.nonfinite_params = [q for q, g in grads if g is not None and not bool(torch.isfinite(_local(g)).all())]
 
     def _record(
         self,

@@ -28,7 +28,8 @@ class OptimizerChecks:
     """Clipping and the non-finite policy over the pipeline group, per optimizer.
 
     ``stages_of(rank)`` names a pipeline rank's stages in messages; ``not_counted`` are the parameters
-    another rank counts in the global norm (tied copies)."""
+    another rank counts in the global norm (tied copies). ``group`` is the pipeline's, or the world's
+    under ``data_parallel="shard"`` (``pipeline_degree`` then maps its ranks to pipeline ranks)."""
 
     def __init__(
         self,
@@ -38,6 +39,7 @@ class OptimizerChecks:
         stages_of: Callable[[int], Sequence[int]],
         pp_rank: int,
         not_counted: Any,
+        pipeline_degree: int | None = None,
     ) -> None:
         self.options = options
         self.group = group
@@ -45,6 +47,7 @@ class OptimizerChecks:
         self.stages_of = stages_of
         self.pp_rank = pp_rank
         self.not_counted = not_counted
+        self.pipeline_degree = pipeline_degree
         self.checks: dict[int, StepValidation] = {}  # by id(optimizer)
         self.max_norms: dict[int, float] = {}  # this step's clipping, by id(optimizer), if Lightning asked
         self.counts = {"clipped": 0, "skipped": 0, "redone": 0}
@@ -124,10 +127,11 @@ class OptimizerChecks:
         return verdict
 
     def _where(self, verdict: Verdict, step: int) -> str:
-        stages = sorted(s for r in verdict.nonfinite_ranks for s in self.stages_of(r))
+        ranks = sorted({r % self.pipeline_degree if self.pipeline_degree else r for r in verdict.nonfinite_ranks})
+        stages = sorted(s for r in ranks for s in self.stages_of(r))
         where = (
             f"the optimizer step at global step {step}: a gradient was not finite on pipeline rank(s) "
-            f"{list(verdict.nonfinite_ranks)} (stage(s) {stages})"
+            f"{ranks} (stage(s) {stages})"
         )
         bad_mb = int(verdict.extra[0].item()) - 1 if verdict.extra is not None else -1
         if bad_mb >= 0:

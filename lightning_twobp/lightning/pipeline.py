@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
@@ -35,6 +36,7 @@ from lightning_twobp.lightning.optimizer_checks import OptimizerChecks
 from lightning_twobp.lightning.profile import profile_layers
 from lightning_twobp.lightning.quiet import known_warnings_off
 from lightning_twobp.lightning.rng import StageStreams
+from lightning_twobp.lightning.sharding import ShardedStages, check_replicas, check_stages
 from lightning_twobp.lightning.step import Logs, StepRunner, share_logs, step_means
 from lightning_twobp.partition import partition
 from lightning_twobp.private import pytree
@@ -83,6 +85,13 @@ class Pipeline:
     metrics: StepMetrics  # the module's torchmetrics Metrics, accumulated per step over its micro-batches
     checks: OptimizerChecks  # clipping and the non-finite policy, per optimizer
     means: Logs = field(default_factory=dict)  # the training step's logged means (last stage)
+    sharding: ShardedStages | None = None  # data_parallel="shard": the stages' FSDP2 shards
+
+    def unshard_for_good(self, failed: bool) -> None:
+        """data_parallel="shard", at teardown: this rank's stages hold their full weights again as plain
+        parameters (one all-gather per stage), so the model is a model again."""
+        if self.sharding is not None:
+            self.sharding.unshard_for_good(failed)
 
     @property
     def holds_last(self) -> bool:
@@ -111,7 +120,14 @@ class Pipeline:
             scaler = getattr(self.precision, "scaler", None)
             ex.record = run.record
             ex.step_label = run.label  # named so in errors
-            result = ex.step(inputs, targets, loss_scale=float(scaler.get_scale()) if scaler is not None else 1.0)
+            if self.sharding is not None:  # gathered once per step, held through the stage's last W
+                self.sharding.gather(lambda s: ex.stages[s].refresh_parameters())
+            try:
+                result = ex.step(inputs, targets, loss_scale=float(scaler.get_scale()) if scaler is not None else 1.0)
+            except BaseException:
+                if self.sharding is not None:
+                    self.sharding.release()
+                raise
             ex.record = False
             if run.record:
                 run.records = StepRecords(list(result.records), dict(result.held_bytes))
@@ -133,6 +149,8 @@ class Pipeline:
         state = runner.begin(hook, args, kwargs, m, exact=False)
         self.metrics.begin()
         outs = ex.forward_only(self.capture(), len(state.microbatches))
+        if self.sharding is not None:  # FSDP2 gathered the stages for their forward: free them again
+            self.sharding.release()
         if outs is not None:
             with self.streams.fork(ex.last):  # the last stage's part of the step, after the block
                 for i, out in enumerate(outs):
@@ -276,6 +294,9 @@ def build_pipeline(strategy: TwoBPStrategy, trainer: Any) -> Pipeline:
         )
     opts, layout, device = strategy.options, strategy.layout, strategy.root_device
     check_degree(strategy.world_size, strategy.pipeline_degree)
+    shard = opts.data_parallel == "shard"
+    if shard:
+        check_replicas(layout.dp_degree, str(getattr(strategy.precision_plugin, "precision", "32-true")))
     if device.type == "cpu":
         keep_freed_memory()  # see lightning_twobp.engine.memory: measured page faults every step otherwise
     contract = find_contract(lm, opts.layers)
@@ -293,13 +314,27 @@ def build_pipeline(strategy: TwoBPStrategy, trainer: Any) -> Pipeline:
     streams = StageStreams(schedule.stages_of(layout.pp_rank), layout.dp_rank, device)
     local = split_model(contract, sizes, schedule, layout.pp_rank)
     _announce(strategy, local, schedule, list(sizes))
+    sharding = None
+    grad_reduce: Callable[[int, list[nn.Parameter]], Callable[[], None]] | None
+    if shard:
+        try:
+            check_stages(local.stages, local.shared)
+        except ValueError:
+            local.restore(False, None, layout.pp_rank, device)  # the model as it came
+            raise
+        sharding = ShardedStages(local.stages, strategy.device_mesh["dp"])
+        grad_reduce = sharding.reduce
+    elif layout.dp_degree > 1:
+        grad_reduce = dp_reduce(strategy.group("dp"), layout.dp_degree)
+    else:
+        grad_reduce = None
     executor = PipelineExecutor(
         schedule,
         local.stages,
         loss_fn=strategy._pipeline_loss,
         device=device,
         group=strategy.group("pp"),
-        grad_reduce=dp_reduce(strategy.group("dp"), layout.dp_degree) if layout.dp_degree > 1 else None,
+        grad_reduce=grad_reduce,
         timeout=opts.pipeline_timeout,
         around=streams.fork,
     )
@@ -308,7 +343,12 @@ def build_pipeline(strategy: TwoBPStrategy, trainer: Any) -> Pipeline:
         last_rank = schedule.stage_to_rank[schedule.num_stages - 1]
         logs = LogChannel(strategy.log_group, layout.pp_rank, last_rank, strategy.pipeline_degree, device)
     tied = _tied(strategy, local, contract.name)
-    checks = OptimizerChecks(opts, strategy.group("pp"), device, schedule.stages_of, layout.pp_rank, tied.not_counted)
+    # Sharded gradients: each rank holds 1/dp of its stages' gradients, so the global norm and the
+    # non-finite check sum over every rank (each shard counted once), not over one pipeline.
+    check_group = dist.group.WORLD if shard else strategy.group("pp")
+    checks = OptimizerChecks(
+        opts, check_group, device, schedule.stages_of, layout.pp_rank, tied.not_counted, strategy.pipeline_degree
+    )
     user_precision, user_scaler, precision = _precision(strategy, checks.clip_by_norm, strategy._before_step)
     scope = ExitStack()
     scope.enter_context(known_warnings_off())  # the Trainer call's data loaders build next
@@ -316,5 +356,17 @@ def build_pipeline(strategy: TwoBPStrategy, trainer: Any) -> Pipeline:
     if layout.dp_degree == 1:  # nothing to split: the loader's own sampler, as one process reads it
         scope.callback(keep_users_sampler(trainer))
     return Pipeline(
-        local, executor, runner, tied, user_precision, user_scaler, precision, logs, scope, streams, metrics, checks
+        local,
+        executor,
+        runner,
+        tied,
+        user_precision,
+        user_scaler,
+        precision,
+        logs,
+        scope,
+        streams,
+        metrics,
+        checks,
+        sharding=sharding,
     )

@@ -35,6 +35,10 @@ from lightning_twobp.schedules.auto import AutoChoice, Profile
 __all__ = ["NonFiniteError", "StepRecords", "TwoBPStrategy"]
 
 _IO_TIMEOUT = timedelta(minutes=30)  # at least this for checkpoint collectives
+_NO_SHARDED_CHECKPOINTS = (
+    "data_parallel='shard': checkpoints of sharded stages (save and resume) are not supported yet (issue 22); "
+    "train with data_parallel='replicate' to checkpoint"
+)
 
 
 class TwoBPStrategy(PipelinePlacement, DDPStrategy):
@@ -42,8 +46,8 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
 
     Args:
         schedule, split_backward, num_microbatches, pipeline_degree, stages_per_rank, max_pending_w,
-        memory_limit, balance, layers, gather_full_model, post_validation, on_nonfinite, pipeline_timeout:
-            the pipeline's options,
+        memory_limit, balance, layers, gather_full_model, post_validation, on_nonfinite, pipeline_timeout,
+        data_parallel: the pipeline's options,
             documented and checked by :class:`~lightning_twobp.options.PipelineOptions` (before any
             process starts). ``pipeline_timeout`` is also the timeout of the process group and of every
             group the strategy makes unless ``timeout`` is given (at least 60 s), so a hung rank stops
@@ -72,6 +76,7 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
         post_validation: bool | None = None,
         on_nonfinite: Literal["stop", "skip"] = "stop",
         pipeline_timeout: float | None = 600.0,
+        data_parallel: Literal["replicate", "shard"] = "replicate",
         accelerator: Any = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: Any = None,
@@ -101,6 +106,7 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
             pipeline_timeout=pipeline_timeout,
             max_pending_w=max_pending_w,  # type: ignore[arg-type]  # a list is checked, then frozen to a tuple
             memory_limit=memory_limit,
+            data_parallel=data_parallel,
         )
         # What runs: the user's options, or with schedule="auto" the choice made at the first setup.
         self.options = self.requested
@@ -185,6 +191,9 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
         self.accelerator.setup(trainer)
         self._failed = False
         self._batches_checked = False
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if self.options.data_parallel == "shard" and fitting and trainer.checkpoint_callbacks:
+            raise ValueError(_NO_SHARDED_CHECKPOINTS + "; pass Trainer(enable_checkpointing=False)")
         self._pipeline = build_pipeline(self, trainer)
         self.precision_plugin = self._pipeline.precision
         self.precision_plugin.convert_module(self.model)
@@ -224,6 +233,7 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
         super().teardown()
         if pipeline is None:
             return
+        pipeline.unshard_for_good(self._failed)
         gather = self.options.gather_full_model and not self._failed and dist.is_initialized()
         pipeline.local.restore(gather, self.group("pp"), self.pp_rank, self.root_device)
         pipeline.scope.close()
@@ -295,7 +305,10 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
     def _before_step(self, optimizer: Any) -> None:
         """Right before each optimizer step (the precision plugin calls it): the global check."""
         pipeline = self._built("optimizer_step")
-        losses = pipeline.runner.current.losses if pipeline.holds_last else []
+        # The first non-finite micro-batch rides along the check's sum: from one last stage only (under
+        # data_parallel="shard" the check sums over every replica; replica 0's losses name it).
+        one = pipeline.sharding is None or self.dp_rank == 0
+        losses = pipeline.runner.current.losses if pipeline.holds_last and one else []
         scaler = getattr(self.precision_plugin, "scaler", None)
         pipeline.checks.before_step(self.lightning_module, optimizer, scaler, losses)
 
@@ -344,6 +357,8 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
         """A directory (see :mod:`lightning_twobp.lightning.checkpoint`); every rank writes its stages."""
+        if self.options.data_parallel == "shard":
+            raise ValueError(_NO_SHARDED_CHECKPOINTS)
         self._validate()  # save the checked weights, not a speculative step's
         streams = self._pipeline.streams if self._pipeline is not None else None
         checkpoint_hooks.save(self, checkpoint, filepath, storage_options, streams)
@@ -352,6 +367,8 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """Each rank reads the weights and optimizer state of its own parameters, by name, whatever the
         pipeline degree or partition the checkpoint was saved with."""
+        if self.options.data_parallel == "shard":
+            raise ValueError(_NO_SHARDED_CHECKPOINTS)
         streams = self._built("load_checkpoint").streams
         checkpoint, self._resume_rng = checkpoint_hooks.load(self, checkpoint_path, weights_only, streams)
         return checkpoint

@@ -1,0 +1,216 @@
+"""``TwoBPStrategy(data_parallel="shard")``: each stage's parameters, gradients and optimizer state
+sharded over its data-parallel replicas with FSDP2 (``torch.distributed.fsdp.fully_shard``), on the
+``"dp"`` dimension of the run's ``("dp", "pp")`` mesh (issue 22).
+
+FSDP2's own hooks reduce-scatter a module's gradients at the end of its backward. Under 2BP that
+moment is after B, before W has produced any weight gradient, so they cannot do it here. Instead,
+per stage and per step:
+
+1. :meth:`ShardedStages.gather`, before the step's first action: ``unshard()`` all-gathers the
+   parameters once; they stay gathered through the step's last W (FSDP's automatic gradient sync and
+   its reshard after backward are off, and ``reshard_after_forward=False``, so no micro-batch gathers
+   again). The stage's split backward then works on the gathered parameters exactly as on replicas.
+2. Gradients accumulate unsharded over the step's micro-batches (B's early edges and W's).
+3. :meth:`ShardedStages.reduce` is the executor's ``grad_reduce``: right after the stage's last W it
+   starts one reduce-scatter per dtype over the replicas (SUM, then divided by ``dp``, as the
+   replicated reduce does); at the step's end each shard's gradient becomes its DTensor parameter's
+   ``.grad``, the gathered gradients are freed and ``reshard()`` frees the gathered parameters.
+
+The optimizer (``configure_optimizers`` runs after setup) holds the DTensor shards, so its state is
+sharded too. Only public FSDP2 calls are used: ``fully_shard``, ``unshard``, ``reshard``,
+``set_requires_gradient_sync``, ``set_reshard_after_backward``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor
+
+log = logging.getLogger(__name__)
+
+__all__ = ["ShardedStages", "check_replicas", "check_stages", "state_bytes"]
+
+
+def check_replicas(dp_degree: int, precision: str) -> None:
+    """Refuse, before the model is cut, a layout or precision sharding does not support (yet)."""
+    if precision not in ("32-true", "32"):
+        raise ValueError(
+            f"data_parallel='shard' with precision={precision!r}: only fp32 ('32-true') is supported so far "
+            f"(FSDP2's MixedPrecisionPolicy is not wired in yet, issue 22); use precision='32-true' or "
+            f"data_parallel='replicate'"
+        )
+    if dp_degree < 2:
+        raise ValueError(
+            f"data_parallel='shard' with {dp_degree} data-parallel replica: there is nothing to shard the stages "
+            f"over; use data_parallel='replicate' (the default), or more devices than pipeline_degree "
+            f"(devices x num_nodes = pipeline_degree x replicas, replicas >= 2)"
+        )
+
+
+def check_stages(stages: dict[int, nn.Module], shared: list[Any]) -> None:
+    """Refuse, before any compute, stages sharding does not support (yet); each error says what to do."""
+    if shared:
+        names = "; ".join(", ".join(sp.names) for sp in shared)
+        raise ValueError(
+            f"data_parallel='shard' does not support parameters shared across pipeline stages yet ({names}): "
+            f"use data_parallel='replicate' for tied weights (issue 22)"
+        )
+    for s, module in stages.items():
+        if any(isinstance(m, FSDPModule) for m in module.modules()):
+            raise ValueError(
+                f"stage {s} already holds a fully_shard module: under data_parallel='shard' the strategy shards "
+                f"each stage itself; do not call fully_shard in configure_model"
+            )
+        for name, q in module.named_parameters():
+            if isinstance(q, DTensor):
+                raise ValueError(
+                    f"stage {s}: parameter {name} is already a DTensor; under data_parallel='shard' the strategy "
+                    f"shards the stages itself"
+                )
+            if q.dim() == 0:
+                raise ValueError(
+                    f"stage {s}: parameter {name} is a scalar (0-dim); data_parallel='shard' shards dim 0 of "
+                    f"every parameter: make it shape (1,) or use data_parallel='replicate'"
+                )
+
+
+def state_bytes(params: list[nn.Parameter], optimizers: list[Any]) -> dict[str, int]:
+    """This rank's bytes of parameters, gradients and optimizer state (local shards of DTensors)."""
+
+    def local(t: torch.Tensor) -> torch.Tensor:
+        return t.to_local() if isinstance(t, DTensor) else t
+
+    def nbytes(t: torch.Tensor) -> int:
+        return local(t).numel() * t.element_size()
+
+    opt = sum(
+        nbytes(v) for o in optimizers for st in o.state.values() for v in st.values() if isinstance(v, torch.Tensor)
+    )
+    return {
+        "params": sum(nbytes(q) for q in params),
+        "grads": sum(nbytes(q.grad) for q in params if q.grad is not None),
+        "optimizer": opt,
+    }
+
+
+def _grad(q: nn.Parameter) -> torch.Tensor:
+    assert q.grad is not None  # only parameters with a gradient are reduced
+    return q.grad
+
+
+class ShardedStages:
+    """This rank's stage modules, each ``fully_shard``-ed over ``mesh`` (the ``"dp"`` dimension)."""
+
+    def __init__(self, stages: dict[int, nn.Module], mesh: DeviceMesh) -> None:
+        self.mesh = mesh
+        self.group = mesh.get_group()
+        self.dp = mesh.size()
+        self.modules: dict[int, Any] = {}
+        self.sharded: dict[int, dict[str, nn.Parameter]] = {}  # stage -> name -> its DTensor parameter
+        self.full: dict[int, dict[str, nn.Parameter]] = {}  # stage -> name -> gathered, during a step
+        for s, stage in stages.items():
+            module = fully_shard(stage, mesh=mesh, reshard_after_forward=False)  # the same module, now an FSDPModule
+            module.set_requires_gradient_sync(False)  # reduced after the stage's last W, not after B
+            module.set_reshard_after_backward(False)  # held from the first F to the last W
+            self.modules[s] = module
+            self.sharded[s] = dict(stage.named_parameters())
+
+    def gather(self, refresh: Callable[[int], None]) -> None:
+        """All-gather every stage's parameters for one step; ``refresh(stage)`` after each (the
+        executor's stage re-reads its module's parameters: the gathered ones)."""
+        for s, module in self.modules.items():
+            module.unshard()
+            self.full[s] = dict(module.named_parameters())
+            refresh(s)
+
+    def release(self) -> None:
+        """Free the gathered parameters and gradients of every stage (after evaluation, or a failed step)."""
+        for s, module in self.modules.items():
+            for q in self.full.pop(s, {}).values():
+                q.grad = None
+            module.reshard()
+
+    def reduce(self, stage: int, params: list[nn.Parameter]) -> Callable[[], None]:
+        """The executor's ``grad_reduce`` (``params`` are the gathered ones with a gradient): start the
+        reduce-scatter of ``stage``'s gradients; the returned function sets the shards' gradients and
+        reshards the stage at the step's end."""
+        with_grad = {id(q) for q in params}
+        names = [n for n, q in self.full[stage].items() if id(q) in with_grad]
+        by_dtype: dict[torch.dtype, list[str]] = {}
+        for n in names:
+            by_dtype.setdefault(_grad(self.full[stage][n]).dtype, []).append(n)
+        started = [self._start(stage, group) for group in by_dtype.values()]
+
+        def finish() -> None:
+            for work, out, group, rows in started:
+                work.wait()
+                out.div_(self.dp)  # SUM over the replicas, then the mean: as the replicated reduce
+                self._set_grads(stage, group, out, rows)
+            self.release_stage(stage)
+
+        return finish
+
+    def release_stage(self, stage: int) -> None:
+        for q in self.full.pop(stage, {}).values():
+            q.grad = None
+        self.modules[stage].reshard()
+
+    def _start(self, stage: int, names: list[str]) -> tuple[Any, torch.Tensor, list[str], list[int]]:
+        """One reduce-scatter of the gradients ``names``: each padded along dim 0 to ``dp`` equal chunks
+        (FSDP2's ``torch.chunk`` layout: replica r holds rows ``r*c .. (r+1)*c - 1``, ``c = ceil(n/dp)``),
+        laid out ``(dp, chunk)`` so that replica r's output is its chunk of every gradient."""
+        dp, parts, rows = self.dp, [], []
+        for n in names:
+            g = _grad(self.full[stage][n])
+            c = -(-g.shape[0] // dp)
+            padded = g.new_zeros((c * dp, *g.shape[1:]))
+            padded[: g.shape[0]] = g
+            parts.append(padded.reshape(dp, -1))
+            rows.append(c)
+        flat = torch.cat(parts, dim=1).reshape(-1)  # (dp * sum of chunks)
+        out = flat.new_empty(flat.numel() // dp)
+        work = dist.reduce_scatter_single(out, flat, group=self.group, async_op=True)
+        return work, out, names, rows
+
+    def _set_grads(self, stage: int, names: list[str], out: torch.Tensor, rows: list[int]) -> None:
+        offset = 0
+        for n, c in zip(names, rows, strict=True):
+            full, shard = self.full[stage][n], self.sharded[stage][n]
+            assert isinstance(shard, DTensor)  # fully_shard made every parameter of the stage a DTensor
+            size = c * math.prod(full.shape[1:])
+            local = shard.to_local()
+            part = out[offset : offset + size].view(c, *full.shape[1:])[: local.shape[0]]
+            offset += size
+            shard.grad = DTensor.from_local(
+                part.clone(), self.mesh, shard.placements, run_check=False, shape=shard.shape, stride=shard.stride()
+            )
+
+    def unshard_for_good(self, failed: bool) -> None:
+        """At the Trainer call's end: this rank's stages hold their full weights again as plain
+        parameters (one all-gather per stage), so the model is an ordinary model afterwards. The
+        FSDP2 hooks sit on the stage containers only (ours, dropped with the pipeline), not on the
+        user's layers. After a failure the shards stay: another replica may be gone, and the gather
+        would wait for it."""
+        if failed:
+            log.warning(
+                "twobp: the Trainer call failed; under data_parallel='shard' this rank's stages keep their "
+                "DTensor shards (gathering them would wait on replicas that may be gone)"
+            )
+            return
+        for module in self.modules.values():
+            module.unshard()
+            full = {n: (q.detach().clone(), q.requires_grad) for n, q in module.named_parameters()}
+            module.reshard()
+            for n, (t, requires_grad) in full.items():
+                owner, _, leaf = n.rpartition(".")
+                setattr(module.get_submodule(owner), leaf, nn.Parameter(t, requires_grad=requires_grad))
+        self.modules, self.sharded, self.full = {}, {}, {}
