@@ -753,7 +753,8 @@ CASES: dict[str, Case] = {
     "plan-devices-not-multiple": (
         lambda t: _plan("trainer.devices=3", "strategy.pipeline_degree=2"),
         ValueError,
-        r"3 devices cannot be split into pipelines of 2: use a divisor of 3",
+        r"3 devices cannot be split into pipelines of 2: devices x num_nodes must be a multiple of pipeline_degree "
+        r"\(use one of \[1, 3\]\)",
     ),
     "plan-batch-not-divisible": (
         lambda t: _plan("data.batch_size=6", "strategy.num_microbatches=4"),
