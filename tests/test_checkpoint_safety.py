@@ -4,6 +4,7 @@ refused by name, before anything is loaded."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -54,12 +55,8 @@ def _env(rank: int, world: int) -> None:
     )
 
 
-def _fit(world: int, folder: str, max_steps: int = 4, ckpt_path: str | None = None, save: bool = True) -> dict:
-    from lightning.pytorch.callbacks import ModelCheckpoint
-
-    cbs = [ModelCheckpoint(dirpath=folder, every_n_train_steps=2, save_top_k=-1, save_last=True)] if save else []
-    model = Net()
-    trainer = pl.Trainer(
+def _trainer(world: int, max_steps: int, callbacks: list) -> pl.Trainer:
+    return pl.Trainer(
         accelerator="cpu",
         devices=world,
         strategy=TwoBPStrategy(schedule="1f1b"),
@@ -67,10 +64,18 @@ def _fit(world: int, folder: str, max_steps: int = 4, ckpt_path: str | None = No
         enable_progress_bar=False,
         enable_model_summary=False,
         use_distributed_sampler=False,
-        callbacks=cbs,
-        enable_checkpointing=save,
+        callbacks=callbacks,
+        enable_checkpointing=bool(callbacks),
         max_steps=max_steps,
-    )  # 2 steps an epoch
+    )
+
+
+def _fit(world: int, folder: str, max_steps: int = 4, ckpt_path: str | None = None, save: bool = True) -> dict:
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    cbs = [ModelCheckpoint(dirpath=folder, every_n_train_steps=2, save_top_k=-1, save_last=True)] if save else []
+    model = Net()
+    trainer = _trainer(world, max_steps, cbs)  # 2 steps an epoch
     trainer.fit(model, _data(), ckpt_path=ckpt_path)
     return {
         "step": trainer.global_step,
@@ -184,7 +189,22 @@ def saved(tmp_path_factory) -> Path:
     return root / "run" / "last.ckpt"
 
 
-@pytest.mark.parametrize("damage", ["truncate", "delete", "manifest", "extra-byte"])
+def _rewrite_manifest(folder: Path, keep) -> None:
+    manifest = json.loads((folder / ckpt.MANIFEST).read_text())
+    manifest["files"] = {n: e for n, e in manifest["files"].items() if keep(n)}
+    (folder / ckpt.MANIFEST).write_text(json.dumps(manifest))
+
+
+def _flip(file: Path) -> None:
+    data = bytearray(file.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    file.write_bytes(bytes(data))
+
+
+DAMAGES = ["truncate", "delete", "manifest", "extra-byte", "list-emptied", "list-shortened", "shard-and-entry-gone"]
+
+
+@pytest.mark.parametrize("damage", DAMAGES)
 def test_a_damaged_checkpoint_is_refused_naming_the_file(saved, tmp_path, damage):
     bad = tmp_path / "bad.ckpt"
     shutil.copytree(saved, bad)
@@ -200,9 +220,17 @@ def test_a_damaged_checkpoint_is_refused_naming_the_file(saved, tmp_path, damage
     elif damage == "manifest":
         (bad / ckpt.MANIFEST).unlink()
         match = r"has no twobp-manifest.json: it was not written completely"
-    else:
+    elif damage == "extra-byte":
         shard.write_bytes(shard.read_bytes() + b"\0")
         match = rf"{shard.name}: \d+ bytes, the manifest says"
+    elif damage in ("list-emptied", "list-shortened"):  # a flipped byte in a shard the list leaves out
+        _flip(shard)
+        _rewrite_manifest(bad, lambda n: damage == "list-shortened" and n != shard.name)
+        match = rf"{shard.name}: not in the manifest, so it cannot be checked"
+    else:  # the shard and its entry both gone: only DCP's metadata still names it
+        shard.unlink()
+        _rewrite_manifest(bad, lambda n: n != shard.name)
+        match = rf"{shard.name}: named by .metadata but not in the manifest"
     with pytest.raises(ckpt.CheckpointError, match=match):
         ckpt.verify(bad, shared=False)
     with pytest.raises(ckpt.CheckpointError, match=match):
@@ -214,3 +242,36 @@ def test_a_consolidated_checkpoint_loads_with_weights_only(saved, tmp_path):
     assert merged["global_step"] == 4
     again = torch.load(tmp_path / "full.ckpt", weights_only=True)
     assert set(again["state_dict"]) == {n for n, _ in Net().named_parameters()}
+
+
+class Shorter(Net):
+    """Net without its last layer: the saved checkpoint holds two weights it does not have."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(*list(self.layers)[:3])
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return self.layers(x)[:, :2].pow(2).mean()
+
+
+def _load_into_shorter(rank: int, world: int, saved: str) -> dict:
+    _env(rank, world)
+    out = {}
+    for strict in (True, False):
+        model = Shorter()
+        model.strict_loading = strict
+        trainer = _trainer(world, 5, [])
+        try:
+            trainer.fit(model, _data(), ckpt_path=saved)
+            out[strict] = trainer.global_step
+        except ckpt.CheckpointError as err:
+            out[strict] = str(err)
+    return out
+
+
+def test_a_checkpoint_with_weights_the_model_lacks_is_refused_unless_strict_loading_is_off(saved):
+    for out in run_distributed(_load_into_shorter, 2, str(saved), timeout=120):
+        assert 'Unexpected key(s) in state_dict: "layers.4.bias", "layers.4.weight"' in str(out[True]), out
+        assert out[False] == 5, out  # strict_loading=False: loaded and trained on, as one process does

@@ -301,6 +301,27 @@ def _check(path: Path, names: list[str], files: dict[str, Any]) -> list[str]:
     return problems
 
 
+def _unlisted(path: Path, files: dict[str, Any]) -> list[str]:
+    """Files in the directory the manifest does not list (a shortened or emptied list must not let a
+    file through unchecked), and the two every checkpoint has."""
+    present = {f.relative_to(path).as_posix() for f in path.rglob("*") if f.is_file()} - {MANIFEST}
+    missing = [n for n in (".metadata", META) if n not in files]
+    return [
+        f"{path / name}: not in the manifest, so it cannot be checked (the manifest was shortened or replaced)"
+        for name in sorted((present - set(files)) | set(missing))
+    ]
+
+
+def _unlisted_shards(path: Path, files: dict[str, Any]) -> list[str]:
+    """Files torch.distributed.checkpoint's metadata reads from that the manifest does not list."""
+    try:
+        storage = dcp.FileSystemReader(path).read_metadata().storage_data
+    except Exception as err:  # noqa: BLE001 - any unreadable .metadata is a damaged checkpoint
+        return [f"{path / '.metadata'}: unreadable ({err})"]
+    named = {info.relative_path for info in storage.values()}
+    return [f"{path / n}: named by .metadata but not in the manifest" for n in sorted(named - set(files))]
+
+
 def verify(path: str | os.PathLike, *, shared: bool = True, group: dist.ProcessGroup | None = None) -> dict[str, Any]:
     """Check every file of the checkpoint against its manifest; return the manifest. With ``shared``
     (and a process group), rank r hashes every world-size-th file and the verdict is shared, so all
@@ -325,6 +346,10 @@ def verify(path: str | os.PathLike, *, shared: bool = True, group: dist.ProcessG
     rank, world = _world() if shared else (0, 1)
     names = sorted(files)
     problems = _check(path, names[rank::world], files)
+    if rank == 0:  # what the manifest leaves out: every file present, every file DCP's metadata reads
+        problems = _unlisted(path, files) + problems
+        if not problems and ".metadata" in files:
+            problems = _unlisted_shards(path, files)
     if world > 1:
         gathered: list[Any] = [None] * world
         dist.all_gather_object(gathered, problems, group=group)
@@ -337,6 +362,27 @@ def verify(path: str | os.PathLike, *, shared: bool = True, group: dist.ProcessG
             "is complete)"
         )
     return manifest
+
+
+def _refuse_unexpected(path: Path, saved: dict[str, Any], model: dict[str, Any], group: Any) -> None:
+    """Weights in the checkpoint that the whole model does not have (a deeper model's checkpoint): refused
+    as one-process Lightning's ``load_state_dict`` refuses them. The whole model's names are the union of
+    every rank's, since each rank holds only its stages' during a Trainer call."""
+    names = set(model)
+    if _world()[1] > 1:
+        every: list[Any] = [None] * _world()[1]
+        dist.all_gather_object(every, sorted(names), group=group)
+        names = {n for part in every for n in part}
+    unexpected = sorted(k[len("model.") :] for k in saved if k.startswith("model.") and k[len("model.") :] not in names)
+    if unexpected:
+        shown = ", ".join(f'"{k}"' for k in unexpected[:8]) + (
+            f" and {len(unexpected) - 8} more" if len(unexpected) > 8 else ""
+        )
+        raise CheckpointError(
+            f"Error(s) in loading checkpoint {path}: Unexpected key(s) in state_dict: {shown}. The checkpoint "
+            f"holds weights this model does not have (saved from a larger model?); load the matching model, "
+            f"or set self.strict_loading = False in the LightningModule to ignore them"
+        )
 
 
 def load(
@@ -366,10 +412,12 @@ def load(
     for i, opt in enumerate(optimizers):
         # The optimizer's own state dict as the template (torch fills a fresh optimizer's state first).
         state[f"optimizer_{i}"] = get_optimizer_state_dict(module, opt, options=_OPTIM)
+    saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    if strict:
+        _refuse_unexpected(path, saved, state["model"], group)
     # This rank's random states and its stages', where the checkpoint has them (it may come from another
     # world size or layout).
     own = f"rank{_world()[0]}"
-    saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
     rng = {}
     for name in (own, *streams):
         prefix = f"rng.{name}."
