@@ -72,12 +72,11 @@ def _trainer(devices, strategy, max_steps, callbacks=(), **kw):
         strategy=strategy,
         max_steps=max_steps,
         logger=False,
-        enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
         use_distributed_sampler=False,
         callbacks=list(callbacks),
-        **kw,
+        **{"enable_checkpointing": False, **kw},
     )
 
 
@@ -85,7 +84,8 @@ def _weights(model) -> dict:
     return {n: q.detach().clone() for n, q in model.named_parameters() if not q.is_meta}
 
 
-def _fit(rank: int, world: int, port: int, kwargs: dict, nan_data: bool, inf_at: int | None) -> dict:
+def _env(rank: int, world: int, port: int) -> None:
+    """What Lightning's launcher sets for each rank (run_distributed started the processes)."""
     os.environ.update(
         LOCAL_RANK=str(rank),
         NODE_RANK="0",
@@ -94,6 +94,10 @@ def _fit(rank: int, world: int, port: int, kwargs: dict, nan_data: bool, inf_at:
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
     )
+
+
+def _fit(rank: int, world: int, port: int, kwargs: dict, nan_data: bool, inf_at: int | None) -> dict:
+    _env(rank, world, port)
     model = Net(inf_at)
     logged: list[float] = []
 
@@ -117,14 +121,7 @@ def _fit(rank: int, world: int, port: int, kwargs: dict, nan_data: bool, inf_at:
 
 
 def _anomaly(rank: int, world: int, port: int) -> str:
-    os.environ.update(
-        LOCAL_RANK=str(rank),
-        NODE_RANK="0",
-        WORLD_SIZE=str(world),
-        RANK=str(rank),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-    )
+    _env(rank, world, port)
     trainer = _trainer(world, TwoBPStrategy(num_microbatches=M, pipeline_timeout=60), 5, detect_anomaly=True)
     try:
         trainer.fit(Net(), _data(True))
@@ -188,3 +185,34 @@ def test_detect_anomaly_names_the_operation_and_stops_every_rank():
 def test_on_nonfinite_is_checked_at_construction():
     with pytest.raises(ValueError, match="on_nonfinite='ignore': choose 'stop'"):
         TwoBPStrategy(on_nonfinite="ignore")
+
+
+def _fit_saving(rank: int, world: int, port: int, folder: str) -> str:
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    _env(rank, world, port)
+    saving = ModelCheckpoint(
+        dirpath=folder, every_n_train_steps=1, save_top_k=-1, save_last=True, save_on_exception=True
+    )
+    trainer = _trainer(
+        world, TwoBPStrategy(num_microbatches=M, schedule="zb-h2"), 5, [saving], enable_checkpointing=True
+    )
+    with pytest.raises(NonFiniteError) as info:
+        trainer.fit(Net(), _data(True))
+    return str(info.value)
+
+
+def test_weights_known_not_finite_are_never_saved(tmp_path):
+    """zb-h2 without clipping takes the NaN step before its check: neither the step's checkpoint nor
+    save_on_exception's nor last.ckpt may hold those weights, and the error says what is on disk."""
+    from lightning_twobp.lightning import checkpoint as ckpt
+
+    errors = run_distributed(_fit_saving, 2, free_port(), str(tmp_path), timeout=180)
+    for err in errors:
+        assert "the step was taken before the check" in err and "no checkpoint is written from them" in err, err
+    saved = sorted(p.name for p in tmp_path.iterdir())
+    assert saved == ["epoch=0-step=1.ckpt", "epoch=0-step=2.ckpt", "last.ckpt"], saved  # nothing after step 2
+    for name in saved:
+        weights = ckpt.consolidate(tmp_path / name, tmp_path / f"{name}.pt")["state_dict"]
+        (tmp_path / f"{name}.pt").unlink()
+        assert all(torch.isfinite(t).all() for t in weights.values()), name

@@ -263,6 +263,7 @@ class TwoBPStrategy(DDPStrategy):
         self._pipeline: _Pipeline | None = None
         self._stash = GradStash()
         self._failed = False
+        self._nonfinite_step: int | None = None  # a step that left non-finite weights: nothing is saved
         self.stage_sizes: list[int] | None = None  # layers per stage, once the pipeline is built
         self._resume_rng: dict[str, torch.Tensor] | None = None  # a checkpoint's random states, not yet restored
         self._record_next = False
@@ -379,6 +380,7 @@ class TwoBPStrategy(DDPStrategy):
         assert self.accelerator is not None and self.lightning_module is not None
         self.accelerator.setup(trainer)
         self._failed = False
+        self._nonfinite_step = None  # the step that left non-finite weights (stop, post-validation)
         self._batches_checked = False
         self._pipeline = self._build(trainer)
         self.precision_plugin.convert_module(self.model)
@@ -683,8 +685,11 @@ class TwoBPStrategy(DDPStrategy):
                 "the step was not taken on any rank"
                 if verdict.skipped
                 else "the step was taken before the check (post-validation keeps no copy to undo it when not "
-                "clipping), so the weights in memory are not finite; checkpoints on disk are from before"
+                "clipping), so the weights in memory are not finite; no checkpoint is written from them "
+                "(save_on_exception included): those on disk are from before"
             )
+            if not verdict.skipped:
+                self._nonfinite_step = step  # save_checkpoint writes nothing from now on
             if dist.is_initialized() and dist.get_world_size() > 1:
                 # Every rank raises here; meet first, so that no rank tears down its connections while
                 # another still receives this step's last messages (it would see a lost peer instead).
@@ -841,6 +846,13 @@ class TwoBPStrategy(DDPStrategy):
                 "written with torch.distributed.checkpoint, not through a CheckpointIO plugin"
             )
         self._validate()  # save the checked weights, not a speculative step's
+        if self._nonfinite_step is not None:  # never save weights known not to be finite
+            log.warning(
+                "twobp: not saving %s: the optimizer step at global step %d made the weights non-finite",
+                filepath,
+                self._nonfinite_step,
+            )
+            return
         path = Path(self.broadcast(str(filepath)))
         layout = {
             "pipeline_degree": self.pipeline_degree,
