@@ -4,8 +4,6 @@ step is skipped everywhere (``"skip"``); the weights never drift apart."""
 
 from __future__ import annotations
 
-import os
-
 import lightning.pytorch as pl
 import pytest
 import torch
@@ -15,7 +13,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_twobp  # noqa: F401  (registers "twobp")
 from lightning_twobp import NonFiniteError, TwoBPStrategy
-from lightning_twobp.testing import free_port, run_distributed
+from lightning_twobp.testing import free_port, rank_env, run_distributed
 
 pytestmark = pytest.mark.dist
 
@@ -84,20 +82,8 @@ def _weights(model) -> dict:
     return {n: q.detach().clone() for n, q in model.named_parameters() if not q.is_meta}
 
 
-def _env(rank: int, world: int, port: int) -> None:
-    """What Lightning's launcher sets for each rank (run_distributed started the processes)."""
-    os.environ.update(
-        LOCAL_RANK=str(rank),
-        NODE_RANK="0",
-        WORLD_SIZE=str(world),
-        RANK=str(rank),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-    )
-
-
 def _fit(rank: int, world: int, port: int, kwargs: dict, nan_data: bool, inf_at: int | None) -> dict:
-    _env(rank, world, port)
+    rank_env(rank, world, port)
     model = Net(inf_at)
     logged: list[float] = []
 
@@ -121,7 +107,7 @@ def _fit(rank: int, world: int, port: int, kwargs: dict, nan_data: bool, inf_at:
 
 
 def _anomaly(rank: int, world: int, port: int) -> str:
-    _env(rank, world, port)
+    rank_env(rank, world, port)
     trainer = _trainer(world, TwoBPStrategy(num_microbatches=M, pipeline_timeout=60), 5, detect_anomaly=True)
     try:
         trainer.fit(Net(), _data(True))
@@ -190,7 +176,7 @@ def test_on_nonfinite_is_checked_at_construction():
 def _fit_saving(rank: int, world: int, port: int, folder: str) -> str:
     from lightning.pytorch.callbacks import ModelCheckpoint
 
-    _env(rank, world, port)
+    rank_env(rank, world, port)
     saving = ModelCheckpoint(
         dirpath=folder, every_n_train_steps=1, save_top_k=-1, save_last=True, save_on_exception=True
     )

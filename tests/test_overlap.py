@@ -3,8 +3,6 @@ arrive without one, and clipping by post-validation gives bitwise the parameters
 
 from __future__ import annotations
 
-import os
-
 import lightning.pytorch as pl
 import pytest
 import torch
@@ -14,7 +12,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_twobp import TwoBPStrategy
-from lightning_twobp.testing import free_port, run_distributed
+from lightning_twobp.testing import free_port, rank_env, run_distributed
 
 pytestmark = pytest.mark.dist
 
@@ -84,14 +82,7 @@ class _CountCollectives(pl.Callback):
 
 
 def _fit(rank: int, world: int, port: int, strategy_kwargs: dict, clip: float | None, inf_at: int | None) -> dict:
-    os.environ.update(
-        LOCAL_RANK=str(rank),
-        NODE_RANK="0",
-        WORLD_SIZE=str(world),
-        RANK=str(rank),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-    )
+    rank_env(rank, world, port)
     model = Net(inf_at)
     counter = _CountCollectives()
     seen: list[float] = []

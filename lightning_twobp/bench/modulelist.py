@@ -20,7 +20,6 @@ their weights must come out equal (``max_param_diff``).
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import time
 from collections.abc import Callable
@@ -36,7 +35,7 @@ from lightning_twobp.bench.workload import WORLD, Workload, keep_freed_memory, s
 from lightning_twobp.models.llama_loop import LlamaLoop
 from lightning_twobp.partition import even_sizes
 from lightning_twobp.schedules.placement import default_stages_per_rank
-from lightning_twobp.testing import free_port, run_distributed
+from lightning_twobp.testing import free_port, rank_env, run_distributed
 
 __all__ = ["bench_modulelist", "main"]
 
@@ -98,14 +97,7 @@ def _fit(
 def _worker(
     rank: int, world: int, wl: Workload, schedules: list[str], m: int, rounds: int, steps: int, port: int
 ) -> dict:
-    os.environ.update(
-        LOCAL_RANK=str(rank),
-        NODE_RANK="0",
-        WORLD_SIZE=str(world),
-        RANK=str(rank),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-    )
+    rank_env(rank, world, port)
     keep_freed_memory()
     out: dict = {}
     for schedule in schedules:

@@ -22,7 +22,6 @@ on CPU.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import time
 
@@ -30,7 +29,7 @@ import lightning.pytorch as pl
 import torch
 
 from lightning_twobp.bench.report import write_json
-from lightning_twobp.testing import free_port, run_distributed
+from lightning_twobp.testing import free_port, rank_env, run_distributed
 
 __all__ = ["bench_monitor"]
 
@@ -130,14 +129,7 @@ def _inside(run: dict, every: int) -> dict:
 
 
 def _worker(rank: int, world: int, port: int, rounds: int, steps: int, every: int) -> dict:
-    os.environ.update(
-        LOCAL_RANK=str(rank),
-        NODE_RANK="0",
-        WORLD_SIZE=str(world),
-        RANK=str(rank),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-    )
+    rank_env(rank, world, port)
     out: dict[str, list[dict]] = {"with": [], "without": []}
     _fit(rank, world, 10, every, True)  # warm-up: imports, allocator, the first process group
     for _ in range(rounds):

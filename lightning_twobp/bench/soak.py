@@ -12,7 +12,6 @@ well under one.
 
 from __future__ import annotations
 
-import os
 import statistics
 import time
 import tracemalloc
@@ -21,7 +20,7 @@ import lightning.pytorch as pl
 import torch
 
 from lightning_twobp.monitor import rss_mb
-from lightning_twobp.testing import free_port, run_distributed
+from lightning_twobp.testing import free_port, rank_env, run_distributed
 
 __all__ = ["markdown", "soak"]
 
@@ -47,14 +46,7 @@ def _worker(rank: int, world: int, port: int, steps: int, every: int, python: bo
     from lightning_twobp.data import TokenDataModule
     from lightning_twobp.models import LlamaLM
 
-    os.environ.update(
-        LOCAL_RANK=str(rank),
-        NODE_RANK="0",
-        WORLD_SIZE=str(world),
-        RANK=str(rank),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-    )
+    rank_env(rank, world, port)
     model = LlamaLM(vocab_size=256, dim=128, n_layers=4, n_heads=4, max_seq_len=64, lr=3e-3)
     data = TokenDataModule(vocab_size=256, seq_len=64, batch_size=16, num_train=4096, num_val=0, seed=0)
     sampler = _Sampler(every)

@@ -53,6 +53,7 @@ from lightning_twobp.lightning.loaders import keep_users_sampler
 from lightning_twobp.lightning.logs import LogChannel
 from lightning_twobp.lightning.metrics import StepMetrics
 from lightning_twobp.lightning.model import LocalModel, split_model
+from lightning_twobp.lightning.preemption import Preempted, StopSignals
 from lightning_twobp.lightning.profile import profile_layers
 from lightning_twobp.lightning.quiet import known_warnings_off
 from lightning_twobp.lightning.rng import StageStreams
@@ -62,7 +63,7 @@ from lightning_twobp.schedules import SCHEDULES, Schedule, build_schedule, check
 
 log = logging.getLogger(__name__)
 
-__all__ = ["NonFiniteError", "TwoBPStrategy"]
+__all__ = ["NonFiniteError", "Preempted", "TwoBPStrategy"]
 
 _NOT_YET = (
     "the pipeline is built in setup(), when a Trainer call starts: call trainer.fit (or validate, test, predict) first"
@@ -262,6 +263,7 @@ class TwoBPStrategy(DDPStrategy):
         self._mesh: DeviceMesh | None = None
         self._pipeline: _Pipeline | None = None
         self._stash = GradStash()
+        self._signals: StopSignals | None = None
         self._failed = False
         self._nonfinite_step: int | None = None  # a step that left non-finite weights: nothing is saved
         self.stage_sizes: list[int] | None = None  # layers per stage, once the pipeline is built
@@ -361,6 +363,7 @@ class TwoBPStrategy(DDPStrategy):
         # Checkpoint I/O (writing, hashing, verifying a large checkpoint) may take longer than a hung
         # rank should: its collectives get a group of their own with at least torch's 30 minutes.
         self._io_group = dist.new_group(timeout=max(self._timeout, _IO_TIMEOUT)) if dist.is_initialized() else None
+        self._signals = StopSignals(self._timeout)  # SIGTERM and SLURM's requeue: see .preemption
         layout = self._layout
         if self.pipeline_degree > 1:
             # The loss and logs travel on a group of their own, so that their messages never mix with
@@ -503,6 +506,8 @@ class TwoBPStrategy(DDPStrategy):
     @override
     def on_train_end(self) -> None:
         self._validate()  # the last optimizer step's verdict: the trained weights are the checked ones
+        if self._signals is not None:
+            self._signals.close()
         if self._pipeline is not None and self._pipeline.logs is not None:
             self._pipeline.logs.flush()
         super().on_train_end()
@@ -512,6 +517,8 @@ class TwoBPStrategy(DDPStrategy):
         """Lightning's teardown (optimizers and model to the CPU), then the model is put back whole
         and the precision plugin is Lightning's own again, with the trained loss scale."""
         pipeline, self._pipeline = self._pipeline, None
+        if self._signals is not None:
+            self._signals.uninstall()
         super().teardown()
         if pipeline is None:
             return
@@ -565,6 +572,8 @@ class TwoBPStrategy(DDPStrategy):
     def on_train_start(self) -> None:
         if not self._batches_checked:
             self._check_batches()
+        if self._signals is not None:  # after Lightning registered its handlers, which this replaces
+            self._signals.install(self.lightning_module.trainer)
         super().on_train_start()
 
     @override
@@ -573,6 +582,8 @@ class TwoBPStrategy(DDPStrategy):
             ckpt.set_rng_state(self._resume_rng)
             self._resume_rng = None
         self._built("on_train_batch_start").streams.apply_pending()
+        if self._signals is not None:  # every rank stops before the same step once one was signalled
+            self._signals.agree(self.lightning_module.trainer.global_step)
         super().on_train_batch_start(batch, batch_idx)
 
     @override
