@@ -17,7 +17,7 @@ from test_checkpoint_safety import Net, _trainer
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_twobp import Preempted
+from lightning_twobp import Preempted, TwoBPStrategy
 from lightning_twobp.lightning import checkpoint as ckpt
 from lightning_twobp.testing import free_port, rank_env, run_distributed
 
@@ -28,10 +28,10 @@ STEPS = 40  # what the run would train without a signal
 
 
 class SignalMidStep(pl.Callback):
-    """Sends SIGTERM to this process from inside the forward of training step ``AT`` (on ``ranks``)."""
+    """Sends ``sig`` to this process from inside the forward of training step ``AT`` (on ``ranks``)."""
 
-    def __init__(self, ranks: set[int]) -> None:
-        self.ranks = ranks
+    def __init__(self, ranks: set[int], sig: int = signal.SIGTERM) -> None:
+        self.ranks, self.sig = ranks, sig
         self.sent: list[float] = []
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
@@ -41,7 +41,7 @@ class SignalMidStep(pl.Callback):
         def hook(module, args, out):
             handle.remove()
             self.sent.append(time.monotonic())
-            os.kill(os.getpid(), signal.SIGTERM)
+            os.kill(os.getpid(), self.sig)
 
         handle = nn.modules.module.register_module_forward_hook(hook)
 
@@ -113,6 +113,46 @@ def test_sigterm_stops_every_rank_at_one_step_saves_and_exits_non_zero(tmp_path)
         stop = seen[0]["step"]
         if case == "on-exception":  # the step every rank stopped at, saved there
             assert f"epoch={(stop - 1) // 2}-step={stop}.ckpt" in saved, saved
+
+
+def _requeue(rank: int, world: int, port: int, root: str) -> dict:
+    """Under SLURM (its variables as srun sets them) with Lightning's auto-requeue, SIGUSR1 to rank 1."""
+    from lightning.fabric.plugins.environments import SLURMEnvironment
+
+    rank_env(rank, world, port)
+    os.environ.update(
+        SLURM_NTASKS=str(world), SLURM_NTASKS_PER_NODE=str(world), SLURM_NNODES="1", SLURM_PROCID=str(rank)
+    )
+    os.environ.update(SLURM_LOCALID=str(rank), SLURM_NODEID="0", SLURM_JOB_ID="4242", SLURM_JOB_NAME="twobp")
+    g = torch.Generator().manual_seed(1)
+    data = DataLoader(TensorDataset(torch.randn(16, 6, generator=g), torch.randn(16, 2, generator=g)), batch_size=8)
+    mid = SignalMidStep({1}, signal.SIGUSR1)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=world,
+        strategy=TwoBPStrategy(),
+        plugins=[SLURMEnvironment(auto_requeue=True)],
+        default_root_dir=root,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+        callbacks=[mid],
+        max_steps=STEPS,
+    )
+    with pytest.raises(Preempted) as stop:
+        trainer.fit(Net(), data)
+    return {"error": str(stop.value), "code": stop.value.code, "step": trainer.global_step}
+
+
+def test_slurms_requeue_signal_saves_the_hpc_checkpoint_at_one_step_and_stops(tmp_path):
+    seen = run_distributed(_requeue, 2, free_port(), str(tmp_path), timeout=180)
+    assert seen[0]["step"] == seen[1]["step"] <= AT + 2, seen
+    for s in seen:
+        assert s["code"] == 128 + signal.SIGUSR1 and "SIGUSR1 on rank(s) [1]" in s["error"], s
+    manifest = ckpt.verify(tmp_path / "hpc_ckpt_1.ckpt", shared=False)  # saved by both ranks, complete
+    assert manifest["layout"]["pipeline_degree"] == 2, manifest
 
 
 SCRIPT = """
