@@ -55,7 +55,7 @@ def _env(rank: int, world: int) -> None:
     )
 
 
-def _trainer(world: int, max_steps: int, callbacks: list) -> pl.Trainer:
+def _trainer(world: int, max_steps: int, callbacks: list, **kw) -> pl.Trainer:
     return pl.Trainer(
         accelerator="cpu",
         devices=world,
@@ -67,6 +67,7 @@ def _trainer(world: int, max_steps: int, callbacks: list) -> pl.Trainer:
         callbacks=callbacks,
         enable_checkpointing=bool(callbacks),
         max_steps=max_steps,
+        **kw,
     )
 
 

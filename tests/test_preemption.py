@@ -17,7 +17,7 @@ from test_checkpoint_safety import Net, _trainer
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_twobp import Preempted, TwoBPStrategy
+from lightning_twobp import Preempted
 from lightning_twobp.lightning import checkpoint as ckpt
 from lightning_twobp.testing import free_port, rank_env, run_distributed
 
@@ -127,20 +127,7 @@ def _requeue(rank: int, world: int, port: int, root: str) -> dict:
     g = torch.Generator().manual_seed(1)
     data = DataLoader(TensorDataset(torch.randn(16, 6, generator=g), torch.randn(16, 2, generator=g)), batch_size=8)
     mid = SignalMidStep({1}, signal.SIGUSR1)
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=world,
-        strategy=TwoBPStrategy(),
-        plugins=[SLURMEnvironment(auto_requeue=True)],
-        default_root_dir=root,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        use_distributed_sampler=False,
-        callbacks=[mid],
-        max_steps=STEPS,
-    )
+    trainer = _trainer(world, STEPS, [mid], plugins=[SLURMEnvironment(auto_requeue=True)], default_root_dir=root)
     with pytest.raises(Preempted) as stop:
         trainer.fit(Net(), data)
     return {"error": str(stop.value), "code": stop.value.code, "step": trainer.global_step}
