@@ -4,6 +4,7 @@ refused by name, before anything is loaded."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -20,7 +21,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import lightning_twobp  # noqa: F401  (registers "twobp")
 from lightning_twobp import TwoBPStrategy
 from lightning_twobp.lightning import checkpoint as ckpt
-from lightning_twobp.testing import run_distributed
+from lightning_twobp.testing import free_port, rank_env, run_distributed
 
 pytestmark = pytest.mark.dist
 
@@ -155,11 +156,15 @@ def _resume_all(rank: int, world: int, root: str, points: list[str]) -> dict:
 
 
 def test_kill_9_during_a_save_leaves_a_checkpoint_that_resumes_exactly(tmp_path):
+    seen = {}
     for point in POINTS:
-        with pytest.raises(Exception):  # noqa: B017 the killed rank's exit, and its peer's lost connection
+        with pytest.raises(Exception) as info:  # noqa: B017 the killed rank's exit, and its peer's lost connection
             run_distributed(_crash, 2, str(tmp_path / point), point, timeout=120)
+        seen[point] = str(info.value)
     states = {p: sorted(x.name for x in (tmp_path / p).iterdir()) for p in POINTS}
-    assert ".last.ckpt.partial" in states["between-shards"], states  # what the crash left behind
+    # rank 1 killed as it starts writing: rank 0 names it, and removes the hidden partial checkpoint
+    assert "was not saved: a rank was lost during the save: global rank 1 (pid " in seen["between-shards"], seen
+    assert ".last.ckpt.partial" not in states["between-shards"], states
     assert "last.ckpt" not in states["mid-rename"] and ".last.ckpt.partial" in states["mid-rename"], states
     # a complete checkpoint, one bit flipped in a shard: refused by name on every rank
     flipped = tmp_path / "flipped"
@@ -276,3 +281,56 @@ def test_a_checkpoint_with_weights_the_model_lacks_is_refused_unless_strict_load
     for out in run_distributed(_load_into_shorter, 2, str(saved), timeout=120):
         assert 'Unexpected key(s) in state_dict: "layers.4.bias", "layers.4.weight"' in str(out[True]), out
         assert out[False] == 5, out  # strict_loading=False: loaded and trained on, as one process does
+
+
+def _disk_full_on(case: str, rank: int) -> None:
+    """The second save (last.ckpt at step 2) finds the disk full: rank 0 writing meta.pt with torch.save,
+    or rank 1 writing its shard inside torch.distributed.checkpoint."""
+    full = OSError(errno.ENOSPC, "No space left on device")
+    if case == "meta" and rank == 0:
+        original, calls = ckpt._write_meta, {"n": 0}
+
+        def write_meta(*a, **k):
+            calls["n"] += 1
+            if calls["n"] == 2:
+                raise full
+            return original(*a, **k)
+
+        ckpt._write_meta = write_meta
+    elif case == "shard" and rank == 1:
+        original_write, calls = ckpt.dcp.FileSystemWriter.write_data, {"n": 0}
+
+        def write_data(self, *a, **k):
+            calls["n"] += 1
+            if calls["n"] == 2:
+                raise full
+            return original_write(self, *a, **k)
+
+        ckpt.dcp.FileSystemWriter.write_data = write_data
+
+
+def _fill_the_disk(rank: int, world: int, port: int, root: str) -> dict:
+    rank_env(rank, world, port)
+    write_meta, write_data = ckpt._write_meta, ckpt.dcp.FileSystemWriter.write_data
+    out = {}
+    for case in ("meta", "shard"):
+        _disk_full_on(case, rank)
+        try:
+            _fit(world, f"{root}/{case}")
+            out[case] = "saved"
+        except ckpt.CheckpointError as err:
+            out[case] = str(err)
+        finally:
+            ckpt._write_meta, ckpt.dcp.FileSystemWriter.write_data = write_meta, write_data
+    return out
+
+
+def test_a_full_disk_is_named_and_leaves_nothing_hidden(tmp_path):
+    for out in run_distributed(_fill_the_disk, 2, free_port(), str(tmp_path), timeout=180):
+        for case in ("meta", "shard"):
+            assert "was not saved: the disk is full" in out[case], (case, out[case])
+            assert "The previous checkpoint at" in out[case] and "the partial one was removed" in out[case]
+    for case in ("meta", "shard"):
+        left = sorted(p.name for p in (tmp_path / case).iterdir())
+        assert left == ["epoch=0-step=2.ckpt"], left  # no .last.ckpt.partial
+        ckpt.verify(tmp_path / case / "epoch=0-step=2.ckpt", shared=False)

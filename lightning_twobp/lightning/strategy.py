@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import math
 import operator
+import socket
 from collections.abc import Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass, field
@@ -31,10 +32,12 @@ from torch.utils import _pytree as pytree
 from typing_extensions import override
 
 from lightning_twobp.engine import PipelineExecutor, StepValidation, Verdict
+from lightning_twobp.engine.failure import FailureChannel
 from lightning_twobp.engine.memory import keep_freed_memory
 from lightning_twobp.lightning import checkpoint as ckpt
 from lightning_twobp.lightning.checks import check_flag, check_nodes, checked_optimizers
 from lightning_twobp.lightning.contract import find_contract
+from lightning_twobp.lightning.failures import save_refused, told
 from lightning_twobp.lightning.grads import (
     GradStash,
     TiedParameters,
@@ -264,6 +267,7 @@ class TwoBPStrategy(DDPStrategy):
         self._pipeline: _Pipeline | None = None
         self._stash = GradStash()
         self._signals: StopSignals | None = None
+        self._failures: FailureChannel | None = None  # the first failure, told to every rank (see .failures)
         self._failed = False
         self._nonfinite_step: int | None = None  # a step that left non-finite weights: nothing is saved
         self.stage_sizes: list[int] | None = None  # layers per stage, once the pipeline is built
@@ -433,6 +437,11 @@ class TwoBPStrategy(DDPStrategy):
         layout = self._layout
         streams = StageStreams(schedule.stages_of(layout.pp_rank), layout.dp_rank, self.root_device)
         local = split_model(contract, sizes, schedule, layout.pp_rank)
+        held = ", ".join(map(str, schedule.stages_of(layout.pp_rank)))
+        self._failures = FailureChannel.open(
+            f"global rank {self.global_rank} (pipeline rank {layout.pp_rank}, "
+            f"stage(s) {held}, host {socket.gethostname()})"
+        )
         for s, module in local.stages.items():
             first = local.bounds[s]
             log.info(
@@ -501,6 +510,8 @@ class TwoBPStrategy(DDPStrategy):
     @override
     def on_exception(self, exception: BaseException) -> None:
         self._failed = True  # teardown gathers nothing then: another rank may be gone
+        if self._failures is not None and not self._failures.seen and not isinstance(exception, Preempted):
+            self._failures.report(exception, "outside the training step")  # the others name it when lost
         super().on_exception(exception)
 
     @override
@@ -588,6 +599,10 @@ class TwoBPStrategy(DDPStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        with told(self._failures, f"global step {self.lightning_module.trainer.global_step}"):
+            return self._training_step(args, kwargs)
+
+    def _training_step(self, args: tuple, kwargs: dict) -> Any:
         pipeline = self._built("training_step")
         runner = pipeline.runner
         runner.begin("training_step", args, kwargs, self.num_microbatches, exact=True)
@@ -824,7 +839,7 @@ class TwoBPStrategy(DDPStrategy):
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self.precision_plugin.val_step_context():
+        with self.precision_plugin.val_step_context(), told(self._failures, "a validation step"):
             return self._eval_step("validation_step", args, kwargs)
 
     @override
@@ -856,6 +871,10 @@ class TwoBPStrategy(DDPStrategy):
                 "TwoBPStrategy.save_checkpoint(..., storage_options=...) is not supported: the checkpoint is "
                 "written with torch.distributed.checkpoint, not through a CheckpointIO plugin"
             )
+        refused = save_refused(self.lightning_module.trainer, self._failures, (Preempted, NonFiniteError))
+        if refused is not None:  # never wait on ranks that are not at this step boundary
+            log.warning("twobp: not saving %s: %s", filepath, refused)
+            return
         self._validate()  # save the checked weights, not a speculative step's
         if self._nonfinite_step is not None:  # never save weights known not to be finite
             log.warning(
@@ -871,9 +890,8 @@ class TwoBPStrategy(DDPStrategy):
             "schedule": self.schedule_name,
         }
         streams = self._pipeline.streams.state_dict() if self._pipeline is not None else None
-        ckpt.save(
-            checkpoint, path, self.lightning_module, self.optimizers, layout, group=self._io_group, streams=streams
-        )
+        lost = self._failures.roll_call if self._failures is not None else None
+        ckpt.save(checkpoint, path, self.lightning_module, self.optimizers, layout, self._io_group, streams, lost)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
