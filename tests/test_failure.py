@@ -5,6 +5,8 @@ checkpointing) ends every rank within seconds: the failing rank with its error, 
 
 from __future__ import annotations
 
+import os
+import signal
 import socket
 import time
 
@@ -13,10 +15,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from lightning.pytorch.callbacks import ModelCheckpoint
 from test_checkpoint_safety import Net, _data, _trainer
+from test_preemption import launch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from lightning_twobp.engine.failure import PeerFailed
+from lightning_twobp.engine.failure import PeerFailed, process_state
 from lightning_twobp.testing import free_port, rank_env, run_distributed
 
 pytestmark = pytest.mark.dist
@@ -87,3 +90,43 @@ def test_the_store_is_reachable_where_torch_keeps_it():
     """The one private torch API the failure channel uses: fails here when a torch release moves it."""
     assert callable(dist.distributed_c10d._get_default_store)
     assert issubclass(PeerFailed, RuntimeError)
+
+
+SCRIPT = """
+
+class StopRank1(pl.Callback):
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step == 1:
+            Path({folder!r}, f"rank{{trainer.global_rank}}").write_text(str(os.getpid()))
+        if trainer.global_step == 2 and trainer.global_rank == 1:
+            os.kill(os.getpid(), signal.SIGSTOP)
+
+
+if __name__ == "__main__":
+    strategy = TwoBPStrategy(pipeline_degree=2, num_microbatches=4, pipeline_timeout=3)
+    trainer = pl.Trainer(accelerator="cpu", devices=4, strategy=strategy, logger=False, max_steps=100000,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         use_distributed_sampler=False, callbacks=[StopRank1()])
+    trainer.fit(Net(), _data())
+"""
+
+
+def test_a_stopped_rank_under_lightnings_launcher_leaves_no_orphan_and_its_peers_name_it(tmp_path):
+    """pipeline 2 x data 2 under Lightning's launcher, rank 1 stopped: rank 0 names it after
+    pipeline_timeout and kills it; its data-parallel peer (rank 3) then names the failure instead of
+    waiting for gloo's 60 s timeout; no process is left."""
+    proc = launch(tmp_path, SCRIPT)
+    try:
+        _, err = proc.communicate(timeout=240)
+        time.sleep(2)
+    finally:
+        proc.kill()
+        pids = [int(f.read_text()) for f in tmp_path.glob("rank*")]
+        left = [pid for pid in pids if process_state(pid) != "dead"]
+        for pid in left:  # the test's own cleanup, whatever happened
+            os.kill(pid, signal.SIGKILL)
+    assert proc.returncode != 0, err[-3000:]
+    assert len(pids) == 4 and not left, f"ranks outlived the job: {left}"
+    lost = "PeerLost: pipeline rank 1 (stage 1, global rank 1"
+    assert "PeerFailed: global rank 3 (pipeline rank 1" in err and lost in err, err[-4000:]
+    assert "Timed out waiting 60000ms" not in err, err[-4000:]

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -142,16 +144,27 @@ def test_slurms_requeue_signal_saves_the_hpc_checkpoint_at_one_step_and_stops(tm
     assert manifest["layout"]["pipeline_degree"] == 2, manifest
 
 
-SCRIPT = """
-import os, sys, time
+HEADER = """
+import os, signal, sys, time
 from pathlib import Path
 import lightning.pytorch as pl
-import torch
-from torch.utils.data import DataLoader, TensorDataset
 sys.path.insert(0, {tests!r})
-from test_checkpoint_safety import Net
+from test_checkpoint_safety import Net, _data
 from lightning_twobp import TwoBPStrategy
+"""
 
+
+def launch(folder: Path, body: str) -> subprocess.Popen:
+    """``python train.py`` as a user starts it (Lightning's launcher starts the other ranks), with this
+    checkout first on the path and a free port; ``body`` may use ``{folder!r}``."""
+    script = folder / "train.py"
+    script.write_text(HEADER.format(tests=str(Path(__file__).parent)) + body.format(folder=str(folder)))
+    env = {**os.environ, "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1"}
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parents[1]), env.get("PYTHONPATH", "")])
+    return subprocess.Popen([sys.executable, str(script)], env=env, cwd=folder, stderr=subprocess.PIPE, text=True)
+
+
+SCRIPT = """
 
 class Started(pl.Callback):
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
@@ -161,25 +174,16 @@ class Started(pl.Callback):
 
 
 if __name__ == "__main__":
-    g = torch.Generator().manual_seed(1)
-    data = DataLoader(TensorDataset(torch.randn(16, 6, generator=g), torch.randn(16, 2, generator=g)), batch_size=8)
     trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=TwoBPStrategy(), logger=False, max_steps=100000,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          use_distributed_sampler=False, callbacks=[Started()])
-    trainer.fit(Net(), data)
+    trainer.fit(Net(), _data())
 """
 
 
 def test_sigterm_to_lightnings_launcher_stops_both_ranks_and_exits_143(tmp_path):
     """What a scheduler does: SIGTERM to the process it started (rank 0 under Lightning's launcher)."""
-    import subprocess
-    import sys
-
-    script = tmp_path / "train.py"
-    script.write_text(SCRIPT.format(tests=str(Path(__file__).parent), folder=str(tmp_path)))
-    env = {**os.environ, "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1"}
-    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parents[1]), env.get("PYTHONPATH", "")])
-    proc = subprocess.Popen([sys.executable, str(script)], env=env, cwd=tmp_path, stderr=subprocess.PIPE, text=True)
+    proc = launch(tmp_path, SCRIPT)
     try:
         deadline = time.monotonic() + 120
         while not (tmp_path / "rank1").exists() or not (tmp_path / "rank0").exists():

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from lightning_twobp.engine.executor import PipelineError
 from lightning_twobp.engine.p2p import PeerLost
 
-__all__ = ["FailureChannel", "PeerFailed", "lost_peer"]
+__all__ = ["FailureChannel", "PeerFailed", "lost_peer", "process_state"]
 
 log = logging.getLogger(__name__)
 
@@ -53,13 +53,13 @@ def lost_peer(error: BaseException) -> bool:
 def _cause(error: BaseException) -> str:
     """The innermost cause, as ``Type: first line``."""
     root = error
-    while root.__cause__ is not None:
+    while root.__cause__ is not None and not isinstance(root, PeerLost):  # PeerLost names the rank; gloo not
         root = root.__cause__
     lines = str(root).strip().splitlines()
     return f"{type(root).__name__}: {lines[0] if lines else ''}"[:400]
 
 
-def _process_state(pid: int) -> str | None:
+def process_state(pid: int) -> str | None:
     """``"dead"``, ``"stopped"`` or None (running, or not knowable here) for a process of this host."""
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -139,7 +139,7 @@ class FailureChannel:
                 host, pid = self._ask("get", f"{self._key}/pid/{r}").decode().split()
             except Exception:  # noqa: BLE001 - the store went away with rank 0
                 break
-            state = _process_state(int(pid)) if host == here else None
+            state = process_state(int(pid)) if host == here else None
             if state is not None:
                 found.append(f"global rank {r} (pid {pid}): {state}")
         return "; ".join(found)

@@ -9,20 +9,23 @@ saved across ranks that are not at one step.
   one step boundary, so a collective save would wait on ranks that never join it (for the checkpoint
   group's 30 minutes): only what every rank raised at one boundary is saved (a preemption, a
   non-finite step). Otherwise the last checkpoint stays as it was.
+* :func:`reap`: under Lightning's launcher rank 0 started the other ranks, and nothing ends them when
+  rank 0 fails: a stopped rank, or one waiting on it in a collective, would outlive the job.
 """
 
 from __future__ import annotations
 
 import sys
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
 from lightning.pytorch.trainer.states import TrainerStatus
 
-from lightning_twobp.engine.failure import FailureChannel
+from lightning_twobp.engine.failure import FailureChannel, process_state
 
-__all__ = ["save_refused", "told"]
+__all__ = ["reap", "save_refused", "told"]
 
 
 @contextmanager
@@ -54,3 +57,20 @@ def save_refused(trainer: Any, channel: FailureChannel | None, together: tuple[t
         f"{type(error).__name__} was raised on this rank in the middle of training, not at a step boundary "
         f"every rank shares; the last checkpoint on disk is left as it was"
     )
+
+
+def reap(launcher: Any, grace: float = 10.0) -> None:
+    """Rank 0 failed: no rank it started may outlive it. A stopped one is killed at once, so that the
+    ranks waiting on it (its data-parallel peer in a collective) see its connection close now and name
+    the failure instead of waiting for the process group's timeout; the others get ``grace`` seconds to
+    end with their own error, then are killed."""
+    procs = [p for p in getattr(launcher, "procs", None) or [] if p.poll() is None]
+    for proc in procs:
+        if (process_state(proc.pid) or "").startswith("stopped"):
+            proc.kill()
+    deadline = time.monotonic() + grace
+    for proc in procs:
+        while proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if proc.poll() is None:
+            proc.kill()

@@ -37,7 +37,7 @@ from lightning_twobp.engine.memory import keep_freed_memory
 from lightning_twobp.lightning import checkpoint as ckpt
 from lightning_twobp.lightning.checks import check_flag, check_nodes, checked_optimizers
 from lightning_twobp.lightning.contract import find_contract
-from lightning_twobp.lightning.failures import save_refused, told
+from lightning_twobp.lightning.failures import reap, save_refused, told
 from lightning_twobp.lightning.grads import (
     GradStash,
     TiedParameters,
@@ -512,6 +512,7 @@ class TwoBPStrategy(DDPStrategy):
         self._failed = True  # teardown gathers nothing then: another rank may be gone
         if self._failures is not None and not self._failures.seen and not isinstance(exception, Preempted):
             self._failures.report(exception, "outside the training step")  # the others name it when lost
+        reap(self.launcher)  # rank 0 under Lightning's launcher: no rank it started outlives it
         super().on_exception(exception)
 
     @override
