@@ -15,11 +15,12 @@ from lightning_twobp.registration import register_with_lightning
 
 __version__ = "0.1.0"
 
-__all__ = ["NonFiniteError", "PipelineMonitor", "TwoBPStrategy"]
+__all__ = ["NonFiniteError", "PipelineMonitor", "Preempted", "TwoBPStrategy"]
 
 _LAZY = {
     "NonFiniteError": "lightning_twobp.lightning",
     "PipelineMonitor": "lightning_twobp.monitor",
+    "Preempted": "lightning_twobp.lightning",
     "TwoBPStrategy": "lightning_twobp.lightning",
 }
 

@@ -18,13 +18,20 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = ["free_port", "run_distributed"]
+__all__ = ["free_port", "rank_env", "run_distributed"]
 
 
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def rank_env(rank: int, world: int, port: int) -> None:
+    """Set what Lightning's launcher would set for ``rank``, so that a Trainer inside a function that
+    :func:`run_distributed` runs joins the processes it started (Lightning then launches nothing)."""
+    values = {"LOCAL_RANK": rank, "RANK": rank, "NODE_RANK": 0, "WORLD_SIZE": world, "MASTER_PORT": port}
+    os.environ.update({k: str(v) for k, v in values.items()}, MASTER_ADDR="127.0.0.1")
 
 
 def _worker(

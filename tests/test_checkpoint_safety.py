@@ -4,6 +4,8 @@ refused by name, before anything is loaded."""
 
 from __future__ import annotations
 
+import errno
+import json
 import os
 import shutil
 import signal
@@ -19,7 +21,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import lightning_twobp  # noqa: F401  (registers "twobp")
 from lightning_twobp import TwoBPStrategy
 from lightning_twobp.lightning import checkpoint as ckpt
-from lightning_twobp.testing import run_distributed
+from lightning_twobp.testing import free_port, rank_env, run_distributed
 
 pytestmark = pytest.mark.dist
 
@@ -54,12 +56,8 @@ def _env(rank: int, world: int) -> None:
     )
 
 
-def _fit(world: int, folder: str, max_steps: int = 4, ckpt_path: str | None = None, save: bool = True) -> dict:
-    from lightning.pytorch.callbacks import ModelCheckpoint
-
-    cbs = [ModelCheckpoint(dirpath=folder, every_n_train_steps=2, save_top_k=-1, save_last=True)] if save else []
-    model = Net()
-    trainer = pl.Trainer(
+def _trainer(world: int, max_steps: int, callbacks: list, **kw) -> pl.Trainer:
+    return pl.Trainer(
         accelerator="cpu",
         devices=world,
         strategy=TwoBPStrategy(schedule="1f1b"),
@@ -67,10 +65,19 @@ def _fit(world: int, folder: str, max_steps: int = 4, ckpt_path: str | None = No
         enable_progress_bar=False,
         enable_model_summary=False,
         use_distributed_sampler=False,
-        callbacks=cbs,
-        enable_checkpointing=save,
+        callbacks=callbacks,
+        enable_checkpointing=bool(callbacks),
         max_steps=max_steps,
-    )  # 2 steps an epoch
+        **kw,
+    )
+
+
+def _fit(world: int, folder: str, max_steps: int = 4, ckpt_path: str | None = None, save: bool = True) -> dict:
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    cbs = [ModelCheckpoint(dirpath=folder, every_n_train_steps=2, save_top_k=-1, save_last=True)] if save else []
+    model = Net()
+    trainer = _trainer(world, max_steps, cbs)  # 2 steps an epoch
     trainer.fit(model, _data(), ckpt_path=ckpt_path)
     return {
         "step": trainer.global_step,
@@ -149,11 +156,15 @@ def _resume_all(rank: int, world: int, root: str, points: list[str]) -> dict:
 
 
 def test_kill_9_during_a_save_leaves_a_checkpoint_that_resumes_exactly(tmp_path):
+    seen = {}
     for point in POINTS:
-        with pytest.raises(Exception):  # noqa: B017 the killed rank's exit, and its peer's lost connection
+        with pytest.raises(Exception) as info:  # noqa: B017 the killed rank's exit, and its peer's lost connection
             run_distributed(_crash, 2, str(tmp_path / point), point, timeout=120)
+        seen[point] = str(info.value)
     states = {p: sorted(x.name for x in (tmp_path / p).iterdir()) for p in POINTS}
-    assert ".last.ckpt.partial" in states["between-shards"], states  # what the crash left behind
+    # rank 1 killed as it starts writing: rank 0 names it, and removes the hidden partial checkpoint
+    assert "was not saved: a rank was lost during the save: global rank 1 (pid " in seen["between-shards"], seen
+    assert ".last.ckpt.partial" not in states["between-shards"], states
     assert "last.ckpt" not in states["mid-rename"] and ".last.ckpt.partial" in states["mid-rename"], states
     # a complete checkpoint, one bit flipped in a shard: refused by name on every rank
     flipped = tmp_path / "flipped"
@@ -184,7 +195,22 @@ def saved(tmp_path_factory) -> Path:
     return root / "run" / "last.ckpt"
 
 
-@pytest.mark.parametrize("damage", ["truncate", "delete", "manifest", "extra-byte"])
+def _rewrite_manifest(folder: Path, keep) -> None:
+    manifest = json.loads((folder / ckpt.MANIFEST).read_text())
+    manifest["files"] = {n: e for n, e in manifest["files"].items() if keep(n)}
+    (folder / ckpt.MANIFEST).write_text(json.dumps(manifest))
+
+
+def _flip(file: Path) -> None:
+    data = bytearray(file.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    file.write_bytes(bytes(data))
+
+
+DAMAGES = ["truncate", "delete", "manifest", "extra-byte", "list-emptied", "list-shortened", "shard-and-entry-gone"]
+
+
+@pytest.mark.parametrize("damage", DAMAGES)
 def test_a_damaged_checkpoint_is_refused_naming_the_file(saved, tmp_path, damage):
     bad = tmp_path / "bad.ckpt"
     shutil.copytree(saved, bad)
@@ -200,9 +226,17 @@ def test_a_damaged_checkpoint_is_refused_naming_the_file(saved, tmp_path, damage
     elif damage == "manifest":
         (bad / ckpt.MANIFEST).unlink()
         match = r"has no twobp-manifest.json: it was not written completely"
-    else:
+    elif damage == "extra-byte":
         shard.write_bytes(shard.read_bytes() + b"\0")
         match = rf"{shard.name}: \d+ bytes, the manifest says"
+    elif damage in ("list-emptied", "list-shortened"):  # a flipped byte in a shard the list leaves out
+        _flip(shard)
+        _rewrite_manifest(bad, lambda n: damage == "list-shortened" and n != shard.name)
+        match = rf"{shard.name}: not in the manifest, so it cannot be checked"
+    else:  # the shard and its entry both gone: only DCP's metadata still names it
+        shard.unlink()
+        _rewrite_manifest(bad, lambda n: n != shard.name)
+        match = rf"{shard.name}: named by .metadata but not in the manifest"
     with pytest.raises(ckpt.CheckpointError, match=match):
         ckpt.verify(bad, shared=False)
     with pytest.raises(ckpt.CheckpointError, match=match):
@@ -214,3 +248,89 @@ def test_a_consolidated_checkpoint_loads_with_weights_only(saved, tmp_path):
     assert merged["global_step"] == 4
     again = torch.load(tmp_path / "full.ckpt", weights_only=True)
     assert set(again["state_dict"]) == {n for n, _ in Net().named_parameters()}
+
+
+class Shorter(Net):
+    """Net without its last layer: the saved checkpoint holds two weights it does not have."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(*list(self.layers)[:3])
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return self.layers(x)[:, :2].pow(2).mean()
+
+
+def _load_into_shorter(rank: int, world: int, saved: str) -> dict:
+    _env(rank, world)
+    out = {}
+    for strict in (True, False):
+        model = Shorter()
+        model.strict_loading = strict
+        trainer = _trainer(world, 5, [])
+        try:
+            trainer.fit(model, _data(), ckpt_path=saved)
+            out[strict] = trainer.global_step
+        except ckpt.CheckpointError as err:
+            out[strict] = str(err)
+    return out
+
+
+def test_a_checkpoint_with_weights_the_model_lacks_is_refused_unless_strict_loading_is_off(saved):
+    for out in run_distributed(_load_into_shorter, 2, str(saved), timeout=120):
+        assert 'Unexpected key(s) in state_dict: "layers.4.bias", "layers.4.weight"' in str(out[True]), out
+        assert out[False] == 5, out  # strict_loading=False: loaded and trained on, as one process does
+
+
+def _disk_full_on(case: str, rank: int) -> None:
+    """The second save (last.ckpt at step 2) finds the disk full: rank 0 writing meta.pt with torch.save,
+    or rank 1 writing its shard inside torch.distributed.checkpoint."""
+    full = OSError(errno.ENOSPC, "No space left on device")
+    if case == "meta" and rank == 0:
+        original, calls = ckpt._write_meta, {"n": 0}
+
+        def write_meta(*a, **k):
+            calls["n"] += 1
+            if calls["n"] == 2:
+                raise full
+            return original(*a, **k)
+
+        ckpt._write_meta = write_meta
+    elif case == "shard" and rank == 1:
+        original_write, calls = ckpt.dcp.FileSystemWriter.write_data, {"n": 0}
+
+        def write_data(self, *a, **k):
+            calls["n"] += 1
+            if calls["n"] == 2:
+                raise full
+            return original_write(self, *a, **k)
+
+        ckpt.dcp.FileSystemWriter.write_data = write_data
+
+
+def _fill_the_disk(rank: int, world: int, port: int, root: str) -> dict:
+    rank_env(rank, world, port)
+    write_meta, write_data = ckpt._write_meta, ckpt.dcp.FileSystemWriter.write_data
+    out = {}
+    for case in ("meta", "shard"):
+        _disk_full_on(case, rank)
+        try:
+            _fit(world, f"{root}/{case}")
+            out[case] = "saved"
+        except ckpt.CheckpointError as err:
+            out[case] = str(err)
+        finally:
+            ckpt._write_meta, ckpt.dcp.FileSystemWriter.write_data = write_meta, write_data
+    return out
+
+
+def test_a_full_disk_is_named_and_leaves_nothing_hidden(tmp_path):
+    for out in run_distributed(_fill_the_disk, 2, free_port(), str(tmp_path), timeout=180):
+        for case in ("meta", "shard"):
+            assert "was not saved: the disk is full" in out[case], (case, out[case])
+            assert "The previous checkpoint at" in out[case] and "the partial one was removed" in out[case]
+    for case in ("meta", "shard"):
+        left = sorted(p.name for p in (tmp_path / case).iterdir())
+        assert left == ["epoch=0-step=2.ckpt"], left  # no .last.ckpt.partial
+        ckpt.verify(tmp_path / case / "epoch=0-step=2.ckpt", shared=False)

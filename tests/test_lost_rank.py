@@ -20,7 +20,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_twobp import TwoBPStrategy
-from lightning_twobp.testing import free_port, run_distributed
+from lightning_twobp.testing import free_port, rank_env, run_distributed
 
 pytestmark = pytest.mark.dist
 
@@ -59,14 +59,7 @@ class Report(RuntimeError):
 
 
 def _fit(rank: int, world: int, port: int, victim: int, sig: int, folder: str, schedule: str, degree: int) -> None:
-    os.environ.update(
-        LOCAL_RANK=str(rank),
-        NODE_RANK="0",
-        WORLD_SIZE=str(world),
-        RANK=str(rank),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-    )
+    rank_env(rank, world, port)
     g = torch.Generator().manual_seed(1)
     data = DataLoader(TensorDataset(torch.randn(64, 8, generator=g), torch.randn(64, 8, generator=g)), batch_size=8)
     trainer = pl.Trainer(

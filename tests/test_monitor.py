@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import csv
 import json
-import os
 import pathlib
 
 import lightning.pytorch as pl
@@ -19,7 +18,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_twobp import PipelineMonitor, TwoBPStrategy
 from lightning_twobp.monitor import measured_costs
-from lightning_twobp.testing import free_port, run_distributed
+from lightning_twobp.testing import free_port, rank_env, run_distributed
 
 pytestmark = pytest.mark.dist
 
@@ -48,14 +47,7 @@ def _data() -> DataLoader:
 def _fit(rank: int, world: int, port: int, folder: str, schedule: str = "zb-h1", summary: bool = False) -> dict:
     from lightning_twobp.callbacks import RunSummary
 
-    os.environ.update(
-        LOCAL_RANK=str(rank),
-        NODE_RANK="0",
-        WORLD_SIZE=str(world),
-        RANK=str(rank),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-    )
+    rank_env(rank, world, port)
     monitor = PipelineMonitor(
         log_every_n_steps=2, length_fn=lambda b: b[0].numel(), trace_steps=[3], trace_dir=f"{folder}/traces"
     )
@@ -91,14 +83,7 @@ class _CountLogs(PipelineMonitor):
 
 
 def _accumulating(rank: int, world: int, port: int) -> dict:
-    os.environ.update(
-        LOCAL_RANK=str(rank),
-        NODE_RANK="0",
-        WORLD_SIZE=str(world),
-        RANK=str(rank),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-    )
+    rank_env(rank, world, port)
     monitor = _CountLogs(log_every_n_steps=2)
     trainer = pl.Trainer(
         accelerator="cpu",
@@ -190,14 +175,7 @@ def _tokens() -> DataLoader:
 
 
 def _loop_flops(rank: int, world: int, port: int, name: str) -> float:
-    os.environ.update(
-        LOCAL_RANK=str(rank),
-        NODE_RANK="0",
-        WORLD_SIZE=str(world),
-        RANK=str(rank),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-    )
+    rank_env(rank, world, port)
     monitor = PipelineMonitor(log_every_n_steps=2)
     trainer = pl.Trainer(
         accelerator="cpu",

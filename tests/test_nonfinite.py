@@ -4,8 +4,6 @@ step is skipped everywhere (``"skip"``); the weights never drift apart."""
 
 from __future__ import annotations
 
-import os
-
 import lightning.pytorch as pl
 import pytest
 import torch
@@ -16,7 +14,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_twobp  # noqa: F401  (registers "twobp")
 from lightning_twobp import NonFiniteError, TwoBPStrategy
-from lightning_twobp.testing import free_port, run_distributed
+from lightning_twobp.testing import free_port, rank_env, run_distributed
 
 pytestmark = pytest.mark.dist
 
@@ -75,12 +73,11 @@ def _trainer(devices, strategy, max_steps, callbacks=(), **kw):
         strategy=strategy,
         max_steps=max_steps,
         logger=False,
-        enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
         use_distributed_sampler=False,
         callbacks=list(callbacks),
-        **kw,
+        **{"enable_checkpointing": False, **kw},
     )
 
 
@@ -89,14 +86,7 @@ def _weights(model) -> dict:
 
 
 def _fit(rank: int, world: int, port: int, kwargs: dict, nan_data: bool, inf_at: int | None) -> dict:
-    os.environ.update(
-        LOCAL_RANK=str(rank),
-        NODE_RANK="0",
-        WORLD_SIZE=str(world),
-        RANK=str(rank),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-    )
+    rank_env(rank, world, port)
     model = Net(inf_at)
     logged: list[float] = []
 
@@ -120,14 +110,7 @@ def _fit(rank: int, world: int, port: int, kwargs: dict, nan_data: bool, inf_at:
 
 
 def _anomaly(rank: int, world: int, port: int) -> str:
-    os.environ.update(
-        LOCAL_RANK=str(rank),
-        NODE_RANK="0",
-        WORLD_SIZE=str(world),
-        RANK=str(rank),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-    )
+    rank_env(rank, world, port)
     trainer = _trainer(world, TwoBPStrategy(num_microbatches=M, pipeline_timeout=60), 5, detect_anomaly=True)
     try:
         trainer.fit(Net(), _data(True))
@@ -193,3 +176,34 @@ def test_detect_anomaly_names_the_operation_and_stops_every_rank():
 def test_on_nonfinite_is_checked_at_construction():
     with pytest.raises(ValueError, match="on_nonfinite='ignore': choose 'stop'"):
         TwoBPStrategy(on_nonfinite="ignore")
+
+
+def _fit_saving(rank: int, world: int, port: int, folder: str) -> str:
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    rank_env(rank, world, port)
+    saving = ModelCheckpoint(
+        dirpath=folder, every_n_train_steps=1, save_top_k=-1, save_last=True, save_on_exception=True
+    )
+    trainer = _trainer(
+        world, TwoBPStrategy(num_microbatches=M, schedule="zb-h2"), 5, [saving], enable_checkpointing=True
+    )
+    with pytest.raises(NonFiniteError) as info:
+        trainer.fit(Net(), _data(True))
+    return str(info.value)
+
+
+def test_weights_known_not_finite_are_never_saved(tmp_path):
+    """zb-h2 without clipping takes the NaN step before its check: neither the step's checkpoint nor
+    save_on_exception's nor last.ckpt may hold those weights, and the error says what is on disk."""
+    from lightning_twobp.lightning import checkpoint as ckpt
+
+    errors = run_distributed(_fit_saving, 2, free_port(), str(tmp_path), timeout=180)
+    for err in errors:
+        assert "the step was taken before the check" in err and "no checkpoint is written from them" in err, err
+    saved = sorted(p.name for p in tmp_path.iterdir())
+    assert saved == ["epoch=0-step=1.ckpt", "epoch=0-step=2.ckpt", "last.ckpt"], saved  # nothing after step 2
+    for name in saved:
+        weights = ckpt.consolidate(tmp_path / name, tmp_path / f"{name}.pt")["state_dict"]
+        (tmp_path / f"{name}.pt").unlink()
+        assert all(torch.isfinite(t).all() for t in weights.values()), name

@@ -3,8 +3,6 @@ arrive without one, and clipping by post-validation gives bitwise the parameters
 
 from __future__ import annotations
 
-import os
-
 import lightning.pytorch as pl
 import pytest
 import torch
@@ -14,7 +12,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_twobp import TwoBPStrategy
-from lightning_twobp.testing import free_port, run_distributed
+from lightning_twobp.testing import free_port, rank_env, run_distributed
 
 pytestmark = pytest.mark.dist
 
@@ -55,7 +53,8 @@ def _data() -> DataLoader:
 class _CountCollectives(pl.Callback):
     """Counts collective calls from the second training step on (the first agrees on shapes). Lightning's
     own broadcast of its SIGTERM flag from rank 0 before every batch is left out: only the other ranks
-    wait on it, for rank 0, which holds the first stage they wait on anyway."""
+    wait on it, for rank 0, which holds the first stage they wait on anyway. So is the preemption flags'
+    all-reduce (lightning/preemption.py): asynchronous, on a gloo group of its own, read a step later."""
 
     NAMES = ("all_reduce", "broadcast", "broadcast_object_list", "all_gather", "all_gather_object", "barrier")
 
@@ -72,7 +71,8 @@ class _CountCollectives(pl.Callback):
                 def counted(*a, _fn=fn, _name=name, **k):
                     import traceback
 
-                    if not any(f.name == "_broadcast_sigterm_tensor" for f in traceback.extract_stack(limit=4)):
+                    stack = traceback.extract_stack(limit=4)
+                    if not any(f.name in ("_broadcast_sigterm_tensor", "agree") for f in stack):
                         self.calls[_name] = self.calls.get(_name, 0) + 1
                     return _fn(*a, **k)
 
@@ -84,14 +84,7 @@ class _CountCollectives(pl.Callback):
 
 
 def _fit(rank: int, world: int, port: int, strategy_kwargs: dict, clip: float | None, inf_at: int | None) -> dict:
-    os.environ.update(
-        LOCAL_RANK=str(rank),
-        NODE_RANK="0",
-        WORLD_SIZE=str(world),
-        RANK=str(rank),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-    )
+    rank_env(rank, world, port)
     model = Net(inf_at)
     counter = _CountCollectives()
     seen: list[float] = []

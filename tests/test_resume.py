@@ -4,8 +4,6 @@ rank's random streams (dropout on both stages) and the step counters."""
 
 from __future__ import annotations
 
-import os
-
 import lightning.pytorch as pl
 import pytest
 import torch
@@ -16,7 +14,7 @@ from torch.utils.data import TensorDataset
 import lightning_twobp  # noqa: F401  (registers "twobp")
 from lightning_twobp import TwoBPStrategy
 from lightning_twobp.data.modules import _DataModule
-from lightning_twobp.testing import free_port, run_distributed
+from lightning_twobp.testing import free_port, rank_env, run_distributed
 
 pytestmark = pytest.mark.dist
 
@@ -86,14 +84,7 @@ def _fit(world: int, max_steps: int, folder: str | None = None, ckpt_path: str |
 
 
 def _runs(rank: int, world: int, port: int, folder: str) -> dict:
-    os.environ.update(
-        LOCAL_RANK=str(rank),
-        NODE_RANK="0",
-        WORLD_SIZE=str(world),
-        RANK=str(rank),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-    )
+    rank_env(rank, world, port)
     straight = _fit(world, 7)
     _fit(world, 3, folder=folder)  # stops at step 3 of 16, mid-epoch, with a checkpoint there
     resumed = _fit(world, 7, ckpt_path=f"{folder}/epoch=0-step=3.ckpt")
@@ -166,14 +157,7 @@ def _masks(world: int, max_steps: int, folder: str | None = None, ckpt_path: str
 
 
 def _stream_runs(rank: int, world: int, port: int, folder: str) -> dict:
-    os.environ.update(
-        LOCAL_RANK=str(rank),
-        NODE_RANK="0",
-        WORLD_SIZE=str(world),
-        RANK=str(rank),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-    )
+    rank_env(rank, world, port)
     return {
         "first": _masks(world, 4, folder=folder),  # zb-v: stages 0, 3 on rank 0; 1, 2 on rank 1
         "second": _masks(world, 4),

@@ -30,12 +30,12 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader
 
 from lightning_twobp.bench.report import write_json
-from lightning_twobp.bench.trainer import LlamaModule, SameBatch, quiet_trainer, set_process_env
+from lightning_twobp.bench.trainer import LlamaModule, SameBatch, quiet_trainer
 from lightning_twobp.bench.workload import WORLD, Workload, keep_freed_memory, stage_sizes
 from lightning_twobp.models.llama_loop import LlamaLoop
 from lightning_twobp.partition import even_sizes
 from lightning_twobp.schedules.placement import default_stages_per_rank
-from lightning_twobp.testing import free_port, run_distributed
+from lightning_twobp.testing import free_port, rank_env, run_distributed
 
 __all__ = ["bench_modulelist", "main"]
 
@@ -86,7 +86,7 @@ def _fit(
 def _worker(
     rank: int, world: int, wl: Workload, schedules: list[str], m: int, rounds: int, steps: int, port: int
 ) -> dict:
-    set_process_env(rank, world, port)
+    rank_env(rank, world, port)
     keep_freed_memory()
     out: dict = {}
     for schedule in schedules:

@@ -29,7 +29,7 @@ import lightning.pytorch as pl
 import torch
 
 from lightning_twobp.bench.report import write_json
-from lightning_twobp.testing import free_port, run_distributed
+from lightning_twobp.testing import free_port, rank_env, run_distributed
 
 __all__ = ["bench_monitor"]
 
@@ -120,9 +120,7 @@ def _inside(run: dict, every: int) -> dict:
 
 
 def _worker(rank: int, world: int, port: int, rounds: int, steps: int, every: int) -> dict:
-    from lightning_twobp.bench.trainer import set_process_env
-
-    set_process_env(rank, world, port)
+    rank_env(rank, world, port)
     out: dict[str, list[dict]] = {"with": [], "without": []}
     _fit(rank, world, 10, every, True)  # warm-up: imports, allocator, the first process group
     for _ in range(rounds):

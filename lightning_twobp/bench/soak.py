@@ -20,7 +20,7 @@ import lightning.pytorch as pl
 import torch
 
 from lightning_twobp.monitor import rss_mb
-from lightning_twobp.testing import free_port, run_distributed
+from lightning_twobp.testing import free_port, rank_env, run_distributed
 
 __all__ = ["markdown", "soak"]
 
@@ -43,11 +43,11 @@ def _worker(rank: int, world: int, port: int, steps: int, every: int, python: bo
     if python:
         tracemalloc.start(1)  # Python's own allocations, to tell a leak of objects from native growth
     from lightning_twobp import TwoBPStrategy
-    from lightning_twobp.bench.trainer import quiet_trainer, set_process_env
+    from lightning_twobp.bench.trainer import quiet_trainer
     from lightning_twobp.data import TokenDataModule
     from lightning_twobp.models import LlamaLM
 
-    set_process_env(rank, world, port)
+    rank_env(rank, world, port)
     model = LlamaLM(vocab_size=256, dim=128, n_layers=4, n_heads=4, max_seq_len=64, lr=3e-3)
     data = TokenDataModule(vocab_size=256, seq_len=64, batch_size=16, num_train=4096, num_val=0, seed=0)
     sampler = _Sampler(every)

@@ -17,7 +17,6 @@ the ratio is the median over the back-to-back pairs.
 from __future__ import annotations
 
 import copy
-import os
 import statistics
 import time
 
@@ -30,7 +29,7 @@ from lightning_twobp.bench.engine import configs
 from lightning_twobp.bench.workload import WORLD, Workload, loss_fn
 from lightning_twobp.engine import PipelineExecutor
 from lightning_twobp.partition import split_sequential
-from lightning_twobp.testing import free_port, run_distributed
+from lightning_twobp.testing import free_port, rank_env, run_distributed
 
 _WARMUP = 2  # untimed pairs at the start of each fit
 
@@ -46,19 +45,6 @@ class SameBatch(Dataset):
 
     def __getitem__(self, i: int):
         return self.ids[i % len(self.ids)], self.tgt[i % len(self.ids)]
-
-
-def set_process_env(rank: int, world: int, port: int) -> None:
-    """The environment a ``Trainer`` reads in a process :func:`~lightning_twobp.testing.run_distributed`
-    started: rank ``rank`` of ``world`` processes on this machine, the process group's store at ``port``."""
-    os.environ.update(
-        LOCAL_RANK=str(rank),
-        NODE_RANK="0",
-        WORLD_SIZE=str(world),
-        RANK=str(rank),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-    )
 
 
 def quiet_trainer(world: int, strategy: pl.strategies.Strategy, steps: int, callbacks: list, **options) -> pl.Trainer:
@@ -117,7 +103,7 @@ class _Alternate(pl.Callback):
 
 
 def _worker(rank: int, world: int, wl: Workload, runs: list, repeats: int, port: int) -> dict:
-    set_process_env(rank, world, port)
+    rank_env(rank, world, port)
     from lightning_twobp import TwoBPStrategy
 
     ids, tgt = wl.data()

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import errno
 import hashlib
 import json
 import os
@@ -37,7 +38,7 @@ import shutil
 import sys
 import tempfile
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +46,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -54,6 +56,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from lightning_twobp.engine.failure import lost_peer
 from lightning_twobp.private import collect_rng_states, set_rng_states
 
 __all__ = [
@@ -238,18 +241,87 @@ def save(
     layout: dict[str, Any],
     group: dist.ProcessGroup | None = None,
     streams: dict[str, dict[str, torch.Tensor]] | None = None,
+    lost: Callable[[], str] | None = None,
 ) -> None:
     """Write ``checkpoint`` (Lightning's dict) as a sharded directory at ``path``; every rank calls it.
     ``group``: the process group of its collectives (the world's by default; the strategy passes one
     whose timeout covers writing and hashing a large checkpoint). ``streams``: this rank's stages'
     random streams, by name (:meth:`~.rng.StageStreams.state_dict`), stored beside the rank's own.
+    ``lost``: names the ranks whose process is gone, for the error when one is lost during the save.
 
     Crash-safe: everything goes into the hidden sibling ``.NAME.partial``; rank 0 writes the
     Lightning metadata and a manifest (size and SHA-256 of every file) last, then renames the
-    directory into place. Until that rename ``path`` holds the previous checkpoint untouched."""
+    directory into place. Until that rename ``path`` holds the previous checkpoint untouched. A save
+    that fails (a full disk, a lost rank) raises :class:`CheckpointError` on every rank saying which,
+    and removes the hidden directory."""
     rank, _ = _world()
     path = Path(path)
     tmp = _partial(path)
+    try:
+        _save(checkpoint, path, tmp, module, optimizers, layout, group, streams)
+    except (Exception, CheckpointException) as err:  # DCP's is a BaseException
+        if rank == 0:
+            _rmtree(tmp)  # nothing hidden left behind; the previous checkpoint stays at ``path``
+        raise CheckpointError(_why_not_saved(err, path, lost)) from err
+
+
+def _why_not_saved(err: BaseException, path: Path, lost: Callable[[], str] | None) -> str:
+    """What a failed save says: a full disk by name, a lost rank by name where it can be found."""
+    if _disk_full(err):
+        try:
+            free = f"{shutil.disk_usage(path.parent).free:,} bytes free"
+        except OSError:
+            free = "free space unknown"
+        return (
+            f"checkpoint {path} was not saved: the disk is full (no space left on the filesystem of "
+            f"{path.parent}, {free}). The previous checkpoint at {path} is intact and the partial one was "
+            f"removed; free space, or keep fewer checkpoints (ModelCheckpoint(save_top_k=...))"
+        )
+    if lost_peer(err):
+        who = (lost() if lost is not None else "") or "another rank (its process died, hung or was stopped)"
+        return (
+            f"checkpoint {path} was not saved: a rank was lost during the save: {who} "
+            f"({_first_line(err)}). The previous checkpoint at {path} is intact"
+        )
+    return f"checkpoint {path} was not saved: {_first_line(err)}. The previous checkpoint at {path} is intact"
+
+
+def _first_line(err: BaseException) -> str:
+    lines = [ln for ln in str(err).splitlines() if ln.strip() and not ln.startswith((" ", "Traceback"))]
+    return f"{type(err).__name__}: {lines[-1] if lines else ''}"[:300]
+
+
+def _disk_full(err: BaseException) -> bool:
+    """ENOSPC or EDQUOT anywhere in the error, its causes, or DCP's per-rank failures; or torch.save's
+    zip writer failing while the disk has (almost) no space left."""
+    seen: set[int] = set()
+    todo: list[BaseException | None] = [err]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if "No space left on device" in str(e) or "Disk quota exceeded" in str(e):
+            return True
+        if isinstance(e, CheckpointException):
+            todo.extend(exc for exc, _ in e.failures.values())
+        todo.extend((e.__cause__, e.__context__))
+    return False
+
+
+def _save(
+    checkpoint: dict[str, Any],
+    path: Path,
+    tmp: Path,
+    module: nn.Module,
+    optimizers: list[Any],
+    layout: dict[str, Any],
+    group: dist.ProcessGroup | None,
+    streams: dict[str, dict[str, torch.Tensor]] | None,
+) -> None:
+    rank, _ = _world()
     if rank == 0:
         _rmtree(tmp)  # left by a save that crashed
         tmp.mkdir(parents=True)
@@ -262,11 +334,27 @@ def save(
     state["rng"] = {f"rank{rank}": rng_state(), **(streams or {})}  # the rank's streams, and its stages'
     mine = _write_shards(state, tmp, group)
     files = {name: entry for part in _gather_to_zero(mine, group) for name, entry in part.items()}
+    failed: BaseException | None = None
     if rank == 0:
-        _write_meta({**checkpoint, "twobp": layout}, tmp)
-        _write_manifest(files, tmp, layout)
-        _swap_into_place(tmp, path)
-    _barrier(group)
+        try:
+            _write_meta({**checkpoint, "twobp": layout}, tmp)
+            _write_manifest(files, tmp, layout)
+            _swap_into_place(tmp, path)
+        except Exception as err:  # told to every rank below: they must not wait for a rename that never comes
+            failed = err
+    _agree(failed, group)
+
+
+def _agree(failed: BaseException | None, group: dist.ProcessGroup | None) -> None:
+    """Every rank learns whether rank 0 finished the save (in place of a barrier), and raises if not."""
+    if _world()[1] > 1:
+        told = [None if failed is None else (_first_line(failed), _disk_full(failed))]
+        dist.broadcast_object_list(told, src=0, group=group)
+        if failed is None and told[0] is not None:
+            message, full = told[0]
+            failed = OSError(errno.ENOSPC, message) if full else RuntimeError(message)
+    if failed is not None:
+        raise failed
 
 
 def resolve(path: str | os.PathLike) -> Path:
@@ -302,6 +390,27 @@ def _check(path: Path, names: list[str], files: dict[str, Any]) -> list[str]:
     return problems
 
 
+def _unlisted(path: Path, files: dict[str, Any]) -> list[str]:
+    """Files in the directory the manifest does not list (a shortened or emptied list must not let a
+    file through unchecked), and the two every checkpoint has."""
+    present = {f.relative_to(path).as_posix() for f in path.rglob("*") if f.is_file()} - {MANIFEST}
+    missing = [n for n in (".metadata", META) if n not in files]
+    return [
+        f"{path / name}: not in the manifest, so it cannot be checked (the manifest was shortened or replaced)"
+        for name in sorted((present - set(files)) | set(missing))
+    ]
+
+
+def _unlisted_shards(path: Path, files: dict[str, Any]) -> list[str]:
+    """Files torch.distributed.checkpoint's metadata reads from that the manifest does not list."""
+    try:
+        storage = dcp.FileSystemReader(path).read_metadata().storage_data
+    except Exception as err:  # noqa: BLE001 - any unreadable .metadata is a damaged checkpoint
+        return [f"{path / '.metadata'}: unreadable ({err})"]
+    named = {info.relative_path for info in storage.values()}
+    return [f"{path / n}: named by .metadata but not in the manifest" for n in sorted(named - set(files))]
+
+
 def verify(path: str | os.PathLike, *, shared: bool = True, group: dist.ProcessGroup | None = None) -> dict[str, Any]:
     """Check every file of the checkpoint against its manifest; return the manifest. With ``shared``
     (and a process group), rank r hashes every world-size-th file and the verdict is shared, so all
@@ -326,6 +435,10 @@ def verify(path: str | os.PathLike, *, shared: bool = True, group: dist.ProcessG
     rank, world = _world() if shared else (0, 1)
     names = sorted(files)
     problems = _check(path, names[rank::world], files)
+    if rank == 0:  # what the manifest leaves out: every file present, every file DCP's metadata reads
+        problems = _unlisted(path, files) + problems
+        if not problems and ".metadata" in files:
+            problems = _unlisted_shards(path, files)
     if world > 1:
         gathered: list[Any] = [None] * world
         dist.all_gather_object(gathered, problems, group=group)
@@ -338,6 +451,27 @@ def verify(path: str | os.PathLike, *, shared: bool = True, group: dist.ProcessG
             "is complete)"
         )
     return manifest
+
+
+def _refuse_unexpected(path: Path, saved: dict[str, Any], model: dict[str, Any], group: Any) -> None:
+    """Weights in the checkpoint that the whole model does not have (a deeper model's checkpoint): refused
+    as one-process Lightning's ``load_state_dict`` refuses them. The whole model's names are the union of
+    every rank's, since each rank holds only its stages' during a Trainer call."""
+    names = set(model)
+    if _world()[1] > 1:
+        every: list[Any] = [None] * _world()[1]
+        dist.all_gather_object(every, sorted(names), group=group)
+        names = {n for part in every for n in part}
+    unexpected = sorted(k[len("model.") :] for k in saved if k.startswith("model.") and k[len("model.") :] not in names)
+    if unexpected:
+        shown = ", ".join(f'"{k}"' for k in unexpected[:8]) + (
+            f" and {len(unexpected) - 8} more" if len(unexpected) > 8 else ""
+        )
+        raise CheckpointError(
+            f"Error(s) in loading checkpoint {path}: Unexpected key(s) in state_dict: {shown}. The checkpoint "
+            f"holds weights this model does not have (saved from a larger model?); load the matching model, "
+            f"or set self.strict_loading = False in the LightningModule to ignore them"
+        )
 
 
 def load(
@@ -367,10 +501,12 @@ def load(
     for i, opt in enumerate(optimizers):
         # The optimizer's own state dict as the template (torch fills a fresh optimizer's state first).
         state[f"optimizer_{i}"] = get_optimizer_state_dict(module, opt, options=_OPTIM)
+    saved: dict[str, Any] = dcp.FileSystemReader(path).read_metadata().state_dict_metadata  # tensors' metadata
+    if strict:
+        _refuse_unexpected(path, saved, state["model"], group)
     # This rank's random states and its stages', where the checkpoint has them (it may come from another
     # world size or layout).
     own = f"rank{_world()[0]}"
-    saved: dict[str, Any] = dcp.FileSystemReader(path).read_metadata().state_dict_metadata  # rng.*: tensors' metadata
     rng = {}
     for name in (own, *streams):
         prefix = f"rng.{name}."

@@ -5,35 +5,74 @@ files themselves: :mod:`.checkpoint`."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
+from lightning_twobp.engine.failure import FailureChannel
 from lightning_twobp.lightning import checkpoint as ckpt
 from lightning_twobp.lightning.checkpoint import set_rng_state
+from lightning_twobp.lightning.failures import save_refused
+from lightning_twobp.lightning.preemption import Preempted
 from lightning_twobp.lightning.rng import StageStreams
+from lightning_twobp.options import PipelineOptions
 
 if TYPE_CHECKING:
+    from lightning_twobp.lightning.pipeline import Pipeline
     from lightning_twobp.lightning.strategy import TwoBPStrategy
 
-__all__ = ["load", "save", "set_rng_state"]
+log = logging.getLogger(__name__)
+
+__all__ = ["check_storage_options", "load", "refusal", "save", "set_rng_state"]
+
+
+_NO_SHARDED_CHECKPOINTS = (
+    "data_parallel='shard': checkpoints of sharded stages (save and resume) are not supported yet (issue 22); "
+    "train with data_parallel='replicate' to checkpoint"
+)
+
+
+def check_not_sharded(options: PipelineOptions, fix: str = "") -> None:
+    if options.data_parallel == "shard":
+        raise ValueError(_NO_SHARDED_CHECKPOINTS + fix)
+
+
+def check_storage_options(storage_options: Any) -> None:
+    if storage_options is not None:
+        raise TypeError(
+            "TwoBPStrategy.save_checkpoint(..., storage_options=...) is not supported: the checkpoint is "
+            "written with torch.distributed.checkpoint, not through a CheckpointIO plugin"
+        )
+
+
+def refusal(trainer: Any, failures: FailureChannel | None) -> str | None:
+    """Why a save must not run now (an error in the middle of a step on this rank: the other ranks are
+    not at this step boundary, and a save would wait on them), or None. Preemption and a non-finite stop
+    happen on every rank at one step boundary, so their checkpoints are consistent."""
+    from lightning_twobp.lightning.optimizer_checks import NonFiniteError
+
+    return save_refused(trainer, failures, (Preempted, NonFiniteError))
 
 
 def save(
     strategy: TwoBPStrategy,
     checkpoint: dict[str, Any],
     filepath: Any,
-    storage_options: Any,
-    streams: StageStreams | None,
+    pipeline: Pipeline | None,
+    failures: FailureChannel | None,
+    refused: str | None,
 ) -> None:
-    """Every rank writes its stages, and the random ``streams`` of its stages, into the directory ``filepath``."""
-    if storage_options is not None:
-        raise TypeError(
-            "TwoBPStrategy.save_checkpoint(..., storage_options=...) is not supported: the checkpoint is "
-            "written with torch.distributed.checkpoint, not through a CheckpointIO plugin"
-        )
+    """Every rank writes its stages, and the random streams of its stages, into the directory
+    ``filepath`` (nothing, with a warning, where the save is ``refused``); ``failures`` names the ranks
+    gone when one is lost during the save."""
+    if refused is not None:  # never wait on ranks not at this step boundary; never save non-finite weights
+        log.warning("twobp: not saving %s: %s", filepath, refused)
+        return
+    streams = pipeline.streams if pipeline is not None else None
+    lost = failures.roll_call if failures is not None else None
     path = Path(strategy.broadcast(str(filepath)))
     layout = {
         "pipeline_degree": strategy.pipeline_degree,
@@ -42,7 +81,7 @@ def save(
     }
     lm, group = strategy.lightning_module, strategy.io_group
     states = streams.state_dict() if streams is not None else None
-    ckpt.save(checkpoint, path, lm, strategy.optimizers, layout, group=group, streams=states)
+    ckpt.save(checkpoint, path, lm, strategy.optimizers, layout, group, states, lost)
 
 
 def load(

@@ -22,6 +22,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from lightning_twobp.private import gloo_or_nccl_options
 from lightning_twobp.schedules import default_num_microbatches, default_stages_per_rank, schedule_label
 
+_IO_TIMEOUT = timedelta(minutes=30)  # at least this for checkpoint collectives
+
 __all__ = [
     "MeshLayout",
     "check_degree",
@@ -68,6 +70,25 @@ class MeshLayout:
         """Global rank of pipeline rank ``pp_rank`` in replica ``dp_rank`` (default: this rank's)."""
         d = self.dp_rank if dp_rank is None else dp_rank
         return d * self.pipeline_degree + pp_rank
+
+    def side_groups(self, timeout: timedelta) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:
+        """The groups beside the mesh: checkpoint I/O's (the world, with at least 30 minutes: writing,
+        hashing and verifying a large checkpoint may take longer than a hung rank should) and this
+        pipeline's loss and logs' (None with one pipeline rank), every rank creating every group in one
+        order. The logs travel on a group of their own so that their messages never mix with the
+        schedule's (NCCL matches messages between two ranks in posting order, ignoring tags)."""
+        if not dist.is_initialized():
+            return None, None
+        io_group = dist.new_group(timeout=max(timeout, _IO_TIMEOUT))
+        log_group = None
+        if self.pipeline_degree > 1:
+            for d in range(self.dp_degree):
+                group = dist.new_group(
+                    [self.global_rank_of(r, d) for r in range(self.pipeline_degree)], timeout=timeout
+                )
+                if d == self.dp_rank:
+                    log_group = group
+        return io_group, log_group
 
     def init_mesh(self, device: torch.device, timeout: timedelta | None = None) -> DeviceMesh | None:
         """The ``("dp", "pp")`` device mesh over the world; ``None`` without a process group. Its

@@ -51,6 +51,13 @@ class OptimizerChecks:
         self.checks: dict[int, StepValidation] = {}  # by id(optimizer)
         self.max_norms: dict[int, float] = {}  # this step's clipping, by id(optimizer), if Lightning asked
         self.counts = {"clipped": 0, "skipped": 0, "redone": 0}
+        self.nonfinite_step: int | None = None  # a step that left non-finite weights: nothing is saved
+
+    def nonfinite_refusal(self) -> str | None:
+        """Why no checkpoint may be written now (the weights are known not to be finite), or None."""
+        if self.nonfinite_step is None:
+            return None
+        return f"the optimizer step at global step {self.nonfinite_step} made the weights non-finite"
 
     def clip_by_norm(self, optimizer: Any, max_norm: float) -> None:
         """Lightning asks to clip by norm: by the global norm over every stage, in :meth:`before_step`."""
@@ -116,8 +123,11 @@ class OptimizerChecks:
         if verdict is None or not verdict.nonfinite:
             return verdict
         # ``done``: the step counter has moved past the step the verdict is about (a speculative step)
-        where = self._where(verdict, lm.trainer.global_step - int(done))
+        step = lm.trainer.global_step - int(done)
+        where = self._where(verdict, step)
         if self.options.on_nonfinite == "stop":
+            if not verdict.skipped:
+                self.nonfinite_step = step  # save_checkpoint writes nothing from now on
             self._stop(lm, check, verdict, where)
         log.warning(
             "twobp: %s; the step was skipped on every rank (%d skipped so far; on_nonfinite='skip')",
@@ -150,7 +160,8 @@ class OptimizerChecks:
             "the step was not taken on any rank"
             if verdict.skipped
             else "the step was taken before the check (post-validation keeps no copy to undo it when not "
-            "clipping), so the weights in memory are not finite; checkpoints on disk are from before"
+            "clipping), so the weights in memory are not finite; no checkpoint is written from them "
+            "(save_on_exception included): those on disk are from before"
         )
         if dist.is_initialized() and dist.get_world_size() > 1:
             # Every rank raises here; meet first, so that no rank tears down its connections while

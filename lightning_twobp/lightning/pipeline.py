@@ -97,6 +97,12 @@ class Pipeline:
     def holds_last(self) -> bool:
         return self.executor.last in self.executor.stages
 
+    def named_losses(self, dp_rank: int) -> list[torch.Tensor]:
+        """The micro-batch losses whose first non-finite one the optimizer check names: the last stage's,
+        from one replica only (under data_parallel="shard" the check sums over every replica)."""
+        one = self.sharding is None or dp_rank == 0
+        return self.runner.current.losses if self.holds_last and one else []
+
     def capture(self) -> list[tuple] | None:
         """The first stage's inputs: its part of the step, up to the pipelined block, per micro-batch,
         drawing from stage 0's random stream (the last stage's part runs inside its F)."""

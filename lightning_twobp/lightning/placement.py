@@ -6,6 +6,7 @@ as resolved for this world (degree, micro-batches, stages per rank), this rank's
 
 from __future__ import annotations
 
+import socket
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
@@ -120,6 +121,12 @@ class PipelinePlacement:
         if self._pipeline is None:
             raise RuntimeError(f"TwoBPStrategy.{what}: {NOT_YET}")
         return self._pipeline
+
+    def describe_rank(self) -> str:
+        """This rank in messages to the others: its global and pipeline rank, stages and host."""
+        held = ", ".join(map(str, self.stage_ids))
+        host = socket.gethostname()
+        return f"global rank {self.global_rank} (pipeline rank {self.pp_rank}, stage(s) {held}, host {host})"
 
     def group(self, dim: str) -> dist.ProcessGroup | None:
         """The process group of the mesh dimension ``"pp"`` or ``"dp"`` (None before the processes start)."""

@@ -21,24 +21,21 @@ from torch.distributed.device_mesh import DeviceMesh
 from typing_extensions import override
 
 from lightning_twobp.engine import Verdict
+from lightning_twobp.engine.failure import FailureChannel
 from lightning_twobp.lightning import checkpoint_hooks
 from lightning_twobp.lightning.checks import check_nodes, checked_optimizers
+from lightning_twobp.lightning.failures import reap, told
 from lightning_twobp.lightning.grads import GradStash
 from lightning_twobp.lightning.layout import check_degree
 from lightning_twobp.lightning.optimizer_checks import NonFiniteError
 from lightning_twobp.lightning.pipeline import Pipeline, StepRecords, StepRun, build_pipeline
 from lightning_twobp.lightning.placement import PipelinePlacement
+from lightning_twobp.lightning.preemption import Preempted, StopSignals
 from lightning_twobp.lightning.step import check_batch_size_early, check_batches
 from lightning_twobp.options import PipelineOptions
 from lightning_twobp.schedules.auto import AutoChoice, Profile
 
-__all__ = ["NonFiniteError", "StepRecords", "TwoBPStrategy"]
-
-_IO_TIMEOUT = timedelta(minutes=30)  # at least this for checkpoint collectives
-_NO_SHARDED_CHECKPOINTS = (
-    "data_parallel='shard': checkpoints of sharded stages (save and resume) are not supported yet (issue 22); "
-    "train with data_parallel='replicate' to checkpoint"
-)
+__all__ = ["NonFiniteError", "Preempted", "StepRecords", "TwoBPStrategy"]
 
 
 class TwoBPStrategy(PipelinePlacement, DDPStrategy):
@@ -132,6 +129,8 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
         self._mesh: DeviceMesh | None = None
         self._pipeline: Pipeline | None = None
         self._stash = GradStash()
+        self._signals: StopSignals | None = None
+        self._failures: FailureChannel | None = None  # the first failure, told to every rank (see .failures)
         self._failed = False
         self.stage_sizes: list[int] | None = None  # layers per stage, once the pipeline is built
         self._resume_rng: dict[str, torch.Tensor] | None = None  # a checkpoint's random states, not yet restored
@@ -171,19 +170,9 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
         super().setup_distributed()
         check_degree(self.world_size, self.pipeline_degree)
         self._mesh = self.layout.init_mesh(self.root_device, self._timeout)
-        # Checkpoint I/O (writing, hashing, verifying a large checkpoint) may take longer than a hung
-        # rank should: its collectives get a group of their own with at least torch's 30 minutes.
         assert self._timeout is not None  # __init__ passes a timedelta or keeps Lightning's default one
-        self.io_group = dist.new_group(timeout=max(self._timeout, _IO_TIMEOUT)) if dist.is_initialized() else None
-        layout = self.layout
-        if self.pipeline_degree > 1:
-            # The loss and logs travel on a group of their own, so that their messages never mix with
-            # the schedule's (NCCL matches messages between two ranks in posting order, ignoring tags).
-            for d in range(layout.dp_degree):  # every rank creates every group, in one order
-                ranks = [layout.global_rank_of(r, d) for r in range(self.pipeline_degree)]
-                group = dist.new_group(ranks, timeout=self._timeout)
-                if d == layout.dp_rank:
-                    self.log_group = group
+        self.io_group, self.log_group = self.layout.side_groups(self._timeout)
+        self._signals = StopSignals(self._timeout)  # SIGTERM and SLURM's requeue: see .preemption
 
     @override
     def setup(self, trainer: Any) -> None:
@@ -192,9 +181,10 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
         self._failed = False
         self._batches_checked = False
         fitting = trainer.state.fn == TrainerFn.FITTING
-        if self.options.data_parallel == "shard" and fitting and trainer.checkpoint_callbacks:
-            raise ValueError(_NO_SHARDED_CHECKPOINTS + "; pass Trainer(enable_checkpointing=False)")
+        if fitting and trainer.checkpoint_callbacks:
+            checkpoint_hooks.check_not_sharded(self.options, "; pass Trainer(enable_checkpointing=False)")
         self._pipeline = build_pipeline(self, trainer)
+        self._failures = FailureChannel.open(self.describe_rank())
         self.precision_plugin = self._pipeline.precision
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
@@ -215,11 +205,16 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
     @override
     def on_exception(self, exception: BaseException) -> None:
         self._failed = True  # teardown gathers nothing then: another rank may be gone
+        if self._failures is not None and not self._failures.seen and not isinstance(exception, Preempted):
+            self._failures.report(exception, "outside the training step")  # the others name it when lost
+        reap(self.launcher)  # rank 0 under Lightning's launcher: no rank it started outlives it
         super().on_exception(exception)
 
     @override
     def on_train_end(self) -> None:
         self._validate()  # the last optimizer step's verdict: the trained weights are the checked ones
+        if self._signals is not None:
+            self._signals.close()
         if self._pipeline is not None and self._pipeline.logs is not None:
             self._pipeline.logs.flush()
         super().on_train_end()
@@ -230,6 +225,8 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
         and the precision plugin is Lightning's own again, with the trained loss scale."""
         self._step_checks = self.step_checks  # kept after the pipeline goes
         pipeline, self._pipeline = self._pipeline, None
+        if self._signals is not None:
+            self._signals.uninstall()
         super().teardown()
         if pipeline is None:
             return
@@ -257,6 +254,8 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
         if not self._batches_checked and loader is not None:
             check_batches(loader, self.num_microbatches)
             self._batches_checked = True
+        if self._signals is not None:  # after Lightning registered its handlers, which this replaces
+            self._signals.install(self.lightning_module.trainer)
         super().on_train_start()
 
     @override
@@ -265,10 +264,16 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
             checkpoint_hooks.set_rng_state(self._resume_rng)
             self._resume_rng = None
         self._built("on_train_batch_start").streams.apply_pending()
+        if self._signals is not None:  # every rank stops before the same step once one was signalled
+            self._signals.agree(self.lightning_module.trainer.global_step)
         super().on_train_batch_start(batch, batch_idx)
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        with told(self._failures, f"global step {self.lightning_module.trainer.global_step}"):
+            return self._training_step(args, kwargs)
+
+    def _training_step(self, args: tuple, kwargs: dict) -> Any:
         pipeline = self._built("training_step")
         loss, means = self._train_step(pipeline, args, kwargs)
         verdict = self._validate()  # the previous optimizer step's global check, long arrived
@@ -305,12 +310,8 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
     def _before_step(self, optimizer: Any) -> None:
         """Right before each optimizer step (the precision plugin calls it): the global check."""
         pipeline = self._built("optimizer_step")
-        # The first non-finite micro-batch rides along the check's sum: from one last stage only (under
-        # data_parallel="shard" the check sums over every replica; replica 0's losses name it).
-        one = pipeline.sharding is None or self.dp_rank == 0
-        losses = pipeline.runner.current.losses if pipeline.holds_last and one else []
         scaler = getattr(self.precision_plugin, "scaler", None)
-        pipeline.checks.before_step(self.lightning_module, optimizer, scaler, losses)
+        pipeline.checks.before_step(self.lightning_module, optimizer, scaler, pipeline.named_losses(self.dp_rank))
 
     @override
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -330,7 +331,7 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self.precision_plugin.val_step_context():
+        with self.precision_plugin.val_step_context(), told(self._failures, "a validation step"):
             return self._eval_step("validation_step", args, kwargs)
 
     @override
@@ -357,18 +358,19 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
         """A directory (see :mod:`lightning_twobp.lightning.checkpoint`); every rank writes its stages."""
-        if self.options.data_parallel == "shard":
-            raise ValueError(_NO_SHARDED_CHECKPOINTS)
-        self._validate()  # save the checked weights, not a speculative step's
-        streams = self._pipeline.streams if self._pipeline is not None else None
-        checkpoint_hooks.save(self, checkpoint, filepath, storage_options, streams)
+        checkpoint_hooks.check_not_sharded(self.options)
+        checkpoint_hooks.check_storage_options(storage_options)
+        refused = checkpoint_hooks.refusal(self.lightning_module.trainer, self._failures)
+        if refused is None:
+            self._validate()  # save the checked weights, not a speculative step's
+            refused = self._pipeline.checks.nonfinite_refusal() if self._pipeline is not None else None
+        checkpoint_hooks.save(self, checkpoint, filepath, self._pipeline, self._failures, refused)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """Each rank reads the weights and optimizer state of its own parameters, by name, whatever the
         pipeline degree or partition the checkpoint was saved with."""
-        if self.options.data_parallel == "shard":
-            raise ValueError(_NO_SHARDED_CHECKPOINTS)
+        checkpoint_hooks.check_not_sharded(self.options)
         streams = self._built("load_checkpoint").streams
         checkpoint, self._resume_rng = checkpoint_hooks.load(self, checkpoint_path, weights_only, streams)
         return checkpoint

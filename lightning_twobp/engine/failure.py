@@ -1,0 +1,179 @@
+"""The first failure, told to every rank: when one rank fails, the others end naming it.
+
+A rank whose step raises (an error in the user's code, torch refusing reentrant checkpointing, an
+action of the schedule, or the first to find a peer killed or hung) writes a one-line summary of it
+(rank, stage, step, cause) into the process group's own key-value store before it raises; the first
+writer wins (``compare_set``). Its peers are waiting on it for a message: when its process ends their
+wait fails (the connection closes), and instead of "peer was lost" each raises :class:`PeerFailed`
+with that summary. Nothing happens on the happy path: the store is read only after a wait on a peer
+failed.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import socket
+import threading
+import time
+from typing import Any
+
+import torch.distributed as dist
+
+from lightning_twobp.engine.executor import PipelineError
+from lightning_twobp.engine.p2p import PeerLost
+
+__all__ = ["FailureChannel", "PeerFailed", "lost_peer", "process_state"]
+
+log = logging.getLogger(__name__)
+
+_LOST = ("Connection closed", "Connection reset", "closed by peer", "Broken pipe", "Timed out", "timed out")
+_STORE_WAIT = 3.0  # seconds a store call may take before the store counts as gone
+_CALLS = itertools.count()  # one key per Trainer call, the same on every rank (they build in one order)
+
+
+class PeerFailed(PipelineError):
+    """Another rank failed first; the message holds its summary (its own log has the traceback)."""
+
+
+def lost_peer(error: BaseException) -> bool:
+    """Whether ``error`` (or what caused it) is a wait on another rank that failed: a lost connection or
+    a timeout, not an error of this rank's own."""
+    seen: set[int] = set()
+    e: BaseException | None = error
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, PeerLost) or any(k in str(e) for k in _LOST):  # DCP's errors hold the text too
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+def _cause(error: BaseException) -> str:
+    """The innermost cause, as ``Type: first line``."""
+    root = error
+    while root.__cause__ is not None and not isinstance(root, PeerLost):  # PeerLost names the rank; gloo not
+        root = root.__cause__
+    lines = str(root).strip().splitlines()
+    return f"{type(root).__name__}: {lines[0] if lines else ''}"[:400]
+
+
+def process_state(pid: int) -> str | None:
+    """``"dead"``, ``"stopped"`` or None (running, or not knowable here) for a process of this host."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return "dead"
+    except OSError:
+        return None
+    return {"Z": "dead", "X": "dead", "T": "stopped (SIGSTOP?)", "t": "stopped (traced)"}.get(state)
+
+
+def _default_store() -> Any:
+    """The default process group's key-value store. torch has no public accessor; this is the one place
+    that uses the private one (tests/test_failure.py fails loudly if it goes)."""
+    return dist.distributed_c10d._get_default_store()
+
+
+class FailureChannel:
+    """One Trainer call's failure key in the process group's store. ``me`` names this rank."""
+
+    def __init__(self, store: Any, me: str) -> None:
+        self._store = store
+        self._key = f"twobp/failure/{next(_CALLS)}"
+        self.me = me
+        self.seen = False  # this rank raised a failure, its own or a peer's, in this Trainer call
+        self._world = dist.get_world_size() if dist.is_initialized() else 1
+        self._gone = False  # the store stopped answering (it lives in global rank 0's process)
+        if dist.is_initialized():  # where each rank runs, for roll_call
+            store.set(f"{self._key}/pid/{dist.get_rank()}", f"{socket.gethostname()} {os.getpid()}")
+
+    @classmethod
+    def open(cls, me: str) -> FailureChannel | None:
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return None
+        return cls(_default_store(), me)
+
+    def report(self, error: BaseException, where: str) -> None:
+        """Tell the other ranks that this one failed, unless a failure was told before."""
+        summary = f"{self.me} failed at {where}: {_cause(error)}"
+        try:
+            self._ask("compare_set", self._key, "", summary)
+        except Exception as err:  # noqa: BLE001 - the store itself may be gone; the error still raises
+            log.debug("twobp: could not report the failure: %s", err)
+
+    def _ask(self, method: str, *args: Any) -> Any:
+        """A store call bounded by a few seconds: the store is served by global rank 0's process, which
+        may be the one stopped or hung. A call that does not return leaves the store to its thread and
+        this channel mute (a second call on that connection would read the first one's answer)."""
+        if self._gone:
+            raise RuntimeError("the store did not answer before")
+        out: dict[str, Any] = {}
+
+        def call() -> None:
+            try:
+                out["value"] = getattr(self._store, method)(*args)
+            except Exception as err:  # noqa: BLE001 - handed to the caller
+                out["error"] = err
+
+        thread = threading.Thread(target=call, daemon=True, name="twobp-failure-store")
+        thread.start()
+        thread.join(_STORE_WAIT)
+        if thread.is_alive():
+            self._gone = True
+            raise RuntimeError(f"the store did not answer in {_STORE_WAIT:g} s (global rank 0 hung or stopped?)")
+        if "error" in out:
+            raise out["error"]
+        return out.get("value")
+
+    def roll_call(self) -> str:
+        """The ranks on this host whose process is gone or stopped, as ``global rank 1 (pid 42): dead``;
+        empty when none is (or they run on other hosts, where no process can be looked at)."""
+        here, found = socket.gethostname(), []
+        for r in range(self._world):
+            try:
+                if not self._ask("check", [f"{self._key}/pid/{r}"]):
+                    continue
+                host, pid = self._ask("get", f"{self._key}/pid/{r}").decode().split()
+            except Exception:  # noqa: BLE001 - the store went away with rank 0
+                break
+            state = process_state(int(pid)) if host == here else None
+            if state is not None:
+                found.append(f"global rank {r} (pid {pid}): {state}")
+        return "; ".join(found)
+
+    def first(self, wait: float) -> str | None:
+        """The first failure told, waiting up to ``wait`` seconds for one."""
+        deadline = time.monotonic() + wait
+        while True:
+            try:
+                if self._ask("check", [self._key]):
+                    return self._ask("get", self._key).decode()
+            except Exception:  # noqa: BLE001 - a store that went away with rank 0: nothing to name
+                return None
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.05)
+
+    def resolve(self, error: BaseException, where: str) -> BaseException:
+        """What this rank raises for ``error`` at ``where``: a lost peer becomes :class:`PeerFailed`
+        naming the first failure (where one was told); an error of its own is told to the others."""
+        self.seen = True
+        if not lost_peer(error):
+            self.report(error, where)
+            return error
+        # The failing rank told the store before its connections closed: the key is there already,
+        # unless the peer was killed (nothing told, the lost-peer error stands).
+        first = self.first(wait=2.0)
+        if first is None:  # nobody told a failure (a rank killed or stopped): this loss is the first
+            self.report(error, where)
+            return error
+        if first.startswith(f"{self.me} "):
+            return error
+        lines = str(error).strip().splitlines()
+        return PeerFailed(
+            f"{self.me} stopped at {where} because {first} (the first failure; its log has the traceback). "
+            f"Here: {lines[0] if lines else type(error).__name__}"
+        )

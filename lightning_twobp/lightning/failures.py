@@ -1,0 +1,76 @@
+"""When a rank fails under ``strategy="twobp"``: the others name the first failure, and no checkpoint is
+saved across ranks that are not at one step.
+
+* :func:`told`: around each training and evaluation step. An error of this rank's own is told to the
+  others through the process group's store (:class:`~lightning_twobp.engine.failure.FailureChannel`);
+  a lost peer becomes :class:`~lightning_twobp.engine.failure.PeerFailed` naming the first failure.
+* :func:`save_refused`: Lightning's ``on_exception`` hooks run ``ModelCheckpoint(save_on_exception=True)``
+  on every rank that raised. After an error on some ranks in the middle of a step the ranks are not at
+  one step boundary, so a collective save would wait on ranks that never join it (for the checkpoint
+  group's 30 minutes): only what every rank raised at one boundary is saved (a preemption, a
+  non-finite step). Otherwise the last checkpoint stays as it was.
+* :func:`reap`: under Lightning's launcher rank 0 started the other ranks, and nothing ends them when
+  rank 0 fails: a stopped rank, or one waiting on it in a collective, would outlive the job.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from lightning.pytorch.trainer.states import TrainerStatus
+
+from lightning_twobp.engine.failure import FailureChannel, process_state
+
+__all__ = ["reap", "save_refused", "told"]
+
+
+@contextmanager
+def told(channel: FailureChannel | None, where: str) -> Iterator[None]:
+    """Tell the other ranks this rank's own failure; name the first failure where a peer was lost."""
+    try:
+        yield
+    except Exception as err:
+        if channel is None:
+            raise
+        resolved = channel.resolve(err, where)
+        if resolved is err:
+            raise
+        raise resolved from err
+
+
+def save_refused(trainer: Any, channel: FailureChannel | None, together: tuple[type, ...]) -> str | None:
+    """Why a save must not run now, or None. ``together``: the exceptions every rank raises at one step
+    boundary, whose checkpoint is consistent."""
+    if trainer is None or trainer.state.status != TrainerStatus.INTERRUPTED:
+        return None
+    error = sys.exc_info()[1]  # Lightning calls on_exception inside its handler of the exception
+    if error is None or isinstance(error, together):
+        return None
+    if channel is not None and not channel.seen:  # an error outside the step: tell the others now
+        channel.report(error, f"global step {trainer.global_step}, outside the training step")
+        channel.seen = True
+    return (
+        f"{type(error).__name__} was raised on this rank in the middle of training, not at a step boundary "
+        f"every rank shares; the last checkpoint on disk is left as it was"
+    )
+
+
+def reap(launcher: Any, grace: float = 10.0) -> None:
+    """Rank 0 failed: no rank it started may outlive it. A stopped one is killed at once, so that the
+    ranks waiting on it (its data-parallel peer in a collective) see its connection close now and name
+    the failure instead of waiting for the process group's timeout; the others get ``grace`` seconds to
+    end with their own error, then are killed."""
+    procs = [p for p in getattr(launcher, "procs", None) or [] if p.poll() is None]
+    for proc in procs:
+        if (process_state(proc.pid) or "").startswith("stopped"):
+            proc.kill()
+    deadline = time.monotonic() + grace
+    for proc in procs:
+        while proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if proc.poll() is None:
+            proc.kill()

@@ -1,0 +1,152 @@
+"""Preemption: SIGTERM (a scheduler's notice) or SLURM's requeue signal stops every rank at the same step.
+
+Lightning's own SIGTERM handler runs a broadcast inside the handler, a collective the other ranks do not
+join while they are in the middle of a pipeline step, and its per-step check reads rank 0's flag only: a
+signal to every rank mid-step, or to one rank, hangs until a timeout or trains on. For the length of
+training :class:`StopSignals` replaces it with a handler that only notes the signal. The ranks agree on
+it at step boundaries: each training step starts a one-number-per-rank all-reduce on a CPU group of its
+own and the next step reads it. That reduce finished long before (the step in between synchronised every
+rank), so nothing on the hot path waits for it and no accelerator is synchronised.
+
+Once a rank sees a signal every rank raises :class:`Preempted` before the same training step: Lightning's
+``on_exception`` hooks then run at one step boundary on every rank alike, so
+``ModelCheckpoint(save_on_exception=True)`` writes a complete checkpoint; without it the last checkpoint
+stays as it was. A signal during a save lets the save finish (it is atomic: a hidden ``.partial``
+directory renamed into place). The process exits with ``128 + signal`` (143 for SIGTERM), never 0.
+SLURM's requeue signal (``SLURMEnvironment(auto_requeue=True)``, SIGUSR1 by default) does what Lightning
+does for it, but at the agreed step on every rank: save the HPC checkpoint, requeue (rank 0), then stop.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins.environments import SLURMEnvironment
+from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+__all__ = ["Preempted", "StopSignals"]
+
+log = logging.getLogger(__name__)
+
+
+class Preempted(SIGTERMException):
+    """Every rank stopped before the same training step because a rank received SIGTERM or SLURM's
+    requeue signal; the exit status is ``128 + signal``."""
+
+    def __init__(self, message: str, signum: int) -> None:
+        super().__init__(message)
+        self.message = message
+        self.code = 128 + signum  # SystemExit's exit status
+
+    def __str__(self) -> str:
+        return self.message
+
+
+def _requeue_signal(trainer: Any) -> int | None:
+    """The signal Lightning requeues a SLURM job on, where it does (auto_requeue), else None."""
+    env = trainer._accelerator_connector.cluster_environment  # Lightning's own choice of environment
+    if isinstance(env, SLURMEnvironment) and env.auto_requeue:
+        return int(env.requeue_signal or signal.SIGUSR1)
+    return None
+
+
+class StopSignals:
+    """The signals that stop training, noted by a handler and agreed on by every rank at step boundaries."""
+
+    def __init__(self, timeout: timedelta) -> None:
+        self._group = None
+        self._world, self._rank = 1, 0
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            # gloo even under NCCL: the flags stay on the host, so reading them never syncs a device.
+            self._group = dist.new_group(backend="gloo", timeout=timeout)
+            self._world, self._rank = dist.get_world_size(), dist.get_rank()
+        self._trainer: Any = None
+        self._replaced: dict[int, Any] = {}
+        self._signum = 0  # the first signal this rank received, 0: none
+        self._pending: tuple[Any, torch.Tensor] | None = None
+
+    # ------------------------------------------------------------------ the handler
+    def install(self, trainer: Any) -> None:
+        """Replace the handlers of SIGTERM (and the requeue signal) for the length of training. Called
+        after Lightning registered its own, which this undoes until :meth:`uninstall`."""
+        if threading.current_thread() is not threading.main_thread():
+            return  # Python delivers signals to the main thread only; leave Lightning's handling
+        self._trainer, self._signum, self._pending = trainer, 0, None
+        signals = {int(signal.SIGTERM)}
+        requeue = _requeue_signal(trainer)
+        if requeue is not None:
+            signals.add(requeue)
+        for signum in signals:
+            self._replaced[signum] = signal.signal(signum, self._note)
+
+    def _note(self, signum: int, frame: Any) -> None:
+        """Only note it: no collective, no I/O, nothing that could wait on another rank."""
+        if self._signum:
+            return
+        self._signum = signum
+        self._received = time.monotonic()
+        launcher = getattr(self._trainer.strategy, "launcher", None)
+        if launcher is not None:  # Lightning's launcher passes the signal on to the ranks it started
+            launcher.kill(signum)
+
+    def uninstall(self) -> None:
+        """Put back the handlers replaced, where nobody replaced ours since."""
+        for signum, old in self._replaced.items():
+            if signal.getsignal(signum) == self._note:
+                signal.signal(signum, old)
+        self._replaced = {}
+
+    # ------------------------------------------------------------------ agreement
+    def agree(self, step: int) -> None:
+        """At the start of training step ``step`` on every rank: read what the previous step's reduce
+        says, raise :class:`Preempted` if any rank was signalled, else start this step's reduce."""
+        if not self._replaced:
+            return
+        seen = self._read()
+        if seen is not None:
+            self._stop(seen, step)
+        flags = torch.zeros(self._world, dtype=torch.int64)
+        flags[self._rank] = self._signum
+        if self._group is None:
+            self._pending = (None, flags)
+        else:
+            self._pending = (dist.all_reduce(flags, group=self._group, async_op=True), flags)
+
+    def close(self) -> None:
+        """Training ended: wait for the last reduce, so that no collective of ours stays in flight."""
+        self._read()
+
+    def _read(self) -> torch.Tensor | None:
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return None
+        work, flags = pending
+        if work is not None:
+            work.wait()  # finished during the step in between
+        return flags if bool(flags.any()) else None
+
+    def _stop(self, flags: torch.Tensor, step: int) -> None:
+        ranks = [r for r, s in enumerate(flags.tolist()) if s]
+        signum = int(flags[ranks[0]])
+        name = signal.Signals(signum).name
+        took = f" {time.monotonic() - self._received:.1f} s after it arrived here," if self._signum else ""
+        message = (
+            f"twobp: {name} on rank(s) {ranks}: every rank stopped before training step {step},{took} at the "
+            f"same step boundary (ModelCheckpoint(save_on_exception=True) saves a checkpoint there; otherwise "
+            f"the last one is left as it was); exit status {128 + signum}"
+        )
+        log.warning(message)
+        requeue = _requeue_signal(self._trainer)
+        if signum == requeue and signum != signal.SIGTERM:
+            # Lightning's own requeue, run where every rank is at one step (its handler would run it
+            # inside the signal handler): the HPC checkpoint, saved by every rank, then scontrol requeue
+            # on rank 0. Lightning's private handler, used here only.
+            self._trainer._signal_connector._slurm_sigusr_handler_fn(signum, None)
+        raise Preempted(message, signum)

@@ -1,0 +1,132 @@
+"""An error of one rank's own (the user's training_step on one rank, torch refusing reentrant
+checkpointing) ends every rank within seconds: the failing rank with its error, the others with
+``PeerFailed`` naming it (rank, stage, step, cause), not a timeout or a lost peer; with
+``ModelCheckpoint(save_on_exception=True)`` nothing is saved across ranks that are not at one step."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import time
+
+import pytest
+import torch.distributed as dist
+import torch.nn.functional as F
+from lightning.pytorch.callbacks import ModelCheckpoint
+from test_checkpoint_safety import Net, _data, _trainer
+from test_preemption import launch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from lightning_twobp.engine.failure import PeerFailed, process_state
+from lightning_twobp.testing import free_port, rank_env, run_distributed
+
+pytestmark = pytest.mark.dist
+
+AT = 2
+
+
+class FailsOnRank1(Net):
+    def training_step(self, batch, batch_idx):
+        if self.trainer.global_rank == 1 and self.global_step == AT:
+            raise ValueError("a bug in the user's step on rank 1")
+        return super().training_step(batch, batch_idx)
+
+
+class Reentrant(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.Linear(16, 2)
+
+    def forward(self, x):
+        return checkpoint(self.inner, x, use_reentrant=True)
+
+
+class ReentrantOnLastStage(Net):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers[4] = Reentrant()
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.mse_loss(self.layers(x), y)
+
+
+def _fit(rank: int, world: int, port: int, folder: str, model: str) -> dict:
+    rank_env(rank, world, port)
+    saving = ModelCheckpoint(dirpath=folder, every_n_train_steps=1, save_last=True, save_on_exception=True)
+    trainer = _trainer(world, 20, [saving])
+    start = time.monotonic()
+    try:
+        trainer.fit({"user": FailsOnRank1, "reentrant": ReentrantOnLastStage}[model](), _data())
+    except Exception as err:  # noqa: BLE001 - what each rank raised is the result
+        return {"type": type(err).__name__, "error": str(err), "took": time.monotonic() - start}
+    return {"type": None}
+
+
+@pytest.mark.parametrize(
+    "model, cause",
+    [
+        ("user", "ValueError: a bug in the user's step on rank 1"),
+        ("reentrant", "RuntimeError: When use_reentrant=True, torch.utils.checkpoint is incompatible"),
+    ],
+)
+def test_one_ranks_error_ends_every_rank_naming_it(tmp_path, model, cause):
+    seen = run_distributed(_fit, 2, free_port(), str(tmp_path), model, timeout=120)
+    assert seen[1]["type"] is not None and cause in seen[1]["error"], seen[1]  # its own error, as before
+    first = f"global rank 1 (pipeline rank 1, stage(s) 1, host {socket.gethostname()}) failed at global step"
+    assert seen[0]["type"] == "PeerFailed", seen[0]
+    assert first in seen[0]["error"] and cause in seen[0]["error"], seen[0]["error"]
+    assert seen[0]["error"].startswith("global rank 0 (pipeline rank 0, stage(s) 0"), seen[0]["error"]
+    assert max(s["took"] for s in seen) < 30, seen  # not pipeline_timeout's 600 s
+    saved = sorted(p.name for p in tmp_path.iterdir())
+    assert not [n for n in saved if n.startswith(".")], saved  # no save was begun after the error
+    if model == "user":
+        assert saved == ["epoch=0-step=2.ckpt", "last.ckpt"], saved  # step 2, the last one before the error
+
+
+def test_the_store_is_reachable_where_torch_keeps_it():
+    """The one private torch API the failure channel uses: fails here when a torch release moves it."""
+    assert callable(dist.distributed_c10d._get_default_store)
+    assert issubclass(PeerFailed, RuntimeError)
+
+
+SCRIPT = """
+
+class StopRank1(pl.Callback):
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step == 1:
+            Path({folder!r}, f"rank{{trainer.global_rank}}").write_text(str(os.getpid()))
+        if trainer.global_step == 2 and trainer.global_rank == 1:
+            os.kill(os.getpid(), signal.SIGSTOP)
+
+
+if __name__ == "__main__":
+    strategy = TwoBPStrategy(pipeline_degree=2, num_microbatches=4, pipeline_timeout=3)
+    trainer = pl.Trainer(accelerator="cpu", devices=4, strategy=strategy, logger=False, max_steps=100000,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         use_distributed_sampler=False, callbacks=[StopRank1()])
+    trainer.fit(Net(), _data())
+"""
+
+
+def test_a_stopped_rank_under_lightnings_launcher_leaves_no_orphan_and_its_peers_name_it(tmp_path):
+    """pipeline 2 x data 2 under Lightning's launcher, rank 1 stopped: rank 0 names it after
+    pipeline_timeout and kills it; its data-parallel peer (rank 3) then names the failure instead of
+    waiting for gloo's 60 s timeout; no process is left."""
+    proc = launch(tmp_path, SCRIPT)
+    try:
+        _, err = proc.communicate(timeout=240)
+        time.sleep(2)
+    finally:
+        proc.kill()
+        pids = [int(f.read_text()) for f in tmp_path.glob("rank*")]
+        left = [pid for pid in pids if process_state(pid) != "dead"]
+        for pid in left:  # the test's own cleanup, whatever happened
+            os.kill(pid, signal.SIGKILL)
+    assert proc.returncode != 0, err[-3000:]
+    assert len(pids) == 4 and not left, f"ranks outlived the job: {left}"
+    lost = "PeerLost: pipeline rank 1 (stage 1, global rank 1"
+    assert "PeerFailed: global rank 3 (pipeline rank 1" in err and lost in err, err[-4000:]
+    assert "Timed out waiting 60000ms" not in err, err[-4000:]

@@ -1,0 +1,211 @@
+"""SIGTERM, as a scheduler sends it, stops every rank at the same step within seconds, exits non-zero, and
+leaves verified checkpoints: sent to every rank mid-step, to one rank only, during a checkpoint save, and
+with ``ModelCheckpoint(save_on_exception=True)``, which then saves the step every rank stopped at."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from test_checkpoint_safety import Net, _trainer
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_twobp import Preempted
+from lightning_twobp.lightning import checkpoint as ckpt
+from lightning_twobp.testing import free_port, rank_env, run_distributed
+
+pytestmark = pytest.mark.dist
+
+AT = 3  # the training step during which the signal comes
+STEPS = 40  # what the run would train without a signal
+
+
+class SignalMidStep(pl.Callback):
+    """Sends ``sig`` to this process from inside the forward of training step ``AT`` (on ``ranks``)."""
+
+    def __init__(self, ranks: set[int], sig: int = signal.SIGTERM) -> None:
+        self.ranks, self.sig = ranks, sig
+        self.sent: list[float] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step != AT or trainer.global_rank not in self.ranks:
+            return
+
+        def hook(module, args, out):
+            handle.remove()
+            self.sent.append(time.monotonic())
+            os.kill(os.getpid(), self.sig)
+
+        handle = nn.modules.module.register_module_forward_hook(hook)
+
+
+def _signal_during_save(sent: list[float]) -> None:
+    """SIGTERM to this process as it starts writing its shards of the second save."""
+    write, calls = ckpt._write_shards, {"n": 0}
+
+    def writing(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            sent.append(time.monotonic())
+            os.kill(os.getpid(), signal.SIGTERM)
+        return write(*args, **kwargs)
+
+    ckpt._write_shards = writing
+
+
+def _run(rank: int, world: int, port: int, root: str, cases: list[str]) -> dict:
+    rank_env(rank, world, port)
+    g = torch.Generator().manual_seed(1)
+    data = DataLoader(TensorDataset(torch.randn(16, 6, generator=g), torch.randn(16, 2, generator=g)), batch_size=8)
+    out = {}
+    for case in cases:
+        folder = Path(root) / case
+        saving = ModelCheckpoint(
+            dirpath=folder,
+            every_n_train_steps=2,
+            save_top_k=-1,
+            save_last=True,
+            save_on_exception=case == "on-exception",
+        )
+        mid = SignalMidStep({1} if case == "one-rank" else {0, 1})
+        write = ckpt._write_shards
+        if case == "during-save":
+            _signal_during_save(mid.sent)
+        trainer = _trainer(world, STEPS, [saving] + ([] if case == "during-save" else [mid]))
+        try:
+            trainer.fit(Net(), data)
+            out[case] = {"error": None, "step": trainer.global_step}
+        except Preempted as stop:
+            took = time.monotonic() - mid.sent[0] if mid.sent else None
+            out[case] = {"error": str(stop), "code": stop.code, "step": trainer.global_step, "took": took}
+        finally:
+            ckpt._write_shards = write
+        out[case]["handler"] = signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    return out
+
+
+CASES = ["mid-step", "one-rank", "during-save", "on-exception"]
+
+
+def test_sigterm_stops_every_rank_at_one_step_saves_and_exits_non_zero(tmp_path):
+    results = run_distributed(_run, 2, free_port(), str(tmp_path), CASES, timeout=300)
+    for case in CASES:
+        seen = [r[case] for r in results]
+        assert all(s["error"] is not None for s in seen), (case, seen)  # no rank trained on to the end
+        assert seen[0]["step"] == seen[1]["step"] <= AT + 2, (case, seen)  # the same step, at most 2 later
+        for s in seen:
+            assert s["code"] == 128 + signal.SIGTERM and s["handler"], (case, s)  # 143; handlers put back
+            assert "SIGTERM on rank(s) [1]" in s["error"] if case == "one-rank" else "[0, 1]" in s["error"], s
+            if s["took"] is not None:
+                assert s["took"] < 30, (case, s)
+        folder = tmp_path / case
+        assert not list(folder.glob(".*")), sorted(p.name for p in folder.iterdir())  # no .partial left
+        saved = sorted(p.name for p in folder.iterdir())
+        for name in saved:
+            assert ckpt.verify(folder / name, shared=False)["layout"]["pipeline_degree"] == 2
+        stop = seen[0]["step"]
+        if case == "on-exception":  # the step every rank stopped at, saved there
+            assert f"epoch={(stop - 1) // 2}-step={stop}.ckpt" in saved, saved
+
+
+def _requeue(rank: int, world: int, port: int, root: str) -> dict:
+    """Under SLURM (its variables as srun sets them) with Lightning's auto-requeue, SIGUSR1 to rank 1."""
+    from lightning.fabric.plugins.environments import SLURMEnvironment
+
+    rank_env(rank, world, port)
+    os.environ.update(
+        SLURM_NTASKS=str(world), SLURM_NTASKS_PER_NODE=str(world), SLURM_NNODES="1", SLURM_PROCID=str(rank)
+    )
+    os.environ.update(SLURM_LOCALID=str(rank), SLURM_NODEID="0", SLURM_JOB_ID="4242", SLURM_JOB_NAME="twobp")
+    g = torch.Generator().manual_seed(1)
+    data = DataLoader(TensorDataset(torch.randn(16, 6, generator=g), torch.randn(16, 2, generator=g)), batch_size=8)
+    mid = SignalMidStep({1}, signal.SIGUSR1)
+    trainer = _trainer(world, STEPS, [mid], plugins=[SLURMEnvironment(auto_requeue=True)], default_root_dir=root)
+    with pytest.raises(Preempted) as stop:
+        trainer.fit(Net(), data)
+    return {"error": str(stop.value), "code": stop.value.code, "step": trainer.global_step}
+
+
+def test_slurms_requeue_signal_saves_the_hpc_checkpoint_at_one_step_and_stops(tmp_path):
+    seen = run_distributed(_requeue, 2, free_port(), str(tmp_path), timeout=180)
+    assert seen[0]["step"] == seen[1]["step"] <= AT + 2, seen
+    for s in seen:
+        assert s["code"] == 128 + signal.SIGUSR1 and "SIGUSR1 on rank(s) [1]" in s["error"], s
+    manifest = ckpt.verify(tmp_path / "hpc_ckpt_1.ckpt", shared=False)  # saved by both ranks, complete
+    assert manifest["layout"]["pipeline_degree"] == 2, manifest
+
+
+HEADER = """
+import os, signal, sys, time
+from pathlib import Path
+import lightning.pytorch as pl
+sys.path.insert(0, {tests!r})
+from test_checkpoint_safety import Net, _data
+from lightning_twobp import TwoBPStrategy
+"""
+
+
+def launch(folder: Path, body: str) -> subprocess.Popen:
+    """``python train.py`` as a user starts it (Lightning's launcher starts the other ranks), with this
+    checkout first on the path and a free port; ``body`` may use ``{folder!r}``."""
+    script = folder / "train.py"
+    script.write_text(HEADER.format(tests=str(Path(__file__).parent)) + body.format(folder=str(folder)))
+    env = {**os.environ, "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1"}
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parents[1]), env.get("PYTHONPATH", "")])
+    return subprocess.Popen([sys.executable, str(script)], env=env, cwd=folder, stderr=subprocess.PIPE, text=True)
+
+
+SCRIPT = """
+
+class Started(pl.Callback):
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step == 2:
+            Path({folder!r}, f"rank{{trainer.global_rank}}").write_text(str(os.getpid()))
+        time.sleep(0.05)
+
+
+if __name__ == "__main__":
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=TwoBPStrategy(), logger=False, max_steps=100000,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         use_distributed_sampler=False, callbacks=[Started()])
+    trainer.fit(Net(), _data())
+"""
+
+
+def test_sigterm_to_lightnings_launcher_stops_both_ranks_and_exits_143(tmp_path):
+    """What a scheduler does: SIGTERM to the process it started (rank 0 under Lightning's launcher)."""
+    proc = launch(tmp_path, SCRIPT)
+    try:
+        deadline = time.monotonic() + 120
+        while not (tmp_path / "rank1").exists() or not (tmp_path / "rank0").exists():
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()[-3000:]
+            time.sleep(0.2)
+        child = int((tmp_path / "rank1").read_text())
+        sent = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=60)
+        took = time.monotonic() - sent
+        err = proc.stderr.read()
+    finally:
+        proc.kill()
+    assert code == 128 + signal.SIGTERM, err[-3000:]
+    assert took < 30, took
+    assert "every rank stopped before training step" in err, err[-3000:]
+    for _ in range(50):  # the rank Lightning started ends too: no orphan
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.2)
+    else:
+        os.kill(child, signal.SIGKILL)
+        raise AssertionError(f"rank 1 (pid {child}) outlived the job")
