@@ -9,67 +9,35 @@ import shutil
 import signal
 from pathlib import Path
 
-import lightning.pytorch as pl
 import pytest
 import torch
-import torch.nn.functional as F
-from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader
 
 import lightning_twobp  # noqa: F401  (registers "twobp")
 from lightning_twobp import TwoBPStrategy
 from lightning_twobp.lightning import checkpoint as ckpt
 from lightning_twobp.testing import run_distributed
 
-pytestmark = pytest.mark.dist
+from conftest import Regressor, lightning_env, quiet_trainer, regression_data
+
+pytestmark = [pytest.mark.dist, pytest.mark.slow]  # an end-to-end run: last (conftest.py)
 
 
-class Net(pl.LightningModule):
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.layers = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 2))
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        return F.mse_loss(self.layers(x), y)
-
-    def configure_optimizers(self):
-        return torch.optim.Adam(self.parameters(), lr=0.01)
+def _net() -> Regressor:
+    return Regressor(optimizer=torch.optim.Adam, lr=0.01, log=False)
 
 
 def _data() -> DataLoader:
-    g = torch.Generator().manual_seed(1)
-    return DataLoader(TensorDataset(torch.randn(16, 6, generator=g), torch.randn(16, 2, generator=g)), batch_size=8)
-
-
-def _env(rank: int, world: int) -> None:
-    os.environ.update(
-        LOCAL_RANK=str(rank),
-        NODE_RANK="0",
-        WORLD_SIZE=str(world),
-        RANK=str(rank),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT="29500",
-    )
+    return regression_data(16)
 
 
 def _fit(world: int, folder: str, max_steps: int = 4, ckpt_path: str | None = None, save: bool = True) -> dict:
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     cbs = [ModelCheckpoint(dirpath=folder, every_n_train_steps=2, save_top_k=-1, save_last=True)] if save else []
-    model = Net()
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=world,
-        strategy=TwoBPStrategy(schedule="1f1b"),
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        use_distributed_sampler=False,
-        callbacks=cbs,
-        enable_checkpointing=save,
-        max_steps=max_steps,
+    model = _net()
+    trainer = quiet_trainer(
+        TwoBPStrategy(schedule="1f1b"), world, callbacks=cbs, enable_checkpointing=save, max_steps=max_steps
     )  # 2 steps an epoch
     trainer.fit(model, _data(), ckpt_path=ckpt_path)
     return {
@@ -131,13 +99,13 @@ def _die_at(point: str, rank: int) -> None:
 
 
 def _crash(rank: int, world: int, folder: str, point: str) -> None:
-    _env(rank, world)
+    lightning_env(rank, world)
     _die_at(point, rank)
     _fit(world, folder)
 
 
 def _resume_all(rank: int, world: int, root: str, points: list[str]) -> dict:
-    _env(rank, world)
+    lightning_env(rank, world)
     out = {"straight": _fit(world, f"{root}/straight")}
     for point in points:
         out[point] = _fit(world, f"{root}/{point}", ckpt_path=f"{root}/{point}/last.ckpt", save=False)
@@ -213,4 +181,4 @@ def test_a_consolidated_checkpoint_loads_with_weights_only(saved, tmp_path):
     merged = ckpt.consolidate(saved, tmp_path / "full.ckpt")
     assert merged["global_step"] == 4
     again = torch.load(tmp_path / "full.ckpt", weights_only=True)
-    assert set(again["state_dict"]) == {n for n, _ in Net().named_parameters()}
+    assert set(again["state_dict"]) == {n for n, _ in _net().named_parameters()}

@@ -15,30 +15,23 @@ from pathlib import Path
 import lightning.pytorch as pl
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_twobp import TwoBPStrategy
-from lightning_twobp.testing import free_port, run_distributed
+from lightning_twobp.testing import run_distributed
 
-pytestmark = pytest.mark.dist
+from conftest import Regressor, lightning_env, quiet_trainer, regression_data
+
+pytestmark = [pytest.mark.dist, pytest.mark.slow]  # an end-to-end run: last (conftest.py)
 
 TIMEOUT = 3  # pipeline_timeout, seconds
 
 
-class Net(pl.LightningModule):
+class Net(Regressor):
     def __init__(self) -> None:
-        super().__init__()
+        super().__init__(log=False)
         torch.manual_seed(0)
         self.layers = nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(4)])
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        return F.mse_loss(self.layers(x), y)
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
 class _Vanish(pl.Callback):
@@ -58,27 +51,13 @@ class Report(RuntimeError):
     """What a survivor saw: raised so that the harness collects every survivor's own report."""
 
 
-def _fit(rank: int, world: int, port: int, victim: int, sig: int, folder: str, schedule: str, degree: int) -> None:
-    os.environ.update(
-        LOCAL_RANK=str(rank),
-        NODE_RANK="0",
-        WORLD_SIZE=str(world),
-        RANK=str(rank),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-    )
-    g = torch.Generator().manual_seed(1)
-    data = DataLoader(TensorDataset(torch.randn(64, 8, generator=g), torch.randn(64, 8, generator=g)), batch_size=8)
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=world,
+def _fit(rank: int, world: int, victim: int, sig: int, folder: str, schedule: str, degree: int) -> None:
+    lightning_env(rank, world)
+    data = regression_data(64, 8, 8)
+    trainer = quiet_trainer(
+        TwoBPStrategy(schedule=schedule, num_microbatches=4, pipeline_degree=degree, pipeline_timeout=TIMEOUT),
+        world,
         max_steps=8,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        use_distributed_sampler=False,
-        strategy=TwoBPStrategy(schedule=schedule, num_microbatches=4, pipeline_degree=degree, pipeline_timeout=TIMEOUT),
         callbacks=[_Vanish(victim, sig, at=2, folder=folder)],
     )
     try:
@@ -98,7 +77,6 @@ def _reports(world: int, victim: int, how: str, tmp_path, schedule: str = "1f1b"
         run_distributed(
             _fit,
             world,
-            free_port(),
             victim,
             getattr(signal, how),
             str(tmp_path),

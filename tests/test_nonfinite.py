@@ -4,45 +4,33 @@ step is skipped everywhere (``"skip"``); the weights never drift apart."""
 
 from __future__ import annotations
 
-import os
-
 import lightning.pytorch as pl
 import pytest
 import torch
-import torch.nn.functional as F
-from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader
 
 import lightning_twobp  # noqa: F401  (registers "twobp")
 from lightning_twobp import NonFiniteError, TwoBPStrategy
-from lightning_twobp.testing import free_port, run_distributed
+from lightning_twobp.testing import run_distributed
 
-pytestmark = pytest.mark.dist
+import conftest
+from conftest import Regressor, launch, lightning_env, own_weights, quiet_trainer, regression_data
+
+pytestmark = [pytest.mark.dist, pytest.mark.timeout(600)]
 
 BATCH, M, BAD_STEP, BAD_MB = 8, 4, 2, 1
 
 
-class Net(pl.LightningModule):
+class Net(Regressor):
     def __init__(self, inf_on_first_stage_at: int | None = None) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.layers = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 2))
+        super().__init__(optimizer=torch.optim.Adam, lr=0.01)
         self.inf_at = inf_on_first_stage_at
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        loss = F.mse_loss(self.layers(x), y)
-        self.log("train_loss", loss)
-        return loss
 
     def on_after_backward(self):
         # an overflow in one gradient of the first stage only (the loss stays finite)
         strategy = self.trainer.strategy
         if self.global_step == self.inf_at and getattr(strategy, "is_first_stage", True):
             self.layers[0].weight.grad.view(-1)[0] = float("inf")
-
-    def configure_optimizers(self):
-        return torch.optim.Adam(self.parameters(), lr=0.01)
 
 
 class SkipAt(pl.Callback):
@@ -58,42 +46,21 @@ class SkipAt(pl.Callback):
 
 
 def _data(nan: bool) -> DataLoader:
-    g = torch.Generator().manual_seed(1)
-    x, y = torch.randn(64, 6, generator=g), torch.randn(64, 2, generator=g)
+    loader = regression_data(64, batch_size=BATCH)
     if nan:  # one sample of micro-batch BAD_MB of the batch at global step BAD_STEP
-        x[BAD_STEP * BATCH + BAD_MB * (BATCH // M), 3] = float("nan")
-    return DataLoader(TensorDataset(x, y), batch_size=BATCH)
+        loader.dataset.tensors[0][BAD_STEP * BATCH + BAD_MB * (BATCH // M), 3] = float("nan")
+    return loader
 
 
 def _trainer(devices, strategy, max_steps, callbacks=(), **kw):
-    return pl.Trainer(
-        accelerator="cpu",
-        devices=devices,
-        strategy=strategy,
-        max_steps=max_steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        use_distributed_sampler=False,
-        callbacks=list(callbacks),
-        **kw,
-    )
+    return quiet_trainer(strategy, devices, max_steps=max_steps, callbacks=list(callbacks), **kw)
 
 
-def _weights(model) -> dict:
-    return {n: q.detach().clone() for n, q in model.named_parameters() if not q.is_meta}
+_weights = own_weights
 
 
-def _fit(rank: int, world: int, port: int, kwargs: dict, nan_data: bool, inf_at: int | None) -> dict:
-    os.environ.update(
-        LOCAL_RANK=str(rank),
-        NODE_RANK="0",
-        WORLD_SIZE=str(world),
-        RANK=str(rank),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-    )
+def _fit(rank: int, world: int, kwargs: dict, nan_data: bool, inf_at: int | None) -> dict:
+    lightning_env(rank, world)
     model = Net(inf_at)
     logged: list[float] = []
 
@@ -116,15 +83,8 @@ def _fit(rank: int, world: int, port: int, kwargs: dict, nan_data: bool, inf_at:
     }
 
 
-def _anomaly(rank: int, world: int, port: int) -> str:
-    os.environ.update(
-        LOCAL_RANK=str(rank),
-        NODE_RANK="0",
-        WORLD_SIZE=str(world),
-        RANK=str(rank),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-    )
+def _anomaly(rank: int, world: int) -> str:
+    lightning_env(rank, world)
     trainer = _trainer(world, TwoBPStrategy(num_microbatches=M, pipeline_timeout=60), 5, detect_anomaly=True)
     try:
         trainer.fit(Net(), _data(True))
@@ -139,9 +99,12 @@ def _reference(steps: int, skip_at: int | None = None) -> dict:
     return _weights(model)
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "zb-h2"])  # checked before the step; after it (post-validation)
-def test_a_nan_loss_stops_every_rank_naming_step_stages_and_microbatch(schedule):
-    out = run_distributed(_fit, 2, free_port(), dict(schedule=schedule), True, None, timeout=180)
+NAN_SCHEDULES = ["1f1b", "zb-h2"]  # checked before the step; after it (post-validation)
+
+
+@pytest.mark.parametrize("schedule", NAN_SCHEDULES)
+def test_a_nan_loss_stops_every_rank_naming_step_stages_and_microbatch(nan_losses, request, schedule):
+    out = nan_losses[request.node.name]
     ref = _reference(BAD_STEP)  # the weights before the bad step: it changed nothing
     for rank, r in enumerate(out):
         err = r["error"]
@@ -161,7 +124,6 @@ def test_skip_drops_the_step_on_every_stage_and_replica():
     out = run_distributed(
         _fit,
         4,
-        free_port(),
         dict(schedule="1f1b", pipeline_degree=2, on_nonfinite="skip"),
         False,
         BAD_STEP,
@@ -180,7 +142,7 @@ def test_skip_drops_the_step_on_every_stage_and_replica():
 
 
 def test_detect_anomaly_names_the_operation_and_stops_every_rank():
-    seen = run_distributed(_anomaly, 2, free_port(), timeout=180)
+    seen = run_distributed(_anomaly, 2, timeout=180)
     assert "trained on" not in seen, seen
     assert any("returned nan values" in s for s in seen), seen  # torch's anomaly message, on the rank it arose
 
@@ -188,3 +150,16 @@ def test_detect_anomaly_names_the_operation_and_stops_every_rank():
 def test_on_nonfinite_is_checked_at_construction():
     with pytest.raises(ValueError, match="on_nonfinite='ignore': choose 'stop'"):
         TwoBPStrategy(on_nonfinite="ignore")
+
+
+@pytest.fixture(scope="module")
+def nan_losses(request) -> conftest.Launch:
+    """The NaN-loss cases in one launch: each stops every rank at the same step, leaving the group usable."""
+    cases = {
+        f"test_a_nan_loss_stops_every_rank_naming_step_stages_and_microbatch[{s}]": (
+            _fit,
+            (dict(schedule=s), True, None),
+        )
+        for s in NAN_SCHEDULES
+    }
+    return launch(request, 2, cases, timeout=600)

@@ -3,33 +3,28 @@ arrive without one, and clipping by post-validation gives bitwise the parameters
 
 from __future__ import annotations
 
-import os
-
 import lightning.pytorch as pl
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader
 
 from lightning_twobp import TwoBPStrategy
-from lightning_twobp.testing import free_port, run_distributed
 
-pytestmark = pytest.mark.dist
+import conftest
+from conftest import Regressor, launch, lightning_env, quiet_trainer, regression_data
+
+# The tests share one launch of ranks (the fixture at the end): a test's first call may wait for it.
+pytestmark = [pytest.mark.dist, pytest.mark.timeout(900)]
 
 
-class Net(pl.LightningModule):
+class Net(Regressor):
     def __init__(self, inf_at: int | None = None) -> None:
         super().__init__()
-        torch.manual_seed(0)
-        self.layers = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 2))
         self.inf_at = inf_at
 
     def training_step(self, batch, batch_idx):
-        x, y = batch
-        loss = F.mse_loss(self.layers(x), y)
-        self.log("train_loss", loss)
+        loss = super().training_step(batch, batch_idx)
         self.log("batch_idx", batch_idx)
         return loss
 
@@ -48,8 +43,7 @@ class Net(pl.LightningModule):
 
 
 def _data() -> DataLoader:
-    g = torch.Generator().manual_seed(1)
-    return DataLoader(TensorDataset(torch.randn(64, 6, generator=g) * 3, torch.randn(64, 2, generator=g)), batch_size=8)
+    return regression_data(scale=3.0)
 
 
 class _CountCollectives(pl.Callback):
@@ -83,15 +77,8 @@ class _CountCollectives(pl.Callback):
             setattr(dist, name, fn)
 
 
-def _fit(rank: int, world: int, port: int, strategy_kwargs: dict, clip: float | None, inf_at: int | None) -> dict:
-    os.environ.update(
-        LOCAL_RANK=str(rank),
-        NODE_RANK="0",
-        WORLD_SIZE=str(world),
-        RANK=str(rank),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-    )
+def _fit(rank: int, world: int, strategy_kwargs: dict, clip: float | None, inf_at: int | None) -> dict:
+    lightning_env(rank, world)
     model = Net(inf_at)
     counter = _CountCollectives()
     seen: list[float] = []
@@ -100,18 +87,8 @@ def _fit(rank: int, world: int, port: int, strategy_kwargs: dict, clip: float | 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             seen.append(float(trainer.callback_metrics["train_loss"]))
 
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=world,
-        strategy=TwoBPStrategy(**strategy_kwargs),
-        max_steps=6,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        use_distributed_sampler=False,
-        gradient_clip_val=clip,
-        callbacks=[counter, _Logged()],
+    trainer = quiet_trainer(
+        TwoBPStrategy(**strategy_kwargs), world, max_steps=6, gradient_clip_val=clip, callbacks=[counter, _Logged()]
     )
     trainer.fit(model, _data())
     return {
@@ -130,23 +107,16 @@ def _reference(clip: float | None) -> list[float]:
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             losses.append(float(trainer.callback_metrics["train_loss"]))
 
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=1,
-        max_steps=6,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        gradient_clip_val=clip,
-        callbacks=[_Logged()],
-    )
+    trainer = quiet_trainer(max_steps=6, gradient_clip_val=clip, callbacks=[_Logged()])
     trainer.fit(model, _data())
     return losses
 
 
-def test_one_async_check_per_step_and_the_logged_loss_is_one_process_loss():
-    out = run_distributed(_fit, 2, free_port(), dict(schedule="zb-h2", num_microbatches=4), None, None, timeout=180)
+OVERLAPPED = dict(schedule="zb-h2", num_microbatches=4)
+
+
+def test_one_async_check_per_step_and_the_logged_loss_is_one_process_loss(two_ranks, request):
+    out = two_ranks[request.node.name]
     for r in out:
         # steps 2..6: the pipeline's own messages, and the non-finite check's all-reduce, started
         # asynchronously right before each optimizer step and waited for after the next pipeline step
@@ -156,20 +126,31 @@ def test_one_async_check_per_step_and_the_logged_loss_is_one_process_loss():
         assert r["losses"] == pytest.approx(ref, rel=1e-5)
 
 
-def test_clipping_by_post_validation_rides_on_the_same_reduce():
-    out = run_distributed(_fit, 2, free_port(), dict(schedule="zb-h2", num_microbatches=4), 0.5, None, timeout=180)
+def test_clipping_by_post_validation_rides_on_the_same_reduce(two_ranks, request):
+    out = two_ranks[request.node.name]
     for r in out:
         assert r["calls"] == {"all_reduce": 5}, r["calls"]
 
 
-@pytest.mark.parametrize("schedule", ["zb-h2", "zb-v"])
-@pytest.mark.parametrize("clip, inf_at", [(0.3, None), (0.3, 2), (None, None)])
-def test_post_validation_is_bitwise_checking_first(schedule, clip, inf_at):
+SCHEDULES = ["zb-h2", "zb-v"]
+CLIPS = [(0.3, None), (0.3, 2), (None, None)]
+
+
+def _checked_first_and_after(rank: int, world: int, schedule: str, clip: float | None, inf_at: int | None) -> dict:
+    kwargs = dict(schedule=schedule, num_microbatches=4, on_nonfinite="skip")
+    return {
+        "first": _fit(rank, world, dict(kwargs, post_validation=False), clip, inf_at),
+        "after": _fit(rank, world, dict(kwargs, post_validation=True), clip, inf_at),
+    }
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("clip, inf_at", CLIPS)
+def test_post_validation_is_bitwise_checking_first(two_ranks, request, schedule, clip, inf_at):
     # Steps that clip, a step with an overflow on one stage, and the learning rate moving every step:
     # stepping first and checking after gives bitwise the parameters of checking first.
-    kwargs = dict(schedule=schedule, num_microbatches=4, on_nonfinite="skip")
-    first = run_distributed(_fit, 2, free_port(), dict(kwargs, post_validation=False), clip, inf_at, timeout=180)
-    after = run_distributed(_fit, 2, free_port(), dict(kwargs, post_validation=True), clip, inf_at, timeout=180)
+    runs = two_ranks[request.node.name]
+    first, after = [r["first"] for r in runs], [r["after"] for r in runs]
     for a, b in zip(first, after, strict=False):
         assert a["params"].keys() == b["params"].keys()
         for name in a["params"]:
@@ -187,3 +168,17 @@ def test_post_validation_is_bitwise_checking_first(schedule, clip, inf_at):
         ref = _reference(clip) if inf_at is None else None
         if ref is not None:
             assert first[0]["losses"] == pytest.approx(ref, rel=1e-5)
+
+
+@pytest.fixture(scope="module")
+def two_ranks(request) -> conftest.Launch:
+    """Every case of this module, in one launch of 2 ranks."""
+    cases = {
+        "test_one_async_check_per_step_and_the_logged_loss_is_one_process_loss": (_fit, (OVERLAPPED, None, None)),
+        "test_clipping_by_post_validation_rides_on_the_same_reduce": (_fit, (OVERLAPPED, 0.5, None)),
+    }
+    for clip, inf_at in CLIPS:
+        for schedule in SCHEDULES:  # pytest's id: the last parametrize's values first
+            name = f"test_post_validation_is_bitwise_checking_first[{clip}-{inf_at}-{schedule}]"
+            cases[name] = (_checked_first_and_after, (schedule, clip, inf_at))
+    return launch(request, 2, cases, timeout=840)

@@ -4,8 +4,6 @@ rank's random streams (dropout on both stages) and the step counters."""
 
 from __future__ import annotations
 
-import os
-
 import lightning.pytorch as pl
 import pytest
 import torch
@@ -16,9 +14,12 @@ from torch.utils.data import TensorDataset
 import lightning_twobp  # noqa: F401  (registers "twobp")
 from lightning_twobp import TwoBPStrategy
 from lightning_twobp.data.modules import _DataModule
-from lightning_twobp.testing import free_port, run_distributed
 
-pytestmark = pytest.mark.dist
+import conftest
+from conftest import launch, lightning_env, quiet_trainer
+
+# The tests share one launch of ranks (the fixture at the end): a test's first call may wait for it.
+pytestmark = [pytest.mark.dist, pytest.mark.timeout(900)]
 
 
 class Dropout(pl.LightningModule):
@@ -70,38 +71,28 @@ def _fit(world: int, max_steps: int, folder: str | None = None, ckpt_path: str |
         cbs.append(ModelCheckpoint(dirpath=folder, every_n_train_steps=3, save_top_k=-1))
     pl.seed_everything(7, verbose=False)
     model = Dropout()
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=world,
-        strategy=TwoBPStrategy(schedule="zb-h1", num_microbatches=4, balance=[3, 4]),
+    trainer = quiet_trainer(
+        TwoBPStrategy(schedule="zb-h1", num_microbatches=4, balance=[3, 4]),
+        world,
         max_steps=max_steps,
-        logger=False,
         enable_checkpointing=bool(folder),
-        enable_progress_bar=False,
-        enable_model_summary=False,
+        use_distributed_sampler=True,
         callbacks=cbs,
     )
     trainer.fit(model, datamodule=Data(), ckpt_path=ckpt_path)
     return {"losses": losses, "weights": {n: q.detach().clone() for n, q in model.named_parameters() if not q.is_meta}}
 
 
-def _runs(rank: int, world: int, port: int, folder: str) -> dict:
-    os.environ.update(
-        LOCAL_RANK=str(rank),
-        NODE_RANK="0",
-        WORLD_SIZE=str(world),
-        RANK=str(rank),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-    )
+def _runs(rank: int, world: int, folder: str) -> dict:
+    lightning_env(rank, world)
     straight = _fit(world, 7)
     _fit(world, 3, folder=folder)  # stops at step 3 of 16, mid-epoch, with a checkpoint there
     resumed = _fit(world, 7, ckpt_path=f"{folder}/epoch=0-step=3.ckpt")
     return {"straight": straight, "resumed": resumed}
 
 
-def test_resume_mid_epoch_is_bitwise(tmp_path):
-    for rank, r in enumerate(run_distributed(_runs, 2, free_port(), str(tmp_path), timeout=240)):
+def test_resume_mid_epoch_is_bitwise(two_ranks, request):
+    for rank, r in enumerate(two_ranks[request.node.name]):
         straight, resumed = r["straight"], r["resumed"]
         assert sorted(resumed["losses"]) == [4, 5, 6, 7]
         for step, loss in resumed["losses"].items():
@@ -151,29 +142,19 @@ def _masks(world: int, max_steps: int, folder: str | None = None, ckpt_path: str
     model = Masks()
     cbs = [ModelCheckpoint(dirpath=folder, every_n_train_steps=2, save_top_k=-1)] if folder else []
     strategy = TwoBPStrategy(num_microbatches=M, **{"schedule": "zb-v", "balance": [2, 2, 2, 2], **kw})
-    pl.Trainer(
-        accelerator="cpu",
-        devices=world,
-        strategy=strategy,
+    quiet_trainer(
+        strategy,
+        world,
         max_steps=max_steps,
-        logger=False,
         enable_checkpointing=bool(folder),
-        enable_progress_bar=False,
-        enable_model_summary=False,
+        use_distributed_sampler=True,
         callbacks=cbs,
     ).fit(model, datamodule=Data(), ckpt_path=ckpt_path)
     return {k: {step: ms[-M:] for step, ms in steps.items()} for k, steps in model.masks.items()}
 
 
-def _stream_runs(rank: int, world: int, port: int, folder: str) -> dict:
-    os.environ.update(
-        LOCAL_RANK=str(rank),
-        NODE_RANK="0",
-        WORLD_SIZE=str(world),
-        RANK=str(rank),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-    )
+def _stream_runs(rank: int, world: int, folder: str) -> dict:
+    lightning_env(rank, world)
     return {
         "first": _masks(world, 4, folder=folder),  # zb-v: stages 0, 3 on rank 0; 1, 2 on rank 1
         "second": _masks(world, 4),
@@ -188,11 +169,11 @@ def _equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> int:
     return sum(torch.equal(x, y) for x, y in zip(a, b, strict=True))
 
 
-def test_each_stage_draws_from_its_own_stream_restored_by_stage(tmp_path):
+def test_each_stage_draws_from_its_own_stream_restored_by_stage(two_ranks, request):
     """Dropout masks: never equal between stages (each stage had its own stream) nor between data-parallel
     replicas; the same in a second run with the same seed; and after resuming under another layout, the
     same per stage as the uninterrupted run (a stage's stream is stored by stage, not by rank)."""
-    ranks = run_distributed(_stream_runs, 2, free_port(), str(tmp_path), timeout=360)
+    ranks = two_ranks[request.node.name]
     masks = {}  # dropout -> step -> masks, from whichever rank held it
     for run in ("first", "second", "resumed"):
         masks[run] = {k: steps for r in ranks for k, steps in r[run].items()}
@@ -210,3 +191,14 @@ def test_each_stage_draws_from_its_own_stream_restored_by_stage(tmp_path):
         for step in range(2):
             assert _equal(replicas[0][k][step], replicas[1][k][step]) == 0, f"replicas drew alike: dropout {k}"
     assert all(_equal(replicas[0][a][0], replicas[0][b][0]) == 0 for a, b in ((0, 2), (1, 3)))
+
+
+@pytest.fixture(scope="module")
+def two_ranks(request, tmp_path_factory) -> conftest.Launch:
+    """Both tests' runs, in one launch of 2 ranks."""
+    folder = tmp_path_factory.mktemp("resume")
+    cases = {
+        "test_resume_mid_epoch_is_bitwise": (_runs, (str(folder / "mid-epoch"),)),
+        "test_each_stage_draws_from_its_own_stream_restored_by_stage": (_stream_runs, (str(folder / "streams"),)),
+    }
+    return launch(request, 2, cases, timeout=840)
