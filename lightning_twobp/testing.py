@@ -1,7 +1,8 @@
 """Running a function on several CPU processes with gloo: for tests and benchmarks.
 
-Every rank gets one intra-op thread, a fresh free port, and a hard timeout: a rank that fails or hangs
-stops the whole group and the parent raises with the rank's traceback, never waits forever.
+Every rank gets one intra-op thread, a fresh free port (also in its MASTER_ADDR and MASTER_PORT), and a
+hard timeout: a rank that fails or hangs stops the whole group and the parent raises with the rank's
+traceback, never waits forever.
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ def _worker(
 ) -> None:
     torch.set_num_threads(threads)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    # The group's address, for code that reads it as torchrun sets it (Lightning's environment).
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     try:
         dist.init_process_group(
             "gloo",

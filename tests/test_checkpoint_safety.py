@@ -23,6 +23,8 @@ from lightning_twobp import TwoBPStrategy
 from lightning_twobp.lightning import checkpoint as ckpt
 from lightning_twobp.testing import free_port, rank_env, run_distributed
 
+from conftest import lightning_env
+
 pytestmark = pytest.mark.dist
 
 
@@ -46,14 +48,7 @@ def _data() -> DataLoader:
 
 
 def _env(rank: int, world: int) -> None:
-    os.environ.update(
-        LOCAL_RANK=str(rank),
-        NODE_RANK="0",
-        WORLD_SIZE=str(world),
-        RANK=str(rank),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT="29500",
-    )
+    lightning_env(rank, world)  # the port run_distributed's process group already uses
 
 
 def _trainer(world: int, max_steps: int, callbacks: list, **kw) -> pl.Trainer:

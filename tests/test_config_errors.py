@@ -8,7 +8,6 @@ the table users read and the cases CI runs cannot drift apart.
 from __future__ import annotations
 
 import json
-import os
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -26,39 +25,21 @@ from lightning_twobp import TwoBPStrategy
 from lightning_twobp.testing import free_port
 from lightning_twobp.train import resume_path
 
+from conftest import Regressor, quiet_trainer
+
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "troubleshooting.md"
 
 
-@pytest.fixture(autouse=True)
-def _no_leftover_process_group():
-    """Some cases run a Trainer in the test process: Lightning starts a one-rank process group there and
-    sets MASTER_PORT, which later tests' subprocesses would inherit (and find the port taken)."""
-    env = dict(os.environ)
-    yield
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    os.environ.clear()
-    os.environ.update(env)
+# Some cases run a Trainer in the test process: the process group and MASTER_PORT it leaves are undone.
+pytestmark = pytest.mark.usefixtures("no_leftover_process_group")
 
 
 # ---------------------------------------------------------------------------------------------- models
-class Net(pl.LightningModule):
+class Net(Regressor):
     """Three layers in one Sequential called once per step: the smallest model the strategy accepts."""
 
     def __init__(self) -> None:
-        super().__init__()
-        self.layers = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 2))
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        return F.mse_loss(self.layers(x), y)
-
-    def validation_step(self, batch, batch_idx):
-        x, y = batch
-        self.log("val_loss", F.mse_loss(self.layers(x), y))
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.1)
+        super().__init__((6, 8, 2), log=False)
 
 
 class TwoSequentials(Net):
@@ -204,20 +185,7 @@ def _data(samples: int = 16, batch: int = 8, drop_last: bool = True, second_dim:
 
 
 def _trainer(strategy: TwoBPStrategy, **kw) -> pl.Trainer:
-    kw = (
-        dict(
-            accelerator="cpu",
-            devices=1,
-            strategy=strategy,
-            max_steps=2,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-        )
-        | kw
-    )
-    return pl.Trainer(**kw)
+    return quiet_trainer(strategy, **(dict(max_steps=2, use_distributed_sampler=True) | kw))
 
 
 # What the latest _fit did: its model, the weights before, the module forwards it ran.

@@ -27,6 +27,8 @@ from lightning_twobp.data import (
 )
 from lightning_twobp.data import tokens as tokens_mod
 
+from conftest import quiet_trainer
+
 Image = pytest.importorskip("PIL.Image")
 
 
@@ -457,16 +459,7 @@ class _Tiny(pl.LightningModule):
 def test_trainer_runs_a_data_module(tmp_path, num_val):
     # Lightning accepts the module as written, including no validation set (val_dataloader -> []).
     dm = TokenDataModule(64, 8, 4, num_train=16, num_val=num_val)
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=1,
-        max_epochs=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=tmp_path,
-    )
+    trainer = quiet_trainer(max_epochs=1, default_root_dir=tmp_path, use_distributed_sampler=True)
     trainer.fit(_Tiny(), dm)
     assert trainer.global_step == 4  # 16 samples in batches of 4
     assert ("val_loss" in trainer.callback_metrics) == bool(num_val)

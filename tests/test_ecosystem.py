@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import os
-
-import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch.demos.boring_classes import BoringModel, DemoModel, RandomDataset
@@ -13,20 +10,12 @@ from torch.utils.data import DataLoader
 
 import lightning_twobp  # noqa: F401  (registers "twobp")
 from lightning_twobp import TwoBPStrategy
-from lightning_twobp.testing import run_distributed
 
-pytestmark = pytest.mark.dist
+import conftest
+from conftest import launch, lightning_env, quiet_trainer
 
-
-def _env(rank: int, world: int) -> None:
-    os.environ.update(
-        LOCAL_RANK=str(rank),
-        NODE_RANK="0",
-        WORLD_SIZE=str(world),
-        RANK=str(rank),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT="29500",
-    )
+# The tests share one launch of ranks (the fixture at the end): a test's first call may wait for it.
+pytestmark = [pytest.mark.dist, pytest.mark.timeout(900)]
 
 
 # The contract's one change, as docs/strategy.md shows it: the layers to pipeline are one nn.Sequential
@@ -58,33 +47,22 @@ DEMOS = {
 def _fit(name: str, strategy, devices: int) -> dict:
     make, data, _, _ = DEMOS[name]
     model = make()
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=devices,
-        strategy=strategy,
-        max_steps=4,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        limit_val_batches=2,
-        use_distributed_sampler=False,
-    )
+    trainer = quiet_trainer(strategy, devices, max_steps=4, limit_val_batches=2)
     torch.manual_seed(1)  # RandomDataset draws at construction
     trainer.fit(model, data() if data else None)
     return {n: q.detach().clone() for n, q in model.named_parameters()}
 
 
 def _fit_pipelined(rank: int, world: int, name: str) -> dict:
-    _env(rank, world)
+    lightning_env(rank, world)
     return _fit(name, TwoBPStrategy(num_microbatches=DEMOS[name][2], gather_full_model=True), world)
 
 
 @pytest.mark.parametrize("name", list(DEMOS))
-def test_lightning_demo_models_train_as_in_one_process(name):
+def test_lightning_demo_models_train_as_in_one_process(two_ranks, request, name):
     ref = _fit(name, "auto", 1)
     atol = DEMOS[name][3]
-    for params in run_distributed(_fit_pipelined, 2, name, timeout=180):
+    for params in two_ranks[request.node.name]:
         assert set(params) == set(ref)
         for n, value in params.items():
             torch.testing.assert_close(value, ref[n], rtol=1e-5, atol=atol, msg=n)
@@ -102,7 +80,7 @@ class CLIModel(BoringModel):
 def _cli(rank: int, world: int, strategy_args: list[str]) -> dict:
     from lightning.pytorch.cli import LightningCLI
 
-    _env(rank, world)
+    lightning_env(rank, world)
     cli = LightningCLI(
         CLIModel,
         save_config_callback=None,
@@ -127,21 +105,29 @@ def _cli(rank: int, world: int, strategy_args: list[str]) -> dict:
     }
 
 
-@pytest.mark.parametrize(
-    "strategy_args, schedule",
-    [
-        (["--trainer.strategy=twobp"], "1f1b"),
-        (
-            [
-                "--trainer.strategy=lightning_twobp.TwoBPStrategy",
-                "--trainer.strategy.schedule=zb-h1",
-                "--trainer.strategy.num_microbatches=2",
-            ],
-            "zb-h1",
-        ),
-    ],
-    ids=["name", "class-path"],
-)
-def test_lightning_cli(strategy_args, schedule):
-    for out in run_distributed(_cli, 2, strategy_args, timeout=180):
+CLI = {
+    "name": (["--trainer.strategy=twobp"], "1f1b"),
+    "class-path": (
+        [
+            "--trainer.strategy=lightning_twobp.TwoBPStrategy",
+            "--trainer.strategy.schedule=zb-h1",
+            "--trainer.strategy.num_microbatches=2",
+        ],
+        "zb-h1",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(CLI))
+def test_lightning_cli(two_ranks, request, case):
+    schedule = CLI[case][1]
+    for out in two_ranks[request.node.name]:
         assert out["type"] == "TwoBPStrategy" and out["schedule"] == schedule and out["steps"] == 2
+
+
+@pytest.fixture(scope="module")
+def two_ranks(request) -> conftest.Launch:
+    """Every case of this module, in one launch of 2 ranks."""
+    cases = {f"test_lightning_demo_models_train_as_in_one_process[{n}]": (_fit_pipelined, (n,)) for n in DEMOS}
+    cases |= {f"test_lightning_cli[{k}]": (_cli, (args,)) for k, (args, _) in CLI.items()}
+    return launch(request, 2, cases, timeout=840)

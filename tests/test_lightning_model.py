@@ -3,8 +3,6 @@ weights across stages, tuples between stages, in-place first layers. Each agains
 
 from __future__ import annotations
 
-import os
-
 import lightning.pytorch as pl
 import pytest
 import torch
@@ -17,65 +15,25 @@ import lightning_twobp  # noqa: F401  (registers "twobp")
 from lightning_twobp import TwoBPStrategy
 from lightning_twobp.testing import run_distributed
 
-pytestmark = pytest.mark.dist
+import conftest
+from conftest import Regressor, launch, lightning_env, quiet_trainer, regression_data
 
-
-def _env(rank: int, world: int) -> None:
-    os.environ.update(
-        LOCAL_RANK=str(rank),
-        NODE_RANK="0",
-        WORLD_SIZE=str(world),
-        RANK=str(rank),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT="29500",
-    )
+# The tests of one world size share one launch of ranks (the fixtures at the end): a test's first call
+# may wait for the whole launch.
+pytestmark = [pytest.mark.dist, pytest.mark.timeout(900)]
 
 
 def _trainer(strategy, devices: int, **kw) -> pl.Trainer:
-    return pl.Trainer(
-        accelerator="cpu",
-        devices=devices,
-        strategy=strategy,
-        max_steps=kw.pop("max_steps", 3),
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        use_distributed_sampler=False,
-        **kw,
-    )
+    return quiet_trainer(strategy, devices, max_steps=kw.pop("max_steps", 3), **kw)
 
 
-class Regressor(pl.LightningModule):
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.layers = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 2))
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        loss = F.mse_loss(self.layers(x), y)
-        self.log("train_loss", loss)
-        return loss
-
-    def validation_step(self, batch, batch_idx):
-        x, y = batch
-        self.log("val_loss", F.mse_loss(self.layers(x), y))
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.1)
-
-
-def _data(n: int = 32, d_in: int = 6, d_out: int = 2) -> DataLoader:
-    g = torch.Generator().manual_seed(1)
-    return DataLoader(
-        TensorDataset(torch.randn(n, d_in, generator=g), torch.randn(n, d_out, generator=g)), batch_size=8
-    )
+def _data() -> DataLoader:
+    return regression_data(32)
 
 
 # ---------------------------------------------------------------------------------------------- after fit
 def _after_fit(rank: int, world: int, gather: bool) -> dict:
-    _env(rank, world)
+    lightning_env(rank, world)
     model = Regressor()
     keys = set(model.state_dict())
     strategy = TwoBPStrategy(gather_full_model=gather)
@@ -109,10 +67,14 @@ def _reference_twice() -> tuple[dict, float, Regressor]:
     return {n: q.detach() for n, q in model.named_parameters()}, val, model
 
 
-@pytest.mark.parametrize("gather", [True, False], ids=["gather", "no-gather"])
-def test_model_is_whole_after_fit_and_fits_again(gather):
+GATHER = {"gather": True, "no-gather": False}
+
+
+@pytest.mark.parametrize("case", list(GATHER))
+def test_model_is_whole_after_fit_and_fits_again(two_ranks, request, case):
+    gather = GATHER[case]
     ref, ref_val, _ = _reference_twice()
-    results = run_distributed(_after_fit, 2, gather, timeout=240)
+    results = two_ranks[request.node.name]
     for out in results:
         assert out["keys_equal"], "state_dict must hold every key on every rank after fit"
         assert out["restored"] and out["precision_is_lightnings"], "something of the user's stayed patched"
@@ -134,7 +96,7 @@ PRECISIONS = {"bf16-true": torch.bfloat16, "16-true": torch.float16, "64-true": 
 
 
 def _gathered(rank: int, world: int) -> dict:
-    _env(rank, world)
+    lightning_env(rank, world)
     out = {}
     for precision in PRECISIONS:
         model = Regressor()
@@ -143,11 +105,11 @@ def _gathered(rank: int, world: int) -> dict:
     return out
 
 
-def test_gather_full_model_receives_in_the_owners_dtype():
+def test_gather_full_model_receives_in_the_owners_dtype(two_ranks, request):
     """Under "bf16-true", "16-true" and "64-true" the trained stages are in that dtype: every rank's copy of
     the other rank's layers is the owner's tensor, bitwise and in its dtype (a float32 receive buffer read
     bf16 bytes as garbage and aborted on float64); "64-true" also matches one process."""
-    ranks = run_distributed(_gathered, 2, timeout=300)
+    ranks = two_ranks[request.node.name]
     for precision, dtype in PRECISIONS.items():
         first, second = ranks[0][precision], ranks[1][precision]
         for name, value in first.items():
@@ -167,7 +129,7 @@ class FailsAtStep1(Regressor):
 
 
 def _fit_that_fails(rank: int, world: int) -> dict:
-    _env(rank, world)
+    lightning_env(rank, world)
     model = FailsAtStep1()
     keys = set(model.state_dict())
     try:
@@ -193,7 +155,7 @@ def test_model_is_put_back_after_an_exception():
 
 # ---------------------------------------------------------------------------------------------- layout API
 def _layout(rank: int, world: int) -> dict:
-    _env(rank, world)
+    lightning_env(rank, world)
     seen = {}
 
     class Probe(pl.Callback):
@@ -216,10 +178,10 @@ def _layout(rank: int, world: int) -> dict:
     return seen
 
 
-def test_device_mesh_and_stage_properties():
+def test_device_mesh_and_stage_properties(four_ranks, request):
     with pytest.raises(RuntimeError, match="call trainer.fit"):
         _ = TwoBPStrategy().stage_ids
-    out = run_distributed(_layout, 4, timeout=180)
+    out = four_ranks[request.node.name]
     for rank, seen in enumerate(out):
         assert seen["mesh"] == ("dp", "pp") and seen["shape"] == (2, 2)
         assert (seen["dp"], seen["pp"]) == (rank // 2, rank % 2)
@@ -348,7 +310,7 @@ ZOO = {
 
 
 def _fit_zoo(rank: int, world: int, name: str) -> dict:
-    _env(rank, world)
+    lightning_env(rank, world)
     cls, kw, data = ZOO[name]
     model = cls()
     trainer = _trainer(TwoBPStrategy(gather_full_model=True, **kw), world, gradient_clip_val=0.5)
@@ -360,13 +322,13 @@ def _fit_zoo(rank: int, world: int, name: str) -> dict:
 
 
 @pytest.mark.parametrize("name", list(ZOO))
-def test_model_zoo_matches_one_process(name):
+def test_model_zoo_matches_one_process(two_ranks, request, name):
     cls, _, data = ZOO[name]
     model = cls()
     trainer = _trainer("auto", 1, gradient_clip_val=0.5)
     trainer.fit(model, data())
     ref = {n: q.detach() for n, q in model.named_parameters()}
-    for out in run_distributed(_fit_zoo, 2, name, timeout=180):
+    for out in two_ranks[request.node.name]:
         assert out["loss"] == pytest.approx(float(trainer.callback_metrics["train_loss"]), rel=1e-5)
         assert set(out["params"]) == set(ref)
         for n, value in out["params"].items():
@@ -462,7 +424,7 @@ def _fit_classifier(strategy, devices: int, lr: float = 0.5, **kw) -> list[dict[
 
 
 def _fit_classifier_pipelined(rank: int, world: int) -> dict:
-    _env(rank, world)
+    lightning_env(rank, world)
     return {
         "pp": _fit_classifier(TwoBPStrategy(num_microbatches=4), world),
         # 2 replicas of a one-rank pipeline, each reading its shard; lr=0 so that the epoch's values
@@ -473,7 +435,7 @@ def _fit_classifier_pipelined(rank: int, world: int) -> dict:
     }
 
 
-def test_logged_torchmetrics_metrics_give_the_one_process_values():
+def test_logged_torchmetrics_metrics_give_the_one_process_values(two_ranks, request):
     """Macro and weighted accuracy, F1 and AUROC (and micro accuracy, a sum), logged as Metric objects, at
     each training and validation step (the whole batch's value, not a mean of micro-batch values) and
     each epoch (synced over the data-parallel replicas, once per replica), on every rank."""
@@ -482,7 +444,7 @@ def test_logged_torchmetrics_metrics_give_the_one_process_values():
     logged = set().union(*ref)
     assert keys <= logged, sorted(keys - logged)
     ref_dp = _epochs(_fit_classifier("auto", 1, lr=0.0))
-    for out in run_distributed(_fit_classifier_pipelined, 2, timeout=300):
+    for out in two_ranks[request.node.name]:
         assert len(out["pp"]) == len(ref)
         for got, want in zip(out["pp"], ref, strict=False):
             assert set(got) == set(want)
@@ -505,7 +467,7 @@ def _epochs(rows: list[dict[str, float]]) -> dict[tuple[int, str], float]:
 
 
 def _fit_tied_dp(rank: int, world: int) -> dict:
-    _env(rank, world)
+    lightning_env(rank, world)
     model = Tied()
     # both replicas read the same batches (no DistributedSampler): their average is one process's step
     _trainer(TwoBPStrategy(pipeline_degree=2, gather_full_model=True), world, gradient_clip_val=0.5).fit(
@@ -514,12 +476,33 @@ def _fit_tied_dp(rank: int, world: int) -> dict:
     return {n: q.detach().clone() for n, q in model.named_parameters()}
 
 
-def test_tied_weights_under_dp_x_pp():
+def test_tied_weights_under_dp_x_pp(four_ranks, request):
     """2 replicas x 2 pipeline ranks: each replica's tied copies are summed within the replica, then
     the stage's gradients averaged over the replicas."""
     model = Tied()
     _trainer("auto", 1, gradient_clip_val=0.5).fit(model, _token_data())
     ref = dict(model.named_parameters())
-    for params in run_distributed(_fit_tied_dp, 4, timeout=240):
+    for params in four_ranks[request.node.name]:
         for n, value in params.items():
             torch.testing.assert_close(value, ref[n].detach(), rtol=1e-5, atol=1e-6, msg=n)
+
+
+# ---------------------------------------------------------------------------------------------- launches
+@pytest.fixture(scope="module")
+def two_ranks(request) -> conftest.Launch:
+    """The 2-rank cases of this module, in one launch (the failing fit has its own: it breaks the group)."""
+    cases = {f"test_model_is_whole_after_fit_and_fits_again[{k}]": (_after_fit, (g,)) for k, g in GATHER.items()}
+    cases["test_gather_full_model_receives_in_the_owners_dtype"] = (_gathered, ())
+    cases |= {f"test_model_zoo_matches_one_process[{k}]": (_fit_zoo, (k,)) for k in ZOO}
+    cases["test_logged_torchmetrics_metrics_give_the_one_process_values"] = (_fit_classifier_pipelined, ())
+    return launch(request, 2, cases, timeout=840)
+
+
+@pytest.fixture(scope="module")
+def four_ranks(request) -> conftest.Launch:
+    """The 4-rank cases of this module, in one launch."""
+    cases = {
+        "test_device_mesh_and_stage_properties": (_layout, ()),
+        "test_tied_weights_under_dp_x_pp": (_fit_tied_dp, ()),
+    }
+    return launch(request, 4, cases, timeout=840)

@@ -4,7 +4,6 @@ fits (``Trainer(strategy=TwoBPStrategy(...))``) against one process."""
 from __future__ import annotations
 
 import math
-import os
 
 import lightning.pytorch as pl
 import pytest
@@ -18,6 +17,8 @@ from lightning_twobp.models import BertMLM, LlamaLM, MambaLM, PipelineModule, Re
 from lightning_twobp.models.base import WarmupThenDecay
 from lightning_twobp.models.mamba import selective_scan
 from lightning_twobp.testing import run_distributed
+
+from conftest import lightning_env, quiet_trainer
 
 # ---------------------------------------------------------------------------------------- paper sizes
 # Expected counts by hand (V vocab, d width, L layers, F ffn hidden):
@@ -192,18 +193,7 @@ def _model(name: str) -> PipelineModule:
 
 
 def _trainer(strategy, devices: int, **kw) -> pl.Trainer:
-    return pl.Trainer(
-        accelerator="cpu",
-        devices=devices,
-        strategy=strategy,
-        max_steps=kw.pop("max_steps", STEPS),
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        use_distributed_sampler=False,
-        **kw,
-    )
+    return quiet_trainer(strategy, devices, max_steps=kw.pop("max_steps", STEPS), **kw)
 
 
 def _results(model: PipelineModule, trainer: pl.Trainer, name: str) -> dict:
@@ -223,15 +213,7 @@ def _results(model: PipelineModule, trainer: pl.Trainer, name: str) -> dict:
 
 
 def _fit_all_pipelined(rank: int, world: int) -> dict:
-    # Processes exist already (as under torchrun): Lightning's environment reads these.
-    os.environ.update(
-        LOCAL_RANK=str(rank),
-        NODE_RANK="0",
-        WORLD_SIZE=str(world),
-        RANK=str(rank),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT="29500",
-    )
+    lightning_env(rank, world)
     out = {}
     for name in TINY:  # one spawn for every model: starting processes is the slow part on 2 cores
         model = _model(name)

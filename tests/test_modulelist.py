@@ -5,7 +5,6 @@ same micro-batching (fp32, rtol 1e-5); then the errors for what the contract doe
 
 from __future__ import annotations
 
-import os
 import re
 
 import lightning.pytorch as pl
@@ -22,34 +21,14 @@ from lightning_twobp.lightning.elsewhere import ElsewhereError, elsewhere, find_
 from lightning_twobp.models import LlamaLoopLM
 from lightning_twobp.testing import run_distributed
 
+import conftest
+from conftest import launch, lightning_env, quiet_trainer, regression_data
+
 VOCAB, SEQ, BATCH, M = 13, 8, 8, 4
 
 
-def _env(rank: int, world: int) -> None:
-    os.environ.update(
-        LOCAL_RANK=str(rank),
-        NODE_RANK="0",
-        WORLD_SIZE=str(world),
-        RANK=str(rank),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT="29500",
-    )
-
-
 def _trainer(strategy, devices: int, **kw) -> pl.Trainer:
-    return pl.Trainer(
-        accelerator="cpu",
-        devices=devices,
-        strategy=strategy,
-        max_steps=kw.pop("max_steps", 3),
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        use_distributed_sampler=False,
-        num_sanity_val_steps=0,
-        **kw,
-    )
+    return quiet_trainer(strategy, devices, max_steps=kw.pop("max_steps", 3), num_sanity_val_steps=0, **kw)
 
 
 def _padded_tokens(n: int = 4 * BATCH) -> TensorDataset:
@@ -232,7 +211,7 @@ def _reference(name: str, again: bool) -> dict:
 
 
 def _pipelined(rank: int, world: int, name: str, kw: dict, again: bool) -> dict:
-    _env(rank, world)
+    lightning_env(rank, world)
     model = _make(name)
     # Without gather_full_model the other stages' modules stay on the meta device after fit, and the
     # next Trainer calls stand in for them again (the meta twins of GPT-2's wte, Llama's embed_tokens).
@@ -256,10 +235,11 @@ CASES = {
 
 @pytest.mark.dist
 @pytest.mark.parametrize("case", list(CASES))
-def test_modulelist_models_match_one_process(case):
+@pytest.mark.timeout(900)
+def test_modulelist_models_match_one_process(two_ranks, request, case):
     name, kw, again = CASES[case]
     ref = _reference(name, again)
-    results = run_distributed(_pipelined, 2, name, kw, again, timeout=300)
+    results = two_ranks[request.node.name]
     if not again:  # gathered: every rank holds every weight
         assert all(set(out["params"]) == set(ref["params"]) for out in results)
     assert set().union(*(out["params"] for out in results)) == set(ref["params"])
@@ -275,6 +255,13 @@ def test_modulelist_models_match_one_process(case):
             assert out["params"]
             for n, value in out["params"].items():
                 torch.testing.assert_close(value, ref["again"]["params"][n], rtol=1e-5, atol=1e-6, msg=n)
+
+
+@pytest.fixture(scope="module")
+def two_ranks(request) -> conftest.Launch:
+    """The models' cases, in one launch of 2 ranks: a test's first call may wait for all of them."""
+    cases = {f"test_modulelist_models_match_one_process[{k}]": (_pipelined, args) for k, args in CASES.items()}
+    return launch(request, 2, cases, timeout=840)
 
 
 # ---------------------------------------------------------------------------------------------- errors
@@ -344,14 +331,13 @@ class LoopRegressor(pl.LightningModule):
 
 
 def _regression() -> DataLoader:
-    g = torch.Generator().manual_seed(1)
-    return DataLoader(TensorDataset(torch.randn(16, 6, generator=g), torch.randn(16, 2, generator=g)), batch_size=8)
+    return regression_data(16)
 
 
 def _errors(rank: int, world: int, kinds: list[str]) -> dict:
     """One process holding both stages of the V (zb-v, pipeline degree 1): every stage-to-stage rule
     applies, without a second process."""
-    _env(rank, world)
+    lightning_env(rank, world)
     out = {}
     for kind in kinds:
         try:

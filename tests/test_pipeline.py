@@ -20,7 +20,12 @@ from lightning_twobp.partition import even_sizes, split_sequential
 from lightning_twobp.schedules import build_schedule, schedule_spec
 from lightning_twobp.testing import run_distributed
 
-pytestmark = pytest.mark.dist
+import conftest
+from conftest import launch
+
+# The cases that end well share one launch per world size (the fixture at the end): a test's first call
+# may wait for the whole launch. The cases that fail on purpose have launches of their own.
+pytestmark = [pytest.mark.dist, pytest.mark.timeout(900)]
 
 VOCAB, SEQ, MB_SIZE = 32, 8, 2
 
@@ -84,10 +89,13 @@ def _check_schedule(rank: int, world: int, name: str) -> list[str]:
     return failures
 
 
+NAMES = ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "zb-v", "v-half", "v-min"]
+
+
 @pytest.mark.parametrize("p", [2, 4])
-@pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "zb-v", "v-half", "v-min"])
-def test_schedule_matches_single_process(name, p):
-    results = run_distributed(_check_schedule, p, name, timeout=240)
+@pytest.mark.parametrize("name", NAMES)
+def test_schedule_matches_single_process(launches, request, name, p):
+    results = launches[p][request.node.name]
     failures = [f for per_rank in results for f in per_rank]
     assert not failures, "\n".join(failures)
 
@@ -113,8 +121,8 @@ def _second_step_and_record(rank: int, world: int) -> dict:
     }
 
 
-def test_repeated_steps_and_recording():
-    out = run_distributed(_second_step_and_record, 2, timeout=120)
+def test_repeated_steps_and_recording(launches, request):
+    out = launches[2][request.node.name]
     for r in out:
         assert r["records"] > 0 and r["monotone"]
         assert len(r["held"]) == 4 and min(r["held"]) > 0
@@ -179,8 +187,8 @@ def _batchnorm(rank: int, world: int) -> list[str]:
     return bad
 
 
-def test_batchnorm_statistics_match_single_process():
-    assert run_distributed(_batchnorm, 2, timeout=60) == [[], []]
+def test_batchnorm_statistics_match_single_process(launches, request):
+    assert launches[2][request.node.name] == [[], []]
 
 
 class _FailsOnCall(torch.nn.Module):
@@ -243,21 +251,30 @@ def _steps_without_collectives(rank: int, world: int, name: str) -> list[str]:
     def forbidden(*args, **kwargs):
         raise AssertionError("a collective ran inside a pipeline step")
 
-    for fn in ("all_gather_object", "broadcast_object_list", "all_reduce", "all_gather", "barrier", "broadcast"):
+    names = ("all_gather_object", "broadcast_object_list", "all_reduce", "all_gather", "barrier", "broadcast")
+    saved = {fn: getattr(dist, fn) for fn in names}
+    for fn in names:
         setattr(dist, fn, forbidden)
     batches = [torch.randint(0, VOCAB, (4, MB_SIZE, t)) for t in (SEQ, SEQ, 2 * SEQ, 2 * SEQ, SEQ)]
     model.zero_grad(set_to_none=True)
-    for ids in batches:
-        step(ids)
+    try:
+        for ids in batches:
+            step(ids)
+    finally:  # the next case of the launch may use them
+        for fn, original in saved.items():
+            setattr(dist, fn, original)
     for ids in batches:
         for i in range(4):
             (loss_fn(ref(ids[i]), ids[i]) / 4).backward()
     return _grads_match(model, ref, {id(q) for mod in mine.values() for q in mod.parameters()})
 
 
-@pytest.mark.parametrize("name, p", [("1f1b", 2), ("zb-h2", 4), ("zb-v", 2)])
-def test_steps_run_back_to_back_without_collectives_and_follow_shape_changes(name, p):
-    assert run_distributed(_steps_without_collectives, p, name, timeout=180) == [[]] * p
+BACK_TO_BACK = [("1f1b", 2), ("zb-h2", 4), ("zb-v", 2)]
+
+
+@pytest.mark.parametrize("name, p", BACK_TO_BACK)
+def test_steps_run_back_to_back_without_collectives_and_follow_shape_changes(launches, request, name, p):
+    assert launches[p][request.node.name] == [[]] * p
 
 
 class _Widens(torch.nn.Module):
@@ -344,3 +361,17 @@ def test_a_killed_or_hung_rank_is_named_by_the_survivors(p, victim, how):
     assert named in msg and "stopped answering" in msg, msg[-3000:]
     assert ("its connection closed: the process died" in msg) if how == "SIGKILL" else ("nothing came for 3 s" in msg)
     assert "step 2" in msg
+
+
+@pytest.fixture(scope="module")
+def launches(request) -> dict[int, conftest.Launch]:
+    """The cases that end well, in one launch per world size (2 and 4)."""
+    cases: dict[int, dict] = {2: {}, 4: {}}
+    for p in (2, 4):
+        cases[p] |= {f"test_schedule_matches_single_process[{n}-{p}]": (_check_schedule, (n,)) for n in NAMES}
+    cases[2]["test_repeated_steps_and_recording"] = (_second_step_and_record, ())
+    cases[2]["test_batchnorm_statistics_match_single_process"] = (_batchnorm, ())
+    for name, p in BACK_TO_BACK:
+        test = "test_steps_run_back_to_back_without_collectives_and_follow_shape_changes"
+        cases[p][f"{test}[{name}-{p}]"] = (_steps_without_collectives, (name,))
+    return {p: launch(request, p, c, timeout=840) for p, c in cases.items()}

@@ -11,7 +11,9 @@ from lightning_twobp.engine.post_validation import StepValidation
 from lightning_twobp.models.llama import LlamaConfig, build_llama
 from lightning_twobp.partition import even_sizes, split_sequential
 from lightning_twobp.schedules import build_schedule
-from lightning_twobp.testing import run_distributed
+
+import conftest
+from conftest import launch
 
 
 def _single_process_run(overlap: bool, nan_at: int | None, max_norm: float | None, steps: int = 8):
@@ -138,8 +140,27 @@ def _compare_modes(rank: int, world: int, name: str, max_norm: float | None, nan
     return bad
 
 
-@pytest.mark.parametrize("name, p", [("zb-h2", 2), ("zb-v", 2)])
-@pytest.mark.parametrize("max_norm, nan_at", [(None, None), (0.3, None), (None, 2), (0.3, 3)])
-def test_post_validation_over_a_pipeline_equals_checking_first(name, p, max_norm, nan_at):
+PIPELINES = [("zb-h2", 2), ("zb-v", 2)]
+CHECKS = [(None, None), (0.3, None), (None, 2), (0.3, 3)]
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("name, p", PIPELINES)
+@pytest.mark.parametrize("max_norm, nan_at", CHECKS)
+def test_post_validation_over_a_pipeline_equals_checking_first(two_ranks, request, name, p, max_norm, nan_at):
     # Clipping by the global norm over both ranks, and an inf injected on the last rank only.
-    assert run_distributed(_compare_modes, p, name, max_norm, nan_at, timeout=180) == [[]] * p
+    assert two_ranks[request.node.name] == [[]] * p
+
+
+@pytest.fixture(scope="module")
+def two_ranks(request) -> conftest.Launch:
+    """Every pipeline case, in one launch of 2 ranks: a test's first call may wait for all of them."""
+    test = "test_post_validation_over_a_pipeline_equals_checking_first"
+    cases = {
+        f"{test}[{max_norm}-{nan_at}-{name}-{p}]": (_compare_modes, (name, max_norm, nan_at))
+        for max_norm, nan_at in CHECKS
+        for name, p in PIPELINES
+    }
+    assert {p for _, p in PIPELINES} == {2}
+    return launch(request, 2, cases, timeout=840)

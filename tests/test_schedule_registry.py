@@ -8,11 +8,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-import lightning.pytorch as pl
 import pytest
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_twobp.engine import PipelineExecutor
 from lightning_twobp.schedules import (
@@ -33,7 +31,9 @@ from lightning_twobp.schedules import (
     unregister_schedule,
 )
 from lightning_twobp.schedules.builders import gpipe
-from lightning_twobp.testing import free_port, run_distributed
+from lightning_twobp.testing import run_distributed
+
+from conftest import Regressor, lightning_env, quiet_trainer, regression_data
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -199,48 +199,16 @@ def _copy_spec() -> ScheduleSpec:
     )
 
 
-class _Tiny(pl.LightningModule):
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.layers = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2))
-
-    def training_step(self, batch, batch_idx):
-        return nn.functional.mse_loss(self.layers(batch[0]), batch[1])
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.1)
-
-
 def _fit(rank: int, world: int, schedule: str | None) -> dict:
     from lightning_twobp import TwoBPStrategy
 
     if schedule is not None:
         register_schedule(_copy_spec())  # the only edit a new schedule needs, in this process
-        os.environ.update(
-            LOCAL_RANK=str(rank),
-            NODE_RANK="0",
-            WORLD_SIZE=str(world),
-            RANK=str(rank),
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(free_port()),
-        )
-    model = _Tiny()
-    g = torch.Generator().manual_seed(1)
-    data = DataLoader(TensorDataset(torch.randn(32, 4, generator=g), torch.randn(32, 2, generator=g)), batch_size=8)
+        lightning_env(rank, world)
+    model = Regressor((4, 8, 8, 2), log=False)
     strategy = "auto" if schedule is None else TwoBPStrategy(schedule=schedule, num_microbatches=4)
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=world,
-        strategy=strategy,
-        max_steps=3,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        use_distributed_sampler=False,
-    )
-    trainer.fit(model, data)
+    trainer = quiet_trainer(strategy, world, max_steps=3)
+    trainer.fit(model, regression_data(32, 4, 2))
     return {n: q.detach().clone() for n, q in model.named_parameters() if not q.is_meta}
 
 

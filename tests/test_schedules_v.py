@@ -19,6 +19,8 @@ from lightning_twobp.schedules import (
 from lightning_twobp.schedules.builders.v_orders import v_memory_bound, v_order
 from lightning_twobp.schedules.builders.zero_bubble import schedule_score
 
+from conftest import cost_strategy
+
 V = ("v-half", "v-min")
 # Measured-like costs per stage (the tiny LLaMa's middle stage: B = 1.07 F, W = 0.84 F), with and without comm.
 MEASURED = (Costs(f=1.0, b=1.07, w=0.84), Costs(f=1.0, b=1.07, w=0.84, comm=0.2))
@@ -57,17 +59,7 @@ def test_built_schedules_never_hold_more_than_their_memory_class(name, costs):
             assert max(simulate(s, costs).peak_inflight) <= bound(p, m, 2, True), (p, m)
 
 
-costs_strategy = st.one_of(
-    st.builds(Costs, f=st.just(1.0), b=st.floats(1.0, 3.0), w=st.floats(0.25, 1.0)),  # B > W
-    st.builds(Costs, f=st.just(1.0), b=st.floats(0.25, 1.0), w=st.floats(1.0, 3.0)),  # W > B
-    st.builds(
-        Costs,
-        f=st.floats(0.25, 3.0),
-        b=st.floats(0.25, 3.0),
-        w=st.floats(0.0, 3.0),
-        comm=st.sampled_from([0.1, 0.5, 1.0]),
-    ),  # comm > 0
-)
+costs_strategy = cost_strategy()
 
 
 @given(name=st.sampled_from(V), p=st.integers(2, 6), m=st.integers(1, 24), costs=costs_strategy)

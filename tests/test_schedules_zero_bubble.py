@@ -11,6 +11,8 @@ from lightning_twobp.schedules.builders.zb_greedy import memory_limits
 from lightning_twobp.schedules.builders.zb_orders import paper_order
 from lightning_twobp.schedules.builders.zero_bubble import schedule_score
 
+from conftest import cost_strategy
+
 FAMILIES = [("zb-h1", 1), ("zb-h2", 1), ("zb-v", 2)]
 
 
@@ -105,18 +107,7 @@ def test_zb_h2_is_the_parallelogram():
 
 # ------------------------------------------------------------------- cost-aware building
 
-costs_strategy = st.one_of(
-    st.builds(Costs, f=st.just(1.0), b=st.floats(1.0, 3.0), w=st.floats(0.25, 1.0)),  # B > W
-    st.builds(Costs, f=st.just(1.0), b=st.floats(0.25, 1.0), w=st.floats(1.0, 3.0)),  # W > B
-    st.builds(lambda f, b: Costs(f=f, b=b, w=b / 2), st.floats(0.25, 2.0), st.floats(0.5, 3.0)),  # W = B/2
-    st.builds(
-        Costs,
-        f=st.floats(0.25, 3.0),
-        b=st.floats(0.25, 3.0),
-        w=st.floats(0.0, 3.0),
-        comm=st.sampled_from([0.1, 0.5, 1.0]),
-    ),  # comm > 0
-)
+costs_strategy = cost_strategy(w_half=True)
 
 
 @given(family=st.sampled_from(FAMILIES), p=st.integers(2, 8), m=st.integers(1, 32), costs=costs_strategy)

@@ -7,6 +7,8 @@ import torch
 
 from lightning_twobp.lightning.step import split_microbatches
 
+from conftest import quiet_trainer
+
 
 def test_split_is_along_the_first_dimension_and_keeps_the_structure():
     batch = {"x": torch.arange(8).view(4, 2), "y": torch.arange(4), "name": "a"}
@@ -55,15 +57,7 @@ def test_the_torchmetrics_private_state_we_set_is_what_lightning_and_torchmetric
         def configure_optimizers(self):
             return torch.optim.SGD(self.parameters(), lr=0.1)
 
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=1,
-        max_steps=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer = quiet_trainer(max_steps=1, use_distributed_sampler=True)
     trainer.fit(Logs(), torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.ones(2, 2)), batch_size=2))
     assert float(trainer.callback_metrics["total"]) == 0.25
 

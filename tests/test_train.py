@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.dist
+pytestmark = [pytest.mark.dist, pytest.mark.slow]  # an end-to-end run: last (conftest.py)
 
 TRAIN = str(Path(sys.executable).parent / "twobp-train")  # the console script of this environment
 

@@ -3,16 +3,11 @@ cannot act on (torchdata's ``set_vital``, Lightning's pytree ``LeafSpec``), and 
 
 from __future__ import annotations
 
-import os
 import re
 import warnings
 
-import lightning.pytorch as pl
 import pytest
 import torch
-import torch.distributed as dist
-import torch.nn.functional as F
-from torch import nn
 from torch.utils.data import TensorDataset
 
 import lightning_twobp  # noqa: F401  (registers "twobp")
@@ -20,29 +15,10 @@ from lightning_twobp import TwoBPStrategy
 from lightning_twobp.data.modules import _DataModule
 from lightning_twobp.lightning.quiet import KNOWN_WARNINGS
 
+from conftest import Regressor, quiet_trainer
 
-@pytest.fixture(autouse=True)
-def _no_leftover_process_group():
-    """Lightning starts a one-rank process group in this process and sets MASTER_PORT: undo both."""
-    env = dict(os.environ)
-    yield
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    os.environ.clear()
-    os.environ.update(env)
-
-
-class Net(pl.LightningModule):
-    def __init__(self) -> None:
-        super().__init__()
-        self.layers = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 2))
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        return F.mse_loss(self.layers(x), y)
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.1)
+# Lightning starts a one-rank process group in this process and sets MASTER_PORT: undone after each test.
+pytestmark = pytest.mark.usefixtures("no_leftover_process_group")
 
 
 class Data(_DataModule):
@@ -66,16 +42,9 @@ def _known(caught: list) -> list[str]:
 def test_a_fit_shows_neither_known_deprecation_warning_and_only_for_its_length():
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        pl.Trainer(
-            accelerator="cpu",
-            devices=1,
-            strategy=TwoBPStrategy(),
-            max_steps=2,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-        ).fit(Net(), datamodule=Data())
+        quiet_trainer(TwoBPStrategy(), 1, max_steps=2, use_distributed_sampler=True).fit(
+            Regressor((6, 8, 2), log=False), datamodule=Data()
+        )
         assert _known(caught) == []
         # after the call the filters are the user's again: the same two warnings show
         data = Data()
