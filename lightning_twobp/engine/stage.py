@@ -14,7 +14,11 @@ How the split works, per micro-batch:
   weight). B calls the engine for the input grads only, so autograd's own masks skip every weight GEMM,
   while a pre-hook on each frontier node records the gradient flowing into it. ``retain_graph=True``
   keeps the saved tensors that W needs.
-* **W** re-enters the graph at the frontier: for each frontier node, one engine call from that node
+* **W by formula** for the nodes :mod:`lightning_twobp.engine.formulas` knows (Linear, conv, batch/layer
+  norm, norm scales, broadcast biases, embeddings: every layer of the 2BP paper's four models): a
+  pre-hook records the gradient flowing into the node during B, and W calls the same ATen backward the
+  node would, weight outputs only. When every weight edge has a formula, B frees the graph at once.
+* **W** otherwise re-enters the graph at the frontier: for each frontier node, one engine call from that node
   (rooted at the recorded gradient) to its weight-only edges. Autograd runs the node again with only the
   weight outputs enabled, so W costs the weight GEMMs and nothing of the input-grad chain. One further call
   pushes those edge gradients through the weight-only region (transposes, dtype casts, a weight used
@@ -40,7 +44,8 @@ from torch import nn
 from torch.autograd.graph import GradientEdge, Node
 from torch.utils import _pytree as pytree
 
-from lightning_twobp.engine.graph import SavedUnavailable, saved
+from lightning_twobp.engine import formulas
+from lightning_twobp.engine.graph import SavedUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +62,7 @@ class _Pending:
     flat_out: list[Any] = field(default_factory=list)
     # Filled by B:
     frontier: list[tuple[Node, list[tuple[Node, int]]]] = field(default_factory=list)
-    fast: list[_FastW] = field(default_factory=list)
+    fast: list[formulas.FastW] = field(default_factory=list)
     captured: dict[Node, tuple[torch.Tensor | None, ...]] = field(default_factory=dict)
     edge_grads: list[tuple[GradientEdge, torch.Tensor]] = field(default_factory=list)
     weight_roots: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
@@ -313,7 +318,7 @@ class Stage:
             for f in p.fast:
                 recorded = p.captured.get(f.node)
                 if recorded is not None and recorded[0] is not None:
-                    self._direct(f, recorded[0])
+                    edge_grads.extend(f.apply(recorded[0], self._accumulate_fresh))
             for node, edges in p.frontier:
                 recorded = p.captured.get(node)
                 if recorded is None:
@@ -334,19 +339,10 @@ class Stage:
         for m in mbs:
             del self._pending[m]
 
-    @torch.no_grad()
-    def _direct(self, f: _FastW, grad: torch.Tensor) -> None:
-        q = f.param
-        if f.kind == "mm":  # grad: (N, out), operand: (N, in) -> (out, in), the weight's own layout
-            if q.grad is None:
-                q.grad = torch.mm(grad.t(), f.operand)
-            else:
-                q.grad.addmm_(grad.t(), f.operand)
-        elif f.kind == "sum":
-            self._accumulate(q, grad.sum(0), fresh=True)
-        else:  # "mul": reduce the broadcast dimensions, as autograd does for a broadcast operand
-            g = (grad * f.operand).sum_to_size(q.shape)
-            self._accumulate(q, g, fresh=True)  # a new product, never an alias of ``grad``
+    @classmethod
+    def _accumulate_fresh(cls, param: nn.Parameter, grad: torch.Tensor) -> None:
+        """Accumulate a gradient a W formula just made (never an alias of the caller's tensors)."""
+        cls._accumulate(param, grad, fresh=grad.stride() == param.stride())
 
     def _push_to_params(self, edge_grads: list[tuple[GradientEdge, torch.Tensor]]) -> None:
         """Carry weight-edge gradients through the weight-only region into the parameters."""
@@ -384,7 +380,7 @@ class _Recorder:
 @dataclass
 class _Plan:
     frontier: list[tuple[Node, list[tuple[Node, int]]]]  # (frontier node, its deferred weight edges)
-    fast: list[_FastW]  # deferred weight grads W computes without autograd
+    fast: list[formulas.FastW]  # deferred weight grads W computes without autograd
     early_edges: list[GradientEdge]  # weight edges taken in B
     weight_roots: list[int]  # outputs that reach parameters but no input
     fallback: bool
@@ -420,6 +416,7 @@ def _plan(outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor], param
         stack.append((node, True))
         stack.extend((n, False) for n, _ in kids if n not in seen)
 
+    used_outputs = {(n, i) for kids in children.values() for n, i in kids if i}
     to_input: dict[Node, bool] = {}
     to_param: dict[Node, bool] = {}
     for node in order:
@@ -449,7 +446,7 @@ def _plan(outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor], param
                 sources.setdefault(n, set()).update(sources[node])
 
     frontier: list[tuple[Node, list[tuple[Node, int]]]] = []
-    fast: list[_FastW] = []
+    fast: list[formulas.FastW] = []
     early: list[GradientEdge] = []
     early_seen: set[tuple[Node, int]] = set()
     num_deferred = 0
@@ -458,21 +455,12 @@ def _plan(outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor], param
     for node in reversed(order):  # parents first: the order B reaches them
         if not to_input[node] or getattr(node, "variable", None) is not None:
             continue
-        deferred = []
+        single: dict[int, tuple[Node, int]] = {}
         for pos, (n, i) in enumerate(node.next_functions):
             if n is None or to_input[n] or not to_param[n]:
                 continue
             if len(sources[n]) == 1:
-                try:
-                    direct = _direct_weight_grad(node, pos, n, params)
-                except SavedUnavailable as e:
-                    direct = None
-                    unreadable.append(str(e))
-                if direct is not None:
-                    fast.append(direct)
-                    num_deferred += 1
-                else:
-                    deferred.append((n, i))
+                single[pos] = (n, i)
             elif getattr(n, "variable", None) is not None:
                 # A parameter used directly by several input-path ops: take its edges in B.
                 if (n, i) not in early_seen:
@@ -481,6 +469,17 @@ def _plan(outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor], param
             else:
                 fallback = True
                 num_deferred += 1  # counted as taken in B below
+        try:
+            # A node whose second or third output feeds on (``native_batch_norm``'s saved mean) gets
+            # a gradient there that the formulas do not take: leave it to autograd.
+            whole = single and not any((node, k) in used_outputs for k in (1, 2))
+            direct, covered = formulas.direct(node, single, params) if whole else ([], set())
+        except SavedUnavailable as e:
+            direct, covered = [], set()
+            unreadable.append(str(e))
+        fast.extend(direct)
+        num_deferred += len(covered)
+        deferred = [e for pos, e in single.items() if pos not in covered]
         if deferred:
             frontier.append((node, deferred))
             num_deferred += len(deferred)
@@ -494,53 +493,6 @@ def _plan(outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor], param
         log.debug("weight-only node shared by several frontier nodes: W taken in B for this micro-batch")
         return _Plan([], [], [], [], True, 0, num_deferred + len(early), unreadable)
     return _Plan(frontier, fast, early, weight_roots, False, num_deferred, len(early), unreadable)
-
-
-@dataclass
-class _FastW:
-    """A weight gradient W computes directly from tensors the node saved, without autograd.
-
-    ``kind`` is ``"mm"`` (``param.grad += grad.T @ operand``: the weight of a Linear, reached through
-    its ``t()``), ``"sum"`` (``+= grad.sum(0)``: a Linear's bias in ``addmm``) or ``"mul"``
-    (``+= (grad * operand)`` reduced to the parameter's shape: a norm's scale). These are the
-    formulas autograd's own nodes use, so the result matches; what is saved is one autograd call and,
-    for ``mm``, the transpose copy that AccumulateGrad would make.
-    """
-
-    kind: str
-    node: Node
-    param: nn.Parameter
-    operand: torch.Tensor | None
-
-
-def _direct_weight_grad(node: Node, pos: int, child: Node, params: dict[int, nn.Parameter]) -> _FastW | None:
-    """The direct formula for the weight edge ``pos`` of ``node``, or None when it has none. Raises
-    :class:`~lightning_twobp.engine.graph.SavedUnavailable` when it should have one but the saved
-    operand cannot be read (the caller falls back and says so)."""
-    name = node.name()
-    if name in ("MmBackward0", "AddmmBackward0"):
-        mat2_pos = 1 if name == "MmBackward0" else 2
-        if name == "AddmmBackward0" and (saved(node, "alpha") != 1 or saved(node, "beta") != 1):
-            return None
-        if pos == mat2_pos and child.name() == "TBackward0":
-            ((leaf, _),) = child.next_functions
-            param = _leaf_param(leaf, params) if leaf is not None else None
-            if param is not None and param.dim() == 2:
-                mat1 = saved(node, "self" if name == "MmBackward0" else "mat1")
-                if mat1 is not None and mat1.dtype == param.dtype:
-                    # detached: unpacked saved inputs come back attached to the forward graph
-                    return _FastW("mm", node, param, mat1.detach())
-        if name == "AddmmBackward0" and pos == 0:
-            param = _leaf_param(child, params)
-            if param is not None and param.dim() == 1:
-                return _FastW("sum", node, param, None)
-    elif name == "MulBackward0" and pos in (0, 1):
-        param = _leaf_param(child, params)
-        if param is not None:
-            operand = saved(node, "other" if pos == 0 else "self")
-            if isinstance(operand, torch.Tensor) and operand.dtype == param.dtype:
-                return _FastW("mul", node, param, operand.detach())
-    return None
 
 
 def _params_below(nodes: Iterable[Node], params: dict[int, nn.Parameter]) -> list[nn.Parameter]:
