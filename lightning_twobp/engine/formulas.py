@@ -35,7 +35,7 @@ import torch
 from torch import nn
 from torch.autograd.graph import GradientEdge, Node
 
-from lightning_twobp.engine.graph import READS, edge_shape, saved
+from lightning_twobp.engine.graph import READS, SavedUnavailable, edge_shape, saved, unreadable
 
 __all__ = ["FastW", "direct"]
 
@@ -45,31 +45,40 @@ Accumulate = Callable[[nn.Parameter, torch.Tensor], None]
 
 @dataclass(frozen=True)
 class FastW:
-    """One node's deferred weight gradients and what W needs to compute them.
+    """One node's deferred weight gradients: which formula, into which targets, reading what.
 
-    ``targets`` holds one entry per output of the formula (None where that output is not wanted);
-    ``operand`` the saved values the formula reads, detached (unpacked saved inputs come back attached
-    to the forward graph, which would keep it alive)."""
+    ``targets`` holds one entry per output of the formula (None where that output is not wanted).
+    ``reads`` names the node's saved values the formula takes, read by :meth:`bind` during B (inside
+    B's own engine call, so an activation-checkpointed region is recomputed once, for B, and W reuses
+    what that recompute made); ``static`` holds what the plan already knew (a reduction's shape)."""
 
     kind: str
     node: Node
     targets: tuple[Target | None, ...]
-    operand: tuple[Any, ...]
+    reads: tuple[str, ...] = ()
+    static: tuple[Any, ...] = ()
 
     @property
     def params(self) -> list[nn.Parameter]:
         return [t for t in self.targets if isinstance(t, nn.Parameter)]
 
+    def bind(self) -> tuple[Any, ...]:
+        """The formula's operands, detached (an unpacked saved input comes back attached to the
+        forward graph, which would keep that graph alive until W)."""
+        return tuple(_detach(saved(self.node, r)) for r in self.reads) + self.static
+
     @torch.no_grad()
-    def apply(self, grad: torch.Tensor, accumulate: Accumulate) -> list[tuple[GradientEdge, torch.Tensor]]:
+    def apply(
+        self, grad: torch.Tensor, operand: tuple[Any, ...], accumulate: Accumulate
+    ) -> list[tuple[GradientEdge, torch.Tensor]]:
         """Accumulate the parameter targets' gradients; return the edge targets' gradients."""
         target = self.targets[0]
         if self.kind == "mm" and isinstance(target, nn.Parameter) and target.grad is not None:
             # grad: (N, out), input: (N, in) -> (out, in), the weight's own layout, added in place
-            target.grad.addmm_(grad.t(), self.operand[0])
+            target.grad.addmm_(grad.t(), operand[0])
             return []
         edges = []
-        for t, g in zip(self.targets, _FORMULAS[self.kind](grad, self), strict=True):
+        for t, g in zip(self.targets, _FORMULAS[self.kind](grad, operand, self), strict=True):
             if t is None or g is None:
                 continue
             if isinstance(t, nn.Parameter):
@@ -79,27 +88,31 @@ class FastW:
         return edges
 
 
-def _mm(grad: torch.Tensor, f: FastW) -> tuple[torch.Tensor]:
-    return (torch.mm(grad.t(), f.operand[0]),)
+def _mm(grad: torch.Tensor, operand: tuple, f: FastW) -> tuple[torch.Tensor]:
+    return (torch.mm(grad.t(), operand[0]),)
 
 
-def _sum(grad: torch.Tensor, f: FastW) -> tuple[torch.Tensor]:
+def _mm_in_out(grad: torch.Tensor, operand: tuple, f: FastW) -> tuple[torch.Tensor]:
+    return (torch.mm(operand[0].t(), grad),)  # a weight stored (in, out): GPT-2's Conv1D
+
+
+def _sum(grad: torch.Tensor, operand: tuple, f: FastW) -> tuple[torch.Tensor]:
     return (grad.sum(0),)
 
 
-def _mul(grad: torch.Tensor, f: FastW) -> tuple[torch.Tensor]:
-    other, shape = f.operand
+def _mul(grad: torch.Tensor, operand: tuple, f: FastW) -> tuple[torch.Tensor]:
+    other, shape = operand
     return ((grad * other).sum_to_size(shape),)  # reduce the broadcast dimensions, as autograd does
 
 
-def _add(grad: torch.Tensor, f: FastW) -> tuple[torch.Tensor]:
-    (shape,) = f.operand
+def _add(grad: torch.Tensor, operand: tuple, f: FastW) -> tuple[torch.Tensor]:
+    (shape,) = operand
     g = grad.sum_to_size(shape)
     return (g.clone() if g is grad else g,)  # never an alias of the caller's gradient
 
 
-def _conv(grad: torch.Tensor, f: FastW) -> tuple[torch.Tensor | None, ...]:
-    inp, weight, bias_sizes, stride, padding, dilation, transposed, output_padding, groups = f.operand
+def _conv(grad: torch.Tensor, operand: tuple, f: FastW) -> tuple[torch.Tensor | None, ...]:
+    inp, weight, bias_sizes, stride, padding, dilation, transposed, output_padding, groups = operand
     mask = [False, f.targets[0] is not None, f.targets[1] is not None]
     _, gw, gb = torch.ops.aten.convolution_backward(
         grad, inp, weight, bias_sizes, stride, padding, dilation, transposed, output_padding, groups, mask
@@ -107,25 +120,26 @@ def _conv(grad: torch.Tensor, f: FastW) -> tuple[torch.Tensor | None, ...]:
     return gw, gb
 
 
-def _batch_norm(grad: torch.Tensor, f: FastW) -> tuple[torch.Tensor | None, ...]:
+def _batch_norm(grad: torch.Tensor, operand: tuple, f: FastW) -> tuple[torch.Tensor | None, ...]:
     mask = [False, f.targets[0] is not None, f.targets[1] is not None]
-    _, gw, gb = torch.ops.aten.native_batch_norm_backward(grad, *f.operand, mask)
+    _, gw, gb = torch.ops.aten.native_batch_norm_backward(grad, *operand, mask)
     return gw, gb
 
 
-def _layer_norm(grad: torch.Tensor, f: FastW) -> tuple[torch.Tensor | None, ...]:
-    inp, shape, mean, rstd, weight, bias = f.operand
+def _layer_norm(grad: torch.Tensor, operand: tuple, f: FastW) -> tuple[torch.Tensor | None, ...]:
+    inp, shape, mean, rstd, weight, bias = operand
     mask = [False, f.targets[0] is not None, f.targets[1] is not None]
     _, gw, gb = torch.ops.aten.native_layer_norm_backward(grad, inp, shape, mean, rstd, weight, bias, mask)
     return gw, gb
 
 
-def _embedding(grad: torch.Tensor, f: FastW) -> tuple[torch.Tensor]:
-    return (torch.ops.aten.embedding_backward(grad, *f.operand),)
+def _embedding(grad: torch.Tensor, operand: tuple, f: FastW) -> tuple[torch.Tensor]:
+    return (torch.ops.aten.embedding_backward(grad, *operand),)
 
 
-_FORMULAS: dict[str, Callable[[torch.Tensor, FastW], tuple[torch.Tensor | None, ...]]] = {
+_FORMULAS: dict[str, Callable[[torch.Tensor, tuple, FastW], tuple[torch.Tensor | None, ...]]] = {
     "mm": _mm,
+    "mm_in_out": _mm_in_out,
     "sum": _sum,
     "mul": _mul,
     "add": _add,
@@ -150,36 +164,29 @@ def _target(edge: tuple[Node, int] | None, params: Mapping[int, nn.Parameter]) -
     return GradientEdge(*edge) if param is None else param
 
 
-def _reads(node: Node) -> tuple[Any, ...]:
-    """Everything ``READS`` lists for ``node``, in its ATen backward's argument order, detached."""
-    return tuple(_detach(saved(node, n)) for n in READS[node.name()])
-
-
 def _detach(x: Any) -> Any:
     return x.detach() if isinstance(x, torch.Tensor) else x
 
 
-def _same_dtype(t: Target | None, x: torch.Tensor) -> bool:
-    """A parameter target must take its gradient in its own dtype (else AccumulateGrad would cast)."""
-    return not isinstance(t, nn.Parameter) or t.dtype == x.dtype
-
-
+# No dtype checks below: each formula is the call autograd's own node makes, and ``apply`` casts a
+# parameter's gradient to its dtype as the engine does before AccumulateGrad.
 def _linear(node: Node, weights: Mapping[int, tuple[Node, int]], params: Mapping[int, nn.Parameter]) -> list[FastW]:
     name = node.name()
-    out = []
     if name == "AddmmBackward0" and (saved(node, "alpha") != 1 or saved(node, "beta") != 1):
         return []
+    mat1 = ("self",) if name == "MmBackward0" else ("mat1",)
+    out = []
     mat2 = weights.get(1 if name == "MmBackward0" else 2)
-    if mat2 is not None and mat2[0].name() == "TBackward0":
+    if mat2 is not None and mat2[0].name() == "TBackward0":  # nn.Linear: x @ W.t()
         ((leaf, _),) = mat2[0].next_functions
         param = _param(leaf, params)
         if param is not None and param.dim() == 2:
-            mat1 = saved(node, "self" if name == "MmBackward0" else "mat1")
-            if isinstance(mat1, torch.Tensor) and mat1.dtype == param.dtype:
-                out.append(FastW("mm", node, (param,), (mat1.detach(),)))
+            out.append(FastW("mm", node, (param,), mat1))
+    elif mat2 is not None and _param(mat2[0], params) is not None:  # x @ W, W stored (in, out)
+        out.append(FastW("mm_in_out", node, (_param(mat2[0], params),), mat1))
     bias = _param(weights[0][0], params) if name == "AddmmBackward0" and 0 in weights else None
     if bias is not None and bias.dim() == 1:
-        out.append(FastW("sum", node, (bias,), ()))
+        out.append(FastW("sum", node, (bias,)))
     return out
 
 
@@ -194,14 +201,11 @@ def _elementwise(
         if pos not in weights or (1 - pos in weights and name == "MulBackward0"):
             continue  # a product of two weight-only operands: left to autograd
         target = _target(weights[pos], params)
+        shape = target.shape if isinstance(target, nn.Parameter) else edge_shape(*weights[pos])
         if name == "AddBackward0":
-            shape = target.shape if isinstance(target, nn.Parameter) else edge_shape(*weights[pos])
-            out.append(FastW("add", node, (target,), (shape,)))
-            continue
-        other = saved(node, "other" if pos == 0 else "self")
-        mine = saved(node, "self" if pos == 0 else "other")  # saved too: both operands require grad
-        if isinstance(other, torch.Tensor) and isinstance(mine, torch.Tensor) and _same_dtype(target, other):
-            out.append(FastW("mul", node, (target,), (other.detach(), mine.shape)))
+            out.append(FastW("add", node, (target,), (), (shape,)))
+        else:
+            out.append(FastW("mul", node, (target,), ("other" if pos == 0 else "self",), (shape,)))
     return out
 
 
@@ -210,10 +214,7 @@ def _layer(kind: str) -> Callable[[Node, Mapping[int, tuple[Node, int]], Mapping
 
     def find(node: Node, weights: Mapping[int, tuple[Node, int]], params: Mapping[int, nn.Parameter]) -> list[FastW]:
         targets = (_target(weights.get(1), params), _target(weights.get(2), params))
-        operand = _reads(node)
-        if not all(_same_dtype(t, operand[0]) for t in targets):
-            return []
-        return [FastW(kind, node, targets, operand)]
+        return [FastW(kind, node, targets, READS[node.name()])]
 
     return find
 
@@ -223,7 +224,7 @@ def _embedding_node(
 ) -> list[FastW]:
     if 0 not in weights or saved(node, "sparse"):
         return []
-    return [FastW("embedding", node, (_target(weights[0], params),), _reads(node))]
+    return [FastW("embedding", node, (_target(weights[0], params),), READS["EmbeddingBackward0"])]
 
 
 _FINDERS = {
@@ -247,6 +248,9 @@ def direct(
     finder = _FINDERS.get(node.name())
     if finder is None:
         return [], set()
+    why = unreadable(node.name())
+    if why is not None:
+        raise SavedUnavailable(why)
     found = finder(node, weights, params)
     covered: set[int] = set()
     for f in found:

@@ -43,6 +43,7 @@ import torch
 from torch import nn
 from torch.autograd.graph import GradientEdge, Node
 from torch.utils import _pytree as pytree
+from torch.utils import checkpoint as checkpoint_utils
 
 from lightning_twobp.engine import formulas
 from lightning_twobp.engine.graph import SavedUnavailable
@@ -62,7 +63,7 @@ class _Pending:
     flat_out: list[Any] = field(default_factory=list)
     # Filled by B:
     frontier: list[tuple[Node, list[tuple[Node, int]]]] = field(default_factory=list)
-    fast: list[formulas.FastW] = field(default_factory=list)
+    fast: list[tuple[formulas.FastW, tuple[Any, ...]]] = field(default_factory=list)  # with operands
     captured: dict[Node, tuple[torch.Tensor | None, ...]] = field(default_factory=dict)
     edge_grads: list[tuple[GradientEdge, torch.Tensor]] = field(default_factory=list)
     weight_roots: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
@@ -272,14 +273,15 @@ class Stage:
         # their whole backward is W's, from the output itself.
         p.weight_roots = [(p.outputs[i], grads_out[i]) for i in plan.weight_roots]
 
-        handles = []
-        hooked = {node for node, _ in plan.frontier} | {f.node for f in plan.fast}
-        for node in hooked:
-            handles.append(node.register_prehook(_Recorder(p.captured, node)))
+        # The gradient into each formula's node is captured by the engine itself (an edge among the
+        # targets: no Python call per node); frontier nodes need every output's, so a pre-hook.
+        fast_nodes = list(dict.fromkeys(f.node for f in plan.fast))
+        handles = [node.register_prehook(_Recorder(p.captured, node)) for node, _ in plan.frontier]
+        operands = _bind(plan.fast)
         try:
             grads = torch.autograd.grad(
                 p.outputs,
-                inputs + plan.early_edges,
+                inputs + plan.early_edges + [GradientEdge(n, 0) for n in fast_nodes],
                 grads_out,
                 allow_unused=True,
                 # W re-enters the graph only at frontier nodes without a direct formula. When every
@@ -290,11 +292,15 @@ class Stage:
         finally:
             for h in handles:
                 h.remove()
+        n_early = len(inputs) + len(plan.early_edges)
+        for node, g in zip(fast_nodes, grads[n_early:], strict=True):
+            p.captured.setdefault(node, (g,))
         p.frontier = plan.frontier
-        p.fast = plan.fast
+        p.fast = list(zip(plan.fast, operands, strict=True))
         if not plan.frontier:
             p.outputs = []
-        p.edge_grads = [(e, g) for e, g in zip(plan.early_edges, grads[len(inputs) :], strict=False) if g is not None]
+        early = zip(plan.early_edges, grads[len(inputs) : n_early], strict=True)
+        p.edge_grads = [(e, g) for e, g in early if g is not None]
         return self._input_grads(p, grads[: len(inputs)])
 
     # ------------------------------------------------------------------ W
@@ -315,10 +321,10 @@ class Stage:
             if p.weight_roots:
                 self._full_backward([t for t, _ in p.weight_roots], [g for _, g in p.weight_roots], [])
             edge_grads.extend(p.edge_grads)
-            for f in p.fast:
+            for f, operand in p.fast:
                 recorded = p.captured.get(f.node)
                 if recorded is not None and recorded[0] is not None:
-                    edge_grads.extend(f.apply(recorded[0], self._accumulate_fresh))
+                    edge_grads.extend(f.apply(recorded[0], operand, self._accumulate_fresh))
             for node, edges in p.frontier:
                 recorded = p.captured.get(node)
                 if recorded is None:
@@ -377,6 +383,27 @@ class _Recorder:
         self.store[self.node] = tuple(grad_outputs)
 
 
+def _bind(fast: list[formulas.FastW]) -> list[tuple[Any, ...]]:
+    """Every W formula's operands, read before B's engine call frees the graph.
+
+    In a region under ``torch.utils.checkpoint(use_reentrant=False)`` each read made outside a backward
+    recomputes the region; inside one ``GraphExecGroup`` they share a single recompute. (Reading them
+    from B's own engine call instead would need the engine's recompute, but a checkpointed tensor may
+    be unpacked once per backward and the engine unpacks every saved tensor of a node it runs.)"""
+    if not fast:
+        return []
+    group = getattr(checkpoint_utils, "GraphExecGroup", None)
+    if group is None:
+        return [f.bind() for f in fast]
+    try:
+        with group():
+            return [f.bind() for f in fast]
+    except RuntimeError as e:
+        if "cannot be nested" not in str(e):
+            raise
+        return [f.bind() for f in fast]  # the caller's own group: its recompute is shared already
+
+
 @dataclass
 class _Plan:
     frontier: list[tuple[Node, list[tuple[Node, int]]]]  # (frontier node, its deferred weight edges)
@@ -387,6 +414,15 @@ class _Plan:
     num_deferred: int
     num_early: int
     unreadable: list[str] = field(default_factory=list)  # fast-path reads that failed (see engine.graph)
+
+
+_REENTRANT = (
+    "2BP split: this stage calls torch.utils.checkpoint with use_reentrant=True, whose backward runs the "
+    "block's whole backward (weights included) inside one opaque node, so B cannot leave the weight "
+    "gradients to W. Pass use_reentrant=False (Hugging Face: model.gradient_checkpointing_enable("
+    "gradient_checkpointing_kwargs={'use_reentrant': False})); the split then recomputes the block for B "
+    "and W reuses the recomputed tensors."
+)
 
 
 def _leaf_param(node: Node, params: dict[int, nn.Parameter]) -> nn.Parameter | None:
@@ -417,6 +453,9 @@ def _plan(outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor], param
         stack.extend((n, False) for n, _ in kids if n not in seen)
 
     used_outputs = {(n, i) for kids in children.values() for n, i in kids if i}
+    for node in order:
+        if node.name() == "CheckpointFunctionBackward":
+            raise RuntimeError(_REENTRANT)
     to_input: dict[Node, bool] = {}
     to_param: dict[Node, bool] = {}
     for node in order:
