@@ -56,7 +56,15 @@ from lightning_twobp.schedules import Action, Costs, simulate
 __all__ = ["FlopCount", "PipelineMonitor", "busy_seconds", "measured_costs", "rss_mb", "stage_names", "tokens_in"]
 
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
-_FIELDS = ("rss_mb", "max_allocated_mb", "max_reserved_mb", "bubble", "bubble_simulated", "held_mb_per_microbatch")
+_FIELDS = (
+    "rss_mb",
+    "max_allocated_mb",
+    "max_reserved_mb",
+    "bubble",
+    "bubble_simulated",
+    "held_mb_per_microbatch",
+    "deferred_fraction",
+)
 
 
 def rss_mb() -> float:
@@ -73,6 +81,11 @@ def peak_rss_bytes() -> int:
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _deferred(strategy: Any) -> float:
+    """The rank's ``deferred_fraction`` under a split schedule, NaN under a fused one."""
+    return strategy.deferred_fraction if strategy.schedule.split_backward else float("nan")
 
 
 def tokens_in(batch: Any) -> int | None:
@@ -378,7 +391,8 @@ class PipelineMonitor(pl.Callback):
             bubble = 1.0 - busy / span if span > 0 else nan
             if rec.held_bytes:
                 held = statistics.fmean(rec.held_bytes.values()) / 1e6
-        return torch.tensor([rss_mb(), alloc, reserved, bubble, simulated, held], dtype=torch.float64)
+        deferred = _deferred(strategy)
+        return torch.tensor([rss_mb(), alloc, reserved, bubble, simulated, held, deferred], dtype=torch.float64)
 
     def _per_rank(self, trainer: pl.Trainer, strategy: Any) -> dict[str, float]:
         """Every rank's numbers, gathered with one tensor all-gather (and the simulated bubble from
@@ -413,13 +427,14 @@ class PipelineMonitor(pl.Callback):
             peak, kind = max(self._peak_cuda, torch.cuda.max_memory_allocated(device)), "peak CUDA memory allocated"
         else:
             peak, kind = peak_rss_bytes(), "peak RSS"
-        mine = torch.tensor([float(peak)], dtype=torch.float64, device=device)
+        strategy = self._pipeline(trainer)
+        deferred = _deferred(strategy) if strategy is not None else float("nan")
+        mine = torch.tensor([float(peak), deferred], dtype=torch.float64, device=device)
         if dist.is_initialized() and dist.get_world_size() > 1:
             rows = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
             dist.all_gather(rows, mine)
         else:
             rows = [mine]
-        strategy = self._pipeline(trainer)
         dp = strategy.world_size // strategy.pipeline_degree if strategy is not None else trainer.world_size
         seconds = time.perf_counter() - self._t0
         rows = [r.cpu() for r in rows]
@@ -429,7 +444,9 @@ class PipelineMonitor(pl.Callback):
             "samples_per_s": self._samples * dp / seconds if seconds else None,
             "tokens_per_s": self._lengths * dp / seconds if seconds and self._counted_lengths else None,
             "flops_per_batch": self.flops_per_batch,
-            "peak_memory_bytes_per_rank": [float(r) for r in rows],
+            "peak_memory_bytes_per_rank": [float(r[0]) for r in rows],
+            # 2BP: the share of each rank's weight backward that ran in W (None: a fused schedule)
+            "deferred_fraction_per_rank": [None if r[1] != r[1] else float(r[1]) for r in rows],
             "peak_memory_kind": kind,
         }
 

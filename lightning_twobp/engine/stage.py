@@ -50,7 +50,17 @@ from lightning_twobp.engine.graph import SavedUnavailable
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Stage"]
+__all__ = ["Stage", "deferred_fraction"]
+
+
+def deferred_fraction(stages: Iterable[Stage]) -> float:
+    """Share of the weight-gradient edges of ``stages`` that W computed, all micro-batches so far
+    (1.0: every weight backward deferred; below: some taken in B, see the module docstring)."""
+    deferred = early = 0
+    for st in stages:
+        deferred += st.deferred_edges
+        early += st.early_edges
+    return 1.0 if deferred + early == 0 else deferred / (deferred + early)
 
 
 @dataclass
@@ -111,8 +121,7 @@ class Stage:
     @property
     def deferred_fraction(self) -> float:
         """Share of weight-gradient edges that W computed (1.0 = the whole weight backward deferred)."""
-        total = self.deferred_edges + self.early_edges
-        return 1.0 if total == 0 else self.deferred_edges / total
+        return deferred_fraction([self])
 
     # ------------------------------------------------------------------ F
     def forward(self, mb: int, *inputs: Any, **kwargs: Any) -> Any:
@@ -424,6 +433,12 @@ _REENTRANT = (
     "and W reuses the recomputed tensors."
 )
 
+_COMPILED = (
+    "2BP split: a torch.compile'd region of this stage holds weights. Its backward is one node that returns "
+    "the input and the weight gradients together, so B cannot leave the weights to W. Run the layers with "
+    "weights eagerly (remove that torch.compile call), or compile only parts that hold no weights."
+)
+
 
 def _leaf_param(node: Node, params: dict[int, nn.Parameter]) -> nn.Parameter | None:
     var = getattr(node, "variable", None)
@@ -508,6 +523,8 @@ def _plan(outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor], param
             else:
                 fallback = True
                 num_deferred += 1  # counted as taken in B below
+        if (single or early_seen) and node.name() == "CompiledFunctionBackward":
+            raise RuntimeError(_COMPILED)
         try:
             # A node whose second or third output feeds on (``native_batch_norm``'s saved mean) gets
             # a gradient there that the formulas do not take: leave it to autograd.

@@ -32,8 +32,10 @@ from typing_extensions import override
 
 from lightning_twobp.engine import PipelineExecutor, StepValidation, Verdict
 from lightning_twobp.engine.memory import keep_freed_memory
+from lightning_twobp.engine.stage import deferred_fraction
 from lightning_twobp.lightning import checkpoint as ckpt
 from lightning_twobp.lightning.checks import check_flag, check_nodes, checked_optimizers
+from lightning_twobp.lightning.compiled import check_not_compiled
 from lightning_twobp.lightning.contract import find_contract
 from lightning_twobp.lightning.grads import (
     GradStash,
@@ -334,6 +336,12 @@ class TwoBPStrategy(DDPStrategy):
         """Whether this rank holds the last stage (the loss and ``self.log`` happen here)."""
         return self.schedule.num_stages - 1 in self.stage_ids
 
+    @property
+    def deferred_fraction(self) -> float:
+        """Share of this rank's weight-gradient work that W computed so far (see
+        :func:`~lightning_twobp.engine.stage.deferred_fraction`)."""
+        return deferred_fraction(self._built("deferred_fraction").executor.stages.values())
+
     def _built(self, what: str) -> _Pipeline:
         if self._pipeline is None:
             raise RuntimeError(f"TwoBPStrategy.{what}: {_NOT_YET}")
@@ -408,6 +416,7 @@ class TwoBPStrategy(DDPStrategy):
         if self.root_device.type == "cpu":
             keep_freed_memory()  # see lightning_twobp.engine.memory: measured page faults every step otherwise
         contract = find_contract(lm, self.layers)
+        check_not_compiled(lm, contract)  # before the first step: compiled code cannot be split
         metrics = StepMetrics(lm)
         runner = StepRunner(lm, contract, metrics)
         num_stages = self.pipeline_degree * self._stages_per_rank
