@@ -28,8 +28,7 @@ region; the stage pushes those through in one engine call. Every saved read goes
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any, NamedTuple, Union
 
 import torch
 from torch import nn
@@ -43,11 +42,12 @@ Target = Union[nn.Parameter, GradientEdge]  # noqa: UP007 (a runtime alias)
 Accumulate = Callable[[nn.Parameter, torch.Tensor], None]
 
 
-@dataclass(frozen=True)
-class FastW:
+class FastW(NamedTuple):
     """One node's deferred weight gradients: which formula, into which targets, reading what.
 
-    ``targets`` holds one entry per output of the formula (None where that output is not wanted).
+    ``targets`` holds one entry per output of the formula (None where that output is not wanted);
+    ``positions`` the node's ``next_functions`` it covers. A NamedTuple, not a dataclass: one is made
+    per weight per micro-batch in B, where a frozen dataclass's ``__init__`` costs several times more.
     ``reads`` names the node's saved values the formula takes, read by :meth:`bind` during B (inside
     B's own engine call, so an activation-checkpointed region is recomputed once, for B, and W reuses
     what that recompute made); ``static`` holds what the plan already knew (a reduction's shape)."""
@@ -55,6 +55,7 @@ class FastW:
     kind: str
     node: Node
     targets: tuple[Target | None, ...]
+    positions: tuple[int, ...]
     reads: tuple[str, ...] = ()
     static: tuple[Any, ...] = ()
 
@@ -176,17 +177,18 @@ def _linear(node: Node, weights: Mapping[int, tuple[Node, int]], params: Mapping
         return []
     mat1 = ("self",) if name == "MmBackward0" else ("mat1",)
     out = []
-    mat2 = weights.get(1 if name == "MmBackward0" else 2)
+    mat2_pos = 1 if name == "MmBackward0" else 2
+    mat2 = weights.get(mat2_pos)
     if mat2 is not None and mat2[0].name() == "TBackward0":  # nn.Linear: x @ W.t()
         ((leaf, _),) = mat2[0].next_functions
         param = _param(leaf, params)
         if param is not None and param.dim() == 2:
-            out.append(FastW("mm", node, (param,), mat1))
+            out.append(FastW("mm", node, (param,), (mat2_pos,), mat1))
     elif mat2 is not None and _param(mat2[0], params) is not None:  # x @ W, W stored (in, out)
-        out.append(FastW("mm_in_out", node, (_param(mat2[0], params),), mat1))
+        out.append(FastW("mm_in_out", node, (_param(mat2[0], params),), (mat2_pos,), mat1))
     bias = _param(weights[0][0], params) if name == "AddmmBackward0" and 0 in weights else None
     if bias is not None and bias.dim() == 1:
-        out.append(FastW("sum", node, (bias,)))
+        out.append(FastW("sum", node, (bias,), (0,)))
     return out
 
 
@@ -203,9 +205,9 @@ def _elementwise(
         target = _target(weights[pos], params)
         shape = target.shape if isinstance(target, nn.Parameter) else edge_shape(*weights[pos])
         if name == "AddBackward0":
-            out.append(FastW("add", node, (target,), (), (shape,)))
+            out.append(FastW("add", node, (target,), (pos,), (), (shape,)))
         else:
-            out.append(FastW("mul", node, (target,), ("other" if pos == 0 else "self",), (shape,)))
+            out.append(FastW("mul", node, (target,), (pos,), ("other" if pos == 0 else "self",), (shape,)))
     return out
 
 
@@ -214,7 +216,8 @@ def _layer(kind: str) -> Callable[[Node, Mapping[int, tuple[Node, int]], Mapping
 
     def find(node: Node, weights: Mapping[int, tuple[Node, int]], params: Mapping[int, nn.Parameter]) -> list[FastW]:
         targets = (_target(weights.get(1), params), _target(weights.get(2), params))
-        return [FastW(kind, node, targets, READS[node.name()])]
+        positions = tuple(pos for pos in (1, 2) if pos in weights)
+        return [FastW(kind, node, targets, positions, READS[node.name()])]
 
     return find
 
@@ -224,7 +227,7 @@ def _embedding_node(
 ) -> list[FastW]:
     if 0 not in weights or saved(node, "sparse"):
         return []
-    return [FastW("embedding", node, (_target(weights[0], params),), READS["EmbeddingBackward0"])]
+    return [FastW("embedding", node, (_target(weights[0], params),), (0,), READS["EmbeddingBackward0"])]
 
 
 _FINDERS = {
@@ -252,23 +255,4 @@ def direct(
     if why is not None:
         raise SavedUnavailable(why)
     found = finder(node, weights, params)
-    covered: set[int] = set()
-    for f in found:
-        covered |= {pos for pos, e in weights.items() if _covers(f, e, params)}
-    return found, covered
-
-
-def _covers(f: FastW, edge: tuple[Node, int], params: Mapping[int, nn.Parameter]) -> bool:
-    target = _target(edge, params)
-    if f.kind == "mm" and edge[0].name() == "TBackward0":  # the target is the parameter behind the t()
-        ((leaf, _),) = edge[0].next_functions
-        target = _param(leaf, params)
-    return any(_same_target(t, target) for t in f.targets)
-
-
-def _same_target(a: Target | None, b: Target | None) -> bool:
-    if a is None or b is None:
-        return False
-    if isinstance(a, GradientEdge) and isinstance(b, GradientEdge):
-        return a.node is b.node and a.output_nr == b.output_nr
-    return a is b
+    return found, {pos for f in found for pos in f.positions}
