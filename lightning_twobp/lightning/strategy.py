@@ -34,6 +34,7 @@ from lightning_twobp.engine import PipelineExecutor, StepValidation, Verdict
 from lightning_twobp.engine.memory import keep_freed_memory
 from lightning_twobp.engine.stage import deferred_fraction
 from lightning_twobp.lightning import checkpoint as ckpt
+from lightning_twobp.lightning.checkpointing import apply_activation_checkpointing, check_activation_checkpointing
 from lightning_twobp.lightning.checks import check_flag, check_nodes, checked_optimizers
 from lightning_twobp.lightning.compiled import check_not_compiled
 from lightning_twobp.lightning.contract import find_contract
@@ -149,6 +150,8 @@ class TwoBPStrategy(DDPStrategy):
             without clipping, where the error comes a step later and says so). ``"skip"``: the step is skipped on
             every rank, with a warning; ``strategy.step_checks["skipped"]`` counts them and
             ``pipeline/skipped_steps`` is logged. With fp16's GradScaler the scaler does this instead.
+        activation_checkpointing: None (off), ``"full"``, ``k`` (every k-th block) or ``"selective"``:
+            see :mod:`lightning_twobp.lightning.checkpointing`.
         pipeline_timeout: seconds (default 600) the pipeline's own waits on another rank may take,
             after which that rank is named as lost (its pipeline rank, stage and host). Also the
             timeout of the process group and of every group the strategy makes (the mesh's, the
@@ -177,6 +180,7 @@ class TwoBPStrategy(DDPStrategy):
         post_validation: bool | None = None,
         on_nonfinite: Literal["stop", "skip"] = "stop",
         pipeline_timeout: float | None = 600.0,
+        activation_checkpointing: str | int | None = None,
         accelerator: Any = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: Any = None,
@@ -250,6 +254,7 @@ class TwoBPStrategy(DDPStrategy):
         self.split_backward = split_backward
         self.balance = balance
         self.layers = layers
+        self.activation_checkpointing = check_activation_checkpointing(activation_checkpointing)
         self.gather_full_model = gather_full_model
         self.post_validation = post_validation
         self.on_nonfinite = on_nonfinite
@@ -498,6 +503,7 @@ class TwoBPStrategy(DDPStrategy):
         scope = ExitStack()
         scope.enter_context(known_warnings_off())  # the Trainer call's data loaders build next
         scope.callback(metrics.sync_over(self._group("dp")))
+        scope.callback(apply_activation_checkpointing(local.blocks(), self.activation_checkpointing))
         if layout.dp_degree == 1:  # nothing to split: the loader's own sampler, as one process reads it
             scope.callback(keep_users_sampler(trainer))
         return _Pipeline(local, executor, runner, tied, user_precision, user_scaler, logs, scope, streams, metrics)
