@@ -1,4 +1,5 @@
-"""Activation checkpointing under the split: exact, few recomputes, reentrant form refused clearly."""
+"""Activation checkpointing under the split: the user's torch.utils.checkpoint and the strategy's option
+(``activation_checkpointing``), exact, few recomputes, the reentrant form refused clearly."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from lightning_twobp.engine import Stage
+from lightning_twobp.lightning.checkpointing import apply_activation_checkpointing, check_activation_checkpointing
 from lightning_twobp.models.llama import Block, LlamaConfig
 
 
@@ -38,13 +40,13 @@ class Checkpointed(nn.Module):
         return x
 
 
-def test_checkpointed_blocks_are_exact_and_recompute_once_for_b_and_w():
-    """Forwards per block per micro-batch: F, one recompute whose tensors W's formulas keep, and B's
-    own (was 1 in F + 10 in B on this 3-block stage; a plain backward is 2)."""
-    torch.manual_seed(0)
-    blocks = [Counted() for _ in range(3)]
+def _split_against_plain(blocks: list[Counted], stage_module: nn.Module) -> list[int]:
+    """Two micro-batches through ``Stage(stage_module)``'s F, B, W against the same blocks run plainly
+    (copies made first): every gradient equal (rtol 1e-6); returns each block's forward count."""
     ref = copy.deepcopy(blocks)
-    stage = Stage(Checkpointed(blocks))
+    for r in ref:
+        vars(r).pop("forward", None)  # the option's wrapper would call the original block
+    stage = Stage(stage_module)
     xs = [torch.randn(2, 7, 32) for _ in range(2)]
     gs = [torch.randn(2, 7, 32) for _ in range(2)]
     for mb, x in enumerate(xs):
@@ -53,15 +55,20 @@ def test_checkpointed_blocks_are_exact_and_recompute_once_for_b_and_w():
         stage.backward_input(mb, g)
         assert stage._pending[mb].frontier == [], "a weight went back through autograd: W would recompute"
     stage.backward_weight([0, 1])
-    assert [b.calls for b in blocks] == [6, 6, 6], "forwards per block over 2 micro-batches"
     for x, g in zip(xs, gs, strict=True):
-        y = x.detach()
-        for b in ref:
-            y = b(y)
-        y.backward(g)
+        nn.Sequential(*ref)(x.detach()).backward(g)
     for b, r in zip(blocks, ref, strict=True):
         for (n, q), p in zip(b.named_parameters(), r.parameters(), strict=True):
             torch.testing.assert_close(q.grad, p.grad, rtol=1e-6, atol=1e-7, msg=n)
+    return [b.calls for b in blocks]
+
+
+def test_checkpointed_blocks_are_exact_and_recompute_once_for_b_and_w():
+    """Forwards per block per micro-batch: F, one recompute whose tensors W's formulas keep, and B's
+    own (was 1 in F + 10 in B on this 3-block stage; a plain backward is 2)."""
+    torch.manual_seed(0)
+    blocks = [Counted() for _ in range(3)]
+    assert _split_against_plain(blocks, Checkpointed(blocks)) == [6, 6, 6], "forwards over 2 micro-batches"
 
 
 def test_reentrant_checkpoint_gets_our_message():
@@ -69,3 +76,28 @@ def test_reentrant_checkpoint_gets_our_message():
     stage.forward(0, torch.randn(2, 7, 32, requires_grad=True))
     with pytest.raises(RuntimeError, match="use_reentrant=False"):
         stage.backward_input(0, torch.ones(2, 7, 32))
+
+
+@pytest.mark.parametrize("bad", [0, -1, True, 1.5, "some", "FULL"])
+def test_bad_values_are_refused_naming_the_choices(bad):
+    with pytest.raises(ValueError, match=r"None \(off\), 'full'.*every k-th block"):
+        check_activation_checkpointing(bad)
+
+
+def test_selective_is_refused_saying_why():
+    with pytest.raises(ValueError, match="selective.*not available yet.*recomputes a block twice"):
+        check_activation_checkpointing("selective")
+
+
+@pytest.mark.parametrize(
+    ("value", "calls"),
+    [("full", [6, 6, 6]), (2, [6, 2, 6]), (None, [2, 2, 2])],
+)
+def test_checkpointed_stage_is_exact_and_counts_its_forwards(value, calls):
+    """Forwards per block over 2 micro-batches: 3 each when checkpointed (F, W's operands, B), 1 when not."""
+    torch.manual_seed(0)
+    blocks = [Counted() for _ in range(3)]
+    undo = apply_activation_checkpointing(list(enumerate(blocks)), value)
+    assert _split_against_plain(blocks, nn.Sequential(*blocks)) == calls
+    undo()
+    assert all("forward" not in vars(b) for b in blocks), "the blocks were not left as they were found"
