@@ -163,6 +163,8 @@ def _reference(**trainer_kwargs) -> tuple[dict, float]:
         (dict(schedule="zb-h1"), dict(plugins="fp16-scaler", gradient_clip_val=0.05), 1e-2),
         (dict(schedule="interleaved-1f1b"), dict(), 1e-5),
         (dict(schedule="1f1b", split_backward=False), dict(), 1e-5),
+        # every block under torch.utils.checkpoint(use_reentrant=False) for the Trainer call (issue 21)
+        (dict(schedule="zb-h1", activation_checkpointing="full"), dict(), 1e-5),
     ],
     ids=[
         "1f1b-2bp",
@@ -174,6 +176,7 @@ def _reference(**trainer_kwargs) -> tuple[dict, float]:
         "fp16-scaler",
         "interleaved-2bp",
         "1f1b-fused",
+        "zb-h1-checkpointed",
     ],
 )
 def test_fit_matches_one_process(strategy_kwargs, trainer_kwargs, rtol):
