@@ -120,8 +120,11 @@ class RunSummary(pl.Callback):
             lines.append(f"train_loss: {first}{s['final_train_loss']:.3f}")
         for r, b in enumerate(peaks):
             where = "; ".join(pipeline["stages_per_rank"].get(r % p, [])) if pipeline else ""
+            deferred = s["deferred_fraction_per_rank"][r]
             lines.append(
-                f"  rank {r}: {s['peak_memory_kind']} {b / 2**20:,.0f} MiB" + (f"  ({where})" if where else "")
+                f"  rank {r}: {s['peak_memory_kind']} {b / 2**20:,.0f} MiB"
+                + (f", {deferred:.0%} of the weight backward deferred to W" if deferred is not None else "")
+                + (f"  ({where})" if where else "")
             )
         if log_dir:
             lines.append(f"logs: {log_dir}")

@@ -73,6 +73,7 @@ class RankFigures:
     bubble: float
     bubble_simulated: float
     held_mb_per_microbatch: float
+    deferred_fraction: float  # the share of this rank's weight-gradient work W computed
 
     def tensor(self) -> torch.Tensor:
         return torch.tensor(astuple(self), dtype=torch.float64)
@@ -108,6 +109,11 @@ def peak_rss_bytes() -> int:
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _deferred(strategy: Any) -> float:
+    """The rank's ``deferred_fraction`` under a split schedule, NaN under a fused one."""
+    return strategy.deferred_fraction if strategy.schedule.split_backward else float("nan")
 
 
 def tokens_in(batch: Any) -> int | None:
@@ -418,6 +424,7 @@ class PipelineMonitor(pl.Callback):
             bubble=bubble,
             bubble_simulated=simulated,
             held_mb_per_microbatch=held,
+            deferred_fraction=_deferred(strategy),
         ).tensor()
 
     def _per_rank(self, trainer: pl.Trainer, strategy: Any) -> dict[str, float]:
@@ -457,13 +464,14 @@ class PipelineMonitor(pl.Callback):
             peak, kind = max(self._run.peak_cuda, torch.cuda.max_memory_allocated(device)), "peak CUDA memory allocated"
         else:
             peak, kind = peak_rss_bytes(), "peak RSS"
-        mine = torch.tensor([float(peak)], dtype=torch.float64, device=device)
+        strategy = self._pipeline(trainer)
+        deferred = _deferred(strategy) if strategy is not None else float("nan")
+        mine = torch.tensor([float(peak), deferred], dtype=torch.float64, device=device)
         if dist.is_initialized() and dist.get_world_size() > 1:
             rows = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
             dist.all_gather(rows, mine)
         else:
             rows = [mine]
-        strategy = self._pipeline(trainer)
         dp = strategy.world_size // strategy.pipeline_degree if strategy is not None else trainer.world_size
         seconds = time.perf_counter() - self._run.t0
         rows = [r.cpu() for r in rows]
@@ -473,7 +481,9 @@ class PipelineMonitor(pl.Callback):
             "samples_per_s": self._run.samples * dp / seconds if seconds else None,
             "tokens_per_s": self._run.lengths * dp / seconds if seconds and self._run.counted_lengths else None,
             "flops_per_batch": self.flops_per_batch,
-            "peak_memory_bytes_per_rank": [float(r) for r in rows],
+            "peak_memory_bytes_per_rank": [float(r[0]) for r in rows],
+            # 2BP: the share of each rank's weight backward that ran in W (None: a fused schedule)
+            "deferred_fraction_per_rank": [None if r[1] != r[1] else float(r[1]) for r in rows],
             "peak_memory_kind": kind,
         }
 

@@ -21,7 +21,7 @@ from lightning_twobp.schedules.auto import Candidate, check_auto_options
 from lightning_twobp.schedules.deferral import check_max_pending_w
 from lightning_twobp.schedules.placement import default_stages_per_rank
 
-__all__ = ["PipelineOptions", "check_flag"]
+__all__ = ["PipelineOptions", "check_activation_checkpointing", "check_flag"]
 
 
 def check_flag(name: str, value: Any, none: str | None = None) -> None:
@@ -74,6 +74,24 @@ def _checked_pending_w(value: Any, opts: PipelineOptions) -> int | tuple[int, ..
     stages = max(len(value), 1) if isinstance(value, tuple) else 1
     check_max_pending_w(value, f"TwoBPStrategy(schedule={opts.schedule!r})", stages, opts.split_backward)
     return value
+
+
+def check_activation_checkpointing(value: Any) -> str | int | None:
+    """``value`` if it is one the option takes; ``ValueError`` naming them otherwise."""
+    if value == "selective":
+        raise ValueError(
+            "TwoBPStrategy(activation_checkpointing='selective') is not available yet: torch's selective "
+            "checkpointing serves each kept output to one recompute, and the split recomputes a block twice "
+            "(for W's operands and for B); use 'full' or an int k (every k-th block)"
+        )
+    if value is None or value == "full":
+        return value
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+        return value
+    raise ValueError(
+        f"TwoBPStrategy(activation_checkpointing={value!r}): use None (off), 'full' (every block), an int k >= 1 "
+        f"(every k-th block)"
+    )
 
 
 def _check_timeout(seconds: Any) -> None:
@@ -175,6 +193,7 @@ class PipelineOptions:
     max_pending_w: int | tuple[int, ...] | None = None
     memory_limit: float | str | None = None
     data_parallel: str = "replicate"
+    activation_checkpointing: str | int | None = None
 
     def __post_init__(self) -> None:
         check_flag("split_backward", self.split_backward)
@@ -203,6 +222,7 @@ class PipelineOptions:
         if not isinstance(self.balance, str):  # a list from the user or Hydra's ListConfig: frozen
             object.__setattr__(self, "balance", tuple(operator.index(b) for b in self.balance))
         _check_timeout(self.pipeline_timeout)
+        check_activation_checkpointing(self.activation_checkpointing)
         _check_data_parallel(self.data_parallel, self.gather_full_model)
 
     @classmethod

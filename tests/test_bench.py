@@ -9,7 +9,7 @@ import pytest
 from lightning_twobp.bench import main
 from lightning_twobp.bench.engine import configs
 from lightning_twobp.bench.peer import contenders, run_peer, write
-from lightning_twobp.bench.split import bench_split
+from lightning_twobp.bench.split import bench_paper_blocks, bench_split
 from lightning_twobp.bench.workload import Workload
 
 pytestmark = pytest.mark.dist
@@ -30,6 +30,11 @@ def test_bench_quick_writes_every_configuration(tmp_path, capsys):
 def test_split_ratio_harness():
     r = bench_split(tokens=32, repeats=2, seq=16)
     assert r["deferred_fraction"] == 1.0 and r["bw_ms"] > 0 and r["median_ratio"] > 0
+
+
+def test_paper_blocks_harness_gives_each_model_a_ratio():
+    r = bench_paper_blocks(repeats=1, quick=True)
+    assert set(r) == {"llama", "bert", "mamba", "resnet"} and all(v > 0 for v in r.values())
 
 
 def test_trainer_harness_compares_like_with_like():

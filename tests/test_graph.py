@@ -7,8 +7,7 @@ import warnings
 import pytest
 import torch
 
-from lightning_twobp.engine import Stage
-from lightning_twobp.engine import stage as stage_mod
+from lightning_twobp.engine import Stage, formulas
 from lightning_twobp.engine.graph import READS, SavedUnavailable, check_saved_attributes, saved
 from lightning_twobp.models.llama import Block, LlamaConfig
 
@@ -16,7 +15,16 @@ from lightning_twobp.models.llama import Block, LlamaConfig
 def test_saved_attributes_the_fast_path_reads_still_exist():
     """Fails loudly when a torch release renames or changes a node attribute the fast W reads."""
     check_saved_attributes()
-    assert set(READS) == {"MmBackward0", "AddmmBackward0", "MulBackward0"}
+    assert set(READS) == {
+        "MmBackward0",
+        "AddmmBackward0",
+        "MulBackward0",
+        "AddBackward0",
+        "ConvolutionBackward0",
+        "NativeBatchNormBackward0",
+        "NativeLayerNormBackward0",
+        "EmbeddingBackward0",
+    }
 
 
 def test_a_missing_attribute_is_a_typed_error():
@@ -38,7 +46,7 @@ def test_every_llama_weight_takes_the_direct_formula_and_b_frees_the_graph():
     params = list(stage.module.parameters())
     assert pending.frontier == [], "some weight grads need the autograd graph kept until W"
     assert pending.outputs == [], "B kept the graph"
-    assert {id(f.param) for f in pending.fast} == {id(q) for q in params}, "a weight took the slow path"
+    assert {id(q) for f, _ in pending.fast for q in f.params} == {id(q) for q in params}, "a weight took the slow path"
     stage.backward_weight(0)
     assert stage.deferred_fraction == 1.0 and all(q.grad is not None for q in params)
 
@@ -49,10 +57,7 @@ def test_a_failed_read_falls_back_exactly_and_warns_once(monkeypatch):
     out = ref.module(x)
     out.backward(torch.ones_like(out))
 
-    def unavailable(node, name):
-        raise SavedUnavailable(f"{node.name()}: simulated")
-
-    monkeypatch.setattr(stage_mod, "saved", unavailable)
+    monkeypatch.setattr(formulas, "unreadable", lambda name: f"{name}: simulated")
     stage = _block_stage()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -65,3 +70,17 @@ def test_a_failed_read_falls_back_exactly_and_warns_once(monkeypatch):
     assert "Block" in str(slow[0].message) and "activation memory" in str(slow[0].message)
     for (n, q), (_, r) in zip(stage.module.named_parameters(), ref.module.named_parameters(), strict=False):
         torch.testing.assert_close(q.grad, r.grad, rtol=1e-5, atol=1e-6, msg=n)
+
+
+def test_private_autograd_reads_stay_behind_the_one_door():
+    """``_saved_*`` and ``_input_metadata`` are read in engine/graph.py and nowhere else in the package."""
+    import pathlib
+    import re
+
+    root = pathlib.Path(__file__).resolve().parents[1] / "lightning_twobp"
+    found = [
+        str(p.relative_to(root))
+        for p in root.rglob("*.py")
+        if p.name != "graph.py" and re.search(r"\._saved_|_input_metadata", p.read_text())
+    ]
+    assert found == [], f"private autograd reads outside engine/graph.py: {found}"

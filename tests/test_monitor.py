@@ -130,6 +130,8 @@ def test_monitor_logs_every_pipeline_rank_and_writes_a_trace(tmp_path):
         assert last[f"pipeline/stage{k}/rss_mb"] > 10
         assert 0 <= last[f"pipeline/stage{k}/bubble"] < 1 and 0 <= last[f"pipeline/stage{k}/bubble_simulated"] < 1
         assert last[f"pipeline/stage{k}/held_mb_per_microbatch"] > 0
+    # zb-h1: the last stage defers its whole weight backward; the first (no input grad) takes it in B
+    assert last["pipeline/stage1/deferred_fraction"] == 1.0 and last["pipeline/stage0/deferred_fraction"] == 0.0
     # FLOPs measured on step 1, each rank its own stages, added up: the one-process count exactly
     assert out[0]["flops"] == out[1]["flops"] == _one_process_flops()
     assert last["throughput/flops_per_sec"] == pytest.approx(out[0]["flops"] * last["throughput/batches_per_sec"])
@@ -156,6 +158,7 @@ def test_a_rank_of_two_stages_logs_under_both_and_run_summary_uses_the_same_figu
     assert summary["samples_per_s"] == pytest.approx(6 * 16 / summary["seconds"])
     assert summary["tokens_per_s"] is None  # float features, no token ids
     assert json.loads((tmp_path / "s" / "summary.json").read_text())["steps"] == 6
+    assert summary["deferred_fraction_per_rank"] == [0.0, 1.0]
 
 
 def _loop_model(name: str) -> pl.LightningModule:

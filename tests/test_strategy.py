@@ -120,6 +120,8 @@ FITS = {
     "1f1b-fused": (dict(schedule="1f1b", split_backward=False), dict(), 1e-5),
     # capped deferral (issue 20): at most one W waits per stage, so some W run before later F
     "1f1b-2bp-capped": (dict(schedule="1f1b", num_microbatches=4, max_pending_w=1), dict(), 1e-5),
+    # every block under torch.utils.checkpoint(use_reentrant=False) for the Trainer call (issue 21)
+    "zb-h1-checkpointed": (dict(schedule="zb-h1", activation_checkpointing="full"), dict(), 1e-5),
 }
 
 

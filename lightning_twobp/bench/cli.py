@@ -5,6 +5,7 @@ twobp-bench [--json PATH] [--repeats N] [--timelines DIR] [--quick]
 twobp-bench --peer [--rounds N] [--steps K] [--out DIR] [--only LABEL ...] [--quick]
 twobp-bench --trainer [--json PATH] [--repeats N] [--only LABEL ...] [--quick]
 twobp-bench --split [--tokens 512 256 64]
+twobp-bench --split --paper-blocks [--repeats N] [--quick]
 twobp-bench --soak N [--python-memory] [--json PATH]
 twobp-bench --paper [--out DIR] [--quick] [--repeats N]
 twobp-bench --gpu [--json PATH] [--quick]
@@ -67,6 +68,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timelines", metavar="DIR", help="draw each configuration's recorded step as DIR/measured-*.png")
     ap.add_argument("--tokens", type=int, nargs="+", default=[512, 256, 64], help="--split: tokens per micro-batch")
     ap.add_argument(
+        "--paper-blocks",
+        action="store_true",
+        help="--split: (B + W) / BW of the --paper models' layers, thread CPU time (--repeats, --quick)",
+    )
+    ap.add_argument(
         "--only",
         nargs="+",
         metavar="LABEL",
@@ -77,10 +83,14 @@ def main(argv: list[str] | None = None) -> int:
     m = args.microbatches
 
     if args.split:
-        from lightning_twobp.bench.split import bench_split
+        from lightning_twobp.bench.split import bench_paper_blocks, bench_split
         from lightning_twobp.bench.workload import keep_freed_memory
 
         keep_freed_memory()
+        if args.paper_blocks:
+            for name, ratio in bench_paper_blocks(repeats=args.repeats, quick=args.quick).items():
+                print(f"{name:<8}(B+W)/BW {ratio:.3f}")
+            return 0
         print(f"{'tokens':>7}{'BW ms':>9}{'B ms':>9}{'W ms':>9}{'(B+W)/BW':>10}")
         for n in args.tokens:
             r = bench_split(n)

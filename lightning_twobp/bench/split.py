@@ -63,3 +63,44 @@ def bench_split(tokens: int = 512, repeats: int = 21, seq: int = 128) -> dict:
         median_ratio=med(ratios),
         deferred_fraction=stage.deferred_fraction,
     )
+
+
+def bench_paper_blocks(repeats: int = 7, quick: bool = False) -> dict[str, float]:
+    """(B + W) / BW of each paper model's layers after the first (``--paper``'s RQ1 column), one
+    thread, timed with ``time.thread_time()`` (CPU time of this thread: less sensitive to other jobs
+    on a shared machine than the wall clock). Per repetition every layer runs B, W, then BW; the
+    result is the median over repetitions of sum(B + W) / sum(BW)."""
+    from lightning_twobp.bench.paper import _inputs_of, models
+    from lightning_twobp.bench.workload import WORLD
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    out = {}
+    try:
+        for pm in models(quick):
+            layers, _ = pm.build()
+            x, _ = pm.data()
+            x = x[: pm.batch // (2 * WORLD)]
+            ins = _inputs_of(layers, x)
+            pairs = zip(list(layers)[1:], ins[1:], strict=True)  # the first layer's input takes no gradient
+            runs = [(Stage(layer), inp.detach().requires_grad_()) for layer, inp in pairs]
+            ratios = []
+            for rep in range(repeats + 1):
+                split = fused = 0.0
+                for st, inp in runs:
+                    g = torch.ones_like(st.forward(0, inp))
+                    t0 = time.thread_time()
+                    st.backward_input(0, g)
+                    st.backward_weight(0)
+                    t1 = time.thread_time()
+                    st.forward(0, inp)
+                    t2 = time.thread_time()
+                    st.backward(0, g)
+                    t3 = time.thread_time()
+                    split, fused = split + t1 - t0, fused + t3 - t2
+                if rep:  # the first is a warm-up
+                    ratios.append(split / fused)
+            out[pm.name] = statistics.median(ratios)
+    finally:
+        torch.set_num_threads(threads)
+    return out

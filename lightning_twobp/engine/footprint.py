@@ -82,7 +82,11 @@ def measure_layer(
     t2 = now()
     p = stage._pending[0]
     held: dict[int, int] = {}
-    tensors = [f.operand for f in p.fast] + [t for v in p.captured.values() for t in v] + [g for _, g in p.edge_grads]
+    tensors = (
+        [t for _, operands in p.fast for t in operands]
+        + [t for v in p.captured.values() for t in v]
+        + [g for _, g in p.edge_grads]
+    )
     for t in tensors:
         if isinstance(t, torch.Tensor):
             held[storage_key(t)] = t.untyped_storage().nbytes()

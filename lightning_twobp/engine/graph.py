@@ -11,18 +11,44 @@ renames one fails that test loudly instead of sending every model down the slow 
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
 from torch.autograd.graph import Node
 
-__all__ = ["READS", "SavedUnavailable", "check_saved_attributes", "saved"]
+__all__ = ["READS", "SavedUnavailable", "check_saved_attributes", "edge_shape", "saved", "unreadable"]
 
-# The (node name, saved attribute) pairs the fast path reads.
+# The (node name, saved attributes) the fast path reads (engine/formulas.py); for the layer nodes, in the
+# order of the ATen backward's arguments, which the formulas pass them in.
 READS = {
     "MmBackward0": ("self",),
     "AddmmBackward0": ("mat1", "alpha", "beta"),
     "MulBackward0": ("self", "other"),
+    "AddBackward0": ("alpha",),
+    "ConvolutionBackward0": (
+        "input",
+        "weight",
+        "bias_sym_sizes_opt",
+        "stride",
+        "padding",
+        "dilation",
+        "transposed",
+        "output_padding",
+        "groups",
+    ),
+    "NativeBatchNormBackward0": (
+        "input",
+        "weight",
+        "running_mean",
+        "running_var",
+        "result1",
+        "result2",
+        "training",
+        "eps",
+    ),
+    "NativeLayerNormBackward0": ("input", "normalized_shape", "result1", "result2", "weight", "bias"),
+    "EmbeddingBackward0": ("indices", "weight_sym_argsize_0", "padding_idx", "scale_grad_by_freq", "sparse"),
 }
 
 
@@ -46,6 +72,51 @@ def saved(node: Node, name: str) -> Any:
         raise SavedUnavailable(f"{node.name()}._saved_{name}: {e}") from None
 
 
+def edge_shape(node: Node, nr: int) -> torch.Size:
+    """The shape of the gradient ``node`` takes on its input ``nr`` (what its forward produced there):
+    ``node._input_metadata``, the metadata the engine itself checks gradients against."""
+    try:
+        return torch.Size(node._input_metadata[nr].shape)
+    except (AttributeError, IndexError):
+        raise SavedUnavailable(f"{node.name()} has no _input_metadata[{nr}] in torch {torch.__version__}") from None
+
+
+_PROBES = {  # one small forward per node kind the formulas read (their values are checked by test_formulas)
+    "MmBackward0": lambda: torch.mm(torch.randn(2, 3, requires_grad=True), torch.randn(3, 2, requires_grad=True)),
+    "AddmmBackward0": lambda: torch.addmm(
+        torch.randn(2), torch.randn(2, 3, requires_grad=True), torch.randn(3, 2, requires_grad=True)
+    ),
+    "MulBackward0": lambda: torch.randn(3, requires_grad=True) * torch.randn(3, requires_grad=True),
+    "ConvolutionBackward0": lambda: torch.nn.Conv2d(2, 3, 3)(torch.randn(1, 2, 4, 4, requires_grad=True)),
+    "NativeBatchNormBackward0": lambda: torch.nn.BatchNorm1d(3)(torch.randn(2, 3, requires_grad=True)),
+    "NativeLayerNormBackward0": lambda: torch.nn.LayerNorm(3)(torch.randn(2, 3, requires_grad=True)),
+    "EmbeddingBackward0": lambda: torch.nn.Embedding(4, 3)(torch.tensor([1, 2])),
+    "AddBackward0": lambda: torch.randn(3, requires_grad=True) + torch.randn(3, requires_grad=True),
+}
+
+
+@functools.cache
+def unreadable(name: str) -> str | None:
+    """Why the formulas cannot read what a ``name`` node saved in this torch, or None when they can.
+
+    Probed once per process on a small forward of that node kind: W reads a micro-batch's operands
+    during B (see :meth:`lightning_twobp.engine.formulas.FastW.bind`), too late to fall back, so the
+    plan asks this first. It does not read the micro-batch's own nodes, which in an activation-
+    checkpointed region would recompute the region for every read made outside a backward."""
+    make = _PROBES.get(name)
+    if make is None:
+        return None
+    try:
+        node = make().grad_fn
+        if node.name() != name:
+            return f"torch now records {node.name()} where the fast path expects {name}"
+        for attr in READS[name]:
+            saved(node, attr)
+    except SavedUnavailable as e:
+        return str(e)
+    return None
+
+
 def check_saved_attributes() -> None:
     """Raise ``AssertionError`` naming the read when a node the fast path reads has changed."""
     x = torch.randn(3, 4, requires_grad=True)
@@ -63,5 +134,10 @@ def check_saved_attributes() -> None:
     assert torch.equal(saved(add, "mat1"), x), "AddmmBackward0._saved_mat1 is no longer the input"
     assert saved(add, "alpha") == 1 and saved(add, "beta") == 1, "AddmmBackward0 alpha/beta changed meaning"
     assert torch.equal(saved(nodes["MmBackward0"], "self"), x), "MmBackward0._saved_self is no longer the input"
+    for name in READS:
+        assert unreadable(name) is None, unreadable(name)
+    emb = torch.nn.functional.embedding(torch.tensor([[1, 2]]), w)
+    assert emb.grad_fn is not None  # w requires grad
+    assert edge_shape(emb.grad_fn, 0) == emb.shape, "_input_metadata no longer gives the output's shape"
     mul = nodes["MulBackward0"]
     assert torch.equal(saved(mul, "self"), x) and torch.equal(saved(mul, "other"), s), "MulBackward0 operands changed"

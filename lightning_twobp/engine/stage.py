@@ -14,7 +14,11 @@ How the split works, per micro-batch:
   weight). B calls the engine for the input grads only, so autograd's own masks skip every weight GEMM,
   while a pre-hook on each frontier node records the gradient flowing into it. ``retain_graph=True``
   keeps the saved tensors that W needs.
-* **W** re-enters the graph at the frontier: for each frontier node, one engine call from that node
+* **W by formula** for the nodes :mod:`lightning_twobp.engine.formulas` knows (Linear, conv, batch/layer
+  norm, norm scales, broadcast biases, embeddings: every layer of the 2BP paper's four models): a
+  pre-hook records the gradient flowing into the node during B, and W calls the same ATen backward the
+  node would, weight outputs only. When every weight edge has a formula, B frees the graph at once.
+* **W** otherwise re-enters the graph at the frontier: for each frontier node, one engine call from that node
   (rooted at the recorded gradient) to its weight-only edges. Autograd runs the node again with only the
   weight outputs enabled, so W costs the weight GEMMs and nothing of the input-grad chain. One further call
   pushes those edge gradients through the weight-only region (transposes, dtype casts, a weight used
@@ -38,13 +42,25 @@ from typing import Any
 import torch
 from torch import nn
 from torch.autograd.graph import GradientEdge, Node
+from torch.utils import checkpoint as checkpoint_utils
 
-from lightning_twobp.engine.graph import SavedUnavailable, saved
+from lightning_twobp.engine import formulas
+from lightning_twobp.engine.graph import SavedUnavailable
 from lightning_twobp.private import pytree
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Stage"]
+__all__ = ["Stage", "deferred_fraction"]
+
+
+def deferred_fraction(stages: Iterable[Stage]) -> float:
+    """Share of the weight-gradient edges of ``stages`` that W computed, all micro-batches so far
+    (1.0: every weight backward deferred; below: some taken in B, see the module docstring)."""
+    deferred = early = 0
+    for st in stages:
+        deferred += st.deferred_edges
+        early += st.early_edges
+    return 1.0 if deferred + early == 0 else deferred / (deferred + early)
 
 
 @dataclass
@@ -57,7 +73,7 @@ class _Pending:
     flat_out: list[Any] = field(default_factory=list)
     # Filled by B:
     frontier: list[tuple[Node, list[tuple[Node, int]]]] = field(default_factory=list)
-    fast: list[_FastW] = field(default_factory=list)
+    fast: list[tuple[formulas.FastW, tuple[Any, ...]]] = field(default_factory=list)  # with operands
     captured: dict[Node, tuple[torch.Tensor | None, ...]] = field(default_factory=dict)
     edge_grads: list[tuple[GradientEdge, torch.Tensor]] = field(default_factory=list)
     weight_roots: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
@@ -105,8 +121,7 @@ class Stage:
     @property
     def deferred_fraction(self) -> float:
         """Share of weight-gradient edges that W computed (1.0 = the whole weight backward deferred)."""
-        total = self.deferred_edges + self.early_edges
-        return 1.0 if total == 0 else self.deferred_edges / total
+        return deferred_fraction([self])
 
     # ------------------------------------------------------------------ F
     def forward(self, mb: int, *inputs: Any, **kwargs: Any) -> Any:
@@ -267,14 +282,15 @@ class Stage:
         # their whole backward is W's, from the output itself.
         p.weight_roots = [(p.outputs[i], grads_out[i]) for i in plan.weight_roots]
 
-        handles = []
-        hooked = {node for node, _ in plan.frontier} | {f.node for f in plan.fast}
-        for node in hooked:
-            handles.append(node.register_prehook(_Recorder(p.captured, node)))
+        # The gradient into each formula's node is captured by the engine itself (an edge among the
+        # targets: no Python call per node); frontier nodes need every output's, so a pre-hook.
+        fast_nodes = list(dict.fromkeys(f.node for f in plan.fast))
+        handles = [node.register_prehook(_Recorder(p.captured, node)) for node, _ in plan.frontier]
+        operands = _bind(plan.fast)
         try:
             grads = torch.autograd.grad(
                 p.outputs,
-                inputs + plan.early_edges,
+                inputs + plan.early_edges + [GradientEdge(n, 0) for n in fast_nodes],
                 grads_out,
                 allow_unused=True,
                 # W re-enters the graph only at frontier nodes without a direct formula. When every
@@ -285,11 +301,15 @@ class Stage:
         finally:
             for h in handles:
                 h.remove()
+        n_early = len(inputs) + len(plan.early_edges)
+        for node, g in zip(fast_nodes, grads[n_early:], strict=True):
+            p.captured.setdefault(node, (g,))
         p.frontier = plan.frontier
-        p.fast = plan.fast
+        p.fast = list(zip(plan.fast, operands, strict=True))
         if not plan.frontier:
             p.outputs = []
-        p.edge_grads = [(e, g) for e, g in zip(plan.early_edges, grads[len(inputs) :], strict=False) if g is not None]
+        early = zip(plan.early_edges, grads[len(inputs) : n_early], strict=True)
+        p.edge_grads = [(e, g) for e, g in early if g is not None]
         return self._input_grads(p, grads[: len(inputs)])
 
     # ------------------------------------------------------------------ W
@@ -310,10 +330,10 @@ class Stage:
             if p.weight_roots:
                 self._full_backward([t for t, _ in p.weight_roots], [g for _, g in p.weight_roots], [])
             edge_grads.extend(p.edge_grads)
-            for f in p.fast:
+            for f, operand in p.fast:
                 recorded = p.captured.get(f.node)
                 if recorded is not None and recorded[0] is not None:
-                    self._direct(f, recorded[0])
+                    edge_grads.extend(f.apply(recorded[0], operand, self._accumulate_fresh))
             for node, edges in p.frontier:
                 recorded = p.captured.get(node)
                 if recorded is None:
@@ -334,21 +354,10 @@ class Stage:
         for m in mbs:
             del self._pending[m]
 
-    @torch.no_grad()
-    def _direct(self, f: _FastW, grad: torch.Tensor) -> None:
-        q = f.param
-        if f.kind == "mm":  # grad: (N, out), operand: (N, in) -> (out, in), the weight's own layout
-            assert f.operand is not None  # mm and mul carry their operand
-            if q.grad is None:
-                q.grad = torch.mm(grad.t(), f.operand)
-            else:
-                q.grad.addmm_(grad.t(), f.operand)
-        elif f.kind == "sum":
-            self._accumulate(q, grad.sum(0), fresh=True)
-        else:  # "mul": reduce the broadcast dimensions, as autograd does for a broadcast operand
-            assert f.operand is not None
-            g = (grad * f.operand).sum_to_size(q.shape)
-            self._accumulate(q, g, fresh=True)  # a new product, never an alias of ``grad``
+    @classmethod
+    def _accumulate_fresh(cls, param: nn.Parameter, grad: torch.Tensor) -> None:
+        """Accumulate a gradient a W formula just made (never an alias of the caller's tensors)."""
+        cls._accumulate(param, grad, fresh=grad.stride() == param.stride())
 
     def _push_to_params(self, edge_grads: list[tuple[GradientEdge, torch.Tensor]]) -> None:
         """Carry weight-edge gradients through the weight-only region into the parameters."""
@@ -383,16 +392,52 @@ class _Recorder:
         self.store[self.node] = tuple(grad_outputs)
 
 
+def _bind(fast: list[formulas.FastW]) -> list[tuple[Any, ...]]:
+    """Every W formula's operands, read before B's engine call frees the graph.
+
+    In a region under ``torch.utils.checkpoint(use_reentrant=False)`` each read made outside a backward
+    recomputes the region; inside one ``GraphExecGroup`` they share a single recompute. (Reading them
+    from B's own engine call instead would need the engine's recompute, but a checkpointed tensor may
+    be unpacked once per backward and the engine unpacks every saved tensor of a node it runs.)"""
+    if not fast:
+        return []
+    group = getattr(checkpoint_utils, "GraphExecGroup", None)
+    if group is None:
+        return [f.bind() for f in fast]
+    try:
+        with group():
+            return [f.bind() for f in fast]
+    except RuntimeError as e:
+        if "cannot be nested" not in str(e):
+            raise
+        return [f.bind() for f in fast]  # the caller's own group: its recompute is shared already
+
+
 @dataclass
 class _Plan:
     frontier: list[tuple[Node, list[tuple[Node, int]]]]  # (frontier node, its deferred weight edges)
-    fast: list[_FastW]  # deferred weight grads W computes without autograd
+    fast: list[formulas.FastW]  # deferred weight grads W computes without autograd
     early_edges: list[GradientEdge]  # weight edges taken in B
     weight_roots: list[int]  # outputs that reach parameters but no input
     fallback: bool
     num_deferred: int
     num_early: int
     unreadable: list[str] = field(default_factory=list)  # fast-path reads that failed (see engine.graph)
+
+
+_REENTRANT = (
+    "2BP split: this stage calls torch.utils.checkpoint with use_reentrant=True, whose backward runs the "
+    "block's whole backward (weights included) inside one opaque node, so B cannot leave the weight "
+    "gradients to W. Pass use_reentrant=False (Hugging Face: model.gradient_checkpointing_enable("
+    "gradient_checkpointing_kwargs={'use_reentrant': False})); the split then recomputes the block for B "
+    "and W reuses the recomputed tensors."
+)
+
+_COMPILED = (
+    "2BP split: a torch.compile'd region of this stage holds weights. Its backward is one node that returns "
+    "the input and the weight gradients together, so B cannot leave the weights to W. Run the layers with "
+    "weights eagerly (remove that torch.compile call), or compile only parts that hold no weights."
+)
 
 
 def _leaf_param(node: Node, params: dict[int, nn.Parameter]) -> nn.Parameter | None:
@@ -423,6 +468,10 @@ def _plan(outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor], param
         stack.append((node, True))
         stack.extend((n, False) for n, _ in kids if n not in seen)
 
+    used_outputs = {(n, i) for kids in children.values() for n, i in kids if i}
+    for node in order:
+        if node.name() == "CheckpointFunctionBackward":
+            raise RuntimeError(_REENTRANT)
     to_input: dict[Node, bool] = {}
     to_param: dict[Node, bool] = {}
     for node in order:
@@ -452,7 +501,7 @@ def _plan(outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor], param
                 sources.setdefault(n, set()).update(sources[node])
 
     frontier: list[tuple[Node, list[tuple[Node, int]]]] = []
-    fast: list[_FastW] = []
+    fast: list[formulas.FastW] = []
     early: list[GradientEdge] = []
     early_seen: set[tuple[Node, int]] = set()
     num_deferred = 0
@@ -461,21 +510,12 @@ def _plan(outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor], param
     for node in reversed(order):  # parents first: the order B reaches them
         if not to_input[node] or getattr(node, "variable", None) is not None:
             continue
-        deferred = []
+        single: dict[int, tuple[Node, int]] = {}
         for pos, (n, i) in enumerate(node.next_functions):
             if n is None or to_input[n] or not to_param[n]:
                 continue
             if len(sources[n]) == 1:
-                try:
-                    direct = _direct_weight_grad(node, pos, n, params)
-                except SavedUnavailable as e:
-                    direct = None
-                    unreadable.append(str(e))
-                if direct is not None:
-                    fast.append(direct)
-                    num_deferred += 1
-                else:
-                    deferred.append((n, i))
+                single[pos] = (n, i)
             elif getattr(n, "variable", None) is not None:
                 # A parameter used directly by several input-path ops: take its edges in B.
                 if (n, i) not in early_seen:
@@ -484,6 +524,19 @@ def _plan(outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor], param
             else:
                 fallback = True
                 num_deferred += 1  # counted as taken in B below
+        if (single or early_seen) and node.name() == "CompiledFunctionBackward":
+            raise RuntimeError(_COMPILED)
+        try:
+            # A node whose second or third output feeds on (``native_batch_norm``'s saved mean) gets
+            # a gradient there that the formulas do not take: leave it to autograd.
+            whole = single and not any((node, k) in used_outputs for k in (1, 2))
+            direct, covered = formulas.direct(node, single, params) if whole else ([], set())
+        except SavedUnavailable as e:
+            direct, covered = [], set()
+            unreadable.append(str(e))
+        fast.extend(direct)
+        num_deferred += len(covered)
+        deferred = [e for pos, e in single.items() if pos not in covered]
         if deferred:
             frontier.append((node, deferred))
             num_deferred += len(deferred)
@@ -497,53 +550,6 @@ def _plan(outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor], param
         log.debug("weight-only node shared by several frontier nodes: W taken in B for this micro-batch")
         return _Plan([], [], [], [], True, 0, num_deferred + len(early), unreadable)
     return _Plan(frontier, fast, early, weight_roots, False, num_deferred, len(early), unreadable)
-
-
-@dataclass
-class _FastW:
-    """A weight gradient W computes directly from tensors the node saved, without autograd.
-
-    ``kind`` is ``"mm"`` (``param.grad += grad.T @ operand``: the weight of a Linear, reached through
-    its ``t()``), ``"sum"`` (``+= grad.sum(0)``: a Linear's bias in ``addmm``) or ``"mul"``
-    (``+= (grad * operand)`` reduced to the parameter's shape: a norm's scale). These are the
-    formulas autograd's own nodes use, so the result matches; what is saved is one autograd call and,
-    for ``mm``, the transpose copy that AccumulateGrad would make.
-    """
-
-    kind: str
-    node: Node
-    param: nn.Parameter
-    operand: torch.Tensor | None
-
-
-def _direct_weight_grad(node: Node, pos: int, child: Node, params: dict[int, nn.Parameter]) -> _FastW | None:
-    """The direct formula for the weight edge ``pos`` of ``node``, or None when it has none. Raises
-    :class:`~lightning_twobp.engine.graph.SavedUnavailable` when it should have one but the saved
-    operand cannot be read (the caller falls back and says so)."""
-    name = node.name()
-    if name in ("MmBackward0", "AddmmBackward0"):
-        mat2_pos = 1 if name == "MmBackward0" else 2
-        if name == "AddmmBackward0" and (saved(node, "alpha") != 1 or saved(node, "beta") != 1):
-            return None
-        if pos == mat2_pos and child.name() == "TBackward0":
-            ((leaf, _),) = child.next_functions
-            param = _leaf_param(leaf, params) if leaf is not None else None
-            if param is not None and param.dim() == 2:
-                mat1 = saved(node, "self" if name == "MmBackward0" else "mat1")
-                if mat1 is not None and mat1.dtype == param.dtype:
-                    # detached: unpacked saved inputs come back attached to the forward graph
-                    return _FastW("mm", node, param, mat1.detach())
-        if name == "AddmmBackward0" and pos == 0:
-            param = _leaf_param(child, params)
-            if param is not None and param.dim() == 1:
-                return _FastW("sum", node, param, None)
-    elif name == "MulBackward0" and pos in (0, 1):
-        param = _leaf_param(child, params)
-        if param is not None:
-            operand = saved(node, "other" if pos == 0 else "self")
-            if isinstance(operand, torch.Tensor) and operand.dtype == param.dtype:
-                return _FastW("mul", node, param, operand.detach())
-    return None
 
 
 def _params_below(nodes: Iterable[Node], params: dict[int, nn.Parameter]) -> list[nn.Parameter]:

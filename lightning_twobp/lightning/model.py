@@ -109,6 +109,11 @@ class LocalModel:
     def bounds(self) -> list[int]:
         return _bounds(self.sizes)
 
+    def blocks(self) -> list[tuple[int, nn.Module]]:
+        """This rank's layers, with their index in the contract."""
+        layers, b = self.contract.layers(), self.bounds
+        return [(i, layers[i]) for s in sorted(self.stages) for i in range(b[s], b[s + 1])]
+
     def restore(self, gather: bool, group: dist.ProcessGroup | None, pp_rank: int, device: torch.device) -> None:
         """Put the set-aside layers back into the contract. With ``gather`` every pipeline rank
         first receives the trained weights of the layers it did not hold (one broadcast per tensor

@@ -19,6 +19,8 @@ from torch import nn
 from lightning_twobp.engine import PipelineExecutor
 from lightning_twobp.engine.memory import keep_freed_memory
 from lightning_twobp.lightning.autoschedule import auto_schedule
+from lightning_twobp.lightning.checkpointing import apply_activation_checkpointing
+from lightning_twobp.lightning.compiled import check_not_compiled
 from lightning_twobp.lightning.contract import find_contract
 from lightning_twobp.lightning.grads import (
     GradStash,
@@ -306,6 +308,7 @@ def build_pipeline(strategy: TwoBPStrategy, trainer: Any) -> Pipeline:
     if device.type == "cpu":
         keep_freed_memory()  # see lightning_twobp.engine.memory: measured page faults every step otherwise
     contract = find_contract(lm, opts.layers)
+    check_not_compiled(lm, contract)  # before the first step: compiled code cannot be split
     metrics = StepMetrics(lm)
     runner = StepRunner(lm, contract, metrics)
     if strategy.requested.schedule == "auto":
@@ -359,6 +362,7 @@ def build_pipeline(strategy: TwoBPStrategy, trainer: Any) -> Pipeline:
     scope = ExitStack()
     scope.enter_context(known_warnings_off())  # the Trainer call's data loaders build next
     scope.callback(metrics.sync_over(strategy.group("dp")))
+    scope.callback(apply_activation_checkpointing(local.blocks(), opts.activation_checkpointing))
     if layout.dp_degree == 1:  # nothing to split: the loader's own sampler, as one process reads it
         scope.callback(keep_users_sampler(trainer))
     return Pipeline(

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from lightning_twobp.engine.stage import deferred_fraction
 from lightning_twobp.lightning.layout import MeshLayout
 from lightning_twobp.options import PipelineOptions
 from lightning_twobp.schedules import Schedule
@@ -121,6 +122,12 @@ class PipelinePlacement:
         if self._pipeline is None:
             raise RuntimeError(f"TwoBPStrategy.{what}: {NOT_YET}")
         return self._pipeline
+
+    @property
+    def deferred_fraction(self) -> float:
+        """Share of this rank's weight-gradient work that W computed so far (see
+        :func:`~lightning_twobp.engine.stage.deferred_fraction`)."""
+        return deferred_fraction(self._built("deferred_fraction").executor.stages.values())
 
     def describe_rank(self) -> str:
         """This rank in messages to the others: its global and pipeline rank, stages and host."""

@@ -44,7 +44,7 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
     Args:
         schedule, split_backward, num_microbatches, pipeline_degree, stages_per_rank, max_pending_w,
         memory_limit, balance, layers, gather_full_model, post_validation, on_nonfinite, pipeline_timeout,
-        data_parallel: the pipeline's options,
+        data_parallel, activation_checkpointing: the pipeline's options,
             documented and checked by :class:`~lightning_twobp.options.PipelineOptions` (before any
             process starts). ``pipeline_timeout`` is also the timeout of the process group and of every
             group the strategy makes unless ``timeout`` is given (at least 60 s), so a hung rank stops
@@ -74,6 +74,7 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
         on_nonfinite: Literal["stop", "skip"] = "stop",
         pipeline_timeout: float | None = 600.0,
         data_parallel: Literal["replicate", "shard"] = "replicate",
+        activation_checkpointing: str | int | None = None,
         accelerator: Any = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: Any = None,
@@ -104,6 +105,7 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
             max_pending_w=max_pending_w,  # type: ignore[arg-type]  # a list is checked, then frozen to a tuple
             memory_limit=memory_limit,
             data_parallel=data_parallel,
+            activation_checkpointing=activation_checkpointing,
         )
         # What runs: the user's options, or with schedule="auto" the choice made at the first setup.
         self.options = self.requested

@@ -1,0 +1,258 @@
+"""W by formula: a node's weight gradients from the tensors its forward saved, without autograd.
+
+The split backward (:mod:`lightning_twobp.engine.stage`) defers each weight gradient to W. Re-entering
+the autograd graph for it costs one engine call per node, a second pass to push the edge gradients into
+the parameters, and the whole graph kept alive from B to W. For the layers the 2BP paper uses, W instead
+calls the same ATen backward the node itself would, with only the weight outputs enabled:
+
+=========================  =====================================================================
+node                       W
+=========================  =====================================================================
+``MmBackward0``/``Addmm``  ``grad.T @ input`` (a Linear's weight through its ``t()``), ``grad.sum(0)``
+``MulBackward0``           ``(grad * other)`` reduced to the operand's shape (norm scales, Mamba's ``A``)
+``AddBackward0``           ``grad`` reduced to the operand's shape (a bias added by broadcast)
+``ConvolutionBackward0``   ``aten.convolution_backward(..., output_mask=(False, w, b))``
+``NativeBatchNormBackward0`` ``aten.native_batch_norm_backward(..., (False, w, b))``
+``NativeLayerNormBackward0`` ``aten.native_layer_norm_backward(..., (False, w, b))``
+``EmbeddingBackward0``     ``aten.embedding_backward`` (an embedding inside a split stage)
+=========================  =====================================================================
+
+These are the calls ``derivatives.yaml`` makes for the fused backward, so the values are the fused ones.
+B's engine call skips the weight halves by itself (the weight edges are not among its targets, so each
+node's output mask leaves them out). A target is a parameter (accumulated into ``.grad``) or, where the
+weight reaches the parameter through weight-only ops (``-exp(A_log)``, a dtype cast), the edge into that
+region; the stage pushes those through in one engine call. Every saved read goes through
+:func:`lightning_twobp.engine.graph.saved`, the one door to autograd's private attributes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple, Union
+
+import torch
+from torch import nn
+from torch.autograd.graph import GradientEdge, Node
+
+from lightning_twobp.engine.graph import READS, SavedUnavailable, edge_shape, saved, unreadable
+
+__all__ = ["FastW", "direct"]
+
+Target = Union[nn.Parameter, GradientEdge]  # noqa: UP007 (a runtime alias)
+Accumulate = Callable[[nn.Parameter, torch.Tensor], None]
+
+
+class FastW(NamedTuple):
+    """One node's deferred weight gradients: which formula, into which targets, reading what.
+
+    ``targets`` holds one entry per output of the formula (None where that output is not wanted);
+    ``positions`` the node's ``next_functions`` it covers. A NamedTuple, not a dataclass: one is made
+    per weight per micro-batch in B, where a frozen dataclass's ``__init__`` costs several times more.
+    ``reads`` names the node's saved values the formula takes, read by :meth:`bind` during B (inside
+    B's own engine call, so an activation-checkpointed region is recomputed once, for B, and W reuses
+    what that recompute made); ``static`` holds what the plan already knew (a reduction's shape)."""
+
+    kind: str
+    node: Node
+    targets: tuple[Target | None, ...]
+    positions: tuple[int, ...]
+    reads: tuple[str, ...] = ()
+    static: tuple[Any, ...] = ()
+
+    @property
+    def params(self) -> list[nn.Parameter]:
+        return [t for t in self.targets if isinstance(t, nn.Parameter)]
+
+    def bind(self) -> tuple[Any, ...]:
+        """The formula's operands, detached (an unpacked saved input comes back attached to the
+        forward graph, which would keep that graph alive until W)."""
+        return tuple(_detach(saved(self.node, r)) for r in self.reads) + self.static
+
+    @torch.no_grad()
+    def apply(
+        self, grad: torch.Tensor, operand: tuple[Any, ...], accumulate: Accumulate
+    ) -> list[tuple[GradientEdge, torch.Tensor]]:
+        """Accumulate the parameter targets' gradients; return the edge targets' gradients."""
+        target = self.targets[0]
+        if self.kind == "mm" and isinstance(target, nn.Parameter) and target.grad is not None:
+            # grad: (N, out), input: (N, in) -> (out, in), the weight's own layout, added in place
+            target.grad.addmm_(grad.t(), operand[0])
+            return []
+        edges = []
+        for t, g in zip(self.targets, _FORMULAS[self.kind](grad, operand, self), strict=True):
+            if t is None or g is None:
+                continue
+            if isinstance(t, nn.Parameter):
+                accumulate(t, g if g.dtype == t.dtype else g.to(t.dtype))  # the engine's cast
+            else:
+                edges.append((t, g))
+        return edges
+
+
+def _mm(grad: torch.Tensor, operand: tuple, f: FastW) -> tuple[torch.Tensor]:
+    return (torch.mm(grad.t(), operand[0]),)
+
+
+def _mm_in_out(grad: torch.Tensor, operand: tuple, f: FastW) -> tuple[torch.Tensor]:
+    return (torch.mm(operand[0].t(), grad),)  # a weight stored (in, out): GPT-2's Conv1D
+
+
+def _sum(grad: torch.Tensor, operand: tuple, f: FastW) -> tuple[torch.Tensor]:
+    return (grad.sum(0),)
+
+
+def _mul(grad: torch.Tensor, operand: tuple, f: FastW) -> tuple[torch.Tensor]:
+    other, shape = operand
+    return ((grad * other).sum_to_size(shape),)  # reduce the broadcast dimensions, as autograd does
+
+
+def _add(grad: torch.Tensor, operand: tuple, f: FastW) -> tuple[torch.Tensor]:
+    (shape,) = operand
+    g = grad.sum_to_size(shape)
+    return (g.clone() if g is grad else g,)  # never an alias of the caller's gradient
+
+
+def _conv(grad: torch.Tensor, operand: tuple, f: FastW) -> tuple[torch.Tensor | None, ...]:
+    inp, weight, bias_sizes, stride, padding, dilation, transposed, output_padding, groups = operand
+    mask = [False, f.targets[0] is not None, f.targets[1] is not None]
+    _, gw, gb = torch.ops.aten.convolution_backward(
+        grad, inp, weight, bias_sizes, stride, padding, dilation, transposed, output_padding, groups, mask
+    )
+    return gw, gb
+
+
+def _batch_norm(grad: torch.Tensor, operand: tuple, f: FastW) -> tuple[torch.Tensor | None, ...]:
+    mask = [False, f.targets[0] is not None, f.targets[1] is not None]
+    _, gw, gb = torch.ops.aten.native_batch_norm_backward(grad, *operand, mask)
+    return gw, gb
+
+
+def _layer_norm(grad: torch.Tensor, operand: tuple, f: FastW) -> tuple[torch.Tensor | None, ...]:
+    inp, shape, mean, rstd, weight, bias = operand
+    mask = [False, f.targets[0] is not None, f.targets[1] is not None]
+    _, gw, gb = torch.ops.aten.native_layer_norm_backward(grad, inp, shape, mean, rstd, weight, bias, mask)
+    return gw, gb
+
+
+def _embedding(grad: torch.Tensor, operand: tuple, f: FastW) -> tuple[torch.Tensor]:
+    return (torch.ops.aten.embedding_backward(grad, *operand),)
+
+
+_FORMULAS: dict[str, Callable[[torch.Tensor, tuple, FastW], tuple[torch.Tensor | None, ...]]] = {
+    "mm": _mm,
+    "mm_in_out": _mm_in_out,
+    "sum": _sum,
+    "mul": _mul,
+    "add": _add,
+    "conv": _conv,
+    "batch_norm": _batch_norm,
+    "layer_norm": _layer_norm,
+    "embedding": _embedding,
+}
+
+
+# ---------------------------------------------------------------------------------------------- finding them
+def _param(node: Node | None, params: Mapping[int, nn.Parameter]) -> nn.Parameter | None:
+    var = getattr(node, "variable", None)
+    return var if var is not None and id(var) in params else None
+
+
+def _target(edge: tuple[Node, int] | None, params: Mapping[int, nn.Parameter]) -> Target | None:
+    """A weight edge's target: its parameter, or the edge itself where weight-only ops lie between."""
+    if edge is None:
+        return None
+    param = _param(edge[0], params)
+    return GradientEdge(*edge) if param is None else param
+
+
+def _detach(x: Any) -> Any:
+    return x.detach() if isinstance(x, torch.Tensor) else x
+
+
+# No dtype checks below: each formula is the call autograd's own node makes, and ``apply`` casts a
+# parameter's gradient to its dtype as the engine does before AccumulateGrad.
+def _linear(node: Node, weights: Mapping[int, tuple[Node, int]], params: Mapping[int, nn.Parameter]) -> list[FastW]:
+    name = node.name()
+    if name == "AddmmBackward0" and (saved(node, "alpha") != 1 or saved(node, "beta") != 1):
+        return []
+    mat1 = ("self",) if name == "MmBackward0" else ("mat1",)
+    out = []
+    mat2_pos = 1 if name == "MmBackward0" else 2
+    mat2 = weights.get(mat2_pos)
+    if mat2 is not None and mat2[0].name() == "TBackward0":  # nn.Linear: x @ W.t()
+        ((leaf, _),) = mat2[0].next_functions
+        param = _param(leaf, params)
+        if param is not None and param.dim() == 2:
+            out.append(FastW("mm", node, (param,), (mat2_pos,), mat1))
+    elif mat2 is not None and _param(mat2[0], params) is not None:  # x @ W, W stored (in, out)
+        out.append(FastW("mm_in_out", node, (_param(mat2[0], params),), (mat2_pos,), mat1))
+    bias = _param(weights[0][0], params) if name == "AddmmBackward0" and 0 in weights else None
+    if bias is not None and bias.dim() == 1:
+        out.append(FastW("sum", node, (bias,), (0,)))
+    return out
+
+
+def _elementwise(
+    node: Node, weights: Mapping[int, tuple[Node, int]], params: Mapping[int, nn.Parameter]
+) -> list[FastW]:
+    name = node.name()
+    if name == "AddBackward0" and saved(node, "alpha") != 1:
+        return []
+    out = []
+    for pos in (0, 1):
+        if pos not in weights or (1 - pos in weights and name == "MulBackward0"):
+            continue  # a product of two weight-only operands: left to autograd
+        target = _target(weights[pos], params)
+        shape = target.shape if isinstance(target, nn.Parameter) else edge_shape(*weights[pos])
+        if name == "AddBackward0":
+            out.append(FastW("add", node, (target,), (pos,), (), (shape,)))
+        else:
+            out.append(FastW("mul", node, (target,), (pos,), ("other" if pos == 0 else "self",), (shape,)))
+    return out
+
+
+def _layer(kind: str) -> Callable[[Node, Mapping[int, tuple[Node, int]], Mapping[int, nn.Parameter]], list[FastW]]:
+    """A conv or norm node: its weight and bias are inputs 1 and 2, both from one ATen call."""
+
+    def find(node: Node, weights: Mapping[int, tuple[Node, int]], params: Mapping[int, nn.Parameter]) -> list[FastW]:
+        targets = (_target(weights.get(1), params), _target(weights.get(2), params))
+        positions = tuple(pos for pos in (1, 2) if pos in weights)
+        return [FastW(kind, node, targets, positions, READS[node.name()])]
+
+    return find
+
+
+def _embedding_node(
+    node: Node, weights: Mapping[int, tuple[Node, int]], params: Mapping[int, nn.Parameter]
+) -> list[FastW]:
+    if 0 not in weights or saved(node, "sparse"):
+        return []
+    return [FastW("embedding", node, (_target(weights[0], params),), (0,), READS["EmbeddingBackward0"])]
+
+
+_FINDERS = {
+    "MmBackward0": _linear,
+    "AddmmBackward0": _linear,
+    "MulBackward0": _elementwise,
+    "AddBackward0": _elementwise,
+    "ConvolutionBackward0": _layer("conv"),
+    "NativeBatchNormBackward0": _layer("batch_norm"),
+    "NativeLayerNormBackward0": _layer("layer_norm"),
+    "EmbeddingBackward0": _embedding_node,
+}
+
+
+def direct(
+    node: Node, weights: Mapping[int, tuple[Node, int]], params: Mapping[int, nn.Parameter]
+) -> tuple[list[FastW], set[int]]:
+    """The formulas for ``node``'s weight edges ``weights`` (position in ``next_functions`` -> edge),
+    and the positions they cover; the rest go back through autograd. Raises
+    :class:`~lightning_twobp.engine.graph.SavedUnavailable` when a read fails."""
+    finder = _FINDERS.get(node.name())
+    if finder is None:
+        return [], set()
+    why = unreadable(node.name())
+    if why is not None:
+        raise SavedUnavailable(why)
+    found = finder(node, weights, params)
+    return found, {pos for f in found for pos in f.positions}

@@ -1,0 +1,62 @@
+"""torch.compile: refused before the first step with what is compiled and what to do, never dropped."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_twobp.engine import Stage
+from lightning_twobp.lightning.compiled import check_not_compiled
+from lightning_twobp.lightning.contract import find_contract
+
+
+class Model(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
+
+
+def _check(model: nn.Module) -> None:
+    check_not_compiled(model, find_contract(model))
+
+
+def test_compiled_layers_wrapper_is_named_not_dropped():
+    model = Model()
+    model.layers = torch.compile(model.layers)
+    with pytest.raises(ValueError, match=r"torch.compile\(layers\) would be silently dropped.*Remove"):
+        _check(model)
+
+
+@pytest.mark.parametrize("how", ["wrapped", "in-place"])
+def test_a_compiled_layer_with_weights_is_named(how):
+    model = Model()
+    if how == "wrapped":
+        model.layers[2] = torch.compile(model.layers[2])
+    else:
+        model.layers[2].compile()
+    with pytest.raises(ValueError, match=r"layers\[2\].*holds weights"):
+        _check(model)
+
+
+def test_compiling_what_holds_no_weights_is_allowed():
+    model = Model()
+    model.layers[1] = torch.compile(model.layers[1])
+    _check(model)
+
+
+def test_a_compiled_lightning_module_is_refused():
+    model = Model()
+    model._compiler_ctx = {"compiler": "dynamo"}  # what Lightning's from_compiled(torch.compile(lm)) records
+    with pytest.raises(ValueError, match=r"torch.compile\(Model\).*to_uncompiled"):
+        _check(model)
+
+
+def test_the_engine_refuses_a_compiled_region_with_weights():
+    torch.manual_seed(0)
+    inner = nn.Linear(4, 4)
+    compiled = torch.compile(inner, backend="aot_eager")
+    stage = Stage(nn.Sequential(compiled, nn.Tanh()))
+    stage.forward(0, torch.randn(2, 4, requires_grad=True))
+    with pytest.raises(RuntimeError, match="torch.compile'd region of this stage holds weights"):
+        stage.backward_input(0, torch.ones(2, 4))
