@@ -15,6 +15,27 @@ from lightning_twobp.monitor import PipelineMonitor
 __all__ = ["RunSummary"]
 
 
+def _pipeline_figures(strategy: Any, p: int, dp: int) -> dict[str, Any]:
+    """The pipeline's layout for the summary ({} for a strategy that is not a pipeline)."""
+    if getattr(strategy, "stage_sizes", None) is None:
+        return {}
+    sched = strategy.schedule
+    bounds = [0]
+    for n in strategy.stage_sizes:
+        bounds.append(bounds[-1] + n)
+    return {
+        "schedule": sched.name,
+        "split_backward": sched.split_backward,
+        "num_stages": sched.num_stages,
+        "num_microbatches": sched.num_microbatches,
+        "pipeline_degree": p,
+        "data_parallel": dp,
+        "stages_per_rank": {
+            r: [f"stage {s}: layers {bounds[s]}-{bounds[s + 1] - 1}" for s in sched.stages_of(r)] for r in range(p)
+        },
+    }
+
+
 class RunSummary(pl.Callback):
     """At the end of fit, rank 0 prints (and writes ``summary.json`` into the run directory):
     throughput, the loss from first to last, peak memory per pipeline rank, and where the logs and
@@ -66,24 +87,7 @@ class RunSummary(pl.Callback):
         strategy: Any = trainer.strategy  # any strategy; a pipeline's has stage_sizes and schedule
         p = getattr(strategy, "pipeline_degree", 1)
         dp = trainer.world_size // p
-        pipeline = {}
-        if hasattr(strategy, "stage_sizes") and strategy.stage_sizes is not None:
-            sched = strategy.schedule
-            bounds = [0]
-            for n in strategy.stage_sizes:
-                bounds.append(bounds[-1] + n)
-            pipeline = {
-                "schedule": sched.name,
-                "split_backward": sched.split_backward,
-                "num_stages": sched.num_stages,
-                "num_microbatches": sched.num_microbatches,
-                "pipeline_degree": p,
-                "data_parallel": dp,
-                "stages_per_rank": {
-                    r: [f"stage {s}: layers {bounds[s]}-{bounds[s + 1] - 1}" for s in sched.stages_of(r)]
-                    for r in range(p)
-                },
-            }
+        pipeline = _pipeline_figures(strategy, p, dp)
         loss = trainer.callback_metrics.get("train_loss")
         checkpoint: Any = trainer.checkpoint_callback  # a ModelCheckpoint (Lightning declares the base Checkpoint)
         ckpt = checkpoint.best_model_path if checkpoint else ""

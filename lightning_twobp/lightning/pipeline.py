@@ -292,6 +292,39 @@ def _choose(strategy: TwoBPStrategy, runner: StepRunner, layers: list[nn.Module]
     return list(strategy.auto_profile.partitions[best.stages_per_rank])
 
 
+_Reduce = Callable[[int, list[nn.Parameter]], Callable[[], None]]
+
+
+def _data_parallel(
+    strategy: TwoBPStrategy, local: LocalModel, shard: bool
+) -> tuple[ShardedStages | None, _Reduce | None]:
+    """The stages' data-parallel form: FSDP2 shards (``data_parallel="shard"``) and their reduce-scatter,
+    the replicated all-reduce, or nothing with one replica."""
+    layout = strategy.layout
+    if shard:
+        try:
+            check_stages(local.stages, local.shared)
+        except ValueError:
+            local.restore(False, None, layout.pp_rank, strategy.root_device)  # the model as it came
+            raise
+        sharding = ShardedStages(local.stages, strategy.device_mesh["dp"])
+        return sharding, sharding.reduce
+    if layout.dp_degree > 1:
+        return None, dp_reduce(strategy.group("dp"), layout.dp_degree)
+    return None, None
+
+
+def _call_scope(strategy: TwoBPStrategy, trainer: Any, metrics: StepMetrics, local: LocalModel) -> ExitStack:
+    """What the Trainer call changes outside the model, undone at teardown."""
+    scope = ExitStack()
+    scope.enter_context(known_warnings_off())  # the Trainer call's data loaders build next
+    scope.callback(metrics.sync_over(strategy.group("dp")))
+    scope.callback(apply_activation_checkpointing(local.blocks(), strategy.options.activation_checkpointing))
+    if strategy.layout.dp_degree == 1:  # nothing to split: the loader's own sampler, as one process reads it
+        scope.callback(keep_users_sampler(trainer))
+    return scope
+
+
 def build_pipeline(strategy: TwoBPStrategy, trainer: Any) -> Pipeline:
     """The pipeline of one Trainer call on this rank, from the strategy's options and layout."""
     lm = strategy.lightning_module
@@ -323,20 +356,7 @@ def build_pipeline(strategy: TwoBPStrategy, trainer: Any) -> Pipeline:
     streams = StageStreams(schedule.stages_of(layout.pp_rank), layout.dp_rank, device)
     local = split_model(contract, sizes, schedule, layout.pp_rank)
     _announce(strategy, local, schedule, list(sizes))
-    sharding = None
-    grad_reduce: Callable[[int, list[nn.Parameter]], Callable[[], None]] | None
-    if shard:
-        try:
-            check_stages(local.stages, local.shared)
-        except ValueError:
-            local.restore(False, None, layout.pp_rank, device)  # the model as it came
-            raise
-        sharding = ShardedStages(local.stages, strategy.device_mesh["dp"])
-        grad_reduce = sharding.reduce
-    elif layout.dp_degree > 1:
-        grad_reduce = dp_reduce(strategy.group("dp"), layout.dp_degree)
-    else:
-        grad_reduce = None
+    sharding, grad_reduce = _data_parallel(strategy, local, shard)
     executor = PipelineExecutor(
         schedule,
         local.stages,
@@ -359,12 +379,7 @@ def build_pipeline(strategy: TwoBPStrategy, trainer: Any) -> Pipeline:
         opts, check_group, device, schedule.stages_of, layout.pp_rank, tied.not_counted, strategy.pipeline_degree
     )
     user_precision, user_scaler, precision = _precision(strategy, checks.clip_by_norm, strategy._before_step)
-    scope = ExitStack()
-    scope.enter_context(known_warnings_off())  # the Trainer call's data loaders build next
-    scope.callback(metrics.sync_over(strategy.group("dp")))
-    scope.callback(apply_activation_checkpointing(local.blocks(), opts.activation_checkpointing))
-    if layout.dp_degree == 1:  # nothing to split: the loader's own sampler, as one process reads it
-        scope.callback(keep_users_sampler(trainer))
+    scope = _call_scope(strategy, trainer, metrics, local)
     return Pipeline(
         local,
         executor,
