@@ -69,7 +69,8 @@ def _fit(rank: int, world: int, port: int, folder: str, model: str) -> dict:
     "model, cause",
     [
         ("user", "ValueError: a bug in the user's step on rank 1"),
-        ("reentrant", "RuntimeError: When use_reentrant=True, torch.utils.checkpoint is incompatible"),
+        # our own message, before torch's (issue 21): it names use_reentrant=False
+        ("reentrant", "RuntimeError: 2BP split: this stage calls torch.utils.checkpoint with use_reentrant=True"),
     ],
 )
 def test_one_ranks_error_ends_every_rank_naming_it(tmp_path, model, cause):

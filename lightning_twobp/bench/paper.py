@@ -264,7 +264,7 @@ def scaling(
 
 
 @torch.no_grad()
-def _inputs_of(layers: nn.Sequential, x: torch.Tensor) -> list[torch.Tensor]:
+def inputs_of(layers: nn.Sequential, x: torch.Tensor) -> list[torch.Tensor]:
     out = []
     for layer in layers:
         out.append(x)
@@ -283,7 +283,7 @@ def _profile(layers: nn.Sequential, x: torch.Tensor, reps: int) -> LayerCosts:
             torch.cuda.synchronize(x.device)
         return time.perf_counter()
 
-    for layer, inp in zip(layers, _inputs_of(copy.deepcopy(layers), x), strict=False):
+    for layer, inp in zip(layers, inputs_of(copy.deepcopy(layers), x), strict=False):
         st = Stage(layer)
         inp = inp.detach().requires_grad_(inp.is_floating_point() and layer is not layers[0])
         samples: dict[str, list[float]] = {k: [] for k in cols}

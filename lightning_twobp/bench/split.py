@@ -70,7 +70,7 @@ def bench_paper_blocks(repeats: int = 7, quick: bool = False) -> dict[str, float
     thread, timed with ``time.thread_time()`` (CPU time of this thread: less sensitive to other jobs
     on a shared machine than the wall clock). Per repetition every layer runs B, W, then BW; the
     result is the median over repetitions of sum(B + W) / sum(BW)."""
-    from lightning_twobp.bench.paper import _inputs_of, models
+    from lightning_twobp.bench.paper import inputs_of, models
     from lightning_twobp.bench.workload import WORLD
 
     threads = torch.get_num_threads()
@@ -81,7 +81,7 @@ def bench_paper_blocks(repeats: int = 7, quick: bool = False) -> dict[str, float
             layers, _ = pm.build()
             x, _ = pm.data()
             x = x[: pm.batch // (2 * WORLD)]
-            ins = _inputs_of(layers, x)
+            ins = inputs_of(layers, x)
             pairs = zip(list(layers)[1:], ins[1:], strict=True)  # the first layer's input takes no gradient
             runs = [(Stage(layer), inp.detach().requires_grad_()) for layer, inp in pairs]
             ratios = []

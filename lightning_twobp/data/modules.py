@@ -39,7 +39,7 @@ class _DataModule(pl.LightningDataModule):
     ``train_path`` and ``val_path`` are the subclass's files (None: synthetic data), checked here."""
 
     def __init__(
-        self, batch_size: int, seed: int, num_workers: int, train_path: str | None, val_path: str | None
+        self, batch_size: int, seed: int, num_workers: int, train_path: str | None = None, val_path: str | None = None
     ) -> None:
         super().__init__()
         if batch_size < 1:

@@ -46,11 +46,9 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 def _grad(q: nn.Parameter) -> torch.Tensor:
-    """A checked parameter's gradient; a DTensor gradient (data_parallel="shard") by its local shard:
-    ``group`` then spans every rank, so each shard is summed once (a DTensor norm would reduce over its
-    mesh again)."""
+    """A checked parameter's gradient (a DTensor one under data_parallel="shard")."""
     assert q.grad is not None  # the parameters checked are those with a gradient (_params_with_grads)
-    return _local(q.grad)
+    return q.grad
 
 
 @dataclass(frozen=True)
@@ -155,8 +153,10 @@ class StepValidation:
         """``[norm^p over counted gradients, 1 if non-finite else 0, that flag in this rank's slot of
         the group, *extra]`` for this rank (max instead of sum for the inf-norm, reduced the same way).
         A non-finite tied copy counts even where its norm does not."""
-        counted = [_grad(q) for q in params if id(q) not in self.not_counted]
-        others = [_grad(q) for q in params if id(q) in self.not_counted]
+        # A DTensor gradient (data_parallel="shard") counts by its local shard: ``group`` then spans
+        # every rank, so each shard is summed once (a DTensor norm would reduce over its mesh again).
+        counted = [_local(_grad(q)) for q in params if id(q) not in self.not_counted]
+        others = [_local(_grad(q)) for q in params if id(q) in self.not_counted]
         if counted:
             local = get_total_norm(counted, self.norm_type).to(self.device, torch.float32)
         else:

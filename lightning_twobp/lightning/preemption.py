@@ -51,7 +51,7 @@ class Preempted(SIGTERMException):
 
 def _requeue_signal(trainer: Any) -> int | None:
     """The signal Lightning requeues a SLURM job on, where it does (auto_requeue), else None."""
-    env = trainer._accelerator_connector.cluster_environment  # Lightning's own choice of environment
+    env = getattr(trainer.strategy, "cluster_environment", None)  # the environment Lightning chose
     if isinstance(env, SLURMEnvironment) and env.auto_requeue:
         return int(env.requeue_signal or signal.SIGUSR1)
     return None
