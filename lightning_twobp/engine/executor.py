@@ -170,6 +170,11 @@ class PipelineExecutor:
         self._now: _StepRun | None = None  # the step being run
         self._labels = [f"PP:{'+'.join(map(str, op)) if isinstance(op, list) else op}" for op in self.ops]
 
+    def peer_lost(self, pp_rank: int, what: str, error: BaseException) -> PeerLost:
+        """The error for a wait on pipeline rank ``pp_rank`` outside the schedule (the step's loss and logs)
+        that failed with ``error``: named as the schedule's own waits name a lost rank."""
+        return PeerLost(self._p2p.describe_loss([pp_rank], what, error))
+
     @property
     def _current(self) -> _StepRun:
         assert self._now is not None, "a handler ran outside step()"

@@ -107,7 +107,11 @@ def unreadable(name: str) -> str | None:
     if make is None:
         return None
     try:
-        node = make().grad_fn
+        # Outside the caller's random streams: the probe's random tensors and layer initialisations draw
+        # from a forked generator, so a run resumed from a checkpoint draws the same numbers as one that
+        # was not interrupted (the first probe happens at whichever step first meets the node kind).
+        with torch.random.fork_rng(devices=[]):
+            node = make().grad_fn
         if node.name() != name:
             return f"torch now records {node.name()} where the fast path expects {name}"
         for attr in READS[name]:

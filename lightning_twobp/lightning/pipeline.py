@@ -145,7 +145,11 @@ class Pipeline:
             assert result.loss is not None  # the last stage's rank has the loss
             return result.loss, self.means
         assert self.logs is not None
-        loss, means, states = self.logs.receive()
+        try:
+            loss, means, states = self.logs.receive()
+        except RuntimeError as e:  # the last stage's rank died after this rank's last action
+            last = self.executor.schedule.stage_to_rank[self.executor.last]
+            raise self.executor.peer_lost(last, "the step's loss and logs", e) from e
         self.metrics.apply(states)
         return loss, means
 
