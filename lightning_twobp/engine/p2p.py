@@ -170,7 +170,12 @@ class P2P:
         elif local is not None:
             sig = torch.tensor([local], dtype=torch.int64, device=self.device)
             others = [r for r in range(self.schedule.num_ranks) if r != self.rank]
-            works = [dist.isend(sig, self.global_ranks[r], group=self.group, tag=_SIGNATURE_TAG) for r in others]
+            try:
+                works = [dist.isend(sig, self.global_ranks[r], group=self.group, tag=_SIGNATURE_TAG) for r in others]
+            except RuntimeError as e:  # gloo posts a send to a dead rank's closed connection at once
+                raise PeerLost(
+                    self.describe_loss(others, "the start of the step (sending stage 0's input shapes)", e)
+                ) from e
             self._sends.append(([w for w in works if w is not None], others))
             self._keep = sig  # alive until the sends finish
             value = local
