@@ -128,7 +128,7 @@ def test_budget_benchmark_measures_each_contender_alone(tmp_path):
     assert {"1f1b m=4", "1f1b+2BP k=0 m=4"} <= labels
     assert result["baseline"] == "1f1b m=4"
     for r in result["rows"]:
-        assert len(r["peak_bytes_per_rank"]) == 2 and r["peak_bytes"] >= 0 and r["step_s"] > 0
+        assert len(r["peak_bytes_per_rank"]) == 2 and r["peak_bytes"] >= 0 and r["step_s"] > 0 and r["vs_1f1b"] > 0
         assert r["max_grad_diff"] < 1e-4
     assert [b["times_1f1b"] for b in result["budgets"]] == list(BUDGETS)
     assert result["budgets"][-1]["ours"] is not None  # twice fused 1F1B's peak: fused 1F1B itself fits

@@ -9,11 +9,14 @@ processes, one thread each, on the same stage modules as ``--peer`` (:mod:`.peer
 
 * **peak memory per rank**: the process's resident high-water mark (``VmHWM``, reset through
   ``/proc/self/clear_refs`` once the contender is built) above its resident memory then, over one
-  warm-up and ``K`` timed training steps (pipeline step, AdamW step, ``zero_grad``). Fresh processes,
+  warm-up and one steady training step (pipeline step, AdamW step, ``zero_grad``). Fresh processes,
   since freed memory is kept by the allocator (``keep_freed_memory``) and would hide the next one's;
-* **step time**: the median of the ``K`` steps, barrier to barrier;
+* **speed**: then fused 1F1B (m = 8) is built in the same processes and the two take turns for ``K``
+  rounds, barrier to barrier; ``vs_1f1b`` is the median over rounds of fused 1F1B's step time over the
+  contender's (above 1: faster). Each contender is compared with the same reference in its own run, so
+  the machine's load cancels in the ratio; ours against torch's is the ratio of the two ratios;
 * **exactness**: a second copy from the seed weights runs one step, and its gradients are checked
-  against one process at the same micro-batching (rtol 1e-5), as in ``--peer``.
+  against one process at the same micro-batching (rtol 1e-5, computed once per m), as in ``--peer``.
 
 At each budget the table shows the fastest contender of each side whose peak (the larger rank's) fits.
 Measured peaks are of a process on a shared CPU machine: a few MiB of noise (thread stacks, Python
@@ -27,10 +30,13 @@ import csv
 import io
 import json
 import statistics
+import tempfile
 import time
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from lightning_twobp.bench.peer import Contender, build_runner, grad_error, torch_pipelining_available
@@ -81,7 +87,18 @@ def _reset_peak() -> None:
         fh.write("5")  # resets VmHWM to the current resident set (Linux >= 4.0)
 
 
-def _one(rank: int, world: int, wl: Workload, c: Contender, m: int, steps: int) -> dict:
+BASELINE = Contender("ours", "1f1b", False)
+
+
+def _timed(runner: Any, out: list[float]) -> None:
+    dist.barrier()
+    t = time.perf_counter()
+    runner.train_step()
+    dist.barrier()
+    out.append(time.perf_counter() - t)
+
+
+def _one(rank: int, world: int, wl: Workload, c: Contender, m: int, steps: int, base_m: int, refs: str) -> dict:
     keep_freed_memory()
     model = wl.model()
     ids, tgt = wl.data()
@@ -89,20 +106,73 @@ def _one(rank: int, world: int, wl: Workload, c: Contender, m: int, steps: int) 
     dist.barrier()
     before = _status("VmRSS")
     _reset_peak()
-    times = []
-    for i in range(steps + 1):  # the first step warms up (allocations, torch's lazy buffers)
-        dist.barrier()
-        t = time.perf_counter()
-        runner.train_step()
-        dist.barrier()
-        if i:
-            times.append(time.perf_counter() - t)
+    for _ in range(2):  # a warm-up (AdamW's state is created there) and one steady step
+        _timed(runner, [])
     peak = _status("VmHWM") - before
+    # time: alternated with fused 1F1B built in the same processes, so the machine's load cancels in the ratio
+    base = build_runner(BASELINE, model, wl, base_m, rank, ids, tgt)
+    _timed(base, [])
+    ours_t: list[float] = []
+    base_t: list[float] = []
+    for i in range(steps):
+        pair = [(runner, ours_t), (base, base_t)]
+        for r, out in pair if i % 2 == 0 else pair[::-1]:
+            _timed(r, out)
+    del base
     # exactness, after the measurement: a fresh copy from the seed weights, one step, against one process
     check = build_runner(c, model, wl, m, rank, ids, tgt)
     check.step()
-    worst, bad = grad_error(check.params, reference_grads(copy.deepcopy(model), ids, tgt, m))
-    return {"peak_bytes": peak, "step_s": statistics.median(times), "max_grad_diff": worst, "bad": bad}
+    worst, bad = grad_error(check.params, torch.load(refs, weights_only=True))
+    return {
+        "peak_bytes": peak,
+        "step_s": statistics.median(ours_t),
+        "vs_1f1b": statistics.median(b / o for b, o in zip(base_t, ours_t, strict=True)),
+        "max_grad_diff": worst,
+        "bad": bad,
+    }
+
+
+def _reference_files(wl: Workload, counts: tuple[int, ...], folder: Path) -> dict[int, str]:
+    """One process's gradients at each micro-batch count, computed once and read by every contender."""
+    model = wl.model()
+    ids, tgt = wl.data()
+    paths = {}
+    for m in counts:
+        paths[m] = str(folder / f"reference-m{m}.pt")
+        torch.save(reference_grads(copy.deepcopy(model), ids, tgt, m), paths[m])
+    return paths
+
+
+def _row(c: Contender, m: int, per_rank: list[dict], wl: Workload, baseline: bool) -> dict:
+    peaks = [r["peak_bytes"] for r in per_rank]
+    step = max(r["step_s"] for r in per_rank)
+    return dict(
+        label=f"{c.label} m={m}",
+        side=c.side,
+        schedule=c.schedule,
+        split_backward=c.split_backward,
+        max_pending_w=c.max_pending_w,
+        microbatches=m,
+        peak_bytes_per_rank=peaks,
+        peak_bytes=max(peaks),
+        step_s=step,
+        samples_per_s=wl.batch / step,
+        vs_1f1b=min(r["vs_1f1b"] for r in per_rank),  # the ranks time the same barrier-to-barrier steps
+        max_grad_diff=max(r["max_grad_diff"] for r in per_rank),
+        baseline=baseline,
+    )
+
+
+def _fastest_within(rows: list[dict], base: dict) -> list[dict]:
+    budgets = []
+    for x in BUDGETS:
+        limit = x * base["peak_bytes"]
+        best = {}
+        for side in ("ours", "torch"):
+            fits = [r for r in rows if r["side"] == side and r["peak_bytes"] <= limit]
+            best[side] = max(fits, key=lambda r: r["vs_1f1b"])["label"] if fits else None
+        budgets.append(dict(times_1f1b=x, limit_bytes=limit, ours=best["ours"], torch=best["torch"]))
+    return budgets
 
 
 def run_budget(
@@ -112,47 +182,25 @@ def run_budget(
     ``only``: the contenders with these labels (fused ``"1f1b"``, the baseline, is always run)."""
     with_torch = torch_pipelining_available()
     rows, skipped, failures = [], [], []
-    for c, m in budget_contenders(with_torch, counts):
-        if only is not None and c.label not in only | {"1f1b"}:
-            continue
-        try:
-            per_rank = run_distributed(_one, WORLD, wl, c, m, steps, timeout=1800)
-        except RuntimeError as e:  # a schedule that does not take this m (torch's checks, say)
-            skipped.append(f"{c.label} m={m}: {str(e).strip().splitlines()[-1]}")
-            continue
-        bad = [b for r in per_rank for b in r["bad"]]
-        if bad:
-            failures.append(f"{c.label} m={m}: " + "; ".join(bad[:3]))
-        peaks = [r["peak_bytes"] for r in per_rank]
-        step = max(r["step_s"] for r in per_rank)
-        rows.append(
-            dict(
-                label=f"{c.label} m={m}",
-                side=c.side,
-                schedule=c.schedule,
-                split_backward=c.split_backward,
-                max_pending_w=c.max_pending_w,
-                microbatches=m,
-                peak_bytes_per_rank=peaks,
-                peak_bytes=max(peaks),
-                step_s=step,
-                samples_per_s=wl.batch / step,
-                max_grad_diff=max(r["max_grad_diff"] for r in per_rank),
-                baseline=c.label == "1f1b" and m == counts[0],
-            )
-        )
+    with tempfile.TemporaryDirectory() as tmp:
+        refs = _reference_files(wl, counts, Path(tmp))
+        for c, m in budget_contenders(with_torch, counts):
+            if only is not None and c.label not in only | {"1f1b"}:
+                continue
+            try:
+                per_rank = run_distributed(_one, WORLD, wl, c, m, steps, counts[0], refs[m], timeout=1800)
+            except RuntimeError as e:  # a schedule that does not take this m (torch's checks, say)
+                skipped.append(f"{c.label} m={m}: {str(e).strip().splitlines()[-1]}")
+                continue
+            bad = [b for r in per_rank for b in r["bad"]]
+            if bad:
+                failures.append(f"{c.label} m={m}: " + "; ".join(bad[:3]))
+            rows.append(_row(c, m, per_rank, wl, baseline=c == BASELINE and m == counts[0]))
     if failures:
         raise AssertionError("gradients differ from one process:\n" + "\n".join(failures))
     base = next(r for r in rows if r["baseline"])
-    budgets = []
-    for x in BUDGETS:
-        limit = x * base["peak_bytes"]
-        best = {}
-        for side in ("ours", "torch"):
-            fits = [r for r in rows if r["side"] == side and r["peak_bytes"] <= limit]
-            best[side] = min(fits, key=lambda r: r["step_s"])["label"] if fits else None
-        budgets.append(dict(times_1f1b=x, limit_bytes=limit, ours=best["ours"], torch=best["torch"]))
     run = {"workload": asdict(wl), "world": WORLD, "steps": steps, "torch_pipelining": with_torch}
+    budgets = _fastest_within(rows, base)
     return {**run, "baseline": base["label"], "rows": rows, "budgets": budgets, "skipped": skipped}
 
 
@@ -163,29 +211,31 @@ def markdown(result: dict) -> str:
     w = out.write
     w(
         f"tiny LLaMa {wl['layers']} x {wl['dim']}, batch {wl['batch']} x {wl['seq']}, {result['world']} gloo ranks x "
-        f"1 thread, each contender alone in a fresh pair of processes, median of {result['steps']} steps; peak = "
+        f"1 thread, each contender alone in a fresh pair of processes; speed = median over {result['steps']} rounds "
+        f"of fused 1F1B m=8's step time over the contender's, taking turns in the same processes; peak = "
         f"resident high-water mark above the built contender, the larger rank's; budgets in units of "
         f"{result['baseline']}'s {by[result['baseline']]['peak_bytes'] / MiB:.0f} MiB\n\n"
     )
     w(
-        "| budget | MiB | ours: fastest that fits | MiB per rank | s/step | torch: fastest that fits | MiB per rank "
-        "| s/step | ours / torch throughput |\n|---|---:|---|---:|---:|---|---:|---:|---:|\n"
+        "| budget | MiB | ours: fastest that fits | MiB per rank | speed vs fused 1F1B | torch: fastest that fits "
+        "| MiB per rank | speed vs fused 1F1B | ours / torch throughput |\n"
+        "|---|---:|---|---:|---:|---|---:|---:|---:|\n"
     )
     for b in result["budgets"]:
         cells = []
         for side in ("ours", "torch"):
             r = by.get(b[side])
             cells += (
-                [r["label"], " / ".join(f"{p / MiB:.0f}" for p in r["peak_bytes_per_rank"]), f"{r['step_s']:.3f}"]
+                [r["label"], " / ".join(f"{p / MiB:.0f}" for p in r["peak_bytes_per_rank"]), f"{r['vs_1f1b']:.3f}"]
                 if r
                 else ["none fits", "", ""]
             )
-        ratio = f"{by[b['torch']]['step_s'] / by[b['ours']]['step_s']:.2f}x" if b["ours"] and b["torch"] else ""
+        ratio = f"{by[b['ours']]['vs_1f1b'] / by[b['torch']]['vs_1f1b']:.2f}x" if b["ours"] and b["torch"] else ""
         w(f"| {b['times_1f1b']:g}x | {b['limit_bytes'] / MiB:.0f} | " + " | ".join(cells) + f" | {ratio} |\n")
-    w("\n| contender | MiB per rank | s/step | samples/s | max grad diff |\n|---|---:|---:|---:|---:|\n")
+    w("\n| contender | MiB per rank | speed vs fused 1F1B | s/step | max grad diff |\n|---|---:|---:|---:|---:|\n")
     for r in sorted(result["rows"], key=lambda r: r["peak_bytes"]):
         peaks = " / ".join(f"{p / MiB:.0f}" for p in r["peak_bytes_per_rank"])
-        w(f"| {r['label']} | {peaks} | {r['step_s']:.3f} | {r['samples_per_s']:.1f} | {r['max_grad_diff']:.1e} |\n")
+        w(f"| {r['label']} | {peaks} | {r['vs_1f1b']:.3f} | {r['step_s']:.3f} | {r['max_grad_diff']:.1e} |\n")
     if result["skipped"]:
         w("\nnot run: " + "; ".join(result["skipped"]) + "\n")
     return out.getvalue()
@@ -198,7 +248,7 @@ def write(result: dict, folder: str | Path) -> list[Path]:
     folder.mkdir(parents=True, exist_ok=True)
     paths = [folder / "budget.md", folder / "budget.csv", folder / "budget.json"]
     paths[0].write_text(markdown(result))
-    cols = ["label", "side", "microbatches", "max_pending_w", "peak_bytes", "step_s", "samples_per_s", "max_grad_diff"]
+    cols = ["label", "side", "microbatches", "max_pending_w", "peak_bytes", "vs_1f1b", "step_s", "max_grad_diff"]
     with paths[1].open("w", newline="") as fh:
         writer = csv.DictWriter(fh, fieldnames=cols, extrasaction="ignore")
         writer.writeheader()
@@ -214,13 +264,13 @@ def write(result: dict, folder: str | Path) -> list[Path]:
     fig, ax = plt.subplots(figsize=(8, 5))
     for side, color in (("ours", "tab:blue"), ("torch", "tab:orange")):
         rows = [r for r in result["rows"] if r["side"] == side]
-        ax.scatter([r["peak_bytes"] / MiB for r in rows], [r["samples_per_s"] for r in rows], c=color, label=side)
+        ax.scatter([r["peak_bytes"] / MiB for r in rows], [r["vs_1f1b"] for r in rows], c=color, label=side)
         for r in rows:
-            ax.annotate(r["label"], (r["peak_bytes"] / MiB, r["samples_per_s"]), fontsize=6)
+            ax.annotate(r["label"], (r["peak_bytes"] / MiB, r["vs_1f1b"]), fontsize=6)
     for b in result["budgets"]:
         ax.axvline(b["limit_bytes"] / MiB, color="grey", lw=0.8, ls="--")
     ax.set_xlabel("peak memory, larger rank (MiB above the built model)")
-    ax.set_ylabel("samples / s")
+    ax.set_ylabel("throughput / fused 1F1B's (m = 8), alternated in one run")
     ax.legend()
     fig.tight_layout()
     fig.savefig(folder / "budget.png", dpi=110)
