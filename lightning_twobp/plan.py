@@ -30,6 +30,7 @@ import argparse
 import json
 import sys
 import typing
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -240,15 +241,26 @@ def _choose_auto(cfg: DictConfig, p: int) -> search_auto.AutoChoice:
     return search_auto.choose(search_auto.search(profile, microbatches=counts, max_caps=2 * p), limit)
 
 
-def plan(cfg: DictConfig, recipe: str = "") -> Plan:
-    """The memory plan of the run ``cfg`` describes (a composed twobp-train config)."""
-    from hydra.utils import instantiate
+@dataclass(frozen=True)
+class _Pipeline:
+    """What the strategy would run: its checked options (``schedule=auto``'s choice made), the schedule,
+    and the fused baseline the plan compares it with."""
 
-    notes: list[str] = []
-    world = _int_devices(cfg)
-    st = cfg.strategy
+    options: PipelineOptions
+    degree: int  # ranks per pipeline
+    num_stages: int
+    num_microbatches: int
+    schedule: Schedule
+    fused_name: str
+    fused: Schedule
+
+
+def _pipeline(cfg: DictConfig, world: int, notes: list[str]) -> _Pipeline:
+    """The strategy's options as it would check them, and the schedules they give."""
     # the strategy's own checks; a DictConfig converts to a dict with str keys (OmegaConf types any container)
-    opts = PipelineOptions.from_mapping(typing.cast("dict[str, Any]", OmegaConf.to_container(st, resolve=True)))
+    opts = PipelineOptions.from_mapping(
+        typing.cast("dict[str, Any]", OmegaConf.to_container(cfg.strategy, resolve=True))
+    )
     p = opts.degree(world)
     check_degree(world, p)
     choice = _choose_auto(cfg, p) if opts.schedule == "auto" else None
@@ -266,50 +278,73 @@ def plan(cfg: DictConfig, recipe: str = "") -> Plan:
     # a split-only schedule is compared with its spec's fused baseline at the same stage count
     fused_name = schedule_spec(name).fused_baseline or name
     fused = build_schedule(fused_name, num_stages, m, stages_per_rank=spr, split_backward=False)
+    return _Pipeline(opts, p, num_stages, m, schedule, fused_name, fused)
+
+
+def _microbatch_size(cfg: DictConfig, m: int) -> int:
     batch = int(cfg.data.batch_size)
     if batch % m:
         raise ValueError(
             f"batch size {batch} does not split into {m} micro-batches: set data.batch_size to a multiple of {m}"
         )
-    mbs = batch // m
-    precision = str(cfg.trainer.get("precision", "32-true"))
-    param_bytes, act_dtype = _bytes(precision)
-    optimizer = str(cfg.plan.get("optimizer", "adamw"))
+    return batch // m
+
+
+def _optimizer_states(optimizer: str) -> int:
+    """Tensors of optimizer state per parameter."""
     states = {"adamw": 2, "adam": 2, "sgd": 1}.get(optimizer)
     if states is None:
         raise ValueError(f"plan.optimizer={optimizer!r}: choose adamw, adam or sgd")
+    return states
 
-    with torch.device("meta"):
-        lm = instantiate(cfg.model)
-    seq = _sequential(lm, opts.layers)
-    balance = opts.balance
+
+def _planned_balance(balance: str | tuple[int, ...], notes: list[str]) -> str | list[int]:
     if balance == "time":
         notes.append('balance="time" is measured at run time; planned with balance="params"')
-        balance = "params"
-    sizes = partition(seq, num_stages, balance if isinstance(balance, str) else list(balance))
-    x, scale = _cast(seq, lm.sample_input(mbs), act_dtype)
-    if scale != 1.0:
-        notes.append(f"{precision}: activations measured in fp32 and scaled by {scale:g}")
+        return "params"
+    return balance if isinstance(balance, str) else list(balance)
+
+
+def _measure_scaled(
+    s: int, module: nn.Sequential, x: torch.Tensor, scale: float, act_dtype: torch.dtype, last: bool, cache: dict
+) -> tuple[torch.Tensor, int, int, bool]:
+    """:func:`_measure_stage` of stage ``s``, its bytes scaled by ``scale`` (see :func:`_cast`), the
+    loss's own activations added on the last stage."""
+    try:
+        x, act, held, kept = _measure_stage(module, x, s == 0, cache)
+    except RuntimeError as e:
+        if scale != 1.0 or act_dtype == torch.float32:
+            raise
+        raise RuntimeError(
+            f"stage {s} does not run in {act_dtype} on meta ({e}); plan with trainer.precision=32-true"
+        ) from e
+    act, held = int(act * scale), int(held * scale)
+    if last:
+        act += x.numel() * 4  # the loss: cross-entropy saves fp32 log-probabilities of the output's size
+    return x, act, held, kept
+
+
+def _stage_plans(
+    seq: nn.Sequential,
+    sizes: list[int],
+    x: torch.Tensor,
+    scale: float,
+    act_dtype: torch.dtype,
+    rank_of: Sequence[int],
+    param_bytes: int,
+    states: int,
+) -> list[StagePlan]:
+    """Each stage's bytes: its ``sizes`` layers of ``seq`` measured in turn from the input ``x``."""
     stages, start = [], 0
     cache: dict = {}
     for s, n in enumerate(sizes):
         module: nn.Sequential = seq[start : start + n]  # type: ignore[assignment]  # torch: no slice overload
         n_params = sum(q.numel() for q in module.parameters())
-        try:
-            x, act, held, kept = _measure_stage(module, x, s == 0, cache)
-        except RuntimeError as e:
-            if scale != 1.0 or act_dtype == torch.float32:
-                raise
-            raise RuntimeError(
-                f"stage {s} does not run in {act_dtype} on meta ({e}); plan with trainer.precision=32-true"
-            ) from e
-        act, held = int(act * scale), int(held * scale)
-        if s == num_stages - 1:
-            act += x.numel() * 4  # the loss: cross-entropy saves fp32 log-probabilities of the output's size
+        x, act, held, kept = _measure_scaled(s, module, x, scale, act_dtype, s == len(sizes) - 1, cache)
         stages.append(
             StagePlan(
                 stage=s,
-                rank=schedule.stage_to_rank[s],
+                rank=rank_of[s],
                 layers=(start, start + n - 1),
                 params=n_params,
                 weight_bytes=n_params * param_bytes,
@@ -321,43 +356,72 @@ def plan(cfg: DictConfig, recipe: str = "") -> Plan:
             )
         )
         start += n
+    return stages
+
+
+def _rank_plans(pipe: _Pipeline, stages: list[StagePlan], gpu: Any, headroom: float) -> list[RankPlan]:
+    """Each rank's peak, with the split and with the fused baseline, from its stages' bytes."""
+    act_of = {sp.stage: sp.activation_bytes for sp in stages}
+    held_of = {sp.stage: sp.held_bytes for sp in stages}
+    ranks = []
+    for r in range(pipe.degree):
+        mine = list(pipe.schedule.stages_of(r))
+        static = sum(stages[s].weight_bytes + stages[s].grad_bytes + stages[s].optimizer_bytes for s in mine)
+        a = {s: act_of[s] for s in mine}
+        with_split = _replay(pipe.schedule, r, a, {s: held_of[s] for s in mine})
+        without = _replay(pipe.fused, r, a, {s: 0 for s in mine})
+        with_split["total_bytes"] = static + with_split["activation_bytes"]
+        without["total_bytes"] = static + without["activation_bytes"]
+        fits = None if gpu is None else with_split["total_bytes"] <= headroom * float(gpu) * GiB
+        ranks.append(RankPlan(rank=r, stages=mine, static_bytes=static, split=with_split, fused=without, fits=fits))
+    return ranks
+
+
+def plan(cfg: DictConfig, recipe: str = "") -> Plan:
+    """The memory plan of the run ``cfg`` describes (a composed twobp-train config)."""
+    from hydra.utils import instantiate
+
+    notes: list[str] = []
+    world = _int_devices(cfg)
+    pipe = _pipeline(cfg, world, notes)
+    mbs = _microbatch_size(cfg, pipe.num_microbatches)
+    precision = str(cfg.trainer.get("precision", "32-true"))
+    param_bytes, act_dtype = _bytes(precision)
+    optimizer = str(cfg.plan.get("optimizer", "adamw"))
+    states = _optimizer_states(optimizer)
+
+    with torch.device("meta"):
+        lm = instantiate(cfg.model)
+    seq = _sequential(lm, pipe.options.layers)
+    sizes = partition(seq, pipe.num_stages, _planned_balance(pipe.options.balance, notes))
+    x, scale = _cast(seq, lm.sample_input(mbs), act_dtype)
+    if scale != 1.0:
+        notes.append(f"{precision}: activations measured in fp32 and scaled by {scale:g}")
+    stages = _stage_plans(seq, sizes, x, scale, act_dtype, pipe.schedule.stage_to_rank, param_bytes, states)
     if any(sp.graph_kept for sp in stages):
         notes.append(
             "stages marked * keep their autograd graph from B to W (no direct weight formula for some "
             "layer: convolution, BatchNorm, LayerNorm or the scan), so 2BP holds about M_act there"
         )
-    act_of = {sp.stage: sp.activation_bytes for sp in stages}
-    held_of = {sp.stage: sp.held_bytes for sp in stages}
     gpu = cfg.plan.get("gpu_memory_gib")
     headroom = float(cfg.plan.get("headroom", 0.9))
-    ranks = []
-    for r in range(p):
-        mine = list(schedule.stages_of(r))
-        static = sum(stages[s].weight_bytes + stages[s].grad_bytes + stages[s].optimizer_bytes for s in mine)
-        a = {s: act_of[s] for s in mine}
-        with_split = _replay(schedule, r, a, {s: held_of[s] for s in mine})
-        without = _replay(fused, r, a, {s: 0 for s in mine})
-        with_split["total_bytes"] = static + with_split["activation_bytes"]
-        without["total_bytes"] = static + without["activation_bytes"]
-        fits = None if gpu is None else with_split["total_bytes"] <= headroom * float(gpu) * GiB
-        ranks.append(RankPlan(rank=r, stages=mine, static_bytes=static, split=with_split, fused=without, fits=fits))
     return Plan(
         recipe=recipe,
         model=str(cfg.model._target_).rsplit(".", 1)[-1],
         params=sum(sp.params for sp in stages),
         world=world,
-        pipeline_degree=p,
-        data_parallel=world // p,
-        schedule=schedule_label(schedule.name, split),
-        fused_schedule=fused_name,
-        num_microbatches=m,
+        pipeline_degree=pipe.degree,
+        data_parallel=world // pipe.degree,
+        schedule=schedule_label(pipe.schedule.name, pipe.options.split_backward),
+        fused_schedule=pipe.fused_name,
+        num_microbatches=pipe.num_microbatches,
         microbatch_size=mbs,
         precision=precision,
         optimizer=optimizer,
         gpu_memory_gib=None if gpu is None else float(gpu),
         headroom=headroom,
         stages=stages,
-        ranks=ranks,
+        ranks=_rank_plans(pipe, stages, gpu, headroom),
         notes=notes,
     )
 

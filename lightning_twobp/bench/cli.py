@@ -15,12 +15,14 @@ twobp-bench --budget [--out DIR] [--steps K] [--quick]
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable, Iterable
+from typing import Any
 
 from lightning_twobp.bench.report import write_json
 from lightning_twobp.bench.workload import Workload
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="twobp-bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -78,101 +80,122 @@ def main(argv: list[str] | None = None) -> int:
         metavar="LABEL",
         help="--peer, --trainer: contenders whose label starts so; --budget: these labels",
     )
-    args = ap.parse_args(argv)
-    wl = Workload.quick() if args.quick else Workload()
-    m = args.microbatches
+    return ap
 
-    if args.split:
-        from lightning_twobp.bench.split import bench_paper_blocks, bench_split
-        from lightning_twobp.bench.workload import keep_freed_memory
 
-        keep_freed_memory()
-        if args.paper_blocks:
-            for name, ratio in bench_paper_blocks(repeats=args.repeats, quick=args.quick).items():
-                print(f"{name:<8}(B+W)/BW {ratio:.3f}")
-            return 0
-        print(f"{'tokens':>7}{'BW ms':>9}{'B ms':>9}{'W ms':>9}{'(B+W)/BW':>10}")
-        for n in args.tokens:
-            r = bench_split(n)
-            print(f"{n:>7}{r['bw_ms']:>9.2f}{r['b_ms']:>9.2f}{r['w_ms']:>9.2f}{r['median_ratio']:>10.3f}")
-        return 0
+def _show(text: str, out: str | None, write: Callable[[str], Iterable[Any]]) -> None:
+    """Print a mode's report; with ``--out``, also write its files there, naming each."""
+    print(text)
+    if out:
+        for path in write(out):
+            print(f"wrote {path}")
 
-    if args.soak:
-        from lightning_twobp.bench.soak import markdown as soak_markdown
-        from lightning_twobp.bench.soak import soak
 
-        result = soak(args.soak, python=args.python_memory)
-        print(soak_markdown(result))
-        if args.json:
-            write_json(result, args.json)
-        return 0
+def _show_json(text: str, result: Any, path: str | None) -> None:
+    """Print a mode's report; with ``--json``, also write its result there."""
+    print(text)
+    if path:
+        write_json(result, path)
 
-    if args.gpu:
-        from lightning_twobp.bench.gpu import markdown as gpu_markdown
-        from lightning_twobp.bench.gpu import run_gpu
 
-        result = run_gpu(quick=args.quick, repeats=3 if args.quick else max(args.repeats, 20))
-        print(gpu_markdown(result))
-        if args.json:
-            write_json(result, args.json)
-        return 0
+def _split(args: argparse.Namespace) -> None:
+    from lightning_twobp.bench.split import bench_paper_blocks, bench_split
+    from lightning_twobp.bench.workload import keep_freed_memory
 
-    if args.budget:
-        from lightning_twobp.bench.budget import markdown as budget_markdown
-        from lightning_twobp.bench.budget import run_budget
-        from lightning_twobp.bench.budget import write as budget_write
+    keep_freed_memory()
+    if args.paper_blocks:
+        for name, ratio in bench_paper_blocks(repeats=args.repeats, quick=args.quick).items():
+            print(f"{name:<8}(B+W)/BW {ratio:.3f}")
+        return
+    print(f"{'tokens':>7}{'BW ms':>9}{'B ms':>9}{'W ms':>9}{'(B+W)/BW':>10}")
+    for n in args.tokens:
+        r = bench_split(n)
+        print(f"{n:>7}{r['bw_ms']:>9.2f}{r['b_ms']:>9.2f}{r['w_ms']:>9.2f}{r['median_ratio']:>10.3f}")
 
-        counts = (4,) if args.quick else (8, 16)
-        only = set(args.only) if args.only else None
-        result = run_budget(wl, steps=1 if args.quick else max(args.steps, 5), counts=counts, only=only)
-        print(budget_markdown(result))
-        if args.out:
-            for path in budget_write(result, args.out):
-                print(f"wrote {path}")
-        return 0
 
-    if args.paper:
-        from lightning_twobp.bench.paper import markdown as paper_markdown
-        from lightning_twobp.bench.paper import run_paper
-        from lightning_twobp.bench.paper import write as paper_write
+def _soak(args: argparse.Namespace) -> None:
+    from lightning_twobp.bench.soak import markdown, soak
 
-        result = run_paper(quick=args.quick, repeats=1 if args.quick else args.repeats)
-        print(paper_markdown(result))
-        if args.out:
-            for path in paper_write(result, args.out):
-                print(f"wrote {path}")
-        return 0
+    result = soak(args.soak, python=args.python_memory)
+    _show_json(markdown(result), result, args.json)
 
-    if args.peer:
-        from lightning_twobp.bench.peer import markdown, run_peer, write
 
-        rounds = 1 if args.quick else args.rounds
-        result = run_peer(wl, m, rounds=rounds, warmup=1, steps=args.steps, labels=args.only)
-        print(markdown(result))
-        if args.out:
-            for path in write(result, args.out):
-                print(f"wrote {path}")
-        return 0
+def _gpu(args: argparse.Namespace) -> None:
+    from lightning_twobp.bench.gpu import markdown, run_gpu
 
-    if args.trainer:
-        from lightning_twobp.bench.trainer import bench_trainer
+    result = run_gpu(quick=args.quick, repeats=3 if args.quick else max(args.repeats, 20))
+    _show_json(markdown(result), result, args.json)
 
-        repeats = 2 if args.quick else args.repeats
-        rows = bench_trainer(wl, m, repeats, args.only)
-        print(
-            f"tiny LLaMa {wl.layers} x {wl.dim}, batch {wl.batch} x {wl.seq}, m={m}, 2 ranks x 1 thread, "
-            f"median of {repeats} alternated steps"
-        )
-        print(f"{'configuration':<32}{'Trainer s':>11}{'bare s':>9}{'Trainer/bare (median of pairs)':>32}")
-        for label, r in rows.items():
-            print(f"{label:<32}{r['lightning_step_s']:>11.3f}{r['bare_step_s']:>9.3f}{r['ratio']:>32.3f}")
-        if args.json:
-            write_json(dict(workload=wl.__dict__, microbatches=m, repeats=repeats, rows=rows), args.json)
-        return 0
 
+def _budget(args: argparse.Namespace) -> None:
+    from lightning_twobp.bench.budget import markdown, run_budget, write
+
+    counts = (4,) if args.quick else (8, 16)
+    only = set(args.only) if args.only else None
+    result = run_budget(_workload(args), steps=1 if args.quick else max(args.steps, 5), counts=counts, only=only)
+    _show(markdown(result), args.out, lambda out: write(result, out))
+
+
+def _paper(args: argparse.Namespace) -> None:
+    from lightning_twobp.bench.paper import markdown, run_paper, write
+
+    result = run_paper(quick=args.quick, repeats=1 if args.quick else args.repeats)
+    _show(markdown(result), args.out, lambda out: write(result, out))
+
+
+def _peer(args: argparse.Namespace) -> None:
+    from lightning_twobp.bench.peer import markdown, run_peer, write
+
+    rounds = 1 if args.quick else args.rounds
+    result = run_peer(_workload(args), args.microbatches, rounds=rounds, warmup=1, steps=args.steps, labels=args.only)
+    _show(markdown(result), args.out, lambda out: write(result, out))
+
+
+def _trainer(args: argparse.Namespace) -> None:
+    from lightning_twobp.bench.trainer import bench_trainer
+
+    wl, m = _workload(args), args.microbatches
+    repeats = 2 if args.quick else args.repeats
+    rows = bench_trainer(wl, m, repeats, args.only)
+    print(
+        f"tiny LLaMa {wl.layers} x {wl.dim}, batch {wl.batch} x {wl.seq}, m={m}, 2 ranks x 1 thread, "
+        f"median of {repeats} alternated steps"
+    )
+    print(f"{'configuration':<32}{'Trainer s':>11}{'bare s':>9}{'Trainer/bare (median of pairs)':>32}")
+    for label, r in rows.items():
+        print(f"{label:<32}{r['lightning_step_s']:>11.3f}{r['bare_step_s']:>9.3f}{r['ratio']:>32.3f}")
+    if args.json:
+        write_json(dict(workload=wl.__dict__, microbatches=m, repeats=repeats, rows=rows), args.json)
+
+
+def _engine(args: argparse.Namespace) -> None:
     from lightning_twobp.bench.engine import run_engine
 
-    result = run_engine(wl, m, repeats=1 if args.quick else args.repeats, timelines=args.timelines)
+    result = run_engine(
+        _workload(args), args.microbatches, repeats=1 if args.quick else args.repeats, timelines=args.timelines
+    )
     if args.json:
         write_json(result, args.json)
+
+
+def _workload(args: argparse.Namespace) -> Workload:
+    return Workload.quick() if args.quick else Workload()
+
+
+# The modes, by their flag (mutually exclusive); without one, the engine benchmark.
+_MODES: dict[str, Callable[[argparse.Namespace], None]] = {
+    "split": _split,
+    "soak": _soak,
+    "gpu": _gpu,
+    "budget": _budget,
+    "paper": _paper,
+    "peer": _peer,
+    "trainer": _trainer,
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    run = next((run for flag, run in _MODES.items() if getattr(args, flag)), _engine)
+    run(args)
     return 0

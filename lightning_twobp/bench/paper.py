@@ -49,7 +49,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_twobp.bench.peer import grad_error, torch_pipelining_available
+from lightning_twobp.bench.peer import grad_error, grad_failures, torch_pipelining_available, what_ran
 from lightning_twobp.bench.workload import WORLD, grad_of, keep_freed_memory, stage_sizes
 from lightning_twobp.engine import PipelineExecutor
 from lightning_twobp.engine.stage import Stage
@@ -468,78 +468,19 @@ def run_paper(quick: bool = False, repeats: int = 5, timeout: float = 3600.0) ->
     start = time.perf_counter()
     with_torch = torch_pipelining_available()
     per_rank = run_distributed(_worker, WORLD, quick, repeats, with_torch, timeout=timeout)
-    times = per_rank[0]["times"]  # barrier to barrier: the same on every rank
-    profiles = per_rank[0]["profiles"]
-    failures, rq1, rq2, rq3 = [], [], [], []
+    failures: list[str] = []
+    rq1, rq2, rq3 = [], [], []
     for pm in models(quick):
         for r in rows(with_torch):
-            key = f"{pm.name} {r.label}"
-            worst = max(out["checks"][key][0] for out in per_rank)
-            bad = [b for out in per_rank for b in out["checks"][key][1]]
-            if bad:
-                failures.append(f"{key}: " + "; ".join(bad[:4]))
-            t = statistics.median(times[key])
-            row = dict(
-                model=pm.name,
-                paper_model=pm.paper,
-                row=r.label,
-                side=r.side,
-                schedule=r.schedule,
-                split_backward=r.split_backward,
-                num_stages=r.num_stages(),
-                m=r.m(),
-                step_s=t,
-                samples_per_s=pm.batch / t,
-                baseline=r.baseline,
-                ratio=_median_ratio(times[f"{pm.name} {r.baseline}"], times[key]) if r.baseline else None,
-                paper_ratio=PAPER_RATIO.get(pm.name) if r.label.endswith("+2BP") else None,
-                vs_torch=_median_ratio(times[f"{pm.name} {r.counterpart}"], times[key]) if r.counterpart else None,
-                max_grad_diff=worst,
-                samples=times[key],
-            )
-            rq1.append(row)
-            if r.side != "ours":
-                continue
-            sched = _schedule(r)
-            held = {k: v for out in per_rank for k, v in out["held"][key].items()}
-            ranks, stages = peak_held_bytes(sched, held)
-            cuda = [out["cuda_peak"].get(key) for out in per_rank]
-            rq2.append(
-                dict(
-                    model=pm.name,
-                    row=r.label,
-                    baseline=r.baseline,
-                    peak_held_bytes=list(ranks),
-                    peak_held_bytes_per_stage={str(s): v for s, v in stages.items()},
-                    cuda_max_allocated_bytes=cuda if all(c is not None for c in cuda) else None,
-                )
-            )
-            recs = [_Rec(*x) for out in per_rank for x in out["records"][key]]
-            measured = measured_costs(recs, r.num_stages())
-            layer_costs = profiles[(pm.name, r.m())]
-            predicted = layer_costs.stage_costs(stage_sizes(pm.blocks, r.num_stages()), r.split_backward)
-            alpha = _calibration(measured, predicted)
-            rq3.append(
-                dict(
-                    model=pm.name,
-                    row=r.label,
-                    baseline=r.baseline,
-                    measured_step_s=t,
-                    measured_samples_per_s=pm.batch / t,
-                    alpha=list(alpha),
-                    simulated=scaling(layer_costs, r, pm.blocks, pm.batch // r.m(), alpha),
-                )
-            )
+            failures += grad_failures(per_rank, f"{pm.name} {r.label}", 4)
+            rq1.append(_throughput(pm, r, per_rank))
+            if r.side == "ours":
+                rq2.append(_memory(pm, r, per_rank))
+                rq3.append(_scaling(pm, r, per_rank))
     if failures:
         raise AssertionError("gradients differ from one process:\n" + "\n".join(failures))
     _add_memory_ratios(rq2)
     _add_scaling_ratios(rq3)
-    # The split's own price on each model: (B + W) / BW of its layers alone at 1F1B-2's micro-batch,
-    # the first layer left out (its input takes no gradient, so its B is the whole backward).
-    split = {}
-    for pm in models(quick):
-        c = profiles[(pm.name, 2 * WORLD)]
-        split[pm.name] = (sum(c.b[1:]) + sum(c.w[1:])) / sum(c.bw[1:])
     return dict(
         quick=quick,
         repeats=repeats,
@@ -552,11 +493,88 @@ def run_paper(quick: bool = False, repeats: int = 5, timeout: float = 3600.0) ->
             dict(name=pm.name, paper=pm.paper, kwargs=dict(pm.kwargs), batch=pm.batch, size=pm.size)
             for pm in models(quick)
         ],
-        split_over_fused=split,
+        split_over_fused=_split_prices(per_rank[0]["profiles"], quick),
         rq1=rq1,
         rq2=rq2,
         rq3=rq3,
     )
+
+
+def _step_s(per_rank: list[dict], key: str) -> float:
+    """Row ``key``'s median step time, barrier to barrier: the same on every rank."""
+    return statistics.median(per_rank[0]["times"][key])
+
+
+def _throughput(pm: PaperModel, r: Row, per_rank: list[dict]) -> dict:
+    """RQ1's row: the step time, and its ratio to the row's baseline and to torch's counterpart."""
+    times = per_rank[0]["times"]
+    key = f"{pm.name} {r.label}"
+    t = _step_s(per_rank, key)
+    return dict(
+        model=pm.name,
+        paper_model=pm.paper,
+        row=r.label,
+        **what_ran(r),
+        num_stages=r.num_stages(),
+        m=r.m(),
+        step_s=t,
+        samples_per_s=pm.batch / t,
+        baseline=r.baseline,
+        ratio=_median_ratio(times[f"{pm.name} {r.baseline}"], times[key]) if r.baseline else None,
+        paper_ratio=PAPER_RATIO.get(pm.name) if r.label.endswith("+2BP") else None,
+        vs_torch=_median_ratio(times[f"{pm.name} {r.counterpart}"], times[key]) if r.counterpart else None,
+        max_grad_diff=max(out["checks"][key][0] for out in per_rank),
+        samples=times[key],
+    )
+
+
+def _which(pm: PaperModel, r: Row) -> dict[str, Any]:
+    """An RQ2 or RQ3 row's model, row and the baseline it is compared with."""
+    return dict(model=pm.name, row=r.label, baseline=r.baseline)
+
+
+def _memory(pm: PaperModel, r: Row, per_rank: list[dict]) -> dict:
+    """RQ2's row (ours only): the peak bytes each rank and stage held, replayed from the measured
+    per-micro-batch bytes, and CUDA's own peak when on GPUs."""
+    key = f"{pm.name} {r.label}"
+    held = {k: v for out in per_rank for k, v in out["held"][key].items()}
+    ranks, stages = peak_held_bytes(_schedule(r), held)
+    cuda = [out["cuda_peak"].get(key) for out in per_rank]
+    return dict(
+        **_which(pm, r),
+        peak_held_bytes=list(ranks),
+        peak_held_bytes_per_stage={str(s): v for s, v in stages.items()},
+        cuda_max_allocated_bytes=cuda if all(c is not None for c in cuda) else None,
+    )
+
+
+def _scaling(pm: PaperModel, r: Row, per_rank: list[dict]) -> dict:
+    """RQ3's row (ours only): the layers' profiled costs, calibrated to the measured step, simulated
+    over more stages."""
+    key = f"{pm.name} {r.label}"
+    t = _step_s(per_rank, key)
+    recs = [_Rec(*x) for out in per_rank for x in out["records"][key]]
+    measured = measured_costs(recs, r.num_stages())
+    layer_costs = per_rank[0]["profiles"][(pm.name, r.m())]
+    predicted = layer_costs.stage_costs(stage_sizes(pm.blocks, r.num_stages()), r.split_backward)
+    alpha = _calibration(measured, predicted)
+    return dict(
+        **_which(pm, r),
+        measured_step_s=t,
+        measured_samples_per_s=pm.batch / t,
+        alpha=list(alpha),
+        simulated=scaling(layer_costs, r, pm.blocks, pm.batch // r.m(), alpha),
+    )
+
+
+def _split_prices(profiles: dict, quick: bool) -> dict[str, float]:
+    """The split's own price on each model: (B + W) / BW of its layers alone at 1F1B-2's micro-batch,
+    the first layer left out (its input takes no gradient, so its B is the whole backward)."""
+    split = {}
+    for pm in models(quick):
+        c = profiles[(pm.name, 2 * WORLD)]
+        split[pm.name] = (sum(c.b[1:]) + sum(c.w[1:])) / sum(c.bw[1:])
+    return split
 
 
 def _add_memory_ratios(rq2: list[dict]) -> None:

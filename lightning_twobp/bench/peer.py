@@ -46,7 +46,7 @@ from lightning_twobp.monitor import busy_seconds
 from lightning_twobp.schedules import build_schedule, schedule_label
 from lightning_twobp.testing import run_distributed
 
-__all__ = ["Contender", "build_runner", "contenders", "grad_error", "run_peer"]
+__all__ = ["Contender", "build_runner", "contenders", "grad_error", "grad_failures", "run_peer", "what_ran"]
 
 RTOL, ATOL = 1e-5, 1e-7
 
@@ -309,62 +309,21 @@ def run_peer(
     with_torch = torch_pipelining_available()
     per_rank = run_distributed(_worker, WORLD, wl, m, rounds, warmup, steps, labels, with_torch, timeout=14400)
     times = per_rank[0]["times"]  # barrier to barrier: the same on every rank
-    failures = []
-    rows = []
-    by_label = {c.label: c for c in contenders()}
     ideal = statistics.median(times["single"]) / WORLD
-    for label, samples in times.items():
-        if label.startswith("single"):
-            continue
-        c = by_label[label]
-        worst = max(out["checks"][label][0] for out in per_rank)
-        bad = [b for out in per_rank for b in out["checks"][label][1]]
-        if bad:
-            failures.append(f"{label}: " + "; ".join(bad[:5]))
-        med = statistics.median(samples)
-        busiest = max((out["busy"][label] for out in per_rank), default=None) if c.side == "ours" else None
-        rows.append(
-            dict(
-                label=label,
-                side=c.side,
-                schedule=c.schedule,
-                split_backward=c.split_backward,
-                stages_per_rank=c.stages_per_rank,
-                counterpart=c.counterpart,
-                step_s=med,
-                samples_per_s=wl.batch / med,
-                ideal_over_step=ideal / med,
-                max_grad_diff=worst,
-                busiest_rank_s=busiest,
-                samples_s=samples,
-            )
-        )
+    by_label = {c.label: c for c in contenders()}
+    failures: list[str] = []
+    rows = []
+    for label in times:
+        if not label.startswith("single"):
+            failures += grad_failures(per_rank, label, 5)
+            rows.append(_row(by_label[label], per_rank, wl, ideal))
     if failures:
         raise AssertionError("gradients differ from one process:\n" + "\n".join(failures))
-
-    def pair_ratio(a: str, b: str) -> float:
-        """Median over rounds of time(b) / time(a): above 1 means ``a`` is faster."""
-        return statistics.median(tb / ta for ta, tb in zip(times[a], times[b], strict=False))
-
-    def per_round(a: str, b: str) -> list[float]:
-        return [tb / ta for ta, tb in zip(times[a], times[b], strict=False)]
-
-    pairs = [
-        dict(
-            ours=r["label"],
-            torch=r["counterpart"],
-            speedup=pair_ratio(r["label"], r["counterpart"]),
-            rounds=per_round(r["label"], r["counterpart"]),
-        )
-        for r in rows
-        if r["side"] == "ours" and r["counterpart"] in times
-    ]
     best = {}
     for side in ("ours", "torch"):
         side_rows = [r for r in rows if r["side"] == side]
         if side_rows:
             best[side] = min(side_rows, key=lambda r: r["step_s"])["label"]
-    best_vs_best = pair_ratio(best["ours"], best["torch"]) if len(best) == 2 else None
     return dict(
         workload=asdict(wl),
         world=WORLD,
@@ -378,12 +337,68 @@ def run_peer(
         ideal_step_s=ideal,
         single_both_cores_step_s=statistics.median(times["single (both cores)"]),
         rows=rows,
-        pairs=pairs,
+        pairs=_pairs(rows, times),
         best=best,
-        best_vs_best=best_vs_best,
+        best_vs_best=_pair_ratio(times, best["ours"], best["torch"]) if len(best) == 2 else None,
         ours_best_over_ideal=ideal / min(r["step_s"] for r in rows if r["side"] == "ours"),
         busiest_rank_bound_s=min((r["busiest_rank_s"] for r in rows if r["side"] == "ours"), default=None),
     )
+
+
+def what_ran(c: Any) -> dict[str, Any]:
+    """A result row's pipeline: ``side``, ``schedule`` and ``split_backward`` of a :class:`Contender` (or of
+    the paper benchmark's rows)."""
+    return dict(side=c.side, schedule=c.schedule, split_backward=c.split_backward)
+
+
+def grad_failures(per_rank: list[dict], label: str, most: int) -> list[str]:
+    """Contender ``label``'s gradient mismatches against one process on any rank (the first ``most``),
+    from each rank's ``checks[label] = (worst difference, mismatches)``."""
+    bad = [b for out in per_rank for b in out["checks"][label][1]]
+    return [f"{label}: " + "; ".join(bad[:most])] if bad else []
+
+
+def _row(c: Contender, per_rank: list[dict], wl: Workload, ideal: float) -> dict:
+    """Contender ``c``'s row: its median step against the ideal (one process's step / WORLD), its
+    largest gradient difference, and (ours) the busiest rank's compute seconds."""
+    samples = per_rank[0]["times"][c.label]
+    med = statistics.median(samples)
+    busiest = max((out["busy"][c.label] for out in per_rank), default=None) if c.side == "ours" else None
+    return dict(
+        label=c.label,
+        **what_ran(c),
+        stages_per_rank=c.stages_per_rank,
+        counterpart=c.counterpart,
+        step_s=med,
+        samples_per_s=wl.batch / med,
+        ideal_over_step=ideal / med,
+        max_grad_diff=max(out["checks"][c.label][0] for out in per_rank),
+        busiest_rank_s=busiest,
+        samples_s=samples,
+    )
+
+
+def _pair_ratio(times: dict, a: str, b: str) -> float:
+    """Median over rounds of time(b) / time(a): above 1 means ``a`` is faster."""
+    return statistics.median(_per_round(times, a, b))
+
+
+def _per_round(times: dict, a: str, b: str) -> list[float]:
+    return [tb / ta for ta, tb in zip(times[a], times[b], strict=False)]
+
+
+def _pairs(rows: list[dict], times: dict) -> list[dict]:
+    """Each of our contenders against its torch counterpart, round by round."""
+    return [
+        dict(
+            ours=r["label"],
+            torch=r["counterpart"],
+            speedup=_pair_ratio(times, r["label"], r["counterpart"]),
+            rounds=_per_round(times, r["label"], r["counterpart"]),
+        )
+        for r in rows
+        if r["side"] == "ours" and r["counterpart"] in times
+    ]
 
 
 def markdown(result: dict) -> str:

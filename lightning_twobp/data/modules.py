@@ -114,7 +114,30 @@ class _DataModule(pl.LightningDataModule):
         return [] if ds is None else self._loader(ds, train=False)  # []: Lightning skips validation
 
 
-class TokenDataModule(_DataModule):
+class _TokenDataModule(_DataModule):
+    """Token windows: synthetic sets without ``train_path`` (``num_train`` and ``num_val`` samples), else
+    the token files, each checked against ``vocab_size``. A subclass says what one set of either is."""
+
+    def _synthetic(self, size: int, seed: int) -> Dataset:
+        raise NotImplementedError
+
+    def _file(self, path: str, split: int) -> Dataset:
+        """The set of token file ``path`` (``split``: 0 for train, 1 for validation)."""
+        raise NotImplementedError
+
+    def _build(self) -> tuple[Dataset, Dataset | None]:
+        h = cast(AttributeDict, self.hparams)  # save_hyperparameters() stores an AttributeDict
+        if h.train_path is None:
+            # The validation set draws its own starts (seed + 1): it measures, rather than repeats, training.
+            return self._synthetic(h.num_train, h.seed), (self._synthetic(h.num_val, h.seed + 1) if h.num_val else None)
+        return self._file(h.train_path, 0), (None if h.val_path is None else self._file(h.val_path, 1))
+
+    def _token_file(self, path: str) -> TokenFile:
+        h = cast(AttributeDict, self.hparams)
+        return TokenFile(path, h.seq_len, h.dtype, h.vocab_size)
+
+
+class TokenDataModule(_TokenDataModule):
     """Next-token prediction (LLaMa, Mamba): batches ``(ids (B, T), targets (B, T))``, targets the
     ids shifted by one. Synthetic counting sequences without ``train_path``; token files (see
     ``twobp-tokenize``) with it, checked against ``vocab_size``. ``num_train`` / ``num_val`` size
@@ -136,23 +159,15 @@ class TokenDataModule(_DataModule):
         super().__init__(batch_size, seed, num_workers, train_path, val_path)
         self.save_hyperparameters()
 
-    def _build(self) -> tuple[Dataset, Dataset | None]:
-        h = cast(AttributeDict, self.hparams)  # save_hyperparameters() stores an AttributeDict
-        if h.train_path is None:
-            # The validation set draws its own starts (seed + 1): it measures, rather than repeats, training.
-            return (
-                CountingTokens(h.vocab_size, h.seq_len, h.num_train, h.seed),
-                CountingTokens(h.vocab_size, h.seq_len, h.num_val, h.seed + 1) if h.num_val else None,
-            )
-        train, val = (
-            TokenFile(p, h.seq_len, h.dtype, h.vocab_size) if p is not None else None
-            for p in (h.train_path, h.val_path)
-        )
-        assert train is not None  # train_path is set here
-        return train, val
+    def _synthetic(self, size: int, seed: int) -> Dataset:
+        h = cast(AttributeDict, self.hparams)
+        return CountingTokens(h.vocab_size, h.seq_len, size, seed)
+
+    def _file(self, path: str, split: int) -> Dataset:
+        return self._token_file(path)
 
 
-class MaskedLMDataModule(_DataModule):
+class MaskedLMDataModule(_TokenDataModule):
     """Masked-LM (BERT): batches ``(ids (B, T), labels (B, T))``, ~``mask_prob`` of the positions
     masked BERT's way and scored (labels -100 elsewhere). Synthetic masked counting without
     ``train_path``; windows of token files, masked on the fly, with it. The mask token defaults to
@@ -177,29 +192,19 @@ class MaskedLMDataModule(_DataModule):
         super().__init__(batch_size, seed, num_workers, train_path, val_path)
         self.save_hyperparameters()
 
-    def _build(self) -> tuple[Dataset, Dataset | None]:
-        h = cast(AttributeDict, self.hparams)  # save_hyperparameters() stores an AttributeDict
-        if h.train_path is None:
+    def _synthetic(self, size: int, seed: int) -> Dataset:
+        h = cast(AttributeDict, self.hparams)
+        return MaskedCountingTokens(h.vocab_size, h.seq_len, size, seed, h.mask_prob, h.mask_token_id)
 
-            def make(n: int, seed: int) -> MaskedCountingTokens:
-                return MaskedCountingTokens(h.vocab_size, h.seq_len, n, seed, h.mask_prob, h.mask_token_id)
-
-            return make(h.num_train, h.seed), (make(h.num_val, h.seed + 1) if h.num_val else None)
-        sets: list[Dataset | None] = []
-        for k, p in enumerate((h.train_path, h.val_path)):
-            if p is None:
-                sets.append(None)
-                continue
-            f = TokenFile(p, h.seq_len, h.dtype, h.vocab_size)
-            mask_id = h.vocab_size - 1 if h.mask_token_id is None else h.mask_token_id
-            if mask_id == f.meta.get("eot_id"):
-                raise ValueError(
-                    f"mask_token_id {mask_id} is {Path(p).name}'s end-of-text id: pick an id the tokenizer never emits"
-                )
-            sets.append(MaskedTokens(f, h.vocab_size, h.seed + k, h.mask_prob, h.mask_token_id))
-        train, val = sets
-        assert train is not None  # train_path is set here
-        return train, val
+    def _file(self, path: str, split: int) -> Dataset:
+        h = cast(AttributeDict, self.hparams)
+        f = self._token_file(path)
+        mask_id = h.vocab_size - 1 if h.mask_token_id is None else h.mask_token_id
+        if mask_id == f.meta.get("eot_id"):
+            raise ValueError(
+                f"mask_token_id {mask_id} is {Path(path).name}'s end-of-text id: pick an id the tokenizer never emits"
+            )
+        return MaskedTokens(f, h.vocab_size, h.seed + split, h.mask_prob, h.mask_token_id)
 
 
 class ImageDataModule(_DataModule):

@@ -106,10 +106,10 @@ class LoopStage(nn.Module):
     docstring), through :meth:`ModuleListContract.intercept`.
     """
 
-    def __init__(self, contract: ModuleListContract, first: int, stop: int, last_first: int) -> None:
+    def __init__(self, contract: ModuleListContract, first: int, stop: int, last_first: int, index: int = 0) -> None:
         super().__init__()
         self.layers = nn.ModuleList(contract.layers()[first:stop])  # the user's modules, shared
-        self.first, self.stop, self.last_first = first, stop, last_first
+        self.first, self.stop, self.last_first, self.index = first, stop, last_first, index
         self._contract = [contract]  # a list: not a submodule
 
     def forward(self, *inputs: Any) -> Any:
@@ -197,11 +197,18 @@ def _same(a: Any, b: Any) -> bool:
 class _Run:
     """One stage's pass through the model's forward."""
 
-    first: int  # the stage's first block
-    stop: int  # the next stage's first block (num_blocks on the last stage)
+    stage: LoopStage
     inject: torch.Tensor | None  # the received hidden state (None on the first stage)
     device: torch.device
     next: int = 0  # the block the loop must call next
+
+    @property
+    def first(self) -> int:  # the stage's first block
+        return self.stage.first
+
+    @property
+    def stop(self) -> int:  # the next stage's first block (num_blocks on the last stage)
+        return self.stage.stop
 
 
 class ModuleListContract:
@@ -237,8 +244,8 @@ class ModuleListContract:
         self._runner: Any = None
         self._calls: _Calls | None = None
         self._active: _Run | None = None
-        self._last_first: int | None = None  # set when this rank builds the last stage
-        self._stage_of: list[int] = [0] * self.num_blocks
+        self._stage_of: list[int] = [0] * self.num_blocks  # the partition (stage_module): each block's stage
+        self._stages: dict[int, LoopStage] = {}  # this rank's stages, by index, as stage_module built them
         self._twins: dict[int, nn.Module] = {}
         self._shapes: dict[tuple, tuple[Any, list[Any]]] = {}  # block call -> its output's structure
         self._block_calls = [self._block_call(i) for i in range(self.num_blocks)]
@@ -250,9 +257,16 @@ class ModuleListContract:
 
     def stage_module(self, first: int, stop: int, bounds: Sequence[int]) -> nn.Module:
         self._stage_of = [k for k in range(len(bounds) - 1) for _ in range(bounds[k], bounds[k + 1])]
-        if stop == self.num_blocks:
-            self._last_first = first
-        return LoopStage(self, first, stop, bounds[-2])
+        stage = LoopStage(self, first, stop, bounds[-2], self._stage_of[first])
+        self._stages[stage.index] = stage
+        return stage
+
+    def _last_stage(self) -> LoopStage:
+        """The last stage, which answers the model's call (:meth:`_resume`), when this rank built it."""
+        stage = self._stages.get(self._stage_of[-1])
+        if stage is None:
+            raise RuntimeError("the model's call was answered on a rank that does not hold the last stage")
+        return stage
 
     def bind(self, runner: Any) -> None:
         """The step runner (:class:`~lightning_twobp.lightning.step.StepRunner`): stages after the
@@ -340,12 +354,15 @@ class ModuleListContract:
             leaves = [None if k in positions else x for k, x in enumerate(flat)]
             calls.calls.append(_Call(owner, spec, leaves, positions, tensors))
             raise
-        # The last stage: value is what the previous stage sent (the first stage's own inputs when
-        # one stage holds everything).
-        if self._last_first is None:
-            raise RuntimeError("the model's call was answered on a rank that does not hold the last stage")
-        first = self._last_first
-        run = _Run(first, self.num_blocks, value if first > 0 else None, device)
+        return self._resume(path, real, args, kwargs, value, device)
+
+    def _resume(
+        self, path: str, real: Callable[..., Any], args: tuple, kwargs: dict, value: Any, device: torch.device
+    ) -> Any:
+        """The last stage: the model's own forward with the hidden state ``value`` the previous stage sent
+        (the first stage's own inputs when one stage holds everything) injected at the stage's first block."""
+        stage = self._last_stage()
+        run = _Run(stage, value if stage.first > 0 else None, device)
         with self._running(run):
             out = real(*args, **kwargs)
         if run.next != self.num_blocks:
@@ -385,7 +402,7 @@ class ModuleListContract:
         else:
             inject, index = inputs[0], inputs[1]
             owner, args, kwargs = calls.select(index)
-        run = _Run(stage.first, stage.stop, inject, index.device)
+        run = _Run(stage, inject, index.device)
         with self._running(run):
             try:
                 owner(*args, **kwargs)
@@ -395,7 +412,7 @@ class ModuleListContract:
                 raise RuntimeError(
                     f"the model's forward returned before calling block {stage.stop} of {self.list_name}, where "
                     f"pipeline "
-                    f"stage {self._stage_of[stage.first]}'s layers end: under strategy='twobp' the loop must call "
+                    f"stage {stage.index}'s layers end: under strategy='twobp' the loop must call "
                     f"every "
                     f"block, in order, once"
                 )
@@ -488,7 +505,7 @@ class ModuleListContract:
                 raise
             except Exception as e:
                 raise RuntimeError(
-                    f"could not pass over {self.list_name}[{i}] on pipeline stage {self._stage_of[run.first]}: to "
+                    f"could not pass over {self.list_name}[{i}] on pipeline stage {run.stage.index}: to "
                     f"learn "
                     f"the shape of what a block of another stage returns, it runs once on the meta device, which "
                     f"failed ({type(e).__name__}: {e})"
@@ -523,7 +540,7 @@ class ModuleListContract:
             except Exception as e:
                 raise RuntimeError(
                     f"{path} runs on pipeline stage {self._stage_of[layer]}; to stand in for it on stage "
-                    f"{self._stage_of[run.first]} it runs on the meta device, which failed ({type(e).__name__}: {e})"
+                    f"{run.stage.index} it runs on the meta device, which failed ({type(e).__name__}: {e})"
                 ) from e
 
         return forward

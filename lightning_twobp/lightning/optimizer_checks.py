@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -24,6 +25,7 @@ class NonFiniteError(RuntimeError):
     """A loss or gradient was inf or NaN under ``on_nonfinite="stop"``: raised on every rank at once."""
 
 
+@dataclass(eq=False)  # one per Trainer call, compared by identity
 class OptimizerChecks:
     """Clipping and the non-finite policy over the pipeline group, per optimizer.
 
@@ -31,27 +33,19 @@ class OptimizerChecks:
     another rank counts in the global norm (tied copies). ``group`` is the pipeline's, or the world's
     under ``data_parallel="shard"`` (``pipeline_degree`` then maps its ranks to pipeline ranks)."""
 
-    def __init__(
-        self,
-        options: PipelineOptions,
-        group: dist.ProcessGroup | None,
-        device: torch.device,
-        stages_of: Callable[[int], Sequence[int]],
-        pp_rank: int,
-        not_counted: Any,
-        pipeline_degree: int | None = None,
-    ) -> None:
-        self.options = options
-        self.group = group
-        self.device = device
-        self.stages_of = stages_of
-        self.pp_rank = pp_rank
-        self.not_counted = not_counted
-        self.pipeline_degree = pipeline_degree
-        self.checks: dict[int, StepValidation] = {}  # by id(optimizer)
-        self.max_norms: dict[int, float] = {}  # this step's clipping, by id(optimizer), if Lightning asked
-        self.counts = {"clipped": 0, "skipped": 0, "redone": 0}
-        self.nonfinite_step: int | None = None  # a step that left non-finite weights: nothing is saved
+    options: PipelineOptions
+    group: dist.ProcessGroup | None
+    device: torch.device
+    stages_of: Callable[[int], Sequence[int]]
+    pp_rank: int
+    not_counted: Any
+    pipeline_degree: int | None = None
+    checks: dict[int, StepValidation] = field(init=False, default_factory=dict)  # by id(optimizer)
+    # this step's clipping, by id(optimizer), if Lightning asked
+    max_norms: dict[int, float] = field(init=False, default_factory=dict)
+    counts: dict[str, int] = field(init=False, default_factory=lambda: {"clipped": 0, "skipped": 0, "redone": 0})
+    # a step that left non-finite weights: nothing is saved
+    nonfinite_step: int | None = field(init=False, default=None)
 
     def nonfinite_refusal(self) -> str | None:
         """Why no checkpoint may be written now (the weights are known not to be finite), or None."""

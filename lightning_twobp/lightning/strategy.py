@@ -90,23 +90,8 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
                 f"(the pipeline schedule computes the gradients and reduces them over data-parallel replicas "
                 f"itself); remove them"
             )
-        self.requested = PipelineOptions(
-            schedule=schedule,
-            split_backward=split_backward,
-            num_microbatches=num_microbatches,
-            pipeline_degree=pipeline_degree,
-            stages_per_rank=stages_per_rank,
-            balance=balance,  # type: ignore[arg-type]  # a list is checked, then frozen to a tuple
-            layers=layers,
-            gather_full_model=gather_full_model,
-            post_validation=post_validation,
-            on_nonfinite=on_nonfinite,
-            pipeline_timeout=pipeline_timeout,
-            max_pending_w=max_pending_w,  # type: ignore[arg-type]  # a list is checked, then frozen to a tuple
-            memory_limit=memory_limit,
-            data_parallel=data_parallel,
-            activation_checkpointing=activation_checkpointing,
-        )
+        # The parameters named as PipelineOptions' fields, which lists and checks them (one list).
+        self.requested = PipelineOptions.from_mapping(locals())
         # What runs: the user's options, or with schedule="auto" the choice made at the first setup.
         self.options = self.requested
         self.auto_choice: AutoChoice | None = None  # schedule="auto": what it chose, and from which costs

@@ -9,7 +9,8 @@ module's one outermost ``nn.Sequential``, called once per step). ``training_step
 so a subclass defines the layers, :meth:`compute_loss`, and :meth:`sample_input` (one input of the
 Sequential, shaped for a memory planner); :class:`LanguageModel` defines both for models on token ids.
 Constructors take flat keyword arguments, as Hydra passes them from yaml, and call
-``save_hyperparameters()`` themselves.
+``save_hyperparameters()`` themselves; this package's models take PipelineModule's own as ``**training``
+(:class:`Training`, filled in by :func:`training_arguments`).
 """
 
 from __future__ import annotations
@@ -21,11 +22,34 @@ import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
 from torch import nn
-from typing_extensions import override
+from typing_extensions import TypedDict, override
 
-__all__ = ["LanguageModel", "PipelineModule", "WarmupThenDecay"]
+__all__ = ["LanguageModel", "PipelineModule", "Training", "WarmupThenDecay", "training_arguments"]
 
 _DECAYS = ("constant", "cosine")
+
+
+class Training(TypedDict, total=False):
+    """:class:`PipelineModule`'s arguments (see its Args), which a model takes as ``**training: Unpack[Training]``
+    after its own and passes on."""
+
+    lr: float
+    weight_decay: float
+    warmup_steps: int
+    lr_decay: str
+    seed: int | None
+
+
+_DEFAULTS: Training = {"weight_decay": 0.0, "warmup_steps": 0, "lr_decay": "constant", "seed": 0}
+
+
+def training_arguments(given: Training, lr: float) -> Training:
+    """All five training arguments: ``given``, else the model's default ``lr`` and PipelineModule's defaults.
+
+    A model rebinds its ``training`` to this before it calls ``save_hyperparameters()``, which records the
+    calling ``__init__``'s ``**training`` as it stands then: the hyperparameters hold all five, defaults
+    included, in this order, as when every model listed them in its own signature."""
+    return {"lr": lr, **_DEFAULTS, **given}
 
 
 class WarmupThenDecay:
@@ -60,10 +84,10 @@ class PipelineModule(pl.LightningModule):
     def __init__(
         self,
         lr: float,
-        weight_decay: float = 0.0,
-        warmup_steps: int = 0,
-        lr_decay: str = "constant",
-        seed: int | None = 0,
+        weight_decay: float = _DEFAULTS["weight_decay"],
+        warmup_steps: int = _DEFAULTS["warmup_steps"],
+        lr_decay: str = _DEFAULTS["lr_decay"],
+        seed: int | None = _DEFAULTS["seed"],
     ) -> None:
         super().__init__()
         if seed is not None:  # before the subclass builds its layers: every process builds the same weights

@@ -22,8 +22,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from typing_extensions import Unpack
 
-from lightning_twobp.models.base import LanguageModel
+from lightning_twobp.models.base import LanguageModel, Training, training_arguments
 
 __all__ = ["BertEmbeddings", "BertLayer", "BertMLM", "MLMHead", "build_bert"]
 
@@ -130,6 +131,8 @@ class BertMLM(LanguageModel):
 
     BERT-Large: ``vocab_size=30522, dim=1024, n_layers=24, n_heads=16, ffn_hidden=4096, max_seq_len=512``
     (366,426,938 parameters with the untied decoder; 335,141,888 in the reference BertModel).
+    ``**training``: the optimizer and seed arguments, :class:`~lightning_twobp.models.base.Training`
+    (``lr=1e-3`` by default).
     """
 
     def __init__(
@@ -142,13 +145,10 @@ class BertMLM(LanguageModel):
         max_seq_len: int = 128,
         type_vocab_size: int = 0,
         dropout: float = 0.0,
-        lr: float = 1e-3,
-        weight_decay: float = 0.0,
-        warmup_steps: int = 0,
-        lr_decay: str = "constant",
-        seed: int | None = 0,
+        **training: Unpack[Training],
     ) -> None:
-        super().__init__(lr=lr, weight_decay=weight_decay, warmup_steps=warmup_steps, lr_decay=lr_decay, seed=seed)
+        training = training_arguments(training, lr=1e-3)  # all five, for save_hyperparameters()
+        super().__init__(**training)
         self.save_hyperparameters()
         self.max_seq_len = max_seq_len
         self.layers = build_bert(

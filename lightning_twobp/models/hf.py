@@ -15,9 +15,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from typing_extensions import override
+from typing_extensions import Unpack, override
 
-from lightning_twobp.models.base import LanguageModel
+from lightning_twobp.models.base import LanguageModel, Training, training_arguments
 
 __all__ = ["HFCausalLM"]
 
@@ -42,6 +42,8 @@ class HFCausalLM(LanguageModel):
     -100 (padding) are ignored. ``tie_embeddings`` ties the LM head to the token embedding (GPT-2's
     default): the embedding then lives on the first stage and the head on the last, kept in sync.
     Dropout is off by default (``dropout``), so a pipelined run can be compared with one process.
+    ``**training``: the optimizer and seed arguments, :class:`~lightning_twobp.models.base.Training`
+    (``lr=3e-3`` by default).
     """
 
     def __init__(
@@ -55,13 +57,10 @@ class HFCausalLM(LanguageModel):
         max_seq_len: int = 64,
         tie_embeddings: bool = True,
         dropout: float = 0.0,
-        lr: float = 3e-3,
-        weight_decay: float = 0.0,
-        warmup_steps: int = 0,
-        lr_decay: str = "constant",
-        seed: int | None = 0,
+        **training: Unpack[Training],
     ) -> None:
-        super().__init__(lr=lr, weight_decay=weight_decay, warmup_steps=warmup_steps, lr_decay=lr_decay, seed=seed)
+        training = training_arguments(training, lr=3e-3)  # all five, for save_hyperparameters()
+        super().__init__(**training)
         self.save_hyperparameters()
         if arch not in _ARCHS:
             raise ValueError(f"arch={arch!r}: choose one of {', '.join(_ARCHS)}")

@@ -13,8 +13,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from typing_extensions import Unpack
 
-from lightning_twobp.models.base import LanguageModel
+from lightning_twobp.models.base import LanguageModel, Training, training_arguments
 
 
 @dataclass(frozen=True)
@@ -171,6 +172,8 @@ class LlamaLM(LanguageModel):
     cross-entropy of the logits against ``targets``. The 2BP paper's Transformer-7b is ``dim=4096,
     n_layers=32, n_heads=32, ffn_hidden=11008, vocab_size=32000, max_seq_len=1024`` (6.74e9 parameters).
     ``seed`` seeds the initialisation so every process builds the same weights.
+    ``**training``: the optimizer and seed arguments, :class:`~lightning_twobp.models.base.Training`
+    (``lr=3e-3`` by default).
     """
 
     def __init__(
@@ -182,13 +185,10 @@ class LlamaLM(LanguageModel):
         n_kv_heads: int | None = None,
         ffn_hidden: int | None = None,
         max_seq_len: int = 64,
-        lr: float = 3e-3,
-        weight_decay: float = 0.0,
-        warmup_steps: int = 0,
-        lr_decay: str = "constant",
-        seed: int | None = 0,
+        **training: Unpack[Training],
     ) -> None:
-        super().__init__(lr=lr, weight_decay=weight_decay, warmup_steps=warmup_steps, lr_decay=lr_decay, seed=seed)
+        training = training_arguments(training, lr=3e-3)  # all five, for save_hyperparameters()
+        super().__init__(**training)
         self.save_hyperparameters()
         self.max_seq_len = max_seq_len
         self.config = LlamaConfig(

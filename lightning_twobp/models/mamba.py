@@ -32,8 +32,9 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+from typing_extensions import Unpack
 
-from lightning_twobp.models.base import LanguageModel
+from lightning_twobp.models.base import LanguageModel, Training, training_arguments
 from lightning_twobp.models.llama import RMSNorm
 
 __all__ = ["MambaBlock", "MambaHead", "MambaLM", "MambaMixer", "build_mamba", "selective_scan"]
@@ -206,6 +207,8 @@ class MambaLM(LanguageModel):
 
     Batches are ``(ids, targets)``, both ``(B, L)`` int64. The model takes any length; ``max_seq_len``
     only sizes :meth:`sample_input`. ``dt_rank=None`` is the reference's "auto", ``ceil(dim / 16)``.
+    ``**training``: the optimizer and seed arguments, :class:`~lightning_twobp.models.base.Training`
+    (``lr=1e-3`` by default).
     """
 
     def __init__(
@@ -219,13 +222,10 @@ class MambaLM(LanguageModel):
         dt_rank: int | None = None,
         max_seq_len: int = 64,
         scan_chunk: int = 16,
-        lr: float = 1e-3,
-        weight_decay: float = 0.0,
-        warmup_steps: int = 0,
-        lr_decay: str = "constant",
-        seed: int | None = 0,
+        **training: Unpack[Training],
     ) -> None:
-        super().__init__(lr=lr, weight_decay=weight_decay, warmup_steps=warmup_steps, lr_decay=lr_decay, seed=seed)
+        training = training_arguments(training, lr=1e-3)  # all five, for save_hyperparameters()
+        super().__init__(**training)
         self.save_hyperparameters()
         self.max_seq_len = max_seq_len
         self.layers = build_mamba(vocab_size, dim, n_layers, d_state, d_conv, expand, dt_rank, scan_chunk)

@@ -25,9 +25,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torchmetrics.classification import MulticlassAccuracy
-from typing_extensions import override
+from typing_extensions import Unpack, override
 
-from lightning_twobp.models.base import PipelineModule
+from lightning_twobp.models.base import PipelineModule, Training, training_arguments
 
 __all__ = ["Bottleneck", "ResNetClassifier", "ResNetHead", "build_resnet"]
 
@@ -115,6 +115,8 @@ class ResNetClassifier(PipelineModule):
     / samples): averaged over micro-batches weighted by their sizes, as the pipeline does, it equals the
     whole batch's accuracy (a macro average over classes would not). The metric objects hold no
     parameters and sit outside the Sequential.
+    ``**training``: the optimizer and seed arguments, :class:`~lightning_twobp.models.base.Training`
+    (``lr=1e-3`` by default).
     """
 
     def __init__(
@@ -124,13 +126,10 @@ class ResNetClassifier(PipelineModule):
         width: int = 64,
         image_size: int = 224,
         norm: str = "batch",
-        lr: float = 1e-3,
-        weight_decay: float = 0.0,
-        warmup_steps: int = 0,
-        lr_decay: str = "constant",
-        seed: int | None = 0,
+        **training: Unpack[Training],
     ) -> None:
-        super().__init__(lr=lr, weight_decay=weight_decay, warmup_steps=warmup_steps, lr_decay=lr_decay, seed=seed)
+        training = training_arguments(training, lr=1e-3)  # all five, for save_hyperparameters()
+        super().__init__(**training)
         self.save_hyperparameters()
         self.image_size = image_size
         self.layers = build_resnet(depth, num_classes, width, norm)

@@ -85,45 +85,26 @@ def _v_row(p: int, m: int, r: int) -> tuple[Action, ...]:
     n = max(m, 2 * p - 1)
     chunk = (r, 2 * p - 1 - r)  # this rank's stages: chunk 0 on the way down, chunk 1 on the way up
     row: list[Action] = []
-    f, b, w = [0, 0], [0, 0], [0, 0]  # next F, B and W micro-batch per chunk
+    done = {"F": [0, 0], "B": [0, 0], "W": [0, 0]}  # per kind, the next micro-batch of each chunk
 
-    def fwd(c: int) -> None:
-        row.append(Action("F", chunk[c], f[c]))
-        f[c] += 1
+    def run(times: int, ops: str) -> None:
+        """``ops`` ``times`` over, in the paper's terms: ``"F1 F0"`` is an F of chunk 1, then one of chunk 0."""
+        for _ in range(times):
+            for op in ops.split():
+                kind, c = op[0], int(op[1])
+                row.append(Action(kind, chunk[c], done[kind][c]))
+                done[kind][c] += 1
 
-    def bwd(c: int) -> None:
-        row.append(Action("B", chunk[c], b[c]))
-        b[c] += 1
-
-    def wgt(c: int) -> None:
-        row.append(Action("W", chunk[c], w[c]))
-        w[c] += 1
-
-    for _ in range(2 * (p - r) - 1):
-        fwd(0)
-    for _ in range(r):
-        fwd(1)
-        fwd(0)
-    for _ in range(p - r):
-        fwd(1)
-        bwd(1)
-        wgt(1)
-    while f[1] < f[0] or f[0] < n:
+    f, w = done["F"], done["W"]
+    run(2 * (p - r) - 1, "F0")  # the module docstring's steps: 1. down the V
+    run(r, "F1 F0")
+    run(p - r, "F1 B1 W1")  # 2. the V's turn at the bottom
+    while f[1] < f[0] or f[0] < n:  # 3. the steady state
         if f[0] < n:
-            fwd(0)
-        bwd(0)
-        wgt(0)
-        fwd(1)
-        bwd(1)
-        wgt(1)
-    for _ in range(r):
-        bwd(0)
-        bwd(1)
-    for _ in range(p - r):
-        bwd(0)
-        wgt(0)
-    while w[1] < n:
-        wgt(1)
-    while w[0] < n:
-        wgt(0)
+            run(1, "F0")
+        run(1, "B0 W0 F1 B1 W1")
+    run(r, "B0 B1")  # 4. the cool-down, chunk 1's W deferred
+    run(p - r, "B0 W0")
+    run(n - w[1], "W1")
+    run(n - w[0], "W0")
     return tuple(a for a in row if all(mb < m for mb in a.microbatches))
