@@ -447,15 +447,42 @@ def _leaf_param(node: Node, params: dict[int, nn.Parameter]) -> nn.Parameter | N
 
 def _plan(outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor], params: dict[int, nn.Parameter]) -> _Plan:
     """Classify the graph below ``outputs``: input path, weight-only region, frontier edges."""
-    input_ids = {id(x) for x in inputs}
-    roots = [o.grad_fn for o in outputs if o.grad_fn is not None]
-    # Iterative post-order DFS: children before parents.
+    order, children = _walk([o.grad_fn for o in outputs if o.grad_fn is not None])
+    _refuse_reentrant(order)
+    reach = _reach(order, children, {id(x) for x in inputs}, params)
+    split = _Split(reach, _sources(order, children, reach), params, _used_outputs(children))
+    for node in reversed(order):  # parents first: the order B reaches them
+        if reach.to_input[node] and getattr(node, "variable", None) is None:
+            split.add(node)
+    to_input, to_param = reach.to_input, reach.to_param
+    weight_roots = [
+        i
+        for i, o in enumerate(outputs)
+        if (o.grad_fn is None and id(o) in params)
+        or (o.grad_fn is not None and not to_input[o.grad_fn] and to_param[o.grad_fn])
+    ]
+    if split.fallback:
+        log.debug("weight-only node shared by several frontier nodes: W taken in B for this micro-batch")
+        return _Plan([], [], [], [], True, 0, split.num_deferred + len(split.early), split.unreadable)
+    return _Plan(
+        split.frontier,
+        split.fast,
+        split.early,
+        weight_roots,
+        False,
+        split.num_deferred,
+        len(split.early),
+        split.unreadable,
+    )
+
+
+def _walk(roots: list[Node]) -> tuple[list[Node], dict[Node, list[tuple[Node, int]]]]:
+    """Every node below ``roots`` in post-order (children before parents), and each node's children."""
     order: list[Node] = []
     children: dict[Node, list[tuple[Node, int]]] = {}
     seen: set[Node] = set()
-    n: Node | None  # a child below; a next_functions entry may be None
     stack: list[tuple[Node, bool]] = [(r, False) for r in roots]
-    while stack:
+    while stack:  # iterative: a deep model's graph would overflow Python's recursion limit
         node, expanded = stack.pop()
         if expanded:
             order.append(node)
@@ -467,14 +494,37 @@ def _plan(outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor], param
         children[node] = kids
         stack.append((node, True))
         stack.extend((n, False) for n, _ in kids if n not in seen)
+    return order, children
 
-    used_outputs = {(n, i) for kids in children.values() for n, i in kids if i}
+
+def _refuse_reentrant(order: list[Node]) -> None:
     for node in order:
         if node.name() == "CheckpointFunctionBackward":
             raise RuntimeError(_REENTRANT)
+
+
+def _used_outputs(children: dict[Node, list[tuple[Node, int]]]) -> set[tuple[Node, int]]:
+    """(node, output index) pairs some node takes a gradient from, beyond each node's first output."""
+    return {(n, i) for kids in children.values() for n, i in kids if i}
+
+
+@dataclass
+class _Reach:
+    """Per node: does it lead to an input that requires grad, to a parameter."""
+
+    to_input: dict[Node, bool]
+    to_param: dict[Node, bool]
+
+
+def _reach(
+    order: list[Node],
+    children: dict[Node, list[tuple[Node, int]]],
+    input_ids: set[int],
+    params: dict[int, nn.Parameter],
+) -> _Reach:
     to_input: dict[Node, bool] = {}
     to_param: dict[Node, bool] = {}
-    for node in order:
+    for node in order:  # children first: a node's answer is known from its children's
         var = getattr(node, "variable", None)
         if var is not None:
             to_input[node] = id(var) in input_ids
@@ -483,9 +533,13 @@ def _plan(outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor], param
         kids = children[node]
         to_input[node] = any(to_input[n] for n, _ in kids)
         to_param[node] = any(to_param[n] for n, _ in kids)
+    return _Reach(to_input, to_param)
 
-    # Weight-only entry nodes and the input-path nodes that feed them, directly or through
-    # weight-only nodes (walked parents-first so a node's sources are known before its children).
+
+def _sources(order: list[Node], children: dict[Node, list[tuple[Node, int]]], reach: _Reach) -> dict[Node, set[Node]]:
+    """Weight-only entry nodes and the input-path nodes that feed them, directly or through
+    weight-only nodes (walked parents-first so a node's sources are known before its children)."""
+    to_input, to_param = reach.to_input, reach.to_param
     sources: dict[Node, set[Node]] = {}
     for node in reversed(order):
         if not to_input[node]:
@@ -499,57 +553,64 @@ def _plan(outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor], param
         for n, _ in children[node]:
             if to_param[n]:
                 sources.setdefault(n, set()).update(sources[node])
+    return sources
 
-    frontier: list[tuple[Node, list[tuple[Node, int]]]] = []
-    fast: list[formulas.FastW] = []
-    early: list[GradientEdge] = []
-    early_seen: set[tuple[Node, int]] = set()
-    num_deferred = 0
-    fallback = False
-    unreadable: list[str] = []
-    for node in reversed(order):  # parents first: the order B reaches them
-        if not to_input[node] or getattr(node, "variable", None) is not None:
-            continue
-        single: dict[int, tuple[Node, int]] = {}
-        for pos, (n, i) in enumerate(node.next_functions):
-            if n is None or to_input[n] or not to_param[n]:
-                continue
-            if len(sources[n]) == 1:
-                single[pos] = (n, i)
-            elif getattr(n, "variable", None) is not None:
-                # A parameter used directly by several input-path ops: take its edges in B.
-                if (n, i) not in early_seen:
-                    early_seen.add((n, i))
-                    early.append(GradientEdge(n, i))
-            else:
-                fallback = True
-                num_deferred += 1  # counted as taken in B below
-        if (single or early_seen) and node.name() == "CompiledFunctionBackward":
+
+@dataclass
+class _Split:
+    """The plan's choices, one input-path node at a time: each weight edge deferred to W (by formula
+    or through the frontier), taken in B, or the whole micro-batch's weights taken in B (fallback)."""
+
+    reach: _Reach
+    sources: dict[Node, set[Node]]
+    params: dict[int, nn.Parameter]
+    used_outputs: set[tuple[Node, int]]
+    frontier: list[tuple[Node, list[tuple[Node, int]]]] = field(default_factory=list)
+    fast: list[formulas.FastW] = field(default_factory=list)
+    early: list[GradientEdge] = field(default_factory=list)
+    early_seen: set[tuple[Node, int]] = field(default_factory=set)
+    num_deferred: int = 0
+    fallback: bool = False
+    unreadable: list[str] = field(default_factory=list)
+
+    def add(self, node: Node) -> None:
+        single = self._weight_edges(node)
+        if (single or self.early_seen) and node.name() == "CompiledFunctionBackward":
             raise RuntimeError(_COMPILED)
         try:
             # A node whose second or third output feeds on (``native_batch_norm``'s saved mean) gets
             # a gradient there that the formulas do not take: leave it to autograd.
-            whole = single and not any((node, k) in used_outputs for k in (1, 2))
-            direct, covered = formulas.direct(node, single, params) if whole else ([], set())
+            whole = single and not any((node, k) in self.used_outputs for k in (1, 2))
+            direct, covered = formulas.direct(node, single, self.params) if whole else ([], set())
         except SavedUnavailable as e:
             direct, covered = [], set()
-            unreadable.append(str(e))
-        fast.extend(direct)
-        num_deferred += len(covered)
+            self.unreadable.append(str(e))
+        self.fast.extend(direct)
+        self.num_deferred += len(covered)
         deferred = [e for pos, e in single.items() if pos not in covered]
         if deferred:
-            frontier.append((node, deferred))
-            num_deferred += len(deferred)
-    weight_roots = [
-        i
-        for i, o in enumerate(outputs)
-        if (o.grad_fn is None and id(o) in params)
-        or (o.grad_fn is not None and not to_input[o.grad_fn] and to_param[o.grad_fn])
-    ]
-    if fallback:
-        log.debug("weight-only node shared by several frontier nodes: W taken in B for this micro-batch")
-        return _Plan([], [], [], [], True, 0, num_deferred + len(early), unreadable)
-    return _Plan(frontier, fast, early, weight_roots, False, num_deferred, len(early), unreadable)
+            self.frontier.append((node, deferred))
+            self.num_deferred += len(deferred)
+
+    def _weight_edges(self, node: Node) -> dict[int, tuple[Node, int]]:
+        """``node``'s edges into the weight-only region that only it feeds (position -> edge); a
+        parameter several input-path ops use directly goes to ``early``; anything else shared: fallback."""
+        to_input, to_param = self.reach.to_input, self.reach.to_param
+        single: dict[int, tuple[Node, int]] = {}
+        for pos, (n, i) in enumerate(node.next_functions):
+            if n is None or to_input[n] or not to_param[n]:
+                continue
+            if len(self.sources[n]) == 1:
+                single[pos] = (n, i)
+            elif getattr(n, "variable", None) is not None:
+                # A parameter used directly by several input-path ops: take its edges in B.
+                if (n, i) not in self.early_seen:
+                    self.early_seen.add((n, i))
+                    self.early.append(GradientEdge(n, i))
+            else:
+                self.fallback = True
+                self.num_deferred += 1  # counted as taken in B by the plan
+        return single
 
 
 def _params_below(nodes: Iterable[Node], params: dict[int, nn.Parameter]) -> list[nn.Parameter]:
