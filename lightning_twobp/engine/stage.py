@@ -33,9 +33,10 @@ in B and W only accumulates them. Both stay exact; ``Stage.deferred_fraction`` t
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -103,6 +104,7 @@ class Stage:
         self.deferred_edges = 0
         self.early_edges = 0
         self._warned = False  # the slow-path warning, once per stage
+        self._looked = False  # the first F's graph searched for a reentrant checkpoint
 
     # ------------------------------------------------------------------ bookkeeping
     def refresh_parameters(self) -> None:
@@ -139,6 +141,9 @@ class Stage:
             return self.module(*local, **kwargs)
         flat_out, spec = pytree.tree_flatten(out)
         roots = [t for t in flat_out if _is_tensor_requiring_grad(t)]
+        if not self._looked:  # the stage's first F: refuse what B cannot split before any backward runs
+            self._looked = True
+            _refuse_reentrant(_walk([t.grad_fn for t in roots if t.grad_fn is not None])[0])
         self._pending[mb] = _Pending(inputs=local, outputs=roots, out_spec=spec, flat_out=flat_out)
         return out
 
@@ -286,18 +291,19 @@ class Stage:
         # targets: no Python call per node); frontier nodes need every output's, so a pre-hook.
         fast_nodes = list(dict.fromkeys(f.node for f in plan.fast))
         handles = [node.register_prehook(_Recorder(p.captured, node)) for node, _ in plan.frontier]
-        operands = _bind(plan.fast)
         try:
-            grads = torch.autograd.grad(
-                p.outputs,
-                inputs + plan.early_edges + [GradientEdge(n, 0) for n in fast_nodes],
-                grads_out,
-                allow_unused=True,
-                # W re-enters the graph only at frontier nodes without a direct formula. When every
-                # weight grad has one, the graph goes now and a micro-batch keeps only the saved
-                # operands and recorded grads those formulas need.
-                retain_graph=bool(plan.frontier),
-            )
+            with _one_recompute():
+                operands = [f.bind() for f in plan.fast]  # read before the engine call frees the graph
+                grads = torch.autograd.grad(
+                    p.outputs,
+                    inputs + plan.early_edges + [GradientEdge(n, 0) for n in fast_nodes],
+                    grads_out,
+                    allow_unused=True,
+                    # W re-enters the graph only at frontier nodes without a direct formula. When every
+                    # weight grad has one, the graph goes now and a micro-batch keeps only the saved
+                    # operands and recorded grads those formulas need.
+                    retain_graph=bool(plan.frontier),
+                )
         finally:
             for h in handles:
                 h.remove()
@@ -392,25 +398,21 @@ class _Recorder:
         self.store[self.node] = tuple(grad_outputs)
 
 
-def _bind(fast: list[formulas.FastW]) -> list[tuple[Any, ...]]:
-    """Every W formula's operands, read before B's engine call frees the graph.
-
-    In a region under ``torch.utils.checkpoint(use_reentrant=False)`` each read made outside a backward
-    recomputes the region; inside one ``GraphExecGroup`` they share a single recompute. (Reading them
-    from B's own engine call instead would need the engine's recompute, but a checkpointed tensor may
-    be unpacked once per backward and the engine unpacks every saved tensor of a node it runs.)"""
-    if not fast:
-        return []
+@contextlib.contextmanager
+def _one_recompute() -> Iterator[None]:
+    """One recompute of each ``torch.utils.checkpoint(use_reentrant=False)`` region for all of B: W's
+    operand reads (:func:`~lightning_twobp.engine.graph.peek`, which does not use up a checkpointed
+    tensor's one unpack) and B's engine call, inside one ``GraphExecGroup``. Without it each would
+    recompute the region (3 forwards per block per micro-batch, against 2 in a plain backward)."""
     group = getattr(checkpoint_utils, "GraphExecGroup", None)
-    if group is None:
-        return [f.bind() for f in fast]
-    try:
-        with group():
-            return [f.bind() for f in fast]
-    except RuntimeError as e:
-        if "cannot be nested" not in str(e):
-            raise
-        return [f.bind() for f in fast]  # the caller's own group: its recompute is shared already
+    with contextlib.ExitStack() as stack:
+        try:
+            if group is not None:  # torch before 2.9 has none: each read recomputes (exact, only slower)
+                stack.enter_context(group())
+        except RuntimeError as e:
+            if "cannot be nested" not in str(e):
+                raise  # else the caller's own group: its recompute is shared already
+        yield
 
 
 @dataclass
@@ -428,9 +430,10 @@ class _Plan:
 _REENTRANT = (
     "2BP split: this stage calls torch.utils.checkpoint with use_reentrant=True, whose backward runs the "
     "block's whole backward (weights included) inside one opaque node, so B cannot leave the weight "
-    "gradients to W. Pass use_reentrant=False (Hugging Face: model.gradient_checkpointing_enable("
-    "gradient_checkpointing_kwargs={'use_reentrant': False})); the split then recomputes the block for B "
-    "and W reuses the recomputed tensors."
+    "gradients to W. Pass use_reentrant=False: the same gradients, and the split recomputes the block once, "
+    "in B, where W keeps the weight GEMMs' inputs of that recompute. (A Hugging Face model's "
+    "gradient_checkpointing_enable() needs no change under TwoBPStrategy, which runs it non-reentrant; with "
+    "the bare engine pass gradient_checkpointing_kwargs={'use_reentrant': False}.)"
 )
 
 _COMPILED = (
