@@ -6,11 +6,12 @@ Through the Trainer on 2 ranks: tests/test_activation_checkpointing.py."""
 from __future__ import annotations
 
 import copy
+import functools
 
 import pytest
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from lightning_twobp.engine import Stage
 from lightning_twobp.engine.graph import check_checkpoint_peek
@@ -110,3 +111,29 @@ def test_checkpointed_stage_is_exact_and_counts_its_forwards(value, calls):
     assert _split_against_plain(blocks, nn.Sequential(*blocks)) == calls
     undo()
     assert all("forward" not in vars(b) for b in blocks), "the blocks were not left as they were found"
+
+
+def _save_matmuls(ctx, op, *args, **kwargs):
+    mm = op in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default)
+    return CheckpointPolicy.MUST_SAVE if mm else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+class Selective(nn.Module):
+    """The user's own selective checkpointing: the matmul outputs kept, the cheap ops recomputed."""
+
+    def __init__(self, blocks: list[Counted]) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(blocks)
+
+    def forward(self, x):
+        context = functools.partial(create_selective_checkpoint_contexts, _save_matmuls)
+        for b in self.blocks:
+            x = checkpoint(b, x, use_reentrant=False, context_fn=context)
+        return x
+
+
+def test_users_selective_checkpointing_is_exact_and_recomputes_once():
+    """torch's selective checkpointing serves each kept output to one recompute: B's, shared with W."""
+    torch.manual_seed(0)
+    blocks = [Counted() for _ in range(2)]
+    assert _split_against_plain(blocks, Selective(blocks)) == [4, 4]
