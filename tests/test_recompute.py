@@ -14,6 +14,7 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from lightning_twobp.engine import Stage
+from lightning_twobp.engine.footprint import measure_layer
 from lightning_twobp.engine.graph import check_checkpoint_peek
 from lightning_twobp.lightning.checkpointing import apply_activation_checkpointing, check_activation_checkpointing
 from lightning_twobp.models.llama import Block, LlamaConfig
@@ -137,3 +138,18 @@ def test_users_selective_checkpointing_is_exact_and_recomputes_once():
     torch.manual_seed(0)
     blocks = [Counted() for _ in range(2)]
     assert _split_against_plain(blocks, Selective(blocks)) == [4, 4]
+
+
+def test_checkpointed_block_holds_from_b_to_w_what_a_plain_one_does():
+    """After B a checkpointed block keeps only W's operands (the weight GEMMs' inputs) and the recorded
+    gradients, the same bytes as without checkpointing, and no graph: the recompute's rest went at B."""
+    torch.manual_seed(0)
+    plain, checkpointed = Counted(), Counted()
+    checkpointed.load_state_dict(plain.state_dict())
+    undo = apply_activation_checkpointing([(0, checkpointed)], "full")
+    x = torch.randn(2, 7, 32)
+    with_ac, without = measure_layer(checkpointed, x, True), measure_layer(plain, x, True)
+    undo()
+    assert not with_ac.graph_kept and not without.graph_kept
+    assert with_ac.held_bytes == without.held_bytes > 0
+    assert checkpointed.calls == 2 and plain.calls == 1
