@@ -94,8 +94,11 @@ def peek(node: Node, name: str) -> Any:
     stand-in holder that lets the hook read the handle but not clear it, both reads share the group's
     one recompute: B recomputes the block once and W keeps the operands it made (2 forwards per
     block per micro-batch, as a plain backward). Anything else reads as :func:`saved` does."""
-    raw = getattr(node, f"_raw_saved_{name}", None)  # tensors only: ``alpha`` and the like have none
-    holder = getattr(raw, "data", None)
+    try:
+        raw = getattr(node, f"_raw_saved_{name}", None)  # tensors only: ``alpha`` and the like have none
+        holder = getattr(raw, "data", None)
+    except RuntimeError:  # freed: let saved() say so
+        raw = holder = None
     if raw is None or not isinstance(holder, checkpoint_utils._Holder):
         return saved(node, name)
     try:
