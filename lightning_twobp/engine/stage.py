@@ -407,7 +407,7 @@ def _one_recompute() -> Iterator[None]:
     group = getattr(checkpoint_utils, "GraphExecGroup", None)
     with contextlib.ExitStack() as stack:
         try:
-            if group is not None:  # torch before 2.9 has none: each read recomputes (exact, only slower)
+            if group is not None:  # an older torch has none: each read recomputes (exact, only slower)
                 stack.enter_context(group())
         except RuntimeError as e:
             if "cannot be nested" not in str(e):
