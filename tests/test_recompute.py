@@ -1,16 +1,21 @@
-"""Activation checkpointing under the split: the user's torch.utils.checkpoint and the strategy's option
-(``activation_checkpointing``), exact, few recomputes, the reentrant form refused clearly."""
+"""Activation checkpointing under the split, on one stage: the user's torch.utils.checkpoint and the
+strategy's option (``activation_checkpointing``), exact, each checkpointed block's forward run twice per
+micro-batch (F, and B's one recompute whose operands W keeps), the reentrant form refused at the first F.
+Through the Trainer on 2 ranks: tests/test_activation_checkpointing.py."""
 
 from __future__ import annotations
 
 import copy
+import functools
 
 import pytest
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from lightning_twobp.engine import Stage
+from lightning_twobp.engine.footprint import measure_layer
+from lightning_twobp.engine.graph import check_checkpoint_peek
 from lightning_twobp.lightning.checkpointing import apply_activation_checkpointing, check_activation_checkpointing
 from lightning_twobp.models.llama import Block, LlamaConfig
 
@@ -64,18 +69,24 @@ def _split_against_plain(blocks: list[Counted], stage_module: nn.Module) -> list
 
 
 def test_checkpointed_blocks_are_exact_and_recompute_once_for_b_and_w():
-    """Forwards per block per micro-batch: F, one recompute whose tensors W's formulas keep, and B's
-    own (was 1 in F + 10 in B on this 3-block stage; a plain backward is 2)."""
+    """Forwards per block per micro-batch: F, and one recompute in B whose tensors W's formulas keep, as a
+    plain backward (was 1 in F + 10 in B on this 3-block stage, then 3)."""
     torch.manual_seed(0)
     blocks = [Counted() for _ in range(3)]
-    assert _split_against_plain(blocks, Checkpointed(blocks)) == [6, 6, 6], "forwards over 2 micro-batches"
+    assert _split_against_plain(blocks, Checkpointed(blocks)) == [4, 4, 4], "forwards over 2 micro-batches"
 
 
-def test_reentrant_checkpoint_gets_our_message():
-    stage = Stage(Checkpointed([Counted()], reentrant=True))
-    stage.forward(0, torch.randn(2, 7, 32, requires_grad=True))
-    with pytest.raises(RuntimeError, match="use_reentrant=False"):
-        stage.backward_input(0, torch.ones(2, 7, 32))
+def test_operand_reads_share_bs_recompute():
+    """The guard of engine.graph.peek: torch's checkpoint holder and unpack hook as it assumes them."""
+    check_checkpoint_peek()
+
+
+def test_reentrant_checkpoint_is_refused_at_the_first_forward():
+    module = Checkpointed([Counted()], reentrant=True)
+    stage = Stage(module)
+    with pytest.raises(RuntimeError, match=r"use_reentrant=True.*Pass use_reentrant=False"):
+        stage.forward(0, torch.randn(2, 7, 32, requires_grad=True))
+    assert module.blocks[0].calls == 1 and stage.in_flight == (), "refused after one forward, nothing held"
 
 
 @pytest.mark.parametrize("bad", [0, -1, True, 1.5, "some", "FULL"])
@@ -91,13 +102,54 @@ def test_selective_is_refused_saying_why():
 
 @pytest.mark.parametrize(
     ("value", "calls"),
-    [("full", [6, 6, 6]), (2, [6, 2, 6]), (None, [2, 2, 2])],
+    [("full", [4, 4, 4]), (2, [4, 2, 4]), (None, [2, 2, 2])],
 )
 def test_checkpointed_stage_is_exact_and_counts_its_forwards(value, calls):
-    """Forwards per block over 2 micro-batches: 3 each when checkpointed (F, W's operands, B), 1 when not."""
+    """Forwards per block over 2 micro-batches: 2 each when checkpointed (F, B's recompute), 1 when not."""
     torch.manual_seed(0)
     blocks = [Counted() for _ in range(3)]
     undo = apply_activation_checkpointing(list(enumerate(blocks)), value)
     assert _split_against_plain(blocks, nn.Sequential(*blocks)) == calls
     undo()
     assert all("forward" not in vars(b) for b in blocks), "the blocks were not left as they were found"
+
+
+def _save_matmuls(ctx, op, *args, **kwargs):
+    mm = op in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default)
+    return CheckpointPolicy.MUST_SAVE if mm else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+class Selective(nn.Module):
+    """The user's own selective checkpointing: the matmul outputs kept, the cheap ops recomputed."""
+
+    def __init__(self, blocks: list[Counted]) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(blocks)
+
+    def forward(self, x):
+        context = functools.partial(create_selective_checkpoint_contexts, _save_matmuls)
+        for b in self.blocks:
+            x = checkpoint(b, x, use_reentrant=False, context_fn=context)
+        return x
+
+
+def test_users_selective_checkpointing_is_exact_and_recomputes_once():
+    """torch's selective checkpointing serves each kept output to one recompute: B's, shared with W."""
+    torch.manual_seed(0)
+    blocks = [Counted() for _ in range(2)]
+    assert _split_against_plain(blocks, Selective(blocks)) == [4, 4]
+
+
+def test_checkpointed_block_holds_from_b_to_w_what_a_plain_one_does():
+    """After B a checkpointed block keeps only W's operands (the weight GEMMs' inputs) and the recorded
+    gradients, the same bytes as without checkpointing, and no graph: the recompute's rest went at B."""
+    torch.manual_seed(0)
+    plain, checkpointed = Counted(), Counted()
+    checkpointed.load_state_dict(plain.state_dict())
+    undo = apply_activation_checkpointing([(0, checkpointed)], "full")
+    x = torch.randn(2, 7, 32)
+    with_ac, without = measure_layer(checkpointed, x, True), measure_layer(plain, x, True)
+    undo()
+    assert not with_ac.graph_kept and not without.graph_kept
+    assert with_ac.held_bytes == without.held_bytes > 0
+    assert checkpointed.calls == 2 and plain.calls == 1

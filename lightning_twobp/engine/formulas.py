@@ -34,7 +34,7 @@ import torch
 from torch import nn
 from torch.autograd.graph import GradientEdge, Node
 
-from lightning_twobp.engine.graph import READS, SavedUnavailable, edge_shape, saved, unreadable
+from lightning_twobp.engine.graph import READS, SavedUnavailable, edge_shape, peek, saved, unreadable
 
 __all__ = ["FastW", "direct"]
 
@@ -48,9 +48,10 @@ class FastW(NamedTuple):
     ``targets`` holds one entry per output of the formula (None where that output is not wanted);
     ``positions`` the node's ``next_functions`` it covers. A NamedTuple, not a dataclass: one is made
     per weight per micro-batch in B, where a frozen dataclass's ``__init__`` costs several times more.
-    ``reads`` names the node's saved values the formula takes, read by :meth:`bind` during B (inside
-    B's own engine call, so an activation-checkpointed region is recomputed once, for B, and W reuses
-    what that recompute made); ``static`` holds what the plan already knew (a reduction's shape)."""
+    ``reads`` names the node's saved values the formula takes, read by :meth:`bind` during B, right
+    before B's engine call and in the same ``GraphExecGroup`` (:func:`~lightning_twobp.engine.graph.peek`),
+    so an activation-checkpointed region is recomputed once, for both, and W keeps only these operands
+    of what that recompute made; ``static`` holds what the plan already knew (a reduction's shape)."""
 
     kind: str
     node: Node
@@ -66,7 +67,7 @@ class FastW(NamedTuple):
     def bind(self) -> tuple[Any, ...]:
         """The formula's operands, detached (an unpacked saved input comes back attached to the
         forward graph, which would keep that graph alive until W)."""
-        return tuple(_detach(saved(self.node, r)) for r in self.reads) + self.static
+        return tuple(_detach(peek(self.node, r)) for r in self.reads) + self.static
 
     @torch.no_grad()
     def apply(

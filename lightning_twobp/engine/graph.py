@@ -12,12 +12,23 @@ renames one fails that test loudly instead of sending every model down the slow 
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterator, MutableMapping
 from typing import Any
 
 import torch
 from torch.autograd.graph import Node
+from torch.utils import checkpoint as checkpoint_utils
 
-__all__ = ["READS", "SavedUnavailable", "check_saved_attributes", "edge_shape", "saved", "unreadable"]
+__all__ = [
+    "READS",
+    "SavedUnavailable",
+    "check_checkpoint_peek",
+    "check_saved_attributes",
+    "edge_shape",
+    "peek",
+    "saved",
+    "unreadable",
+]
 
 # The (node name, saved attributes) the fast path reads (engine/formulas.py); for the layer nodes, in the
 # order of the ATen backward's arguments, which the formulas pass them in.
@@ -70,6 +81,62 @@ def saved(node: Node, name: str) -> Any:
         ) from None
     except RuntimeError as e:  # "Trying to backward through the graph a second time ..."
         raise SavedUnavailable(f"{node.name()}._saved_{name}: {e}") from None
+
+
+def peek(node: Node, name: str) -> Any:
+    """What ``node`` saved as ``name``, like :func:`saved`, but a tensor saved inside a non-reentrant
+    ``torch.utils.checkpoint`` region is read without using it up.
+
+    torch lets each checkpointed tensor be unpacked once per backward (per ``GraphExecGroup``): its
+    unpack hook takes the holder's handle for the group, returns the recomputed tensor and clears the
+    handle. W's formulas need their operands (a Linear's input) *and* B's engine call unpacks every
+    saved tensor of each node it runs, the same ones included. Read through torch's own hook with a
+    stand-in holder that lets the hook read the handle but not clear it, both reads share the group's
+    one recompute: B recomputes the block once and W keeps the operands it made (2 forwards per
+    block per micro-batch, as a plain backward). Anything else reads as :func:`saved` does."""
+    try:
+        raw = getattr(node, f"_raw_saved_{name}", None)  # tensors only: ``alpha`` and the like have none
+        holder = getattr(raw, "data", None)
+    except RuntimeError:  # freed: let saved() say so
+        raw = holder = None
+    if raw is None or not isinstance(holder, checkpoint_utils._Holder):
+        return saved(node, name)
+    try:
+        return raw.unpack_hook(_Peek(holder))
+    except RuntimeError as e:  # the graph was freed, or torch's checkpoint refused the read
+        raise SavedUnavailable(f"{node.name()}._saved_{name} (checkpointed): {e}") from None
+
+
+class _Peek:
+    """Stands in for a ``torch.utils.checkpoint`` holder: its ``handles`` read the holder's, and the
+    hook's clearing write is dropped (see :func:`peek`)."""
+
+    __slots__ = ("handles",)
+
+    def __init__(self, holder: Any) -> None:
+        self.handles = _ReadOnly(holder.handles)
+
+
+class _ReadOnly(MutableMapping):
+    """A dict seen through: reads go to it, writes and deletions are dropped."""
+
+    def __init__(self, real: dict) -> None:
+        self.real = real
+
+    def __getitem__(self, key: Any) -> Any:
+        return self.real[key]
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        pass
+
+    def __delitem__(self, key: Any) -> None:
+        pass
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self.real)
+
+    def __len__(self) -> int:
+        return len(self.real)
 
 
 def edge_shape(node: Node, nr: int) -> torch.Size:
@@ -145,3 +212,29 @@ def check_saved_attributes() -> None:
     assert edge_shape(emb.grad_fn, 0) == emb.shape, "_input_metadata no longer gives the output's shape"
     mul = nodes["MulBackward0"]
     assert torch.equal(saved(mul, "self"), x) and torch.equal(saved(mul, "other"), s), "MulBackward0 operands changed"
+
+
+def check_checkpoint_peek() -> None:
+    """Raise ``AssertionError`` when :func:`peek` no longer shares B's recompute of a checkpointed
+    region: torch's holder, its ``handles`` or its unpack hook changed (run by the activation
+    checkpointing tests)."""
+    assert hasattr(checkpoint_utils, "_Holder"), "torch.utils.checkpoint._Holder is gone: update engine/graph.py"
+    group = getattr(checkpoint_utils, "GraphExecGroup", None)
+    assert group is not None, f"torch {torch.__version__} has no torch.utils.checkpoint.GraphExecGroup"
+    calls = []
+    lin = torch.nn.Linear(3, 2)
+
+    def region(x: torch.Tensor) -> torch.Tensor:
+        calls.append(1)
+        return torch.tanh(lin(x))
+
+    x = torch.randn(4, 3, requires_grad=True)
+    y = checkpoint_utils.checkpoint(region, x, use_reentrant=False)
+    addmm = y.grad_fn.next_functions[0][0]
+    assert addmm.name() == "AddmmBackward0", addmm.name()
+    with group():
+        operand = peek(addmm, "mat1")
+        (gx,) = torch.autograd.grad(y, [x], torch.ones_like(y))
+    assert len(calls) == 2, f"forward + recomputes: {len(calls)}, expected 2 (the read and B share one recompute)"
+    assert torch.equal(operand, x.detach()), "the peeked operand is not the region's input"
+    torch.testing.assert_close(gx, (1 - torch.tanh(lin(x)) ** 2) @ lin.weight)

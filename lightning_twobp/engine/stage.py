@@ -33,9 +33,10 @@ in B and W only accumulates them. Both stay exact; ``Stage.deferred_fraction`` t
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -103,6 +104,7 @@ class Stage:
         self.deferred_edges = 0
         self.early_edges = 0
         self._warned = False  # the slow-path warning, once per stage
+        self._looked = False  # the first F's graph searched for a reentrant checkpoint
 
     # ------------------------------------------------------------------ bookkeeping
     def refresh_parameters(self) -> None:
@@ -139,6 +141,9 @@ class Stage:
             return self.module(*local, **kwargs)
         flat_out, spec = pytree.tree_flatten(out)
         roots = [t for t in flat_out if _is_tensor_requiring_grad(t)]
+        if not self._looked:  # the stage's first F: refuse what B cannot split before any backward runs
+            self._looked = True
+            _refuse_reentrant(_walk([t.grad_fn for t in roots if t.grad_fn is not None])[0])
         self._pending[mb] = _Pending(inputs=local, outputs=roots, out_spec=spec, flat_out=flat_out)
         return out
 
@@ -286,18 +291,19 @@ class Stage:
         # targets: no Python call per node); frontier nodes need every output's, so a pre-hook.
         fast_nodes = list(dict.fromkeys(f.node for f in plan.fast))
         handles = [node.register_prehook(_Recorder(p.captured, node)) for node, _ in plan.frontier]
-        operands = _bind(plan.fast)
         try:
-            grads = torch.autograd.grad(
-                p.outputs,
-                inputs + plan.early_edges + [GradientEdge(n, 0) for n in fast_nodes],
-                grads_out,
-                allow_unused=True,
-                # W re-enters the graph only at frontier nodes without a direct formula. When every
-                # weight grad has one, the graph goes now and a micro-batch keeps only the saved
-                # operands and recorded grads those formulas need.
-                retain_graph=bool(plan.frontier),
-            )
+            with _one_recompute():
+                operands = [f.bind() for f in plan.fast]  # read before the engine call frees the graph
+                grads = torch.autograd.grad(
+                    p.outputs,
+                    inputs + plan.early_edges + [GradientEdge(n, 0) for n in fast_nodes],
+                    grads_out,
+                    allow_unused=True,
+                    # W re-enters the graph only at frontier nodes without a direct formula. When every
+                    # weight grad has one, the graph goes now and a micro-batch keeps only the saved
+                    # operands and recorded grads those formulas need.
+                    retain_graph=bool(plan.frontier),
+                )
         finally:
             for h in handles:
                 h.remove()
@@ -392,25 +398,21 @@ class _Recorder:
         self.store[self.node] = tuple(grad_outputs)
 
 
-def _bind(fast: list[formulas.FastW]) -> list[tuple[Any, ...]]:
-    """Every W formula's operands, read before B's engine call frees the graph.
-
-    In a region under ``torch.utils.checkpoint(use_reentrant=False)`` each read made outside a backward
-    recomputes the region; inside one ``GraphExecGroup`` they share a single recompute. (Reading them
-    from B's own engine call instead would need the engine's recompute, but a checkpointed tensor may
-    be unpacked once per backward and the engine unpacks every saved tensor of a node it runs.)"""
-    if not fast:
-        return []
+@contextlib.contextmanager
+def _one_recompute() -> Iterator[None]:
+    """One recompute of each ``torch.utils.checkpoint(use_reentrant=False)`` region for all of B: W's
+    operand reads (:func:`~lightning_twobp.engine.graph.peek`, which does not use up a checkpointed
+    tensor's one unpack) and B's engine call, inside one ``GraphExecGroup``. Without it each would
+    recompute the region (3 forwards per block per micro-batch, against 2 in a plain backward)."""
     group = getattr(checkpoint_utils, "GraphExecGroup", None)
-    if group is None:
-        return [f.bind() for f in fast]
-    try:
-        with group():
-            return [f.bind() for f in fast]
-    except RuntimeError as e:
-        if "cannot be nested" not in str(e):
-            raise
-        return [f.bind() for f in fast]  # the caller's own group: its recompute is shared already
+    with contextlib.ExitStack() as stack:
+        try:
+            if group is not None:  # an older torch has none: each read recomputes (exact, only slower)
+                stack.enter_context(group())
+        except RuntimeError as e:
+            if "cannot be nested" not in str(e):
+                raise  # else the caller's own group: its recompute is shared already
+        yield
 
 
 @dataclass
@@ -428,9 +430,10 @@ class _Plan:
 _REENTRANT = (
     "2BP split: this stage calls torch.utils.checkpoint with use_reentrant=True, whose backward runs the "
     "block's whole backward (weights included) inside one opaque node, so B cannot leave the weight "
-    "gradients to W. Pass use_reentrant=False (Hugging Face: model.gradient_checkpointing_enable("
-    "gradient_checkpointing_kwargs={'use_reentrant': False})); the split then recomputes the block for B "
-    "and W reuses the recomputed tensors."
+    "gradients to W. Pass use_reentrant=False: the same gradients, and the split recomputes the block once, "
+    "in B, where W keeps the weight GEMMs' inputs of that recompute. (A Hugging Face model's "
+    "gradient_checkpointing_enable() needs no change under TwoBPStrategy, which runs it non-reentrant; with "
+    "the bare engine pass gradient_checkpointing_kwargs={'use_reentrant': False}.)"
 )
 
 _COMPILED = (
@@ -447,15 +450,42 @@ def _leaf_param(node: Node, params: dict[int, nn.Parameter]) -> nn.Parameter | N
 
 def _plan(outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor], params: dict[int, nn.Parameter]) -> _Plan:
     """Classify the graph below ``outputs``: input path, weight-only region, frontier edges."""
-    input_ids = {id(x) for x in inputs}
-    roots = [o.grad_fn for o in outputs if o.grad_fn is not None]
-    # Iterative post-order DFS: children before parents.
+    order, children = _walk([o.grad_fn for o in outputs if o.grad_fn is not None])
+    _refuse_reentrant(order)
+    reach = _reach(order, children, {id(x) for x in inputs}, params)
+    split = _Split(reach, _sources(order, children, reach), params, _used_outputs(children))
+    for node in reversed(order):  # parents first: the order B reaches them
+        if reach.to_input[node] and getattr(node, "variable", None) is None:
+            split.add(node)
+    to_input, to_param = reach.to_input, reach.to_param
+    weight_roots = [
+        i
+        for i, o in enumerate(outputs)
+        if (o.grad_fn is None and id(o) in params)
+        or (o.grad_fn is not None and not to_input[o.grad_fn] and to_param[o.grad_fn])
+    ]
+    if split.fallback:
+        log.debug("weight-only node shared by several frontier nodes: W taken in B for this micro-batch")
+        return _Plan([], [], [], [], True, 0, split.num_deferred + len(split.early), split.unreadable)
+    return _Plan(
+        split.frontier,
+        split.fast,
+        split.early,
+        weight_roots,
+        False,
+        split.num_deferred,
+        len(split.early),
+        split.unreadable,
+    )
+
+
+def _walk(roots: list[Node]) -> tuple[list[Node], dict[Node, list[tuple[Node, int]]]]:
+    """Every node below ``roots`` in post-order (children before parents), and each node's children."""
     order: list[Node] = []
     children: dict[Node, list[tuple[Node, int]]] = {}
     seen: set[Node] = set()
-    n: Node | None  # a child below; a next_functions entry may be None
     stack: list[tuple[Node, bool]] = [(r, False) for r in roots]
-    while stack:
+    while stack:  # iterative: a deep model's graph would overflow Python's recursion limit
         node, expanded = stack.pop()
         if expanded:
             order.append(node)
@@ -467,14 +497,37 @@ def _plan(outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor], param
         children[node] = kids
         stack.append((node, True))
         stack.extend((n, False) for n, _ in kids if n not in seen)
+    return order, children
 
-    used_outputs = {(n, i) for kids in children.values() for n, i in kids if i}
+
+def _refuse_reentrant(order: list[Node]) -> None:
     for node in order:
         if node.name() == "CheckpointFunctionBackward":
             raise RuntimeError(_REENTRANT)
+
+
+def _used_outputs(children: dict[Node, list[tuple[Node, int]]]) -> set[tuple[Node, int]]:
+    """(node, output index) pairs some node takes a gradient from, beyond each node's first output."""
+    return {(n, i) for kids in children.values() for n, i in kids if i}
+
+
+@dataclass
+class _Reach:
+    """Per node: does it lead to an input that requires grad, to a parameter."""
+
+    to_input: dict[Node, bool]
+    to_param: dict[Node, bool]
+
+
+def _reach(
+    order: list[Node],
+    children: dict[Node, list[tuple[Node, int]]],
+    input_ids: set[int],
+    params: dict[int, nn.Parameter],
+) -> _Reach:
     to_input: dict[Node, bool] = {}
     to_param: dict[Node, bool] = {}
-    for node in order:
+    for node in order:  # children first: a node's answer is known from its children's
         var = getattr(node, "variable", None)
         if var is not None:
             to_input[node] = id(var) in input_ids
@@ -483,9 +536,13 @@ def _plan(outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor], param
         kids = children[node]
         to_input[node] = any(to_input[n] for n, _ in kids)
         to_param[node] = any(to_param[n] for n, _ in kids)
+    return _Reach(to_input, to_param)
 
-    # Weight-only entry nodes and the input-path nodes that feed them, directly or through
-    # weight-only nodes (walked parents-first so a node's sources are known before its children).
+
+def _sources(order: list[Node], children: dict[Node, list[tuple[Node, int]]], reach: _Reach) -> dict[Node, set[Node]]:
+    """Weight-only entry nodes and the input-path nodes that feed them, directly or through
+    weight-only nodes (walked parents-first so a node's sources are known before its children)."""
+    to_input, to_param = reach.to_input, reach.to_param
     sources: dict[Node, set[Node]] = {}
     for node in reversed(order):
         if not to_input[node]:
@@ -499,57 +556,64 @@ def _plan(outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor], param
         for n, _ in children[node]:
             if to_param[n]:
                 sources.setdefault(n, set()).update(sources[node])
+    return sources
 
-    frontier: list[tuple[Node, list[tuple[Node, int]]]] = []
-    fast: list[formulas.FastW] = []
-    early: list[GradientEdge] = []
-    early_seen: set[tuple[Node, int]] = set()
-    num_deferred = 0
-    fallback = False
-    unreadable: list[str] = []
-    for node in reversed(order):  # parents first: the order B reaches them
-        if not to_input[node] or getattr(node, "variable", None) is not None:
-            continue
-        single: dict[int, tuple[Node, int]] = {}
-        for pos, (n, i) in enumerate(node.next_functions):
-            if n is None or to_input[n] or not to_param[n]:
-                continue
-            if len(sources[n]) == 1:
-                single[pos] = (n, i)
-            elif getattr(n, "variable", None) is not None:
-                # A parameter used directly by several input-path ops: take its edges in B.
-                if (n, i) not in early_seen:
-                    early_seen.add((n, i))
-                    early.append(GradientEdge(n, i))
-            else:
-                fallback = True
-                num_deferred += 1  # counted as taken in B below
-        if (single or early_seen) and node.name() == "CompiledFunctionBackward":
+
+@dataclass
+class _Split:
+    """The plan's choices, one input-path node at a time: each weight edge deferred to W (by formula
+    or through the frontier), taken in B, or the whole micro-batch's weights taken in B (fallback)."""
+
+    reach: _Reach
+    sources: dict[Node, set[Node]]
+    params: dict[int, nn.Parameter]
+    used_outputs: set[tuple[Node, int]]
+    frontier: list[tuple[Node, list[tuple[Node, int]]]] = field(default_factory=list)
+    fast: list[formulas.FastW] = field(default_factory=list)
+    early: list[GradientEdge] = field(default_factory=list)
+    early_seen: set[tuple[Node, int]] = field(default_factory=set)
+    num_deferred: int = 0
+    fallback: bool = False
+    unreadable: list[str] = field(default_factory=list)
+
+    def add(self, node: Node) -> None:
+        single = self._weight_edges(node)
+        if (single or self.early_seen) and node.name() == "CompiledFunctionBackward":
             raise RuntimeError(_COMPILED)
         try:
             # A node whose second or third output feeds on (``native_batch_norm``'s saved mean) gets
             # a gradient there that the formulas do not take: leave it to autograd.
-            whole = single and not any((node, k) in used_outputs for k in (1, 2))
-            direct, covered = formulas.direct(node, single, params) if whole else ([], set())
+            whole = single and not any((node, k) in self.used_outputs for k in (1, 2))
+            direct, covered = formulas.direct(node, single, self.params) if whole else ([], set())
         except SavedUnavailable as e:
             direct, covered = [], set()
-            unreadable.append(str(e))
-        fast.extend(direct)
-        num_deferred += len(covered)
+            self.unreadable.append(str(e))
+        self.fast.extend(direct)
+        self.num_deferred += len(covered)
         deferred = [e for pos, e in single.items() if pos not in covered]
         if deferred:
-            frontier.append((node, deferred))
-            num_deferred += len(deferred)
-    weight_roots = [
-        i
-        for i, o in enumerate(outputs)
-        if (o.grad_fn is None and id(o) in params)
-        or (o.grad_fn is not None and not to_input[o.grad_fn] and to_param[o.grad_fn])
-    ]
-    if fallback:
-        log.debug("weight-only node shared by several frontier nodes: W taken in B for this micro-batch")
-        return _Plan([], [], [], [], True, 0, num_deferred + len(early), unreadable)
-    return _Plan(frontier, fast, early, weight_roots, False, num_deferred, len(early), unreadable)
+            self.frontier.append((node, deferred))
+            self.num_deferred += len(deferred)
+
+    def _weight_edges(self, node: Node) -> dict[int, tuple[Node, int]]:
+        """``node``'s edges into the weight-only region that only it feeds (position -> edge); a
+        parameter several input-path ops use directly goes to ``early``; anything else shared: fallback."""
+        to_input, to_param = self.reach.to_input, self.reach.to_param
+        single: dict[int, tuple[Node, int]] = {}
+        for pos, (n, i) in enumerate(node.next_functions):
+            if n is None or to_input[n] or not to_param[n]:
+                continue
+            if len(self.sources[n]) == 1:
+                single[pos] = (n, i)
+            elif getattr(n, "variable", None) is not None:
+                # A parameter used directly by several input-path ops: take its edges in B.
+                if (n, i) not in self.early_seen:
+                    self.early_seen.add((n, i))
+                    self.early.append(GradientEdge(n, i))
+            else:
+                self.fallback = True
+                self.num_deferred += 1  # counted as taken in B by the plan
+        return single
 
 
 def _params_below(nodes: Iterable[Node], params: dict[int, nn.Parameter]) -> list[nn.Parameter]:

@@ -1,26 +1,38 @@
-"""``TwoBPStrategy(activation_checkpointing=...)``: activation checkpointing on this rank's blocks.
+"""Activation checkpointing on this rank's blocks: ``TwoBPStrategy(activation_checkpointing=...)`` and
+a Hugging Face model's own ``gradient_checkpointing_enable()``.
 
 Each chosen block's forward runs under ``torch.utils.checkpoint(use_reentrant=False)`` for the length of
-the Trainer call (undone at teardown: the user's blocks are left as they were found). Under the split,
-B's engine call recomputes a block once, and W's formulas keep only their operands (the weight GEMMs'
-inputs), read once for all of the micro-batch's formulas (see ``engine.stage._bind``): 3 forwards per
-block per micro-batch in all (F, the operands' recompute, B's), against 2 in a fused backward.
+the Trainer call (an instance attribute, undone at teardown: the user's blocks are left as they were
+found). Under the split a checkpointed block runs its forward twice per micro-batch, as in a plain
+backward: once in F, once recomputed in B, where W's formulas keep only their operands (the weight
+GEMMs' inputs) of what that recompute made and the rest is freed at B (see ``engine.graph.peek``).
 
-Values:
+Values of the option:
 
 * ``None``: off (the default).
 * ``"full"``: every block.
 * ``k`` (an int >= 1): every k-th block of the model (layer indices 0, k, 2k, ...).
 
-``"selective"`` (keep the matmul outputs, recompute the cheap ops) is refused for now: torch's
-selective checkpointing hands each kept output to one recompute only, and the split recomputes twice.
-The reentrant form (``use_reentrant=True``) is refused by the engine at the first B with a message
-naming ``use_reentrant=False``.
+``"selective"`` (keep the matmul outputs, recompute the cheap ops) is refused for now (see
+``options.check_activation_checkpointing``).
+
+A Hugging Face model with gradient checkpointing enabled is taken over the same way, whatever its
+transformers version: its own switch (``gradient_checkpointing`` on the model and, from 4.5x, on each
+``GradientCheckpointingLayer``) is off for the Trainer call and the blocks it would checkpoint are
+checkpointed here, inside the pipeline's per-block call; the model's ``config.use_cache`` is off for the
+call, as transformers itself turns the cache off while it checkpoints in training. Left to itself,
+transformers 4.x checkpoints ``block.__call__`` around that call, so its recompute re-enters the
+pipeline's block logic in the backward (GPT-2 hangs, Llama fails torch's saved-tensor count check); and
+its default there is the reentrant form, which cannot be split. The result is the same model's gradients either way.
+
+A block that calls ``torch.utils.checkpoint(..., use_reentrant=True)`` in its own code is refused by
+the engine at its stage's first F, before any backward, with a message naming ``use_reentrant=False``.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -31,6 +43,10 @@ from torch.utils.checkpoint import checkpoint
 from lightning_twobp.options import check_activation_checkpointing
 
 __all__ = ["apply_activation_checkpointing", "check_activation_checkpointing"]
+
+log = logging.getLogger(__name__)
+
+_HF_FLAG = "gradient_checkpointing"  # Hugging Face's public switch, on the model and on each block (5.x)
 
 
 def _checkpointed(forward: Callable[..., Any]) -> Callable[..., Any]:
@@ -44,18 +60,58 @@ def _checkpointed(forward: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def apply_activation_checkpointing(
-    blocks: Iterable[tuple[int, nn.Module]], value: str | int | None
+    layers: Iterable[tuple[int, nn.Module]],
+    value: str | int | None,
+    model: nn.Module | None = None,
+    contract: Any = None,
 ) -> Callable[[], None]:
-    """Checkpoint the chosen ``(layer index, block)`` pairs; returns the function that undoes it."""
-    if value is None:
-        return lambda: None
+    """Checkpoint the blocks of the chosen ``(layer index, layer)`` pairs (those ``value`` picks and
+    those ``model``'s Hugging Face switch picks); returns the function that undoes it, switch included.
+    Under the ModuleList contract a layer is a group of modules and its block is ``contract.blocks[i]``
+    (the module the model's loop calls)."""
+    loop_blocks = getattr(contract, "blocks", None)
+    blocks = [(i, b if loop_blocks is None else loop_blocks[i]) for i, b in layers]
     every = value if isinstance(value, int) else 1
-    chosen = [b for i, b in blocks if i % every == 0]
-    for b in chosen:
+    chosen = {id(b): b for i, b in blocks if value is not None and i % every == 0}
+    switches = _hf_switches(model)
+    if switches:
+        model_wide = any(not _is_block(m, blocks) for m in switches)
+        for _, b in blocks:  # 4.x: the model's switch covers every block; 5.x: each block has its own
+            if b in switches or (model_wide and not hasattr(b, _HF_FLAG)):
+                chosen[id(b)] = b
+        log.info(
+            "Hugging Face gradient checkpointing is taken over for this Trainer call: %d block(s) on this rank "
+            "run under torch.utils.checkpoint(use_reentrant=False) inside the pipeline's block call",
+            len(chosen),
+        )
+    # What Hugging Face does while it checkpoints, kept: no cache in training (its models turn
+    # ``use_cache`` off then; a per-block cache is also a value the pipeline cannot return)
+    configs: dict[int, Any] = {id(m.config): m.config for m in switches if hasattr(m, "config")}
+    caches = [c for c in configs.values() if getattr(c, "use_cache", False) is True]
+    for m in switches:
+        setattr(m, _HF_FLAG, False)
+    for c in caches:
+        c.use_cache = False
+    for b in chosen.values():
         b.forward = _checkpointed(b.forward)  # an instance attribute: undone below
 
     def undo() -> None:
-        for b in chosen:
+        for b in chosen.values():
             del b.forward
+        for m in switches:
+            setattr(m, _HF_FLAG, True)
+        for c in caches:
+            c.use_cache = True
 
     return undo
+
+
+def _hf_switches(model: nn.Module | None) -> list[nn.Module]:
+    """The modules of ``model`` whose Hugging Face gradient checkpointing switch is on."""
+    if model is None:
+        return []
+    return [m for m in model.modules() if getattr(m, _HF_FLAG, False) is True]
+
+
+def _is_block(module: nn.Module, blocks: list[tuple[int, nn.Module]]) -> bool:
+    return any(module is b for _, b in blocks)

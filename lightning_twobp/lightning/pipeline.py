@@ -323,7 +323,8 @@ def _call_scope(strategy: TwoBPStrategy, trainer: Any, metrics: StepMetrics, loc
     scope = ExitStack()
     scope.enter_context(known_warnings_off())  # the Trainer call's data loaders build next
     scope.callback(metrics.sync_over(strategy.group("dp")))
-    scope.callback(apply_activation_checkpointing(local.blocks(), strategy.options.activation_checkpointing))
+    ac = strategy.options.activation_checkpointing
+    scope.callback(apply_activation_checkpointing(local.blocks(), ac, strategy.lightning_module, local.contract))
     if strategy.layout.dp_degree == 1:  # nothing to split: the loader's own sampler, as one process reads it
         scope.callback(keep_users_sampler(trainer))
     return scope

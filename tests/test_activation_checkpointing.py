@@ -1,0 +1,243 @@
+"""Activation checkpointing through the Trainer on 2 ranks (issue 21): the strategy's option, the user's own
+``torch.utils.checkpoint(use_reentrant=False)`` and Hugging Face's ``gradient_checkpointing_enable()``.
+Each is exact against the same model without checkpointing, and a probe counts each block's forwards:
+2 per micro-batch when checkpointed (F, and B's one recompute, whose operands W keeps), 1 when not."""
+
+from __future__ import annotations
+
+import warnings
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+from torch.utils.data import DataLoader, TensorDataset
+
+import lightning_twobp  # noqa: F401  (registers "twobp")
+from lightning_twobp import TwoBPStrategy
+from lightning_twobp.models.llama import Block, LlamaConfig
+
+import conftest
+from conftest import launch, lightning_env, quiet_trainer
+
+pytestmark = [pytest.mark.dist, pytest.mark.timeout(900)]
+
+STEPS, M, BATCH, DIM = 3, 4, 8, 32
+
+
+# ---------------------------------------------------------------------------------------------- the probe
+class Counted(nn.Module):
+    """A tiny-LLaMa block that counts its forwards, recomputes included."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = Block(LlamaConfig(dim=DIM, n_heads=4, max_seq_len=16))
+        self.calls = 0
+
+    def forward(self, x):  # (B, T, C)
+        self.calls += 1
+        return self.block(x)
+
+
+class OwnCheckpoint(nn.Module):
+    """The user's own non-reentrant checkpoint inside a block."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = Counted()
+
+    @property
+    def calls(self) -> int:
+        return self.inner.calls
+
+    def forward(self, x):
+        return checkpoint(self.inner, x, use_reentrant=False)
+
+
+class Blocks(pl.LightningModule):
+    """Four probe blocks in one nn.Sequential; an MSE loss; SGD."""
+
+    def __init__(self, own_checkpoint: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.Sequential(*(OwnCheckpoint() if own_checkpoint else Counted() for _ in range(4)))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.mse_loss(self.layers(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+
+def _block_data() -> DataLoader:
+    g = torch.Generator().manual_seed(1)
+    return DataLoader(
+        TensorDataset(torch.randn(STEPS * BATCH, 7, DIM, generator=g), torch.randn(STEPS * BATCH, 7, DIM, generator=g)),
+        batch_size=BATCH,
+    )
+
+
+def _own(model: nn.Module) -> dict:
+    return {n: q.detach().clone() for n, q in model.named_parameters() if not q.is_meta}
+
+
+def _fit_blocks(rank: int, world: int, schedule: str, how: str) -> dict:
+    """``how``: "off" (no checkpointing), "option" (activation_checkpointing="full"), "own" (the blocks'
+    own torch.utils.checkpoint). Returns this rank's weights and forwards per local block per micro-batch."""
+    lightning_env(rank, world)
+    model = Blocks(own_checkpoint=how == "own")
+    ac = "full" if how == "option" else None
+    strategy = TwoBPStrategy(schedule=schedule, num_microbatches=M, activation_checkpointing=ac)
+    quiet_trainer(strategy, world, max_steps=STEPS, num_sanity_val_steps=0).fit(model, _block_data())
+    params = {n.replace(".inner.", "."): v for n, v in _own(model).items()}  # the same names each way
+    local = [i for i in range(4) if any(n.startswith(f"layers.{i}.") for n in params)]
+    return {"params": params, "forwards": {i: model.layers[i].calls / (STEPS * M) for i in local}}
+
+
+def _fit_blocks_each_way(rank: int, world: int, schedule: str) -> dict:
+    return {how: _fit_blocks(rank, world, schedule, how) for how in ("off", "option", "own")}
+
+
+SCHEDULES = ["1f1b", "zb-h1", "zb-v"]  # 1F1B with the split (2BP), ZB-H1, ZB-V (2 stages per rank)
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_checkpointed_blocks_train_as_without_and_recompute_once(two_ranks, request, schedule):
+    ways = two_ranks[request.node.name]
+    off = [w["off"] for w in ways]
+    reference = {n: v for out in off for n, v in out["params"].items()}
+    plain = {i: f for out in off for i, f in out["forwards"].items()}
+    # one F per micro-batch; the first stage also runs its blocks once per fit to learn the shapes it sends
+    assert all(f in (1.0, 1.0 + 1 / (STEPS * M)) for f in plain.values()), plain
+    for how in ("option", "own"):
+        results = [w[how] for w in ways]
+        held = {n: v for out in results for n, v in out["params"].items()}
+        assert set(held) == set(reference), how
+        for n, value in held.items():
+            torch.testing.assert_close(value, reference[n], rtol=1e-6, atol=1e-7, msg=f"{how}: {n}")
+        forwards = {i: f for out in results for i, f in out["forwards"].items()}
+        recomputes = {i: round(f - plain[i], 9) for i, f in forwards.items()}
+        assert recomputes == {i: 1.0 for i in range(4)}, f"{how}: recomputes per block per micro-batch {recomputes}"
+
+
+# ---------------------------------------------------------------------------------------------- Hugging Face
+VOCAB, SEQ = 13, 8
+
+
+def _hf(name: str) -> nn.Module:
+    transformers = pytest.importorskip("transformers", reason="the Hugging Face models need transformers")
+    if name == "gpt2":
+        cfg = transformers.GPT2Config(
+            n_layer=4, n_embd=DIM, n_head=2, vocab_size=VOCAB, n_positions=SEQ, bos_token_id=0, eos_token_id=0,
+            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+        )  # fmt: skip
+        return transformers.GPT2LMHeadModel(cfg)
+    cfg = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=DIM, intermediate_size=2 * DIM, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=SEQ, bos_token_id=0, eos_token_id=0, pad_token_id=None,
+        use_cache=False,
+    )  # fmt: skip
+    return transformers.LlamaForCausalLM(cfg)
+
+
+def _hf_blocks(model: nn.Module) -> nn.ModuleList:
+    return model.transformer.h if hasattr(model, "transformer") else model.model.layers
+
+
+class HFLM(pl.LightningModule):
+    """A Hugging Face causal LM, optionally with its own gradient checkpointing on; counts each block's
+    MLP calls (inside the checkpointed forward, so recomputes count too)."""
+
+    def __init__(self, name: str, checkpointed: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.model = _hf(name)
+        if checkpointed:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # transformers 5 calls it a deprecated alias
+                self.model.gradient_checkpointing_enable()  # transformers' default kwargs for its version
+        self.calls = [0] * 4
+        for i, block in enumerate(_hf_blocks(self.model)):
+            block.mlp.register_forward_pre_hook(lambda *_, i=i: self.calls.__setitem__(i, self.calls[i] + 1))
+
+    def training_step(self, batch, batch_idx):
+        ids, targets = batch
+        logits = self.model(input_ids=ids).logits
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+
+def _tokens() -> DataLoader:
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, VOCAB, (STEPS * BATCH, SEQ), generator=g)
+    return DataLoader(TensorDataset(ids, (ids + 1) % VOCAB), batch_size=BATCH)
+
+
+def _hf_reference(name: str) -> dict:
+    """One process, no checkpointing, the pipeline's micro-batches accumulated."""
+    model = HFLM(name, checkpointed=False)
+    data = DataLoader(_tokens().dataset, batch_size=BATCH // M)
+    quiet_trainer("auto", 1, max_steps=STEPS, accumulate_grad_batches=M, num_sanity_val_steps=0).fit(model, data)
+    return _own(model)
+
+
+def _fit_hf(rank: int, world: int, name: str, schedule: str, how: str) -> dict:
+    """``how``: "hf" (the model's own gradient_checkpointing_enable()) or "option" (the strategy's)."""
+    lightning_env(rank, world)
+    model = HFLM(name, checkpointed=how == "hf")
+    ac = "full" if how == "option" else None
+    strategy = TwoBPStrategy(
+        schedule=schedule, num_microbatches=M, gather_full_model=False, activation_checkpointing=ac
+    )
+    quiet_trainer(strategy, world, max_steps=STEPS, num_sanity_val_steps=0).fit(model, _tokens())
+    switched = [n for n, m in model.named_modules() if getattr(m, "gradient_checkpointing", False)]
+    params = _own(model)
+    prefix = "model.transformer.h" if name == "gpt2" else "model.model.layers"
+    local = [i for i in range(4) if any(n.startswith(f"{prefix}.{i}.") for n in params)]
+    return {"params": params, "forwards": {i: model.calls[i] / (STEPS * M) for i in local}, "switched": switched}
+
+
+HF_CASES = {
+    "gpt2-1f1b": ("gpt2", "1f1b", "hf"),
+    "llama-zb-h1": ("llama", "zb-h1", "hf"),
+    # the strategy's option on the ModuleList contract's blocks (the modules the model's loop calls)
+    "llama-zb-v-option": ("llama", "zb-v", "option"),
+}
+
+
+@pytest.mark.parametrize("case", list(HF_CASES))
+def test_hugging_face_gradient_checkpointing_is_exact_and_recomputes_once(
+    two_ranks, request, case, no_leftover_process_group
+):
+    name, _, how = HF_CASES[case]
+    results = two_ranks[request.node.name]  # a hang would end the launch at its timeout, failing here
+    reference = _hf_reference(name)
+    held = {n: v for out in results for n, v in out["params"].items()}
+    assert set(held) == set(reference)
+    for n, value in held.items():
+        torch.testing.assert_close(value, reference[n], rtol=1e-5, atol=1e-6, msg=n)
+    forwards = {i: f for out in results for i, f in out["forwards"].items()}
+    # F and B's one recompute; the first stage also runs its blocks once per fit to learn the shapes it sends
+    extra = {i: round(f - 2.0, 9) for i, f in forwards.items()}
+    assert set(extra) == set(range(4)) and set(extra.values()) <= {0.0, round(1 / (STEPS * M), 9)}, forwards
+    if how == "hf":
+        assert all(out["switched"] for out in results), "the model's own switch was not put back after fit"
+
+
+@pytest.fixture(scope="module")
+def two_ranks(request) -> conftest.Launch:
+    """Every case of this module in one launch of 2 ranks."""
+    cases = {
+        f"test_checkpointed_blocks_train_as_without_and_recompute_once[{s}]": (_fit_blocks_each_way, (s,))
+        for s in SCHEDULES
+    }
+    cases |= {
+        f"test_hugging_face_gradient_checkpointing_is_exact_and_recomputes_once[{k}]": (_fit_hf, args)
+        for k, args in HF_CASES.items()
+    }
+    return launch(request, 2, cases, timeout=840)
