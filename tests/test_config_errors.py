@@ -515,9 +515,9 @@ CASES: dict[str, Case] = {
         r"data_parallel='shard' with 1 data-parallel replica: there is nothing to shard the stages over",
     ),
     "fit-shard-precision": (
-        lambda t: _fit(data_parallel="shard", trainer=dict(precision="bf16-mixed")),
+        lambda t: _fit(data_parallel="shard", trainer=dict(precision="bf16-true")),
         ValueError,
-        r"data_parallel='shard' with precision='bf16-mixed': only fp32 \('32-true'\) is supported so far",
+        r"data_parallel='shard' with precision='bf16-true': only fp32 \('32-true'\) and 'bf16-mixed' are supported",
     ),
     "fit-more-stages-than-layers": (
         lambda t: _fit(schedule="interleaved-1f1b", stages_per_rank=4),
