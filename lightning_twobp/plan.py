@@ -41,6 +41,7 @@ from lightning_twobp.config import CONF_DIR, recipes
 from lightning_twobp.engine.footprint import LayerFootprint, layer_cost, measure_layer
 from lightning_twobp.lightning.contract import SequentialContract, find_contract
 from lightning_twobp.lightning.layout import check_degree, schedule_label
+from lightning_twobp.lightning.sharding import check_replicas, sharded_static_bytes
 from lightning_twobp.options import PipelineOptions
 from lightning_twobp.partition import partition
 from lightning_twobp.schedules import MemoryCosts, Schedule, build_schedule, replay_memory, schedule_spec
@@ -330,10 +331,16 @@ def plan(cfg: DictConfig, recipe: str = "") -> Plan:
     held_of = {sp.stage: sp.held_bytes for sp in stages}
     gpu = cfg.plan.get("gpu_memory_gib")
     headroom = float(cfg.plan.get("headroom", 0.9))
-    ranks = []
+    ranks, dp = [], world // p
+    if opts.data_parallel == "shard":
+        check_replicas(dp, precision)
+        notes.append(
+            f"data_parallel='shard': static = 1/{dp} of weights, grads and optimizer + a step's gathered "
+            f"weights and grads"
+        )
     for r in range(p):
         mine = list(schedule.stages_of(r))
-        static = sum(stages[s].weight_bytes + stages[s].grad_bytes + stages[s].optimizer_bytes for s in mine)
+        static = sum(_static(stages[s], opts.data_parallel, dp, precision) for s in mine)
         a = {s: act_of[s] for s in mine}
         with_split = _replay(schedule, r, a, {s: held_of[s] for s in mine})
         without = _replay(fused, r, a, {s: 0 for s in mine})
@@ -360,6 +367,12 @@ def plan(cfg: DictConfig, recipe: str = "") -> Plan:
         ranks=ranks,
         notes=notes,
     )
+
+
+def _static(sp: StagePlan, data_parallel: str, dp: int, precision: str) -> int:
+    if data_parallel == "shard":
+        return sharded_static_bytes(sp.params, sp.weight_bytes, sp.grad_bytes, sp.optimizer_bytes, dp, precision)
+    return sp.weight_bytes + sp.grad_bytes + sp.optimizer_bytes
 
 
 def format_plan(pl: Plan) -> str:

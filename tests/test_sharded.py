@@ -283,3 +283,24 @@ def test_refusals_say_what_is_not_supported():
     scalar.scale = nn.Parameter(torch.tensor(1.0))
     with pytest.raises(ValueError, match="parameter scale is a scalar"):
         check_stages({1: scalar}, [])
+
+
+def test_the_plan_counts_a_dp_th_of_the_state_and_a_steps_gathered_weights():
+    """twobp-plan with data_parallel=shard: each rank's static bytes are 1/dp of its stages' weights,
+    gradients and optimizer state plus the gathered weights and gradients a step holds; one replica is
+    refused as the strategy refuses it. (With fp32 AdamW, 16 bytes a parameter, dp = 2 saves nothing at
+    a step's peak, 16 / 2 + 8; dp = 4 does, 16 / 4 + 8.)"""
+    from lightning_twobp.plan import plan_recipe
+
+    layout = ["trainer.devices=8", "strategy.pipeline_degree=2"]
+    replicated = plan_recipe(layout)
+    sharded = plan_recipe([*layout, "strategy.data_parallel=shard"])
+    for rank, full in zip(sharded.ranks, replicated.ranks, strict=True):
+        stages = [sharded.stages[s] for s in rank.stages]
+        want = sum(
+            -(-sp.weight_bytes // 4) + -(-sp.grad_bytes // 4) + -(-sp.optimizer_bytes // 4) + 2 * sp.weight_bytes
+            for sp in stages
+        )  # fp32: the gathered weights and gradients take the weights' bytes each
+        assert rank.static_bytes == want < full.static_bytes
+    with pytest.raises(ValueError, match="nothing to shard the stages over"):
+        plan_recipe(["trainer.devices=2", "strategy.pipeline_degree=2", "strategy.data_parallel=shard"])

@@ -2,7 +2,8 @@
 shards through torch.distributed.checkpoint, under the same manifest and atomic swap as replicated
 checkpoints, and a run resumes from them on any layout. pp2 x dp2 sharded, saved at step 2, resumed:
 sharded again (parameters and momentum bitwise those of the uninterrupted run), replicated (the
-shards read back as whole tensors) and in one process; the step-4 checkpoint consolidates to one file."""
+shards read back as whole tensors) and in one process; the step-4 checkpoint consolidates to one file,
+and refuses a changed shard by name."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_twobp import TwoBPStrategy
-from lightning_twobp.lightning.checkpoint import MANIFEST, consolidate
+from lightning_twobp.lightning.checkpoint import MANIFEST, CheckpointError, consolidate, verify
 from lightning_twobp.testing import run_distributed
 
 from conftest import Regressor, lightning_env, quiet_trainer, regression_data
@@ -151,3 +152,10 @@ def test_sharded_checkpoints_resume_sharded_replicated_and_in_one_process(tmp_pa
     for name, value in params.items():
         assert torch.equal(merged[name], value), name
     assert sorted(os.listdir(tmp_path / "straight")) == ["epoch=0-step=2.ckpt", "epoch=1-step=4.ckpt"]
+    # a replica's shard changed after the save: refused by name, as any checkpoint's file
+    shard = sorted(step4.glob("__3_*"))[0]
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=rf"{shard.name}: its SHA-256 differs from the manifest's"):
+        verify(step4, shared=False)

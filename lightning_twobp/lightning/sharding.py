@@ -43,7 +43,7 @@ from torch.distributed.tensor import DTensor
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ShardedStages", "check_replicas", "check_stages", "mixed_precision", "state_bytes"]
+__all__ = ["ShardedStages", "check_replicas", "check_stages", "mixed_precision", "sharded_static_bytes", "state_bytes"]
 
 _PRECISIONS = ("32-true", "32", "bf16-mixed")
 
@@ -51,6 +51,14 @@ _PRECISIONS = ("32-true", "32", "bf16-mixed")
 def mixed_precision(precision: str) -> MixedPrecisionPolicy | None:
     """FSDP2's policy for Lightning's ``precision``: bf16 gathered parameters under "bf16-mixed"."""
     return MixedPrecisionPolicy(param_dtype=torch.bfloat16) if precision == "bf16-mixed" else None
+
+
+def sharded_static_bytes(params: int, weight: int, grad: int, optimizer: int, dp: int, precision: str) -> int:
+    """A stage's peak bytes of parameters, gradients and optimizer state on one rank (``twobp-plan``):
+    its ``1/dp`` share of each (rounded up), plus what a step holds in full from the first F to the
+    last W: the gathered parameters and their unsharded gradients (bf16 under "bf16-mixed")."""
+    gathered = 2 if precision == "bf16-mixed" else weight // max(params, 1)
+    return sum(-(-b // dp) for b in (weight, grad, optimizer)) + 2 * params * gathered
 
 
 def check_replicas(dp_degree: int, precision: str) -> None:
