@@ -1,9 +1,9 @@
 """Checkpoints of sharded stages (``data_parallel="shard"``, issue 22): each rank writes its DTensor
 shards through torch.distributed.checkpoint, under the same manifest and atomic swap as replicated
 checkpoints, and a run resumes from them on any layout. pp2 x dp2 sharded, saved at step 2, resumed:
-sharded again (parameters and momentum bitwise those of the uninterrupted run), replicated (the
-shards read back as whole tensors) and in one process; the step-4 checkpoint consolidates to one file,
-and refuses a changed shard by name."""
+sharded again (parameters and momentum bitwise those of the uninterrupted run), sharded under the
+V's other cut, replicated (the shards read back as whole tensors) and in one process; the step-4
+checkpoint consolidates to one file, and refuses a changed shard by name."""
 
 from __future__ import annotations
 
@@ -62,7 +62,8 @@ def _fit(world: int, mode: str, max_steps: int, folder: str | None = None, ckpt:
     if folder is not None:
         callbacks.append(ModelCheckpoint(dirpath=folder, every_n_train_steps=2, save_top_k=-1))
     model = Momentum()
-    strategy = TwoBPStrategy(schedule="zb-h1", pipeline_degree=min(world, 2), data_parallel=mode, **kw)
+    kw = {"schedule": "zb-h1", "pipeline_degree": min(world, 2), **kw}
+    strategy = TwoBPStrategy(data_parallel=mode, **kw)
     trainer = quiet_trainer(
         strategy,
         world,
@@ -95,6 +96,8 @@ def _runs(rank: int, world: int, folder: str) -> dict:
         "straight": straight,
         "sharded": _fit(world, "shard", 4, ckpt=step2),
         "replicated": _fit(world, "replicate", 4, ckpt=step2),
+        # the V: 4 stages, two per rank, cut elsewhere; each DTensor reads its rows of the saved shards
+        "v": _fit(world, "shard", 4, ckpt=step2, schedule="zb-v"),
     }
 
 
@@ -139,6 +142,12 @@ def test_sharded_checkpoints_resume_sharded_replicated_and_in_one_process(tmp_pa
             torch.testing.assert_close(value, params[name], rtol=1e-5, atol=1e-6, msg=f"rank {rank} {name}")
         for name, value in res["replicated"]["momentum"].items():
             torch.testing.assert_close(value, momentum[name], rtol=1e-5, atol=1e-6, msg=f"rank {rank} {name}")
+    # sharded -> sharded under another cut (the V)
+    v, v_momentum = _whole(results, "v", "params", False), _whole(results, "v", "momentum", True)
+    assert set(v) == set(params) == set(v_momentum)
+    for name, value in v.items():
+        torch.testing.assert_close(value, params[name], rtol=1e-5, atol=1e-6, msg=f"zb-v {name}")
+        torch.testing.assert_close(v_momentum[name], momentum[name], rtol=1e-5, atol=1e-6, msg=f"zb-v {name}")
     # sharded -> one process: every stage's shards into one model
     (one,) = run_distributed(_one_process, 1, str(step2), timeout=300)
     assert set(one["params"]) == set(params) == set(one["momentum"])
