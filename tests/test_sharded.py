@@ -1,6 +1,7 @@
 """TwoBPStrategy(data_parallel="shard") (issue 22): pp2 x dp2 with FSDP2-sharded stages against one
-process accumulating the same micro-batches, and each rank's parameter + gradient + optimizer bytes
-against the replicated layout's."""
+process accumulating the same micro-batches, for every schedule (all 4-process cases in one launch),
+with validation, prediction, gather_full_model, gradient accumulation and bf16-mixed; each rank's
+parameter + gradient + optimizer bytes against the replicated layout's; twobp-plan's sharded bytes."""
 
 from __future__ import annotations
 
@@ -108,6 +109,7 @@ def _fit(
     modes: tuple[str, ...],
     evaluate: bool = False,
     precision: str = "32-true",
+    accumulate: int = 1,
 ) -> dict:
     lightning_env(rank, world)
     out = {}
@@ -120,7 +122,9 @@ def _fit(
         # Lightning's DistributedSampler (shuffle, seed 0) gives replica d the samples perm[d::2]; with
         # ``evaluate`` the fit validates too (the sanity check: a sharded forward-only pass)
         val = {"val_dataloaders": _val_data()} if evaluate else {}
-        _trainer(strategy, world, rec, use_distributed_sampler=True, precision=precision).fit(model, _data(), **val)
+        _trainer(
+            strategy, world, rec, use_distributed_sampler=True, precision=precision, accumulate_grad_batches=accumulate
+        ).fit(model, _data(), **val)
         params = {n: q.detach().clone() for n, q in model.named_parameters() if not q.is_meta}
         kinds = {type(q).__name__ for q in model.parameters()}
         out[mode] = {"params": params, "losses": rec.losses, "bytes": rec.bytes, "kinds": kinds, "dtypes": dtypes}
@@ -212,6 +216,10 @@ def four_ranks(request) -> conftest.Launch:
         _fit,
         ({"schedule": "zb-h1"}, ("shard",), False, "bf16-mixed"),
     )
+    cases["test_gradient_accumulation_sharded_matches_replicated"] = (
+        _fit,
+        ({"schedule": "zb-h1"}, ("shard", "replicate"), False, "32-true", 2),
+    )
     cases |= {f"test_sharded_matches_one_process[{k}]": (_fit, (kw, ("shard",))) for k, kw in SCHEDULES.items()}
     return launch(request, 4, cases, timeout=900)
 
@@ -259,6 +267,20 @@ def test_bf16_mixed_sharded_trains_close_to_fp32(four_ranks, request, reference)
         assert got == pytest.approx(want, rel=BF16_RTOL), f"step {step}"
         print(f"step {step}: bf16-mixed loss {got:.6f}, fp32 {want:.6f}")  # shown with pytest -s
     print(f"largest weight difference from fp32: {worst:.2e}")
+
+
+def test_gradient_accumulation_sharded_matches_replicated(four_ranks, request):
+    """accumulate_grad_batches=2: each pipeline step's DTensor gradient shards are set aside and added
+    into the window's, then scaled, as the replicated gradients are; the weights after 3 optimizer
+    steps (6 batches) equal the replicated run's (itself one process's, tests/test_strategy.py)."""
+    for rank, res in enumerate(four_ranks[request.node.name]):
+        sharded, replicated = res["shard"], res["replicate"]
+        assert len(sharded["losses"]) == 2 * STEPS
+        assert set(sharded["params"]) == set(replicated["params"])
+        for name, value in sharded["params"].items():
+            torch.testing.assert_close(
+                value, replicated["params"][name], rtol=1e-5, atol=1e-6, msg=f"rank {rank} {name}"
+            )
 
 
 @pytest.mark.parametrize("case", list(SCHEDULES))
