@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -18,6 +19,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_twobp import TwoBPStrategy
+from lightning_twobp.lightning import checkpoint as ckpt
 from lightning_twobp.lightning.checkpoint import MANIFEST, CheckpointError, consolidate, verify
 from lightning_twobp.testing import run_distributed
 
@@ -168,3 +170,41 @@ def test_sharded_checkpoints_resume_sharded_replicated_and_in_one_process(tmp_pa
     shard.write_bytes(bytes(data))
     with pytest.raises(CheckpointError, match=rf"{shard.name}: its SHA-256 differs from the manifest's"):
         verify(step4, shared=False)
+
+
+def _crash(rank: int, world: int, folder: str) -> None:
+    """Rank 3 (pipeline rank 1 of replica 1) is SIGKILLed as the second save (step 4) starts to write
+    its shards."""
+    lightning_env(rank, world)
+    if rank == 3:
+        original, calls = ckpt._write_shards, []
+
+        def dying(*args, **kwargs):
+            calls.append(1)
+            if len(calls) == 2:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return original(*args, **kwargs)
+
+        ckpt._write_shards = dying
+    _fit(world, "shard", 4, folder=folder)
+
+
+def _straight_and_resumed(rank: int, world: int, ckpt_path: str) -> dict:
+    lightning_env(rank, world)
+    return {"straight": _fit(world, "shard", 4), "resumed": _fit(world, "shard", 4, ckpt=ckpt_path)}
+
+
+def test_a_replica_killed_during_a_sharded_save_is_named_and_the_previous_checkpoint_resumes(tmp_path):
+    """One replica's rank dies while the step-4 save writes: the others name it, nothing hidden is left,
+    and the step-2 checkpoint resumes to the uninterrupted run's weights and momentum, bitwise."""
+    with pytest.raises(Exception) as info:  # noqa: B017 the killed rank's exit, and its peers' lost connection
+        run_distributed(_crash, 4, str(tmp_path), timeout=180)
+    assert "was not saved: a rank was lost during the save: global rank 3 (pid " in str(info.value), info.value
+    assert sorted(os.listdir(tmp_path)) == ["epoch=0-step=2.ckpt"]
+    results = run_distributed(_straight_and_resumed, 4, str(tmp_path / "epoch=0-step=2.ckpt"), timeout=300)
+    for rank, res in enumerate(results):
+        straight, resumed = res["straight"], res["resumed"]
+        for key in ("params", "momentum"):
+            assert set(resumed[key]) == set(straight[key]) and straight[key]
+            for name, value in straight[key].items():
+                assert torch.equal(resumed[key][name], value), f"rank {rank}: {key} of {name} differs"
