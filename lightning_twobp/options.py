@@ -104,17 +104,11 @@ def _check_timeout(seconds: Any) -> None:
         )
 
 
-def _check_data_parallel(mode: Any, gather_full_model: bool) -> None:
+def _check_data_parallel(mode: Any) -> None:
     if mode not in ("replicate", "shard"):
         raise ValueError(
             f"data_parallel={mode!r}: choose 'replicate' (every replica holds its stages' full parameters, "
             f"gradients and optimizer state; the default) or 'shard' (FSDP2: each replica holds 1/dp of them)"
-        )
-    if mode == "shard" and gather_full_model:
-        raise ValueError(
-            "data_parallel='shard' with gather_full_model=True: gathering the sharded stages after the Trainer "
-            "call is not supported yet (issue 22); use gather_full_model=False (each rank gets its own stages' "
-            "full weights back) or data_parallel='replicate'"
         )
 
 
@@ -174,9 +168,9 @@ class PipelineOptions:
             averaged after the stage's last W. ``"shard"``: FSDP2 over the ``"dp"`` mesh dimension,
             each replica ``1/dp`` of them; the parameters are gathered once per step before the
             stage's first F and held through its last W, the gradients reduce-scattered once after
-            it (:mod:`lightning_twobp.lightning.sharding`). Needs at least 2 replicas; not yet with
-            tied weights across stages, ``gather_full_model``, checkpoints or precisions other than
-            fp32 (each refused before any compute).
+            it (:mod:`lightning_twobp.lightning.sharding`); checkpoints hold the shards. Needs at least
+            2 replicas; not yet with tied weights across stages or precisions other than fp32 (each
+            refused before any compute).
     """
 
     schedule: str = "1f1b"
@@ -223,7 +217,7 @@ class PipelineOptions:
             object.__setattr__(self, "balance", tuple(operator.index(b) for b in self.balance))
         _check_timeout(self.pipeline_timeout)
         check_activation_checkpointing(self.activation_checkpointing)
-        _check_data_parallel(self.data_parallel, self.gather_full_model)
+        _check_data_parallel(self.data_parallel)
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any]) -> PipelineOptions:

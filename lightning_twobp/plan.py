@@ -42,6 +42,7 @@ from lightning_twobp.config import CONF_DIR, recipes
 from lightning_twobp.engine.footprint import LayerFootprint, layer_cost, measure_layer
 from lightning_twobp.lightning.contract import SequentialContract, find_contract
 from lightning_twobp.lightning.layout import check_degree, schedule_label
+from lightning_twobp.lightning.sharding import check_replicas, sharded_static_bytes
 from lightning_twobp.options import PipelineOptions
 from lightning_twobp.partition import partition
 from lightning_twobp.schedules import MemoryCosts, Schedule, build_schedule, replay_memory, schedule_spec
@@ -359,14 +360,16 @@ def _stage_plans(
     return stages
 
 
-def _rank_plans(pipe: _Pipeline, stages: list[StagePlan], gpu: Any, headroom: float) -> list[RankPlan]:
+def _rank_plans(
+    pipe: _Pipeline, stages: list[StagePlan], gpu: Any, headroom: float, dp: int, precision: str
+) -> list[RankPlan]:
     """Each rank's peak, with the split and with the fused baseline, from its stages' bytes."""
     act_of = {sp.stage: sp.activation_bytes for sp in stages}
     held_of = {sp.stage: sp.held_bytes for sp in stages}
     ranks = []
     for r in range(pipe.degree):
         mine = list(pipe.schedule.stages_of(r))
-        static = sum(stages[s].weight_bytes + stages[s].grad_bytes + stages[s].optimizer_bytes for s in mine)
+        static = sum(_static(stages[s], pipe.options.data_parallel, dp, precision) for s in mine)
         a = {s: act_of[s] for s in mine}
         with_split = _replay(pipe.schedule, r, a, {s: held_of[s] for s in mine})
         without = _replay(pipe.fused, r, a, {s: 0 for s in mine})
@@ -405,6 +408,13 @@ def plan(cfg: DictConfig, recipe: str = "") -> Plan:
         )
     gpu = cfg.plan.get("gpu_memory_gib")
     headroom = float(cfg.plan.get("headroom", 0.9))
+    dp = world // pipe.degree
+    if pipe.options.data_parallel == "shard":
+        check_replicas(dp, precision)
+        notes.append(
+            f"data_parallel='shard': static = 1/{dp} of weights, grads and optimizer + a step's gathered "
+            f"weights and grads"
+        )
     return Plan(
         recipe=recipe,
         model=str(cfg.model._target_).rsplit(".", 1)[-1],
@@ -421,9 +431,15 @@ def plan(cfg: DictConfig, recipe: str = "") -> Plan:
         gpu_memory_gib=None if gpu is None else float(gpu),
         headroom=headroom,
         stages=stages,
-        ranks=_rank_plans(pipe, stages, gpu, headroom),
+        ranks=_rank_plans(pipe, stages, gpu, headroom, dp, precision),
         notes=notes,
     )
+
+
+def _static(sp: StagePlan, data_parallel: str, dp: int, precision: str) -> int:
+    if data_parallel == "shard":
+        return sharded_static_bytes(sp.params, sp.weight_bytes, sp.grad_bytes, sp.optimizer_bytes, dp, precision)
+    return sp.weight_bytes + sp.grad_bytes + sp.optimizer_bytes
 
 
 def format_plan(pl: Plan) -> str:

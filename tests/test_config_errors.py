@@ -497,11 +497,6 @@ CASES: dict[str, Case] = {
         ValueError,
         r"data_parallel='fsdp': choose 'replicate' .* or 'shard'",
     ),
-    "strategy-shard-gather": (
-        lambda t: TwoBPStrategy(data_parallel="shard", gather_full_model=True),
-        ValueError,
-        r"data_parallel='shard' with gather_full_model=True: .* not supported yet",
-    ),
     "strategy-ddp-options": (
         lambda t: TwoBPStrategy(find_unused_parameters=True),
         TypeError,
@@ -520,14 +515,9 @@ CASES: dict[str, Case] = {
         r"data_parallel='shard' with 1 data-parallel replica: there is nothing to shard the stages over",
     ),
     "fit-shard-precision": (
-        lambda t: _fit(data_parallel="shard", trainer=dict(precision="bf16-mixed")),
+        lambda t: _fit(data_parallel="shard", trainer=dict(precision="bf16-true")),
         ValueError,
-        r"data_parallel='shard' with precision='bf16-mixed': only fp32 \('32-true'\) is supported so far",
-    ),
-    "fit-shard-checkpointing": (
-        lambda t: _fit(data_parallel="shard", trainer=dict(enable_checkpointing=True, default_root_dir=str(t))),
-        ValueError,
-        r"data_parallel='shard': checkpoints of sharded stages .* not supported yet .*enable_checkpointing=False",
+        r"data_parallel='shard' with precision='bf16-true': only fp32 \('32-true'\) and 'bf16-mixed' are supported",
     ),
     "fit-more-stages-than-layers": (
         lambda t: _fit(schedule="interleaved-1f1b", stages_per_rank=4),

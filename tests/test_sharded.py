@@ -1,10 +1,9 @@
 """TwoBPStrategy(data_parallel="shard") (issue 22): pp2 x dp2 with FSDP2-sharded stages against one
-process accumulating the same micro-batches, and each rank's parameter + gradient + optimizer bytes
-against the replicated layout's."""
+process accumulating the same micro-batches, for every schedule (all 4-process cases in one launch),
+with validation, prediction, gather_full_model, gradient accumulation and bf16-mixed; each rank's
+parameter + gradient + optimizer bytes against the replicated layout's; twobp-plan's sharded bytes."""
 
 from __future__ import annotations
-
-import os
 
 import lightning.pytorch as pl
 import pytest
@@ -17,11 +16,16 @@ import lightning_twobp  # noqa: F401  (registers "twobp")
 from lightning_twobp import TwoBPStrategy
 from lightning_twobp.lightning.model import SharedParameter
 from lightning_twobp.lightning.sharding import check_replicas, check_stages, state_bytes
-from lightning_twobp.testing import run_distributed
+
+import conftest
+from conftest import launch, lightning_env
 
 pytestmark = pytest.mark.dist
 
 STEPS = 3
+# bf16-mixed against fp32 after 3 steps: measured 1.9e-4 (largest weight difference) and 2.4e-4 (loss,
+# relative); bf16 rounds at 2^-8 = 3.9e-3 relative
+BF16_ATOL, BF16_RTOL = 2e-3, 2e-3
 
 
 class MomentumRegressor(pl.LightningModule):
@@ -45,6 +49,9 @@ class MomentumRegressor(pl.LightningModule):
     def validation_step(self, batch, batch_idx):
         x, y = batch
         self.log("val_loss", F.mse_loss(self.layers(x * 2.0), y))
+
+    def predict_step(self, batch, batch_idx):
+        return self.layers(batch[0] * 2.0)
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
@@ -95,27 +102,43 @@ def _trainer(strategy, devices: int, recorder: Recorder, **kw) -> pl.Trainer:
     )
 
 
-def _fit(rank: int, world: int, strategy_kwargs: dict, modes: tuple[str, ...], validate: bool = False) -> dict:
-    os.environ.update(
-        LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world), RANK=str(rank), MASTER_ADDR="127.0.0.1"
-    )
+def _fit(
+    rank: int,
+    world: int,
+    strategy_kwargs: dict,
+    modes: tuple[str, ...],
+    evaluate: bool = False,
+    precision: str = "32-true",
+    accumulate: int = 1,
+) -> dict:
+    lightning_env(rank, world)
     out = {}
     for mode in modes:
         model, rec = MomentumRegressor(), Recorder()
+        dtypes: set[torch.dtype] = set()  # of the weights the layers' forward ran with
+        for layer in model.layers:
+            layer.register_forward_pre_hook(lambda m, args, seen=dtypes: seen.update(q.dtype for q in m.parameters()))
         strategy = TwoBPStrategy(pipeline_degree=2, data_parallel=mode, **strategy_kwargs)
-        # Lightning's DistributedSampler (shuffle, seed 0) gives replica d the samples perm[d::2]
-        _trainer(strategy, world, rec, use_distributed_sampler=True).fit(model, _data())
+        # Lightning's DistributedSampler (shuffle, seed 0) gives replica d the samples perm[d::2]; with
+        # ``evaluate`` the fit validates too (the sanity check: a sharded forward-only pass)
+        val = {"val_dataloaders": _val_data()} if evaluate else {}
+        _trainer(
+            strategy, world, rec, use_distributed_sampler=True, precision=precision, accumulate_grad_batches=accumulate
+        ).fit(model, _data(), **val)
         params = {n: q.detach().clone() for n, q in model.named_parameters() if not q.is_meta}
         kinds = {type(q).__name__ for q in model.parameters()}
-        out[mode] = {"params": params, "losses": rec.losses, "bytes": rec.bytes, "kinds": kinds}
-        if validate:  # a second Trainer call shards the trained stages again; forward-only, then freed
+        out[mode] = {"params": params, "losses": rec.losses, "bytes": rec.bytes, "kinds": kinds, "dtypes": dtypes}
+        if evaluate:  # a second Trainer call shards the trained stages again; forward-only, then freed
             strategy = TwoBPStrategy(pipeline_degree=2, data_parallel=mode, **strategy_kwargs)
             trainer = _trainer(strategy, world, Recorder(), use_distributed_sampler=True)
             out[mode]["val_loss"] = trainer.validate(model, _val_data(), verbose=False)[0]["val_loss"]
+            strategy = TwoBPStrategy(pipeline_degree=2, data_parallel=mode, **strategy_kwargs)
+            trainer = _trainer(strategy, world, Recorder(), use_distributed_sampler=False)
+            out[mode]["predictions"] = trainer.predict(model, _val_data())  # on the last stage's ranks
     return out
 
 
-def _reference() -> tuple[dict, list[float], float]:
+def _reference() -> tuple[dict, list[float], float, torch.Tensor]:
     """One process on batches of 16: replica 0's 8 samples of each step, then replica 1's."""
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(64, 6, generator=g), torch.randn(64, 3, generator=g)
@@ -125,35 +148,90 @@ def _reference() -> tuple[dict, list[float], float]:
     data = DataLoader(TensorDataset(x[order], y[order]), batch_size=16)
     _trainer("auto", 1, rec, use_distributed_sampler=False).fit(model, data)
     val_loss = _trainer("auto", 1, Recorder()).validate(model, _val_data(), verbose=False)[0]["val_loss"]
-    return {n: q.detach() for n, q in model.named_parameters()}, rec.losses, val_loss
+    with torch.no_grad():
+        predictions = model.layers(_val_data().dataset.tensors[0] * 2.0)
+    return {n: q.detach() for n, q in model.named_parameters()}, rec.losses, val_loss, predictions
 
 
-def _check_against_reference(results: list[dict], mode: str) -> None:
-    ref, ref_losses, ref_val = _reference()
+@pytest.fixture(scope="module")
+def reference() -> tuple[dict, list[float], float, torch.Tensor]:
+    return _reference()
+
+
+def _check_against_reference(results: list[dict], mode: str, reference: tuple, gathered: bool = False) -> None:
+    """Every rank's parameters (all of them with ``gathered``, else its stages') and the losses, the
+    validation loss and the predictions where the case ran them, against one process."""
+    ref, ref_losses, ref_val, ref_predictions = reference
     for rank, res in enumerate(results):
         r = res[mode]
         assert r["kinds"] == {"Parameter"}, f"rank {rank}: after fit the model holds plain parameters again"
         assert set(r["params"]) == set(results[rank % 2][mode]["params"]), "replicas hold the same stages"
+        if gathered:
+            assert set(r["params"]) == set(ref), f"rank {rank}: gather_full_model gives every rank every weight"
         for name, value in r["params"].items():
             torch.testing.assert_close(value, ref[name], rtol=1e-5, atol=1e-6, msg=f"rank {rank} {name}")
     assert set(results[0][mode]["params"]) | set(results[1][mode]["params"]) == set(ref)
     # rank d * 2 + r is pipeline rank r of replica d: the reference's loss is the replicas' mean
     for step, want in enumerate(ref_losses):
-        got = (results[0][mode]["losses"][step] + results[2][mode]["losses"][step]) / 2
+        got = (results[1][mode]["losses"][step] + results[3][mode]["losses"][step]) / 2
         assert got == pytest.approx(want, rel=1e-5), f"step {step}"
     for rank, res in enumerate(results):  # the mean over the replicas, on every rank (sync_dist)
         if "val_loss" in res[mode]:
             assert res[mode]["val_loss"] == pytest.approx(ref_val, rel=1e-5), f"rank {rank}"
+    if "predictions" in results[1][mode]:  # each replica predicts every sample (no sampler)
+        for rank in (1, 3):
+            got = torch.cat(results[rank][mode]["predictions"])
+            torch.testing.assert_close(got, ref_predictions, rtol=1e-5, atol=1e-6, msg=f"rank {rank}")
 
 
-def test_1f1b_sharded_matches_one_process_with_a_dp_th_of_the_bytes():
+# Every schedule, sharded over pp2 x dp2, in one launch of 4 processes (starting them is most of a
+# case's time). The split (2BP) and fused forms where a schedule has both.
+SCHEDULES = {
+    "1f1b-fused": dict(schedule="1f1b", split_backward=False),
+    "zb-h1": dict(schedule="zb-h1"),
+    "zb-h2": dict(schedule="zb-h2"),
+    "gpipe": dict(schedule="gpipe"),
+    "gpipe-fused": dict(schedule="gpipe", split_backward=False),
+    "interleaved-1f1b": dict(schedule="interleaved-1f1b"),
+    "interleaved-1f1b-fused": dict(schedule="interleaved-1f1b", split_backward=False),
+    "zb-v": dict(schedule="zb-v"),
+    "v-half": dict(schedule="v-half"),
+    "v-min": dict(schedule="v-min"),
+}
+
+
+@pytest.fixture(scope="module")
+def four_ranks(request) -> conftest.Launch:
+    cases = {
+        "test_1f1b_sharded_matches_one_process_with_a_dp_th_of_the_bytes": (
+            _fit,
+            ({"schedule": "1f1b"}, ("shard", "replicate"), True),
+        ),
+        "test_gather_full_model_after_a_sharded_fit": (
+            _fit,
+            ({"schedule": "zb-h1", "gather_full_model": True}, ("shard",)),
+        ),
+    }
+    cases["test_bf16_mixed_sharded_trains_close_to_fp32"] = (
+        _fit,
+        ({"schedule": "zb-h1"}, ("shard",), False, "bf16-mixed"),
+    )
+    cases["test_gradient_accumulation_sharded_matches_replicated"] = (
+        _fit,
+        ({"schedule": "zb-h1"}, ("shard", "replicate"), False, "32-true", 2),
+    )
+    cases |= {f"test_sharded_matches_one_process[{k}]": (_fit, (kw, ("shard",))) for k, kw in SCHEDULES.items()}
+    return launch(request, 4, cases, timeout=900)
+
+
+def test_1f1b_sharded_matches_one_process_with_a_dp_th_of_the_bytes(four_ranks, request, reference):
     """pp2 x dp2 on 4 processes, 1F1B with the split backward: loss and every parameter after 3 SGD
     steps with momentum and global-norm clipping equal one process; each rank's parameter, gradient and
-    momentum
-    bytes are half (1/dp) of the replicated layout's, up to the rows dim 0 does not split evenly; a
-    second Trainer call validates the trained model sharded, as one process does."""
-    results = run_distributed(_fit, 4, {"schedule": "1f1b"}, ("shard", "replicate"), True, timeout=480)
-    _check_against_reference(results, "shard")
+    momentum bytes are half (1/dp) of the replicated layout's, up to the rows dim 0 does not split
+    evenly; the fit validates sharded, and two more Trainer calls validate and predict with the trained
+    model sharded, as one process does."""
+    results = four_ranks[request.node.name]
+    _check_against_reference(results, "shard", reference)
     for rank, res in enumerate(results):
         sharded, replicated = res["shard"]["bytes"], res["replicate"]["bytes"]
         assert set(sharded) == {"params", "grads", "optimizer"}
@@ -164,24 +242,62 @@ def test_1f1b_sharded_matches_one_process_with_a_dp_th_of_the_bytes():
         print(f"rank {rank}: sharded {sharded} vs replicated {replicated}")  # shown with pytest -s
 
 
-@pytest.mark.parametrize(
-    "strategy_kwargs",
-    [dict(schedule="zb-h1"), dict(schedule="1f1b", split_backward=False), dict(schedule="zb-v")],
-    ids=["zb-h1", "1f1b-fused", "zb-v"],
-)
-def test_sharded_matches_one_process(strategy_kwargs):
-    """zb-h1's deferred W; the fused backward (FSDP2's own post-backward fires inside BW, with nothing to
-    do); zb-v's two stages per rank, each reduced after its own last W, and its post-validation (the
-    speculative step put back and redone on DTensor shards when clipping changes it)."""
-    results = run_distributed(_fit, 4, strategy_kwargs, ("shard",), timeout=300)
-    _check_against_reference(results, "shard")
+def test_gather_full_model_after_a_sharded_fit(four_ranks, request, reference):
+    """gather_full_model=True: each rank gathers its stages' shards over its replicas, then receives the
+    other pipeline rank's stages; every rank holds the whole trained model, equal to one process's."""
+    _check_against_reference(four_ranks[request.node.name], "shard", reference, gathered=True)
+
+
+def test_bf16_mixed_sharded_trains_close_to_fp32(four_ranks, request, reference):
+    """precision="bf16-mixed": FSDP2 gathers the fp32 shards as bf16 (the layers ran with bf16 weights),
+    the gradients are reduced in fp32 onto the fp32 shards and the optimizer steps in fp32; the losses
+    and weights stay within bf16's rounding of one fp32 process's (not bitwise: bf16 keeps 8 bits of
+    mantissa), and the model comes back fp32."""
+    ref, ref_losses, _, _ = reference
+    results = four_ranks[request.node.name]
+    for rank, res in enumerate(results):
+        r = res["shard"]
+        assert r["dtypes"] == {torch.bfloat16}, f"rank {rank}: the gathered weights' dtypes {r['dtypes']}"
+        for name, value in r["params"].items():
+            assert value.dtype == torch.float32, f"rank {rank}: {name} came back {value.dtype}"
+            torch.testing.assert_close(value, ref[name], rtol=0, atol=BF16_ATOL, msg=f"rank {rank} {name}")
+    worst = max((v - ref[n]).abs().max().item() for res in results for n, v in res["shard"]["params"].items())
+    for step, want in enumerate(ref_losses):
+        got = (results[1]["shard"]["losses"][step] + results[3]["shard"]["losses"][step]) / 2
+        assert got == pytest.approx(want, rel=BF16_RTOL), f"step {step}"
+        print(f"step {step}: bf16-mixed loss {got:.6f}, fp32 {want:.6f}")  # shown with pytest -s
+    print(f"largest weight difference from fp32: {worst:.2e}")
+
+
+def test_gradient_accumulation_sharded_matches_replicated(four_ranks, request):
+    """accumulate_grad_batches=2: each pipeline step's DTensor gradient shards are set aside and added
+    into the window's, then scaled, as the replicated gradients are; the weights after 3 optimizer
+    steps (6 batches) equal the replicated run's (itself one process's, tests/test_strategy.py)."""
+    for rank, res in enumerate(four_ranks[request.node.name]):
+        sharded, replicated = res["shard"], res["replicate"]
+        assert len(sharded["losses"]) == 2 * STEPS
+        assert set(sharded["params"]) == set(replicated["params"])
+        for name, value in sharded["params"].items():
+            torch.testing.assert_close(
+                value, replicated["params"][name], rtol=1e-5, atol=1e-6, msg=f"rank {rank} {name}"
+            )
+
+
+@pytest.mark.parametrize("case", list(SCHEDULES))
+def test_sharded_matches_one_process(four_ranks, request, reference, case):
+    """Every schedule: the fused backward (FSDP2's own post-backward fires inside BW, with nothing to
+    do), the deferred W of the zero-bubble ones, two stages per rank (interleaved, the V family), each
+    reduced after its own last W, and post-validation (zb-h2, zb-v: the speculative step put back and
+    redone on DTensor shards when clipping changes it)."""
+    _check_against_reference(four_ranks[request.node.name], "shard", reference)
 
 
 def test_refusals_say_what_is_not_supported():
     with pytest.raises(ValueError, match="nothing to shard the stages over"):
         check_replicas(1, "32-true")
-    with pytest.raises(ValueError, match=r"precision='bf16-mixed': only fp32"):
-        check_replicas(2, "bf16-mixed")
+    with pytest.raises(ValueError, match=r"precision='16-mixed': only fp32 \('32-true'\) and 'bf16-mixed'"):
+        check_replicas(2, "16-mixed")
+    check_replicas(2, "bf16-mixed")  # FSDP2's MixedPrecisionPolicy: bf16 gathered parameters
     tied = SharedParameter(("0.weight", "6.weight"), (0, 1), None)
     with pytest.raises(ValueError, match=r"shared across pipeline stages yet \(0.weight, 6.weight\)"):
         check_stages({0: nn.Linear(2, 2)}, [tied])
@@ -189,3 +305,24 @@ def test_refusals_say_what_is_not_supported():
     scalar.scale = nn.Parameter(torch.tensor(1.0))
     with pytest.raises(ValueError, match="parameter scale is a scalar"):
         check_stages({1: scalar}, [])
+
+
+def test_the_plan_counts_a_dp_th_of_the_state_and_a_steps_gathered_weights():
+    """twobp-plan with data_parallel=shard: each rank's static bytes are 1/dp of its stages' weights,
+    gradients and optimizer state plus the gathered weights and gradients a step holds; one replica is
+    refused as the strategy refuses it. (With fp32 AdamW, 16 bytes a parameter, dp = 2 saves nothing at
+    a step's peak, 16 / 2 + 8; dp = 4 does, 16 / 4 + 8.)"""
+    from lightning_twobp.plan import plan_recipe
+
+    layout = ["trainer.devices=8", "strategy.pipeline_degree=2"]
+    replicated = plan_recipe(layout)
+    sharded = plan_recipe([*layout, "strategy.data_parallel=shard"])
+    for rank, full in zip(sharded.ranks, replicated.ranks, strict=True):
+        stages = [sharded.stages[s] for s in rank.stages]
+        want = sum(
+            -(-sp.weight_bytes // 4) + -(-sp.grad_bytes // 4) + -(-sp.optimizer_bytes // 4) + 2 * sp.weight_bytes
+            for sp in stages
+        )  # fp32: the gathered weights and gradients take the weights' bytes each
+        assert rank.static_bytes == want < full.static_bytes
+    with pytest.raises(ValueError, match="nothing to shard the stages over"):
+        plan_recipe(["trainer.devices=2", "strategy.pipeline_degree=2", "strategy.data_parallel=shard"])

@@ -4,7 +4,10 @@ A checkpoint is a directory written with ``torch.distributed.checkpoint``: each 
 stages' weights and optimizer state, keyed by the parameters' fully qualified names in the whole
 model (``torch.distributed.checkpoint.state_dict``: ``get_model_state_dict`` and
 ``get_optimizer_state_dict`` with ``flatten_optimizer_state_dict=True``, which keys every parameter's
-state *and* its param-group settings by name). Replicas are deduplicated. The rest of Lightning's
+state *and* its param-group settings by name). Replicas are deduplicated; under
+``data_parallel="shard"`` the parameters and their optimizer state are DTensors, which DCP writes
+shard by shard (each replica its rows) and reads into whatever each rank holds at load: its rows
+again, or whole tensors in a replicated or one-process run. The rest of Lightning's
 checkpoint (loops, callbacks, schedulers, hyper-parameters) goes to ``meta.pt`` from rank 0.
 
 Saving is crash-safe and loading verified. Every rank writes into a hidden sibling

@@ -18,7 +18,6 @@ from lightning_twobp.lightning.checkpoint import set_rng_state
 from lightning_twobp.lightning.failures import save_refused
 from lightning_twobp.lightning.preemption import Preempted
 from lightning_twobp.lightning.rng import StageStreams
-from lightning_twobp.options import PipelineOptions
 
 if TYPE_CHECKING:
     from lightning_twobp.lightning.pipeline import Pipeline
@@ -27,17 +26,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 __all__ = ["check_storage_options", "load", "refusal", "save", "set_rng_state"]
-
-
-_NO_SHARDED_CHECKPOINTS = (
-    "data_parallel='shard': checkpoints of sharded stages (save and resume) are not supported yet (issue 22); "
-    "train with data_parallel='replicate' to checkpoint"
-)
-
-
-def check_not_sharded(options: PipelineOptions, fix: str = "") -> None:
-    if options.data_parallel == "shard":
-        raise ValueError(_NO_SHARDED_CHECKPOINTS + fix)
 
 
 def check_storage_options(storage_options: Any) -> None:
@@ -78,6 +66,10 @@ def save(
         "pipeline_degree": strategy.pipeline_degree,
         "stages_per_rank": strategy.stages_per_rank,
         "schedule": strategy.schedule_name,
+        # Informational: under "shard" each parameter is stored as its replicas' DTensor shards, which
+        # torch.distributed.checkpoint reads back into any layout (shards or whole tensors) by name.
+        "data_parallel": strategy.options.data_parallel,
+        "dp_degree": strategy.dp_degree,
     }
     lm, group = strategy.lightning_module, strategy.io_group
     states = streams.state_dict() if streams is not None else None
@@ -126,4 +118,10 @@ def _announce_relayout(strategy: TwoBPStrategy, saved: dict[str, Any]) -> None:
             f"twobp: resuming a checkpoint saved with pipeline_degree={saved.get('pipeline_degree')}, "
             f"stages_per_rank={saved.get('stages_per_rank')} on pipeline_degree={degree}, "
             f"stages_per_rank={spr}: weights and optimizer state re-partition by name"
+        )
+    mode = strategy.options.data_parallel
+    if saved.get("data_parallel", "replicate") != mode:  # checkpoints before issue 22 were replicated
+        rank_zero_info(
+            f"twobp: resuming a checkpoint saved with data_parallel={saved.get('data_parallel', 'replicate')!r} "
+            f"under data_parallel={mode!r}: each rank reads its own part of every tensor"
         )

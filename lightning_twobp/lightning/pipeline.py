@@ -38,7 +38,7 @@ from lightning_twobp.lightning.optimizer_checks import OptimizerChecks
 from lightning_twobp.lightning.profile import profile_layers
 from lightning_twobp.lightning.quiet import known_warnings_off
 from lightning_twobp.lightning.rng import StageStreams
-from lightning_twobp.lightning.sharding import ShardedStages, check_replicas, check_stages
+from lightning_twobp.lightning.sharding import ShardedStages, check_replicas, check_stages, mixed_precision
 from lightning_twobp.lightning.step import Logs, StepRunner, share_logs, step_means
 from lightning_twobp.partition import partition
 from lightning_twobp.private import pytree
@@ -311,7 +311,8 @@ def _data_parallel(
         except ValueError:
             local.restore(False, None, layout.pp_rank, strategy.root_device)  # the model as it came
             raise
-        sharding = ShardedStages(local.stages, strategy.device_mesh["dp"])
+        precision = str(getattr(strategy.precision_plugin, "precision", "32-true"))
+        sharding = ShardedStages(local.stages, strategy.device_mesh["dp"], mixed_precision(precision))
         return sharding, sharding.reduce
     if layout.dp_degree > 1:
         return None, dp_reduce(strategy.group("dp"), layout.dp_degree)

@@ -18,7 +18,13 @@ per stage and per step:
 
 The optimizer (``configure_optimizers`` runs after setup) holds the DTensor shards, so its state is
 sharded too. Only public FSDP2 calls are used: ``fully_shard``, ``unshard``, ``reshard``,
-``set_requires_gradient_sync``, ``set_reshard_after_backward``.
+``set_requires_gradient_sync``, ``set_reshard_after_backward``, ``MixedPrecisionPolicy``.
+
+Under ``precision="bf16-mixed"`` the shards (and the optimizer) stay fp32 and FSDP2 gathers them as
+bf16 (``MixedPrecisionPolicy(param_dtype=bfloat16)``: half the all-gather's bytes and half the
+gathered parameters' memory); the stage's gradients accumulate in bf16 over the micro-batches and
+are cast to fp32 for the reduce-scatter (the policy's ``reduce_dtype`` stays unset: with it FSDP2's
+post-backward hook would move the gradients aside after B, before W has added to them).
 """
 
 from __future__ import annotations
@@ -32,21 +38,36 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ShardedStages", "check_replicas", "check_stages", "state_bytes"]
+__all__ = ["ShardedStages", "check_replicas", "check_stages", "mixed_precision", "sharded_static_bytes", "state_bytes"]
+
+_PRECISIONS = ("32-true", "32", "bf16-mixed")
+
+
+def mixed_precision(precision: str) -> MixedPrecisionPolicy | None:
+    """FSDP2's policy for Lightning's ``precision``: bf16 gathered parameters under "bf16-mixed"."""
+    return MixedPrecisionPolicy(param_dtype=torch.bfloat16) if precision == "bf16-mixed" else None
+
+
+def sharded_static_bytes(params: int, weight: int, grad: int, optimizer: int, dp: int, precision: str) -> int:
+    """A stage's peak bytes of parameters, gradients and optimizer state on one rank (``twobp-plan``):
+    its ``1/dp`` share of each (rounded up), plus what a step holds in full from the first F to the
+    last W: the gathered parameters and their unsharded gradients (bf16 under "bf16-mixed")."""
+    gathered = 2 if precision == "bf16-mixed" else weight // max(params, 1)
+    return sum(-(-b // dp) for b in (weight, grad, optimizer)) + 2 * params * gathered
 
 
 def check_replicas(dp_degree: int, precision: str) -> None:
     """Refuse, before the model is cut, a layout or precision sharding does not support (yet)."""
-    if precision not in ("32-true", "32"):
+    if precision not in _PRECISIONS:
         raise ValueError(
-            f"data_parallel='shard' with precision={precision!r}: only fp32 ('32-true') is supported so far "
-            f"(FSDP2's MixedPrecisionPolicy is not wired in yet, issue 22); use precision='32-true' or "
-            f"data_parallel='replicate'"
+            f"data_parallel='shard' with precision={precision!r}: only fp32 ('32-true') and 'bf16-mixed' are "
+            f"supported (fp16's GradScaler and the '-true' half precisions are not wired into the shards); use "
+            f"one of those or data_parallel='replicate'"
         )
     if dp_degree < 2:
         raise ValueError(
@@ -102,6 +123,10 @@ def state_bytes(params: list[nn.Parameter], optimizers: list[Any]) -> dict[str, 
     }
 
 
+def _whole(q: torch.Tensor) -> torch.Tensor:
+    return (q.full_tensor() if isinstance(q, DTensor) else q).detach().clone()
+
+
 def _grad(q: nn.Parameter) -> torch.Tensor:
     assert q.grad is not None  # only parameters with a gradient are reduced
     return q.grad
@@ -110,7 +135,7 @@ def _grad(q: nn.Parameter) -> torch.Tensor:
 class ShardedStages:
     """This rank's stage modules, each ``fully_shard``-ed over ``mesh`` (the ``"dp"`` dimension)."""
 
-    def __init__(self, stages: dict[int, nn.Module], mesh: DeviceMesh) -> None:
+    def __init__(self, stages: dict[int, nn.Module], mesh: DeviceMesh, policy: MixedPrecisionPolicy | None) -> None:
         self.mesh = mesh
         self.group = mesh.get_group()
         self.dp = mesh.size()
@@ -118,7 +143,10 @@ class ShardedStages:
         self.sharded: dict[int, dict[str, nn.Parameter]] = {}  # stage -> name -> its DTensor parameter
         self.full: dict[int, dict[str, nn.Parameter]] = {}  # stage -> name -> gathered, during a step
         for s, stage in stages.items():
-            module = fully_shard(stage, mesh=mesh, reshard_after_forward=False)  # the same module, now an FSDPModule
+            # the same module, now an FSDPModule
+            module = fully_shard(
+                stage, mesh=mesh, reshard_after_forward=False, mp_policy=policy or MixedPrecisionPolicy()
+            )
             module.set_requires_gradient_sync(False)  # reduced after the stage's last W, not after B
             module.set_reshard_after_backward(False)  # held from the first F to the last W
             self.modules[s] = module
@@ -146,8 +174,8 @@ class ShardedStages:
         with_grad = {id(q) for q in params}
         names = [n for n, q in self.full[stage].items() if id(q) in with_grad]
         by_dtype: dict[torch.dtype, list[str]] = {}
-        for n in names:
-            by_dtype.setdefault(_grad(self.full[stage][n]).dtype, []).append(n)
+        for n in names:  # reduced in the sharded parameter's dtype (fp32 under "bf16-mixed")
+            by_dtype.setdefault(self.sharded[stage][n].dtype, []).append(n)
         started = [self._start(stage, group) for group in by_dtype.values()]
 
         def finish() -> None:
@@ -169,10 +197,11 @@ class ShardedStages:
         (FSDP2's ``torch.chunk`` layout: replica r holds rows ``r*c .. (r+1)*c - 1``, ``c = ceil(n/dp)``),
         laid out ``(dp, chunk)`` so that replica r's output is its chunk of every gradient."""
         dp, parts, rows = self.dp, [], []
+        dtype = self.sharded[stage][names[0]].dtype
         for n in names:
             g = _grad(self.full[stage][n])
             c = -(-g.shape[0] // dp)
-            padded = g.new_zeros((c * dp, *g.shape[1:]))
+            padded = g.new_zeros((c * dp, *g.shape[1:]), dtype=dtype)
             padded[: g.shape[0]] = g
             parts.append(padded.reshape(dp, -1))
             rows.append(c)
@@ -196,7 +225,7 @@ class ShardedStages:
 
     def unshard_for_good(self, failed: bool) -> None:
         """At the Trainer call's end: this rank's stages hold their full weights again as plain
-        parameters (one all-gather per stage), so the model is an ordinary model afterwards. The
+        parameters (one all-gather per parameter), so the model is an ordinary model afterwards. The
         FSDP2 hooks sit on the stage containers only (ours, dropped with the pipeline), not on the
         user's layers. After a failure the shards stay: another replica may be gone, and the gather
         would wait for it."""
@@ -207,9 +236,9 @@ class ShardedStages:
             )
             return
         for module in self.modules.values():
-            module.unshard()
-            full = {n: (q.detach().clone(), q.requires_grad) for n, q in module.named_parameters()}
-            module.reshard()
+            # every DTensor to its whole tensor in its own dtype (fp32 under "bf16-mixed", where unshard()
+            # would gather bf16 copies)
+            full = {n: (_whole(q), q.requires_grad) for n, q in module.named_parameters()}
             for n, (t, requires_grad) in full.items():
                 owner, _, leaf = n.rpartition(".")
                 setattr(module.get_submodule(owner), leaf, nn.Parameter(t, requires_grad=requires_grad))

@@ -167,9 +167,6 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
         self.accelerator.setup(trainer)
         self._failed = False
         self._batches_checked = False
-        fitting = trainer.state.fn == TrainerFn.FITTING
-        if fitting and trainer.checkpoint_callbacks:
-            checkpoint_hooks.check_not_sharded(self.options, "; pass Trainer(enable_checkpointing=False)")
         self._pipeline = build_pipeline(self, trainer)
         self._failures = FailureChannel.open(self.describe_rank())
         self.precision_plugin = self._pipeline.precision
@@ -345,7 +342,6 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
         """A directory (see :mod:`lightning_twobp.lightning.checkpoint`); every rank writes its stages."""
-        checkpoint_hooks.check_not_sharded(self.options)
         checkpoint_hooks.check_storage_options(storage_options)
         refused = checkpoint_hooks.refusal(self.lightning_module.trainer, self._failures)
         if refused is None:
@@ -357,7 +353,6 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """Each rank reads the weights and optimizer state of its own parameters, by name, whatever the
         pipeline degree or partition the checkpoint was saved with."""
-        checkpoint_hooks.check_not_sharded(self.options)
         streams = self._built("load_checkpoint").streams
         checkpoint, self._resume_rng = checkpoint_hooks.load(self, checkpoint_path, weights_only, streams)
         return checkpoint
