@@ -22,6 +22,7 @@ gradients it made are dropped.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import statistics
@@ -52,9 +53,9 @@ from lightning_twobp.schedules.auto import (
 
 log = logging.getLogger(__name__)
 
-__all__ = ["SavedBytes", "auto_schedule", "device_bytes"]
+__all__ = ["SavedBytes", "auto_schedule", "device_bytes", "timed_footprint"]
 
-_FIELDS = 9  # LayerCost's fields, in order, as one row of the agreed table
+_FIELDS = 11  # LayerCost's fields, in order, as one row of the agreed table
 
 
 def device_bytes(device: torch.device) -> float | None:
@@ -71,22 +72,14 @@ def _divisors(n: int, most: int) -> list[int]:
     return [d for d in range(1, min(n, most) + 1) if n % d == 0]
 
 
-def _measure(layer: nn.Module, x: torch.Tensor, needs: bool, device: torch.device, repeats: int) -> LayerFootprint:
-    """``repeats`` timed runs after a warm-up; bytes from the last, each phase's median seconds."""
+def timed_footprint(
+    layer: nn.Module, x: torch.Tensor, needs: bool, device: torch.device, repeats: int
+) -> LayerFootprint:
+    """:func:`~lightning_twobp.engine.footprint.measure_layer` ``repeats`` (>= 1) times after a warm-up:
+    bytes from the last run, each phase's median seconds. Gradients accumulate: the caller clears them."""
     runs = [measure_layer(layer, x, needs, clock=lambda: now(device)) for _ in range(repeats + 1)][1:]
-    seconds = tuple(statistics.median(r.seconds[i] for r in runs) for i in range(3))
-    last = runs[-1]
-    return LayerFootprint(
-        last.out_shape,
-        last.out_dtype,
-        last.activation_bytes,
-        last.held_bytes,
-        last.graph_kept,
-        last.saved_input,
-        last.saves_output,
-        seconds,  # type: ignore[arg-type]
-        last.output,
-    )
+    f, b, w = (statistics.median(r.seconds[i] for r in runs) for i in range(3))
+    return dataclasses.replace(runs[-1], seconds=(f, b, w))
 
 
 def _profile_layers(layers: list[nn.Module], x: tuple, device: torch.device, repeats: int) -> tuple[list, float]:
@@ -100,7 +93,7 @@ def _profile_layers(layers: list[nn.Module], x: tuple, device: torch.device, rep
     for i, layer in enumerate(layers):
         home = next(iter([*layer.parameters(), *layer.buffers()]), torch.empty(0)).device
         layer.to(device)
-        fp = _measure(layer, t, t.is_floating_point() and i > 0, device, repeats)
+        fp = timed_footprint(layer, t, t.is_floating_point() and i > 0, device, repeats)
         fixed = 2.0 * sum(q.numel() * q.element_size() for q in layer.parameters() if q.requires_grad)
         rows.append(layer_cost(fp, fixed))
         layer.zero_grad(set_to_none=True)
@@ -135,8 +128,8 @@ def _message_seconds(nbytes: float, group: Any, device: torch.device, repeats: i
 
 def _from_row(row: Sequence[float]) -> LayerCost:
     """A layer's row of the agreed table (its bools went through it as 0 and 1)."""
-    f, b, w, act, held, kept, saved_input, saves_output, fixed = row[:_FIELDS]
-    return LayerCost(f, b, w, act, held, bool(kept), saved_input, bool(saves_output), fixed)
+    f, b, w, act, held, kept, saved_input, saves_output, fixed, output, grad_held = row[:_FIELDS]
+    return LayerCost(f, b, w, act, held, bool(kept), saved_input, bool(saves_output), fixed, output, grad_held)
 
 
 def _agree(table: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -219,6 +212,11 @@ class SavedBytes:
         self.now = 0
         self.peak = 0
         self._hooks: Any = None
+
+    @property
+    def live(self) -> dict[int, int]:
+        """The storages held now: one key per storage (:func:`storage_key`), its bytes."""
+        return dict(self._bytes)
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         k = storage_key(t)
