@@ -48,3 +48,20 @@ def test_predicted_peak_within_ten_percent_of_measured():
     # the model sees what 2BP costs: uncapped 1F1B + 2BP holds more on the last rank than fused 1F1B
     last = {(r["model"], r["schedule"]): r["measured"] for r in result["rows"] if r["rank"] == 1}
     assert last[("llama", "1f1b+2BP")] > last[("llama", "1f1b")]
+
+
+def test_torchs_orders_on_paper_keep_the_graph_until_w():
+    pytest.importorskip("torch.distributed.pipelining")
+    from lightning_twobp.bench.budget_sim import torch_rows
+    from lightning_twobp.schedules.auto import LayerCost, Profile, search
+
+    layer = LayerCost(f=1, b=1, w=1, activation=100, held=20, fixed=10)
+    prof = Profile(4, {8: (layer,) * 8}, {1: (2, 2, 2, 2), 2: (1,) * 8})
+    rows = {r["label"]: r for r in torch_rows(prof, [8])}
+    names = ("1F1B", "GPipe", "Interleaved1F1B", "ZB1P", "ZBV")
+    assert {f"torch {n} (m=8)" for n in names} <= set(rows), sorted(rows)
+    # ZB1P is ZB-H1's order, but torch's W re-enters the graph, so it holds M_B + M_W from F to W
+    ours = next(c for c in search(prof, families=["zb-h1"]) if c.max_pending_w is None)
+    assert rows["torch ZB1P (m=8)"]["peak"] > ours.peak
+    # one step at a time: the makespan, no overlap of steps
+    assert rows["torch 1F1B (m=8)"]["step_s"] == (8 + 4 - 1) * (2 + 2 + 2)  # (m + p - 1)(F + BW), 2 layers a stage

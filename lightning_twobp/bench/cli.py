@@ -10,6 +10,8 @@ twobp-bench --soak N [--python-memory] [--json PATH]
 twobp-bench --paper [--out DIR] [--quick] [--repeats N]
 twobp-bench --gpu [--json PATH] [--quick]
 twobp-bench --budget [--out DIR] [--steps K] [--quick]
+twobp-bench --memory-model [--out DIR] [--quick]
+twobp-bench --memory-model --simulate [--out DIR] [--quick]
 """
 
 from __future__ import annotations
@@ -18,6 +20,25 @@ import argparse
 
 from lightning_twobp.bench.report import write_json
 from lightning_twobp.bench.workload import Workload
+
+
+def _memory_model(args: argparse.Namespace) -> int:
+    """``--memory-model``: the model against the executor, or (``--simulate``) the budget tables on paper."""
+    if args.simulate:
+        from lightning_twobp.bench import budget_sim
+
+        sim = budget_sim.run_budget_sim(quick=args.quick)
+        print(budget_sim.markdown(sim))
+        for path in budget_sim.write(sim, args.out) if args.out else []:
+            print(f"wrote {path}")
+        return 0
+    from lightning_twobp.bench.memory_model import markdown, run_memory_model, write
+
+    result = run_memory_model(quick=args.quick, m=4 if args.quick else 8)
+    print(markdown(result))
+    for path in write(result, args.out) if args.out else []:
+        print(f"wrote {path}")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -50,6 +71,13 @@ def main(argv: list[str] | None = None) -> int:
         help="at 0.5x, 1x, 1.5x, 2x fused 1F1B's peak: the fastest of ours and of torch's that fits, alone each",
     )
     mode.add_argument(
+        "--memory-model",
+        action="store_true",
+        help="predicted (profile + simulate) against measured peak bytes per rank, every schedule, tiny LLaMa "
+        "and BERT; with --simulate: the budget tables at p = 4 and 8 on the four paper models' measured costs",
+    )
+    ap.add_argument("--simulate", action="store_true", help="--memory-model: the simulated budget tables")
+    mode.add_argument(
         "--paper",
         action="store_true",
         help="the 2BP paper's three questions (throughput, peak memory, scaling) on its four models",
@@ -81,6 +109,9 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     wl = Workload.quick() if args.quick else Workload()
     m = args.microbatches
+
+    if args.memory_model:
+        return _memory_model(args)
 
     if args.split:
         from lightning_twobp.bench.split import bench_paper_blocks, bench_split
