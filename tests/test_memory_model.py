@@ -22,9 +22,14 @@ def test_messages_between_ranks_live_in_receive_buffers():
 def test_a_v_keeps_its_turn_on_one_rank():
     # ZB-V, p = 2: stages 1 and 2 are both on rank 1, so 2's input and 1's output gradient are handed over
     sched = build_schedule("zb-v", 4, 4, stages_per_rank=2)
-    memory = MemoryCosts(activation=10, held=5, fixed=0, message=1, input_saved=1, grad_held=1)
+    memory = MemoryCosts(activation=10, held=5, fixed=0, message=1, input_saved=1, grad_held=1, input_held=2)
     act, held = memory.placed(sched)
-    assert act == (10, 9, 10, 9) and held == (4, 5, 4, 5)
+    # every stage after the first: its saved input is a receive buffer or, at the turn, stage 1's output
+    # (held by stage 1 until its B, after stage 2's B)
+    assert act == (10, 9, 9, 9)
+    # from B to W: the output gradient where the next stage is remote (0, 2), the input where the
+    # previous one is (1, 3)
+    assert held == (4, 3, 4, 3)
     # rank 0 (stages 0, 3): stage 0 sends to 1 and stage 3 receives from 2: 2 x m buffers; rank 1 the same
     assert memory.fixed_of(sched) == (8, 8)
 

@@ -49,6 +49,7 @@ class LayerFootprint:
     seconds: tuple[float, float, float] = (0.0, 0.0, 0.0)  # F, B, W (zeros without a clock)
     output: torch.Tensor | None = field(default=None, repr=False, compare=False)  # F's output, detached
     grad_output_held: int = 0  # bytes of the output's gradient, when W keeps it (a last Linear's input)
+    input_held: int = 0  # bytes of the input, when W keeps it (a first Linear's operand)
 
 
 def measure_layer(
@@ -96,13 +97,13 @@ def measure_layer(
         if isinstance(t, torch.Tensor):
             held[storage_key(t)] = t.untyped_storage().nbytes()
     kept = bool(p.frontier)
-    grad_out = held.get(storage_key(g_out), 0)
+    grad_out, inp_held = held.get(storage_key(g_out), 0), held.get(storage_key(inp), 0)
     t2b = now()  # reading what B left is bookkeeping, not W
     stage.backward_weight(0)
     t3 = now()
     seconds = (t1 - t0, t2 - t1, t3 - t2b)
     return LayerFootprint(
-        *shape, act, sum(held.values()), kept, saved_input, saves_output, seconds, out.detach(), grad_out
+        *shape, act, sum(held.values()), kept, saved_input, saves_output, seconds, out.detach(), grad_out, inp_held
     )
 
 
@@ -114,10 +115,11 @@ def layer_cost(
     times ``scale`` (a layer measured in fp32 standing in for half-precision activations: 0.5)."""
     f, b, w = fp.seconds if seconds is None else seconds
     out_bytes = math.prod(fp.out_shape) * fp.out_dtype.itemsize
-    act, held, inp, out, g = (
-        scale * x for x in (fp.activation_bytes, fp.held_bytes, fp.saved_input, out_bytes, fp.grad_output_held)
+    act, held, inp, out, g, i = (
+        scale * x
+        for x in (fp.activation_bytes, fp.held_bytes, fp.saved_input, out_bytes, fp.grad_output_held, fp.input_held)
     )
-    return LayerCost(f, b, w, act, held, fp.graph_kept, inp, fp.saves_output, fixed, out, g)
+    return LayerCost(f, b, w, act, held, fp.graph_kept, inp, fp.saves_output, fixed, out, g, i)
 
 
 def _storages(values: Any, out: dict[int, int]) -> None:

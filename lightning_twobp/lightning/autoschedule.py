@@ -55,7 +55,7 @@ log = logging.getLogger(__name__)
 
 __all__ = ["SavedBytes", "auto_schedule", "device_bytes", "timed_footprint"]
 
-_FIELDS = 11  # LayerCost's fields, in order, as one row of the agreed table
+_FIELDS = 12  # LayerCost's fields, in order, as one row of the agreed table
 
 
 def device_bytes(device: torch.device) -> float | None:
@@ -128,8 +128,9 @@ def _message_seconds(nbytes: float, group: Any, device: torch.device, repeats: i
 
 def _from_row(row: Sequence[float]) -> LayerCost:
     """A layer's row of the agreed table (its bools went through it as 0 and 1)."""
-    f, b, w, act, held, kept, saved_input, saves_output, fixed, output, grad_held = row[:_FIELDS]
-    return LayerCost(f, b, w, act, held, bool(kept), saved_input, bool(saves_output), fixed, output, grad_held)
+    f, b, w, act, held, kept, saved_input, saves_output, fixed, output, grad_held, input_held = row[:_FIELDS]
+    kept_, saves = bool(kept), bool(saves_output)
+    return LayerCost(f, b, w, act, held, kept_, saved_input, saves, fixed, output, grad_held, input_held)
 
 
 def _agree(table: torch.Tensor, device: torch.device) -> torch.Tensor:

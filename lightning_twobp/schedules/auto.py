@@ -64,7 +64,8 @@ class LayerCost:
     which then stays whole), the bytes of its input when it saves it (``saved_input``), whether it saves
     its own output, the bytes it holds whatever the schedule (``fixed``: weights, gradients, ...), the
     bytes of its ``output`` and, of ``held``, those of its output's gradient (``grad_output_held``: W
-    reads it, as a last Linear's weight gradient does)."""
+    reads it, as a last Linear's weight gradient does) and of its input (``input_held``: a first
+    Linear's)."""
 
     f: float = 0.0
     b: float = 0.0
@@ -77,12 +78,13 @@ class LayerCost:
     fixed: float = 0.0
     output: float = 0.0
     grad_output_held: float = 0.0
+    input_held: float = 0.0
 
 
 @dataclass(frozen=True)
 class StageCost:
-    """A run of layers as one stage (:func:`stage_cost`); ``message``, ``input_saved`` and
-    ``grad_held`` as in :class:`~.memory.MemoryCosts`."""
+    """A run of layers as one stage (:func:`stage_cost`); ``message``, ``input_saved``, ``grad_held``
+    and ``input_held`` as in :class:`~.memory.MemoryCosts`."""
 
     f: float
     b: float
@@ -94,6 +96,7 @@ class StageCost:
     message: float = 0.0
     input_saved: float = 0.0
     grad_held: float = 0.0
+    input_held: float = 0.0
 
 
 def stage_cost(layers: Sequence[LayerCost], first: bool) -> StageCost:
@@ -124,7 +127,20 @@ def stage_cost(layers: Sequence[LayerCost], first: bool) -> StageCost:
     if first:
         return StageCost(f, b + w, 0.0, act, 0.0, fixed, False, last.output)
     held += act if kept else 0.0
-    return StageCost(f, b, w, act, held, fixed, kept, last.output, layers[0].saved_input, last.grad_output_held)
+    first_layer = layers[0]
+    return StageCost(
+        f,
+        b,
+        w,
+        act,
+        held,
+        fixed,
+        kept,
+        last.output,
+        first_layer.saved_input,
+        last.grad_output_held,
+        first_layer.input_held,
+    )
 
 
 @dataclass(frozen=True)
@@ -171,6 +187,7 @@ class Profile:
             message=[s.message for s in st],
             input_saved=[s.input_saved for s in st],
             grad_held=[s.grad_held for s in st],
+            input_held=[s.input_held for s in st],
         )
         return Costs(
             f=[s.f for s in st], b=[s.b for s in st], w=[s.w for s in st], comm=self.comm.get(m, 0.0), memory=memory

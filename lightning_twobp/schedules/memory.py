@@ -42,7 +42,7 @@ __all__ = [
     "row_peak",
 ]
 
-_FIELDS = ("activation", "held", "fixed", "message", "input_saved", "grad_held")
+_FIELDS = ("activation", "held", "fixed", "message", "input_saved", "grad_held", "input_held")
 # Bytes of one (stage, micro-batch): a number for all, one per stage, or one per (stage, micro-batch).
 PerPair = PerStage | Mapping[tuple[int, int], float] | Callable[[int, int], float]
 
@@ -52,13 +52,16 @@ class MemoryCosts:
     """Per stage: bytes one micro-batch holds from F to B (``activation``), from B to W (``held``),
     and the stage's ``fixed`` bytes; each a number or one number per stage.
 
-    Three optional figures place the messages between stages (what depends on which rank holds the
+    Four optional figures place the messages between stages (what depends on which rank holds the
     neighbouring stage, so :func:`peak_bytes` applies them once the schedule is known): ``message``,
     the bytes of one micro-batch's output of the stage (its gradient has the same size);
     ``input_saved``, the part of ``activation`` that is the stage's input (its first layer saves it);
-    ``grad_held``, the part of ``held`` that is the gradient of the stage's output as it arrived. Where
-    the neighbour is on another rank the executor receives into buffers kept for the whole run, one
-    per micro-batch and direction, so those parts are already counted there, as fixed bytes.
+    ``grad_held`` and ``input_held``, the parts of ``held`` that are the gradient of the stage's output
+    as it arrived and the stage's input (W reads them: a last and a first Linear). Where the neighbour
+    is on another rank the executor receives into buffers kept for the whole run, one per micro-batch
+    and direction, so those parts are counted there, as fixed bytes. Where the previous stage is on
+    the same rank, the input is that stage's output, which it holds until its own B, after this
+    stage's B: ``input_saved`` is counted there.
 
     The unit defaults (1, 1, 0; no messages) make peak bytes the count of (stage, micro-batch) pairs
     held from F to their last backward action, so callers that pass no memory costs see ``peak_inflight``.
@@ -70,6 +73,7 @@ class MemoryCosts:
     message: PerStage = 0
     input_saved: PerStage = 0
     grad_held: PerStage = 0
+    input_held: PerStage = 0
 
     def __post_init__(self) -> None:
         store_per_stage(self, "MemoryCosts", _FIELDS)
@@ -97,12 +101,17 @@ class MemoryCosts:
         return tuple(out)
 
     def placed(self, schedule: Schedule) -> tuple[tuple[float, ...], tuple[float, ...]]:
-        """Per stage, ``activation`` and ``held`` less what lives in receive buffers on this layout."""
+        """Per stage, ``activation`` and ``held`` less what is counted elsewhere on this layout: in a
+        receive buffer, or (the input from F to B) as the previous stage's output."""
         act, held = [], []
         for s in range(schedule.num_stages):
             remote_in, remote_out = _remote(schedule, s)
-            act.append(self.of("activation", s) - (self.of("input_saved", s) if remote_in else 0.0))
-            held.append(self.of("held", s) - (self.of("grad_held", s) if remote_out else 0.0))
+            act.append(self.of("activation", s) - (self.of("input_saved", s) if s > 0 else 0.0))
+            held.append(
+                self.of("held", s)
+                - (self.of("grad_held", s) if remote_out else 0.0)
+                - (self.of("input_held", s) if remote_in else 0.0)
+            )
         return tuple(act), tuple(held)
 
 
