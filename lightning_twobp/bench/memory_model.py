@@ -43,7 +43,7 @@ from torch import nn
 from lightning_twobp.bench.paper import PaperModel
 from lightning_twobp.bench.workload import WORLD, keep_freed_memory, stage_sizes
 from lightning_twobp.engine import PipelineExecutor
-from lightning_twobp.engine.footprint import held_storages, layer_cost, storage_key
+from lightning_twobp.engine.footprint import held_storages, layer_cost, receive_buffers, storage_key
 from lightning_twobp.lightning.autoschedule import SavedBytes, timed_footprint
 from lightning_twobp.partition import split_sequential
 from lightning_twobp.schedules import Schedule, build_schedule, simulate
@@ -183,8 +183,7 @@ class _Meter:
         yield
         if self.saved is not None and self.executor is not None:
             ex = self.executor
-            buffers = [b for bufs in ex._p2p._buffers.values() for b in bufs]  # the engine's receive buffers
-            live = {**self.fixed, **held_storages(ex.stages, buffers), **self.saved.live}
+            live = {**self.fixed, **held_storages(ex.stages, receive_buffers(ex)), **self.saved.live}
             self.peak = max(self.peak, sum(live.values()))
 
 

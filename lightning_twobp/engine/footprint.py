@@ -23,11 +23,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_twobp.engine.executor import PipelineExecutor
 from lightning_twobp.engine.stage import Stage
 from lightning_twobp.private import pytree
 from lightning_twobp.schedules.auto import LayerCost
 
-__all__ = ["LayerFootprint", "held_storages", "layer_cost", "measure_layer", "storage_key"]
+__all__ = ["LayerFootprint", "held_storages", "layer_cost", "measure_layer", "receive_buffers", "storage_key"]
 
 
 def storage_key(t: torch.Tensor) -> int:
@@ -126,6 +127,12 @@ def _storages(values: Any, out: dict[int, int]) -> None:
     for t in pytree.tree_leaves(values):
         if isinstance(t, torch.Tensor) and t.device.type != "meta":
             out[storage_key(t)] = t.untyped_storage().nbytes()
+
+
+def receive_buffers(executor: PipelineExecutor) -> list[torch.Tensor]:
+    """The buffers ``executor`` receives activations and gradients into: one per micro-batch, direction
+    and remote neighbour, allocated at the first step and kept (``engine.p2p``)."""
+    return [b for bufs in executor._p2p._buffers.values() for b in bufs]
 
 
 def held_storages(stages: Mapping[int, Stage], buffers: Iterable[torch.Tensor] = ()) -> dict[int, int]:
