@@ -7,8 +7,9 @@ The 2BP paper's four model families as ``--paper`` builds them (:func:`lightning
 with 16 blocks each (ResNet-50's layout has 16; the transformers and Mamba are given 16 so that a V
 cuts p = 8 ranks into 16 stages), a global batch of 64. Every layer and the loss is measured once, in
 this one process on one thread (:func:`lightning_twobp.bench.memory_model.layer_costs`: F, B and W
-seconds, median of 2 after a warm-up, and the bytes F saves, B leaves for W, and the output), at the
-micro-batch sizes of m = p, 2p and 4p. Then, for p = 4 and 8 (comm = 0: one process cannot time a
+in the thread's CPU seconds, median of 3 after a warm-up, so that other processes on the machine do
+not count; and the bytes F saves, B leaves for W, and the output), at the micro-batch sizes of m = p,
+2p and 4p. Then, for p = 4 and 8 (comm = 0: one process cannot time a
 link):
 
 * **ours**: :func:`lightning_twobp.schedules.auto.search` over every registered schedule, fused and
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -134,7 +136,8 @@ def run_budget_sim(quick: bool = False, degrees: Sequence[int] = DEGREES) -> dic
     for pm in models(quick):
         # two samples a micro-batch at least: ResNet's BatchNorm needs 2 values per channel at 1 x 1
         sizes = sorted({pm.batch // m for p in degrees for m in (p, 2 * p, 4 * p) if pm.batch // m >= 2})
-        by_size = {s: layer_costs(pm, s, repeats=2) for s in sizes}
+        # this thread's CPU time: what other processes on the machine take does not count
+        by_size = {s: layer_costs(pm, s, repeats=3, clock=time.thread_time) for s in sizes}
         tables += [_tables(pm, by_size, p, with_torch) for p in degrees]
     return {"batch": models(quick)[0].batch, "degrees": list(degrees), "tables": tables, "torch": with_torch}
 

@@ -125,16 +125,19 @@ def _sizes(pm: PaperModel, num_stages: int) -> list[int]:
     return sizes
 
 
-def layer_costs(pm: PaperModel, size: int, repeats: int = 1) -> tuple[LayerCost, ...]:
+def layer_costs(
+    pm: PaperModel, size: int, repeats: int = 1, clock: Callable[[], float] | None = None
+) -> tuple[LayerCost, ...]:
     """Every layer of ``pm`` and its loss on one micro-batch of ``size`` samples, one after the other on
     this process's thread: the bytes (the module docstring), the median F, B and W seconds of
-    ``repeats`` runs after a warm-up, and as fixed bytes its weights, gradients and AdamW's moments."""
+    ``repeats`` runs after a warm-up by ``clock`` (default: wall time), and as fixed bytes its weights,
+    gradients and AdamW's moments."""
     layers, loss_fn = pm.build()
     x, y = pm.data()
     t: torch.Tensor = x[:size]
     rows: list[LayerCost] = []
     for i, layer in enumerate([*layers, _Loss(loss_fn, y[:size])]):
-        fp = timed_footprint(layer, t, t.is_floating_point() and i > 0, t.device, repeats)
+        fp = timed_footprint(layer, t, t.is_floating_point() and i > 0, t.device, repeats, clock)
         fixed = ADAMW_COPIES * sum(q.numel() * q.element_size() for q in layer.parameters())
         rows.append(layer_cost(fp, fixed))
         layer.zero_grad(set_to_none=True)

@@ -27,7 +27,7 @@ import logging
 import os
 import statistics
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -73,11 +73,18 @@ def _divisors(n: int, most: int) -> list[int]:
 
 
 def timed_footprint(
-    layer: nn.Module, x: torch.Tensor, needs: bool, device: torch.device, repeats: int
+    layer: nn.Module,
+    x: torch.Tensor,
+    needs: bool,
+    device: torch.device,
+    repeats: int,
+    clock: Callable[[], float] | None = None,
 ) -> LayerFootprint:
     """:func:`~lightning_twobp.engine.footprint.measure_layer` ``repeats`` (>= 1) times after a warm-up:
-    bytes from the last run, each phase's median seconds. Gradients accumulate: the caller clears them."""
-    runs = [measure_layer(layer, x, needs, clock=lambda: now(device)) for _ in range(repeats + 1)][1:]
+    bytes from the last run, each phase's median seconds by ``clock`` (default: wall time, after a
+    device sync). Gradients accumulate: the caller clears them."""
+    tick = clock or (lambda: now(device))
+    runs = [measure_layer(layer, x, needs, clock=tick) for _ in range(repeats + 1)][1:]
     f, b, w = (statistics.median(r.seconds[i] for r in runs) for i in range(3))
     return dataclasses.replace(runs[-1], seconds=(f, b, w))
 
