@@ -10,6 +10,8 @@ twobp-bench --soak N [--python-memory] [--json PATH]
 twobp-bench --paper [--out DIR] [--quick] [--repeats N]
 twobp-bench --gpu [--json PATH] [--quick]
 twobp-bench --budget [--out DIR] [--steps K] [--quick]
+twobp-bench --memory-model [--out DIR] [--quick]
+twobp-bench --memory-model --simulate [--out DIR] [--quick]
 """
 
 from __future__ import annotations
@@ -51,6 +53,13 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="at 0.5x, 1x, 1.5x, 2x fused 1F1B's peak: the fastest of ours and of torch's that fits, alone each",
     )
+    mode.add_argument(
+        "--memory-model",
+        action="store_true",
+        help="predicted (profile + simulate) against measured peak bytes per rank, every schedule, tiny LLaMa "
+        "and BERT; with --simulate: the budget tables at p = 4 and 8 on the four paper models' measured costs",
+    )
+    ap.add_argument("--simulate", action="store_true", help="--memory-model: the simulated budget tables")
     mode.add_argument(
         "--paper",
         action="store_true",
@@ -178,12 +187,27 @@ def _engine(args: argparse.Namespace) -> None:
         write_json(result, args.json)
 
 
+def _memory_model(args: argparse.Namespace) -> None:
+    """``--memory-model``: the model against the executor, or (``--simulate``) the budget tables on paper."""
+    if args.simulate:
+        from lightning_twobp.bench import budget_sim
+
+        sim = budget_sim.run_budget_sim(quick=args.quick)
+        _show(budget_sim.markdown(sim), args.out, lambda out: budget_sim.write(sim, out))
+        return
+    from lightning_twobp.bench.memory_model import markdown, run_memory_model, write
+
+    result = run_memory_model(quick=args.quick, m=4 if args.quick else 8)
+    _show(markdown(result), args.out, lambda out: write(result, out))
+
+
 def _workload(args: argparse.Namespace) -> Workload:
     return Workload.quick() if args.quick else Workload()
 
 
 # The modes, by their flag (mutually exclusive); without one, the engine benchmark.
 _MODES: dict[str, Callable[[argparse.Namespace], None]] = {
+    "memory_model": _memory_model,
     "split": _split,
     "soak": _soak,
     "gpu": _gpu,

@@ -15,16 +15,20 @@ seconds); ``schedule="auto"`` on the training device before the first step (both
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
 
+from lightning_twobp.engine.executor import PipelineExecutor
 from lightning_twobp.engine.stage import Stage
+from lightning_twobp.private import pytree
 from lightning_twobp.schedules.auto import LayerCost
 
-__all__ = ["LayerFootprint", "layer_cost", "measure_layer", "storage_key"]
+__all__ = ["LayerFootprint", "held_storages", "layer_cost", "measure_layer", "receive_buffers", "storage_key"]
 
 
 def storage_key(t: torch.Tensor) -> int:
@@ -45,6 +49,8 @@ class LayerFootprint:
     saves_output: bool  # whether the layer saves its own output (a ReLU does, a Linear does not)
     seconds: tuple[float, float, float] = (0.0, 0.0, 0.0)  # F, B, W (zeros without a clock)
     output: torch.Tensor | None = field(default=None, repr=False, compare=False)  # F's output, detached
+    grad_output_held: int = 0  # bytes of the output's gradient, when W keeps it (a last Linear's input)
+    input_held: int = 0  # bytes of the input, when W keeps it (a first Linear's operand)
 
 
 def measure_layer(
@@ -78,7 +84,8 @@ def measure_layer(
     shape = (tuple(out.shape), out.dtype)
     if not out.requires_grad:
         return LayerFootprint(*shape, act, 0, False, saved_input, saves_output, (t1 - t0, 0.0, 0.0), out.detach())
-    stage.backward_input(0, torch.ones_like(out))
+    g_out = torch.ones_like(out)
+    stage.backward_input(0, g_out)
     t2 = now()
     p = stage._pending[0]
     held: dict[int, int] = {}
@@ -91,11 +98,14 @@ def measure_layer(
         if isinstance(t, torch.Tensor):
             held[storage_key(t)] = t.untyped_storage().nbytes()
     kept = bool(p.frontier)
+    grad_out, inp_held = held.get(storage_key(g_out), 0), held.get(storage_key(inp), 0)
     t2b = now()  # reading what B left is bookkeeping, not W
     stage.backward_weight(0)
     t3 = now()
     seconds = (t1 - t0, t2 - t1, t3 - t2b)
-    return LayerFootprint(*shape, act, sum(held.values()), kept, saved_input, saves_output, seconds, out.detach())
+    return LayerFootprint(
+        *shape, act, sum(held.values()), kept, saved_input, saves_output, seconds, out.detach(), grad_out, inp_held
+    )
 
 
 def layer_cost(
@@ -105,5 +115,36 @@ def layer_cost(
     layer's ``fixed`` bytes, ``seconds`` of F, B and W (default: the measured ones), and the saved bytes
     times ``scale`` (a layer measured in fp32 standing in for half-precision activations: 0.5)."""
     f, b, w = fp.seconds if seconds is None else seconds
-    act, held, inp = (scale * x for x in (fp.activation_bytes, fp.held_bytes, fp.saved_input))
-    return LayerCost(f, b, w, act, held, fp.graph_kept, inp, fp.saves_output, fixed)
+    out_bytes = math.prod(fp.out_shape) * fp.out_dtype.itemsize
+    act, held, inp, out, g, i = (
+        scale * x
+        for x in (fp.activation_bytes, fp.held_bytes, fp.saved_input, out_bytes, fp.grad_output_held, fp.input_held)
+    )
+    return LayerCost(f, b, w, act, held, fp.graph_kept, inp, fp.saves_output, fixed, out, g, i)
+
+
+def _storages(values: Any, out: dict[int, int]) -> None:
+    for t in pytree.tree_leaves(values):
+        if isinstance(t, torch.Tensor) and t.device.type != "meta":
+            out[storage_key(t)] = t.untyped_storage().nbytes()
+
+
+def receive_buffers(executor: PipelineExecutor) -> list[torch.Tensor]:
+    """The buffers ``executor`` receives activations and gradients into: one per micro-batch, direction
+    and remote neighbour, allocated at the first step and kept (``engine.p2p``)."""
+    return [b for bufs in executor._p2p._buffers.values() for b in bufs]
+
+
+def held_storages(stages: Mapping[int, Stage], buffers: Iterable[torch.Tensor] = ()) -> dict[int, int]:
+    """What ``stages`` hold for their micro-batches in flight, now, one entry per storage: each one's
+    inputs and outputs (from F until B), and after B what W reads (the formulas' operands, the recorded
+    gradients, the edge gradients taken in B; the outputs too while the graph is kept); with ``buffers``
+    (the receive buffers). The measured side of :mod:`lightning_twobp.schedules.memory`'s replay, with
+    the bytes autograd saves (:class:`~lightning_twobp.lightning.autoschedule.SavedBytes`)."""
+    out: dict[int, int] = {}
+    _storages(list(buffers), out)
+    for stage in stages.values():
+        for p in stage._pending.values():
+            _storages([p.inputs, p.outputs, [ops for _, ops in p.fast], list(p.captured.values())], out)
+            _storages([[g for _, g in p.edge_grads], [list(r) for r in p.weight_roots]], out)
+    return out

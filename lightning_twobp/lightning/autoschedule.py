@@ -22,11 +22,12 @@ gradients it made are dropped.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import statistics
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -52,9 +53,9 @@ from lightning_twobp.schedules.auto import (
 
 log = logging.getLogger(__name__)
 
-__all__ = ["SavedBytes", "auto_schedule", "device_bytes"]
+__all__ = ["SavedBytes", "auto_schedule", "device_bytes", "timed_footprint"]
 
-_FIELDS = 9  # LayerCost's fields, in order, as one row of the agreed table
+_FIELDS = 12  # LayerCost's fields, in order, as one row of the agreed table
 
 
 def device_bytes(device: torch.device) -> float | None:
@@ -71,22 +72,21 @@ def _divisors(n: int, most: int) -> list[int]:
     return [d for d in range(1, min(n, most) + 1) if n % d == 0]
 
 
-def _measure(layer: nn.Module, x: torch.Tensor, needs: bool, device: torch.device, repeats: int) -> LayerFootprint:
-    """``repeats`` timed runs after a warm-up; bytes from the last, each phase's median seconds."""
-    runs = [measure_layer(layer, x, needs, clock=lambda: now(device)) for _ in range(repeats + 1)][1:]
-    seconds = tuple(statistics.median(r.seconds[i] for r in runs) for i in range(3))
-    last = runs[-1]
-    return LayerFootprint(
-        last.out_shape,
-        last.out_dtype,
-        last.activation_bytes,
-        last.held_bytes,
-        last.graph_kept,
-        last.saved_input,
-        last.saves_output,
-        seconds,  # type: ignore[arg-type]
-        last.output,
-    )
+def timed_footprint(
+    layer: nn.Module,
+    x: torch.Tensor,
+    needs: bool,
+    device: torch.device,
+    repeats: int,
+    clock: Callable[[], float] | None = None,
+) -> LayerFootprint:
+    """:func:`~lightning_twobp.engine.footprint.measure_layer` ``repeats`` (>= 1) times after a warm-up:
+    bytes from the last run, each phase's median seconds by ``clock`` (default: wall time, after a
+    device sync). Gradients accumulate: the caller clears them."""
+    tick = clock or (lambda: now(device))
+    runs = [measure_layer(layer, x, needs, clock=tick) for _ in range(repeats + 1)][1:]
+    f, b, w = (statistics.median(r.seconds[i] for r in runs) for i in range(3))
+    return dataclasses.replace(runs[-1], seconds=(f, b, w))
 
 
 def _profile_layers(layers: list[nn.Module], x: tuple, device: torch.device, repeats: int) -> tuple[list, float]:
@@ -100,7 +100,7 @@ def _profile_layers(layers: list[nn.Module], x: tuple, device: torch.device, rep
     for i, layer in enumerate(layers):
         home = next(iter([*layer.parameters(), *layer.buffers()]), torch.empty(0)).device
         layer.to(device)
-        fp = _measure(layer, t, t.is_floating_point() and i > 0, device, repeats)
+        fp = timed_footprint(layer, t, t.is_floating_point() and i > 0, device, repeats)
         fixed = 2.0 * sum(q.numel() * q.element_size() for q in layer.parameters() if q.requires_grad)
         rows.append(layer_cost(fp, fixed))
         layer.zero_grad(set_to_none=True)
@@ -135,8 +135,9 @@ def _message_seconds(nbytes: float, group: Any, device: torch.device, repeats: i
 
 def _from_row(row: Sequence[float]) -> LayerCost:
     """A layer's row of the agreed table (its bools went through it as 0 and 1)."""
-    f, b, w, act, held, kept, saved_input, saves_output, fixed = row[:_FIELDS]
-    return LayerCost(f, b, w, act, held, bool(kept), saved_input, bool(saves_output), fixed)
+    f, b, w, act, held, kept, saved_input, saves_output, fixed, output, grad_held, input_held = row[:_FIELDS]
+    kept_, saves = bool(kept), bool(saves_output)
+    return LayerCost(f, b, w, act, held, kept_, saved_input, saves, fixed, output, grad_held, input_held)
 
 
 def _agree(table: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -219,6 +220,11 @@ class SavedBytes:
         self.now = 0
         self.peak = 0
         self._hooks: Any = None
+
+    @property
+    def live(self) -> dict[int, int]:
+        """The storages held now: one key per storage (:func:`storage_key`), its bytes."""
+        return dict(self._bytes)
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         k = storage_key(t)

@@ -62,7 +62,10 @@ class LayerCost:
     """One micro-batch through one layer: seconds of F, B and W; bytes saved by F until B
     (``activation``), held from B to W (``held``; ``graph_kept`` when W re-enters the autograd graph,
     which then stays whole), the bytes of its input when it saves it (``saved_input``), whether it saves
-    its own output, and the bytes it holds whatever the schedule (``fixed``: weights, gradients, ...)."""
+    its own output, the bytes it holds whatever the schedule (``fixed``: weights, gradients, ...), the
+    bytes of its ``output`` and, of ``held``, those of its output's gradient (``grad_output_held``: W
+    reads it, as a last Linear's weight gradient does) and of its input (``input_held``: a first
+    Linear's)."""
 
     f: float = 0.0
     b: float = 0.0
@@ -73,11 +76,15 @@ class LayerCost:
     saved_input: float = 0.0
     saves_output: bool = False
     fixed: float = 0.0
+    output: float = 0.0
+    grad_output_held: float = 0.0
+    input_held: float = 0.0
 
 
 @dataclass(frozen=True)
 class StageCost:
-    """A run of layers as one stage (:func:`stage_cost`)."""
+    """A run of layers as one stage (:func:`stage_cost`); ``message``, ``input_saved``, ``grad_held``
+    and ``input_held`` as in :class:`~.memory.MemoryCosts`."""
 
     f: float
     b: float
@@ -86,17 +93,24 @@ class StageCost:
     held: float
     fixed: float
     graph_kept: bool
+    message: float = 0.0
+    input_saved: float = 0.0
+    grad_held: float = 0.0
+    input_held: float = 0.0
 
 
 def stage_cost(layers: Sequence[LayerCost], first: bool) -> StageCost:
     """The layers ``layers`` as one stage.
 
     A tensor saved on both sides of a layer boundary (a ReLU's output, the next Linear's input) counts
-    once. A stage's graph is kept from B to W as soon as one layer needs it (one ``retain_graph`` for
-    the stage), and then it holds its whole activation plus what W reads. The first stage, fed ids or
-    images (no input gradient), runs its whole backward in B: its W costs nothing and it holds nothing
-    from B to W.
+    once. The stage keeps its output from F until B (autograd's root), so that counts too unless the
+    last layer saves it anyway. A stage's graph is kept from B to W as soon as one layer needs it (one
+    ``retain_graph`` for the stage), and then it holds its whole activation plus what W reads. The first
+    stage, fed ids or images (no input gradient), runs its whole backward in B: its W costs nothing and
+    it holds nothing from B to W.
     """
+    if not layers:
+        raise ValueError("stage_cost needs one layer at least")
     act = held = 0.0
     kept = prev_saves_output = False
     for layer in layers:
@@ -108,9 +122,25 @@ def stage_cost(layers: Sequence[LayerCost], first: bool) -> StageCost:
     b = sum(x.b for x in layers)
     w = sum(x.w for x in layers)
     fixed = sum(x.fixed for x in layers)
+    last = layers[-1]
+    act += 0.0 if last.saves_output else last.output
     if first:
-        return StageCost(f, b + w, 0.0, act, 0.0, fixed, False)
-    return StageCost(f, b, w, act, held + (act if kept else 0.0), fixed, kept)
+        return StageCost(f, b + w, 0.0, act, 0.0, fixed, False, last.output)
+    held += act if kept else 0.0
+    first_layer = layers[0]
+    return StageCost(
+        f,
+        b,
+        w,
+        act,
+        held,
+        fixed,
+        kept,
+        last.output,
+        first_layer.saved_input,
+        last.grad_output_held,
+        first_layer.input_held,
+    )
 
 
 @dataclass(frozen=True)
@@ -151,7 +181,13 @@ class Profile:
         """The schedule model's :class:`~.simulate.Costs` (with :class:`~.memory.MemoryCosts`)."""
         st = self.stages(m, stages_per_rank)
         memory = MemoryCosts(
-            activation=[s.activation for s in st], held=[s.held for s in st], fixed=[s.fixed for s in st]
+            activation=[s.activation for s in st],
+            held=[s.held for s in st],
+            fixed=[s.fixed for s in st],
+            message=[s.message for s in st],
+            input_saved=[s.input_saved for s in st],
+            grad_held=[s.grad_held for s in st],
+            input_held=[s.input_held for s in st],
         )
         return Costs(
             f=[s.f for s in st], b=[s.b for s in st], w=[s.w for s in st], comm=self.comm.get(m, 0.0), memory=memory

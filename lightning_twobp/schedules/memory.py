@@ -42,7 +42,7 @@ __all__ = [
     "row_peak",
 ]
 
-_FIELDS = ("activation", "held", "fixed")
+_FIELDS = ("activation", "held", "fixed", "message", "input_saved", "grad_held", "input_held")
 # Bytes of one (stage, micro-batch): a number for all, one per stage, or one per (stage, micro-batch).
 PerPair = PerStage | Mapping[tuple[int, int], float] | Callable[[int, int], float]
 
@@ -52,13 +52,28 @@ class MemoryCosts:
     """Per stage: bytes one micro-batch holds from F to B (``activation``), from B to W (``held``),
     and the stage's ``fixed`` bytes; each a number or one number per stage.
 
-    The unit defaults (1, 1, 0) make peak bytes the count of (stage, micro-batch) pairs held from F to
-    their last backward action, so callers that pass no memory costs see ``peak_inflight``.
+    Four optional figures place the messages between stages (what depends on which rank holds the
+    neighbouring stage, so :func:`peak_bytes` applies them once the schedule is known): ``message``,
+    the bytes of one micro-batch's output of the stage (its gradient has the same size);
+    ``input_saved``, the part of ``activation`` that is the stage's input (its first layer saves it);
+    ``grad_held`` and ``input_held``, the parts of ``held`` that are the gradient of the stage's output
+    as it arrived and the stage's input (W reads them: a last and a first Linear). Where the neighbour
+    is on another rank the executor receives into buffers kept for the whole run, one per micro-batch
+    and direction, so those parts are counted there, as fixed bytes. Where the previous stage is on
+    the same rank, the input is that stage's output, which it holds until its own B, after this
+    stage's B: ``input_saved`` is counted there.
+
+    The unit defaults (1, 1, 0; no messages) make peak bytes the count of (stage, micro-batch) pairs
+    held from F to their last backward action, so callers that pass no memory costs see ``peak_inflight``.
     """
 
     activation: PerStage = 1
     held: PerStage = 1
     fixed: PerStage = 0
+    message: PerStage = 0
+    input_saved: PerStage = 0
+    grad_held: PerStage = 0
+    input_held: PerStage = 0
 
     def __post_init__(self) -> None:
         store_per_stage(self, "MemoryCosts", _FIELDS)
@@ -68,12 +83,42 @@ class MemoryCosts:
         check_stage_count(self, "MemoryCosts", _FIELDS, num_stages)
 
     def of(self, name: str, stage: int) -> float:
-        """``activation``, ``held`` or ``fixed`` bytes of ``stage``."""
+        """``activation``, ``held``, ``fixed``, ... bytes of ``stage``."""
         return stage_value(getattr(self, name), stage)
 
     def fixed_of(self, schedule: Schedule) -> tuple[float, ...]:
-        """Each rank's fixed bytes: the sum over the stages it holds."""
-        return tuple(sum(self.of("fixed", s) for s in schedule.stages_of(r)) for r in range(schedule.num_ranks))
+        """Each rank's fixed bytes: the sum over the stages it holds, with their receive buffers."""
+        m = schedule.num_microbatches
+        out = []
+        for r in range(schedule.num_ranks):
+            total = 0.0
+            for s in schedule.stages_of(r):
+                remote_in, remote_out = _remote(schedule, s)
+                total += self.of("fixed", s)
+                total += m * (self.of("message", s - 1) if remote_in else 0.0)  # activations in
+                total += m * (self.of("message", s) if remote_out else 0.0)  # gradients in
+            out.append(total)
+        return tuple(out)
+
+    def placed(self, schedule: Schedule) -> tuple[tuple[float, ...], tuple[float, ...]]:
+        """Per stage, ``activation`` and ``held`` less what is counted elsewhere on this layout: in a
+        receive buffer, or (the input from F to B) as the previous stage's output."""
+        act, held = [], []
+        for s in range(schedule.num_stages):
+            remote_in, remote_out = _remote(schedule, s)
+            act.append(self.of("activation", s) - (self.of("input_saved", s) if s > 0 else 0.0))
+            held.append(
+                self.of("held", s)
+                - (self.of("grad_held", s) if remote_out else 0.0)
+                - (self.of("input_held", s) if remote_in else 0.0)
+            )
+        return tuple(act), tuple(held)
+
+
+def _remote(schedule: Schedule, s: int) -> tuple[bool, bool]:
+    """Whether stage ``s``'s previous and next stages are on another rank."""
+    owner = schedule.stage_to_rank
+    return (s > 0 and owner[s - 1] != owner[s], s < schedule.num_stages - 1 and owner[s + 1] != owner[s])
 
 
 @dataclass(frozen=True)
@@ -143,8 +188,9 @@ def _walk(row: Sequence[Action], activation: PerPair, held: PerPair):
 
 
 def peak_bytes(schedule: Schedule, memory: MemoryCosts) -> tuple[float, ...]:
-    """Per rank: its fixed bytes plus the most its micro-batches hold at once (the module's formula)."""
-    held = replay_memory(schedule, memory.activation, memory.held).per_rank
+    """Per rank: its fixed bytes plus the most its micro-batches hold at once (the module's formula),
+    the messages placed (:meth:`MemoryCosts.placed`, :meth:`MemoryCosts.fixed_of`)."""
+    held = replay_memory(schedule, *memory.placed(schedule)).per_rank
     return tuple(fixed + h for fixed, h in zip(memory.fixed_of(schedule), held, strict=False))
 
 
