@@ -4,8 +4,6 @@ against the replicated layout's."""
 
 from __future__ import annotations
 
-import os
-
 import lightning.pytorch as pl
 import pytest
 import torch
@@ -17,7 +15,9 @@ import lightning_twobp  # noqa: F401  (registers "twobp")
 from lightning_twobp import TwoBPStrategy
 from lightning_twobp.lightning.model import SharedParameter
 from lightning_twobp.lightning.sharding import check_replicas, check_stages, state_bytes
-from lightning_twobp.testing import run_distributed
+
+import conftest
+from conftest import launch, lightning_env, own_weights, quiet_trainer, regression_data
 
 pytestmark = pytest.mark.dist
 
@@ -68,44 +68,28 @@ class Recorder(pl.Callback):
 
 
 def _data() -> DataLoader:
-    g = torch.Generator().manual_seed(1)
-    return DataLoader(TensorDataset(torch.randn(64, 6, generator=g), torch.randn(64, 3, generator=g)), batch_size=8)
+    return regression_data(d_out=3)
 
 
 def _val_data() -> DataLoader:
-    g = torch.Generator().manual_seed(2)
-    return DataLoader(TensorDataset(torch.randn(32, 6, generator=g), torch.randn(32, 3, generator=g)), batch_size=8)
+    return regression_data(32, d_out=3, seed=2)
 
 
 def _trainer(strategy, devices: int, recorder: Recorder, **kw) -> pl.Trainer:
-    return pl.Trainer(
-        accelerator="cpu",
-        devices=devices,
-        strategy=strategy,
-        max_steps=STEPS,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        # The global norm over DTensor shards on every rank: one process's norms are 0.38, 0.65, 0.35,
-        # so the second step is clipped and the others are not (a wrong norm or scale changes one)
-        gradient_clip_val=0.5,
-        callbacks=[recorder],
-        **kw,
-    )
+    # The global norm over DTensor shards on every rank: one process's norms are 0.38, 0.65, 0.35, so
+    # the second step is clipped and the others are not (a wrong norm or scale changes one)
+    return quiet_trainer(strategy, devices, max_steps=STEPS, gradient_clip_val=0.5, callbacks=[recorder], **kw)
 
 
 def _fit(rank: int, world: int, strategy_kwargs: dict, modes: tuple[str, ...], validate: bool = False) -> dict:
-    os.environ.update(
-        LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world), RANK=str(rank), MASTER_ADDR="127.0.0.1"
-    )
+    lightning_env(rank, world)
     out = {}
     for mode in modes:
         model, rec = MomentumRegressor(), Recorder()
         strategy = TwoBPStrategy(pipeline_degree=2, data_parallel=mode, **strategy_kwargs)
         # Lightning's DistributedSampler (shuffle, seed 0) gives replica d the samples perm[d::2]
         _trainer(strategy, world, rec, use_distributed_sampler=True).fit(model, _data())
-        params = {n: q.detach().clone() for n, q in model.named_parameters() if not q.is_meta}
+        params = own_weights(model)
         kinds = {type(q).__name__ for q in model.parameters()}
         out[mode] = {"params": params, "losses": rec.losses, "bytes": rec.bytes, "kinds": kinds}
         if validate:  # a second Trainer call shards the trained stages again; forward-only, then freed
@@ -146,13 +130,31 @@ def _check_against_reference(results: list[dict], mode: str) -> None:
             assert res[mode]["val_loss"] == pytest.approx(ref_val, rel=1e-5), f"rank {rank}"
 
 
-def test_1f1b_sharded_matches_one_process_with_a_dp_th_of_the_bytes():
+SHARDED = {
+    "zb-h1": dict(schedule="zb-h1"),
+    "1f1b-fused": dict(schedule="1f1b", split_backward=False),
+    "zb-v": dict(schedule="zb-v"),
+}
+BYTES = "test_1f1b_sharded_matches_one_process_with_a_dp_th_of_the_bytes"
+MATCHES = "test_sharded_matches_one_process"
+
+
+@pytest.fixture(scope="module")
+def four_ranks(request) -> conftest.Launch:
+    """Every case in one launch of 4 ranks (pp2 x dp2): a test's first call may wait for all of them."""
+    cases = {BYTES: (_fit, ({"schedule": "1f1b"}, ("shard", "replicate"), True))}
+    cases |= {f"{MATCHES}[{name}]": (_fit, (kwargs, ("shard",))) for name, kwargs in SHARDED.items()}
+    return launch(request, 4, cases, timeout=840)
+
+
+@pytest.mark.timeout(900)
+def test_1f1b_sharded_matches_one_process_with_a_dp_th_of_the_bytes(four_ranks):
     """pp2 x dp2 on 4 processes, 1F1B with the split backward: loss and every parameter after 3 SGD
     steps with momentum and global-norm clipping equal one process; each rank's parameter, gradient and
     momentum
     bytes are half (1/dp) of the replicated layout's, up to the rows dim 0 does not split evenly; a
     second Trainer call validates the trained model sharded, as one process does."""
-    results = run_distributed(_fit, 4, {"schedule": "1f1b"}, ("shard", "replicate"), True, timeout=480)
+    results = four_ranks[BYTES]
     _check_against_reference(results, "shard")
     for rank, res in enumerate(results):
         sharded, replicated = res["shard"]["bytes"], res["replicate"]["bytes"]
@@ -164,16 +166,13 @@ def test_1f1b_sharded_matches_one_process_with_a_dp_th_of_the_bytes():
         print(f"rank {rank}: sharded {sharded} vs replicated {replicated}")  # shown with pytest -s
 
 
-@pytest.mark.parametrize(
-    "strategy_kwargs",
-    [dict(schedule="zb-h1"), dict(schedule="1f1b", split_backward=False), dict(schedule="zb-v")],
-    ids=["zb-h1", "1f1b-fused", "zb-v"],
-)
-def test_sharded_matches_one_process(strategy_kwargs):
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("name", list(SHARDED))
+def test_sharded_matches_one_process(four_ranks, request, name):
     """zb-h1's deferred W; the fused backward (FSDP2's own post-backward fires inside BW, with nothing to
     do); zb-v's two stages per rank, each reduced after its own last W, and its post-validation (the
     speculative step put back and redone on DTensor shards when clipping changes it)."""
-    results = run_distributed(_fit, 4, strategy_kwargs, ("shard",), timeout=300)
+    results = four_ranks[request.node.name]
     _check_against_reference(results, "shard")
 
 
