@@ -38,7 +38,7 @@ def mlp(widths: Sequence[int], dropout: float = 0.0) -> nn.Sequential:
 class Regressor(pl.LightningModule):
     """An ordinary LightningModule, nothing in it about pipelines: an MLP in one nn.Sequential, seeded,
     an MSE loss logged as train_loss / val_loss (``log=False``: not logged in training), one optimizer;
-    ``dropout`` adds a Dropout before each Tanh."""
+    ``dropout`` adds a Dropout before each Tanh; ``layers`` builds other layers in place of the MLP."""
 
     def __init__(
         self,
@@ -48,10 +48,11 @@ class Regressor(pl.LightningModule):
         scale: float = 1.0,
         log: bool = True,
         dropout: float = 0.0,
+        layers: Callable[[], nn.Module] | None = None,
     ) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.layers = mlp(widths, dropout)
+        self.layers = layers() if layers is not None else mlp(widths, dropout)
         self.lr, self.optimizer, self.scale, self.log_train = lr, optimizer, scale, log
 
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
