@@ -20,7 +20,7 @@ from lightning_twobp.testing import run_distributed
 
 from conftest import Regressor, lightning_env, quiet_trainer, regression_data
 
-pytestmark = pytest.mark.dist
+pytestmark = [pytest.mark.dist, pytest.mark.slow]  # a launch per lost rank, waiting on timeouts: last (conftest.py)
 
 TIMEOUT = 3  # pipeline_timeout, seconds
 
