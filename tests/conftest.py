@@ -25,18 +25,20 @@ from lightning_twobp.testing import run_distributed
 
 
 # ---------------------------------------------------------------------------------------------- model
-def mlp(widths: Sequence[int]) -> nn.Sequential:
-    """Linear layers of ``widths`` with a Tanh between each two: (6, 16, 2) is Linear, Tanh, Linear."""
+def mlp(widths: Sequence[int], dropout: float = 0.0) -> nn.Sequential:
+    """Linear layers of ``widths`` with a Tanh between each two: (6, 16, 2) is Linear, Tanh, Linear; with
+    ``dropout``, a Dropout before each Tanh (Linear, Dropout, Tanh, Linear)."""
     layers: list[nn.Module] = []
     for i, (a, b) in enumerate(zip(widths[:-1], widths[1:], strict=True)):
-        layers += [nn.Tanh()] if i else []
+        layers += [*([nn.Dropout(dropout)] if dropout else []), nn.Tanh()] if i else []
         layers.append(nn.Linear(a, b))
     return nn.Sequential(*layers)
 
 
 class Regressor(pl.LightningModule):
     """An ordinary LightningModule, nothing in it about pipelines: an MLP in one nn.Sequential, seeded,
-    an MSE loss logged as train_loss / val_loss (``log=False``: not logged in training), one optimizer."""
+    an MSE loss logged as train_loss / val_loss (``log=False``: not logged in training), one optimizer;
+    ``dropout`` adds a Dropout before each Tanh; ``layers`` builds other layers in place of the MLP."""
 
     def __init__(
         self,
@@ -45,10 +47,12 @@ class Regressor(pl.LightningModule):
         optimizer: type[torch.optim.Optimizer] = torch.optim.SGD,
         scale: float = 1.0,
         log: bool = True,
+        dropout: float = 0.0,
+        layers: Callable[[], nn.Module] | None = None,
     ) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.layers = mlp(widths)
+        self.layers = layers() if layers is not None else mlp(widths, dropout)
         self.lr, self.optimizer, self.scale, self.log_train = lr, optimizer, scale, log
 
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -166,6 +170,11 @@ class Launch:
         return [res[name][1] for res in self.ranks]
 
 
+def wanted(request: pytest.FixtureRequest) -> set[str]:
+    """The names of the tests this session runs in the module of ``request``."""
+    return {item.name for item in request.session.items if getattr(item, "module", None) is request.module}
+
+
 def launch(
     request: pytest.FixtureRequest, world: int, cases: dict[str, tuple[Callable, tuple]], timeout: float
 ) -> Launch:
@@ -174,8 +183,7 @@ def launch(
     after the other. Starting processes and importing torch and Lightning is most of a small test's time
     on a 2-core machine, so tests of the same world size share one start. Cases must leave the process
     group as they found it (an error raised on every rank, before any pipeline step, does)."""
-    wanted = {item.name for item in request.session.items if getattr(item, "module", None) is request.module}
-    chosen = {name: case for name, case in cases.items() if name in wanted}
+    chosen = {name: case for name, case in cases.items() if name in wanted(request)}
     if not chosen:
         return Launch([])
     return Launch(run_distributed(_run_cases, world, chosen, timeout=timeout))

@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import os
-
 import lightning.pytorch as pl
 import pytest
 import torch
-from test_strategy import Regressor, _trainer  # the same Trainer settings as the strategy's exactness tests
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -22,7 +19,9 @@ from lightning_twobp.schedules.auto import (
     search,
     stage_cost,
 )
-from lightning_twobp.testing import run_distributed
+
+import conftest
+from conftest import Regressor, launch, lightning_env, quiet_trainer
 
 # ------------------------------------------------------------------ the search, as data
 
@@ -136,12 +135,12 @@ def test_bad_memory_limits_say_what_works(value):
 
 
 class Blocks(Regressor):
-    """test_strategy's module with narrow Linear + Tanh blocks: every layer has weights, so any cut into
-    2 or 4 stages trains, and on batches of 128 the activations outweigh the weights, so memory_limit
-    has something to trade."""
+    """test_strategy's module (inputs doubled) with narrow Linear + Tanh blocks: every layer has weights,
+    so any cut into 2 or 4 stages trains, and on batches of 128 the activations outweigh the weights, so
+    memory_limit has something to trade."""
 
     def __init__(self) -> None:
-        super().__init__()
+        super().__init__(scale=2.0)
         torch.manual_seed(0)
         blocks = [nn.Sequential(nn.Linear(6 if i == 0 else 8, 8), nn.Tanh()) for i in range(LAYERS - 1)]
         self.layers = nn.Sequential(*blocks, nn.Linear(8, 2))
@@ -169,16 +168,14 @@ class _Peak(pl.Callback):
         self.peak = max(self.peak, self._meter.peak)
 
 
-def _env(rank: int, world: int) -> None:
-    os.environ.update(
-        LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world), RANK=str(rank), MASTER_ADDR="127.0.0.1"
-    )
+def _trainer(strategy, devices: int, **kw) -> pl.Trainer:
+    return quiet_trainer(strategy, devices, max_steps=3, **kw)
 
 
 def _fit_auto(rank: int, world: int, memory_limit) -> dict:
     from lightning_twobp import TwoBPStrategy
 
-    _env(rank, world)
+    lightning_env(rank, world)
     from lightning_twobp.monitor import PipelineMonitor
 
     model, peak, monitor = Blocks(), _Peak(), PipelineMonitor(log_every_n_steps=1, measure_flops=False, log=False)
@@ -204,11 +201,24 @@ def _reference() -> dict:
     return {n: q.detach() for n, q in model.named_parameters()}
 
 
+LIMITS = ["1f1b", "0.8x1f1b"]
+TRAINS = "test_auto_trains_like_one_process_within_its_limit"
+REFUSED = "test_a_limit_nothing_fits_is_refused_before_training_on_every_rank"
+
+
+@pytest.fixture(scope="module")
+def two_ranks(request) -> conftest.Launch:
+    """Both limits and the refusal (raised on every rank before any step) in one launch of 2 ranks."""
+    cases = {f"{TRAINS}[{limit}]": (_fit_auto, (limit,)) for limit in LIMITS}
+    cases[REFUSED] = (_refused, ())
+    return launch(request, 2, cases, timeout=600)
+
+
 @pytest.mark.dist
-@pytest.mark.parametrize("memory_limit", ["1f1b", "0.8x1f1b"])
-def test_auto_trains_like_one_process_within_its_limit(memory_limit):
+@pytest.mark.parametrize("memory_limit", LIMITS)
+def test_auto_trains_like_one_process_within_its_limit(two_ranks, request, memory_limit):
     ref = _reference()
-    results = run_distributed(_fit_auto, 2, memory_limit, timeout=240)
+    results = two_ranks[request.node.name]
     assert len({r["label"] for r in results}) == 1, "every rank must choose the same schedule"
     merged = {n: v for r in results for n, v in r["params"].items()}
     assert set(merged) == set(ref)
@@ -222,7 +232,7 @@ def test_auto_trains_like_one_process_within_its_limit(memory_limit):
 def _refused(rank: int, world: int) -> str:
     from lightning_twobp import TwoBPStrategy
 
-    _env(rank, world)
+    lightning_env(rank, world)
     try:
         _trainer(TwoBPStrategy(schedule="auto", memory_limit=1000), world).fit(Blocks(), _loader())
     except ValueError as e:
@@ -231,8 +241,8 @@ def _refused(rank: int, world: int) -> str:
 
 
 @pytest.mark.dist
-def test_a_limit_nothing_fits_is_refused_before_training_on_every_rank():
-    out = run_distributed(_refused, 2, timeout=180)
+def test_a_limit_nothing_fits_is_refused_before_training_on_every_rank(two_ranks):
+    out = two_ranks[REFUSED]
     assert out[0] == out[1], "both ranks refuse with the same numbers"
     assert "memory_limit=1000 bytes" in out[0] and "the smallest predicted peak is" in out[0], out[0]
 

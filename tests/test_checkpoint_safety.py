@@ -9,75 +9,35 @@ import json
 import os
 import shutil
 import signal
+import warnings
 from pathlib import Path
 
-import lightning.pytorch as pl
 import pytest
 import torch
-import torch.nn.functional as F
-from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
 
-import lightning_twobp  # noqa: F401  (registers "twobp")
 from lightning_twobp import TwoBPStrategy
 from lightning_twobp.lightning import checkpoint as ckpt
-from lightning_twobp.testing import free_port, rank_env, run_distributed
+from lightning_twobp.testing import run_distributed
 
-from conftest import lightning_env
+import conftest
+from conftest import Regressor, launch, lightning_env, own_weights, quiet_trainer, regression_data
 
-pytestmark = pytest.mark.dist
-
-
-class Net(pl.LightningModule):
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.layers = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 2))
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        return F.mse_loss(self.layers(x), y)
-
-    def configure_optimizers(self):
-        return torch.optim.Adam(self.parameters(), lr=0.01)
+pytestmark = [pytest.mark.dist, pytest.mark.timeout(900)]  # a fixture runs the launches: the first test waits
 
 
-def _data() -> DataLoader:
-    g = torch.Generator().manual_seed(1)
-    return DataLoader(TensorDataset(torch.randn(16, 6, generator=g), torch.randn(16, 2, generator=g)), batch_size=8)
-
-
-def _env(rank: int, world: int) -> None:
-    lightning_env(rank, world)  # the port run_distributed's process group already uses
-
-
-def _trainer(world: int, max_steps: int, callbacks: list, **kw) -> pl.Trainer:
-    return pl.Trainer(
-        accelerator="cpu",
-        devices=world,
-        strategy=TwoBPStrategy(schedule="1f1b"),
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        use_distributed_sampler=False,
-        callbacks=callbacks,
-        enable_checkpointing=bool(callbacks),
-        max_steps=max_steps,
-        **kw,
-    )
+def _net() -> Regressor:
+    return Regressor(optimizer=torch.optim.Adam, lr=0.01, log=False)
 
 
 def _fit(world: int, folder: str, max_steps: int = 4, ckpt_path: str | None = None, save: bool = True) -> dict:
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     cbs = [ModelCheckpoint(dirpath=folder, every_n_train_steps=2, save_top_k=-1, save_last=True)] if save else []
-    model = Net()
-    trainer = _trainer(world, max_steps, cbs)  # 2 steps an epoch
-    trainer.fit(model, _data(), ckpt_path=ckpt_path)
-    return {
-        "step": trainer.global_step,
-        "weights": {n: q.detach().clone() for n, q in model.named_parameters() if not q.is_meta},
-    }
+    model = _net()
+    strategy = TwoBPStrategy(schedule="1f1b")
+    trainer = quiet_trainer(strategy, world, max_steps=max_steps, callbacks=cbs, enable_checkpointing=save)
+    trainer.fit(model, regression_data(n=16), ckpt_path=ckpt_path)  # 2 steps an epoch
+    return {"step": trainer.global_step, "weights": own_weights(model)}
 
 
 # Where to die: (function of lightning_twobp.lightning.checkpoint, rank, before or after it runs).
@@ -133,13 +93,13 @@ def _die_at(point: str, rank: int) -> None:
 
 
 def _crash(rank: int, world: int, folder: str, point: str) -> None:
-    _env(rank, world)
+    lightning_env(rank, world)
     _die_at(point, rank)
     _fit(world, folder)
 
 
 def _resume_all(rank: int, world: int, root: str, points: list[str]) -> dict:
-    _env(rank, world)
+    lightning_env(rank, world)
     out = {"straight": _fit(world, f"{root}/straight")}
     for point in points:
         out[point] = _fit(world, f"{root}/{point}", ckpt_path=f"{root}/{point}/last.ckpt", save=False)
@@ -150,36 +110,45 @@ def _resume_all(rank: int, world: int, root: str, points: list[str]) -> dict:
     return out
 
 
-def test_kill_9_during_a_save_leaves_a_checkpoint_that_resumes_exactly(tmp_path):
+@pytest.fixture(scope="module")
+def crashed(tmp_path_factory) -> dict:
+    """A launch killed at each point of a save (each its own launch: a rank of it dies), what the other
+    rank said, what each left on disk, and what reading the interrupted rename warns."""
+    root = tmp_path_factory.mktemp("crashed")
     seen = {}
     for point in POINTS:
         with pytest.raises(Exception) as info:  # noqa: B017 the killed rank's exit, and its peer's lost connection
-            run_distributed(_crash, 2, str(tmp_path / point), point, timeout=120)
+            run_distributed(_crash, 2, str(root / point), point, timeout=120)
         seen[point] = str(info.value)
-    states = {p: sorted(x.name for x in (tmp_path / p).iterdir()) for p in POINTS}
+    states = {p: sorted(x.name for x in (root / p).iterdir()) for p in POINTS}
+    # a complete checkpoint, one bit flipped in a shard
+    flipped = root / "flipped"
+    shutil.copytree(root / "before-manifest" / "epoch=0-step=2.ckpt", flipped)
+    shard = sorted(flipped.glob("__1_*.distcp"))[0]
+    _flip(shard)
+    with warnings.catch_warnings(record=True) as warned:
+        warnings.simplefilter("always")
+        ckpt.resolve(root / "mid-rename" / "last.ckpt")
+    return {"root": root, "seen": seen, "states": states, "shard": shard.name, "warned": warned}
+
+
+def test_kill_9_during_a_save_leaves_a_checkpoint_that_resumes_exactly(two_ranks, crashed):
+    seen, states = crashed["seen"], crashed["states"]
     # rank 1 killed as it starts writing: rank 0 names it, and removes the hidden partial checkpoint
     assert "was not saved: a rank was lost during the save: global rank 1 (pid " in seen["between-shards"], seen
     assert ".last.ckpt.partial" not in states["between-shards"], states
     assert "last.ckpt" not in states["mid-rename"] and ".last.ckpt.partial" in states["mid-rename"], states
-    # a complete checkpoint, one bit flipped in a shard: refused by name on every rank
-    flipped = tmp_path / "flipped"
-    shutil.copytree(tmp_path / "before-manifest" / "epoch=0-step=2.ckpt", flipped)
-    shard = sorted(flipped.glob("__1_*.distcp"))[0]
-    data = bytearray(shard.read_bytes())
-    data[len(data) // 2] ^= 0x10
-    shard.write_bytes(bytes(data))
-
-    with pytest.warns(UserWarning, match="reading the complete checkpoint"):
-        ckpt.resolve(tmp_path / "mid-rename" / "last.ckpt")
-    results = run_distributed(_resume_all, 2, str(tmp_path), list(POINTS), timeout=240)
-    for rank, out in enumerate(results):
+    warned = [w for w in crashed["warned"] if issubclass(w.category, UserWarning)]
+    assert any("reading the complete checkpoint" in str(w.message) for w in warned), warned
+    for rank, out in enumerate(two_ranks[KILL]):
         straight = out["straight"]
         assert straight["step"] == 4
         for point in POINTS:
             assert out[point]["step"] == 4, point
             for name, value in straight["weights"].items():
                 assert torch.equal(out[point]["weights"][name], value), f"{point}: rank {rank} {name} differs"
-        assert shard.name in out["flipped"] and "SHA-256" in out["flipped"], out["flipped"]
+        # the flipped bit: refused by name on every rank
+        assert crashed["shard"] in out["flipped"] and "SHA-256" in out["flipped"], out["flipped"]
 
 
 @pytest.fixture(scope="module")
@@ -242,15 +211,15 @@ def test_a_consolidated_checkpoint_loads_with_weights_only(saved, tmp_path):
     merged = ckpt.consolidate(saved, tmp_path / "full.ckpt")
     assert merged["global_step"] == 4
     again = torch.load(tmp_path / "full.ckpt", weights_only=True)
-    assert set(again["state_dict"]) == {n for n, _ in Net().named_parameters()}
+    assert set(again["state_dict"]) == {n for n, _ in _net().named_parameters()}
 
 
-class Shorter(Net):
-    """Net without its last layer: the saved checkpoint holds two weights it does not have."""
+class Shorter(Regressor):
+    """The saved model without its last layer: the checkpoint holds two weights it does not have."""
 
     def __init__(self) -> None:
-        super().__init__()
-        self.layers = nn.Sequential(*list(self.layers)[:3])
+        super().__init__(optimizer=torch.optim.Adam, lr=0.01, log=False)
+        self.layers = self.layers[:3]
 
     def training_step(self, batch, batch_idx):
         x, y = batch
@@ -258,22 +227,22 @@ class Shorter(Net):
 
 
 def _load_into_shorter(rank: int, world: int, saved: str) -> dict:
-    _env(rank, world)
+    lightning_env(rank, world)
     out = {}
     for strict in (True, False):
         model = Shorter()
         model.strict_loading = strict
-        trainer = _trainer(world, 5, [])
+        trainer = quiet_trainer(TwoBPStrategy(schedule="1f1b"), world, max_steps=5)
         try:
-            trainer.fit(model, _data(), ckpt_path=saved)
+            trainer.fit(model, regression_data(n=16), ckpt_path=saved)
             out[strict] = trainer.global_step
         except ckpt.CheckpointError as err:
             out[strict] = str(err)
     return out
 
 
-def test_a_checkpoint_with_weights_the_model_lacks_is_refused_unless_strict_loading_is_off(saved):
-    for out in run_distributed(_load_into_shorter, 2, str(saved), timeout=120):
+def test_a_checkpoint_with_weights_the_model_lacks_is_refused_unless_strict_loading_is_off(two_ranks):
+    for out in two_ranks[SHORTER]:
         assert 'Unexpected key(s) in state_dict: "layers.4.bias", "layers.4.weight"' in str(out[True]), out
         assert out[False] == 5, out  # strict_loading=False: loaded and trained on, as one process does
 
@@ -304,8 +273,8 @@ def _disk_full_on(case: str, rank: int) -> None:
         ckpt.dcp.FileSystemWriter.write_data = write_data
 
 
-def _fill_the_disk(rank: int, world: int, port: int, root: str) -> dict:
-    rank_env(rank, world, port)
+def _fill_the_disk(rank: int, world: int, root: str) -> dict:
+    lightning_env(rank, world)
     write_meta, write_data = ckpt._write_meta, ckpt.dcp.FileSystemWriter.write_data
     out = {}
     for case in ("meta", "shard"):
@@ -320,8 +289,9 @@ def _fill_the_disk(rank: int, world: int, port: int, root: str) -> dict:
     return out
 
 
-def test_a_full_disk_is_named_and_leaves_nothing_hidden(tmp_path):
-    for out in run_distributed(_fill_the_disk, 2, free_port(), str(tmp_path), timeout=180):
+def test_a_full_disk_is_named_and_leaves_nothing_hidden(two_ranks, full_disk):
+    tmp_path = full_disk
+    for out in two_ranks[DISK]:
         for case in ("meta", "shard"):
             assert "was not saved: the disk is full" in out[case], (case, out[case])
             assert "The previous checkpoint at" in out[case] and "the partial one was removed" in out[case]
@@ -329,3 +299,23 @@ def test_a_full_disk_is_named_and_leaves_nothing_hidden(tmp_path):
         left = sorted(p.name for p in (tmp_path / case).iterdir())
         assert left == ["epoch=0-step=2.ckpt"], left  # no .last.ckpt.partial
         ckpt.verify(tmp_path / case / "epoch=0-step=2.ckpt", shared=False)
+
+
+KILL = "test_kill_9_during_a_save_leaves_a_checkpoint_that_resumes_exactly"
+SHORTER = "test_a_checkpoint_with_weights_the_model_lacks_is_refused_unless_strict_loading_is_off"
+DISK = "test_a_full_disk_is_named_and_leaves_nothing_hidden"
+
+
+@pytest.fixture(scope="module")
+def full_disk(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("full-disk")
+
+
+@pytest.fixture(scope="module")
+def two_ranks(request, saved, full_disk) -> conftest.Launch:
+    """The runs that end on every rank alike, in one launch of 2 ranks (the killed ones are ``crashed``'s):
+    resuming from each crash (those only when their test runs), loading into a shorter model, a full disk."""
+    cases = {SHORTER: (_load_into_shorter, (str(saved),)), DISK: (_fill_the_disk, (str(full_disk),))}
+    if KILL in conftest.wanted(request):
+        cases[KILL] = (_resume_all, (str(request.getfixturevalue("crashed")["root"]), list(POINTS)))
+    return launch(request, 2, cases, timeout=600)

@@ -236,9 +236,7 @@ class Masked(nn.Module):
 
 class TupleBoundary(Regressor):
     def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.layers = nn.Sequential(Masked(first=True), Masked(), Masked(), Masked())
+        super().__init__(layers=lambda: nn.Sequential(Masked(first=True), Masked(), Masked(), Masked()))
 
     def training_step(self, batch, batch_idx):
         x, y = batch
@@ -252,10 +250,10 @@ class InplaceFirst(Regressor):
     """torchvision-style: the second stage starts with an in-place ReLU."""
 
     def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.layers = nn.Sequential(
-            nn.Linear(6, 16), nn.ReLU(inplace=True), nn.Linear(16, 16), nn.ReLU(inplace=True), nn.Linear(16, 2)
+        super().__init__(
+            layers=lambda: nn.Sequential(
+                nn.Linear(6, 16), nn.ReLU(inplace=True), nn.Linear(16, 16), nn.ReLU(inplace=True), nn.Linear(16, 2)
+            )
         )
 
 

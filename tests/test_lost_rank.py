@@ -1,7 +1,7 @@
 """A rank that dies (SIGKILL) or hangs (SIGSTOP) in the middle of ``Trainer.fit`` is named by the
 survivors: its pipeline rank, stages, global rank and host, within ``pipeline_timeout``, in the
 training step being run; every survivor's fit raises on its own, in seconds, instead of waiting for
-torch's 30-minute default."""
+torch's 30-minute default. Each case is a launch of its own: a rank of it is lost."""
 
 from __future__ import annotations
 
@@ -14,31 +14,15 @@ from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
-import torch
-import torch.nn.functional as F
-from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_twobp import TwoBPStrategy
-from lightning_twobp.testing import free_port, rank_env, run_distributed
+from lightning_twobp.testing import run_distributed
 
-pytestmark = pytest.mark.dist
+from conftest import Regressor, lightning_env, quiet_trainer, regression_data
+
+pytestmark = [pytest.mark.dist, pytest.mark.slow]  # a launch per lost rank, waiting on timeouts: last (conftest.py)
 
 TIMEOUT = 3  # pipeline_timeout, seconds
-
-
-class Net(pl.LightningModule):
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.layers = nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(4)])
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        return F.mse_loss(self.layers(x), y)
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
 class _Vanish(pl.Callback):
@@ -58,24 +42,12 @@ class Report(RuntimeError):
     """What a survivor saw: raised so that the harness collects every survivor's own report."""
 
 
-def _fit(rank: int, world: int, port: int, victim: int, sig: int, folder: str, schedule: str, degree: int) -> None:
-    rank_env(rank, world, port)
-    g = torch.Generator().manual_seed(1)
-    data = DataLoader(TensorDataset(torch.randn(64, 8, generator=g), torch.randn(64, 8, generator=g)), batch_size=8)
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=world,
-        max_steps=8,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        use_distributed_sampler=False,
-        strategy=TwoBPStrategy(schedule=schedule, num_microbatches=4, pipeline_degree=degree, pipeline_timeout=TIMEOUT),
-        callbacks=[_Vanish(victim, sig, at=2, folder=folder)],
-    )
-    try:
-        trainer.fit(Net(), data)
+def _fit(rank: int, world: int, victim: int, sig: int, folder: str, schedule: str, degree: int | None) -> None:
+    lightning_env(rank, world)
+    strategy = TwoBPStrategy(schedule=schedule, num_microbatches=4, pipeline_degree=degree, pipeline_timeout=TIMEOUT)
+    trainer = quiet_trainer(strategy, world, max_steps=8, callbacks=[_Vanish(victim, sig, at=2, folder=folder)])
+    try:  # four Linear(8, 8) layers: enough for the four stages of the largest pipeline here
+        trainer.fit(Regressor(widths=(8,) * 5, log=False), regression_data(d_in=8, d_out=8))
     except Exception as e:
         pid, stopped_at = (Path(folder) / "victim").read_text().split()
         took = time.time() - float(stopped_at)
@@ -89,16 +61,7 @@ def _fit(rank: int, world: int, port: int, victim: int, sig: int, folder: str, s
 def _reports(world: int, victim: int, how: str, tmp_path, schedule: str = "1f1b", degree: int | None = None):
     with pytest.raises(RuntimeError) as info:
         run_distributed(
-            _fit,
-            world,
-            free_port(),
-            victim,
-            getattr(signal, how),
-            str(tmp_path),
-            schedule,
-            degree,
-            timeout=180,
-            grace=90,
+            _fit, world, victim, getattr(signal, how), str(tmp_path), schedule, degree, timeout=180, grace=90
         )
     parts = {int(p.split()[0]): p for p in str(info.value).split("--- rank ")[1:]}
     survivors = set(range(world)) - {victim}

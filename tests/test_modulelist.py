@@ -75,41 +75,28 @@ class CausalLM(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
 
 
-def _hf_gpt2() -> nn.Module:
+def _hf(model: str, config: str, **kw) -> nn.Module:
+    """transformers' ``model`` built from its ``config`` with ``kw``, token 0 as begin and end of text."""
     transformers = pytest.importorskip("transformers", reason="the Hugging Face models need transformers")
-    cfg = transformers.GPT2Config(
-        n_layer=4,
-        n_embd=16,
-        n_head=2,
-        vocab_size=VOCAB,
-        n_positions=SEQ,
-        bos_token_id=0,
-        eos_token_id=0,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
+    return getattr(transformers, model)(getattr(transformers, config)(bos_token_id=0, eos_token_id=0, **kw))
+
+
+def _hf_gpt2() -> nn.Module:
+    # GPT-2's defaults otherwise: tied embeddings, use_cache=True
+    drops = dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    model = _hf(
+        "GPT2LMHeadModel", "GPT2Config", n_layer=4, n_embd=16, n_head=2, vocab_size=VOCAB, n_positions=SEQ, **drops
     )
-    model = transformers.GPT2LMHeadModel(cfg)  # GPT-2's defaults otherwise: tied embeddings, use_cache=True
     assert model.lm_head.weight is model.transformer.wte.weight
     return model
 
 
 def _hf_llama() -> nn.Module:
-    transformers = pytest.importorskip("transformers", reason="the Hugging Face models need transformers")
-    cfg = transformers.LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=SEQ,
-        bos_token_id=0,
-        eos_token_id=0,
-        pad_token_id=None,
-        use_cache=False,
+    heads = dict(num_attention_heads=4, num_key_value_heads=2)
+    sizes = dict(
+        vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=4, max_position_embeddings=SEQ
     )
-    return transformers.LlamaForCausalLM(cfg)
+    return _hf("LlamaForCausalLM", "LlamaConfig", **sizes, **heads, pad_token_id=None, use_cache=False)
 
 
 class NanoBlock(nn.Module):

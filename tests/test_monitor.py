@@ -5,6 +5,7 @@ simulated schedule."""
 from __future__ import annotations
 
 import csv
+import importlib.util
 import json
 import pathlib
 
@@ -13,60 +14,43 @@ import pytest
 import torch
 import torch.nn.functional as F
 from lightning.pytorch.loggers import CSVLogger
-from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_twobp import PipelineMonitor, TwoBPStrategy
 from lightning_twobp.monitor import measured_costs
-from lightning_twobp.testing import free_port, rank_env, run_distributed
+
+import conftest
+from conftest import Regressor, launch, lightning_env, quiet_trainer, regression_data
 
 pytestmark = pytest.mark.dist
 
 
-class Net(pl.LightningModule):
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.layers = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 2))
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        loss = F.mse_loss(self.layers(x), y)
-        self.log("train_loss", loss)
-        return loss
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.01)
+def _net() -> Regressor:
+    return Regressor(widths=(16, 64, 64, 2), lr=0.01)
 
 
 def _data() -> DataLoader:
-    g = torch.Generator().manual_seed(1)
-    return DataLoader(TensorDataset(torch.randn(256, 16, generator=g), torch.randn(256, 2, generator=g)), batch_size=16)
+    return regression_data(n=256, d_in=16, batch_size=16)
 
 
-def _fit(rank: int, world: int, port: int, folder: str, schedule: str = "zb-h1", summary: bool = False) -> dict:
+def _fit(rank: int, world: int, folder: str, schedule: str = "zb-h1", summary: bool = False) -> dict:
     from lightning_twobp.callbacks import RunSummary
 
-    rank_env(rank, world, port)
+    lightning_env(rank, world)
     monitor = PipelineMonitor(
         log_every_n_steps=2, length_fn=lambda b: b[0].numel(), trace_steps=[3], trace_dir=f"{folder}/traces"
     )
     callbacks = [RunSummary()] if summary else [monitor]  # RunSummary alone: it brings a silent monitor
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=world,
-        strategy=TwoBPStrategy(schedule=schedule, num_microbatches=4),
+    trainer = quiet_trainer(
+        TwoBPStrategy(schedule=schedule, num_microbatches=4),
+        world,
         max_steps=6,
         logger=CSVLogger(folder, name="logs"),
         log_every_n_steps=2,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        use_distributed_sampler=False,
         callbacks=callbacks,
         default_root_dir=folder,
     )
-    trainer.fit(Net(), _data())
+    trainer.fit(_net(), _data())
     if summary:
         return {"summary": callbacks[0].summary}
     return {"last": monitor.last, "traces": monitor.traces, "flops": monitor.flops_per_batch}
@@ -82,30 +66,13 @@ class _CountLogs(PipelineMonitor):
         super()._log(trainer, pl_module, strategy)
 
 
-def _accumulating(rank: int, world: int, port: int) -> dict:
-    rank_env(rank, world, port)
+def _accumulating(rank: int, world: int) -> dict:
+    lightning_env(rank, world)
     monitor = _CountLogs(log_every_n_steps=2)
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=world,
-        strategy=TwoBPStrategy(schedule="zb-h1", num_microbatches=4),
-        max_steps=4,
-        accumulate_grad_batches=2,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        use_distributed_sampler=False,
-        callbacks=[monitor],
-    )
-    trainer.fit(Net(), _data())
+    strategy = TwoBPStrategy(schedule="zb-h1", num_microbatches=4)
+    trainer = quiet_trainer(strategy, world, max_steps=4, accumulate_grad_batches=2, callbacks=[monitor])
+    trainer.fit(_net(), _data())
     return {"logged_at": monitor.logged_at, "flops": monitor.flops_per_batch}
-
-
-def test_under_gradient_accumulation_it_logs_once_per_optimizer_step():
-    out = run_distributed(_accumulating, 2, free_port(), timeout=180)
-    assert out[0]["logged_at"] == out[1]["logged_at"] == [2, 4]  # not after each of the 2 batches
-    assert out[0]["flops"] == _one_process_flops()  # per batch, as Throughput counts
 
 
 def _one_process_flops() -> int:
@@ -113,14 +80,73 @@ def _one_process_flops() -> int:
     from torch.utils.flop_counter import FlopCounterMode
 
     x, y = next(iter(_data()))
-    net = Net()
+    net = _net()
     with FlopCounterMode(display=False) as counter:
         F.mse_loss(net.layers(x), y).backward()
     return counter.get_total_flops()
 
 
-def test_monitor_logs_every_pipeline_rank_and_writes_a_trace(tmp_path):
-    out = run_distributed(_fit, 2, free_port(), str(tmp_path), timeout=180)
+def _loop_model(name: str) -> pl.LightningModule:
+    from lightning_twobp.models import HFCausalLM, LlamaLoopLM
+
+    torch.manual_seed(0)
+    if name == "hf-gpt2":
+        return HFCausalLM(arch="gpt2", vocab_size=64, dim=32, n_layers=4, n_heads=4, max_seq_len=16, lr=1e-2)
+    return LlamaLoopLM(vocab_size=64, dim=32, n_layers=4, n_heads=4, max_seq_len=16, lr=1e-2)
+
+
+def _tokens() -> DataLoader:
+    g = torch.Generator().manual_seed(5)
+    ids = (torch.randint(0, 64, (64, 1), generator=g) + torch.arange(16)) % 64
+    return DataLoader(TensorDataset(ids, (ids + 1) % 64), batch_size=8)
+
+
+def _loop_flops(rank: int, world: int, name: str) -> float:
+    lightning_env(rank, world)
+    monitor = PipelineMonitor(log_every_n_steps=2)
+    strategy = TwoBPStrategy(schedule="zb-h1", num_microbatches=4)
+    trainer = quiet_trainer(strategy, world, max_steps=3, callbacks=[monitor])
+    trainer.fit(_loop_model(name), _tokens())
+    return monitor.flops_per_batch
+
+
+def _two_stages(rank: int, world: int, folder: str) -> tuple[dict, dict]:
+    """zb-v (two stages a rank) with the monitor, then zb-h1 with RunSummary alone."""
+    return _fit(rank, world, f"{folder}/v", "zb-v"), _fit(rank, world, f"{folder}/s", "zb-h1", True)
+
+
+ACCUMULATING = "test_under_gradient_accumulation_it_logs_once_per_optimizer_step"
+TRACE = "test_monitor_logs_every_pipeline_rank_and_writes_a_trace"
+TWO_STAGES = "test_a_rank_of_two_stages_logs_under_both_and_run_summary_uses_the_same_figures"
+LOOP = "test_flops_of_a_modulelist_model_equal_one_process"
+LOOP_MODELS = ["llama-loop"] + (["hf-gpt2"] if importlib.util.find_spec("transformers") else [])
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory) -> pathlib.Path:
+    return tmp_path_factory.mktemp("monitor")
+
+
+@pytest.fixture(scope="module")
+def two_ranks(request, folder) -> conftest.Launch:
+    """Every case in one launch of 2 ranks: a test's first call may wait for all of them."""
+    cases = {
+        ACCUMULATING: (_accumulating, ()),
+        TRACE: (_fit, (str(folder / "trace"),)),
+        TWO_STAGES: (_two_stages, (str(folder),)),
+        **{f"{LOOP}[{name}]": (_loop_flops, (name,)) for name in LOOP_MODELS},
+    }
+    return launch(request, 2, cases, timeout=840)
+
+
+def test_under_gradient_accumulation_it_logs_once_per_optimizer_step(two_ranks):
+    out = two_ranks[ACCUMULATING]
+    assert out[0]["logged_at"] == out[1]["logged_at"] == [2, 4]  # not after each of the 2 batches
+    assert out[0]["flops"] == _one_process_flops()  # per batch, as Throughput counts
+
+
+def test_monitor_logs_every_pipeline_rank_and_writes_a_trace(two_ranks, folder):
+    out, tmp_path = two_ranks[TRACE], folder / "trace"
     last = out[0]["last"]
     assert last == out[1]["last"] or set(last) == set(out[1]["last"])  # every rank logs the same names
     # one pipeline: each sample counted once, not once per stage as ThroughputMonitor would
@@ -147,62 +173,29 @@ def test_monitor_logs_every_pipeline_rank_and_writes_a_trace(tmp_path):
     assert len({e["pid"] for e in events if e.get("ph") == "X"}) >= 3  # rank 0, rank 1, simulated
 
 
-def test_a_rank_of_two_stages_logs_under_both_and_run_summary_uses_the_same_figures(tmp_path):
-    out = run_distributed(_fit, 2, free_port(), str(tmp_path / "v"), "zb-v", timeout=180)
+def test_a_rank_of_two_stages_logs_under_both_and_run_summary_uses_the_same_figures(two_ranks, folder):
+    out, summaries = zip(*two_ranks[TWO_STAGES], strict=True)
     last = out[0]["last"]
     assert {"pipeline/stage0_3/bubble", "pipeline/stage1_2/bubble"} <= set(last), sorted(last)
     assert out[0]["flops"] == _one_process_flops()
-    summary = run_distributed(_fit, 2, free_port(), str(tmp_path / "s"), "zb-h1", True, timeout=180)[0]["summary"]
+    summary = summaries[0]["summary"]
     assert summary["steps"] == 6 and len(summary["peak_memory_bytes_per_rank"]) == 2
     assert min(summary["peak_memory_bytes_per_rank"]) > 10e6 and summary["peak_memory_kind"] == "peak RSS"
     assert summary["samples_per_s"] == pytest.approx(6 * 16 / summary["seconds"])
     assert summary["tokens_per_s"] is None  # float features, no token ids
-    assert json.loads((tmp_path / "s" / "summary.json").read_text())["steps"] == 6
+    assert json.loads((folder / "s" / "summary.json").read_text())["steps"] == 6
     assert summary["deferred_fraction_per_rank"] == [0.0, 1.0]
 
 
-def _loop_model(name: str) -> pl.LightningModule:
-    from lightning_twobp.models import HFCausalLM, LlamaLoopLM
-
-    torch.manual_seed(0)
-    if name == "hf-gpt2":
-        pytest.importorskip("transformers")
-        return HFCausalLM(arch="gpt2", vocab_size=64, dim=32, n_layers=4, n_heads=4, max_seq_len=16, lr=1e-2)
-    return LlamaLoopLM(vocab_size=64, dim=32, n_layers=4, n_heads=4, max_seq_len=16, lr=1e-2)
-
-
-def _tokens() -> DataLoader:
-    g = torch.Generator().manual_seed(5)
-    ids = (torch.randint(0, 64, (64, 1), generator=g) + torch.arange(16)) % 64
-    return DataLoader(TensorDataset(ids, (ids + 1) % 64), batch_size=8)
-
-
-def _loop_flops(rank: int, world: int, port: int, name: str) -> float:
-    rank_env(rank, world, port)
-    monitor = PipelineMonitor(log_every_n_steps=2)
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=world,
-        strategy=TwoBPStrategy(schedule="zb-h1", num_microbatches=4),
-        max_steps=3,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        use_distributed_sampler=False,
-        callbacks=[monitor],
-    )
-    trainer.fit(_loop_model(name), _tokens())
-    return monitor.flops_per_batch
-
-
 @pytest.mark.parametrize("name", ["llama-loop", "hf-gpt2"])
-def test_flops_of_a_modulelist_model_equal_one_process(name):
+def test_flops_of_a_modulelist_model_equal_one_process(two_ranks, request, name):
     """The ModuleList contract runs other stages' blocks on the meta device to learn shapes: none of
     that may count, and the split backward's W must count like autograd's weight gradients."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    got = run_distributed(_loop_flops, 2, free_port(), name, timeout=180)
+    if name not in LOOP_MODELS:
+        pytest.skip("transformers is not installed")
+    got = two_ranks[request.node.name]
     model = _loop_model(name)
     with FlopCounterMode(display=False) as counter:
         model.training_step(next(iter(_tokens())), 0).backward()

@@ -4,46 +4,39 @@ step is skipped everywhere (``"skip"``); the weights never drift apart."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import lightning.pytorch as pl
 import pytest
 import torch
-import torch.nn.functional as F
-from torch import nn
 from torch.distributed.tensor import DTensor
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader
 
-import lightning_twobp  # noqa: F401  (registers "twobp")
 from lightning_twobp import NonFiniteError, TwoBPStrategy
-from lightning_twobp.testing import free_port, rank_env, run_distributed
+from lightning_twobp.testing import run_distributed
+
+import conftest
+from conftest import Regressor, launch, lightning_env, own_weights, quiet_trainer, regression_data
 
 pytestmark = pytest.mark.dist
 
 BATCH, M, BAD_STEP, BAD_MB = 8, 4, 2, 1
 
 
-class Net(pl.LightningModule):
-    def __init__(self, inf_on_first_stage_at: int | None = None) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.layers = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 2))
-        self.inf_at = inf_on_first_stage_at
+class Net(Regressor):
+    """The shared regressor (Adam) with an overflow in one gradient of the first stage only, at step
+    ``inf_at`` (the loss stays finite)."""
 
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        loss = F.mse_loss(self.layers(x), y)
-        self.log("train_loss", loss)
-        return loss
+    def __init__(self, inf_at: int | None = None) -> None:
+        super().__init__(optimizer=torch.optim.Adam, lr=0.01)
+        self.inf_at = inf_at
 
     def on_after_backward(self):
-        # an overflow in one gradient of the first stage only (the loss stays finite)
         strategy = self.trainer.strategy
         if self.global_step == self.inf_at and getattr(strategy, "is_first_stage", True):
             grad = self.layers[0].weight.grad
             grad = grad.to_local() if isinstance(grad, DTensor) else grad  # data_parallel="shard": its rows
             grad.view(-1)[0] = float("inf")
-
-    def configure_optimizers(self):
-        return torch.optim.Adam(self.parameters(), lr=0.01)
 
 
 class SkipAt(pl.Callback):
@@ -59,34 +52,14 @@ class SkipAt(pl.Callback):
 
 
 def _data(nan: bool) -> DataLoader:
-    g = torch.Generator().manual_seed(1)
-    x, y = torch.randn(64, 6, generator=g), torch.randn(64, 2, generator=g)
+    loader = regression_data(batch_size=BATCH)
     if nan:  # one sample of micro-batch BAD_MB of the batch at global step BAD_STEP
-        x[BAD_STEP * BATCH + BAD_MB * (BATCH // M), 3] = float("nan")
-    return DataLoader(TensorDataset(x, y), batch_size=BATCH)
+        loader.dataset.tensors[0][BAD_STEP * BATCH + BAD_MB * (BATCH // M), 3] = float("nan")
+    return loader
 
 
-def _trainer(devices, strategy, max_steps, callbacks=(), **kw):
-    return pl.Trainer(
-        accelerator="cpu",
-        devices=devices,
-        strategy=strategy,
-        max_steps=max_steps,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        use_distributed_sampler=False,
-        callbacks=list(callbacks),
-        **{"enable_checkpointing": False, **kw},
-    )
-
-
-def _weights(model) -> dict:
-    return {n: q.detach().clone() for n, q in model.named_parameters() if not q.is_meta}
-
-
-def _fit(rank: int, world: int, port: int, kwargs: dict, nan_data: bool, inf_at: int | None) -> dict:
-    rank_env(rank, world, port)
+def _fit(rank: int, world: int, kwargs: dict, nan_data: bool, inf_at: int | None) -> dict:
+    lightning_env(rank, world)
     model = Net(inf_at)
     logged: list[float] = []
 
@@ -94,7 +67,7 @@ def _fit(rank: int, world: int, port: int, kwargs: dict, nan_data: bool, inf_at:
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             logged.append(float(trainer.callback_metrics.get("pipeline/skipped_steps", 0.0)))
 
-    trainer = _trainer(world, TwoBPStrategy(num_microbatches=M, **kwargs), 5, [_Skipped()])
+    trainer = quiet_trainer(TwoBPStrategy(num_microbatches=M, **kwargs), world, max_steps=5, callbacks=[_Skipped()])
     try:
         trainer.fit(model, _data(nan_data))
         error = None
@@ -102,16 +75,17 @@ def _fit(rank: int, world: int, port: int, kwargs: dict, nan_data: bool, inf_at:
         error = str(err)
     return {
         "error": error,
-        "weights": _weights(model),
+        "weights": own_weights(model),
         "step": trainer.global_step,
         "checks": trainer.strategy.step_checks,
         "logged": logged,
     }
 
 
-def _anomaly(rank: int, world: int, port: int) -> str:
-    rank_env(rank, world, port)
-    trainer = _trainer(world, TwoBPStrategy(num_microbatches=M, pipeline_timeout=60), 5, detect_anomaly=True)
+def _anomaly(rank: int, world: int) -> str:
+    lightning_env(rank, world)
+    strategy = TwoBPStrategy(num_microbatches=M, pipeline_timeout=60)
+    trainer = quiet_trainer(strategy, world, max_steps=5, detect_anomaly=True)
     try:
         trainer.fit(Net(), _data(True))
     except Exception as err:  # noqa: BLE001 - what each rank saw is the result
@@ -119,15 +93,57 @@ def _anomaly(rank: int, world: int, port: int) -> str:
     return "trained on"
 
 
+def _fit_saving(rank: int, world: int, folder: str) -> str:
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    lightning_env(rank, world)
+    saving = ModelCheckpoint(
+        dirpath=folder, every_n_train_steps=1, save_top_k=-1, save_last=True, save_on_exception=True
+    )
+    strategy = TwoBPStrategy(num_microbatches=M, schedule="zb-h2")
+    trainer = quiet_trainer(strategy, world, max_steps=5, callbacks=[saving], enable_checkpointing=True)
+    with pytest.raises(NonFiniteError) as info:
+        trainer.fit(Net(), _data(True))
+    return str(info.value)
+
+
 def _reference(steps: int, skip_at: int | None = None) -> dict:
     model = Net()
-    _trainer(1, "auto", steps, [SkipAt(skip_at)] if skip_at is not None else []).fit(model, _data(False))
-    return _weights(model)
+    quiet_trainer(max_steps=steps, callbacks=[SkipAt(skip_at)] if skip_at is not None else []).fit(model, _data(False))
+    return own_weights(model)
+
+
+STOP = "test_a_nan_loss_stops_every_rank_naming_step_stages_and_microbatch"
+SKIP = "test_skip_drops_the_step_on_every_stage_and_replica"
+SAVE = "test_weights_known_not_finite_are_never_saved"
+DATA_PARALLEL = ["replicate", "shard"]
+
+
+@pytest.fixture(scope="module")
+def saved_folder(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("nonfinite")
+
+
+@pytest.fixture(scope="module")
+def two_ranks(request, saved_folder) -> conftest.Launch:
+    """The cases in which every rank stops in the same step (the check's all-reduce), in one launch."""
+    cases = {f"{STOP}[{s}]": (_fit, (dict(schedule=s), True, None)) for s in ("1f1b", "zb-h2")}
+    cases[SAVE] = (_fit_saving, (str(saved_folder),))
+    return launch(request, 2, cases, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def four_ranks(request) -> conftest.Launch:
+    # 2 pipelines x 2 stages; the inf is on the first stage of both replicas' pipelines (sharded: in
+    # each replica's own rows of the weight, seen by the check's sum over every rank)
+    kwargs = dict(schedule="1f1b", pipeline_degree=2, on_nonfinite="skip")
+    cases = {f"{SKIP}[{dp}]": (_fit, (dict(kwargs, data_parallel=dp), False, BAD_STEP)) for dp in DATA_PARALLEL}
+    return launch(request, 4, cases, timeout=600)
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "zb-h2"])  # checked before the step; after it (post-validation)
-def test_a_nan_loss_stops_every_rank_naming_step_stages_and_microbatch(schedule):
-    out = run_distributed(_fit, 2, free_port(), dict(schedule=schedule), True, None, timeout=180)
+def test_a_nan_loss_stops_every_rank_naming_step_stages_and_microbatch(two_ranks, request, schedule):
+    out = two_ranks[request.node.name]
     ref = _reference(BAD_STEP)  # the weights before the bad step: it changed nothing
     for rank, r in enumerate(out):
         err = r["error"]
@@ -142,19 +158,9 @@ def test_a_nan_loss_stops_every_rank_naming_step_stages_and_microbatch(schedule)
             torch.testing.assert_close(value, ref[name], rtol=1e-5, atol=1e-6, msg=f"rank {rank} {name}")
 
 
-@pytest.mark.parametrize("data_parallel", ["replicate", "shard"])
-def test_skip_drops_the_step_on_every_stage_and_replica(data_parallel):
-    # 2 pipelines x 2 stages; the inf is on the first stage of both replicas' pipelines (sharded: in
-    # each replica's own rows of the weight, seen by the check's sum over every rank)
-    out = run_distributed(
-        _fit,
-        4,
-        free_port(),
-        dict(schedule="1f1b", pipeline_degree=2, on_nonfinite="skip", data_parallel=data_parallel),
-        False,
-        BAD_STEP,
-        timeout=240,
-    )
+@pytest.mark.parametrize("data_parallel", DATA_PARALLEL)
+def test_skip_drops_the_step_on_every_stage_and_replica(four_ranks, request, data_parallel):
+    out = four_ranks[request.node.name]
     ref = _reference(5, skip_at=BAD_STEP)
     for rank, r in enumerate(out):
         assert r["error"] is None and r["step"] == 5
@@ -168,7 +174,8 @@ def test_skip_drops_the_step_on_every_stage_and_replica(data_parallel):
 
 
 def test_detect_anomaly_names_the_operation_and_stops_every_rank():
-    seen = run_distributed(_anomaly, 2, free_port(), timeout=180)
+    # Its own launch: the rank whose backward raises stops in the middle of a pipeline step.
+    seen = run_distributed(_anomaly, 2, timeout=180)
     assert "trained on" not in seen, seen
     assert any("returned nan values" in s for s in seen), seen  # torch's anomaly message, on the rank it arose
 
@@ -178,32 +185,17 @@ def test_on_nonfinite_is_checked_at_construction():
         TwoBPStrategy(on_nonfinite="ignore")
 
 
-def _fit_saving(rank: int, world: int, port: int, folder: str) -> str:
-    from lightning.pytorch.callbacks import ModelCheckpoint
-
-    rank_env(rank, world, port)
-    saving = ModelCheckpoint(
-        dirpath=folder, every_n_train_steps=1, save_top_k=-1, save_last=True, save_on_exception=True
-    )
-    trainer = _trainer(
-        world, TwoBPStrategy(num_microbatches=M, schedule="zb-h2"), 5, [saving], enable_checkpointing=True
-    )
-    with pytest.raises(NonFiniteError) as info:
-        trainer.fit(Net(), _data(True))
-    return str(info.value)
-
-
-def test_weights_known_not_finite_are_never_saved(tmp_path):
+def test_weights_known_not_finite_are_never_saved(two_ranks, saved_folder):
     """zb-h2 without clipping takes the NaN step before its check: neither the step's checkpoint nor
     save_on_exception's nor last.ckpt may hold those weights, and the error says what is on disk."""
     from lightning_twobp.lightning import checkpoint as ckpt
 
-    errors = run_distributed(_fit_saving, 2, free_port(), str(tmp_path), timeout=180)
-    for err in errors:
+    for err in two_ranks[SAVE]:
         assert "the step was taken before the check" in err and "no checkpoint is written from them" in err, err
-    saved = sorted(p.name for p in tmp_path.iterdir())
+    saved = sorted(p.name for p in saved_folder.iterdir())
     assert saved == ["epoch=0-step=1.ckpt", "epoch=0-step=2.ckpt", "last.ckpt"], saved  # nothing after step 2
     for name in saved:
-        weights = ckpt.consolidate(tmp_path / name, tmp_path / f"{name}.pt")["state_dict"]
-        (tmp_path / f"{name}.pt").unlink()
+        out = saved_folder.parent / f"{name}.pt"
+        weights = ckpt.consolidate(saved_folder / name, out)["state_dict"]
+        out.unlink()
         assert all(torch.isfinite(t).all() for t in weights.values()), name

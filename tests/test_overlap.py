@@ -7,47 +7,38 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_twobp import TwoBPStrategy
-from lightning_twobp.testing import free_port, rank_env, run_distributed
+
+import conftest
+from conftest import Regressor, launch, lightning_env, own_weights, quiet_trainer, regression_data
 
 pytestmark = pytest.mark.dist
 
 
-class Net(pl.LightningModule):
+class Net(Regressor):
+    """The shared regressor under AdamW with the learning rate moving every step, logging its batch index
+    too, and an overflow on the last stage only at step ``inf_at``: every rank must skip that step."""
+
     def __init__(self, inf_at: int | None = None) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.layers = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 2))
+        super().__init__(optimizer=torch.optim.AdamW, lr=0.05)
         self.inf_at = inf_at
 
     def training_step(self, batch, batch_idx):
-        x, y = batch
-        loss = F.mse_loss(self.layers(x), y)
-        self.log("train_loss", loss)
         self.log("batch_idx", batch_idx)
-        return loss
+        return super().training_step(batch, batch_idx)
 
     def on_after_backward(self):
-        # An overflow on the last stage only, at one step: every rank must skip that step.
         if self.global_step == self.inf_at and self.trainer.strategy.is_last_stage:
             q = next(q for q in self.layers.parameters() if not q.is_meta and q.grad is not None)
             q.grad.view(-1)[0] = float("inf")
 
     def configure_optimizers(self):
-        opt = torch.optim.AdamW(self.parameters(), lr=0.05)
+        opt = super().configure_optimizers()
         return {
             "optimizer": opt,
             "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.StepLR(opt, 1, 0.8), "interval": "step"},
         }
-
-
-def _data() -> DataLoader:
-    g = torch.Generator().manual_seed(1)
-    return DataLoader(TensorDataset(torch.randn(64, 6, generator=g) * 3, torch.randn(64, 2, generator=g)), batch_size=8)
 
 
 class _CountCollectives(pl.Callback):
@@ -83,63 +74,63 @@ class _CountCollectives(pl.Callback):
             setattr(dist, name, fn)
 
 
-def _fit(rank: int, world: int, port: int, strategy_kwargs: dict, clip: float | None, inf_at: int | None) -> dict:
-    rank_env(rank, world, port)
-    model = Net(inf_at)
-    counter = _CountCollectives()
-    seen: list[float] = []
+class _Logged(pl.Callback):
+    """The train_loss every rank sees after each step."""
 
-    class _Logged(pl.Callback):
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            seen.append(float(trainer.callback_metrics["train_loss"]))
+    def __init__(self) -> None:
+        self.losses: list[float] = []
 
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=world,
-        strategy=TwoBPStrategy(**strategy_kwargs),
-        max_steps=6,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        use_distributed_sampler=False,
-        gradient_clip_val=clip,
-        callbacks=[counter, _Logged()],
-    )
-    trainer.fit(model, _data())
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.losses.append(float(trainer.callback_metrics["train_loss"]))
+
+
+def _fit(rank: int, world: int, strategy_kwargs: dict, clip: float | None, inf_at: int | None) -> dict:
+    lightning_env(rank, world)
+    model, counter, logged = Net(inf_at), _CountCollectives(), _Logged()
+    strategy = TwoBPStrategy(**strategy_kwargs)
+    trainer = quiet_trainer(strategy, world, max_steps=6, gradient_clip_val=clip, callbacks=[counter, logged])
+    trainer.fit(model, regression_data(scale=3.0))
     return {
-        "params": {n: q.detach().clone() for n, q in model.named_parameters() if not q.is_meta},
+        "params": own_weights(model),
         "calls": counter.calls,
-        "losses": seen,
+        "losses": logged.losses,
         "checks": trainer.strategy.step_checks,
     }
 
 
 def _reference(clip: float | None) -> list[float]:
-    model = Net()
-    losses: list[float] = []
-
-    class _Logged(pl.Callback):
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            losses.append(float(trainer.callback_metrics["train_loss"]))
-
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=1,
-        max_steps=6,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        gradient_clip_val=clip,
-        callbacks=[_Logged()],
-    )
-    trainer.fit(model, _data())
-    return losses
+    logged = _Logged()
+    quiet_trainer(max_steps=6, gradient_clip_val=clip, callbacks=[logged]).fit(Net(), regression_data(scale=3.0))
+    return logged.losses
 
 
-def test_one_async_check_per_step_and_the_logged_loss_is_one_process_loss():
-    out = run_distributed(_fit, 2, free_port(), dict(schedule="zb-h2", num_microbatches=4), None, None, timeout=180)
+def _both_ways(rank: int, world: int, kwargs: dict, clip: float | None, inf_at: int | None) -> tuple[dict, dict]:
+    """Checking first, then stepping first and checking after."""
+    first = _fit(rank, world, dict(kwargs, post_validation=False), clip, inf_at)
+    return first, _fit(rank, world, dict(kwargs, post_validation=True), clip, inf_at)
+
+
+ZB_H2 = dict(schedule="zb-h2", num_microbatches=4)
+ASYNC = "test_one_async_check_per_step_and_the_logged_loss_is_one_process_loss"
+CLIP = "test_clipping_by_post_validation_rides_on_the_same_reduce"
+BITWISE = "test_post_validation_is_bitwise_checking_first"
+SCHEDULES = ["zb-h2", "zb-v"]
+CHECKS = [(0.3, None), (0.3, 2), (None, None)]
+
+
+@pytest.fixture(scope="module")
+def two_ranks(request) -> conftest.Launch:
+    """Every case in one launch of 2 ranks: a test's first call may wait for all of them."""
+    cases = {ASYNC: (_fit, (ZB_H2, None, None)), CLIP: (_fit, (ZB_H2, 0.5, None))}
+    for schedule in SCHEDULES:
+        kwargs = dict(schedule=schedule, num_microbatches=4, on_nonfinite="skip")
+        for clip, inf_at in CHECKS:
+            cases[f"{BITWISE}[{clip}-{inf_at}-{schedule}]"] = (_both_ways, (kwargs, clip, inf_at))
+    return launch(request, 2, cases, timeout=840)
+
+
+def test_one_async_check_per_step_and_the_logged_loss_is_one_process_loss(two_ranks):
+    out = two_ranks[ASYNC]
     for r in out:
         # steps 2..6: the pipeline's own messages, and the non-finite check's all-reduce, started
         # asynchronously right before each optimizer step and waited for after the next pipeline step
@@ -149,20 +140,19 @@ def test_one_async_check_per_step_and_the_logged_loss_is_one_process_loss():
         assert r["losses"] == pytest.approx(ref, rel=1e-5)
 
 
-def test_clipping_by_post_validation_rides_on_the_same_reduce():
-    out = run_distributed(_fit, 2, free_port(), dict(schedule="zb-h2", num_microbatches=4), 0.5, None, timeout=180)
-    for r in out:
+def test_clipping_by_post_validation_rides_on_the_same_reduce(two_ranks):
+    for r in two_ranks[CLIP]:
         assert r["calls"] == {"all_reduce": 5}, r["calls"]
 
 
-@pytest.mark.parametrize("schedule", ["zb-h2", "zb-v"])
-@pytest.mark.parametrize("clip, inf_at", [(0.3, None), (0.3, 2), (None, None)])
-def test_post_validation_is_bitwise_checking_first(schedule, clip, inf_at):
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("clip, inf_at", CHECKS)
+def test_post_validation_is_bitwise_checking_first(two_ranks, request, schedule, clip, inf_at):
     # Steps that clip, a step with an overflow on one stage, and the learning rate moving every step:
     # stepping first and checking after gives bitwise the parameters of checking first.
-    kwargs = dict(schedule=schedule, num_microbatches=4, on_nonfinite="skip")
-    first = run_distributed(_fit, 2, free_port(), dict(kwargs, post_validation=False), clip, inf_at, timeout=180)
-    after = run_distributed(_fit, 2, free_port(), dict(kwargs, post_validation=True), clip, inf_at, timeout=180)
+    runs = two_ranks[request.node.name]
+    first, after = [a for a, _ in runs], [b for _, b in runs]
     for a, b in zip(first, after, strict=False):
         assert a["params"].keys() == b["params"].keys()
         for name in a["params"]:
@@ -175,8 +165,6 @@ def test_post_validation_is_bitwise_checking_first(schedule, clip, inf_at):
             assert (
                 b["checks"]["clipped"] > 0 and b["checks"]["redone"] == b["checks"]["clipped"] + b["checks"]["skipped"]
             )
-    if clip is not None:
+    if clip is not None and inf_at is None:
         # and both equal one process (which clips by the same global norm) up to float order
-        ref = _reference(clip) if inf_at is None else None
-        if ref is not None:
-            assert first[0]["losses"] == pytest.approx(ref, rel=1e-5)
+        assert first[0]["losses"] == pytest.approx(_reference(clip), rel=1e-5)

@@ -27,7 +27,6 @@ def _single_process_run(overlap: bool, nan_at: int | None, max_norm: float | Non
         (torch.randn(5, 6, generator=gen) * (1 + 3 * (i % 3)), torch.randint(0, 3, (5,), generator=gen))
         for i in range(steps)
     ]
-    redone = 0
 
     def grads_of(i):
         x, y = batches[i]
@@ -36,6 +35,14 @@ def _single_process_run(overlap: bool, nan_at: int | None, max_norm: float | Non
         if i == nan_at:
             model[2].bias.grad[0] = float("nan")
 
+    redone = _train(steps, grads_of, opt, sv, sched)
+    return [q.detach().clone() for q in model.parameters()], sv, redone
+
+
+def _train(steps: int, grads_of, opt, sv: StepValidation, sched=None) -> int:
+    """``steps`` optimizer steps validated by ``sv``; a step that ran on speculative weights is run again.
+    Returns how many were."""
+    redone = 0
     for i in range(steps):
         grads_of(i)
         v = sv.validate()
@@ -46,9 +53,10 @@ def _single_process_run(overlap: bool, nan_at: int | None, max_norm: float | Non
         sv.before_step()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        sched.step()
+        if sched is not None:
+            sched.step()
     sv.validate()
-    return [q.detach().clone() for q in model.parameters()], sv, redone
+    return redone
 
 
 @pytest.mark.parametrize("max_norm, nan_at", [(None, None), (None, 3), (0.5, None), (0.5, 5), (100.0, None)])
@@ -107,7 +115,6 @@ def _pipeline_run(rank: int, world: int, name: str, overlap: bool, max_norm: flo
     gen = torch.Generator().manual_seed(2)
     batches = [torch.randint(0, VOCAB, (4, 2, SEQ), generator=gen) for _ in range(6)]
     last = sched.num_stages - 1
-    redone = 0
 
     def pipeline(i):
         ids = batches[i]
@@ -115,17 +122,7 @@ def _pipeline_run(rank: int, world: int, name: str, overlap: bool, max_norm: flo
         if i == nan_at and rank == world - 1:
             params[-1].grad.view(-1)[0] = float("inf")
 
-    for i in range(len(batches)):
-        pipeline(i)
-        v = sv.validate()
-        if v is not None and v.redone:
-            redone += 1
-            opt.zero_grad(set_to_none=True)
-            pipeline(i)
-        sv.before_step()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    sv.validate()
+    redone = _train(len(batches), pipeline, opt, sv)
     return [q.detach().clone() for q in params], sv.skipped_steps, redone
 
 

@@ -9,38 +9,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import TensorDataset
 
-import lightning_twobp  # noqa: F401  (registers "twobp")
 from lightning_twobp import TwoBPStrategy
 from lightning_twobp.data.modules import _DataModule
-from lightning_twobp.testing import free_port, rank_env, run_distributed
+
+import conftest
+from conftest import Regressor, launch, lightning_env, own_weights, quiet_trainer, regression_data
 
 pytestmark = pytest.mark.dist
-
-
-class Dropout(pl.LightningModule):
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.layers = nn.Sequential(
-            nn.Linear(6, 32),
-            nn.Dropout(0.5),
-            nn.Tanh(),
-            nn.Linear(32, 32),
-            nn.Dropout(0.5),
-            nn.Tanh(),
-            nn.Linear(32, 2),
-        )
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        loss = F.mse_loss(self.layers(x), y)
-        self.log("train_loss", loss)
-        return loss
-
-    def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=0.01)
 
 
 class Data(_DataModule):
@@ -50,8 +26,19 @@ class Data(_DataModule):
         super().__init__(batch_size=8, seed=3, num_workers=0)
 
     def _build(self):
-        g = torch.Generator().manual_seed(1)
-        return TensorDataset(torch.randn(128, 6, generator=g), torch.randn(128, 2, generator=g)), None
+        return regression_data(n=128).dataset, None
+
+
+def _trainer(world: int, strategy: TwoBPStrategy, max_steps: int, callbacks: list) -> pl.Trainer:
+    """The data module's own samplers (StatefulDistributedSampler), saving only where a test asks."""
+    return quiet_trainer(
+        strategy,
+        world,
+        max_steps=max_steps,
+        enable_checkpointing=any(isinstance(c, pl.callbacks.ModelCheckpoint) for c in callbacks),
+        use_distributed_sampler=True,
+        callbacks=callbacks,
+    )
 
 
 def _fit(world: int, max_steps: int, folder: str | None = None, ckpt_path: str | None = None) -> dict:
@@ -63,36 +50,26 @@ def _fit(world: int, max_steps: int, folder: str | None = None, ckpt_path: str |
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             losses[trainer.global_step] = float(trainer.callback_metrics["train_loss"])
 
-    cbs = [_Losses()]
+    cbs: list[pl.Callback] = [_Losses()]
     if folder:
         cbs.append(ModelCheckpoint(dirpath=folder, every_n_train_steps=3, save_top_k=-1))
     pl.seed_everything(7, verbose=False)
-    model = Dropout()
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=world,
-        strategy=TwoBPStrategy(schedule="zb-h1", num_microbatches=4, balance=[3, 4]),
-        max_steps=max_steps,
-        logger=False,
-        enable_checkpointing=bool(folder),
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=cbs,
-    )
-    trainer.fit(model, datamodule=Data(), ckpt_path=ckpt_path)
-    return {"losses": losses, "weights": {n: q.detach().clone() for n, q in model.named_parameters() if not q.is_meta}}
+    model = Regressor(widths=(6, 32, 32, 2), dropout=0.5, optimizer=torch.optim.AdamW, lr=0.01)  # both stages drop
+    strategy = TwoBPStrategy(schedule="zb-h1", num_microbatches=4, balance=[3, 4])
+    _trainer(world, strategy, max_steps, cbs).fit(model, datamodule=Data(), ckpt_path=ckpt_path)
+    return {"losses": losses, "weights": own_weights(model)}
 
 
-def _runs(rank: int, world: int, port: int, folder: str) -> dict:
-    rank_env(rank, world, port)
+def _runs(rank: int, world: int, folder: str) -> dict:
+    lightning_env(rank, world)
     straight = _fit(world, 7)
     _fit(world, 3, folder=folder)  # stops at step 3 of 16, mid-epoch, with a checkpoint there
     resumed = _fit(world, 7, ckpt_path=f"{folder}/epoch=0-step=3.ckpt")
     return {"straight": straight, "resumed": resumed}
 
 
-def test_resume_mid_epoch_is_bitwise(tmp_path):
-    for rank, r in enumerate(run_distributed(_runs, 2, free_port(), str(tmp_path), timeout=240)):
+def test_resume_mid_epoch_is_bitwise(two_ranks):
+    for rank, r in enumerate(two_ranks[MID_EPOCH]):
         straight, resumed = r["straight"], r["resumed"]
         assert sorted(resumed["losses"]) == [4, 5, 6, 7]
         for step, loss in resumed["losses"].items():
@@ -142,22 +119,12 @@ def _masks(world: int, max_steps: int, folder: str | None = None, ckpt_path: str
     model = Masks()
     cbs = [ModelCheckpoint(dirpath=folder, every_n_train_steps=2, save_top_k=-1)] if folder else []
     strategy = TwoBPStrategy(num_microbatches=M, **{"schedule": "zb-v", "balance": [2, 2, 2, 2], **kw})
-    pl.Trainer(
-        accelerator="cpu",
-        devices=world,
-        strategy=strategy,
-        max_steps=max_steps,
-        logger=False,
-        enable_checkpointing=bool(folder),
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=cbs,
-    ).fit(model, datamodule=Data(), ckpt_path=ckpt_path)
+    _trainer(world, strategy, max_steps, cbs).fit(model, datamodule=Data(), ckpt_path=ckpt_path)
     return {k: {step: ms[-M:] for step, ms in steps.items()} for k, steps in model.masks.items()}
 
 
-def _stream_runs(rank: int, world: int, port: int, folder: str) -> dict:
-    rank_env(rank, world, port)
+def _stream_runs(rank: int, world: int, folder: str) -> dict:
+    lightning_env(rank, world)
     return {
         "first": _masks(world, 4, folder=folder),  # zb-v: stages 0, 3 on rank 0; 1, 2 on rank 1
         "second": _masks(world, 4),
@@ -172,11 +139,11 @@ def _equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> int:
     return sum(torch.equal(x, y) for x, y in zip(a, b, strict=True))
 
 
-def test_each_stage_draws_from_its_own_stream_restored_by_stage(tmp_path):
+def test_each_stage_draws_from_its_own_stream_restored_by_stage(two_ranks):
     """Dropout masks: never equal between stages (each stage had its own stream) nor between data-parallel
     replicas; the same in a second run with the same seed; and after resuming under another layout, the
     same per stage as the uninterrupted run (a stage's stream is stored by stage, not by rank)."""
-    ranks = run_distributed(_stream_runs, 2, free_port(), str(tmp_path), timeout=360)
+    ranks = two_ranks[STREAMS]
     masks = {}  # dropout -> step -> masks, from whichever rank held it
     for run in ("first", "second", "resumed"):
         masks[run] = {k: steps for r in ranks for k, steps in r[run].items()}
@@ -194,3 +161,15 @@ def test_each_stage_draws_from_its_own_stream_restored_by_stage(tmp_path):
         for step in range(2):
             assert _equal(replicas[0][k][step], replicas[1][k][step]) == 0, f"replicas drew alike: dropout {k}"
     assert all(_equal(replicas[0][a][0], replicas[0][b][0]) == 0 for a, b in ((0, 2), (1, 3)))
+
+
+MID_EPOCH = "test_resume_mid_epoch_is_bitwise"
+STREAMS = "test_each_stage_draws_from_its_own_stream_restored_by_stage"
+
+
+@pytest.fixture(scope="module")
+def two_ranks(request, tmp_path_factory) -> conftest.Launch:
+    """Both tests' runs in one launch of 2 ranks."""
+    root = tmp_path_factory.mktemp("resume")
+    cases = {MID_EPOCH: (_runs, (str(root / "mid"),)), STREAMS: (_stream_runs, (str(root / "streams"),))}
+    return launch(request, 2, cases, timeout=840)

@@ -31,9 +31,9 @@ from lightning_twobp.schedules import (
     unregister_schedule,
 )
 from lightning_twobp.schedules.builders import gpipe
-from lightning_twobp.testing import run_distributed
 
-from conftest import Regressor, lightning_env, quiet_trainer, regression_data
+import conftest
+from conftest import Regressor, launch, lightning_env, quiet_trainer, regression_data
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -163,6 +163,18 @@ def test_importing_the_schedules_loads_no_torch_and_lightning_still_finds_twobp(
 # --------------------------------------------------------------------------- the executor and Trainer
 
 
+EVERY = "test_every_registered_schedule_runs_on_two_ranks_like_one_process"
+REGISTERED = "test_a_schedule_registered_in_a_test_trains_through_trainer"
+
+
+@pytest.fixture(scope="module")
+def two_ranks(request) -> conftest.Launch:
+    """Every registered schedule on the executor, then the one a test registers under a Trainer (it stays
+    registered in those processes), in one launch of 2 ranks."""
+    cases = {EVERY: (_walk_executor, (list(SCHEDULES),)), REGISTERED: (_fit, ("gpipe-copy",))}
+    return launch(request, 2, cases, timeout=600)
+
+
 def _walk_executor(rank: int, world: int, names: list[str]) -> list[str]:
     failures = []
     for name in names:
@@ -188,8 +200,8 @@ def _walk_executor(rank: int, world: int, names: list[str]) -> list[str]:
 
 
 @pytest.mark.dist
-def test_every_registered_schedule_runs_on_two_ranks_like_one_process():
-    results = run_distributed(_walk_executor, 2, list(SCHEDULES), timeout=300)
+def test_every_registered_schedule_runs_on_two_ranks_like_one_process(two_ranks):
+    results = two_ranks[EVERY]
     assert results == [[], []], "\n".join(f for r in results for f in r)
 
 
@@ -213,9 +225,9 @@ def _fit(rank: int, world: int, schedule: str | None) -> dict:
 
 
 @pytest.mark.dist
-def test_a_schedule_registered_in_a_test_trains_through_trainer():
+def test_a_schedule_registered_in_a_test_trains_through_trainer(two_ranks):
     ref = _fit(0, 1, None)
-    results = run_distributed(_fit, 2, "gpipe-copy", timeout=240)
+    results = two_ranks[REGISTERED]
     got = {n: v for r in results for n, v in r.items()}
     assert set(got) == set(ref)
     for n, v in got.items():

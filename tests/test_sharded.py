@@ -18,9 +18,10 @@ from lightning_twobp.lightning.model import SharedParameter
 from lightning_twobp.lightning.sharding import check_replicas, check_stages, state_bytes
 
 import conftest
-from conftest import launch, lightning_env
+from conftest import launch, lightning_env, own_weights, quiet_trainer, regression_data
 
-pytestmark = pytest.mark.dist
+# The shared launch runs in the fixture, under its first test's timeout
+pytestmark = [pytest.mark.dist, pytest.mark.timeout(900)]
 
 STEPS = 3
 # bf16-mixed against fp32 after 3 steps: measured 1.9e-4 (largest weight difference) and 2.4e-4 (loss,
@@ -75,31 +76,17 @@ class Recorder(pl.Callback):
 
 
 def _data() -> DataLoader:
-    g = torch.Generator().manual_seed(1)
-    return DataLoader(TensorDataset(torch.randn(64, 6, generator=g), torch.randn(64, 3, generator=g)), batch_size=8)
+    return regression_data(d_out=3)
 
 
 def _val_data() -> DataLoader:
-    g = torch.Generator().manual_seed(2)
-    return DataLoader(TensorDataset(torch.randn(32, 6, generator=g), torch.randn(32, 3, generator=g)), batch_size=8)
+    return regression_data(32, d_out=3, seed=2)
 
 
 def _trainer(strategy, devices: int, recorder: Recorder, **kw) -> pl.Trainer:
-    return pl.Trainer(
-        accelerator="cpu",
-        devices=devices,
-        strategy=strategy,
-        max_steps=STEPS,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        # The global norm over DTensor shards on every rank: one process's norms are 0.38, 0.65, 0.35,
-        # so the second step is clipped and the others are not (a wrong norm or scale changes one)
-        gradient_clip_val=0.5,
-        callbacks=[recorder],
-        **kw,
-    )
+    # The global norm over DTensor shards on every rank: one process's norms are 0.38, 0.65, 0.35, so
+    # the second step is clipped and the others are not (a wrong norm or scale changes one)
+    return quiet_trainer(strategy, devices, max_steps=STEPS, gradient_clip_val=0.5, callbacks=[recorder], **kw)
 
 
 def _fit(
@@ -125,7 +112,7 @@ def _fit(
         _trainer(
             strategy, world, rec, use_distributed_sampler=True, precision=precision, accumulate_grad_batches=accumulate
         ).fit(model, _data(), **val)
-        params = {n: q.detach().clone() for n, q in model.named_parameters() if not q.is_meta}
+        params = own_weights(model)
         kinds = {type(q).__name__ for q in model.parameters()}
         out[mode] = {"params": params, "losses": rec.losses, "bytes": rec.bytes, "kinds": kinds, "dtypes": dtypes}
         if evaluate:  # a second Trainer call shards the trained stages again; forward-only, then freed

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -26,8 +27,8 @@ pytestmark = [pytest.mark.dist, pytest.mark.timeout(900)]
 class Regressor(conftest.Regressor):
     """Four linear layers on inputs doubled: nothing in it knows about pipelines."""
 
-    def __init__(self, lr: float = 0.1) -> None:
-        super().__init__((6, 16, 16, 16, 2), lr=lr, scale=2.0)
+    def __init__(self, lr: float = 0.1, layers: Callable[[], nn.Module] | None = None) -> None:
+        super().__init__((6, 16, 16, 16, 2), lr=lr, scale=2.0, layers=layers)
 
 
 _trained = own_weights
@@ -345,10 +346,10 @@ class Heavy(nn.Module):
 
 class HeavyRegressor(Regressor):
     def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.layers = nn.Sequential(
-            nn.Linear(6, 16), Heavy(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 2)
+        super().__init__(
+            layers=lambda: nn.Sequential(
+                nn.Linear(6, 16), Heavy(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 2)
+            )
         )
 
 
