@@ -36,13 +36,13 @@ __all__ = [
 ]
 
 # ------------------------------------------------------------------ torch
-# A wrapper tensor subclass (lightning/elsewhere.py) dispatches plainly, as torch's own wrapper
+# A wrapper tensor subclass (lightning/placeholders.py) dispatches plainly, as torch's own wrapper
 # subclasses do; there is no public spelling of "no __torch_function__ override".
 disabled_torch_function_impl = torch._C._disabled_torch_function_impl
 
 
 def make_wrapper_subclass(cls: type, *args: Any, **kwargs: Any) -> Any:
-    """A tensor subclass instance with no storage of its own (lightning/elsewhere.py's placeholders),
+    """A tensor subclass instance with no storage of its own (lightning/placeholders.py's placeholders),
     as torch's own wrapper subclasses make theirs."""
     return torch.Tensor._make_wrapper_subclass(cls, *args, **kwargs)
 

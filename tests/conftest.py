@@ -21,7 +21,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_twobp  # noqa: F401  (registers "twobp")
-from lightning_twobp.testing import run_distributed
+from lightning_twobp.processes import run_distributed
 
 
 # ---------------------------------------------------------------------------------------------- model

@@ -17,7 +17,7 @@ import torch
 
 from lightning_twobp import TwoBPStrategy
 from lightning_twobp.lightning import checkpoint as ckpt
-from lightning_twobp.testing import run_distributed
+from lightning_twobp.processes import run_distributed
 
 import conftest
 from conftest import Regressor, launch, lightning_env, own_weights, quiet_trainer, regression_data

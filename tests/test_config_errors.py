@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_twobp  # noqa: F401  (registers "twobp")
 from lightning_twobp import TwoBPStrategy
-from lightning_twobp.testing import free_port
+from lightning_twobp.processes import free_port
 from lightning_twobp.train import resume_path
 
 from conftest import Regressor, quiet_trainer

@@ -20,7 +20,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from lightning_twobp.engine.failure import PeerFailed, process_state
-from lightning_twobp.testing import free_port, rank_env, run_distributed
+from lightning_twobp.processes import free_port, rank_env, run_distributed
 
 pytestmark = pytest.mark.dist
 

@@ -13,7 +13,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_twobp  # noqa: F401  (registers "twobp")
 from lightning_twobp import TwoBPStrategy
-from lightning_twobp.testing import run_distributed
+from lightning_twobp.processes import run_distributed
 
 import conftest
 from conftest import Regressor, launch, lightning_env, quiet_trainer, regression_data

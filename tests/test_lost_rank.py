@@ -16,7 +16,7 @@ import lightning.pytorch as pl
 import pytest
 
 from lightning_twobp import TwoBPStrategy
-from lightning_twobp.testing import run_distributed
+from lightning_twobp.processes import run_distributed
 
 from conftest import Regressor, lightning_env, quiet_trainer, regression_data
 

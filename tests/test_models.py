@@ -16,7 +16,7 @@ from lightning_twobp.lightning.contract import find_sequential
 from lightning_twobp.models import BertMLM, LlamaLM, MambaLM, PipelineModule, ResNetClassifier
 from lightning_twobp.models.base import WarmupThenDecay
 from lightning_twobp.models.mamba import selective_scan
-from lightning_twobp.testing import run_distributed
+from lightning_twobp.processes import run_distributed
 
 from conftest import lightning_env, quiet_trainer
 

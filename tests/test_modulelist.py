@@ -17,9 +17,9 @@ from torch.utils.data import DataLoader, TensorDataset
 import lightning_twobp  # noqa: F401  (registers "twobp")
 from lightning_twobp import TwoBPStrategy
 from lightning_twobp.lightning.contract import ModuleListContract, SequentialContract, find_contract
-from lightning_twobp.lightning.elsewhere import ElsewhereError, elsewhere, find_elsewhere
+from lightning_twobp.lightning.placeholders import ElsewhereError, elsewhere, find_elsewhere
 from lightning_twobp.models import LlamaLoopLM
-from lightning_twobp.testing import run_distributed
+from lightning_twobp.processes import run_distributed
 
 import conftest
 from conftest import launch, lightning_env, quiet_trainer, regression_data

@@ -13,7 +13,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
 
 from lightning_twobp import NonFiniteError, TwoBPStrategy
-from lightning_twobp.testing import run_distributed
+from lightning_twobp.processes import run_distributed
 
 import conftest
 from conftest import Regressor, launch, lightning_env, own_weights, quiet_trainer, regression_data

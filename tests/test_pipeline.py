@@ -17,8 +17,8 @@ import torch.nn.functional as F
 from lightning_twobp.engine import PipelineExecutor
 from lightning_twobp.models.llama import LlamaConfig, build_llama
 from lightning_twobp.partition import even_sizes, split_sequential
+from lightning_twobp.processes import run_distributed
 from lightning_twobp.schedules import build_schedule, schedule_spec
-from lightning_twobp.testing import run_distributed
 
 import conftest
 from conftest import launch

@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_twobp import Preempted
 from lightning_twobp.lightning import checkpoint as ckpt
-from lightning_twobp.testing import free_port, rank_env, run_distributed
+from lightning_twobp.processes import free_port, rank_env, run_distributed
 
 pytestmark = pytest.mark.dist
 

@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_twobp  # noqa: F401  (registers "twobp")
 from lightning_twobp import TwoBPStrategy
-from lightning_twobp.lightning.model import SharedParameter
+from lightning_twobp.lightning.local_model import SharedParameter
 from lightning_twobp.lightning.sharding import check_replicas, check_stages, state_bytes
 
 import conftest

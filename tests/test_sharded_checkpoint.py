@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_twobp import TwoBPStrategy
 from lightning_twobp.lightning import checkpoint as ckpt
 from lightning_twobp.lightning.checkpoint import MANIFEST, CheckpointError, consolidate, verify
-from lightning_twobp.testing import run_distributed
+from lightning_twobp.processes import run_distributed
 
 from conftest import Regressor, lightning_env, quiet_trainer, regression_data
 

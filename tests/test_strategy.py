@@ -14,7 +14,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_twobp import TwoBPStrategy
-from lightning_twobp.testing import run_distributed
+from lightning_twobp.processes import run_distributed
 
 import conftest
 from conftest import launch, lightning_env, own_weights, quiet_trainer, regression_data

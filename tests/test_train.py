@@ -207,7 +207,7 @@ def test_two_nodes_train_as_one_process_and_a_lost_node_is_named(tmp_path):
     """Two torchrun agents (``--nnodes 2``, a c10d rendezvous on localhost) train the default recipe:
     the last loss equals one process's; then a node killed mid-run (agent and worker) ends the other's
     job with an error naming the lost pipeline rank, within the pipeline timeout."""
-    from lightning_twobp.testing import free_port
+    from lightning_twobp.processes import free_port
 
     steps = ["trainer.max_steps=5", "trainer.log_every_n_steps=1"]
     one = tmp_path / "one"

@@ -41,7 +41,7 @@ import torch.distributed as dist
 
 from lightning_twobp.bench.peer import Contender, build_runner, grad_error, torch_pipelining_available
 from lightning_twobp.bench.workload import WORLD, Workload, keep_freed_memory, reference_grads
-from lightning_twobp.testing import run_distributed
+from lightning_twobp.processes import run_distributed
 
 __all__ = ["BUDGETS", "budget_contenders", "markdown", "run_budget", "write"]
 

@@ -22,8 +22,8 @@ import torch.distributed as dist
 from lightning_twobp.bench.workload import WORLD, Workload, keep_freed_memory, loss_fn
 from lightning_twobp.engine import PipelineExecutor
 from lightning_twobp.monitor import op_medians
+from lightning_twobp.processes import run_distributed
 from lightning_twobp.schedules import Costs, build_schedule, schedule_label, schedule_spec, simulate
-from lightning_twobp.testing import run_distributed
 
 
 @dataclass(frozen=True)

@@ -46,11 +46,11 @@ from lightning_twobp.engine import PipelineExecutor
 from lightning_twobp.engine.footprint import held_storages, layer_cost, receive_buffers, storage_key
 from lightning_twobp.lightning.autoschedule import SavedBytes, timed_footprint
 from lightning_twobp.partition import split_sequential
+from lightning_twobp.processes import run_distributed
 from lightning_twobp.schedules import Schedule, build_schedule, simulate
 from lightning_twobp.schedules.auto import LayerCost, Profile
 from lightning_twobp.schedules.placement import schedule_label
 from lightning_twobp.schedules.spec import SCHEDULES, schedule_spec
-from lightning_twobp.testing import run_distributed
 
 __all__ = [
     "TOLERANCE",

@@ -34,8 +34,8 @@ from lightning_twobp.bench.trainer import LlamaModule, SameBatch, quiet_trainer
 from lightning_twobp.bench.workload import WORLD, Workload, keep_freed_memory, stage_sizes
 from lightning_twobp.models.llama_loop import LlamaLoop
 from lightning_twobp.partition import even_sizes
+from lightning_twobp.processes import free_port, rank_env, run_distributed
 from lightning_twobp.schedules.placement import default_stages_per_rank
-from lightning_twobp.testing import free_port, rank_env, run_distributed
 
 __all__ = ["bench_modulelist", "main"]
 

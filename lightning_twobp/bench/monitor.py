@@ -29,7 +29,7 @@ import lightning.pytorch as pl
 import torch
 
 from lightning_twobp.bench.report import write_json
-from lightning_twobp.testing import free_port, rank_env, run_distributed
+from lightning_twobp.processes import free_port, rank_env, run_distributed
 
 __all__ = ["bench_monitor"]
 

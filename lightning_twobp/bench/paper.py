@@ -55,8 +55,8 @@ from lightning_twobp.engine import PipelineExecutor
 from lightning_twobp.engine.stage import Stage
 from lightning_twobp.monitor import measured_costs
 from lightning_twobp.partition import split_sequential
+from lightning_twobp.processes import run_distributed
 from lightning_twobp.schedules import Costs, Schedule, build_schedule, default_stages_per_rank, replay_memory, simulate
-from lightning_twobp.testing import run_distributed
 
 __all__ = [
     "LayerCosts",

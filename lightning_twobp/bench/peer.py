@@ -43,8 +43,8 @@ from torch import nn
 from lightning_twobp.bench.workload import WORLD, Workload, keep_freed_memory, loss_fn, reference_grads
 from lightning_twobp.engine import PipelineExecutor, StepResult
 from lightning_twobp.monitor import busy_seconds
+from lightning_twobp.processes import run_distributed
 from lightning_twobp.schedules import build_schedule, schedule_label
-from lightning_twobp.testing import run_distributed
 
 __all__ = ["Contender", "build_runner", "contenders", "grad_error", "grad_failures", "run_peer", "what_ran"]
 

@@ -20,7 +20,7 @@ import lightning.pytorch as pl
 import torch
 
 from lightning_twobp.monitor import rss_mb
-from lightning_twobp.testing import free_port, rank_env, run_distributed
+from lightning_twobp.processes import free_port, rank_env, run_distributed
 
 __all__ = ["markdown", "soak"]
 

@@ -29,7 +29,7 @@ from lightning_twobp.bench.engine import configs
 from lightning_twobp.bench.workload import WORLD, Workload, loss_fn
 from lightning_twobp.engine import PipelineExecutor
 from lightning_twobp.partition import split_sequential
-from lightning_twobp.testing import free_port, rank_env, run_distributed
+from lightning_twobp.processes import free_port, rank_env, run_distributed
 
 _WARMUP = 2  # untimed pairs at the start of each fit
 

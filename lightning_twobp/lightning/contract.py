@@ -5,7 +5,7 @@ Two kinds:
 * :class:`SequentialContract`: the pipelined layers are one ``nn.Sequential``, found at the top of the
   module tree or named by ``layers="model.blocks"``, and ``training_step`` calls it once. Sequentials
   nested inside another Sequential are part of it and do not count.
-* :class:`~lightning_twobp.lightning.loop.ModuleListContract`: blocks in an ``nn.ModuleList`` that the
+* :class:`~lightning_twobp.lightning.modulelist_contract.ModuleListContract`: blocks in an ``nn.ModuleList`` that the
   model's own forward calls in a loop with keyword side inputs (Hugging Face, nanoGPT, torchtitan),
   named by ``layers="model.transformer.h"`` or found as the one ModuleList of identical blocks.
 
@@ -23,7 +23,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from lightning_twobp.lightning.loop import ModuleListContract, identical_blocks
+from lightning_twobp.lightning.modulelist_contract import ModuleListContract, identical_blocks
 
 __all__ = ["Contract", "ModuleListContract", "SequentialContract", "StageModule", "find_contract", "find_sequential"]
 
@@ -150,7 +150,7 @@ class SequentialContract:
 
 def find_contract(module: nn.Module, layers: str | None = None) -> SequentialContract | ModuleListContract:
     """The contract of ``module``: a :class:`SequentialContract` or a
-    :class:`~lightning_twobp.lightning.loop.ModuleListContract`.
+    :class:`~lightning_twobp.lightning.modulelist_contract.ModuleListContract`.
 
     With ``layers`` the Sequential or ModuleList at that dotted path. Without it, the one outermost
     Sequential or ModuleList of identical blocks (walking the module tree, a Sequential's or such a

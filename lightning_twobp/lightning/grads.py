@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_twobp.lightning.model import SharedParameter
+from lightning_twobp.lightning.local_model import SharedParameter
 
 __all__ = [
     "GradStash",

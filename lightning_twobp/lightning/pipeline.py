@@ -31,9 +31,9 @@ from lightning_twobp.lightning.grads import (
 )
 from lightning_twobp.lightning.layout import check_degree, schedule_label
 from lightning_twobp.lightning.loaders import keep_users_sampler
+from lightning_twobp.lightning.local_model import LocalModel, split_model
 from lightning_twobp.lightning.logs import LogChannel
 from lightning_twobp.lightning.metrics import StepMetrics
-from lightning_twobp.lightning.model import LocalModel, split_model
 from lightning_twobp.lightning.optimizer_checks import OptimizerChecks
 from lightning_twobp.lightning.profile import profile_layers
 from lightning_twobp.lightning.quiet import known_warnings_off

@@ -14,7 +14,7 @@ traced graph, which an HF forward with its data-dependent mask code and cache ob
 survive, and which sends every value a later stage uses). While a stage runs:
 
 * a block before the stage's first is skipped: it returns, at once, an
-  :class:`~lightning_twobp.lightning.elsewhere.Elsewhere` value of its output's shape;
+  :class:`~lightning_twobp.lightning.placeholders.Elsewhere` value of its output's shape;
 * the stage's first block gets the hidden state the previous stage sent instead of its argument;
 * the stage's blocks run; at the next stage's first block the stage stops and sends that block's
   hidden state (a tensor) on;
@@ -25,7 +25,7 @@ survive, and which sends every value a later stage uses). While a stage runs:
 So **side inputs are recomputed on every stage from its own micro-batch**, by the model's own code:
 masks, position ids, rotary embeddings, cache positions, non-tensor flags; none of them travels. A
 value that does depend on something a stage does not hold reaches it as ``Elsewhere`` and raises
-there (see :mod:`.elsewhere`): a side input computed from the embeddings, a block that returns several
+there (see :mod:`.placeholders`): a side input computed from the embeddings, a block that returns several
 hidden states (a residual stream), data-dependent control flow between blocks, per-block hidden
 states collected for the output. Blocks called out of order, skipped or repeated raise too.
 
@@ -50,7 +50,7 @@ from typing import Any, TypeGuard, TypeVar
 import torch
 from torch import nn
 
-from lightning_twobp.lightning.elsewhere import Elsewhere, ElsewhereError, elsewhere, find_elsewhere
+from lightning_twobp.lightning.placeholders import Elsewhere, ElsewhereError, elsewhere, find_elsewhere
 from lightning_twobp.private import pytree
 
 _T = TypeVar("_T")

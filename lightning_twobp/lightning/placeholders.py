@@ -1,7 +1,7 @@
 """Values that live on another pipeline stage: shapes without data, and an error when they are used.
 
 Under the ModuleList contract every stage runs the model's own ``forward`` on its micro-batch
-(:mod:`lightning_twobp.lightning.loop`). What a stage does not hold (the embedding on a later stage,
+(:mod:`lightning_twobp.lightning.modulelist_contract`). What a stage does not hold (the embedding on a later stage,
 the blocks of other stages) is not computed there: it yields an :class:`Elsewhere` tensor, which has
 the shape, dtype and device of the real value but no data (it computes on the ``meta`` device, so it
 costs no memory and no FLOPs). Code that only asks for shapes and dtypes (building an attention mask
