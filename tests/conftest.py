@@ -76,6 +76,23 @@ class Regressor(pl.LightningModule):
         return self.optimizer(self.parameters(), lr=self.lr)
 
 
+class AdamRegressor(Regressor):
+    """The checkpoint, failure and preemption tests' model: Adam at lr 0.01, the train loss not logged."""
+
+    def __init__(self) -> None:
+        super().__init__(optimizer=torch.optim.Adam, lr=0.01, log=False)
+
+
+def checkpointing_trainer(world: int, max_steps: int, callbacks: list, **kw: Any) -> pl.Trainer:
+    """1F1B on ``world`` ranks; Lightning's checkpointing on when ``callbacks`` are given."""
+    from lightning_twobp import TwoBPStrategy
+
+    strategy = TwoBPStrategy(schedule="1f1b")
+    return quiet_trainer(
+        strategy, world, max_steps=max_steps, callbacks=callbacks, enable_checkpointing=bool(callbacks), **kw
+    )
+
+
 def regression_data(
     n: int = 64, d_in: int = 6, d_out: int = 2, batch_size: int = 8, seed: int = 1, scale: float = 1.0, **kw: Any
 ) -> DataLoader:

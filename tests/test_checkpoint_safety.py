@@ -20,22 +20,26 @@ from lightning_twobp.lightning import checkpoint as ckpt
 from lightning_twobp.processes import run_distributed
 
 import conftest
-from conftest import Regressor, launch, lightning_env, own_weights, quiet_trainer, regression_data
+from conftest import (
+    AdamRegressor,
+    Regressor,
+    checkpointing_trainer,
+    launch,
+    lightning_env,
+    own_weights,
+    quiet_trainer,
+    regression_data,
+)
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(900)]  # a fixture runs the launches: the first test waits
-
-
-def _net() -> Regressor:
-    return Regressor(optimizer=torch.optim.Adam, lr=0.01, log=False)
 
 
 def _fit(world: int, folder: str, max_steps: int = 4, ckpt_path: str | None = None, save: bool = True) -> dict:
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     cbs = [ModelCheckpoint(dirpath=folder, every_n_train_steps=2, save_top_k=-1, save_last=True)] if save else []
-    model = _net()
-    strategy = TwoBPStrategy(schedule="1f1b")
-    trainer = quiet_trainer(strategy, world, max_steps=max_steps, callbacks=cbs, enable_checkpointing=save)
+    model = AdamRegressor()
+    trainer = checkpointing_trainer(world, max_steps, cbs)
     trainer.fit(model, regression_data(n=16), ckpt_path=ckpt_path)  # 2 steps an epoch
     return {"step": trainer.global_step, "weights": own_weights(model)}
 
@@ -211,7 +215,7 @@ def test_a_consolidated_checkpoint_loads_with_weights_only(saved, tmp_path):
     merged = ckpt.consolidate(saved, tmp_path / "full.ckpt")
     assert merged["global_step"] == 4
     again = torch.load(tmp_path / "full.ckpt", weights_only=True)
-    assert set(again["state_dict"]) == {n for n, _ in _net().named_parameters()}
+    assert set(again["state_dict"]) == {n for n, _ in AdamRegressor().named_parameters()}
 
 
 class Shorter(Regressor):

@@ -14,7 +14,6 @@ import pytest
 import torch.distributed as dist
 import torch.nn.functional as F
 from lightning.pytorch.callbacks import ModelCheckpoint
-from test_checkpoint_safety import Net, _data, _trainer
 from test_preemption import launch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
@@ -22,12 +21,14 @@ from torch.utils.checkpoint import checkpoint
 from lightning_twobp.engine.failure import PeerFailed, process_state
 from lightning_twobp.processes import free_port, rank_env, run_distributed
 
+from conftest import AdamRegressor, checkpointing_trainer, regression_data
+
 pytestmark = pytest.mark.dist
 
 AT = 2
 
 
-class FailsOnRank1(Net):
+class FailsOnRank1(AdamRegressor):
     def training_step(self, batch, batch_idx):
         if self.trainer.global_rank == 1 and self.global_step == AT:
             raise ValueError("a bug in the user's step on rank 1")
@@ -43,7 +44,7 @@ class Reentrant(nn.Module):
         return checkpoint(self.inner, x, use_reentrant=True)
 
 
-class ReentrantOnLastStage(Net):
+class ReentrantOnLastStage(AdamRegressor):
     def __init__(self) -> None:
         super().__init__()
         self.layers[4] = Reentrant()
@@ -56,10 +57,10 @@ class ReentrantOnLastStage(Net):
 def _fit(rank: int, world: int, port: int, folder: str, model: str) -> dict:
     rank_env(rank, world, port)
     saving = ModelCheckpoint(dirpath=folder, every_n_train_steps=1, save_last=True, save_on_exception=True)
-    trainer = _trainer(world, 20, [saving])
+    trainer = checkpointing_trainer(world, 20, [saving])
     start = time.monotonic()
     try:
-        trainer.fit({"user": FailsOnRank1, "reentrant": ReentrantOnLastStage}[model](), _data())
+        trainer.fit({"user": FailsOnRank1, "reentrant": ReentrantOnLastStage}[model](), regression_data(n=16))
     except Exception as err:  # noqa: BLE001 - what each rank raised is the result
         return {"type": type(err).__name__, "error": str(err), "took": time.monotonic() - start}
     return {"type": None}
@@ -108,7 +109,7 @@ if __name__ == "__main__":
     trainer = pl.Trainer(accelerator="cpu", devices=4, strategy=strategy, logger=False, max_steps=100000,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          use_distributed_sampler=False, callbacks=[StopRank1()])
-    trainer.fit(Net(), _data())
+    trainer.fit(AdamRegressor(), regression_data(n=16))
 """
 
 

@@ -15,13 +15,14 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
-from test_checkpoint_safety import Net, _trainer
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_twobp import Preempted
 from lightning_twobp.lightning import checkpoint as ckpt
 from lightning_twobp.processes import free_port, rank_env, run_distributed
+
+from conftest import AdamRegressor, checkpointing_trainer
 
 pytestmark = pytest.mark.dist
 
@@ -80,9 +81,9 @@ def _run(rank: int, world: int, port: int, root: str, cases: list[str]) -> dict:
         write = ckpt._write_shards
         if case == "during-save":
             _signal_during_save(mid.sent)
-        trainer = _trainer(world, STEPS, [saving] + ([] if case == "during-save" else [mid]))
+        trainer = checkpointing_trainer(world, STEPS, [saving] + ([] if case == "during-save" else [mid]))
         try:
-            trainer.fit(Net(), data)
+            trainer.fit(AdamRegressor(), data)
             out[case] = {"error": None, "step": trainer.global_step}
         except Preempted as stop:
             took = time.monotonic() - mid.sent[0] if mid.sent else None
@@ -129,9 +130,11 @@ def _requeue(rank: int, world: int, port: int, root: str) -> dict:
     g = torch.Generator().manual_seed(1)
     data = DataLoader(TensorDataset(torch.randn(16, 6, generator=g), torch.randn(16, 2, generator=g)), batch_size=8)
     mid = SignalMidStep({1}, signal.SIGUSR1)
-    trainer = _trainer(world, STEPS, [mid], plugins=[SLURMEnvironment(auto_requeue=True)], default_root_dir=root)
+    trainer = checkpointing_trainer(
+        world, STEPS, [mid], plugins=[SLURMEnvironment(auto_requeue=True)], default_root_dir=root
+    )
     with pytest.raises(Preempted) as stop:
-        trainer.fit(Net(), data)
+        trainer.fit(AdamRegressor(), data)
     return {"error": str(stop.value), "code": stop.value.code, "step": trainer.global_step}
 
 
@@ -149,7 +152,7 @@ import os, signal, sys, time
 from pathlib import Path
 import lightning.pytorch as pl
 sys.path.insert(0, {tests!r})
-from test_checkpoint_safety import Net, _data
+from conftest import AdamRegressor, regression_data
 from lightning_twobp import TwoBPStrategy
 """
 
@@ -177,7 +180,7 @@ if __name__ == "__main__":
     trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=TwoBPStrategy(), logger=False, max_steps=100000,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          use_distributed_sampler=False, callbacks=[Started()])
-    trainer.fit(Net(), _data())
+    trainer.fit(AdamRegressor(), regression_data(n=16))
 """
 
 
