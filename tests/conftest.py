@@ -8,8 +8,11 @@ folder is on their ``sys.path``, as it is on pytest's.
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import traceback
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
@@ -21,7 +24,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_twobp  # noqa: F401  (registers "twobp")
-from lightning_twobp.processes import run_distributed
+from lightning_twobp.processes import free_port, run_distributed
 
 
 # ---------------------------------------------------------------------------------------------- model
@@ -224,3 +227,24 @@ def no_leftover_process_group():
         dist.destroy_process_group()
     os.environ.clear()
     os.environ.update(env)
+
+
+# ---------------------------------------------------------------------------------------------- scripts
+_SCRIPT_HEADER = """
+import os, signal, sys, time
+from pathlib import Path
+import lightning.pytorch as pl
+sys.path.insert(0, {tests!r})
+from conftest import AdamRegressor, regression_data
+from lightning_twobp import TwoBPStrategy
+"""
+
+
+def user_script(folder: Path, body: str) -> subprocess.Popen:
+    """``python train.py`` as a user starts it (Lightning's launcher starts the other ranks), with this
+    checkout first on the path and a free port; ``body`` may use ``{folder!r}``."""
+    script = folder / "train.py"
+    script.write_text(_SCRIPT_HEADER.format(tests=str(Path(__file__).parent)) + body.format(folder=str(folder)))
+    env = {**os.environ, "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1"}
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parents[1]), env.get("PYTHONPATH", "")])
+    return subprocess.Popen([sys.executable, str(script)], env=env, cwd=folder, stderr=subprocess.PIPE, text=True)

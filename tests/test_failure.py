@@ -14,14 +14,13 @@ import pytest
 import torch.distributed as dist
 import torch.nn.functional as F
 from lightning.pytorch.callbacks import ModelCheckpoint
-from test_preemption import launch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from lightning_twobp.engine.failure import PeerFailed, process_state
 from lightning_twobp.processes import free_port, rank_env, run_distributed
 
-from conftest import AdamRegressor, checkpointing_trainer, regression_data
+from conftest import AdamRegressor, checkpointing_trainer, regression_data, user_script
 
 pytestmark = pytest.mark.dist
 
@@ -117,7 +116,7 @@ def test_a_stopped_rank_under_lightnings_launcher_leaves_no_orphan_and_its_peers
     """pipeline 2 x data 2 under Lightning's launcher, rank 1 stopped: rank 0 names it after
     pipeline_timeout and kills it; its data-parallel peer (rank 3) then names the failure instead of
     waiting for gloo's 60 s timeout; no process is left."""
-    proc = launch(tmp_path, SCRIPT)
+    proc = user_script(tmp_path, SCRIPT)
     try:
         _, err = proc.communicate(timeout=240)
         time.sleep(2)

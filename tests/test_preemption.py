@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -22,7 +20,7 @@ from lightning_twobp import Preempted
 from lightning_twobp.lightning import checkpoint as ckpt
 from lightning_twobp.processes import free_port, rank_env, run_distributed
 
-from conftest import AdamRegressor, checkpointing_trainer
+from conftest import AdamRegressor, checkpointing_trainer, user_script
 
 pytestmark = pytest.mark.dist
 
@@ -147,26 +145,6 @@ def test_slurms_requeue_signal_saves_the_hpc_checkpoint_at_one_step_and_stops(tm
     assert manifest["layout"]["pipeline_degree"] == 2, manifest
 
 
-HEADER = """
-import os, signal, sys, time
-from pathlib import Path
-import lightning.pytorch as pl
-sys.path.insert(0, {tests!r})
-from conftest import AdamRegressor, regression_data
-from lightning_twobp import TwoBPStrategy
-"""
-
-
-def launch(folder: Path, body: str) -> subprocess.Popen:
-    """``python train.py`` as a user starts it (Lightning's launcher starts the other ranks), with this
-    checkout first on the path and a free port; ``body`` may use ``{folder!r}``."""
-    script = folder / "train.py"
-    script.write_text(HEADER.format(tests=str(Path(__file__).parent)) + body.format(folder=str(folder)))
-    env = {**os.environ, "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1"}
-    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parents[1]), env.get("PYTHONPATH", "")])
-    return subprocess.Popen([sys.executable, str(script)], env=env, cwd=folder, stderr=subprocess.PIPE, text=True)
-
-
 SCRIPT = """
 
 class Started(pl.Callback):
@@ -186,7 +164,7 @@ if __name__ == "__main__":
 
 def test_sigterm_to_lightnings_launcher_stops_both_ranks_and_exits_143(tmp_path):
     """What a scheduler does: SIGTERM to the process it started (rank 0 under Lightning's launcher)."""
-    proc = launch(tmp_path, SCRIPT)
+    proc = user_script(tmp_path, SCRIPT)
     try:
         deadline = time.monotonic() + 120
         while not (tmp_path / "rank1").exists() or not (tmp_path / "rank0").exists():
