@@ -11,7 +11,7 @@ from torch import nn
 
 from lightning_twobp.engine import Stage
 from lightning_twobp.models.bert import BertLayer
-from lightning_twobp.models.mamba import MambaBlock
+from lightning_twobp.models.mamba import MambaBlock, MambaConfig
 from lightning_twobp.models.resnet import Bottleneck
 
 
@@ -41,7 +41,7 @@ class MidEmbedding(nn.Module):
 
 
 def _mamba():
-    return MambaBlock(8, d_state=4, expand=2, d_conv=3)
+    return MambaBlock(8, MambaConfig(d_state=4, expand=2, d_conv=3))
 
 
 CASES = {

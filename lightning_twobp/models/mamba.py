@@ -28,6 +28,8 @@ tied weight cannot span the first and last pipeline stages, so here the head has
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -37,7 +39,7 @@ from typing_extensions import Unpack
 from lightning_twobp.models.base import LanguageModel, Training, training_arguments
 from lightning_twobp.models.llama import RMSNorm
 
-__all__ = ["MambaBlock", "MambaHead", "MambaLM", "MambaMixer", "build_mamba", "selective_scan"]
+__all__ = ["MambaBlock", "MambaConfig", "MambaHead", "MambaLM", "MambaMixer", "build_mamba", "selective_scan"]
 
 try:  # the fused CUDA kernel, when the user has it; this package never installs it
     from mamba_ssm.ops.selective_scan_interface import selective_scan_fn as _fused_scan
@@ -83,24 +85,28 @@ def selective_scan(
     return torch.cat(ys, dim=1) + u * D
 
 
-class MambaMixer(nn.Module):
-    """The Mamba-1 mixer, ``(B, L, C) -> (B, L, C)``, with the reference's parameter layout and init."""
+@dataclass(frozen=True)
+class MambaConfig:
+    """The Mamba-1 mixer's hyper-parameters, with the reference's defaults: their one place (the mixer,
+    the block, :func:`build_mamba` and :class:`MambaLM` read them here)."""
 
-    def __init__(
-        self,
-        dim: int,
-        d_state: int = 16,
-        d_conv: int = 4,
-        expand: int = 2,
-        dt_rank: int | None = None,
-        n_layers: int = 1,
-        scan_chunk: int = 16,
-        dt_min: float = 1e-3,
-        dt_max: float = 1e-1,
-    ) -> None:
+    d_state: int = 16  # N, the state size of each inner channel
+    d_conv: int = 4  # the causal conv1d's width
+    expand: int = 2  # the inner width is expand * dim
+    dt_rank: int | None = None  # None: the reference's "auto", ceil(dim / 16)
+    scan_chunk: int = 16  # steps scanned in parallel (module docstring); 1: the sequential recurrence
+    dt_min: float = 1e-3  # the initial step sizes are log-uniform in [dt_min, dt_max]
+    dt_max: float = 1e-1
+
+
+class MambaMixer(nn.Module):
+    """The Mamba-1 mixer, ``(B, L, C) -> (B, L, C)``, with the reference's parameter layout and init;
+    ``n_layers`` (of the whole model) scales out_proj's init."""
+
+    def __init__(self, dim: int, cfg: MambaConfig = MambaConfig(), n_layers: int = 1) -> None:
         super().__init__()
-        d_inner = expand * dim
-        self.d_state, self.dt_rank, self.scan_chunk = d_state, dt_rank or math.ceil(dim / 16), scan_chunk
+        d_inner, d_state, d_conv = cfg.expand * dim, cfg.d_state, cfg.d_conv
+        self.d_state, self.dt_rank, self.scan_chunk = d_state, cfg.dt_rank or math.ceil(dim / 16), cfg.scan_chunk
         self.in_proj = nn.Linear(dim, 2 * d_inner, bias=False)
         # Depthwise; padded on both sides and cut to the first L outputs, so step t sees t-d_conv+1..t.
         self.conv1d = nn.Conv1d(d_inner, d_inner, d_conv, groups=d_inner, padding=d_conv - 1)
@@ -115,7 +121,8 @@ class MambaMixer(nn.Module):
             std = self.dt_rank**-0.5
             nn.init.uniform_(self.dt_proj.weight, -std, std)
             # softplus(bias) = dt, log-uniform in [dt_min, dt_max]: the inverse softplus of a sample
-            dt = torch.exp(torch.rand(d_inner) * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min))
+            lo, hi = math.log(cfg.dt_min), math.log(cfg.dt_max)
+            dt = torch.exp(torch.rand(d_inner) * (hi - lo) + lo)
             dt = dt.clamp(min=1e-4)
             self.dt_proj.bias.copy_(dt + torch.log(-torch.expm1(-dt)))
             # GPT-2's scaling of the residual branch's last projection by the depth
@@ -146,10 +153,10 @@ class MambaMixer(nn.Module):
 class MambaBlock(nn.Module):
     """``x + mixer(RMSNorm(x))``, ``(B, L, C) -> (B, L, C)``."""
 
-    def __init__(self, dim: int, **mixer_kwargs: object) -> None:
+    def __init__(self, dim: int, cfg: MambaConfig = MambaConfig(), n_layers: int = 1) -> None:
         super().__init__()
         self.norm = RMSNorm(dim)
-        self.mixer = MambaMixer(dim, **mixer_kwargs)  # type: ignore[arg-type]
+        self.mixer = MambaMixer(dim, cfg, n_layers)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + self.mixer(self.norm(x))
@@ -172,33 +179,18 @@ class MambaHead(nn.Module):
 
 
 def build_mamba(
-    vocab_size: int,
-    dim: int,
-    n_layers: int,
-    d_state: int = 16,
-    d_conv: int = 4,
-    expand: int = 2,
-    dt_rank: int | None = None,
-    scan_chunk: int = 16,
+    vocab_size: int, dim: int, n_layers: int, mixer: MambaConfig | None = None, **options: Any
 ) -> nn.Sequential:
-    """Embedding, ``n_layers`` blocks and the head as one Sequential of ``n_layers + 2`` layers."""
+    """Embedding, ``n_layers`` blocks and the head as one Sequential of ``n_layers + 2`` layers. The blocks'
+    hyper-parameters are ``mixer`` (default: :class:`MambaConfig`'s) with any of its fields given as a
+    keyword (``d_state=8``) in their place."""
+    cfg = replace(mixer or MambaConfig(), **options)  # an unknown keyword: MambaConfig's TypeError names it
     embedding = Embedding(vocab_size, dim)
     head = MambaHead(dim, vocab_size)
     with torch.no_grad():  # the reference's N(0, 0.02) embedding; the head starts as its tied copy would
         nn.init.normal_(embedding.weight, std=0.02)
         nn.init.normal_(head.out.weight, std=0.02)
-    blocks = [
-        MambaBlock(
-            dim,
-            d_state=d_state,
-            d_conv=d_conv,
-            expand=expand,
-            dt_rank=dt_rank,
-            n_layers=n_layers,
-            scan_chunk=scan_chunk,
-        )
-        for _ in range(n_layers)
-    ]
+    blocks = [MambaBlock(dim, cfg, n_layers) for _ in range(n_layers)]
     return nn.Sequential(embedding, *blocks, head)
 
 
@@ -216,16 +208,17 @@ class MambaLM(LanguageModel):
         vocab_size: int = 256,
         dim: int = 128,
         n_layers: int = 4,
-        d_state: int = 16,
-        d_conv: int = 4,
-        expand: int = 2,
-        dt_rank: int | None = None,
+        d_state: int = MambaConfig.d_state,
+        d_conv: int = MambaConfig.d_conv,
+        expand: int = MambaConfig.expand,
+        dt_rank: int | None = MambaConfig.dt_rank,
         max_seq_len: int = 64,
-        scan_chunk: int = 16,
+        scan_chunk: int = MambaConfig.scan_chunk,
         **training: Unpack[Training],
     ) -> None:
         training = training_arguments(training, lr=1e-3)  # all five, for save_hyperparameters()
         super().__init__(**training)
         self.save_hyperparameters()
         self.max_seq_len = max_seq_len
-        self.layers = build_mamba(vocab_size, dim, n_layers, d_state, d_conv, expand, dt_rank, scan_chunk)
+        mixer = MambaConfig(d_state=d_state, d_conv=d_conv, expand=expand, dt_rank=dt_rank, scan_chunk=scan_chunk)
+        self.layers = build_mamba(vocab_size, dim, n_layers, mixer)

@@ -9,7 +9,7 @@ functions below, which specs list in their ``checks``.
 from __future__ import annotations
 
 from .ir import is_index
-from .spec import PLACEMENTS, SCHEDULES, schedule_spec
+from .spec import PLACEMENTS, SCHEDULES, LayoutCheck, schedule_spec
 
 __all__ = [
     "SCHEDULES",
@@ -98,35 +98,38 @@ def stage_to_rank(name: str, num_stages: int, stages_per_rank: int = 1) -> tuple
 
 
 # ------------------------------------------------------------------ rules that specs list in `checks`
-def check_one_stage_or_interleaved(name: str, num_stages: int, stages_per_rank: int, m: int | None) -> None:
-    """1F1B: one stage per rank; several is Megatron's interleaved 1F1B."""
-    if stages_per_rank != 1:
-        raise ValueError(
-            f"{name} runs one stage per rank; got stages_per_rank={stages_per_rank}: use "
-            f"build_schedule('interleaved-1f1b', {num_stages}, {_m(m)}, "
-            f"stages_per_rank={stages_per_rank}) or stages_per_rank=1"
-        )
+def _stages_rule(required: int, message: str) -> LayoutCheck:
+    """The rule "exactly ``required`` stages per rank": else a ValueError of ``message``, which names what
+    would work from the schedule's ``name``, the ``given`` stages per rank, ``stages``, ``m``, ``ranks`` and
+    ``v_stages`` (the stages of a V over those ranks)."""
+
+    def check(name: str, num_stages: int, stages_per_rank: int, m: int | None) -> None:
+        if stages_per_rank != required:
+            ranks = num_stages // stages_per_rank
+            fields = dict(name=name, given=stages_per_rank, stages=num_stages, m=_m(m), ranks=ranks, v_stages=2 * ranks)
+            raise ValueError(message.format(**fields))
+
+    return check
 
 
-def check_one_stage_or_v(name: str, num_stages: int, stages_per_rank: int, m: int | None) -> None:
-    """ZB-H1 / ZB-H2: one stage per rank; two is the V."""
-    if stages_per_rank != 1:
-        ranks = num_stages // stages_per_rank
-        raise ValueError(
-            f"{name} runs one stage per rank; got stages_per_rank={stages_per_rank}: use "
-            f"stages_per_rank=1, or build_schedule('zb-v', {2 * ranks}, {_m(m)}, "
-            f"stages_per_rank=2) for a V over {ranks} ranks"
-        )
-
-
-def check_two_stages_v(name: str, num_stages: int, stages_per_rank: int, m: int | None) -> None:
-    """The V schedules (ZB-V, V-Half, V-Min): exactly two stages per rank."""
-    if stages_per_rank != 2:
-        ranks = num_stages // stages_per_rank
-        raise ValueError(
-            f"{name} needs stages_per_rank=2 (a V of 2 stages per rank); got {stages_per_rank}: "
-            f"use build_schedule('{name}', {2 * ranks}, {_m(m)}, stages_per_rank=2) for {ranks} ranks"
-        )
+# 1F1B: one stage per rank; several is Megatron's interleaved 1F1B.
+check_one_stage_or_interleaved = _stages_rule(
+    1,
+    "{name} runs one stage per rank; got stages_per_rank={given}: use "
+    "build_schedule('interleaved-1f1b', {stages}, {m}, stages_per_rank={given}) or stages_per_rank=1",
+)
+# ZB-H1 / ZB-H2: one stage per rank; two is the V.
+check_one_stage_or_v = _stages_rule(
+    1,
+    "{name} runs one stage per rank; got stages_per_rank={given}: use stages_per_rank=1, or "
+    "build_schedule('zb-v', {v_stages}, {m}, stages_per_rank=2) for a V over {ranks} ranks",
+)
+# The V schedules (ZB-V, V-Half, V-Min): exactly two stages per rank.
+check_two_stages_v = _stages_rule(
+    2,
+    "{name} needs stages_per_rank=2 (a V of 2 stages per rank); got {given}: "
+    "use build_schedule('{name}', {v_stages}, {m}, stages_per_rank=2) for {ranks} ranks",
+)
 
 
 def check_interleaved_microbatches(name: str, num_stages: int, stages_per_rank: int, m: int | None) -> None:
