@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-import lightning_twobp  # noqa: F401  (registers "twobp")
+from lightning_twobp import TwoBPStrategy  # importing the package registers "twobp"
 from lightning_twobp.processes import free_port, run_distributed
 
 
@@ -88,8 +88,6 @@ class AdamRegressor(Regressor):
 
 def checkpointing_trainer(world: int, max_steps: int, callbacks: list, **kw: Any) -> pl.Trainer:
     """1F1B on ``world`` ranks; Lightning's checkpointing on when ``callbacks`` are given."""
-    from lightning_twobp import TwoBPStrategy
-
     strategy = TwoBPStrategy(schedule="1f1b")
     return quiet_trainer(
         strategy, world, max_steps=max_steps, callbacks=callbacks, enable_checkpointing=bool(callbacks), **kw
