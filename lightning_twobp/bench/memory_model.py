@@ -186,7 +186,7 @@ class _Meter:
         yield
         if self.saved is not None and self.executor is not None:
             ex = self.executor
-            live = {**self.fixed, **held_storages(ex.stages, receive_buffers(ex)), **self.saved.live}
+            live = {**self.fixed, **held_storages(ex.stages, receive_buffers(ex), ex.outgoing()), **self.saved.live}
             self.peak = max(self.peak, sum(live.values()))
 
 
