@@ -34,6 +34,8 @@ sent after it posted the receive of k+1); without such a message it waits until 
 
 from __future__ import annotations
 
+import bisect
+import itertools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -226,9 +228,9 @@ def _sent_levels(schedule: Schedule, memory: MemoryCosts) -> list[list[float]]:
     """Per rank, the bytes it has sent and not let go of at the end of each action of its row: a
     message is held from the action that made it (in the executor's outbox, then in its send) to the
     end of its release action (:func:`send_releases`), or to the step's end."""
-    rows = [[0.0] * len(row) for row in schedule.actions]
     if not any(memory.of(name, s) for name in ("message", "output_kept") for s in range(schedule.num_stages)):
-        return rows  # nothing crosses ranks in the model: skip the lowering
+        return [[0.0] * len(row) for row in schedule.actions]  # nothing crosses ranks: skip the lowering
+    change = [[0.0] * (len(row) + 1) for row in schedule.actions]  # per position: what starts or ends there
     lowered = lower_communication(schedule)
     for r, (ops, releases) in enumerate(zip(lowered, send_releases(lowered), strict=True)):
         position = _positions(ops)
@@ -243,10 +245,10 @@ def _sent_levels(schedule: Schedule, memory: MemoryCosts) -> list[list[float]]:
             else:
                 kind = "B" if ("B", s, mb) in made else "BW"
                 size, start = memory.of("message", s - 1), made[(kind, s, mb)]
-            end = gone.get(message(op), len(rows[r]))
-            for t in range(start, end):
-                rows[r][t] += size
-    return rows
+            end = gone.get(message(op), len(schedule.actions[r]))
+            change[r][start] += size
+            change[r][end] -= size
+    return [list(itertools.accumulate(c[:-1])) for c in change]
 
 
 def _positions(ops: Sequence[object]) -> list[int]:
@@ -307,21 +309,32 @@ def _releases(
 ) -> dict[int, tuple[tuple[Message, Message], ...]]:
     """:func:`send_releases` for rank ``r``."""
     computes = [i for i, op in enumerate(ops) if isinstance(op, Action)]
+    earliest = {peer: _earliest_proofs(posted[peer], consumer[r], r) for peer in range(len(posted)) if peer != r}
     out: dict[int, list[tuple[Message, Message]]] = {}
     for (send, x), (at, peer) in posted[r].items():
         if not send:
             continue
-        recv_at = posted[peer][(False, x)][0]
-        proofs = [
-            (consumer[r][y], y) for (back, y), (q, to) in posted[peer].items() if back and to == r and q >= recv_at
-        ]
-        if not proofs:
+        batches, best = earliest[peer]
+        k = bisect.bisect_left(batches, posted[peer][(False, x)][0])  # proofs posted with the receive or later
+        if k == len(batches):
             continue
-        when, y = min(proofs)
-        j = next((i for i in computes if i >= max(when, at + 1)), None)
-        if j is not None:
-            out.setdefault(j, []).append((x, y))
+        when, y = best[k]
+        c = bisect.bisect_left(computes, max(when, at + 1))
+        if c < len(computes):
+            out.setdefault(computes[c], []).append((x, y))
     return {j: tuple(v) for j, v in sorted(out.items())}
+
+
+def _earliest_proofs(
+    sent: dict[tuple[bool, Message], tuple[int, int]], consumer: dict[Message, int], r: int
+) -> tuple[list[int], list[tuple[int, Message]]]:
+    """The messages a peer sends rank ``r`` by the batch it posts them in, ascending, and for each
+    position the earliest receipt on ``r`` among those posted there or later (a suffix minimum)."""
+    back = sorted((q, consumer[y], y) for (is_send, y), (q, to) in sent.items() if is_send and to == r)
+    best: list[tuple[int, Message]] = []
+    for _, when, y in reversed(back):
+        best.append(min((when, y), best[-1]) if best else (when, y))
+    return [q for q, _, _ in back], best[::-1]
 
 
 def peak_inflight(schedule: Schedule) -> tuple[int, ...]:
