@@ -267,7 +267,9 @@ class P2P:
                 )
                 owner.extend([(False, key)] * len(bufs))
                 recvs[key] = (bufs, c.peer)
-        if not ops:
+        if not ops:  # only messages without tensors (an edge no gradient crosses): nothing to post
+            for key, (bufs, peer) in recvs.items():
+                self._recvs[key] = ([], bufs, peer)
             return
         try:
             works = dist.batch_isend_irecv(ops)
