@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_twobp.schedules import MemoryCosts, build_schedule, peak_bytes
+from lightning_twobp.schedules import Action, Comm, MemoryCosts, build_schedule, lower_communication, peak_bytes
+from lightning_twobp.schedules.lower import message
+from lightning_twobp.schedules.memory import send_releases
+from lightning_twobp.schedules.spec import SCHEDULES, schedule_spec
 
 
 def test_messages_between_ranks_live_in_receive_buffers():
@@ -70,3 +73,72 @@ def test_torchs_orders_on_paper_keep_the_graph_until_w():
     assert rows["torch ZB1P (m=8)"]["peak"] > ours.peak
     # one step at a time: the makespan, no overlap of steps
     assert rows["torch 1F1B (m=8)"]["step_s"] == (8 + 4 - 1) * (2 + 2 + 2)  # (m + p - 1)(F + BW), 2 layers a stage
+
+
+def test_1f1b_lets_each_activation_go_at_the_next_backward():
+    # rank 1 posts the receive of F k+1 with the gradient of k, so rank 0 may wait on its send of F k+1
+    # once it has that gradient, at B k; rank 1's gradient k goes once F k+1 has come (at F k+1)
+    lowered = lower_communication(build_schedule("1f1b", 2, 4, split_backward=False))
+    releases = send_releases(lowered)
+    named = [{str(lowered[r][j]): [x for x, _ in pairs] for j, pairs in releases[r].items()} for r in range(2)]
+    assert named[0] == {
+        "0BW0": [("F", 0, 0), ("F", 0, 1)],
+        "0BW1": [("F", 0, 2)],
+        "0BW2": [("F", 0, 3)],
+    }
+    assert named[1] == {"1F1": [("B", 0, 0)], "1F2": [("B", 0, 1)], "1F3": [("B", 0, 2)]}  # 1B3's at the end
+
+
+def _cases():
+    for name in SCHEDULES:
+        spec = schedule_spec(name)
+        v = spec.default_stages_per_rank
+        for p in (2, 3, 4):
+            for m in (p, 3 * p):
+                yield name, p * v, m, v
+
+
+@pytest.mark.parametrize("name, stages, m, v", list(_cases()))
+def test_a_send_is_waited_only_once_its_receive_is_posted(name, stages, m, v):
+    """Every release names a proof: a message from the same peer, posted in the batch of the
+    receive or later, that this rank has waited for by then; and it comes after the send's post."""
+    lowered = lower_communication(build_schedule(name, stages, m, stages_per_rank=v))
+    batch_of = []  # per rank: (is send, message) -> index of its batch's first op
+    for ops in lowered:
+        starts, start = {}, -1
+        for i, op in enumerate(ops):
+            start = (i if start < 0 else start) if isinstance(op, Comm) else -1
+            if isinstance(op, Comm):
+                starts[(op.is_send, message(op))] = (start, op.peer)
+        batch_of.append(starts)
+    for r, releases in enumerate(send_releases(lowered)):
+        seen = set()
+        for j, pairs in releases.items():
+            # a message is waited for by its consumer: F of the next stage, B or BW of the edge's stage
+            done = {(a.kind[0], a.stage, a.microbatch) for a in lowered[r][: j + 1] if isinstance(a, Action)}
+            waited = {y for y in {message(c) for c in lowered[r] if isinstance(c, Comm)} if _consumer(y) in done}
+            for x, y in pairs:
+                assert x not in seen
+                seen.add(x)
+                posted, peer = batch_of[r][(True, x)]
+                assert posted < j, f"rank {r} lets {x} go before it is posted"
+                assert y in waited, f"rank {r}: proof {y} of {x} not received by op {j}"
+                assert batch_of[peer][(True, y)][0] >= batch_of[peer][(False, x)][0], (r, x, y)
+
+
+def _consumer(msg):
+    direction, edge, mb = msg
+    return ("F", edge + 1, mb) if direction == "F" else ("B", edge, mb)
+
+
+def test_sent_messages_are_held_until_their_release():
+    # 1F1B, p = 2, m = 4: stage 0's output (3 bytes) is dropped by the stage once sent and held by
+    # the send from F k+1 to B k; stage 1's input gradients (3 bytes) from B k to F k+1
+    sched = build_schedule("1f1b", 2, 4, split_backward=False)
+    memory = MemoryCosts(activation=10, held=0, fixed=0, message=3, output_kept=3)
+    act, _ = memory.placed(sched)
+    assert act == (7, 10)
+    # rank 0 at F1: two micro-batches' activations (7 each) and F0's and F1's outputs in their sends
+    # rank 1 at B0 (end): its gradient for stage 0 in its send; at F1: F1's activation, B0's
+    # gradient let go at F1's end
+    assert peak_bytes(sched, memory) == (4 * 3 + 2 * 7 + 2 * 3, 4 * 3 + 10)

@@ -227,8 +227,10 @@ def _reference(module, inputs_per_mb, grads_per_mb):
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
-@pytest.mark.parametrize("mode", ["split", "fused"])
+@pytest.mark.parametrize("mode", ["split", "fused", "split-dropped", "fused-dropped"])
 def test_split_backward_matches_autograd(name, mode):
+    """``-dropped``: the outputs are let go after F (``Stage.drop_outputs``, as the executor does once it
+    has sent them), so B and BW start from the outputs' gradient edges."""
     torch.manual_seed(0)
     make, make_inputs = CASES[name]
     ref_mod = make()
@@ -240,6 +242,9 @@ def test_split_backward_matches_autograd(name, mode):
     stage = Stage(mod)
     for i, x in enumerate(mbs):
         stage.forward(i, *x)
+        if mode.endswith("-dropped"):
+            stage.drop_outputs(i)
+    mode = mode.removesuffix("-dropped")
     for i in range(len(mbs)):
         fn = stage.backward_input if mode == "split" else stage.backward
         got = fn(i, grads[i])
@@ -263,6 +268,60 @@ def test_split_backward_matches_autograd(name, mode):
     for n in ref_grads:
         torch.testing.assert_close(got_grads[n], ref_grads[n], rtol=RTOL, atol=ATOL, msg=n)
         assert got_grads[n].grad_fn is None and not got_grads[n].requires_grad, f"{n}.grad carries a graph"
+
+
+class ReluLast(nn.Module):
+    """A Linear then a ReLU, which saves its own output for the backward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return torch.relu(self.lin(x))
+
+
+@pytest.mark.parametrize("mode", ["split", "fused"])
+def test_dropped_outputs_free_their_storage(mode):
+    """Once the caller lets go of its output too (the executor, once the send is done), nothing of the
+    stage holds the output's storage, and B, W and BW are exact; a None gradient is a zero one."""
+    torch.manual_seed(0)
+    lin = nn.Linear(8, 8)
+    ref = copy.deepcopy(lin)
+    x = _x(4, 8)
+    stage = Stage(lin)
+    out = stage.forward(0, x)
+    kept = StorageWeakRef(out.untyped_storage())
+    stage.drop_outputs(0)
+    del out
+    gc.collect()
+    assert kept.expired(), "the stage still holds its dropped output"
+    g = torch.randn(4, 8)
+    got = stage.backward_input(0, [g]) if mode == "split" else stage.backward(0, [g])
+    if mode == "split":
+        stage.backward_weight(0)
+    x_ref = x.detach().requires_grad_()
+    ref(x_ref).backward(g)
+    torch.testing.assert_close(got[0], x_ref.grad, rtol=RTOL, atol=ATOL)
+    torch.testing.assert_close(lin.weight.grad, ref.weight.grad, rtol=RTOL, atol=ATOL)
+    # a None gradient for a dropped output is a zero one, of the output's shape
+    stage.forward(1, x)
+    stage.drop_outputs(1)
+    zero = stage.backward(1, [None])
+    assert zero[0].shape == x.shape and not zero[0].any()
+
+
+def test_a_dropped_output_that_autograd_saved_lives_until_b():
+    stage = Stage(ReluLast())
+    out = stage.forward(0, _x(4, 8))
+    kept = StorageWeakRef(out.untyped_storage())
+    stage.drop_outputs(0)
+    del out
+    gc.collect()
+    assert not kept.expired(), "ReLU's backward reads its output: autograd keeps it until B"
+    stage.backward(0, torch.ones(4, 8))
+    gc.collect()
+    assert kept.expired()
 
 
 def test_w_never_reruns_the_input_chain():

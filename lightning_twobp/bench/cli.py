@@ -10,7 +10,7 @@ twobp-bench --soak N [--python-memory] [--json PATH]
 twobp-bench --paper [--out DIR] [--quick] [--repeats N]
 twobp-bench --gpu [--json PATH] [--quick]
 twobp-bench --budget [--out DIR] [--steps K] [--quick]
-twobp-bench --memory-model [--out DIR] [--quick]
+twobp-bench --memory-model [--out DIR] [--quick] [--world P]
 twobp-bench --memory-model --simulate [--out DIR] [--quick]
 """
 
@@ -60,6 +60,7 @@ def _parser() -> argparse.ArgumentParser:
         "and BERT; with --simulate: the budget tables at p = 4 and 8 on the four paper models' measured costs",
     )
     ap.add_argument("--simulate", action="store_true", help="--memory-model: the simulated budget tables")
+    ap.add_argument("--world", type=int, default=2, help="--memory-model: ranks (2P blocks when P > 2)")
     mode.add_argument(
         "--paper",
         action="store_true",
@@ -197,7 +198,7 @@ def _memory_model(args: argparse.Namespace) -> None:
         return
     from lightning_twobp.bench.memory_model import markdown, run_memory_model, write
 
-    result = run_memory_model(quick=args.quick, m=4 if args.quick else 8)
+    result = run_memory_model(quick=args.quick, m=4 if args.quick else 8, world=args.world)
     _show(markdown(result), args.out, lambda out: write(result, out))
 
 

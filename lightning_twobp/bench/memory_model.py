@@ -1,10 +1,10 @@
 """``twobp-bench --memory-model``: the schedule model's peak bytes per rank against the executor's.
 
-    twobp-bench --memory-model [--out DIR] [--quick]
+    twobp-bench --memory-model [--out DIR] [--quick] [--world P]
 
 For the tiny LLaMa and the tiny BERT (:mod:`lightning_twobp.models`, 4 blocks x 128, batch 16 x 64
-tokens, m = 8), every registered schedule (with and without the split where both exist; 1F1B + 2BP
-also capped at ``max_pending_w`` = 0 and 1) is
+tokens, m = 8; on ``P`` > 2 ranks 2P blocks, so that a V has one a stage), every registered schedule
+(with and without the split where both exist; 1F1B + 2BP also capped at ``max_pending_w`` = 0 and 1) is
 
 * **predicted**: each layer (and the loss, on the last stage) runs once as a
   :class:`~lightning_twobp.engine.stage.Stage` on one micro-batch
@@ -20,9 +20,10 @@ also capped at ``max_pending_w`` = 0 and 1) is
   stages hold for their micro-batches in flight
   (:func:`~lightning_twobp.engine.footprint.held_storages`). The peak is the largest count.
 
-Neither side counts what lives inside one action only (a GEMM's temporaries, B's gradients before
-they are handed on), nor the tensors a rank has sent, which gloo's send works keep until the step's
-end (``P2P.finish_sends``): at most m messages per direction and neighbour on another rank.
+Both sides count what a rank has sent and not let go of (``PipelineExecutor.outgoing``: gloo's send
+works hold it until the schedule proves the receive posted, ``schedules.memory.send_releases``).
+Neither counts what lives inside one action only (a GEMM's temporaries, B's gradients before they
+are handed on), nor an input gradient handed to a stage on the same rank.
 """
 
 from __future__ import annotations
@@ -71,11 +72,13 @@ TOLERANCE = 0.10  # the issue's target: predicted within 10% of measured
 ADAMW_COPIES = 4  # a weight, its gradient and AdamW's two moments, each the weight's size
 
 
-def models(quick: bool = False) -> list[PaperModel]:
-    """The tiny LLaMa and BERT (``quick``: smaller still, for the test)."""
+def models(quick: bool = False, world: int = WORLD) -> list[PaperModel]:
+    """The tiny LLaMa and BERT (``quick``: smaller still, for the test), with 4 blocks or, on more than
+    2 ranks, one per stage of a V (2 x ``world``)."""
     d, t, b, v = (32, 16, 8, 64) if quick else (128, 64, 16, 256)
-    kw = (("vocab_size", v), ("dim", d), ("n_layers", 4), ("n_heads", 4), ("max_seq_len", t))
-    return [PaperModel("llama", "Transformer-7b", kw, b, t, 4), PaperModel("bert", "BERT-Large", kw, b, t, 4)]
+    n = max(4, 2 * world)
+    kw = (("vocab_size", v), ("dim", d), ("n_layers", n), ("n_heads", 4), ("max_seq_len", t))
+    return [PaperModel("llama", "Transformer-7b", kw, b, t, n), PaperModel("bert", "BERT-Large", kw, b, t, n)]
 
 
 @dataclass(frozen=True)
@@ -151,9 +154,9 @@ def partitions(pm: PaperModel, num_ranks: int) -> dict[int, list[int]]:
     return {v: _sizes(pm, num_ranks * v) for v in (1, 2) if num_ranks * v <= pm.blocks}
 
 
-def profile(pm: PaperModel, m: int) -> Profile:
-    """``pm`` at ``m`` micro-batches on 2 ranks: :func:`layer_costs` cut as the run cuts it."""
-    return Profile(WORLD, {m: layer_costs(pm, pm.batch // m)}, partitions(pm, WORLD))
+def profile(pm: PaperModel, m: int, world: int = WORLD) -> Profile:
+    """``pm`` at ``m`` micro-batches on ``world`` ranks: :func:`layer_costs` cut as the run cuts it."""
+    return Profile(world, {m: layer_costs(pm, pm.batch // m)}, partitions(pm, world))
 
 
 def predict(prof: Profile, c: Contender, m: int) -> tuple[Schedule, tuple[float, ...]]:
@@ -162,7 +165,7 @@ def predict(prof: Profile, c: Contender, m: int) -> tuple[Schedule, tuple[float,
     costs = prof.costs(m, v)
     schedule = build_schedule(
         c.name,
-        WORLD * v,
+        prof.num_ranks * v,
         m,
         stages_per_rank=v,
         split_backward=c.split_backward,
@@ -186,7 +189,7 @@ class _Meter:
         yield
         if self.saved is not None and self.executor is not None:
             ex = self.executor
-            live = {**self.fixed, **held_storages(ex.stages, receive_buffers(ex)), **self.saved.live}
+            live = {**self.fixed, **held_storages(ex.stages, receive_buffers(ex), ex.outgoing()), **self.saved.live}
             self.peak = max(self.peak, sum(live.values()))
 
 
@@ -225,24 +228,28 @@ def _worker(rank: int, world: int, jobs: list[tuple[PaperModel, str, Schedule]],
     return {f"{pm.name} {label}": _measure(rank, pm, schedule, m) for pm, label, schedule in jobs}
 
 
-def run_memory_model(quick: bool = False, m: int = 8, names: Any = None, timeout: float = 1800.0) -> dict:
+def run_memory_model(
+    quick: bool = False, m: int = 8, names: Any = None, timeout: float = 1800.0, world: int = WORLD
+) -> dict:
     """Predicted and measured peak bytes per rank for every model x contender (see the module docstring)."""
     jobs, predicted = [], {}
-    for pm in models(quick):
-        prof = profile(pm, m)
+    for pm in models(quick, world):
+        prof = profile(pm, m, world)
         for c in contenders(names):
             schedule, peaks = predict(prof, c, m)
             jobs.append((pm, c.label, schedule))
             predicted[f"{pm.name} {c.label}"] = peaks
-    measured = run_distributed(_worker, WORLD, jobs, m, timeout=timeout)
+    measured = run_distributed(_worker, world, jobs, m, timeout=timeout)
     rows = []
     for pm, label, _ in jobs:
         key = f"{pm.name} {label}"
-        for r in range(WORLD):
+        for r in range(world):
             p, got = predicted[key][r], measured[r][key]
             rows.append(dict(model=pm.name, schedule=label, rank=r, predicted=p, measured=got, ratio=p / got))
-    shape = [dict(name=pm.name, kwargs=dict(pm.kwargs), batch=pm.batch, blocks=pm.blocks) for pm in models(quick)]
-    return {"models": shape, "world": WORLD, "microbatches": m, "rows": rows}
+    shape = [
+        dict(name=pm.name, kwargs=dict(pm.kwargs), batch=pm.batch, blocks=pm.blocks) for pm in models(quick, world)
+    ]
+    return {"models": shape, "world": world, "microbatches": m, "rows": rows}
 
 
 def markdown(result: dict) -> str:
@@ -258,8 +265,9 @@ def markdown(result: dict) -> str:
         f"\n{result['world']} gloo ranks x 1 thread, m = {result['microbatches']}, AdamW; MiB per rank, predicted "
         f"(profile + simulate) / measured (live storages at every action's end) / ratio\n\n"
     )
-    w("| model | schedule | rank 0 predicted | measured | ratio | rank 1 predicted | measured | ratio |\n")
-    w("|---|---|---:|---:|---:|---:|---:|---:|\n")
+    world = range(result["world"])
+    w("| model | schedule | " + " | ".join(f"rank {r} predicted | measured | ratio" for r in world) + " |\n")
+    w("|---|---|" + "---:|---:|---:|" * len(world) + "\n")
     by: dict[tuple[str, str], list[dict]] = {}
     for r in result["rows"]:
         by.setdefault((r["model"], r["schedule"]), []).append(r)

@@ -30,6 +30,7 @@ from torch import nn
 from lightning_twobp.engine.p2p import P2P, PeerLost, TensorMeta, check_outgoing
 from lightning_twobp.engine.stage import Stage
 from lightning_twobp.schedules import Action, Comm, GradReduce, Schedule, add_grad_reduce, lower_communication, validate
+from lightning_twobp.schedules.memory import send_releases
 
 __all__ = ["ActionRecord", "PipelineError", "PipelineExecutor", "StepResult"]
 
@@ -158,6 +159,8 @@ class PipelineExecutor:
         if grad_reduce is not None:
             lowered = add_grad_reduce(lowered, schedule)
         self.ops = lowered[self.rank]
+        # op index -> the sends this rank lets go of at the end of that op (their receives are posted)
+        self._releases = send_releases(lowered)[self.rank]
         self._p2p = P2P(schedule, self.rank, group, self.device, timeout=timeout)
         self.steps = 0  # steps run so far, counted from 0 in error messages
         self.step_label: str | None = None  # the caller's name for the next step in messages ("global step 7")
@@ -169,6 +172,17 @@ class PipelineExecutor:
         }
         self._now: _StepRun | None = None  # the step being run
         self._labels = [f"PP:{'+'.join(map(str, op)) if isinstance(op, list) else op}" for op in self.ops]
+
+    @property
+    def p2p(self) -> P2P:
+        """This rank's sends and receives (read their buffers with ``receive_buffers()``)."""
+        return self._p2p
+
+    def outgoing(self) -> list[torch.Tensor]:
+        """What this rank holds to send during a step: made by an action and not posted yet, or posted
+        and not let go of yet (:meth:`P2P.release`). For measuring memory; empty outside a step."""
+        waiting = [t for ts in self._now.to_send.values() for t in ts] if self._now is not None else []
+        return waiting + self._p2p.sending()
 
     def peer_lost(self, pp_rank: int, what: str, error: BaseException) -> PeerLost:
         """The error for a wait on pipeline rank ``pp_rank`` outside the schedule (the step's loss and logs)
@@ -326,6 +340,8 @@ class PipelineExecutor:
         try:
             with torch.profiler.record_function(self._labels[step]), self._context(arg):
                 handler(arg)
+                if step in self._releases:  # inside: a memory sample at the context's exit sees it
+                    self._p2p.release(self._releases[step])
         except PipelineError:
             raise
         except Exception as e:  # name the rank, the step and the action, then show where
@@ -406,6 +422,8 @@ class PipelineExecutor:
                 f"the output stage {s} sends for micro-batch {mb}",
             )
             self._current.to_send[("F", s, mb)] = [t.detach() for t in outs]
+            # The send holds the storage from here; B needs only the outputs' places in the graph.
+            stage.drop_outputs(mb)
 
     def _grad_outputs(self, s: int, mb: int) -> Any:
         if s == self.last:

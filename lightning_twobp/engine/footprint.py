@@ -132,17 +132,21 @@ def _storages(values: Any, out: dict[int, int]) -> None:
 def receive_buffers(executor: PipelineExecutor) -> list[torch.Tensor]:
     """The buffers ``executor`` receives activations and gradients into: one per micro-batch, direction
     and remote neighbour, allocated at the first step and kept (``engine.p2p``)."""
-    return [b for bufs in executor._p2p._buffers.values() for b in bufs]
+    return executor.p2p.receive_buffers()
 
 
-def held_storages(stages: Mapping[int, Stage], buffers: Iterable[torch.Tensor] = ()) -> dict[int, int]:
+def held_storages(
+    stages: Mapping[int, Stage], buffers: Iterable[torch.Tensor] = (), sent: Iterable[torch.Tensor] = ()
+) -> dict[int, int]:
     """What ``stages`` hold for their micro-batches in flight, now, one entry per storage: each one's
-    inputs and outputs (from F until B), and after B what W reads (the formulas' operands, the recorded
-    gradients, the edge gradients taken in B; the outputs too while the graph is kept); with ``buffers``
-    (the receive buffers). The measured side of :mod:`lightning_twobp.schedules.memory`'s replay, with
-    the bytes autograd saves (:class:`~lightning_twobp.lightning.autoschedule.SavedBytes`)."""
+    inputs and outputs (from F until B, or until sent where the next stage is remote), and after B
+    what W reads (the formulas' operands, the recorded gradients, the edge gradients taken in B; the
+    outputs too while the graph is kept); with ``buffers`` (the receive buffers) and ``sent`` (what
+    the rank holds to send: ``PipelineExecutor.outgoing``). The measured side of
+    :mod:`lightning_twobp.schedules.memory`'s replay, with the bytes autograd saves
+    (:class:`~lightning_twobp.lightning.autoschedule.SavedBytes`)."""
     out: dict[int, int] = {}
-    _storages(list(buffers), out)
+    _storages([*buffers, *sent], out)
     for stage in stages.values():
         for p in stage._pending.values():
             _storages([p.inputs, p.outputs, [ops for _, ops in p.fast], list(p.captured.values())], out)

@@ -21,7 +21,14 @@ does it with ``torch.distributed``:
   iterations). When the signature changes, all ranks exchange their metadata again (see
   :meth:`PipelineExecutor._exchange_meta`). What a rank changes on its own (autocast, ``requires_grad``)
   is caught when it sends: a tensor whose metadata differs from what the receiver expects raises,
-  naming the stage and both metadata, instead of landing in a buffer of another shape.
+  naming the stage and both metadata, instead of landing in a buffer of another shape;
+* what a rank sends lives until it waits on the send: a gloo send completes only once the receiver
+  has posted the matching receive (rendezvous, even for a few bytes), ``is_completed()`` stays False
+  until ``wait()`` is called, and the work holds the tensor until it is dropped (probed on torch 2.13,
+  CPU). Waiting on a send before its receive is posted can deadlock (two neighbours sending to each
+  other), so the executor lets a send go (:meth:`P2P.release`) only where the schedule proves that
+  receive posted (:func:`lightning_twobp.schedules.memory.send_releases`): the rest wait at the step's
+  end (:meth:`P2P.finish_sends`).
 """
 
 from __future__ import annotations
@@ -37,8 +44,11 @@ import torch
 import torch.distributed as dist
 
 from lightning_twobp.schedules import Comm, Schedule
+from lightning_twobp.schedules.lower import message
 
 __all__ = ["MAX_TENSORS", "P2P", "PeerLost", "TensorMeta"]
+
+Message = tuple[str, int, int]  # (direction F/B, edge stage, micro-batch), as ``schedules.lower.message``
 
 MAX_TENSORS = 64  # tensors one stage may pass to the next (part of the message tag)
 _SIGNATURE_TAG = 2**31 - 2  # above every message tag: ((mb * S + edge) * 2 + dir) * 64 + index
@@ -103,15 +113,37 @@ class P2P:
     # ------------------------------------------------------------------ per step
     def start_step(self) -> None:
         self._recvs: dict[tuple[str, int, int], tuple[list, list[torch.Tensor], int]] = {}
-        self._sends: list[tuple[list, list[int]]] = []  # (works, the pipeline ranks they go to)
+        # per message sent and not yet waited on: (works, the pipeline ranks they go to, its tensors)
+        self._sends: dict[Message | int, tuple[list, list[int], list[torch.Tensor]]] = {}
+        self._arrived: set[Message] = set()  # messages received this step that carried tensors
         self.wait_time = 0.0  # seconds blocked on receives since the last reset (for records)
 
     def finish_sends(self) -> None:
-        """Wait for every send of the step (their tensors must live until then)."""
-        for works, peers in self._sends:
+        """Wait for every send of the step not let go already (their tensors must live until then)."""
+        for works, peers, _ in self._sends.values():
             for w in works:
                 self._wait(w, peers, "the receipt of what this rank sent")
-        self._sends = []
+        self._sends = {}
+
+    def release(self, pairs: Sequence[tuple[Message, Message]]) -> None:
+        """Wait on each sent message ``x`` of ``pairs`` and drop it, if its proof ``y`` (a message from the
+        same peer, posted no earlier than ``x``'s receive: ``schedules.memory.send_releases``) has
+        arrived carrying tensors. The receive is then posted, so the wait ends as soon as the transfer
+        does and cannot deadlock; a message without its proof waits for :meth:`finish_sends`."""
+        for x, y in pairs:
+            if y in self._arrived and x in self._sends:
+                works, peers, _ = self._sends.pop(x)
+                for w in works:
+                    self._wait(w, peers, "the receipt of what this rank sent")
+
+    def sending(self) -> list[torch.Tensor]:
+        """The tensors this rank has sent this step and not let go of yet (their sends hold them)."""
+        return [t for _, _, tensors in self._sends.values() for t in tensors]
+
+    def receive_buffers(self) -> list[torch.Tensor]:
+        """The buffers messages are received into: one per micro-batch, direction and remote neighbour,
+        allocated at the first step and kept (the module docstring)."""
+        return [b for bufs in self._buffers.values() for b in bufs]
 
     def _wait(self, work: Any, peers: Sequence[int], what: str) -> None:
         """``work.wait()``, bounded by the timeout; a lost peer raises :class:`PeerLost` naming it."""
@@ -176,8 +208,7 @@ class P2P:
                 raise PeerLost(
                     self.describe_loss(others, "the start of the step (sending stage 0's input shapes)", e)
                 ) from e
-            self._sends.append(([w for w in works if w is not None], others))
-            self._keep = sig  # alive until the sends finish
+            self._sends[_SIGNATURE_TAG] = ([w for w in works if w is not None], others, [sig])
             value = local
         else:
             sig = torch.empty(1, dtype=torch.int64, device=self.device)
@@ -214,22 +245,19 @@ class P2P:
         """Post one batch: the sends take their tensors out of ``outgoing`` (keyed like the receives,
         ``(direction, stage, micro-batch)``); the receives are waited for by :meth:`wait`."""
         ops: list[dist.P2POp] = []
-        owner: list[tuple[str, int, int] | None] = []  # per op: the receive it belongs to, or None
+        owner: list[tuple[bool, tuple[str, int, int]]] = []  # per op: (is send, its receive key or message)
         recvs: dict[tuple[str, int, int], tuple[list[torch.Tensor], int]] = {}
-        peers: list[int] = []  # the pipeline ranks this batch sends to
+        sends: dict[Message, tuple[list[torch.Tensor], int]] = {}
         for c in comms:
             peer = self.global_ranks[c.peer]
             key = (c.kind[-1], c.stage, c.microbatch)
             if c.is_send:
                 edge = c.stage if key[0] == "F" else c.stage - 1
-                for i, t in enumerate(outgoing.pop(key)):
-                    ops.append(
-                        dist.P2POp(
-                            dist.isend, t.contiguous(), peer, self.group, self.tag(key[0], edge, c.microbatch, i)
-                        )
-                    )
-                    owner.append(None)
-                peers.append(c.peer)
+                tensors = [t.contiguous() for t in outgoing.pop(key)]
+                for i, t in enumerate(tensors):
+                    ops.append(dist.P2POp(dist.isend, t, peer, self.group, self.tag(key[0], edge, c.microbatch, i)))
+                    owner.append((True, message(c)))
+                sends[message(c)] = (tensors, c.peer)
             else:
                 edge = c.stage - 1 if key[0] == "F" else c.stage
                 bufs = self._buffer(key)
@@ -237,27 +265,29 @@ class P2P:
                     dist.P2POp(dist.irecv, b, peer, self.group, self.tag(key[0], edge, c.microbatch, i))
                     for i, b in enumerate(bufs)
                 )
-                owner.extend([key] * len(bufs))
+                owner.extend([(False, key)] * len(bufs))
                 recvs[key] = (bufs, c.peer)
-        if not ops:
+        if not ops:  # only messages without tensors (an edge no gradient crosses): nothing to post
+            for key, (bufs, peer) in recvs.items():
+                self._recvs[key] = ([], bufs, peer)
             return
         try:
             works = dist.batch_isend_irecv(ops)
         except RuntimeError as e:
-            raise PeerLost(
-                self.describe_loss(peers + [p for _, p in recvs.values()], "a send or receive to be posted", e)
-            ) from e
-        if len(works) == len(ops):
-            # One work per op (gloo): each must be waited exactly once, since a gloo work's wait
-            # blocks for a further completion when called again.
-            for key, (bufs, peer) in recvs.items():
-                self._recvs[key] = ([w for w, o in zip(works, owner, strict=False) if o == key], bufs, peer)
-            self._sends.append(([w for w, o in zip(works, owner, strict=False) if o is None], peers))
-        else:
-            # One work for the whole group (NCCL coalescing): waiting on it again is a no-op.
-            for key, (bufs, peer) in recvs.items():
-                self._recvs[key] = (works, bufs, peer)
-            self._sends.append((works, peers))
+            peers = [p for _, p in sends.values()] + [p for _, p in recvs.values()]
+            raise PeerLost(self.describe_loss(peers, "a send or receive to be posted", e)) from e
+        # One work per op (gloo): each must be waited exactly once, since a gloo work's wait blocks
+        # for a further completion when called again. Else one work for the whole group (NCCL
+        # coalescing): waiting on it again is a no-op.
+        per_op = len(works) == len(ops)
+
+        def mine(op: tuple[bool, tuple[str, int, int]]) -> list:
+            return [w for w, o in zip(works, owner, strict=True) if o == op] if per_op else works
+
+        for key, (bufs, peer) in recvs.items():
+            self._recvs[key] = (mine((False, key)), bufs, peer)
+        for msg, (tensors, peer) in sends.items():
+            self._sends[msg] = (mine((True, msg)), [peer], tensors)
 
     def wait(self, key: tuple[str, int, int]) -> tuple[torch.Tensor, ...]:
         """The tensors of a posted receive, once they have arrived. Activations that require grad come
@@ -269,6 +299,8 @@ class P2P:
         for w in works:
             self._wait(w, [peer], what)
         self.wait_time += time.perf_counter() - t
+        if bufs:  # a message that carried tensors: proof that its sender posted what came before it
+            self._arrived.add(("F", stage - 1, mb) if direction == "F" else ("B", stage, mb))
         if key[0] == "F":
             metas = self.meta_in[key[1]]
             return tuple(

@@ -35,14 +35,15 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import warnings
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
-from torch.autograd.graph import GradientEdge, Node
+from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 from torch.utils import checkpoint as checkpoint_utils
 
 from lightning_twobp.engine import formulas
@@ -64,12 +65,35 @@ def deferred_fraction(stages: Iterable[Stage]) -> float:
     return 1.0 if deferred + early == 0 else deferred / (deferred + early)
 
 
+@dataclass(frozen=True)
+class _Sent:
+    """An output that was sent on and dropped (:meth:`Stage.drop_outputs`): its place in the graph and
+    its metadata, without its storage."""
+
+    edge: GradientEdge
+    shape: torch.Size
+    dtype: torch.dtype
+    device: torch.device
+
+
+def _root(o: torch.Tensor | _Sent) -> torch.Tensor | GradientEdge:
+    """What autograd starts from for an output: the tensor, or a dropped one's gradient edge."""
+    return o.edge if isinstance(o, _Sent) else o
+
+
+def _filled(o: torch.Tensor | _Sent, value: float) -> torch.Tensor:
+    """A gradient for output ``o``, every element ``value``."""
+    if isinstance(o, _Sent):
+        return torch.full(o.shape, value, dtype=o.dtype, device=o.device)
+    return torch.full_like(o, value)
+
+
 @dataclass
 class _Pending:
     """What one micro-batch holds between its F and its last B/W."""
 
     inputs: list[Any]  # the detached inputs, as the module saw them
-    outputs: list[torch.Tensor]  # tensor outputs that require grad (the graph's roots)
+    outputs: list[torch.Tensor | _Sent]  # tensor outputs that require grad (the graph's roots)
     out_spec: Any = None
     flat_out: list[Any] = field(default_factory=list)
     # Filled by B:
@@ -77,7 +101,7 @@ class _Pending:
     fast: list[tuple[formulas.FastW, tuple[Any, ...]]] = field(default_factory=list)  # with operands
     captured: dict[Node, tuple[torch.Tensor | None, ...]] = field(default_factory=dict)
     edge_grads: list[tuple[GradientEdge, torch.Tensor]] = field(default_factory=list)
-    weight_roots: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    weight_roots: list[tuple[torch.Tensor | GradientEdge, torch.Tensor]] = field(default_factory=list)
     backward_done: bool = False
 
 
@@ -147,23 +171,47 @@ class Stage:
         self._pending[mb] = _Pending(inputs=local, outputs=roots, out_spec=spec, flat_out=flat_out)
         return out
 
+    def drop_outputs(self, mb: int) -> None:
+        """Let go of micro-batch ``mb``'s outputs once the caller has sent them on (it holds them for
+        the send): B needs each output's place in the graph and its shape, not its storage.
+
+        Megatron-LM's ``deallocate_output_tensor`` replaces the output's ``.data`` and calls the C++
+        engine past the shape check; here the stage keeps the output's :class:`GradientEdge` and
+        metadata instead and B starts from the edge, so the user's tensors are never altered. The
+        storage goes when its last holder lets go (the send; not where autograd saved the output
+        itself, as a ReLU's, which then lives until B as before). Outputs without a ``grad_fn``
+        (an input passed through, a parameter) are kept: dropping them would free nothing.
+        """
+        p = self._take(mb)
+        sent = {
+            id(t): _Sent(get_gradient_edge(t), t.shape, t.dtype, t.device)
+            for t in p.outputs
+            if isinstance(t, torch.Tensor) and t.grad_fn is not None
+        }
+        p.outputs = [sent.get(id(t), t) for t in p.outputs]
+        p.flat_out = [sent.get(id(x), x if _is_tensor_requiring_grad(x) else None) for x in p.flat_out]
+
     # ------------------------------------------------------------------ helpers
     def _grad_outputs(self, mb: int, p: _Pending, grad_outputs: Any) -> list[torch.Tensor]:
         """Align ``grad_outputs`` with the outputs that require grad."""
         if grad_outputs is None:
-            if len(p.outputs) != 1 or p.outputs[0].numel() != 1:
+            if len(p.outputs) != 1 or math.prod(p.outputs[0].shape) != 1:
                 shapes = [tuple(t.shape) for t in p.outputs]
                 raise ValueError(
                     f"grad_outputs=None means dL/dL = 1, which needs a single scalar output (the loss); "
                     f"micro-batch {mb} produced outputs requiring grad of shapes {shapes}: pass their grads"
                 )
-            return [torch.ones_like(p.outputs[0])]
+            return [_filled(p.outputs[0], 1.0)]
         if isinstance(grad_outputs, torch.Tensor):
             grads: list[torch.Tensor | None] = [grad_outputs]
         else:
             flat, _ = pytree.tree_flatten(grad_outputs)
             if len(flat) == len(p.flat_out):  # given for every output: keep those that require grad
-                grads = [g for g, o in zip(flat, p.flat_out, strict=False) if _is_tensor_requiring_grad(o)]
+                grads = [
+                    g
+                    for g, o in zip(flat, p.flat_out, strict=False)
+                    if isinstance(o, _Sent) or _is_tensor_requiring_grad(o)
+                ]
             else:
                 grads = [g for g in flat if g is None or isinstance(g, torch.Tensor)]
         if len(grads) != len(p.outputs):
@@ -171,7 +219,7 @@ class Stage:
                 f"micro-batch {mb}: got {len(grads)} grad_outputs for {len(p.outputs)} outputs that "
                 f"require grad; pass one gradient (or None) per such output, in output order"
             )
-        return [torch.zeros_like(o) if g is None else g for g, o in zip(grads, p.outputs, strict=False)]
+        return [_filled(o, 0.0) if g is None else g for g, o in zip(grads, p.outputs, strict=False)]
 
     def _input_grads(self, p: _Pending, grads: Sequence[torch.Tensor | None]) -> tuple[Any, ...]:
         """One entry per positional input: its gradient, or None (non-tensor or no grad)."""
@@ -203,7 +251,7 @@ class Stage:
             param.grad.add_(grad)
 
     def _full_backward(
-        self, outputs: list[torch.Tensor], grads_out: list, inputs: list[torch.Tensor]
+        self, outputs: list[torch.Tensor | GradientEdge], grads_out: list, inputs: list[torch.Tensor]
     ) -> tuple[torch.Tensor | None, ...]:
         """The whole backward in one autograd call: accumulate every parameter's grad and return
         the grads of ``inputs``.
@@ -220,7 +268,8 @@ class Stage:
             return ()
         for x in inputs:
             x.grad = None
-        torch.autograd.backward(outputs, grads_out, inputs=leaves)
+        # A list mixing tensors and edges (a dropped output's) is accepted; torch's hint names one kind.
+        torch.autograd.backward(cast(list[torch.Tensor], outputs), grads_out, inputs=leaves)
         grads = tuple(x.grad for x in inputs)
         for x in inputs:
             x.grad = None  # the caller owns the gradient now; the detached input is dropped with the graph
@@ -246,7 +295,7 @@ class Stage:
         del self._pending[mb]
         if not p.outputs:
             return self._input_grads(p, [None] * len(inputs))
-        return self._input_grads(p, self._full_backward(p.outputs, grads_out, inputs))
+        return self._input_grads(p, self._full_backward([_root(o) for o in p.outputs], grads_out, inputs))
 
     # ------------------------------------------------------------------ B
     def backward_input(self, mb: int, grad_outputs: Any = None) -> tuple[Any, ...]:
@@ -260,7 +309,8 @@ class Stage:
         p.backward_done = True
         if not p.outputs:
             return self._input_grads(p, [None] * len(inputs))
-        plan = _plan(p.outputs, inputs, self._params) if inputs else None
+        roots = [_root(o) for o in p.outputs]
+        plan = _plan(roots, inputs, self._params) if inputs else None
         if plan is None or plan.fallback:
             # No input needs a gradient (a first stage fed token ids): nothing upstream waits for
             # this B and there is no input-grad half to split off; deferring would only hold the
@@ -268,7 +318,7 @@ class Stage:
             # way B runs the whole backward, accumulates .grad and frees the graph; W is a no-op.
             # (2BP's first stage, too, runs backward-p1 through every layer.)
             self.early_edges += 1 if plan is None else plan.num_early
-            grads = self._full_backward(p.outputs, grads_out, inputs)
+            grads = self._full_backward(roots, grads_out, inputs)
             p.outputs = []
             return self._input_grads(p, grads)
         self.deferred_edges += plan.num_deferred
@@ -285,7 +335,7 @@ class Stage:
             )
         # Outputs that do not reach any input (``return y, self.scale * 2``) feed only weights:
         # their whole backward is W's, from the output itself.
-        p.weight_roots = [(p.outputs[i], grads_out[i]) for i in plan.weight_roots]
+        p.weight_roots = [(roots[i], grads_out[i]) for i in plan.weight_roots]
 
         # The gradient into each formula's node is captured by the engine itself (an edge among the
         # targets: no Python call per node); frontier nodes need every output's, so a pre-hook.
@@ -295,7 +345,7 @@ class Stage:
             with _one_recompute():
                 operands = [f.bind() for f in plan.fast]  # read before the engine call frees the graph
                 grads = torch.autograd.grad(
-                    p.outputs,
+                    cast(list[torch.Tensor], roots),  # tensors and edges, as in _full_backward
                     inputs + plan.early_edges + [GradientEdge(n, 0) for n in fast_nodes],
                     grads_out,
                     allow_unused=True,
@@ -448,9 +498,13 @@ def _leaf_param(node: Node, params: dict[int, nn.Parameter]) -> nn.Parameter | N
     return var if var is not None and id(var) in params else None
 
 
-def _plan(outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor], params: dict[int, nn.Parameter]) -> _Plan:
-    """Classify the graph below ``outputs``: input path, weight-only region, frontier edges."""
-    order, children = _walk([o.grad_fn for o in outputs if o.grad_fn is not None])
+def _plan(
+    outputs: Sequence[torch.Tensor | GradientEdge], inputs: Sequence[torch.Tensor], params: dict[int, nn.Parameter]
+) -> _Plan:
+    """Classify the graph below ``outputs`` (tensors, or a dropped output's edge): input path,
+    weight-only region, frontier edges."""
+    nodes = [o.node if isinstance(o, GradientEdge) else o.grad_fn for o in outputs]
+    order, children = _walk([n for n in nodes if n is not None])
     _refuse_reentrant(order)
     reach = _reach(order, children, {id(x) for x in inputs}, params)
     split = _Split(reach, _sources(order, children, reach), params, _used_outputs(children))
@@ -460,9 +514,8 @@ def _plan(outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor], param
     to_input, to_param = reach.to_input, reach.to_param
     weight_roots = [
         i
-        for i, o in enumerate(outputs)
-        if (o.grad_fn is None and id(o) in params)
-        or (o.grad_fn is not None and not to_input[o.grad_fn] and to_param[o.grad_fn])
+        for i, (o, n) in enumerate(zip(outputs, nodes, strict=True))
+        if (n is None and id(o) in params) or (n is not None and not to_input[n] and to_param[n])
     ]
     if split.fallback:
         log.debug("weight-only node shared by several frontier nodes: W taken in B for this micro-batch")

@@ -83,8 +83,8 @@ class LayerCost:
 
 @dataclass(frozen=True)
 class StageCost:
-    """A run of layers as one stage (:func:`stage_cost`); ``message``, ``input_saved``, ``grad_held``
-    and ``input_held`` as in :class:`~.memory.MemoryCosts`."""
+    """A run of layers as one stage (:func:`stage_cost`); ``message``, ``input_saved``, ``grad_held``,
+    ``input_held`` and ``output_kept`` as in :class:`~.memory.MemoryCosts`."""
 
     f: float
     b: float
@@ -97,6 +97,7 @@ class StageCost:
     input_saved: float = 0.0
     grad_held: float = 0.0
     input_held: float = 0.0
+    output_kept: float = 0.0
 
 
 def stage_cost(layers: Sequence[LayerCost], first: bool) -> StageCost:
@@ -104,10 +105,11 @@ def stage_cost(layers: Sequence[LayerCost], first: bool) -> StageCost:
 
     A tensor saved on both sides of a layer boundary (a ReLU's output, the next Linear's input) counts
     once. The stage keeps its output from F until B (autograd's root), so that counts too unless the
-    last layer saves it anyway. A stage's graph is kept from B to W as soon as one layer needs it (one
-    ``retain_graph`` for the stage), and then it holds its whole activation plus what W reads. The first
-    stage, fed ids or images (no input gradient), runs its whole backward in B: its W costs nothing and
-    it holds nothing from B to W.
+    last layer saves it anyway (``output_kept``: where the next stage is on another rank the executor
+    drops it once sent, and the memory replay holds it as a message instead). A stage's graph is kept
+    from B to W as soon as one layer needs it (one ``retain_graph`` for the stage), and then it holds
+    its whole activation plus what W reads. The first stage, fed ids or images (no input gradient), runs
+    its whole backward in B: its W costs nothing and it holds nothing from B to W.
     """
     if not layers:
         raise ValueError("stage_cost needs one layer at least")
@@ -123,9 +125,10 @@ def stage_cost(layers: Sequence[LayerCost], first: bool) -> StageCost:
     w = sum(x.w for x in layers)
     fixed = sum(x.fixed for x in layers)
     last = layers[-1]
-    act += 0.0 if last.saves_output else last.output
+    kept_out = 0.0 if last.saves_output else last.output
+    act += kept_out
     if first:
-        return StageCost(f, b + w, 0.0, act, 0.0, fixed, False, last.output)
+        return StageCost(f, b + w, 0.0, act, 0.0, fixed, False, last.output, output_kept=kept_out)
     held += act if kept else 0.0
     first_layer = layers[0]
     return StageCost(
@@ -140,6 +143,7 @@ def stage_cost(layers: Sequence[LayerCost], first: bool) -> StageCost:
         first_layer.saved_input,
         last.grad_output_held,
         first_layer.input_held,
+        kept_out,
     )
 
 
@@ -188,6 +192,7 @@ class Profile:
             input_saved=[s.input_saved for s in st],
             grad_held=[s.grad_held for s in st],
             input_held=[s.input_held for s in st],
+            output_kept=[s.output_kept for s in st],
         )
         return Costs(
             f=[s.f for s in st], b=[s.b for s in st], w=[s.w for s in st], comm=self.comm.get(m, 0.0), memory=memory

@@ -20,15 +20,27 @@ rank's fixed bytes (weights, gradients, optimizer state, receive buffers) to rep
     peak_bytes[r] = sum_{s on r} fixed[s] + max_t sum_{s on r} (a_s(t) activation[s] + w_s(t) held[s])
 
 where ``a_s(t)`` counts stage s's micro-batches past F and not yet past B at list position t, and
-``w_s(t)`` those past B and not yet past W.
+``w_s(t)`` those past B and not yet past W; with messages between ranks, ``peak_bytes`` adds what a
+rank has sent and not yet let go of (:func:`send_releases`).
+
+**Sent messages.** A gloo send completes only once the receiver has posted the matching receive, and
+its work keeps the tensor until it is waited. Waiting on it too early can deadlock (both neighbours
+sending to each other), so a rank waits on a send only once it has *proof* that the receive is
+posted: it has received a message that the receiver posted in the same batch as that receive or
+later. :func:`send_releases` finds, per rank, the first compute action at whose end that holds. In
+1F1B's steady state, the activation a rank sends with F k+1 goes at B k (whose gradient the next rank
+sent after it posted the receive of k+1); without such a message it waits until the step's end.
 """
 
 from __future__ import annotations
 
+import bisect
+import itertools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from .ir import Action, Schedule
+from .lower import Comm, Op, lower_communication, message
 from .per_stage import PerStage, check_stage_count, stage_value, store_per_stage
 
 __all__ = [
@@ -40,9 +52,11 @@ __all__ = [
     "peak_inflight",
     "replay_memory",
     "row_peak",
+    "send_releases",
 ]
 
-_FIELDS = ("activation", "held", "fixed", "message", "input_saved", "grad_held", "input_held")
+_FIELDS = ("activation", "held", "fixed", "message", "input_saved", "grad_held", "input_held", "output_kept")
+Message = tuple[str, int, int]  # (direction F/B, edge stage, micro-batch): :func:`.lower.message`
 # Bytes of one (stage, micro-batch): a number for all, one per stage, or one per (stage, micro-batch).
 PerPair = PerStage | Mapping[tuple[int, int], float] | Callable[[int, int], float]
 
@@ -61,7 +75,11 @@ class MemoryCosts:
     is on another rank the executor receives into buffers kept for the whole run, one per micro-batch
     and direction, so those parts are counted there, as fixed bytes. Where the previous stage is on
     the same rank, the input is that stage's output, which it holds until its own B, after this
-    stage's B: ``input_saved`` is counted there.
+    stage's B: ``input_saved`` is counted there. ``output_kept``, the part of ``activation`` that is
+    the stage's output kept only as the root of its graph (0 when its last layer saves it anyway):
+    where the next stage is remote the executor lets the stage drop it once it is sent, so it is
+    held as a sent message instead (:func:`send_releases`); an input gradient sent back is held the
+    same way, ``message`` of the previous stage.
 
     The unit defaults (1, 1, 0; no messages) make peak bytes the count of (stage, micro-batch) pairs
     held from F to their last backward action, so callers that pass no memory costs see ``peak_inflight``.
@@ -74,6 +92,7 @@ class MemoryCosts:
     input_saved: PerStage = 0
     grad_held: PerStage = 0
     input_held: PerStage = 0
+    output_kept: PerStage = 0
 
     def __post_init__(self) -> None:
         store_per_stage(self, "MemoryCosts", _FIELDS)
@@ -102,11 +121,16 @@ class MemoryCosts:
 
     def placed(self, schedule: Schedule) -> tuple[tuple[float, ...], tuple[float, ...]]:
         """Per stage, ``activation`` and ``held`` less what is counted elsewhere on this layout: in a
-        receive buffer, or (the input from F to B) as the previous stage's output."""
+        receive buffer, (the input from F to B) as the previous stage's output, or (the output sent
+        on) as a message (:func:`peak_bytes`)."""
         act, held = [], []
         for s in range(schedule.num_stages):
             remote_in, remote_out = _remote(schedule, s)
-            act.append(self.of("activation", s) - (self.of("input_saved", s) if s > 0 else 0.0))
+            act.append(
+                self.of("activation", s)
+                - (self.of("input_saved", s) if s > 0 else 0.0)
+                - (self.of("output_kept", s) if remote_out else 0.0)
+            )
             held.append(
                 self.of("held", s)
                 - (self.of("grad_held", s) if remote_out else 0.0)
@@ -188,10 +212,129 @@ def _walk(row: Sequence[Action], activation: PerPair, held: PerPair):
 
 
 def peak_bytes(schedule: Schedule, memory: MemoryCosts) -> tuple[float, ...]:
-    """Per rank: its fixed bytes plus the most its micro-batches hold at once (the module's formula),
-    the messages placed (:meth:`MemoryCosts.placed`, :meth:`MemoryCosts.fixed_of`)."""
-    held = replay_memory(schedule, *memory.placed(schedule)).per_rank
-    return tuple(fixed + h for fixed, h in zip(memory.fixed_of(schedule), held, strict=False))
+    """Per rank: its fixed bytes plus the most its micro-batches and its sent messages hold at once
+    (the module's formula), the messages placed (:meth:`MemoryCosts.placed`,
+    :meth:`MemoryCosts.fixed_of`, :func:`send_releases`)."""
+    act, keep = memory.placed(schedule)
+    sent = _sent_levels(schedule, memory)
+    peaks = []
+    for r, row in enumerate(schedule.actions):
+        levels = (sum(now.values()) for now in _walk(row, act, keep))
+        peaks.append(max((level + extra for level, extra in zip(levels, sent[r], strict=True)), default=0.0))
+    return tuple(fixed + h for fixed, h in zip(memory.fixed_of(schedule), peaks, strict=False))
+
+
+def _sent_levels(schedule: Schedule, memory: MemoryCosts) -> list[list[float]]:
+    """Per rank, the bytes it has sent and not let go of at the end of each action of its row: a
+    message is held from the action that made it (in the executor's outbox, then in its send) to the
+    end of its release action (:func:`send_releases`), or to the step's end."""
+    if not any(memory.of(name, s) for name in ("message", "output_kept") for s in range(schedule.num_stages)):
+        return [[0.0] * len(row) for row in schedule.actions]  # nothing crosses ranks: skip the lowering
+    change = [[0.0] * (len(row) + 1) for row in schedule.actions]  # per position: what starts or ends there
+    lowered = lower_communication(schedule)
+    for r, (ops, releases) in enumerate(zip(lowered, send_releases(lowered), strict=True)):
+        position = _positions(ops)
+        made = {(a.kind, a.stage, a.microbatch): position[i] for i, a in enumerate(ops) if isinstance(a, Action)}
+        gone = {x: position[j] for j, pairs in releases.items() for x, _ in pairs}
+        for op in ops:
+            if not (isinstance(op, Comm) and op.is_send):
+                continue
+            s, mb = op.stage, op.microbatch
+            if op.kind == "SEND_F":
+                size, start = memory.of("output_kept", s), made[("F", s, mb)]
+            else:
+                kind = "B" if ("B", s, mb) in made else "BW"
+                size, start = memory.of("message", s - 1), made[(kind, s, mb)]
+            end = gone.get(message(op), len(schedule.actions[r]))
+            change[r][start] += size
+            change[r][end] -= size
+    return [list(itertools.accumulate(c[:-1])) for c in change]
+
+
+def _positions(ops: Sequence[object]) -> list[int]:
+    """Per op of a lowered row, the index in the schedule's row of the last action at or before it."""
+    out, k = [], -1
+    for op in ops:
+        k += isinstance(op, Action)
+        out.append(k)
+    return out
+
+
+def send_releases(
+    lowered: Sequence[Sequence[Op | object]],
+) -> tuple[dict[int, tuple[tuple[Message, Message], ...]], ...]:
+    """Per rank of a lowered schedule: op index ``j`` of a compute action -> the messages this rank
+    sent that it may wait on and let go of at the end of that action, each with its proof, the
+    message received from the same peer that shows the receive is posted (the module docstring).
+
+    The proof for a message X sent to rank B is any message Y that B sends back, posted in the batch
+    where B posts X's receive or later: once this rank holds Y, B has posted X's receive (inside one
+    batch, every op is posted before the call returns, so even a Y posted before X's receive in that
+    batch shows it will be, with nothing more from this rank). X is let go at the end of the first
+    compute action at or after both its own post and the receipt of its earliest such Y; a message
+    with no such Y is let go at the step's end. Ops that are neither :class:`Comm` nor
+    :class:`Action` (a data-parallel reduce) are skipped. Only direct proofs count (none through a
+    third rank): fewer releases, never a wrong one. Y must carry tensors to prove anything, which
+    the executor checks when it lets go (an edge whose stages pass no gradients proves nothing).
+    """
+    posted, consumer = [], []
+    for ops in lowered:
+        batch: dict[tuple[bool, Message], tuple[int, int]] = {}  # (is send, message) -> (batch start, peer)
+        start, at = -1, {}
+        for i, op in enumerate(ops):
+            if isinstance(op, Comm):
+                start = i if start < 0 else start
+                batch[(op.is_send, message(op))] = (start, op.peer)
+            else:
+                start = -1
+                if isinstance(op, Action) and op.kind != "W":
+                    at[(op.kind[0], op.stage, op.microbatch)] = i  # BW waits like B
+        posted.append(batch)
+        # a received message is waited for by its consumer: RECV_F(s) by F(s), RECV_B(s) by B or BW(s)
+        consumer.append(
+            {
+                msg: at[("F", msg[1] + 1, msg[2]) if msg[0] == "F" else ("B", msg[1], msg[2])]
+                for (send, msg) in batch
+                if not send
+            }
+        )
+    return tuple(_releases(r, lowered[r], posted, consumer) for r in range(len(lowered)))
+
+
+def _releases(
+    r: int,
+    ops: Sequence[Op | object],
+    posted: list[dict[tuple[bool, Message], tuple[int, int]]],
+    consumer: list[dict[Message, int]],
+) -> dict[int, tuple[tuple[Message, Message], ...]]:
+    """:func:`send_releases` for rank ``r``."""
+    computes = [i for i, op in enumerate(ops) if isinstance(op, Action)]
+    earliest = {peer: _earliest_proofs(posted[peer], consumer[r], r) for peer in range(len(posted)) if peer != r}
+    out: dict[int, list[tuple[Message, Message]]] = {}
+    for (send, x), (at, peer) in posted[r].items():
+        if not send:
+            continue
+        batches, best = earliest[peer]
+        k = bisect.bisect_left(batches, posted[peer][(False, x)][0])  # proofs posted with the receive or later
+        if k == len(batches):
+            continue
+        when, y = best[k]
+        c = bisect.bisect_left(computes, max(when, at + 1))
+        if c < len(computes):
+            out.setdefault(computes[c], []).append((x, y))
+    return {j: tuple(v) for j, v in sorted(out.items())}
+
+
+def _earliest_proofs(
+    sent: dict[tuple[bool, Message], tuple[int, int]], consumer: dict[Message, int], r: int
+) -> tuple[list[int], list[tuple[int, Message]]]:
+    """The messages a peer sends rank ``r`` by the batch it posts them in, ascending, and for each
+    position the earliest receipt on ``r`` among those posted there or later (a suffix minimum)."""
+    back = sorted((q, consumer[y], y) for (is_send, y), (q, to) in sent.items() if is_send and to == r)
+    best: list[tuple[int, Message]] = []
+    for _, when, y in reversed(back):
+        best.append(min((when, y), best[-1]) if best else (when, y))
+    return [q for q, _, _ in back], best[::-1]
 
 
 def peak_inflight(schedule: Schedule) -> tuple[int, ...]:
