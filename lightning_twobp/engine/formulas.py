@@ -36,7 +36,7 @@ from torch.autograd.graph import GradientEdge, Node
 
 from lightning_twobp.engine.graph import READS, SavedUnavailable, edge_shape, peek, saved, unreadable
 
-__all__ = ["FastW", "direct"]
+__all__ = ["FastW", "by_product", "direct", "flags", "relabel"]
 
 Target = Union[nn.Parameter, GradientEdge]  # noqa: UP007 (a runtime alias)
 Accumulate = Callable[[nn.Parameter, torch.Tensor], None]
@@ -241,6 +241,57 @@ _FINDERS = {
     "NativeLayerNormBackward0": _layer("layer_norm"),
     "EmbeddingBackward0": _embedding_node,
 }
+
+
+# Nodes whose weight gradients B's own call makes for (almost) nothing: their input gradient needs the
+# per-channel reductions (sum of the gradient, of the gradient times the normalised input) that the
+# scale and bias gradients are, so a W formula would compute those reductions a second time. Measured
+# on ResNet-50's blocks (docs/benchmarks.md): the W half of ``native_batch_norm_backward`` cost as much as
+# the whole fused call's reductions. An eval-mode batch norm uses fixed statistics (its input gradient
+# needs no reduction), so its weights keep the W formula.
+_BY_PRODUCT = {"NativeBatchNormBackward0": "training", "NativeGroupNormBackward0": None}
+
+
+def by_product(node: Node) -> bool:
+    """Whether B should take ``node``'s weight edges as targets of its own engine call (the values the
+    node computes for its input gradient anyway; no ATen call in W)."""
+    name = node.name()
+    if name not in _BY_PRODUCT:
+        return False
+    flag = _BY_PRODUCT[name]
+    return flag is None or bool(saved(node, flag))
+
+
+# The saved values a plan's choices read, per node kind (a plan cached per graph shape keys on them).
+_FLAGS = {
+    "AddmmBackward0": ("alpha", "beta"),
+    "AddBackward0": ("alpha",),
+    "EmbeddingBackward0": ("sparse",),
+    "NativeBatchNormBackward0": ("training",),
+}
+
+
+def flags(node: Node) -> tuple[Any, ...]:
+    """The saved values of ``node`` that :func:`direct` and :func:`by_product` decide on."""
+    names = _FLAGS.get(node.name(), ())
+    try:
+        return tuple(saved(node, n) for n in names)
+    except SavedUnavailable as e:  # planning will say so (and take the slow path): key on the reason
+        return (str(e),)
+
+
+def relabel(f: FastW, node: Callable[[Any], Any]) -> FastW:
+    """``f`` with its node and edge targets mapped through ``node`` (a cached plan's positions to this
+    micro-batch's nodes, or back). A broadcast operand's shape is read again from the new edge: a
+    weight-only region may be shaped by the micro-batch (a position table cut to its length)."""
+    targets = tuple(
+        t if t is None or isinstance(t, nn.Parameter) else GradientEdge(node(t.node), t.output_nr) for t in f.targets
+    )
+    static = f.static
+    edge = targets[0]
+    if f.kind in ("add", "mul") and isinstance(edge, GradientEdge) and not isinstance(edge.node, int):
+        static = (edge_shape(edge.node, edge.output_nr),)
+    return f._replace(node=node(f.node), targets=targets, static=static)
 
 
 def direct(
