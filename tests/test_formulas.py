@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_twobp.engine import Stage
+from lightning_twobp.engine import Stage, formulas
 from lightning_twobp.models.bert import BertLayer
 from lightning_twobp.models.mamba import MambaBlock, MambaConfig
 from lightning_twobp.models.resnet import Bottleneck
@@ -154,3 +154,29 @@ def test_a_cached_plan_follows_a_weight_region_shaped_by_the_micro_batch():
 def test_a_cached_plan_is_not_reused_when_a_saved_flag_changes():
     stage = _split_vs_fused(Scaled, [torch.randn(4, 6) for _ in range(4)], alphas=[1.0, 2.0, 1.0, 2.0])
     assert len(stage._plans._plans) == 1, "one graph shape: the plan re-made on each change, not added"
+
+
+@pytest.mark.parametrize("name", ["resnet-bottleneck", "bert-layer", "mamba-block"])
+@pytest.mark.parametrize("limit", [0, 1 << 30])
+def test_batched_w_joins_micro_batches_and_matches_the_fused_backward(name, limit, monkeypatch):
+    make, shape = CASES[name]
+    joined = []
+    real = formulas.batched
+    monkeypatch.setattr(formulas, "batched", lambda entries: joined.append(len(entries)) or real(entries))
+    torch.manual_seed(0)
+    ref = make()
+    mod = copy.deepcopy(ref)
+    stage = Stage(mod)
+    stage.batch_w_bytes = limit
+    xs = [torch.randn(shape) for _ in range(3)]
+    for mb, x in enumerate(xs):
+        out = ref(x.clone().requires_grad_())
+        g = torch.randn_like(out)
+        out.backward(g)
+        stage.forward(mb, x.clone().requires_grad_())
+        stage.backward_input(mb, g)
+    stage.backward_weight([0, 1, 2])
+    assert (set(joined) == {3}) if limit else not joined, joined
+    for (n, q), r in zip(mod.named_parameters(), ref.parameters(), strict=True):
+        # joined: one sum over three micro-batches, rounded differently from three accumulated sums
+        torch.testing.assert_close(q.grad, r.grad, rtol=1e-5, atol=1e-6 * r.grad.abs().max().item(), msg=n)

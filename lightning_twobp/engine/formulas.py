@@ -36,7 +36,7 @@ from torch.autograd.graph import GradientEdge, Node
 
 from lightning_twobp.engine.graph import READS, SavedUnavailable, edge_shape, peek, saved, unreadable
 
-__all__ = ["FastW", "by_product", "direct", "flags", "relabel"]
+__all__ = ["FastW", "batch_key", "batched", "by_product", "direct", "flags", "relabel"]
 
 Target = Union[nn.Parameter, GradientEdge]  # noqa: UP007 (a runtime alias)
 Accumulate = Callable[[nn.Parameter, torch.Tensor], None]
@@ -150,6 +150,40 @@ _FORMULAS: dict[str, Callable[[torch.Tensor, tuple, FastW], tuple[torch.Tensor |
     "layer_norm": _layer_norm,
     "embedding": _embedding,
 }
+
+
+# ---------------------------------------------------------------------------------------------- batched W
+# The 2BP paper's batched W (§4): the weight GEMMs of several micro-batches as one, their gradients and
+# inputs concatenated along the token (or image) dimension: one call sums over all of them, which is the
+# sum of the per-micro-batch calls. Per kind, the operand positions concatenated with the gradient.
+_BATCHED = {"mm": (0,), "mm_in_out": (0,), "sum": (), "conv": (0,)}
+# Only a micro-batch whose gradient is at most this big is concatenated: the copy costs the bytes of the
+# gradient and input once more (one weight at a time, freed before the next), and pays only where one
+# call per micro-batch is dominated by its fixed cost (docs/benchmarks.md, "batched W").
+BATCH_BYTES = 256 * 1024
+
+
+def batch_key(f: FastW, grad: torch.Tensor, operand: tuple[Any, ...], limit: int = BATCH_BYTES) -> tuple | None:
+    """What the entries of several micro-batches that :func:`batched` may join share (None: apply alone,
+    as a gradient over ``limit`` bytes is)."""
+    cat = _BATCHED.get(f.kind)
+    if cat is None or grad.numel() * grad.element_size() > limit:
+        return None
+    if not all(t is None or isinstance(t, nn.Parameter) for t in f.targets):
+        return None  # an edge into a weight-only region: pushed through autograd per micro-batch
+    joined = tuple((operand[k].shape[1:], operand[k].dtype) for k in cat)
+    rest = tuple(o for k, o in enumerate(operand) if k not in cat and not isinstance(o, torch.Tensor))
+    return (f.kind, f.positions, tuple(map(id, f.targets)), grad.shape[1:], grad.dtype, joined, rest)
+
+
+def batched(entries: list[tuple[FastW, torch.Tensor, tuple[Any, ...]]]) -> tuple[FastW, torch.Tensor, tuple[Any, ...]]:
+    """One formula call's (formula, gradient, operands) for entries of one :func:`batch_key`: gradients
+    and the joined operands concatenated along dimension 0 (a conv's weight operand gives only its shape)."""
+    f, _, first = entries[0]
+    cat = _BATCHED[f.kind]
+    grad = torch.cat([g for _, g, _ in entries])
+    operand = tuple(torch.cat([o[k] for _, _, o in entries]) if k in cat else x for k, x in enumerate(first))
+    return f, grad, operand
 
 
 # ---------------------------------------------------------------------------------------------- finding them

@@ -106,6 +106,11 @@ class Stage:
         self._warned = False  # the slow-path warning, once per stage
         self._looked = False  # the first F's graph searched for a reentrant checkpoint
         self._plans = _PlanCache()  # B's plan per graph shape: every micro-batch after the first reuses it
+        # W of several micro-batches joins each weight's gradients up to this many bytes per micro-batch into
+        # one call (formulas.batch_key). Off by default: the joined sum rounds differently from the fused
+        # backward's per-micro-batch accumulation (fp32: ~1e-7 of the gradient's largest value, not
+        # bit-equal); formulas.BATCH_BYTES turns it on where the benchmark shows it pays.
+        self.batch_w_bytes = 0
 
     # ------------------------------------------------------------------ bookkeeping
     def refresh_parameters(self) -> None:
@@ -338,10 +343,8 @@ class Stage:
             if p.weight_roots:
                 self._full_backward([t for t, _ in p.weight_roots], [g for _, g in p.weight_roots], [])
             edge_grads.extend(p.edge_grads)
-            for f, operand in p.fast:
-                recorded = p.captured.get(f.node)
-                if recorded is not None and recorded[0] is not None:
-                    edge_grads.extend(f.apply(recorded[0], operand, self._accumulate_fresh))
+        edge_grads.extend(self._apply_formulas(pend))
+        for p in pend:
             for node, edges in p.frontier:
                 recorded = p.captured.get(node)
                 if recorded is None:
@@ -361,6 +364,26 @@ class Stage:
         self._push_to_params(edge_grads)
         for m in mbs:
             del self._pending[m]
+
+    def _apply_formulas(self, pend: list[_Pending]) -> list[tuple[GradientEdge, torch.Tensor]]:
+        """Every formula of ``pend``'s micro-batches; a weight's small micro-batches joined into one call
+        (:func:`formulas.batched`). Returns the gradients of edge targets, to push through autograd."""
+        edge_grads: list[tuple[GradientEdge, torch.Tensor]] = []
+        groups: dict[tuple, list[tuple[formulas.FastW, torch.Tensor, tuple[Any, ...]]]] = {}
+        for p in pend:
+            for f, operand in p.fast:
+                recorded = p.captured.get(f.node)
+                if recorded is None or recorded[0] is None:
+                    continue
+                key = formulas.batch_key(f, recorded[0], operand, self.batch_w_bytes) if len(pend) > 1 else None
+                if key is None:
+                    edge_grads.extend(f.apply(recorded[0], operand, self._accumulate_fresh))
+                else:
+                    groups.setdefault(key, []).append((f, recorded[0], operand))
+        for entries in groups.values():
+            f, grad, operand = entries[0] if len(entries) == 1 else formulas.batched(entries)
+            edge_grads.extend(f.apply(grad, operand, self._accumulate_fresh))
+        return edge_grads
 
     @classmethod
     def _accumulate_fresh(cls, param: nn.Parameter, grad: torch.Tensor) -> None:
