@@ -10,7 +10,7 @@ import time
 
 import torch
 
-from lightning_twobp.engine import Stage, formulas
+from lightning_twobp.engine import Stage
 from lightning_twobp.models.llama import Block, LlamaConfig
 
 
@@ -19,8 +19,8 @@ def bench_split(tokens: int = 512, repeats: int = 21, seq: int = 128, batch: int
 
     BW is plain ``loss.backward()``-style autograd (``out.backward(grad)``) on the block; B + W is
     :class:`Stage`'s split. With ``batch`` = K > 1 each sample is K micro-batches: K fused backwards
-    against K B's and one W over all K, twice: each weight's K GEMMs joined into one (``batched``, the
-    2BP paper's batched W) and one per micro-batch (``stage.batch_w_bytes = 0``). Each sample starts from
+    against K B's and one W over all K, twice: each weight's K GEMMs joined into one (the 2BP paper's
+    batched W, whatever the size) and one per micro-batch (``stage.batch_w_bytes = 0``). Each sample starts from
     ``.grad = None``, so all pay the first accumulation. Medians over ``repeats`` samples after 3 warm-ups.
     """
     threads = torch.get_num_threads()
@@ -67,12 +67,12 @@ def _sample(block: torch.nn.Module, stage: Stage, xs: list[torch.Tensor], g: tor
         y.backward(g)
         out["fused"] += time.perf_counter() - t0
         x.grad = None
-    for key, limit in (("w", None), ("w_each", 0)):
+    for key, limit in (("w", 1 << 62), ("w_each", 0)):  # every weight joined; none joined
         if key == "w_each" and len(xs) == 1:
             out["w_each"] = out["w"]
             break
         block.zero_grad(set_to_none=True)
-        stage.batch_w_bytes = formulas.BATCH_BYTES if limit is None else limit
+        stage.batch_w_bytes = limit
         b = 0.0
         for m, x in enumerate(xs):
             stage.forward(m, x)

@@ -18,6 +18,9 @@ node                       W
 =========================  =====================================================================
 
 These are the calls ``derivatives.yaml`` makes for the fused backward, so the values are the fused ones.
+A training batch norm (and a group norm) is the exception: its scale and bias gradients are the
+reductions its input gradient needs, so B's own call takes them (:func:`by_product`) and W computes
+nothing for it. W over several micro-batches may join each weight's calls into one (:func:`batched`).
 B's engine call skips the weight halves by itself (the weight edges are not among its targets, so each
 node's output mask leaves them out). A target is a parameter (accumulated into ``.grad``) or, where the
 weight reaches the parameter through weight-only ops (``-exp(A_log)``, a dtype cast), the edge into that
@@ -160,7 +163,7 @@ _BATCHED = {"mm": (0,), "mm_in_out": (0,), "sum": (), "conv": (0,)}
 # Only a micro-batch whose gradient is at most this big is concatenated: the copy costs the bytes of the
 # gradient and input once more (one weight at a time, freed before the next), and pays only where one
 # call per micro-batch is dominated by its fixed cost (docs/benchmarks.md, "batched W").
-BATCH_BYTES = 256 * 1024
+BATCH_BYTES = 512 * 1024
 
 
 def batch_key(f: FastW, grad: torch.Tensor, operand: tuple[Any, ...], limit: int = BATCH_BYTES) -> tuple | None:
