@@ -30,6 +30,8 @@ def test_bench_quick_writes_every_configuration(tmp_path, capsys):
 def test_split_ratio_harness():
     r = bench_split(tokens=32, repeats=2, seq=16)
     assert r["deferred_fraction"] == 1.0 and r["bw_ms"] > 0 and r["median_ratio"] > 0
+    r = bench_split(tokens=32, repeats=2, seq=16, batch=3)
+    assert r["batch"] == 3 and r["median_ratio"] > 0 and r["median_ratio_unbatched"] > 0
 
 
 def test_paper_blocks_harness_gives_each_model_a_ratio():

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_twobp.engine import Stage
+from lightning_twobp.engine import Stage, formulas
 from lightning_twobp.models.bert import BertLayer
 from lightning_twobp.models.mamba import MambaBlock, MambaConfig
 from lightning_twobp.models.resnet import Bottleneck
@@ -82,3 +82,101 @@ def test_every_weight_takes_a_formula_and_matches_the_fused_backward(name):
     for (n, q), r in zip(mod.named_parameters(), ref.parameters(), strict=True):
         torch.testing.assert_close(q.grad, r.grad, rtol=1e-5, atol=1e-6, msg=n)
         assert q.grad.stride() == r.grad.stride(), f"{n}.grad is not laid out like the fused one"
+
+
+class PosTable(nn.Module):
+    """A position table cut to the micro-batch's length: the weight-only region's shape follows the input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pos = nn.Parameter(torch.randn(8, 6))
+        self.lin = nn.Linear(6, 6)
+
+    def forward(self, x):
+        return self.lin(x + self.pos[: x.shape[1]])
+
+
+class Scaled(nn.Module):
+    """A shift added with ``alpha`` that changes between micro-batches: the same graph shape, a different
+    saved flag (alpha 1 has a formula; any other goes back through autograd)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(6, 6)
+        self.shift = nn.Parameter(torch.randn(6))
+        self.alpha = 1.0
+
+    def forward(self, x):
+        return torch.add(self.lin(x), self.shift, alpha=self.alpha)
+
+
+def _split_vs_fused(make, xs, alphas=None):
+    """Each micro-batch's F and B in turn, then one W over all; input and parameter grads against the
+    fused backward of a copy. ``alphas``: the module's ``alpha`` per micro-batch. Returns the stage."""
+    torch.manual_seed(0)
+    ref = make()
+    mod = copy.deepcopy(ref)
+    stage = Stage(mod)
+    for mb, x in enumerate(xs):
+        if alphas is not None:
+            ref.alpha = mod.alpha = alphas[mb]
+        xr = x.clone().requires_grad_()
+        out = ref(xr)
+        g = torch.randn_like(out)
+        out.backward(g)
+        stage.forward(mb, x.clone().requires_grad_())
+        (gx,) = stage.backward_input(mb, g)
+        torch.testing.assert_close(gx, xr.grad, rtol=1e-5, atol=1e-6)
+    stage.backward_weight(list(range(len(xs))))
+    for (n, q), r in zip(mod.named_parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(q.grad, r.grad, rtol=1e-5, atol=1e-6, msg=n)
+    return stage
+
+
+def test_training_batch_norm_weights_come_with_b_and_match_the_fused_backward():
+    torch.manual_seed(0)
+    stage = Stage(Bottleneck(16, 4, stride=2))
+    stage.forward(0, torch.randn(2, 16, 8, 8).requires_grad_())
+    stage.backward_input(0, torch.randn(2, 16, 4, 4))
+    kinds = {f.kind for f, _ in stage._pending[0].fast}
+    assert "batch_norm" not in kinds and "conv" in kinds, kinds
+    assert len(stage._pending[0].edge_grads) == 8, "each batch norm's scale and bias from B's own call"
+    assert all(q.grad is None for q in stage.module.parameters()), "B accumulated weight grads"
+    stage.backward_weight(0)
+    assert stage.deferred_fraction == 1.0, "a batch norm's free by-products are not counted as taken in B"
+
+
+def test_a_cached_plan_follows_a_weight_region_shaped_by_the_micro_batch():
+    stage = _split_vs_fused(PosTable, [torch.randn(2, 5, 6), torch.randn(2, 3, 6), torch.randn(2, 5, 6)])
+    assert len(stage._plans._plans) == 1, "one graph shape, one plan"
+
+
+def test_a_cached_plan_is_not_reused_when_a_saved_flag_changes():
+    stage = _split_vs_fused(Scaled, [torch.randn(4, 6) for _ in range(4)], alphas=[1.0, 2.0, 1.0, 2.0])
+    assert len(stage._plans._plans) == 1, "one graph shape: the plan re-made on each change, not added"
+
+
+@pytest.mark.parametrize("name", ["resnet-bottleneck", "bert-layer", "mamba-block"])
+@pytest.mark.parametrize("limit", [0, 1 << 30])
+def test_batched_w_joins_micro_batches_and_matches_the_fused_backward(name, limit, monkeypatch):
+    make, shape = CASES[name]
+    joined = []
+    real = formulas.batched
+    monkeypatch.setattr(formulas, "batched", lambda entries: joined.append(len(entries)) or real(entries))
+    torch.manual_seed(0)
+    ref = make()
+    mod = copy.deepcopy(ref)
+    stage = Stage(mod)
+    stage.batch_w_bytes = limit
+    xs = [torch.randn(shape) for _ in range(3)]
+    for mb, x in enumerate(xs):
+        out = ref(x.clone().requires_grad_())
+        g = torch.randn_like(out)
+        out.backward(g)
+        stage.forward(mb, x.clone().requires_grad_())
+        stage.backward_input(mb, g)
+    stage.backward_weight([0, 1, 2])
+    assert (set(joined) == {3}) if limit else not joined, joined
+    for (n, q), r in zip(mod.named_parameters(), ref.parameters(), strict=True):
+        # joined: one sum over three micro-batches, rounded differently from three accumulated sums
+        torch.testing.assert_close(q.grad, r.grad, rtol=1e-5, atol=1e-6 * r.grad.abs().max().item(), msg=n)

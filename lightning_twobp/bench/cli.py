@@ -4,7 +4,7 @@
 twobp-bench [--json PATH] [--repeats N] [--timelines DIR] [--quick]
 twobp-bench --peer [--rounds N] [--steps K] [--out DIR] [--only LABEL ...] [--quick]
 twobp-bench --trainer [--json PATH] [--repeats N] [--only LABEL ...] [--quick]
-twobp-bench --split [--tokens 512 256 64]
+twobp-bench --split [--tokens 512 256 64] [--batch-w K]
 twobp-bench --split --paper-blocks [--repeats N] [--quick]
 twobp-bench --soak N [--python-memory] [--json PATH]
 twobp-bench --paper [--out DIR] [--quick] [--repeats N]
@@ -80,6 +80,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--timelines", metavar="DIR", help="draw each configuration's recorded step as DIR/measured-*.png")
     ap.add_argument("--tokens", type=int, nargs="+", default=[512, 256, 64], help="--split: tokens per micro-batch")
     ap.add_argument(
+        "--batch-w", type=int, default=1, metavar="K", help="--split: one W over K micro-batches (batched W)"
+    )
+    ap.add_argument(
         "--paper-blocks",
         action="store_true",
         help="--split: (B + W) / BW of the --paper models' layers, thread CPU time (--repeats, --quick)",
@@ -117,10 +120,12 @@ def _split(args: argparse.Namespace) -> None:
         for name, ratio in bench_paper_blocks(repeats=args.repeats, quick=args.quick).items():
             print(f"{name:<8}(B+W)/BW {ratio:.3f}")
         return
-    print(f"{'tokens':>7}{'BW ms':>9}{'B ms':>9}{'W ms':>9}{'(B+W)/BW':>10}")
+    k = args.batch_w
+    print(f"{'tokens':>7}{'K':>3}{'BW ms':>9}{'B ms':>9}{'W ms':>9}{'(B+W)/BW':>10}{'W unbatched':>13}")
     for n in args.tokens:
-        r = bench_split(n)
-        print(f"{n:>7}{r['bw_ms']:>9.2f}{r['b_ms']:>9.2f}{r['w_ms']:>9.2f}{r['median_ratio']:>10.3f}")
+        r = bench_split(n, batch=k)
+        ratios = f"{r['median_ratio']:>10.3f}{r['median_ratio_unbatched']:>13.3f}"
+        print(f"{n:>7}{k:>3}{r['bw_ms']:>9.2f}{r['b_ms']:>9.2f}{r['w_ms']:>9.2f}{ratios}")
 
 
 def _soak(args: argparse.Namespace) -> None:

@@ -1,6 +1,6 @@
 """(B + W) / BW on one block: what the split backward costs over the fused one.
 
-twobp-bench --split [--tokens 512 256 64]
+twobp-bench --split [--tokens 512 256 64] [--batch-w K]
 """
 
 from __future__ import annotations
@@ -14,12 +14,14 @@ from lightning_twobp.engine import Stage
 from lightning_twobp.models.llama import Block, LlamaConfig
 
 
-def bench_split(tokens: int = 512, repeats: int = 21, seq: int = 128) -> dict:
+def bench_split(tokens: int = 512, repeats: int = 21, seq: int = 128, batch: int = 1) -> dict:
     """(B + W) / BW on one block of the tiny LLaMa (hidden 512, 8 heads), one thread, alternated.
 
     BW is plain ``loss.backward()``-style autograd (``out.backward(grad)``) on the block; B + W is
-    :class:`Stage`'s split. Each pair starts from ``.grad = None``, so both pay the first
-    accumulation. Medians over ``repeats`` pairs after 3 warm-up pairs.
+    :class:`Stage`'s split. With ``batch`` = K > 1 each sample is K micro-batches: K fused backwards
+    against K B's and one W over all K, twice: each weight's K GEMMs joined into one (the 2BP paper's
+    batched W, whatever the size) and one per micro-batch (``stage.batch_w_bytes = 0``). Each sample starts from
+    ``.grad = None``, so all pay the first accumulation. Medians over ``repeats`` samples after 3 warm-ups.
     """
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -27,42 +29,61 @@ def bench_split(tokens: int = 512, repeats: int = 21, seq: int = 128) -> dict:
         torch.manual_seed(0)
         seq = min(seq, tokens)
         block = Block(LlamaConfig(dim=512, n_heads=8, max_seq_len=seq))
-        x = torch.randn(tokens // seq, seq, 512)
-        g = torch.randn_like(x)
+        xs = [torch.randn(tokens // seq, seq, 512) for _ in range(batch)]
+        g = torch.randn_like(xs[0])
         stage = Stage(block)
-        fused, b, w = [], [], []
+        times: dict[str, list[float]] = {"fused": [], "b": [], "w": [], "w_each": []}
         for i in range(repeats + 3):
-            block.zero_grad(set_to_none=True)
-            out = block(x.requires_grad_())
-            t0 = time.perf_counter()
-            out.backward(g)
-            t1 = time.perf_counter()
-            del out
-            x.grad = None
-            block.zero_grad(set_to_none=True)
-            stage.forward(0, x)
-            t2 = time.perf_counter()
-            stage.backward_input(0, g)
-            t3 = time.perf_counter()
-            stage.backward_weight(0)
-            t4 = time.perf_counter()
+            sample = _sample(block, stage, xs, g)
             if i >= 3:
-                fused.append(t1 - t0)
-                b.append(t3 - t2)
-                w.append(t4 - t3)
+                for k, v in sample.items():
+                    times[k].append(v)
     finally:
         torch.set_num_threads(threads)
     med = statistics.median
-    ratios = [(bi + wi) / fi for bi, wi, fi in zip(b, w, fused, strict=False)]
+    fused, b, w, w_each = (times[k] for k in ("fused", "b", "w", "w_each"))
     return dict(
         tokens=tokens,
+        batch=batch,
         bw_ms=med(fused) * 1e3,
         b_ms=med(b) * 1e3,
         w_ms=med(w) * 1e3,
         ratio_of_medians=(med(b) + med(w)) / med(fused),
-        median_ratio=med(ratios),
+        median_ratio=med([(bi + wi) / fi for bi, wi, fi in zip(b, w, fused, strict=True)]),
+        median_ratio_unbatched=med([(bi + wi) / fi for bi, wi, fi in zip(b, w_each, fused, strict=True)]),
         deferred_fraction=stage.deferred_fraction,
     )
+
+
+def _sample(block: torch.nn.Module, stage: Stage, xs: list[torch.Tensor], g: torch.Tensor) -> dict[str, float]:
+    """One sample of :func:`bench_split`: the fused backwards, then B + W with W batched and per
+    micro-batch (the latter only when there are several), each from ``.grad = None``."""
+    mbs = list(range(len(xs)))
+    out = {"fused": 0.0, "b": 0.0}
+    block.zero_grad(set_to_none=True)
+    for x in xs:
+        y = block(x.requires_grad_())
+        t0 = time.perf_counter()
+        y.backward(g)
+        out["fused"] += time.perf_counter() - t0
+        x.grad = None
+    for key, limit in (("w", 1 << 62), ("w_each", 0)):  # every weight joined; none joined
+        if key == "w_each" and len(xs) == 1:
+            out["w_each"] = out["w"]
+            break
+        block.zero_grad(set_to_none=True)
+        stage.batch_w_bytes = limit
+        b = 0.0
+        for m, x in enumerate(xs):
+            stage.forward(m, x)
+            t0 = time.perf_counter()
+            stage.backward_input(m, g)
+            b += time.perf_counter() - t0
+        t0 = time.perf_counter()
+        stage.backward_weight(mbs)
+        out[key] = time.perf_counter() - t0
+        out["b"] = b if key == "w" else out["b"]
+    return out
 
 
 def bench_paper_blocks(repeats: int = 7, quick: bool = False) -> dict[str, float]:

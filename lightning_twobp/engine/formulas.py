@@ -18,6 +18,9 @@ node                       W
 =========================  =====================================================================
 
 These are the calls ``derivatives.yaml`` makes for the fused backward, so the values are the fused ones.
+A training batch norm (and a group norm) is the exception: its scale and bias gradients are the
+reductions its input gradient needs, so B's own call takes them (:func:`by_product`) and W computes
+nothing for it. W over several micro-batches may join each weight's calls into one (:func:`batched`).
 B's engine call skips the weight halves by itself (the weight edges are not among its targets, so each
 node's output mask leaves them out). A target is a parameter (accumulated into ``.grad``) or, where the
 weight reaches the parameter through weight-only ops (``-exp(A_log)``, a dtype cast), the edge into that
@@ -36,7 +39,7 @@ from torch.autograd.graph import GradientEdge, Node
 
 from lightning_twobp.engine.graph import READS, SavedUnavailable, edge_shape, peek, saved, unreadable
 
-__all__ = ["FastW", "direct"]
+__all__ = ["FastW", "batch_key", "batched", "by_product", "direct", "flags", "relabel"]
 
 Target = Union[nn.Parameter, GradientEdge]  # noqa: UP007 (a runtime alias)
 Accumulate = Callable[[nn.Parameter, torch.Tensor], None]
@@ -152,6 +155,40 @@ _FORMULAS: dict[str, Callable[[torch.Tensor, tuple, FastW], tuple[torch.Tensor |
 }
 
 
+# ---------------------------------------------------------------------------------------------- batched W
+# The 2BP paper's batched W (§4): the weight GEMMs of several micro-batches as one, their gradients and
+# inputs concatenated along the token (or image) dimension: one call sums over all of them, which is the
+# sum of the per-micro-batch calls. Per kind, the operand positions concatenated with the gradient.
+_BATCHED = {"mm": (0,), "mm_in_out": (0,), "sum": (), "conv": (0,)}
+# Only a micro-batch whose gradient is at most this big is concatenated: the copy costs the bytes of the
+# gradient and input once more (one weight at a time, freed before the next), and pays only where one
+# call per micro-batch is dominated by its fixed cost (docs/benchmarks.md, "batched W").
+BATCH_BYTES = 512 * 1024
+
+
+def batch_key(f: FastW, grad: torch.Tensor, operand: tuple[Any, ...], limit: int = BATCH_BYTES) -> tuple | None:
+    """What the entries of several micro-batches that :func:`batched` may join share (None: apply alone,
+    as a gradient over ``limit`` bytes is)."""
+    cat = _BATCHED.get(f.kind)
+    if cat is None or grad.numel() * grad.element_size() > limit:
+        return None
+    if not all(t is None or isinstance(t, nn.Parameter) for t in f.targets):
+        return None  # an edge into a weight-only region: pushed through autograd per micro-batch
+    joined = tuple((operand[k].shape[1:], operand[k].dtype) for k in cat)
+    rest = tuple(o for k, o in enumerate(operand) if k not in cat and not isinstance(o, torch.Tensor))
+    return (f.kind, f.positions, tuple(map(id, f.targets)), grad.shape[1:], grad.dtype, joined, rest)
+
+
+def batched(entries: list[tuple[FastW, torch.Tensor, tuple[Any, ...]]]) -> tuple[FastW, torch.Tensor, tuple[Any, ...]]:
+    """One formula call's (formula, gradient, operands) for entries of one :func:`batch_key`: gradients
+    and the joined operands concatenated along dimension 0 (a conv's weight operand gives only its shape)."""
+    f, _, first = entries[0]
+    cat = _BATCHED[f.kind]
+    grad = torch.cat([g for _, g, _ in entries])
+    operand = tuple(torch.cat([o[k] for _, _, o in entries]) if k in cat else x for k, x in enumerate(first))
+    return f, grad, operand
+
+
 # ---------------------------------------------------------------------------------------------- finding them
 def _param(node: Node | None, params: Mapping[int, nn.Parameter]) -> nn.Parameter | None:
     var = getattr(node, "variable", None)
@@ -241,6 +278,57 @@ _FINDERS = {
     "NativeLayerNormBackward0": _layer("layer_norm"),
     "EmbeddingBackward0": _embedding_node,
 }
+
+
+# Nodes whose weight gradients B's own call makes for (almost) nothing: their input gradient needs the
+# per-channel reductions (sum of the gradient, of the gradient times the normalised input) that the
+# scale and bias gradients are, so a W formula would compute those reductions a second time. Measured
+# on ResNet-50's blocks (docs/benchmarks.md): the W half of ``native_batch_norm_backward`` cost as much as
+# the whole fused call's reductions. An eval-mode batch norm uses fixed statistics (its input gradient
+# needs no reduction), so its weights keep the W formula.
+_BY_PRODUCT = {"NativeBatchNormBackward0": "training", "NativeGroupNormBackward0": None}
+
+
+def by_product(node: Node) -> bool:
+    """Whether B should take ``node``'s weight edges as targets of its own engine call (the values the
+    node computes for its input gradient anyway; no ATen call in W)."""
+    name = node.name()
+    if name not in _BY_PRODUCT:
+        return False
+    flag = _BY_PRODUCT[name]
+    return flag is None or bool(saved(node, flag))
+
+
+# The saved values a plan's choices read, per node kind (a plan cached per graph shape keys on them).
+_FLAGS = {
+    "AddmmBackward0": ("alpha", "beta"),
+    "AddBackward0": ("alpha",),
+    "EmbeddingBackward0": ("sparse",),
+    "NativeBatchNormBackward0": ("training",),
+}
+
+
+def flags(node: Node) -> tuple[Any, ...]:
+    """The saved values of ``node`` that :func:`direct` and :func:`by_product` decide on."""
+    names = _FLAGS.get(node.name(), ())
+    try:
+        return tuple(saved(node, n) for n in names)
+    except SavedUnavailable as e:  # planning will say so (and take the slow path): key on the reason
+        return (str(e),)
+
+
+def relabel(f: FastW, node: Callable[[Any], Any]) -> FastW:
+    """``f`` with its node and edge targets mapped through ``node`` (a cached plan's positions to this
+    micro-batch's nodes, or back). A broadcast operand's shape is read again from the new edge: a
+    weight-only region may be shaped by the micro-batch (a position table cut to its length)."""
+    targets = tuple(
+        t if t is None or isinstance(t, nn.Parameter) else GradientEdge(node(t.node), t.output_nr) for t in f.targets
+    )
+    static = f.static
+    edge = targets[0]
+    if f.kind in ("add", "mul") and isinstance(edge, GradientEdge) and not isinstance(edge.node, int):
+        static = (edge_shape(edge.node, edge.output_nr),)
+    return f._replace(node=node(f.node), targets=targets, static=static)
 
 
 def direct(

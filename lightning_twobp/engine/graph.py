@@ -63,6 +63,17 @@ READS = {
 }
 
 
+# The saved values above that are never tensors (sizes, flags, scalars): :func:`peek` reads them straight,
+# without looking for a checkpoint holder they cannot have (a failed attribute lookup per read; a
+# convolution's formula reads seven of them per micro-batch).
+_CONSTANTS = frozenset(
+    READS["ConvolutionBackward0"][2:]  # bias sizes, stride, padding, dilation, transposed, output padding, groups
+    + READS["NativeBatchNormBackward0"][6:]  # training, eps
+    + READS["EmbeddingBackward0"][1:]  # num_weights, padding_idx, scale_grad_by_freq, sparse
+    + ("normalized_shape", "alpha", "beta")
+)
+
+
 class SavedUnavailable(RuntimeError):
     """A node does not (or no longer) hold the saved value the fast path needs."""
 
@@ -94,6 +105,8 @@ def peek(node: Node, name: str) -> Any:
     stand-in holder that lets the hook read the handle but not clear it, both reads share the group's
     one recompute: B recomputes the block once and W keeps the operands it made (2 forwards per
     block per micro-batch, as a plain backward). Anything else reads as :func:`saved` does."""
+    if name in _CONSTANTS:
+        return saved(node, name)
     try:
         raw = getattr(node, f"_raw_saved_{name}", None)  # tensors only: ``alpha`` and the like have none
         holder = getattr(raw, "data", None)
@@ -207,6 +220,10 @@ def check_saved_attributes() -> None:
     assert torch.equal(saved(nodes["MmBackward0"], "self"), x), "MmBackward0._saved_self is no longer the input"
     for name in READS:
         assert unreadable(name) is None, unreadable(name)
+        with torch.random.fork_rng(devices=[]):
+            node = _PROBES[name]().grad_fn
+        for attr in set(READS[name]) & _CONSTANTS:
+            assert not isinstance(saved(node, attr), torch.Tensor), f"{name}._saved_{attr} is now a tensor"
     emb = torch.nn.functional.embedding(torch.tensor([[1, 2]]), w)
     assert emb.grad_fn is not None  # w requires grad
     assert edge_shape(emb.grad_fn, 0) == emb.shape, "_input_metadata no longer gives the output's shape"
