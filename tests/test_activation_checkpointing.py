@@ -1,6 +1,6 @@
 """Activation checkpointing through the Trainer on 2 ranks (issue 21): the strategy's option ("full" and
-"selective"), the user's own
-``torch.utils.checkpoint(use_reentrant=False)`` and Hugging Face's ``gradient_checkpointing_enable()``.
+"selective"), the user's own ``torch.utils.checkpoint(use_reentrant=False)`` and Hugging Face's
+``gradient_checkpointing_enable()``.
 Each is exact against the same model without checkpointing, and a probe counts each block's forwards:
 2 per micro-batch when checkpointed (F, and B's one recompute, whose operands W keeps), 1 when not."""
 
