@@ -78,19 +78,13 @@ def _checked_pending_w(value: Any, opts: PipelineOptions) -> int | tuple[int, ..
 
 def check_activation_checkpointing(value: Any) -> str | int | None:
     """``value`` if it is one the option takes; ``ValueError`` naming them otherwise."""
-    if value == "selective":
-        raise ValueError(
-            "TwoBPStrategy(activation_checkpointing='selective') is not available yet: torch's selective "
-            "checkpointing serves each kept output to one recompute, and the split recomputes a block twice "
-            "(for W's operands and for B); use 'full' or an int k (every k-th block)"
-        )
-    if value is None or value == "full":
+    if value is None or value in ("full", "selective"):
         return value
     if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
         return value
     raise ValueError(
         f"TwoBPStrategy(activation_checkpointing={value!r}): use None (off), 'full' (every block), an int k >= 1 "
-        f"(every k-th block)"
+        f"(every k-th block) or 'selective' (every block, its matrix products kept, the cheap ops recomputed)"
     )
 
 

@@ -1,5 +1,6 @@
-"""Activation checkpointing through the Trainer on 2 ranks (issue 21): the strategy's option, the user's own
-``torch.utils.checkpoint(use_reentrant=False)`` and Hugging Face's ``gradient_checkpointing_enable()``.
+"""Activation checkpointing through the Trainer on 2 ranks (issue 21): the strategy's option ("full" and
+"selective"), the user's own ``torch.utils.checkpoint(use_reentrant=False)`` and Hugging Face's
+``gradient_checkpointing_enable()``.
 Each is exact against the same model without checkpointing, and a probe counts each block's forwards:
 2 per micro-batch when checkpointed (F, and B's one recompute, whose operands W keeps), 1 when not."""
 
@@ -85,11 +86,12 @@ def _own(model: nn.Module) -> dict:
 
 
 def _fit_blocks(rank: int, world: int, schedule: str, how: str) -> dict:
-    """``how``: "off" (no checkpointing), "option" (activation_checkpointing="full"), "own" (the blocks'
-    own torch.utils.checkpoint). Returns this rank's weights and forwards per local block per micro-batch."""
+    """``how``: "off" (no checkpointing), "option" (activation_checkpointing="full"), "selective" (the
+    option's "selective"), "own" (the blocks' own torch.utils.checkpoint). Returns this rank's weights and
+    forwards per local block per micro-batch."""
     lightning_env(rank, world)
     model = Blocks(own_checkpoint=how == "own")
-    ac = "full" if how == "option" else None
+    ac = _OPTION.get(how)
     strategy = TwoBPStrategy(schedule=schedule, num_microbatches=M, activation_checkpointing=ac)
     quiet_trainer(strategy, world, max_steps=STEPS, num_sanity_val_steps=0).fit(model, _block_data())
     params = {n.replace(".inner.", "."): v for n, v in _own(model).items()}  # the same names each way
@@ -97,8 +99,12 @@ def _fit_blocks(rank: int, world: int, schedule: str, how: str) -> dict:
     return {"params": params, "forwards": {i: model.layers[i].calls / (STEPS * M) for i in local}}
 
 
+_OPTION = {"option": "full", "selective": "selective"}  # the strategy's activation_checkpointing per way
+WAYS = ("option", "selective", "own")
+
+
 def _fit_blocks_each_way(rank: int, world: int, schedule: str) -> dict:
-    return {how: _fit_blocks(rank, world, schedule, how) for how in ("off", "option", "own")}
+    return {how: _fit_blocks(rank, world, schedule, how) for how in ("off", *WAYS)}
 
 
 SCHEDULES = ["1f1b", "zb-h1", "zb-v"]  # 1F1B with the split (2BP), ZB-H1, ZB-V (2 stages per rank)
@@ -112,7 +118,7 @@ def test_checkpointed_blocks_train_as_without_and_recompute_once(two_ranks, requ
     plain = {i: f for out in off for i, f in out["forwards"].items()}
     # one F per micro-batch; the first stage also runs its blocks once per fit to learn the shapes it sends
     assert all(f in (1.0, 1.0 + 1 / (STEPS * M)) for f in plain.values()), plain
-    for how in ("option", "own"):
+    for how in WAYS:  # "selective" counts the block's forwards: its recompute serves the products from F's store
         results = [w[how] for w in ways]
         held = {n: v for out in results for n, v in out["params"].items()}
         assert set(held) == set(reference), how
@@ -187,10 +193,11 @@ def _hf_reference(name: str) -> dict:
 
 
 def _fit_hf(rank: int, world: int, name: str, schedule: str, how: str) -> dict:
-    """``how``: "hf" (the model's own gradient_checkpointing_enable()) or "option" (the strategy's)."""
+    """``how``: "hf" (the model's own gradient_checkpointing_enable()), "option" or "selective" (the
+    strategy's "full" or "selective")."""
     lightning_env(rank, world)
     model = HFLM(name, checkpointed=how == "hf")
-    ac = "full" if how == "option" else None
+    ac = _OPTION.get(how)
     strategy = TwoBPStrategy(
         schedule=schedule, num_microbatches=M, gather_full_model=False, activation_checkpointing=ac
     )
@@ -207,6 +214,8 @@ HF_CASES = {
     "llama-zb-h1": ("llama", "zb-h1", "hf"),
     # the strategy's option on the ModuleList contract's blocks (the modules the model's loop calls)
     "llama-zb-v-option": ("llama", "zb-v", "option"),
+    "gpt2-1f1b-selective": ("gpt2", "1f1b", "selective"),  # Conv1D's addmm kept
+    "llama-zb-v-selective": ("llama", "zb-v", "selective"),  # attention's SDPA kernel kept
 }
 
 

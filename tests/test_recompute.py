@@ -1,6 +1,7 @@
 """Activation checkpointing under the split, on one stage: the user's torch.utils.checkpoint and the
-strategy's option (``activation_checkpointing``), exact, each checkpointed block's forward run twice per
-micro-batch (F, and B's one recompute whose operands W keeps), the reentrant form refused at the first F.
+strategy's option (``activation_checkpointing``, "selective" included), exact, each checkpointed block's
+forward run twice per micro-batch (F, and B's one recompute whose operands W keeps), the reentrant form
+refused at the first F.
 Through the Trainer on 2 ranks: tests/test_activation_checkpointing.py."""
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from lightning_twobp.engine.footprint import measure_layer
 from lightning_twobp.engine.graph import check_checkpoint_peek
 from lightning_twobp.lightning.checkpointing import apply_activation_checkpointing, check_activation_checkpointing
 from lightning_twobp.models.llama import Block, LlamaConfig
+from lightning_twobp.private import TorchDispatchMode
 
 
 class Counted(nn.Module):
@@ -95,14 +97,14 @@ def test_bad_values_are_refused_naming_the_choices(bad):
         check_activation_checkpointing(bad)
 
 
-def test_selective_is_refused_saying_why():
-    with pytest.raises(ValueError, match="selective.*not available yet.*recomputes a block twice"):
-        check_activation_checkpointing("selective")
+@pytest.mark.parametrize("good", [None, "full", "selective", 1, 3])
+def test_the_options_values_are_taken(good):
+    assert check_activation_checkpointing(good) == good
 
 
 @pytest.mark.parametrize(
     ("value", "calls"),
-    [("full", [4, 4, 4]), (2, [4, 2, 4]), (None, [2, 2, 2])],
+    [("full", [4, 4, 4]), (2, [4, 2, 4]), (None, [2, 2, 2]), ("selective", [4, 4, 4])],
 )
 def test_checkpointed_stage_is_exact_and_counts_its_forwards(value, calls):
     """Forwards per block over 2 micro-batches: 2 each when checkpointed (F, B's recompute), 1 when not."""
@@ -112,6 +114,48 @@ def test_checkpointed_stage_is_exact_and_counts_its_forwards(value, calls):
     assert _split_against_plain(blocks, nn.Sequential(*blocks)) == calls
     undo()
     assert all("forward" not in vars(b) for b in blocks), "the blocks were not left as they were found"
+
+
+class _Products(TorchDispatchMode):
+    """Counts the matrix products and attention kernels that run (a product the selective policy kept is
+    served from F's store by torch's inner mode and never reaches this outer one)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        self.count += name in ("mm", "addmm", "bmm") or name.startswith("_scaled_dot_product_flash_attention_for")
+        return func(*args, **(kwargs or {}))
+
+
+def _one_block(value) -> dict:
+    """One block, one micro-batch through a Stage under ``value``: the products B runs and the bytes F
+    leaves allocated until B (the profiler's net allocation over F, the output excluded, the input
+    counted: every way saves it)."""
+    torch.manual_seed(0)
+    block = Block(LlamaConfig(dim=32, n_heads=4, max_seq_len=16))
+    apply_activation_checkpointing([(0, block)], value)
+    stage, x = Stage(block), torch.randn(2, 7, 32, requires_grad=True)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        out = stage.forward(0, x)
+    kept = sum(e.self_cpu_memory_usage for e in prof.key_averages())
+    kept += x.untyped_storage().nbytes() - out.untyped_storage().nbytes()
+    with _Products() as products:
+        stage.backward_input(0, torch.ones_like(out))
+    stage.backward_weight([0])
+    return {"products_in_b": products.count, "kept_bytes": kept}
+
+
+def test_selective_keeps_the_products_and_recomputes_only_the_cheap_ops():
+    """B under "selective" runs the products of a plain backward and no more (the recompute's are served
+    from F), "full" runs the recomputed ones again; F keeps less than without checkpointing and more than
+    "full" (its input only). (The first B of the process also runs the formulas' one-time probes: warmed.)"""
+    _one_block(None)
+    off, full, selective = (_one_block(v) for v in (None, "full", "selective"))
+    assert selective["products_in_b"] == off["products_in_b"] < full["products_in_b"], (off, full, selective)
+    assert full["kept_bytes"] < selective["kept_bytes"] < off["kept_bytes"], (off, full, selective)
 
 
 def _save_matmuls(ctx, op, *args, **kwargs):

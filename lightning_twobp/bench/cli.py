@@ -3,6 +3,7 @@
 
 twobp-bench [--json PATH] [--repeats N] [--timelines DIR] [--quick]
 twobp-bench --peer [--rounds N] [--steps K] [--out DIR] [--only LABEL ...] [--quick]
+twobp-bench --peer --activation-checkpointing {full,selective} [--rounds N] [--steps K] [--out DIR] [--quick]
 twobp-bench --trainer [--json PATH] [--repeats N] [--only LABEL ...] [--quick]
 twobp-bench --split [--tokens 512 256 64] [--batch-w K]
 twobp-bench --split --paper-blocks [--repeats N] [--quick]
@@ -73,6 +74,12 @@ def _parser() -> argparse.ArgumentParser:
         "--paper: paper.md, paper.json, paper-rq*.csv and paper-rq*.png; --budget: budget.md, .csv, .json, .png",
     )
     ap.add_argument("--repeats", type=int, default=5, help="timed steps per configuration (engine, trainer, paper)")
+    ap.add_argument(
+        "--activation-checkpointing",
+        choices=["full", "selective"],
+        help="--peer: every block checkpointed on both sides (ours and torch's 1F1B, ZB-H1, ZB-V): forwards per "
+        "block, peak bytes per rank, step-time ratio",
+    )
     ap.add_argument("--rounds", type=int, default=7, help="--peer: timed rounds (each contender once per round)")
     ap.add_argument("--steps", type=int, default=1, help="--peer: back-to-back training steps per timed sample")
     ap.add_argument("--microbatches", type=int, default=8)
@@ -162,6 +169,12 @@ def _peer(args: argparse.Namespace) -> None:
     from lightning_twobp.bench.peer import markdown, run_peer, write
 
     rounds = 1 if args.quick else args.rounds
+    if args.activation_checkpointing:
+        from lightning_twobp.bench import peer_ac
+
+        ac = peer_ac.run_peer_ac(_workload(args), args.microbatches, args.activation_checkpointing, rounds, args.steps)
+        _show(peer_ac.markdown(ac), args.out, lambda out: peer_ac.write(ac, out))
+        return
     result = run_peer(_workload(args), args.microbatches, rounds=rounds, warmup=1, steps=args.steps, labels=args.only)
     _show(markdown(result), args.out, lambda out: write(result, out))
 

@@ -42,11 +42,24 @@ from torch import nn
 
 from lightning_twobp.bench.workload import WORLD, Workload, keep_freed_memory, loss_fn, reference_grads
 from lightning_twobp.engine import PipelineExecutor, StepResult
+from lightning_twobp.lightning.checkpointing import apply_activation_checkpointing
+from lightning_twobp.models.llama import Block
 from lightning_twobp.monitor import busy_seconds
 from lightning_twobp.processes import run_distributed
 from lightning_twobp.schedules import build_schedule, schedule_label
 
-__all__ = ["Contender", "build_runner", "contenders", "grad_error", "grad_failures", "run_peer", "what_ran"]
+__all__ = [
+    "Contender",
+    "Runner",
+    "build_runner",
+    "contenders",
+    "grad_error",
+    "grad_failures",
+    "heading",
+    "run_peer",
+    "time_steps",
+    "what_ran",
+]
 
 RTOL, ATOL = 1e-5, 1e-7
 
@@ -127,13 +140,14 @@ def torch_pipelining_available() -> bool:
 
 
 @dataclass
-class _Runner:
+class Runner:
     """A contender built on this rank: one training step, and its gradients by full-model name."""
 
     contender: Contender
     step: Callable[[], StepResult | None]  # ours returns the executor's result; torch's schedules return nothing
     params: dict[str, nn.Parameter]
     executor: PipelineExecutor | None = None  # ours only: to record one step's ops
+    modules: dict[int, nn.Module] = field(default_factory=dict)  # this rank's stage modules by stage id
     optimizer: torch.optim.Optimizer = field(init=False)
 
     def __post_init__(self) -> None:
@@ -146,19 +160,31 @@ class _Runner:
 
 
 def _local_stages(
-    c: Contender, model: nn.Sequential, wl: Workload, rank: int
+    c: Contender, model: nn.Sequential, wl: Workload, rank: int, ac: str | None = None
 ) -> tuple[dict[int, nn.Module], dict[str, nn.Parameter]]:
     """This rank's stages of a fresh copy of ``model``, and their parameters by full-model name (a slice
-    of a Sequential keeps the layers' names)."""
+    of a Sequential keeps the layers' names). ``ac``: each block checkpointed the strategy's way
+    (``activation_checkpointing``: "full" or "selective", ``torch.utils.checkpoint(use_reentrant=False)``),
+    for ours and torch's alike."""
     parts = wl.stages(copy.deepcopy(model), c.num_stages)
     mods: dict[int, nn.Module] = {s: parts[s] for s in c.stage_ids(rank)}
+    if ac is not None:
+        blocks = [b for mod in mods.values() for b in mod.children() if isinstance(b, Block)]
+        apply_activation_checkpointing(enumerate(blocks), ac)  # copies: nothing to undo
     return mods, {n: q for mod in mods.values() for n, q in mod.named_parameters()}
 
 
 def build_runner(
-    c: Contender, model: nn.Sequential, wl: Workload, m: int, rank: int, ids: torch.Tensor, tgt: torch.Tensor
-) -> _Runner:
-    mods, params = _local_stages(c, model, wl, rank)
+    c: Contender,
+    model: nn.Sequential,
+    wl: Workload,
+    m: int,
+    rank: int,
+    ids: torch.Tensor,
+    tgt: torch.Tensor,
+    activation_checkpointing: str | None = None,
+) -> Runner:
+    mods, params = _local_stages(c, model, wl, rank, activation_checkpointing)
     last = c.num_stages - 1
     if c.side == "ours":
         sched = build_schedule(
@@ -173,7 +199,7 @@ def build_runner(
         ex = PipelineExecutor(sched, mods, loss_fn=loss_fn)
         inputs = list(ids.chunk(m)) if 0 in mods else None
         targets = list(tgt.chunk(m)) if last in mods else None
-        return _Runner(c, lambda: ex.step(inputs, targets), params, ex)
+        return Runner(c, lambda: ex.step(inputs, targets), params, ex, mods)
 
     import torch.distributed.pipelining as pp
 
@@ -189,7 +215,7 @@ def build_runner(
             kwargs["losses"].clear()
         sched.step(*args, **kwargs)
 
-    return _Runner(c, step, params)
+    return Runner(c, step, params, modules=mods)
 
 
 def grad_error(params: dict[str, nn.Parameter], ref: dict[str, torch.Tensor]) -> tuple[float, list[str]]:
@@ -253,19 +279,11 @@ def _worker(
         dist.barrier()
         return (time.perf_counter() - t) / steps
 
-    def timed(r: _Runner) -> float:
-        dist.barrier()
-        t = time.perf_counter()
-        for _ in range(steps):
-            r.train_step()
-        dist.barrier()
-        return (time.perf_counter() - t) / steps
-
     times: dict[str, list[float]] = {r.contender.label: [] for r in runners}
     times["single"], times["single (both cores)"] = [], []
     for i in range(warmup + rounds):
         order = runners[i % len(runners) :] + runners[: i % len(runners)]
-        sample = {r.contender.label: timed(r) for r in order}
+        sample = {r.contender.label: time_steps(r, steps) for r in order}
         sample["single"] = run_single(False)
         sample["single (both cores)"] = run_single(True)
         if i >= warmup:
@@ -274,7 +292,17 @@ def _worker(
     return {"times": times, "checks": checks, "busy": _busy(runners, steps)}
 
 
-def _busy(runners: list[_Runner], steps: int) -> dict[str, float]:
+def time_steps(r: Runner, steps: int) -> float:
+    """Seconds per training step of ``r`` over ``steps`` back-to-back steps, barrier to barrier."""
+    dist.barrier()
+    t = time.perf_counter()
+    for _ in range(steps):
+        r.train_step()
+    dist.barrier()
+    return (time.perf_counter() - t) / steps
+
+
+def _busy(runners: list[Runner], steps: int) -> dict[str, float]:
     """This rank's compute per step in each of our contenders: ``steps`` recorded steps, the F, B, W
     and BW ops' durations less their time blocked on receives, averaged (recording adds a little to
     each F). The busiest rank's figure is a floor for that contender's step; the optimizer step and the
@@ -401,23 +429,30 @@ def _pairs(rows: list[dict], times: dict) -> list[dict]:
     ]
 
 
+def heading(result: dict, what: str) -> str:
+    """A side-by-side report's opening: the workload, the ranks, torch's version, ``what``, and whether
+    torch.distributed.pipelining could be compared."""
+    wl = result["workload"]
+    text = (
+        f"tiny LLaMa {wl['layers']} x {wl['dim']}, batch {wl['batch']} x {wl['seq']}, m = {result['microbatches']}, "
+        f"{result['world']} gloo ranks x 1 thread, torch {result['torch_version']}; {what}\n\n"
+    )
+    if not result["torch_pipelining"]:
+        text += "torch.distributed.pipelining is not importable in this torch build: only our rows are shown.\n\n"
+    return text
+
+
 def markdown(result: dict) -> str:
     """The result as Markdown: the contenders, the pairs, best against best."""
-    wl = result["workload"]
     out = io.StringIO()
     w = out.write
-    w(
-        f"tiny LLaMa {wl['layers']} x {wl['dim']}, batch {wl['batch']} x {wl['seq']}, m = {result['microbatches']}, "
-        f"{result['world']} gloo ranks x 1 thread, torch {result['torch_version']}; a sample is "
-        f"{result['steps_per_sample']} back-to-back training step(s), median of {result['rounds']} rounds\n\n"
-    )
+    steps, rounds = result["steps_per_sample"], result["rounds"]
+    w(heading(result, f"a sample is {steps} back-to-back training step(s), median of {rounds} rounds"))
     w(
         f"single process, 1 thread: {result['single_step_s']:.3f} s/step; ideal bubble-free 2-stage step "
         f"(half of it): **{result['ideal_step_s']:.3f} s**; single process on both cores at once: "
         f"{result['single_both_cores_step_s']:.3f} s/step\n\n"
     )
-    if not result["torch_pipelining"]:
-        w("torch.distributed.pipelining is not importable in this torch build: only our rows are shown.\n\n")
     bound = result.get("busiest_rank_bound_s")
     if bound:
         w(

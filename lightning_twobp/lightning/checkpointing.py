@@ -12,9 +12,11 @@ Values of the option:
 * ``None``: off (the default).
 * ``"full"``: every block.
 * ``k`` (an int >= 1): every k-th block of the model (layer indices 0, k, 2k, ...).
-
-``"selective"`` (keep the matmul outputs, recompute the cheap ops) is refused for now (see
-``options.check_activation_checkpointing``).
+* ``"selective"``: every block, keeping the outputs of its matrix products and attention kernels
+  (``aten.mm``, ``addmm``, ``bmm``, ``_scaled_dot_product_*``) from F to B and recomputing the rest (norms,
+  activations, element-wise ops): torch's ``create_selective_checkpoint_contexts`` as the checkpoint's
+  ``context_fn``. B's one recompute runs the block's forward again, its kept products served from what F
+  stored and not computed again; what W keeps is the same as with ``"full"``.
 
 A Hugging Face model with gradient checkpointing enabled is taken over the same way, whatever its
 transformers version: its own switch (``gradient_checkpointing`` on the model and, from 4.5x, on each
@@ -24,6 +26,8 @@ call, as transformers itself turns the cache off while it checkpoints in trainin
 transformers 4.x checkpoints ``block.__call__`` around that call, so its recompute re-enters the
 pipeline's block logic in the backward (GPT-2 hangs, Llama fails torch's saved-tensor count check); and
 its default there is the reentrant form, which cannot be split. The result is the same model's gradients either way.
+With the option too, a Hugging Face model's ``config.use_cache`` is off for the call: a block's
+recompute would otherwise find the cache its F filled and run other ops than F did.
 
 A block that calls ``torch.utils.checkpoint(..., use_reentrant=True)`` in its own code is refused by
 the engine at its stage's first F, before any backward, with a message naming ``use_reentrant=False``.
@@ -38,23 +42,45 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+    noop_context_fn,
+)
 
 from lightning_twobp.options import check_activation_checkpointing
 
-__all__ = ["apply_activation_checkpointing", "check_activation_checkpointing"]
+__all__ = ["apply_activation_checkpointing", "check_activation_checkpointing", "keep_products"]
 
 log = logging.getLogger(__name__)
 
 _HF_FLAG = "gradient_checkpointing"  # Hugging Face's public switch, on the model and on each block (5.x)
 
 
-def _checkpointed(forward: Callable[..., Any]) -> Callable[..., Any]:
+_PRODUCTS = {torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm}
+
+
+def keep_products(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    """The ``"selective"`` policy: a matrix product's or an attention kernel's output is kept from F to B
+    (the costly ops), every other op's is recomputed (cheap, and most of the bytes)."""
+    packet = getattr(op, "overloadpacket", op)
+    kept = packet in _PRODUCTS or getattr(packet, "__name__", "").startswith("_scaled_dot_product")
+    return CheckpointPolicy.MUST_SAVE if kept else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _selective_contexts() -> tuple[Any, Any]:
+    return create_selective_checkpoint_contexts(keep_products)
+
+
+def _checkpointed(forward: Callable[..., Any], selective: bool) -> Callable[..., Any]:
+    contexts = _selective_contexts if selective else noop_context_fn
+
     @functools.wraps(forward)
     def run(*args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():  # evaluation: nothing is saved, nothing to recompute
             return forward(*args, **kwargs)
-        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+        return checkpoint(forward, *args, use_reentrant=False, context_fn=contexts, **kwargs)
 
     return run
 
@@ -68,7 +94,8 @@ def apply_activation_checkpointing(
     """Checkpoint the blocks of the chosen ``(layer index, layer)`` pairs (those ``value`` picks and
     those ``model``'s Hugging Face switch picks); returns the function that undoes it, switch included.
     Under the ModuleList contract a layer is a group of modules and its block is ``contract.blocks[i]``
-    (the module the model's loop calls)."""
+    (the module the model's loop calls). With ``"selective"`` every chosen block, the Hugging Face switch's
+    included, keeps its products (:func:`keep_products`)."""
     loop_blocks = getattr(contract, "blocks", None)
     blocks = [(i, b if loop_blocks is None else loop_blocks[i]) for i, b in layers]
     every = value if isinstance(value, int) else 1
@@ -84,16 +111,18 @@ def apply_activation_checkpointing(
             "run under torch.utils.checkpoint(use_reentrant=False) inside the pipeline's block call",
             len(chosen),
         )
-    # What Hugging Face does while it checkpoints, kept: no cache in training (its models turn
-    # ``use_cache`` off then; a per-block cache is also a value the pipeline cannot return)
-    configs: dict[int, Any] = {id(m.config): m.config for m in switches if hasattr(m, "config")}
+    # What Hugging Face does while it checkpoints, kept, whoever asked for the checkpointing: no cache in
+    # training (its models turn ``use_cache`` off then; a block's recompute would find the cache F
+    # filled and run other ops, and a per-block cache is also a value the pipeline cannot return)
+    owners = model.modules() if chosen and model is not None else switches
+    configs: dict[int, Any] = {id(m.config): m.config for m in owners if hasattr(m, "config")}
     caches = [c for c in configs.values() if getattr(c, "use_cache", False) is True]
     for m in switches:
         setattr(m, _HF_FLAG, False)
     for c in caches:
         c.use_cache = False
     for b in chosen.values():
-        b.forward = _checkpointed(b.forward)  # an instance attribute: undone below
+        b.forward = _checkpointed(b.forward, value == "selective")  # an instance attribute: undone below
 
     def undo() -> None:
         for b in chosen.values():
