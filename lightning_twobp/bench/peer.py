@@ -44,7 +44,7 @@ from lightning_twobp.bench.workload import WORLD, Workload, keep_freed_memory, l
 from lightning_twobp.engine import PipelineExecutor, StepResult
 from lightning_twobp.monitor import busy_seconds
 from lightning_twobp.processes import run_distributed
-from lightning_twobp.schedules import build_schedule, schedule_label
+from lightning_twobp.schedules import Schedule, build_schedule, schedule_label
 
 __all__ = ["Contender", "build_runner", "contenders", "grad_error", "grad_failures", "run_peer", "what_ran"]
 
@@ -156,12 +156,20 @@ def _local_stages(
 
 
 def build_runner(
-    c: Contender, model: nn.Sequential, wl: Workload, m: int, rank: int, ids: torch.Tensor, tgt: torch.Tensor
+    c: Contender,
+    model: nn.Sequential,
+    wl: Workload,
+    m: int,
+    rank: int,
+    ids: torch.Tensor,
+    tgt: torch.Tensor,
+    schedule: Schedule | None = None,
 ) -> _Runner:
+    """``c`` on this rank; ``schedule``: ours, this order (built at measured costs) in place of ``c``'s."""
     mods, params = _local_stages(c, model, wl, rank)
     last = c.num_stages - 1
     if c.side == "ours":
-        sched = build_schedule(
+        sched = schedule or build_schedule(
             c.schedule,
             c.num_stages,
             m,
