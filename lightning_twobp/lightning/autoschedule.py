@@ -160,7 +160,7 @@ def optimizer_state_bytes(optimizers: Sequence[torch.optim.Optimizer]) -> tuple[
 
 def _optimizer_bytes(lm: Any, trainer: Any, layers: list[nn.Module]) -> list[float]:
     """Each layer's optimizer-state bytes (training only), from a throw-away ``configure_optimizers``."""
-    if trainer.state.fn != TrainerFn.FITTING:
+    if trainer.state.fn != TrainerFn.FITTING:  # nothing steps: no state (a later fit keeps this choice)
         return [0.0] * len(layers)
     per_param, notes = optimizer_state_bytes(_optimizers(lm.configure_optimizers()))
     for line in notes:
@@ -294,6 +294,7 @@ def auto_schedule(
         batch = first_batch(trainer)
         n = batch_size(batch)
         counts = [num_microbatches] if num_microbatches else _divisors(n, 4 * num_ranks)
+        fitting = trainer.state.fn == TrainerFn.FITTING
         optimizer = _optimizer_bytes(runner.module, trainer, layers)
         buffers = [(b, b.clone()) for layer in layers for b in layer.buffers()]
         rows = []
@@ -302,7 +303,8 @@ def auto_schedule(
                 x = block_inputs(runner, layers, trainer, batch, m, device)
                 costs, largest, out = _profile_layers(layers, x, device, repeats)
                 costs = [dataclasses.replace(c, optimizer=o) for c, o in zip(costs, optimizer, strict=True)]
-                costs.append(_profile_loss(runner, out, device, repeats))  # the last row: the loss
+                # the last row: the loss (training only: validation and prediction steps return no loss)
+                costs.append(_profile_loss(runner, out, device, repeats) if fitting else LayerCost())
                 seconds = _message_seconds(largest, pp_group, device, repeats)
                 rows.append([[getattr(c, f) for f in LayerCost.__dataclass_fields__] + [seconds] for c in costs])
         with torch.no_grad():
@@ -310,7 +312,7 @@ def auto_schedule(
                 b.copy_(saved)
     table = _agree(torch.tensor(rows, dtype=torch.float64), device).tolist()
     by_m = {m: tuple(_from_row(r) for r in layer_rows[:-1]) for m, layer_rows in zip(counts, table, strict=True)}
-    loss = {m: _from_row(layer_rows[-1]) for m, layer_rows in zip(counts, table, strict=True)}
+    loss = {m: _from_row(layer_rows[-1]) for m, layer_rows in zip(counts, table, strict=True)} if fitting else {}
     comm = {m: table[i][0][_FIELDS] for i, m in enumerate(counts)}
     weights = [c.f + c.b + c.w for c in by_m[counts[-1]]]
     profile = Profile(num_ranks, by_m, _partitions(layers, num_ranks, balance, weights), comm, loss)
