@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import lightning.pytorch as pl
 import pytest
 import torch
@@ -117,6 +119,71 @@ def test_a_limit_nothing_fits_is_refused_naming_the_smallest_peak():
     assert choose(candidates, smallest).best.peak == smallest  # exactly the smallest fits
 
 
+def test_optimizer_state_is_fixed_and_named_when_nothing_fits():
+    prof = _profile()
+    heavy = dataclasses.replace(
+        prof, layers={m: tuple(dataclasses.replace(c, optimizer=500) for c in rows) for m, rows in prof.layers.items()}
+    )
+    assert stage_cost(heavy.layers[8][:4], first=False).fixed == 4 * (1000 + 500)
+    light, loaded = search(prof, families=["1f1b"]), search(heavy, families=["1f1b"])
+    for a, b in zip(light, loaded, strict=True):  # the same orders, each rank 4 layers x 500 bytes heavier
+        assert b.optimizer_bytes == (2000.0, 2000.0) and a.optimizer_bytes == (0.0, 0.0)
+        assert [y - x for x, y in zip(a.peak_bytes, b.peak_bytes, strict=True)] == [2000.0, 2000.0]
+    limit = min(c.peak for c in light)  # fits without the optimizer's state, not with it
+    with pytest.raises(NoScheduleFits, match="of which 2000 bytes .* optimizer state on rank"):
+        choose(loaded, limit)
+    assert "optimizer state" in format_choice(choose(loaded, float("inf")))
+
+
+def test_the_loss_joins_the_last_stage():
+    prof = _profile(counts=(4,))
+    loss = LayerCost(f=1, b=1, activation=64, saved_input=0)
+    with_loss = dataclasses.replace(prof, loss={4: loss})
+    plain, lossy = prof.stages(4, 1), with_loss.stages(4, 1)
+    assert lossy[0] == plain[0]
+    assert lossy[-1].activation == plain[-1].activation + 64 and lossy[-1].f == plain[-1].f + 1
+
+
+OPTIMIZERS = [
+    (torch.optim.AdamW, {}, 2),
+    (torch.optim.Adam, {"amsgrad": True}, 3),
+    (torch.optim.SGD, {"momentum": 0.9}, 1),
+    (torch.optim.SGD, {}, 0),
+    (torch.optim.RMSprop, {"momentum": 0.9, "centered": True}, 3),
+    (torch.optim.NAdam, {}, 2),
+    (torch.optim.Adagrad, {}, 1),
+]
+
+
+@pytest.mark.parametrize("cls, kw, copies", OPTIMIZERS)
+def test_optimizer_state_bytes_are_those_the_first_step_creates(cls, kw, copies):
+    from lightning_twobp.lightning.autoschedule import optimizer_state_bytes
+
+    model = nn.Sequential(nn.Linear(5, 7), nn.Linear(7, 3))
+    opt = cls(model.parameters(), lr=0.1, **kw)
+    predicted, notes = optimizer_state_bytes([opt])
+    assert len(notes) == 1 and cls.__name__ in notes[0] and "not one this counts" not in notes[0]
+    model(torch.randn(4, 5)).sum().backward()
+    opt.step()
+    for q in model.parameters():  # exact, per parameter, the 0-d step counters included
+        state = [t for t in opt.state[q].values() if isinstance(t, torch.Tensor)]
+        assert predicted[id(q)] == sum(t.untyped_storage().nbytes() for t in state)
+        assert sum(t.numel() == q.numel() for t in state) == copies
+
+
+def test_an_unknown_optimizer_is_counted_as_adam_and_says_so():
+    from lightning_twobp.lightning.autoschedule import optimizer_state_bytes
+
+    class Mine(torch.optim.Optimizer):
+        def __init__(self, params):
+            super().__init__(params, {"lr": 0.1})
+
+    q = nn.Parameter(torch.zeros(10))
+    predicted, notes = optimizer_state_bytes([Mine([q])])
+    assert predicted[id(q)] == 2 * 40 + 4
+    assert "Mine is not one this counts: taken as Adam's two copies" in notes[0]
+
+
 @pytest.mark.parametrize(
     "value, expected",
     [(8e9, 8e9), (0.5, 50.0), ("1f1b", 30.0), ("0.5x1f1b", 15.0), ("2X1F1B", 60.0)],
@@ -139,8 +206,8 @@ class Blocks(Regressor):
     so any cut into 2 or 4 stages trains, and on batches of 128 the activations outweigh the weights, so
     memory_limit has something to trade."""
 
-    def __init__(self) -> None:
-        super().__init__(scale=2.0)
+    def __init__(self, optimizer: type[torch.optim.Optimizer] = torch.optim.SGD) -> None:
+        super().__init__(scale=2.0, optimizer=optimizer)
         torch.manual_seed(0)
         blocks = [nn.Sequential(nn.Linear(6 if i == 0 else 8, 8), nn.Tanh()) for i in range(LAYERS - 1)]
         self.layers = nn.Sequential(*blocks, nn.Linear(8, 2))
@@ -172,31 +239,67 @@ def _trainer(strategy, devices: int, **kw) -> pl.Trainer:
     return quiet_trainer(strategy, devices, max_steps=3, **kw)
 
 
-def _fit_auto(rank: int, world: int, memory_limit) -> dict:
+def _state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """The optimizer's state as it stands: every tensor of it (AdamW's step counters too)."""
+    tensors = [t for st in optimizer.state.values() for t in st.values() if isinstance(t, torch.Tensor)]
+    return sum(t.untyped_storage().nbytes() for t in tensors)
+
+
+def _fit_auto(rank: int, world: int, memory_limit, optimizer=torch.optim.SGD, **options) -> dict:
     from lightning_twobp import TwoBPStrategy
 
     lightning_env(rank, world)
     from lightning_twobp.monitor import PipelineMonitor
 
-    model, peak, monitor = Blocks(), _Peak(), PipelineMonitor(log_every_n_steps=1, measure_flops=False, log=False)
-    strategy = TwoBPStrategy(schedule="auto", memory_limit=memory_limit)
-    _trainer(strategy, world, callbacks=[peak, monitor]).fit(model, _loader())
+    model, peak = Blocks(optimizer), _Peak()
+    monitor = PipelineMonitor(log_every_n_steps=1, measure_flops=False, log=False)
+    strategy = TwoBPStrategy(schedule="auto", memory_limit=memory_limit, **options)
+    trainer = _trainer(strategy, world, callbacks=[peak, monitor])
+    trainer.fit(model, _loader())
     choice = strategy.auto_choice
     logged = {k: v for k, v in monitor.last.items() if k.endswith("predicted_peak_mb")}
     assert sorted(logged.values()) == sorted(b / 1e6 for b in choice.best.peak_bytes), logged
-    # what this rank holds whatever the schedule: its stages' weights and gradients (as predicted)
+    # what this rank holds whatever the schedule: its stages' weights and gradients and the optimizer's state
     fixed = sum(2 * q.numel() * q.element_size() for q in model.parameters() if not q.is_meta)
+    state = _state_bytes(trainer.optimizers[0])
     return {
         "label": choice.best.label,
         "limit": choice.limit,
         "predicted": choice.best.peak_bytes[strategy.pp_rank],
-        "measured": fixed + peak.peak,
+        "measured": fixed + state + peak.peak,
+        "optimizer_predicted": choice.best.optimizer_bytes[strategy.pp_rank],
+        "optimizer_measured": state,
         "params": {n: q.detach().clone() for n, q in model.named_parameters() if not q.is_meta},
+        "profile": strategy.auto_profile,
     }
 
 
-def _reference() -> dict:
-    model = Blocks()
+def _without_optimizer(profile: Profile) -> Profile:
+    """The profile as auto saw it before it counted the optimizer's state."""
+    layers = {m: tuple(dataclasses.replace(c, optimizer=0.0) for c in rows) for m, rows in profile.layers.items()}
+    return dataclasses.replace(profile, layers=layers)
+
+
+FUSED_M4 = {"split_backward": False, "num_microbatches": 4}  # fused orders do not depend on the timings
+
+
+def _adamw_refused(rank: int, world: int) -> dict:
+    """A limit that fits the smallest peak without AdamW's moments but not with them: refused."""
+    from lightning_twobp import TwoBPStrategy
+
+    profile = _fit_auto(rank, world, "2x1f1b", torch.optim.AdamW, **FUSED_M4)["profile"]
+    without = min(c.peak for c in search(_without_optimizer(profile), split_backward=False))
+    with_state = min(c.peak for c in search(profile, split_backward=False))
+    try:
+        strategy = TwoBPStrategy(schedule="auto", memory_limit=without, **FUSED_M4)
+        _trainer(strategy, world).fit(Blocks(torch.optim.AdamW), _loader())
+    except ValueError as e:
+        return {"without": without, "with": with_state, "error": str(e)}
+    return {"without": without, "with": with_state, "error": "no error"}
+
+
+def _reference(optimizer=torch.optim.SGD) -> dict:
+    model = Blocks(optimizer)
     _trainer("auto", 1).fit(model, _loader())
     return {n: q.detach() for n, q in model.named_parameters()}
 
@@ -204,29 +307,56 @@ def _reference() -> dict:
 LIMITS = ["1f1b", "0.8x1f1b"]
 TRAINS = "test_auto_trains_like_one_process_within_its_limit"
 REFUSED = "test_a_limit_nothing_fits_is_refused_before_training_on_every_rank"
+ADAMW = "test_auto_counts_adamw_state_and_stays_within_its_limit"
+ADAMW_REFUSED = "test_a_limit_that_fits_only_without_adamw_state_is_refused_naming_it"
 
 
 @pytest.fixture(scope="module")
 def two_ranks(request) -> conftest.Launch:
-    """Both limits and the refusal (raised on every rank before any step) in one launch of 2 ranks."""
+    """The limits, the refusals (raised on every rank before any step) in one launch of 2 ranks."""
     cases = {f"{TRAINS}[{limit}]": (_fit_auto, (limit,)) for limit in LIMITS}
     cases[REFUSED] = (_refused, ())
+    cases[ADAMW] = (_fit_auto, ("1f1b", torch.optim.AdamW))
+    cases[ADAMW_REFUSED] = (_adamw_refused, ())
     return launch(request, 2, cases, timeout=600)
+
+
+def _check_trained(results: list[dict], ref: dict, atol: float = 1e-6) -> None:
+    assert len({r["label"] for r in results}) == 1, "every rank must choose the same schedule"
+    merged = {n: v for r in results for n, v in r["params"].items()}
+    assert set(merged) == set(ref)
+    for name, value in merged.items():
+        torch.testing.assert_close(value, ref[name], rtol=1e-5, atol=atol, msg=name)
+    for r in results:
+        assert r["predicted"] <= r["limit"]
+        assert r["measured"] <= r["limit"], {k: v for k, v in r.items() if k not in ("params", "profile")}
 
 
 @pytest.mark.dist
 @pytest.mark.parametrize("memory_limit", LIMITS)
 def test_auto_trains_like_one_process_within_its_limit(two_ranks, request, memory_limit):
-    ref = _reference()
-    results = two_ranks[request.node.name]
-    assert len({r["label"] for r in results}) == 1, "every rank must choose the same schedule"
-    merged = {n: v for r in results for n, v in r["params"].items()}
-    assert set(merged) == set(ref)
-    for name, value in merged.items():
-        torch.testing.assert_close(value, ref[name], rtol=1e-5, atol=1e-6, msg=name)
-    for r in results:
-        assert r["predicted"] <= r["limit"]
-        assert r["measured"] <= r["limit"], r
+    _check_trained(two_ranks[request.node.name], _reference())
+
+
+@pytest.mark.dist
+def test_auto_counts_adamw_state_and_stays_within_its_limit(two_ranks):
+    results = two_ranks[ADAMW]
+    # AdamW divides each gradient by its own root mean square: a gradient near zero, summed in another
+    # order over micro-batches (fp32), moves its weight by up to 1e-4 of lr = 0.1 after 3 steps
+    _check_trained(results, _reference(torch.optim.AdamW), atol=2e-5)
+    for r in results:  # AdamW's two moments and step counter per parameter, counted before they exist
+        assert r["optimizer_predicted"] == r["optimizer_measured"] > 0, r
+
+
+@pytest.mark.dist
+def test_a_limit_that_fits_only_without_adamw_state_is_refused_naming_it(two_ranks):
+    out = two_ranks[ADAMW_REFUSED]
+    assert out[0] == out[1], "both ranks refuse with the same numbers"
+    r = out[0]
+    assert r["without"] < r["with"], r
+    assert f"memory_limit={r['without']:.0f} bytes" in r["error"], r["error"]
+    assert f"the smallest predicted peak is {r['with']:.0f} bytes" in r["error"], r["error"]
+    assert "optimizer state on rank" in r["error"], r["error"]
 
 
 def _refused(rank: int, world: int) -> str:

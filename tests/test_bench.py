@@ -120,8 +120,9 @@ def test_gpu_script_without_a_gpu_says_to_use_quick(monkeypatch):
 
 
 def test_budget_benchmark_measures_each_contender_alone(tmp_path):
-    """twobp-bench --budget on the quick workload, three contenders: peaks per rank, times, exactness,
-    the fastest per side within each budget, and the four files."""
+    """twobp-bench --budget on the quick workload, three contenders and auto's picks: peaks per rank,
+    times, exactness, the fastest per side within each budget, auto's pick per budget run like the
+    others, and the four files."""
     from lightning_twobp.bench.budget import BUDGETS, markdown, run_budget
     from lightning_twobp.bench.budget import write as write_budget
 
@@ -135,5 +136,29 @@ def test_budget_benchmark_measures_each_contender_alone(tmp_path):
     assert [b["times_1f1b"] for b in result["budgets"]] == list(BUDGETS)
     assert result["budgets"][-1]["ours"] is not None  # twice fused 1F1B's peak: fused 1F1B itself fits
     assert "| budget |" in markdown(result)
+    _check_auto(result)
     names = {p.name for p in write_budget(result, tmp_path)}
     assert {"budget.md", "budget.csv", "budget.json"} <= names
+    assert "auto: " in (tmp_path / "budget.csv").read_text()
+
+
+def _check_auto(result: dict) -> None:
+    """Each budget's auto: a pick within its predicted limit, run like every contender (or a refusal)."""
+    from lightning_twobp.bench.budget import BUDGETS, markdown
+
+    autos = result["auto"]
+    assert [a["times_1f1b"] for a in autos] == list(BUDGETS)
+    assert autos[-1]["label"] is not None  # twice fused 1F1B's predicted peak: fused 1F1B itself fits
+    by = {r["label"]: r for r in result["rows"]}
+    picked = [a for a in autos if a["label"] is not None]
+    for a in picked:
+        assert max(a["predicted_peak_bytes_per_rank"]) <= a["predicted_limit_bytes"], a
+        row = by[a["label"]]  # run, alone, like the other contenders
+        assert row["side"] == "auto" and row["max_grad_diff"] < 1e-4
+        assert a["peak_bytes_per_rank"] == row["peak_bytes_per_rank"]
+        assert a["within"] == (row["peak_bytes"] <= a["limit_bytes"])
+    # a larger budget never picks a schedule predicted slower
+    steps = [a["predicted_step_s"] for a in picked]
+    assert steps == sorted(steps, reverse=True)
+    assert all(a["refused"] for a in autos if a["label"] is None)
+    assert "**auto**" in markdown(result)

@@ -21,12 +21,22 @@ processes, one thread each, on the same stage modules as ``--peer`` (:mod:`.peer
 At each budget the table shows the fastest contender of each side whose peak (the larger rank's) fits.
 Measured peaks are of a process on a shared CPU machine: a few MiB of noise (thread stacks, Python
 objects) come with them.
+
+**auto**, a third contender, is ``schedule="auto"``'s search (:func:`lightning_twobp.schedules.auto.search`
+and ``choose``) without a look at the measurements above: every layer and the loss of the workload are
+measured once in this process on one thread (:func:`workload_profile`: bytes F saves, B leaves for W,
+F / B / W thread seconds), with as fixed bytes what a contender adds above the built model (gradients,
+AdamW's two moments), no link time. Budget ``x`` is given to it as the strategy's ``memory_limit="<x>x1f1b"``
+reads it, ``x`` times fused 1F1B's *predicted* peak at the baseline's m; its pick, the order it built
+at those costs, then runs like every contender, and the table sets its measured peak against the
+budget in measured bytes (``x`` times fused 1F1B's measured peak).
 """
 
 from __future__ import annotations
 
 import copy
 import csv
+import dataclasses
 import io
 import json
 import statistics
@@ -39,11 +49,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lightning_twobp.bench.memory_model import ADAMW_COPIES, layer_costs, partitions
+from lightning_twobp.bench.paper import PaperModel
 from lightning_twobp.bench.peer import Contender, build_runner, grad_error, torch_pipelining_available
 from lightning_twobp.bench.workload import WORLD, Workload, keep_freed_memory, reference_grads
 from lightning_twobp.processes import run_distributed
+from lightning_twobp.schedules import Schedule, build_schedule, simulate
+from lightning_twobp.schedules.auto import Candidate, NoScheduleFits, Profile, choose, search
 
-__all__ = ["BUDGETS", "budget_contenders", "markdown", "run_budget", "write"]
+__all__ = ["BUDGETS", "auto_picks", "budget_contenders", "markdown", "run_budget", "workload_profile", "write"]
 
 BUDGETS = (0.5, 1.0, 1.5, 2.0)
 MiB = 2**20
@@ -98,11 +112,21 @@ def _timed(runner: Any, out: list[float]) -> None:
     out.append(time.perf_counter() - t)
 
 
-def _one(rank: int, world: int, wl: Workload, c: Contender, m: int, steps: int, base_m: int, refs: str) -> dict:
+def _one(
+    rank: int,
+    world: int,
+    wl: Workload,
+    c: Contender,
+    m: int,
+    steps: int,
+    base_m: int,
+    refs: str,
+    schedule: Schedule | None = None,
+) -> dict:
     keep_freed_memory()
     model = wl.model()
     ids, tgt = wl.data()
-    runner = build_runner(c, model, wl, m, rank, ids, tgt)
+    runner = build_runner(c, model, wl, m, rank, ids, tgt, schedule=schedule)
     dist.barrier()
     before = _status("VmRSS")
     _reset_peak()
@@ -120,7 +144,7 @@ def _one(rank: int, world: int, wl: Workload, c: Contender, m: int, steps: int, 
             _timed(r, out)
     del base
     # exactness, after the measurement: a fresh copy from the seed weights, one step, against one process
-    check = build_runner(c, model, wl, m, rank, ids, tgt)
+    check = build_runner(c, model, wl, m, rank, ids, tgt, schedule=schedule)
     check.step()
     worst, bad = grad_error(check.params, torch.load(refs, weights_only=True))
     return {
@@ -175,33 +199,131 @@ def _fastest_within(rows: list[dict], base: dict) -> list[dict]:
     return budgets
 
 
+def workload_profile(wl: Workload, counts: tuple[int, ...], repeats: int = 3) -> Profile:
+    """The search's :class:`~lightning_twobp.schedules.auto.Profile` of ``wl`` at ``counts`` micro-batches:
+    every layer and the loss on one thread (:func:`~lightning_twobp.bench.memory_model.layer_costs`), cut
+    as the runs cut it (the loss joins the last stage), with as fixed bytes what a contender adds above
+    the built model: a gradient per weight (``fixed``) and AdamW's two moments (``optimizer``)."""
+    kw = (("vocab_size", wl.vocab), ("dim", wl.dim), ("n_layers", wl.layers), ("n_heads", wl.heads))
+    pm = PaperModel("llama", "Transformer-7b", (*kw, ("max_seq_len", wl.seq)), wl.batch, wl.seq, wl.layers)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as every rank of the runs
+    try:
+        measured = {m: layer_costs(pm, wl.batch // m, repeats=repeats, clock=time.thread_time) for m in counts}
+    finally:
+        torch.set_num_threads(threads)
+    # layer_costs' fixed is a weight, its gradient and AdamW's two moments; the weight is the built model
+    one = 1 / ADAMW_COPIES
+    layers = {
+        m: tuple(dataclasses.replace(c, fixed=one * c.fixed, optimizer=2 * one * c.fixed) for c in rows)
+        for m, rows in measured.items()
+    }
+    return Profile(WORLD, layers, partitions(pm, WORLD))
+
+
+def predicted_1f1b_peak(profile: Profile, m: int) -> float:
+    """Fused 1F1B's predicted peak (the fuller rank's) at ``m``: the unit of auto's limits here."""
+    schedule = build_schedule("1f1b", profile.num_ranks, m, split_backward=False)
+    return max(simulate(schedule, profile.costs(m, 1)).peak_bytes)
+
+
+def auto_picks(profile: Profile, base_m: int) -> list[dict]:
+    """At each budget ``x``, what ``schedule="auto"`` picks under ``memory_limit="<x>x1f1b"`` with fused
+    1F1B's peak predicted at ``base_m`` (the baseline's m): the candidate (``pick``), or the refusal."""
+    base = predicted_1f1b_peak(profile, base_m)
+    candidates = search(profile, max_caps=2 * profile.num_ranks)
+    out = []
+    for x in BUDGETS:
+        pick: Candidate | None = None
+        refused = None
+        try:
+            pick = choose(candidates, x * base).best
+        except NoScheduleFits as e:
+            refused = str(e)
+        out.append(dict(times_1f1b=x, predicted_limit_bytes=x * base, pick=pick, refused=refused))
+    return out
+
+
+def _auto_contender(pick: Candidate) -> Contender:
+    """The contender that holds ``pick``'s stages (the V's placement where its order has it)."""
+    v = pick.stages_per_rank
+    shape = "v" if v == 2 and pick.schedule.stages_of(0) == (0, 2 * WORLD - 1) else "loop"
+    return Contender("ours", pick.name, pick.split_backward, v, shape, max_pending_w=pick.max_pending_w)
+
+
+def _auto_row(pick: dict, base: dict, by: dict[str, dict]) -> dict:
+    """One budget's auto: its pick, predicted and measured peak per rank, within the budget or not, speed."""
+    limit = pick["times_1f1b"] * base["peak_bytes"]
+    c: Candidate | None = pick["pick"]
+    out = dict(
+        times_1f1b=pick["times_1f1b"],
+        limit_bytes=limit,
+        predicted_limit_bytes=pick["predicted_limit_bytes"],
+        refused=pick["refused"],
+        label=None,
+    )
+    if c is None:
+        return out
+    r = by.get(f"auto: {c.label}")
+    out.update(label=f"auto: {c.label}", predicted_peak_bytes_per_rank=list(c.peak_bytes), predicted_step_s=c.step_time)
+    if r is not None:
+        out.update(peak_bytes_per_rank=r["peak_bytes_per_rank"], within=r["peak_bytes"] <= limit, vs_1f1b=r["vs_1f1b"])
+    return out
+
+
 def run_budget(
-    wl: Workload = Workload(), steps: int = 5, counts: tuple[int, ...] = (8, 16), only: set[str] | None = None
+    wl: Workload = Workload(),
+    steps: int = 5,
+    counts: tuple[int, ...] = (8, 16),
+    only: set[str] | None = None,
+    auto: bool = True,
 ) -> dict:
-    """Every contender alone, then the fastest of each side within each budget (see the module docstring).
-    ``only``: the contenders with these labels (fused ``"1f1b"``, the baseline, is always run)."""
+    """Every contender alone, then the fastest of each side within each budget, and (``auto``) what
+    ``schedule="auto"`` picks at each budget, run the same way (see the module docstring). ``only``: the
+    contenders with these labels (fused ``"1f1b"``, the baseline, is always run)."""
     with_torch = torch_pipelining_available()
-    rows, skipped, failures = [], [], []
+    rows: list[dict] = []
+    skipped: list[str] = []
+    failures: list[str] = []
     with tempfile.TemporaryDirectory() as tmp:
         refs = _reference_files(wl, counts, Path(tmp))
-        for c, m in budget_contenders(with_torch, counts):
-            if only is not None and c.label not in only | {"1f1b"}:
-                continue
+
+        def run(c: Contender, m: int, auto_label: str | None = None, schedule: Schedule | None = None) -> None:
             try:
-                per_rank = run_distributed(_one, WORLD, wl, c, m, steps, counts[0], refs[m], timeout=1800)
+                per_rank = run_distributed(_one, WORLD, wl, c, m, steps, counts[0], refs[m], schedule, timeout=1800)
             except RuntimeError as e:  # a schedule that does not take this m (torch's checks, say)
-                skipped.append(f"{c.label} m={m}: {str(e).strip().splitlines()[-1]}")
-                continue
+                skipped.append(f"{auto_label or c.label} m={m}: {str(e).strip().splitlines()[-1]}")
+                return
             bad = [b for r in per_rank for b in r["bad"]]
             if bad:
-                failures.append(f"{c.label} m={m}: " + "; ".join(bad[:3]))
-            rows.append(_row(c, m, per_rank, wl, baseline=c == BASELINE and m == counts[0]))
+                failures.append(f"{auto_label or c.label} m={m}: " + "; ".join(bad[:3]))
+            row = _row(c, m, per_rank, wl, baseline=auto_label is None and c == BASELINE and m == counts[0])
+            rows.append(row if auto_label is None else {**row, "label": auto_label, "side": "auto"})
+
+        for c, m in budget_contenders(with_torch, counts):
+            if only is None or c.label in only | {"1f1b"}:
+                run(c, m)
+        profile = workload_profile(wl, counts) if auto else None
+        picks = auto_picks(profile, counts[0]) if profile is not None else []
+        distinct = {f"auto: {p['pick'].label}": p["pick"] for p in picks if p["pick"] is not None}
+        for label, pick in distinct.items():  # budgets that pick the same schedule share its run
+            run(_auto_contender(pick), pick.num_microbatches, label, pick.schedule)
     if failures:
         raise AssertionError("gradients differ from one process:\n" + "\n".join(failures))
     base = next(r for r in rows if r["baseline"])
-    run = {"workload": asdict(wl), "world": WORLD, "steps": steps, "torch_pipelining": with_torch}
-    budgets = _fastest_within(rows, base)
-    return {**run, "baseline": base["label"], "rows": rows, "budgets": budgets, "skipped": skipped}
+    run_info = {"workload": asdict(wl), "world": WORLD, "steps": steps, "torch_pipelining": with_torch}
+    by = {r["label"]: r for r in rows}
+    autos = [_auto_row(p, base, by) for p in picks]
+    predicted_base = predicted_1f1b_peak(profile, counts[0]) if profile is not None else None
+    return {
+        **run_info,
+        "baseline": base["label"],
+        "rows": rows,
+        "budgets": _fastest_within(rows, base),
+        "auto": autos,
+        "auto_base_predicted_bytes": predicted_base,
+        "skipped": skipped,
+    }
 
 
 def markdown(result: dict) -> str:
@@ -232,6 +354,8 @@ def markdown(result: dict) -> str:
             )
         ratio = f"{by[b['ours']]['vs_1f1b'] / by[b['torch']]['vs_1f1b']:.2f}x" if b["ours"] and b["torch"] else ""
         w(f"| {b['times_1f1b']:g}x | {b['limit_bytes'] / MiB:.0f} | " + " | ".join(cells) + f" | {ratio} |\n")
+    if result.get("auto"):
+        w(_auto_markdown(result, by))
     w("\n| contender | MiB per rank | speed vs fused 1F1B | s/step | max grad diff |\n|---|---:|---:|---:|---:|\n")
     for r in sorted(result["rows"], key=lambda r: r["peak_bytes"]):
         peaks = " / ".join(f"{p / MiB:.0f}" for p in r["peak_bytes_per_rank"])
@@ -241,9 +365,47 @@ def markdown(result: dict) -> str:
     return out.getvalue()
 
 
+def _mib(values: list[float]) -> str:
+    return " / ".join(f"{v / MiB:.0f}" for v in values)
+
+
+def _auto_markdown(result: dict, by: dict[str, dict]) -> str:
+    """auto's table: per budget its pick, predicted and measured MiB per rank against the limit, speed."""
+    base = result["auto_base_predicted_bytes"]
+    lines = [
+        f"\n**auto** (`schedule=\"auto\"`'s search on this workload's layers measured in one process; limit "
+        f"x times fused 1F1B's predicted peak, {base / MiB:.0f} MiB, against its measured "
+        f"{by[result['baseline']]['peak_bytes'] / MiB:.0f} MiB)\n\n",
+        "| budget | limit MiB, predicted | auto's pick | predicted MiB per rank | limit MiB, measured | measured MiB "
+        "per rank | within | speed vs fused 1F1B | auto / ours' fastest that fits |\n"
+        "|---|---:|---|---:|---:|---:|---|---:|---:|\n",
+    ]
+    fastest = {b["times_1f1b"]: by.get(b["ours"] or "") for b in result["budgets"]}
+    for a in result["auto"]:
+        head = f"| {a['times_1f1b']:g}x | {a['predicted_limit_bytes'] / MiB:.0f} | "
+        if a["label"] is None:
+            lines.append(head + f"refused | | {a['limit_bytes'] / MiB:.0f} | | | | |\n")
+            continue
+        measured = a.get("peak_bytes_per_rank")
+        ours = fastest.get(a["times_1f1b"])
+        ratio = f"{a['vs_1f1b'] / ours['vs_1f1b']:.2f}x" if measured and ours else ""
+        cells = [
+            a["label"].removeprefix("auto: "),
+            _mib(a["predicted_peak_bytes_per_rank"]),
+            f"{a['limit_bytes'] / MiB:.0f}",
+            _mib(measured) if measured else "not run",
+            ("yes" if a["within"] else "**no**") if measured else "",
+            f"{a['vs_1f1b']:.3f}" if measured else "",
+            ratio,
+        ]
+        lines.append(head + " | ".join(cells) + " |\n")
+    return "".join(lines)
+
+
 def write(result: dict, folder: str | Path) -> list[Path]:
-    """``budget.md``, ``budget.csv``, ``budget.json`` and, with matplotlib, ``budget.png`` (throughput
-    against peak memory, one point per contender, the budgets as vertical lines) into ``folder``."""
+    """``budget.md``, ``budget.csv`` (every contender, auto's picks as side ``auto``), ``budget.json``
+    and, with matplotlib, ``budget.png`` (throughput against peak memory, one point per contender, the
+    budgets as vertical lines) into ``folder``."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     paths = [folder / "budget.md", folder / "budget.csv", folder / "budget.json"]
@@ -262,9 +424,10 @@ def write(result: dict, folder: str | Path) -> list[Path]:
     except ImportError:
         return paths
     fig, ax = plt.subplots(figsize=(8, 5))
-    for side, color in (("ours", "tab:blue"), ("torch", "tab:orange")):
+    for side, color in (("ours", "tab:blue"), ("torch", "tab:orange"), ("auto", "tab:green")):
         rows = [r for r in result["rows"] if r["side"] == side]
-        ax.scatter([r["peak_bytes"] / MiB for r in rows], [r["vs_1f1b"] for r in rows], c=color, label=side)
+        if rows:
+            ax.scatter([r["peak_bytes"] / MiB for r in rows], [r["vs_1f1b"] for r in rows], c=color, label=side)
         for r in rows:
             ax.annotate(r["label"], (r["peak_bytes"] / MiB, r["vs_1f1b"]), fontsize=6)
     for b in result["budgets"]:

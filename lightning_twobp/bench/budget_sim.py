@@ -58,12 +58,14 @@ _TORCH = {
 }
 
 
-def models(quick: bool = False) -> list[PaperModel]:
-    """The four paper models with 16 blocks and a batch of :data:`BATCH` (``quick``: 8 blocks, a batch of
-    16, p = 4 only: a check of the harness)."""
+def models(quick: bool = False, names: Sequence[str] | None = None) -> list[PaperModel]:
+    """The four paper models (or those ``names``: llama, bert, mamba, resnet) with 16 blocks and a batch
+    of :data:`BATCH` (``quick``: 8 blocks, a batch of 16, p = 4 only: a check of the harness)."""
     out = []
     blocks, batch = (8, 16) if quick else (16, BATCH)
     for pm in paper_models(quick):
+        if names is not None and pm.name not in names:
+            continue
         kw = dict(pm.kwargs)
         if "n_layers" in kw:
             kw["n_layers"] = blocks
@@ -122,24 +124,37 @@ def _tables(pm: PaperModel, by_size: dict[int, Any], p: int, with_torch: bool) -
         budgets.append(
             dict(times_1f1b=x, limit=x * base, ours=_fastest(ours, x * base), torch=_fastest(theirs, x * base))
         )
-    return dict(model=pm.name, p=p, microbatches=counts, fused_1f1b_peak=base, budgets=budgets, considered=len(ours))
+    return dict(
+        model=pm.name,
+        p=p,
+        microbatches=counts,
+        fused_1f1b_peak=base,
+        budgets=budgets,
+        considered=len(ours),
+        ours_rows=ours,  # every candidate weighed, so that a reader can check each pick
+        torch_rows=theirs,
+    )
 
 
-def run_budget_sim(quick: bool = False, degrees: Sequence[int] = DEGREES) -> dict:
-    """Measure every model's layers once, then each degree's budget table (see the module docstring)."""
+def run_budget_sim(quick: bool = False, degrees: Sequence[int] = DEGREES, names: Sequence[str] | None = None) -> dict:
+    """Measure every model's layers (or those ``names``) once, then each degree's budget table (see the
+    module docstring)."""
     import torch
 
     torch.set_num_threads(1)  # one thread, as every rank of the benchmarks runs
     degrees = (4,) if quick else tuple(degrees)
     with_torch = torch_pipelining_available()
     tables = []
-    for pm in models(quick):
+    chosen = models(quick, names)
+    if not chosen:
+        raise ValueError(f"no paper model is named in {names}: choose among llama, bert, mamba, resnet")
+    for pm in chosen:
         # two samples a micro-batch at least: ResNet's BatchNorm needs 2 values per channel at 1 x 1
         sizes = sorted({pm.batch // m for p in degrees for m in (p, 2 * p, 4 * p) if pm.batch // m >= 2})
         # this thread's CPU time: what other processes on the machine take does not count
         by_size = {s: layer_costs(pm, s, repeats=3, clock=time.thread_time) for s in sizes}
         tables += [_tables(pm, by_size, p, with_torch) for p in degrees]
-    return {"batch": models(quick)[0].batch, "degrees": list(degrees), "tables": tables, "torch": with_torch}
+    return {"batch": chosen[0].batch, "degrees": list(degrees), "tables": tables, "torch": with_torch}
 
 
 def _cell(r: dict | None) -> str:

@@ -52,7 +52,8 @@ def _parser() -> argparse.ArgumentParser:
     mode.add_argument(
         "--budget",
         action="store_true",
-        help="at 0.5x, 1x, 1.5x, 2x fused 1F1B's peak: the fastest of ours and of torch's that fits, alone each",
+        help="at 0.5x, 1x, 1.5x, 2x fused 1F1B's peak: the fastest of ours and of torch's that fits, alone each, "
+        "and the pick of schedule='auto' run the same way",
     )
     mode.add_argument(
         "--memory-model",

@@ -46,7 +46,7 @@ from lightning_twobp.lightning.checkpointing import apply_activation_checkpointi
 from lightning_twobp.models.llama import Block
 from lightning_twobp.monitor import busy_seconds
 from lightning_twobp.processes import run_distributed
-from lightning_twobp.schedules import build_schedule, schedule_label
+from lightning_twobp.schedules import Schedule, build_schedule, schedule_label
 
 __all__ = [
     "Contender",
@@ -183,11 +183,13 @@ def build_runner(
     ids: torch.Tensor,
     tgt: torch.Tensor,
     activation_checkpointing: str | None = None,
+    schedule: Schedule | None = None,
 ) -> Runner:
+    """``c`` on this rank; ``schedule``: ours, this order (built at measured costs) in place of ``c``'s."""
     mods, params = _local_stages(c, model, wl, rank, activation_checkpointing)
     last = c.num_stages - 1
     if c.side == "ours":
-        sched = build_schedule(
+        sched = schedule or build_schedule(
             c.schedule,
             c.num_stages,
             m,

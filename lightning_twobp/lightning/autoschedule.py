@@ -16,6 +16,14 @@ to run some schedule before one is known to fit the limit, and a V schedule cuts
 twice the stages, so the choice could not reuse them without moving weights between ranks. Timing
 layers gives every layout's stage costs from one table.
 
+Two fixed costs come from outside the layers. The optimizer's state (AdamW: two moments, each a
+parameter's size) does not exist before the first step: :func:`optimizer_state_bytes` reads it off the
+optimizers ``configure_optimizers`` returns (called once more here, on the whole model, and dropped),
+from their type and param groups; an optimizer it does not know is counted as Adam's two copies, and
+the log says so. The loss runs once per ``m`` on the last layer's output, as the executor's last stage
+runs it (the user's ``training_step`` past the pipelined block, its logged Metrics put back after): what
+it saves from F to B (a log-softmax as large as the logits, the targets) joins the last stage.
+
 Profiling leaves no trace: the random state is forked around it, buffers are put back and the
 gradients it made are dropped.
 """
@@ -32,6 +40,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
@@ -40,6 +49,7 @@ from lightning_twobp.lightning.contract import SequentialContract
 from lightning_twobp.lightning.profile import block_inputs, first_batch, now
 from lightning_twobp.lightning.step import StepRunner, batch_size
 from lightning_twobp.partition import partition
+from lightning_twobp.private import pytree
 from lightning_twobp.schedules.auto import (
     AutoChoice,
     LayerCost,
@@ -49,13 +59,15 @@ from lightning_twobp.schedules.auto import (
     fused_1f1b_peak,
     resolve_limit,
     search,
+    size,
 )
 
 log = logging.getLogger(__name__)
 
-__all__ = ["SavedBytes", "auto_schedule", "device_bytes", "timed_footprint"]
+__all__ = ["SavedBytes", "auto_schedule", "device_bytes", "optimizer_state_bytes", "timed_footprint"]
 
-_FIELDS = 12  # LayerCost's fields, in order, as one row of the agreed table
+_FIELDS = len(LayerCost.__dataclass_fields__)  # LayerCost's fields, in order, as one row of the agreed table
+_SCALAR = 4  # bytes of a per-parameter step counter (a float32 0-d tensor in torch's optimizers)
 
 
 def device_bytes(device: torch.device) -> float | None:
@@ -89,8 +101,105 @@ def timed_footprint(
     return dataclasses.replace(runs[-1], seconds=(f, b, w))
 
 
-def _profile_layers(layers: list[nn.Module], x: tuple, device: torch.device, repeats: int) -> tuple[list, float]:
-    """Each layer's footprint on one micro-batch ``x``, and the largest output's bytes (one message)."""
+def _state_copies(opt: torch.optim.Optimizer, group: dict) -> tuple[int, int] | None:
+    """Tensors of state per parameter of ``group``: (copies of the parameter, 0-d counters); None when
+    ``opt`` is not one of torch's optimizers this knows (read from torch 2.x's ``step`` code)."""
+    o = torch.optim
+    if isinstance(opt, (o.Adam, o.AdamW)):
+        return 2 + bool(group.get("amsgrad")), 1  # exp_avg, exp_avg_sq (max_exp_avg_sq); step
+    if isinstance(opt, o.SGD):
+        return (1 if group.get("momentum") else 0), 0  # momentum_buffer
+    if isinstance(opt, (o.RAdam, o.Adamax, o.Adadelta)):
+        return 2, 1
+    if isinstance(opt, o.NAdam):
+        return 2, 2  # exp_avg, exp_avg_sq; step, mu_product
+    if isinstance(opt, o.RMSprop):
+        return 1 + bool(group.get("momentum")) + bool(group.get("centered")), 1
+    if isinstance(opt, o.Adagrad):
+        return 1, 1
+    return None
+
+
+def _optimizers(found: Any) -> list[torch.optim.Optimizer]:
+    """The optimizers in whatever ``configure_optimizers`` returned (one, lists, dicts, tuples)."""
+    if isinstance(found, torch.optim.Optimizer):
+        return [found]
+    if isinstance(found, dict):
+        found = list(found.values())
+    if isinstance(found, (list, tuple)):
+        return [o for item in found for o in _optimizers(item)]
+    return []
+
+
+def optimizer_state_bytes(optimizers: Sequence[torch.optim.Optimizer]) -> tuple[dict[int, float], list[str]]:
+    """The bytes of state each parameter (by ``id``) will hold in ``optimizers`` once they have stepped,
+    before they have (torch creates the state at the first step), and one line per optimizer saying how
+    it was counted. An optimizer not known here is counted as Adam's two copies of each parameter,
+    which the line says: give memory_limit that much less if it keeps more."""
+    out: dict[int, float] = {}
+    notes = []
+    for opt in optimizers:
+        name, total, guessed = type(opt).__name__, 0.0, False
+        for group in opt.param_groups:
+            copies = _state_copies(opt, group)
+            guessed = guessed or copies is None
+            k, scalars = copies or (2, 1)
+            for q in group["params"]:
+                nbytes = k * q.numel() * q.element_size() + scalars * _SCALAR
+                out[id(q)] = out.get(id(q), 0.0) + nbytes
+                total += nbytes
+        how = (
+            f"{name} is not one this counts: taken as Adam's two copies of each parameter (if it keeps more, "
+            f"give memory_limit that much less)"
+            if guessed
+            else f"{name}"
+        )
+        notes.append(f"{how}: {total:.0f} bytes ({size(total)}) of optimizer state over the whole model")
+    return out, notes
+
+
+def _optimizer_bytes(lm: Any, trainer: Any, layers: list[nn.Module]) -> list[float]:
+    """Each layer's optimizer-state bytes (training only), from a throw-away ``configure_optimizers``."""
+    if trainer.state.fn != TrainerFn.FITTING:  # nothing steps: no state (a later fit keeps this choice)
+        return [0.0] * len(layers)
+    per_param, notes = optimizer_state_bytes(_optimizers(lm.configure_optimizers()))
+    for line in notes:
+        rank_zero_info("twobp: schedule='auto' counts " + line)
+        if "not one this counts" in line:
+            log.warning("twobp: schedule='auto': %s", line)
+    return [sum(per_param.get(id(q), 0.0) for q in layer.parameters() if q.requires_grad) for layer in layers]
+
+
+class _Loss(nn.Module):
+    """The last stage's loss on micro-batch 0 as a layer of its own: the step past the block."""
+
+    def __init__(self, runner: StepRunner) -> None:
+        super().__init__()
+        self.runner = runner
+
+    def forward(self, output: torch.Tensor) -> torch.Tensor:
+        return self.runner.loss(output, 0)
+
+
+def _profile_loss(runner: StepRunner, output: torch.Tensor, device: torch.device, repeats: int) -> LayerCost:
+    """The loss as the last stage runs it, on the last layer's ``output`` (its logged Metrics put back)."""
+    state = runner.current
+    state.microbatches[0] = pytree.tree_map(
+        lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, state.microbatches[0]
+    )
+    runner.metrics.begin()
+    try:
+        fp = timed_footprint(_Loss(runner), output, output.is_floating_point(), device, repeats)
+    finally:
+        runner.metrics.undo()
+    return layer_cost(fp, 0.0)
+
+
+def _profile_layers(
+    layers: list[nn.Module], x: tuple, device: torch.device, repeats: int
+) -> tuple[list, float, torch.Tensor]:
+    """Each layer's footprint on one micro-batch ``x``, the largest output's bytes (one message) and the
+    last layer's output."""
     if len(x) != 1 or not isinstance(x[0], torch.Tensor):
         raise ValueError(
             "schedule='auto' times the layers one by one on a single tensor between them; this model's "
@@ -108,7 +217,7 @@ def _profile_layers(layers: list[nn.Module], x: tuple, device: torch.device, rep
         assert fp.output is not None  # measure_layer always returns F's output
         t = fp.output
         largest = max(largest, t.numel() * t.element_size())
-    return rows, float(largest)
+    return rows, float(largest), t
 
 
 def _message_seconds(nbytes: float, group: Any, device: torch.device, repeats: int) -> float:
@@ -135,9 +244,10 @@ def _message_seconds(nbytes: float, group: Any, device: torch.device, repeats: i
 
 def _from_row(row: Sequence[float]) -> LayerCost:
     """A layer's row of the agreed table (its bools went through it as 0 and 1)."""
-    f, b, w, act, held, kept, saved_input, saves_output, fixed, output, grad_held, input_held = row[:_FIELDS]
-    kept_, saves = bool(kept), bool(saves_output)
-    return LayerCost(f, b, w, act, held, kept_, saved_input, saves, fixed, output, grad_held, input_held)
+    fields = LayerCost.__dataclass_fields__.values()
+    pairs = zip(fields, row[:_FIELDS], strict=True)
+    kw: dict[str, Any] = {f.name: bool(v) if f.type == "bool" else v for f, v in pairs}
+    return LayerCost(**kw)
 
 
 def _agree(table: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -182,24 +292,30 @@ def auto_schedule(
         )
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         batch = first_batch(trainer)
-        size = batch_size(batch)
-        counts = [num_microbatches] if num_microbatches else _divisors(size, 4 * num_ranks)
+        n = batch_size(batch)
+        counts = [num_microbatches] if num_microbatches else _divisors(n, 4 * num_ranks)
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        optimizer = _optimizer_bytes(runner.module, trainer, layers)
         buffers = [(b, b.clone()) for layer in layers for b in layer.buffers()]
         rows = []
         with precision.forward_context():
             for m in counts:
                 x = block_inputs(runner, layers, trainer, batch, m, device)
-                costs, largest = _profile_layers(layers, x, device, repeats)
+                costs, largest, out = _profile_layers(layers, x, device, repeats)
+                costs = [dataclasses.replace(c, optimizer=o) for c, o in zip(costs, optimizer, strict=True)]
+                # the last row: the loss (training only: validation and prediction steps return no loss)
+                costs.append(_profile_loss(runner, out, device, repeats) if fitting else LayerCost())
                 seconds = _message_seconds(largest, pp_group, device, repeats)
                 rows.append([[getattr(c, f) for f in LayerCost.__dataclass_fields__] + [seconds] for c in costs])
         with torch.no_grad():
             for b, saved in buffers:
                 b.copy_(saved)
     table = _agree(torch.tensor(rows, dtype=torch.float64), device).tolist()
-    by_m = {m: tuple(_from_row(r) for r in layer_rows) for m, layer_rows in zip(counts, table, strict=True)}
+    by_m = {m: tuple(_from_row(r) for r in layer_rows[:-1]) for m, layer_rows in zip(counts, table, strict=True)}
+    loss = {m: _from_row(layer_rows[-1]) for m, layer_rows in zip(counts, table, strict=True)} if fitting else {}
     comm = {m: table[i][0][_FIELDS] for i, m in enumerate(counts)}
     weights = [c.f + c.b + c.w for c in by_m[counts[-1]]]
-    profile = Profile(num_ranks, by_m, _partitions(layers, num_ranks, balance, weights), comm)
+    profile = Profile(num_ranks, by_m, _partitions(layers, num_ranks, balance, weights), comm, loss)
     limit = resolve_limit(memory_limit, device_bytes(device), fused_1f1b_peak(profile))
     candidates = search(profile, split_backward=split_backward, max_caps=2 * num_ranks)
     choice = choose(candidates, limit)

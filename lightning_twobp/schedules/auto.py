@@ -65,7 +65,8 @@ class LayerCost:
     its own output, the bytes it holds whatever the schedule (``fixed``: weights, gradients, ...), the
     bytes of its ``output`` and, of ``held``, those of its output's gradient (``grad_output_held``: W
     reads it, as a last Linear's weight gradient does) and of its input (``input_held``: a first
-    Linear's)."""
+    Linear's), and the bytes of optimizer state its parameters will hold (``optimizer``: AdamW's two
+    moments; fixed too, kept apart so that a refusal can name them)."""
 
     f: float = 0.0
     b: float = 0.0
@@ -79,12 +80,14 @@ class LayerCost:
     output: float = 0.0
     grad_output_held: float = 0.0
     input_held: float = 0.0
+    optimizer: float = 0.0
 
 
 @dataclass(frozen=True)
 class StageCost:
     """A run of layers as one stage (:func:`stage_cost`); ``message``, ``input_saved``, ``grad_held``,
-    ``input_held`` and ``output_kept`` as in :class:`~.memory.MemoryCosts`."""
+    ``input_held`` and ``output_kept`` as in :class:`~.memory.MemoryCosts`; ``fixed`` includes
+    ``optimizer``."""
 
     f: float
     b: float
@@ -98,6 +101,7 @@ class StageCost:
     grad_held: float = 0.0
     input_held: float = 0.0
     output_kept: float = 0.0
+    optimizer: float = 0.0
 
 
 def stage_cost(layers: Sequence[LayerCost], first: bool) -> StageCost:
@@ -123,12 +127,15 @@ def stage_cost(layers: Sequence[LayerCost], first: bool) -> StageCost:
     f = sum(x.f for x in layers)
     b = sum(x.b for x in layers)
     w = sum(x.w for x in layers)
-    fixed = sum(x.fixed for x in layers)
+    optimizer = sum(x.optimizer for x in layers)
+    fixed = sum(x.fixed for x in layers) + optimizer
     last = layers[-1]
     kept_out = 0.0 if last.saves_output else last.output
     act += kept_out
     if first:
-        return StageCost(f, b + w, 0.0, act, 0.0, fixed, False, last.output, output_kept=kept_out)
+        return StageCost(
+            f, b + w, 0.0, act, 0.0, fixed, False, last.output, output_kept=kept_out, optimizer=optimizer
+        )
     held += act if kept else 0.0
     first_layer = layers[0]
     return StageCost(
@@ -144,6 +151,7 @@ def stage_cost(layers: Sequence[LayerCost], first: bool) -> StageCost:
         last.grad_output_held,
         first_layer.input_held,
         kept_out,
+        optimizer,
     )
 
 
@@ -151,12 +159,15 @@ def stage_cost(layers: Sequence[LayerCost], first: bool) -> StageCost:
 class Profile:
     """What the search reads. ``layers[m]`` is every layer's :class:`LayerCost` at the micro-batch size
     of ``m`` micro-batches per step; ``partitions[v]`` the layers per stage with ``v`` stages per rank
-    (``num_ranks * v`` stages); ``comm[m]`` the seconds of one message between stages at that size."""
+    (``num_ranks * v`` stages); ``comm[m]`` the seconds of one message between stages at that size;
+    ``loss[m]`` the loss on the last stage's output, one layer more of the last stage (what it saves
+    from F to B: the logits' log-softmax, the targets), where it was measured."""
 
     num_ranks: int
     layers: Mapping[int, Sequence[LayerCost]]
     partitions: Mapping[int, Sequence[int]]
     comm: Mapping[int, float] = field(default_factory=dict)
+    loss: Mapping[int, LayerCost] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.layers:
@@ -176,8 +187,10 @@ class Profile:
     def stages(self, m: int, stages_per_rank: int) -> tuple[StageCost, ...]:
         """Each stage's costs at ``m`` micro-batches, ``stages_per_rank`` stages per rank."""
         layers, out, start = self.layers[m], [], 0
-        for s, n in enumerate(self.partitions[stages_per_rank]):
-            out.append(stage_cost(layers[start : start + n], first=s == 0))
+        sizes = self.partitions[stages_per_rank]
+        for s, n in enumerate(sizes):
+            loss = [self.loss[m]] if s == len(sizes) - 1 and m in self.loss else []
+            out.append(stage_cost([*layers[start : start + n], *loss], first=s == 0))
             start += n
         return tuple(out)
 
@@ -202,7 +215,8 @@ class Profile:
 @dataclass(frozen=True)
 class Candidate:
     """One point of the search: a schedule at ``num_microbatches`` with a deferral cap (None: none),
-    its predicted seconds per step and peak bytes per rank."""
+    its predicted seconds per step and peak bytes per rank (of those, ``optimizer_bytes`` per rank are
+    the optimizer's state)."""
 
     name: str
     split_backward: bool
@@ -213,10 +227,23 @@ class Candidate:
     peak_bytes: tuple[float, ...]
     schedule: Schedule = field(repr=False, compare=False)
     sim: SimResult = field(repr=False, compare=False)
+    optimizer_bytes: tuple[float, ...] = ()
 
     @property
     def peak(self) -> float:
         return max(self.peak_bytes)
+
+    @property
+    def fullest(self) -> int:
+        """The rank whose peak is :attr:`peak`."""
+        return self.peak_bytes.index(self.peak)
+
+    def optimizer_note(self) -> str:
+        """``", of which 1.2 MiB optimizer state"`` on the fullest rank, or nothing without any."""
+        if not self.optimizer_bytes or not self.optimizer_bytes[self.fullest]:
+            return ""
+        opt = self.optimizer_bytes[self.fullest]
+        return f", of which {opt:.0f} bytes ({size(opt)}) optimizer state on rank {self.fullest}"
 
     @property
     def label(self) -> str:
@@ -297,8 +324,14 @@ def search(
                     seen.add(schedule.actions)
                     sim = simulate(schedule, costs, iterations=2 if spec.overlaps else 1)
                     step = sim.period if spec.overlaps else sim.makespan
-                    out.append(Candidate(name, split, m, v, k, step, sim.peak_bytes, schedule, sim))
+                    opt = _per_rank(schedule, profile.stages(m, v))
+                    out.append(Candidate(name, split, m, v, k, step, sim.peak_bytes, schedule, sim, opt))
     return tuple(out)
+
+
+def _per_rank(schedule: Schedule, stages: Sequence[StageCost]) -> tuple[float, ...]:
+    """Each rank's optimizer-state bytes: those of the stages it holds."""
+    return tuple(sum(stages[s].optimizer for s in schedule.stages_of(r)) for r in range(schedule.num_ranks))
 
 
 def check_auto_options(memory_limit: Any, stages_per_rank: Any, max_pending_w: Any) -> None:
@@ -370,7 +403,8 @@ def choose(candidates: Sequence[Candidate], limit: float) -> AutoChoice:
         smallest = min(candidates, key=lambda c: (c.peak, c.step_time))
         raise NoScheduleFits(
             f"memory_limit={limit:.0f} bytes ({size(limit)}) per device: no schedule fits; the smallest "
-            f"predicted peak is {smallest.peak:.0f} bytes ({size(smallest.peak)}), {smallest.label}. "
+            f"predicted peak is {smallest.peak:.0f} bytes ({size(smallest.peak)}){smallest.optimizer_note()}, "
+            f"{smallest.label}. "
             f"Raise memory_limit to at least {math.ceil(smallest.peak)} bytes, or use more pipeline ranks or "
             f"smaller micro-batches (a larger batch divides into more)",
             smallest,
@@ -385,7 +419,7 @@ def format_choice(choice: AutoChoice, max_actions: int = 64, unit: str = "s") ->
     best = choice.best
     lines = [
         f"schedule='auto': {best.label}, predicted {best.step_time:.4g} {unit} per step, peak "
-        f"{', '.join(size(b) for b in best.peak_bytes)} per rank (limit {size(choice.limit)}); "
+        f"{', '.join(size(b) for b in best.peak_bytes)} per rank{best.optimizer_note()} (limit {size(choice.limit)}); "
         f"{len(choice.fitting)} of {len(choice.considered)} candidates fit",
     ]
     others = sorted((c for c in choice.fitting if c is not best), key=lambda c: (c.step_time, c.peak))[:3]
