@@ -166,6 +166,8 @@ class Pipeline:
         ex, runner = self.executor, self.runner
         state = runner.begin(hook, args, kwargs, m, exact=False)
         self.metrics.begin()
+        if self.sharding is not None:  # gathered here, not by FSDP2's hooks: a lost replica is named
+            self.sharding.gather(lambda s: ex.stages[s].refresh_parameters())
         outs = ex.forward_only(self.capture(), len(state.microbatches))
         if self.sharding is not None:  # FSDP2 gathered the stages for their forward: free them again
             self.sharding.release()

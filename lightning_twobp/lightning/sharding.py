@@ -42,7 +42,9 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-from collections.abc import Callable
+import socket
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -51,6 +53,9 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
+
+from lightning_twobp.engine.failure import lost_peer
+from lightning_twobp.engine.p2p import PeerLost
 
 log = logging.getLogger(__name__)
 
@@ -168,6 +173,16 @@ def _grad(q: nn.Parameter) -> torch.Tensor:
     return q.grad
 
 
+def _replicas(group: dist.ProcessGroup) -> str:
+    """This rank's data-parallel peers, as ``global rank 2 (host a)``: one all-gather at setup, so that a
+    lost replica can be named (gloo's error names an address and port)."""
+    hosts: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(hosts, socket.gethostname(), group=group)
+    ranks = dist.get_process_group_ranks(group)
+    me = dist.get_rank()
+    return " or ".join(f"global rank {r} (host {h})" for r, h in zip(ranks, hosts, strict=True) if r != me)
+
+
 class ShardedStages:
     """This rank's stage modules, each ``fully_shard``-ed over ``mesh`` (the ``"dp"`` dimension)."""
 
@@ -175,6 +190,7 @@ class ShardedStages:
         self.mesh = mesh
         self.group = mesh.get_group()
         self.dp = mesh.size()
+        self.replicas = _replicas(self.group)
         self.modules: dict[int, Any] = {}
         self.sharded: dict[int, dict[str, nn.Parameter]] = {}  # stage -> name -> its DTensor parameter
         self.full: dict[int, dict[str, nn.Parameter]] = {}  # stage -> name -> gathered, during a step
@@ -208,9 +224,25 @@ class ShardedStages:
         """All-gather every stage's parameters for one step; ``refresh(stage)`` after each (the
         executor's stage re-reads its module's parameters: the gathered ones)."""
         for s, module in self.modules.items():
-            module.unshard()
+            with self._naming_lost_replicas(f"the all-gather of stage {s}'s parameters"):
+                module.unshard()
             self.full[s] = dict(module.named_parameters())
             refresh(s)
+
+    @contextmanager
+    def _naming_lost_replicas(self, what: str) -> Iterator[None]:
+        """A collective over the replicas that fails on a lost connection or a timeout raises
+        :class:`PeerLost` naming them (a whole node lost takes its replicas with it)."""
+        try:
+            yield
+        except RuntimeError as e:
+            if not lost_peer(e) or isinstance(e, PeerLost):
+                raise
+            raise PeerLost(
+                f"a data-parallel replica, {self.replicas}, stopped answering while global rank {dist.get_rank()} "
+                f"waited for {what}: its connection closed or the wait timed out (the process died, was killed "
+                f"or hung)"
+            ) from e
 
     def release(self) -> None:
         """Free the gathered parameters and gradients of every stage (after evaluation, or a failed step)."""
@@ -232,7 +264,8 @@ class ShardedStages:
 
         def finish() -> None:
             for work, out, group, rows in started:
-                work.wait()
+                with self._naming_lost_replicas(f"the reduce-scatter of stage {stage}'s gradients"):
+                    work.wait()
                 out.div_(self.dp)  # SUM over the replicas, then the mean: as the replicated reduce
                 self._set_grads(stage, group, out, rows)
             self.release_stage(stage)
