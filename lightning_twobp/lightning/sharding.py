@@ -317,7 +317,8 @@ class ShardedStages:
         if failed:
             log.warning(
                 "twobp: the Trainer call failed; under data_parallel='shard' this rank's stages keep their "
-                "DTensor shards (gathering them would wait on replicas that may be gone)"
+                "DTensor shards (gathering them would wait on replicas that may be gone), and the model's own "
+                "Parameters of those stages hold no values; resume from a checkpoint"
             )
             return
         for s, module in self.modules.items():
