@@ -125,6 +125,22 @@ def _fit_gpt2(rank: int, world: int) -> dict:
     return {"params": own_weights(model), "losses": rec.losses, "tied": tied}
 
 
+def _tied_gpt2_under_zb_v(rank: int, world: int) -> str:
+    lightning_env(rank, world)
+    strategy = TwoBPStrategy(pipeline_degree=2, schedule="zb-v", data_parallel="shard")
+    with pytest.raises(ValueError) as info:
+        _trainer(strategy, world, Recorder()).fit(TinyGPT2(), _tokens())
+    return str(info.value)
+
+
+def test_a_weight_tied_within_one_rank_is_refused_on_every_rank(four_ranks, request):
+    """ZB-V puts the first and last stage on pipeline rank 0: GPT-2's tied wte / lm_head would be two
+    fully_shard groups' shards there. Every rank refuses before any compute (none waits on another)."""
+    want = "the tied parameter {model.transformer.wte.weight, model.lm_head.weight} is used by stages [0, 3]"
+    for message in four_ranks[request.node.name]:
+        assert want + ", on pipeline ranks [0, 0]" in message, message
+
+
 def test_tied_gpt2_sharded_matches_one_process(four_ranks, request):
     """HF GPT-2's tied embeddings under data_parallel="shard": each holder (wte's stage, lm_head's)
     shards its copy over the same dp mesh, so replica d of both holds the same rows; their shard
@@ -275,6 +291,7 @@ def four_ranks(request) -> conftest.Launch:
     )
     cases |= {f"test_sharded_matches_one_process[{k}]": (_fit, (kw, ("shard",))) for k, kw in SCHEDULES.items()}
     cases["test_tied_gpt2_sharded_matches_one_process"] = (_fit_gpt2, ())
+    cases["test_a_weight_tied_within_one_rank_is_refused_on_every_rank"] = (_tied_gpt2_under_zb_v, ())
     return launch(request, 4, cases, timeout=900)
 
 
@@ -359,8 +376,8 @@ def test_refusals_say_what_is_not_supported():
     with pytest.raises(
         ValueError, match=r"tied parameter \{layers.0.weight, layers.3.weight\} is used by stages \[0, 3\]"
     ):
-        check_ties(layers, [0, 1, 2, 3], [0, 1, 1, 0], "layers")
-    check_ties(layers, [0, 1, 2, 3], [0, 1, 2, 3], "layers")  # on two ranks: sharded and summed
+        check_ties(layers, [0, 1, 2, 3], [0, 1, 1, 0], lambda i, n: f"layers.{i}.{n}")
+    check_ties(layers, [0, 1, 2, 3], [0, 1, 2, 3], lambda i, n: f"layers.{i}.{n}")  # on two ranks: sharded and summed
     scalar = nn.Module()
     scalar.scale = nn.Parameter(torch.tensor(1.0))
     with pytest.raises(ValueError, match="parameter scale is a scalar"):

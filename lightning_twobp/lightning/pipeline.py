@@ -317,7 +317,13 @@ def _data_parallel(
         try:
             layers = [local.removed.get(i, layer) for i, layer in enumerate(local.contract.layers())]
             stage_of = [s for s, n in enumerate(local.sizes) for _ in range(n)]
-            check_ties(layers, stage_of, schedule.stage_to_rank, local.contract.name)
+            contract = local.contract
+            check_ties(
+                layers,
+                stage_of,
+                schedule.stage_to_rank,
+                lambda i, n: f"{contract.name}.{contract.parameter_name(i, n)}",
+            )
             check_stages(local.stages)
         except ValueError:
             local.restore(False, None, layout.pp_rank, strategy.root_device)  # the model as it came

@@ -101,16 +101,18 @@ def check_replicas(dp_degree: int, precision: str) -> None:
         )
 
 
-def check_ties(layers: list[nn.Module], layer_stage: list[int], stage_to_rank: Any, name: str) -> None:
+def check_ties(
+    layers: list[nn.Module], layer_stage: list[int], stage_to_rank: Any, name: Callable[[int, str], str]
+) -> None:
     """Refuse a parameter used by two stages that one rank holds: each stage's ``fully_shard`` would
     make its own shard of it and the tie would break. ``layers`` is the whole model's cut (every rank
     sees the same, the other ranks' layers on the meta device with their ties kept), so every rank
-    refuses together."""
+    refuses together; ``name(layer, parameter)`` is a use's name in the model."""
     uses: dict[int, tuple[list[str], set[int]]] = {}
     for i, layer in enumerate(layers):
         for n, q in layer.named_parameters(remove_duplicate=False):
             names, stages = uses.setdefault(id(q), ([], set()))
-            names.append(f"{name}.{i}.{n}")
+            names.append(name(i, n))
             stages.add(layer_stage[i])
     for names, stages in uses.values():
         ranks = [stage_to_rank[s] for s in sorted(stages)]
