@@ -115,14 +115,17 @@ def _one_process_order(loader: DataLoader) -> DataLoader:
     return DataLoader(TensorDataset(*(t[order] for t in loader.dataset.tensors)), batch_size=16)
 
 
-def _fit_gpt2(rank: int, world: int) -> dict:
-    """pp2 x dp2 sharded, ZB-H1: the tied weight sharded on both stages, summed over the holders."""
+def _fit_gpt2(rank: int, world: int, schedule: str) -> dict:
+    """pp2 x dp2 sharded: the tied weight sharded on both stages, summed over the holders."""
     lightning_env(rank, world)
     model, rec = TinyGPT2(), Recorder()
-    strategy = TwoBPStrategy(pipeline_degree=2, schedule="zb-h1", data_parallel="shard")
+    strategy = TwoBPStrategy(pipeline_degree=2, schedule=schedule, data_parallel="shard")
     _trainer(strategy, world, rec, use_distributed_sampler=True).fit(model, _tokens())
     tied = model.model.lm_head.weight is model.model.transformer.wte.weight
     return {"params": own_weights(model), "losses": rec.losses, "tied": tied}
+
+
+GPT2_SCHEDULES = ["zb-h1", "interleaved-1f1b"]
 
 
 def _tied_gpt2_under_zb_v(rank: int, world: int) -> str:
@@ -141,12 +144,14 @@ def test_a_weight_tied_within_one_rank_is_refused_on_every_rank(four_ranks, requ
         assert want + ", on pipeline ranks [0, 0]" in message, message
 
 
-def test_tied_gpt2_sharded_matches_one_process(four_ranks, request):
+@pytest.mark.parametrize("schedule", GPT2_SCHEDULES)
+def test_tied_gpt2_sharded_matches_one_process(four_ranks, request, schedule):
     """HF GPT-2's tied embeddings under data_parallel="shard": each holder (wte's stage, lm_head's)
     shards its copy over the same dp mesh, so replica d of both holds the same rows; their shard
     gradients are summed over the holders after the reduce-scatter, and the global norm counts the
     weight once. Loss and every weight after 3 clipped SGD steps equal one process's, and the
-    model's tie holds after fit (the user's Parameter objects come back)."""
+    model's tie holds after fit (the user's Parameter objects come back). ZB-H1 (stage 0 on rank 0,
+    stage 1 on rank 1) and interleaved 1F1B (the tie between stages 0 and 3, on ranks 0 and 1)."""
     model, rec = TinyGPT2(), Recorder()
     _trainer("auto", 1, rec, use_distributed_sampler=False).fit(model, _one_process_order(_tokens()))
     ref = {n: q.detach() for n, q in model.named_parameters()}
@@ -290,7 +295,7 @@ def four_ranks(request) -> conftest.Launch:
         ({"schedule": "zb-h1"}, ("shard", "replicate"), False, "32-true", 2),
     )
     cases |= {f"test_sharded_matches_one_process[{k}]": (_fit, (kw, ("shard",))) for k, kw in SCHEDULES.items()}
-    cases["test_tied_gpt2_sharded_matches_one_process"] = (_fit_gpt2, ())
+    cases |= {f"test_tied_gpt2_sharded_matches_one_process[{k}]": (_fit_gpt2, (k,)) for k in GPT2_SCHEDULES}
     cases["test_a_weight_tied_within_one_rank_is_refused_on_every_rank"] = (_tied_gpt2_under_zb_v, ())
     return launch(request, 4, cases, timeout=900)
 
