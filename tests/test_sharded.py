@@ -14,8 +14,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_twobp  # noqa: F401  (registers "twobp")
 from lightning_twobp import TwoBPStrategy
-from lightning_twobp.lightning.local_model import SharedParameter
-from lightning_twobp.lightning.sharding import check_replicas, check_stages, state_bytes
+from lightning_twobp.lightning.sharding import check_replicas, check_stages, check_ties, state_bytes
 
 import conftest
 from conftest import launch, lightning_env, own_weights, quiet_trainer, regression_data
@@ -75,6 +74,99 @@ class Recorder(pl.Callback):
             self.bytes = state_bytes(params, [optimizer])
 
 
+class TinyGPT2(pl.LightningModule):
+    """Hugging Face GPT-2, tiny, as it comes (the ModuleList contract): its tied embedding ``wte`` on
+    the first stage, ``lm_head`` (the same weight) on the last."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        transformers = pytest.importorskip("transformers")
+        torch.manual_seed(0)
+        drops = dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        cfg = transformers.GPT2Config(
+            n_layer=4, n_embd=16, n_head=2, vocab_size=VOCAB, n_positions=SEQ, bos_token_id=0, eos_token_id=0, **drops
+        )
+        self.model = transformers.GPT2LMHeadModel(cfg)
+
+    def training_step(self, batch, batch_idx):
+        ids, targets = batch
+        loss = F.cross_entropy(self.model(input_ids=ids).logits.flatten(0, 1), targets.flatten())
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+
+VOCAB, SEQ = 13, 8  # 13 rows of the tied weight: 7 + 6 per replica
+
+
+def _tokens() -> DataLoader:
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, VOCAB, (64, SEQ), generator=g)
+    return DataLoader(TensorDataset(ids, (ids + 1) % VOCAB), batch_size=8)
+
+
+def _one_process_order(loader: DataLoader) -> DataLoader:
+    """The samples of ``loader`` in batches of 16: replica 0's 8 of each step, then replica 1's, as
+    Lightning's DistributedSampler (shuffle, seed 0) splits them (replica d reads perm[d::2])."""
+    perm = torch.randperm(64, generator=torch.Generator().manual_seed(0))
+    order = torch.cat([torch.cat([perm[0::2][i * 8 : (i + 1) * 8], perm[1::2][i * 8 : (i + 1) * 8]]) for i in range(4)])
+    return DataLoader(TensorDataset(*(t[order] for t in loader.dataset.tensors)), batch_size=16)
+
+
+def _fit_gpt2(rank: int, world: int, schedule: str) -> dict:
+    """pp2 x dp2 sharded: the tied weight sharded on both stages, summed over the holders."""
+    lightning_env(rank, world)
+    model, rec = TinyGPT2(), Recorder()
+    strategy = TwoBPStrategy(pipeline_degree=2, schedule=schedule, data_parallel="shard")
+    _trainer(strategy, world, rec, use_distributed_sampler=True).fit(model, _tokens())
+    tied = model.model.lm_head.weight is model.model.transformer.wte.weight
+    return {"params": own_weights(model), "losses": rec.losses, "tied": tied}
+
+
+GPT2_SCHEDULES = ["zb-h1", "interleaved-1f1b"]
+
+
+def _tied_gpt2_under_zb_v(rank: int, world: int) -> str:
+    lightning_env(rank, world)
+    strategy = TwoBPStrategy(pipeline_degree=2, schedule="zb-v", data_parallel="shard")
+    with pytest.raises(ValueError) as info:
+        _trainer(strategy, world, Recorder()).fit(TinyGPT2(), _tokens())
+    return str(info.value)
+
+
+def test_a_weight_tied_within_one_rank_is_refused_on_every_rank(four_ranks, request):
+    """ZB-V puts the first and last stage on pipeline rank 0: GPT-2's tied wte / lm_head would be two
+    fully_shard groups' shards there. Every rank refuses before any compute (none waits on another)."""
+    want = "the tied parameter {model.transformer.wte.weight, model.lm_head.weight} is used by stages [0, 3]"
+    for message in four_ranks[request.node.name]:
+        assert want + ", on pipeline ranks [0, 0]" in message, message
+
+
+@pytest.mark.parametrize("schedule", GPT2_SCHEDULES)
+def test_tied_gpt2_sharded_matches_one_process(four_ranks, request, schedule):
+    """HF GPT-2's tied embeddings under data_parallel="shard": each holder (wte's stage, lm_head's)
+    shards its copy over the same dp mesh, so replica d of both holds the same rows; their shard
+    gradients are summed over the holders after the reduce-scatter, and the global norm counts the
+    weight once. Loss and every weight after 3 clipped SGD steps equal one process's, and the
+    model's tie holds after fit (the user's Parameter objects come back). ZB-H1 (stage 0 on rank 0,
+    stage 1 on rank 1) and interleaved 1F1B (the tie between stages 0 and 3, on ranks 0 and 1)."""
+    model, rec = TinyGPT2(), Recorder()
+    _trainer("auto", 1, rec, use_distributed_sampler=False).fit(model, _one_process_order(_tokens()))
+    ref = {n: q.detach() for n, q in model.named_parameters()}
+    results = four_ranks[request.node.name]
+    for rank, res in enumerate(results):
+        assert res["tied"], f"rank {rank}: lm_head and wte are one Parameter again after fit"
+        assert "model.transformer.wte.weight" in res["params"], f"rank {rank} holds the tied weight"
+        for name, value in res["params"].items():
+            torch.testing.assert_close(value, ref[name], rtol=1e-5, atol=1e-6, msg=f"rank {rank} {name}")
+    assert set(results[0]["params"]) | set(results[1]["params"]) == set(ref)
+    for step, want in enumerate(rec.losses):
+        got = (results[1]["losses"][step] + results[3]["losses"][step]) / 2
+        assert got == pytest.approx(want, rel=1e-5), f"step {step}"
+
+
 def _data() -> DataLoader:
     return regression_data(d_out=3)
 
@@ -127,13 +219,8 @@ def _fit(
 
 def _reference() -> tuple[dict, list[float], float, torch.Tensor]:
     """One process on batches of 16: replica 0's 8 samples of each step, then replica 1's."""
-    g = torch.Generator().manual_seed(1)
-    x, y = torch.randn(64, 6, generator=g), torch.randn(64, 3, generator=g)
-    perm = torch.randperm(64, generator=torch.Generator().manual_seed(0))
-    order = torch.cat([torch.cat([perm[0::2][i * 8 : (i + 1) * 8], perm[1::2][i * 8 : (i + 1) * 8]]) for i in range(4)])
     model, rec = MomentumRegressor(), Recorder()
-    data = DataLoader(TensorDataset(x[order], y[order]), batch_size=16)
-    _trainer("auto", 1, rec, use_distributed_sampler=False).fit(model, data)
+    _trainer("auto", 1, rec, use_distributed_sampler=False).fit(model, _one_process_order(_data()))
     val_loss = _trainer("auto", 1, Recorder()).validate(model, _val_data(), verbose=False)[0]["val_loss"]
     with torch.no_grad():
         predictions = model.layers(_val_data().dataset.tensors[0] * 2.0)
@@ -208,6 +295,8 @@ def four_ranks(request) -> conftest.Launch:
         ({"schedule": "zb-h1"}, ("shard", "replicate"), False, "32-true", 2),
     )
     cases |= {f"test_sharded_matches_one_process[{k}]": (_fit, (kw, ("shard",))) for k, kw in SCHEDULES.items()}
+    cases |= {f"test_tied_gpt2_sharded_matches_one_process[{k}]": (_fit_gpt2, (k,)) for k in GPT2_SCHEDULES}
+    cases["test_a_weight_tied_within_one_rank_is_refused_on_every_rank"] = (_tied_gpt2_under_zb_v, ())
     return launch(request, 4, cases, timeout=900)
 
 
@@ -285,13 +374,19 @@ def test_refusals_say_what_is_not_supported():
     with pytest.raises(ValueError, match=r"precision='16-mixed': only fp32 \('32-true'\) and 'bf16-mixed'"):
         check_replicas(2, "16-mixed")
     check_replicas(2, "bf16-mixed")  # FSDP2's MixedPrecisionPolicy: bf16 gathered parameters
-    tied = SharedParameter(("0.weight", "6.weight"), (0, 1), None)
-    with pytest.raises(ValueError, match=r"shared across pipeline stages yet \(0.weight, 6.weight\)"):
-        check_stages({0: nn.Linear(2, 2)}, [tied])
+    emb = nn.Embedding(5, 4)
+    head = nn.Linear(4, 5, bias=False)
+    head.weight = emb.weight  # tied: stages 0 and 3, both on rank 0 under the V schedules
+    layers = [emb, nn.Linear(4, 4), nn.Linear(4, 4), head]
+    with pytest.raises(
+        ValueError, match=r"tied parameter \{layers.0.weight, layers.3.weight\} is used by stages \[0, 3\]"
+    ):
+        check_ties(layers, [0, 1, 2, 3], [0, 1, 1, 0], lambda i, n: f"layers.{i}.{n}")
+    check_ties(layers, [0, 1, 2, 3], [0, 1, 2, 3], lambda i, n: f"layers.{i}.{n}")  # on two ranks: sharded and summed
     scalar = nn.Module()
     scalar.scale = nn.Parameter(torch.tensor(1.0))
     with pytest.raises(ValueError, match="parameter scale is a scalar"):
-        check_stages({1: scalar}, [])
+        check_stages({1: scalar})
 
 
 def test_the_plan_counts_a_dp_th_of_the_state_and_a_steps_gathered_weights():

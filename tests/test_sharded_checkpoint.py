@@ -2,7 +2,8 @@
 shards through torch.distributed.checkpoint, under the same manifest and atomic swap as replicated
 checkpoints, and a run resumes from them on any layout. pp2 x dp2 sharded, saved at step 2, resumed:
 sharded again (parameters and momentum bitwise those of the uninterrupted run), sharded under the
-V's other cut, replicated (the shards read back as whole tensors) and in one process; the step-4
+V's other cut, replicated (the shards read back as whole tensors), on four pipeline ranks with one
+replica (each stage's tensors gathered from two ranks' shards) and in one process; the step-4
 checkpoint consolidates to one file, and refuses a changed shard by name."""
 
 from __future__ import annotations
@@ -29,7 +30,11 @@ pytestmark = pytest.mark.dist
 
 
 class Momentum(Regressor):
-    """SGD with momentum: its state is one buffer per parameter, sharded with the parameter."""
+    """SGD with momentum: its state is one buffer per parameter, sharded with the parameter. Four
+    Linear layers, so that four pipeline ranks each hold one."""
+
+    def __init__(self) -> None:
+        super().__init__(widths=(6, 16, 16, 16, 2))
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
@@ -65,6 +70,7 @@ def _fit(world: int, mode: str, max_steps: int, folder: str | None = None, ckpt:
         callbacks.append(ModelCheckpoint(dirpath=folder, every_n_train_steps=2, save_top_k=-1))
     model = Momentum()
     kw = {"schedule": "zb-h1", "pipeline_degree": min(world, 2), **kw}
+    replicas = world // kw["pipeline_degree"]
     strategy = TwoBPStrategy(data_parallel=mode, **kw)
     trainer = quiet_trainer(
         strategy,
@@ -75,13 +81,13 @@ def _fit(world: int, mode: str, max_steps: int, folder: str | None = None, ckpt:
         callbacks=callbacks,
         use_distributed_sampler=True,  # shuffled by Lightning's DistributedSampler (seed 0 + epoch)
     )
-    trainer.fit(model, regression_data() if world > 1 else _as_replicas_read_epoch_1(), ckpt_path=ckpt)
+    trainer.fit(model, regression_data() if replicas > 1 else _as_replicas_read_epoch_1(), ckpt_path=ckpt)
     params = {n: q.detach().clone() for n, q in model.named_parameters() if not q.is_meta}
     return {"params": params, "momentum": final.momentum, "losses": final.losses}
 
 
 def _as_replicas_read_epoch_1() -> DataLoader:
-    """One process's batches of 16 in the resumed epoch (1): each step's two replicas' 8 samples, as
+    """One replica's batches of 16 in the resumed epoch (1): each step's two replicas' 8 samples, as
     DistributedSampler(shuffle=True, seed=0) gives replica d the samples ``randperm(64)[d::2]`` with the
     generator seeded by seed + epoch."""
     x, y = regression_data().dataset.tensors
@@ -100,6 +106,8 @@ def _runs(rank: int, world: int, folder: str) -> dict:
         "replicated": _fit(world, "replicate", 4, ckpt=step2),
         # the V: 4 stages, two per rank, cut elsewhere; each DTensor reads its rows of the saved shards
         "v": _fit(world, "shard", 4, ckpt=step2, schedule="zb-v"),
+        # pp4 x dp1: one stage (a Linear) per rank, whole tensors from the pp2 stages' shards
+        "pp4": _fit(world, "replicate", 4, ckpt=step2, pipeline_degree=4, balance=[1, 2, 2, 2]),
     }
 
 
@@ -150,6 +158,14 @@ def test_sharded_checkpoints_resume_sharded_replicated_and_in_one_process(tmp_pa
     for name, value in v.items():
         torch.testing.assert_close(value, params[name], rtol=1e-5, atol=1e-6, msg=f"zb-v {name}")
         torch.testing.assert_close(v_momentum[name], momentum[name], rtol=1e-5, atol=1e-6, msg=f"zb-v {name}")
+    # sharded pp2 x dp2 -> replicated pp4 x dp1: each rank's one stage, whole
+    pp4 = {n: v for res in results for n, v in res["pp4"]["params"].items()}
+    pp4_momentum = {n: v for res in results for n, v in res["pp4"]["momentum"].items()}
+    assert set(pp4) == set(params) == set(pp4_momentum)
+    assert all(len(res["pp4"]["params"]) == 2 for res in results), "one Linear (weight, bias) per rank"
+    for name, value in pp4.items():
+        torch.testing.assert_close(value, params[name], rtol=1e-5, atol=1e-6, msg=f"pp4 {name}")
+        torch.testing.assert_close(pp4_momentum[name], momentum[name], rtol=1e-5, atol=1e-6, msg=f"pp4 {name}")
     # sharded -> one process: every stage's shards into one model
     (one,) = run_distributed(_one_process, 1, str(step2), timeout=300)
     assert set(one["params"]) == set(params) == set(one["momentum"])

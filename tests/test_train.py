@@ -13,7 +13,9 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
+import lightning.pytorch as pl
 import pytest
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]  # an end-to-end run: last (conftest.py)
@@ -145,10 +147,15 @@ def test_under_torchrun(tmp_path):
     assert summary["steps"] == 5 and summary["num_stages"] == 2 and len(summary["peak_memory_bytes_per_rank"]) == 2
 
 
-def _agent(node: int, port: int, tmp_path: Path, extra: list[str]) -> subprocess.Popen:
-    """One node: a torchrun agent with one process, joining a c10d rendezvous on localhost, in a
-    session of its own (so the node can be killed whole, agent and worker)."""
+def _agent(
+    node: int, port: int, tmp_path: Path, extra: list[str], procs: int = 1, pythonpath: str | None = None
+) -> subprocess.Popen:
+    """One node: a torchrun agent with ``procs`` processes, joining a c10d rendezvous on localhost, in
+    a session of its own (so the node can be killed whole, agent and workers); ``pythonpath`` is put
+    first on the workers' path."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    if pythonpath is not None:
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (pythonpath, env.get("PYTHONPATH")) if p)
     return subprocess.Popen(
         [
             sys.executable,
@@ -157,7 +164,7 @@ def _agent(node: int, port: int, tmp_path: Path, extra: list[str]) -> subprocess
             "--nnodes",
             "2",
             "--nproc-per-node",
-            "1",
+            str(procs),
             "--rdzv-backend",
             "c10d",
             "--rdzv-endpoint",
@@ -166,7 +173,7 @@ def _agent(node: int, port: int, tmp_path: Path, extra: list[str]) -> subprocess
             "twobp-test",
             "-m",
             "lightning_twobp.train",
-            "trainer.devices=1",
+            f"trainer.devices={procs}",
             "trainer.num_nodes=2",
             "callbacks=none",
             f"hydra.run.dir={tmp_path}/run",
@@ -197,36 +204,51 @@ def _tree(pid: int) -> list[int]:
     return out
 
 
+def _metrics(run: Path) -> list[dict[str, str]]:
+    lines = (run / "logs" / "version_0" / "metrics.csv").read_text().splitlines()
+    header = lines[0].split(",")
+    return [dict(zip(header, line.split(","), strict=False)) for line in lines[1:]]
+
+
 def _final_loss(run: Path) -> float:
-    rows = [line.split(",") for line in (run / "logs" / "version_0" / "metrics.csv").read_text().splitlines()]
-    col = rows[0].index("train_loss")
-    return float([r for r in rows[1:] if len(r) > col and r[col]][-1][col])
+    return float([r["train_loss"] for r in _metrics(run) if r.get("train_loss")][-1])
 
 
-def test_two_nodes_train_as_one_process_and_a_lost_node_is_named(tmp_path):
-    """Two torchrun agents (``--nnodes 2``, a c10d rendezvous on localhost) train the default recipe:
-    the last loss equals one process's; then a node killed mid-run (agent and worker) ends the other's
-    job with an error naming the lost pipeline rank, within the pipeline timeout."""
+def _first_val_loss(run: Path) -> float | None:
+    if not (run / "logs" / "version_0" / "metrics.csv").is_file():
+        return None
+    values = [r["val_loss"] for r in _metrics(run) if r.get("val_loss")]
+    return float(values[0]) if values else None
+
+
+# Both two-node tests against one process: batches of 32 (two sharded replicas read 16 each of the same
+# shuffled order), validated after step 5 (4 batches: two replicas evaluate 4 batches of 16 each, the
+# same 128 samples, and log their mean)
+_ONE_PROCESS = [
+    "trainer.max_steps=5",
+    "trainer.log_every_n_steps=1",
+    "trainer.val_check_interval=5",
+    "+trainer.enable_checkpointing=false",  # Lightning's default ModelCheckpoint would save after validating
+]
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory) -> Path:
+    one = tmp_path_factory.mktemp("one")
+    args = [*_ONE_PROCESS, "data.batch_size=32", "trainer.devices=1", "callbacks=none", f"hydra.run.dir={one}/run"]
+    _run(args, one)
+    return one / "run"
+
+
+def _two_nodes(folder: Path, extra: list[str], procs: int = 1, pythonpath: str | None = None) -> list[subprocess.Popen]:
+    """Two torchrun agents, node 0 first, so that its agent hosts the rendezvous store: killing node 1
+    then cannot take the store down with it (node 0's agent would then end its workers before they
+    name node 1)."""
     from lightning_twobp.processes import free_port
 
-    steps = ["trainer.max_steps=5", "trainer.log_every_n_steps=1"]
-    one = tmp_path / "one"
-    one.mkdir()
-    _run([*steps, "trainer.devices=1", "callbacks=none", f"hydra.run.dir={one}/run"], one)
-    two = tmp_path / "two"
-    two.mkdir()
+    folder.mkdir()
     port = free_port()
-    nodes = [_agent(n, port, two, steps) for n in range(2)]
-    codes = [p.wait(timeout=300) for p in nodes]
-    assert codes == [0, 0], [(two / f"node{n}.log").read_text()[-3000:] for n in range(2)]
-    assert abs(_final_loss(two / "run") - _final_loss(one / "run")) <= 1e-5 * abs(_final_loss(one / "run"))
-
-    lost = tmp_path / "lost"
-    lost.mkdir()
-    port = free_port()
-    # node 0 first, so that its agent hosts the rendezvous store: killing node 1 then cannot take the
-    # store down with it (node 0's agent would then end its worker before the worker names node 1)
-    nodes = [_agent(0, port, lost, ["trainer.max_steps=100000", "strategy.pipeline_timeout=60"])]
+    nodes = [_agent(0, port, folder, extra, procs, pythonpath)]
     deadline = time.monotonic() + 60
     while True:  # until node 0's agent listens on the rendezvous port
         try:
@@ -235,24 +257,99 @@ def test_two_nodes_train_as_one_process_and_a_lost_node_is_named(tmp_path):
         except OSError:
             assert time.monotonic() < deadline, "node 0's agent never opened the rendezvous store"
             time.sleep(0.2)
-    nodes.append(_agent(1, port, lost, ["trainer.max_steps=100000", "strategy.pipeline_timeout=60"]))
-    logs = [lost / f"node{n}.log" for n in range(2)]
-    deadline = time.monotonic() + 240
-    while "twobp: " not in "".join(p.read_text() for p in logs if p.exists()):  # the pipeline is built
-        assert time.monotonic() < deadline, [p.read_text()[-2000:] for p in logs]
-        time.sleep(1)
-    time.sleep(10)  # some steps in
+    nodes.append(_agent(1, port, folder, extra, procs, pythonpath))
+    return nodes
+
+
+def _after(cond: Any, seconds: float) -> Any:
+    """A test that holds from ``seconds`` after ``cond()`` first held."""
+    since: list[float] = []
+
+    def ready() -> bool:
+        if not since and cond():
+            since.append(time.monotonic())
+        return bool(since) and time.monotonic() >= since[0] + seconds
+
+    return ready
+
+
+def _end(nodes: list[subprocess.Popen], timeout: float, first: Any = None) -> int:
+    """Node 0's exit code (after ``first()``, if given); no process of either node outlives the call."""
     try:
-        for pid in _tree(nodes[1].pid):  # the second node dies whole: its agent and its worker
-            os.kill(pid, signal.SIGKILL)
-        code = nodes[0].wait(timeout=180)
+        if first is not None:
+            first()
+        return nodes[0].wait(timeout=timeout)
     finally:
         for p in nodes:
             for pid in _tree(p.pid):
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
-    text = logs[0].read_text()
+
+
+def _lose_node_1(nodes: list[subprocess.Popen], folder: Path, ready: Any) -> tuple[int, str]:
+    """Once ``ready()``, node 1 dies whole (its agent and its workers); node 0's exit code and log."""
+    logs = [folder / f"node{n}.log" for n in range(2)]
+    deadline = time.monotonic() + 240
+
+    def kill_node_1() -> None:
+        while not ready():
+            assert time.monotonic() < deadline, [p.read_text()[-2000:] for p in logs if p.exists()]
+            time.sleep(1)
+        for pid in _tree(nodes[1].pid):
+            os.kill(pid, signal.SIGKILL)
+
+    return _end(nodes, 180, kill_node_1), logs[0].read_text()
+
+
+def test_two_nodes_train_as_one_process_and_a_lost_node_is_named(one_process, tmp_path):
+    """Two torchrun agents (``--nnodes 2``, a c10d rendezvous on localhost) train the default recipe:
+    the last loss equals one process's; then a node killed mid-run (agent and worker) ends the other's
+    job with an error naming the lost pipeline rank, within the pipeline timeout."""
+    nodes = _two_nodes(tmp_path / "two", [*_ONE_PROCESS, "data.batch_size=32"])
+    codes = [p.wait(timeout=300) for p in nodes]
+    assert codes == [0, 0], [(tmp_path / "two" / f"node{n}.log").read_text()[-3000:] for n in range(2)]
+    want = _final_loss(one_process)
+    assert abs(_final_loss(tmp_path / "two" / "run") - want) <= 1e-5 * abs(want)
+
+    lost = tmp_path / "lost"
+    nodes = _two_nodes(lost, ["trainer.max_steps=100000", "strategy.pipeline_timeout=60"])
+    built = _after(lambda: "twobp: " in "".join(p.read_text() for p in lost.glob("node*.log")), 10)  # some steps in
+    code, text = _lose_node_1(nodes, lost, built)
     assert code != 0, text[-3000:]
     assert re.search(r"pipeline rank [01] \(stage [01], global rank [01], host [^)]+\) stopped answering", text), text[
         -3000:
     ]
+
+
+class LoseThisNode(pl.Callback):
+    """For the workers of node 1 (torchrun's ``GROUP_RANK``): at the start of training step ``step``
+    each kills its torchrun agent and itself, so the node is lost whole at a step boundary and the first
+    wait of node 0's ranks on it is the step's all-gather of the sharded stages (not a random one)."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step == self.step and os.environ.get("GROUP_RANK") == "1":
+            os.kill(os.getppid(), signal.SIGKILL)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def test_two_sharded_nodes_train_as_one_process_and_a_lost_node_is_named(one_process, tmp_path):
+    """pp2 x dp2 with ``data_parallel=shard`` on two torchrun nodes of two processes (node d holds
+    replica d, each stage sharded across the nodes), one launch: the validation loss after 5 steps
+    equals one process's (each replica reads 16 of the one process's 32 samples a step); at step 7 node
+    1 dies whole (agent and workers), and node 0's job ends with an error naming the lost replica."""
+    flush = "+logger.csv.flush_logs_every_n_steps=1"  # the validation loss on disk before node 0 fails
+    layout = ["strategy.pipeline_degree=2", "strategy.data_parallel=shard", "strategy.pipeline_timeout=60"]
+    lose = [f"+callbacks.lose._target_={__name__}.LoseThisNode", "+callbacks.lose.step=7"]
+    folder = tmp_path / "sharded"
+    steps = [*_ONE_PROCESS[1:], "trainer.max_steps=100000", "data.batch_size=16"]
+    nodes = _two_nodes(folder, [*steps, flush, *layout, *lose], 2, pythonpath=str(Path(__file__).parent))
+    code = _end(nodes, 300)
+    text = (folder / "node0.log").read_text()
+    want, got = _first_val_loss(one_process), _first_val_loss(folder / "run")
+    assert want is not None and got is not None and abs(got - want) <= 1e-5 * abs(want), (got, want)
+    assert code != 0, text[-3000:]
+    # node 1 held replica 1: each of node 0's ranks names its peer there, by global rank and host
+    assert re.search(r"a data-parallel replica, global rank [23] \(host [^)]+\), stopped answering", text), text[-3000:]

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from lightning_twobp.lightning.local_model import SharedParameter
 
@@ -106,6 +107,8 @@ class TiedParameters:
     holders' gradients (each holder's gradient is the part of the loss's gradient that flows
     through its own uses, so the sum is what one process accumulates). Identical values, gradients
     and optimizer updates keep the copies equal. The global norm counts it once, on its first holder.
+    Under ``data_parallel="shard"`` each copy is a DTensor shard, the same rows on every holder of one
+    replica (dim 0 split alike over the same ``"dp"`` mesh): the same sums, on the local shards.
     """
 
     def __init__(
@@ -133,14 +136,19 @@ class TiedParameters:
     @torch.no_grad()
     def sync_values(self) -> None:
         for q, group, first in self._tied:
-            dist.broadcast(q.data, src=first, group=group)
+            dist.broadcast(_local(q.data), src=first, group=group)
 
     @torch.no_grad()
     def reduce_grads(self) -> None:
         for q, group, _ in self._tied:
             if q.grad is None:
                 q.grad = torch.zeros_like(q)
-            dist.all_reduce(q.grad, group=group)
+            dist.all_reduce(_local(q.grad), group=group)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor shard's local tensor (its storage, under no_grad), or ``t``."""
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def overflow_agreeing_scaler(

@@ -17,7 +17,8 @@ keeps their copies in sync.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,7 +29,7 @@ from torch import nn
 from lightning_twobp.lightning.contract import Contract
 from lightning_twobp.schedules import Schedule
 
-__all__ = ["LocalModel", "SharedParameter", "split_model"]
+__all__ = ["LocalModel", "SharedParameter", "meta_layers_aside", "split_model"]
 
 _HOW_TO_GET_WEIGHTS = (
     "to have every rank hold all trained weights after the Trainer call, pass "
@@ -150,6 +151,33 @@ class LocalModel:
             if t.is_meta:
                 received[id(t)] = buf.cpu()
         _replace_tensors(list(self.removed.values()), lambda t: received[id(t)], lambda t: id(t) in received)
+
+
+@contextmanager
+def meta_layers_aside(model: nn.Module) -> Iterator[None]:
+    """Inside, the layers an earlier Trainer call left on the meta device are out of ``model`` (an empty
+    module in each one's place). Lightning's teardown moves the whole model to the CPU, which a meta
+    tensor cannot do ("Cannot copy out of meta tensor"): when a call fails before setup (Lightning's own
+    configuration check, say), that error would replace the real one. The layers come back after."""
+    aside: list[tuple[nn.Module, str, nn.Module]] = []
+
+    def visit(parent: nn.Module) -> None:
+        for name, child in list(parent.named_children()):
+            if not any(t.is_meta for t in _tensors(child)):
+                continue
+            own = [*child.parameters(recurse=False), *child.buffers(recurse=False)]
+            if any(t.is_meta for t in own) or all(t.is_meta for t in _tensors(child)):
+                aside.append((parent, name, child))
+                setattr(parent, name, nn.Module())
+            else:
+                visit(child)
+
+    visit(model)
+    try:
+        yield
+    finally:
+        for parent, name, child in reversed(aside):
+            setattr(parent, name, child)
 
 
 def _owner_dtypes(

@@ -38,7 +38,13 @@ from lightning_twobp.lightning.optimizer_checks import OptimizerChecks
 from lightning_twobp.lightning.profile import profile_layers
 from lightning_twobp.lightning.quiet import known_warnings_off
 from lightning_twobp.lightning.rng import StageStreams
-from lightning_twobp.lightning.sharding import ShardedStages, check_replicas, check_stages, mixed_precision
+from lightning_twobp.lightning.sharding import (
+    ShardedStages,
+    check_replicas,
+    check_stages,
+    check_ties,
+    mixed_precision,
+)
 from lightning_twobp.lightning.step import Logs, StepRunner, share_logs, step_means
 from lightning_twobp.partition import partition
 from lightning_twobp.private import pytree
@@ -160,6 +166,8 @@ class Pipeline:
         ex, runner = self.executor, self.runner
         state = runner.begin(hook, args, kwargs, m, exact=False)
         self.metrics.begin()
+        if self.sharding is not None:  # gathered here, not by FSDP2's hooks: a lost replica is named
+            self.sharding.gather(lambda s: ex.stages[s].refresh_parameters())
         outs = ex.forward_only(self.capture(), len(state.microbatches))
         if self.sharding is not None:  # FSDP2 gathered the stages for their forward: free them again
             self.sharding.release()
@@ -230,10 +238,10 @@ def _announce(strategy: TwoBPStrategy, local: LocalModel, schedule: Schedule, si
     )
 
 
-def _tied(strategy: TwoBPStrategy, local: LocalModel, name: str) -> TiedParameters:
+def _tied(strategy: TwoBPStrategy, local: LocalModel, name: str, sharding: ShardedStages | None) -> TiedParameters:
     layout = strategy.layout
     tied = TiedParameters(
-        local.shared,
+        local.shared if sharding is None else sharding.resolve(local.shared),  # sharded: the DTensor shards
         lambda ranks: [[layout.global_rank_of(r, d) for r in ranks] for d in range(layout.dp_degree)],
         timeout=strategy.process_group_timeout,
     )
@@ -300,14 +308,23 @@ _Reduce = Callable[[int, list[nn.Parameter]], Callable[[], None]]
 
 
 def _data_parallel(
-    strategy: TwoBPStrategy, local: LocalModel, shard: bool
+    strategy: TwoBPStrategy, local: LocalModel, shard: bool, schedule: Schedule
 ) -> tuple[ShardedStages | None, _Reduce | None]:
     """The stages' data-parallel form: FSDP2 shards (``data_parallel="shard"``) and their reduce-scatter,
     the replicated all-reduce, or nothing with one replica."""
     layout = strategy.layout
     if shard:
         try:
-            check_stages(local.stages, local.shared)
+            layers = [local.removed.get(i, layer) for i, layer in enumerate(local.contract.layers())]
+            stage_of = [s for s, n in enumerate(local.sizes) for _ in range(n)]
+            contract = local.contract
+            check_ties(
+                layers,
+                stage_of,
+                schedule.stage_to_rank,
+                lambda i, n: f"{contract.name}.{contract.parameter_name(i, n)}",
+            )
+            check_stages(local.stages)
         except ValueError:
             local.restore(False, None, layout.pp_rank, strategy.root_device)  # the model as it came
             raise
@@ -362,7 +379,7 @@ def build_pipeline(strategy: TwoBPStrategy, trainer: Any) -> Pipeline:
     streams = StageStreams(schedule.stages_of(layout.pp_rank), layout.dp_rank, device)
     local = split_model(contract, sizes, schedule, layout.pp_rank)
     _announce(strategy, local, schedule, list(sizes))
-    sharding, grad_reduce = _data_parallel(strategy, local, shard)
+    sharding, grad_reduce = _data_parallel(strategy, local, shard, schedule)
     executor = PipelineExecutor(
         schedule,
         local.stages,
@@ -377,7 +394,7 @@ def build_pipeline(strategy: TwoBPStrategy, trainer: Any) -> Pipeline:
     if strategy.log_group is not None:
         last_rank = schedule.stage_to_rank[schedule.num_stages - 1]
         logs = LogChannel(strategy.log_group, layout.pp_rank, last_rank, strategy.pipeline_degree, device)
-    tied = _tied(strategy, local, contract.name)
+    tied = _tied(strategy, local, contract.name, sharding)
     # Sharded gradients: each rank holds 1/dp of its stages' gradients, so the global norm and the
     # non-finite check sum over every rank (each shard counted once), not over one pipeline.
     check_group = dist.group.WORLD if shard else strategy.group("pp")

@@ -17,7 +17,17 @@ per stage and per step:
    ``.grad``, the gathered gradients are freed and ``reshard()`` frees the gathered parameters.
 
 The optimizer (``configure_optimizers`` runs after setup) holds the DTensor shards, so its state is
-sharded too. Only public FSDP2 calls are used: ``fully_shard``, ``unshard``, ``reshard``,
+sharded too.
+
+Tied weights across stages (GPT-2's ``wte`` on the first stage, ``lm_head`` on the last) are sharded
+like any weight: each holder's stage shards its copy on dim 0 over the same ``"dp"`` mesh, so replica
+r of every holder holds the same rows, and :class:`~.grads.TiedParameters` sums the holders' shard
+gradients within each replica (after the reduce-scatter), as it sums whole gradients when replicated.
+:meth:`ShardedStages.resolve` points it at the DTensor shards. A parameter used by two stages of one
+rank (the V schedules put the first and last stage on rank 0) cannot be: two ``fully_shard`` groups
+would each make their own shard of it, and the tie would break silently; :func:`check_ties` refuses it.
+
+Only public FSDP2 calls are used: ``fully_shard``, ``unshard``, ``reshard``,
 ``set_requires_gradient_sync``, ``set_reshard_after_backward``, ``MixedPrecisionPolicy``.
 
 Under ``precision="bf16-mixed"`` the shards (and the optimizer) stay fp32 and FSDP2 gathers them as
@@ -29,9 +39,12 @@ post-backward hook would move the gradients aside after B, before W has added to
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
-from collections.abc import Callable
+import socket
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -41,9 +54,20 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
+from lightning_twobp.engine.failure import lost_peer
+from lightning_twobp.engine.p2p import PeerLost
+
 log = logging.getLogger(__name__)
 
-__all__ = ["ShardedStages", "check_replicas", "check_stages", "mixed_precision", "sharded_static_bytes", "state_bytes"]
+__all__ = [
+    "ShardedStages",
+    "check_replicas",
+    "check_stages",
+    "check_ties",
+    "mixed_precision",
+    "sharded_static_bytes",
+    "state_bytes",
+]
 
 _PRECISIONS = ("32-true", "32", "bf16-mixed")
 
@@ -77,14 +101,33 @@ def check_replicas(dp_degree: int, precision: str) -> None:
         )
 
 
-def check_stages(stages: dict[int, nn.Module], shared: list[Any]) -> None:
+def check_ties(
+    layers: list[nn.Module], layer_stage: list[int], stage_to_rank: Any, name: Callable[[int, str], str]
+) -> None:
+    """Refuse a parameter used by two stages that one rank holds: each stage's ``fully_shard`` would
+    make its own shard of it and the tie would break. ``layers`` is the whole model's cut (every rank
+    sees the same, the other ranks' layers on the meta device with their ties kept), so every rank
+    refuses together; ``name(layer, parameter)`` is a use's name in the model."""
+    uses: dict[int, tuple[list[str], set[int]]] = {}
+    for i, layer in enumerate(layers):
+        for n, q in layer.named_parameters(remove_duplicate=False):
+            names, stages = uses.setdefault(id(q), ([], set()))
+            names.append(name(i, n))
+            stages.add(layer_stage[i])
+    for names, stages in uses.values():
+        ranks = [stage_to_rank[s] for s in sorted(stages)]
+        if len(set(ranks)) < len(ranks):
+            raise ValueError(
+                f"data_parallel='shard': the tied parameter {{{', '.join(names)}}} is used by stages "
+                f"{sorted(stages)}, on pipeline ranks {ranks}; FSDP2 cannot shard one parameter in two stages of "
+                f"one rank (each stage's group would make its own shard and the tie would break). Use a schedule "
+                f"with one stage per rank (1f1b, zb-h1, ...; the V schedules put the first and last stage on rank "
+                f"0), a pipeline cut that keeps the tied layers on different ranks, or data_parallel='replicate'"
+            )
+
+
+def check_stages(stages: dict[int, nn.Module]) -> None:
     """Refuse, before any compute, stages sharding does not support (yet); each error says what to do."""
-    if shared:
-        names = "; ".join(", ".join(sp.names) for sp in shared)
-        raise ValueError(
-            f"data_parallel='shard' does not support parameters shared across pipeline stages yet ({names}): "
-            f"use data_parallel='replicate' for tied weights (issue 22)"
-        )
     for s, module in stages.items():
         if any(isinstance(m, FSDPModule) for m in module.modules()):
             raise ValueError(
@@ -132,6 +175,16 @@ def _grad(q: nn.Parameter) -> torch.Tensor:
     return q.grad
 
 
+def _replicas(group: dist.ProcessGroup) -> str:
+    """This rank's data-parallel peers, as ``global rank 2 (host a)``: one all-gather at setup, so that a
+    lost replica can be named (gloo's error names an address and port)."""
+    hosts: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(hosts, socket.gethostname(), group=group)
+    ranks = dist.get_process_group_ranks(group)
+    me = dist.get_rank()
+    return " or ".join(f"global rank {r} (host {h})" for r, h in zip(ranks, hosts, strict=True) if r != me)
+
+
 class ShardedStages:
     """This rank's stage modules, each ``fully_shard``-ed over ``mesh`` (the ``"dp"`` dimension)."""
 
@@ -139,10 +192,16 @@ class ShardedStages:
         self.mesh = mesh
         self.group = mesh.get_group()
         self.dp = mesh.size()
+        self.replicas = _replicas(self.group)
         self.modules: dict[int, Any] = {}
         self.sharded: dict[int, dict[str, nn.Parameter]] = {}  # stage -> name -> its DTensor parameter
         self.full: dict[int, dict[str, nn.Parameter]] = {}  # stage -> name -> gathered, during a step
+        # stage -> name -> the user's Parameter, emptied during the call and given the trained weights
+        # back at its end (the user's objects come back; a layer set aside here that shares one, the
+        # tied head on the first pipeline rank, shares it again)
+        self.originals: dict[int, dict[str, nn.Parameter]] = {}
         for s, stage in stages.items():
+            originals = dict(stage.named_parameters())
             # the same module, now an FSDPModule
             module = fully_shard(
                 stage, mesh=mesh, reshard_after_forward=False, mp_policy=policy or MixedPrecisionPolicy()
@@ -151,14 +210,41 @@ class ShardedStages:
             module.set_reshard_after_backward(False)  # held from the first F to the last W
             self.modules[s] = module
             self.sharded[s] = dict(stage.named_parameters())
+            self.originals[s] = originals
+            for q in originals.values():
+                # the shards hold the values now: no full copy stays behind; the shape stays (one zero,
+                # expanded), for what reads it, the ModuleList contract's meta twins of a tied layer
+                q.data = q.data.new_zeros(1).expand(q.shape)
+
+    def resolve(self, shared: list[Any]) -> list[Any]:
+        """``shared`` (:class:`~.local_model.SharedParameter`) with this rank's copy of each replaced by
+        its DTensor shard: the parameter the stage and the optimizer now hold."""
+        shard = {id(q): self.sharded[s][n] for s, named in self.originals.items() for n, q in named.items()}
+        return [sp if sp.param is None else dataclasses.replace(sp, param=shard[id(sp.param)]) for sp in shared]
 
     def gather(self, refresh: Callable[[int], None]) -> None:
         """All-gather every stage's parameters for one step; ``refresh(stage)`` after each (the
         executor's stage re-reads its module's parameters: the gathered ones)."""
         for s, module in self.modules.items():
-            module.unshard()
+            with self._naming_lost_replicas(f"the all-gather of stage {s}'s parameters"):
+                module.unshard()
             self.full[s] = dict(module.named_parameters())
             refresh(s)
+
+    @contextmanager
+    def _naming_lost_replicas(self, what: str) -> Iterator[None]:
+        """A collective over the replicas that fails on a lost connection or a timeout raises
+        :class:`PeerLost` naming them (a whole node lost takes its replicas with it)."""
+        try:
+            yield
+        except RuntimeError as e:
+            if not lost_peer(e) or isinstance(e, PeerLost):
+                raise
+            raise PeerLost(
+                f"a data-parallel replica, {self.replicas}, stopped answering while global rank {dist.get_rank()} "
+                f"waited for {what}: its connection closed or the wait timed out (the process died, was killed "
+                f"or hung)"
+            ) from e
 
     def release(self) -> None:
         """Free the gathered parameters and gradients of every stage (after evaluation, or a failed step)."""
@@ -180,7 +266,8 @@ class ShardedStages:
 
         def finish() -> None:
             for work, out, group, rows in started:
-                work.wait()
+                with self._naming_lost_replicas(f"the reduce-scatter of stage {stage}'s gradients"):
+                    work.wait()
                 out.div_(self.dp)  # SUM over the replicas, then the mean: as the replicated reduce
                 self._set_grads(stage, group, out, rows)
             self.release_stage(stage)
@@ -224,22 +311,25 @@ class ShardedStages:
             )
 
     def unshard_for_good(self, failed: bool) -> None:
-        """At the Trainer call's end: this rank's stages hold their full weights again as plain
-        parameters (one all-gather per parameter), so the model is an ordinary model afterwards. The
-        FSDP2 hooks sit on the stage containers only (ours, dropped with the pipeline), not on the
-        user's layers. After a failure the shards stay: another replica may be gone, and the gather
+        """At the Trainer call's end: this rank's stages hold their full weights again in the user's own
+        Parameters (one all-gather per parameter), so the model is an ordinary model afterwards and ties
+        hold. The FSDP2 hooks sit on the stage containers only (ours, dropped with the pipeline), not on
+        the user's layers. After a failure the shards stay: another replica may be gone, and the gather
         would wait for it."""
         if failed:
             log.warning(
                 "twobp: the Trainer call failed; under data_parallel='shard' this rank's stages keep their "
-                "DTensor shards (gathering them would wait on replicas that may be gone)"
+                "DTensor shards (gathering them would wait on replicas that may be gone), and the model's own "
+                "Parameters of those stages hold no values; resume from a checkpoint"
             )
             return
-        for module in self.modules.values():
+        for s, module in self.modules.items():
             # every DTensor to its whole tensor in its own dtype (fp32 under "bf16-mixed", where unshard()
             # would gather bf16 copies)
-            full = {n: (_whole(q), q.requires_grad) for n, q in module.named_parameters()}
-            for n, (t, requires_grad) in full.items():
+            full = {n: _whole(q) for n, q in module.named_parameters()}
+            for n, t in full.items():
+                original = self.originals[s][n]
+                original.data = t
                 owner, _, leaf = n.rpartition(".")
-                setattr(module.get_submodule(owner), leaf, nn.Parameter(t, requires_grad=requires_grad))
-        self.modules, self.sharded, self.full = {}, {}, {}
+                setattr(module.get_submodule(owner), leaf, original)
+        self.modules, self.sharded, self.full, self.originals = {}, {}, {}, {}

@@ -10,6 +10,7 @@ and stages; the engine (:class:`~lightning_twobp.engine.PipelineExecutor`) runs 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import nullcontext
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -27,6 +28,7 @@ from lightning_twobp.lightning.checks import check_nodes, checked_optimizers
 from lightning_twobp.lightning.failures import reap, told
 from lightning_twobp.lightning.grads import GradStash
 from lightning_twobp.lightning.layout import check_degree
+from lightning_twobp.lightning.local_model import meta_layers_aside
 from lightning_twobp.lightning.optimizer_checks import NonFiniteError
 from lightning_twobp.lightning.pipeline import Pipeline, StepRecords, StepRun, build_pipeline
 from lightning_twobp.lightning.placement import PipelinePlacement
@@ -211,7 +213,11 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
         pipeline, self._pipeline = self._pipeline, None
         if self._signals is not None:
             self._signals.uninstall()
-        super().teardown()
+        lm = self.lightning_module
+        # the layers a previous call left on the meta device cannot move to the CPU, and the error
+        # raised trying would hide the one that ended this call
+        with meta_layers_aside(lm) if lm is not None else nullcontext():
+            super().teardown()
         if pipeline is None:
             return
         pipeline.unshard_for_good(self._failed)
