@@ -346,6 +346,11 @@ def _pipeline(cfg: DictConfig, world: int, notes: list[str]) -> _Pipeline:
         opts = opts.chosen(choice.best)
         notes.append(search_auto.format_choice(choice, unit="parameter-samples").split("\nsimulated")[0])
         notes.append("schedule=auto on paper: F, B and W of a layer take its parameters x samples (no clock on meta)")
+        if opts.activation_checkpointing is not None:
+            notes.append(
+                "schedule=auto searched with the checkpointed layers' saved bytes, but neither B's recompute "
+                "time nor its bytes: the per-rank figures below add the bytes"
+            )
     name, spr, m, split, cap = opts.schedule, opts.stages, opts.microbatches(p), opts.split_backward, opts.max_pending_w
     num_stages = p * spr
     schedule = (
