@@ -16,6 +16,14 @@ That gives, per stage:
   the Mamba scan) the graph stays until W, about ``M_act``. The first stage, fed token ids or images,
   runs its whole backward in B and holds nothing.
 
+With ``strategy.activation_checkpointing`` (``full`` or ``k``: every k-th layer, the strategy's own
+choice of layers) each chosen layer is measured checkpointed, as the strategy wraps it: F saves only
+the layer's input until B, B still leaves W its operands (the weight GEMMs' inputs, taken from B's
+recompute), and B's recompute holds the layer's full activations for a while (``recompute``). Under the
+split B reads W's operands before its engine call, so every checkpointed layer of the stage is
+recomputed at once: the stage's sum; a fused BW (and the first stage's B, a plain backward) recomputes
+one layer at a time: the largest. The replay adds it on top of what the rank holds before that B or BW.
+
 Replaying the schedule's action order (:func:`~lightning_twobp.schedules.replay_memory`) then gives each rank's peak: F
 adds ``M_act``, B trades it for
 ``M_W``, W frees it (BW frees at once). This is the 2BP paper's memory cost made explicit: the same
@@ -40,12 +48,20 @@ from torch import nn
 
 from lightning_twobp.config import CONF_DIR, recipes
 from lightning_twobp.engine.footprint import LayerFootprint, layer_cost, measure_layer
+from lightning_twobp.lightning.checkpointing import apply_activation_checkpointing
 from lightning_twobp.lightning.contract import SequentialContract, find_contract
 from lightning_twobp.lightning.layout import check_degree, schedule_label
 from lightning_twobp.lightning.sharding import check_replicas, sharded_static_bytes
 from lightning_twobp.options import PipelineOptions
 from lightning_twobp.partition import partition
-from lightning_twobp.schedules import MemoryCosts, Schedule, build_schedule, replay_memory, schedule_spec
+from lightning_twobp.schedules import (
+    MemoryCosts,
+    Schedule,
+    build_schedule,
+    memory_levels,
+    replay_memory,
+    schedule_spec,
+)
 from lightning_twobp.schedules import auto as search_auto
 
 __all__ = ["RankPlan", "StagePlan", "main", "plan", "plan_recipe"]
@@ -65,6 +81,9 @@ class StagePlan:
     activation_bytes: int  # M_act: saved by one micro-batch's F, held until its B
     held_bytes: int  # M_W: held by one micro-batch from its B to its W under 2BP
     graph_kept: bool  # True when W re-enters the autograd graph (then M_W ~ M_act)
+    checkpointed: int = 0  # layers run under activation checkpointing
+    recompute_bytes: int = 0  # held for a while by one micro-batch's B as it recomputes them (split: all at once)
+    recompute_fused_bytes: int = 0  # the same in a fused BW (one layer at a time)
 
 
 @dataclass
@@ -72,7 +91,9 @@ class RankPlan:
     rank: int
     stages: list[int]
     static_bytes: int  # weights + grads + optimizer state of its stages
-    split: dict = field(default_factory=dict)  # {"in_flight", "activation_bytes", "total_bytes"} with 2BP
+    # {"in_flight", "activation_bytes", "recompute_bytes", "total_bytes"} with 2BP; activation_bytes holds
+    # the recompute's share of the peak (recompute_bytes, 0 without activation checkpointing)
+    split: dict = field(default_factory=dict)
     fused: dict = field(default_factory=dict)  # the same schedule without the split
     fits: bool | None = None
 
@@ -91,6 +112,7 @@ class Plan:
     microbatch_size: int
     precision: str
     optimizer: str
+    activation_checkpointing: str | int | None
     gpu_memory_gib: float | None
     headroom: float
     stages: list[StagePlan]
@@ -136,36 +158,91 @@ def _signature(layer: nn.Module, x: torch.Tensor, needs_input_grad: bool) -> tup
     return (type(layer), params, repr(layer), tuple(x.shape), x.dtype, needs_input_grad)
 
 
+def _checkpointed(ac: str | int | None, index: int) -> bool:
+    """Whether layer ``index`` runs checkpointed: the rule of ``apply_activation_checkpointing``."""
+    return ac is not None and index % (ac if isinstance(ac, int) else 1) == 0
+
+
+def _footprint(layer: nn.Module, x: torch.Tensor, needs: bool, cache: dict, checkpointed: bool) -> LayerFootprint:
+    """:func:`measure_layer`, once per signature; ``checkpointed``: wrapped as the strategy wraps it."""
+    key = (*_signature(layer, x, needs), checkpointed)
+    if key not in cache:
+        undo = apply_activation_checkpointing([(0, layer)], "full") if checkpointed else (lambda: None)
+        try:
+            cache[key] = measure_layer(layer, x, needs)
+        finally:
+            undo()
+    return cache[key]
+
+
+@dataclass(frozen=True)
+class _Measured:
+    """One stage's bytes for one micro-batch (see :func:`_measure_stage`)."""
+
+    out: torch.Tensor
+    act: int  # M_act
+    held: int  # M_W
+    kept: bool
+    recompute: int  # B's recompute of every checkpointed layer at once (the split)
+    recompute_max: int  # the largest one layer's (a fused BW, a plain backward)
+    checkpointed: int
+    out_saved: bool  # the last layer saves its output (else the stage holds it from F to B on its own)
+
+
 def _measure_stage(
-    layers: nn.Sequential, x: torch.Tensor, first: bool, cache: dict
-) -> tuple[torch.Tensor, int, int, bool]:
-    """(output, M_act, M_W, graph kept) of a stage, layer by layer. A stage's graph is kept from B to W
-    as soon as one of its layers needs it (one ``retain_graph`` for the whole stage), and then M_W is
-    the whole M_act plus what W reads. The first stage (no input gradient) runs all of its backward in
-    B and holds nothing."""
-    act = held = 0
+    layers: nn.Sequential, x: torch.Tensor, first: bool, cache: dict, chosen: Sequence[bool] = ()
+) -> _Measured:
+    """A stage's bytes, layer by layer. A stage's graph is kept from B to W as soon as one of its
+    layers needs it (one ``retain_graph`` for the whole stage), and then M_W is the whole M_act plus
+    what W reads. The first stage (no input gradient) runs all of its backward in B and holds nothing.
+    ``chosen[i]``: layer i runs checkpointed; its recompute holds what it would have saved in F, less
+    the input it did save."""
+    act = held = recompute = recompute_max = 0
     kept = prev_saves_output = False
     for i, layer in enumerate(layers):
         needs = x.is_floating_point() and not (first and i == 0)
-        key = _signature(layer, x, needs)
-        if key not in cache:
-            cache[key] = measure_layer(layer, x, needs)
-        m = cache[key]
+        ckpt = i < len(chosen) and chosen[i]
+        m = _footprint(layer, x, needs, cache, ckpt)
+        if ckpt:
+            extra = _footprint(layer, x, needs, cache, False).activation_bytes - m.activation_bytes
+            recompute, recompute_max = recompute + extra, max(recompute_max, extra)
         # a tensor saved by both sides of a layer boundary (a ReLU's output, the next conv's input) is one
         shared = m.saved_input if prev_saves_output else 0
         act, held, kept = act + m.activation_bytes - shared, held + m.held_bytes, kept or m.graph_kept
         prev_saves_output = m.saves_output
         x = torch.empty(m.out_shape, dtype=m.out_dtype, device="meta")
-    if first:
-        return x, act, 0, False
-    return x, act, held + (act if kept else 0), kept
+    n, saved = sum(chosen), prev_saves_output
+    if first:  # B is a plain backward there: one layer's recompute at a time
+        return _Measured(x, act, 0, False, recompute_max, recompute_max, n, saved)
+    return _Measured(x, act, held + (act if kept else 0), kept, recompute, recompute_max, n, saved)
 
 
-def _replay(schedule: Schedule, rank: int, act: dict[int, int], held: dict[int, int]) -> dict:
-    """Peak activation memory of ``rank`` over its action order (``act`` and ``held`` cover its stages)."""
+def _recompute_peak(row: Sequence[Any], levels: Sequence[float], recompute: dict[int, tuple[int, int]]) -> float:
+    """The most a rank holds while a B or BW recomputes its checkpointed layers: what it held before
+    that action (the micro-batch's saved inputs included) plus the recompute (``(split, fused)`` bytes
+    per stage)."""
+    most, before = 0.0, 0.0
+    for action, after in zip(row, levels, strict=True):
+        if action.kind in ("B", "BW") and action.stage in recompute:
+            most = max(most, before + recompute[action.stage][action.kind == "BW"])
+        before = after
+    return most
+
+
+def _replay(
+    schedule: Schedule,
+    rank: int,
+    act: dict[int, int],
+    held: dict[int, int],
+    recompute: dict[int, tuple[int, int]] | None = None,
+) -> dict:
+    """Peak activation memory of ``rank`` over its action order (``act``, ``held`` and ``recompute``
+    cover its stages)."""
     count = replay_memory(schedule).per_rank[rank]
-    peak = replay_memory(schedule, lambda s, _: act.get(s, 0), lambda s, _: held.get(s, 0)).per_rank[rank]
-    return {"in_flight": count, "activation_bytes": peak}
+    levels = memory_levels(schedule, lambda s, _: act.get(s, 0), lambda s, _: held.get(s, 0))[rank]
+    peak = max(levels, default=0)
+    during = _recompute_peak(schedule.actions[rank], levels, recompute or {})
+    return {"in_flight": count, "activation_bytes": max(peak, during), "recompute_bytes": max(0, during - peak)}
 
 
 def _sequential(lm: nn.Module, layers: str | None) -> nn.Sequential:
@@ -215,12 +292,12 @@ def _choose_auto(cfg: DictConfig, p: int) -> search_auto.AutoChoice:
     counts = [int(given)] if given else [d for d in range(1, min(batch, 4 * p) + 1) if batch % d == 0]
     layers: dict[int, tuple] = {}
     cache: dict[tuple, LayerFootprint] = {}
+    ac = st.get("activation_checkpointing")
     for m in counts:
         (x, scale), row = _cast(seq, lm.sample_input(batch // m), act_dtype), []
         for i, layer in enumerate(seq):
             needs = x.is_floating_point() and i > 0
-            key = _signature(layer, x, needs)
-            fp = cache[key] = cache.get(key) or measure_layer(layer, x, needs)
+            fp = _footprint(layer, x, needs, cache, _checkpointed(ac, i))
             n = sum(q.numel() for q in layer.parameters())
             t = float(n * (batch // m))
             fixed = n * (2 * param_bytes + states * (4 if param_bytes == 4 else 2))
@@ -269,6 +346,11 @@ def _pipeline(cfg: DictConfig, world: int, notes: list[str]) -> _Pipeline:
         opts = opts.chosen(choice.best)
         notes.append(search_auto.format_choice(choice, unit="parameter-samples").split("\nsimulated")[0])
         notes.append("schedule=auto on paper: F, B and W of a layer take its parameters x samples (no clock on meta)")
+        if opts.activation_checkpointing is not None:
+            notes.append(
+                "schedule=auto searched with the checkpointed layers' saved bytes, but neither B's recompute "
+                "time nor its bytes: the per-rank figures below add the bytes"
+            )
     name, spr, m, split, cap = opts.schedule, opts.stages, opts.microbatches(p), opts.split_backward, opts.max_pending_w
     num_stages = p * spr
     schedule = (
@@ -307,22 +389,31 @@ def _planned_balance(balance: str | tuple[int, ...], notes: list[str]) -> str | 
 
 
 def _measure_scaled(
-    s: int, module: nn.Sequential, x: torch.Tensor, scale: float, act_dtype: torch.dtype, last: bool, cache: dict
-) -> tuple[torch.Tensor, int, int, bool]:
+    s: int,
+    module: nn.Sequential,
+    x: torch.Tensor,
+    scale: float,
+    act_dtype: torch.dtype,
+    last: bool,
+    cache: dict,
+    chosen: Sequence[bool] = (),
+) -> _Measured:
     """:func:`_measure_stage` of stage ``s``, its bytes scaled by ``scale`` (see :func:`_cast`), the
     loss's own activations added on the last stage."""
     try:
-        x, act, held, kept = _measure_stage(module, x, s == 0, cache)
+        m = _measure_stage(module, x, s == 0, cache, chosen)
     except RuntimeError as e:
         if scale != 1.0 or act_dtype == torch.float32:
             raise
         raise RuntimeError(
             f"stage {s} does not run in {act_dtype} on meta ({e}); plan with trainer.precision=32-true"
         ) from e
-    act, held = int(act * scale), int(held * scale)
+    act, held, rec, rec_max = (int(b * scale) for b in (m.act, m.held, m.recompute, m.recompute_max))
     if last:
-        act += x.numel() * 4  # the loss: cross-entropy saves fp32 log-probabilities of the output's size
-    return x, act, held, kept
+        act += m.out.numel() * 4  # the loss: cross-entropy saves fp32 log-probabilities of the output's size
+    elif not m.out_saved:  # the stage keeps the output it sent until its B runs the backward from it
+        act += int(m.out.numel() * m.out.element_size() * scale)
+    return _Measured(m.out, act, held, m.kept, rec, rec_max, m.checkpointed, m.out_saved)
 
 
 def _stage_plans(
@@ -334,14 +425,18 @@ def _stage_plans(
     rank_of: Sequence[int],
     param_bytes: int,
     states: int,
+    ac: str | int | None = None,
 ) -> list[StagePlan]:
-    """Each stage's bytes: its ``sizes`` layers of ``seq`` measured in turn from the input ``x``."""
+    """Each stage's bytes: its ``sizes`` layers of ``seq`` measured in turn from the input ``x``, those
+    ``ac`` picks checkpointed."""
     stages, start = [], 0
     cache: dict = {}
     for s, n in enumerate(sizes):
         module: nn.Sequential = seq[start : start + n]  # type: ignore[assignment]  # torch: no slice overload
         n_params = sum(q.numel() for q in module.parameters())
-        x, act, held, kept = _measure_scaled(s, module, x, scale, act_dtype, s == len(sizes) - 1, cache)
+        chosen = [_checkpointed(ac, i) for i in range(start, start + n)]
+        m = _measure_scaled(s, module, x, scale, act_dtype, s == len(sizes) - 1, cache, chosen)
+        x = m.out
         stages.append(
             StagePlan(
                 stage=s,
@@ -351,9 +446,12 @@ def _stage_plans(
                 weight_bytes=n_params * param_bytes,
                 grad_bytes=n_params * param_bytes,
                 optimizer_bytes=n_params * states * (4 if param_bytes == 4 else 2),
-                activation_bytes=act,
-                held_bytes=held,
-                graph_kept=kept,
+                activation_bytes=m.act,
+                held_bytes=m.held,
+                graph_kept=m.kept,
+                checkpointed=m.checkpointed,
+                recompute_bytes=m.recompute,
+                recompute_fused_bytes=m.recompute_max,
             )
         )
         start += n
@@ -366,13 +464,14 @@ def _rank_plans(
     """Each rank's peak, with the split and with the fused baseline, from its stages' bytes."""
     act_of = {sp.stage: sp.activation_bytes for sp in stages}
     held_of = {sp.stage: sp.held_bytes for sp in stages}
+    recompute = {sp.stage: (sp.recompute_bytes, sp.recompute_fused_bytes) for sp in stages if sp.checkpointed}
     ranks = []
     for r in range(pipe.degree):
         mine = list(pipe.schedule.stages_of(r))
         static = sum(_static(stages[s], pipe.options.data_parallel, dp, precision) for s in mine)
         a = {s: act_of[s] for s in mine}
-        with_split = _replay(pipe.schedule, r, a, {s: held_of[s] for s in mine})
-        without = _replay(pipe.fused, r, a, {s: 0 for s in mine})
+        with_split = _replay(pipe.schedule, r, a, {s: held_of[s] for s in mine}, recompute)
+        without = _replay(pipe.fused, r, a, {s: 0 for s in mine}, recompute)
         with_split["total_bytes"] = static + with_split["activation_bytes"]
         without["total_bytes"] = static + without["activation_bytes"]
         fits = None if gpu is None else with_split["total_bytes"] <= headroom * float(gpu) * GiB
@@ -400,7 +499,14 @@ def plan(cfg: DictConfig, recipe: str = "") -> Plan:
     x, scale = _cast(seq, lm.sample_input(mbs), act_dtype)
     if scale != 1.0:
         notes.append(f"{precision}: activations measured in fp32 and scaled by {scale:g}")
-    stages = _stage_plans(seq, sizes, x, scale, act_dtype, pipe.schedule.stage_to_rank, param_bytes, states)
+    ac = pipe.options.activation_checkpointing
+    stages = _stage_plans(seq, sizes, x, scale, act_dtype, pipe.schedule.stage_to_rank, param_bytes, states, ac)
+    if ac is not None:
+        notes.append(
+            f"activation_checkpointing={ac!r}: F keeps each checkpointed layer's input until B; B's recompute "
+            f"holds the layers' activations for a while (recomp: the stage's under the split, all at once; "
+            f"one layer's in a fused BW), W's operands stay until W as without"
+        )
     if any(sp.graph_kept for sp in stages):
         notes.append(
             "stages marked * keep their autograd graph from B to W (no direct weight formula for some "
@@ -428,6 +534,7 @@ def plan(cfg: DictConfig, recipe: str = "") -> Plan:
         microbatch_size=mbs,
         precision=precision,
         optimizer=optimizer,
+        activation_checkpointing=ac,
         gpu_memory_gib=None if gpu is None else float(gpu),
         headroom=headroom,
         stages=stages,
@@ -447,16 +554,19 @@ def format_plan(pl: Plan) -> str:
     lines = [
         f"twobp-plan {pl.recipe}: {pl.model}, {pl.params / 1e9:.3f}e9 parameters; {pl.world} devices = pipeline "
         f"{pl.pipeline_degree} x data {pl.data_parallel}; {pl.schedule}, m={pl.num_microbatches}, micro-batch "
-        f"{pl.microbatch_size}; {pl.precision}; {pl.optimizer}",
+        f"{pl.microbatch_size}; {pl.precision}; {pl.optimizer}"
+        + ("" if pl.activation_checkpointing is None else f"; activation_checkpointing={pl.activation_checkpointing}"),
         "",
-        "per stage (GiB)    layers      params   weights    grads    optim   act/mb  B->W/mb",
+        "per stage (GiB)    layers      params   weights    grads    optim   act/mb  B->W/mb"
+        + ("   recomp" if pl.activation_checkpointing is not None else ""),
     ]
     for sp in pl.stages:
         lines.append(
             f"  stage {sp.stage:<2} rank {sp.rank:<2} {sp.layers[0]:>3}-{sp.layers[1]:<4} {sp.params / 1e6:9.1f}M"
             f"{g(sp.weight_bytes)} {g(sp.grad_bytes)} {g(sp.optimizer_bytes)} {g(sp.activation_bytes)} "
             f"{g(sp.held_bytes)}"
-            f"{' *' if sp.graph_kept else ''}"
+            + (f" {g(sp.recompute_bytes)}" if pl.activation_checkpointing is not None else "")
+            + f"{' *' if sp.graph_kept else ''}"
         )
     cap = "" if pl.gpu_memory_gib is None else f"  fits {pl.gpu_memory_gib:g} GiB x {pl.headroom:g}?"
     lines += [

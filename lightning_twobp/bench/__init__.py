@@ -10,6 +10,7 @@
 * :mod:`.modulelist` the ModuleList contract against the Sequential one (``python -m
 lightning_twobp.bench.modulelist``);
 * :mod:`.gpu`     on one GPU in bf16: a LLaMa-7B layer's F/B/W, the pipeline on the GPU, the 7B costs simulated.
+* :mod:`.sharded` ``data_parallel="shard"`` against ``"replicate"``: state bytes, peak RSS and step time per rank.
 
 Each writes its JSON through :func:`.report.write_json`.
 

@@ -13,6 +13,7 @@ twobp-bench --gpu [--json PATH] [--quick]
 twobp-bench --budget [--out DIR] [--steps K] [--quick]
 twobp-bench --memory-model [--out DIR] [--quick] [--world P]
 twobp-bench --memory-model --simulate [--out DIR] [--quick]
+twobp-bench --sharded [--json PATH] [--quick]
 """
 
 from __future__ import annotations
@@ -63,6 +64,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     ap.add_argument("--simulate", action="store_true", help="--memory-model: the simulated budget tables")
     ap.add_argument("--world", type=int, default=2, help="--memory-model: ranks (2P blocks when P > 2)")
+    mode.add_argument(
+        "--sharded",
+        action="store_true",
+        help="pp 2 x dp 2 on 4 processes, data_parallel='shard' against 'replicate': state bytes, peak RSS "
+        "growth and step time per rank, one launch per layout, alternated (2 rounds; --quick: 1, toy sizes)",
+    )
     mode.add_argument(
         "--paper",
         action="store_true",
@@ -221,6 +228,13 @@ def _memory_model(args: argparse.Namespace) -> None:
     _show(markdown(result), args.out, lambda out: write(result, out))
 
 
+def _sharded(args: argparse.Namespace) -> None:
+    from lightning_twobp.bench.sharded import markdown, run_sharded
+
+    result = run_sharded(steps=3 if args.quick else 8, rounds=1 if args.quick else 2, quick=args.quick)
+    _show_json(markdown(result), result, args.json)
+
+
 def _workload(args: argparse.Namespace) -> Workload:
     return Workload.quick() if args.quick else Workload()
 
@@ -228,6 +242,7 @@ def _workload(args: argparse.Namespace) -> Workload:
 # The modes, by their flag (mutually exclusive); without one, the engine benchmark.
 _MODES: dict[str, Callable[[argparse.Namespace], None]] = {
     "memory_model": _memory_model,
+    "sharded": _sharded,
     "split": _split,
     "soak": _soak,
     "gpu": _gpu,
