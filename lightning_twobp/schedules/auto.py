@@ -133,9 +133,7 @@ def stage_cost(layers: Sequence[LayerCost], first: bool) -> StageCost:
     kept_out = 0.0 if last.saves_output else last.output
     act += kept_out
     if first:
-        return StageCost(
-            f, b + w, 0.0, act, 0.0, fixed, False, last.output, output_kept=kept_out, optimizer=optimizer
-        )
+        return StageCost(f, b + w, 0.0, act, 0.0, fixed, False, last.output, output_kept=kept_out, optimizer=optimizer)
     held += act if kept else 0.0
     first_layer = layers[0]
     return StageCost(
