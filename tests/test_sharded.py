@@ -10,11 +10,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_twobp  # noqa: F401  (registers "twobp")
 from lightning_twobp import TwoBPStrategy
-from lightning_twobp.lightning.sharding import check_replicas, check_stages, check_ties, state_bytes
+from lightning_twobp.lightning.sharding import check_replicas, check_stages, state_bytes, untie_within_rank
 
 import conftest
 from conftest import launch, lightning_env, own_weights, quiet_trainer, regression_data
@@ -115,33 +116,40 @@ def _one_process_order(loader: DataLoader) -> DataLoader:
     return DataLoader(TensorDataset(*(t[order] for t in loader.dataset.tensors)), batch_size=16)
 
 
+class Copies(pl.Callback):
+    """After each optimizer step: whether the model's ``wte`` and ``lm_head`` weights, where this rank
+    holds both as two DTensor shards (two stages of one rank: the V's first and last), are bitwise
+    equal, and so are their momentum buffers."""
+
+    def __init__(self) -> None:
+        self.equal: list[bool] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        gpt = pl_module.model
+        wte, head = getattr(gpt.transformer.wte, "weight", None), getattr(gpt.lm_head, "weight", None)
+        if isinstance(wte, DTensor) and isinstance(head, DTensor):
+            state = trainer.optimizers[0].state
+            values = torch.equal(wte.to_local(), head.to_local())
+            momentum = torch.equal(state[wte]["momentum_buffer"].to_local(), state[head]["momentum_buffer"].to_local())
+            self.equal.append(wte is not head and values and momentum)
+
+
 def _fit_gpt2(rank: int, world: int, schedule: str) -> dict:
     """pp2 x dp2 sharded: the tied weight sharded on both stages, summed over the holders."""
     lightning_env(rank, world)
-    model, rec = TinyGPT2(), Recorder()
+    model, rec, copies = TinyGPT2(), Recorder(), Copies()
     strategy = TwoBPStrategy(pipeline_degree=2, schedule=schedule, data_parallel="shard")
-    _trainer(strategy, world, rec, use_distributed_sampler=True).fit(model, _tokens())
+    trainer = quiet_trainer(
+        strategy, world, max_steps=STEPS, gradient_clip_val=0.5, callbacks=[rec, copies], use_distributed_sampler=True
+    )
+    trainer.fit(model, _tokens())
     tied = model.model.lm_head.weight is model.model.transformer.wte.weight
-    return {"params": own_weights(model), "losses": rec.losses, "tied": tied}
+    return {"params": own_weights(model), "losses": rec.losses, "tied": tied, "copies_equal": copies.equal}
 
 
-GPT2_SCHEDULES = ["zb-h1", "interleaved-1f1b"]
-
-
-def _tied_gpt2_under_zb_v(rank: int, world: int) -> str:
-    lightning_env(rank, world)
-    strategy = TwoBPStrategy(pipeline_degree=2, schedule="zb-v", data_parallel="shard")
-    with pytest.raises(ValueError) as info:
-        _trainer(strategy, world, Recorder()).fit(TinyGPT2(), _tokens())
-    return str(info.value)
-
-
-def test_a_weight_tied_within_one_rank_is_refused_on_every_rank(four_ranks, request):
-    """ZB-V puts the first and last stage on pipeline rank 0: GPT-2's tied wte / lm_head would be two
-    fully_shard groups' shards there. Every rank refuses before any compute (none waits on another)."""
-    want = "the tied parameter {model.transformer.wte.weight, model.lm_head.weight} is used by stages [0, 3]"
-    for message in four_ranks[request.node.name]:
-        assert want + ", on pipeline ranks [0, 0]" in message, message
+# ZB-H1: the tie between stage 0 on rank 0 and stage 1 on rank 1; interleaved 1F1B: stages 0 and 3, on
+# ranks 0 and 1; the V schedules: stages 0 and 3, both on rank 0
+GPT2_SCHEDULES = ["zb-h1", "interleaved-1f1b", "zb-v", "v-half"]
 
 
 @pytest.mark.parametrize("schedule", GPT2_SCHEDULES)
@@ -149,18 +157,23 @@ def test_tied_gpt2_sharded_matches_one_process(four_ranks, request, schedule):
     """HF GPT-2's tied embeddings under data_parallel="shard": each holder (wte's stage, lm_head's)
     shards its copy over the same dp mesh, so replica d of both holds the same rows; their shard
     gradients are summed over the holders after the reduce-scatter, and the global norm counts the
-    weight once. Loss and every weight after 3 clipped SGD steps equal one process's, and the
-    model's tie holds after fit (the user's Parameter objects come back). ZB-H1 (stage 0 on rank 0,
-    stage 1 on rank 1) and interleaved 1F1B (the tie between stages 0 and 3, on ranks 0 and 1)."""
+    weight once. Where one rank holds both stages (the V schedules' first and last), the later stage
+    gets its own copy, sharded alike, and the two are summed the same way: after every step the two
+    copies and their momentum are bitwise equal there. Loss and every weight after 3 clipped SGD
+    steps equal one process's, and the model's tie holds after fit (the user's Parameter objects
+    come back)."""
     model, rec = TinyGPT2(), Recorder()
     _trainer("auto", 1, rec, use_distributed_sampler=False).fit(model, _one_process_order(_tokens()))
     ref = {n: q.detach() for n, q in model.named_parameters()}
     results = four_ranks[request.node.name]
+    v = schedule in ("zb-v", "v-half")  # pipeline rank 0 (global ranks 0 and 2) holds both stages
     for rank, res in enumerate(results):
         assert res["tied"], f"rank {rank}: lm_head and wte are one Parameter again after fit"
-        assert "model.transformer.wte.weight" in res["params"], f"rank {rank} holds the tied weight"
+        holds = not v or rank % 2 == 0
+        assert ("model.transformer.wte.weight" in res["params"]) == holds, f"rank {rank} holds the tied weight"
         for name, value in res["params"].items():
             torch.testing.assert_close(value, ref[name], rtol=1e-5, atol=1e-6, msg=f"rank {rank} {name}")
+        assert res["copies_equal"] == ([True] * STEPS if v and holds else []), f"rank {rank}"
     assert set(results[0]["params"]) | set(results[1]["params"]) == set(ref)
     for step, want in enumerate(rec.losses):
         got = (results[1]["losses"][step] + results[3]["losses"][step]) / 2
@@ -296,7 +309,6 @@ def four_ranks(request) -> conftest.Launch:
     )
     cases |= {f"test_sharded_matches_one_process[{k}]": (_fit, (kw, ("shard",))) for k, kw in SCHEDULES.items()}
     cases |= {f"test_tied_gpt2_sharded_matches_one_process[{k}]": (_fit_gpt2, (k,)) for k in GPT2_SCHEDULES}
-    cases["test_a_weight_tied_within_one_rank_is_refused_on_every_rank"] = (_tied_gpt2_under_zb_v, ())
     return launch(request, 4, cases, timeout=900)
 
 
@@ -374,19 +386,23 @@ def test_refusals_say_what_is_not_supported():
     with pytest.raises(ValueError, match=r"precision='16-mixed': only fp32 \('32-true'\) and 'bf16-mixed'"):
         check_replicas(2, "16-mixed")
     check_replicas(2, "bf16-mixed")  # FSDP2's MixedPrecisionPolicy: bf16 gathered parameters
-    emb = nn.Embedding(5, 4)
-    head = nn.Linear(4, 5, bias=False)
-    head.weight = emb.weight  # tied: stages 0 and 3, both on rank 0 under the V schedules
-    layers = [emb, nn.Linear(4, 4), nn.Linear(4, 4), head]
-    with pytest.raises(
-        ValueError, match=r"tied parameter \{layers.0.weight, layers.3.weight\} is used by stages \[0, 3\]"
-    ):
-        check_ties(layers, [0, 1, 2, 3], [0, 1, 1, 0], lambda i, n: f"layers.{i}.{n}")
-    check_ties(layers, [0, 1, 2, 3], [0, 1, 2, 3], lambda i, n: f"layers.{i}.{n}")  # on two ranks: sharded and summed
     scalar = nn.Module()
     scalar.scale = nn.Parameter(torch.tensor(1.0))
     with pytest.raises(ValueError, match="parameter scale is a scalar"):
         check_stages({1: scalar})
+
+
+def test_a_weight_two_stages_of_one_rank_use_gets_a_copy_per_later_stage():
+    """The V schedules' first and last stage on one rank, tied as GPT-2's wte and lm_head: the later
+    stage gets one copy (for both its uses), of equal values; the first keeps the user's Parameter."""
+    emb, head, extra = nn.Embedding(5, 4), nn.Linear(4, 5, bias=False), nn.Linear(4, 5, bias=False)
+    head.weight = extra.weight = emb.weight
+    stages = {3: nn.Sequential(nn.Linear(4, 4), head, extra), 0: nn.Sequential(emb, nn.Linear(4, 4))}
+    original = emb.weight
+    assert untie_within_rank(stages) == [[(0, "0.weight"), (3, "1.weight")]]
+    assert emb.weight is original and head.weight is extra.weight is not original
+    assert torch.equal(head.weight, original) and head.weight.requires_grad
+    assert untie_within_rank({0: stages[0], 1: nn.Sequential(nn.Linear(4, 4))}) == []  # nothing shared
 
 
 def test_the_plan_counts_a_dp_th_of_the_state_and_a_steps_gathered_weights():

@@ -7,7 +7,8 @@
 * :func:`dp_reduce`: each stage's gradients averaged over its data-parallel replicas, started as
   soon as the stage's last W has run (the executor calls it).
 * :class:`TiedParameters`: a parameter used on several pipeline ranks (tied embeddings) starts from
-  one value and gets the sum of its ranks' gradients each step, as Megatron does for embeddings.
+  one value and gets the sum of its ranks' gradients each step, as Megatron does for embeddings; so
+  do the copies that sharding gives two stages of one rank.
 * :func:`overflow_agreeing_scaler`: the fp16 overflow decision over every stage. Global-norm clipping
   (and skipping a step with a non-finite gradient) is the engine's
   :class:`~lightning_twobp.engine.StepValidation`, checked before the step or after it (the Zero Bubble
@@ -109,6 +110,10 @@ class TiedParameters:
     and optimizer updates keep the copies equal. The global norm counts it once, on its first holder.
     Under ``data_parallel="shard"`` each copy is a DTensor shard, the same rows on every holder of one
     replica (dim 0 split alike over the same ``"dp"`` mesh): the same sums, on the local shards.
+
+    ``twins``: copies of one parameter on this rank (under ``"shard"``, where two stages of one rank use
+    it: :func:`~.sharding.untie_within_rank`), the first the one in ``shared`` if other ranks use it
+    too. Their gradients are summed here first, then over the holders, and every copy gets the total.
     """
 
     def __init__(
@@ -116,6 +121,7 @@ class TiedParameters:
         shared: list[SharedParameter],
         replica_groups: Callable[[Sequence[int]], list[list[int]]],
         timeout: timedelta | None = None,
+        twins: Sequence[Sequence[nn.Parameter]] = (),
     ) -> None:
         """``replica_groups(pipeline_ranks)``: the global ranks of those pipeline ranks in every
         data-parallel replica, one list per replica. ``timeout``: of the holders' groups."""
@@ -128,22 +134,38 @@ class TiedParameters:
                     groups[ranks] = dist.new_group(list(ranks), timeout=timeout)
                 if sp.param is not None and me in ranks:
                     self._tied.append((sp.param, groups[ranks], ranks[0]))
+        self._twins = [list(copies) for copies in twins]
         self.not_counted = {id(q) for q, _, first in self._tied if first != me}
+        self.not_counted |= {id(q) for copies in self._twins for q in copies[1:]}
 
     def __bool__(self) -> bool:
-        return bool(self._tied)
+        return bool(self._tied or self._twins)
 
     @torch.no_grad()
     def sync_values(self) -> None:
-        for q, group, first in self._tied:
-            dist.broadcast(_local(q.data), src=first, group=group)
+        for q, group, src in self._tied:
+            dist.broadcast(_local(q.data), src=src, group=group)
+        for kept, *copies in self._twins:
+            for q in copies:
+                _local(q.data).copy_(_local(kept.data))
 
     @torch.no_grad()
     def reduce_grads(self) -> None:
+        twins = [copies for copies in self._twins if any(q.grad is not None for q in copies)]
+        for first, *copies in twins:  # this rank's uses first: the sum lands in the first copy
+            if first.grad is None:
+                first.grad = torch.zeros_like(first)
+            for q in copies:
+                if q.grad is not None:
+                    _local(first.grad).add_(_local(q.grad))
         for q, group, _ in self._tied:
             if q.grad is None:
                 q.grad = torch.zeros_like(q)
             dist.all_reduce(_local(q.grad), group=group)
+        for first, *copies in twins:  # own tensors: clipping scales each gradient in place
+            assert first.grad is not None  # given above
+            for q in copies:
+                q.grad = first.grad.detach().clone()
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -42,7 +42,6 @@ from lightning_twobp.lightning.sharding import (
     ShardedStages,
     check_replicas,
     check_stages,
-    check_ties,
     mixed_precision,
 )
 from lightning_twobp.lightning.step import Logs, StepRunner, share_logs, step_means
@@ -244,7 +243,15 @@ def _tied(strategy: TwoBPStrategy, local: LocalModel, name: str, sharding: Shard
         local.shared if sharding is None else sharding.resolve(local.shared),  # sharded: the DTensor shards
         lambda ranks: [[layout.global_rank_of(r, d) for r in ranks] for d in range(layout.dp_degree)],
         timeout=strategy.process_group_timeout,
+        twins=sharding.twins if sharding is not None else (),
     )
+    if sharding is not None and sharding.twin_names:
+        twins = "; ".join(", ".join(f"stage {s}: {n}" for s, n in group) for group in sharding.twin_names)
+        rank_zero_info(
+            f"twobp: data_parallel='shard': a weight used by two stages of pipeline rank {strategy.pp_rank} is held "
+            f"as one copy per stage, kept equal (their gradients summed; the optimizer holds each copy's state): "
+            f"{twins}"
+        )
     if local.shared:
         rank_zero_info(
             "twobp: parameters shared across pipeline ranks, kept in sync: "
@@ -315,15 +322,6 @@ def _data_parallel(
     layout = strategy.layout
     if shard:
         try:
-            layers = [local.removed.get(i, layer) for i, layer in enumerate(local.contract.layers())]
-            stage_of = [s for s, n in enumerate(local.sizes) for _ in range(n)]
-            contract = local.contract
-            check_ties(
-                layers,
-                stage_of,
-                schedule.stage_to_rank,
-                lambda i, n: f"{contract.name}.{contract.parameter_name(i, n)}",
-            )
             check_stages(local.stages)
         except ValueError:
             local.restore(False, None, layout.pp_rank, strategy.root_device)  # the model as it came

@@ -23,9 +23,19 @@ Tied weights across stages (GPT-2's ``wte`` on the first stage, ``lm_head`` on t
 like any weight: each holder's stage shards its copy on dim 0 over the same ``"dp"`` mesh, so replica
 r of every holder holds the same rows, and :class:`~.grads.TiedParameters` sums the holders' shard
 gradients within each replica (after the reduce-scatter), as it sums whole gradients when replicated.
-:meth:`ShardedStages.resolve` points it at the DTensor shards. A parameter used by two stages of one
-rank (the V schedules put the first and last stage on rank 0) cannot be: two ``fully_shard`` groups
-would each make their own shard of it, and the tie would break silently; :func:`check_ties` refuses it.
+:meth:`ShardedStages.resolve` points it at the DTensor shards.
+
+A parameter used by two stages of one rank (the V schedules put the first and last stage on rank 0)
+cannot be sharded as one: each stage's ``fully_shard`` group would make its own shard of it. So
+before sharding, :func:`untie_within_rank` gives each later stage that uses it its own Parameter, a
+clone of the same values, and the copies become a tie like one across ranks: both are sharded on dim
+0 over the same mesh (replica r holds the same rows of each), and :class:`~.grads.TiedParameters`
+gives both shards the sum of their gradients after the reduce-scatter (:attr:`ShardedStages.twins`);
+the global norm counts the weight once. Equal values, equal gradients and the same optimizer update
+keep the copies bitwise equal, step after step. The optimizer holds both copies, so that weight's
+optimizer state (and its shard) is held twice on that rank; a checkpoint holds both names, as the
+tied model's ``state_dict`` does. At the call's end each use gets the user's own Parameter back: the
+model is tied again.
 
 Only public FSDP2 calls are used: ``fully_shard``, ``unshard``, ``reshard``,
 ``set_requires_gradient_sync``, ``set_reshard_after_backward``, ``MixedPrecisionPolicy``.
@@ -63,10 +73,10 @@ __all__ = [
     "ShardedStages",
     "check_replicas",
     "check_stages",
-    "check_ties",
     "mixed_precision",
     "sharded_static_bytes",
     "state_bytes",
+    "untie_within_rank",
 ]
 
 _PRECISIONS = ("32-true", "32", "bf16-mixed")
@@ -101,29 +111,26 @@ def check_replicas(dp_degree: int, precision: str) -> None:
         )
 
 
-def check_ties(
-    layers: list[nn.Module], layer_stage: list[int], stage_to_rank: Any, name: Callable[[int, str], str]
-) -> None:
-    """Refuse a parameter used by two stages that one rank holds: each stage's ``fully_shard`` would
-    make its own shard of it and the tie would break. ``layers`` is the whole model's cut (every rank
-    sees the same, the other ranks' layers on the meta device with their ties kept), so every rank
-    refuses together; ``name(layer, parameter)`` is a use's name in the model."""
-    uses: dict[int, tuple[list[str], set[int]]] = {}
-    for i, layer in enumerate(layers):
-        for n, q in layer.named_parameters(remove_duplicate=False):
-            names, stages = uses.setdefault(id(q), ([], set()))
-            names.append(name(i, n))
-            stages.add(layer_stage[i])
-    for names, stages in uses.values():
-        ranks = [stage_to_rank[s] for s in sorted(stages)]
-        if len(set(ranks)) < len(ranks):
-            raise ValueError(
-                f"data_parallel='shard': the tied parameter {{{', '.join(names)}}} is used by stages "
-                f"{sorted(stages)}, on pipeline ranks {ranks}; FSDP2 cannot shard one parameter in two stages of "
-                f"one rank (each stage's group would make its own shard and the tie would break). Use a schedule "
-                f"with one stage per rank (1f1b, zb-h1, ...; the V schedules put the first and last stage on rank "
-                f"0), a pipeline cut that keeps the tied layers on different ranks, or data_parallel='replicate'"
-            )
+def untie_within_rank(stages: dict[int, nn.Module]) -> list[list[tuple[int, str]]]:
+    """Give each stage after the first of this rank that uses a parameter its own copy of it (a new
+    Parameter of the same values, in all of that stage's uses), so that every stage's ``fully_shard``
+    shards parameters of its own. Returns, per parameter so untied, its copies as ``(stage, name)`` in
+    stage order, the stage that keeps the user's Parameter first. This changes attributes of the
+    user's modules; :meth:`ShardedStages.unshard_for_good` puts the user's Parameter back in each use."""
+    kept: dict[int, tuple[int, str]] = {}  # id(parameter) -> (the first stage using it, its name there)
+    twins: dict[int, list[tuple[int, str]]] = {}
+    for s in sorted(stages):
+        copies: dict[int, nn.Parameter] = {}  # this stage's copy of each, one for all of its uses
+        for name, q in list(stages[s].named_parameters(remove_duplicate=False)):
+            first = kept.setdefault(id(q), (s, name))
+            if first[0] == s:
+                continue
+            if id(q) not in copies:
+                copies[id(q)] = nn.Parameter(q.detach().clone(), requires_grad=q.requires_grad)
+                twins.setdefault(id(q), [first]).append((s, name))
+            owner, _, leaf = name.rpartition(".")
+            setattr(stages[s].get_submodule(owner), leaf, copies[id(q)])
+    return list(twins.values())
 
 
 def check_stages(stages: dict[int, nn.Module]) -> None:
@@ -199,9 +206,10 @@ class ShardedStages:
         # stage -> name -> the user's Parameter, emptied during the call and given the trained weights
         # back at its end (the user's objects come back; a layer set aside here that shares one, the
         # tied head on the first pipeline rank, shares it again)
-        self.originals: dict[int, dict[str, nn.Parameter]] = {}
+        self.originals: dict[int, dict[str, nn.Parameter]] = {s: dict(m.named_parameters()) for s, m in stages.items()}
+        # (stage, name) of the copies of each parameter two stages of this rank use, and their shards
+        self.twin_names = untie_within_rank(stages)
         for s, stage in stages.items():
-            originals = dict(stage.named_parameters())
             # the same module, now an FSDPModule
             module = fully_shard(
                 stage, mesh=mesh, reshard_after_forward=False, mp_policy=policy or MixedPrecisionPolicy()
@@ -210,16 +218,22 @@ class ShardedStages:
             module.set_reshard_after_backward(False)  # held from the first F to the last W
             self.modules[s] = module
             self.sharded[s] = dict(stage.named_parameters())
-            self.originals[s] = originals
-            for q in originals.values():
+        for named in self.originals.values():
+            for q in named.values():
                 # the shards hold the values now: no full copy stays behind; the shape stays (one zero,
                 # expanded), for what reads it, the ModuleList contract's meta twins of a tied layer
                 q.data = q.data.new_zeros(1).expand(q.shape)
+        # Each is one parameter to :class:`~.grads.TiedParameters`: both shards get the sum of their
+        # gradients (the same rows on each replica: the same shape, split alike on the same mesh)
+        self.twins = [[self.sharded[s][n] for s, n in group] for group in self.twin_names]
 
     def resolve(self, shared: list[Any]) -> list[Any]:
         """``shared`` (:class:`~.local_model.SharedParameter`) with this rank's copy of each replaced by
         its DTensor shard: the parameter the stage and the optimizer now hold."""
-        shard = {id(q): self.sharded[s][n] for s, named in self.originals.items() for n, q in named.items()}
+        shard: dict[int, nn.Parameter] = {}  # a parameter two stages here use: the first stage's shard
+        for s in sorted(self.originals):
+            for n, q in self.originals[s].items():
+                shard.setdefault(id(q), self.sharded[s][n])
         return [sp if sp.param is None else dataclasses.replace(sp, param=shard[id(sp.param)]) for sp in shared]
 
     def gather(self, refresh: Callable[[int], None]) -> None:
@@ -323,13 +337,34 @@ class ShardedStages:
                 "Parameters of those stages hold no values; resume from a checkpoint"
             )
             return
-        for s, module in self.modules.items():
+        kept: dict[int, torch.Tensor] = {}  # id(the user's Parameter) -> its trained values
+        for s in sorted(self.modules):
+            module = self.modules[s]
             # every DTensor to its whole tensor in its own dtype (fp32 under "bf16-mixed", where unshard()
             # would gather bf16 copies)
             full = {n: _whole(q) for n, q in module.named_parameters()}
             for n, t in full.items():
-                original = self.originals[s][n]
-                original.data = t
+                self._give_back(s, n, t, kept)
+            names = {id(q): n for n, q in module.named_parameters()}
+            for n, q in module.named_parameters(remove_duplicate=False):  # every use, tied ones too
                 owner, _, leaf = n.rpartition(".")
-                setattr(module.get_submodule(owner), leaf, original)
+                setattr(module.get_submodule(owner), leaf, self.originals[s][names[id(q)]])
         self.modules, self.sharded, self.full, self.originals = {}, {}, {}, {}
+
+    def _give_back(self, stage: int, name: str, trained: torch.Tensor, kept: dict[int, torch.Tensor]) -> None:
+        """The trained values into the user's Parameter, from the first stage that holds it: a later
+        stage's copy (:func:`untie_within_rank`) is only compared, bitwise (equal gradients and updates
+        keep it so, unless the optimizer treated the copies differently)."""
+        original = self.originals[stage][name]
+        first = kept.setdefault(id(original), trained)
+        if first is trained:
+            original.data = trained
+        elif not torch.equal(first, trained):
+            log.warning(
+                "twobp: stage %d's copy of %s differs from the first stage's after training (by up to %.3g); "
+                "the first stage's values are kept. Are the copies in optimizer param groups with different "
+                "settings?",
+                stage,
+                name,
+                float((first.float() - trained.float()).abs().max()),
+            )
