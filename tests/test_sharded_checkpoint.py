@@ -4,7 +4,9 @@ checkpoints, and a run resumes from them on any layout. pp2 x dp2 sharded, saved
 sharded again (parameters and momentum bitwise those of the uninterrupted run), sharded under the
 V's other cut, replicated (the shards read back as whole tensors), on four pipeline ranks with one
 replica (each stage's tensors gathered from two ranks' shards) and in one process; the step-4
-checkpoint consolidates to one file, and refuses a changed shard by name."""
+checkpoint consolidates to one file, and refuses a changed shard by name. In the same launch, HF GPT-2
+under ZB-V sharded (its tied wte / lm_head two copies on pipeline rank 0) resumes under ZB-V
+(bitwise), ZB-H1 and in one process."""
 
 from __future__ import annotations
 
@@ -61,14 +63,18 @@ class Final(pl.Callback):
         self.momentum = {names[id(q)]: _local(st["momentum_buffer"]) for q, st in opt.state.items()}
 
 
-def _fit(world: int, mode: str, max_steps: int, folder: str | None = None, ckpt: str | None = None, **kw) -> dict:
+def _fit(
+    world: int, mode: str, max_steps: int, folder: str | None = None, ckpt: str | None = None, gpt2: bool = False, **kw
+) -> dict:
+    """``gpt2``: Hugging Face GPT-2 (tied wte / lm_head) on tokens in place of the regressor."""
     from lightning.pytorch.callbacks import ModelCheckpoint
+    from test_sharded import TinyGPT2, _tokens  # a test module beside this one (as conftest is)
 
     final = Final()
     callbacks: list[pl.Callback] = [final]
     if folder is not None:
         callbacks.append(ModelCheckpoint(dirpath=folder, every_n_train_steps=2, save_top_k=-1))
-    model = Momentum()
+    model = TinyGPT2() if gpt2 else Momentum()
     kw = {"schedule": "zb-h1", "pipeline_degree": min(world, 2), **kw}
     replicas = world // kw["pipeline_degree"]
     strategy = TwoBPStrategy(data_parallel=mode, **kw)
@@ -81,19 +87,21 @@ def _fit(world: int, mode: str, max_steps: int, folder: str | None = None, ckpt:
         callbacks=callbacks,
         use_distributed_sampler=True,  # shuffled by Lightning's DistributedSampler (seed 0 + epoch)
     )
-    trainer.fit(model, regression_data() if replicas > 1 else _as_replicas_read_epoch_1(), ckpt_path=ckpt)
+    data = _tokens() if gpt2 else regression_data()
+    trainer.fit(model, data if replicas > 1 else _as_replicas_read_epoch_1(data), ckpt_path=ckpt)
     params = {n: q.detach().clone() for n, q in model.named_parameters() if not q.is_meta}
-    return {"params": params, "momentum": final.momentum, "losses": final.losses}
+    tied = not gpt2 or model.model.lm_head.weight is model.model.transformer.wte.weight
+    return {"params": params, "momentum": final.momentum, "losses": final.losses, "tied": tied}
 
 
-def _as_replicas_read_epoch_1() -> DataLoader:
+def _as_replicas_read_epoch_1(loader: DataLoader) -> DataLoader:
     """One replica's batches of 16 in the resumed epoch (1): each step's two replicas' 8 samples, as
     DistributedSampler(shuffle=True, seed=0) gives replica d the samples ``randperm(64)[d::2]`` with the
     generator seeded by seed + epoch."""
-    x, y = regression_data().dataset.tensors
+    tensors = loader.dataset.tensors
     perm = torch.randperm(64, generator=torch.Generator().manual_seed(1))
     order = torch.cat([torch.cat([perm[0::2][i * 8 : (i + 1) * 8], perm[1::2][i * 8 : (i + 1) * 8]]) for i in range(4)])
-    return DataLoader(TensorDataset(x[order], y[order]), batch_size=16)
+    return DataLoader(TensorDataset(*(t[order] for t in tensors)), batch_size=16)
 
 
 def _runs(rank: int, world: int, folder: str) -> dict:
@@ -108,12 +116,28 @@ def _runs(rank: int, world: int, folder: str) -> dict:
         "v": _fit(world, "shard", 4, ckpt=step2, schedule="zb-v"),
         # pp4 x dp1: one stage (a Linear) per rank, whole tensors from the pp2 stages' shards
         "pp4": _fit(world, "replicate", 4, ckpt=step2, pipeline_degree=4, balance=[1, 2, 2, 2]),
+        # GPT-2 under the V: its tied wte / lm_head are two copies on pipeline rank 0, both saved; resumed
+        # under the V again and under ZB-H1 (the tie across ranks 0 and 1, each reading its own name)
+        **_gpt2_runs(world, folder),
     }
 
 
-def _one_process(rank: int, world: int, ckpt: str) -> dict:
+def _gpt2_runs(world: int, folder: str) -> dict:
+    straight = _fit(world, "shard", 4, folder=f"{folder}/gpt2", gpt2=True, schedule="zb-v")
+    step2 = f"{folder}/gpt2/epoch=0-step=2.ckpt"
+    return {
+        "gpt2_straight": straight,
+        "gpt2_v": _fit(world, "shard", 4, ckpt=step2, gpt2=True, schedule="zb-v"),
+        "gpt2_h1": _fit(world, "shard", 4, ckpt=step2, gpt2=True, schedule="zb-h1"),
+    }
+
+
+def _one_process(rank: int, world: int, folder: str) -> dict:
     lightning_env(rank, world)
-    return _fit(world, "replicate", 4, ckpt=ckpt, num_microbatches=2)
+    return {
+        "momentum": _fit(world, "replicate", 4, ckpt=f"{folder}/straight/epoch=0-step=2.ckpt", num_microbatches=2),
+        "gpt2": _fit(world, "replicate", 4, ckpt=f"{folder}/gpt2/epoch=0-step=2.ckpt", num_microbatches=2, gpt2=True),
+    }
 
 
 def _whole(results: list[dict], run: str, key: str, shards: bool) -> dict[str, torch.Tensor]:
@@ -126,24 +150,56 @@ def _whole(results: list[dict], run: str, key: str, shards: bool) -> dict[str, t
     return out
 
 
+def _check_bitwise(results: list[dict], straight_run: str, resumed_run: str) -> None:
+    """Resumed sharded on the layout it saved: parameters, momentum shards and losses bitwise those of
+    the uninterrupted run."""
+    for rank, res in enumerate(results):
+        straight, resumed = res[straight_run], res[resumed_run]
+        assert sorted(resumed["losses"]) == [3, 4]
+        for step, loss in resumed["losses"].items():
+            assert loss == straight["losses"][step], f"rank {rank}: step {step}'s loss differs after resuming"
+        assert set(resumed["momentum"]) == set(straight["momentum"]) and straight["momentum"]
+        for name, value in straight["momentum"].items():
+            if name in straight["params"]:  # (not a tied copy's second name)
+                assert value.shape[0] < straight["params"][name].shape[0], f"{name}: the momentum is a shard"
+            assert torch.equal(resumed["momentum"][name], value), f"rank {rank}: momentum of {name} differs"
+        for name, value in straight["params"].items():
+            assert torch.equal(resumed["params"][name], value), f"rank {rank}: {name} differs after resuming"
+
+
+def _check_gpt2(results: list[dict], one: dict) -> None:
+    """GPT-2 under ZB-V sharded, saved at step 2 with its tied weight as two copies on pipeline rank 0
+    (each with its momentum), resumed: under ZB-V bitwise; under ZB-H1 (the tie across two ranks) and
+    in one process (one tied Parameter) close; the model tied again after every call."""
+    wte, head = "model.transformer.wte.weight", "model.lm_head.weight"
+    assert all(res[run]["tied"] for res in results for run in ("gpt2_straight", "gpt2_v", "gpt2_h1")) and one["tied"]
+    _check_bitwise(results, "gpt2_straight", "gpt2_v")
+    for rank in (0, 2):  # pipeline rank 0 holds the first and the last stage: both copies, equal
+        copies = results[rank]["gpt2_straight"]["momentum"]
+        assert torch.equal(copies[wte], copies[head]), f"rank {rank}"
+    params = _whole(results, "gpt2_straight", "params", False)
+    momentum = _whole(results, "gpt2_straight", "momentum", True)
+    assert {wte, head} <= set(momentum)
+    h1_params = _whole(results, "gpt2_h1", "params", False)
+    h1_momentum = _whole(results, "gpt2_h1", "momentum", True)
+    assert set(h1_params) == set(params) == set(one["params"]) and set(h1_momentum) == set(momentum)
+    for name, value in params.items():
+        torch.testing.assert_close(h1_params[name], value, rtol=1e-5, atol=1e-6, msg=f"zb-h1 {name}")
+        torch.testing.assert_close(one["params"][name], value, rtol=1e-5, atol=1e-6, msg=f"one process {name}")
+    for name, value in momentum.items():
+        torch.testing.assert_close(h1_momentum[name], value, rtol=1e-5, atol=1e-6, msg=f"zb-h1 {name}")
+    for name, value in one["momentum"].items():  # the one tied Parameter's under its first name
+        torch.testing.assert_close(value, momentum[name], rtol=1e-5, atol=1e-6, msg=f"one process {name}")
+    assert wte in one["momentum"]
+
+
 def test_sharded_checkpoints_resume_sharded_replicated_and_in_one_process(tmp_path):
     results = run_distributed(_runs, 4, str(tmp_path), timeout=600)
     step2 = tmp_path / "straight" / "epoch=0-step=2.ckpt"
     manifest = json.loads((step2 / MANIFEST).read_text())
     assert manifest["layout"]["data_parallel"] == "shard" and manifest["layout"]["dp_degree"] == 2
     assert {name.split("_")[2] for name in manifest["files"] if name.startswith("__")} == {"0", "1", "2", "3"}
-    for rank, res in enumerate(results):
-        straight, sharded = res["straight"], res["sharded"]
-        # sharded -> sharded: bitwise, parameters, momentum shards and losses
-        assert sorted(sharded["losses"]) == [3, 4]
-        for step, loss in sharded["losses"].items():
-            assert loss == straight["losses"][step], f"rank {rank}: step {step}'s loss differs after resuming"
-        assert set(sharded["momentum"]) == set(straight["momentum"]) and straight["momentum"]
-        for name, value in straight["momentum"].items():
-            assert value.shape[0] < straight["params"][name].shape[0], f"{name}: the momentum is a shard"
-            assert torch.equal(sharded["momentum"][name], value), f"rank {rank}: momentum of {name} differs"
-        for name, value in straight["params"].items():
-            assert torch.equal(sharded["params"][name], value), f"rank {rank}: {name} differs after resuming"
+    _check_bitwise(results, "straight", "sharded")  # sharded -> sharded
     # after the Trainer call every rank holds its stages' whole parameters again; the momentum stays sharded
     params, momentum = _whole(results, "straight", "params", False), _whole(results, "straight", "momentum", True)
     # sharded -> replicated (same pp2 x dp2): the shards read back as whole tensors, on both replicas
@@ -167,7 +223,9 @@ def test_sharded_checkpoints_resume_sharded_replicated_and_in_one_process(tmp_pa
         torch.testing.assert_close(value, params[name], rtol=1e-5, atol=1e-6, msg=f"pp4 {name}")
         torch.testing.assert_close(pp4_momentum[name], momentum[name], rtol=1e-5, atol=1e-6, msg=f"pp4 {name}")
     # sharded -> one process: every stage's shards into one model
-    (one,) = run_distributed(_one_process, 1, str(step2), timeout=300)
+    (both,) = run_distributed(_one_process, 1, str(tmp_path), timeout=300)
+    _check_gpt2(results, both["gpt2"])
+    one = both["momentum"]
     assert set(one["params"]) == set(params) == set(one["momentum"])
     for name in params:
         torch.testing.assert_close(one["params"][name], params[name], rtol=1e-5, atol=1e-6, msg=name)
