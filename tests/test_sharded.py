@@ -58,6 +58,20 @@ class MomentumRegressor(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
 
 
+class ThreeUses(MomentumRegressor):
+    """One 16 x 16 weight in three Linear layers, which the cut [3, 2, 2, 3] puts on stages 0, 1 and 3:
+    under the V schedules on pipeline ranks 0, 1 and 0 (twice on one rank, once on another)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        a, b, c, d = (nn.Linear(16, 16) for _ in range(4))
+        b.weight = d.weight = a.weight
+        self.layers = nn.Sequential(
+            nn.Linear(6, 16), nn.Tanh(), a, nn.Tanh(), b, nn.Tanh(), c, nn.Tanh(), d, nn.Linear(16, 3)
+        )
+
+
 class Recorder(pl.Callback):
     """Each step's loss, and this rank's state bytes right before the second optimizer step (the
     gradients are there, and the optimizer state from the first step)."""
@@ -202,11 +216,13 @@ def _fit(
     evaluate: bool = False,
     precision: str = "32-true",
     accumulate: int = 1,
+    model_class: type[MomentumRegressor] = MomentumRegressor,
 ) -> dict:
     lightning_env(rank, world)
     out = {}
     for mode in modes:
-        model, rec = MomentumRegressor(), Recorder()
+        model, rec = model_class(), Recorder()
+        parameters = len(dict(model.named_parameters()))  # a tie undone after the call would add one
         dtypes: set[torch.dtype] = set()  # of the weights the layers' forward ran with
         for layer in model.layers:
             layer.register_forward_pre_hook(lambda m, args, seen=dtypes: seen.update(q.dtype for q in m.parameters()))
@@ -220,6 +236,7 @@ def _fit(
         params = own_weights(model)
         kinds = {type(q).__name__ for q in model.parameters()}
         out[mode] = {"params": params, "losses": rec.losses, "bytes": rec.bytes, "kinds": kinds, "dtypes": dtypes}
+        out[mode]["tied"] = len(dict(model.named_parameters())) == parameters
         if evaluate:  # a second Trainer call shards the trained stages again; forward-only, then freed
             strategy = TwoBPStrategy(pipeline_degree=2, data_parallel=mode, **strategy_kwargs)
             trainer = _trainer(strategy, world, Recorder(), use_distributed_sampler=True)
@@ -230,9 +247,11 @@ def _fit(
     return out
 
 
-def _reference() -> tuple[dict, list[float], float, torch.Tensor]:
+def _reference(
+    model_class: type[MomentumRegressor] = MomentumRegressor,
+) -> tuple[dict, list[float], float, torch.Tensor]:
     """One process on batches of 16: replica 0's 8 samples of each step, then replica 1's."""
-    model, rec = MomentumRegressor(), Recorder()
+    model, rec = model_class(), Recorder()
     _trainer("auto", 1, rec, use_distributed_sampler=False).fit(model, _one_process_order(_data()))
     val_loss = _trainer("auto", 1, Recorder()).validate(model, _val_data(), verbose=False)[0]["val_loss"]
     with torch.no_grad():
@@ -252,6 +271,7 @@ def _check_against_reference(results: list[dict], mode: str, reference: tuple, g
     for rank, res in enumerate(results):
         r = res[mode]
         assert r["kinds"] == {"Parameter"}, f"rank {rank}: after fit the model holds plain parameters again"
+        assert r["tied"], f"rank {rank}: the model's tied parameters are one Parameter again after fit"
         assert set(r["params"]) == set(results[rank % 2][mode]["params"]), "replicas hold the same stages"
         if gathered:
             assert set(r["params"]) == set(ref), f"rank {rank}: gather_full_model gives every rank every weight"
@@ -309,6 +329,10 @@ def four_ranks(request) -> conftest.Launch:
     )
     cases |= {f"test_sharded_matches_one_process[{k}]": (_fit, (kw, ("shard",))) for k, kw in SCHEDULES.items()}
     cases |= {f"test_tied_gpt2_sharded_matches_one_process[{k}]": (_fit_gpt2, (k,)) for k in GPT2_SCHEDULES}
+    cases["test_a_weight_on_two_stages_of_one_rank_and_on_another_sharded_matches_one_process"] = (
+        _fit,
+        ({"schedule": "zb-v", "balance": [3, 2, 2, 3]}, ("shard",), False, "32-true", 1, ThreeUses),
+    )
     return launch(request, 4, cases, timeout=900)
 
 
@@ -378,6 +402,12 @@ def test_sharded_matches_one_process(four_ranks, request, reference, case):
     reduced after its own last W, and post-validation (zb-h2, zb-v: the speculative step put back and
     redone on DTensor shards when clipping changes it)."""
     _check_against_reference(four_ranks[request.node.name], "shard", reference)
+
+
+def test_a_weight_on_two_stages_of_one_rank_and_on_another_sharded_matches_one_process(four_ranks, request):
+    """ZB-V with one weight on stages 0 and 3 (pipeline rank 0: two copies, their gradients summed
+    there) and on stage 1 (rank 1: then summed over the holders, the total given to both copies)."""
+    _check_against_reference(four_ranks[request.node.name], "shard", _reference(ThreeUses))
 
 
 def test_refusals_say_what_is_not_supported():
