@@ -5,6 +5,8 @@ parameter + gradient + optimizer bytes against the replicated layout's; twobp-pl
 
 from __future__ import annotations
 
+import logging
+
 import lightning.pytorch as pl
 import pytest
 import torch
@@ -161,9 +163,66 @@ def _fit_gpt2(rank: int, world: int, schedule: str) -> dict:
     return {"params": own_weights(model), "losses": rec.losses, "tied": tied, "copies_equal": copies.equal}
 
 
+class HeadApart(TinyGPT2):
+    """``lm_head.weight`` in a param group of its own learning rate: one process has one tied
+    Parameter (named ``wte``, so in the first group); under the V the copy on the last stage steps
+    apart from the first stage's."""
+
+    def configure_optimizers(self):
+        named = dict(self.named_parameters())
+        head = [q for n, q in named.items() if n == "model.lm_head.weight"]
+        rest = [q for n, q in named.items() if n != "model.lm_head.weight"]
+        groups = [{"params": rest}, *([{"params": head, "lr": 0.01}] if head else [])]
+        return torch.optim.SGD(groups, lr=0.1, momentum=0.9)
+
+
+class Messages(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def _fit_head_apart(rank: int, world: int) -> dict:
+    """GPT-2 under ZB-V sharded, the copies given different learning rates: what is logged."""
+    lightning_env(rank, world)
+    messages = Messages()
+    loggers = [logging.getLogger(n) for n in ("lightning_twobp", "lightning.pytorch.utilities.rank_zero")]
+    for logger in loggers:
+        logger.addHandler(messages)
+    try:
+        model = HeadApart()
+        strategy = TwoBPStrategy(pipeline_degree=2, schedule="zb-v", data_parallel="shard")
+        quiet_trainer(strategy, world, max_steps=1, use_distributed_sampler=True).fit(model, _tokens())
+    finally:
+        for logger in loggers:
+            logger.removeHandler(messages)
+    tied = model.model.lm_head.weight is model.model.transformer.wte.weight
+    return {"messages": [m for m in messages.messages if "twobp" in m], "tied": tied}
+
+
+def test_tied_copies_given_different_optimizer_settings_are_named(four_ranks, request):
+    """Setup says which weight is held as copies (by its names in the model); the copies, stepped with
+    different learning rates, differ after training: a warning names the weight and the fix, the first
+    stage's values are kept, and the model is tied again."""
+    results = four_ranks[request.node.name]
+    held = "a weight used by two stages of pipeline rank 0 is held as one copy per stage"
+    assert any(held in m and "model.transformer.wte.weight, model.lm_head.weight" in m for m in results[0]["messages"])
+    for rank, res in enumerate(results):
+        assert res["tied"], f"rank {rank}"
+        apart = [m for m in res["messages"] if "differs from that stage's after training" in m]
+        if rank % 2 == 0:
+            assert len(apart) == 1 and apart[0].startswith("twobp: model.lm_head.weight, stage 3's copy"), apart
+            assert "the same optimizer settings (param groups by name)" in apart[0]
+        else:
+            assert apart == [], f"rank {rank} holds no copies"
+
+
 # ZB-H1: the tie between stage 0 on rank 0 and stage 1 on rank 1; interleaved 1F1B: stages 0 and 3, on
 # ranks 0 and 1; the V schedules: stages 0 and 3, both on rank 0
-GPT2_SCHEDULES = ["zb-h1", "interleaved-1f1b", "zb-v", "v-half"]
+GPT2_SCHEDULES = ["zb-h1", "interleaved-1f1b", "zb-v", "v-half", "v-min"]
 
 
 @pytest.mark.parametrize("schedule", GPT2_SCHEDULES)
@@ -180,7 +239,7 @@ def test_tied_gpt2_sharded_matches_one_process(four_ranks, request, schedule):
     _trainer("auto", 1, rec, use_distributed_sampler=False).fit(model, _one_process_order(_tokens()))
     ref = {n: q.detach() for n, q in model.named_parameters()}
     results = four_ranks[request.node.name]
-    v = schedule in ("zb-v", "v-half")  # pipeline rank 0 (global ranks 0 and 2) holds both stages
+    v = schedule in ("zb-v", "v-half", "v-min")  # pipeline rank 0 (global ranks 0 and 2) holds both stages
     for rank, res in enumerate(results):
         assert res["tied"], f"rank {rank}: lm_head and wte are one Parameter again after fit"
         holds = not v or rank % 2 == 0
@@ -329,6 +388,7 @@ def four_ranks(request) -> conftest.Launch:
     )
     cases |= {f"test_sharded_matches_one_process[{k}]": (_fit, (kw, ("shard",))) for k, kw in SCHEDULES.items()}
     cases |= {f"test_tied_gpt2_sharded_matches_one_process[{k}]": (_fit_gpt2, (k,)) for k in GPT2_SCHEDULES}
+    cases["test_tied_copies_given_different_optimizer_settings_are_named"] = (_fit_head_apart, ())
     cases["test_a_weight_on_two_stages_of_one_rank_and_on_another_sharded_matches_one_process"] = (
         _fit,
         ({"schedule": "zb-v", "balance": [3, 2, 2, 3]}, ("shard",), False, "32-true", 1, ThreeUses),

@@ -246,7 +246,7 @@ def _tied(strategy: TwoBPStrategy, local: LocalModel, name: str, sharding: Shard
         twins=sharding.twins if sharding is not None else (),
     )
     if sharding is not None and sharding.twin_names:
-        twins = "; ".join(", ".join(f"stage {s}: {n}" for s, n in group) for group in sharding.twin_names)
+        twins = "; ".join(", ".join(sharding.name(s, n) for s, n in group) for group in sharding.twin_names)
         rank_zero_info(
             f"twobp: data_parallel='shard': a weight used by two stages of pipeline rank {strategy.pp_rank} is held "
             f"as one copy per stage, kept equal (their gradients summed; the optimizer holds each copy's state): "
@@ -327,11 +327,25 @@ def _data_parallel(
             local.restore(False, None, layout.pp_rank, strategy.root_device)  # the model as it came
             raise
         precision = str(getattr(strategy.precision_plugin, "precision", "32-true"))
-        sharding = ShardedStages(local.stages, strategy.device_mesh["dp"], mixed_precision(precision))
+        sharding = ShardedStages(
+            local.stages, strategy.device_mesh["dp"], mixed_precision(precision), _model_names(local)
+        )
         return sharding, sharding.reduce
     if layout.dp_degree > 1:
         return None, dp_reduce(strategy.group("dp"), layout.dp_degree)
     return None, None
+
+
+def _model_names(local: LocalModel) -> Callable[[int, str], str]:
+    """A stage's parameter by its name in the model: a stage module holds its layers as ``layers``
+    (``StageModule``, ``LoopStage``), so ``layers.k.rest`` is ``rest`` of the stage's k-th layer."""
+    contract = local.contract
+
+    def name(stage: int, parameter: str) -> str:
+        k, _, rest = parameter.removeprefix("layers.").partition(".")
+        return f"{contract.name}.{contract.parameter_name(local.bounds[stage] + int(k), rest)}"
+
+    return name
 
 
 def _call_scope(strategy: TwoBPStrategy, trainer: Any, metrics: StepMetrics, local: LocalModel) -> ExitStack:

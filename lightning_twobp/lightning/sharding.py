@@ -195,8 +195,16 @@ def _replicas(group: dist.ProcessGroup) -> str:
 class ShardedStages:
     """This rank's stage modules, each ``fully_shard``-ed over ``mesh`` (the ``"dp"`` dimension)."""
 
-    def __init__(self, stages: dict[int, nn.Module], mesh: DeviceMesh, policy: MixedPrecisionPolicy | None) -> None:
+    def __init__(
+        self,
+        stages: dict[int, nn.Module],
+        mesh: DeviceMesh,
+        policy: MixedPrecisionPolicy | None,
+        name: Callable[[int, str], str] = lambda s, n: f"stage {s}'s {n}",
+    ) -> None:
+        """``name(stage, parameter)``: a stage's parameter by its name in the model, for messages."""
         self.mesh = mesh
+        self.name = name
         self.group = mesh.get_group()
         self.dp = mesh.size()
         self.replicas = _replicas(self.group)
@@ -361,10 +369,11 @@ class ShardedStages:
             original.data = trained
         elif not torch.equal(first, trained):
             log.warning(
-                "twobp: stage %d's copy of %s differs from the first stage's after training (by up to %.3g); "
-                "the first stage's values are kept. Are the copies in optimizer param groups with different "
-                "settings?",
+                "twobp: %s, stage %d's copy of a weight an earlier stage of this rank also uses, differs from "
+                "that stage's after training (by up to %.3g); the earlier stage's values are kept. Give every "
+                "use of a tied weight the same optimizer settings (param groups by name), or use "
+                "data_parallel='replicate'",
+                self.name(stage, name),
                 stage,
-                name,
                 float((first.float() - trained.float()).abs().max()),
             )
