@@ -6,6 +6,9 @@ parameter + gradient + optimizer bytes against the replicated layout's; twobp-pl
 from __future__ import annotations
 
 import logging
+import os
+import re
+import signal
 
 import lightning.pytorch as pl
 import pytest
@@ -18,6 +21,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import lightning_twobp  # noqa: F401  (registers "twobp")
 from lightning_twobp import TwoBPStrategy
 from lightning_twobp.lightning.sharding import check_replicas, check_stages, state_bytes, untie_within_rank
+from lightning_twobp.processes import run_distributed
 
 import conftest
 from conftest import launch, lightning_env, own_weights, quiet_trainer, regression_data
@@ -468,6 +472,47 @@ def test_a_weight_on_two_stages_of_one_rank_and_on_another_sharded_matches_one_p
     """ZB-V with one weight on stages 0 and 3 (pipeline rank 0: two copies, their gradients summed
     there) and on stage 1 (rank 1: then summed over the holders, the total given to both copies)."""
     _check_against_reference(four_ranks[request.node.name], "shard", _reference(ThreeUses))
+
+
+class _DieBeforeStep(pl.Callback):
+    """Global rank 3 (pipeline rank 1 of replica 1) is killed after its part of step 1, before the
+    optimizer step: the others next wait on it in the global gradient norm's all-reduce."""
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        if trainer.global_rank == 3 and trainer.global_step == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+class Report(RuntimeError):
+    """What a survivor saw, raised so that the harness shows each survivor's own message."""
+
+
+def _lose_rank_3_before_the_norm(rank: int, world: int) -> None:
+    lightning_env(rank, world)
+    strategy = TwoBPStrategy(pipeline_degree=2, schedule="1f1b", data_parallel="shard", pipeline_timeout=3)
+    trainer = _trainer(strategy, world, Recorder(), use_distributed_sampler=True)
+    trainer.callbacks.append(_DieBeforeStep())
+    try:
+        trainer.fit(MomentumRegressor(), _data())
+    except Exception as e:
+        raise Report(str(e)) from None
+
+
+@pytest.mark.slow
+def test_a_rank_lost_in_the_global_norm_is_named():
+    """A rank killed between its pipeline step and the optimizer step: every survivor's global-norm
+    all-reduce (over every rank, under "shard") fails, and each names the dead rank (by the roll call
+    of this host's processes) and what it waited for, not gloo's address and port."""
+    with pytest.raises(RuntimeError) as info:
+        run_distributed(_lose_rank_3_before_the_norm, 4, timeout=180, grace=90)
+    parts = {int(p.split()[0]): p for p in str(info.value).split("--- rank ")[1:]}
+    dead = r"global rank 3 \(pid \d+\): dead stopped answering while global rank"
+    for r in (0, 1):  # replica 0's pipeline: its step done, both wait in the norm's all-reduce
+        want = rf"Report: {dead} {r} waited for the global gradient norm and non-finite check"
+        assert re.search(want, parts[r]), parts[r][-2000:]
+    # rank 3's pipeline peer waits in the norm too, or, when rank 3 died before its step's loss reached
+    # it, still in the step: named by the pipeline there, with the first failure told (the norm's)
+    assert re.search(dead, parts[2]), parts[2][-2000:]
 
 
 def test_refusals_say_what_is_not_supported():

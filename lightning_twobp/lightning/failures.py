@@ -11,6 +11,9 @@ saved across ranks that are not at one step.
   non-finite step). Otherwise the last checkpoint stays as it was.
 * :func:`reap`: under Lightning's launcher rank 0 started the other ranks, and nothing ends them when
   rank 0 fails: a stopped rank, or one waiting on it in a collective, would outlive the job.
+* :func:`naming_lost`: around the collectives over every rank outside the pipeline's own waits (the
+  global gradient norm, Lightning's ``sync_dist``, the stop-signal agreement): a lost rank is named
+  there too, not left to gloo's "Connection closed by peer [address]:port".
 """
 
 from __future__ import annotations
@@ -21,11 +24,13 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import torch.distributed as dist
 from lightning.pytorch.trainer.states import TrainerStatus
 
-from lightning_twobp.engine.failure import FailureChannel, process_state
+from lightning_twobp.engine.failure import FailureChannel, lost_peer, process_state
+from lightning_twobp.engine.p2p import PeerLost
 
-__all__ = ["reap", "save_refused", "told"]
+__all__ = ["naming_lost", "reap", "save_refused", "told"]
 
 
 @contextmanager
@@ -40,6 +45,41 @@ def told(channel: FailureChannel | None, where: str) -> Iterator[None]:
         if resolved is err:
             raise
         raise resolved from err
+
+
+@contextmanager
+def naming_lost(what: str, channel: FailureChannel | None, replicas: str) -> Iterator[None]:
+    """A collective ``what`` over every rank that fails on a lost connection or a timeout raises
+    :class:`PeerLost` naming who is gone: the processes of this host found dead or stopped (``channel``'s
+    roll call), else this rank's data-parallel ``replicas`` (``global rank 2 (host b)``), which a lost
+    node takes with it."""
+    try:
+        yield
+    except RuntimeError as e:
+        if not lost_peer(e) or isinstance(e, PeerLost):
+            raise
+        gone = _roll_call(channel)
+        who = gone or (
+            f"a rank (a lost node takes this rank's data-parallel replicas with it: {replicas})"
+            if replicas
+            else "a rank"
+        )
+        raise PeerLost(
+            f"{who} stopped answering while global rank {dist.get_rank()} waited for {what}: its connection "
+            f"closed or the wait timed out (the process died, was killed or hung)"
+        ) from e
+
+
+def _roll_call(channel: FailureChannel | None, tries: int = 5) -> str:
+    """The channel's roll call, asked a few times over a second: a killed process's connections close
+    while it exits, a moment before /proc shows it dead."""
+    for _ in range(tries if channel is not None else 0):
+        assert channel is not None  # tries is 0 without one
+        gone = channel.roll_call()
+        if gone:
+            return gone
+        time.sleep(0.2)
+    return ""
 
 
 def save_refused(trainer: Any, channel: FailureChannel | None, together: tuple[type, ...]) -> str | None:

@@ -43,6 +43,7 @@ from lightning_twobp.lightning.sharding import (
     check_replicas,
     check_stages,
     mixed_precision,
+    replica_names,
 )
 from lightning_twobp.lightning.step import Logs, StepRunner, share_logs, step_means
 from lightning_twobp.partition import partition
@@ -93,6 +94,7 @@ class Pipeline:
     checks: OptimizerChecks  # clipping and the non-finite policy, per optimizer
     means: Logs = field(default_factory=dict)  # the training step's logged means (last stage)
     sharding: ShardedStages | None = None  # data_parallel="shard": the stages' FSDP2 shards
+    replicas: str = ""  # this rank's data-parallel peers, "global rank 2 (host b)", named when lost
 
     def unshard_for_good(self, failed: bool) -> None:
         """data_parallel="shard", at teardown: this rank's stages hold their full weights again as plain
@@ -336,6 +338,14 @@ def _data_parallel(
     return None, None
 
 
+def _replicas(strategy: TwoBPStrategy, sharding: ShardedStages | None) -> str:
+    """This rank's data-parallel peers by global rank and host (one all-gather at setup), or ""."""
+    if sharding is not None:
+        return sharding.replicas
+    group = strategy.group("dp")
+    return replica_names(group) if group is not None and strategy.dp_degree > 1 else ""
+
+
 def _model_names(local: LocalModel) -> Callable[[int, str], str]:
     """A stage's parameter by its name in the model: a stage module holds its layers as ``layers``
     (``StageModule``, ``LoopStage``), so ``layers.k.rest`` is ``rest`` of the stage's k-th layer."""
@@ -429,4 +439,5 @@ def build_pipeline(strategy: TwoBPStrategy, trainer: Any) -> Pipeline:
         metrics,
         checks,
         sharding=sharding,
+        replicas=_replicas(strategy, sharding),
     )

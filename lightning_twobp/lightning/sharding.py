@@ -74,6 +74,7 @@ __all__ = [
     "check_replicas",
     "check_stages",
     "mixed_precision",
+    "replica_names",
     "sharded_static_bytes",
     "state_bytes",
     "untie_within_rank",
@@ -182,7 +183,7 @@ def _grad(q: nn.Parameter) -> torch.Tensor:
     return q.grad
 
 
-def _replicas(group: dist.ProcessGroup) -> str:
+def replica_names(group: dist.ProcessGroup) -> str:
     """This rank's data-parallel peers, as ``global rank 2 (host a)``: one all-gather at setup, so that a
     lost replica can be named (gloo's error names an address and port)."""
     hosts: list[Any] = [None] * dist.get_world_size(group)
@@ -207,7 +208,7 @@ class ShardedStages:
         self.name = name
         self.group = mesh.get_group()
         self.dp = mesh.size()
-        self.replicas = _replicas(self.group)
+        self.replicas = replica_names(self.group)
         self.modules: dict[int, Any] = {}
         self.sharded: dict[int, dict[str, nn.Parameter]] = {}  # stage -> name -> its DTensor parameter
         self.full: dict[int, dict[str, nn.Parameter]] = {}  # stage -> name -> gathered, during a step

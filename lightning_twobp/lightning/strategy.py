@@ -25,7 +25,7 @@ from lightning_twobp.engine import Verdict
 from lightning_twobp.engine.failure import FailureChannel
 from lightning_twobp.lightning import checkpoint_hooks
 from lightning_twobp.lightning.checks import check_nodes, checked_optimizers
-from lightning_twobp.lightning.failures import reap, told
+from lightning_twobp.lightning.failures import naming_lost, reap, told
 from lightning_twobp.lightning.grads import GradStash
 from lightning_twobp.lightning.layout import check_degree
 from lightning_twobp.lightning.local_model import meta_layers_aside
@@ -200,7 +200,8 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
     def on_train_end(self) -> None:
         self._validate()  # the last optimizer step's verdict: the trained weights are the checked ones
         if self._signals is not None:
-            self._signals.close()
+            with self._naming_lost("the stop-signal agreement of the last step"):
+                self._signals.close()
         if self._pipeline is not None and self._pipeline.logs is not None:
             self._pipeline.logs.flush()
         super().on_train_end()
@@ -255,7 +256,8 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
             self._resume_rng = None
         self._built("on_train_batch_start").streams.apply_pending()
         if self._signals is not None:  # every rank stops before the same step once one was signalled
-            self._signals.agree(self.lightning_module.trainer.global_step)
+            with self._naming_lost("the stop-signal agreement of the previous step"):
+                self._signals.agree(self.lightning_module.trainer.global_step)
         super().on_train_batch_start(batch, batch_idx)
 
     @override
@@ -293,15 +295,29 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
         """The executor's loss function (bound before the pipeline exists)."""
         return self._built("training_step").loss(output, index)
 
+    def _naming_lost(self, what: str) -> Any:
+        """Around a collective over every rank: a lost rank is named (see :func:`.failures.naming_lost`)."""
+        replicas = self._pipeline.replicas if self._pipeline is not None else ""
+        return naming_lost(what, self._failures, replicas) if dist.is_initialized() else nullcontext()
+
     def _validate(self) -> Verdict | None:
         """The pending speculative optimizer step's verdict, if any (see ``post_validation``)."""
-        return self._pipeline.checks.validate(self.lightning_module) if self._pipeline is not None else None
+        if self._pipeline is None:
+            return None
+        with self._naming_lost("the global gradient norm and non-finite check"):
+            return self._pipeline.checks.validate(self.lightning_module)
 
     def _before_step(self, optimizer: Any) -> None:
         """Right before each optimizer step (the precision plugin calls it): the global check."""
         pipeline = self._built("optimizer_step")
         scaler = getattr(self.precision_plugin, "scaler", None)
-        pipeline.checks.before_step(self.lightning_module, optimizer, scaler, pipeline.named_losses(self.dp_rank))
+        with self._naming_lost("the global gradient norm and non-finite check"):
+            pipeline.checks.before_step(self.lightning_module, optimizer, scaler, pipeline.named_losses(self.dp_rank))
+
+    @override
+    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
+        with self._naming_lost("Lightning's reduce of a logged value (self.log(..., sync_dist=True))"):
+            return super().reduce(tensor, group=group, reduce_op=reduce_op)
 
     @override
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
