@@ -389,6 +389,7 @@ def build_pipeline(strategy: TwoBPStrategy, trainer: Any) -> Pipeline:
         grad_reduce=grad_reduce,
         timeout=opts.pipeline_timeout,
         around=streams.fork,
+        batch_w=opts.batch_w,
     )
     logs = None
     if strategy.log_group is not None:
