@@ -297,6 +297,7 @@ def _choose(strategy: TwoBPStrategy, runner: StepRunner, layers: list[nn.Module]
             req.memory_limit,
             req.num_microbatches,
             None if req.split_backward else False,
+            shard_over=strategy.layout.dp_degree if req.data_parallel == "shard" else 1,
         )
     assert strategy.auto_profile is not None
     best = strategy.auto_choice.best
