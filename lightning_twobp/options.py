@@ -100,8 +100,9 @@ def check_batch_w(value: Any) -> None:
     if isinstance(value, bool) or (isinstance(value, int) and value >= 0):
         return
     raise ValueError(
-        f"TwoBPStrategy(batch_w={value!r}): use False (off, the default), True (join micro-batches whose gradient "
-        f"for a weight is at most 512 KiB) or an int: that limit in bytes (e.g. batch_w=1048576; 0 is off)"
+        f"TwoBPStrategy(batch_w={value!r}): use False (off, the default), True (join the micro-batches' W of a weight "
+        f"where a micro-batch's output gradient at its op is at most 512 KiB) or an int: that limit in bytes "
+        f"(e.g. batch_w=1048576; 0 is off)"
     )
 
 
@@ -217,7 +218,7 @@ class PipelineOptions:
         batch_w: the 2BP paper's batched W (§4): a stage's deferred W of several micro-batches as one
             GEMM (or conv weight backward) per weight, the micro-batches' gradients and inputs
             concatenated. ``False`` (default): one call per micro-batch. ``True``: joined where a
-            micro-batch's gradient for that weight is at most 512 KiB
+            micro-batch's output gradient at that weight's op is at most 512 KiB
             (``lightning_twobp.engine.formulas.BATCH_BYTES``: it pays at small micro-batches, not at
             large ones; docs/benchmarks.md, "batched W"). An int: that limit in bytes (0: off). Only
             W actions over several micro-batches are joined: GPipe's and 1F1B's (interleaved too)

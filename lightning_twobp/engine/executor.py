@@ -118,8 +118,8 @@ class PipelineExecutor:
             stage and its forward-only passes (the strategy's per-stage random streams); the shape
             probe before a step runs outside it, so it leaves no trace there.
         batch_w: a W over several micro-batches joins each weight's call over them (``True``: where a
-            micro-batch's gradient is at most :data:`formulas.BATCH_BYTES`; an int: that many bytes; see
-            ``Stage.batch_w_bytes``). Not bit-equal to one call per micro-batch (a joined sum).
+            micro-batch's output gradient at the op is at most :data:`formulas.BATCH_BYTES`; an int: that
+            many bytes; ``Stage.batch_w_bytes``). Not bit-equal to one call per micro-batch (a joined sum).
     """
 
     def __init__(
