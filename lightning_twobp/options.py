@@ -28,7 +28,7 @@ from lightning_twobp.schedules.auto import Candidate, check_auto_options
 from lightning_twobp.schedules.deferral import check_max_pending_w
 from lightning_twobp.schedules.placement import default_stages_per_rank
 
-__all__ = ["PipelineOptions", "check_activation_checkpointing", "check_batch_w", "check_flag", "joins_w"]
+__all__ = ["PipelineOptions", "check_activation_checkpointing", "check_batch_w", "check_flag"]
 
 
 def check_flag(name: str, value: Any, none: str | None = None) -> None:
@@ -106,7 +106,7 @@ def check_batch_w(value: Any) -> None:
     )
 
 
-def joins_w(schedule: Schedule) -> bool:
+def _joins_w(schedule: Schedule) -> bool:
     """Whether ``schedule`` runs the W of several micro-batches of a stage as one action: what ``batch_w``
     joins (GPipe's and 1F1B's W at the end of a step; never the ZB and V schedules')."""
     return any(a.kind == "W" and len(a.microbatches) > 1 for row in schedule.actions for a in row)
@@ -129,7 +129,7 @@ def _check_batch_w(opts: PipelineOptions) -> None:
         probe = build_schedule(opts.schedule, 2 * spr, m, stages_per_rank=spr, max_pending_w=cap)
     except ValueError:
         return  # not at these counts; the executor warns at setup if the real schedule joins nothing
-    if not joins_w(probe):
+    if not _joins_w(probe):
         capped = "" if opts.max_pending_w is None else f" with max_pending_w={opts.max_pending_w}"
         raise ValueError(
             f"TwoBPStrategy(batch_w={opts.batch_w!r}): schedule={opts.schedule!r}{capped} at num_microbatches={m} runs "
@@ -302,7 +302,7 @@ class PipelineOptions:
     def chosen(self, best: Candidate) -> PipelineOptions:
         """``schedule="auto"``'s choice as if the user had named it: the schedule, its split, m, stages per
         rank and deferral cap."""
-        joined = bool(self.batch_w) and joins_w(best.schedule)
+        joined = bool(self.batch_w) and _joins_w(best.schedule)
         return replace(
             self,
             schedule=best.name,

@@ -201,6 +201,33 @@ def test_the_strategy_option_joins_w_and_trains_as_one_process(two_ranks, reques
     assert [r["joins"] for r in off] == [[], []]
 
 
+def _fit_sharded(rank: int, world: int) -> dict:
+    """pp 2 x dp 2 under data_parallel="shard" (FSDP2's gathered parameters are what W writes into):
+    the gradients gathered from the shards; both replicas read the same batches (no distributed sampler)."""
+    lightning_env(rank, world)
+    model, grads = Regressor(), _Grads()
+    strategy = TwoBPStrategy(pipeline_degree=2, num_microbatches=M, batch_w=True, data_parallel="shard")
+    trainer = quiet_trainer(strategy, world, max_steps=1, callbacks=[grads], num_sanity_val_steps=0)
+    with mock.patch.object(formulas, "batched", wraps=formulas.batched) as joined:
+        trainer.fit(model, regression_data())
+    full = {n: g.full_tensor() for n, g in grads.grads.items()}  # DTensor shards: every rank calls it
+    return {"loss": grads.loss, "grads": full, "joins": [len(c.args[0]) for c in joined.call_args_list]}
+
+
+@pytest.mark.dist
+def test_joined_w_under_sharded_data_parallel_trains_as_one_process(request):
+    results = launch(request, 4, {request.node.name: (_fit_sharded, ())}, timeout=600)[request.node.name]
+    ref_loss, ref = _one_process()
+    for r in results:
+        assert r["loss"] == pytest.approx(ref_loss, rel=1e-5)
+        for n, g in r["grads"].items():
+            torch.testing.assert_close(g, ref[n], rtol=1e-5, atol=1e-7, msg=n)
+    held = {n for r in results for n in r["grads"]}
+    assert held == set(ref)
+    # ranks 0 and 2 hold stage 0 (no W), ranks 1 and 3 the last stage: each joins its 4 micro-batches
+    assert [max(r["joins"], default=0) for r in results] == [0, M, 0, M]
+
+
 def _fit_on_and_off(rank: int, world: int, schedule: str) -> list[dict]:
     return [_fit(rank, world, schedule, b) for b in (True, False)]
 
