@@ -388,7 +388,7 @@ class Stage:
         of them would be held at once); the rest are read at once, at no per-node cost."""
         operands = [f.bind(defer=True) for f in plan.fast]
         hooks = [node.register_prehook(_Recorder(p.captured, node)) for node, _ in plan.frontier]
-        if None in operands:  # a checkpointed region's
+        if None in operands:  # some lie in a checkpointed region: read as the engine reaches their node
             later: dict[Node, _Binder] = {}
             for k, (f, o) in enumerate(zip(plan.fast, operands, strict=True)):
                 if o is None:
