@@ -283,15 +283,17 @@ def _cast(seq: nn.Sequential, x: torch.Tensor, act_dtype: torch.dtype) -> tuple[
         return x, torch.finfo(act_dtype).bits / 32
 
 
-def _choose_auto(cfg: DictConfig, p: int) -> search_auto.AutoChoice:
+def _choose_auto(cfg: DictConfig, p: int, shard_over: int = 1) -> search_auto.AutoChoice:
     """``schedule=auto`` on paper: each layer's bytes measured on meta at every micro-batch count that
     divides the batch (up to 4p), its time taken as parameters x samples (the GEMMs' FLOPs; meta has
-    no clock), the fixed bytes as the plan counts them; the device is ``plan.gpu_memory_gib`` x headroom."""
+    no clock), the fixed bytes as the plan counts them (``shard_over`` > 1: one of that many
+    ``data_parallel="shard"`` replicas' share); the device is ``plan.gpu_memory_gib`` x headroom."""
     from hydra.utils import instantiate
 
     st = cfg.strategy
     batch = int(cfg.data.batch_size)
-    param_bytes, act_dtype = _bytes(str(cfg.trainer.get("precision", "32-true")))
+    precision = str(cfg.trainer.get("precision", "32-true"))
+    param_bytes, act_dtype = _bytes(precision)
     states = {"adamw": 2, "adam": 2, "sgd": 1}.get(str(cfg.plan.get("optimizer", "adamw")), 2)
     with torch.device("meta"):
         lm = instantiate(cfg.model)
@@ -308,7 +310,12 @@ def _choose_auto(cfg: DictConfig, p: int) -> search_auto.AutoChoice:
             fp = _footprint(layer, x, needs, cache, _checkpointed(ac, i))
             n = sum(q.numel() for q in layer.parameters())
             t = float(n * (batch // m))
-            fixed = n * (2 * param_bytes + states * (4 if param_bytes == 4 else 2))
+            weight, state = n * param_bytes, n * states * (4 if param_bytes == 4 else 2)
+            fixed = (
+                sharded_static_bytes(n, weight, weight, state, shard_over, precision)
+                if shard_over > 1
+                else 2 * weight + state
+            )
             row.append(layer_cost(fp, fixed, (t, t, t), scale))
             x = torch.empty(fp.out_shape, dtype=fp.out_dtype, device="meta")
         layers[m] = tuple(row)
@@ -349,7 +356,8 @@ def _pipeline(cfg: DictConfig, world: int, notes: list[str]) -> _Pipeline:
     )
     p = opts.degree(world)
     check_degree(world, p)
-    choice = _choose_auto(cfg, p) if opts.schedule == "auto" else None
+    shard_over = world // p if opts.data_parallel == "shard" else 1
+    choice = _choose_auto(cfg, p, shard_over) if opts.schedule == "auto" else None
     if choice is not None:
         opts = opts.chosen(choice.best)
         notes.append(search_auto.format_choice(choice, unit="parameter-samples").split("\nsimulated")[0])
