@@ -187,7 +187,7 @@ class PipelineExecutor:
 
     @property
     def p2p(self) -> P2P:
-        """This rank's sends and receives (read their buffers with ``receive_buffers()``)."""
+        """This rank's sends and receives (the buffers of receives in flight: ``receive_buffers()``)."""
         return self._p2p
 
     def outgoing(self) -> list[torch.Tensor]:
@@ -210,7 +210,7 @@ class PipelineExecutor:
         """Agree on the shapes between stages again before the next step. Needed (on every rank) only
         after a change made on one rank alone that alters what a stage sends (autocast, a parameter's
         ``requires_grad``); the first stage's input shapes are followed automatically."""
-        self._p2p.drop_buffers()
+        self._p2p.forget_shapes()
 
     # ------------------------------------------------------------------ public
     def _which(self) -> str:
@@ -244,10 +244,10 @@ class PipelineExecutor:
         try:
             self._exchange_meta()
         except PeerLost as e:
-            self._p2p.drop_buffers()
+            self._p2p.forget_shapes()
             raise PipelineError(f"rank {self.rank}, {self._which()}, before the first action: {e}") from e
         except BaseException:
-            self._p2p.drop_buffers()
+            self._p2p.forget_shapes()
             raise
         run = self._now
         run.t0 = time.perf_counter()
@@ -258,10 +258,10 @@ class PipelineExecutor:
             self._run_ops()
             self._p2p.finish_sends()
         except PeerLost as e:
-            self._p2p.drop_buffers()
+            self._p2p.forget_shapes()
             raise PipelineError(f"rank {self.rank}, {self._which()}, after the last action: {e}") from e
         except BaseException:
-            self._p2p.drop_buffers()  # a receive may still be posted into one of them
+            self._p2p.forget_shapes()
             raise
         finally:
             self.steps += 1
@@ -509,7 +509,7 @@ class PipelineExecutor:
         a small message, no collective). When it changed, micro-batch 0 goes through the non-last stages
         once, on real data so data-dependent layers behave, with the RNG forked and buffers restored so
         that the step's numerics are those of a single process; each stage's output metadata travels to
-        the next stage, and the receive buffers are allocated anew.
+        the next stage (receive buffers, made per message, follow it).
         """
         p2p = self._p2p
         if not p2p.signature_changed(self._input_signature() if 0 in self.stages else None):
