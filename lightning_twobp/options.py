@@ -16,12 +16,19 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
-from lightning_twobp.schedules import SCHEDULES, check_split, default_num_microbatches, schedule_spec
+from lightning_twobp.schedules import (
+    SCHEDULES,
+    Schedule,
+    build_schedule,
+    check_split,
+    default_num_microbatches,
+    schedule_spec,
+)
 from lightning_twobp.schedules.auto import Candidate, check_auto_options
 from lightning_twobp.schedules.deferral import check_max_pending_w
 from lightning_twobp.schedules.placement import default_stages_per_rank
 
-__all__ = ["PipelineOptions", "check_activation_checkpointing", "check_flag"]
+__all__ = ["PipelineOptions", "check_activation_checkpointing", "check_batch_w", "check_flag"]
 
 
 def check_flag(name: str, value: Any, none: str | None = None) -> None:
@@ -86,6 +93,49 @@ def check_activation_checkpointing(value: Any) -> str | int | None:
         f"TwoBPStrategy(activation_checkpointing={value!r}): use None (off), 'full' (every block), an int k >= 1 "
         f"(every k-th block) or 'selective' (every block, its matrix products kept, the cheap ops recomputed)"
     )
+
+
+def check_batch_w(value: Any) -> None:
+    """``value`` is one ``batch_w`` takes: False (off), True (the engine's default size) or bytes >= 0."""
+    if isinstance(value, bool) or (isinstance(value, int) and value >= 0):
+        return
+    raise ValueError(
+        f"TwoBPStrategy(batch_w={value!r}): use False (off, the default), True (join the micro-batches' W of a weight "
+        f"where a micro-batch's output gradient at its op is at most 512 KiB) or an int: that limit in bytes "
+        f"(e.g. batch_w=1048576; 0 is off)"
+    )
+
+
+def _joins_w(schedule: Schedule) -> bool:
+    """Whether ``schedule`` runs the W of several micro-batches of a stage as one action: what ``batch_w``
+    joins (GPipe's and 1F1B's W at the end of a step; never the ZB and V schedules')."""
+    return any(a.kind == "W" and len(a.microbatches) > 1 for row in schedule.actions for a in row)
+
+
+def _check_batch_w(opts: PipelineOptions) -> None:
+    """``batch_w`` on a schedule that has a W to join: refused by name where nothing would be joined."""
+    check_batch_w(opts.batch_w)
+    if opts.batch_w is False or opts.batch_w == 0 or opts.schedule == "auto":
+        return  # auto: kept where its choice joins W (PipelineOptions.chosen)
+    if not opts.split_backward:
+        raise ValueError(
+            f"TwoBPStrategy(batch_w={opts.batch_w!r}) joins the W that 2BP's split defers; schedule="
+            f"{opts.schedule!r} with split_backward=False runs fused BW and has none: drop batch_w or use "
+            f"split_backward=True"
+        )
+    m, spr = opts.num_microbatches or 4, opts.stages
+    cap = opts.max_pending_w if isinstance(opts.max_pending_w, int) else None  # one per stage: counted at setup
+    try:  # on 2 ranks: where W runs together does not depend on the degree
+        probe = build_schedule(opts.schedule, 2 * spr, m, stages_per_rank=spr, max_pending_w=cap)
+    except ValueError:
+        return  # not at these counts; the executor warns at setup if the real schedule joins nothing
+    if not _joins_w(probe):
+        capped = "" if opts.max_pending_w is None else f" with max_pending_w={opts.max_pending_w}"
+        raise ValueError(
+            f"TwoBPStrategy(batch_w={opts.batch_w!r}): schedule={opts.schedule!r}{capped} at num_microbatches={m} runs "
+            f"each micro-batch's W on its own, so there is nothing to join; drop batch_w, or use a schedule "
+            f"that runs W together: 'gpipe', '1f1b' or 'interleaved-1f1b' (split, max_pending_w not 0)"
+        )
 
 
 def _check_timeout(seconds: Any) -> None:
@@ -165,6 +215,16 @@ class PipelineOptions:
             it (:mod:`lightning_twobp.lightning.sharding`); checkpoints hold the shards. Needs at least
             2 replicas; not yet with tied weights across stages or precisions other than fp32 (each
             refused before any compute).
+        batch_w: the 2BP paper's batched W (§4): a stage's deferred W of several micro-batches as one
+            GEMM (or conv weight backward) per weight, the micro-batches' gradients and inputs
+            concatenated. ``False`` (default): one call per micro-batch. ``True``: joined where a
+            micro-batch's output gradient at that weight's op is at most 512 KiB
+            (``lightning_twobp.engine.formulas.BATCH_BYTES``: it pays at small micro-batches, not at
+            large ones; docs/benchmarks.md, "batched W"). An int: that limit in bytes (0: off). Only
+            W actions over several micro-batches are joined: GPipe's and 1F1B's (interleaved too)
+            W at the end of the step; the ZB and V schedules run each W alone and are refused. Not
+            bit-equal to the per-micro-batch accumulation (one sum over all rows rounds differently:
+            fp32, about 1e-7 of a gradient's largest value). Costs one weight's joined copy at a time.
     """
 
     schedule: str = "1f1b"
@@ -182,6 +242,7 @@ class PipelineOptions:
     memory_limit: float | str | None = None
     data_parallel: str = "replicate"
     activation_checkpointing: str | int | None = None
+    batch_w: bool | int = False
 
     def __post_init__(self) -> None:
         check_flag("split_backward", self.split_backward)
@@ -212,6 +273,7 @@ class PipelineOptions:
         _check_timeout(self.pipeline_timeout)
         check_activation_checkpointing(self.activation_checkpointing)
         _check_data_parallel(self.data_parallel)
+        _check_batch_w(self)
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any]) -> PipelineOptions:
@@ -240,6 +302,7 @@ class PipelineOptions:
     def chosen(self, best: Candidate) -> PipelineOptions:
         """``schedule="auto"``'s choice as if the user had named it: the schedule, its split, m, stages per
         rank and deferral cap."""
+        joined = bool(self.batch_w) and _joins_w(best.schedule)
         return replace(
             self,
             schedule=best.name,
@@ -248,6 +311,7 @@ class PipelineOptions:
             stages_per_rank=best.stages_per_rank,
             max_pending_w=best.max_pending_w,
             memory_limit=None,
+            batch_w=self.batch_w if joined else False,  # batch_w applies where the choice runs W together
         )
 
     def overlaps(self, fp16: bool) -> bool:

@@ -19,10 +19,11 @@ That gives, per stage:
 With ``strategy.activation_checkpointing`` (``full`` or ``k``: every k-th layer, the strategy's own
 choice of layers) each chosen layer is measured checkpointed, as the strategy wraps it: F saves only
 the layer's input until B, B still leaves W its operands (the weight GEMMs' inputs, taken from B's
-recompute), and B's recompute holds the layer's full activations for a while (``recompute``). Under the
-split B reads W's operands before its engine call, so every checkpointed layer of the stage is
-recomputed at once: the stage's sum; a fused BW (and the first stage's B, a plain backward) recomputes
-one layer at a time: the largest. The replay adds it on top of what the rank holds before that B or BW.
+recompute), and B's recompute holds the layer's full activations for a while (``recompute``). B
+recomputes one layer at a time, as its engine reaches it, with or without the split; under the split it
+has by then made the operands and gradients W keeps of the layers after it (their ``M_W``): the most of
+the two together over the stage's layers. A fused BW (and the first stage's B, a plain backward) keeps
+nothing for W: the largest layer's. The replay adds it on top of what the rank holds before that B or BW.
 
 Replaying the schedule's action order (:func:`~lightning_twobp.schedules.replay_memory`) then gives each rank's peak: F
 adds ``M_act``, B trades it for
@@ -82,7 +83,7 @@ class StagePlan:
     held_bytes: int  # M_W: held by one micro-batch from its B to its W under 2BP
     graph_kept: bool  # True when W re-enters the autograd graph (then M_W ~ M_act)
     checkpointed: int = 0  # layers run under activation checkpointing
-    recompute_bytes: int = 0  # held for a while by one micro-batch's B as it recomputes them (split: all at once)
+    recompute_bytes: int = 0  # held for a while by one micro-batch's B as it recomputes them, one at a time
     recompute_fused_bytes: int = 0  # the same in a fused BW (one layer at a time)
 
 
@@ -183,7 +184,7 @@ class _Measured:
     act: int  # M_act
     held: int  # M_W
     kept: bool
-    recompute: int  # B's recompute of every checkpointed layer at once (the split)
+    recompute: int  # B's recompute of one layer, with what B made for W of the layers after it (the split)
     recompute_max: int  # the largest one layer's (a fused BW, a plain backward)
     checkpointed: int
     out_saved: bool  # the last layer saves its output (else the stage holds it from F to B on its own)
@@ -196,21 +197,28 @@ def _measure_stage(
     layers needs it (one ``retain_graph`` for the whole stage), and then M_W is the whole M_act plus
     what W reads. The first stage (no input gradient) runs all of its backward in B and holds nothing.
     ``chosen[i]``: layer i runs checkpointed; its recompute holds what it would have saved in F, less
-    the input it did save."""
+    the input it did save. Under the split B holds it on top of what it has made for W of the checkpointed
+    layers after i (their operands recomputed, their gradients; a plain layer's gradients for W are the
+    backward's working set, counted without checkpointing too)."""
     act = held = recompute = recompute_max = 0
     kept = prev_saves_output = False
+    recomputed: list[tuple[int, int]] = []  # (recompute, bytes kept for W) per checkpointed layer
     for i, layer in enumerate(layers):
         needs = x.is_floating_point() and not (first and i == 0)
         ckpt = i < len(chosen) and chosen[i]
         m = _footprint(layer, x, needs, cache, ckpt)
         if ckpt:
             extra = _footprint(layer, x, needs, cache, False).activation_bytes - m.activation_bytes
-            recompute, recompute_max = recompute + extra, max(recompute_max, extra)
+            recompute_max = max(recompute_max, extra)
+            recomputed.append((extra, m.held_bytes))
         # a tensor saved by both sides of a layer boundary (a ReLU's output, the next conv's input) is one
         shared = m.saved_input if prev_saves_output else 0
         act, held, kept = act + m.activation_bytes - shared, held + m.held_bytes, kept or m.graph_kept
         prev_saves_output = m.saves_output
         x = torch.empty(m.out_shape, dtype=m.out_dtype, device="meta")
+    made = 0
+    for extra, kept_for_w in reversed(recomputed):  # B's order: the last layer first
+        recompute, made = max(recompute, made + extra), made + kept_for_w
     n, saved = sum(chosen), prev_saves_output
     if first:  # B is a plain backward there: one layer's recompute at a time
         return _Measured(x, act, 0, False, recompute_max, recompute_max, n, saved)
@@ -275,15 +283,17 @@ def _cast(seq: nn.Sequential, x: torch.Tensor, act_dtype: torch.dtype) -> tuple[
         return x, torch.finfo(act_dtype).bits / 32
 
 
-def _choose_auto(cfg: DictConfig, p: int) -> search_auto.AutoChoice:
+def _choose_auto(cfg: DictConfig, p: int, shard_over: int = 1) -> search_auto.AutoChoice:
     """``schedule=auto`` on paper: each layer's bytes measured on meta at every micro-batch count that
     divides the batch (up to 4p), its time taken as parameters x samples (the GEMMs' FLOPs; meta has
-    no clock), the fixed bytes as the plan counts them; the device is ``plan.gpu_memory_gib`` x headroom."""
+    no clock), the fixed bytes as the plan counts them (``shard_over`` > 1: one of that many
+    ``data_parallel="shard"`` replicas' share); the device is ``plan.gpu_memory_gib`` x headroom."""
     from hydra.utils import instantiate
 
     st = cfg.strategy
     batch = int(cfg.data.batch_size)
-    param_bytes, act_dtype = _bytes(str(cfg.trainer.get("precision", "32-true")))
+    precision = str(cfg.trainer.get("precision", "32-true"))
+    param_bytes, act_dtype = _bytes(precision)
     states = {"adamw": 2, "adam": 2, "sgd": 1}.get(str(cfg.plan.get("optimizer", "adamw")), 2)
     with torch.device("meta"):
         lm = instantiate(cfg.model)
@@ -300,7 +310,12 @@ def _choose_auto(cfg: DictConfig, p: int) -> search_auto.AutoChoice:
             fp = _footprint(layer, x, needs, cache, _checkpointed(ac, i))
             n = sum(q.numel() for q in layer.parameters())
             t = float(n * (batch // m))
-            fixed = n * (2 * param_bytes + states * (4 if param_bytes == 4 else 2))
+            weight, state = n * param_bytes, n * states * (4 if param_bytes == 4 else 2)
+            fixed = (
+                sharded_static_bytes(n, weight, weight, state, shard_over, precision)
+                if shard_over > 1
+                else 2 * weight + state
+            )
             row.append(layer_cost(fp, fixed, (t, t, t), scale))
             x = torch.empty(fp.out_shape, dtype=fp.out_dtype, device="meta")
         layers[m] = tuple(row)
@@ -341,7 +356,8 @@ def _pipeline(cfg: DictConfig, world: int, notes: list[str]) -> _Pipeline:
     )
     p = opts.degree(world)
     check_degree(world, p)
-    choice = _choose_auto(cfg, p) if opts.schedule == "auto" else None
+    shard_over = world // p if opts.data_parallel == "shard" else 1
+    choice = _choose_auto(cfg, p, shard_over) if opts.schedule == "auto" else None
     if choice is not None:
         opts = opts.chosen(choice.best)
         notes.append(search_auto.format_choice(choice, unit="parameter-samples").split("\nsimulated")[0])
@@ -397,9 +413,10 @@ def _measure_scaled(
     last: bool,
     cache: dict,
     chosen: Sequence[bool] = (),
+    sends: bool = True,
 ) -> _Measured:
     """:func:`_measure_stage` of stage ``s``, its bytes scaled by ``scale`` (see :func:`_cast`), the
-    loss's own activations added on the last stage."""
+    loss's own activations added on the last stage. ``sends``: the next stage is on another rank."""
     try:
         m = _measure_stage(module, x, s == 0, cache, chosen)
     except RuntimeError as e:
@@ -411,7 +428,10 @@ def _measure_scaled(
     act, held, rec, rec_max = (int(b * scale) for b in (m.act, m.held, m.recompute, m.recompute_max))
     if last:
         act += m.out.numel() * 4  # the loss: cross-entropy saves fp32 log-probabilities of the output's size
-    elif not m.out_saved:  # the stage keeps the output it sent until its B runs the backward from it
+    elif not m.out_saved and not sends:
+        # The stage keeps the output it handed to the next stage on its rank until its own B runs the
+        # backward from it; one sent to another rank it drops once sent (``Stage.drop_outputs``: then the
+        # send holds it, a communication buffer, not modelled).
         act += int(m.out.numel() * m.out.element_size() * scale)
     return _Measured(m.out, act, held, m.kept, rec, rec_max, m.checkpointed, m.out_saved)
 
@@ -435,7 +455,9 @@ def _stage_plans(
         module: nn.Sequential = seq[start : start + n]  # type: ignore[assignment]  # torch: no slice overload
         n_params = sum(q.numel() for q in module.parameters())
         chosen = [_checkpointed(ac, i) for i in range(start, start + n)]
-        m = _measure_scaled(s, module, x, scale, act_dtype, s == len(sizes) - 1, cache, chosen)
+        last = s == len(sizes) - 1
+        sends = not last and rank_of[s + 1] != rank_of[s]
+        m = _measure_scaled(s, module, x, scale, act_dtype, last, cache, chosen, sends)
         x = m.out
         stages.append(
             StagePlan(
@@ -504,8 +526,8 @@ def plan(cfg: DictConfig, recipe: str = "") -> Plan:
     if ac is not None:
         notes.append(
             f"activation_checkpointing={ac!r}: F keeps each checkpointed layer's input until B; B's recompute "
-            f"holds the layers' activations for a while (recomp: the stage's under the split, all at once; "
-            f"one layer's in a fused BW), W's operands stay until W as without"
+            f"holds one layer's activations at a time (recomp: under the split with what B has made for W of "
+            f"the layers after it; the largest layer's in a fused BW), W's operands stay until W as without"
         )
     if any(sp.graph_kept for sp in stages):
         notes.append(

@@ -144,6 +144,65 @@ def test_the_loss_joins_the_last_stage():
     assert lossy[-1].activation == plain[-1].activation + 64 and lossy[-1].f == plain[-1].f + 1
 
 
+# ------------------------------------------------------------------ data_parallel="shard"
+
+
+def _linears(n: int = 4, width: int = 32) -> tuple[list[nn.Module], list[LayerCost]]:
+    """``n`` Linear layers and their costs as a replicated stage counts them: weights and gradients fixed,
+    AdamW's two moments and step counters as the optimizer's state; 1 s and 100 bytes a micro-batch."""
+    from lightning_twobp.lightning.autoschedule import optimizer_state_bytes
+
+    torch.manual_seed(0)
+    layers = [nn.Linear(width, width) for _ in range(n)]
+    state, _ = optimizer_state_bytes([torch.optim.AdamW(nn.Sequential(*layers).parameters())])
+    costs = []
+    for layer in layers:
+        weight = sum(q.numel() * q.element_size() for q in layer.parameters())
+        opt = sum(state[id(q)] for q in layer.parameters())
+        costs.append(LayerCost(f=1, b=1, w=1, activation=100, held=40, fixed=2.0 * weight, optimizer=opt))
+    return layers, costs
+
+
+@pytest.mark.parametrize("precision, gathered", [("32-true", 4), ("bf16-mixed", 2)])
+def test_a_sharded_stage_is_counted_as_the_planner_counts_it(precision, gathered):
+    from lightning_twobp.lightning.autoschedule import sharded_fixed
+    from lightning_twobp.lightning.sharding import sharded_static_bytes
+
+    layers, costs = _linears()
+    params = sum(q.numel() for layer in layers for q in layer.parameters())
+    weight = sum(c.fixed for c in costs) / 2
+    state = sum(c.optimizer for c in costs)
+    replicated = stage_cost(costs, first=False)
+    assert replicated.fixed == 2 * weight + state  # 16 bytes a parameter (and AdamW's step counters)
+    for dp in (2, 4, 8):
+        sharded = stage_cost(
+            [sharded_fixed(c, q, dp, precision) for c, q in zip(costs, layers, strict=True)], first=False
+        )
+        # 1/dp of weights, gradients and optimizer state, plus a step's gathered weights and full gradients
+        assert sharded.fixed == sharded_static_bytes(params, int(weight), int(weight), int(state), dp, precision)
+        assert sharded.fixed == (2 * weight + state) / dp + 2 * params * gathered
+        assert sharded.optimizer == state / dp  # the optimizer's share, still named apart in a refusal
+    # fp32 AdamW: 16 / dp + 8 bytes a parameter, so nothing saved at dp = 2 and a quarter at dp = 4
+    four = stage_cost([sharded_fixed(c, q, 4, "32-true") for c, q in zip(costs, layers, strict=True)], first=False)
+    assert four.fixed == pytest.approx(0.75 * replicated.fixed, rel=1e-3)
+
+
+def test_a_limit_that_only_a_sharded_stage_fits_picks_a_schedule():
+    from lightning_twobp.lightning.autoschedule import sharded_fixed
+
+    layers, costs = _linears()
+    sharded = [sharded_fixed(c, q, 4, "32-true") for c, q in zip(costs, layers, strict=True)]
+
+    def profile(rows: list[LayerCost]) -> Profile:
+        return Profile(num_ranks=2, layers={4: tuple(rows)}, partitions={1: (2, 2)})
+
+    limit = min(c.peak for c in search(profile(sharded)))
+    with pytest.raises(NoScheduleFits, match=f"memory_limit={limit:.0f} bytes"):
+        choose(search(profile(costs)), limit)  # replicated: every replica holds its stages whole
+    best = choose(search(profile(sharded)), limit).best
+    assert best.peak <= limit
+
+
 OPTIMIZERS = [
     (torch.optim.AdamW, {}, 2),
     (torch.optim.Adam, {"amsgrad": True}, 3),
@@ -388,3 +447,35 @@ def test_auto_options_are_checked_at_construction():
         TwoBPStrategy(schedule="1f1b", memory_limit=0.5)
     with pytest.raises(ValueError, match="give bytes per device"):
         TwoBPStrategy(schedule="auto", memory_limit="lots")
+
+
+# ------------------------------------------------------------------ the strategy sharded, pp 2 x dp 2
+
+
+def _fit_sharded(rank: int, world: int) -> dict:
+    """schedule="auto" under data_parallel="shard" on pp 2 x dp 2: the fixed bytes auto counted per layer,
+    against each layer's as the planner counts one replica's (sharded_static_bytes)."""
+    from lightning_twobp import TwoBPStrategy
+    from lightning_twobp.lightning.sharding import sharded_static_bytes
+
+    lightning_env(rank, world)
+    model = Blocks()  # SGD without momentum: no optimizer state
+    expected = []
+    for layer in model.layers:
+        trained = [q for q in layer.parameters() if q.requires_grad]
+        weight = sum(q.numel() * q.element_size() for q in trained)
+        expected.append(sharded_static_bytes(sum(q.numel() for q in trained), weight, weight, 0, 2, "32-true"))
+    strategy = TwoBPStrategy(schedule="auto", memory_limit="1f1b", pipeline_degree=2, data_parallel="shard", **FUSED_M4)
+    quiet_trainer(strategy, world, max_steps=1).fit(model, _loader())
+    counted = [c.fixed + c.optimizer for c in strategy.auto_profile.layers[4]]
+    return {"expected": expected, "counted": counted, "label": strategy.auto_choice.best.label}
+
+
+@pytest.mark.dist
+def test_auto_counts_a_sharded_stage_as_one_replica_holds_it(request):
+    results = launch(request, 4, {request.node.name: (_fit_sharded, ())}, timeout=600)[request.node.name]
+    assert len({r["label"] for r in results}) == 1, "every rank must choose the same schedule"
+    for r in results:
+        # fp32 weights: 1/2 of weights and gradients plus a step's gathered weights and gradients, 3x the
+        # weights where a replicated stage holds 2x
+        assert r["counted"] == r["expected"], r

@@ -435,6 +435,21 @@ CASES: dict[str, Case] = {
         ValueError,
         r"max_pending_w=1 caps the W that 2BP's split defers; .* drop max_pending_w or use split_backward=True",
     ),
+    "strategy-batch-w": (
+        lambda t: TwoBPStrategy(batch_w="yes"),
+        ValueError,
+        r"TwoBPStrategy\(batch_w='yes'\): use False \(off, the default\), True",
+    ),
+    "strategy-batch-w-fused": (
+        lambda t: TwoBPStrategy(batch_w=True, split_backward=False),
+        ValueError,
+        r"batch_w=True\) joins the W that 2BP's split defers; .* drop batch_w or use split_backward=True",
+    ),
+    "strategy-batch-w-alone": (
+        lambda t: TwoBPStrategy(schedule="zb-h1", batch_w=True),
+        ValueError,
+        r"schedule='zb-h1' at num_microbatches=4 runs each micro-batch's W on its own, so there is nothing to join",
+    ),
     "strategy-auto-without-limit": (
         lambda t: TwoBPStrategy(schedule="auto"),
         ValueError,

@@ -11,15 +11,25 @@ from lightning_twobp.schedules.memory import send_releases
 from lightning_twobp.schedules.spec import SCHEDULES, schedule_spec
 
 
-def test_messages_between_ranks_live_in_receive_buffers():
-    # p = 2, m = 4, one stage per rank: stage 1 receives 4 activations, stage 0 four gradients
+def test_a_received_message_lives_from_its_post_to_its_reader():
+    # p = 2, m = 4, one stage per rank, fused: stage 1 receives 4 activations, stage 0 four gradients
     sched = build_schedule("1f1b", 2, 4, split_backward=False)
     memory = MemoryCosts(activation=10, held=0, fixed=100, message=3, input_saved=2)
-    assert memory.fixed_of(sched) == (100 + 4 * 3, 100 + 4 * 3)
+    assert memory.fixed_of(sched) == (100, 100)  # no buffer is kept for the run
     act, _ = memory.placed(sched)
-    assert act == (10, 8)  # stage 1's saved input is its receive buffer, counted once (in fixed)
-    # fused 1F1B holds min(p - r, m) micro-batches: rank 0 two of stage 0, rank 1 one of stage 1
-    assert peak_bytes(sched, memory) == (112 + 2 * 10, 112 + 8)
+    assert act == (10, 8)  # stage 1's saved input is its receive buffer, counted once (as the message)
+    # fused 1F1B holds min(p - r, m) micro-batches: rank 0 two of stage 0, and each gradient is read by
+    # the BW it is posted for (never held at an action's end); rank 1 one of stage 1 with its input (3)
+    assert peak_bytes(sched, memory) == (100 + 2 * 10, 100 + 8 + 3)
+    # split, m = 2: rank 0 runs 0F0 0F1 0B0 0B1 0W0 0W1, rank 1 1F0 1B0 1F1 1B1 1W0+1. A stage keeps its
+    # inputs until W, so rank 1's two inputs (3 each) live until the batched W; at 1F1's end it holds
+    # F1's activation (8), B0's held bytes (4 less its input, 2) and both inputs (B0's sent gradient
+    # goes at F1's end). Rank 0 peaks at 0F1 (2 x 10); its gradients are read by their B, the part W
+    # reads (1) held until W
+    split = build_schedule("1f1b", 2, 2, split_backward=True)
+    memory = MemoryCosts(activation=10, held=4, message=3, input_saved=2, grad_held=1, input_held=2)
+    assert peak_bytes(split, memory) == (2 * 10, 8 + 2 + 2 * 3)
+    assert peak_bytes(split, MemoryCosts(activation=10, held=4, message=3, grad_held=1)) == (2 * 10, 10 + 4 + 2 * 3)
 
 
 def test_a_v_keeps_its_turn_on_one_rank():
@@ -27,14 +37,25 @@ def test_a_v_keeps_its_turn_on_one_rank():
     sched = build_schedule("zb-v", 4, 4, stages_per_rank=2)
     memory = MemoryCosts(activation=10, held=5, fixed=0, message=1, input_saved=1, grad_held=1, input_held=2)
     act, held = memory.placed(sched)
-    # every stage after the first: its saved input is a receive buffer or, at the turn, stage 1's output
-    # (held by stage 1 until its B, after stage 2's B)
+    # every stage after the first: its saved input is a received message or, at the turn, stage 1's
+    # output (held by stage 1 until its B, after stage 2's B)
     assert act == (10, 9, 9, 9)
     # from B to W: the output gradient where the next stage is remote (0, 2), the input where the
     # previous one is (1, 3)
     assert held == (4, 3, 4, 3)
-    # rank 0 (stages 0, 3): stage 0 sends to 1 and stage 3 receives from 2: 2 x m buffers; rank 1 the same
-    assert memory.fixed_of(sched) == (8, 8)
+    assert memory.fixed_of(sched) == (0, 0)
+
+
+def test_a_receive_posted_ahead_holds_its_buffer_from_its_post():
+    # ZB-V, p = 2, m = 8: rank 1 posts the gradient for 2B1 before 1W0 and 2F2 (the lowering's batch
+    # after 1SEND_B0), so its buffer is held at the end of both; every other gradient stage 2 receives
+    # is read by the B right after its post. Only that edge's messages cost bytes here.
+    sched = build_schedule("zb-v", 4, 8, stages_per_rank=2)
+    ops = [str(op) for op in lower_communication(sched)[1]]
+    at = ops.index("2RECV_B1")
+    assert ops[at + 1 : at + 3] == ["1W0", "2F2"], ops[at : at + 6]
+    only = MemoryCosts(activation=0, held=0, message=(0, 0, 1000, 0))
+    assert peak_bytes(sched, only)[1] == 1000
 
 
 def test_no_messages_change_nothing():
@@ -139,6 +160,6 @@ def test_sent_messages_are_held_until_their_release():
     act, _ = memory.placed(sched)
     assert act == (7, 10)
     # rank 0 at F1: two micro-batches' activations (7 each) and F0's and F1's outputs in their sends
-    # rank 1 at B0 (end): its gradient for stage 0 in its send; at F1: F1's activation, B0's
-    # gradient let go at F1's end
-    assert peak_bytes(sched, memory) == (4 * 3 + 2 * 7 + 2 * 3, 4 * 3 + 10)
+    # (each gradient is read by the BW it is posted for); rank 1 at F1: F1's activation and its input
+    # (3, a received message until BW1), B0's gradient let go at F1's end
+    assert peak_bytes(sched, memory) == (2 * 7 + 2 * 3, 10 + 3)

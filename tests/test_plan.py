@@ -90,3 +90,19 @@ def test_auto_refuses_a_limit_nothing_fits_with_the_smallest_peak():
 
     with pytest.raises(NoScheduleFits, match=r"memory_limit=1000 bytes .* the smallest predicted peak is \d+ bytes"):
         plan_recipe(["trainer.devices=2", "schedule=auto", "strategy.memory_limit=1000"])
+
+
+def test_auto_counts_a_sharded_stage_as_one_replica_holds_it():
+    """data_parallel=shard over 4 replicas: auto's fixed bytes are the plan's sharded count (a quarter of
+    the state plus a step's gathered weights and grads), so its smallest peak is below replicated's."""
+    from lightning_twobp.schedules.auto import NoScheduleFits
+
+    peaks = {}
+    for dp in ("replicate", "shard"):
+        with pytest.raises(NoScheduleFits) as e:
+            plan_recipe(
+                ["trainer.devices=8", "strategy.pipeline_degree=2", f"strategy.data_parallel={dp}"]
+                + ["schedule=auto", "strategy.memory_limit=1000"]
+            )
+        peaks[dp] = e.value.smallest.peak
+    assert peaks["shard"] < peaks["replicate"], peaks

@@ -37,8 +37,9 @@ def _ce(logits, target):
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
 
 
-def _allocated_peak(prof: torch.profiler.profile) -> int:
-    """The most the allocator held at once during ``prof``, beyond what it held when it started."""
+def allocated_bytes(prof: torch.profiler.profile) -> tuple[int, int]:
+    """The most the allocator held at once during ``prof`` and what it held at the end, beyond what it
+    held when it started (also read by tests/test_recompute.py)."""
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "trace.json")
         prof.export_chrome_trace(path)
@@ -48,7 +49,7 @@ def _allocated_peak(prof: torch.profiler.profile) -> int:
     for e in sorted(events, key=lambda e: e["ts"]):
         now += e["args"]["Bytes"]
         peak = max(peak, now)
-    return peak
+    return peak, now
 
 
 class _Meter:
@@ -76,7 +77,7 @@ class _Meter:
             activities = [torch.profiler.ProfilerActivity.CPU]
             with torch.profiler.profile(activities=activities, profile_memory=True) as prof:
                 yield
-            extra = _allocated_peak(prof)
+            extra, _ = allocated_bytes(prof)
             self.during, self.recompute = max(self.during, before + extra), max(self.recompute, extra)
         else:
             yield
@@ -137,8 +138,9 @@ def test_checkpointed_plan_against_the_executor(ac, split):
     is within 10% of the measured one. Inside B (or BW) the allocator's peak rises above what the rank
     held before it by the recompute and by the backward's own working set (its gradients in flight),
     which the plan does not count, with or without checkpointing: measured in the same launch without
-    checkpointing, that working set brackets the planned recompute. Under the split B recomputes
-    every checkpointed layer of the stage at once; were it one at a time, the lower bound would fail."""
+    checkpointing, that working set brackets the planned recompute. B recomputes one layer at a time,
+    under the split on top of the operands and gradients it has made for W of the layers after it.
+    (The stage's output sent to the other rank is dropped once sent: not held to B.)"""
     from lightning_twobp.processes import run_distributed
 
     flag = [] if split else ["strategy.split_backward=false"]

@@ -11,6 +11,7 @@ import functools
 
 import pytest
 import torch
+from test_plan_checkpointing import allocated_bytes
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
@@ -76,6 +77,80 @@ def test_checkpointed_blocks_are_exact_and_recompute_once_for_b_and_w():
     torch.manual_seed(0)
     blocks = [Counted() for _ in range(3)]
     assert _split_against_plain(blocks, Checkpointed(blocks)) == [4, 4, 4], "forwards over 2 micro-batches"
+
+
+class Logged(nn.Module):
+    """Checkpointed blocks that log each block's forward and the gradient reaching its output."""
+
+    def __init__(self, blocks: list[Counted]) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(blocks)
+        self.log: list[tuple[str, int]] = []
+
+    def _run(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        self.log.append(("forward", i))
+        return self.blocks[i](x)
+
+    def forward(self, x):
+        for i in range(len(self.blocks)):
+            x = checkpoint(functools.partial(self._run, i), x, use_reentrant=False)
+            x.register_hook(lambda g, i=i: self.log.append(("grad", i)))
+        return x
+
+
+def test_b_recomputes_each_block_when_its_backward_comes():
+    """B recomputes block by block, as a plain backward does, so it holds one block's recomputed activations
+    at a time, not the stage's (W's operands read in the engine call, see Stage._input_half; read before
+    it, they recomputed every block first: forward 0, 1, 2, then the gradients), and stays exact."""
+    torch.manual_seed(0)
+    blocks = [Counted() for _ in range(3)]
+    ref = copy.deepcopy(blocks)
+    module = Logged(blocks)
+    stage = Stage(module)
+    x, g = torch.randn(2, 7, 32), torch.randn(2, 7, 32)
+    for _ in range(2):  # the second micro-batch reuses the first's plan
+        module.log.clear()
+        stage.forward(0, x.clone().requires_grad_())
+        module.log.clear()
+        (gx,) = stage.backward_input(0, g)
+        stage.backward_weight(0)
+        assert module.log == [("grad", 2), ("forward", 2), ("grad", 1), ("forward", 1), ("grad", 0), ("forward", 0)]
+    assert [b.calls for b in blocks] == [4, 4, 4]
+    xr = x.clone().requires_grad_()
+    for _ in range(2):
+        nn.Sequential(*ref)(xr).backward(g)
+    torch.testing.assert_close(gx, xr.grad / 2, rtol=1e-6, atol=1e-7)
+    for b, r in zip(blocks, ref, strict=True):
+        for (n, q), p in zip(b.named_parameters(), r.parameters(), strict=True):
+            torch.testing.assert_close(q.grad, p.grad, rtol=1e-6, atol=1e-7, msg=n)
+
+
+def _held_during_b(k: int) -> tuple[int, int]:
+    """One micro-batch's B through ``k`` checkpointed blocks whose recompute is mostly what W does not read
+    (a chain of tanh, each saving its output, between two Linears): the most the allocator held during B
+    beyond its start, and that less what B still held at its end (for W: operands and gradients)."""
+    torch.manual_seed(0)
+    blocks = [nn.Sequential(nn.Linear(32, 32), *[nn.Tanh() for _ in range(6)], nn.Linear(32, 32)) for _ in range(k)]
+    apply_activation_checkpointing(list(enumerate(blocks)), "full")
+    stage = Stage(nn.Sequential(*blocks))
+    x, g = torch.randn(256, 32), torch.randn(256, 32)
+    for _ in range(2):  # the second is measured: the formulas' probes and the plan are made in the first
+        stage.forward(0, x.clone().requires_grad_())
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+            stage.backward_input(0, g)
+        stage.backward_weight(0)
+    peak, end = allocated_bytes(prof)
+    return peak, peak - end
+
+
+def test_b_holds_one_blocks_recompute_at_a_time():
+    """What B holds beyond what it keeps for W does not grow with the blocks of the stage: one block's
+    recompute at a time (it grew by one block's tanh outputs per block when B recomputed all at once)."""
+    one, four = _held_during_b(1), _held_during_b(4)
+    tensor = 256 * 32 * 4  # bytes of one activation
+    assert one[1] >= 4 * tensor, one  # B held a block's recompute a while: the measure sees it
+    assert four[1] <= one[1] + tensor, (one, four)  # was one block's 3 tensors more per block
+    assert four[0] - four[1] > 3 * (one[0] - one[1]), (one, four)  # what B keeps for W grows with the blocks
 
 
 def test_operand_reads_share_bs_recompute():

@@ -1,7 +1,8 @@
 """What a rank has sent is let go of during the step, not at its end (``schedules.memory.send_releases``,
 ``P2P.release``), and a stage drops its outputs once sent (``Stage.drop_outputs``); exact either way,
 also where no gradient flows back over an edge (its messages carry nothing, so they prove nothing and
-the sends wait for the step's end)."""
+the sends wait for the step's end). A receive buffer is made at its post and handed to its reader:
+the rank keeps none between steps, and during one only those posted ahead of their reader."""
 
 from __future__ import annotations
 
@@ -31,8 +32,9 @@ def loss_fn(logits, target):
 
 
 def _run(rank: int, name: str, stages: int, m: int, frozen: int) -> list[str]:
-    """One step of ``name`` against one process, the first ``frozen`` layers without gradients; the
-    most tensors the rank held for sends at any action's end, and what it still holds after the step."""
+    """Two steps of ``name`` against one process, the first ``frozen`` layers without gradients; the
+    most tensors the rank held for sends and in receive buffers at any action's end, and what it still
+    holds after the steps."""
     sched = build_schedule(name, stages, m, stages_per_rank=stages // 2)
     torch.manual_seed(0)
     model = build_llama(LlamaConfig(vocab_size=VOCAB, dim=16, n_layers=stages, n_heads=2, max_seq_len=SEQ))
@@ -44,17 +46,22 @@ def _run(rank: int, name: str, stages: int, m: int, frozen: int) -> list[str]:
     (sum(loss_fn(ref(ids[i]), tgt[i]) for i in range(m)) / m).backward()
     parts = split_sequential(model, even_sizes(len(model), stages))
     mine = {s: parts[s] for s in sched.stages_of(rank)}
-    most = [0]
+    most = [0, 0]
     box: list[PipelineExecutor] = []
 
     @contextmanager
     def around(stage: int) -> Iterator[None]:
         yield
         most[0] = max(most[0], len(box[0].outgoing()))
+        most[1] = max(most[1], len(box[0].p2p.receive_buffers()))
 
     ex = PipelineExecutor(sched, mine, loss_fn=loss_fn, around=around)
     box.append(ex)
-    ex.step(list(ids) if 0 in mine else None, list(tgt) if stages - 1 in mine else None)
+    for _ in range(2):  # the second step reuses nothing of the first's receives
+        ex.step(list(ids) if 0 in mine else None, list(tgt) if stages - 1 in mine else None)
+    for q in model.parameters():
+        if q.grad is not None:
+            q.grad /= 2  # two steps accumulated the same gradient
     failures = [
         f"{n}: grad differs"
         for (n, q), (_, r) in zip(model.named_parameters(), ref.named_parameters(), strict=True)
@@ -64,7 +71,9 @@ def _run(rank: int, name: str, stages: int, m: int, frozen: int) -> list[str]:
     ]
     if ex.outgoing():
         failures.append(f"{len(ex.outgoing())} sent tensors outlived the step")
-    return failures + [f"most held {most[0]}"]
+    if ex.p2p.receive_buffers():
+        failures.append(f"{len(ex.p2p.receive_buffers())} receive buffers outlived the step")
+    return failures + [f"most received {most[1]}", f"most held {most[0]}"]
 
 
 def _cases(rank: int, world: int) -> dict[str, list[str]]:
@@ -85,8 +94,11 @@ def test_sends_go_during_the_step(ran):
     results = ran["test_sends_go_during_the_step"]
     for r, per_rank in enumerate(results):
         for case, lines in per_rank.items():
-            *failures, most = lines
+            *failures, received, most = lines
             assert not failures, (r, case, failures)
+            # 1F1B posts each receive right before its reader; ZB-V a few ahead (the lowering's
+            # rendezvous and posting order: one here), never a step's worth (16 per rank with m = 8)
+            assert int(received.split()[-1]) <= (0 if case == "1f1b" else 1), (r, case, received)
             held = int(most.split()[-1])
             if case == "zb-v frozen" and r == 0:
                 # stage 0's 8 activations wait for the step's end: no gradient comes back to prove them

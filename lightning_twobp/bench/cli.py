@@ -30,6 +30,13 @@ def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="twobp-bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    _add_modes(ap)
+    _add_options(ap)
+    return ap
+
+
+def _add_modes(ap: argparse.ArgumentParser) -> None:
+    """What to measure: one mode per run (the engine's step times when none is given)."""
     mode = ap.add_mutually_exclusive_group()
     mode.add_argument("--peer", action="store_true", help="side by side with torch.distributed.pipelining")
     mode.add_argument(
@@ -38,11 +45,6 @@ def _parser() -> argparse.ArgumentParser:
     mode.add_argument("--split", action="store_true", help="only (B + W) / BW on one block")
     mode.add_argument(
         "--soak", type=int, metavar="N", help="N Trainer steps of the default recipe: does memory stay flat?"
-    )
-    ap.add_argument(
-        "--python-memory",
-        action="store_true",
-        help="--soak: also trace Python's own allocations (tracemalloc), to tell objects from native growth",
     )
     mode.add_argument(
         "--gpu",
@@ -62,8 +64,6 @@ def _parser() -> argparse.ArgumentParser:
         help="predicted (profile + simulate) against measured peak bytes per rank, every schedule, tiny LLaMa "
         "and BERT; with --simulate: the budget tables at p = 4 and 8 on the four paper models' measured costs",
     )
-    ap.add_argument("--simulate", action="store_true", help="--memory-model: the simulated budget tables")
-    ap.add_argument("--world", type=int, default=2, help="--memory-model: ranks (2P blocks when P > 2)")
     mode.add_argument(
         "--sharded",
         action="store_true",
@@ -75,6 +75,17 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="the 2BP paper's three questions (throughput, peak memory, scaling) on its four models",
     )
+
+
+def _add_options(ap: argparse.ArgumentParser) -> None:
+    """The modes' options (each help names the modes it applies to)."""
+    ap.add_argument(
+        "--python-memory",
+        action="store_true",
+        help="--soak: also trace Python's own allocations (tracemalloc), to tell objects from native growth",
+    )
+    ap.add_argument("--simulate", action="store_true", help="--memory-model: the simulated budget tables")
+    ap.add_argument("--world", type=int, default=2, help="--memory-model: ranks (2P blocks when P > 2)")
     ap.add_argument("--json", help="write the results as JSON to this path (engine, trainer)")
     ap.add_argument(
         "--out",
@@ -108,7 +119,6 @@ def _parser() -> argparse.ArgumentParser:
         metavar="LABEL",
         help="--peer, --trainer: contenders whose label starts so; --budget: these labels",
     )
-    return ap
 
 
 def _show(text: str, out: str | None, write: Callable[[str], Iterable[Any]]) -> None:

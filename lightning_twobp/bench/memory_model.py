@@ -11,11 +11,13 @@ tokens, m = 8; on ``P`` > 2 ranks 2P blocks, so that a V has one a stage), every
   (:func:`~lightning_twobp.engine.footprint.measure_layer`: the bytes F saves, those B leaves for W, the
   output); :class:`~lightning_twobp.schedules.auto.Profile` cuts them into the stages the run uses, with
   each stage's weights, gradients and AdamW's two moments as fixed bytes, and
-  :func:`~lightning_twobp.schedules.simulate` replays the schedule (``SimResult.peak_bytes``, the
-  receive buffers placed by :class:`~lightning_twobp.schedules.MemoryCosts`);
+  :func:`~lightning_twobp.schedules.simulate` replays the schedule (``SimResult.peak_bytes``, each
+  message between ranks placed by :class:`~lightning_twobp.schedules.MemoryCosts`: a received one held
+  from its post to its last use);
 * **measured**: the same schedule runs on 2 gloo ranks x 1 thread, a warm-up step and then one step
   whose every F, B, W and BW ends with a count of the distinct storages alive that the model is about:
-  the parameters, their gradients and AdamW's state, the receive buffers, every tensor autograd saved
+  the parameters, their gradients and AdamW's state, the receive buffers posted and not yet read
+  (``P2P.receive_buffers``; once read, a message is its stage's), every tensor autograd saved
   and has not let go of (:class:`~lightning_twobp.lightning.autoschedule.SavedBytes`) and what the
   stages hold for their micro-batches in flight
   (:func:`~lightning_twobp.engine.footprint.held_storages`). The peak is the largest count.
@@ -212,7 +214,7 @@ def _measure(rank: int, pm: PaperModel, schedule: Schedule, m: int) -> int:
     opt = torch.optim.AdamW(params, lr=1e-3)
     inputs = list(x.chunk(m)) if 0 in mods else None
     targets = list(y.chunk(m)) if schedule.num_stages - 1 in mods else None
-    ex.step(inputs, targets)  # the warm-up: from here on the gradients, AdamW's state and the buffers exist
+    ex.step(inputs, targets)  # the warm-up: from here on the gradients and AdamW's state exist
     opt.step()
     opt.zero_grad(set_to_none=False)
     meter.fixed = _fixed(params, opt)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import time
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
@@ -27,6 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_twobp.engine import formulas
 from lightning_twobp.engine.p2p import P2P, PeerLost, TensorMeta, check_outgoing
 from lightning_twobp.engine.stage import Stage
 from lightning_twobp.schedules import Action, Comm, GradReduce, Schedule, add_grad_reduce, lower_communication, validate
@@ -115,6 +117,9 @@ class PipelineExecutor:
         around: ``around(stage)`` gives a context manager entered around each F, B, W and BW of that
             stage and its forward-only passes (the strategy's per-stage random streams); the shape
             probe before a step runs outside it, so it leaves no trace there.
+        batch_w: a W over several micro-batches joins each weight's call over them (``True``: where a
+            micro-batch's output gradient at the op is at most :data:`formulas.BATCH_BYTES`; an int: that
+            many bytes; ``Stage.batch_w_bytes``). Not bit-equal to one call per micro-batch (a joined sum).
     """
 
     def __init__(
@@ -129,6 +134,7 @@ class PipelineExecutor:
         grad_reduce: Callable[[int, list[nn.Parameter]], Callable[[], None]] | None = None,
         timeout: float | None = 600.0,
         around: Callable[[int], AbstractContextManager[Any]] | None = None,
+        batch_w: bool | int = False,
     ) -> None:
         validate(schedule)
         self._around = around
@@ -149,6 +155,12 @@ class PipelineExecutor:
             )
         self.last = schedule.num_stages - 1
         self.stages = {s: Stage(_WithLoss(m, loss_fn) if s == self.last else m) for s, m in modules.items()}
+        for stage in self.stages.values():
+            stage.batch_w_bytes = formulas.BATCH_BYTES if batch_w is True else int(batch_w)
+        if batch_w and not any(a.kind == "W" and len(a.microbatches) > 1 for row in schedule.actions for a in row):
+            warnings.warn(
+                f"batch_w={batch_w!r}: {schedule.name} runs each W alone here; nothing is joined", stacklevel=2
+            )
         if device is None:
             first = next((p for m in modules.values() for p in m.parameters()), None)
             device = first.device if first is not None else torch.device("cpu")
@@ -175,7 +187,7 @@ class PipelineExecutor:
 
     @property
     def p2p(self) -> P2P:
-        """This rank's sends and receives (read their buffers with ``receive_buffers()``)."""
+        """This rank's sends and receives (the buffers of receives in flight: ``receive_buffers()``)."""
         return self._p2p
 
     def outgoing(self) -> list[torch.Tensor]:
@@ -198,7 +210,7 @@ class PipelineExecutor:
         """Agree on the shapes between stages again before the next step. Needed (on every rank) only
         after a change made on one rank alone that alters what a stage sends (autocast, a parameter's
         ``requires_grad``); the first stage's input shapes are followed automatically."""
-        self._p2p.drop_buffers()
+        self._p2p.forget_shapes()
 
     # ------------------------------------------------------------------ public
     def _which(self) -> str:
@@ -232,10 +244,10 @@ class PipelineExecutor:
         try:
             self._exchange_meta()
         except PeerLost as e:
-            self._p2p.drop_buffers()
+            self._p2p.forget_shapes()
             raise PipelineError(f"rank {self.rank}, {self._which()}, before the first action: {e}") from e
         except BaseException:
-            self._p2p.drop_buffers()
+            self._p2p.forget_shapes()
             raise
         run = self._now
         run.t0 = time.perf_counter()
@@ -246,10 +258,10 @@ class PipelineExecutor:
             self._run_ops()
             self._p2p.finish_sends()
         except PeerLost as e:
-            self._p2p.drop_buffers()
+            self._p2p.forget_shapes()
             raise PipelineError(f"rank {self.rank}, {self._which()}, after the last action: {e}") from e
         except BaseException:
-            self._p2p.drop_buffers()  # a receive may still be posted into one of them
+            self._p2p.forget_shapes()
             raise
         finally:
             self.steps += 1
@@ -497,7 +509,7 @@ class PipelineExecutor:
         a small message, no collective). When it changed, micro-batch 0 goes through the non-last stages
         once, on real data so data-dependent layers behave, with the RNG forked and buffers restored so
         that the step's numerics are those of a single process; each stage's output metadata travels to
-        the next stage, and the receive buffers are allocated anew.
+        the next stage (receive buffers, made per message, follow it).
         """
         p2p = self._p2p
         if not p2p.signature_changed(self._input_signature() if 0 in self.stages else None):

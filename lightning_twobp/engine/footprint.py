@@ -130,8 +130,8 @@ def _storages(values: Any, out: dict[int, int]) -> None:
 
 
 def receive_buffers(executor: PipelineExecutor) -> list[torch.Tensor]:
-    """The buffers ``executor`` receives activations and gradients into: one per micro-batch, direction
-    and remote neighbour, allocated at the first step and kept (``engine.p2p``)."""
+    """The buffers of the receives ``executor`` has posted and not yet read: each is made as its receive is
+    posted and goes to its reader when waited (``engine.p2p``), whose holdings :func:`held_storages` counts."""
     return executor.p2p.receive_buffers()
 
 

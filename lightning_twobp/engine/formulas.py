@@ -37,7 +37,7 @@ import torch
 from torch import nn
 from torch.autograd.graph import GradientEdge, Node
 
-from lightning_twobp.engine.graph import READS, SavedUnavailable, edge_shape, peek, saved, unreadable
+from lightning_twobp.engine.graph import IN_REGION, READS, SavedUnavailable, edge_shape, peek, saved, unreadable
 
 __all__ = ["FastW", "batch_key", "batched", "by_product", "direct", "flags", "relabel"]
 
@@ -51,10 +51,11 @@ class FastW(NamedTuple):
     ``targets`` holds one entry per output of the formula (None where that output is not wanted);
     ``positions`` the node's ``next_functions`` it covers. A NamedTuple, not a dataclass: one is made
     per weight per micro-batch in B, where a frozen dataclass's ``__init__`` costs several times more.
-    ``reads`` names the node's saved values the formula takes, read by :meth:`bind` during B, right
-    before B's engine call and in the same ``GraphExecGroup`` (:func:`~lightning_twobp.engine.graph.peek`),
-    so an activation-checkpointed region is recomputed once, for both, and W keeps only these operands
-    of what that recompute made; ``static`` holds what the plan already knew (a reduction's shape)."""
+    ``reads`` names the node's saved values the formula takes, read by :meth:`bind` during B in the same
+    ``GraphExecGroup`` as B's engine call (:func:`~lightning_twobp.engine.graph.peek`): right before it,
+    or, inside an activation-checkpointed region, as the engine reaches the node, so each region is
+    recomputed once, for both, one region at a time, and W keeps only these operands of what that
+    recompute made; ``static`` holds what the plan already knew (a reduction's shape)."""
 
     kind: str
     node: Node
@@ -67,10 +68,17 @@ class FastW(NamedTuple):
     def params(self) -> list[nn.Parameter]:
         return [t for t in self.targets if isinstance(t, nn.Parameter)]
 
-    def bind(self) -> tuple[Any, ...]:
+    def bind(self, defer: bool = False) -> tuple[Any, ...] | None:
         """The formula's operands, detached (an unpacked saved input comes back attached to the
-        forward graph, which would keep that graph alive until W)."""
-        return tuple(_detach(peek(self.node, r)) for r in self.reads) + self.static
+        forward graph, which would keep that graph alive until W). With ``defer``, None when one of
+        them lies in a checkpointed region (read it when B's engine reaches the node)."""
+        operands = []
+        for r in self.reads:
+            x = peek(self.node, r, defer)
+            if x is IN_REGION:
+                return None
+            operands.append(_detach(x))
+        return (*operands, *self.static)
 
     @torch.no_grad()
     def apply(

@@ -20,6 +20,7 @@ from torch.autograd.graph import Node
 from torch.utils import checkpoint as checkpoint_utils
 
 __all__ = [
+    "IN_REGION",
     "READS",
     "SavedUnavailable",
     "check_checkpoint_peek",
@@ -94,7 +95,11 @@ def saved(node: Node, name: str) -> Any:
         raise SavedUnavailable(f"{node.name()}._saved_{name}: {e}") from None
 
 
-def peek(node: Node, name: str) -> Any:
+# What :func:`peek` returns with ``defer=True`` for a tensor saved inside a checkpointed region.
+IN_REGION = object()
+
+
+def peek(node: Node, name: str, defer: bool = False) -> Any:
     """What ``node`` saved as ``name``, like :func:`saved`, but a tensor saved inside a non-reentrant
     ``torch.utils.checkpoint`` region is read without using it up.
 
@@ -104,7 +109,12 @@ def peek(node: Node, name: str) -> Any:
     saved tensor of each node it runs, the same ones included. Read through torch's own hook with a
     stand-in holder that lets the hook read the handle but not clear it, both reads share the group's
     one recompute: B recomputes the block once and W keeps the operands it made (2 forwards per
-    block per micro-batch, as a plain backward). Anything else reads as :func:`saved` does."""
+    block per micro-batch, as a plain backward). Anything else reads as :func:`saved` does.
+
+    The first read of a region's tensor in a group recomputes the whole region, and what it made lives
+    until each node that saved it is run; so B reads a region's operands when its engine reaches their
+    node (a node pre-hook), not before the engine starts, which would recompute every region of the
+    stage at once. ``defer=True`` returns :data:`IN_REGION` for such a tensor instead of reading it."""
     if name in _CONSTANTS:
         return saved(node, name)
     try:
@@ -114,6 +124,8 @@ def peek(node: Node, name: str) -> Any:
         raw = holder = None
     if raw is None or not isinstance(holder, checkpoint_utils._Holder):
         return saved(node, name)
+    if defer:
+        return IN_REGION
     try:
         return raw.unpack_hook(_Peek(holder))
     except RuntimeError as e:  # the graph was freed, or torch's checkpoint refused the read
@@ -255,3 +267,15 @@ def check_checkpoint_peek() -> None:
     assert len(calls) == 2, f"forward + recomputes: {len(calls)}, expected 2 (the read and B share one recompute)"
     assert torch.equal(operand, x.detach()), "the peeked operand is not the region's input"
     torch.testing.assert_close(gx, (1 - torch.tanh(lin(x)) ** 2) @ lin.weight)
+    # B's way: deferred before the engine call, read by a pre-hook of the node as the engine reaches it
+    y = checkpoint_utils.checkpoint(region, x, use_reentrant=False)
+    addmm = y.grad_fn.next_functions[0][0]
+    read: list[Any] = []
+    handle = addmm.register_prehook(lambda grads: read.append(peek(addmm, "mat1")))
+    with group():
+        assert peek(addmm, "mat1", defer=True) is IN_REGION, "a checkpointed operand was not deferred"
+        assert len(calls) == 3, "the deferred read recomputed the region"
+        torch.autograd.grad(y, [x], torch.ones_like(y))
+    handle.remove()
+    assert len(calls) == 4, f"{len(calls) - 3} recomputes in B with the pre-hook's read, expected 1"
+    assert len(read) == 1 and torch.equal(read[0], x.detach()), "the pre-hook did not read the region's input"

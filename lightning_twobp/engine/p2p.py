@@ -10,10 +10,18 @@ does it with ``torch.distributed``:
   maps send activations and gradients each way), and gloo matches by (peer, tag), so a message never
   lands in another's buffer. NCCL ignores tags and matches in posting order, which the communication
   pass keeps consistent per pair of ranks;
-* receive buffers are allocated once per shape signature and reused every step. A fresh multi-MB buffer
-  per message would be page-faulted in again each time on CPU (glibc returns large freed blocks to the
-  OS) and costs an allocation on GPU; a buffer's contents are dead by the end of the step that used it
-  (every micro-batch's B and W run inside the step), so the next step may overwrite it;
+* a receive buffer exists only while its message is in use: it is allocated when the receive is posted
+  (the lowering posts a receive right before the action that reads it, earlier only where the
+  rendezvous or NCCL's posting order needs it: ``schedules.lower``) and :meth:`P2P.wait` hands it to
+  its reader and lets go. An activation lives on as the stage's input (autograd may save it, and the
+  stage keeps its inputs until the micro-batch's last backward action), a gradient until B, or until
+  W where W reads it (a last Linear's weight gradient): one storage each, never a copy. Buffers kept
+  per micro-batch for the whole run (as before) held m messages per direction and remote neighbour
+  at all times. Their memory is reused by the allocator, not here: on a GPU its cache, on CPU glibc
+  once :func:`lightning_twobp.engine.memory.keep_freed_memory` keeps freed blocks in the process (the
+  strategy applies it), so a message's allocation costs no fresh page faults. Nothing is written into
+  a buffer that anyone still reads, and a receive left posted by a failed step writes into a buffer
+  no later step uses;
 * the shapes between stages: the rank holding stage 0 sends a tiny signature of its micro-batches'
   shapes and dtypes to every other rank at the start of each step. Every rank's first action waits on
   stage 0's first forward anyway, so this costs a small message and no waiting, where an object
@@ -106,7 +114,6 @@ class P2P:
             dist.all_gather_object(self.hosts, socket.gethostname(), group=group)
         self.meta_in: dict[int, list[TensorMeta]] = {}  # stage -> metadata of its inputs
         self.meta_out: dict[int, list[TensorMeta]] = {}  # stage -> metadata of its outputs (non-last)
-        self._buffers: dict[tuple[str, int, int], list[torch.Tensor]] = {}
         self._signature: int | None = None
         self.start_step()
 
@@ -141,9 +148,9 @@ class P2P:
         return [t for _, _, tensors in self._sends.values() for t in tensors]
 
     def receive_buffers(self) -> list[torch.Tensor]:
-        """The buffers messages are received into: one per micro-batch, direction and remote neighbour,
-        allocated at the first step and kept (the module docstring)."""
-        return [b for bufs in self._buffers.values() for b in bufs]
+        """The buffers of the receives posted and not yet waited for (the module docstring): once
+        waited, a message is its reader's (a stage's input, the gradient its B reads)."""
+        return [b for _, bufs, _ in self._recvs.values() for b in bufs]
 
     def _wait(self, work: Any, peers: Sequence[int], what: str) -> None:
         """``work.wait()``, bounded by the timeout; a lost peer raises :class:`PeerLost` naming it."""
@@ -180,14 +187,13 @@ class P2P:
         )
 
     def new_shapes(self) -> None:
-        """The shapes between stages changed: forget their metadata and the receive buffers."""
-        self._buffers.clear()
+        """The shapes between stages changed: forget their metadata (receive buffers follow it)."""
         self.meta_in.clear()
         self.meta_out.clear()
 
-    def drop_buffers(self) -> None:
+    def forget_shapes(self) -> None:
         """Forget everything learned about shapes, so that the next step agrees on them again: after a
-        failed step (a receive may still be posted into a buffer) or on request."""
+        failed step or on request."""
         self.new_shapes()
         self._signature = None
 
@@ -232,14 +238,9 @@ class P2P:
             return self.meta_in[stage]
         return [mt for mt in self.meta_out[stage] if mt.requires_grad]
 
-    def _buffer(self, key: tuple[str, int, int]) -> list[torch.Tensor]:
-        bufs = self._buffers.get(key)
-        if bufs is None:
-            bufs = [
-                torch.empty(mt.shape, dtype=mt.dtype, device=self.device) for mt in self._recv_metas(key[0], key[1])
-            ]
-            self._buffers[key] = bufs
-        return bufs
+    def _new_buffers(self, key: tuple[str, int, int]) -> list[torch.Tensor]:
+        """Fresh buffers for one receive, made as it is posted (the module docstring)."""
+        return [torch.empty(mt.shape, dtype=mt.dtype, device=self.device) for mt in self._recv_metas(key[0], key[1])]
 
     def post(self, comms: Sequence[Comm], outgoing: dict[tuple[str, int, int], list[torch.Tensor]]) -> None:
         """Post one batch: the sends take their tensors out of ``outgoing`` (keyed like the receives,
@@ -260,7 +261,7 @@ class P2P:
                 sends[message(c)] = (tensors, c.peer)
             else:
                 edge = c.stage - 1 if key[0] == "F" else c.stage
-                bufs = self._buffer(key)
+                bufs = self._new_buffers(key)
                 ops.extend(
                     dist.P2POp(dist.irecv, b, peer, self.group, self.tag(key[0], edge, c.microbatch, i))
                     for i, b in enumerate(bufs)
@@ -290,8 +291,9 @@ class P2P:
             self._sends[msg] = (mine((True, msg)), [peer], tensors)
 
     def wait(self, key: tuple[str, int, int]) -> tuple[torch.Tensor, ...]:
-        """The tensors of a posted receive, once they have arrived. Activations that require grad come
-        back as fresh leaves (``detach().requires_grad_()``) over the reused buffer."""
+        """The tensors of a posted receive, once they have arrived; this object lets go of them (and of
+        the receive's works, which hold them too). Activations that require grad come back as fresh
+        leaves (``detach().requires_grad_()``) over the buffer."""
         works, bufs, peer = self._recvs.pop(key)
         t = time.perf_counter()
         direction, stage, mb = key

@@ -349,16 +349,56 @@ class Stage:
         # their whole backward is W's, from the output itself.
         p.weight_roots = [(roots[i], grads_out[i]) for i in plan.weight_roots]
 
-        # The gradient into each formula's node is captured by the engine itself (an edge among the
-        # targets: no Python call per node); frontier nodes need every output's, so a pre-hook.
         fast_nodes = list(dict.fromkeys(f.node for f in plan.fast))
-        handles = [node.register_prehook(_Recorder(p.captured, node)) for node, _ in plan.frontier]
+        grads, operands = self._input_half(p, plan, roots, inputs + plan.early_edges, grads_out, fast_nodes)
+        n_early = len(inputs) + len(plan.early_edges)
+        for node, g in zip(fast_nodes, grads[n_early:], strict=True):
+            p.captured.setdefault(node, (g,))
+        # A checkpointed node left unread is one the engine did not run: no gradient reached it, W has
+        # nothing to do for it.
+        p.fast = [(f, o) for f, o in zip(plan.fast, operands, strict=True) if o is not None]
+        if len(p.fast) < len(plan.fast) and any(
+            o is None and p.captured[f.node][0] is not None for f, o in zip(plan.fast, operands, strict=True)
+        ):
+            raise RuntimeError("2BP split: B's engine did not run a node whose weight gradient W needs")
+        p.frontier = plan.frontier
+        if not plan.frontier:
+            p.outputs = []
+        early = zip(plan.early_edges, grads[len(inputs) : n_early], strict=True)
+        p.edge_grads = [(e, g) for e, g in early if g is not None]
+        return self._input_grads(p, grads[: len(inputs)])
+
+    @staticmethod
+    def _input_half(
+        p: _Pending,
+        plan: _Plan,
+        roots: list[torch.Tensor | GradientEdge],
+        targets: list[torch.Tensor | GradientEdge],
+        grads_out: list[torch.Tensor],
+        fast_nodes: list[Node],
+    ) -> tuple[tuple[torch.Tensor | None, ...], list[tuple[Any, ...] | None]]:
+        """B's engine call: the gradients of ``targets``, then of each formula node's input (captured
+        by the engine itself: an edge among the targets, no Python call per node); and the formulas'
+        operands, read before the call frees the graph. A frontier node needs every output's gradient:
+        a pre-hook records them.
+
+        An operand inside an activation-checkpointed region is read by a pre-hook on its node when the
+        engine reaches it, after the region's one recompute, so B holds one recomputed region at a
+        time, as a plain backward (read before the call, each read would recompute its region and all
+        of them would be held at once); the rest are read at once, at no per-node cost."""
+        operands = [f.bind(defer=True) for f in plan.fast]
+        hooks = [node.register_prehook(_Recorder(p.captured, node)) for node, _ in plan.frontier]
+        if None in operands:  # some lie in a checkpointed region: read as the engine reaches their node
+            later: dict[Node, _Binder] = {}
+            for k, (f, o) in enumerate(zip(plan.fast, operands, strict=True)):
+                if o is None:
+                    later.setdefault(f.node, _Binder(operands, [])).entries.append((k, f))
+            hooks += [node.register_prehook(b) for node, b in later.items()]
         try:
             with _one_recompute():
-                operands = [f.bind() for f in plan.fast]  # read before the engine call frees the graph
                 grads = torch.autograd.grad(
                     cast(list[torch.Tensor], roots),  # tensors and edges, as in _full_backward
-                    inputs + plan.early_edges + [GradientEdge(n, 0) for n in fast_nodes],
+                    cast(list[torch.Tensor], targets + [GradientEdge(n, 0) for n in fast_nodes]),
                     grads_out,
                     allow_unused=True,
                     # W re-enters the graph only at frontier nodes without a direct formula. When every
@@ -367,18 +407,9 @@ class Stage:
                     retain_graph=bool(plan.frontier),
                 )
         finally:
-            for h in handles:
+            for h in hooks:
                 h.remove()
-        n_early = len(inputs) + len(plan.early_edges)
-        for node, g in zip(fast_nodes, grads[n_early:], strict=True):
-            p.captured.setdefault(node, (g,))
-        p.frontier = plan.frontier
-        p.fast = list(zip(plan.fast, operands, strict=True))
-        if not plan.frontier:
-            p.outputs = []
-        early = zip(plan.early_edges, grads[len(inputs) : n_early], strict=True)
-        p.edge_grads = [(e, g) for e, g in early if g is not None]
-        return self._input_grads(p, grads[: len(inputs)])
+        return grads, operands
 
     # ------------------------------------------------------------------ W
     def backward_weight(self, mb: int | Iterable[int]) -> None:
@@ -476,6 +507,21 @@ class _Recorder:
 
     def __call__(self, grad_outputs: tuple[torch.Tensor | None, ...]) -> None:
         self.store[self.node] = tuple(grad_outputs)
+
+
+class _Binder:
+    """Pre-hook that reads a node's formulas' operands when B's engine reaches it (see
+    :meth:`Stage._input_half`): ``entries`` are (index into ``operands``, formula)."""
+
+    __slots__ = ("operands", "entries")
+
+    def __init__(self, operands: list[tuple[Any, ...] | None], entries: list[tuple[int, formulas.FastW]]) -> None:
+        self.operands = operands
+        self.entries = entries
+
+    def __call__(self, grad_outputs: tuple[torch.Tensor | None, ...]) -> None:
+        for k, f in self.entries:
+            self.operands[k] = f.bind()
 
 
 @contextlib.contextmanager

@@ -24,6 +24,12 @@ the log says so. The loss runs once per ``m`` on the last layer's output, as the
 runs it (the user's ``training_step`` past the pipelined block, its logged Metrics put back after): what
 it saves from F to B (a log-softmax as large as the logits, the targets) joins the last stage.
 
+Under ``data_parallel="shard"`` a layer's fixed bytes are what one replica holds, counted as
+``twobp-plan`` counts a sharded stage (:func:`~lightning_twobp.lightning.sharding.sharded_static_bytes`):
+``1/dp`` of the weights, gradients and optimizer state, plus the weights gathered and their gradients
+unsharded from a step's first F to its last W (:func:`sharded_fixed`). With fp32 AdamW that is
+16 / dp + 8 bytes a parameter against replicated's 16: nothing saved at dp = 2, a quarter at dp = 4.
+
 Profiling leaves no trace: the random state is forked around it, buffers are put back and the
 gradients it made are dropped.
 """
@@ -32,6 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 import statistics
 import weakref
@@ -47,6 +54,7 @@ from torch import nn
 from lightning_twobp.engine.footprint import LayerFootprint, layer_cost, measure_layer, storage_key
 from lightning_twobp.lightning.contract import SequentialContract
 from lightning_twobp.lightning.profile import block_inputs, first_batch, now
+from lightning_twobp.lightning.sharding import sharded_static_bytes
 from lightning_twobp.lightning.step import StepRunner, batch_size
 from lightning_twobp.partition import partition
 from lightning_twobp.private import pytree
@@ -64,7 +72,7 @@ from lightning_twobp.schedules.auto import (
 
 log = logging.getLogger(__name__)
 
-__all__ = ["SavedBytes", "auto_schedule", "device_bytes", "optimizer_state_bytes", "timed_footprint"]
+__all__ = ["SavedBytes", "auto_schedule", "device_bytes", "optimizer_state_bytes", "sharded_fixed", "timed_footprint"]
 
 _FIELDS = len(LayerCost.__dataclass_fields__)  # LayerCost's fields, in order, as one row of the agreed table
 _SCALAR = 4  # bytes of a per-parameter step counter (a float32 0-d tensor in torch's optimizers)
@@ -168,6 +176,19 @@ def _optimizer_bytes(lm: Any, trainer: Any, layers: list[nn.Module]) -> list[flo
         if "not one this counts" in line:
             log.warning("twobp: schedule='auto': %s", line)
     return [sum(per_param.get(id(q), 0.0) for q in layer.parameters() if q.requires_grad) for layer in layers]
+
+
+def sharded_fixed(cost: LayerCost, layer: nn.Module, dp: int, precision: str) -> LayerCost:
+    """``cost`` with its fixed bytes as one of ``dp`` replicas holds them under ``data_parallel="shard"``
+    (``precision``: the Trainer's, e.g. ``"32-true"``): the planner's count of a sharded stage
+    (:func:`~lightning_twobp.lightning.sharding.sharded_static_bytes`), its optimizer share kept apart."""
+    trained = [q for q in layer.parameters() if q.requires_grad]
+    params = sum(q.numel() for q in trained)
+    weight = sum(q.numel() * q.element_size() for q in trained)
+    state = math.ceil(cost.optimizer)
+    total = sharded_static_bytes(params, weight, weight, state, dp, precision)
+    share = -(-state // dp)
+    return dataclasses.replace(cost, fixed=float(total - share), optimizer=float(share))
 
 
 class _Loss(nn.Module):
@@ -283,8 +304,11 @@ def auto_schedule(
     num_microbatches: int | None = None,
     split_backward: bool | None = None,
     repeats: int = 2,
+    shard_over: int = 1,
 ) -> tuple[AutoChoice, Profile]:
-    """Profile, agree, search and log (see the module docstring); the same answer on every rank."""
+    """Profile, agree, search and log (see the module docstring); the same answer on every rank.
+    ``shard_over``: the data-parallel replicas a stage is sharded over (``data_parallel="shard"``; 1:
+    replicated, each replica holding its stages whole)."""
     if not isinstance(runner.contract, SequentialContract):
         raise ValueError(
             f"schedule='auto' times the layers of an nn.Sequential one by one; {runner.contract.name} is pipelined "
@@ -303,6 +327,9 @@ def auto_schedule(
                 x = block_inputs(runner, layers, trainer, batch, m, device)
                 costs, largest, out = _profile_layers(layers, x, device, repeats)
                 costs = [dataclasses.replace(c, optimizer=o) for c, o in zip(costs, optimizer, strict=True)]
+                if shard_over > 1:
+                    name = str(getattr(precision, "precision", "32-true"))
+                    costs = [sharded_fixed(c, q, shard_over, name) for c, q in zip(costs, layers, strict=True)]
                 # the last row: the loss (training only: validation and prediction steps return no loss)
                 costs.append(_profile_loss(runner, out, device, repeats) if fitting else LayerCost())
                 seconds = _message_seconds(largest, pp_group, device, repeats)

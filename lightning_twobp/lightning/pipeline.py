@@ -306,6 +306,7 @@ def _choose(strategy: TwoBPStrategy, runner: StepRunner, layers: list[nn.Module]
             req.memory_limit,
             req.num_microbatches,
             None if req.split_backward else False,
+            shard_over=strategy.layout.dp_degree if req.data_parallel == "shard" else 1,
         )
     assert strategy.auto_profile is not None
     best = strategy.auto_choice.best
@@ -411,6 +412,7 @@ def build_pipeline(strategy: TwoBPStrategy, trainer: Any) -> Pipeline:
         grad_reduce=grad_reduce,
         timeout=opts.pipeline_timeout,
         around=streams.fork,
+        batch_w=opts.batch_w,
     )
     logs = None
     if strategy.log_group is not None:

@@ -46,7 +46,7 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
     Args:
         schedule, split_backward, num_microbatches, pipeline_degree, stages_per_rank, max_pending_w,
         memory_limit, balance, layers, gather_full_model, post_validation, on_nonfinite, pipeline_timeout,
-        data_parallel, activation_checkpointing: the pipeline's options,
+        data_parallel, activation_checkpointing, batch_w: the pipeline's options,
             documented and checked by :class:`~lightning_twobp.options.PipelineOptions` (before any
             process starts). ``pipeline_timeout`` is also the timeout of the process group and of every
             group the strategy makes unless ``timeout`` is given (at least 60 s), so a hung rank stops
@@ -77,6 +77,7 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
         pipeline_timeout: float | None = 600.0,
         data_parallel: Literal["replicate", "shard"] = "replicate",
         activation_checkpointing: str | int | None = None,
+        batch_w: bool | int = False,
         accelerator: Any = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: Any = None,

@@ -62,7 +62,8 @@ class LayerCost:
     """One micro-batch through one layer: seconds of F, B and W; bytes saved by F until B
     (``activation``), held from B to W (``held``; ``graph_kept`` when W re-enters the autograd graph,
     which then stays whole), the bytes of its input when it saves it (``saved_input``), whether it saves
-    its own output, the bytes it holds whatever the schedule (``fixed``: weights, gradients, ...), the
+    its own output, the bytes it holds whatever the schedule (``fixed``: weights, gradients, ...; under
+    ``data_parallel="shard"`` one replica's, ``lightning.autoschedule.sharded_fixed``), the
     bytes of its ``output`` and, of ``held``, those of its output's gradient (``grad_output_held``: W
     reads it, as a last Linear's weight gradient does) and of its input (``input_held``: a first
     Linear's), and the bytes of optimizer state its parameters will hold (``optimizer``: AdamW's two

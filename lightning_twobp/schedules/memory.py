@@ -15,13 +15,21 @@ release in time order: the peak over the walk is the rank's peak, whatever the c
 ``activation = held = 1`` the replay counts the pairs held from F to their last B/W/BW
 (``SimResult.peak_inflight``); with ``held = 0``, from F to B (:func:`peak_activations`, the count the
 paper states its budgets in). :class:`MemoryCosts` gives the bytes per stage; ``simulate`` adds each
-rank's fixed bytes (weights, gradients, optimizer state, receive buffers) to report its peak bytes:
+rank's fixed bytes (weights, gradients, optimizer state) to report its peak bytes:
 
-    peak_bytes[r] = sum_{s on r} fixed[s] + max_t sum_{s on r} (a_s(t) activation[s] + w_s(t) held[s])
+    peak_bytes[r] = sum_{s on r} fixed[s] + max_t (sum_{s on r} (a_s(t) activation[s] + w_s(t) held[s]) + msg_r(t))
 
 where ``a_s(t)`` counts stage s's micro-batches past F and not yet past B at list position t, and
-``w_s(t)`` those past B and not yet past W; with messages between ranks, ``peak_bytes`` adds what a
-rank has sent and not yet let go of (:func:`send_releases`).
+``w_s(t)`` those past B and not yet past W; with messages between ranks, ``msg_r(t)`` adds what a rank
+has sent and not yet let go of (:func:`send_releases`) and what it has received into a buffer and
+still holds (below).
+
+**Received messages.** The executor makes a receive buffer as it posts the receive (the lowering
+posts it in the batch before the action that reads it, earlier only where the rendezvous or NCCL's
+posting order needs it) and hands it to its reader: an activation becomes the stage's input, which
+the stage keeps, and autograd may save, until the micro-batch's last backward action (W, or BW); a
+gradient is read by B (or BW), and the part W reads (``grad_held``) lives until W. One storage each,
+counted once: those parts leave ``activation`` and ``held`` (:meth:`MemoryCosts.placed`).
 
 **Sent messages.** A gloo send completes only once the receiver has posted the matching receive, and
 its work keeps the tensor until it is waited. Waiting on it too early can deadlock (both neighbours
@@ -66,20 +74,20 @@ class MemoryCosts:
     """Per stage: bytes one micro-batch holds from F to B (``activation``), from B to W (``held``),
     and the stage's ``fixed`` bytes; each a number or one number per stage.
 
-    Four optional figures place the messages between stages (what depends on which rank holds the
+    Five optional figures place the messages between stages (what depends on which rank holds the
     neighbouring stage, so :func:`peak_bytes` applies them once the schedule is known): ``message``,
     the bytes of one micro-batch's output of the stage (its gradient has the same size);
     ``input_saved``, the part of ``activation`` that is the stage's input (its first layer saves it);
     ``grad_held`` and ``input_held``, the parts of ``held`` that are the gradient of the stage's output
     as it arrived and the stage's input (W reads them: a last and a first Linear). Where the neighbour
-    is on another rank the executor receives into buffers kept for the whole run, one per micro-batch
-    and direction, so those parts are counted there, as fixed bytes. Where the previous stage is on
-    the same rank, the input is that stage's output, which it holds until its own B, after this
-    stage's B: ``input_saved`` is counted there. ``output_kept``, the part of ``activation`` that is
-    the stage's output kept only as the root of its graph (0 when its last layer saves it anyway):
-    where the next stage is remote the executor lets the stage drop it once it is sent, so it is
-    held as a sent message instead (:func:`send_releases`); an input gradient sent back is held the
-    same way, ``message`` of the previous stage.
+    is on another rank those parts are the receive buffer the message arrived in, held from the
+    receive's post to the micro-batch's last use (the module docstring), so they are counted there.
+    Where the previous stage is on the same rank, the input is that stage's output, which it holds
+    until its own B, after this stage's B: ``input_saved`` is counted there. ``output_kept``, the part
+    of ``activation`` that is the stage's output kept only as the root of its graph (0 when its last
+    layer saves it anyway): where the next stage is remote the executor lets the stage drop it once it
+    is sent, so it is held as a sent message instead (:func:`send_releases`); an input gradient sent
+    back is held the same way, ``message`` of the previous stage.
 
     The unit defaults (1, 1, 0; no messages) make peak bytes the count of (stage, micro-batch) pairs
     held from F to their last backward action, so callers that pass no memory costs see ``peak_inflight``.
@@ -106,23 +114,14 @@ class MemoryCosts:
         return stage_value(getattr(self, name), stage)
 
     def fixed_of(self, schedule: Schedule) -> tuple[float, ...]:
-        """Each rank's fixed bytes: the sum over the stages it holds, with their receive buffers."""
-        m = schedule.num_microbatches
-        out = []
-        for r in range(schedule.num_ranks):
-            total = 0.0
-            for s in schedule.stages_of(r):
-                remote_in, remote_out = _remote(schedule, s)
-                total += self.of("fixed", s)
-                total += m * (self.of("message", s - 1) if remote_in else 0.0)  # activations in
-                total += m * (self.of("message", s) if remote_out else 0.0)  # gradients in
-            out.append(total)
-        return tuple(out)
+        """Each rank's fixed bytes: the sum over the stages it holds (receive buffers are not fixed: they
+        live per message, :func:`peak_bytes`)."""
+        return tuple(sum(self.of("fixed", s) for s in schedule.stages_of(r)) for r in range(schedule.num_ranks))
 
     def placed(self, schedule: Schedule) -> tuple[tuple[float, ...], tuple[float, ...]]:
         """Per stage, ``activation`` and ``held`` less what is counted elsewhere on this layout: in a
-        receive buffer, (the input from F to B) as the previous stage's output, or (the output sent
-        on) as a message (:func:`peak_bytes`)."""
+        received message, (the input from F to B) as the previous stage's output, or (the output sent
+        on) as a sent message (:func:`peak_bytes`)."""
         act, held = [], []
         for s in range(schedule.num_stages):
             remote_in, remote_out = _remote(schedule, s)
@@ -212,43 +211,62 @@ def _walk(row: Sequence[Action], activation: PerPair, held: PerPair):
 
 
 def peak_bytes(schedule: Schedule, memory: MemoryCosts) -> tuple[float, ...]:
-    """Per rank: its fixed bytes plus the most its micro-batches and its sent messages hold at once
-    (the module's formula), the messages placed (:meth:`MemoryCosts.placed`,
-    :meth:`MemoryCosts.fixed_of`, :func:`send_releases`)."""
+    """Per rank: its fixed bytes plus the most its micro-batches and its messages hold at once (the
+    module's formula), the messages placed (:meth:`MemoryCosts.placed`, :func:`send_releases`)."""
     act, keep = memory.placed(schedule)
-    sent = _sent_levels(schedule, memory)
+    messages = _message_levels(schedule, memory)
     peaks = []
     for r, row in enumerate(schedule.actions):
         levels = (sum(now.values()) for now in _walk(row, act, keep))
-        peaks.append(max((level + extra for level, extra in zip(levels, sent[r], strict=True)), default=0.0))
+        peaks.append(max((level + extra for level, extra in zip(levels, messages[r], strict=True)), default=0.0))
     return tuple(fixed + h for fixed, h in zip(memory.fixed_of(schedule), peaks, strict=False))
 
 
-def _sent_levels(schedule: Schedule, memory: MemoryCosts) -> list[list[float]]:
-    """Per rank, the bytes it has sent and not let go of at the end of each action of its row: a
-    message is held from the action that made it (in the executor's outbox, then in its send) to the
-    end of its release action (:func:`send_releases`), or to the step's end."""
+def _message_levels(schedule: Schedule, memory: MemoryCosts) -> list[list[float]]:
+    """Per rank, the bytes of messages it holds at the end of each action of its row: each held over
+    the positions ``start <= t < end`` of one :func:`_message_spans` span."""
     if not any(memory.of(name, s) for name in ("message", "output_kept") for s in range(schedule.num_stages)):
         return [[0.0] * len(row) for row in schedule.actions]  # nothing crosses ranks: skip the lowering
-    change = [[0.0] * (len(row) + 1) for row in schedule.actions]  # per position: what starts or ends there
     lowered = lower_communication(schedule)
+    out = []
     for r, (ops, releases) in enumerate(zip(lowered, send_releases(lowered), strict=True)):
-        position = _positions(ops)
-        made = {(a.kind, a.stage, a.microbatch): position[i] for i, a in enumerate(ops) if isinstance(a, Action)}
-        gone = {x: position[j] for j, pairs in releases.items() for x, _ in pairs}
-        for op in ops:
-            if not (isinstance(op, Comm) and op.is_send):
-                continue
-            s, mb = op.stage, op.microbatch
-            if op.kind == "SEND_F":
-                size, start = memory.of("output_kept", s), made[("F", s, mb)]
-            else:
-                kind = "B" if ("B", s, mb) in made else "BW"
-                size, start = memory.of("message", s - 1), made[(kind, s, mb)]
-            end = gone.get(message(op), len(schedule.actions[r]))
-            change[r][start] += size
-            change[r][end] -= size
-    return [list(itertools.accumulate(c[:-1])) for c in change]
+        change = [0.0] * (len(schedule.actions[r]) + 1)  # per position: what starts or ends there
+        for size, start, end in _message_spans(ops, releases, memory, len(schedule.actions[r])):
+            change[start] += size
+            change[end] -= size
+        out.append(list(itertools.accumulate(change[:-1])))
+    return out
+
+
+def _message_spans(
+    ops: Sequence[object], releases: Mapping[int, tuple[tuple[Message, Message], ...]], memory: MemoryCosts, n: int
+) -> list[tuple[float, int, int]]:
+    """One rank's messages as (bytes, first position held, first position no longer held), ``n`` the
+    step's end. Sent: from the action that made it (in the executor's outbox, then in its send) to the
+    end of its release action (:func:`send_releases`), or to the step's end. Received: from the first
+    action after its post to its reader's last use (the module docstring)."""
+    position = _positions(ops)
+    done = {
+        (a.kind, a.stage, mb): position[i] for i, a in enumerate(ops) if isinstance(a, Action) for mb in a.microbatches
+    }
+    gone = {x: position[j] for j, pairs in releases.items() for x, _ in pairs}
+    spans: list[tuple[float, int, int]] = []
+    for i, op in enumerate(ops):
+        if not isinstance(op, Comm):
+            continue
+        s, mb = op.stage, op.microbatch
+        backward = done[("B", s, mb)] if ("B", s, mb) in done else done[("BW", s, mb)]  # every mb has one
+        last = done.get(("W", s, mb), backward)  # the stage lets go of the micro-batch here
+        if op.kind == "SEND_F":
+            spans.append((memory.of("output_kept", s), done[("F", s, mb)], gone.get(message(op), n)))
+        elif op.kind == "SEND_B":
+            spans.append((memory.of("message", s - 1), backward, gone.get(message(op), n)))
+        elif op.kind == "RECV_F":  # the stage's input: its inputs are kept until the last backward action
+            spans.append((memory.of("message", s - 1), position[i] + 1, last))
+        else:  # RECV_B: read by B; what W reads of it until W
+            grad = memory.of("grad_held", s)
+            spans += [(memory.of("message", s) - grad, position[i] + 1, backward), (grad, position[i] + 1, last)]
+    return spans
 
 
 def _positions(ops: Sequence[object]) -> list[int]:
