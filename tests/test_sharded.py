@@ -1,7 +1,9 @@
 """TwoBPStrategy(data_parallel="shard") (issue 22): pp2 x dp2 with FSDP2-sharded stages against one
 process accumulating the same micro-batches, for every schedule (all 4-process cases in one launch),
-with validation, prediction, gather_full_model, gradient accumulation and bf16-mixed; each rank's
-parameter + gradient + optimizer bytes against the replicated layout's; twobp-plan's sharded bytes."""
+with validation, prediction, gather_full_model, gradient accumulation and bf16-mixed; HF GPT-2's tied
+embeddings across ranks and, under the V schedules, within one rank (two copies kept equal); each
+rank's parameter + gradient + optimizer bytes against the replicated layout's; twobp-plan's sharded
+bytes; a rank lost in the global norm's all-reduce, named (a launch of its own, slow)."""
 
 from __future__ import annotations
 
