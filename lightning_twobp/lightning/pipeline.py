@@ -318,7 +318,7 @@ _Reduce = Callable[[int, list[nn.Parameter]], Callable[[], None]]
 
 
 def _data_parallel(
-    strategy: TwoBPStrategy, local: LocalModel, shard: bool, schedule: Schedule
+    strategy: TwoBPStrategy, local: LocalModel, shard: bool
 ) -> tuple[ShardedStages | None, _Reduce | None]:
     """The stages' data-parallel form: FSDP2 shards (``data_parallel="shard"``) and their reduce-scatter,
     the replicated all-reduce, or nothing with one replica."""
@@ -402,7 +402,7 @@ def build_pipeline(strategy: TwoBPStrategy, trainer: Any) -> Pipeline:
     streams = StageStreams(schedule.stages_of(layout.pp_rank), layout.dp_rank, device)
     local = split_model(contract, sizes, schedule, layout.pp_rank)
     _announce(strategy, local, schedule, list(sizes))
-    sharding, grad_reduce = _data_parallel(strategy, local, shard, schedule)
+    sharding, grad_reduce = _data_parallel(strategy, local, shard)
     executor = PipelineExecutor(
         schedule,
         local.stages,
