@@ -18,7 +18,6 @@ from typing import Any
 
 from lightning_twobp.schedules import (
     SCHEDULES,
-    Schedule,
     build_schedule,
     check_split,
     default_num_microbatches,
@@ -106,12 +105,6 @@ def check_batch_w(value: Any) -> None:
     )
 
 
-def _joins_w(schedule: Schedule) -> bool:
-    """Whether ``schedule`` runs the W of several micro-batches of a stage as one action: what ``batch_w``
-    joins (GPipe's and 1F1B's W at the end of a step; never the ZB and V schedules')."""
-    return any(a.kind == "W" and len(a.microbatches) > 1 for row in schedule.actions for a in row)
-
-
 def _check_batch_w(opts: PipelineOptions) -> None:
     """``batch_w`` on a schedule that has a W to join: refused by name where nothing would be joined."""
     check_batch_w(opts.batch_w)
@@ -129,7 +122,7 @@ def _check_batch_w(opts: PipelineOptions) -> None:
         probe = build_schedule(opts.schedule, 2 * spr, m, stages_per_rank=spr, max_pending_w=cap)
     except ValueError:
         return  # not at these counts; the executor warns at setup if the real schedule joins nothing
-    if not _joins_w(probe):
+    if not probe.joins_w:
         capped = "" if opts.max_pending_w is None else f" with max_pending_w={opts.max_pending_w}"
         raise ValueError(
             f"TwoBPStrategy(batch_w={opts.batch_w!r}): schedule={opts.schedule!r}{capped} at num_microbatches={m} runs "
@@ -213,8 +206,8 @@ class PipelineOptions:
             each replica ``1/dp`` of them; the parameters are gathered once per step before the
             stage's first F and held through its last W, the gradients reduce-scattered once after
             it (:mod:`lightning_twobp.lightning.sharding`); checkpoints hold the shards. Needs at least
-            2 replicas; not yet with tied weights across stages or precisions other than fp32 (each
-            refused before any compute).
+            2 replicas; fp32 or ``"bf16-mixed"`` (fp16 and the ``"-true"`` half precisions are refused
+            before any compute).
         batch_w: the 2BP paper's batched W (§4): a stage's deferred W of several micro-batches as one
             GEMM (or conv weight backward) per weight, the micro-batches' gradients and inputs
             concatenated. ``False`` (default): one call per micro-batch. ``True``: joined where a
@@ -302,7 +295,7 @@ class PipelineOptions:
     def chosen(self, best: Candidate) -> PipelineOptions:
         """``schedule="auto"``'s choice as if the user had named it: the schedule, its split, m, stages per
         rank and deferral cap."""
-        joined = bool(self.batch_w) and _joins_w(best.schedule)
+        joined = bool(self.batch_w) and best.schedule.joins_w
         return replace(
             self,
             schedule=best.name,

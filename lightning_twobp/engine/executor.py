@@ -157,7 +157,7 @@ class PipelineExecutor:
         self.stages = {s: Stage(_WithLoss(m, loss_fn) if s == self.last else m) for s, m in modules.items()}
         for stage in self.stages.values():
             stage.batch_w_bytes = formulas.BATCH_BYTES if batch_w is True else int(batch_w)
-        if batch_w and not any(a.kind == "W" and len(a.microbatches) > 1 for row in schedule.actions for a in row):
+        if batch_w and not schedule.joins_w:
             warnings.warn(
                 f"batch_w={batch_w!r}: {schedule.name} runs each W alone here; nothing is joined", stacklevel=2
             )
@@ -183,7 +183,7 @@ class PipelineExecutor:
             "BW": self._backward,
         }
         self._now: _StepRun | None = None  # the step being run
-        self._labels = [f"PP:{'+'.join(map(str, op)) if isinstance(op, list) else op}" for op in self.ops]
+        self._labels = [f"PP:{op}" for op in self.ops]
 
     @property
     def p2p(self) -> P2P:

@@ -53,10 +53,10 @@ import torch.distributed as dist
 
 from lightning_twobp.schedules import Comm, Schedule
 from lightning_twobp.schedules.lower import message
+from lightning_twobp.schedules.memory import Message
 
 __all__ = ["MAX_TENSORS", "P2P", "PeerLost", "TensorMeta"]
 
-Message = tuple[str, int, int]  # (direction F/B, edge stage, micro-batch), as ``schedules.lower.message``
 
 MAX_TENSORS = 64  # tensors one stage may pass to the next (part of the message tag)
 _SIGNATURE_TAG = 2**31 - 2  # above every message tag: ((mb * S + edge) * 2 + dir) * 64 + index

@@ -134,6 +134,12 @@ class Schedule:
     def stages_per_rank(self) -> int:
         return self.num_stages // self.num_ranks if self.num_ranks else 0
 
+    @property
+    def joins_w(self) -> bool:
+        """Whether some action runs the W of several micro-batches of a stage at once (what batched W
+        joins: GPipe's and 1F1B's W at the end of a step; never the ZB and V schedules')."""
+        return any(a.kind == "W" and len(a.microbatches) > 1 for row in self.actions for a in row)
+
     def stages_of(self, rank: int) -> tuple[int, ...]:
         """The stages held by ``rank``, ascending."""
         return tuple(s for s, r in enumerate(self.stage_to_rank) if r == rank)
