@@ -29,6 +29,9 @@ that starts at one of them and passes through the other (then re-entering at the
 the second). For a leaf parameter used directly by several ops the edges are instead taken in B
 (typically a bias or a norm scale: cheap); for anything else the micro-batch's weight grads are all taken
 in B and W only accumulates them. Both stay exact; ``Stage.deferred_fraction`` tells how much was split.
+Inside an activation-checkpointed block a frontier node, or a weight-only region that saved tensors, is
+also taken in B (B's engine call, then carried into the weights in B's recompute group): W running it
+again would recompute the block once more, or fail under selective checkpointing.
 """
 
 from __future__ import annotations
