@@ -16,10 +16,11 @@ That gives, per stage:
   the Mamba scan) the graph stays until W, about ``M_act``. The first stage, fed token ids or images,
   runs its whole backward in B and holds nothing.
 
-With ``strategy.activation_checkpointing`` (``full`` or ``k``: every k-th layer, the strategy's own
-choice of layers) each chosen layer is measured checkpointed, as the strategy wraps it: F saves only
-the layer's input until B, B still leaves W its operands (the weight GEMMs' inputs, taken from B's
-recompute), and B's recompute holds the layer's full activations for a while (``recompute``). B
+With ``strategy.activation_checkpointing`` (``full``, ``selective`` or ``k``: every k-th layer, the
+strategy's own choice of layers) each chosen layer is measured checkpointed, as the strategy wraps it: F
+saves only the layer's input until B (``selective``: and its matrix products' outputs), B still leaves W
+its operands (the weight GEMMs' inputs, taken from B's recompute), and B's recompute holds the layer's
+full activations for a while (``recompute``). B
 recomputes one layer at a time, as its engine reaches it, with or without the split; under the split it
 has by then made the operands and gradients W keeps of the layers after it (their ``M_W``): the most of
 the two together over the stage's layers. A fused BW (and the first stage's B, a plain backward) keeps
@@ -40,21 +41,23 @@ import json
 import sys
 import typing
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
+from torch.utils.checkpoint import CheckpointPolicy
 
 from lightning_twobp.config import CONF_DIR, recipes
 from lightning_twobp.engine.footprint import LayerFootprint, layer_cost, measure_layer
-from lightning_twobp.lightning.checkpointing import apply_activation_checkpointing
+from lightning_twobp.lightning.checkpointing import apply_activation_checkpointing, keep_products
 from lightning_twobp.lightning.contract import SequentialContract, find_contract
 from lightning_twobp.lightning.layout import check_degree, schedule_label
 from lightning_twobp.lightning.sharding import check_replicas, sharded_static_bytes
 from lightning_twobp.options import PipelineOptions
 from lightning_twobp.partition import partition
+from lightning_twobp.private import TorchDispatchMode, pytree
 from lightning_twobp.schedules import (
     MemoryCosts,
     Schedule,
@@ -159,21 +162,50 @@ def _signature(layer: nn.Module, x: torch.Tensor, needs_input_grad: bool) -> tup
     return (type(layer), params, repr(layer), tuple(x.shape), x.dtype, needs_input_grad)
 
 
-def _checkpointed(ac: str | int | None, index: int) -> bool:
-    """Whether layer ``index`` runs checkpointed: the rule of ``apply_activation_checkpointing``."""
-    return ac is not None and index % (ac if isinstance(ac, int) else 1) == 0
+def _checkpointed(ac: str | int | None, index: int) -> str | None:
+    """How layer ``index`` runs checkpointed (``"full"`` or ``"selective"``), or None: the rule of
+    ``apply_activation_checkpointing``."""
+    if ac is None or index % (ac if isinstance(ac, int) else 1) != 0:
+        return None
+    return "selective" if ac == "selective" else "full"
 
 
-def _footprint(layer: nn.Module, x: torch.Tensor, needs: bool, cache: dict, checkpointed: bool) -> LayerFootprint:
-    """:func:`measure_layer`, once per signature; ``checkpointed``: wrapped as the strategy wraps it."""
+def _footprint(layer: nn.Module, x: torch.Tensor, needs: bool, cache: dict, checkpointed: str | None) -> LayerFootprint:
+    """:func:`measure_layer`, once per signature; ``checkpointed``: wrapped as the strategy wraps it in
+    that mode (``"full"`` or ``"selective"``), or None."""
     key = (*_signature(layer, x, needs), checkpointed)
     if key not in cache:
-        undo = apply_activation_checkpointing([(0, layer)], "full") if checkpointed else (lambda: None)
+        undo = apply_activation_checkpointing([(0, layer)], checkpointed) if checkpointed else (lambda: None)
         try:
-            cache[key] = measure_layer(layer, x, needs)
+            fp = measure_layer(layer, x, needs)
         finally:
             undo()
+        if checkpointed == "selective":  # the kept products live in torch's store, which no saved-tensor hook sees
+            fp = replace(fp, activation_bytes=fp.activation_bytes + _kept_products(layer, x))
+        cache[key] = fp
     return cache[key]
+
+
+class _Products(TorchDispatchMode):
+    """Bytes of the outputs the ``"selective"`` policy (:func:`keep_products`) keeps from F to B."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bytes = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if keep_products(None, func) == CheckpointPolicy.MUST_SAVE:
+            leaves = pytree.tree_flatten(out)[0]
+            self.bytes += sum(t.numel() * t.element_size() for t in leaves if isinstance(t, torch.Tensor))
+        return out
+
+
+def _kept_products(layer: nn.Module, x: torch.Tensor) -> int:
+    """What a ``"selective"`` layer's F keeps besides its input: its matrix products' outputs."""
+    with torch.no_grad(), _Products() as products:
+        layer(x)
+    return products.bytes
 
 
 @dataclass(frozen=True)
@@ -191,24 +223,25 @@ class _Measured:
 
 
 def _measure_stage(
-    layers: nn.Sequential, x: torch.Tensor, first: bool, cache: dict, chosen: Sequence[bool] = ()
+    layers: nn.Sequential, x: torch.Tensor, first: bool, cache: dict, chosen: Sequence[str | None] = ()
 ) -> _Measured:
     """A stage's bytes, layer by layer. A stage's graph is kept from B to W as soon as one of its
     layers needs it (one ``retain_graph`` for the whole stage), and then M_W is the whole M_act plus
     what W reads. The first stage (no input gradient) runs all of its backward in B and holds nothing.
-    ``chosen[i]``: layer i runs checkpointed; its recompute holds what it would have saved in F, less
-    the input it did save. Under the split B holds it on top of what it has made for W of the checkpointed
-    layers after i (their operands recomputed, their gradients; a plain layer's gradients for W are the
-    backward's working set, counted without checkpointing too)."""
+    ``chosen[i]``: layer i runs checkpointed in that mode (see :func:`_checkpointed`); its recompute
+    holds what it would have saved in F, less the input it did save. Under the split B holds it on top
+    of what it has made for W of the checkpointed layers after i (their operands recomputed, their
+    gradients; a plain layer's gradients for W are the backward's working set, counted without
+    checkpointing too)."""
     act = held = recompute = recompute_max = 0
     kept = prev_saves_output = False
     recomputed: list[tuple[int, int]] = []  # (recompute, bytes kept for W) per checkpointed layer
     for i, layer in enumerate(layers):
         needs = x.is_floating_point() and not (first and i == 0)
-        ckpt = i < len(chosen) and chosen[i]
+        ckpt = chosen[i] if i < len(chosen) else None
         m = _footprint(layer, x, needs, cache, ckpt)
         if ckpt:
-            extra = _footprint(layer, x, needs, cache, False).activation_bytes - m.activation_bytes
+            extra = _footprint(layer, x, needs, cache, None).activation_bytes - m.activation_bytes
             recompute_max = max(recompute_max, extra)
             recomputed.append((extra, m.held_bytes))
         # a tensor saved by both sides of a layer boundary (a ReLU's output, the next conv's input) is one
@@ -219,7 +252,7 @@ def _measure_stage(
     made = 0
     for extra, kept_for_w in reversed(recomputed):  # B's order: the last layer first
         recompute, made = max(recompute, made + extra), made + kept_for_w
-    n, saved = sum(chosen), prev_saves_output
+    n, saved = sum(c is not None for c in chosen), prev_saves_output
     if first:  # B is a plain backward there: one layer's recompute at a time
         return _Measured(x, act, 0, False, recompute_max, recompute_max, n, saved)
     return _Measured(x, act, held + (act if kept else 0), kept, recompute, recompute_max, n, saved)
@@ -412,7 +445,7 @@ def _measure_scaled(
     act_dtype: torch.dtype,
     last: bool,
     cache: dict,
-    chosen: Sequence[bool] = (),
+    chosen: Sequence[str | None] = (),
     sends: bool = True,
 ) -> _Measured:
     """:func:`_measure_stage` of stage ``s``, its bytes scaled by ``scale`` (see :func:`_cast`), the
@@ -524,8 +557,9 @@ def plan(cfg: DictConfig, recipe: str = "") -> Plan:
     ac = pipe.options.activation_checkpointing
     stages = _stage_plans(seq, sizes, x, scale, act_dtype, pipe.schedule.stage_to_rank, param_bytes, states, ac)
     if ac is not None:
+        kept = "input and its matrix products' outputs" if ac == "selective" else "input"
         notes.append(
-            f"activation_checkpointing={ac!r}: F keeps each checkpointed layer's input until B; B's recompute "
+            f"activation_checkpointing={ac!r}: F keeps each checkpointed layer's {kept} until B; B's recompute "
             f"holds one layer's activations at a time (recomp: under the split with what B has made for W of "
             f"the layers after it; the largest layer's in a fused BW), W's operands stay until W as without"
         )

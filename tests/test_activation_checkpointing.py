@@ -30,16 +30,18 @@ STEPS, M, BATCH, DIM = 3, 4, 8, 32
 
 # ---------------------------------------------------------------------------------------------- the probe
 class Counted(nn.Module):
-    """A tiny-LLaMa block that counts its forwards, recomputes included."""
+    """A tiny-LLaMa block and a PReLU (whose slope W would push through autograd: taken in B when
+    checkpointed) that counts its forwards, recomputes included."""
 
     def __init__(self) -> None:
         super().__init__()
         self.block = Block(LlamaConfig(dim=DIM, n_heads=4, max_seq_len=16))
+        self.act = nn.PReLU()
         self.calls = 0
 
     def forward(self, x):  # (B, T, C)
         self.calls += 1
-        return self.block(x)
+        return self.act(self.block(x))
 
 
 class OwnCheckpoint(nn.Module):

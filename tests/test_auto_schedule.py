@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import warnings
 
 import lightning.pytorch as pl
 import pytest
@@ -363,6 +364,16 @@ def _reference(optimizer=torch.optim.SGD) -> dict:
     return {n: q.detach() for n, q in model.named_parameters()}
 
 
+def _fit_checkpointed(rank: int, world: int) -> dict:
+    """auto with and without activation_checkpointing="full": the bytes F saves per layer, as profiled."""
+    saved = {}
+    for ac in (None, "full"):
+        profile = _fit_auto(rank, world, "2x1f1b", activation_checkpointing=ac, **FUSED_M4)["profile"]
+        saved[ac] = [c.activation for c in profile.layers[4]]
+    return saved
+
+
+CHECKPOINTED = "test_auto_profiles_the_layers_checkpointed"
 LIMITS = ["1f1b", "0.8x1f1b"]
 TRAINS = "test_auto_trains_like_one_process_within_its_limit"
 REFUSED = "test_a_limit_nothing_fits_is_refused_before_training_on_every_rank"
@@ -377,6 +388,7 @@ def two_ranks(request) -> conftest.Launch:
     cases[REFUSED] = (_refused, ())
     cases[ADAMW] = (_fit_auto, ("1f1b", torch.optim.AdamW))
     cases[ADAMW_REFUSED] = (_adamw_refused, ())
+    cases[CHECKPOINTED] = (_fit_checkpointed, ())
     return launch(request, 2, cases, timeout=600)
 
 
@@ -479,3 +491,23 @@ def test_auto_counts_a_sharded_stage_as_one_replica_holds_it(request):
         # fp32 weights: 1/2 of weights and gradients plus a step's gathered weights and gradients, 3x the
         # weights where a replicated stage holds 2x
         assert r["counted"] == r["expected"], r
+
+
+@pytest.mark.dist
+def test_auto_profiles_the_layers_checkpointed(two_ranks):
+    """The search reads what F saves as the layers will run: checkpointed, each layer's input only
+    (was profiled on the bare layers: activation_checkpointing ignored)."""
+    for r in two_ranks[CHECKPOINTED]:
+        assert all(c < p for c, p in zip(r["full"], r[None][:-1], strict=False)), r
+
+
+def test_auto_says_when_its_choice_drops_batch_w():
+    from lightning_twobp.lightning.pipeline import _say_dropped
+    from lightning_twobp.options import PipelineOptions
+
+    req = PipelineOptions(schedule="auto", memory_limit="1f1b", batch_w=True)
+    with pytest.warns(UserWarning, match="batch_w is not applied: schedule='auto' chose ZB-H1"):
+        _say_dropped(req, dataclasses.replace(req, schedule="zb-h1", memory_limit=None, batch_w=False), "ZB-H1")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _say_dropped(req, dataclasses.replace(req, schedule="1f1b", memory_limit=None), "1F1B")

@@ -125,6 +125,20 @@ def test_checkpointed_stage_saves_only_its_layers_inputs():
     assert 0 < stage.recompute_bytes < plain.stages[0].activation_bytes
 
 
+def test_selective_plan_keeps_the_products_between_full_and_none():
+    """``activation_checkpointing=selective`` is planned as selective (was planned as "full"): F keeps
+    each layer's input and its matrix products' outputs, more than "full" and less than no checkpointing;
+    the note says so."""
+    base = ["trainer.devices=1", f"strategy.num_microbatches={M}"]
+    act = {
+        ac: plan_recipe([*base, f"strategy.activation_checkpointing={ac}"]).stages[0].activation_bytes
+        for ac in ("full", "selective", "null")
+    }
+    assert act["full"] < act["selective"] < act["null"], act
+    notes = plan_recipe([*base, "strategy.activation_checkpointing=selective"]).notes
+    assert any("matrix products' outputs until B" in n for n in notes), notes
+
+
 def _measure_with_and_without(rank: int, world: int, sizes: list[int], split: bool, ac: str | int) -> tuple:
     return _measure(rank, world, sizes, split, ac), _measure(rank, world, sizes, split, None)
 

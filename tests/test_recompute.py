@@ -20,6 +20,7 @@ from lightning_twobp.engine.footprint import measure_layer
 from lightning_twobp.engine.graph import check_checkpoint_peek
 from lightning_twobp.lightning.checkpointing import apply_activation_checkpointing, check_activation_checkpointing
 from lightning_twobp.models.llama import Block, LlamaConfig
+from lightning_twobp.models.mamba import MambaBlock
 from lightning_twobp.private import TorchDispatchMode
 
 
@@ -189,6 +190,32 @@ def test_checkpointed_stage_is_exact_and_counts_its_forwards(value, calls):
     assert _split_against_plain(blocks, nn.Sequential(*blocks)) == calls
     undo()
     assert all("forward" not in vars(b) for b in blocks), "the blocks were not left as they were found"
+
+
+class PReLUBlock(nn.Module):
+    """A block whose weight-only region needs autograd in W: PReLU's slope (no formula, so its node is a
+    frontier node) and Mamba's ``-exp(A_log)`` (an ExpBackward0 that saved its result)."""
+
+    def __init__(self, mamba: bool) -> None:
+        super().__init__()
+        self.block = MambaBlock(32) if mamba else nn.Sequential(nn.Linear(32, 32), nn.PReLU(), nn.Linear(32, 32))
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        return self.block(x)
+
+
+@pytest.mark.parametrize("mamba", [False, True], ids=["prelu", "mamba"])
+@pytest.mark.parametrize("value", ["full", "selective"])
+def test_a_weight_pushed_through_autograd_in_a_checkpointed_block_is_taken_in_b(value, mamba):
+    """Such a weight is taken in B's one recompute: exact, 2 forwards per block per micro-batch (was 3
+    under "full", and torch's "backward an extra time" error at the first W under "selective")."""
+    torch.manual_seed(0)
+    blocks = [PReLUBlock(mamba) for _ in range(2)]
+    undo = apply_activation_checkpointing(list(enumerate(blocks)), value)
+    assert _split_against_plain(blocks, nn.Sequential(*blocks)) == [4, 4]
+    undo()
 
 
 class _Products(TorchDispatchMode):

@@ -26,6 +26,7 @@ __all__ = [
     "check_checkpoint_peek",
     "check_saved_attributes",
     "edge_shape",
+    "in_checkpoint",
     "peek",
     "saved",
     "unreadable",
@@ -130,6 +131,24 @@ def peek(node: Node, name: str, defer: bool = False) -> Any:
         return raw.unpack_hook(_Peek(holder))
     except RuntimeError as e:  # the graph was freed, or torch's checkpoint refused the read
         raise SavedUnavailable(f"{node.name()}._saved_{name} (checkpointed): {e}") from None
+
+
+def in_checkpoint(node: Node) -> bool:
+    """Whether ``node`` saved a tensor inside a non-reentrant ``torch.utils.checkpoint`` region (its raw
+    saved value holds a checkpoint holder). Such a node can be run once per recompute group: W must not
+    run it again after B did, or push a gradient through it after B's group closed (a second recompute
+    under "full", torch's "backward an extra time" under selective checkpointing)."""
+    for attr in dir(node):
+        if not attr.startswith("_raw_saved_"):
+            continue
+        try:
+            raw = getattr(node, attr)
+            held = [getattr(r, "data", None) for r in (raw if isinstance(raw, (tuple, list)) else (raw,))]
+        except RuntimeError:  # freed
+            continue
+        if any(isinstance(h, checkpoint_utils._Holder) for h in held):
+            return True
+    return False
 
 
 class _Peek:

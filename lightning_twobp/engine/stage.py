@@ -29,6 +29,9 @@ that starts at one of them and passes through the other (then re-entering at the
 the second). For a leaf parameter used directly by several ops the edges are instead taken in B
 (typically a bias or a norm scale: cheap); for anything else the micro-batch's weight grads are all taken
 in B and W only accumulates them. Both stay exact; ``Stage.deferred_fraction`` tells how much was split.
+Inside an activation-checkpointed block a frontier node, or a weight-only region that saved tensors, is
+also taken in B (B's engine call, then carried into the weights in B's recompute group): W running it
+again would recompute the block once more, or fail under selective checkpointing.
 """
 
 from __future__ import annotations
@@ -47,7 +50,7 @@ from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 from torch.utils import checkpoint as checkpoint_utils
 
 from lightning_twobp.engine import formulas
-from lightning_twobp.engine.graph import SavedUnavailable
+from lightning_twobp.engine.graph import SavedUnavailable, in_checkpoint
 from lightning_twobp.private import pytree
 
 log = logging.getLogger(__name__)
@@ -368,8 +371,8 @@ class Stage:
         p.edge_grads = [(e, g) for e, g in early if g is not None]
         return self._input_grads(p, grads[: len(inputs)])
 
-    @staticmethod
     def _input_half(
+        self,
         p: _Pending,
         plan: _Plan,
         roots: list[torch.Tensor | GradientEdge],
@@ -385,7 +388,9 @@ class Stage:
         An operand inside an activation-checkpointed region is read by a pre-hook on its node when the
         engine reaches it, after the region's one recompute, so B holds one recomputed region at a
         time, as a plain backward (read before the call, each read would recompute its region and all
-        of them would be held at once); the rest are read at once, at no per-node cost."""
+        of them would be held at once); the rest are read at once, at no per-node cost. The plan's ``in_b``
+        edges (checkpointed weight-only regions) are taken by the same call and carried into the weights
+        in the same recompute group; their gradients are not returned."""
         operands = [f.bind(defer=True) for f in plan.fast]
         hooks = [node.register_prehook(_Recorder(p.captured, node)) for node, _ in plan.frontier]
         if None in operands:  # some lie in a checkpointed region: read as the engine reaches their node
@@ -398,18 +403,20 @@ class Stage:
             with _one_recompute():
                 grads = torch.autograd.grad(
                     cast(list[torch.Tensor], roots),  # tensors and edges, as in _full_backward
-                    cast(list[torch.Tensor], targets + [GradientEdge(n, 0) for n in fast_nodes]),
+                    cast(list[torch.Tensor], targets + plan.in_b + [GradientEdge(n, 0) for n in fast_nodes]),
                     grads_out,
                     allow_unused=True,
                     # W re-enters the graph only at frontier nodes without a direct formula. When every
                     # weight grad has one, the graph goes now and a micro-batch keeps only the saved
-                    # operands and recorded grads those formulas need.
-                    retain_graph=bool(plan.frontier),
+                    # operands and recorded grads those formulas need. (``in_b`` regions are pushed below.)
+                    retain_graph=bool(plan.frontier or plan.in_b),
                 )
+                taken = grads[len(targets) : len(targets) + len(plan.in_b)]
+                self._push_to_params([(e, g) for e, g in zip(plan.in_b, taken, strict=True) if g is not None])
         finally:
             for h in hooks:
                 h.remove()
-        return grads, operands
+        return grads[: len(targets)] + grads[len(targets) + len(plan.in_b) :], operands
 
     # ------------------------------------------------------------------ W
     def backward_weight(self, mb: int | Iterable[int]) -> None:
@@ -551,6 +558,7 @@ class _Plan:
     num_deferred: int
     num_early: int
     unreadable: list[str] = field(default_factory=list)  # fast-path reads that failed (see engine.graph)
+    in_b: list[GradientEdge] = field(default_factory=list)  # taken and carried into the parameters in B
 
 
 _REENTRANT = (
@@ -602,7 +610,8 @@ def _plan(
     ]
     if split.fallback:
         log.debug("weight-only node shared by several frontier nodes: W taken in B for this micro-batch")
-        return _Plan([], [], [], [], True, 0, split.num_deferred + len(split.early), split.unreadable)
+        num_early = split.num_deferred + len(split.early) + len(split.in_b)
+        return _Plan([], [], [], [], True, 0, num_early, split.unreadable)
     return _Plan(
         split.frontier,
         split.fast,
@@ -610,8 +619,9 @@ def _plan(
         weight_roots,
         False,
         split.num_deferred,
-        len(split.early),
+        len(split.early) + len(split.in_b),
         split.unreadable,
+        split.in_b,
     )
 
 
@@ -659,6 +669,7 @@ def _relabel(plan: _Plan, node: Callable[[Any], Any]) -> _Plan:
         frontier=[(node(n), [(node(m), i) for m, i in edges]) for n, edges in plan.frontier],
         fast=[formulas.relabel(f, node) for f in plan.fast],
         early_edges=[GradientEdge(node(e.node), e.output_nr) for e in plan.early_edges],
+        in_b=[GradientEdge(node(e.node), e.output_nr) for e in plan.in_b],
     )
 
 
@@ -778,6 +789,7 @@ class _Split:
     early: list[GradientEdge] = field(default_factory=list)
     early_seen: set[tuple[Node, int]] = field(default_factory=set)
     free: list[GradientEdge] = field(default_factory=list)  # taken in B at no cost: see formulas.by_product
+    in_b: list[GradientEdge] = field(default_factory=list)  # checkpointed: taken and carried to the weights in B
     num_deferred: int = 0
     fallback: bool = False
     unreadable: list[str] = field(default_factory=list)
@@ -792,6 +804,11 @@ class _Split:
             # A training batch norm: B's call makes these from the reductions its input gradient needs.
             self.free.extend(GradientEdge(*e) for e in single.values())
             return
+        # A weight-only region that saved tensors inside an activation-checkpointed block can be run once
+        # per recompute: its edge is taken in B's engine call and carried into the weights in B's group
+        # (see graph.in_checkpoint). Cheap where it happens: a PReLU slope, Mamba's -exp(A_log).
+        for pos in [pos for pos, (n, _) in single.items() if _region_checkpointed(n)]:
+            self.in_b.append(GradientEdge(*single.pop(pos)))
         try:
             # A node whose second or third output feeds on (``native_batch_norm``'s saved mean) gets
             # a gradient there that the formulas do not take: leave it to autograd.
@@ -803,6 +820,9 @@ class _Split:
         self.fast.extend(direct)
         self.num_deferred += len(covered)
         deferred = [e for pos, e in single.items() if pos not in covered]
+        if deferred and in_checkpoint(node):  # W would run this node again: B runs it once, for both halves
+            self.in_b.extend(GradientEdge(*e) for e in deferred)
+            deferred = []
         if deferred:
             self.frontier.append((node, deferred))
             self.num_deferred += len(deferred)
@@ -826,6 +846,21 @@ class _Split:
                 self.fallback = True
                 self.num_deferred += 1  # counted as taken in B by the plan
         return single
+
+
+def _region_checkpointed(top: Node) -> bool:
+    """Whether a node of the weight-only region from ``top`` down saved a tensor in a checkpointed block."""
+    seen: set[Node] = set()
+    stack = [top]
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        if in_checkpoint(node):
+            return True
+        stack.extend(n for n, _ in node.next_functions if n is not None)
+    return False
 
 
 def _params_below(nodes: Iterable[Node], params: dict[int, nn.Parameter]) -> list[nn.Parameter]:

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 
 from lightning_twobp.engine import PipelineExecutor
@@ -52,6 +52,7 @@ from lightning_twobp.schedules import Schedule, build_schedule
 
 if TYPE_CHECKING:
     from lightning_twobp.lightning.strategy import TwoBPStrategy
+    from lightning_twobp.options import PipelineOptions
 
 log = logging.getLogger(__name__)
 
@@ -288,30 +289,55 @@ def _partition(strategy: TwoBPStrategy, runner: StepRunner, layers: list[nn.Modu
     return list(partition(nn.Sequential(*layers), num_stages, opts.balance, costs=costs))
 
 
-def _choose(strategy: TwoBPStrategy, runner: StepRunner, layers: list[nn.Module], trainer: Any) -> list[int]:
+def _choose(strategy: TwoBPStrategy, runner: StepRunner, contract: Any, trainer: Any) -> list[int]:
     """``schedule="auto"``: profile and search once (the first Trainer call), then run the choice as if
-    the user had named it (``strategy.options``); returns the choice's layers per stage."""
+    the user had named it (``strategy.options``); returns the choice's layers per stage. The layers are
+    profiled checkpointed as they will run (``activation_checkpointing``, a Hugging Face switch)."""
     req = strategy.requested
     if strategy.auto_choice is None:
         assert req.memory_limit is not None  # PipelineOptions requires it with schedule="auto"
-        strategy.auto_choice, strategy.auto_profile = auto_schedule(
-            runner,
-            layers,
-            trainer,
-            strategy.root_device,
-            strategy.precision_plugin,
-            strategy.group("pp"),
-            strategy.pipeline_degree,
-            req.balance,
-            req.memory_limit,
-            req.num_microbatches,
-            None if req.split_backward else False,
-            shard_over=strategy.layout.dp_degree if req.data_parallel == "shard" else 1,
+        layers = contract.layers()
+        undo = apply_activation_checkpointing(
+            list(enumerate(layers)), req.activation_checkpointing, strategy.lightning_module, contract
         )
+        try:
+            strategy.auto_choice, strategy.auto_profile = _search(strategy, runner, layers, trainer)
+        finally:
+            undo()
     assert strategy.auto_profile is not None
     best = strategy.auto_choice.best
     strategy.options = req.chosen(best)
+    _say_dropped(req, strategy.options, best.label)
     return list(strategy.auto_profile.partitions[best.stages_per_rank])
+
+
+def _say_dropped(req: PipelineOptions, chosen: PipelineOptions, label: str) -> None:
+    """Rank zero's line when the choice drops an option the user asked for."""
+    if req.batch_w and not chosen.batch_w:
+        rank_zero_warn(
+            f"batch_w is not applied: schedule='auto' chose {label}, which runs each W alone (batch_w joins "
+            f"the W of several micro-batches only where a schedule runs them together)"
+        )
+
+
+def _search(strategy: TwoBPStrategy, runner: StepRunner, layers: list[nn.Module], trainer: Any) -> tuple:
+    """:func:`auto_schedule` with the strategy's options: (choice, profile)."""
+    req = strategy.requested
+    assert req.memory_limit is not None
+    return auto_schedule(
+        runner,
+        layers,
+        trainer,
+        strategy.root_device,
+        strategy.precision_plugin,
+        strategy.group("pp"),
+        strategy.pipeline_degree,
+        req.balance,
+        req.memory_limit,
+        req.num_microbatches,
+        None if req.split_backward else False,
+        shard_over=strategy.layout.dp_degree if req.data_parallel == "shard" else 1,
+    )
 
 
 _Reduce = Callable[[int, list[nn.Parameter]], Callable[[], None]]
@@ -391,7 +417,7 @@ def build_pipeline(strategy: TwoBPStrategy, trainer: Any) -> Pipeline:
     metrics = StepMetrics(lm)
     runner = StepRunner(lm, contract, metrics)
     if strategy.requested.schedule == "auto":
-        sizes = _choose(strategy, runner, contract.layers(), trainer)
+        sizes = _choose(strategy, runner, contract, trainer)
         opts = strategy.options  # the choice, as if the user had named it
         assert strategy.auto_choice is not None
         schedule = strategy.auto_choice.best.schedule  # the order the search built and timed at the measured costs
