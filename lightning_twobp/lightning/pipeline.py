@@ -171,7 +171,7 @@ class Pipeline:
         if self.sharding is not None:  # gathered here, not by FSDP2's hooks: a lost replica is named
             self.sharding.gather(lambda s: ex.stages[s].refresh_parameters())
         outs = ex.forward_only(self.capture(), len(state.microbatches))
-        if self.sharding is not None:  # FSDP2 gathered the stages for their forward: free them again
+        if self.sharding is not None:  # the gathered parameters are freed again once forward-only is done
             self.sharding.release()
         if outs is not None:
             with self.streams.fork(ex.last):  # the last stage's part of the step, after the block
