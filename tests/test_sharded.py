@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.fsdp import FullyShardedDataParallel
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -527,6 +528,11 @@ def test_refusals_say_what_is_not_supported():
     scalar.scale = nn.Parameter(torch.tensor(1.0))
     with pytest.raises(ValueError, match="parameter scale is a scalar"):
         check_stages({1: scalar})
+    # an FSDP1 wrapper (built bare: isinstance is what the check reads, no process group needed)
+    wrapped = FullyShardedDataParallel.__new__(FullyShardedDataParallel)
+    nn.Module.__init__(wrapped)
+    with pytest.raises(ValueError, match=r"stage 0: module 1 is wrapped in FullyShardedDataParallel \(FSDP1\)"):
+        check_stages({0: nn.Sequential(nn.Linear(2, 2), wrapped)})
 
 
 def test_a_weight_two_stages_of_one_rank_use_gets_a_copy_per_later_stage():

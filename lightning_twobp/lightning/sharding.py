@@ -61,7 +61,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from lightning_twobp.engine.failure import lost_peer
@@ -137,6 +137,13 @@ def untie_within_rank(stages: dict[int, nn.Module]) -> list[list[tuple[int, str]
 def check_stages(stages: dict[int, nn.Module]) -> None:
     """Refuse, before any compute, stages sharding does not support (yet); each error says what to do."""
     for s, module in stages.items():
+        fsdp1 = next((n for n, m in module.named_modules() if isinstance(m, FullyShardedDataParallel)), None)
+        if fsdp1 is not None:
+            raise ValueError(
+                f"stage {s}: module {fsdp1 or '(the stage itself)'} is wrapped in FullyShardedDataParallel (FSDP1); "
+                f"under data_parallel='shard' the strategy shards each stage itself with FSDP2's fully_shard, and "
+                f"FSDP1's flat parameters cannot be cut into stages: pass the plain module (drop the wrapper)"
+            )
         if any(isinstance(m, FSDPModule) for m in module.modules()):
             raise ValueError(
                 f"stage {s} already holds a fully_shard module: under data_parallel='shard' the strategy shards "
