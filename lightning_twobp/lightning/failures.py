@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -30,7 +30,7 @@ from lightning.pytorch.trainer.states import TrainerStatus
 from lightning_twobp.engine.failure import FailureChannel, lost_peer, process_state
 from lightning_twobp.engine.p2p import PeerLost
 
-__all__ = ["naming_lost", "reap", "save_refused", "told"]
+__all__ = ["lost_rank", "naming_lost", "reap", "save_refused", "told"]
 
 
 @contextmanager
@@ -48,26 +48,30 @@ def told(channel: FailureChannel | None, where: str) -> Iterator[None]:
 
 
 @contextmanager
-def naming_lost(what: str, channel: FailureChannel | None, replicas: str) -> Iterator[None]:
-    """A collective ``what`` over every rank that fails on a lost connection or a timeout raises
-    :class:`PeerLost` naming who is gone: the processes of this host found dead or stopped (``channel``'s
-    roll call), else this rank's data-parallel ``replicas`` (``global rank 2 (host b)``), which a lost
-    node takes with it."""
+def naming_lost(what: str, who: Callable[[], str]) -> Iterator[None]:
+    """A collective ``what`` that fails on a lost connection or a timeout raises :class:`PeerLost`
+    naming ``who()`` (asked only then: it may look around, :func:`lost_rank`)."""
     try:
         yield
     except RuntimeError as e:
         if not lost_peer(e) or isinstance(e, PeerLost):
             raise
-        gone = _roll_call(channel)
-        who = gone or (
-            f"a rank (a lost node takes this rank's data-parallel replicas with it: {replicas})"
-            if replicas
-            else "a rank"
-        )
         raise PeerLost(
-            f"{who} stopped answering while global rank {dist.get_rank()} waited for {what}: its connection "
+            f"{who()} stopped answering while global rank {dist.get_rank()} waited for {what}: its connection "
             f"closed or the wait timed out (the process died, was killed or hung)"
         ) from e
+
+
+def lost_rank(channel: FailureChannel | None, replicas: str) -> str:
+    """Who is gone, for a collective over every rank: the processes of this host found dead or stopped
+    (``channel``'s roll call), else this rank's data-parallel ``replicas`` (``global rank 2 (host b)``),
+    which a lost node takes with it."""
+    gone = _roll_call(channel)
+    if gone:
+        return gone
+    return (
+        f"a rank (a lost node takes this rank's data-parallel replicas with it: {replicas})" if replicas else "a rank"
+    )
 
 
 def _roll_call(channel: FailureChannel | None, tries: int = 5) -> str:

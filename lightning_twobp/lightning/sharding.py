@@ -53,8 +53,8 @@ import dataclasses
 import logging
 import math
 import socket
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
@@ -64,8 +64,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from lightning_twobp.engine.failure import lost_peer
-from lightning_twobp.engine.p2p import PeerLost
+from lightning_twobp.lightning.failures import naming_lost
 
 log = logging.getLogger(__name__)
 
@@ -261,20 +260,10 @@ class ShardedStages:
             self.full[s] = dict(module.named_parameters())
             refresh(s)
 
-    @contextmanager
-    def _naming_lost_replicas(self, what: str) -> Iterator[None]:
+    def _naming_lost_replicas(self, what: str) -> AbstractContextManager[None]:
         """A collective over the replicas that fails on a lost connection or a timeout raises
         :class:`PeerLost` naming them (a whole node lost takes its replicas with it)."""
-        try:
-            yield
-        except RuntimeError as e:
-            if not lost_peer(e) or isinstance(e, PeerLost):
-                raise
-            raise PeerLost(
-                f"a data-parallel replica, {self.replicas}, stopped answering while global rank {dist.get_rank()} "
-                f"waited for {what}: its connection closed or the wait timed out (the process died, was killed "
-                f"or hung)"
-            ) from e
+        return naming_lost(what, lambda: f"a data-parallel replica, {self.replicas},")
 
     def release(self) -> None:
         """Free the gathered parameters and gradients of every stage (after evaluation, or a failed step)."""

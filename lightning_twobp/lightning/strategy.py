@@ -25,7 +25,7 @@ from lightning_twobp.engine import Verdict
 from lightning_twobp.engine.failure import FailureChannel
 from lightning_twobp.lightning import checkpoint_hooks
 from lightning_twobp.lightning.checks import check_nodes, checked_optimizers
-from lightning_twobp.lightning.failures import naming_lost, reap, told
+from lightning_twobp.lightning.failures import lost_rank, naming_lost, reap, told
 from lightning_twobp.lightning.grads import GradStash
 from lightning_twobp.lightning.layout import check_degree
 from lightning_twobp.lightning.local_model import meta_layers_aside
@@ -299,7 +299,9 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
     def _naming_lost(self, what: str) -> Any:
         """Around a collective over every rank: a lost rank is named (see :func:`.failures.naming_lost`)."""
         replicas = self._pipeline.replicas if self._pipeline is not None else ""
-        return naming_lost(what, self._failures, replicas) if dist.is_initialized() else nullcontext()
+        if not dist.is_initialized():
+            return nullcontext()
+        return naming_lost(what, lambda: lost_rank(self._failures, replicas))
 
     def _validate(self) -> Verdict | None:
         """The pending speculative optimizer step's verdict, if any (see ``post_validation``)."""
