@@ -446,6 +446,8 @@ def test_a_limit_nothing_fits_is_refused_before_training_on_every_rank(two_ranks
     out = two_ranks[REFUSED]
     assert out[0] == out[1], "both ranks refuse with the same numbers"
     assert "memory_limit=1000 bytes" in out[0] and "the smallest predicted peak is" in out[0], out[0]
+    # activation_checkpointing=None: one checkpointed profile more says what "full" would hold
+    assert "Checkpointed blocks would not fit either: the smallest predicted peak is then" in out[0], out[0]
 
 
 def test_auto_options_are_checked_at_construction():
