@@ -82,15 +82,26 @@ def _checked_pending_w(value: Any, opts: PipelineOptions) -> int | tuple[int, ..
     return value
 
 
-def check_activation_checkpointing(value: Any) -> str | int | None:
-    """``value`` if it is one the option takes; ``ValueError`` naming them otherwise."""
+def check_activation_checkpointing(value: Any, schedule: str | None = None) -> str | int | None:
+    """``value`` if it is one the option takes (``"auto"`` with ``schedule="auto"`` only); ``ValueError``
+    naming them otherwise."""
     if value is None or value in ("full", "selective"):
         return value
     if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
         return value
+    if value == "auto" and schedule == "auto":
+        return value
+    if value == "auto":
+        named = "" if schedule is None else f"schedule={schedule!r}, "
+        raise ValueError(
+            f"TwoBPStrategy({named}activation_checkpointing='auto'): 'auto' lets schedule='auto' checkpoint the "
+            f"blocks where only that fits its memory_limit; use schedule='auto' with a memory_limit, or name the "
+            f"checkpointing: None (off), 'full', 'selective' or an int k"
+        )
     raise ValueError(
         f"TwoBPStrategy(activation_checkpointing={value!r}): use None (off), 'full' (every block), an int k >= 1 "
-        f"(every k-th block) or 'selective' (every block, its matrix products kept, the cheap ops recomputed)"
+        f"(every k-th block), 'selective' (every block, its matrix products kept, the cheap ops recomputed) or, "
+        f"with schedule='auto', 'auto' (checkpoint every block only where nothing fits memory_limit without)"
     )
 
 
@@ -208,6 +219,12 @@ class PipelineOptions:
             it (:mod:`lightning_twobp.lightning.sharding`); checkpoints hold the shards. Needs at least
             2 replicas; fp32 or ``"bf16-mixed"`` (fp16 and the ``"-true"`` half precisions are refused
             before any compute).
+        activation_checkpointing: ``None`` (off, the default), ``"full"`` (every block recomputed in B),
+            an int ``k`` (every k-th block), ``"selective"`` (every block, its matrix products kept) or,
+            with ``schedule="auto"``, ``"auto"``: the search weighs every schedule with plain and with
+            ``"full"`` checkpointed blocks and takes the fastest within ``memory_limit``, checkpointed
+            only where that is faster within it (in practice: where nothing plain fits)
+            (:mod:`lightning_twobp.lightning.checkpointing`).
         batch_w: the 2BP paper's batched W (§4): a stage's deferred W of several micro-batches as one
             GEMM (or conv weight backward) per weight, the micro-batches' gradients and inputs
             concatenated. ``False`` (default): one call per micro-batch. ``True``: joined where a
@@ -264,7 +281,7 @@ class PipelineOptions:
         if not isinstance(self.balance, str):  # a list from the user or Hydra's ListConfig: frozen
             object.__setattr__(self, "balance", tuple(operator.index(b) for b in self.balance))
         _check_timeout(self.pipeline_timeout)
-        check_activation_checkpointing(self.activation_checkpointing)
+        check_activation_checkpointing(self.activation_checkpointing, self.schedule)
         _check_data_parallel(self.data_parallel)
         _check_batch_w(self)
 
@@ -294,8 +311,9 @@ class PipelineOptions:
 
     def chosen(self, best: Candidate) -> PipelineOptions:
         """``schedule="auto"``'s choice as if the user had named it: the schedule, its split, m, stages per
-        rank and deferral cap."""
+        rank and deferral cap; with ``activation_checkpointing="auto"``, the checkpointing it chose."""
         joined = bool(self.batch_w) and best.schedule.joins_w
+        ac = best.checkpointing if self.activation_checkpointing == "auto" else self.activation_checkpointing
         return replace(
             self,
             schedule=best.name,
@@ -304,6 +322,7 @@ class PipelineOptions:
             stages_per_rank=best.stages_per_rank,
             max_pending_w=best.max_pending_w,
             memory_limit=None,
+            activation_checkpointing=ac,
             batch_w=self.batch_w if joined else False,  # batch_w applies where the choice runs W together
         )
 

@@ -26,6 +26,10 @@ has by then made the operands and gradients W keeps of the layers after it (thei
 the two together over the stage's layers. A fused BW (and the first stage's B, a plain backward) keeps
 nothing for W: the largest layer's. The replay adds it on top of what the rank holds before that B or BW.
 
+With ``schedule=auto`` and ``strategy.activation_checkpointing=auto`` the search weighs the layers plain
+and ``full`` (a checkpointed layer's B taken as twice its F, the recompute's bytes added to its peaks)
+and the plan is then that of its choice, checkpointed or not.
+
 Replaying the schedule's action order (:func:`~lightning_twobp.schedules.replay_memory`) then gives each rank's peak: F
 adds ``M_act``, B trades it for
 ``M_W``, W frees it (BW frees at once). This is the 2BP paper's memory cost made explicit: the same
@@ -319,52 +323,81 @@ def _cast(seq: nn.Sequential, x: torch.Tensor, act_dtype: torch.dtype) -> tuple[
 def _choose_auto(cfg: DictConfig, p: int, shard_over: int = 1) -> search_auto.AutoChoice:
     """``schedule=auto`` on paper: each layer's bytes measured on meta at every micro-batch count that
     divides the batch (up to 4p), its time taken as parameters x samples (the GEMMs' FLOPs; meta has
-    no clock), the fixed bytes as the plan counts them (``shard_over`` > 1: one of that many
-    ``data_parallel="shard"`` replicas' share); the device is ``plan.gpu_memory_gib`` x headroom."""
-    from hydra.utils import instantiate
-
+    no clock; a checkpointed layer's B twice that: its recompute), the fixed bytes as the plan counts
+    them (``shard_over`` > 1: one of that many ``data_parallel="shard"`` replicas' share); the device is
+    ``plan.gpu_memory_gib`` x headroom. ``strategy.activation_checkpointing=auto`` weighs the layers
+    plain and ``full`` (the checkpointed ones' peaks with B's recompute); a limit nothing plain fits
+    says what ``full`` would hold."""
     st = cfg.strategy
     batch = int(cfg.data.batch_size)
-    precision = str(cfg.trainer.get("precision", "32-true"))
-    param_bytes, act_dtype = _bytes(precision)
-    states = {"adamw": 2, "adam": 2, "sgd": 1}.get(str(cfg.plan.get("optimizer", "adamw")), 2)
-    with torch.device("meta"):
-        lm = instantiate(cfg.model)
-    seq = _sequential(lm, st.get("layers"))
     given = st.get("num_microbatches")
     counts = [int(given)] if given else [d for d in range(1, min(batch, 4 * p) + 1) if batch % d == 0]
-    layers: dict[int, tuple] = {}
-    cache: dict[tuple, LayerFootprint] = {}
     ac = st.get("activation_checkpointing")
-    for m in counts:
-        (x, scale), row = _cast(seq, lm.sample_input(batch // m), act_dtype), []
-        for i, layer in enumerate(seq):
-            needs = x.is_floating_point() and i > 0
-            fp = _footprint(layer, x, needs, cache, _checkpointed(ac, i))
-            n = sum(q.numel() for q in layer.parameters())
-            t = float(n * (batch // m))
-            weight, state = n * param_bytes, n * states * (4 if param_bytes == 4 else 2)
-            fixed = (
-                sharded_static_bytes(n, weight, weight, state, shard_over, precision)
-                if shard_over > 1
-                else 2 * weight + state
-            )
-            row.append(layer_cost(fp, fixed, (t, t, t), scale))
-            x = torch.empty(fp.out_shape, dtype=fp.out_dtype, device="meta")
-        layers[m] = tuple(row)
-    balance = st.get("balance", "params")
-    balance = list(balance) if OmegaConf.is_list(balance) else ("params" if balance == "time" else balance)
-    partitions = {}
-    for v in (1, 2):
-        try:
-            partitions[v] = tuple(partition(seq, p * v, balance))
-        except ValueError:
-            continue
-    profile = search_auto.Profile(p, layers, partitions)
+    measure = _AutoMeasure(cfg, p, shard_over, counts)
+    profiles = [measure.profile(mode) for mode in ((None, "full") if ac == "auto" else (ac,))]
+    plain = profiles[0]
+    if ac == "auto":
+        profiles[1] = search_auto.with_recompute(profiles[1], plain)
     gpu = cfg.plan.get("gpu_memory_gib")
     device = None if gpu is None else float(gpu) * GiB * float(cfg.plan.get("headroom", 0.9))
-    limit = search_auto.resolve_limit(st.get("memory_limit") or "1f1b", device, search_auto.fused_1f1b_peak(profile))
-    return search_auto.choose(search_auto.search(profile, microbatches=counts, max_caps=2 * p), limit)
+    limit = search_auto.resolve_limit(st.get("memory_limit") or "1f1b", device, search_auto.fused_1f1b_peak(plain))
+    candidates = search_auto.search_profiles(profiles, microbatches=counts, max_caps=2 * p)
+    unsearched: tuple[search_auto.Candidate, ...] = ()
+    if ac is None and all(c.peak > limit for c in candidates):  # refused: say what checkpointing would hold
+        full = search_auto.with_recompute(measure.profile("full"), plain)
+        unsearched = search_auto.search(full, microbatches=counts, max_caps=2 * p)
+    return search_auto.choose(candidates, limit, unsearched)
+
+
+@dataclass
+class _AutoMeasure:
+    """The layers of the recipe's model on meta, measured for ``schedule=auto`` (:func:`_choose_auto`)."""
+
+    cfg: DictConfig
+    p: int
+    shard_over: int
+    counts: list[int]
+    cache: dict[tuple, LayerFootprint] = field(default_factory=dict)
+
+    def profile(self, ac: str | int | None) -> search_auto.Profile:
+        """Every layer at each micro-batch count, run as ``activation_checkpointing=ac`` says."""
+        from hydra.utils import instantiate
+
+        cfg, st = self.cfg, self.cfg.strategy
+        batch = int(cfg.data.batch_size)
+        precision = str(cfg.trainer.get("precision", "32-true"))
+        param_bytes, act_dtype = _bytes(precision)
+        states = {"adamw": 2, "adam": 2, "sgd": 1}.get(str(cfg.plan.get("optimizer", "adamw")), 2)
+        with torch.device("meta"):
+            lm = instantiate(cfg.model)
+        seq = _sequential(lm, st.get("layers"))
+        layers: dict[int, tuple] = {}
+        for m in self.counts:
+            (x, scale), row = _cast(seq, lm.sample_input(batch // m), act_dtype), []
+            for i, layer in enumerate(seq):
+                needs = x.is_floating_point() and i > 0
+                mode = _checkpointed(ac, i)
+                fp = _footprint(layer, x, needs, self.cache, mode)
+                n = sum(q.numel() for q in layer.parameters())
+                t = float(n * (batch // m))
+                weight, state = n * param_bytes, n * states * (4 if param_bytes == 4 else 2)
+                fixed = (
+                    sharded_static_bytes(n, weight, weight, state, self.shard_over, precision)
+                    if self.shard_over > 1
+                    else 2 * weight + state
+                )
+                row.append(layer_cost(fp, fixed, (t, 2 * t if mode else t, t), scale))
+                x = torch.empty(fp.out_shape, dtype=fp.out_dtype, device="meta")
+            layers[m] = tuple(row)
+        balance = st.get("balance", "params")
+        balance = list(balance) if OmegaConf.is_list(balance) else ("params" if balance == "time" else balance)
+        partitions = {}
+        for v in (1, 2):
+            try:
+                partitions[v] = tuple(partition(seq, self.p * v, balance))
+            except ValueError:
+                continue
+        return search_auto.Profile(self.p, layers, partitions, checkpointing=ac)
 
 
 @dataclass(frozen=True)
@@ -392,13 +425,22 @@ def _pipeline(cfg: DictConfig, world: int, notes: list[str]) -> _Pipeline:
     shard_over = world // p if opts.data_parallel == "shard" else 1
     choice = _choose_auto(cfg, p, shard_over) if opts.schedule == "auto" else None
     if choice is not None:
+        searched_ac = opts.activation_checkpointing
         opts = opts.chosen(choice.best)
         notes.append(search_auto.format_choice(choice, unit="parameter-samples").split("\nsimulated")[0])
-        notes.append("schedule=auto on paper: F, B and W of a layer take its parameters x samples (no clock on meta)")
-        if opts.activation_checkpointing is not None:
+        notes.append(
+            "schedule=auto on paper: F, B and W of a layer take its parameters x samples (no clock on meta), "
+            "a checkpointed layer's B twice that (its recompute)"
+        )
+        if searched_ac == "auto":
             notes.append(
-                "schedule=auto searched with the checkpointed layers' saved bytes, but neither B's recompute "
-                "time nor its bytes: the per-rank figures below add the bytes"
+                "activation_checkpointing=auto: schedule=auto weighed the layers plain and checkpointed ('full'), "
+                "the checkpointed candidates' peaks with B's recompute on top of their highest level"
+            )
+        elif opts.activation_checkpointing is not None:
+            notes.append(
+                "schedule=auto searched with the checkpointed layers' saved bytes, not B's recompute bytes: the "
+                "per-rank figures below add them"
             )
     name, spr, m, split, cap = opts.schedule, opts.stages, opts.microbatches(p), opts.split_backward, opts.max_pending_w
     num_stages = p * spr

@@ -365,11 +365,15 @@ def _reference(optimizer=torch.optim.SGD) -> dict:
 
 
 def _fit_checkpointed(rank: int, world: int) -> dict:
-    """auto with and without activation_checkpointing="full": the bytes F saves per layer, as profiled."""
-    saved = {}
+    """auto with and without activation_checkpointing="full": the bytes F saves per layer, as profiled,
+    and whether rank 0 warned that B's recompute was not counted."""
+    saved: dict = {}
     for ac in (None, "full"):
-        profile = _fit_auto(rank, world, "2x1f1b", activation_checkpointing=ac, **FUSED_M4)["profile"]
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            profile = _fit_auto(rank, world, "2x1f1b", activation_checkpointing=ac, **FUSED_M4)["profile"]
         saved[ac] = [c.activation for c in profile.layers[4]]
+        saved[f"warned {ac}"] = any("without the transient of B's recompute" in str(w.message) for w in caught)
     return saved
 
 
@@ -446,6 +450,8 @@ def test_a_limit_nothing_fits_is_refused_before_training_on_every_rank(two_ranks
     out = two_ranks[REFUSED]
     assert out[0] == out[1], "both ranks refuse with the same numbers"
     assert "memory_limit=1000 bytes" in out[0] and "the smallest predicted peak is" in out[0], out[0]
+    # activation_checkpointing=None: one checkpointed profile more says what "full" would hold
+    assert "Checkpointed blocks would not fit either: the smallest predicted peak is then" in out[0], out[0]
 
 
 def test_auto_options_are_checked_at_construction():
@@ -499,6 +505,10 @@ def test_auto_profiles_the_layers_checkpointed(two_ranks):
     (was profiled on the bare layers: activation_checkpointing ignored)."""
     for r in two_ranks[CHECKPOINTED]:
         assert all(c < p for c, p in zip(r["full"], r[None][:-1], strict=False)), r
+    # named by the user, checkpointing is searched without B's recompute bytes (only "auto" measures
+    # them, test_auto_checkpointing.py): rank 0 says so
+    first = two_ranks[CHECKPOINTED][0]
+    assert first["warned full"] and not first["warned None"], first
 
 
 def test_auto_says_when_its_choice_drops_batch_w():

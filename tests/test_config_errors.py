@@ -470,6 +470,11 @@ CASES: dict[str, Case] = {
         ValueError,
         r"memory_limit=0.5 is what schedule='auto' chooses within; with schedule='1f1b' drop it",
     ),
+    "strategy-auto-checkpointing-without-auto": (
+        lambda t: TwoBPStrategy(schedule="1f1b", activation_checkpointing="auto"),
+        ValueError,
+        r"TwoBPStrategy\(schedule='1f1b', activation_checkpointing='auto'\): 'auto' lets schedule='auto' checkpoint",
+    ),
     "strategy-on-nonfinite": (
         lambda t: TwoBPStrategy(on_nonfinite="ignore"),
         ValueError,

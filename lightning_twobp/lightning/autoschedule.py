@@ -30,6 +30,16 @@ Under ``data_parallel="shard"`` a layer's fixed bytes are what one replica holds
 unsharded from a step's first F to its last W (:func:`sharded_fixed`). With fp32 AdamW that is
 16 / dp + 8 bytes a parameter against replicated's 16: nothing saved at dp = 2, a quarter at dp = 4.
 
+With ``activation_checkpointing="auto"`` the layers are profiled twice, plain and checkpointed
+``"full"`` (wrapped as the strategy wraps them for training, and unwrapped after), and the search
+weighs both (:func:`~lightning_twobp.schedules.auto.search_profiles`): the choice is checkpointed only
+where that is the fastest within the limit, in practice where nothing plain fits. A checkpointed
+candidate's peak includes B's transient recompute of one layer, from the two profiles' difference
+(:func:`~lightning_twobp.schedules.auto.with_recompute`). With ``activation_checkpointing=None`` a
+limit nothing fits costs one checkpointed profile more, so that the refusal says whether checkpointed
+blocks would fit; with ``"full"``, ``"selective"`` or ``k`` only the checkpointed profile is measured
+and the recompute's transient is not counted (a warning says so).
+
 Profiling leaves no trace: the random state is forked around it, buffers are put back and the
 gradients it made are dropped.
 """
@@ -48,7 +58,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 
 from lightning_twobp.engine.footprint import LayerFootprint, layer_cost, measure_layer, storage_key
@@ -60,6 +70,7 @@ from lightning_twobp.partition import partition
 from lightning_twobp.private import pytree
 from lightning_twobp.schedules.auto import (
     AutoChoice,
+    Candidate,
     LayerCost,
     Profile,
     choose,
@@ -67,7 +78,9 @@ from lightning_twobp.schedules.auto import (
     fused_1f1b_peak,
     resolve_limit,
     search,
+    search_profiles,
     size,
+    with_recompute,
 )
 
 log = logging.getLogger(__name__)
@@ -291,6 +304,75 @@ def _partitions(layers: list[nn.Module], p: int, balance: Any, weights: list[flo
     return out
 
 
+@dataclasses.dataclass(frozen=True)
+class _Profiler:
+    """What profiling the layers needs, for each way of running them (:meth:`profile`)."""
+
+    runner: StepRunner
+    layers: list[nn.Module]
+    trainer: Any
+    batch: Any
+    counts: list[int]
+    device: torch.device
+    precision: Any
+    pp_group: Any
+    num_ranks: int
+    balance: Any
+    repeats: int
+    shard_over: int
+    optimizer: list[float]  # each layer's optimizer-state bytes
+    checkpoint: Callable[[Any], Callable[[], None]] | None  # wraps the layers in a mode; returns the undo
+
+    @property
+    def fitting(self) -> bool:
+        return bool(self.trainer.state.fn == TrainerFn.FITTING)
+
+    def profile(self, mode: str | int | None) -> Profile:
+        """The layers run as ``activation_checkpointing=mode`` says (wrapped for the profile only):
+        measured, agreed by every rank, one :class:`Profile`."""
+        undo = self.checkpoint(mode) if self.checkpoint is not None else (lambda: None)
+        try:
+            with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+                rows = self._rows()
+        finally:
+            undo()
+        table = _agree(torch.tensor(rows, dtype=torch.float64), self.device).tolist()
+        counts = self.counts
+        by_m = {m: tuple(_from_row(r) for r in layer_rows[:-1]) for m, layer_rows in zip(counts, table, strict=True)}
+        loss = (
+            {m: _from_row(layer_rows[-1]) for m, layer_rows in zip(counts, table, strict=True)} if self.fitting else {}
+        )
+        comm = {m: table[i][0][_FIELDS] for i, m in enumerate(counts)}
+        weights = [c.f + c.b + c.w for c in by_m[counts[-1]]]
+        partitions = _partitions(self.layers, self.num_ranks, self.balance, weights)
+        return Profile(self.num_ranks, by_m, partitions, comm, loss, checkpointing=mode)
+
+    def _rows(self) -> list[list[list[float]]]:
+        """This rank's table: per micro-batch count, a row per layer and one for the loss (each row's
+        last number: one message's seconds). Buffers are put back after."""
+        device, repeats = self.device, self.repeats
+        buffers = [(b, b.clone()) for layer in self.layers for b in layer.buffers()]
+        rows = []
+        with self.precision.forward_context():
+            for m in self.counts:
+                x = block_inputs(self.runner, self.layers, self.trainer, self.batch, m, device)
+                costs, largest, out = _profile_layers(self.layers, x, device, repeats)
+                costs = [dataclasses.replace(c, optimizer=o) for c, o in zip(costs, self.optimizer, strict=True)]
+                if self.shard_over > 1:
+                    name = str(getattr(self.precision, "precision", "32-true"))
+                    costs = [
+                        sharded_fixed(c, q, self.shard_over, name) for c, q in zip(costs, self.layers, strict=True)
+                    ]
+                # the last row: the loss (training only: validation and prediction steps return no loss)
+                costs.append(_profile_loss(self.runner, out, device, repeats) if self.fitting else LayerCost())
+                seconds = _message_seconds(largest, self.pp_group, device, repeats)
+                rows.append([[getattr(c, f) for f in LayerCost.__dataclass_fields__] + [seconds] for c in costs])
+        with torch.no_grad():
+            for b, saved in buffers:
+                b.copy_(saved)
+        return rows
+
+
 def auto_schedule(
     runner: StepRunner,
     layers: list[nn.Module],
@@ -305,10 +387,16 @@ def auto_schedule(
     split_backward: bool | None = None,
     repeats: int = 2,
     shard_over: int = 1,
+    checkpointing: Sequence[str | int | None] = (None,),
+    checkpoint: Callable[[Any], Callable[[], None]] | None = None,
 ) -> tuple[AutoChoice, Profile]:
-    """Profile, agree, search and log (see the module docstring); the same answer on every rank.
-    ``shard_over``: the data-parallel replicas a stage is sharded over (``data_parallel="shard"``; 1:
-    replicated, each replica holding its stages whole)."""
+    """Profile, agree, search and log (see the module docstring); the same answer on every rank, and the
+    profile of the choice. ``shard_over``: the data-parallel replicas a stage is sharded over
+    (``data_parallel="shard"``; 1: replicated, each replica holding its stages whole).
+    ``checkpointing``: the ways of running the layers to weigh, one profile each
+    (``activation_checkpointing="auto"``: ``(None, "full")``); ``checkpoint(mode)`` wraps the layers so
+    and returns the undo (None: they are profiled as they are). ``memory_limit="1f1b"`` is fused 1F1B's
+    peak in the first way."""
     if not isinstance(runner.contract, SequentialContract):
         raise ValueError(
             f"schedule='auto' times the layers of an nn.Sequential one by one; {runner.contract.name} is pipelined "
@@ -316,38 +404,51 @@ def auto_schedule(
         )
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         batch = first_batch(trainer)
-        n = batch_size(batch)
-        counts = [num_microbatches] if num_microbatches else _divisors(n, 4 * num_ranks)
-        fitting = trainer.state.fn == TrainerFn.FITTING
         optimizer = _optimizer_bytes(runner.module, trainer, layers)
-        buffers = [(b, b.clone()) for layer in layers for b in layer.buffers()]
-        rows = []
-        with precision.forward_context():
-            for m in counts:
-                x = block_inputs(runner, layers, trainer, batch, m, device)
-                costs, largest, out = _profile_layers(layers, x, device, repeats)
-                costs = [dataclasses.replace(c, optimizer=o) for c, o in zip(costs, optimizer, strict=True)]
-                if shard_over > 1:
-                    name = str(getattr(precision, "precision", "32-true"))
-                    costs = [sharded_fixed(c, q, shard_over, name) for c, q in zip(costs, layers, strict=True)]
-                # the last row: the loss (training only: validation and prediction steps return no loss)
-                costs.append(_profile_loss(runner, out, device, repeats) if fitting else LayerCost())
-                seconds = _message_seconds(largest, pp_group, device, repeats)
-                rows.append([[getattr(c, f) for f in LayerCost.__dataclass_fields__] + [seconds] for c in costs])
-        with torch.no_grad():
-            for b, saved in buffers:
-                b.copy_(saved)
-    table = _agree(torch.tensor(rows, dtype=torch.float64), device).tolist()
-    by_m = {m: tuple(_from_row(r) for r in layer_rows[:-1]) for m, layer_rows in zip(counts, table, strict=True)}
-    loss = {m: _from_row(layer_rows[-1]) for m, layer_rows in zip(counts, table, strict=True)} if fitting else {}
-    comm = {m: table[i][0][_FIELDS] for i, m in enumerate(counts)}
-    weights = [c.f + c.b + c.w for c in by_m[counts[-1]]]
-    profile = Profile(num_ranks, by_m, _partitions(layers, num_ranks, balance, weights), comm, loss)
-    limit = resolve_limit(memory_limit, device_bytes(device), fused_1f1b_peak(profile))
-    candidates = search(profile, split_backward=split_backward, max_caps=2 * num_ranks)
-    choice = choose(candidates, limit)
+    counts = [num_microbatches] if num_microbatches else _divisors(batch_size(batch), 4 * num_ranks)
+    profiler = _Profiler(
+        runner,
+        layers,
+        trainer,
+        batch,
+        counts,
+        device,
+        precision,
+        pp_group,
+        num_ranks,
+        balance,
+        repeats,
+        shard_over,
+        optimizer,
+        checkpoint,
+    )
+    profiles = _recomputed([profiler.profile(mode) for mode in checkpointing])
+    limit = resolve_limit(memory_limit, device_bytes(device), fused_1f1b_peak(profiles[0]))
+    options: dict[str, Any] = {"split_backward": split_backward, "max_caps": 2 * num_ranks}
+    candidates = search_profiles(profiles, **options)
+    unsearched: tuple[Candidate, ...] = ()
+    if tuple(checkpointing) == (None,) and checkpoint is not None and all(c.peak > limit for c in candidates):
+        # refused: what checkpointed blocks would hold, so the message says whether they would help (every
+        # rank comes here, from the one agreed table, so the profile's all-reduce is met)
+        unsearched = search(with_recompute(profiler.profile("full"), profiles[0]), **options)
+    choice = choose(candidates, limit, unsearched)
     rank_zero_info("twobp: " + format_choice(choice))
+    profile = next(p for p in profiles if p.checkpointing == choice.best.checkpointing)
+    if choice.best.checkpointing is not None and not profile.recompute:
+        rank_zero_warn(
+            f"schedule='auto' chose {choice.best.label} from the checkpointed layers' saved bytes, without the "
+            f"transient of B's recompute (one layer's activations at a time, with what B has made for W): leave "
+            f"that much headroom in memory_limit, or pass activation_checkpointing='auto', whose search counts it"
+        )
     return choice, profile
+
+
+def _recomputed(profiles: list[Profile]) -> list[Profile]:
+    """The checkpointed profiles with their layers' recompute bytes, where a plain profile gives them."""
+    plain = next((p for p in profiles if p.checkpointing is None), None)
+    if plain is None:
+        return profiles
+    return [p if p.checkpointing is None else with_recompute(p, plain) for p in profiles]
 
 
 class SavedBytes:

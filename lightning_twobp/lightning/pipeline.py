@@ -291,19 +291,21 @@ def _partition(strategy: TwoBPStrategy, runner: StepRunner, layers: list[nn.Modu
 
 def _choose(strategy: TwoBPStrategy, runner: StepRunner, contract: Any, trainer: Any) -> list[int]:
     """``schedule="auto"``: profile and search once (the first Trainer call), then run the choice as if
-    the user had named it (``strategy.options``); returns the choice's layers per stage. The layers are
-    profiled checkpointed as they will run (``activation_checkpointing``, a Hugging Face switch)."""
+    the user had named it (``strategy.options``, its ``activation_checkpointing`` applied in
+    :func:`_call_scope`); returns the choice's layers per stage. The layers are profiled checkpointed as
+    they will run (``activation_checkpointing``, a Hugging Face switch); with ``"auto"`` both plain and
+    ``"full"``, each wrapped for its profile only."""
     req = strategy.requested
     if strategy.auto_choice is None:
         assert req.memory_limit is not None  # PipelineOptions requires it with schedule="auto"
         layers = contract.layers()
-        undo = apply_activation_checkpointing(
-            list(enumerate(layers)), req.activation_checkpointing, strategy.lightning_module, contract
-        )
-        try:
-            strategy.auto_choice, strategy.auto_profile = _search(strategy, runner, layers, trainer)
-        finally:
-            undo()
+
+        def checkpoint(mode: str | int | None) -> Callable[[], None]:
+            return apply_activation_checkpointing(list(enumerate(layers)), mode, strategy.lightning_module, contract)
+
+        ac = req.activation_checkpointing
+        modes = (None, "full") if ac == "auto" else (ac,)
+        strategy.auto_choice, strategy.auto_profile = _search(strategy, runner, layers, trainer, modes, checkpoint)
     assert strategy.auto_profile is not None
     best = strategy.auto_choice.best
     strategy.options = req.chosen(best)
@@ -320,8 +322,16 @@ def _say_dropped(req: PipelineOptions, chosen: PipelineOptions, label: str) -> N
         )
 
 
-def _search(strategy: TwoBPStrategy, runner: StepRunner, layers: list[nn.Module], trainer: Any) -> tuple:
-    """:func:`auto_schedule` with the strategy's options: (choice, profile)."""
+def _search(
+    strategy: TwoBPStrategy,
+    runner: StepRunner,
+    layers: list[nn.Module],
+    trainer: Any,
+    modes: tuple[str | int | None, ...],
+    checkpoint: Callable[[Any], Callable[[], None]],
+) -> tuple:
+    """:func:`auto_schedule` with the strategy's options, weighing the layers run each way of ``modes``:
+    (choice, the choice's profile)."""
     req = strategy.requested
     assert req.memory_limit is not None
     return auto_schedule(
@@ -337,6 +347,8 @@ def _search(strategy: TwoBPStrategy, runner: StepRunner, layers: list[nn.Module]
         req.num_microbatches,
         None if req.split_backward else False,
         shard_over=strategy.layout.dp_degree if req.data_parallel == "shard" else 1,
+        checkpointing=modes,
+        checkpoint=checkpoint,
     )
 
 

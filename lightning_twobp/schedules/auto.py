@@ -11,6 +11,13 @@ names the smallest peak that would fit. This is the search the Zero Bubble autho
 work (Qi et al., NeurIPS 2024, §4) runs by hand over V-Min / V-Half / ZB-V and their Megatron fork's
 ``--zero-bubble-max-pending-backward``, made one call.
 
+Activation checkpointing is a third knob (``activation_checkpointing="auto"``): one profile per way the
+layers run (plain, checkpointed), searched together (:func:`search_profiles`). A checkpointed candidate
+saves less from F to B and takes longer in B (its recompute), so the fastest within the limit is a
+checkpointed one only where nothing plain fits, or fits as fast. Its peak adds B's transient recompute
+of one layer (``Profile.recompute``) on top of the rank's highest level: an upper bound, as the planner
+counts it (``twobp-plan``), which adds it to the level before each B.
+
 A step's time is the makespan of one iteration; for the schedules whose consecutive steps overlap
 (``ScheduleSpec.overlaps``: the strategy's post-validation default) it is the steady-state period
 of back-to-back iterations, what such a schedule costs per step in training.
@@ -20,7 +27,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from .ir import Schedule
@@ -42,8 +49,10 @@ __all__ = [
     "fused_1f1b_peak",
     "resolve_limit",
     "search",
+    "search_profiles",
     "size",
     "stage_cost",
+    "with_recompute",
 ]
 
 MiB = 2**20
@@ -160,13 +169,18 @@ class Profile:
     of ``m`` micro-batches per step; ``partitions[v]`` the layers per stage with ``v`` stages per rank
     (``num_ranks * v`` stages); ``comm[m]`` the seconds of one message between stages at that size;
     ``loss[m]`` the loss on the last stage's output, one layer more of the last stage (what it saves
-    from F to B: the logits' log-softmax, the targets), where it was measured."""
+    from F to B: the logits' log-softmax, the targets), where it was measured. ``checkpointing``: how
+    the layers ran when measured (``activation_checkpointing``'s value, None: plain), which every
+    candidate of this profile carries; ``recompute[m]`` each layer's bytes B's recompute holds on top of
+    what F saved (0 where a layer is not checkpointed; empty: not counted, see :func:`with_recompute`)."""
 
     num_ranks: int
     layers: Mapping[int, Sequence[LayerCost]]
     partitions: Mapping[int, Sequence[int]]
     comm: Mapping[int, float] = field(default_factory=dict)
     loss: Mapping[int, LayerCost] = field(default_factory=dict)
+    checkpointing: str | int | None = None
+    recompute: Mapping[int, Sequence[float]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.layers:
@@ -215,7 +229,7 @@ class Profile:
 class Candidate:
     """One point of the search: a schedule at ``num_microbatches`` with a deferral cap (None: none),
     its predicted seconds per step and peak bytes per rank (of those, ``optimizer_bytes`` per rank are
-    the optimizer's state)."""
+    the optimizer's state), with the layers checkpointed as ``checkpointing`` says (None: plain)."""
 
     name: str
     split_backward: bool
@@ -227,6 +241,7 @@ class Candidate:
     schedule: Schedule = field(repr=False, compare=False)
     sim: SimResult = field(repr=False, compare=False)
     optimizer_bytes: tuple[float, ...] = ()
+    checkpointing: str | int | None = None
 
     @property
     def peak(self) -> float:
@@ -247,7 +262,8 @@ class Candidate:
     @property
     def label(self) -> str:
         cap = "" if self.max_pending_w is None else f", max_pending_w={self.max_pending_w}"
-        return f"{schedule_label(self.name, self.split_backward)} (m={self.num_microbatches}{cap})"
+        ac = "" if self.checkpointing is None else f", activation_checkpointing={self.checkpointing!r}"
+        return f"{schedule_label(self.name, self.split_backward)} (m={self.num_microbatches}{cap}{ac})"
 
 
 @dataclass(frozen=True)
@@ -324,8 +340,57 @@ def search(
                     sim = simulate(schedule, costs, iterations=2 if spec.overlaps else 1)
                     step = sim.period if spec.overlaps else sim.makespan
                     opt = _per_rank(schedule, profile.stages(m, v))
-                    out.append(Candidate(name, split, m, v, k, step, sim.peak_bytes, schedule, sim, opt))
+                    peak = _plus_recompute(sim.peak_bytes, schedule, _stage_recompute(profile, m, v, split))
+                    ac = profile.checkpointing
+                    out.append(Candidate(name, split, m, v, k, step, peak, schedule, sim, opt, ac))
     return tuple(out)
+
+
+def search_profiles(profiles: Iterable[Profile], **options: Any) -> tuple[Candidate, ...]:
+    """:func:`search` over each profile (one per way the layers run: plain, checkpointed), as one list:
+    :func:`choose` then weighs them together."""
+    return tuple(c for profile in profiles for c in search(profile, **options))
+
+
+def with_recompute(checkpointed: Profile, plain: Profile) -> Profile:
+    """``checkpointed`` with each layer's recompute bytes: what the same layer saves run plain, less what
+    it saves checkpointed (its input), at each micro-batch count both profiles hold."""
+    recompute = {
+        m: tuple(max(0.0, p.activation - c.activation) for p, c in zip(plain.layers[m], rows, strict=True))
+        for m, rows in checkpointed.layers.items()
+        if m in plain.layers
+    }
+    return replace(checkpointed, recompute=recompute)
+
+
+def _stage_recompute(profile: Profile, m: int, v: int, split: bool) -> tuple[float, ...]:
+    """The most each stage's B (or fused BW) holds at once while it recomputes its layers, one at a time
+    from the last: a layer's recompute plus, under the split, what B has already made for the W of the
+    checkpointed layers after it (their ``held``). The first stage's B is a plain backward (no input
+    gradient): one layer's recompute at a time. All zero without ``profile.recompute[m]``."""
+    sizes = profile.partitions[v]
+    extras = profile.recompute.get(m)
+    if not extras:
+        return (0.0,) * len(sizes)
+    out, start = [], 0
+    for s, n in enumerate(sizes):
+        pairs = [
+            (e, c.held) for e, c in zip(extras[start : start + n], profile.layers[m][start : start + n], strict=True)
+        ]
+        most = made = 0.0
+        for extra, kept_for_w in reversed(pairs):
+            if extra:
+                most = max(most, made + extra if split and s > 0 else extra)
+                made += kept_for_w
+        out.append(most)
+        start += n
+    return tuple(out)
+
+
+def _plus_recompute(peaks: tuple[float, ...], schedule: Schedule, stages: Sequence[float]) -> tuple[float, ...]:
+    """Each rank's peak plus the largest recompute of its stages: on top of its highest level, an upper
+    bound on what it holds while a B recomputes."""
+    return tuple(p + max((stages[s] for s in schedule.stages_of(r)), default=0.0) for r, p in enumerate(peaks))
 
 
 def _per_rank(schedule: Schedule, stages: Sequence[StageCost]) -> tuple[float, ...]:
@@ -392,24 +457,46 @@ def fused_1f1b_peak(profile: Profile) -> float | None:
     return max(simulate(schedule, profile.costs(m, 1)).peak_bytes)
 
 
-def choose(candidates: Sequence[Candidate], limit: float) -> AutoChoice:
+def choose(candidates: Sequence[Candidate], limit: float, unsearched: Sequence[Candidate] = ()) -> AutoChoice:
     """The fastest candidate whose peak is within ``limit`` (ties: the smaller peak, then the order of
-    ``candidates``); :class:`NoScheduleFits` naming the smallest peak when none is."""
+    ``candidates``); :class:`NoScheduleFits` naming the smallest peak when none is. ``unsearched``: the
+    candidates with checkpointed layers when the user's ``activation_checkpointing`` did not allow them
+    (None), never chosen: a refusal says what they would hold."""
     if not candidates:
         raise ValueError("schedule='auto' has no candidate: no schedule accepts these stage and micro-batch counts")
     fits = [c for c in candidates if c.peak <= limit]
     if not fits:
         smallest = min(candidates, key=lambda c: (c.peak, c.step_time))
+        hint = _checkpointing_hint(candidates, unsearched, limit)
         raise NoScheduleFits(
             f"memory_limit={limit:.0f} bytes ({size(limit)}) per device: no schedule fits; the smallest "
             f"predicted peak is {smallest.peak:.0f} bytes ({size(smallest.peak)}){smallest.optimizer_note()}, "
             f"{smallest.label}. "
             f"Raise memory_limit to at least {math.ceil(smallest.peak)} bytes, or use more pipeline ranks or "
-            f"smaller micro-batches (a larger batch divides into more)",
+            f"smaller micro-batches (a larger batch divides into more){hint}",
             smallest,
         )
     best = min(fits, key=lambda c: (c.step_time, c.peak))
     return AutoChoice(best, limit, tuple(candidates))
+
+
+def _checkpointing_hint(candidates: Sequence[Candidate], unsearched: Sequence[Candidate], limit: float) -> str:
+    """A refusal's last words on activation checkpointing: nothing when the search weighed it already; the
+    smallest peak with checkpointed layers when it is known (``unsearched``); else the option to try."""
+    if any(c.checkpointing is not None for c in candidates):
+        return ""
+    if not unsearched:
+        return (
+            ", or let schedule='auto' checkpoint the blocks where nothing fits without: activation_checkpointing='auto'"
+        )
+    ac = min(unsearched, key=lambda c: (c.peak, c.step_time))
+    known = f"{ac.peak:.0f} bytes ({size(ac.peak)}), {ac.label}"
+    if ac.peak <= limit:
+        return (
+            f". With checkpointed blocks it would fit: the smallest predicted peak is then {known}; pass "
+            f"activation_checkpointing='auto' to let schedule='auto' checkpoint them where nothing fits without"
+        )
+    return f". Checkpointed blocks would not fit either: the smallest predicted peak is then {known}"
 
 
 def format_choice(choice: AutoChoice, max_actions: int = 64, unit: str = "s") -> str:
