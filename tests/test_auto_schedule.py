@@ -511,6 +511,18 @@ def test_auto_profiles_the_layers_checkpointed(two_ranks):
     assert first["warned full"] and not first["warned None"], first
 
 
+@pytest.mark.dist
+def test_the_agreed_table_carries_each_layers_fused_backward(two_ranks):
+    """Every layer's and the loss's measured BW crosses the all-reduce: both ranks read the same positive
+    seconds, which price the fused schedules (tests/test_auto_split_price.py)."""
+    results = two_ranks[f"{TRAINS}[1f1b]"]
+    seen = [
+        [c.bw for m in sorted(r["profile"].layers) for c in (*r["profile"].layers[m], r["profile"].loss[m])]
+        for r in results
+    ]
+    assert seen[0] == seen[1] and all(bw is not None and bw > 0 for bw in seen[0]), seen
+
+
 def test_auto_says_when_its_choice_drops_batch_w():
     from lightning_twobp.lightning.pipeline import _say_dropped
     from lightning_twobp.options import PipelineOptions

@@ -25,7 +25,7 @@ objects) come with them.
 **auto**, a third contender, is ``schedule="auto"``'s search (:func:`lightning_twobp.schedules.auto.search`
 and ``choose``) without a look at the measurements above: every layer and the loss of the workload are
 measured once in this process on one thread (:func:`workload_profile`: bytes F saves, B leaves for W,
-F / B / W thread seconds), with as fixed bytes what a contender adds above the built model (gradients,
+F / B / W / fused BW thread seconds), with as fixed bytes what a contender adds above the built model (gradients,
 AdamW's two moments), no link time. Budget ``x`` is given to it as the strategy's ``memory_limit="<x>x1f1b"``
 reads it, ``x`` times fused 1F1B's *predicted* peak at the baseline's m; its pick, the order it built
 at those costs, then runs like every contender, and the table sets its measured peak against the
@@ -201,9 +201,10 @@ def _fastest_within(rows: list[dict], base: dict) -> list[dict]:
 
 def workload_profile(wl: Workload, counts: tuple[int, ...], repeats: int = 3) -> Profile:
     """The search's :class:`~lightning_twobp.schedules.auto.Profile` of ``wl`` at ``counts`` micro-batches:
-    every layer and the loss on one thread (:func:`~lightning_twobp.bench.memory_model.layer_costs`), cut
-    as the runs cut it (the loss joins the last stage), with as fixed bytes what a contender adds above
-    the built model: a gradient per weight (``fixed``) and AdamW's two moments (``optimizer``)."""
+    every layer and the loss on one thread (:func:`~lightning_twobp.bench.memory_model.layer_costs`: F, B,
+    W and the fused BW, so that the search sees what the split costs), cut as the runs cut it (the loss
+    joins the last stage), with as fixed bytes what a contender adds above the built model: a gradient
+    per weight (``fixed``) and AdamW's two moments (``optimizer``)."""
     kw = (("vocab_size", wl.vocab), ("dim", wl.dim), ("n_layers", wl.layers), ("n_heads", wl.heads))
     pm = PaperModel("llama", "Transformer-7b", (*kw, ("max_seq_len", wl.seq)), wl.batch, wl.seq, wl.layers)
     threads = torch.get_num_threads()

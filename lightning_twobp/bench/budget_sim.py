@@ -6,8 +6,8 @@ paper's four models, from their layers' measured costs.
 The 2BP paper's four model families as ``--paper`` builds them (:func:`lightning_twobp.bench.paper.models`),
 with 16 blocks each (ResNet-50's layout has 16; the transformers and Mamba are given 16 so that a V
 cuts p = 8 ranks into 16 stages), a global batch of 64. Every layer and the loss is measured once, in
-this one process on one thread (:func:`lightning_twobp.bench.memory_model.layer_costs`: F, B and W
-in the thread's CPU seconds, median of 3 after a warm-up, so that other processes on the machine do
+this one process on one thread (:func:`lightning_twobp.bench.memory_model.layer_costs`: F, B, W and
+the fused BW in the thread's CPU seconds, median of 3 after a warm-up, so that other processes on the machine do
 not count; and the bytes F saves, B leaves for W, and the output), at the micro-batch sizes of m = p,
 2p and 4p. Then, for p = 4 and 8 (comm = 0: one process cannot time a
 link):

@@ -134,9 +134,9 @@ def layer_costs(
     pm: PaperModel, size: int, repeats: int = 1, clock: Callable[[], float] | None = None
 ) -> tuple[LayerCost, ...]:
     """Every layer of ``pm`` and its loss on one micro-batch of ``size`` samples, one after the other on
-    this process's thread: the bytes (the module docstring), the median F, B and W seconds of
-    ``repeats`` runs after a warm-up by ``clock`` (default: wall time), and as fixed bytes its weights,
-    gradients and AdamW's moments."""
+    this process's thread: the bytes (the module docstring), the median F, B, W and fused BW seconds of
+    ``repeats`` runs after a warm-up by ``clock`` (default: wall time; BW lets the search price the
+    split), and as fixed bytes its weights, gradients and AdamW's moments."""
     layers, loss_fn = pm.build()
     x, y = pm.data()
     t: torch.Tensor = x[:size]

@@ -1,9 +1,11 @@
 """What one micro-batch of one layer costs under the split backward: the bytes its F saves, the bytes
-it holds from B to W, and (given a clock) the seconds of its F, B and W.
+it holds from B to W, and (given a clock) the seconds of its F, B and W, and of the fused backward BW
+that a fused schedule runs instead of B and W.
 
-The layer runs as a real :class:`~.stage.Stage` (F, then B, then W), so the split is the one the
-executor makes. ``twobp-plan`` calls it on the ``meta`` device (shapes only, no compute: bytes without
-seconds); ``schedule="auto"`` on the training device before the first step (both).
+The layer runs as a real :class:`~.stage.Stage` (F, then B, then W; with a clock, F again and BW), so
+the split is the one the executor makes. ``twobp-plan`` calls it on the ``meta`` device (shapes only,
+no compute: bytes without seconds); ``schedule="auto"`` on the training device before the first step
+(both).
 
 * **activation** (the Zero Bubble paper's M_B): the distinct storages autograd saves in F, the layer's
   parameters (and views of them) excluded, since they live anyway;
@@ -47,7 +49,7 @@ class LayerFootprint:
     graph_kept: bool
     saved_input: int  # bytes of the input, when the layer saves it (0 otherwise)
     saves_output: bool  # whether the layer saves its own output (a ReLU does, a Linear does not)
-    seconds: tuple[float, float, float] = (0.0, 0.0, 0.0)  # F, B, W (zeros without a clock)
+    seconds: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)  # F, B, W, BW (zeros without a clock)
     output: torch.Tensor | None = field(default=None, repr=False, compare=False)  # F's output, detached
     grad_output_held: int = 0  # bytes of the output's gradient, when W keeps it (a last Linear's input)
     input_held: int = 0  # bytes of the input, when W keeps it (a first Linear's operand)
@@ -56,11 +58,13 @@ class LayerFootprint:
 def measure_layer(
     layer: nn.Module, x: torch.Tensor, needs_input_grad: bool, clock: Callable[[], float] | None = None
 ) -> LayerFootprint:
-    """One micro-batch ``x`` through ``layer`` as a :class:`Stage`: F, B (from a gradient of ones), W.
+    """One micro-batch ``x`` through ``layer`` as a :class:`Stage`: F, B (from a gradient of ones), W;
+    with a ``clock``, then F once more and the fused backward BW from the same gradient, timed (the
+    bytes are all the first F's and B's). Without one (the meta planner) BW is not run: nothing to time.
 
-    Gradients accumulate into the layer's parameters as in training: the caller clears them. With
-    ``needs_input_grad=False`` (the first stage, fed ids or images) B runs the whole backward and W
-    nothing, as in the executor.
+    Gradients accumulate into the layer's parameters as in training, so with a clock they hold two
+    micro-batches' (the split's and BW's): the caller clears them. With ``needs_input_grad=False`` (the
+    first stage, fed ids or images) B runs the whole backward and W nothing, as in the executor.
     """
     now = clock or (lambda: 0.0)
     params = {storage_key(q) for q in layer.parameters()}
@@ -83,7 +87,7 @@ def measure_layer(
     saves_output = storage_key(out) in saved
     shape = (tuple(out.shape), out.dtype)
     if not out.requires_grad:
-        return LayerFootprint(*shape, act, 0, False, saved_input, saves_output, (t1 - t0, 0.0, 0.0), out.detach())
+        return LayerFootprint(*shape, act, 0, False, saved_input, saves_output, (t1 - t0, 0.0, 0.0, 0.0), out.detach())
     g_out = torch.ones_like(out)
     stage.backward_input(0, g_out)
     t2 = now()
@@ -102,25 +106,41 @@ def measure_layer(
     t2b = now()  # reading what B left is bookkeeping, not W
     stage.backward_weight(0)
     t3 = now()
-    seconds = (t1 - t0, t2 - t1, t3 - t2b)
+    bw = 0.0 if clock is None else _fused_seconds(stage, inp, now)
+    seconds = (t1 - t0, t2 - t1, t3 - t2b, bw)
     return LayerFootprint(
         *shape, act, sum(held.values()), kept, saved_input, saves_output, seconds, out.detach(), grad_out, inp_held
     )
+
+
+def _fused_seconds(stage: Stage, inp: torch.Tensor, now: Callable[[], float]) -> float:
+    """Seconds of one fused backward (BW) of ``inp`` through ``stage``, after an untimed second F: what
+    a fused schedule runs where a split one runs B and W."""
+    out = stage.forward(0, inp)
+    g_out = torch.ones_like(out)
+    t0 = now()
+    stage.backward(0, g_out)
+    return now() - t0
 
 
 def layer_cost(
     fp: LayerFootprint, fixed: float, seconds: tuple[float, float, float] | None = None, scale: float = 1.0
 ) -> LayerCost:
     """The footprint as the search's pure :class:`~lightning_twobp.schedules.auto.LayerCost`, with the
-    layer's ``fixed`` bytes, ``seconds`` of F, B and W (default: the measured ones), and the saved bytes
-    times ``scale`` (a layer measured in fp32 standing in for half-precision activations: 0.5)."""
-    f, b, w = fp.seconds if seconds is None else seconds
+    layer's ``fixed`` bytes, ``seconds`` of F, B and W (default: the measured ones, and the measured
+    fused BW; given ones are an estimate, whose BW is taken as B + W), and the saved bytes times
+    ``scale`` (a layer measured in fp32 standing in for half-precision activations: 0.5)."""
+    if seconds is None:
+        f, b, w, bw = fp.seconds
+        fused: float | None = bw
+    else:
+        (f, b, w), fused = seconds, None
     out_bytes = math.prod(fp.out_shape) * fp.out_dtype.itemsize
     act, held, inp, out, g, i = (
         scale * x
         for x in (fp.activation_bytes, fp.held_bytes, fp.saved_input, out_bytes, fp.grad_output_held, fp.input_held)
     )
-    return LayerCost(f, b, w, act, held, fp.graph_kept, inp, fp.saves_output, fixed, out, g, i)
+    return LayerCost(f, b, w, act, held, fp.graph_kept, inp, fp.saves_output, fixed, out, g, i, bw=fused)
 
 
 def _storages(values: Any, out: dict[int, int]) -> None:

@@ -3,10 +3,11 @@
 Before the first step (as ``balance="time"`` does), every rank runs each pipelined layer on the first
 micro-batch of the first training batch, at each candidate micro-batch count ``m`` (the divisors of
 the batch size up to ``4p``, or the one ``num_microbatches`` the user gave): F, B and W as the real
-split backward runs them (:func:`~lightning_twobp.engine.footprint.measure_layer`), their seconds
-(median of ``repeats`` after a warm-up), the bytes autograd saves from F to B (on CPU: the storages
-its saved-tensor hooks see; the same count on CUDA, where the allocator would add its rounding), the
-bytes held from B to W, and each layer's weights and gradients. Pipeline ranks 0 and 1 time one
+split backward runs them (:func:`~lightning_twobp.engine.footprint.measure_layer`) and the fused
+backward BW a fused schedule runs instead, their seconds (median of ``repeats`` after a warm-up), the
+bytes autograd saves from F to B (on CPU: the storages its saved-tensor hooks see; the same count on
+CUDA, where the allocator would add its rounding), the bytes held from B to W, and each layer's
+weights and gradients. Pipeline ranks 0 and 1 time one
 message of the largest layer output. One all-reduce (max) gives every rank the same table, so every
 rank makes the same choice: ranks that searched on their own timings could pick different schedules
 and deadlock. The search itself is :mod:`lightning_twobp.schedules.auto` (pure data).
@@ -114,12 +115,12 @@ def timed_footprint(
     clock: Callable[[], float] | None = None,
 ) -> LayerFootprint:
     """:func:`~lightning_twobp.engine.footprint.measure_layer` ``repeats`` (>= 1) times after a warm-up:
-    bytes from the last run, each phase's median seconds by ``clock`` (default: wall time, after a
-    device sync). Gradients accumulate: the caller clears them."""
+    bytes from the last run, each phase's median seconds (F, B, W and the fused BW) by ``clock``
+    (default: wall time, after a device sync). Gradients accumulate: the caller clears them."""
     tick = clock or (lambda: now(device))
     runs = [measure_layer(layer, x, needs, clock=tick) for _ in range(repeats + 1)][1:]
-    f, b, w = (statistics.median(r.seconds[i] for r in runs) for i in range(3))
-    return dataclasses.replace(runs[-1], seconds=(f, b, w))
+    f, b, w, bw = (statistics.median(r.seconds[i] for r in runs) for i in range(4))
+    return dataclasses.replace(runs[-1], seconds=(f, b, w, bw))
 
 
 def _state_copies(opt: torch.optim.Optimizer, group: dict) -> tuple[int, int] | None:
@@ -276,8 +277,19 @@ def _message_seconds(nbytes: float, group: Any, device: torch.device, repeats: i
     return statistics.median(times[1:])
 
 
+def _to_row(cost: LayerCost) -> list[float]:
+    """A layer's row of the agreed table: its fields in order, a bool as 0 or 1, and a ``bw`` not measured
+    as ``b + w``, which is what None means (a number for the all-reduce, and the max of the ranks' BWs
+    either way: no NaN to propagate or sentinel to outrank)."""
+    fields = {f: getattr(cost, f) for f in LayerCost.__dataclass_fields__}
+    if cost.bw is None:
+        fields["bw"] = cost.b + cost.w
+    return [float(v) for v in fields.values()]
+
+
 def _from_row(row: Sequence[float]) -> LayerCost:
-    """A layer's row of the agreed table (its bools went through it as 0 and 1)."""
+    """A layer's row of the agreed table (its bools went through it as 0 and 1; ``bw`` always a number:
+    :func:`_to_row`)."""
     fields = LayerCost.__dataclass_fields__.values()
     pairs = zip(fields, row[:_FIELDS], strict=True)
     kw: dict[str, Any] = {f.name: bool(v) if f.type == "bool" else v for f, v in pairs}
@@ -366,7 +378,7 @@ class _Profiler:
                 # the last row: the loss (training only: validation and prediction steps return no loss)
                 costs.append(_profile_loss(self.runner, out, device, repeats) if self.fitting else LayerCost())
                 seconds = _message_seconds(largest, self.pp_group, device, repeats)
-                rows.append([[getattr(c, f) for f in LayerCost.__dataclass_fields__] + [seconds] for c in costs])
+                rows.append([_to_row(c) + [seconds] for c in costs])
         with torch.no_grad():
             for b, saved in buffers:
                 b.copy_(saved)

@@ -18,6 +18,10 @@ checkpointed one only where nothing plain fits, or fits as fast. Its peak adds B
 of one layer (``Profile.recompute``) on top of the rank's highest level: an upper bound, as the planner
 counts it (``twobp-plan``), which adds it to the level before each B.
 
+A fused schedule's backward is timed at the fused BW measured (``LayerCost.bw``), not at B + W: where
+the split costs more than the backward it splits (ResNet's blocks on CPU: 1.49x), a split schedule
+whose saved bubble does not pay for that loses to a fused one, as it does in training.
+
 A step's time is the makespan of one iteration; for the schedules whose consecutive steps overlap
 (``ScheduleSpec.overlaps``: the strategy's post-validation default) it is the steady-state period
 of back-to-back iterations, what such a schedule costs per step in training.
@@ -76,7 +80,9 @@ class LayerCost:
     bytes of its ``output`` and, of ``held``, those of its output's gradient (``grad_output_held``: W
     reads it, as a last Linear's weight gradient does) and of its input (``input_held``: a first
     Linear's), and the bytes of optimizer state its parameters will hold (``optimizer``: AdamW's two
-    moments; fixed too, kept apart so that a refusal can name them)."""
+    moments; fixed too, kept apart so that a refusal can name them); ``bw``: seconds of the fused
+    backward (BW) of the same micro-batch, where measured; None means B + W (a split that costs nothing,
+    what the search assumed before it timed BW)."""
 
     f: float = 0.0
     b: float = 0.0
@@ -91,13 +97,14 @@ class LayerCost:
     grad_output_held: float = 0.0
     input_held: float = 0.0
     optimizer: float = 0.0
+    bw: float | None = None
 
 
 @dataclass(frozen=True)
 class StageCost:
     """A run of layers as one stage (:func:`stage_cost`); ``message``, ``input_saved``, ``grad_held``,
     ``input_held`` and ``output_kept`` as in :class:`~.memory.MemoryCosts`; ``fixed`` includes
-    ``optimizer``."""
+    ``optimizer``; ``bw`` the fused backward's seconds (None: B + W, no layer's was measured)."""
 
     f: float
     b: float
@@ -112,6 +119,14 @@ class StageCost:
     input_held: float = 0.0
     output_kept: float = 0.0
     optimizer: float = 0.0
+    bw: float | None = None
+
+
+def _fused(layers: Sequence[LayerCost]) -> float | None:
+    """The layers' fused backward: each one's measured BW, B + W where one has none; None when none has."""
+    if all(x.bw is None for x in layers):
+        return None
+    return sum(x.b + x.w if x.bw is None else x.bw for x in layers)
 
 
 def stage_cost(layers: Sequence[LayerCost], first: bool) -> StageCost:
@@ -123,7 +138,8 @@ def stage_cost(layers: Sequence[LayerCost], first: bool) -> StageCost:
     drops it once sent, and the memory replay holds it as a message instead). A stage's graph is kept
     from B to W as soon as one layer needs it (one ``retain_graph`` for the stage), and then it holds
     its whole activation plus what W reads. The first stage, fed ids or images (no input gradient), runs
-    its whole backward in B: its W costs nothing and it holds nothing from B to W.
+    its whole backward in B: its W costs nothing and it holds nothing from B to W. The stage's fused
+    backward is its layers' measured BWs summed (``bw``; None when no layer has one).
     """
     if not layers:
         raise ValueError("stage_cost needs one layer at least")
@@ -142,8 +158,16 @@ def stage_cost(layers: Sequence[LayerCost], first: bool) -> StageCost:
     last = layers[-1]
     kept_out = 0.0 if last.saves_output else last.output
     act += kept_out
+    bw = _fused(layers)
     if first:
-        return StageCost(f, b + w, 0.0, act, 0.0, fixed, False, last.output, output_kept=kept_out, optimizer=optimizer)
+        # B runs the stage's whole backward as one fused autograd call (Stage.backward_input with no
+        # input to split off), so with BW measured the split costs nothing here: B is BW, W nothing.
+        # Its layers after the first were timed split (each fed a float input), and their B + W is not
+        # what this B pays. Without BW: B + W, as before.
+        whole = b + w if bw is None else bw
+        return StageCost(
+            f, whole, 0.0, act, 0.0, fixed, False, last.output, output_kept=kept_out, optimizer=optimizer, bw=bw
+        )
     held += act if kept else 0.0
     first_layer = layers[0]
     return StageCost(
@@ -160,6 +184,7 @@ def stage_cost(layers: Sequence[LayerCost], first: bool) -> StageCost:
         first_layer.input_held,
         kept_out,
         optimizer,
+        bw,
     )
 
 
@@ -220,8 +245,15 @@ class Profile:
             input_held=[s.input_held for s in st],
             output_kept=[s.output_kept for s in st],
         )
+        # a stage without a measured BW (none of its layers has one) is priced as B + W, as before
+        bw = None if all(s.bw is None for s in st) else [s.b + s.w if s.bw is None else s.bw for s in st]
         return Costs(
-            f=[s.f for s in st], b=[s.b for s in st], w=[s.w for s in st], comm=self.comm.get(m, 0.0), memory=memory
+            f=[s.f for s in st],
+            b=[s.b for s in st],
+            w=[s.w for s in st],
+            comm=self.comm.get(m, 0.0),
+            memory=memory,
+            bw=bw,
         )
 
 
@@ -242,6 +274,7 @@ class Candidate:
     sim: SimResult = field(repr=False, compare=False)
     optimizer_bytes: tuple[float, ...] = ()
     checkpointing: str | int | None = None
+    costs: Costs | None = field(default=None, repr=False, compare=False)  # the durations it was built and timed at
 
     @property
     def peak(self) -> float:
@@ -342,7 +375,7 @@ def search(
                     opt = _per_rank(schedule, profile.stages(m, v))
                     peak = _plus_recompute(sim.peak_bytes, schedule, _stage_recompute(profile, m, v, split))
                     ac = profile.checkpointing
-                    out.append(Candidate(name, split, m, v, k, step, peak, schedule, sim, opt, ac))
+                    out.append(Candidate(name, split, m, v, k, step, peak, schedule, sim, opt, ac, costs=costs))
     return tuple(out)
 
 
@@ -510,6 +543,7 @@ def format_choice(choice: AutoChoice, max_actions: int = 64, unit: str = "s") ->
     ]
     others = sorted((c for c in choice.fitting if c is not best), key=lambda c: (c.step_time, c.peak))[:3]
     lines += [f"  next: {c.label}: {c.step_time:.4g} {unit}, peak {size(c.peak)}" for c in others]
+    lines += _split_price(choice, unit)
     first = best.sim.iteration_ends[0]
     lines.append(f"simulated timeline ({unit}), {first:.4g} for the first step:")
     for rank in range(best.schedule.num_ranks):
@@ -518,3 +552,24 @@ def format_choice(choice: AutoChoice, max_actions: int = 64, unit: str = "s") ->
         row = [f"{a}@{start:.3g}" for r, a, start, _ in best.sim.timeline if r == rank][:n]
         lines.append(f"  rank {rank}: " + " ".join(row))
     return "\n".join(lines)
+
+
+def _split_price(choice: AutoChoice, unit: str) -> list[str]:
+    """One line when a fused schedule won over split ones that fit: the split's measured (B + W) / BW
+    on the stages that split (the first one's B is its whole backward), and the fastest split's step."""
+    best = choice.best
+    splits = [c for c in choice.fitting if c.split_backward]
+    costs = best.costs
+    stages = range(1, best.schedule.num_stages)
+    if best.split_backward or not splits or costs is None or costs.bw is None or not stages:
+        return []
+    fused = sum(costs.of("BW", s) for s in stages)
+    if fused <= 0:
+        return []
+    ratio = sum(costs.of("B", s) + costs.of("W", s) for s in stages) / fused
+    rival = min(splits, key=lambda c: (c.step_time, c.peak))
+    where = "stage 1" if len(stages) == 1 else f"stages 1-{stages[-1]}"
+    return [
+        f"  fused, not split: the split's measured (B + W) / BW is {ratio:.3g} on {where}; "
+        f"the fastest split, {rival.label}, {rival.step_time:.4g} {unit}"
+    ]

@@ -13,7 +13,8 @@ over its dependencies
 
 (The last two are on the same rank and are already implied by list order in a
 validated schedule.)  Durations: ``F = f``, ``B = b``, ``W = w`` per micro-batch (a W
-batched over ``k`` micro-batches costs ``k * w``), ``BW = b + w``.
+batched over ``k`` micro-batches costs ``k * w``), ``BW = bw``, or ``b + w`` where no ``bw`` is given
+(then the split costs nothing: a measured ``bw`` is what lets a fused schedule win where it does).
 
 By default one call models ONE iteration, from a synchronised start to its last
 action.  ``iterations=k`` models k back-to-back iterations that overlap as far as
@@ -37,7 +38,10 @@ Cost = PerStage
 
 @dataclass(frozen=True)
 class Costs:
-    """Per-action durations; ``f``, ``b``, ``w`` are a number or one number per stage.
+    """Per-action durations; ``f``, ``b``, ``w`` (and ``bw``, when given) are a number or one number per
+    stage.
+
+    ``bw`` is the fused backward's (BW), measured where it is; None means ``b + w``.
 
     ``comm`` is added to a dependency that crosses ranks.  Defaults are the unit
     costs of the Zero Bubble paper's handcrafted analysis (T_F = T_B = T_W).
@@ -50,25 +54,32 @@ class Costs:
     w: Cost = 1.0
     comm: float = 0.0
     memory: MemoryCosts = MemoryCosts()
+    bw: Cost | None = None
+
+    @property
+    def _durations(self) -> tuple[str, ...]:
+        return ("f", "b", "w") if self.bw is None else ("f", "b", "w", "bw")
 
     def __post_init__(self) -> None:
-        store_per_stage(self, "Costs", ("f", "b", "w"))
+        store_per_stage(self, "Costs", self._durations)
         if self.comm < 0:
             raise ValueError(f"Costs.comm must be >= 0, got {self.comm!r}")
 
     def check(self, num_stages: int) -> None:
         """Raise ValueError when a per-stage sequence does not have one value per stage."""
-        check_stage_count(self, "Costs", ("f", "b", "w"), num_stages)
+        check_stage_count(self, "Costs", self._durations, num_stages)
         self.memory.check(num_stages)
 
     @property
     def times(self) -> tuple:
         """The durations alone (what a builder's timing depends on), for comparing costs."""
-        return (self.f, self.b, self.w, self.comm)
+        return (self.f, self.b, self.w, self.bw, self.comm)
 
     def of(self, kind: str, stage: int) -> float:
-        """Duration of one micro-batch of ``kind`` on ``stage`` (BW = B + W)."""
+        """Duration of one micro-batch of ``kind`` on ``stage`` (BW: ``bw``, or B + W without it)."""
         if kind == "BW":
+            if self.bw is not None:
+                return stage_value(self.bw, stage)
             return self.of("B", stage) + self.of("W", stage)
         return stage_value({"F": self.f, "B": self.b, "W": self.w}[kind], stage)
 
