@@ -53,6 +53,7 @@ from lightning_twobp.bench.peer import (
     torch_pipelining_available,
 )
 from lightning_twobp.bench.workload import WORLD, Workload, keep_freed_memory, reference_grads
+from lightning_twobp.engine.memory import return_freed_memory
 from lightning_twobp.models.llama import Block
 from lightning_twobp.processes import run_distributed
 
@@ -64,16 +65,6 @@ PAIRS: tuple[tuple[Contender, Contender], ...] = (
     (Contender("ours", "zb-h1", True), Contender("torch", "ScheduleInterleavedZeroBubble", True, 1)),
     (Contender("ours", "zb-v", True, 2, "v"), Contender("torch", "ScheduleZBVZeroBubble", True, 2, "v")),
 )
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
-
-
-def _return_freed_memory() -> None:
-    """glibc: every block above 64 KiB its own mapping, unmapped when freed (no heap kept between contenders)."""
-    import ctypes
-
-    libc = ctypes.CDLL("libc.so.6")
-    libc.mallopt(_M_MMAP_THRESHOLD, 64 * 1024)
-    libc.mallopt(_M_TRIM_THRESHOLD, 128 * 1024)
 
 
 def _peak_of_step(r: Runner) -> int:
@@ -140,7 +131,7 @@ def _cannot_run(wl: Workload, m: int, c: Contender, ac: str) -> str | None:
 def _worker(rank: int, world: int, wl: Workload, m: int, ac: str, rounds: int, steps: int, runs: set[str]) -> dict:
     """Measures each contender of :data:`PAIRS` whose label is in ``runs``, off and with ``ac``; then times
     each pair with ``ac`` (see the module docstring). A torch contender not in ``runs`` runs off only."""
-    _return_freed_memory()
+    return_freed_memory()
     model: nn.Sequential = wl.model()
     ids, tgt = wl.data()
     ref = reference_grads(copy.deepcopy(model), ids, tgt, m)
