@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["keep_freed_memory", "return_freed_memory"]
+__all__ = ["cpu_heap", "keep_freed_memory", "return_freed_memory"]
 
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
 
@@ -48,3 +48,14 @@ def return_freed_memory() -> bool:
     peak is 15-25% above the tensors' peak with :func:`keep_freed_memory` and about 5% above without
     (docs/benchmarks.md, "Within a memory budget"). Returns whether it was applied (glibc only)."""
     return _mallopt(64 * 1024, 128 * 1024)
+
+
+def cpu_heap(memory_limit: object) -> str:
+    """The strategy's choice on CPU: ``"returned"`` under a ``memory_limit`` (what ``schedule="auto"``
+    predicts are tensors; a kept heap's fragments would put the resident set 15-25% above them), else
+    ``"kept"`` (the speed: no page faults every step). ``TWOBP_KEEP_FREED_MEMORY=1`` keeps it under a limit
+    too, ``0`` never keeps it. Returns what was applied (``"default"``: glibc's own, or not glibc)."""
+    env = os.environ.get("TWOBP_KEEP_FREED_MEMORY")
+    if memory_limit is not None and env != "1":
+        return "returned" if return_freed_memory() else "default"
+    return "kept" if keep_freed_memory() else "default"

@@ -17,7 +17,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 
 from lightning_twobp.engine import PipelineExecutor
-from lightning_twobp.engine.memory import keep_freed_memory
+from lightning_twobp.engine.memory import cpu_heap
 from lightning_twobp.lightning.autoschedule import auto_schedule
 from lightning_twobp.lightning.checkpointing import apply_activation_checkpointing
 from lightning_twobp.lightning.compiled import check_not_compiled
@@ -423,7 +423,9 @@ def build_pipeline(strategy: TwoBPStrategy, trainer: Any) -> Pipeline:
     if shard:
         check_replicas(layout.dp_degree, str(getattr(strategy.precision_plugin, "precision", "32-true")))
     if device.type == "cpu":
-        keep_freed_memory()  # see lightning_twobp.engine.memory: measured page faults every step otherwise
+        # see lightning_twobp.engine.memory: page faults every step unless the heap is kept; under a
+        # memory_limit it is not, so the resident set follows the tensors schedule="auto" counted
+        cpu_heap(strategy.requested.memory_limit)
     contract = find_contract(lm, opts.layers)
     check_not_compiled(lm, contract)  # before the first step: compiled code cannot be split
     metrics = StepMetrics(lm)
