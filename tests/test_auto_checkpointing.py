@@ -254,3 +254,14 @@ def test_a_limit_only_checkpointing_meets_trains_checkpointed_like_one_process(r
     for r in tight:
         assert r["full"] < r["limit"] < r["plain"], r  # nothing plain fits, something checkpointed does
         assert r["checkpointing"] == "full" and r["peak"] <= r["limit"], r["label"]
+
+
+def test_auto_checkpointing_refuses_a_model_whose_hugging_face_switch_is_on() -> None:
+    """The switch checkpoints its blocks whatever 'auto' picks: the plain profile would not be plain."""
+    from lightning_twobp.lightning.checkpointing import check_auto_with_switches
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    check_auto_with_switches(model)  # no switch: nothing to say
+    model[1].gradient_checkpointing = True  # what gradient_checkpointing_enable() sets on a 5.x block
+    with pytest.raises(ValueError, match=r"gradient_checkpointing_disable\(\).*activation_checkpointing=None"):
+        check_auto_with_switches(model)

@@ -154,3 +154,19 @@ def test_timed_bw_crosses_the_agreed_table():
     back = _from_row(_to_row(unmeasured))
     assert back.bw == 2.5 and back.graph_kept is True
     assert back == LayerCost(f=1.0, b=2.0, w=0.5, graph_kept=True, bw=2.5)
+
+
+def test_profiling_puts_batch_norm_statistics_back_by_name_after_a_move() -> None:
+    """Profiling runs extra forwards (the fused backward's timing runs F again) and moves each layer to the
+    device and back, which replaces its buffer tensors: the statistics go back by name, as they were."""
+    from lightning_twobp.lightning.profile import keep_buffers
+
+    bn = nn.BatchNorm1d(4)
+    mean, var = bn.running_mean.clone(), bn.running_var.clone()
+    put_back = keep_buffers([bn])
+    bn.to(torch.float64)  # new buffer tensors, as a move to a GPU and back makes
+    bn(torch.randn(8, 4, dtype=torch.float64) + 3)
+    assert not torch.allclose(bn.running_mean, mean.double())
+    put_back()
+    assert torch.equal(bn.running_mean, mean.double()) and torch.equal(bn.running_var, var.double())
+    assert int(bn.num_batches_tracked) == 0

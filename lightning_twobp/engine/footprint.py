@@ -89,6 +89,7 @@ def measure_layer(
     if not out.requires_grad:
         return LayerFootprint(*shape, act, 0, False, saved_input, saves_output, (t1 - t0, 0.0, 0.0, 0.0), out.detach())
     g_out = torch.ones_like(out)
+    t1b = now()  # the gradient of ones is the measurement's, not B's (BW's timing leaves it out too)
     stage.backward_input(0, g_out)
     t2 = now()
     p = stage._pending[0]
@@ -107,7 +108,7 @@ def measure_layer(
     stage.backward_weight(0)
     t3 = now()
     bw = 0.0 if clock is None else _fused_seconds(stage, inp, now)
-    seconds = (t1 - t0, t2 - t1, t3 - t2b, bw)
+    seconds = (t1 - t0, t2 - t1b, t3 - t2b, bw)
     return LayerFootprint(
         *shape, act, sum(held.values()), kept, saved_input, saves_output, seconds, out.detach(), grad_out, inp_held
     )

@@ -64,7 +64,7 @@ from torch import nn
 
 from lightning_twobp.engine.footprint import LayerFootprint, layer_cost, measure_layer, storage_key
 from lightning_twobp.lightning.contract import SequentialContract
-from lightning_twobp.lightning.profile import block_inputs, first_batch, now
+from lightning_twobp.lightning.profile import block_inputs, first_batch, keep_buffers, now
 from lightning_twobp.lightning.sharding import sharded_static_bytes
 from lightning_twobp.lightning.step import StepRunner, batch_size
 from lightning_twobp.partition import partition
@@ -363,7 +363,7 @@ class _Profiler:
         """This rank's table: per micro-batch count, a row per layer and one for the loss (each row's
         last number: one message's seconds). Buffers are put back after."""
         device, repeats = self.device, self.repeats
-        buffers = [(b, b.clone()) for layer in self.layers for b in layer.buffers()]
+        put_back = keep_buffers(self.layers)
         rows = []
         with self.precision.forward_context():
             for m in self.counts:
@@ -379,10 +379,19 @@ class _Profiler:
                 costs.append(_profile_loss(self.runner, out, device, repeats) if self.fitting else LayerCost())
                 seconds = _message_seconds(largest, self.pp_group, device, repeats)
                 rows.append([_to_row(c) + [seconds] for c in costs])
-        with torch.no_grad():
-            for b, saved in buffers:
-                b.copy_(saved)
+        put_back()
         return rows
+
+
+def _checkpointed_too(profiler: _Profiler, plain: Profile, options: dict[str, Any]) -> tuple[Candidate, ...]:
+    """For a refusal's hint only: the candidates with every block checkpointed "full". A block that cannot
+    run checkpointed must not turn the refusal (which names the memory_limit fix) into its own error: the
+    hint is then left out, with a warning that says why."""
+    try:
+        return search(with_recompute(profiler.profile("full"), plain), **options)
+    except Exception as e:  # noqa: BLE001 - any failure of the hint's extra profile; the refusal stands
+        rank_zero_warn(f"schedule='auto' could not measure the blocks checkpointed for its refusal's hint: {e}")
+        return ()
 
 
 def auto_schedule(
@@ -442,7 +451,7 @@ def auto_schedule(
     if tuple(checkpointing) == (None,) and checkpoint is not None and all(c.peak > limit for c in candidates):
         # refused: what checkpointed blocks would hold, so the message says whether they would help (every
         # rank comes here, from the one agreed table, so the profile's all-reduce is met)
-        unsearched = search(with_recompute(profiler.profile("full"), profiles[0]), **options)
+        unsearched = _checkpointed_too(profiler, profiles[0], options)
     choice = choose(candidates, limit, unsearched)
     rank_zero_info("twobp: " + format_choice(choice))
     profile = next(p for p in profiles if p.checkpointing == choice.best.checkpointing)

@@ -51,7 +51,12 @@ from torch.utils.checkpoint import (
 
 from lightning_twobp.options import check_activation_checkpointing
 
-__all__ = ["apply_activation_checkpointing", "check_activation_checkpointing", "keep_products"]
+__all__ = [
+    "apply_activation_checkpointing",
+    "check_activation_checkpointing",
+    "check_auto_with_switches",
+    "keep_products",
+]
 
 log = logging.getLogger(__name__)
 
@@ -133,6 +138,20 @@ def apply_activation_checkpointing(
             c.use_cache = True
 
     return undo
+
+
+def check_auto_with_switches(model: nn.Module | None) -> None:
+    """``activation_checkpointing="auto"`` weighs plain against checkpointed blocks; a Hugging Face switch
+    that is on checkpoints its blocks whatever the choice, so the plain profile would not be plain (and
+    the recompute's bytes would come out as nothing): refused, naming both ways out."""
+    on = _hf_switches(model)
+    if on:
+        raise ValueError(
+            f"TwoBPStrategy(activation_checkpointing='auto') chooses whether to checkpoint the blocks, but "
+            f"Hugging Face gradient checkpointing is on in {len(on)} module(s) ({type(on[0]).__name__} first): "
+            f"call model.gradient_checkpointing_disable() to let 'auto' choose, or pass "
+            f"activation_checkpointing=None to keep the model's own checkpointing"
+        )
 
 
 def _hf_switches(model: nn.Module | None) -> list[nn.Module]:

@@ -19,7 +19,7 @@ from torch import nn
 from lightning_twobp.engine import PipelineExecutor
 from lightning_twobp.engine.memory import cpu_heap
 from lightning_twobp.lightning.autoschedule import auto_schedule
-from lightning_twobp.lightning.checkpointing import apply_activation_checkpointing
+from lightning_twobp.lightning.checkpointing import apply_activation_checkpointing, check_auto_with_switches
 from lightning_twobp.lightning.compiled import check_not_compiled
 from lightning_twobp.lightning.contract import find_contract
 from lightning_twobp.lightning.grads import (
@@ -304,6 +304,8 @@ def _choose(strategy: TwoBPStrategy, runner: StepRunner, contract: Any, trainer:
             return apply_activation_checkpointing(list(enumerate(layers)), mode, strategy.lightning_module, contract)
 
         ac = req.activation_checkpointing
+        if ac == "auto":
+            check_auto_with_switches(strategy.lightning_module)
         modes = (None, "full") if ac == "auto" else (ac,)
         strategy.auto_choice, strategy.auto_profile = _search(strategy, runner, layers, trainer, modes, checkpoint)
     assert strategy.auto_profile is not None

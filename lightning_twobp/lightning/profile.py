@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -25,7 +26,7 @@ from lightning_twobp.private import pytree
 
 log = logging.getLogger(__name__)
 
-__all__ = ["HOOKS", "block_inputs", "first_batch", "now", "profile_layers"]
+__all__ = ["HOOKS", "block_inputs", "first_batch", "keep_buffers", "now", "profile_layers"]
 
 HOOKS = {
     TrainerFn.FITTING: "training_step",
@@ -59,6 +60,20 @@ def first_batch(trainer: Any) -> Any:
             "the dataloader to the Trainer call, or use balance='params' or a list of layer counts"
         )
     return next(iter(found))
+
+
+def keep_buffers(layers: list[nn.Module]) -> Callable[[], None]:
+    """A copy of every buffer of ``layers`` (BatchNorm's running statistics) and the call that puts them
+    back. By name, not by tensor: profiling moves a layer to the device and back (on a GPU, before the
+    model is moved there), which replaces its buffer tensors."""
+    saved = [(layer, name, b.clone()) for layer in layers for name, b in layer.named_buffers()]
+
+    def put_back() -> None:
+        with torch.no_grad():
+            for layer, name, value in saved:
+                layer.get_buffer(name).copy_(value)
+
+    return put_back
 
 
 def now(device: torch.device) -> float:
@@ -133,7 +148,7 @@ def _time_layers(
 ) -> list[float]:
     x = block_inputs(runner, layers, trainer, batch, m, device)
     costs = []
-    buffers = [(b, b.clone()) for layer in layers for b in layer.buffers()]
+    put_back = keep_buffers(layers)
     home = [next(iter([*layer.parameters(), *layer.buffers()]), torch.empty(0)).device for layer in layers]
     with precision.forward_context():
         for i, layer in enumerate(layers):
@@ -153,8 +168,6 @@ def _time_layers(
             x = tuple(
                 t.detach() if isinstance(t, torch.Tensor) else t for t in (out if isinstance(out, tuple) else (out,))
             )
-    with torch.no_grad():
-        for b, saved in buffers:
-            b.copy_(saved)
+    put_back()
     log.info("twobp: forward+backward seconds per layer: %s", ", ".join(f"{c:.2e}" for c in costs))
     return costs
