@@ -22,6 +22,10 @@ link):
   micro-batch's whole autograd graph until W, so those hold their activation from F until W: the
   replay is given that (``LayerCost.graph_kept``).
 
+Both sides again with every block checkpointed "full" (each layer measured wrapped as the strategy wraps
+it): ours under every schedule; torch's fused 1F1B and GPipe (:func:`_ac_rows`: its split orders are not
+priced with checkpointing). Each checkpointed peak includes B's recompute of one block.
+
 At 0.5x, 1x, 1.5x and 2x fused 1F1B's predicted peak (m = 2p), each side's fastest predicted step
 whose predicted peak (the fullest rank's) fits. Figures on paper: the memory model is the one
 ``--memory-model`` checks against the executor (within 10% on 2 ranks); the times are one thread's.
@@ -43,7 +47,7 @@ from lightning_twobp.bench.paper import models as paper_models
 from lightning_twobp.bench.peer import torch_pipelining_available
 from lightning_twobp.bench.report import write_json
 from lightning_twobp.schedules import build_schedule, simulate
-from lightning_twobp.schedules.auto import Profile, fused_1f1b_peak, search
+from lightning_twobp.schedules.auto import Profile, fused_1f1b_peak, search, with_recompute
 
 __all__ = ["DEGREES", "markdown", "models", "run_budget_sim", "torch_rows", "write"]
 
@@ -112,11 +116,35 @@ def _fastest(rows: Sequence[dict], limit: float) -> dict | None:
     return min(fits, key=lambda r: (r["step_s"], r["peak"])) if fits else None
 
 
-def _tables(pm: PaperModel, by_size: dict[int, Any], p: int, with_torch: bool) -> dict:
+def _ac_rows(plain: Profile, by_size_ac: dict[int, Any], batch: int, with_torch: bool) -> tuple[list, list]:
+    """Every block checkpointed "full": ours, every schedule (B recomputes each block once, W uses what B
+    recomputed); torch's, its fused 1F1B and GPipe (the same orders as ours, recomputing once in the fused
+    backward). torch's split orders with checkpointing are left out: their W re-enters the graph and
+    recomputes again (11 forwards per block per micro-batch measured, ``--peer --activation-checkpointing``),
+    which this model of one recompute does not price. Each checkpointed peak adds B's recompute of one
+    block (:func:`~lightning_twobp.schedules.auto.with_recompute`), for both sides."""
+    layers = {m: by_size_ac[batch // m] for m in plain.layers}
+    ac = with_recompute(Profile(plain.num_ranks, layers, plain.partitions, checkpointing="full"), plain)
+    p = plain.num_ranks
+    ours = [_row(c.label, c.num_microbatches, c.step_time, c.peak_bytes) for c in search(ac, max_caps=2 * p)]
+    fused = search(ac, families=("1f1b", "gpipe"), split_backward=False) if with_torch else ()
+    names = {"1f1b": "torch 1F1B +AC", "gpipe": "torch GPipe +AC"}
+    theirs = [
+        _row(f"{names[c.name]} (m={c.num_microbatches})", c.num_microbatches, c.step_time, c.peak_bytes) for c in fused
+    ]
+    return ours, theirs
+
+
+def _tables(
+    pm: PaperModel, by_size: dict[int, Any], p: int, with_torch: bool, by_size_ac: dict[int, Any] | None = None
+) -> dict:
     counts = [m for m in (p, 2 * p, 4 * p) if pm.batch % m == 0 and pm.batch // m in by_size]
     profile = Profile(p, {m: by_size[pm.batch // m] for m in counts}, partitions(pm, p))
     ours = [_row(c.label, c.num_microbatches, c.step_time, c.peak_bytes) for c in search(profile, max_caps=2 * p)]
     theirs = torch_rows(profile, counts) if with_torch else []
+    if by_size_ac is not None:
+        ours_ac, theirs_ac = _ac_rows(profile, by_size_ac, pm.batch, with_torch)
+        ours, theirs = ours + ours_ac, theirs + theirs_ac
     base = fused_1f1b_peak(profile)
     assert base is not None  # p ranks always take one stage per rank
     budgets = []
@@ -136,9 +164,14 @@ def _tables(pm: PaperModel, by_size: dict[int, Any], p: int, with_torch: bool) -
     )
 
 
-def run_budget_sim(quick: bool = False, degrees: Sequence[int] = DEGREES, names: Sequence[str] | None = None) -> dict:
-    """Measure every model's layers (or those ``names``) once, then each degree's budget table (see the
-    module docstring)."""
+def run_budget_sim(
+    quick: bool = False,
+    degrees: Sequence[int] = DEGREES,
+    names: Sequence[str] | None = None,
+    checkpointing: bool = True,
+) -> dict:
+    """Measure every model's layers (or those ``names``) once, plain and (``checkpointing``) every block
+    checkpointed "full", then each degree's budget table (see the module docstring)."""
     import torch
 
     torch.set_num_threads(1)  # one thread, as every rank of the benchmarks runs
@@ -153,7 +186,12 @@ def run_budget_sim(quick: bool = False, degrees: Sequence[int] = DEGREES, names:
         sizes = sorted({pm.batch // m for p in degrees for m in (p, 2 * p, 4 * p) if pm.batch // m >= 2})
         # this thread's CPU time: what other processes on the machine take does not count
         by_size = {s: layer_costs(pm, s, repeats=3, clock=time.thread_time) for s in sizes}
-        tables += [_tables(pm, by_size, p, with_torch) for p in degrees]
+        by_size_ac = (
+            {s: layer_costs(pm, s, repeats=3, clock=time.thread_time, checkpointing="full") for s in sizes}
+            if checkpointing
+            else None
+        )
+        tables += [_tables(pm, by_size, p, with_torch, by_size_ac) for p in degrees]
     return {"batch": chosen[0].batch, "degrees": list(degrees), "tables": tables, "torch": with_torch}
 
 

@@ -48,6 +48,7 @@ from lightning_twobp.bench.workload import WORLD, keep_freed_memory, stage_sizes
 from lightning_twobp.engine import PipelineExecutor
 from lightning_twobp.engine.footprint import held_storages, layer_cost, receive_buffers, storage_key
 from lightning_twobp.lightning.autoschedule import SavedBytes, timed_footprint
+from lightning_twobp.lightning.checkpointing import apply_activation_checkpointing
 from lightning_twobp.partition import split_sequential
 from lightning_twobp.processes import run_distributed
 from lightning_twobp.schedules import Schedule, build_schedule, simulate
@@ -131,18 +132,28 @@ def _sizes(pm: PaperModel, num_stages: int) -> list[int]:
 
 
 def layer_costs(
-    pm: PaperModel, size: int, repeats: int = 1, clock: Callable[[], float] | None = None
+    pm: PaperModel,
+    size: int,
+    repeats: int = 1,
+    clock: Callable[[], float] | None = None,
+    checkpointing: str | None = None,
 ) -> tuple[LayerCost, ...]:
     """Every layer of ``pm`` and its loss on one micro-batch of ``size`` samples, one after the other on
     this process's thread: the bytes (the module docstring), the median F, B, W and fused BW seconds of
     ``repeats`` runs after a warm-up by ``clock`` (default: wall time; BW lets the search price the
-    split), and as fixed bytes its weights, gradients and AdamW's moments."""
+    split), and as fixed bytes its weights, gradients and AdamW's moments. ``checkpointing`` ("full" or
+    "selective"): every layer but the loss measured checkpointed, as the strategy wraps it."""
     layers, loss_fn = pm.build()
     x, y = pm.data()
     t: torch.Tensor = x[:size]
     rows: list[LayerCost] = []
     for i, layer in enumerate([*layers, _Loss(loss_fn, y[:size])]):
-        fp = timed_footprint(layer, t, t.is_floating_point() and i > 0, t.device, repeats, clock)
+        wrapped = checkpointing is not None and i < len(layers)
+        undo = apply_activation_checkpointing([(0, layer)], checkpointing) if wrapped else (lambda: None)
+        try:
+            fp = timed_footprint(layer, t, t.is_floating_point() and i > 0, t.device, repeats, clock)
+        finally:
+            undo()
         fixed = ADAMW_COPIES * sum(q.numel() * q.element_size() for q in layer.parameters())
         rows.append(layer_cost(fp, fixed))
         layer.zero_grad(set_to_none=True)
