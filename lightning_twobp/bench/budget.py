@@ -397,8 +397,8 @@ def markdown(result: dict) -> str:
     w(
         f"tiny LLaMa {wl['layers']} x {wl['dim']}, batch {wl['batch']} x {wl['seq']}, {result['world']} gloo ranks x "
         f"1 thread, each contender alone in a fresh pair of processes; speed = median over {result['steps']} rounds "
-        f"of fused 1F1B m=8's step time over the contender's, taking turns in the same processes; peak = "
-        f"resident high-water mark above the built contender, the larger rank's; budgets in units of "
+        f"of {result['baseline']}'s (fused 1F1B) step time over the contender's, taking turns in the same "
+        f"processes; peak = resident high-water mark above the built contender, the larger rank's; budgets in units of "
         f"{result['baseline']}'s {by[result['baseline']]['peak_bytes'] / MiB:.0f} MiB\n\n"
     )
     w(
@@ -503,7 +503,7 @@ def write(result: dict, folder: str | Path) -> list[Path]:
     for b in result["budgets"]:
         ax.axvline(b["limit_bytes"] / MiB, color="grey", lw=0.8, ls="--")
     ax.set_xlabel("peak memory, larger rank (MiB above the built model)")
-    ax.set_ylabel("throughput / fused 1F1B's (m = 8), alternated in one run")
+    ax.set_ylabel(f"throughput / {result['baseline']}'s (fused 1F1B), alternated in one run")
     ax.legend()
     fig.tight_layout()
     fig.savefig(folder / "budget.png", dpi=110)
