@@ -120,15 +120,22 @@ def test_gpu_script_without_a_gpu_says_to_use_quick(monkeypatch):
 
 
 def test_budget_benchmark_measures_each_contender_alone(tmp_path):
-    """twobp-bench --budget on the quick workload, three contenders and auto's picks: peaks per rank,
-    times, exactness, the fastest per side within each budget, auto's pick per budget run like the
-    others, and the four files."""
+    """twobp-bench --budget on the quick workload, four contenders (one with checkpointed blocks) and
+    auto's picks: peaks per rank, times, exactness, the fastest per side within each budget, auto's pick
+    per budget run like the others, and the four files."""
     from lightning_twobp.bench.budget import BUDGETS, markdown, run_budget
     from lightning_twobp.bench.budget import write as write_budget
 
-    result = run_budget(Workload.quick(), steps=1, counts=(4,), only={"1f1b+2BP k=0", "torch 1F1B"})
+    only = {"1f1b+2BP k=0", "1f1b+2BP k=0 +AC", "torch 1F1B"}
+    result = run_budget(Workload.quick(), steps=1, counts=(4,), only=only)
     labels = {r["label"] for r in result["rows"]}
-    assert {"1f1b m=4", "1f1b+2BP k=0 m=4"} <= labels
+    assert {"1f1b m=4", "1f1b+2BP k=0 m=4", "1f1b+2BP k=0 +AC m=4"} <= labels
+    by = {r["label"]: r for r in result["rows"]}
+    # checkpointed blocks run twice per micro-batch (F, and B's one recompute) on both ranks, and the
+    # gradients are still one process's (run_budget raises otherwise, rtol 1e-5)
+    assert by["1f1b+2BP k=0 +AC m=4"]["checkpointing"] == "full"
+    assert by["1f1b+2BP k=0 +AC m=4"]["forwards_per_block"] == [[2.0], [2.0]]
+    assert by["1f1b+2BP k=0 m=4"]["forwards_per_block"] == [[1.0], [1.0]]
     assert result["baseline"] == "1f1b m=4"
     for r in result["rows"]:
         assert len(r["peak_bytes_per_rank"]) == 2 and r["peak_bytes"] >= 0 and r["step_s"] > 0 and r["vs_1f1b"] > 0
@@ -139,7 +146,9 @@ def test_budget_benchmark_measures_each_contender_alone(tmp_path):
     _check_auto(result)
     names = {p.name for p in write_budget(result, tmp_path)}
     assert {"budget.md", "budget.csv", "budget.json"} <= names
-    assert "auto: " in (tmp_path / "budget.csv").read_text()
+    csv_text = (tmp_path / "budget.csv").read_text()
+    assert "auto: " in csv_text and "1f1b+2BP k=0 +AC m=4,ours,4,0,full," in csv_text
+    assert "| 1f1b+2BP k=0 +AC m=4 |" in (tmp_path / "budget.md").read_text()
 
 
 def _check_auto(result: dict) -> None:
@@ -162,3 +171,59 @@ def _check_auto(result: dict) -> None:
     assert steps == sorted(steps, reverse=True)
     assert all(a["refused"] for a in autos if a["label"] is None)
     assert "**auto**" in markdown(result)
+
+
+def test_contender_labels_name_their_checkpointing():
+    from lightning_twobp.bench.peer import Contender
+
+    assert Contender("ours", "zb-h1", True, checkpointing="full").label == "zb-h1 +AC"
+    assert Contender("ours", "1f1b", True, max_pending_w=0, checkpointing="full").label == "1f1b+2BP k=0 +AC"
+    assert Contender("torch", "Schedule1F1B", False, checkpointing="selective").label == "torch 1F1B +AC(sel)"
+    zb1p = Contender("torch", "ScheduleInterleavedZeroBubble", True, 1, checkpointing="full")
+    assert zb1p.label == "torch InterleavedZeroBubble (1/rank) +AC"
+    assert Contender("ours", "zb-h1", True).label == "zb-h1"
+    with pytest.raises(ValueError, match="checkpointing='Full': use None, 'full' or 'selective'"):
+        Contender("ours", "zb-h1", True, checkpointing="Full")
+
+
+def test_budget_contenders_checkpoint_both_sides_under_distinct_labels():
+    from lightning_twobp.bench.budget import budget_contenders
+
+    pairs = budget_contenders(with_torch=True, counts=(8, 16))
+    for m in (8, 16):
+        labels = [c.label for c, n in pairs if n == m]
+        assert len(labels) == len(set(labels))  # --only picks one contender per label and m
+        assert {
+            "1f1b +AC",
+            "1f1b+2BP k=0 +AC",
+            "zb-h1 +AC",
+            "zb-h1 +AC(sel)",
+            "v-min +AC",
+            "torch 1F1B +AC",
+            "torch 1F1B +AC(sel)",
+            "torch InterleavedZeroBubble (1/rank) +AC",
+            "torch ZBVZeroBubble +AC",
+        } <= set(labels)
+    ours = [c for c, _ in budget_contenders(with_torch=False, counts=(8,))]
+    assert all(c.side == "ours" for c in ours) and {c.checkpointing for c in ours} == {None, "full", "selective"}
+
+
+def test_budget_refuses_an_unknown_label_or_count_before_running_anything():
+    unknown = r"no contender is labelled 'zb-h1 \+AC\(full\)'; use labels of these: .*zb-h1 \+AC, zb-h1 \+AC\(sel\)"
+    with pytest.raises(ValueError, match=unknown):
+        main(["--budget", "--only", "zb-h1 +AC(full)", "torch 1F1B +AC(sel)"])
+    with pytest.raises(ValueError, match="--counts 8 5: a batch of 32 does not split into that many"):
+        main(["--budget", "--counts", "8", "5"])
+
+
+def test_first_error_skips_the_peers_lost_connection():
+    from lightning_twobp.bench.peer_ac import first_error
+
+    text = (
+        'a rank failed:\n--- rank 0 ---\nTraceback (most recent call last):\n  File "x.py", line 1\n'
+        "RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer\n"
+        '--- rank 1 ---\nTraceback (most recent call last):\n  File "y.py", line 2\n'
+        "RuntimeError: Trying to backward an extra time.\n"
+    )
+    assert first_error(RuntimeError(text)) == "RuntimeError: Trying to backward an extra time."
+    assert first_error(RuntimeError("  no exception line  ")) == "no exception line"

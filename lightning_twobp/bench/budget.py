@@ -1,11 +1,12 @@
 """``twobp-bench --budget``: within each memory budget, the fastest of ours against the fastest of torch's.
 
-    twobp-bench --budget [--out DIR] [--steps K] [--quick]
+    twobp-bench --budget [--out DIR] [--steps K] [--only LABEL ...] [--counts M ...] [--no-auto] [--quick]
 
 Budgets are 0.5x, 1x, 1.5x and 2x fused 1F1B's measured peak at the first micro-batch count (m = 8). Every contender
 (ours: each schedule with and without the split, capped 1F1B + 2BP and ZB-H2, at m = 8 and 16; torch's:
-each ``torch.distributed.pipelining`` schedule at m = 8 and 16) runs alone in a fresh pair of gloo
-processes, one thread each, on the same stage modules as ``--peer`` (:mod:`.peer`):
+each ``torch.distributed.pipelining`` schedule at m = 8 and 16; on both sides some with every block
+checkpointed, see below) runs alone in a fresh pair of gloo processes, one thread each, on the same stage
+modules as ``--peer`` (:mod:`.peer`):
 
 * **peak memory per rank**: the process's resident high-water mark (``VmHWM``, reset through
   ``/proc/self/clear_refs`` once the contender is built) above its resident memory then, over one
@@ -21,6 +22,15 @@ processes, one thread each, on the same stage modules as ``--peer`` (:mod:`.peer
 At each budget the table shows the fastest contender of each side whose peak (the larger rank's) fits.
 Measured peaks are of a process on a shared CPU machine: a few MiB of noise (thread stacks, Python
 objects) come with them.
+
+**Activation checkpointing** is a contender's dimension (:attr:`Contender.checkpointing <.peer.Contender>`,
+labels ``+AC`` for ``"full"`` and ``+AC(sel)`` for ``"selective"``): each block of both sides' stages
+wrapped the strategy's way (:func:`~lightning_twobp.lightning.checkpointing.apply_activation_checkpointing`,
+as ``--peer --activation-checkpointing`` does), the gradients checked against one process as for every
+contender. Every contender's steady step counts each block's forwards per micro-batch (recomputes
+included: 2 for one recompute; torch's split backward recomputes a checkpointed block in each of its
+autograd calls). A torch contender that cannot run a mode (its zero-bubble schedules under
+``"selective"``) is listed as not run, with its first error.
 
 **auto**, a third contender, is ``schedule="auto"``'s search (:func:`lightning_twobp.schedules.auto.search`
 and ``choose``) without a look at the measurements above: every layer and the loss of the workload are
@@ -52,6 +62,7 @@ import torch.distributed as dist
 from lightning_twobp.bench.memory_model import ADAMW_COPIES, layer_costs, partitions
 from lightning_twobp.bench.paper import PaperModel
 from lightning_twobp.bench.peer import Contender, build_runner, grad_error, torch_pipelining_available
+from lightning_twobp.bench.peer_ac import counted_forwards, first_error
 from lightning_twobp.bench.workload import WORLD, Workload, keep_freed_memory, reference_grads
 from lightning_twobp.engine.memory import return_freed_memory
 from lightning_twobp.processes import run_distributed
@@ -62,10 +73,23 @@ __all__ = ["BUDGETS", "auto_picks", "budget_contenders", "markdown", "run_budget
 
 BUDGETS = (0.5, 1.0, 1.5, 2.0)
 MiB = 2**20
+_MARKERS = {None: "o", "full": "^", "selective": "s"}  # the plot's point for each activation checkpointing
+_CSV_COLUMNS = (
+    "label",
+    "side",
+    "microbatches",
+    "max_pending_w",
+    "checkpointing",
+    "peak_bytes",
+    "vs_1f1b",
+    "step_s",
+    "max_grad_diff",
+)
 
 
 def budget_contenders(with_torch: bool, counts: tuple[int, ...] = (8, 16)) -> list[tuple[Contender, int]]:
-    """(contender, m) pairs: ours with the caps that trade memory, torch's own schedules."""
+    """(contender, m) pairs: ours with the caps that trade memory, torch's own schedules, and on both sides
+    some with every block checkpointed (labels ``+AC``: ``"full"``, ``+AC(sel)``: ``"selective"``)."""
     ours = [
         Contender("ours", "1f1b", False),
         Contender("ours", "1f1b", True),
@@ -77,6 +101,11 @@ def budget_contenders(with_torch: bool, counts: tuple[int, ...] = (8, 16)) -> li
         Contender("ours", "zb-v", True, 2, "v"),
         Contender("ours", "v-half", True, 2, "v"),
         Contender("ours", "v-min", True, 2, "v"),
+        Contender("ours", "1f1b", False, checkpointing="full"),
+        Contender("ours", "1f1b", True, max_pending_w=0, checkpointing="full"),
+        Contender("ours", "zb-h1", True, checkpointing="full"),
+        Contender("ours", "zb-h1", True, checkpointing="selective"),
+        Contender("ours", "v-min", True, 2, "v", checkpointing="full"),
     ]
     theirs = [
         Contender("torch", "Schedule1F1B", False),
@@ -84,6 +113,12 @@ def budget_contenders(with_torch: bool, counts: tuple[int, ...] = (8, 16)) -> li
         Contender("torch", "ScheduleInterleaved1F1B", False, 2),
         Contender("torch", "ScheduleInterleavedZeroBubble", True, 1),
         Contender("torch", "ScheduleZBVZeroBubble", True, 2, "v"),
+        Contender("torch", "Schedule1F1B", False, checkpointing="full"),
+        Contender("torch", "Schedule1F1B", False, checkpointing="selective"),
+        Contender("torch", "ScheduleInterleavedZeroBubble", True, 1, checkpointing="full"),
+        # fails at its first W (its split recomputes a block twice, which selective refuses): listed as not run
+        Contender("torch", "ScheduleInterleavedZeroBubble", True, 1, checkpointing="selective"),
+        Contender("torch", "ScheduleZBVZeroBubble", True, 2, "v", checkpointing="full"),
     ]
     return [(c, m) for m in counts for c in ours + (theirs if with_torch else [])]
 
@@ -134,7 +169,8 @@ def _one(
     dist.barrier()
     before = _status("VmRSS")
     _reset_peak()
-    for _ in range(2):  # a warm-up (AdamW's state is created there) and one steady step
+    _timed(runner, [])  # a warm-up (AdamW's state is created there; torch's stages infer their shapes)
+    with counted_forwards(runner) as calls:  # and one steady step, its block forwards counted
         _timed(runner, [])
     peak = _status("VmHWM") - before
     keep_freed_memory()  # the timing, as every benchmark and the strategy on CPU run
@@ -153,6 +189,7 @@ def _one(
     check.step()
     worst, bad = grad_error(check.params, torch.load(refs, weights_only=True))
     return {
+        "forwards": sorted({n / m for n in calls.values()}),
         "peak_bytes": peak,
         "step_s": statistics.median(ours_t),
         "vs_1f1b": statistics.median(b / o for b, o in zip(base_t, ours_t, strict=True)),
@@ -181,6 +218,7 @@ def _row(c: Contender, m: int, per_rank: list[dict], wl: Workload, baseline: boo
         schedule=c.schedule,
         split_backward=c.split_backward,
         max_pending_w=c.max_pending_w,
+        checkpointing=c.checkpointing,
         microbatches=m,
         peak_bytes_per_rank=peaks,
         peak_bytes=max(peaks),
@@ -188,6 +226,7 @@ def _row(c: Contender, m: int, per_rank: list[dict], wl: Workload, baseline: boo
         samples_per_s=wl.batch / step,
         vs_1f1b=min(r["vs_1f1b"] for r in per_rank),  # the ranks time the same barrier-to-barrier steps
         max_grad_diff=max(r["max_grad_diff"] for r in per_rank),
+        forwards_per_block=[r["forwards"] for r in per_rank],  # per micro-batch, each rank's distinct counts
         baseline=baseline,
     )
 
@@ -277,6 +316,30 @@ def _auto_row(pick: dict, base: dict, by: dict[str, dict]) -> dict:
     return out
 
 
+def _chosen(
+    wl: Workload, with_torch: bool, counts: tuple[int, ...], only: set[str] | None
+) -> list[tuple[Contender, int]]:
+    """The ``(contender, m)`` pairs to run: those labelled as in ``only`` and the baseline, or all. A count
+    that does not split the batch, or a label that no contender has (torch's with torch or without), is
+    refused before anything runs."""
+    if not counts or any(m < 1 or wl.batch % m for m in counts):
+        raise ValueError(
+            f"--budget --counts {' '.join(map(str, counts))}: a batch of {wl.batch} does not split into that "
+            f"many equal micro-batches; use divisors of {wl.batch} (the default is 8 16)"
+        )
+    pairs = budget_contenders(with_torch, counts)
+    if only is None:
+        return pairs
+    known = {c.label for c, _ in budget_contenders(with_torch=True)}
+    unknown = sorted(only - known)
+    if unknown:
+        raise ValueError(
+            f"--budget --only: no contender is labelled {', '.join(map(repr, unknown))}; "
+            f"use labels of these: {', '.join(sorted(known))}"
+        )
+    return [(c, m) for c, m in pairs if c.label in only | {BASELINE.label}]
+
+
 def run_budget(
     wl: Workload = Workload(),
     steps: int = 5,
@@ -288,6 +351,7 @@ def run_budget(
     ``schedule="auto"`` picks at each budget, run the same way (see the module docstring). ``only``: the
     contenders with these labels (fused ``"1f1b"``, the baseline, is always run)."""
     with_torch = torch_pipelining_available()
+    chosen = _chosen(wl, with_torch, counts, only)
     rows: list[dict] = []
     skipped: list[str] = []
     failures: list[str] = []
@@ -297,8 +361,8 @@ def run_budget(
         def run(c: Contender, m: int, auto_label: str | None = None, schedule: Schedule | None = None) -> None:
             try:
                 per_rank = run_distributed(_one, WORLD, wl, c, m, steps, counts[0], refs[m], schedule, timeout=1800)
-            except RuntimeError as e:  # a schedule that does not take this m (torch's checks, say)
-                skipped.append(f"{auto_label or c.label} m={m}: {str(e).strip().splitlines()[-1]}")
+            except RuntimeError as e:  # a schedule that does not take this m (torch's checks), or this checkpointing
+                skipped.append(f"{auto_label or c.label} m={m}: {first_error(e)}")
                 return
             bad = [b for r in per_rank for b in r["bad"]]
             if bad:
@@ -306,9 +370,8 @@ def run_budget(
             row = _row(c, m, per_rank, wl, baseline=auto_label is None and c == BASELINE and m == counts[0])
             rows.append(row if auto_label is None else {**row, "label": auto_label, "side": "auto"})
 
-        for c, m in budget_contenders(with_torch, counts):
-            if only is None or c.label in only | {"1f1b"}:
-                run(c, m)
+        for c, m in chosen:
+            run(c, m)
         profile = workload_profile(wl, counts) if auto else None
         picks = auto_picks(profile, counts[0]) if profile is not None else []
         distinct = {f"auto: {p['pick'].label}": p["pick"] for p in picks if p["pick"] is not None}
@@ -340,8 +403,8 @@ def markdown(result: dict) -> str:
     w(
         f"tiny LLaMa {wl['layers']} x {wl['dim']}, batch {wl['batch']} x {wl['seq']}, {result['world']} gloo ranks x "
         f"1 thread, each contender alone in a fresh pair of processes; speed = median over {result['steps']} rounds "
-        f"of fused 1F1B m=8's step time over the contender's, taking turns in the same processes; peak = "
-        f"resident high-water mark above the built contender, the larger rank's; budgets in units of "
+        f"of {result['baseline']}'s (fused 1F1B) step time over the contender's, taking turns in the same "
+        f"processes; peak = resident high-water mark above the built contender, the larger rank's; budgets in units of "
         f"{result['baseline']}'s {by[result['baseline']]['peak_bytes'] / MiB:.0f} MiB\n\n"
     )
     w(
@@ -362,10 +425,16 @@ def markdown(result: dict) -> str:
         w(f"| {b['times_1f1b']:g}x | {b['limit_bytes'] / MiB:.0f} | " + " | ".join(cells) + f" | {ratio} |\n")
     if result.get("auto"):
         w(_auto_markdown(result, by))
-    w("\n| contender | MiB per rank | speed vs fused 1F1B | s/step | max grad diff |\n|---|---:|---:|---:|---:|\n")
+    w(
+        "\nEvery contender (`+AC`: every block under `torch.utils.checkpoint`, `+AC(sel)`: the selective policy; "
+        "forwards: each block's forwards per micro-batch in the steady step, recomputes included, rank 0 / rank 1)"
+        "\n\n| contender | MiB per rank | forwards / block / micro-batch | speed vs fused 1F1B | s/step "
+        "| max grad diff |\n|---|---:|---:|---:|---:|---:|\n"
+    )
     for r in sorted(result["rows"], key=lambda r: r["peak_bytes"]):
         peaks = " / ".join(f"{p / MiB:.0f}" for p in r["peak_bytes_per_rank"])
-        w(f"| {r['label']} | {peaks} | {r['vs_1f1b']:.3f} | {r['step_s']:.3f} | {r['max_grad_diff']:.1e} |\n")
+        fwd = " / ".join(",".join(f"{f:g}" for f in fs) for fs in r["forwards_per_block"])
+        w(f"| {r['label']} | {peaks} | {fwd} | {r['vs_1f1b']:.3f} | {r['step_s']:.3f} | {r['max_grad_diff']:.1e} |\n")
     if result["skipped"]:
         w("\nnot run: " + "; ".join(result["skipped"]) + "\n")
     return out.getvalue()
@@ -416,9 +485,8 @@ def write(result: dict, folder: str | Path) -> list[Path]:
     folder.mkdir(parents=True, exist_ok=True)
     paths = [folder / "budget.md", folder / "budget.csv", folder / "budget.json"]
     paths[0].write_text(markdown(result))
-    cols = ["label", "side", "microbatches", "max_pending_w", "peak_bytes", "vs_1f1b", "step_s", "max_grad_diff"]
     with paths[1].open("w", newline="") as fh:
-        writer = csv.DictWriter(fh, fieldnames=cols, extrasaction="ignore")
+        writer = csv.DictWriter(fh, fieldnames=_CSV_COLUMNS, extrasaction="ignore")
         writer.writeheader()
         writer.writerows(result["rows"])
     paths[2].write_text(json.dumps(result, indent=1))
@@ -431,15 +499,17 @@ def write(result: dict, folder: str | Path) -> list[Path]:
         return paths
     fig, ax = plt.subplots(figsize=(8, 5))
     for side, color in (("ours", "tab:blue"), ("torch", "tab:orange"), ("auto", "tab:green")):
-        rows = [r for r in result["rows"] if r["side"] == side]
-        if rows:
-            ax.scatter([r["peak_bytes"] / MiB for r in rows], [r["vs_1f1b"] for r in rows], c=color, label=side)
-        for r in rows:
-            ax.annotate(r["label"], (r["peak_bytes"] / MiB, r["vs_1f1b"]), fontsize=6)
+        for ac, marker in _MARKERS.items():
+            rows = [r for r in result["rows"] if r["side"] == side and r["checkpointing"] == ac]
+            if rows:
+                x, y = [r["peak_bytes"] / MiB for r in rows], [r["vs_1f1b"] for r in rows]
+                ax.scatter(x, y, c=color, marker=marker, label=side + (f", checkpointing {ac}" if ac else ""))
+            for r in rows:
+                ax.annotate(r["label"], (r["peak_bytes"] / MiB, r["vs_1f1b"]), fontsize=6)
     for b in result["budgets"]:
         ax.axvline(b["limit_bytes"] / MiB, color="grey", lw=0.8, ls="--")
     ax.set_xlabel("peak memory, larger rank (MiB above the built model)")
-    ax.set_ylabel("throughput / fused 1F1B's (m = 8), alternated in one run")
+    ax.set_ylabel(f"throughput / {result['baseline']}'s (fused 1F1B), alternated in one run")
     ax.legend()
     fig.tight_layout()
     fig.savefig(folder / "budget.png", dpi=110)

@@ -10,7 +10,7 @@ twobp-bench --split --paper-blocks [--repeats N] [--quick]
 twobp-bench --soak N [--python-memory] [--json PATH]
 twobp-bench --paper [--out DIR] [--quick] [--repeats N]
 twobp-bench --gpu [--json PATH] [--quick]
-twobp-bench --budget [--out DIR] [--steps K] [--quick]
+twobp-bench --budget [--out DIR] [--steps K] [--only LABEL ...] [--counts M ...] [--no-auto] [--quick]
 twobp-bench --memory-model [--out DIR] [--quick] [--world P]
 twobp-bench --memory-model --simulate [--out DIR] [--quick]
 twobp-bench --sharded [--json PATH] [--quick]
@@ -102,6 +102,15 @@ def _add_options(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--rounds", type=int, default=7, help="--peer: timed rounds (each contender once per round)")
     ap.add_argument("--steps", type=int, default=1, help="--peer: back-to-back training steps per timed sample")
     ap.add_argument("--microbatches", type=int, default=8)
+    ap.add_argument(
+        "--counts",
+        type=int,
+        nargs="+",
+        metavar="M",
+        help="--budget: the micro-batch counts each contender runs at (default 8 16, --quick 4); the first is "
+        "the baseline's, fused 1F1B's, whose peak the budgets are multiples of",
+    )
+    ap.add_argument("--no-auto", action="store_true", help='--budget: leave out the picks of schedule="auto"')
     ap.add_argument("--quick", action="store_true", help="a small model and few repeats, to check the harness")
     ap.add_argument("--timelines", metavar="DIR", help="draw each configuration's recorded step as DIR/measured-*.png")
     ap.add_argument("--tokens", type=int, nargs="+", default=[512, 256, 64], help="--split: tokens per micro-batch")
@@ -170,9 +179,10 @@ def _gpu(args: argparse.Namespace) -> None:
 def _budget(args: argparse.Namespace) -> None:
     from lightning_twobp.bench.budget import markdown, run_budget, write
 
-    counts = (4,) if args.quick else (8, 16)
+    counts = tuple(args.counts) if args.counts else (4,) if args.quick else (8, 16)
     only = set(args.only) if args.only else None
-    result = run_budget(_workload(args), steps=1 if args.quick else max(args.steps, 5), counts=counts, only=only)
+    steps = 1 if args.quick else max(args.steps, 5)
+    result = run_budget(_workload(args), steps=steps, counts=counts, only=only, auto=not args.no_auto)
     _show(markdown(result), args.out, lambda out: write(result, out))
 
 

@@ -62,6 +62,8 @@ __all__ = [
 ]
 
 RTOL, ATOL = 1e-5, 1e-7
+# A contender's activation checkpointing in its label: "zb-h1 +AC", "torch 1F1B +AC(sel)"
+_AC_SUFFIX = {None: "", "full": " +AC", "selective": " +AC(sel)"}
 
 
 @dataclass(frozen=True)
@@ -75,16 +77,24 @@ class Contender:
     placement: str = "loop"  # stage s on rank s % p ("loop") or the V (rank r holds r and 2p - 1 - r)
     counterpart: str | None = None  # label of the torch contender ours is compared with
     max_pending_w: int | None = None  # ours: the cap on W waiting after their B (None: none)
+    checkpointing: str | None = None  # every block checkpointed the strategy's way: "full" | "selective"
+
+    def __post_init__(self) -> None:
+        if self.checkpointing not in _AC_SUFFIX:
+            raise ValueError(
+                f"Contender checkpointing={self.checkpointing!r}: use None, 'full' or 'selective' "
+                "(the strategy's activation_checkpointing modes that checkpoint every block)"
+            )
 
     @property
     def label(self) -> str:
         if self.side == "ours":
             cap = "" if self.max_pending_w is None else f" k={self.max_pending_w}"
-            return schedule_label(self.schedule, self.split_backward) + cap
-        name = self.schedule.removeprefix("Schedule")
-        return f"torch {name}" + (
-            f" ({self.stages_per_rank}/rank)" if self.schedule == "ScheduleInterleavedZeroBubble" else ""
-        )
+            name = schedule_label(self.schedule, self.split_backward) + cap
+        else:
+            per_rank = f" ({self.stages_per_rank}/rank)" if self.schedule == "ScheduleInterleavedZeroBubble" else ""
+            name = "torch " + self.schedule.removeprefix("Schedule") + per_rank
+        return name + _AC_SUFFIX[self.checkpointing]
 
     @property
     def num_stages(self) -> int:
@@ -185,8 +195,9 @@ def build_runner(
     activation_checkpointing: str | None = None,
     schedule: Schedule | None = None,
 ) -> Runner:
-    """``c`` on this rank; ``schedule``: ours, this order (built at measured costs) in place of ``c``'s."""
-    mods, params = _local_stages(c, model, wl, rank, activation_checkpointing)
+    """``c`` on this rank; ``schedule``: ours, this order (built at measured costs) in place of ``c``'s;
+    ``activation_checkpointing``: this mode in place of ``c.checkpointing`` (peer_ac runs one contender both ways)."""
+    mods, params = _local_stages(c, model, wl, rank, activation_checkpointing or c.checkpointing)
     last = c.num_stages - 1
     if c.side == "ours":
         sched = schedule or build_schedule(

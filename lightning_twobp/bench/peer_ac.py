@@ -36,6 +36,8 @@ import io
 import json
 import re
 import statistics
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
 
@@ -57,7 +59,7 @@ from lightning_twobp.engine.memory import return_freed_memory
 from lightning_twobp.models.llama import Block
 from lightning_twobp.processes import run_distributed
 
-__all__ = ["PAIRS", "markdown", "run_peer_ac", "write"]
+__all__ = ["PAIRS", "counted_forwards", "first_error", "markdown", "run_peer_ac", "write"]
 
 MiB = 2**20
 PAIRS: tuple[tuple[Contender, Contender], ...] = (
@@ -83,9 +85,10 @@ def _resident() -> dict[str, int]:
     return {name: int(kib) * 1024 for name, kib in fields}
 
 
-def _forwards(r: Runner, m: int) -> dict[str, float]:
-    """One step of ``r`` (gradients left for the check) with each local block's forwards counted, per
-    micro-batch, by the block's name in the model."""
+@contextmanager
+def counted_forwards(r: Runner) -> Iterator[dict[str, int]]:
+    """Each of ``r``'s local blocks' forwards while inside, by the block's name in the model: a pre-hook
+    on the block's ``ffn``, inside the checkpointed forward, so that each recompute counts too."""
     calls: dict[str, int] = {}
     hooks = []
     for mod in r.modules.values():
@@ -93,10 +96,19 @@ def _forwards(r: Runner, m: int) -> dict[str, float]:
             if isinstance(b, Block):
                 calls[name] = 0
                 hooks.append(b.ffn.register_forward_pre_hook(lambda *_, n=name: calls.__setitem__(n, calls[n] + 1)))
-    dist.barrier()
-    r.step()
-    for h in hooks:
-        h.remove()
+    try:
+        yield calls
+    finally:
+        for h in hooks:
+            h.remove()
+
+
+def _forwards(r: Runner, m: int) -> dict[str, float]:
+    """One step of ``r`` (gradients left for the check) with each local block's forwards counted, per
+    micro-batch, by the block's name in the model."""
+    with counted_forwards(r) as calls:
+        dist.barrier()
+        r.step()
     return {n: c / m for n, c in calls.items()}
 
 
@@ -123,9 +135,15 @@ def _cannot_run(wl: Workload, m: int, c: Contender, ac: str) -> str | None:
     try:
         run_distributed(_probe, WORLD, wl, m, c, ac, timeout=1800)
     except RuntimeError as e:
-        errors = [line.strip() for line in str(e).splitlines() if re.match(r"\s*\w+(Error|Exception): ", line)]
-        return next((x for x in errors if "gloo/transport" not in x), errors[-1] if errors else str(e))
+        return first_error(e)
     return None
+
+
+def first_error(e: RuntimeError) -> str:
+    """The first exception line of :func:`~lightning_twobp.processes.run_distributed`'s error that is not a
+    rank's lost connection to a peer that failed (gloo's transport errors); the last such line when all are."""
+    errors = [line.strip() for line in str(e).splitlines() if re.match(r"\s*\w+(Error|Exception): ", line)]
+    return next((x for x in errors if "gloo/transport" not in x), errors[-1] if errors else str(e).strip())
 
 
 def _worker(rank: int, world: int, wl: Workload, m: int, ac: str, rounds: int, steps: int, runs: set[str]) -> dict:
