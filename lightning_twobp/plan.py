@@ -334,19 +334,18 @@ def _choose_auto(cfg: DictConfig, p: int, shard_over: int = 1) -> search_auto.Au
     counts = [int(given)] if given else [d for d in range(1, min(batch, 4 * p) + 1) if batch % d == 0]
     ac = st.get("activation_checkpointing")
     measure = _AutoMeasure(cfg, p, shard_over, counts)
-    profiles = [measure.profile(mode) for mode in ((None, "full") if ac == "auto" else (ac,))]
-    plain = profiles[0]
-    if ac == "auto":
-        profiles[1] = search_auto.with_recompute(profiles[1], plain)
     gpu = cfg.plan.get("gpu_memory_gib")
     device = None if gpu is None else float(gpu) * GiB * float(cfg.plan.get("headroom", 0.9))
-    limit = search_auto.resolve_limit(st.get("memory_limit") or "1f1b", device, search_auto.fused_1f1b_peak(plain))
-    candidates = search_auto.search_profiles(profiles, microbatches=counts, max_caps=2 * p)
-    unsearched: tuple[search_auto.Candidate, ...] = ()
-    if ac is None and all(c.peak > limit for c in candidates):  # refused: say what checkpointing would hold
-        full = search_auto.with_recompute(measure.profile("full"), plain)
-        unsearched = search_auto.search(full, microbatches=counts, max_caps=2 * p)
-    return search_auto.choose(candidates, limit, unsearched)
+    limit = st.get("memory_limit") or "1f1b"
+    choice, _ = search_auto.choose_profiles(
+        measure.profile,
+        (None, "full") if ac == "auto" else (ac,),
+        lambda first: search_auto.resolve_limit(limit, device, search_auto.fused_1f1b_peak(first)),
+        lambda: measure.profile("full"),
+        microbatches=counts,
+        max_caps=2 * p,
+    )
+    return choice
 
 
 @dataclass

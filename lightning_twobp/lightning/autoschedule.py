@@ -71,17 +71,13 @@ from lightning_twobp.partition import partition
 from lightning_twobp.private import pytree
 from lightning_twobp.schedules.auto import (
     AutoChoice,
-    Candidate,
     LayerCost,
     Profile,
-    choose,
+    choose_profiles,
     format_choice,
     fused_1f1b_peak,
     resolve_limit,
-    search,
-    search_profiles,
     size,
-    with_recompute,
 )
 
 log = logging.getLogger(__name__)
@@ -383,15 +379,15 @@ class _Profiler:
         return rows
 
 
-def _checkpointed_too(profiler: _Profiler, plain: Profile, options: dict[str, Any]) -> tuple[Candidate, ...]:
-    """For a refusal's hint only: the candidates with every block checkpointed "full". A block that cannot
-    run checkpointed must not turn the refusal (which names the memory_limit fix) into its own error: the
-    hint is then left out, with a warning that says why."""
+def _checkpointed_too(profiler: _Profiler) -> Profile | None:
+    """For a refusal's hint only: the layers profiled with every block checkpointed "full". A block that
+    cannot run checkpointed must not turn the refusal (which names the memory_limit fix) into its own
+    error: the hint is then left out (None), with a warning that says why."""
     try:
-        return search(with_recompute(profiler.profile("full"), plain), **options)
+        return profiler.profile("full")
     except Exception as e:  # noqa: BLE001 - any failure of the hint's extra profile; the refusal stands
         rank_zero_warn(f"schedule='auto' could not measure the blocks checkpointed for its refusal's hint: {e}")
-        return ()
+        return None
 
 
 def auto_schedule(
@@ -443,18 +439,16 @@ def auto_schedule(
         optimizer,
         checkpoint,
     )
-    profiles = _recomputed([profiler.profile(mode) for mode in checkpointing])
-    limit = resolve_limit(memory_limit, device_bytes(device), fused_1f1b_peak(profiles[0]))
-    options: dict[str, Any] = {"split_backward": split_backward, "max_caps": 2 * num_ranks}
-    candidates = search_profiles(profiles, **options)
-    unsearched: tuple[Candidate, ...] = ()
-    if tuple(checkpointing) == (None,) and checkpoint is not None and all(c.peak > limit for c in candidates):
-        # refused: what checkpointed blocks would hold, so the message says whether they would help (every
-        # rank comes here, from the one agreed table, so the profile's all-reduce is met)
-        unsearched = _checkpointed_too(profiler, profiles[0], options)
-    choice = choose(candidates, limit, unsearched)
+    # every rank makes the same calls, from the one agreed table: the hint's profile all-reduce is met
+    choice, profile = choose_profiles(
+        profiler.profile,
+        checkpointing,
+        lambda first: resolve_limit(memory_limit, device_bytes(device), fused_1f1b_peak(first)),
+        None if checkpoint is None else (lambda: _checkpointed_too(profiler)),
+        split_backward=split_backward,
+        max_caps=2 * num_ranks,
+    )
     rank_zero_info("twobp: " + format_choice(choice))
-    profile = next(p for p in profiles if p.checkpointing == choice.best.checkpointing)
     if choice.best.checkpointing is not None and not profile.recompute:
         rank_zero_warn(
             f"schedule='auto' chose {choice.best.label} from the checkpointed layers' saved bytes, without the "
@@ -462,14 +456,6 @@ def auto_schedule(
             f"that much headroom in memory_limit, or pass activation_checkpointing='auto', whose search counts it"
         )
     return choice, profile
-
-
-def _recomputed(profiles: list[Profile]) -> list[Profile]:
-    """The checkpointed profiles with their layers' recompute bytes, where a plain profile gives them."""
-    plain = next((p for p in profiles if p.checkpointing is None), None)
-    if plain is None:
-        return profiles
-    return [p if p.checkpointing is None else with_recompute(p, plain) for p in profiles]
 
 
 class SavedBytes:

@@ -30,7 +30,7 @@ of back-to-back iterations, what such a schedule costs per step in training.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -49,6 +49,7 @@ __all__ = [
     "Profile",
     "StageCost",
     "choose",
+    "choose_profiles",
     "format_choice",
     "fused_1f1b_peak",
     "resolve_limit",
@@ -383,6 +384,37 @@ def search_profiles(profiles: Iterable[Profile], **options: Any) -> tuple[Candid
     """:func:`search` over each profile (one per way the layers run: plain, checkpointed), as one list:
     :func:`choose` then weighs them together."""
     return tuple(c for profile in profiles for c in search(profile, **options))
+
+
+def choose_profiles(
+    profile_of: Callable[[str | int | None], Profile],
+    modes: Sequence[str | int | None],
+    limit_of: Callable[[Profile], float],
+    hint_of: Callable[[], Profile | None] | None = None,
+    **options: Any,
+) -> tuple[AutoChoice, Profile]:
+    """The choice over the layers run each way of ``modes`` (``profile_of(mode)`` measures them), and the
+    profile it was made on. The checkpointed profiles take their recompute bytes from the plain one
+    (:func:`with_recompute`); the limit is ``limit_of`` the first profile; ``options`` go to
+    :func:`search`. When only plain layers were weighed and nothing fits, ``hint_of()`` (the layers
+    checkpointed "full"; None: not known) lets the refusal say what checkpointing would hold."""
+    profiles = _recomputed([profile_of(mode) for mode in modes])
+    limit = limit_of(profiles[0])
+    candidates = search_profiles(profiles, **options)
+    unsearched: tuple[Candidate, ...] = ()
+    if tuple(modes) == (None,) and hint_of is not None and all(c.peak > limit for c in candidates):
+        full = hint_of()
+        unsearched = () if full is None else search(with_recompute(full, profiles[0]), **options)
+    choice = choose(candidates, limit, unsearched)
+    return choice, next(p for p in profiles if p.checkpointing == choice.best.checkpointing)
+
+
+def _recomputed(profiles: list[Profile]) -> list[Profile]:
+    """The checkpointed profiles with their layers' recompute bytes, where a plain profile gives them."""
+    plain = next((p for p in profiles if p.checkpointing is None), None)
+    if plain is None:
+        return profiles
+    return [p if p.checkpointing is None else with_recompute(p, plain) for p in profiles]
 
 
 def with_recompute(checkpointed: Profile, plain: Profile) -> Profile:
