@@ -39,6 +39,20 @@ def test_paper_blocks_harness_gives_each_model_a_ratio():
     assert set(r) == {"llama", "bert", "mamba", "resnet"} and all(v > 0 for v in r.values())
 
 
+def test_full_size_blocks_are_the_named_real_sizes():
+    from lightning_twobp.bench.paper import models
+    from lightning_twobp.bench.split import full_size
+
+    for pm in map(full_size, models()):
+        layers, _ = pm.build()
+        x, _ = pm.data()
+        widths = {q.shape[-1] for q in layers[1].parameters() if q.dim() == 2}
+        if pm.name == "resnet":
+            assert x.shape[-1] == 224 and layers[0][0].out_channels == 64, pm
+        else:
+            assert 768 in widths and x.shape[-1] == 256 and len(layers) == 4, (pm.name, widths, len(layers))
+
+
 def test_trainer_harness_compares_like_with_like():
     from lightning_twobp.bench.trainer import bench_trainer
 

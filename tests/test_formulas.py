@@ -110,16 +110,17 @@ class Scaled(nn.Module):
         return torch.add(self.lin(x), self.shift, alpha=self.alpha)
 
 
-def _split_vs_fused(make, xs, alphas=None):
+def _split_vs_fused(make, xs, alphas=None, attr="alpha"):
     """Each micro-batch's F and B in turn, then one W over all; input and parameter grads against the
-    fused backward of a copy. ``alphas``: the module's ``alpha`` per micro-batch. Returns the stage."""
+    fused backward of a copy. ``alphas``: the module's ``attr`` per micro-batch. Returns the stage."""
     torch.manual_seed(0)
     ref = make()
     mod = copy.deepcopy(ref)
     stage = Stage(mod)
     for mb, x in enumerate(xs):
         if alphas is not None:
-            ref.alpha = mod.alpha = alphas[mb]
+            setattr(ref, attr, alphas[mb])
+            setattr(mod, attr, alphas[mb])
         xr = x.clone().requires_grad_()
         out = ref(xr)
         g = torch.randn_like(out)
@@ -154,6 +155,24 @@ def test_a_cached_plan_follows_a_weight_region_shaped_by_the_micro_batch():
 def test_a_cached_plan_is_not_reused_when_a_saved_flag_changes():
     stage = _split_vs_fused(Scaled, [torch.randn(4, 6) for _ in range(4)], alphas=[1.0, 2.0, 1.0, 2.0])
     assert len(stage._plans._plans) == 1, "one graph shape: the plan re-made on each change, not added"
+
+
+class Routed(nn.Module):
+    """Each micro-batch through one of two experts of the same shape (a router's choice): the same node
+    kinds and edges, different parameters, so a plan cached for one expert must not serve the other."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.experts = nn.ModuleList([nn.Linear(6, 6), nn.Linear(6, 6)])
+        self.route = 0
+
+    def forward(self, x):
+        return torch.relu(self.experts[self.route](x))
+
+
+def test_a_cached_plan_is_not_reused_when_the_route_changes():
+    stage = _split_vs_fused(Routed, [torch.randn(4, 6) for _ in range(4)], alphas=[0, 1, 1, 0], attr="route")
+    assert len(stage._plans._plans) == 2, "one plan per expert"
 
 
 @pytest.mark.parametrize("name", ["resnet-bottleneck", "bert-layer", "mamba-block"])

@@ -123,6 +123,11 @@ def _add_options(ap: argparse.ArgumentParser) -> None:
         help="--split: (B + W) / BW of the --paper models' layers, thread CPU time (--repeats, --quick)",
     )
     ap.add_argument(
+        "--full-size",
+        action="store_true",
+        help="--split --paper-blocks: the layers at a small real model's size (bench.split.FULL_SIZE)",
+    )
+    ap.add_argument(
         "--only",
         nargs="+",
         metavar="LABEL",
@@ -151,7 +156,7 @@ def _split(args: argparse.Namespace) -> None:
 
     keep_freed_memory()
     if args.paper_blocks:
-        for name, ratio in bench_paper_blocks(repeats=args.repeats, quick=args.quick).items():
+        for name, ratio in bench_paper_blocks(args.repeats, args.quick, args.full_size).items():
             print(f"{name:<8}(B+W)/BW {ratio:.3f}")
         return
     k = args.batch_w

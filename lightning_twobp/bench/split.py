@@ -1,15 +1,18 @@
 """(B + W) / BW on one block: what the split backward costs over the fused one.
 
 twobp-bench --split [--tokens 512 256 64] [--batch-w K]
+twobp-bench --split --paper-blocks [--full-size] [--repeats N]
 """
 
 from __future__ import annotations
 
 import statistics
 import time
+from dataclasses import replace
 
 import torch
 
+from lightning_twobp.bench.paper import PaperModel
 from lightning_twobp.engine import Stage
 from lightning_twobp.models.llama import Block, LlamaConfig
 
@@ -86,11 +89,30 @@ def _sample(block: torch.nn.Module, stage: Stage, xs: list[torch.Tensor], g: tor
     return out
 
 
-def bench_paper_blocks(repeats: int = 7, quick: bool = False) -> dict[str, float]:
+# The --paper models at sizes where a layer's work is no longer dominated by per-call costs (each a small
+# real model's: BERT-base / LLaMa at 768 wide and 256 tokens a sequence, Mamba-130M's 768, ResNet-50's
+# 64-wide stem at ImageNet's 224 pixels), two blocks each for the sequence models (the ratio is per layer):
+# (kwargs overrides, batch, size). Batch is the whole batch, as in ``models``; a micro-batch is a quarter.
+FULL_SIZE = {
+    "llama": ({"dim": 768, "n_heads": 12, "max_seq_len": 256, "n_layers": 2}, 16, 256),
+    "bert": ({"dim": 768, "n_heads": 12, "max_seq_len": 256, "n_layers": 2}, 16, 256),
+    "mamba": ({"dim": 768, "max_seq_len": 256, "n_layers": 2}, 8, 256),
+    "resnet": ({"width": 64, "image_size": 224}, 16, 224),
+}
+
+
+def full_size(pm: PaperModel) -> PaperModel:
+    """``pm`` at :data:`FULL_SIZE`."""
+    over, batch, size = FULL_SIZE[pm.name]
+    kwargs = tuple((k, over.get(k, v)) for k, v in pm.kwargs)
+    return replace(pm, kwargs=kwargs, batch=batch, size=size, blocks=over.get("n_layers", pm.blocks))
+
+
+def bench_paper_blocks(repeats: int = 7, quick: bool = False, full: bool = False) -> dict[str, float]:
     """(B + W) / BW of each paper model's layers after the first (``--paper``'s RQ1 column), one
     thread, timed with ``time.thread_time()`` (CPU time of this thread: less sensitive to other jobs
     on a shared machine than the wall clock). Per repetition every layer runs B, W, then BW; the
-    result is the median over repetitions of sum(B + W) / sum(BW)."""
+    result is the median over repetitions of sum(B + W) / sum(BW). ``full``: at :data:`FULL_SIZE`."""
     from lightning_twobp.bench.paper import inputs_of, models
     from lightning_twobp.bench.workload import WORLD
 
@@ -99,29 +121,32 @@ def bench_paper_blocks(repeats: int = 7, quick: bool = False) -> dict[str, float
     out = {}
     try:
         for pm in models(quick):
+            pm = full_size(pm) if full else pm
             layers, _ = pm.build()
             x, _ = pm.data()
             x = x[: pm.batch // (2 * WORLD)]
             ins = inputs_of(layers, x)
             pairs = zip(list(layers)[1:], ins[1:], strict=True)  # the first layer's input takes no gradient
             runs = [(Stage(layer), inp.detach().requires_grad_()) for layer, inp in pairs]
-            ratios = []
-            for rep in range(repeats + 1):
-                split = fused = 0.0
-                for st, inp in runs:
-                    g = torch.ones_like(st.forward(0, inp))
-                    t0 = time.thread_time()
-                    st.backward_input(0, g)
-                    st.backward_weight(0)
-                    t1 = time.thread_time()
-                    st.forward(0, inp)
-                    t2 = time.thread_time()
-                    st.backward(0, g)
-                    t3 = time.thread_time()
-                    split, fused = split + t1 - t0, fused + t3 - t2
-                if rep:  # the first is a warm-up
-                    ratios.append(split / fused)
-            out[pm.name] = statistics.median(ratios)
+            _ratio(runs)  # a warm-up
+            out[pm.name] = statistics.median(_ratio(runs) for _ in range(repeats))
     finally:
         torch.set_num_threads(threads)
     return out
+
+
+def _ratio(runs: list[tuple[Stage, torch.Tensor]]) -> float:
+    """One repetition of :func:`bench_paper_blocks`: sum(B + W) / sum(BW) over the layers."""
+    split = fused = 0.0
+    for st, inp in runs:
+        g = torch.ones_like(st.forward(0, inp))
+        t0 = time.thread_time()
+        st.backward_input(0, g)
+        st.backward_weight(0)
+        t1 = time.thread_time()
+        st.forward(0, inp)
+        t2 = time.thread_time()
+        st.backward(0, g)
+        t3 = time.thread_time()
+        split, fused = split + t1 - t0, fused + t3 - t2
+    return split / fused
