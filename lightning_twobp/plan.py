@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import typing
 from collections.abc import Sequence
@@ -49,7 +50,9 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import torch
+from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy
 
@@ -339,6 +342,8 @@ def _choose_auto(cfg: DictConfig, p: int, shard_over: int = 1) -> search_auto.Au
     limit = st.get("memory_limit") or "1f1b"
     choice, _ = search_auto.choose_profiles(
         measure.profile,
+        # Not "selective": on meta a layer's time is its parameters x samples, which a recompute without
+        # the matmuls cannot be told from (the strategy, with a clock, weighs it: checkpointing.AUTO_MODES).
         (None, "full") if ac == "auto" else (ac,),
         lambda first: search_auto.resolve_limit(limit, device, search_auto.fused_1f1b_peak(first)),
         lambda: measure.profile("full"),
@@ -434,7 +439,8 @@ def _pipeline(cfg: DictConfig, world: int, notes: list[str]) -> _Pipeline:
         if searched_ac == "auto":
             notes.append(
                 "activation_checkpointing=auto: schedule=auto weighed the layers plain and checkpointed ('full'), "
-                "the checkpointed candidates' peaks with B's recompute on top of their highest level"
+                "the checkpointed candidates' peaks with B's recompute on top of their highest level; training "
+                "weighs 'selective' too (it needs a clock: its recompute leaves out the matmuls)"
             )
         elif opts.activation_checkpointing is not None:
             notes.append(
@@ -709,7 +715,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", metavar="PATH", help="also write the plan as JSON to PATH")
     ap.add_argument("overrides", nargs="*", help="Hydra overrides, as for twobp-train (recipe=NAME key=value ...)")
     args = ap.parse_args(sys.argv[1:] if argv is None else argv)
-    result = plan_recipe(args.overrides)
+    try:
+        result = plan_recipe(args.overrides)
+    except (ValueError, HydraException, OmegaConfBaseException) as e:
+        # A refused configuration or override: its message names the numbers and the fix, and a
+        # traceback above it only buries that. HYDRA_FULL_ERROR=1 shows the traceback, as for twobp-train.
+        if os.environ.get("HYDRA_FULL_ERROR") == "1":
+            raise
+        print(f"twobp-plan: error: {e}", file=sys.stderr)
+        return 2
     print(format_plan(result))
     if args.json:
         with open(args.json, "w") as fh:

@@ -109,6 +109,28 @@ def test_a_checkpointed_peak_holds_bs_recompute_of_one_layer():
     assert not any(c.checkpointing for c in search(plain))
 
 
+def test_selective_is_the_pick_where_it_fits_and_full_below_it():
+    """A third profile, selective: B recomputes only the cheap ops (a little slower than plain), F saves
+    half what plain does. Between its smallest peak and plain's it is the pick; below it, "full"."""
+    from lightning_twobp.lightning.checkpointing import AUTO_MODES
+
+    assert AUTO_MODES == (None, "selective", "full")
+    plain, full = _profiles()
+    sel_rows = {
+        m: tuple(dataclasses.replace(c, b=c.b + 0.1, activation=c.activation / 2) for c in rows)
+        for m, rows in plain.layers.items()
+    }
+    selective = with_recompute(dataclasses.replace(plain, layers=sel_rows, checkpointing="selective"), plain)
+    candidates = search_profiles([plain, selective, full])
+    mins = {mode: min(c.peak for c in candidates if c.checkpointing == mode) for mode in AUTO_MODES}
+    assert mins["full"] < mins["selective"] < mins[None], mins
+    between = choose(candidates, (mins["selective"] + mins[None]) / 2).best
+    assert between.checkpointing == "selective" and "activation_checkpointing='selective'" in between.label
+    below = choose(candidates, (mins["full"] + mins["selective"]) / 2).best
+    assert below.checkpointing == "full"
+    assert choose(candidates, float("inf")).best.checkpointing is None  # plain is the fastest
+
+
 def test_the_option_is_checked_before_any_compute():
     from lightning_twobp import TwoBPStrategy
 
@@ -239,7 +261,7 @@ def _check_trained(runs: list[dict], ref: dict) -> None:
         torch.testing.assert_close(value, ref[name], rtol=1e-5, atol=1e-6, msg=name)
     assert not any(r["left_wrapped"] for r in runs), "teardown puts the blocks back"
     for r in runs:  # a checkpointed block runs twice per micro-batch (F and B's recompute), a plain one once
-        twice = r["checkpointing"] == "full"
+        twice = r["checkpointing"] is not None  # "selective" recomputes the Tanh too
         assert r["wrapped"] and all(w == twice for w in r["wrapped"].values()), (r["label"], r["wrapped"])
         assert r["forwards"] == {i: (2 if twice else 1) * r["m"] for i in r["wrapped"]}, (r["label"], r["forwards"])
 

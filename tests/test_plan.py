@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from lightning_twobp.engine import PipelineExecutor
-from lightning_twobp.plan import format_plan, plan_recipe
+from lightning_twobp.plan import format_plan, main, plan_recipe
 from lightning_twobp.schedules import Costs, build_schedule, simulate
 
 
@@ -90,6 +90,20 @@ def test_auto_refuses_a_limit_nothing_fits_with_the_smallest_peak():
 
     with pytest.raises(NoScheduleFits, match=r"memory_limit=1000 bytes .* the smallest predicted peak is \d+ bytes"):
         plan_recipe(["trainer.devices=2", "schedule=auto", "strategy.memory_limit=1000"])
+
+
+@pytest.mark.parametrize(
+    "overrides, says",
+    [
+        (["trainer.devices=2", "schedule=auto", "strategy.memory_limit=1000"], "memory_limit=1000 bytes"),
+        (["trainer.devices=2", "schedule=nonesuch"], "Could not find 'schedule/nonesuch'"),
+    ],
+)
+def test_cli_says_a_refusal_in_one_line_not_a_traceback(overrides, says, capsys, monkeypatch):
+    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+    assert main(overrides) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("twobp-plan: error: ") and says in err and "Traceback" not in err, err
 
 
 def test_auto_counts_a_sharded_stage_as_one_replica_holds_it():

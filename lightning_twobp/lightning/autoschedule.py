@@ -31,11 +31,13 @@ Under ``data_parallel="shard"`` a layer's fixed bytes are what one replica holds
 unsharded from a step's first F to its last W (:func:`sharded_fixed`). With fp32 AdamW that is
 16 / dp + 8 bytes a parameter against replicated's 16: nothing saved at dp = 2, a quarter at dp = 4.
 
-With ``activation_checkpointing="auto"`` the layers are profiled twice, plain and checkpointed
-``"full"`` (wrapped as the strategy wraps them for training, and unwrapped after), and the search
-weighs both (:func:`~lightning_twobp.schedules.auto.search_profiles`): the choice is checkpointed only
-where that is the fastest within the limit, in practice where nothing plain fits. A checkpointed
-candidate's peak includes B's transient recompute of one layer, from the two profiles' difference
+With ``activation_checkpointing="auto"`` the layers are profiled three times, plain and checkpointed
+``"selective"`` and ``"full"`` (``checkpointing.AUTO_MODES``; wrapped as the strategy wraps them for
+training, and unwrapped after), and the search weighs them together
+(:func:`~lightning_twobp.schedules.auto.search_profiles`): the choice is checkpointed only where that is
+the fastest within the limit, in practice where nothing plain fits, and selectively where that fits (its
+recompute leaves out the matmuls). A checkpointed candidate's peak includes B's transient recompute of
+one layer, from its profile's difference to the plain one
 (:func:`~lightning_twobp.schedules.auto.with_recompute`). With ``activation_checkpointing=None`` a
 limit nothing fits costs one checkpointed profile more, so that the refusal says whether checkpointed
 blocks would fit; with ``"full"``, ``"selective"`` or ``k`` only the checkpointed profile is measured
@@ -411,7 +413,7 @@ def auto_schedule(
     profile of the choice. ``shard_over``: the data-parallel replicas a stage is sharded over
     (``data_parallel="shard"``; 1: replicated, each replica holding its stages whole).
     ``checkpointing``: the ways of running the layers to weigh, one profile each
-    (``activation_checkpointing="auto"``: ``(None, "full")``); ``checkpoint(mode)`` wraps the layers so
+    (``activation_checkpointing="auto"``: ``AUTO_MODES``); ``checkpoint(mode)`` wraps the layers so
     and returns the undo (None: they are profiled as they are). ``memory_limit="1f1b"`` is fused 1F1B's
     peak in the first way."""
     if not isinstance(runner.contract, SequentialContract):

@@ -52,6 +52,7 @@ from torch.utils.checkpoint import (
 from lightning_twobp.options import check_activation_checkpointing
 
 __all__ = [
+    "AUTO_MODES",
     "apply_activation_checkpointing",
     "check_activation_checkpointing",
     "check_auto_with_switches",
@@ -59,6 +60,11 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+
+# What activation_checkpointing="auto" weighs with schedule="auto": each a profile of the layers, searched
+# together. Selective keeps the matmul products (most of a block's compute, part of its activations) and
+# recomputes the rest, so it often fits where plain does not at a fraction of "full"'s recompute.
+AUTO_MODES: tuple[str | None, ...] = (None, "selective", "full")
 
 _HF_FLAG = "gradient_checkpointing"  # Hugging Face's public switch, on the model and on each block (5.x)
 

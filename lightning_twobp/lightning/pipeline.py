@@ -19,7 +19,7 @@ from torch import nn
 from lightning_twobp.engine import PipelineExecutor
 from lightning_twobp.engine.memory import cpu_heap
 from lightning_twobp.lightning.autoschedule import auto_schedule
-from lightning_twobp.lightning.checkpointing import apply_activation_checkpointing, check_auto_with_switches
+from lightning_twobp.lightning.checkpointing import AUTO_MODES, apply_activation_checkpointing, check_auto_with_switches
 from lightning_twobp.lightning.compiled import check_not_compiled
 from lightning_twobp.lightning.contract import find_contract
 from lightning_twobp.lightning.grads import (
@@ -293,8 +293,8 @@ def _choose(strategy: TwoBPStrategy, runner: StepRunner, contract: Any, trainer:
     """``schedule="auto"``: profile and search once (the first Trainer call), then run the choice as if
     the user had named it (``strategy.options``, its ``activation_checkpointing`` applied in
     :func:`_call_scope`); returns the choice's layers per stage. The layers are profiled checkpointed as
-    they will run (``activation_checkpointing``, a Hugging Face switch); with ``"auto"`` both plain and
-    ``"full"``, each wrapped for its profile only."""
+    they will run (``activation_checkpointing``, a Hugging Face switch); with ``"auto"`` plain,
+    ``"selective"`` and ``"full"`` (``AUTO_MODES``), each wrapped for its profile only."""
     req = strategy.requested
     if strategy.auto_choice is None:
         assert req.memory_limit is not None  # PipelineOptions requires it with schedule="auto"
@@ -306,7 +306,7 @@ def _choose(strategy: TwoBPStrategy, runner: StepRunner, contract: Any, trainer:
         ac = req.activation_checkpointing
         if ac == "auto":
             check_auto_with_switches(strategy.lightning_module)
-        modes = (None, "full") if ac == "auto" else (ac,)
+        modes = AUTO_MODES if ac == "auto" else (ac,)
         strategy.auto_choice, strategy.auto_profile = _search(strategy, runner, layers, trainer, modes, checkpoint)
     assert strategy.auto_profile is not None
     best = strategy.auto_choice.best
@@ -427,7 +427,9 @@ def build_pipeline(strategy: TwoBPStrategy, trainer: Any) -> Pipeline:
     if device.type == "cpu":
         # see lightning_twobp.engine.memory: page faults every step unless the heap is kept; under a
         # memory_limit it is not, so the resident set follows the tensors schedule="auto" counted
-        cpu_heap(strategy.requested.memory_limit)
+        heap = cpu_heap(strategy.requested.memory_limit)
+        way = {"default": "left to the C library"}.get(heap, heap)
+        log.info("CPU heap: freed memory %s (engine.memory.cpu_heap; TWOBP_KEEP_FREED_MEMORY=0/1 overrides)", way)
     contract = find_contract(lm, opts.layers)
     check_not_compiled(lm, contract)  # before the first step: compiled code cannot be split
     metrics = StepMetrics(lm)
