@@ -221,9 +221,10 @@ class PipelineOptions:
             before any compute).
         activation_checkpointing: ``None`` (off, the default), ``"full"`` (every block recomputed in B),
             an int ``k`` (every k-th block), ``"selective"`` (every block, its matrix products kept) or,
-            with ``schedule="auto"``, ``"auto"``: the search weighs every schedule with plain and with
-            ``"full"`` checkpointed blocks and takes the fastest within ``memory_limit``, checkpointed
-            only where that is faster within it (in practice: where nothing plain fits)
+            with ``schedule="auto"``, ``"auto"``: the search weighs every schedule with plain blocks and
+            with blocks checkpointed ``"selective"`` and ``"full"``, and takes the fastest within
+            ``memory_limit``, checkpointed only where that is faster within it (in practice: where
+            nothing plain fits)
             (:mod:`lightning_twobp.lightning.checkpointing`).
         batch_w: the 2BP paper's batched W (§4): a stage's deferred W of several micro-batches as one
             GEMM (or conv weight backward) per weight, the micro-batches' gradients and inputs

@@ -50,7 +50,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import torch
-from hydra.errors import HydraException
+from hydra.errors import ConfigCompositionException, MissingConfigException, OverrideParseException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 from torch import nn
@@ -705,6 +705,17 @@ def plan_recipe(overrides: list[str]) -> Plan:
     return plan(cfg, recipe)
 
 
+# What a refusal is: our checks' ValueError (NoScheduleFits among them), an override Hydra cannot parse or
+# compose, a key or value OmegaConf refuses.
+_REFUSALS = (
+    ValueError,
+    MissingConfigException,
+    OverrideParseException,
+    ConfigCompositionException,
+    OmegaConfBaseException,
+)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         prog="twobp-plan",
@@ -717,12 +728,13 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(sys.argv[1:] if argv is None else argv)
     try:
         result = plan_recipe(args.overrides)
-    except (ValueError, HydraException, OmegaConfBaseException) as e:
+    except _REFUSALS as e:
         # A refused configuration or override: its message names the numbers and the fix, and a
         # traceback above it only buries that. HYDRA_FULL_ERROR=1 shows the traceback, as for twobp-train.
+        # (A model's own constructor failing reaches Hydra as an InstantiationException: not caught here.)
         if os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise
-        print(f"twobp-plan: error: {e}", file=sys.stderr)
+        print(f"twobp-plan: error: {e}\n(HYDRA_FULL_ERROR=1 for the traceback)", file=sys.stderr)
         return 2
     print(format_plan(result))
     if args.json:

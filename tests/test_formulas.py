@@ -170,6 +170,40 @@ class Routed(nn.Module):
         return torch.relu(self.experts[self.route](x))
 
 
+class Swapping(nn.Module):
+    """Returns an input passed through and a weight-only output, in an order that changes between
+    micro-batches: the same graph, but the weight-only output (W's own root) at another position."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.scale = nn.Parameter(torch.ones(3))
+        self.swap = False
+
+    def forward(self, x):
+        a, b = self.lin(x), self.scale * 2
+        return (a, x, b) if self.swap else (a, b, x)
+
+
+def test_a_cached_plan_follows_outputs_that_change_places():
+    torch.manual_seed(0)
+    ref = Swapping()
+    mod = copy.deepcopy(ref)
+    stage = Stage(mod)
+    for mb, swap in enumerate([False, True, False]):
+        ref.swap = mod.swap = swap
+        x = torch.randn(2, 4)
+        outs = ref(x.clone().requires_grad_())
+        grads = [torch.randn_like(o) for o in outs]
+        torch.autograd.backward(list(outs), grads)
+        stage.forward(mb, x.clone().requires_grad_())
+        stage.backward_input(mb, grads)
+    stage.backward_weight([0, 1, 2])
+    for (n, q), r in zip(mod.named_parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(q.grad, r.grad, rtol=1e-5, atol=1e-6, msg=n)
+    assert len(stage._plans._plans) == 2, "one plan per output order"
+
+
 def test_a_cached_plan_is_not_reused_when_the_route_changes():
     stage = _split_vs_fused(Routed, [torch.randn(4, 6) for _ in range(4)], alphas=[0, 1, 1, 0], attr="route")
     assert len(stage._plans._plans) == 2, "one plan per expert"

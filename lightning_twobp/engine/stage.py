@@ -650,7 +650,10 @@ class _PlanCache:
         nodes = [_node(o) for o in outputs]
         roots = [n for n in nodes if n is not None]
         met, key = _structure(roots, {id(x): k for k, x in enumerate(inputs)}, params)
-        key = (tuple(n is None and id(o) in params for o, n in zip(outputs, nodes, strict=True)), key)
+        # Which outputs are graph roots, parameters or other leaves, in order: the plan's weight roots
+        # are output positions, and an output passed through (an input) may move between micro-batches.
+        out_kinds = tuple(None if n is not None else id(o) in params for o, n in zip(outputs, nodes, strict=True))
+        key = (out_kinds, key)
         cached = self._plans.get(key)
         if cached is not None and all(formulas.flags(met[k]) == v for k, v in cached[1]):
             return _relabel(cached[0], met.__getitem__)

@@ -63,7 +63,8 @@ log = logging.getLogger(__name__)
 
 # What activation_checkpointing="auto" weighs with schedule="auto": each a profile of the layers, searched
 # together. Selective keeps the matmul products (most of a block's compute, part of its activations) and
-# recomputes the rest, so it often fits where plain does not at a fraction of "full"'s recompute.
+# recomputes the rest, so it may fit where plain does not at a fraction of "full"'s recompute (how much
+# it saves depends on the block: measured, 8-10% of a tiny LLaMa rank's peak; docs/benchmarks.md).
 AUTO_MODES: tuple[str | None, ...] = (None, "selective", "full")
 
 _HF_FLAG = "gradient_checkpointing"  # Hugging Face's public switch, on the model and on each block (5.x)
