@@ -252,3 +252,38 @@ def two_ranks(request) -> conftest.Launch:
         for k, args in HF_CASES.items()
     }
     return launch(request, 2, cases, timeout=840)
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_a_checkpointed_batch_norm_counts_each_micro_batch_once(mode):
+    """torch's checkpoint runs the block's forward again in B; the BatchNorms' running statistics must
+    still count each micro-batch once (as without checkpointing), under the split and fused alike."""
+    import copy
+
+    from lightning_twobp.engine import Stage
+    from lightning_twobp.lightning.checkpointing import apply_activation_checkpointing
+    from lightning_twobp.models.resnet import Bottleneck
+
+    torch.manual_seed(0)
+    ref = Bottleneck(16, 4, stride=2)
+    split, fused = copy.deepcopy(ref), copy.deepcopy(ref)
+    undo = apply_activation_checkpointing([(0, split), (1, fused)], mode)
+    stages = {"split": Stage(split), "fused": Stage(fused)}
+    for mb in range(2):
+        x = torch.randn(2, 16, 8, 8)
+        out = ref(x.clone().requires_grad_())
+        g = torch.randn_like(out)
+        out.backward(g)
+        for name, st in stages.items():
+            st.forward(mb, x.clone().requires_grad_())
+            if name == "split":
+                st.backward_input(mb, g)
+                st.backward_weight(mb)
+            else:
+                st.backward(mb, g)
+    undo()
+    for name, mod in (("split", split), ("fused", fused)):
+        for (n, b), r in zip(mod.named_buffers(), ref.buffers(), strict=True):
+            torch.testing.assert_close(b, r, rtol=1e-5, atol=1e-6, msg=f"{name} {n}")
+        for (n, q), r in zip(mod.named_parameters(), ref.parameters(), strict=True):
+            torch.testing.assert_close(q.grad, r.grad, rtol=1e-5, atol=1e-6, msg=f"{name} {n}")

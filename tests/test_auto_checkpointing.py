@@ -275,7 +275,8 @@ def test_a_limit_only_checkpointing_meets_trains_checkpointed_like_one_process(r
     _check_trained(tight, ref)
     for r in tight:
         assert r["full"] < r["limit"] < r["plain"], r  # nothing plain fits, something checkpointed does
-        assert r["checkpointing"] == "full" and r["peak"] <= r["limit"], r["label"]
+        # selective or full, whichever the clock found faster within the limit (the search test pins that)
+        assert r["checkpointing"] in ("selective", "full") and r["peak"] <= r["limit"], r["label"]
 
 
 def test_auto_checkpointing_refuses_a_model_whose_hugging_face_switch_is_on() -> None:

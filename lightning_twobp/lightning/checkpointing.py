@@ -85,16 +85,50 @@ def _selective_contexts() -> tuple[Any, Any]:
     return create_selective_checkpoint_contexts(keep_products)
 
 
-def _checkpointed(forward: Callable[..., Any], selective: bool) -> Callable[..., Any]:
+def _checkpointed(block: nn.Module, selective: bool) -> Callable[..., Any]:
+    forward = block.forward
     contexts = _selective_contexts if selective else noop_context_fn
+    norms = [(m, n) for m in block.modules() for n, _ in m.named_buffers(recurse=False) if n in _RUNNING]
 
     @functools.wraps(forward)
     def run(*args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():  # evaluation: nothing is saved, nothing to recompute
             return forward(*args, **kwargs)
-        return checkpoint(forward, *args, use_reentrant=False, context_fn=contexts, **kwargs)
+        fn = _statistics_once(forward, norms) if norms else forward
+        return checkpoint(fn, *args, use_reentrant=False, context_fn=contexts, **kwargs)
 
     return run
+
+
+# A norm's running statistics: what a training forward updates besides its output.
+_RUNNING = {"running_mean", "running_var", "num_batches_tracked"}
+
+
+def _statistics_once(forward: Callable[..., Any], norms: list[tuple[nn.Module, str]]) -> Callable[..., Any]:
+    """``forward`` for one checkpointed call whose recomputes leave the norms' running statistics as F
+    left them. torch's checkpoint runs the block's forward again in B, and a training BatchNorm would
+    count the micro-batch twice (measured: ``num_batches_tracked`` 2 against 1, the running mean 8e-3
+    off after one step): a difference from one process that only evaluation would show. A recompute
+    updates spare buffers instead (a training norm's output does not read them). They are made here,
+    outside the checkpoint: selective checkpointing refuses any op its forward did not run."""
+    spare = [torch.empty_like(getattr(m, n)) for m, n in norms]
+    ran = False
+
+    def fn(*args: Any, **kwargs: Any) -> Any:
+        nonlocal ran
+        if not ran:  # F
+            ran = True
+            return forward(*args, **kwargs)
+        real = [getattr(m, n) for m, n in norms]
+        for (m, n), b in zip(norms, spare, strict=True):
+            setattr(m, n, b)
+        try:
+            return forward(*args, **kwargs)
+        finally:
+            for (m, n), b in zip(norms, real, strict=True):
+                setattr(m, n, b)
+
+    return fn
 
 
 def apply_activation_checkpointing(
@@ -134,7 +168,7 @@ def apply_activation_checkpointing(
     for c in caches:
         c.use_cache = False
     for b in chosen.values():
-        b.forward = _checkpointed(b.forward, value == "selective")  # an instance attribute: undone below
+        b.forward = _checkpointed(b, value == "selective")  # an instance attribute: undone below
 
     def undo() -> None:
         for b in chosen.values():
