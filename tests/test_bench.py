@@ -39,6 +39,14 @@ def test_paper_blocks_harness_gives_each_model_a_ratio():
     assert set(r) == {"llama", "bert", "mamba", "resnet"} and all(v > 0 for v in r.values())
 
 
+def test_full_size_without_the_paper_blocks_is_refused(capsys):
+    from lightning_twobp.bench.cli import main
+
+    with pytest.raises(SystemExit) as info:
+        main(["--split", "--full-size"])
+    assert info.value.code == 2 and "add both" in capsys.readouterr().err
+
+
 def test_full_size_blocks_are_the_named_real_sizes():
     from lightning_twobp.bench.paper import models
     from lightning_twobp.bench.split import full_size

@@ -279,7 +279,10 @@ _MODES: dict[str, Callable[[argparse.Namespace], None]] = {
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    ap = _parser()
+    args = ap.parse_args(argv)
+    if args.full_size and not (args.split and args.paper_blocks):
+        ap.error("--full-size sizes the layers of --split --paper-blocks: add both")
     run = next((run for flag, run in _MODES.items() if getattr(args, flag)), _engine)
     run(args)
     return 0
