@@ -100,7 +100,8 @@ def check_activation_checkpointing(value: Any, schedule: str | None = None) -> s
         )
     raise ValueError(
         f"TwoBPStrategy(activation_checkpointing={value!r}): use None (off), 'full' (every block), an int k >= 1 "
-        f"(every k-th block), 'selective' (every block, its matrix products kept, the cheap ops recomputed) or, "
+        f"(every k-th block), 'selective' (every block, its matrix products and convolutions kept, the cheap ops "
+        f"recomputed) or, "
         f"with schedule='auto', 'auto' (checkpoint every block only where nothing fits memory_limit without)"
     )
 
@@ -220,7 +221,8 @@ class PipelineOptions:
             2 replicas; fp32 or ``"bf16-mixed"`` (fp16 and the ``"-true"`` half precisions are refused
             before any compute).
         activation_checkpointing: ``None`` (off, the default), ``"full"`` (every block recomputed in B),
-            an int ``k`` (every k-th block), ``"selective"`` (every block, its matrix products kept) or,
+            an int ``k`` (every k-th block), ``"selective"`` (every block, its matrix products and
+            convolutions kept) or,
             with ``schedule="auto"``, ``"auto"``: the search weighs every schedule with plain blocks and
             with blocks checkpointed ``"selective"`` and ``"full"``, and takes the fastest within
             ``memory_limit``, checkpointed only where that is faster within it (in practice: where

@@ -21,6 +21,7 @@ from lightning_twobp.engine.graph import check_checkpoint_peek
 from lightning_twobp.lightning.checkpointing import apply_activation_checkpointing, check_activation_checkpointing
 from lightning_twobp.models.llama import Block, LlamaConfig
 from lightning_twobp.models.mamba import MambaBlock
+from lightning_twobp.models.resnet import Bottleneck
 from lightning_twobp.private import TorchDispatchMode
 
 
@@ -219,8 +220,8 @@ def test_a_weight_pushed_through_autograd_in_a_checkpointed_block_is_taken_in_b(
 
 
 class _Products(TorchDispatchMode):
-    """Counts the matrix products and attention kernels that run (a product the selective policy kept is
-    served from F's store by torch's inner mode and never reaches this outer one)."""
+    """Counts the matrix products, convolutions and attention kernels that run (a product the selective
+    policy kept is served from F's store by torch's inner mode and never reaches this outer one)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -228,8 +229,29 @@ class _Products(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.overloadpacket.__name__
-        self.count += name in ("mm", "addmm", "bmm") or name.startswith("_scaled_dot_product_flash_attention_for")
+        costly = name in ("mm", "addmm", "bmm", "convolution")
+        self.count += costly or name.startswith("_scaled_dot_product_flash_attention_for")
         return func(*args, **(kwargs or {}))
+
+
+def _convolutions_in_b(value) -> int:
+    """The convolutions B runs on a ResNet bottleneck checkpointed ``value``'s way (its backward runs
+    ``convolution_backward``, not ``convolution``: only a recompute runs these)."""
+    torch.manual_seed(0)
+    block = Bottleneck(16, 4)
+    apply_activation_checkpointing([(0, block)], value)
+    stage = Stage(block)
+    out = stage.forward(0, torch.randn(2, 16, 8, 8, requires_grad=True))
+    with _Products() as products:
+        stage.backward_input(0, torch.ones_like(out))
+    stage.backward_weight([0])
+    return products.count
+
+
+def test_selective_keeps_a_conv_nets_convolutions():
+    """On a conv net the costly ops are the convolutions: "selective" keeps them (B runs none, as without
+    checkpointing), "full" runs the block's three again."""
+    assert (_convolutions_in_b(None), _convolutions_in_b("selective"), _convolutions_in_b("full")) == (0, 0, 3)
 
 
 def _one_block(value) -> dict:

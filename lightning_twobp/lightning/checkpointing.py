@@ -70,12 +70,13 @@ AUTO_MODES: tuple[str | None, ...] = (None, "selective", "full")
 _HF_FLAG = "gradient_checkpointing"  # Hugging Face's public switch, on the model and on each block (5.x)
 
 
-_PRODUCTS = {torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm}
+# The costly ops: a transformer's matrix products, a conv net's convolutions (attention: by name, below).
+_PRODUCTS = {torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm, torch.ops.aten.convolution}
 
 
 def keep_products(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-    """The ``"selective"`` policy: a matrix product's or an attention kernel's output is kept from F to B
-    (the costly ops), every other op's is recomputed (cheap, and most of the bytes)."""
+    """The ``"selective"`` policy: a matrix product's, a convolution's or an attention kernel's output is
+    kept from F to B (the costly ops), every other op's is recomputed (cheap, and most of the bytes)."""
     packet = getattr(op, "overloadpacket", op)
     kept = packet in _PRODUCTS or getattr(packet, "__name__", "").startswith("_scaled_dot_product")
     return CheckpointPolicy.MUST_SAVE if kept else CheckpointPolicy.PREFER_RECOMPUTE
