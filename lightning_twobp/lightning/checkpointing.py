@@ -110,9 +110,10 @@ def _statistics_once(forward: Callable[..., Any], norms: list[tuple[nn.Module, s
     left them. torch's checkpoint runs the block's forward again in B, and a training BatchNorm would
     count the micro-batch twice (measured: ``num_batches_tracked`` 2 against 1, the running mean 8e-3
     off after one step): a difference from one process that only evaluation would show. A recompute
-    updates spare buffers instead (a training norm's output does not read them). They are made here,
-    outside the checkpoint: selective checkpointing refuses any op its forward did not run."""
-    spare = [torch.empty_like(getattr(m, n)) for m, n in norms]
+    updates spare copies instead (a training norm's output does not read them; copies, not empty
+    tensors, since ``momentum=None`` divides by the batch count). They are made here, outside the
+    checkpoint: selective checkpointing refuses any op its forward did not run."""
+    spare = [getattr(m, n).clone() for m, n in norms]
     ran = False
 
     def fn(*args: Any, **kwargs: Any) -> Any:
