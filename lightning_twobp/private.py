@@ -49,7 +49,8 @@ def make_wrapper_subclass(cls: type, *args: Any, **kwargs: Any) -> Any:
 
 def tensor_version(t: torch.Tensor) -> int:
     """Autograd's count of in-place writes to ``t``: post-validation redoes a step only when the
-    gradients it saw were not written since (engine/post_validation.py)."""
+    gradients it saw were not written since (engine/post_validation.py); a checkpointed block keeps a
+    copy of each buffer its forward wrote, for B's recompute (lightning/checkpointing.py)."""
     return t._version
 
 

@@ -254,24 +254,19 @@ def two_ranks(request) -> conftest.Launch:
     return launch(request, 2, cases, timeout=840)
 
 
-@pytest.mark.parametrize("mode", ["full", "selective"])
-def test_a_checkpointed_batch_norm_counts_each_micro_batch_once(mode):
-    """torch's checkpoint runs the block's forward again in B; the BatchNorms' running statistics must
-    still count each micro-batch once (as without checkpointing), under the split and fused alike."""
+def _checkpointed_like_one_process(ref: nn.Module, mode: str, shape: tuple[int, ...]) -> None:
+    """Two micro-batches through ``ref``'s copies, checkpointed in ``mode``, split (B then W) and fused:
+    every buffer and every parameter's gradient equal to ``ref`` run plainly on the same inputs."""
     import copy
 
     from lightning_twobp.engine import Stage
     from lightning_twobp.lightning.checkpointing import apply_activation_checkpointing
-    from lightning_twobp.models.resnet import Bottleneck
 
-    torch.manual_seed(0)
-    ref = Bottleneck(16, 4, stride=2)
-    ref.bn1.momentum = None  # a cumulative average: divides by the batch count, the spare one included
     split, fused = copy.deepcopy(ref), copy.deepcopy(ref)
     undo = apply_activation_checkpointing([(0, split), (1, fused)], mode)
     stages = {"split": Stage(split), "fused": Stage(fused)}
     for mb in range(2):
-        x = torch.randn(2, 16, 8, 8)
+        x = torch.randn(shape)
         out = ref(x.clone().requires_grad_())
         g = torch.randn_like(out)
         out.backward(g)
@@ -288,3 +283,71 @@ def test_a_checkpointed_batch_norm_counts_each_micro_batch_once(mode):
             torch.testing.assert_close(b, r, rtol=1e-5, atol=1e-6, msg=f"{name} {n}")
         for (n, q), r in zip(mod.named_parameters(), ref.parameters(), strict=True):
             torch.testing.assert_close(q.grad, r.grad, rtol=1e-5, atol=1e-6, msg=f"{name} {n}")
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_a_checkpointed_batch_norm_counts_each_micro_batch_once(mode):
+    """torch's checkpoint runs the block's forward again in B; the BatchNorms' running statistics must
+    still count each micro-batch once (as without checkpointing), under the split and fused alike."""
+    from lightning_twobp.models.resnet import Bottleneck
+
+    torch.manual_seed(0)
+    ref = Bottleneck(16, 4, stride=2)
+    ref.bn1.momentum = None  # a cumulative average: divides by the batch count, the spare one included
+    _checkpointed_like_one_process(ref, mode, (2, 16, 8, 8))
+
+
+class _RunningScale(nn.Module):
+    """Divides by a running mean of its input's size, updated in its training forward (as an EMA codebook
+    or an observation normaliser is): its output reads the buffer its forward writes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("scale", torch.ones(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            self.scale.mul_(0.5).add_(0.5 * x.detach().abs().mean())
+        return x / self.scale
+
+
+class _BufferReader(nn.Module):
+    def __init__(self, norm: str) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        if norm == "spectral":
+            # close top singular values: the power iteration moves u far on each call, F's or a recompute's
+            with torch.no_grad():
+                q1, _ = torch.linalg.qr(torch.randn(8, 8))
+                q2, _ = torch.linalg.qr(torch.randn(8, 8))
+                self.a.weight.copy_(q1 @ torch.diag(torch.tensor([1.0, 0.97, 0.5, 0.4, 0.3, 0.2, 0.1, 0.05])) @ q2)
+            self.a = nn.utils.parametrizations.spectral_norm(self.a)
+        self.n = _RunningScale() if norm == "running-scale" else nn.Identity()
+        self.b = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.b(torch.tanh(self.n(self.a(x))))
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+@pytest.mark.parametrize("norm", ["running-scale", "spectral"])
+def test_a_checkpointed_block_recomputes_with_its_buffers_as_f_saw_them(norm, mode):
+    """A module whose training forward writes a buffer its output reads (a running scale; spectral norm's
+    power iteration): B's recompute must see the buffer as F did, or it computes another output and
+    every gradient below it is wrong (the running scale: 2.0 off in a weight's gradient)."""
+    torch.manual_seed(0)
+    _checkpointed_like_one_process(_BufferReader(norm), mode, (4, 8))
+
+
+def test_a_second_recompute_of_a_block_that_writes_its_buffers_is_refused():
+    """Only one copy of F's buffers is kept (selective checkpointing allows no clone in a recompute), so a
+    second backward through the same checkpointed forward must say so, not recompute on written buffers."""
+    from lightning_twobp.lightning.checkpointing import apply_activation_checkpointing
+
+    block = _BufferReader("running-scale")
+    undo = apply_activation_checkpointing([(0, block)], "full")
+    out = block(torch.randn(4, 8, requires_grad=True)).sum()
+    out.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="recomputed a second time"):
+        out.backward()
+    undo()

@@ -50,6 +50,7 @@ from torch.utils.checkpoint import (
 )
 
 from lightning_twobp.options import check_activation_checkpointing
+from lightning_twobp.private import tensor_version
 
 __all__ = [
     "AUTO_MODES",
@@ -89,48 +90,89 @@ def _selective_contexts() -> tuple[Any, Any]:
 def _checkpointed(block: nn.Module, selective: bool) -> Callable[..., Any]:
     forward = block.forward
     contexts = _selective_contexts if selective else noop_context_fn
-    norms = [(m, n) for m in block.modules() for n, _ in m.named_buffers(recurse=False) if n in _RUNNING]
+    buffers = [(m, n) for m in block.modules() for n, _ in m.named_buffers(recurse=False)]
 
     @functools.wraps(forward)
     def run(*args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():  # evaluation: nothing is saved, nothing to recompute
             return forward(*args, **kwargs)
-        fn = _statistics_once(forward, norms) if norms else forward
-        return checkpoint(fn, *args, use_reentrant=False, context_fn=contexts, **kwargs)
+        if not buffers:
+            return checkpoint(forward, *args, use_reentrant=False, context_fn=contexts, **kwargs)
+        call = _BuffersAsF(forward, buffers)
+        out = checkpoint(call, *args, use_reentrant=False, context_fn=contexts, **kwargs)
+        call.keep_changed()
+        return out
 
     return run
 
 
-# A norm's running statistics: what a training forward updates besides its output.
-_RUNNING = {"running_mean", "running_var", "num_batches_tracked"}
+# A norm's running statistics: its kernel writes them in a training forward without counting the write.
+_RUNNING = {"running_mean", "running_var"}
 
 
-def _statistics_once(forward: Callable[..., Any], norms: list[tuple[nn.Module, str]]) -> Callable[..., Any]:
-    """``forward`` for one checkpointed call whose recomputes leave the norms' running statistics as F
-    left them. torch's checkpoint runs the block's forward again in B, and a training BatchNorm would
-    count the micro-batch twice (measured: ``num_batches_tracked`` 2 against 1, the running mean 8e-3
-    off after one step): a difference from one process that only evaluation would show. A recompute
-    updates spare copies instead (a training norm's output does not read them; copies, not empty
-    tensors, since ``momentum=None`` divides by the batch count). They are made here, outside the
-    checkpoint: selective checkpointing refuses any op its forward did not run."""
-    spare = [getattr(m, n).clone() for m, n in norms]
-    ran = False
+class _BuffersAsF:
+    """One checkpointed call of a block whose recomputes see its buffers as F saw them and leave them as
+    F left them. torch's checkpoint runs the block's forward again in B; a module that writes a buffer
+    in its forward would otherwise see F's write there and write again. A training BatchNorm counted the
+    micro-batch twice (``num_batches_tracked`` 2 against 1, the running mean 8e-3 off after one step);
+    a module whose output reads such a buffer (spectral norm's power iteration, an EMA codebook, a
+    running scale) recomputed another output than F's, and every gradient below it was wrong (a running
+    scale: 2.0 off in a weight's gradient). So F's call keeps a copy of every buffer it changes, as it
+    was before F (made outside the checkpoint: selective checkpointing refuses any op its forward did not
+    run), and B's recompute runs on those copies, the real buffers put back after."""
 
-    def fn(*args: Any, **kwargs: Any) -> Any:
-        nonlocal ran
-        if not ran:  # F
-            ran = True
-            return forward(*args, **kwargs)
-        real = [getattr(m, n) for m, n in norms]
-        for (m, n), b in zip(norms, spare, strict=True):
-            setattr(m, n, b)
+    def __init__(self, forward: Callable[..., Any], buffers: list[tuple[nn.Module, str]]) -> None:
+        self.forward = forward
+        self.ran = False
+        found = [(m, n, getattr(m, n)) for m, n in buffers]
+        self.copies: dict[int, torch.Tensor] = {id(t): t.detach().clone() for _, _, t in found}  # a shared one once
+        self._before = [(m, n, t, tensor_version(t)) for m, n, t in found]
+        self.changed: list[tuple[nn.Module, str, int]] = []  # (module, name, its copy's key)
+        self.used = False
+
+    def keep_changed(self) -> None:
+        """After F: keep the copies of the buffers F wrote or replaced; drop the rest (most: masks, caches).
+        A write counts in the tensor's version, except a batch norm kernel's into its running statistics
+        (measured): those count whenever their module trains. (Not compared by value: on a GPU each
+        comparison would wait for the device.)"""
+        self.changed = [
+            (m, n, id(t))
+            for m, n, t, v in self._before
+            if getattr(m, n) is not t or tensor_version(t) != v or (n in _RUNNING and m.training)
+        ]
+        keys = {k for _, _, k in self.changed}
+        self.copies = {k: c for k, c in self.copies.items() if k in keys}
+        self._before = []
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if not self.ran:  # F
+            self.ran = True
+            return self.forward(*args, **kwargs)
+        if not self.changed:
+            return self.forward(*args, **kwargs)
+        if self.used:
+            raise RuntimeError(_RECOMPUTED_TWICE)
+        # The copies themselves, not fresh clones of them: selective checkpointing refuses any op in a
+        # recompute that F did not run, a clone included. So they serve one recompute, which is what B
+        # runs (and a plain backward); a second would see the first's writes, and is refused above.
+        self.used = True
+        real = [getattr(m, n) for m, n, _ in self.changed]
+        for m, n, k in self.changed:
+            setattr(m, n, self.copies[k])
         try:
-            return forward(*args, **kwargs)
+            return self.forward(*args, **kwargs)
         finally:
-            for (m, n), b in zip(norms, real, strict=True):
-                setattr(m, n, b)
+            for (m, n, _), t in zip(self.changed, real, strict=True):
+                setattr(m, n, t)
 
-    return fn
+
+_RECOMPUTED_TWICE = (
+    "activation checkpointing: a block whose forward writes its buffers (a batch norm's running statistics, "
+    "a running scale, spectral norm's power iteration) was recomputed a second time for one forward (a "
+    "backward over a checkpointed block run twice, retain_graph=True). Each recompute must see the buffers as "
+    "F did, and only one copy of them is kept: checkpoint this block without TwoBPStrategy's "
+    "activation_checkpointing (torch.utils.checkpoint in the block's own code) or backward through it once."
+)
 
 
 def apply_activation_checkpointing(
