@@ -27,8 +27,10 @@ How the split works, per micro-batch:
 The one shape this cannot defer is a weight-only node reached from two frontier nodes through a path
 that starts at one of them and passes through the other (then re-entering at the first would recompute
 the second). For a leaf parameter used directly by several ops the edges are instead taken in B
-(typically a bias or a norm scale: cheap); for anything else the micro-batch's weight grads are all taken
-in B and W only accumulates them. Both stay exact; ``Stage.deferred_fraction`` tells how much was split.
+(typically a bias or a norm scale: cheap), unless a weight-only node feeds it too (then each op's own
+share is deferred by its formula, see ``_fed_by_weights``); for anything else the micro-batch's weight
+grads are all taken in B and W only accumulates them. Both stay exact; ``Stage.deferred_fraction``
+tells how much was split.
 Inside an activation-checkpointed block a frontier node, or a weight-only region that saved tensors, is
 also taken in B (B's engine call, then carried into the weights in B's recompute group): W running it
 again would recompute the block once more, or fail under selective checkpointing.
@@ -597,7 +599,12 @@ def _plan(
     _refuse_reentrant(order)
     reach = _reach(order, children, {id(x) for x in inputs}, params)
     split = _Split(
-        reach, _sources(order, children, reach), params, _used_outputs(children), [] if read is None else read
+        reach,
+        _sources(order, children, reach),
+        params,
+        _used_outputs(children),
+        [] if read is None else read,
+        _fed_by_weights(order, children, reach),
     )
     for node in reversed(order):  # parents first: the order B reaches them
         if reach.to_input[node] and getattr(node, "variable", None) is None:
@@ -800,6 +807,7 @@ class _Split:
     params: dict[int, nn.Parameter]
     used_outputs: set[tuple[Node, int]]
     read: list[Node]  # nodes with weight edges: their saved flags decided (formulas.flags)
+    mixed: set[Node]  # parameters' leaves also fed by a weight-only node (see _fed_by_weights)
     frontier: list[tuple[Node, list[tuple[Node, int]]]] = field(default_factory=list)
     fast: list[formulas.FastW] = field(default_factory=list)
     early: list[GradientEdge] = field(default_factory=list)
@@ -818,6 +826,8 @@ class _Split:
             self.read.append(node)
         if single and formulas.by_product(node):
             # A training batch norm: B's call makes these from the reductions its input gradient needs.
+            if self._take_all_in_b(list(single.values())):
+                return
             self.free.extend(GradientEdge(*e) for e in single.values())
             return
         # A weight-only region that saved tensors inside an activation-checkpointed block can be run once
@@ -836,6 +846,8 @@ class _Split:
         self.fast.extend(direct)
         self.num_deferred += len(covered)
         deferred = [e for pos, e in single.items() if pos not in covered]
+        if self._take_all_in_b(deferred):
+            return
         if deferred and in_checkpoint(node):  # W would run this node again: B runs it once, for both halves
             self.in_b.extend(GradientEdge(*e) for e in deferred)
             deferred = []
@@ -851,7 +863,7 @@ class _Split:
         for pos, (n, i) in enumerate(node.next_functions):
             if n is None or to_input[n] or not to_param[n]:
                 continue
-            if len(self.sources[n]) == 1:
+            if len(self.sources[n]) == 1 or n in self.mixed:  # mixed: each op's own share, see _fed_by_weights
                 single[pos] = (n, i)
             elif getattr(n, "variable", None) is not None:
                 # A parameter used directly by several input-path ops: take its edges in B.
@@ -862,6 +874,33 @@ class _Split:
                 self.fallback = True
                 self.num_deferred += 1  # counted as taken in B by the plan
         return single
+
+    def _take_all_in_b(self, edges: list[tuple[Node, int]]) -> bool:
+        """Fall back (the micro-batch's weights all in B) when ``edges`` hold a mixed leaf that no formula
+        took: as a target of an engine call (B's, or W's re-entry at this node) it would collect the weight-only
+        region's share too, which W pushes into the parameter again."""
+        if not any(n in self.mixed for n, _ in edges):
+            return False
+        self.fallback = True
+        self.num_deferred += len(edges)  # counted as taken in B by the plan
+        return True
+
+
+def _fed_by_weights(order: list[Node], children: dict[Node, list[tuple[Node, int]]], reach: _Reach) -> set[Node]:
+    """The leaves that a weight-only node feeds: a bias a Linear adds both to the input's product and to a
+    weight-only one (DeBERTa-v2's ``query_proj`` on its relative embeddings), or a parameter also returned
+    through an output that reaches no input. An engine call that targets such a leaf gets its whole gradient,
+    the weight-only path's share included, and W pushes that share again when it carries the region into the
+    parameters: taken in B (early) it would count twice. Each input-path op's edge into it is deferred on its
+    own instead, by formula (exactly that op's share), or the micro-batch falls back."""
+    to_input = reach.to_input
+    return {
+        n
+        for node in order
+        if not to_input[node] and getattr(node, "variable", None) is None
+        for n, _ in children[node]
+        if getattr(n, "variable", None) is not None
+    }
 
 
 def _region_checkpointed(top: Node) -> bool:
