@@ -109,6 +109,21 @@ class NoFormula(nn.Module):
         return torch.pow(x.abs() + 1, self.s) + x * self.s.exp()
 
 
+class RegionAlsoReturned(nn.Module):
+    """A weight-only node (``exp(a)``) shared by the input path and an output that reaches no input: W
+    ran that output's backward and then pushed the input path's share through the same node, whose saved
+    tensors the first call had freed ("backward through the graph a second time")."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Parameter(torch.randn(8))
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        e = self.a.exp()
+        return self.lin(x) * e, e * 3
+
+
 def _inputs(*shape: int) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(1)
     return [torch.randn(b, *shape, generator=g) for b in SIZES]
@@ -146,6 +161,16 @@ def test_a_scale_also_returned_by_a_weight_only_output_counts_once(w_together):
     torch.manual_seed(0)
     stage = _split_vs_fused(ScaleAlsoReturned(), _inputs(3, 8), w_together)
     assert stage.deferred_fraction == 1.0
+
+
+@pytest.mark.parametrize("checkpointed", [False, True])
+def test_a_weight_only_node_shared_with_an_output_that_reaches_no_input_is_taken_in_b(checkpointed):
+    """Fails without ``_sources``' weight roots: a crash in W."""
+    torch.manual_seed(0)
+    module: nn.Module = RegionAlsoReturned()
+    ref = copy.deepcopy(module)
+    stage = _split_vs_fused(Whole(module) if checkpointed else module, _inputs(3, 8), ref=ref)
+    assert stage.deferred_fraction == 0.0  # the documented fallback: a weight-only node shared
 
 
 def test_a_mixed_parameter_without_a_formula_is_taken_in_b_exactly():

@@ -600,7 +600,7 @@ def _plan(
     reach = _reach(order, children, {id(x) for x in inputs}, params)
     split = _Split(
         reach,
-        _sources(order, children, reach),
+        _sources(order, children, reach, [n for n in nodes if n is not None and not reach.to_input[n]]),
         params,
         _used_outputs(children),
         [] if read is None else read,
@@ -777,11 +777,15 @@ def _reach(
     return _Reach(to_input, to_param)
 
 
-def _sources(order: list[Node], children: dict[Node, list[tuple[Node, int]]], reach: _Reach) -> dict[Node, set[Node]]:
+def _sources(
+    order: list[Node], children: dict[Node, list[tuple[Node, int]]], reach: _Reach, weight_roots: list[Node]
+) -> dict[Node, set[Node]]:
     """Weight-only entry nodes and the input-path nodes that feed them, directly or through
-    weight-only nodes (walked parents-first so a node's sources are known before its children)."""
+    weight-only nodes (walked parents-first so a node's sources are known before its children).
+    An output that reaches no input (its node among ``weight_roots``) is a source of its own: W runs its
+    whole backward in one call, so a weight-only node it shares with the input path is shared."""
     to_input, to_param = reach.to_input, reach.to_param
-    sources: dict[Node, set[Node]] = {}
+    sources: dict[Node, set[Node]] = {r: {r} for r in weight_roots}
     for node in reversed(order):
         if not to_input[node]:
             continue
