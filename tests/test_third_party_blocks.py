@@ -124,6 +124,38 @@ class RegionAlsoReturned(nn.Module):
         return self.lin(x) * e, e * 3
 
 
+class _Reversible(torch.autograd.Function):
+    """Reformer's shape, reduced: the layer runs without a graph in F, and the backward recomputes it
+    and runs its own backward, filling the layer's ``.grad`` itself (``layer`` is no tensor: no edge)."""
+
+    @staticmethod
+    def forward(ctx, x, layer):
+        ctx.layer = layer
+        ctx.save_for_backward(x)
+        with torch.no_grad():
+            return layer(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        with torch.enable_grad():
+            x = x.detach().requires_grad_()
+            torch.autograd.backward(ctx.layer(x), grad)
+        return x.grad, None
+
+
+class Reversible(nn.Module):
+    """A two-layer MLP inside the custom Function, a Linear head outside it (deferred as usual)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 8))
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x):  # (B, T, 8) -> (B, T, 4)
+        return self.head(_Reversible.apply(x, self.inner))
+
+
 def _inputs(*shape: int) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(1)
     return [torch.randn(b, *shape, generator=g) for b in SIZES]
@@ -177,6 +209,15 @@ def test_a_mixed_parameter_without_a_formula_is_taken_in_b_exactly():
     torch.manual_seed(0)
     stage = _split_vs_fused(NoFormula(), _inputs(3, 8))
     assert stage.deferred_fraction == 0.0  # the documented fallback, reported here
+
+
+def test_weights_a_custom_function_fills_in_b_are_announced_and_counted():
+    """Fails without stage.py's ``_Hidden``: ``deferred_fraction`` said 1.0 and nothing was said, while
+    the inner layer's weight backward ran in B."""
+    torch.manual_seed(0)
+    with pytest.warns(RuntimeWarning, match=r"4 parameter\(s\) \(inner.0.weight first\).*inside a node"):
+        stage = _split_vs_fused(Reversible(), _inputs(3, 8))
+    assert stage.deferred_fraction == 1 / 3  # per micro-batch: head's 2 edges in W, inner's 4 parameters in B
 
 
 # ------------------------------------------------------------------------------ Hugging Face blocks
@@ -293,3 +334,19 @@ def test_hugging_face_blocks_split_exactly_and_recompute_once(name, how):
         assert stage.deferred_fraction == 1.0
     else:
         assert 0.85 < stage.deferred_fraction <= 1.0, stage.deferred_fraction
+
+
+def test_reformer_reversible_layers_are_announced_as_taken_in_b():
+    """Reformer's reversible layers fill their weights' ``.grad`` inside its custom backward, in B."""
+    tf = pytest.importorskip("transformers", reason="the Hugging Face blocks need transformers")
+    cfg = tf.ReformerConfig(
+        hidden_size=32, feed_forward_size=64, num_attention_heads=2, attention_head_size=16,
+        attn_layers=["local", "local"], local_attn_chunk_length=4, axial_pos_embds=False,
+        max_position_embeddings=32, vocab_size=64, is_decoder=False, hidden_dropout_prob=0.0,
+        local_attention_probs_dropout_prob=0.0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    module = Embeds(tf.ReformerModel(cfg), "inputs_embeds")
+    with pytest.warns(RuntimeWarning, match="inside a node"):
+        stage = _split_vs_fused(module, _inputs(8, 32))
+    assert stage.deferred_fraction < 0.2, stage.deferred_fraction  # the layers' weights: 24 of 27 edges in B

@@ -138,6 +138,7 @@ class Stage:
         self.deferred_edges = 0
         self.early_edges = 0
         self._warned = False  # the slow-path warning, once per stage
+        self._warned_hidden = False  # the weights-filled-inside-a-node warning, once per stage
         self._looked = False  # the first F's graph searched for a reentrant checkpoint
         self._plans = _PlanCache()  # B's plan per graph shape: every micro-batch after the first reuses it
         # W of several micro-batches joins each weight's gradients up to this many bytes per micro-batch into
@@ -355,7 +356,10 @@ class Stage:
         p.weight_roots = [(roots[i], grads_out[i]) for i in plan.weight_roots]
 
         fast_nodes = list(dict.fromkeys(f.node for f in plan.fast))
-        grads, operands = self._input_half(p, plan, roots, inputs + plan.early_edges, grads_out, fast_nodes)
+        with _Hidden([self._params[i] for i in plan.unseen]) as hidden:
+            grads, operands = self._input_half(p, plan, roots, inputs + plan.early_edges, grads_out, fast_nodes)
+        if hidden.hit:
+            self._hidden_in_b(hidden.hit)
         n_early = len(inputs) + len(plan.early_edges)
         for node, g in zip(fast_nodes, grads[n_early:], strict=True):
             p.captured.setdefault(node, (g,))
@@ -419,6 +423,23 @@ class Stage:
             for h in hooks:
                 h.remove()
         return grads[: len(targets)] + grads[len(targets) + len(plan.in_b) :], operands
+
+    def _hidden_in_b(self, hit: set[int]) -> None:
+        """Count parameters that B's engine call filled from inside a node as taken in B, and say so once."""
+        self.early_edges += len(hit)
+        if self._warned_hidden:
+            return
+        self._warned_hidden = True
+        first = next(n for n, q in self.module.named_parameters() if id(q) in hit)
+        warnings.warn(
+            f"2BP split of {type(self.module).__name__}: {len(hit)} parameter(s) ({first} first) got their "
+            f"gradients in B from inside a node of the graph, not through an edge the split can defer: a custom "
+            f"autograd.Function whose backward runs its own backward (Hugging Face Reformer's reversible layers). "
+            f"Their weight backward runs in B: exact, but not deferred to W; deferred_fraction counts them as "
+            f"taken in B. Warned once per stage.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
 
     # ------------------------------------------------------------------ W
     def backward_weight(self, mb: int | Iterable[int]) -> None:
@@ -505,6 +526,29 @@ class Stage:
                 self._accumulate(q, g)
 
 
+class _Hidden:
+    """Finds the parameters without a leaf in B's graph that got a gradient during B: a custom
+    ``autograd.Function`` on the input path (Reformer's reversible layers) recomputes its layers and calls
+    ``torch.autograd.backward`` inside its own backward, filling their ``.grad`` in B where the plan cannot
+    see it. Hooks on those parameters only (usually none: an unused parameter), removed after B's call."""
+
+    def __init__(self, params: list[nn.Parameter]) -> None:
+        self.params = params
+        self.hit: set[int] = set()  # ids of the parameters filled
+        self.handles: list[Any] = []
+
+    def __enter__(self) -> _Hidden:
+        self.handles = [q.register_post_accumulate_grad_hook(self._hit) for q in self.params]
+        return self
+
+    def _hit(self, param: torch.Tensor) -> None:
+        self.hit.add(id(param))
+
+    def __exit__(self, *exc: object) -> None:
+        for h in self.handles:
+            h.remove()
+
+
 class _Recorder:
     """Pre-hook that records the gradient flowing into a frontier node during B."""
 
@@ -561,6 +605,7 @@ class _Plan:
     num_early: int
     unreadable: list[str] = field(default_factory=list)  # fast-path reads that failed (see engine.graph)
     in_b: list[GradientEdge] = field(default_factory=list)  # taken and carried into the parameters in B
+    unseen: tuple[int, ...] = ()  # ids of the stage's parameters with no leaf in this graph (see _Hidden)
 
 
 _REENTRANT = (
@@ -629,6 +674,7 @@ def _plan(
         len(split.early) + len(split.in_b),
         split.unreadable,
         split.in_b,
+        tuple(params.keys() - {id(getattr(n, "variable", None)) for n in order}),
     )
 
 
