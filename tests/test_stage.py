@@ -7,6 +7,7 @@ compared). Micro-batches interleave (F0 F1 B0 B1 W(0,1)) so per-micro-batch stat
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import gc
 
@@ -245,9 +246,11 @@ def test_split_backward_matches_autograd(name, mode):
         if mode.endswith("-dropped"):
             stage.drop_outputs(i)
     mode = mode.removesuffix("-dropped")
-    for i in range(len(mbs)):
-        fn = stage.backward_input if mode == "split" else stage.backward
-        got = fn(i, grads[i])
+    # a split that runs fused says so (the shared transpose cannot be split)
+    fell_back = (name, mode) == ("tied-transpose", "split")
+    with pytest.warns(RuntimeWarning, match="all taken in B") if fell_back else contextlib.nullcontext():
+        got_all = [(stage.backward_input if mode == "split" else stage.backward)(i, grads[i]) for i in range(len(mbs))]
+    for i, got in enumerate(got_all):
         assert len(got) == len(mbs[i])
         for g, r in zip(got, ref_in[i], strict=False):
             if r is None:

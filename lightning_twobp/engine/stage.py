@@ -39,7 +39,6 @@ again would recompute the block once more, or fail under selective checkpointing
 from __future__ import annotations
 
 import contextlib
-import logging
 import math
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -54,8 +53,6 @@ from torch.utils import checkpoint as checkpoint_utils
 from lightning_twobp.engine import formulas
 from lightning_twobp.engine.graph import SavedUnavailable, in_checkpoint
 from lightning_twobp.private import pytree
-
-log = logging.getLogger(__name__)
 
 __all__ = ["Stage", "deferred_fraction"]
 
@@ -139,6 +136,7 @@ class Stage:
         self.early_edges = 0
         self._warned = False  # the slow-path warning, once per stage
         self._warned_hidden = False  # the weights-filled-inside-a-node warning, once per stage
+        self._warned_fallback = False  # the all-weights-in-B warning, once per stage
         self._looked = False  # the first F's graph searched for a reentrant checkpoint
         self._plans = _PlanCache()  # B's plan per graph shape: every micro-batch after the first reuses it
         # W of several micro-batches joins each weight's gradients up to this many bytes per micro-batch into
@@ -336,6 +334,8 @@ class Stage:
             # way B runs the whole backward, accumulates .grad and frees the graph; W is a no-op.
             # (2BP's first stage, too, runs backward-p1 through every layer.)
             self.early_edges += 1 if plan is None else plan.num_early
+            if plan is not None:
+                self._fell_back(plan.why)
             grads = self._full_backward(roots, grads_out, inputs)
             p.outputs = []
             return self._input_grads(p, grads)
@@ -423,6 +423,21 @@ class Stage:
             for h in hooks:
                 h.remove()
         return grads[: len(targets)] + grads[len(targets) + len(plan.in_b) :], operands
+
+    def _fell_back(self, why: str) -> None:
+        """Say once per stage that a micro-batch's weights were all taken in B: a split that runs fused."""
+        if self._warned_fallback:
+            return
+        self._warned_fallback = True
+        warnings.warn(
+            f"2BP split of {type(self.module).__name__}: a micro-batch's weight gradients were all taken in B, "
+            f"none deferred to W ({why}; Hugging Face RWKV's -exp(time_decay) is one). Exact, but B runs the whole "
+            f"backward and W has nothing to do, so the split gains nothing on this stage (deferred_fraction counts "
+            f"them as taken in B). To defer them, compute that value where each op uses it, from the parameter; "
+            f"or train this model with a fused schedule (split_backward=False). Warned once per stage.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
 
     def _hidden_in_b(self, hit: set[int]) -> None:
         """Count parameters that B's engine call filled from inside a node as taken in B, and say so once."""
@@ -606,6 +621,7 @@ class _Plan:
     unreadable: list[str] = field(default_factory=list)  # fast-path reads that failed (see engine.graph)
     in_b: list[GradientEdge] = field(default_factory=list)  # taken and carried into the parameters in B
     unseen: tuple[int, ...] = ()  # ids of the stage's parameters with no leaf in this graph (see _Hidden)
+    why: str = ""  # why the fallback (see Stage._fell_back)
 
 
 _REENTRANT = (
@@ -661,9 +677,8 @@ def _plan(
         if (n is None and id(o) in params) or (n is not None and not to_input[n] and to_param[n])
     ]
     if split.fallback:
-        log.debug("weight-only node shared by several frontier nodes: W taken in B for this micro-batch")
         num_early = split.num_deferred + len(split.early) + len(split.in_b)
-        return _Plan([], [], [], [], True, 0, num_early, split.unreadable)
+        return _Plan([], [], [], [], True, 0, num_early, split.unreadable, why=split.why)
     return _Plan(
         split.frontier,
         split.fast,
@@ -866,6 +881,7 @@ class _Split:
     in_b: list[GradientEdge] = field(default_factory=list)  # checkpointed: taken and carried to the weights in B
     num_deferred: int = 0
     fallback: bool = False
+    why: str = ""  # the first reason for the fallback, for its warning
     unreadable: list[str] = field(default_factory=list)
 
     def add(self, node: Node) -> None:
@@ -923,6 +939,9 @@ class _Split:
             else:
                 self.fallback = True
                 self.num_deferred += 1  # counted as taken in B by the plan
+                self.why = self.why or (
+                    f"the weight-only value that {n.name()} makes feeds {len(self.sources[n])} ops on the input path"
+                )
         return single
 
     def _take_all_in_b(self, edges: list[tuple[Node, int]]) -> bool:
@@ -933,6 +952,7 @@ class _Split:
             return False
         self.fallback = True
         self.num_deferred += len(edges)  # counted as taken in B by the plan
+        self.why = self.why or "a parameter that a weight-only value also feeds meets an op without a W formula"
         return True
 
 
