@@ -5,6 +5,7 @@ option's checks, then the strategy on 2 ranks against one process."""
 from __future__ import annotations
 
 import dataclasses
+import warnings
 
 import lightning.pytorch as pl
 import pytest
@@ -189,6 +190,26 @@ class Wide(Regressor):
         self.layers = nn.Sequential(*blocks, nn.Linear(8, 2))
 
 
+class _TanhInPlace(_Tanh):
+    """Shifts its input in place first: the product before it, written after F made it."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x.add_(0.5))
+
+
+class WideInPlace(Regressor):
+    """``Wide`` with each block's first product written in place (as Hugging Face ConvBERT's ``x += bias``):
+    selective checkpointing keeps that product from F to B, and torch refuses the written copy in B."""
+
+    def __init__(self) -> None:
+        super().__init__(scale=2.0)
+        torch.manual_seed(0)
+        blocks = [
+            nn.Sequential(nn.Linear(6 if i == 0 else 8, 128), _TanhInPlace(), nn.Linear(128, 8)) for i in range(4)
+        ]
+        self.layers = nn.Sequential(*blocks, nn.Linear(8, 2))
+
+
 def _loader() -> DataLoader:
     g = torch.Generator().manual_seed(3)
     return DataLoader(TensorDataset(torch.randn(256, 6, generator=g), torch.randn(256, 2, generator=g)), batch_size=128)
@@ -218,13 +239,15 @@ class _Forwards(pl.Callback):
             self.wrapped[i] = "forward" in vars(block)  # the checkpointing wrapper: an instance attribute
 
 
-def _fit(rank: int, world: int, memory_limit: float) -> dict:
+def _fit(rank: int, world: int, memory_limit: float, make: type = Wide) -> dict:
     from lightning_twobp import TwoBPStrategy
 
     lightning_env(rank, world)
-    model, seen = Wide(), _Forwards()
+    model, seen = make(), _Forwards()
     strategy = TwoBPStrategy(schedule="auto", memory_limit=memory_limit, activation_checkpointing="auto")
-    quiet_trainer(strategy, world, max_steps=2, callbacks=[seen]).fit(model, _loader())
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        quiet_trainer(strategy, world, max_steps=2, callbacks=[seen]).fit(model, _loader())
     choice = strategy.auto_choice
     return {
         "label": choice.best.label,
@@ -238,17 +261,21 @@ def _fit(rank: int, world: int, memory_limit: float) -> dict:
         "wrapped": seen.wrapped,
         "left_wrapped": any("forward" in vars(b) for b in model.layers),
         "params": {n: q.detach().clone() for n, q in model.named_parameters() if not q.is_meta},
+        "modes": sorted({str(c.checkpointing) for c in choice.considered}),
+        "said": [str(w.message) for w in said],
     }
 
 
 def _loose_then_tight(rank: int, world: int) -> dict:
-    """A limit every candidate fits, then one between the smallest checkpointed and plain peaks."""
+    """A limit every candidate fits, then one between the smallest checkpointed and plain peaks; and the
+    blocks selective checkpointing cannot run, at that limit."""
     loose = _fit(rank, world, 1e12)
-    return {"loose": loose, "tight": _fit(rank, world, (loose["plain"] + loose["full"]) / 2)}
+    tight = _fit(rank, world, (loose["plain"] + loose["full"]) / 2)
+    return {"loose": loose, "tight": tight, "in_place": _fit(rank, world, tight["limit"], WideInPlace)}
 
 
-def _reference() -> dict:
-    model = Wide()
+def _reference(make: type = Wide) -> dict:
+    model = make()
     quiet_trainer("auto", 1, max_steps=2).fit(model, _loader())
     return {n: q.detach() for n, q in model.named_parameters()}
 
@@ -277,6 +304,12 @@ def test_a_limit_only_checkpointing_meets_trains_checkpointed_like_one_process(r
         assert r["full"] < r["limit"] < r["plain"], r  # nothing plain fits, something checkpointed does
         # selective or full, whichever the clock found faster within the limit (the search test pins that)
         assert r["checkpointing"] in ("selective", "full") and r["peak"] <= r["limit"], r["label"]
+    # selective cannot run WideInPlace's blocks: left out with a warning, not a crash at the first B
+    in_place = [r["in_place"] for r in runs]
+    _check_trained(in_place, _reference(WideInPlace))
+    for r in in_place:
+        assert r["modes"] == ["None", "full"] and r["checkpointing"] == "full", (r["modes"], r["label"])
+    assert any("leaves activation_checkpointing='selective' out" in m for m in in_place[0]["said"]), in_place[0]
 
 
 def test_auto_checkpointing_refuses_a_model_whose_hugging_face_switch_is_on() -> None:

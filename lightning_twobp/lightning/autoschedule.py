@@ -337,15 +337,32 @@ class _Profiler:
     def fitting(self) -> bool:
         return bool(self.trainer.state.fn == TrainerFn.FITTING)
 
-    def profile(self, mode: str | int | None) -> Profile:
+    def profile(self, mode: str | int | None) -> Profile | None:
         """The layers run as ``activation_checkpointing=mode`` says (wrapped for the profile only):
-        measured, agreed by every rank, one :class:`Profile`."""
+        measured, agreed by every rank, one :class:`Profile`. None when they cannot run checkpointed
+        that way (selective checkpointing refuses a block that writes a kept matrix product in place:
+        Hugging Face ConvBERT, Longformer): said, and that way left out of the search. Plain, they must
+        run: an error there is the model's. (Every rank profiles the same layers: a failure is every
+        rank's, before the profile's one message between ranks.)"""
         undo = self.checkpoint(mode) if self.checkpoint is not None else (lambda: None)
+        failed: Exception | None = None
+        rows: list[list[list[float]]] = []
         try:
             with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
                 rows = self._rows()
+        except Exception as e:  # noqa: BLE001 - any way the layers cannot run checkpointed: left out, said below
+            if mode is None:
+                raise
+            failed = e
         finally:
             undo()
+        if _agree(torch.tensor([float(failed is not None)], dtype=torch.float64), self.device).item():
+            why = f"{type(failed).__name__}: {failed}" if failed is not None else "it failed on another rank"
+            rank_zero_warn(
+                f"schedule='auto' leaves activation_checkpointing={mode!r} out of its search: the layers cannot run "
+                f"that way ({why}). The other ways are weighed as usual (docs/troubleshooting.md)."
+            )
+            return None
         table = _agree(torch.tensor(rows, dtype=torch.float64), self.device).tolist()
         counts = self.counts
         by_m = {m: tuple(_from_row(r) for r in layer_rows[:-1]) for m, layer_rows in zip(counts, table, strict=True)}
@@ -362,6 +379,12 @@ class _Profiler:
         last number: one message's seconds). Buffers are put back after."""
         device, repeats = self.device, self.repeats
         put_back = keep_buffers(self.layers)
+        try:
+            return self._each_count(device, repeats)
+        finally:
+            put_back()
+
+    def _each_count(self, device: torch.device, repeats: int) -> list[list[list[float]]]:
         rows = []
         with self.precision.forward_context():
             for m in self.counts:
@@ -377,7 +400,6 @@ class _Profiler:
                 costs.append(_profile_loss(self.runner, out, device, repeats) if self.fitting else LayerCost())
                 seconds = _message_seconds(largest, self.pp_group, device, repeats)
                 rows.append([_to_row(c) + [seconds] for c in costs])
-        put_back()
         return rows
 
 

@@ -387,18 +387,22 @@ def search_profiles(profiles: Iterable[Profile], **options: Any) -> tuple[Candid
 
 
 def choose_profiles(
-    profile_of: Callable[[str | int | None], Profile],
+    profile_of: Callable[[str | int | None], Profile | None],
     modes: Sequence[str | int | None],
     limit_of: Callable[[Profile], float],
     hint_of: Callable[[], Profile | None] | None = None,
     **options: Any,
 ) -> tuple[AutoChoice, Profile]:
-    """The choice over the layers run each way of ``modes`` (``profile_of(mode)`` measures them), and the
-    profile it was made on. The checkpointed profiles take their recompute bytes from the plain one
-    (:func:`with_recompute`); the limit is ``limit_of`` the first profile; ``options`` go to
-    :func:`search`. When only plain layers were weighed and nothing fits, ``hint_of()`` (the layers
-    checkpointed "full"; None: not known) lets the refusal say what checkpointing would hold."""
-    profiles = _recomputed([profile_of(mode) for mode in modes])
+    """The choice over the layers run each way of ``modes`` (``profile_of(mode)`` measures them; None: they
+    cannot run that way, which is left out), and the profile it was made on. The checkpointed profiles take
+    their recompute bytes from the plain one (:func:`with_recompute`); the limit is ``limit_of`` the first
+    profile; ``options`` go to :func:`search`. When only plain layers were weighed and nothing fits,
+    ``hint_of()`` (the layers checkpointed "full"; None: not known) lets the refusal say what checkpointing
+    would hold."""
+    measured = [profile_of(mode) for mode in modes]
+    profiles = _recomputed([p for p in measured if p is not None])
+    if not profiles:
+        raise ValueError(f"none of the ways {tuple(modes)} to run the layers could be measured")
     limit = limit_of(profiles[0])
     candidates = search_profiles(profiles, **options)
     unsearched: tuple[Candidate, ...] = ()
