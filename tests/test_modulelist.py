@@ -6,6 +6,7 @@ same micro-batching (fp32, rtol 1e-5); then the errors for what the contract doe
 from __future__ import annotations
 
 import re
+from types import SimpleNamespace
 
 import lightning.pytorch as pl
 import pytest
@@ -274,12 +275,23 @@ class Loop(nn.Module):
             self.embed = nn.Linear(6, 6)  # registered after the blocks, but called before them
         else:
             self.embed = nn.Linear(6, 6)
+            if kind == "registered-early":
+                self.norm = nn.LayerNorm(6)  # registered before the blocks, called after them (OPT's decoder)
             self.blocks = nn.ModuleList(Gate() for _ in range(4))
         if kind == "loose":
             self.scale = nn.Parameter(torch.ones(6))
         self.head = nn.Linear(6, 2)
+        if kind == "router-logits":
+            # Hugging Face's MoE collects every block's router logits by hooks inside the blocks and adds an
+            # auxiliary loss of them: a block of another stage does not run its hook, and nothing says so
+            self.config = SimpleNamespace(output_router_logits=True)
+            self.collected: list[torch.Tensor] = []
+            for block in self.blocks:
+                block.lin.register_forward_hook(lambda _m, _a, out: self.collected.append(out))
 
     def forward(self, x, offset=0.0):
+        if self.kind == "router-logits":
+            self.collected.clear()
         h = self.embed(x) + offset
         side = (h.sum(-1, keepdim=True) > 0).float() if self.kind == "side-from-embedding" else None
         residual = torch.zeros_like(x) if self.kind == "residual" else None
@@ -294,7 +306,9 @@ class Loop(nn.Module):
             hs.append(h)
             if self.kind == "control-flow" and h.abs().max() > 1e6:
                 break
-        out = self.head(h)
+        out = self.head(self.norm(h) if self.kind == "registered-early" else h)
+        if self.kind == "router-logits":
+            out = out + torch.stack([c.square().mean() for c in self.collected]).mean()
         return (out, hs) if self.kind == "collect" else out
 
 
@@ -345,8 +359,14 @@ ERRORS = {
     "collect": r"model returned a value computed by model.blocks\[0\] \(pipeline stage 0\)",
     "skip": r"model.blocks\[2\] was called when block 1 was next",
     "registered-late": (
-        r"the hidden state entering it \(model.blocks\[0\]\) was computed by model.embed \(pipeline stage 1\)"
+        r"model.embed is called before model.blocks\[0\] in the model's forward, but it is registered after "
+        r"model.blocks, so it was placed on the last pipeline stage"
     ),
+    "registered-early": (
+        r"model.norm is called after model.blocks\[3\] .* registered before model.blocks, so it was placed on the "
+        r"first pipeline stage.*`m = self.model.norm; del self.model.norm; self.model.norm = m`"
+    ),
+    "router-logits": r"model is asked to collect values from every block \(output_router_logits=True in model.config\)",
     "loose": r"model holds parameters directly \(scale\) beside the blocks in model.blocks",
     "twice": r"the step called model a second time",
     "residual": r"an argument of it \(model.blocks\[2\]\) was computed by model.blocks\[1\] \(pipeline stage 0\)",
