@@ -42,6 +42,7 @@ micro-batch index.
 from __future__ import annotations
 
 import copy
+import logging
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -50,10 +51,11 @@ from typing import Any, TypeGuard, TypeVar
 import torch
 from torch import nn
 
-from lightning_twobp.lightning.placeholders import Elsewhere, ElsewhereError, elsewhere, find_elsewhere
+from lightning_twobp.lightning.placeholders import Elsewhere, ElsewhereError, ElsewhereWrite, elsewhere, find_elsewhere
 from lightning_twobp.private import pytree
 
 _T = TypeVar("_T")
+log = logging.getLogger(__name__)
 
 __all__ = ["LayerGroup", "LoopStage", "ModuleListContract", "identical_blocks"]
 
@@ -259,6 +261,7 @@ class ModuleListContract:
         self._stage_of = [k for k in range(len(bounds) - 1) for _ in range(bounds[k], bounds[k + 1])]
         stage = LoopStage(self, first, stop, bounds[-2], self._stage_of[first])
         self._stages[stage.index] = stage
+        self._check_not_collecting(self.name, {})  # a config's flags: on every rank, before any compute
         return stage
 
     def _last_stage(self) -> LoopStage:
@@ -486,7 +489,7 @@ class ModuleListContract:
             if bad is not None:
                 self._check_real(i, bad, "the hidden state entering it" if bad is args[0] else "an argument of it")
             out = _real_forward(self.blocks[i], self._previous[i])(*args, **kwargs)
-            self._shapes.setdefault(self._key(i, args, kwargs), _structure(out))
+            self._shapes[self._key(i, args, kwargs)] = _structure(out)  # the real one, over a guess
             return out
 
         return forward
@@ -508,26 +511,11 @@ class ModuleListContract:
 
     def _skipped(self, i: int, args: tuple, kwargs: dict, run: _Run) -> Any:
         """What a block before this stage's first returns here: its output's structure, every tensor an
-        Elsewhere. Learned from the block's own run on this rank, or once from its meta twin."""
+        Elsewhere. Learned from the block's own run on this rank, or once from its meta twin; where the
+        twin cannot run, taken to be like the hidden state the block is given (see :meth:`_twin_output`)."""
         key = self._key(i, args, kwargs)
         if key not in self._shapes:
-            twin = self._twin(self._block_part(i))
-            a, k = pytree.tree_map(
-                lambda x: elsewhere(x, f"{self.list_name}[{i}]") if isinstance(x, torch.Tensor) else x, (args, kwargs)
-            )
-            try:
-                with torch.no_grad():
-                    out = twin(*a, **k)
-            except ElsewhereError:
-                raise
-            except Exception as e:
-                raise RuntimeError(
-                    f"could not pass over {self.list_name}[{i}] on pipeline stage {run.stage.index}: to "
-                    f"learn "
-                    f"the shape of what a block of another stage returns, it runs once on the meta device, which "
-                    f"failed ({type(e).__name__}: {e})"
-                ) from e
-            self._shapes[key] = _structure(out)
+            self._shapes[key] = _structure(self._twin_output(i, args, kwargs))
         spec, leaves = self._shapes[key]
         where = f"{self.list_name}[{i}] (pipeline stage {self._stage_of[i]})"
         return pytree.tree_unflatten(
@@ -537,6 +525,26 @@ class ModuleListContract:
             ],
             spec,
         )
+
+    def _twin_output(self, i: int, args: tuple, kwargs: dict) -> Any:
+        """Block ``i``'s output on Elsewhere inputs, from its meta twin. The meta device cannot run every
+        block: torch's ``grouped_mm`` (Hugging Face's mixture-of-experts layers) wants bf16 there, and a
+        block may read its routing on the host. Then the output is taken to be like the hidden state the
+        block is given. A wrong guess cannot give a wrong answer: what the loop derives from it is an
+        Elsewhere too, refused where it would reach this stage's compute, and the stage's first block is
+        handed the received hidden state whatever the loop passes it. A write into this stage's tensors
+        (shared state between blocks) is refused as before."""
+        a, k = pytree.tree_map(
+            lambda x: elsewhere(x, f"{self.list_name}[{i}]") if isinstance(x, torch.Tensor) else x, (args, kwargs)
+        )
+        try:
+            with torch.no_grad():
+                return self._twin(self._block_part(i))(*a, **k)
+        except ElsewhereWrite:
+            raise
+        except Exception as e:
+            log.debug("%s[%d] does not run on the meta device (%s: %s)", self.list_name, i, type(e).__name__, e)
+            return a[0]
 
     def _block_part(self, i: int) -> nn.Module:
         group = self._groups[i]
