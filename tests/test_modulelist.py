@@ -1,11 +1,13 @@
 """The ModuleList contract: models whose blocks sit in an nn.ModuleList called in a loop with keyword side
-inputs, pipelined as they are. Hugging Face GPT-2 (tied embeddings) and Llama with padding masks, a
-nanoGPT written here, and this package's LLaMa in the loop form, each against one process with the
-same micro-batching (fp32, rtol 1e-5); then the errors for what the contract does not support."""
+inputs, pipelined as they are. Hugging Face GPT-2 (tied embeddings), Llama, Qwen2-MoE and Bloom with
+padding masks, a nanoGPT written here, and this package's LLaMa in the loop form, each against one
+process with the same micro-batching (fp32, rtol 1e-5); then the errors for what the contract does not
+support."""
 
 from __future__ import annotations
 
 import re
+from types import SimpleNamespace
 
 import lightning.pytorch as pl
 import pytest
@@ -99,6 +101,31 @@ def _hf_llama() -> nn.Module:
     return _hf("LlamaForCausalLM", "LlamaConfig", **sizes, **heads, pad_token_id=None, use_cache=False)
 
 
+def _hf_qwen2_moe() -> nn.Module:
+    # a mixture of experts: routing, top-k, a shared expert; its experts' grouped_mm does not run on the
+    # meta device in fp32, so the rank of the last stage learns a skipped block's output otherwise
+    experts = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=16)
+    sizes = dict(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=4, max_position_embeddings=SEQ)
+    heads = dict(num_attention_heads=4, num_key_value_heads=2)
+    return _hf("Qwen2MoeForCausalLM", "Qwen2MoeConfig", **sizes, **heads, **experts, pad_token_id=None, use_cache=False)
+
+
+def _hf_bloom() -> nn.Module:
+    # ALiBi built from the attention mask before the loop, blocks that return tuples, a layer norm on the
+    # embeddings (the first stage), tied embeddings
+    drops = dict(hidden_dropout=0.0, attention_dropout=0.0)
+    return _hf(
+        "BloomForCausalLM",
+        "BloomConfig",
+        vocab_size=VOCAB,
+        hidden_size=16,
+        n_layer=4,
+        n_head=2,
+        use_cache=False,
+        **drops,
+    )
+
+
 class NanoBlock(nn.Module):
     def __init__(self, d: int) -> None:
         super().__init__()
@@ -146,7 +173,13 @@ class NanoGPT(nn.Module):
         return self.lm_head(self.transformer.ln_f(x))
 
 
-MODELS = {"hf-gpt2": _hf_gpt2, "hf-llama": _hf_llama, "nanogpt": NanoGPT}
+MODELS = {
+    "hf-gpt2": _hf_gpt2,
+    "hf-llama": _hf_llama,
+    "hf-qwen2-moe": _hf_qwen2_moe,
+    "hf-bloom": _hf_bloom,
+    "nanogpt": NanoGPT,
+}
 
 
 def _fit(model: pl.LightningModule, strategy, devices: int, batch_size: int, **kw) -> pl.Trainer:
@@ -215,6 +248,8 @@ CASES = {
     "hf-gpt2": ("hf-gpt2", dict(schedule="1f1b"), True),
     # the V: 4 stages on 2 ranks, so stages 1 and 2 re-run the step themselves; and the same again
     "hf-llama-zb-v": ("hf-llama", dict(schedule="zb-v"), True),
+    "hf-qwen2-moe-zb-h1": ("hf-qwen2-moe", dict(schedule="zb-h1"), False),
+    "hf-bloom-zb-v": ("hf-bloom", dict(schedule="zb-v"), False),
     "nanogpt-zb-h1": ("nanogpt", dict(schedule="zb-h1", layers="model.transformer.h"), False),
     "llama-loop-interleaved": ("llama-loop", dict(schedule="interleaved-1f1b"), False),
 }
@@ -274,12 +309,23 @@ class Loop(nn.Module):
             self.embed = nn.Linear(6, 6)  # registered after the blocks, but called before them
         else:
             self.embed = nn.Linear(6, 6)
+            if kind == "registered-early":
+                self.norm = nn.LayerNorm(6)  # registered before the blocks, called after them (OPT's decoder)
             self.blocks = nn.ModuleList(Gate() for _ in range(4))
         if kind == "loose":
             self.scale = nn.Parameter(torch.ones(6))
         self.head = nn.Linear(6, 2)
+        if kind == "router-logits":
+            # Hugging Face's MoE collects every block's router logits by hooks inside the blocks and adds an
+            # auxiliary loss of them: a block of another stage does not run its hook, and nothing says so
+            self.config = SimpleNamespace(output_router_logits=True)
+            self.collected: list[torch.Tensor] = []
+            for block in self.blocks:
+                block.lin.register_forward_hook(lambda _m, _a, out: self.collected.append(out))
 
     def forward(self, x, offset=0.0):
+        if self.kind == "router-logits":
+            self.collected.clear()
         h = self.embed(x) + offset
         side = (h.sum(-1, keepdim=True) > 0).float() if self.kind == "side-from-embedding" else None
         residual = torch.zeros_like(x) if self.kind == "residual" else None
@@ -294,7 +340,9 @@ class Loop(nn.Module):
             hs.append(h)
             if self.kind == "control-flow" and h.abs().max() > 1e6:
                 break
-        out = self.head(h)
+        out = self.head(self.norm(h) if self.kind == "registered-early" else h)
+        if self.kind == "router-logits":
+            out = out + torch.stack([c.square().mean() for c in self.collected]).mean()
         return (out, hs) if self.kind == "collect" else out
 
 
@@ -345,8 +393,14 @@ ERRORS = {
     "collect": r"model returned a value computed by model.blocks\[0\] \(pipeline stage 0\)",
     "skip": r"model.blocks\[2\] was called when block 1 was next",
     "registered-late": (
-        r"the hidden state entering it \(model.blocks\[0\]\) was computed by model.embed \(pipeline stage 1\)"
+        r"model.embed is called before model.blocks\[0\] in the model's forward, but it is registered after "
+        r"model.blocks, so it was placed on the last pipeline stage"
     ),
+    "registered-early": (
+        r"model.norm is called after model.blocks\[3\] .* registered before model.blocks, so it was placed on the "
+        r"first pipeline stage.*`m = self.model.norm; del self.model.norm; self.model.norm = m`"
+    ),
+    "router-logits": r"model is asked to collect values from every block \(output_router_logits=True in model.config\)",
     "loose": r"model holds parameters directly \(scale\) beside the blocks in model.blocks",
     "twice": r"the step called model a second time",
     "residual": r"an argument of it \(model.blocks\[2\]\) was computed by model.blocks\[1\] \(pipeline stage 0\)",

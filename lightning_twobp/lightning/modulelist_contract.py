@@ -42,6 +42,7 @@ micro-batch index.
 from __future__ import annotations
 
 import copy
+import logging
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -50,10 +51,11 @@ from typing import Any, TypeGuard, TypeVar
 import torch
 from torch import nn
 
-from lightning_twobp.lightning.placeholders import Elsewhere, ElsewhereError, elsewhere, find_elsewhere
+from lightning_twobp.lightning.placeholders import Elsewhere, ElsewhereError, ElsewhereWrite, elsewhere, find_elsewhere
 from lightning_twobp.private import pytree
 
 _T = TypeVar("_T")
+log = logging.getLogger(__name__)
 
 __all__ = ["LayerGroup", "LoopStage", "ModuleListContract", "identical_blocks"]
 
@@ -259,6 +261,7 @@ class ModuleListContract:
         self._stage_of = [k for k in range(len(bounds) - 1) for _ in range(bounds[k], bounds[k + 1])]
         stage = LoopStage(self, first, stop, bounds[-2], self._stage_of[first])
         self._stages[stage.index] = stage
+        self._check_not_collecting(self.name, {})  # a config's flags: on every rank, before any compute
         return stage
 
     def _last_stage(self) -> LoopStage:
@@ -335,6 +338,7 @@ class ModuleListContract:
     def _capture_or_resume(
         self, owner: nn.Module, path: str, real: Callable[..., Any], call: Callable[..., Any], args: tuple, kwargs: dict
     ) -> Any:
+        self._check_not_collecting(path, kwargs)
         flat, spec = pytree.tree_flatten((args, kwargs))
         positions = [k for k, x in enumerate(flat) if isinstance(x, torch.Tensor)]
         tensors = [flat[k] for k in positions]
@@ -379,6 +383,22 @@ class ModuleListContract:
                 f"values can be returned; turn those outputs off"
             )
         return out
+
+    def _check_not_collecting(self, path: str, kwargs: dict) -> None:
+        """Refuse a call that collects values from every block when the blocks are on several stages:
+        Hugging Face collects them by hooks inside the blocks, which a block of another stage does not run,
+        so the collection would silently hold only the last stage's blocks (Mixtral's auxiliary loss)."""
+        asked = _collecting(self.ancestors, kwargs) if self._stage_of[-1] > 0 else []
+        if not asked:
+            return
+        flags = " and ".join(sorted({a.split("=")[0] for a in asked}))
+        raise ValueError(
+            f"{path or 'self'} is asked to collect values from every block ({', '.join(asked)}): under "
+            f"strategy='twobp' each pipeline stage runs only its own blocks, so what the model collects from them "
+            f"(attentions, hidden states, a mixture of experts' router logits and the auxiliary load-balancing loss "
+            f"computed from them) would hold only the last stage's blocks, a silently wrong value; set {flags}=False"
+            + ("; the router's auxiliary loss is then left out" if "output_router_logits" in flags else "")
+        )
 
     def _step_calls(self) -> _Calls:
         if self._runner is None:
@@ -469,7 +489,7 @@ class ModuleListContract:
             if bad is not None:
                 self._check_real(i, bad, "the hidden state entering it" if bad is args[0] else "an argument of it")
             out = _real_forward(self.blocks[i], self._previous[i])(*args, **kwargs)
-            self._shapes.setdefault(self._key(i, args, kwargs), _structure(out))
+            self._shapes[self._key(i, args, kwargs)] = _structure(out)  # the real one, over a guess
             return out
 
         return forward
@@ -491,26 +511,11 @@ class ModuleListContract:
 
     def _skipped(self, i: int, args: tuple, kwargs: dict, run: _Run) -> Any:
         """What a block before this stage's first returns here: its output's structure, every tensor an
-        Elsewhere. Learned from the block's own run on this rank, or once from its meta twin."""
+        Elsewhere. Learned from the block's own run on this rank, or once from its meta twin; where the
+        twin cannot run, taken to be like the hidden state the block is given (see :meth:`_twin_output`)."""
         key = self._key(i, args, kwargs)
         if key not in self._shapes:
-            twin = self._twin(self._block_part(i))
-            a, k = pytree.tree_map(
-                lambda x: elsewhere(x, f"{self.list_name}[{i}]") if isinstance(x, torch.Tensor) else x, (args, kwargs)
-            )
-            try:
-                with torch.no_grad():
-                    out = twin(*a, **k)
-            except ElsewhereError:
-                raise
-            except Exception as e:
-                raise RuntimeError(
-                    f"could not pass over {self.list_name}[{i}] on pipeline stage {run.stage.index}: to "
-                    f"learn "
-                    f"the shape of what a block of another stage returns, it runs once on the meta device, which "
-                    f"failed ({type(e).__name__}: {e})"
-                ) from e
-            self._shapes[key] = _structure(out)
+            self._shapes[key] = _structure(self._twin_output(i, args, kwargs))
         spec, leaves = self._shapes[key]
         where = f"{self.list_name}[{i}] (pipeline stage {self._stage_of[i]})"
         return pytree.tree_unflatten(
@@ -521,6 +526,26 @@ class ModuleListContract:
             spec,
         )
 
+    def _twin_output(self, i: int, args: tuple, kwargs: dict) -> Any:
+        """Block ``i``'s output on Elsewhere inputs, from its meta twin. The meta device cannot run every
+        block: torch's ``grouped_mm`` (Hugging Face's mixture-of-experts layers) wants bf16 there, and a
+        block may read its routing on the host. Then the output is taken to be like the hidden state the
+        block is given. A wrong guess cannot give a wrong answer: what the loop derives from it is an
+        Elsewhere too, refused where it would reach this stage's compute, and the stage's first block is
+        handed the received hidden state whatever the loop passes it. A write into this stage's tensors
+        (shared state between blocks) is refused as before."""
+        a, k = pytree.tree_map(
+            lambda x: elsewhere(x, f"{self.list_name}[{i}]") if isinstance(x, torch.Tensor) else x, (args, kwargs)
+        )
+        try:
+            with torch.no_grad():
+                return self._twin(self._block_part(i))(*a, **k)
+        except ElsewhereWrite:
+            raise
+        except Exception as e:
+            log.debug("%s[%d] does not run on the meta device (%s: %s)", self.list_name, i, type(e).__name__, e)
+            return a[0]
+
     def _block_part(self, i: int) -> nn.Module:
         group = self._groups[i]
         return group.parts()[group.paths.index(f"{self.list_name}.{i}")]
@@ -529,8 +554,12 @@ class ModuleListContract:
         """A module of another stage, called during this stage's run: its outputs as Elsewhere values,
         from its meta twin (no memory, no compute)."""
         where = f"{path} (pipeline stage {self._stage_of[layer]})"
+        paths = self._groups[layer].paths
+        before = paths.index(path) < paths.index(f"{self.list_name}.{layer}")  # registered before the blocks
 
         def forward(*args: Any, **kwargs: Any) -> Any:
+            if (run.next > 0) if before else (run.next < self.num_blocks):
+                raise self._misplaced(path, before, run)
             a, k = pytree.tree_map(lambda x: elsewhere(x, where) if isinstance(x, torch.Tensor) else x, (args, kwargs))
             try:
                 with torch.no_grad():
@@ -544,6 +573,26 @@ class ModuleListContract:
                 ) from e
 
         return forward
+
+    def _misplaced(self, path: str, before: bool, run: _Run) -> RuntimeError:
+        """A module registered on one side of the blocks but called on the other (OPT's decoder registers
+        ``final_layer_norm`` before ``layers`` and calls it after the loop): it sits on the wrong stage."""
+        called = f"after {self.list_name}[{run.next - 1}]" if run.next else f"before {self.list_name}[0]"
+        side, stage = ("before", "first") if before else ("after", "last")
+        fix = (
+            f"re-register it after the blocks before the Trainer call (`m = self.{path}; del self.{path}; "
+            f"self.{path} = m` moves it last in its parent's registration order)"
+            if before
+            else f"re-register {self.list_name} and the modules registered after it that run after the loop (a "
+            f"`del` then a setattr moves a module last in its parent's registration order)"
+        )
+        return RuntimeError(
+            f"{path} is called {called} in the model's forward, but it is registered {side} {self.list_name}, so "
+            f"it was placed on the {stage} pipeline stage (under strategy='twobp' the modules with parameters outside "
+            f"the blocks go by their registration order: before the blocks to the first stage, after them to the "
+            f"last); pipeline stage {run.stage.index} runs that call without it. Make the registration order follow "
+            f"the call order: {fix}"
+        )
 
     def _twin(self, module: nn.Module) -> nn.Module:
         """``module`` with every tensor on the meta device (a structural copy: no data is copied)."""
@@ -567,6 +616,26 @@ class ModuleListContract:
 
 
 # ---------------------------------------------------------------------------------------------- helpers
+# Hugging Face's flags for outputs collected from every block (see ModuleListContract._check_not_collecting)
+_COLLECTED = ("output_attentions", "output_hidden_states", "output_router_logits")
+
+
+def _collecting(ancestors: list[tuple[str, nn.Module]], kwargs: dict) -> list[str]:
+    """The ``_COLLECTED`` flags a model call turns on: in its keyword arguments, else in the ``config`` of
+    a module on the path to the blocks (Mixtral's ``output_router_logits=True``)."""
+    asked = [f"{k}={v!r}" for k, v in kwargs.items() if k in _COLLECTED and v not in (None, False)]
+    seen: set[int] = set()
+    for path, module in ancestors:
+        config = getattr(module, "config", None)
+        if config is None or id(config) in seen:
+            continue
+        seen.add(id(config))
+        for k in _COLLECTED:
+            if k not in kwargs and getattr(config, k, None) not in (None, False):
+                asked.append(f"{k}={getattr(config, k)!r} in {path + '.' if path else ''}config")
+    return asked
+
+
 def _real_forward(module: nn.Module, previous: Any) -> Callable[..., Any]:
     """The module's forward as it was before this contract shadowed it."""
     if previous is not _MISSING:

@@ -29,7 +29,7 @@ import torch
 
 from lightning_twobp.private import disabled_torch_function_impl, make_wrapper_subclass, pytree
 
-__all__ = ["Elsewhere", "ElsewhereError", "elsewhere", "find_elsewhere"]
+__all__ = ["Elsewhere", "ElsewhereError", "ElsewhereWrite", "elsewhere", "find_elsewhere"]
 
 _aten = torch.ops.aten
 _HOST_READS = {_aten._local_scalar_dense.default, _aten.is_nonzero.default}
@@ -38,6 +38,10 @@ _WRITES: dict[Any, list[int]] = {}  # op -> indices of the arguments it writes t
 
 class ElsewhereError(RuntimeError):
     """A value computed on another pipeline stage was used on this one."""
+
+
+class ElsewhereWrite(ElsewhereError):
+    """A value computed on another pipeline stage was written into a tensor this stage holds."""
 
 
 class Elsewhere(torch.Tensor):
@@ -82,7 +86,7 @@ class Elsewhere(torch.Tensor):
             )
         for i in _written(func):
             if i < len(args) and isinstance(args[i], torch.Tensor) and not isinstance(args[i], Elsewhere):
-                raise ElsewhereError(
+                raise ElsewhereWrite(
                     f"{func} writes a value computed by {first.where} into a tensor this stage holds; under "
                     f"strategy='twobp' this stage does not have that value"
                 )
