@@ -134,9 +134,7 @@ class Stage:
         # Counters for the split's coverage: edges deferred to W vs taken in B.
         self.deferred_edges = 0
         self.early_edges = 0
-        self._warned = False  # the slow-path warning, once per stage
-        self._warned_hidden = False  # the weights-filled-inside-a-node warning, once per stage
-        self._warned_fallback = False  # the all-weights-in-B warning, once per stage
+        self._warned: set[str] = set()  # the kinds of warning given: each once per stage (_warn_once)
         self._looked = False  # the first F's graph searched for a reentrant checkpoint
         self._plans = _PlanCache()  # B's plan per graph shape: every micro-batch after the first reuses it
         # W of several micro-batches joins each weight's gradients up to this many bytes per micro-batch into
@@ -341,15 +339,13 @@ class Stage:
             return self._input_grads(p, grads)
         self.deferred_edges += plan.num_deferred
         self.early_edges += plan.num_early
-        if plan.unreadable and not self._warned:
-            self._warned = True
-            warnings.warn(
-                f"2BP split of {type(self.module).__name__}: {len(plan.unreadable)} weight gradient(s) that have a "
-                f"direct formula could not read their saved operand ({plan.unreadable[0]}), so they take the "
-                f"slow path: B keeps the micro-batch's whole autograd graph (about its activation memory, "
-                f"M_act in twobp-plan) until W, for every micro-batch in flight. Warned once per stage.",
-                RuntimeWarning,
-                stacklevel=2,
+        if plan.unreadable:
+            self._warn_once(
+                "slow path",
+                f"{len(plan.unreadable)} weight gradient(s) that have a direct formula could not read their saved "
+                f"operand ({plan.unreadable[0]}), so they take the slow path: B keeps the micro-batch's whole autograd "
+                f"graph (about its activation memory, M_act in twobp-plan) until W, for every micro-batch in flight.",
+                stacklevel=3,
             )
         # Outputs that do not reach any input (``return y, self.scale * 2``) feed only weights:
         # their whole backward is W's, from the output itself.
@@ -424,36 +420,39 @@ class Stage:
                 h.remove()
         return grads[: len(targets)] + grads[len(targets) + len(plan.in_b) :], operands
 
+    def _warn_once(self, kind: str, message: str, stacklevel: int = 4) -> None:
+        """A RuntimeWarning about this stage's split, the first time only for each ``kind``; ``stacklevel``
+        points it at the caller of ``backward_input`` (4: through one method of B's in between)."""
+        if kind in self._warned:
+            return
+        self._warned.add(kind)
+        warnings.warn(
+            f"2BP split of {type(self.module).__name__}: {message} Warned once per stage.",
+            RuntimeWarning,
+            stacklevel=stacklevel,
+        )
+
     def _fell_back(self, why: str) -> None:
         """Say once per stage that a micro-batch's weights were all taken in B: a split that runs fused."""
-        if self._warned_fallback:
-            return
-        self._warned_fallback = True
-        warnings.warn(
-            f"2BP split of {type(self.module).__name__}: a micro-batch's weight gradients were all taken in B, "
-            f"none deferred to W ({why}; Hugging Face RWKV's -exp(time_decay) is one). Exact, but B runs the whole "
-            f"backward and W has nothing to do, so the split gains nothing on this stage (deferred_fraction counts "
-            f"them as taken in B). To defer them, compute that value where each op uses it, from the parameter; "
-            f"or train this model with a fused schedule (split_backward=False). Warned once per stage.",
-            RuntimeWarning,
-            stacklevel=3,
+        self._warn_once(
+            "fallback",
+            f"a micro-batch's weight gradients were all taken in B, none deferred to W ({why}; Hugging Face RWKV's "
+            f"-exp(time_decay) is one). Exact, but B runs the whole backward and W has nothing to do, so the split "
+            f"gains nothing on this stage (deferred_fraction counts them as taken in B). To defer them, compute that "
+            f"value where each op uses it, from the parameter; or train this model with a fused schedule "
+            f"(split_backward=False).",
         )
 
     def _hidden_in_b(self, hit: set[int]) -> None:
         """Count parameters that B's engine call filled from inside a node as taken in B, and say so once."""
         self.early_edges += len(hit)
-        if self._warned_hidden:
-            return
-        self._warned_hidden = True
         first = next(n for n, q in self.module.named_parameters() if id(q) in hit)
-        warnings.warn(
-            f"2BP split of {type(self.module).__name__}: {len(hit)} parameter(s) ({first} first) got their "
-            f"gradients in B from inside a node of the graph, not through an edge the split can defer: a custom "
-            f"autograd.Function whose backward runs its own backward (Hugging Face Reformer's reversible layers). "
-            f"Their weight backward runs in B: exact, but not deferred to W; deferred_fraction counts them as "
-            f"taken in B. Warned once per stage.",
-            RuntimeWarning,
-            stacklevel=3,
+        self._warn_once(
+            "hidden",
+            f"{len(hit)} parameter(s) ({first} first) got their gradients in B from inside a node of the graph, not "
+            f"through an edge the split can defer: a custom autograd.Function whose backward runs its own backward "
+            f"(Hugging Face Reformer's reversible layers). Their weight backward runs in B: exact, but not deferred "
+            f"to W; deferred_fraction counts them as taken in B.",
         )
 
     # ------------------------------------------------------------------ W
