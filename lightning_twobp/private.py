@@ -28,6 +28,7 @@ __all__ = [
     "metric_finish_step",
     "metric_forward_cache",
     "metric_merge",
+    "process_groups",
     "pytree",
     "set_rng_states",
     "tensor_version",
@@ -66,6 +67,15 @@ def gloo_or_nccl_options(backend: str, timeout: timedelta) -> Any:
     from torch._C._distributed_c10d import Backend
 
     return Backend.Options("gloo", timeout)
+
+
+def process_groups() -> list[Any]:
+    """Every process group this process holds a handle on, the default one included: a rank that fails in
+    the middle of a run closes their connections (engine/failure.py's ``close_links``), and torch lists
+    them only in its private registry (a group a rank is not a member of is not in it)."""
+    import torch.distributed as dist
+
+    return list(dist.distributed_c10d._world.pg_map) if dist.is_initialized() else []
 
 
 # ------------------------------------------------------------------ Lightning
@@ -131,6 +141,7 @@ GUARDED: tuple[tuple[str, str], ...] = (
     ("torch.Tensor", "_version"),
     ("torch.Tensor", "_make_wrapper_subclass"),
     ("torch._C._distributed_c10d.Backend", "Options"),
+    ("torch.distributed.distributed_c10d", "_world"),
     ("torch.utils._python_dispatch", "TorchDispatchMode"),
     ("lightning.fabric.utilities.seed", "_collect_rng_states"),
     ("lightning.fabric.utilities.seed", "_set_rng_states"),

@@ -9,6 +9,7 @@ import os
 import signal
 import socket
 import time
+from pathlib import Path
 
 import pytest
 import torch.distributed as dist
@@ -17,7 +18,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from lightning_twobp.engine.failure import PeerFailed, process_state
+from lightning_twobp.engine.failure import PeerFailed, close_links, process_state
 from lightning_twobp.processes import free_port, rank_env, run_distributed
 
 from conftest import AdamRegressor, checkpointing_trainer, regression_data, user_script
@@ -54,15 +55,24 @@ class ReentrantOnLastStage(AdamRegressor):
 
 
 def _fit(rank: int, world: int, port: int, folder: str, model: str) -> dict:
+    """Fit; catch what it raised and live on, as a script that logs the error and goes on would, until
+    every rank's fit has ended (at most 60 s): a failed rank's peers must not wait for its process to end."""
     rank_env(rank, world, port)
-    saving = ModelCheckpoint(dirpath=folder, every_n_train_steps=1, save_last=True, save_on_exception=True)
+    saving = ModelCheckpoint(dirpath=f"{folder}/ckpt", every_n_train_steps=1, save_last=True, save_on_exception=True)
     trainer = checkpointing_trainer(world, 20, [saving])
     start = time.monotonic()
+    out: dict = {"type": None}
     try:
         trainer.fit({"user": FailsOnRank1, "reentrant": ReentrantOnLastStage}[model](), regression_data(n=16))
     except Exception as err:  # noqa: BLE001 - what each rank raised is the result
-        return {"type": type(err).__name__, "error": str(err), "took": time.monotonic() - start}
-    return {"type": None}
+        out = {"type": type(err).__name__, "error": str(err), "took": time.monotonic() - start}
+    ended = Path(folder, "ended")
+    ended.mkdir(exist_ok=True)
+    (ended / str(rank)).touch()
+    deadline = time.monotonic() + 60
+    while len(list(ended.iterdir())) < world and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return out
 
 
 @pytest.mark.parametrize(
@@ -80,8 +90,9 @@ def test_one_ranks_error_ends_every_rank_naming_it(tmp_path, model, cause):
     assert seen[0]["type"] == "PeerFailed", seen[0]
     assert first in seen[0]["error"] and cause in seen[0]["error"], seen[0]["error"]
     assert seen[0]["error"].startswith("global rank 0 (pipeline rank 0, stage(s) 0"), seen[0]["error"]
-    assert max(s["took"] for s in seen) < 30, seen  # not pipeline_timeout's 600 s
-    saved = sorted(p.name for p in tmp_path.iterdir())
+    # not pipeline_timeout's 600 s, nor until rank 1's process ends (it lives on after its error)
+    assert max(s["took"] for s in seen) < 30, seen
+    saved = sorted(p.name for p in (tmp_path / "ckpt").glob("*"))
     assert not [n for n in saved if n.startswith(".")], saved  # no save was begun after the error
     if model == "user":
         assert saved == ["epoch=0-step=2.ckpt", "last.ckpt"], saved  # step 2, the last one before the error
@@ -131,3 +142,33 @@ def test_a_stopped_rank_under_lightnings_launcher_leaves_no_orphan_and_its_peers
     lost = "PeerLost: pipeline rank 1 (stage 1, global rank 1"
     assert "PeerFailed: global rank 3 (pipeline rank 1" in err and lost in err, err[-4000:]
     assert "Timed out waiting 60000ms" not in err, err[-4000:]
+
+
+def _wait_on_rank0(rank: int, world: int, folder: str) -> dict:
+    """Rank 0 closes its links and lives on; rank 1 waits on it in a barrier of a second group: it must
+    fail at once, not at the group's 120 s timeout."""
+    pair = dist.new_group([0, 1])
+    dist.barrier()
+    start, out = time.monotonic(), {}
+    try:
+        if rank == 0:
+            time.sleep(0.5)  # the other is waiting by now
+            out["closed"] = close_links()
+        else:
+            dist.barrier(group=pair)
+    except RuntimeError as err:
+        out["error"] = str(err)
+    out["took"] = time.monotonic() - start
+    Path(folder, str(rank)).touch()
+    while len(list(Path(folder).iterdir())) < world and time.monotonic() - start < 60:
+        time.sleep(0.1)  # rank 0 lives on until the other is done
+    return out
+
+
+def test_closed_links_wake_a_peer_waiting_on_the_rank(tmp_path):
+    """gloo has no abort: close_links relies on a timed-out receive closing its group's connections.
+    This fails if a torch release changes that (the peer would wait for the timeout)."""
+    zero, one = run_distributed(_wait_on_rank0, 2, str(tmp_path), timeout=120)
+    assert zero == {"closed": 2, "took": zero["took"]}, zero  # the world and the pair
+    assert "Connection closed" in one.get("error", ""), one
+    assert one["took"] < 15, one

@@ -7,10 +7,15 @@ writer wins (``compare_set``). Its peers are waiting on it for a message: when i
 wait fails (the connection closes), and instead of "peer was lost" each raises :class:`PeerFailed`
 with that summary. Nothing happens on the happy path: the store is read only after a wait on a peer
 failed.
+
+A failed rank whose process lives on (the user's script caught the error and goes on, to save, log or
+evaluate) would leave its peers waiting on it until the timeout: :func:`close_links` closes its
+connections once it has told, so that their waits fail now (gloo groups; see there).
 """
 
 from __future__ import annotations
 
+import datetime
 import itertools
 import logging
 import os
@@ -19,18 +24,23 @@ import threading
 import time
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from lightning_twobp.engine.executor import PipelineError
 from lightning_twobp.engine.p2p import PeerLost
+from lightning_twobp.private import process_groups
 
-__all__ = ["FailureChannel", "PeerFailed", "lost_peer", "process_state"]
+__all__ = ["FailureChannel", "PeerFailed", "close_links", "lost_peer", "process_state"]
 
 log = logging.getLogger(__name__)
 
 _LOST = ("Connection closed", "Connection reset", "closed by peer", "Broken pipe", "Timed out", "timed out")
 _STORE_WAIT = 3.0  # seconds a store call may take before the store counts as gone
 _CALLS = itertools.count()  # one key per Trainer call, the same on every rank (they build in one order)
+# A tag no message of ours uses (engine/p2p.py's grow from 0 with the micro-batch): close_links' receive
+# must wait, not take a message in flight.
+_NEVER_SENT = 2**31 - 97
 
 
 class PeerFailed(PipelineError):
@@ -57,6 +67,39 @@ def _cause(error: BaseException) -> str:
         root = root.__cause__
     lines = str(root).strip().splitlines()
     return f"{type(root).__name__}: {lines[0] if lines else ''}"[:400]
+
+
+def close_links(groups: list[Any] | None = None) -> int:
+    """Close this rank's connections in every gloo process group it is in (``groups``: all it holds), so that
+    the peers waiting on it fail at once (``Connection closed``) and read the failure it told, instead of
+    waiting until the group's timeout. Returns how many groups were closed.
+
+    gloo has no abort (``ProcessGroup.abort`` does nothing there): a receive whose wait times out puts every
+    connection of its group into the error state and closes it, which is what this uses (a receive on a
+    tag never sent, waited on for a millisecond); tests/test_failure.py checks it on the installed torch.
+    A peer already gone fails the receive at once, and the next one is tried. NCCL groups are left to
+    NCCL's own watchdog (``pipeline_timeout``). The groups cannot carry messages afterwards: only for a
+    run that failed in its middle, where they could carry none in step anyway."""
+    closed = 0
+    for group in process_groups() if groups is None else groups:
+        if "gloo" in str(dist.get_backend(group)) and dist.get_world_size(group) > 1 and _close(group):
+            closed += 1
+    return closed
+
+
+def _close(group: Any) -> bool:
+    me, size = dist.get_rank(group), dist.get_world_size(group)
+    for k in range(1, size):
+        peer = dist.get_global_rank(group, (me + k) % size)
+        try:
+            work = dist.irecv(torch.empty(1), src=peer, group=group, tag=_NEVER_SENT)
+            if work is not None:  # None only where this rank is not in the group (not in process_groups)
+                work.wait(datetime.timedelta(milliseconds=1))
+        except RuntimeError as err:
+            if "Timed out" in str(err):
+                return True
+            continue  # that peer's connection is closed already: try another
+    return False
 
 
 def process_state(pid: int) -> str | None:

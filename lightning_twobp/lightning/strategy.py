@@ -9,8 +9,8 @@ and stages; the engine (:class:`~lightning_twobp.engine.PipelineExecutor`) runs 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from contextlib import nullcontext
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -22,7 +22,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from typing_extensions import override
 
 from lightning_twobp.engine import Verdict
-from lightning_twobp.engine.failure import FailureChannel
+from lightning_twobp.engine.failure import FailureChannel, close_links
 from lightning_twobp.lightning import checkpoint_hooks
 from lightning_twobp.lightning.checks import check_nodes, checked_optimizers
 from lightning_twobp.lightning.failures import lost_rank, naming_lost, reap, told
@@ -122,6 +122,7 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
         self._signals: StopSignals | None = None
         self._failures: FailureChannel | None = None  # the first failure, told to every rank (see .failures)
         self._failed = False
+        self._broke_off = False  # a pipelined step failed part-way on this rank: its peers may wait on it
         self.stage_sizes: list[int] | None = None  # layers per stage, once the pipeline is built
         self._resume_rng: dict[str, torch.Tensor] | None = None  # a checkpoint's random states, not yet restored
         self._record_next = False
@@ -169,6 +170,7 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
         assert self.accelerator is not None and self.lightning_module is not None and self.model is not None
         self.accelerator.setup(trainer)
         self._failed = False
+        self._broke_off = False
         self._batches_checked = False
         self._pipeline = build_pipeline(self, trainer)
         self._failures = FailureChannel.open(self.describe_rank())
@@ -194,6 +196,12 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
         self._failed = True  # teardown gathers nothing then: another rank may be gone
         if self._failures is not None and not self._failures.seen and not isinstance(exception, Preempted):
             self._failures.report(exception, "outside the training step")  # the others name it when lost
+        if self._broke_off:
+            # Told; now the peers waiting on this rank inside the step must see it go, even if the user's
+            # script catches the error and this process lives on. Only then: what every rank raises at
+            # a step boundary or before a step's messages (preemption, a full disk, a batch that cannot
+            # split) leaves the groups usable, for a script that catches it and goes on.
+            close_links()
         reap(self.launcher)  # rank 0 under Lightning's launcher: no rank it started outlives it
         super().on_exception(exception)
 
@@ -287,7 +295,8 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
         pipeline.runner.begin("training_step", args, kwargs, self.num_microbatches, exact=True)
         run = StepRun(f"global step {self.lightning_module.trainer.global_step}", record=self._record_next)
         params = [q for q in self.lightning_module.parameters() if q.requires_grad]
-        result = pipeline.train_step(self._stash, params, run)
+        with self._mid_step():
+            result = pipeline.train_step(self._stash, params, run)
         if run.records is not None:
             self._record_next, self.last_records = False, run.records
         return result
@@ -336,7 +345,18 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
         pipeline = self._built(hook)
         schedule = pipeline.executor.schedule
         last_rank = self.layout.global_rank_of(schedule.stage_to_rank[pipeline.executor.last])
-        return pipeline.eval_step(hook, args, kwargs, self.num_microbatches, last_rank, self.group("pp"))
+        with self._mid_step():
+            return pipeline.eval_step(hook, args, kwargs, self.num_microbatches, last_rank, self.group("pp"))
+
+    @contextmanager
+    def _mid_step(self) -> Iterator[None]:
+        """Around a pipelined step's messages: an error that leaves it part-way marks this rank as one its
+        peers may be waiting on (see :meth:`on_exception`)."""
+        try:
+            yield
+        except BaseException:
+            self._broke_off = True
+            raise
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
