@@ -169,7 +169,12 @@ def _run_cases(rank: int, world: int, cases: dict[str, tuple[Callable, tuple]]) 
             out[name] = ("ok", fn(rank, world, *args))
         except BaseException:  # this case's failure, reported to its test; the next cases still run
             out[name] = ("error", traceback.format_exc())
-        dist.barrier()
+        try:
+            dist.barrier()
+        except RuntimeError as err:  # a step failed part-way on one rank, which closed the links: stop here
+            gone = f"not run: the process group was closed after {name} ({err})"
+            out.update({rest: ("error", gone) for rest in cases if rest not in out})
+            break
     return out
 
 

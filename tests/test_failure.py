@@ -18,7 +18,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from lightning_twobp.engine.failure import PeerFailed, close_links, process_state
+from lightning_twobp.engine.failure import PeerFailed, check_links_open, close_links, process_state
 from lightning_twobp.processes import free_port, rank_env, run_distributed
 
 from conftest import AdamRegressor, checkpointing_trainer, regression_data, user_script
@@ -33,6 +33,12 @@ class FailsOnRank1(AdamRegressor):
         if self.trainer.global_rank == 1 and self.global_step == AT:
             raise ValueError("a bug in the user's step on rank 1")
         return super().training_step(batch, batch_idx)
+
+
+class LogsAVector(AdamRegressor):
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_vector", F.mse_loss(self.layers(x), y, reduction="none").mean(0))  # 2 values: refused
 
 
 class Reentrant(nn.Module):
@@ -66,6 +72,11 @@ def _fit(rank: int, world: int, port: int, folder: str, model: str) -> dict:
         trainer.fit({"user": FailsOnRank1, "reentrant": ReentrantOnLastStage}[model](), regression_data(n=16))
     except Exception as err:  # noqa: BLE001 - what each rank raised is the result
         out = {"type": type(err).__name__, "error": str(err), "took": time.monotonic() - start}
+    try:  # a new Trainer call in this process: its links were closed, and it says so
+        checkpointing_trainer(world, 1, []).fit(AdamRegressor(), regression_data(n=16))
+        out["again"] = "ran"
+    except RuntimeError as err:
+        out["again"] = str(err)
     ended = Path(folder, "ended")
     ended.mkdir(exist_ok=True)
     (ended / str(rank)).touch()
@@ -92,6 +103,8 @@ def test_one_ranks_error_ends_every_rank_naming_it(tmp_path, model, cause):
     assert seen[0]["error"].startswith("global rank 0 (pipeline rank 0, stage(s) 0"), seen[0]["error"]
     # not pipeline_timeout's 600 s, nor until rank 1's process ends (it lives on after its error)
     assert max(s["took"] for s in seen) < 30, seen
+    for s in seen:  # the links it closed for that are named, with the fix, by the next Trainer call
+        assert "Start new processes" in s["again"] and "global rank 1" in s["again"], s["again"]
     saved = sorted(p.name for p in (tmp_path / "ckpt").glob("*"))
     assert not [n for n in saved if n.startswith(".")], saved  # no save was begun after the error
     if model == "user":
@@ -153,7 +166,11 @@ def _wait_on_rank0(rank: int, world: int, folder: str) -> dict:
     try:
         if rank == 0:
             time.sleep(0.5)  # the other is waiting by now
-            out["closed"] = close_links()
+            out["closed"] = close_links("a test")
+            try:
+                check_links_open("the next call")
+            except RuntimeError as err:
+                out["next"] = str(err)
         else:
             dist.barrier(group=pair)
     except RuntimeError as err:
@@ -169,6 +186,28 @@ def test_closed_links_wake_a_peer_waiting_on_the_rank(tmp_path):
     """gloo has no abort: close_links relies on a timed-out receive closing its group's connections.
     This fails if a torch release changes that (the peer would wait for the timeout)."""
     zero, one = run_distributed(_wait_on_rank0, 2, str(tmp_path), timeout=120)
-    assert zero == {"closed": 2, "took": zero["took"]}, zero  # the world and the pair
+    assert zero["closed"] == 2, zero  # the world and the pair
+    assert zero["next"].startswith("twobp: the next call cannot run in this process"), zero
+    assert "(a test)" in zero["next"] and "Start new processes" in zero["next"], zero
     assert "Connection closed" in one.get("error", ""), one
     assert one["took"] < 15, one
+
+
+def _every(rank: int, world: int, port: int) -> dict:
+    rank_env(rank, world, port)
+    out: dict = {}
+    try:
+        checkpointing_trainer(world, 20, []).validate(LogsAVector(), regression_data(n=16), verbose=False)
+    except Exception as err:  # noqa: BLE001 - what each rank raised is the result
+        out["error"] = f"{type(err).__name__}: {err}"
+    check_links_open("the next call")  # no rank waits on another: the groups stay usable
+    dist.barrier()
+    return out
+
+
+def test_an_error_every_rank_raises_in_the_step_leaves_the_links_open():
+    """A validation step's logs reach every rank, and Lightning refuses a logged vector on each: every rank
+    on the roll of ranks that raised, nobody waits on anybody, so nothing is closed, and a script that
+    catches the error can go on with its process group."""
+    seen = run_distributed(_every, 2, free_port(), timeout=120)
+    assert all("val_vector" in s["error"] for s in seen), seen

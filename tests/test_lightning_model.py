@@ -275,6 +275,18 @@ class Embed(nn.Module):
         return self.wte(ids) + self.wpe(torch.arange(ids.shape[1], device=ids.device))
 
 
+class FirstOut(nn.Module):
+    """A block's hidden state: transformers 4.x's GPT-2 block returns a tuple (hidden, present), 5.x's a tensor."""
+
+    def __init__(self, block: nn.Module) -> None:
+        super().__init__()
+        self.block = block
+
+    def forward(self, x):
+        out = self.block(x)
+        return out[0] if isinstance(out, tuple) else out
+
+
 class HFGPT2(Tied):
     """A tiny random-init Hugging Face GPT-2 (tie_word_embeddings=True: lm_head is wte), its parts
     put in one nn.Sequential: the embedding on the first stage, the tied head on the last."""
@@ -298,7 +310,7 @@ class HFGPT2(Tied):
         hf = transformers.GPT2LMHeadModel(cfg)
         assert hf.lm_head.weight is hf.transformer.wte.weight
         t = hf.transformer
-        self.layers = nn.Sequential(Embed(t.wte, t.wpe), *t.h, t.ln_f, hf.lm_head)
+        self.layers = nn.Sequential(Embed(t.wte, t.wpe), *map(FirstOut, t.h), t.ln_f, hf.lm_head)
 
 
 def _token_data() -> DataLoader:

@@ -55,7 +55,7 @@ class CausalLM(pl.LightningModule):
     def _loss(self, batch):
         ids, targets, mask = batch
         out = self.model(input_ids=ids, attention_mask=mask)
-        logits = out.logits if hasattr(out, "logits") else out
+        logits = out.logits if hasattr(out, "logits") else out[0] if isinstance(out, tuple) else out
         return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100)
 
     def training_step(self, batch, batch_idx):
@@ -68,7 +68,7 @@ class CausalLM(pl.LightningModule):
 
     def predict_step(self, batch, batch_idx):
         out = self.model(input_ids=batch[0], attention_mask=batch[2])
-        return out.logits if hasattr(out, "logits") else out
+        return out.logits if hasattr(out, "logits") else out[0] if isinstance(out, tuple) else out
 
     def configure_optimizers(self):
         # SGD, not Adam: attention's key bias has a zero gradient in exact arithmetic (softmax ignores a
@@ -173,12 +173,39 @@ class NanoGPT(nn.Module):
         return self.lm_head(self.transformer.ln_f(x))
 
 
+class CachingNanoGPT(NanoGPT):
+    """nanoGPT that returns every block's output beside the logits while ``config.use_cache`` is on, as
+    transformers 4.x's GPT-2 returns its per-block ``presents`` by default, in training too: values of
+    blocks on other stages, which the pipeline cannot return. The strategy turns the cache off for the
+    Trainer call (without that, the call was refused) and back on after."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.config = SimpleNamespace(use_cache=True)
+
+    def forward(self, input_ids, attention_mask):
+        t = input_ids.shape[1]
+        x = self.transformer.wte(input_ids) + self.transformer.wpe(torch.arange(t, device=input_ids.device))
+        mask = (
+            torch.ones(t, t, dtype=torch.bool, device=x.device).tril()[None, None]
+            & attention_mask.bool()[:, None, None]
+        )
+        mask = mask | torch.eye(t, dtype=torch.bool, device=x.device)
+        presents = []
+        for block in self.transformer.h:
+            x = block(x, attn_mask=mask)
+            presents.append(x)
+        logits = self.lm_head(self.transformer.ln_f(x))
+        return (logits, tuple(presents)) if self.config.use_cache else logits
+
+
 MODELS = {
     "hf-gpt2": _hf_gpt2,
     "hf-llama": _hf_llama,
     "hf-qwen2-moe": _hf_qwen2_moe,
     "hf-bloom": _hf_bloom,
     "nanogpt": NanoGPT,
+    "caching-nanogpt": CachingNanoGPT,
 }
 
 
@@ -236,21 +263,22 @@ def _pipelined(rank: int, world: int, name: str, kw: dict, again: bool) -> dict:
     # Without gather_full_model the other stages' modules stay on the meta device after fit, and the
     # next Trainer calls stand in for them again (the meta twins of GPT-2's wte, Llama's embed_tokens).
     _fit(model, TwoBPStrategy(num_microbatches=M, gather_full_model=not again, **kw), world, BATCH)
-    out = {"params": _own(model)}
+    out = {"params": _own(model), "use_cache": getattr(getattr(model.model, "config", None), "use_cache", None)}
     if again:
         out["again"] = _again(model, lambda: TwoBPStrategy(num_microbatches=M, **kw), world, BATCH)
     return out
 
 
 CASES = {
-    # GPT-2's defaults: tied embeddings (wte on the first stage, lm_head on the last), a DynamicCache;
-    # then validate, predict and fit again without gathering
+    # GPT-2's defaults: tied embeddings (wte on the first stage, lm_head on the last), use_cache=True (off for
+    # the call: 4.x returned per-block presents); then validate, predict and fit again without gathering
     "hf-gpt2": ("hf-gpt2", dict(schedule="1f1b"), True),
     # the V: 4 stages on 2 ranks, so stages 1 and 2 re-run the step themselves; and the same again
     "hf-llama-zb-v": ("hf-llama", dict(schedule="zb-v"), True),
     "hf-qwen2-moe-zb-h1": ("hf-qwen2-moe", dict(schedule="zb-h1"), False),
     "hf-bloom-zb-v": ("hf-bloom", dict(schedule="zb-v"), False),
     "nanogpt-zb-h1": ("nanogpt", dict(schedule="zb-h1", layers="model.transformer.h"), False),
+    "caching-nanogpt": ("caching-nanogpt", dict(schedule="1f1b", layers="model.transformer.h"), False),
     "llama-loop-interleaved": ("llama-loop", dict(schedule="interleaved-1f1b"), False),
 }
 
@@ -262,6 +290,8 @@ def test_modulelist_models_match_one_process(two_ranks, request, case):
     name, kw, again = CASES[case]
     ref = _reference(name, again)
     results = two_ranks[request.node.name]
+    before = getattr(getattr(MODELS[name](), "config", None), "use_cache", None) if name in MODELS else None
+    assert all(out["use_cache"] == before for out in results), results  # put back as it was
     if not again:  # gathered: every rank holds every weight
         assert all(set(out["params"]) == set(ref["params"]) for out in results)
     assert set().union(*(out["params"] for out in results)) == set(ref["params"])

@@ -31,7 +31,7 @@ from lightning_twobp.engine.executor import PipelineError
 from lightning_twobp.engine.p2p import PeerLost
 from lightning_twobp.private import process_groups
 
-__all__ = ["FailureChannel", "PeerFailed", "close_links", "lost_peer", "process_state"]
+__all__ = ["FailureChannel", "PeerFailed", "check_links_open", "close_links", "lost_peer", "process_state"]
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +41,7 @@ _CALLS = itertools.count()  # one key per Trainer call, the same on every rank (
 # A tag no message of ours uses (engine/p2p.py's grow from 0 with the micro-batch): close_links' receive
 # must wait, not take a message in flight.
 _NEVER_SENT = 2**31 - 97
+_CLOSED: str | None = None  # why close_links closed this process's groups (check_links_open)
 
 
 class PeerFailed(PipelineError):
@@ -69,26 +70,36 @@ def _cause(error: BaseException) -> str:
     return f"{type(root).__name__}: {lines[0] if lines else ''}"[:400]
 
 
-def close_links(groups: list[Any] | None = None) -> int:
+def close_links(reason: str, groups: list[Any] | None = None) -> int:
     """Close this rank's connections in every gloo process group it is in (``groups``: all it holds), so that
     the peers waiting on it fail at once (``Connection closed``) and read the failure it told, instead of
-    waiting until the group's timeout. Returns how many groups were closed.
+    waiting until the group's timeout. Returns how many groups were closed; ``reason`` (the first failure)
+    is what :func:`check_links_open` names afterwards.
 
     gloo has no abort (``ProcessGroup.abort`` does nothing there): a receive whose wait times out puts every
     connection of its group into the error state and closes it, which is what this uses (a receive on a
     tag never sent, waited on for a millisecond); tests/test_failure.py checks it on the installed torch.
     A peer already gone fails the receive at once, and the next one is tried. NCCL groups are left to
     NCCL's own watchdog (``pipeline_timeout``). The groups cannot carry messages afterwards: only for a
-    run that failed in its middle, where they could carry none in step anyway."""
+    run that failed in its middle, where they could carry none in step anyway. Never raises: it runs
+    while an error is on its way to the user, which it must not replace."""
+    global _CLOSED
     closed = 0
     for group in process_groups() if groups is None else groups:
-        if "gloo" in str(dist.get_backend(group)) and dist.get_world_size(group) > 1 and _close(group):
-            closed += 1
+        try:
+            if "gloo" in str(dist.get_backend(group)) and dist.get_world_size(group) > 1 and _close(group):
+                closed += 1
+        except Exception as err:  # noqa: BLE001 - see the docstring
+            log.debug("twobp: could not close a process group's links: %s", err)
+    if closed:
+        _CLOSED = reason or "a step that failed part-way"
     return closed
 
 
 def _close(group: Any) -> bool:
+    """Whether ``group`` is closed now: by this receive's timeout, or already (a peer's connection gone)."""
     me, size = dist.get_rank(group), dist.get_world_size(group)
+    closed = False
     for k in range(1, size):
         peer = dist.get_global_rank(group, (me + k) % size)
         try:
@@ -98,8 +109,19 @@ def _close(group: Any) -> bool:
         except RuntimeError as err:
             if "Timed out" in str(err):
                 return True
-            continue  # that peer's connection is closed already: try another
-    return False
+            closed = True  # that peer's connection is closed already: the others may not be, try them
+    return closed
+
+
+def check_links_open(what: str) -> None:
+    """Raise, naming the fix, where :func:`close_links` closed this process's groups: ``what`` (a new
+    Trainer call, a save) would otherwise meet gloo's "Application timeout caused pair closure"."""
+    if _CLOSED is not None:
+        raise RuntimeError(
+            f"twobp: {what} cannot run in this process: its gloo process groups were closed after a step failed "
+            f"part-way ({_CLOSED}), so that the other ranks would not wait on it. Start new processes to go on "
+            f"(resume from the last checkpoint: trainer.fit(model, ckpt_path='last'))."
+        )
 
 
 def process_state(pid: int) -> str | None:
@@ -129,6 +151,8 @@ class FailureChannel:
         self.me = me
         self.seen = False  # this rank raised a failure, its own or a peer's, in this Trainer call
         self._world = dist.get_world_size() if dist.is_initialized() else 1
+        self._rank = dist.get_rank() if dist.is_initialized() else 0
+        self._marked = False  # this rank's mark in the roll of ranks that raised (see everyone_failed)
         self._gone = False  # the store stopped answering (it lives in global rank 0's process)
         if dist.is_initialized():  # where each rank runs, for roll_call
             store.set(f"{self._key}/pid/{dist.get_rank()}", f"{socket.gethostname()} {os.getpid()}")
@@ -200,10 +224,37 @@ class FailureChannel:
                 return None
             time.sleep(0.05)
 
+    def mark_failed(self) -> None:
+        """Put this rank on the roll of ranks that raised in this Trainer call (once)."""
+        if self._marked:
+            return
+        self._marked = True
+        try:
+            self._ask("set", f"{self._key}/failed/{self._rank}", "1")
+        except Exception as err:  # noqa: BLE001 - the store may be gone: then nobody is known to have failed
+            log.debug("twobp: could not mark this rank failed: %s", err)
+
+    def everyone_failed(self, wait: float) -> bool:
+        """Whether every rank raised in this Trainer call (an error they all meet, as a check at the same
+        point of a step), waiting up to ``wait`` seconds for the others to: then no rank waits on another,
+        and the groups are left usable (see :func:`close_links`)."""
+        keys = [f"{self._key}/failed/{r}" for r in range(self._world)]
+        deadline = time.monotonic() + wait
+        while True:
+            try:
+                if self._ask("check", keys):
+                    return True
+            except Exception:  # noqa: BLE001 - the store went away with rank 0, which did not raise here
+                return False
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.05)
+
     def resolve(self, error: BaseException, where: str) -> BaseException:
         """What this rank raises for ``error`` at ``where``: a lost peer becomes :class:`PeerFailed`
         naming the first failure (where one was told); an error of its own is told to the others."""
         self.seen = True
+        self.mark_failed()
         if not lost_peer(error):
             self.report(error, where)
             return error

@@ -57,7 +57,7 @@ from lightning_twobp.private import pytree
 _T = TypeVar("_T")
 log = logging.getLogger(__name__)
 
-__all__ = ["LayerGroup", "LoopStage", "ModuleListContract", "identical_blocks"]
+__all__ = ["LayerGroup", "LoopStage", "ModuleListContract", "caches_off", "identical_blocks"]
 
 _MISSING = object()
 
@@ -69,6 +69,27 @@ class _Stop(BaseException):
     def __init__(self, hidden: torch.Tensor) -> None:
         super().__init__("stage done")
         self.hidden = hidden
+
+
+def caches_off(model: nn.Module) -> Callable[[], None]:
+    """Hugging Face's ``config.use_cache`` off for the Trainer call; returns the undo. A model that keeps
+    a key/value cache builds it from every block's keys and values, per block: the values of blocks on
+    other stages, which this contract cannot return (transformers 4.x's GPT-2 returns them as ``presents``
+    by default, in training too, and the call was refused). No loss reads a cache, so training and
+    evaluation compute the same without it; a call that passes ``use_cache=True`` itself is still
+    refused, naming it."""
+    configs: dict[int, Any] = {id(m.config): m.config for m in model.modules() if hasattr(m, "config")}
+    on = [c for c in configs.values() if getattr(c, "use_cache", None) is True]
+    for c in on:
+        c.use_cache = False
+    if on:
+        log.info("twobp: config.use_cache is off for this Trainer call (a cache holds every stage's blocks)")
+
+    def undo() -> None:
+        for c in on:
+            c.use_cache = True
+
+    return undo
 
 
 def identical_blocks(ml: nn.ModuleList) -> bool:

@@ -34,6 +34,7 @@ from lightning_twobp.lightning.loaders import keep_users_sampler
 from lightning_twobp.lightning.local_model import LocalModel, split_model
 from lightning_twobp.lightning.logs import LogChannel
 from lightning_twobp.lightning.metrics import StepMetrics
+from lightning_twobp.lightning.modulelist_contract import ModuleListContract, caches_off
 from lightning_twobp.lightning.optimizer_checks import OptimizerChecks
 from lightning_twobp.lightning.profile import profile_layers
 from lightning_twobp.lightning.quiet import known_warnings_off
@@ -161,12 +162,12 @@ class Pipeline:
         self.metrics.apply(states)
         return loss, means
 
-    def eval_step(self, hook: str, args: tuple, kwargs: dict, m: int, last_rank: int, group: Any) -> Any:
+    def eval_step(self, state: Any, hook: str, last_rank: int, group: Any) -> Any:
         """Validation, test and predict: a forward-only pipeline pass, then ``hook`` on the last stage per
         micro-batch with the pipelined block answered by the pipeline; the logs shared from
-        ``last_rank`` (global) over ``group`` and logged on every rank; the predictions, joined."""
+        ``last_rank`` (global) over ``group`` and logged on every rank; the predictions, joined.
+        ``state``: the step's micro-batches, from ``runner.begin`` (the batch split before any message)."""
         ex, runner = self.executor, self.runner
-        state = runner.begin(hook, args, kwargs, m, exact=False)
         self.metrics.begin()
         if self.sharding is not None:  # gathered here, not by FSDP2's hooks: a lost replica is named
             self.sharding.gather(lambda s: ex.stages[s].refresh_parameters())
@@ -406,6 +407,8 @@ def _call_scope(strategy: TwoBPStrategy, trainer: Any, metrics: StepMetrics, loc
     scope.callback(metrics.sync_over(strategy.group("dp")))
     ac = strategy.options.activation_checkpointing
     scope.callback(apply_activation_checkpointing(local.blocks(), ac, strategy.lightning_module, local.contract))
+    if isinstance(local.contract, ModuleListContract):
+        scope.callback(caches_off(strategy.lightning_module))
     if strategy.layout.dp_degree == 1:  # nothing to split: the loader's own sampler, as one process reads it
         scope.callback(keep_users_sampler(trainer))
     return scope

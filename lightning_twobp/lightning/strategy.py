@@ -22,8 +22,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from typing_extensions import override
 
 from lightning_twobp.engine import Verdict
-from lightning_twobp.engine.failure import FailureChannel, close_links
+from lightning_twobp.engine.failure import FailureChannel, check_links_open, close_links, lost_peer
 from lightning_twobp.lightning import checkpoint_hooks
+from lightning_twobp.lightning.checkpoint import CheckpointError
 from lightning_twobp.lightning.checks import check_nodes, checked_optimizers
 from lightning_twobp.lightning.failures import lost_rank, naming_lost, reap, told
 from lightning_twobp.lightning.grads import GradStash
@@ -38,6 +39,11 @@ from lightning_twobp.options import PipelineOptions
 from lightning_twobp.schedules.auto import AutoChoice, Profile
 
 __all__ = ["NonFiniteError", "Preempted", "StepRecords", "TwoBPStrategy"]
+
+# Seconds a rank whose step failed waits for every rank to raise too (what all of them meet at one point
+# of a step, after its last message: within milliseconds) before it closes its links for the peers that
+# wait on it instead.
+_TOGETHER_S = 5.0
 
 
 class TwoBPStrategy(PipelinePlacement, DDPStrategy):
@@ -158,6 +164,7 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
 
     @override
     def setup_distributed(self) -> None:
+        check_links_open("a new Trainer call")
         super().setup_distributed()
         check_degree(self.world_size, self.pipeline_degree)
         self._mesh = self.layout.init_mesh(self.root_device, self._timeout)
@@ -196,14 +203,27 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
         self._failed = True  # teardown gathers nothing then: another rank may be gone
         if self._failures is not None and not self._failures.seen and not isinstance(exception, Preempted):
             self._failures.report(exception, "outside the training step")  # the others name it when lost
-        if self._broke_off:
-            # Told; now the peers waiting on this rank inside the step must see it go, even if the user's
-            # script catches the error and this process lives on. Only then: what every rank raises at
-            # a step boundary or before a step's messages (preemption, a full disk, a batch that cannot
-            # split) leaves the groups usable, for a script that catches it and goes on.
-            close_links()
+        self._let_peers_go(exception)
         reap(self.launcher)  # rank 0 under Lightning's launcher: no rank it started outlives it
         super().on_exception(exception)
+
+    def _let_peers_go(self, exception: BaseException) -> None:
+        """Told; now the peers waiting on this rank inside a step must see it go, even if the user's script
+        catches the error and this process lives on: close its links, at once where it lost a peer (the
+        run is broken), after a few seconds where the error is its own. Not where no peer waits on it: an
+        error raised outside a step's messages, or what every rank raises (at a step boundary: preemption,
+        a non-finite step, a full disk; at one point of a step: a logged value Lightning refuses, seen as
+        every rank on the roll within those seconds). Those leave the groups usable, for a script that
+        catches the error and goes on. (A bug in the user's step on every rank is not one: the later
+        stages wait on the first for data and never reach it, so they are waiting on it.)"""
+        if self._failures is None:
+            return
+        self._failures.mark_failed()
+        if not self._broke_off or isinstance(exception, (Preempted, NonFiniteError, CheckpointError)):
+            return
+        self._broke_off = False  # used: a later call that fails before its setup does not close again
+        if lost_peer(exception) or not self._failures.everyone_failed(wait=_TOGETHER_S):
+            close_links(self._failures.first(wait=0.0) or "")
 
     @override
     def on_train_end(self) -> None:
@@ -345,8 +365,9 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
         pipeline = self._built(hook)
         schedule = pipeline.executor.schedule
         last_rank = self.layout.global_rank_of(schedule.stage_to_rank[pipeline.executor.last])
+        state = pipeline.runner.begin(hook, args, kwargs, self.num_microbatches, exact=False)
         with self._mid_step():
-            return pipeline.eval_step(hook, args, kwargs, self.num_microbatches, last_rank, self.group("pp"))
+            return pipeline.eval_step(state, hook, last_rank, self.group("pp"))
 
     @contextmanager
     def _mid_step(self) -> Iterator[None]:
@@ -365,12 +386,12 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self.precision_plugin.test_step_context():
+        with self.precision_plugin.test_step_context(), told(self._failures, "a test step"):
             return self._eval_step("test_step", args, kwargs)
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self.precision_plugin.predict_step_context():
+        with self.precision_plugin.predict_step_context(), told(self._failures, "a prediction step"):
             return self._eval_step("predict_step", args, kwargs)
 
     # ------------------------------------------------------------------ checkpoints
@@ -388,6 +409,7 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
         """A directory (see :mod:`lightning_twobp.lightning.checkpoint`); every rank writes its stages."""
         checkpoint_hooks.check_storage_options(storage_options)
+        check_links_open("saving a checkpoint")
         refused = checkpoint_hooks.refusal(self.lightning_module.trainer, self._failures)
         if refused is None:
             self._validate()  # save the checked weights, not a speculative step's
