@@ -77,13 +77,17 @@ def _fit(rank: int, world: int, port: int, folder: str, model: str) -> dict:
         out["again"] = "ran"
     except RuntimeError as err:
         out["again"] = str(err)
-    ended = Path(folder, "ended")
+    _live_on_until_all_ended(Path(folder, "ended"), rank, world)
+    return out
+
+
+def _live_on_until_all_ended(ended: Path, rank: int, world: int) -> None:
+    """Say this rank ended, then live on until every rank has (at most 60 s)."""
     ended.mkdir(exist_ok=True)
     (ended / str(rank)).touch()
     deadline = time.monotonic() + 60
     while len(list(ended.iterdir())) < world and time.monotonic() < deadline:
         time.sleep(0.1)
-    return out
 
 
 @pytest.mark.parametrize(
@@ -176,9 +180,7 @@ def _wait_on_rank0(rank: int, world: int, folder: str) -> dict:
     except RuntimeError as err:
         out["error"] = str(err)
     out["took"] = time.monotonic() - start
-    Path(folder, str(rank)).touch()
-    while len(list(Path(folder).iterdir())) < world and time.monotonic() - start < 60:
-        time.sleep(0.1)  # rank 0 lives on until the other is done
+    _live_on_until_all_ended(Path(folder), rank, world)  # rank 0 lives on until the other is done
     return out
 
 

@@ -211,18 +211,28 @@ class FailureChannel:
                 found.append(f"global rank {r} (pid {pid}): {state}")
         return "; ".join(found)
 
-    def first(self, wait: float) -> str | None:
-        """The first failure told, waiting up to ``wait`` seconds for one."""
+    def _present(self, keys: list[str], wait: float) -> bool:
+        """Whether every one of ``keys`` is in the store, waiting up to ``wait`` seconds for them (False where
+        the store went away with rank 0)."""
         deadline = time.monotonic() + wait
         while True:
             try:
-                if self._ask("check", [self._key]):
-                    return self._ask("get", self._key).decode()
-            except Exception:  # noqa: BLE001 - a store that went away with rank 0: nothing to name
-                return None
+                if self._ask("check", keys):
+                    return True
+            except Exception:  # noqa: BLE001 - a store that went away with rank 0: nothing there
+                return False
             if time.monotonic() >= deadline:
-                return None
+                return False
             time.sleep(0.05)
+
+    def first(self, wait: float) -> str | None:
+        """The first failure told, waiting up to ``wait`` seconds for one."""
+        if not self._present([self._key], wait):
+            return None
+        try:
+            return self._ask("get", self._key).decode()
+        except Exception:  # noqa: BLE001 - a store that went away with rank 0: nothing to name
+            return None
 
     def mark_failed(self) -> None:
         """Put this rank on the roll of ranks that raised in this Trainer call (once)."""
@@ -238,17 +248,7 @@ class FailureChannel:
         """Whether every rank raised in this Trainer call (an error they all meet, as a check at the same
         point of a step), waiting up to ``wait`` seconds for the others to: then no rank waits on another,
         and the groups are left usable (see :func:`close_links`)."""
-        keys = [f"{self._key}/failed/{r}" for r in range(self._world)]
-        deadline = time.monotonic() + wait
-        while True:
-            try:
-                if self._ask("check", keys):
-                    return True
-            except Exception:  # noqa: BLE001 - the store went away with rank 0, which did not raise here
-                return False
-            if time.monotonic() >= deadline:
-                return False
-            time.sleep(0.05)
+        return self._present([f"{self._key}/failed/{r}" for r in range(self._world)], wait)
 
     def resolve(self, error: BaseException, where: str) -> BaseException:
         """What this rank raises for ``error`` at ``where``: a lost peer becomes :class:`PeerFailed`

@@ -49,6 +49,7 @@ from torch.utils.checkpoint import (
     noop_context_fn,
 )
 
+from lightning_twobp.lightning.modulelist_contract import caches_off
 from lightning_twobp.options import check_activation_checkpointing
 from lightning_twobp.private import tensor_version
 
@@ -205,12 +206,9 @@ def apply_activation_checkpointing(
     # training (its models turn ``use_cache`` off then; a block's recompute would find the cache F
     # filled and run other ops, and a per-block cache is also a value the pipeline cannot return)
     owners = model.modules() if chosen and model is not None else switches
-    configs: dict[int, Any] = {id(m.config): m.config for m in owners if hasattr(m, "config")}
-    caches = [c for c in configs.values() if getattr(c, "use_cache", False) is True]
+    caches_on = caches_off(owners)
     for m in switches:
         setattr(m, _HF_FLAG, False)
-    for c in caches:
-        c.use_cache = False
     for b in chosen.values():
         b.forward = _checkpointed(b, value == "selective")  # an instance attribute: undone below
 
@@ -219,8 +217,7 @@ def apply_activation_checkpointing(
             del b.forward
         for m in switches:
             setattr(m, _HF_FLAG, True)
-        for c in caches:
-            c.use_cache = True
+        caches_on()
 
     return undo
 

@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import copy
 import logging
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, TypeGuard, TypeVar
@@ -71,19 +71,20 @@ class _Stop(BaseException):
         self.hidden = hidden
 
 
-def caches_off(model: nn.Module) -> Callable[[], None]:
-    """Hugging Face's ``config.use_cache`` off for the Trainer call; returns the undo. A model that keeps
-    a key/value cache builds it from every block's keys and values, per block: the values of blocks on
-    other stages, which this contract cannot return (transformers 4.x's GPT-2 returns them as ``presents``
-    by default, in training too, and the call was refused). No loss reads a cache, so training and
-    evaluation compute the same without it; a call that passes ``use_cache=True`` itself is still
-    refused, naming it."""
-    configs: dict[int, Any] = {id(m.config): m.config for m in model.modules() if hasattr(m, "config")}
+def caches_off(modules: Iterable[nn.Module], why: str | None = None) -> Callable[[], None]:
+    """Hugging Face's ``config.use_cache`` off, for the Trainer call, in the configs ``modules`` hold;
+    returns the undo; logs ``why`` where one was on. Under this contract (``model.modules()``): a model
+    that keeps a key/value cache builds it from every block's keys and values, per block, the values of
+    blocks on other stages, which this contract cannot return (transformers 4.x's GPT-2 returns them as
+    ``presents`` by default, in training too, and the call was refused). No loss reads a cache, so
+    training and evaluation compute the same without it; a call that passes ``use_cache=True`` itself is
+    still refused, naming it. Checkpointing turns it off too (lightning/checkpointing.py)."""
+    configs: dict[int, Any] = {id(m.config): m.config for m in modules if hasattr(m, "config")}
     on = [c for c in configs.values() if getattr(c, "use_cache", None) is True]
     for c in on:
         c.use_cache = False
-    if on:
-        log.info("twobp: config.use_cache is off for this Trainer call (a cache holds every stage's blocks)")
+    if on and why is not None:
+        log.info("twobp: config.use_cache is off for this Trainer call (%s)", why)
 
     def undo() -> None:
         for c in on:

@@ -408,7 +408,7 @@ def _call_scope(strategy: TwoBPStrategy, trainer: Any, metrics: StepMetrics, loc
     ac = strategy.options.activation_checkpointing
     scope.callback(apply_activation_checkpointing(local.blocks(), ac, strategy.lightning_module, local.contract))
     if isinstance(local.contract, ModuleListContract):
-        scope.callback(caches_off(strategy.lightning_module))
+        scope.callback(caches_off(strategy.lightning_module.modules(), "a cache holds every stage's blocks"))
     if strategy.layout.dp_degree == 1:  # nothing to split: the loader's own sampler, as one process reads it
         scope.callback(keep_users_sampler(trainer))
     return scope
