@@ -216,10 +216,10 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
         every rank on the roll within those seconds). Those leave the groups usable, for a script that
         catches the error and goes on. (A bug in the user's step on every rank is not one: the later
         stages wait on the first for data and never reach it, so they are waiting on it.)"""
-        if self._failures is None:
+        # (this rank is on the roll already: a step's error passed through told, which marks it)
+        if self._failures is None or not self._broke_off:
             return
-        self._failures.mark_failed()
-        if not self._broke_off or isinstance(exception, (Preempted, NonFiniteError, CheckpointError)):
+        if isinstance(exception, (Preempted, NonFiniteError, CheckpointError)):
             return
         self._broke_off = False  # used: a later call that fails before its setup does not close again
         if lost_peer(exception) or not self._failures.everyone_failed(wait=_TOGETHER_S):
