@@ -182,7 +182,8 @@ class PipelineOptions:
             must divide by it.
         pipeline_degree: ranks per pipeline (default: every device, one pipeline); the devices
             left over form data-parallel replicas, ``devices x num_nodes = pipeline_degree x dp``.
-        stages_per_rank: stages on each rank (default 2 for ``zb-v`` and ``interleaved-1f1b``, else 1).
+        stages_per_rank: stages on each rank (default 2 for ``zb-v``, ``v-half``, ``v-min`` and
+            ``interleaved-1f1b``, else 1).
         balance: ``"params"`` (default), ``"time"`` (forward + backward time of every layer, measured
             on the first micro-batch of the data before training), or a list of layer counts per stage.
         layers: dotted name of the Sequential to pipeline, when the module holds several.

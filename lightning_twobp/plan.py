@@ -1,7 +1,7 @@
 """``twobp-plan``: the memory of every pipeline rank for a recipe, before any GPU is touched.
 
     twobp-plan recipe=llama7b-4gpu plan.gpu_memory_gib=80
-    twobp-plan recipe=llama7b-4gpu schedule=zb-h2 trainer.devices=8 strategy.pipeline_degree=4
+    twobp-plan recipe=llama7b-4gpu schedule=zb-h2 trainer.devices=8 strategy.pipeline_degree=4 data.batch_size=8
 
 The model is built on the ``meta`` device (no memory, no compute), cut into stages as the strategy
 would (``balance="params"``, or the given list; ``"time"`` is measured at run time, so the plan uses
@@ -12,9 +12,10 @@ That gives, per stage:
 * **activations per micro-batch** (``M_act``): the tensors autograd saves in F, held until B;
 * **held from B to W per micro-batch** (``M_W``): what 2BP keeps after B for the deferred W. When
   every weight gradient has a direct formula (Linear, RMSNorm scale) B frees the graph and only the
-  weight-GEMM operands and their output gradients stay; otherwise (convolutions, BatchNorm, LayerNorm,
-  the Mamba scan) the graph stays until W, about ``M_act``. The first stage, fed token ids or images,
-  runs its whole backward in B and holds nothing.
+  weight-GEMM operands and their output gradients stay. Convolutions, BatchNorm, LayerNorm, embeddings
+  and the Mamba scan's ``A_log`` have direct formulas too; a layer without one (a PReLU slope, a custom
+  autograd Function) keeps its graph until W, about ``M_act``, and its stage is marked ``*``. The first
+  stage, fed token ids or images, runs its whole backward in B and holds nothing.
 
 With ``strategy.activation_checkpointing`` (``full``, ``selective`` or ``k``: every k-th layer, the
 strategy's own choice of layers) each chosen layer is measured checkpointed, as the strategy wraps it: F

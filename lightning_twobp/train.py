@@ -147,8 +147,8 @@ def _hydra_main(cfg: DictConfig) -> None:
                 f"sweep job {hc.job.num} ({' '.join(hc.overrides.task)}) failed with exit code {done.returncode}"
             )
         return
-    if OmegaConf.select(cfg, "print_config", default=False):
-        print(OmegaConf.to_yaml(cfg))
+    if OmegaConf.select(cfg, "print_config", default=False) and os.environ.get("LOCAL_RANK", "0") == "0":
+        print(OmegaConf.to_yaml(cfg, resolve=True))  # once per machine: Lightning's launcher re-runs this script
     train(cfg)
 
 

@@ -65,20 +65,11 @@ def test_tiny_recipes_learn(recipe, tmp_path):
 
 
 def test_multirun_runs_each_job_once(tmp_path):
-    """Under -m each job is one ordinary run (Lightning's launcher re-runs only that job's command)."""
-    out = _run(
-        [
-            "-m",
-            "trainer.max_steps=3",
-            "schedule=1f1b,zb-h1",
-            "callbacks=none",
-            "logger=none",
-            f"hydra.sweep.dir={tmp_path}/sweep",
-        ],
-        tmp_path,
-        timeout=300,
-    )
-    jobs = sorted(p.name for p in (tmp_path / "sweep").iterdir() if p.is_dir())
+    """Under -m each job is one ordinary run (Lightning's launcher re-runs only that job's command), in
+    the config's own sweep directory (the README's sweep: its ``${name}`` once failed to resolve there)."""
+    out = _run(["-m", "trainer.max_steps=3", "schedule=1f1b,zb-h1", "callbacks=none", "logger=none"], tmp_path, 300)
+    (sweep,) = (tmp_path / "multirun" / "cpu-tiny-llama").iterdir()
+    jobs = sorted(p.name for p in sweep.iterdir() if p.is_dir())
     assert jobs == ["0", "1"], (jobs, out.stdout[-2000:])
     assert out.stdout.count("sweep job") == 2
 
