@@ -113,7 +113,7 @@ def peak_rss_bytes() -> int:
 
 def _deferred(strategy: Any) -> float:
     """The rank's ``deferred_fraction`` under a split schedule, NaN under a fused one."""
-    return strategy.deferred_fraction if strategy.schedule.split_backward else float("nan")
+    return strategy.deferred_fraction
 
 
 def tokens_in(batch: Any) -> int | None:

@@ -46,7 +46,7 @@ from lightning_twobp.lightning.sharding import (
     mixed_precision,
     replica_names,
 )
-from lightning_twobp.lightning.step import Logs, StepRunner, share_logs, step_means
+from lightning_twobp.lightning.step import Logs, StepRunner, log_step_values, share_logs, step_means
 from lightning_twobp.partition import partition
 from lightning_twobp.private import pytree
 from lightning_twobp.schedules import Schedule, build_schedule
@@ -162,10 +162,11 @@ class Pipeline:
         self.metrics.apply(states)
         return loss, means
 
-    def eval_step(self, state: Any, hook: str, last_rank: int, group: Any) -> Any:
+    def eval_step(self, state: Any, hook: str, last_rank: int, group: Any, dp_group: Any = None) -> Any:
         """Validation, test and predict: a forward-only pipeline pass, then ``hook`` on the last stage per
         micro-batch with the pipelined block answered by the pipeline; the logs shared from
-        ``last_rank`` (global) over ``group`` and logged on every rank; the predictions, joined.
+        ``last_rank`` (global) over ``group`` and logged on every rank (synchronised over ``dp_group``); the
+        predictions, joined.
         ``state``: the step's micro-batches, from ``runner.begin`` (the batch split before any message)."""
         ex, runner = self.executor, self.runner
         self.metrics.begin()
@@ -178,7 +179,7 @@ class Pipeline:
             with self.streams.fork(ex.last):  # the last stage's part of the step, after the block
                 for i, out in enumerate(outs):
                     runner.provide(i, out)
-        self._log_eval_means(last_rank, group)
+        self._log_eval_means(last_rank, group, dp_group)
         if hook != "predict_step" or outs is None:
             return None
         # predictions live on the rank holding the last stage: the micro-batches' outputs, joined
@@ -186,7 +187,7 @@ class Pipeline:
             lambda *xs: torch.cat(xs) if isinstance(xs[0], torch.Tensor) else list(xs), *state.results
         )
 
-    def _log_eval_means(self, src: int, group: Any) -> None:
+    def _log_eval_means(self, src: int, group: Any, dp_group: Any) -> None:
         """An evaluation step's logs, from the last stage to every rank of the pipeline, logged there."""
         last = self.holds_last
         device = self.executor.device
@@ -194,13 +195,8 @@ class Pipeline:
         _, means, states = share_logs(self.runner.state if last else None, None, src, group, device, states)
         if not last:
             self.metrics.apply(states)
-        lm = self.runner.module
-        for name, (value, kw) in means.items():
-            value = self.metrics.resolve(value)
-            # Epoch-level metrics: every rank of a pipeline holds the same value, so the mean over
-            # the world is the mean over the data-parallel replicas (what one process would log).
-            kw = {"sync_dist": True, **kw}
-            lm.log(name, value.to(device) if isinstance(value, torch.Tensor) else value, **kw)
+        # Synchronised unless the step says otherwise: the epoch value over the replicas, as one process.
+        log_step_values(self.runner.module, means, self.metrics.resolve, device, dp_group, sync=True)
 
     def loss(self, output: Any, index: int) -> torch.Tensor:
         """The executor's loss: the user's step on micro-batch ``index``; after the last one the loss and

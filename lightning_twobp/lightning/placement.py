@@ -126,8 +126,11 @@ class PipelinePlacement:
     @property
     def deferred_fraction(self) -> float:
         """Share of this rank's weight-gradient work that W computed so far (see
-        :func:`~lightning_twobp.engine.stage.deferred_fraction`)."""
-        return deferred_fraction(self._built("deferred_fraction").executor.stages.values())
+        :func:`~lightning_twobp.engine.stage.deferred_fraction`); NaN under a fused schedule, which has no W."""
+        executor = self._built("deferred_fraction").executor
+        if not executor.schedule.split_backward:
+            return float("nan")
+        return deferred_fraction(executor.stages.values())
 
     def describe_rank(self) -> str:
         """This rank in messages to the others: its global and pipeline rank, stages and host."""

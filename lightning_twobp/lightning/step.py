@@ -14,6 +14,8 @@ Everything that lives for one step is in one :class:`StepState`.
 
 from __future__ import annotations
 
+import functools
+import operator
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,6 +32,7 @@ __all__ = [
     "StepState",
     "check_batch_size",
     "check_batches",
+    "log_step_values",
     "share_logs",
     "split_microbatches",
     "step_means",
@@ -164,6 +167,11 @@ class _LogRecorder:
             return
         if args:
             raise TypeError("pass self.log options by keyword under strategy='twobp'")
+        if reduction(kwargs) not in ("mean", "sum", "max", "min"):
+            raise ValueError(
+                f"self.log({name!r}, ..., reduce_fx={kwargs['reduce_fx']!r}): Lightning reduces logged values by "
+                f"mean, sum, max or min only; for a custom reduction log a torchmetrics Metric instead"
+            )
         if is_metric(value):
             value = self.metrics.ref(value, name)
         if not isinstance(value, (torch.Tensor, int, float, MetricRef)):
@@ -269,22 +277,74 @@ class StepRunner:
 
 
 def step_means(state: StepState) -> Logs:
-    """Each logged value averaged over the step's micro-batches, weighted by their sizes: for means (a
-    loss, a micro-averaged accuracy) the value one process logs for the whole batch. A Metric stays a
-    reference: its state holds the whole step."""
+    """Each logged value over the step's micro-batches as one process logs it for the whole batch, by its
+    ``reduce_fx`` (Lightning's epoch reduction, which also says what a step's value is): ``"mean"`` (the
+    default) weighted by the micro-batches' sizes (their ``batch_size=`` where every one gives it, taken as
+    the count the value is a mean over; else their samples), ``"sum"`` added up, ``"max"``/``"min"`` the
+    extreme. A ``batch_size=`` logged with it becomes the step's total. A Metric stays a reference: its
+    state holds the whole step."""
     sizes = [batch_size(mb) for mb in state.microbatches]
-    weights = [n / sum(sizes) for n in sizes]
     means: Logs = {}
     for name in state.logs[0] if state.logs else {}:
         values = [logs[name][0] for logs in state.logs]
-        kw = state.logs[0][name][1]
+        kws = [logs[name][1] for logs in state.logs]
+        kw = dict(kws[0])
         if isinstance(values[0], MetricRef):
             means[name] = (values[0], kw)
-        elif isinstance(values[0], torch.Tensor):
-            means[name] = (sum(v.float() * w for v, w in zip(values, weights, strict=False)), kw)
-        else:
-            means[name] = (sum(v * w for v, w in zip(values, weights, strict=False)), kw)
+            continue
+        counts: list[Any] = [k.get("batch_size") for k in kws]
+        counted = all(c is not None for c in counts)
+        if counted:
+            kw["batch_size"] = functools.reduce(operator.add, counts)
+        means[name] = (_combine(values, reduction(kw), counts if counted else sizes), kw)
     return means
+
+
+def log_step_values(
+    lm: Any, means: Logs, resolve: Callable[[Any], Any], device: Any, dp_group: Any, sync: bool
+) -> None:
+    """Log a step's values (:func:`step_means`) on this rank. Every rank of a pipeline holds the same
+    values, so a synchronised value (``sync_dist=True``, or ``sync``: evaluation's default) is reduced over
+    the data-parallel group only, as one process over all the data would see it: over the whole world a
+    ``"sum"`` would count each replica once per pipeline rank."""
+    for name, (value, kw) in means.items():
+        value = resolve(value)
+        value = value.to(device) if isinstance(value, torch.Tensor) else value
+        if sync:
+            kw = {"sync_dist": True, **kw}
+        if kw.get("sync_dist") and kw.get("sync_dist_group") is None:
+            kw = {**kw, "sync_dist_group": dp_group}
+        lm.log(name, value, **kw)
+
+
+def reduction(kw: dict) -> str:
+    """``self.log``'s ``reduce_fx`` as a name: mean, sum, max or min (Lightning's four; see
+    :class:`_LogRecorder` for the others)."""
+    fx = kw.get("reduce_fx", "mean")
+    if isinstance(fx, str):
+        fx = fx.lower()
+        return "mean" if fx == "avg" else fx
+    return _REDUCTIONS.get(fx, "custom")
+
+
+_REDUCTIONS: dict[Any, str] = {torch.mean: "mean", torch.sum: "sum", sum: "sum", torch.max: "max", max: "max"}
+_REDUCTIONS.update({torch.min: "min", min: "min"})
+
+
+def _combine(values: list[Any], how: str, weights: list[Any]) -> Any:
+    """The micro-batches' ``values`` as the whole batch's (:func:`step_means`)."""
+    tensors = isinstance(values[0], torch.Tensor)
+    if how == "sum":
+        return sum(values[1:], values[0])
+    if how in ("max", "min"):
+        if tensors:
+            pick = torch.maximum if how == "max" else torch.minimum
+            return functools.reduce(pick, values)
+        return (max if how == "max" else min)(values)
+    total = sum(float(w) for w in weights)
+    if tensors:
+        return sum(v.float() * (float(w) / total) for v, w in zip(values, weights, strict=True))
+    return sum(v * (float(w) / total) for v, w in zip(values, weights, strict=True))
 
 
 def share_logs(

@@ -34,7 +34,7 @@ from lightning_twobp.lightning.optimizer_checks import NonFiniteError
 from lightning_twobp.lightning.pipeline import Pipeline, StepRecords, StepRun, build_pipeline
 from lightning_twobp.lightning.placement import PipelinePlacement
 from lightning_twobp.lightning.preemption import Preempted, StopSignals
-from lightning_twobp.lightning.step import check_batch_size_early, check_batches
+from lightning_twobp.lightning.step import check_batch_size_early, check_batches, log_step_values
 from lightning_twobp.options import PipelineOptions
 from lightning_twobp.schedules.auto import AutoChoice, Profile
 
@@ -302,10 +302,9 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
             # That step was clipped or skipped after all: this step ran on the speculative weights.
             pipeline.metrics.undo()
             loss, means = self._train_step(pipeline, args, kwargs)
-        for name, (value, kw) in means.items():
-            value = pipeline.metrics.resolve(value)
-            value = value.to(self.root_device) if isinstance(value, torch.Tensor) else value
-            self.lightning_module.log(name, value, **kw)
+        log_step_values(
+            self.lightning_module, means, pipeline.metrics.resolve, self.root_device, self.group("dp"), False
+        )
         skipped = self.step_checks["skipped"]  # every rank knows the count: nothing travels
         if skipped:
             self.lightning_module.log("pipeline/skipped_steps", float(skipped), on_step=True, on_epoch=False)
@@ -367,7 +366,7 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
         last_rank = self.layout.global_rank_of(schedule.stage_to_rank[pipeline.executor.last])
         state = pipeline.runner.begin(hook, args, kwargs, self.num_microbatches, exact=False)
         with self._mid_step():
-            return pipeline.eval_step(state, hook, last_rank, self.group("pp"))
+            return pipeline.eval_step(state, hook, last_rank, self.group("pp"), self.group("dp"))
 
     @contextmanager
     def _mid_step(self) -> Iterator[None]:
