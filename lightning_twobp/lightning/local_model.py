@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_twobp.lightning.contract import Contract
+from lightning_twobp.lightning.placeholders import Elsewhere
 from lightning_twobp.schedules import Schedule
 
 __all__ = ["LocalModel", "SharedParameter", "meta_layers_aside", "split_model"]
@@ -40,17 +41,59 @@ _HOW_TO_GET_WEIGHTS = (
 
 
 class _Remote(nn.Module):
-    """Stands in, during a Trainer call, for a layer that lives on another pipeline rank."""
+    """Stands in, during a Trainer call, for a layer that lives on another pipeline rank.
 
-    def __init__(self, stage: int, rank: int) -> None:
+    Calling it raises. Reading an attribute answers from the set-aside layer (on the meta device), as
+    model code reads its modules' settings between the calls: nn.TransformerEncoder reads
+    ``self.layers[0].self_attn.batch_first``, Hugging Face's ViT ``...projection.weight.dtype``, Swin
+    ``layer.downsample is not None``. A submodule is answered by another ``_Remote``; a tensor by an
+    :class:`~.placeholders.Elsewhere` (its shape, dtype and device, no data: computing with it on this
+    stage raises, naming where it lives); anything else (flags, sizes, configs) as it is."""
+
+    def __init__(self, stage: int, rank: int, parts: list[nn.Module], device: torch.device, where: str) -> None:
         super().__init__()
         self.stage, self.rank = stage, rank
+        # Not registered as submodules: the set-aside layers must stay out of parameters() and state_dict.
+        self.__dict__.update(_parts=parts, _part=0, _device=device, _float=None, _where=where, _hint="")
+
+    def part(self, k: int, where: str, hint: str = "") -> _Remote:
+        """The placeholder for part ``k`` of the layer (the ModuleList contract's embedding, final norm);
+        ``hint`` ends the message of a call to it."""
+        remote = _Remote(self.stage, self.rank, [self.__dict__["_parts"][k]], self.__dict__["_device"], where)
+        remote.__dict__["_hint"] = hint
+        return remote
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         raise RuntimeError(
-            f"this layer belongs to pipeline stage {self.stage} on pipeline rank {self.rank}; under "
-            f"strategy='twobp' the pipelined layers run only through the pipeline, from training_step"
+            f"{self.__dict__['_where']} belongs to pipeline stage {self.stage} on pipeline rank {self.rank}; "
+            f"under strategy='twobp' the pipelined layers run only through the pipeline, from training_step"
+            f"{self.__dict__['_hint']}"
         )
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            parts = self.__dict__.get("_parts")
+            if not parts or (name.startswith("__") and name.endswith("__")):
+                raise
+            value = getattr(parts[self.__dict__["_part"]], name)  # the layer's own AttributeError if absent
+        where = f"{self.__dict__['_where']}.{name}"
+        if isinstance(value, nn.Module):
+            return _Remote(self.stage, self.rank, [value], self.__dict__["_device"], where)
+        if isinstance(value, torch.Tensor):
+            dtype = self.__dict__["_float"] if value.is_floating_point() and self.__dict__["_float"] else value.dtype
+            meta = torch.empty_strided(value.shape, value.stride(), dtype=dtype, device="meta")
+            return Elsewhere(meta, self.__dict__["_device"], f"{where} (pipeline stage {self.stage})")
+        return value
+
+    def _apply(self, fn: Any, recurse: bool = True) -> _Remote:
+        # Follow the model's moves and casts (Lightning's model_to_device, a precision's convert_module),
+        # which do not reach the set-aside layer: a tensor read then reports where and how it would be.
+        a, b = (fn(torch.empty(0, dtype=d, device=self.__dict__["_device"])) for d in (torch.float32, torch.float64))
+        cast = a.dtype if a.dtype == b.dtype else None  # both made one dtype: a cast of floating tensors
+        self.__dict__.update(_device=a.device, _float=cast or self.__dict__["_float"])
+        return super()._apply(fn, recurse)
 
     def extra_repr(self) -> str:
         return f"stage={self.stage}, rank={self.rank}"
@@ -79,6 +122,13 @@ def _unguard(contract: Contract, layers: Iterable[nn.Module]) -> None:
             handle = _GUARDS.pop(part, None)
             if handle is not None:
                 handle.remove()
+
+
+def _device_of(layer: nn.Module) -> torch.device:
+    """Where ``layer``'s tensors are; the CPU for one left on the meta device by an earlier call (the
+    Trainer's move to the rank's device then tells its placeholder, ``_Remote._apply``)."""
+    device = next(iter(_tensors(layer)), torch.empty(0)).device
+    return torch.device("cpu") if device.type == "meta" else device
 
 
 def _tensors(module: nn.Module) -> Iterable[torch.Tensor]:
@@ -285,6 +335,12 @@ def split_model(contract: Contract, sizes: list[int], schedule: Schedule, pp_ran
     removed = {i: layer for i, layer in enumerate(layers) if layer_stage[i] not in mine}
     shared = _shared_parameters(contract, layers, layer_rank, {pp_rank})
     _unguard(contract, removed.values())
+    devices = {i: _device_of(layer) for i, layer in removed.items()}
     _to_meta(list(removed.values()), local_ids)
-    contract.swap({i: _Remote(layer_stage[i], layer_rank[i]) for i in removed})
+    contract.swap(
+        {
+            i: _Remote(layer_stage[i], layer_rank[i], contract.parts(layer), devices[i], contract.describe(i))
+            for i, layer in removed.items()
+        }
+    )
     return LocalModel(contract, list(sizes), stages, removed, dict(enumerate(layer_rank)), shared)

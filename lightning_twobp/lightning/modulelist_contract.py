@@ -57,7 +57,7 @@ from lightning_twobp.private import pytree
 _T = TypeVar("_T")
 log = logging.getLogger(__name__)
 
-__all__ = ["LayerGroup", "LoopStage", "ModuleListContract", "caches_off", "identical_blocks"]
+__all__ = ["LayerGroup", "LoopStage", "ModuleListContract", "caches_off", "fastpath_off", "identical_blocks"]
 
 _MISSING = object()
 
@@ -69,6 +69,17 @@ class _Stop(BaseException):
     def __init__(self, hidden: torch.Tensor) -> None:
         super().__init__("stage done")
         self.hidden = hidden
+
+
+def fastpath_off() -> Callable[[], None]:
+    """torch's multi-head-attention fast path off for the Trainer call; returns the undo. In evaluation
+    ``nn.TransformerEncoder`` takes it when it sees its first layer's real weights, and with a padding
+    mask it turns the hidden state into a nested tensor: only the stage holding that layer would, and a
+    nested tensor cannot travel to the next stage (torch: "NestedTensorImpl doesn't support sizes"). The
+    plain path computes the same values (up to rounding; padded positions hold values, not zeros)."""
+    before = torch.backends.mha.get_fastpath_enabled()
+    torch.backends.mha.set_fastpath_enabled(False)
+    return lambda: torch.backends.mha.set_fastpath_enabled(before)
 
 
 def caches_off(modules: Iterable[nn.Module], why: str | None = None) -> Callable[[], None]:
@@ -314,10 +325,14 @@ class ModuleListContract:
         for i, new in replacements.items():
             group = self._groups[i]
             old[i] = group if new is not group else self._occupant(group.paths[0])
+            block = group.paths.index(f"{self.list_name}.{i}")
             for k, path in enumerate(group.paths):
-                module = (
-                    group.parts()[k] if new is group else (new if path == f"{self.list_name}.{i}" else copy.copy(new))
-                )
+                if new is group:
+                    module = group.parts()[k]
+                elif (part := getattr(type(new), "part", None)) is not None:  # local_model._Remote: one per part
+                    module = part(new, k, path, "" if k == block else self._registration_hint(before=k < block))
+                else:
+                    module = new if k == block else copy.copy(new)
                 parent, attr = self._slots[path]
                 setattr(parent, attr, module)
         return old
@@ -401,8 +416,10 @@ class ModuleListContract:
             raise ElsewhereError(
                 f"{path or 'forward'} returned a value computed by {bad.where}, which runs on another pipeline stage "
                 f"(per-block outputs collected by the loop: output_hidden_states=True, output_attentions=True, a "
-                f"cache, or a block that returns several values): under strategy='twobp' only the last stage's "
-                f"values can be returned; turn those outputs off"
+                f"cache, or a block that returns several values; or a weight of a module on another stage used "
+                f"directly, e.g. a head tied by `h @ self.embed.weight.T`): under strategy='twobp' only the last "
+                f"stage's values can be returned; turn those outputs off, and tie a head as a module of its own "
+                f"(`self.head = nn.Linear(...); self.head.weight = self.embed.weight`, called after the loop)"
             )
         return out
 
@@ -585,7 +602,17 @@ class ModuleListContract:
             a, k = pytree.tree_map(lambda x: elsewhere(x, where) if isinstance(x, torch.Tensor) else x, (args, kwargs))
             try:
                 with torch.no_grad():
-                    return self._twin(part)(*a, **k)
+                    out = self._twin(part)(*a, **k)
+                # An output made from the twin's own meta weights alone (BART's positions: an arange on the
+                # weight's device) is plain meta: an Elsewhere too, on this stage's device.
+                return pytree.tree_map(
+                    lambda x: (
+                        Elsewhere(x, run.device, where)
+                        if isinstance(x, torch.Tensor) and not isinstance(x, Elsewhere)
+                        else x
+                    ),
+                    out,
+                )
             except ElsewhereError:
                 raise
             except Exception as e:
@@ -595,6 +622,16 @@ class ModuleListContract:
                 ) from e
 
         return forward
+
+    def _registration_hint(self, before: bool) -> str:
+        """Why a module outside the blocks is on the stage it is, and the fix where a step calls it on
+        the other side of the blocks (a head registered before the blocks on the LightningModule)."""
+        side, stage, other = ("before", "first", "after") if before else ("after", "last", "before")
+        return (
+            f"; it is registered {side} {self.list_name}, so it runs on the {stage} stage (modules with parameters "
+            f"outside the blocks go by their registration order); if it runs {other} the blocks, register it "
+            f"{other} them (a `del` then a setattr moves a module last in its parent's registration order)"
+        )
 
     def _misplaced(self, path: str, before: bool, run: _Run) -> RuntimeError:
         """A module registered on one side of the blocks but called on the other (OPT's decoder registers

@@ -34,7 +34,7 @@ from lightning_twobp.lightning.loaders import keep_users_sampler
 from lightning_twobp.lightning.local_model import LocalModel, split_model
 from lightning_twobp.lightning.logs import LogChannel
 from lightning_twobp.lightning.metrics import StepMetrics
-from lightning_twobp.lightning.modulelist_contract import ModuleListContract, caches_off
+from lightning_twobp.lightning.modulelist_contract import ModuleListContract, caches_off, fastpath_off
 from lightning_twobp.lightning.optimizer_checks import OptimizerChecks
 from lightning_twobp.lightning.profile import profile_layers
 from lightning_twobp.lightning.quiet import known_warnings_off
@@ -405,6 +405,7 @@ def _call_scope(strategy: TwoBPStrategy, trainer: Any, metrics: StepMetrics, loc
     scope.callback(apply_activation_checkpointing(local.blocks(), ac, strategy.lightning_module, local.contract))
     if isinstance(local.contract, ModuleListContract):
         scope.callback(caches_off(strategy.lightning_module.modules(), "a cache holds every stage's blocks"))
+        scope.callback(fastpath_off())
     if strategy.layout.dp_degree == 1:  # nothing to split: the loader's own sampler, as one process reads it
         scope.callback(keep_users_sampler(trainer))
     return scope
