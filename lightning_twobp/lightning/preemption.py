@@ -19,7 +19,9 @@ does for it, but at the agreed step on every rank: save the HPC checkpoint, requ
 
 from __future__ import annotations
 
+import atexit
 import logging
+import os
 import signal
 import threading
 import time
@@ -31,7 +33,7 @@ import torch.distributed as dist
 from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-__all__ = ["Preempted", "StopSignals"]
+__all__ = ["Preempted", "StopSignals", "exit_after_launcher", "mark_launcher"]
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +49,33 @@ class Preempted(SIGTERMException):
 
     def __str__(self) -> str:
         return self.message
+
+
+_LAUNCHER = "TWOBP_LAUNCHER_PID"  # set by the process whose Lightning launcher starts the other ranks
+
+
+def mark_launcher() -> None:
+    """In the process that is about to start the other ranks (Lightning's launcher, rank 0): say so to
+    them (an environment variable they inherit), for :func:`exit_after_launcher`."""
+    os.environ[_LAUNCHER] = str(os.getpid())
+
+
+def exit_after_launcher(wait: float = 30.0) -> None:
+    """On a rank Lightning's launcher started, stopped by :class:`Preempted`: end the process after the
+    launcher's, not before (up to ``wait`` seconds). The launcher's observer thread checks its ranks every
+    5 s and SIGKILLs the whole job (exit status -9, not ``128 + signal``) when it finds one ended with a
+    non-zero status while the launcher still runs, as the launcher does for a moment after every rank
+    stopped at the same step. Elsewhere (torchrun, SLURM, another parent) nothing waits."""
+    parent = os.getppid()
+    if os.environ.get(_LAUNCHER) != str(parent):
+        return
+
+    def after_parent() -> None:
+        deadline = time.monotonic() + wait
+        while os.getppid() == parent and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+    atexit.register(after_parent)
 
 
 def _requeue_signal(trainer: Any) -> int | None:

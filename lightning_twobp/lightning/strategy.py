@@ -33,7 +33,7 @@ from lightning_twobp.lightning.local_model import meta_layers_aside
 from lightning_twobp.lightning.optimizer_checks import NonFiniteError
 from lightning_twobp.lightning.pipeline import Pipeline, StepRecords, StepRun, build_pipeline
 from lightning_twobp.lightning.placement import PipelinePlacement
-from lightning_twobp.lightning.preemption import Preempted, StopSignals
+from lightning_twobp.lightning.preemption import Preempted, StopSignals, exit_after_launcher, mark_launcher
 from lightning_twobp.lightning.step import check_batch_size_early, check_batches, log_step_values
 from lightning_twobp.options import PipelineOptions
 from lightning_twobp.schedules.auto import AutoChoice, Profile
@@ -204,8 +204,18 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
         if self._failures is not None and not self._failures.seen and not isinstance(exception, Preempted):
             self._failures.report(exception, "outside the training step")  # the others name it when lost
         self._let_peers_go(exception)
-        reap(self.launcher)  # rank 0 under Lightning's launcher: no rank it started outlives it
+        if isinstance(exception, Preempted):  # every rank stops at this step: none needs reaping
+            exit_after_launcher()  # the launcher first: its observer would SIGKILL it for a rank's 143
+        else:
+            reap(self.launcher)  # rank 0 under Lightning's launcher: no rank it started outlives it
         super().on_exception(exception)
+
+    @override
+    def _configure_launcher(self) -> None:
+        super()._configure_launcher()
+        assert self.cluster_environment is not None
+        if self._start_method == "popen" and not self.cluster_environment.creates_processes_externally:
+            mark_launcher()  # this process starts the other ranks: they know it (exit_after_launcher)
 
     def _let_peers_go(self, exception: BaseException) -> None:
         """Told; now the peers waiting on this rank inside a step must see it go, even if the user's script
