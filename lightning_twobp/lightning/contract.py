@@ -195,7 +195,9 @@ def find_contract(module: nn.Module, layers: str | None = None) -> SequentialCon
         listed = ", ".join(f"{n} ({type(m).__name__}, {len(m)} layers)" for n, m in found)
         raise ValueError(
             f"{type(module).__name__} holds {len(found)} candidates for the pipeline ({listed}): name the one to "
-            f"pipeline with layers=..., e.g. layers={lists[0][0]!r} for the blocks its forward loops over"
+            f"pipeline with layers=..., e.g. layers={lists[0][0]!r} for the blocks its forward loops over; the others "
+            f"then run whole on the first or last stage (so an encoder-decoder whose decoder reads the encoder's "
+            f"output by cross-attention cannot be pipelined: docs/strategy.md, 'What it does not support')"
         )
     return ModuleListContract(module, *lists[0])
 
