@@ -574,6 +574,7 @@ def test_a_set_aside_module_answers_attribute_reads_and_refuses_calls():
         assert isinstance(weight, Elsewhere) and weight.shape == (SEQ, 16) and weight.dtype == torch.float64
         lm.to(torch.float32)  # a precision's cast after the split reaches the answers
         assert wpe.weight.dtype == torch.float32 and wpe.weight.device == torch.device("cpu")
+        assert block.ln_1.weight.dtype == torch.float32  # a nested read knows the cast too
         with pytest.raises(ElsewhereError, match=r"model\.transformer\.wpe\.weight \(pipeline stage 0\)"):
             (torch.ones(2, 16) @ wpe.weight.T).sum().item()  # computes on meta; reading it raises
         held = {id(q) for q in lm.parameters()}

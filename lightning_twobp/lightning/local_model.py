@@ -59,8 +59,14 @@ class _Remote(nn.Module):
     def part(self, k: int, where: str, hint: str = "") -> _Remote:
         """The placeholder for part ``k`` of the layer (the ModuleList contract's embedding, final norm);
         ``hint`` ends the message of a call to it."""
-        remote = _Remote(self.stage, self.rank, [self.__dict__["_parts"][k]], self.__dict__["_device"], where)
+        remote = self._child(self.__dict__["_parts"][k], where)
         remote.__dict__["_hint"] = hint
+        return remote
+
+    def _child(self, module: nn.Module, where: str) -> _Remote:
+        """A placeholder for ``module``, a part of this one's, knowing the casts and moves this one saw."""
+        remote = _Remote(self.stage, self.rank, [module], self.__dict__["_device"], where)
+        remote.__dict__["_float"] = self.__dict__["_float"]
         return remote
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -80,7 +86,7 @@ class _Remote(nn.Module):
             value = getattr(parts[self.__dict__["_part"]], name)  # the layer's own AttributeError if absent
         where = f"{self.__dict__['_where']}.{name}"
         if isinstance(value, nn.Module):
-            return _Remote(self.stage, self.rank, [value], self.__dict__["_device"], where)
+            return self._child(value, where)
         if isinstance(value, torch.Tensor):
             dtype = self.__dict__["_float"] if value.is_floating_point() and self.__dict__["_float"] else value.dtype
             meta = torch.empty_strided(value.shape, value.stride(), dtype=dtype, device="meta")

@@ -10,7 +10,7 @@ with the schedule's, which NCCL would match in posting order), and the other ran
 end of their step (:meth:`LogChannel.receive`), when they have long arrived.
 
 A message is a header ``[values, names signature, bytes of names]`` (int64) and the values
-(float64: the mean loss, then each logged value, each weighted by micro-batch size as
+(float64: the mean loss, then each logged value, combined over the micro-batches as
 :func:`~.step.step_means` does, then the step states of the torchmetrics Metrics, flattened: see
 :mod:`.metrics`); the names, their ``self.log`` options and types, and the states' names, dtypes and
 shapes travel as pickled bytes only when they change (the first step, a metric logged only every few

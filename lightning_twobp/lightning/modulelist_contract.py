@@ -608,8 +608,8 @@ class ModuleListContract:
                 return pytree.tree_map(
                     lambda x: (
                         Elsewhere(x, run.device, where)
-                        if isinstance(x, torch.Tensor) and not isinstance(x, Elsewhere)
-                        else x
+                        if isinstance(x, torch.Tensor) and x.is_meta and not isinstance(x, Elsewhere)
+                        else x  # an Elsewhere already, or real: made from the batch's shapes alone
                     ),
                     out,
                 )

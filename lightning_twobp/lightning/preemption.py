@@ -33,7 +33,7 @@ import torch.distributed as dist
 from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-__all__ = ["Preempted", "StopSignals", "exit_after_launcher", "mark_launcher"]
+__all__ = ["Preempted", "StopSignals", "exit_after_launcher", "mark_launcher", "take_launcher_mark"]
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +52,7 @@ class Preempted(SIGTERMException):
 
 
 _LAUNCHER = "TWOBP_LAUNCHER_PID"  # set by the process whose Lightning launcher starts the other ranks
+_launcher_pid: str | None = None  # in a rank that launcher started: its pid (taken out of the environment)
 
 
 def mark_launcher() -> None:
@@ -60,14 +61,22 @@ def mark_launcher() -> None:
     os.environ[_LAUNCHER] = str(os.getpid())
 
 
-def exit_after_launcher(wait: float = 30.0) -> None:
+def take_launcher_mark() -> None:
+    """In a rank that starts no others: keep the launcher's mark here and out of the environment, so that
+    processes this rank starts (a nested run) do not take this rank for their launcher."""
+    global _launcher_pid
+    _launcher_pid = os.environ.pop(_LAUNCHER, None) or _launcher_pid
+
+
+def exit_after_launcher(wait: float = 120.0) -> None:
     """On a rank Lightning's launcher started, stopped by :class:`Preempted`: end the process after the
-    launcher's, not before (up to ``wait`` seconds). The launcher's observer thread checks its ranks every
-    5 s and SIGKILLs the whole job (exit status -9, not ``128 + signal``) when it finds one ended with a
-    non-zero status while the launcher still runs, as the launcher does for a moment after every rank
-    stopped at the same step. Elsewhere (torchrun, SLURM, another parent) nothing waits."""
+    launcher's, not before (up to ``wait`` seconds: a logger's upload at exit may take a while). The
+    launcher's observer thread checks its ranks every 5 s and SIGKILLs the whole job (exit status -9, not
+    ``128 + signal``) when it finds one ended with a non-zero status while the launcher still runs, as the
+    launcher does for a moment after every rank stopped at the same step. Elsewhere (torchrun, SLURM,
+    another parent) nothing waits."""
     parent = os.getppid()
-    if os.environ.get(_LAUNCHER) != str(parent):
+    if _launcher_pid != str(parent):
         return
 
     def after_parent() -> None:

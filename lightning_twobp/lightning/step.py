@@ -294,9 +294,11 @@ def step_means(state: StepState) -> Logs:
             continue
         counts: list[Any] = [k.get("batch_size") for k in kws]
         counted = all(c is not None for c in counts)
+        kw.pop("batch_size", None)  # the step's own, or none: not the first micro-batch's
         if counted:
-            kw["batch_size"] = functools.reduce(operator.add, counts)
-        means[name] = (_combine(values, reduction(kw), counts if counted else sizes), kw)
+            kw["batch_size"] = sum(int(c) for c in counts)  # Lightning takes an int
+        weights = [int(c) for c in counts] if counted and kw["batch_size"] > 0 else sizes
+        means[name] = (_combine(values, reduction(kw), weights), kw)
     return means
 
 
@@ -331,20 +333,20 @@ _REDUCTIONS: dict[Any, str] = {torch.mean: "mean", torch.sum: "sum", sum: "sum",
 _REDUCTIONS.update({torch.min: "min", min: "min"})
 
 
-def _combine(values: list[Any], how: str, weights: list[Any]) -> Any:
-    """The micro-batches' ``values`` as the whole batch's (:func:`step_means`)."""
-    tensors = isinstance(values[0], torch.Tensor)
+def _combine(values: list[Any], how: str, weights: list[int]) -> Any:
+    """The micro-batches' ``values`` as the whole batch's (:func:`step_means`). Tensors are added in at
+    least fp32 (a bf16 count stops at 256, a bool sum is an OR); a micro-batch weighing 0 adds nothing
+    (a masked mean over no tokens is NaN there)."""
+    if isinstance(values[0], torch.Tensor):
+        values = [v.to(torch.promote_types(v.dtype, torch.float32)) for v in values]
     if how == "sum":
-        return sum(values[1:], values[0])
+        return functools.reduce(operator.add, values)
     if how in ("max", "min"):
-        if tensors:
-            pick = torch.maximum if how == "max" else torch.minimum
-            return functools.reduce(pick, values)
+        if isinstance(values[0], torch.Tensor):
+            return functools.reduce(torch.maximum if how == "max" else torch.minimum, values)
         return (max if how == "max" else min)(values)
-    total = sum(float(w) for w in weights)
-    if tensors:
-        return sum(v.float() * (float(w) / total) for v, w in zip(values, weights, strict=True))
-    return sum(v * (float(w) / total) for v, w in zip(values, weights, strict=True))
+    total = sum(weights)
+    return functools.reduce(operator.add, [v * (w / total) for v, w in zip(values, weights, strict=True) if w])
 
 
 def share_logs(

@@ -33,7 +33,13 @@ from lightning_twobp.lightning.local_model import meta_layers_aside
 from lightning_twobp.lightning.optimizer_checks import NonFiniteError
 from lightning_twobp.lightning.pipeline import Pipeline, StepRecords, StepRun, build_pipeline
 from lightning_twobp.lightning.placement import PipelinePlacement
-from lightning_twobp.lightning.preemption import Preempted, StopSignals, exit_after_launcher, mark_launcher
+from lightning_twobp.lightning.preemption import (
+    Preempted,
+    StopSignals,
+    exit_after_launcher,
+    mark_launcher,
+    take_launcher_mark,
+)
 from lightning_twobp.lightning.step import check_batch_size_early, check_batches, log_step_values
 from lightning_twobp.options import PipelineOptions
 from lightning_twobp.schedules.auto import AutoChoice, Profile
@@ -216,6 +222,8 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
         assert self.cluster_environment is not None
         if self._start_method == "popen" and not self.cluster_environment.creates_processes_externally:
             mark_launcher()  # this process starts the other ranks: they know it (exit_after_launcher)
+        else:
+            take_launcher_mark()
 
     def _let_peers_go(self, exception: BaseException) -> None:
         """Told; now the peers waiting on this rank inside a step must see it go, even if the user's script
