@@ -111,11 +111,6 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def _deferred(strategy: Any) -> float:
-    """The rank's ``deferred_fraction`` under a split schedule, NaN under a fused one."""
-    return strategy.deferred_fraction
-
-
 def tokens_in(batch: Any) -> int | None:
     """Tokens in a language-model batch: the element count of its first tensor when that is a
     ``(B, T)`` integer tensor of token ids; ``None`` for other batches (images, features)."""
@@ -424,7 +419,7 @@ class PipelineMonitor(pl.Callback):
             bubble=bubble,
             bubble_simulated=simulated,
             held_mb_per_microbatch=held,
-            deferred_fraction=_deferred(strategy),
+            deferred_fraction=strategy.deferred_fraction,  # NaN under a fused schedule
         ).tensor()
 
     def _per_rank(self, trainer: pl.Trainer, strategy: Any) -> dict[str, float]:
@@ -465,7 +460,7 @@ class PipelineMonitor(pl.Callback):
         else:
             peak, kind = peak_rss_bytes(), "peak RSS"
         strategy = self._pipeline(trainer)
-        deferred = _deferred(strategy) if strategy is not None else float("nan")
+        deferred = strategy.deferred_fraction if strategy is not None else float("nan")
         mine = torch.tensor([float(peak), deferred], dtype=torch.float64, device=device)
         if dist.is_initialized() and dist.get_world_size() > 1:
             rows = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
