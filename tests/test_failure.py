@@ -1,6 +1,6 @@
 """An error of one rank's own (the user's training_step on one rank, torch refusing reentrant
-checkpointing) ends every rank within seconds: the failing rank with its error, the others with
-``PeerFailed`` naming it (rank, stage, step, cause), not a timeout or a lost peer; with
+checkpointing, a callback between steps) ends every rank within seconds: the failing rank with its
+error, the others with ``PeerFailed`` naming it (rank, stage, step, cause), not a timeout or a lost peer; with
 ``ModelCheckpoint(save_on_exception=True)`` nothing is saved across ranks that are not at one step."""
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import socket
 import time
 from pathlib import Path
 
+import lightning.pytorch as pl
 import pytest
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -33,6 +34,14 @@ class FailsOnRank1(AdamRegressor):
         if self.trainer.global_rank == 1 and self.global_step == AT:
             raise ValueError("a bug in the user's step on rank 1")
         return super().training_step(batch, batch_idx)
+
+
+class RaisesOnRank1(pl.Callback):
+    """A callback's bug on one rank, between two steps: the other rank waits for it in its next step."""
+
+    def on_train_batch_end(self, trainer, *args) -> None:
+        if trainer.global_rank == 1 and trainer.global_step == AT:
+            raise ValueError("a bug in a callback on rank 1")
 
 
 class LogsAVector(AdamRegressor):
@@ -65,11 +74,12 @@ def _fit(rank: int, world: int, port: int, folder: str, model: str) -> dict:
     every rank's fit has ended (at most 60 s): a failed rank's peers must not wait for its process to end."""
     rank_env(rank, world, port)
     saving = ModelCheckpoint(dirpath=f"{folder}/ckpt", every_n_train_steps=1, save_last=True, save_on_exception=True)
-    trainer = checkpointing_trainer(world, 20, [saving])
+    trainer = checkpointing_trainer(world, 20, [RaisesOnRank1(), saving] if model == "callback" else [saving])
     start = time.monotonic()
     out: dict = {"type": None}
     try:
-        trainer.fit({"user": FailsOnRank1, "reentrant": ReentrantOnLastStage}[model](), regression_data(n=16))
+        module = {"user": FailsOnRank1, "reentrant": ReentrantOnLastStage, "callback": AdamRegressor}[model]()
+        trainer.fit(module, regression_data(n=16))
     except Exception as err:  # noqa: BLE001 - what each rank raised is the result
         out = {"type": type(err).__name__, "error": str(err), "took": time.monotonic() - start}
     try:  # a new Trainer call in this process: its links were closed, and it says so
@@ -96,11 +106,13 @@ def _live_on_until_all_ended(ended: Path, rank: int, world: int) -> None:
         ("user", "ValueError: a bug in the user's step on rank 1"),
         # our own message, before torch's (issue 21): it names use_reentrant=False
         ("reentrant", "RuntimeError: 2BP split: this stage calls torch.utils.checkpoint with use_reentrant=True"),
+        # between steps: rank 0 waits for it in Lightning's next collective, not in a step of ours
+        ("callback", "ValueError: a bug in a callback on rank 1"),
     ],
 )
 def test_one_ranks_error_ends_every_rank_naming_it(tmp_path, model, cause):
     seen = run_distributed(_fit, 2, free_port(), str(tmp_path), model, timeout=120)
-    assert seen[1]["type"] is not None and cause in seen[1]["error"], seen[1]  # its own error, as before
+    assert seen[1]["type"] is not None and cause.split(": ", 1)[1] in seen[1]["error"], seen[1]  # its own error
     first = f"global rank 1 (pipeline rank 1, stage(s) 1, host {socket.gethostname()}) failed at global step"
     assert seen[0]["type"] == "PeerFailed", seen[0]
     assert first in seen[0]["error"] and cause in seen[0]["error"], seen[0]["error"]
@@ -113,6 +125,8 @@ def test_one_ranks_error_ends_every_rank_naming_it(tmp_path, model, cause):
     assert not [n for n in saved if n.startswith(".")], saved  # no save was begun after the error
     if model == "user":
         assert saved == ["epoch=0-step=2.ckpt", "last.ckpt"], saved  # step 2, the last one before the error
+    if model == "callback":  # step 2's save came after the callback's error: not on one rank alone
+        assert saved == ["epoch=0-step=1.ckpt", "last.ckpt"], saved
 
 
 def test_the_store_is_reachable_where_torch_keeps_it():

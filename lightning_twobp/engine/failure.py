@@ -255,6 +255,8 @@ class FailureChannel:
         naming the first failure (where one was told); an error of its own is told to the others."""
         self.seen = True
         self.mark_failed()
+        if isinstance(error, PeerFailed):  # resolved already, by a call inside this one
+            return error
         if not lost_peer(error):
             self.report(error, where)
             return error

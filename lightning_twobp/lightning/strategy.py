@@ -9,8 +9,8 @@ and stages; the engine (:class:`~lightning_twobp.engine.PipelineExecutor`) runs 
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager, nullcontext
+from collections.abc import Sequence
+from contextlib import ExitStack, nullcontext
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -134,7 +134,6 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
         self._signals: StopSignals | None = None
         self._failures: FailureChannel | None = None  # the first failure, told to every rank (see .failures)
         self._failed = False
-        self._broke_off = False  # a pipelined step failed part-way on this rank: its peers may wait on it
         self.stage_sizes: list[int] | None = None  # layers per stage, once the pipeline is built
         self._resume_rng: dict[str, torch.Tensor] | None = None  # a checkpoint's random states, not yet restored
         self._record_next = False
@@ -183,7 +182,6 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
         assert self.accelerator is not None and self.lightning_module is not None and self.model is not None
         self.accelerator.setup(trainer)
         self._failed = False
-        self._broke_off = False
         self._batches_checked = False
         self._pipeline = build_pipeline(self, trainer)
         self._failures = FailureChannel.open(self.describe_rank())
@@ -208,7 +206,8 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
     def on_exception(self, exception: BaseException) -> None:
         self._failed = True  # teardown gathers nothing then: another rank may be gone
         if self._failures is not None and not self._failures.seen and not isinstance(exception, Preempted):
-            self._failures.report(exception, "outside the training step")  # the others name it when lost
+            step = self.lightning_module.trainer.global_step if self.lightning_module is not None else "?"
+            self._failures.report(exception, f"global step {step}, outside the training step")
         self._let_peers_go(exception)
         if isinstance(exception, Preempted):  # every rank stops at this step: none needs reaping
             exit_after_launcher()  # the launcher first: its observer would SIGKILL it for a rank's 143
@@ -226,20 +225,19 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
             take_launcher_mark()
 
     def _let_peers_go(self, exception: BaseException) -> None:
-        """Told; now the peers waiting on this rank inside a step must see it go, even if the user's script
-        catches the error and this process lives on: close its links, at once where it lost a peer (the
-        run is broken), after a few seconds where the error is its own. Not where no peer waits on it: an
-        error raised outside a step's messages, or what every rank raises (at a step boundary: preemption,
-        a non-finite step, a full disk; at one point of a step: a logged value Lightning refuses, seen as
-        every rank on the roll within those seconds). Those leave the groups usable, for a script that
-        catches the error and goes on. (A bug in the user's step on every rank is not one: the later
-        stages wait on the first for data and never reach it, so they are waiting on it.)"""
-        # (this rank is on the roll already: a step's error passed through told, which marks it)
-        if self._failures is None or not self._broke_off:
+        """Told; now the peers that wait on this rank must see it go, even if the user's script catches the
+        error and this process lives on: close its links, at once where it lost a peer (the run is broken),
+        after a few seconds where the error is its own: in a step (the later stages wait on it for data) or
+        between steps (a callback of this rank's: the others wait for it in the next step or collective).
+        Not for what every rank raises: at a step boundary (preemption, a non-finite step, a full disk) or at
+        one point (a logged value Lightning refuses, a check of the batch), seen as every rank on the roll
+        within those seconds. Those leave the groups usable, for a script that catches the error and goes on.
+        Nor before this call's pipeline exists (a setup error: nobody holds a message for it)."""
+        if self._failures is None or self._pipeline is None:
             return
         if isinstance(exception, (Preempted, NonFiniteError, CheckpointError)):
             return
-        self._broke_off = False  # used: a later call that fails before its setup does not close again
+        self._failures.mark_failed()  # on the roll (a step's error is already, through told)
         if lost_peer(exception) or not self._failures.everyone_failed(wait=_TOGETHER_S):
             close_links(self._failures.first(wait=0.0) or "")
 
@@ -332,8 +330,7 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
         pipeline.runner.begin("training_step", args, kwargs, self.num_microbatches, exact=True)
         run = StepRun(f"global step {self.lightning_module.trainer.global_step}", record=self._record_next)
         params = [q for q in self.lightning_module.parameters() if q.requires_grad]
-        with self._mid_step():
-            result = pipeline.train_step(self._stash, params, run)
+        result = pipeline.train_step(self._stash, params, run)
         if run.records is not None:
             self._record_next, self.last_records = False, run.records
         return result
@@ -343,11 +340,15 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
         return self._built("training_step").loss(output, index)
 
     def _naming_lost(self, what: str) -> Any:
-        """Around a collective over every rank: a lost rank is named (see :func:`.failures.naming_lost`)."""
+        """Around a collective over every rank: a lost rank is named (see :func:`.failures.naming_lost`), or
+        the failure it told (an error of its own between steps, a callback's: :class:`PeerFailed`)."""
         replicas = self._pipeline.replicas if self._pipeline is not None else ""
         if not dist.is_initialized():
             return nullcontext()
-        return naming_lost(what, lambda: lost_rank(self._failures, replicas))
+        stack = ExitStack()
+        stack.enter_context(told(self._failures, what))
+        stack.enter_context(naming_lost(what, lambda: lost_rank(self._failures, replicas)))
+        return stack
 
     def _validate(self) -> Verdict | None:
         """The pending speculative optimizer step's verdict, if any (see ``post_validation``)."""
@@ -363,10 +364,43 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
         with self._naming_lost("the global gradient norm and non-finite check"):
             pipeline.checks.before_step(self.lightning_module, optimizer, scaler, pipeline.named_losses(self.dp_rank))
 
+    # Lightning's collectives, named when a rank is lost. In Lightning's on_exception hooks after an error
+    # its peers did not all raise, they answer for this rank alone: the peers are not at that point, and a
+    # collective there would meet a different one of theirs (ModelCheckpoint(save_on_exception=True) asks
+    # rank 0 whether last.ckpt exists while rank 0 asks it in its own save: a deadlock until the timeout).
     @override
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
+        if self._alone():
+            return tensor
         with self._naming_lost("Lightning's reduce of a logged value (self.log(..., sync_dist=True))"):
             return super().reduce(tensor, group=group, reduce_op=reduce_op)
+
+    @override
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        if self._alone():
+            return
+        with self._naming_lost("Lightning's barrier"):
+            super().barrier(*args, **kwargs)
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if self._alone():
+            return obj
+        with self._naming_lost("Lightning's broadcast (a checkpoint path, a callback's state)"):
+            return super().broadcast(obj, src)
+
+    @override
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:  # noqa: A002 - Lightning's name
+        if self._alone():
+            return decision
+        with self._naming_lost("Lightning's agreement on a decision (a checkpoint file's existence, a stop)"):
+            return super().reduce_boolean_decision(decision, all=all)
+
+    def _alone(self) -> bool:
+        """Whether Lightning is handling an error on this rank that its peers did not all raise at one step
+        boundary (see :func:`.failures.save_refused`)."""
+        trainer = self.lightning_module._trainer if self.lightning_module is not None else None
+        return checkpoint_hooks.refusal(trainer, self._failures) is not None
 
     @override
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -383,18 +417,7 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
         schedule = pipeline.executor.schedule
         last_rank = self.layout.global_rank_of(schedule.stage_to_rank[pipeline.executor.last])
         state = pipeline.runner.begin(hook, args, kwargs, self.num_microbatches, exact=False)
-        with self._mid_step():
-            return pipeline.eval_step(state, hook, last_rank, self.group("pp"), self.group("dp"))
-
-    @contextmanager
-    def _mid_step(self) -> Iterator[None]:
-        """Around a pipelined step's messages: an error that leaves it part-way marks this rank as one its
-        peers may be waiting on (see :meth:`on_exception`)."""
-        try:
-            yield
-        except BaseException:
-            self._broke_off = True
-            raise
+        return pipeline.eval_step(state, hook, last_rank, self.group("pp"), self.group("dp"))
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
