@@ -332,10 +332,38 @@ def test_modulelist_models_match_one_process(two_ranks, request, case):
                 torch.testing.assert_close(value, ref["again"]["params"][n], rtol=1e-5, atol=1e-6, msg=n)
 
 
+def _bf16(rank: int | None = None, world: int = 1) -> dict:
+    """HF Llama under precision="bf16-true" for 2 steps: in one process (``rank`` None, micro-batches
+    accumulated) or pipelined with ZB-H1, the rank's own weights."""
+    pipelined = rank is not None
+    if pipelined:
+        lightning_env(rank, world)
+    model = _make("hf-llama")
+    strategy = TwoBPStrategy(num_microbatches=M, schedule="zb-h1") if pipelined else "auto"
+    kw = {} if pipelined else {"accumulate_grad_batches": M}
+    _fit(model, strategy, world, BATCH if pipelined else BATCH // M, precision="bf16-true", max_steps=2, **kw)
+    return _own(model)
+
+
+def test_bf16_true_stand_ins_carry_the_models_cast(two_ranks, request):
+    """The meta twins of another stage's modules are made in the model's cast dtype: in fp32 they made the
+    rotary embeddings of stage 1 fp32 (from the embedding's twin) against bf16 values, and its first
+    forward failed ("Expected query, key, and value to have the same dtype"). bf16 rounds differently
+    in the two runs' sums: compared at bf16's resolution."""
+    ref = _bf16()
+    results = two_ranks[request.node.name]
+    assert set().union(*results) == set(ref)
+    for out in results:
+        for n, value in out.items():
+            assert value.dtype == torch.bfloat16, n
+            torch.testing.assert_close(value.float(), ref[n].float(), rtol=0.05, atol=0.02, msg=n)
+
+
 @pytest.fixture(scope="module")
 def two_ranks(request) -> conftest.Launch:
     """The models' cases, in one launch of 2 ranks: a test's first call may wait for all of them."""
     cases = {f"test_modulelist_models_match_one_process[{k}]": (_pipelined, args) for k, args in CASES.items()}
+    cases["test_bf16_true_stand_ins_carry_the_models_cast"] = (_bf16, ())
     return launch(request, 2, cases, timeout=840)
 
 

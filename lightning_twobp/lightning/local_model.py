@@ -30,7 +30,7 @@ from lightning_twobp.lightning.contract import Contract
 from lightning_twobp.lightning.placeholders import Elsewhere
 from lightning_twobp.schedules import Schedule
 
-__all__ = ["LocalModel", "SharedParameter", "meta_layers_aside", "split_model"]
+__all__ = ["LocalModel", "SharedParameter", "float_cast", "meta_layers_aside", "split_model"]
 
 _HOW_TO_GET_WEIGHTS = (
     "to have every rank hold all trained weights after the Trainer call, pass "
@@ -103,6 +103,12 @@ class _Remote(nn.Module):
 
     def extra_repr(self) -> str:
         return f"stage={self.stage}, rank={self.rank}"
+
+
+def float_cast(module: nn.Module) -> torch.dtype | None:
+    """The dtype the model's floating tensors were cast to after ``module``, a placeholder, stood in for a
+    layer of another stage (bf16 under "bf16-true"), or None: the set-aside layer never saw that cast."""
+    return module.__dict__["_float"] if isinstance(module, _Remote) else None
 
 
 # Layers left on the meta device after a Trainer call -> the guard that explains a call to them.

@@ -281,7 +281,7 @@ class ModuleListContract:
         self._active: _Run | None = None
         self._stage_of: list[int] = [0] * self.num_blocks  # the partition (stage_module): each block's stage
         self._stages: dict[int, LoopStage] = {}  # this rank's stages, by index, as stage_module built them
-        self._twins: dict[int, nn.Module] = {}
+        self._twins: dict[tuple[int, torch.dtype | None], nn.Module] = {}
         self._shapes: dict[tuple, tuple[Any, list[Any]]] = {}  # block call -> its output's structure
         self._block_calls = [self._block_call(i) for i in range(self.num_blocks)]
         self._previous: list[Any] = [_MISSING] * self.num_blocks  # the blocks' own instance forwards, if any
@@ -578,7 +578,7 @@ class ModuleListContract:
         )
         try:
             with torch.no_grad():
-                return self._twin(self._block_part(i))(*a, **k)
+                return self._twin(self._block_part(i), f"{self.list_name}.{i}")(*a, **k)
         except ElsewhereWrite:
             raise
         except Exception as e:
@@ -602,7 +602,7 @@ class ModuleListContract:
             a, k = pytree.tree_map(lambda x: elsewhere(x, where) if isinstance(x, torch.Tensor) else x, (args, kwargs))
             try:
                 with torch.no_grad():
-                    out = self._twin(part)(*a, **k)
+                    out = self._twin(part, path)(*a, **k)
                 # An output made from the twin's own meta weights alone (BART's positions: an arange on the
                 # weight's device) is plain meta: an Elsewhere too, on this stage's device.
                 return pytree.tree_map(
@@ -653,20 +653,25 @@ class ModuleListContract:
             f"the call order: {fix}"
         )
 
-    def _twin(self, module: nn.Module) -> nn.Module:
-        """``module`` with every tensor on the meta device (a structural copy: no data is copied)."""
-        twin = self._twins.get(id(module))
+    def _twin(self, module: nn.Module, path: str) -> nn.Module:
+        """``module`` with every tensor on the meta device (a structural copy: no data is copied), its floating
+        tensors in the dtype the model was cast to since ``module`` was set aside (bf16 under "bf16-true":
+        an fp32 twin made Llama's rotary embeddings fp32 on the other stages, against bf16 values)."""
+        from lightning_twobp.lightning.local_model import float_cast  # local_model imports the contracts
+
+        cast = float_cast(self._occupant(path))
+        twin = self._twins.get((id(module), cast))
         if twin is None:
             memo: dict[int, Any] = {}
             for t in [*module.parameters(), *module.buffers()]:
-                meta = torch.empty_like(t, device="meta")
+                meta = torch.empty_like(t, device="meta", dtype=cast if cast and t.is_floating_point() else t.dtype)
                 memo[id(t)] = nn.Parameter(meta, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else meta
             twin = copy.deepcopy(module, memo)
             for m in twin.modules():  # instance forwards this contract installed are not the module's own
                 fwd = m.__dict__.get("forward")
                 if fwd is not None and getattr(fwd, "__qualname__", "").startswith(type(self).__qualname__):
                     del m.__dict__["forward"]
-            self._twins[id(module)] = twin
+            self._twins[(id(module), cast)] = twin
         return twin
 
     def _occupant(self, path: str) -> nn.Module:
