@@ -240,6 +240,7 @@ class PipelineExecutor:
         )
         for st in self.stages.values():  # a step that failed part-way leaves micro-batches behind
             st.discard()
+            st.follow_requires_grad()  # a layer frozen or unfrozen since the last step
         self._p2p.start_step()
         try:
             self._exchange_meta()

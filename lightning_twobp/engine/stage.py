@@ -149,6 +149,14 @@ class Stage:
         self._params = {id(p): p for p in self.module.parameters() if p.requires_grad}
         self._plans = _PlanCache()
 
+    def follow_requires_grad(self) -> None:
+        """Re-read the parameters if one's ``requires_grad`` changed since they were read (a callback that
+        freezes or unfreezes layers between steps): a parameter frozen since would be waited for in B, one
+        unfrozen since would get no gradient. Cheap when nothing changed (one pass over the parameters)."""
+        now = [p for p in self.module.parameters() if p.requires_grad]
+        if len(now) != len(self._params) or any(id(p) not in self._params for p in now):
+            self.refresh_parameters()
+
     def discard(self) -> None:
         """Drop every micro-batch in flight (after a failed step) so the next step starts clean."""
         self._pending.clear()

@@ -522,13 +522,42 @@ def load(
             rng[name] = found
     if rng:
         state["rng"] = rng
+    # Param-group settings the optimizer has now but the checkpoint does not: an LR scheduler made since
+    # the save added them (``initial_lr``: Lightning's lr_find saves, swaps in its own scheduler, then
+    # restores). Not read (DCP would refuse the missing key); dropped after loading, as one process's
+    # ``optimizer.load_state_dict`` replaces the param groups by the saved ones.
+    unsaved = [
+        {
+            k: v
+            for k, v in state[f"optimizer_{i}"].items()
+            if k.startswith("param_groups.") and f"optimizer_{i}.{k}" not in saved
+        }
+        for i in range(len(optimizers))
+    ]
+    for i, extra in enumerate(unsaved):
+        for k in extra:
+            del state[f"optimizer_{i}"][k]
     dcp.load(state, checkpoint_id=path, process_group=group)
     set_model_state_dict(module, state["model"], options=StateDictOptions(strict=strict))
     for i, opt in enumerate(optimizers):
-        set_optimizer_state_dict(module, opt, state[f"optimizer_{i}"], options=_OPTIM)
+        set_optimizer_state_dict(module, opt, state[f"optimizer_{i}"] | unsaved[i], options=_OPTIM)
+        _drop_unsaved(module, opt, unsaved[i])
     checkpoint["twobp_rng"] = rng.pop(own, None)  # restored by the strategy right before the next training step
     checkpoint["twobp_streams"] = rng
     return checkpoint
+
+
+def _drop_unsaved(module: nn.Module, opt: Any, unsaved: dict[str, Any]) -> None:
+    """Remove from ``opt``'s param groups the settings ``unsaved`` names (``param_groups.<fqn>.<key>``)."""
+    if not unsaved:
+        return
+    params = dict(module.named_parameters(remove_duplicate=False))
+    for flat in unsaved:
+        fqn, key = flat[len("param_groups.") :].rsplit(".", 1)
+        param = params.get(fqn)
+        for group in opt.param_groups:
+            if any(q is param for q in group["params"]):
+                group.pop(key, None)
 
 
 def consolidate(checkpoint_dir: str | os.PathLike, out_path: str | os.PathLike) -> dict:

@@ -1,0 +1,65 @@
+"""A callback that freezes or unfreezes layers during fit (fine-tuning schedules flip ``requires_grad``
+between steps) on a stage that is not the first: the pipeline follows the change, as one process does.
+Before, the stage kept the trainable parameters it read at setup: a layer frozen since crashed B
+("cannot register a hook on a tensor that doesn't require gradient"), and one unfrozen since was
+silently never trained."""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import pytest
+import torch
+
+from lightning_twobp import TwoBPStrategy
+from lightning_twobp.processes import run_distributed
+
+from conftest import Regressor, lightning_env, quiet_trainer, regression_data
+
+pytestmark = [pytest.mark.dist, pytest.mark.timeout(300)]
+
+LAYER = 2  # Linear(16, 16): on pipeline rank 1 (stage 1) of the Regressor's [1, 4] cut
+
+
+class Flip(pl.Callback):
+    """``"freeze"``: freeze the layer once fit has started; ``"unfreeze"``: it starts frozen (in the
+    model), unfrozen before step 2."""
+
+    def __init__(self, mode: str) -> None:
+        self.mode = mode
+
+    def on_train_start(self, trainer, pl_module):
+        if self.mode == "freeze":
+            pl_module.layers[LAYER].requires_grad_(False)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if self.mode == "unfreeze" and trainer.global_step == 2:
+            pl_module.layers[LAYER].requires_grad_(True)
+
+
+def _fit(strategy, devices: int, mode: str) -> dict[str, torch.Tensor]:
+    model = Regressor()
+    if mode == "unfreeze":
+        model.layers[LAYER].requires_grad_(False)  # configure_optimizers still takes it (self.parameters())
+    quiet_trainer(strategy, devices, max_steps=4, callbacks=[Flip(mode)]).fit(model, regression_data(n=32))
+    return {n: q.detach().clone() for n, q in model.named_parameters() if not q.is_meta}
+
+
+def _ranks(rank: int, world: int) -> dict:
+    lightning_env(rank, world)
+    return {mode: _fit(TwoBPStrategy(schedule="1f1b"), world, mode) for mode in ("freeze", "unfreeze")}
+
+
+def test_a_layer_frozen_or_unfrozen_during_fit_trains_as_in_one_process(no_leftover_process_group):
+    init = {n: q.detach().clone() for n, q in Regressor().named_parameters()}
+    ref = {mode: _fit("auto", 1, mode) for mode in ("freeze", "unfreeze")}
+    outs = run_distributed(_ranks, 2, timeout=240)
+    for mode in ("freeze", "unfreeze"):
+        seen = set()
+        for out in outs:
+            for name, value in out[mode].items():
+                seen.add(name)
+                torch.testing.assert_close(value, ref[mode][name], rtol=1e-5, atol=1e-6, msg=f"{mode}: {name}")
+        assert seen == set(ref[mode])
+        frozen = f"layers.{LAYER}.weight"
+        moved = not torch.equal(ref[mode][frozen], init[frozen])
+        assert moved == (mode == "unfreeze")  # frozen from step 0: untouched; unfrozen at step 2: trained
