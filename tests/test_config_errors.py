@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from lightning.pytorch.callbacks import EMAWeightAveraging, StochasticWeightAveraging
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -602,6 +603,18 @@ CASES: dict[str, Case] = {
         lambda t: _fit(NoSequential()),
         ValueError,
         r"NoSequential holds no nn.Sequential and no nn.ModuleList of blocks with parameters",
+    ),
+    # Lightning's weight averaging copies the whole model before the split: a shape error on one rank later
+    "fit-weight-averaging": (
+        lambda t: _fit(trainer=dict(callbacks=[StochasticWeightAveraging(swa_lrs=0.01)])),
+        ValueError,
+        r"callbacks=\[StochasticWeightAveraging\(...\)\] is not supported under strategy='twobp': it averages a copy "
+        r"of the whole model.*twobp-consolidate",
+    ),
+    "fit-weight-averaging-ema": (
+        lambda t: _fit(trainer=dict(callbacks=[EMAWeightAveraging()])),
+        ValueError,
+        r"callbacks=\[EMAWeightAveraging\(...\)\] is not supported under strategy='twobp'",
     ),
     "fit-manual-optimization": (
         lambda t: _fit(Manual()),

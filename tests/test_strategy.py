@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -590,6 +591,28 @@ def shared(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("strategy")
 
 
+class ReturnsADict(Regressor):
+    def training_step(self, batch, batch_idx):
+        return {"loss": super().training_step(batch, batch_idx), "mae": torch.tensor(0.0)}
+
+
+def _fit_returning_a_dict(rank: int, world: int) -> list[str]:
+    lightning_env(rank, world)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _trainer(TwoBPStrategy(), world).fit(ReturnsADict(), _data())
+    return [str(w.message) for w in caught if str(w.message).startswith("twobp:")]
+
+
+def test_keys_a_training_step_returns_beside_the_loss_are_named_once(two_ranks, request):
+    """Lightning's outputs hold only the loss under the pipeline: the keys left out are named, not dropped
+    silently (once, on the last stage, which runs the step per micro-batch)."""
+    first, last = two_ranks[request.node.name]
+    assert first == [], first
+    assert len(last) == 1 and "training_step returned ['mae'] beside 'loss'" in last[0], last
+    assert "self.log" in last[0], last
+
+
 @pytest.fixture(scope="module")
 def two_ranks(request, shared) -> conftest.Launch:
     """Every 2-rank case of this module, in one launch; the errors before compute last."""
@@ -603,6 +626,7 @@ def two_ranks(request, shared) -> conftest.Launch:
             (str(shared / "pp"),),
         ),
         "test_fp16_overflow_on_one_stage_skips_the_step_everywhere": (_fit_with_overflow, ()),
+        "test_keys_a_training_step_returns_beside_the_loss_are_named_once": (_fit_returning_a_dict, ()),
         "test_resume_rebuilds_each_ranks_own_param_groups": (_group_settings_resumed, (str(shared / "groups"),)),
     }
     cases |= {

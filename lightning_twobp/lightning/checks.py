@@ -13,9 +13,34 @@ from torch import nn
 
 from lightning_twobp.options import check_flag
 
-__all__ = ["check_flag", "check_nodes", "checked_optimizers"]  # check_flag: lightning_twobp.options
+__all__ = ["check_callbacks", "check_flag", "check_nodes", "checked_optimizers"]  # check_flag: lightning_twobp.options
 
 _LOOPBACK = ("", "127.0.0.1", "localhost", "::1")
+
+
+def check_callbacks(callbacks: Sequence[Any]) -> None:
+    """Lightning's weight averaging (``StochasticWeightAveraging``, ``WeightAveraging`` and its
+    ``EMAWeightAveraging``) deep-copies the whole LightningModule in its ``setup``, before the pipeline
+    splits it, then pairs the copy's parameters with ``pl_module.parameters()``, which under the pipeline
+    are this rank's only: a shape error at its first average, on one rank. Refused before any compute."""
+    from lightning.pytorch.callbacks import StochasticWeightAveraging
+
+    kinds: tuple[type, ...] = (StochasticWeightAveraging,)
+    try:
+        from lightning.pytorch.callbacks import WeightAveraging  # Lightning >= 2.6
+
+        kinds += (WeightAveraging,)
+    except ImportError:  # pragma: no cover - older Lightning
+        pass
+    for cb in callbacks:
+        if isinstance(cb, kinds):
+            raise ValueError(
+                f"callbacks=[{type(cb).__name__}(...)] is not supported under strategy='twobp': it averages a copy of "
+                f"the whole model, made before the pipeline splits it, against the parameters of this rank's stages "
+                f"alone. Average each rank's own parameters in a callback of yours (pl_module.parameters() after "
+                f"setup are this rank's; torch.optim.swa_utils.get_ema_multi_avg_fn does the update), or average "
+                f"after training, in one process, from a consolidated checkpoint (twobp-consolidate)"
+            )
 
 
 def check_nodes(num_nodes: int, devices: int, environment: Any) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import operator
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -190,6 +191,7 @@ class StepRunner:
         self.contract = contract
         self.metrics = metrics
         self.state: StepState | None = None
+        self._told_extra = False  # the warning about a training_step's keys beside "loss", once a run
         contract.bind(self)  # the ModuleList contract's later stages re-run the step's capture through it
 
     def begin(self, hook: str, args: tuple, kwargs: dict, m: int, exact: bool) -> StepState:
@@ -264,6 +266,9 @@ class StepRunner:
                 f"{self.current.hook} returned {type(out).__name__} on micro-batch {index}: under strategy='twobp' "
                 f"it must return the loss tensor (or a dict with 'loss')"
             )
+        if isinstance(out, dict) and len(out) > 1 and not self._told_extra:
+            self._told_extra = True
+            warnings.warn(_extra_keys(self.current.hook, sorted(k for k in out if k != "loss")), stacklevel=2)
         self.current.losses.append(loss.detach())
         return loss
 
@@ -274,6 +279,15 @@ class StepRunner:
     @property
     def _name(self) -> str:
         return self.contract.name or "the Sequential"
+
+
+def _extra_keys(hook: str, keys: list[str]) -> str:
+    return (
+        f"twobp: {hook} returned {keys} beside 'loss': under strategy='twobp' it runs once per micro-batch on the "
+        f"last pipeline stage, and the step's outputs (on_train_batch_end's `outputs`, on every rank) hold only "
+        f"'loss'. Log what the step measures with self.log (combined over the micro-batches as one process "
+        f"logs it), or collect it in a torchmetrics Metric or in the module's own state (on the last stage)"
+    )
 
 
 def step_means(state: StepState) -> Logs:

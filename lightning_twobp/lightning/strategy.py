@@ -25,7 +25,7 @@ from lightning_twobp.engine import Verdict
 from lightning_twobp.engine.failure import FailureChannel, check_links_open, close_links, lost_peer
 from lightning_twobp.lightning import checkpoint_hooks
 from lightning_twobp.lightning.checkpoint import CheckpointError
-from lightning_twobp.lightning.checks import check_nodes, checked_optimizers
+from lightning_twobp.lightning.checks import check_callbacks, check_nodes, checked_optimizers
 from lightning_twobp.lightning.failures import lost_rank, naming_lost, reap, told
 from lightning_twobp.lightning.grads import GradStash
 from lightning_twobp.lightning.layout import check_degree
@@ -181,6 +181,7 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
     def setup(self, trainer: Any) -> None:
         assert self.accelerator is not None and self.lightning_module is not None and self.model is not None
         self.accelerator.setup(trainer)
+        check_callbacks(trainer.callbacks)
         self._failed = False
         self._batches_checked = False
         self._pipeline = build_pipeline(self, trainer)
