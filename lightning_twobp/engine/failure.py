@@ -250,9 +250,11 @@ class FailureChannel:
         and the groups are left usable (see :func:`close_links`)."""
         return self._present([f"{self._key}/failed/{r}" for r in range(self._world)], wait)
 
-    def resolve(self, error: BaseException, where: str) -> BaseException:
+    def resolve(self, error: BaseException, where: str, relay_losses: bool = True) -> BaseException:
         """What this rank raises for ``error`` at ``where``: a lost peer becomes :class:`PeerFailed`
-        naming the first failure (where one was told); an error of its own is told to the others."""
+        naming the first failure (where one was told; with ``relay_losses`` False only where that was an
+        error of a rank's own, not another rank's report of the same loss); an error of its own is told
+        to the others."""
         self.seen = True
         self.mark_failed()
         if isinstance(error, PeerFailed):  # resolved already, by a call inside this one
@@ -266,7 +268,7 @@ class FailureChannel:
         if first is None:  # nobody told a failure (a rank killed or stopped): this loss is the first
             self.report(error, where)
             return error
-        if first.startswith(f"{self.me} "):
+        if first.startswith(f"{self.me} ") or (not relay_losses and f": {PeerLost.__name__}: " in first):
             return error
         lines = str(error).strip().splitlines()
         return PeerFailed(

@@ -34,14 +34,15 @@ __all__ = ["lost_rank", "naming_lost", "reap", "save_refused", "told"]
 
 
 @contextmanager
-def told(channel: FailureChannel | None, where: str) -> Iterator[None]:
-    """Tell the other ranks this rank's own failure; name the first failure where a peer was lost."""
+def told(channel: FailureChannel | None, where: str, relay_losses: bool = True) -> Iterator[None]:
+    """Tell the other ranks this rank's own failure; name the first failure where a peer was lost (see
+    :meth:`FailureChannel.resolve` for ``relay_losses``)."""
     try:
         yield
     except Exception as err:
         if channel is None:
             raise
-        resolved = channel.resolve(err, where)
+        resolved = channel.resolve(err, where, relay_losses)
         if resolved is err:
             raise
         raise resolved from err

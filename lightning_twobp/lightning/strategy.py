@@ -347,7 +347,8 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
         if not dist.is_initialized():
             return nullcontext()
         stack = ExitStack()
-        stack.enter_context(told(self._failures, what))
+        # a rank's own error told before is named; a loss is named by this rank's own roll call, not relayed
+        stack.enter_context(told(self._failures, what, relay_losses=False))
         stack.enter_context(naming_lost(what, lambda: lost_rank(self._failures, replicas)))
         return stack
 
