@@ -127,6 +127,22 @@ def _hf_bloom() -> nn.Module:
     )
 
 
+def _hf_roberta() -> nn.Module:
+    # its embeddings move a buffer to the input's device (`self.token_type_ids.to(position_ids.device)`): the
+    # stand-in on stage 1 failed ("Cannot copy out of meta tensor") while its buffers were plain meta tensors
+    drops = dict(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    sizes = dict(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=4, num_attention_heads=2)
+    return _hf(
+        "RobertaForCausalLM",
+        "RobertaConfig",
+        **sizes,
+        **drops,
+        is_decoder=True,
+        pad_token_id=0,
+        max_position_embeddings=SEQ + 2,
+    )
+
+
 class NanoBlock(nn.Module):
     def __init__(self, d: int) -> None:
         super().__init__()
@@ -221,6 +237,7 @@ MODELS = {
     "hf-llama": _hf_llama,
     "hf-qwen2-moe": _hf_qwen2_moe,
     "hf-bloom": _hf_bloom,
+    "hf-roberta": _hf_roberta,
     "nanogpt": NanoGPT,
     "caching-nanogpt": CachingNanoGPT,
     "torch-encoder": TorchEncoderLM,
@@ -295,6 +312,8 @@ CASES = {
     "hf-llama-zb-v": ("hf-llama", dict(schedule="zb-v"), True),
     "hf-qwen2-moe-zb-h1": ("hf-qwen2-moe", dict(schedule="zb-h1"), False),
     "hf-bloom-zb-v": ("hf-bloom", dict(schedule="zb-v"), False),
+    # a module of another stage whose forward moves its own buffer to its input's device
+    "hf-roberta-zb-h1": ("hf-roberta", dict(schedule="zb-h1"), False),
     "nanogpt-zb-h1": ("nanogpt", dict(schedule="zb-h1", layers="model.transformer.h"), False),
     "caching-nanogpt": ("caching-nanogpt", dict(schedule="1f1b", layers="model.transformer.h"), False),
     "llama-loop-interleaved": ("llama-loop", dict(schedule="interleaved-1f1b"), False),
