@@ -573,6 +573,10 @@ def test_discovery_and_its_errors():
     del with_metrics.decoder
     with_metrics.metrics = nn.ModuleList(nn.Identity() for _ in range(2))  # no parameters: not a candidate
     assert find_contract(with_metrics).list_name == "encoder"
+    normed = Two()
+    del normed.decoder
+    normed.conv = nn.utils.parametrizations.weight_norm(nn.Conv1d(2, 2, 3))  # Wav2Vec2's pos_conv_embed
+    assert find_contract(normed).list_name == "encoder"  # its ParametrizationList is not a candidate
     with pytest.raises(ValueError, match="holds no nn.Sequential and no nn.ModuleList of blocks with parameters"):
         find_contract(nn.Linear(2, 2))
     with pytest.raises(ValueError, match="not to an nn.Sequential or an nn.ModuleList"):

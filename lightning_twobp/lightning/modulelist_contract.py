@@ -106,7 +106,10 @@ def caches_off(modules: Iterable[nn.Module], why: str | None = None) -> Callable
 
 def identical_blocks(ml: nn.ModuleList) -> bool:
     """Whether ``ml`` holds blocks of one class that have parameters: what automatic discovery pipelines
-    (a ModuleList of metrics or of parameter-free modules is not a stack of layers)."""
+    (a ModuleList of metrics or of parameter-free modules is not a stack of layers, nor is the
+    ``ParametrizationList`` torch's ``parametrize`` puts in a weight-normed layer: Wav2Vec2's positional conv)."""
+    if isinstance(ml, torch.nn.utils.parametrize.ParametrizationList):
+        return False
     return len(ml) > 0 and len({type(m) for m in ml}) == 1 and next(ml.parameters(), None) is not None
 
 
