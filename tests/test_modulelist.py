@@ -411,7 +411,7 @@ class Loop(nn.Module):
             self.embed = nn.Linear(6, 6)
             if kind == "registered-early":
                 self.norm = nn.LayerNorm(6)  # registered before the blocks, called after them (OPT's decoder)
-            self.blocks = nn.ModuleList(Gate() for _ in range(4))
+            self.blocks = nn.ModuleList(Gate() for _ in range(1 if kind == "shared" else 4))
         if kind == "loose":
             self.scale = nn.Parameter(torch.ones(6))
         self.head = nn.Linear(6, 2)
@@ -430,7 +430,10 @@ class Loop(nn.Module):
         side = (h.sum(-1, keepdim=True) > 0).float() if self.kind == "side-from-embedding" else None
         residual = torch.zeros_like(x) if self.kind == "residual" else None
         hs = []
-        for i, block in enumerate(self.blocks):
+        if self.kind == "shared":  # ALBERT: one layer group, called for every layer
+            for _ in range(4):
+                h = self.blocks[0](h)
+        for i, block in enumerate([] if self.kind == "shared" else self.blocks):
             if self.kind == "skip" and i == 1:
                 continue
             if residual is None:
@@ -505,6 +508,7 @@ ERRORS = {
     "twice": r"the step called model a second time",
     "residual": r"an argument of it \(model.blocks\[2\]\) was computed by model.blocks\[1\] \(pipeline stage 0\)",
     "data-flag": r"the step calls model with .* in micro-batch 0 and .* in micro-batch 1",
+    "shared": r"model.blocks holds 1 block\(s\), fewer than the 2 pipeline stages.*calls the same block several times",
 }
 
 
