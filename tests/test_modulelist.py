@@ -127,6 +127,22 @@ def _hf_bloom() -> nn.Module:
     )
 
 
+def _hf_roberta() -> nn.Module:
+    # its embeddings move a buffer to the input's device (`self.token_type_ids.to(position_ids.device)`): the
+    # stand-in on stage 1 failed ("Cannot copy out of meta tensor") while its buffers were plain meta tensors
+    drops = dict(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    sizes = dict(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=4, num_attention_heads=2)
+    return _hf(
+        "RobertaForCausalLM",
+        "RobertaConfig",
+        **sizes,
+        **drops,
+        is_decoder=True,
+        pad_token_id=0,
+        max_position_embeddings=SEQ + 2,
+    )
+
+
 class NanoBlock(nn.Module):
     def __init__(self, d: int) -> None:
         super().__init__()
@@ -221,6 +237,7 @@ MODELS = {
     "hf-llama": _hf_llama,
     "hf-qwen2-moe": _hf_qwen2_moe,
     "hf-bloom": _hf_bloom,
+    "hf-roberta": _hf_roberta,
     "nanogpt": NanoGPT,
     "caching-nanogpt": CachingNanoGPT,
     "torch-encoder": TorchEncoderLM,
@@ -295,6 +312,8 @@ CASES = {
     "hf-llama-zb-v": ("hf-llama", dict(schedule="zb-v"), True),
     "hf-qwen2-moe-zb-h1": ("hf-qwen2-moe", dict(schedule="zb-h1"), False),
     "hf-bloom-zb-v": ("hf-bloom", dict(schedule="zb-v"), False),
+    # a module of another stage whose forward moves its own buffer to its input's device
+    "hf-roberta-zb-h1": ("hf-roberta", dict(schedule="zb-h1"), False),
     "nanogpt-zb-h1": ("nanogpt", dict(schedule="zb-h1", layers="model.transformer.h"), False),
     "caching-nanogpt": ("caching-nanogpt", dict(schedule="1f1b", layers="model.transformer.h"), False),
     "llama-loop-interleaved": ("llama-loop", dict(schedule="interleaved-1f1b"), False),
@@ -392,7 +411,7 @@ class Loop(nn.Module):
             self.embed = nn.Linear(6, 6)
             if kind == "registered-early":
                 self.norm = nn.LayerNorm(6)  # registered before the blocks, called after them (OPT's decoder)
-            self.blocks = nn.ModuleList(Gate() for _ in range(4))
+            self.blocks = nn.ModuleList(Gate() for _ in range(1 if kind == "shared" else 4))
         if kind == "loose":
             self.scale = nn.Parameter(torch.ones(6))
         self.head = nn.Linear(6, 2)
@@ -411,7 +430,10 @@ class Loop(nn.Module):
         side = (h.sum(-1, keepdim=True) > 0).float() if self.kind == "side-from-embedding" else None
         residual = torch.zeros_like(x) if self.kind == "residual" else None
         hs = []
-        for i, block in enumerate(self.blocks):
+        if self.kind == "shared":  # ALBERT: one layer group, called for every layer
+            for _ in range(4):
+                h = self.blocks[0](h)
+        for i, block in enumerate([] if self.kind == "shared" else self.blocks):
             if self.kind == "skip" and i == 1:
                 continue
             if residual is None:
@@ -486,6 +508,7 @@ ERRORS = {
     "twice": r"the step called model a second time",
     "residual": r"an argument of it \(model.blocks\[2\]\) was computed by model.blocks\[1\] \(pipeline stage 0\)",
     "data-flag": r"the step calls model with .* in micro-batch 0 and .* in micro-batch 1",
+    "shared": r"model.blocks holds 1 block\(s\), fewer than the 2 pipeline stages.*calls the same block several times",
 }
 
 
@@ -554,6 +577,10 @@ def test_discovery_and_its_errors():
     del with_metrics.decoder
     with_metrics.metrics = nn.ModuleList(nn.Identity() for _ in range(2))  # no parameters: not a candidate
     assert find_contract(with_metrics).list_name == "encoder"
+    normed = Two()
+    del normed.decoder
+    normed.conv = nn.utils.parametrizations.weight_norm(nn.Conv1d(2, 2, 3))  # Wav2Vec2's pos_conv_embed
+    assert find_contract(normed).list_name == "encoder"  # its ParametrizationList is not a candidate
     with pytest.raises(ValueError, match="holds no nn.Sequential and no nn.ModuleList of blocks with parameters"):
         find_contract(nn.Linear(2, 2))
     with pytest.raises(ValueError, match="not to an nn.Sequential or an nn.ModuleList"):

@@ -106,7 +106,10 @@ def caches_off(modules: Iterable[nn.Module], why: str | None = None) -> Callable
 
 def identical_blocks(ml: nn.ModuleList) -> bool:
     """Whether ``ml`` holds blocks of one class that have parameters: what automatic discovery pipelines
-    (a ModuleList of metrics or of parameter-free modules is not a stack of layers)."""
+    (a ModuleList of metrics or of parameter-free modules is not a stack of layers, nor is the
+    ``ParametrizationList`` torch's ``parametrize`` puts in a weight-normed layer: Wav2Vec2's positional conv)."""
+    if isinstance(ml, torch.nn.utils.parametrize.ParametrizationList):
+        return False
     return len(ml) > 0 and len({type(m) for m in ml}) == 1 and next(ml.parameters(), None) is not None
 
 
@@ -281,7 +284,7 @@ class ModuleListContract:
         self._active: _Run | None = None
         self._stage_of: list[int] = [0] * self.num_blocks  # the partition (stage_module): each block's stage
         self._stages: dict[int, LoopStage] = {}  # this rank's stages, by index, as stage_module built them
-        self._twins: dict[tuple[int, torch.dtype | None], nn.Module] = {}
+        self._twins: dict[tuple[int, torch.dtype | None, str | None], nn.Module] = {}
         self._shapes: dict[tuple, tuple[Any, list[Any]]] = {}  # block call -> its output's structure
         self._block_calls = [self._block_call(i) for i in range(self.num_blocks)]
         self._previous: list[Any] = [_MISSING] * self.num_blocks  # the blocks' own instance forwards, if any
@@ -602,7 +605,7 @@ class ModuleListContract:
             a, k = pytree.tree_map(lambda x: elsewhere(x, where) if isinstance(x, torch.Tensor) else x, (args, kwargs))
             try:
                 with torch.no_grad():
-                    out = self._twin(part, path)(*a, **k)
+                    out = self._twin(part, path, run.device, where)(*a, **k)
                 # An output made from the twin's own meta weights alone (BART's positions: an arange on the
                 # weight's device) is plain meta: an Elsewhere too, on this stage's device.
                 return pytree.tree_map(
@@ -653,25 +656,32 @@ class ModuleListContract:
             f"the call order: {fix}"
         )
 
-    def _twin(self, module: nn.Module, path: str) -> nn.Module:
+    def _twin(self, module: nn.Module, path: str, device: torch.device | None = None, where: str = "") -> nn.Module:
         """``module`` with every tensor on the meta device (a structural copy: no data is copied), its floating
         tensors in the dtype the model was cast to since ``module`` was set aside (bf16 under "bf16-true":
-        an fp32 twin made Llama's rotary embeddings fp32 on the other stages, against bf16 values)."""
+        an fp32 twin made Llama's rotary embeddings fp32 on the other stages, against bf16 values). With
+        ``device`` (a module of another stage standing in), its buffers are :class:`Elsewhere` values on that
+        device, as its inputs are: a forward that moves a buffer to an input's device (RoBERTa's embeddings,
+        ``self.token_type_ids.to(position_ids.device)``) failed with "Cannot copy out of meta tensor"."""
         from lightning_twobp.lightning.local_model import float_cast  # local_model imports the contracts
 
         cast = float_cast(self._occupant(path))
-        twin = self._twins.get((id(module), cast))
+        key = (id(module), cast, None if device is None else str(device))
+        twin = self._twins.get(key)
         if twin is None:
             memo: dict[int, Any] = {}
             for t in [*module.parameters(), *module.buffers()]:
                 meta = torch.empty_like(t, device="meta", dtype=cast if cast and t.is_floating_point() else t.dtype)
-                memo[id(t)] = nn.Parameter(meta, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else meta
+                if isinstance(t, nn.Parameter):
+                    memo[id(t)] = nn.Parameter(meta, requires_grad=t.requires_grad)
+                else:
+                    memo[id(t)] = meta if device is None else Elsewhere(meta, device, where)
             twin = copy.deepcopy(module, memo)
             for m in twin.modules():  # instance forwards this contract installed are not the module's own
                 fwd = m.__dict__.get("forward")
                 if fwd is not None and getattr(fwd, "__qualname__", "").startswith(type(self).__qualname__):
                     del m.__dict__["forward"]
-            self._twins[(id(module), cast)] = twin
+            self._twins[key] = twin
         return twin
 
     def _occupant(self, path: str) -> nn.Module:

@@ -275,6 +275,21 @@ def _precision(strategy: TwoBPStrategy, clip: Callable, before_step: Callable) -
     return user_precision, user_scaler, pipelined_precision(user_precision, clip, before_step, scaler)
 
 
+def _check_blocks_fill(contract: Any, num_stages: int) -> None:
+    """A ModuleList with fewer blocks than stages, named. ALBERT keeps one layer group
+    (``num_hidden_groups=1``) that its loop calls ``num_hidden_layers`` times: "1 layers cannot fill 2
+    stages" read as a miscount of a 4-layer model."""
+    n = len(contract.layers())
+    if isinstance(contract, ModuleListContract) and n < num_stages:
+        raise ValueError(
+            f"{contract.list_name} holds {n} block(s), fewer than the {num_stages} pipeline stages: under "
+            f"strategy='twobp' the stages are cut between the blocks of that ModuleList, each block on one stage. "
+            f"A model that calls the same block several times in its loop (weights shared across layers, as "
+            f"ALBERT's num_hidden_groups=1) cannot be cut between those calls; use at most {n} stage(s), or a model "
+            f"with a block per layer (ALBERT: num_hidden_groups=num_hidden_layers, which unshares the weights)"
+        )
+
+
 def _partition(strategy: TwoBPStrategy, runner: StepRunner, layers: list[nn.Module], trainer: Any) -> list[int]:
     """Layers per stage: by parameters, a given list, or (``balance="time"``) measured times."""
     opts = strategy.options
@@ -432,6 +447,8 @@ def build_pipeline(strategy: TwoBPStrategy, trainer: Any) -> Pipeline:
         log.info("CPU heap: freed memory %s (engine.memory.cpu_heap; TWOBP_KEEP_FREED_MEMORY=0/1 overrides)", way)
     contract = find_contract(lm, opts.layers)
     check_not_compiled(lm, contract)  # before the first step: compiled code cannot be split
+    if strategy.requested.schedule != "auto":
+        _check_blocks_fill(contract, strategy.pipeline_degree * opts.stages)
     metrics = StepMetrics(lm)
     runner = StepRunner(lm, contract, metrics)
     if strategy.requested.schedule == "auto":
