@@ -37,6 +37,15 @@ from lightning_twobp.schedules.memory import send_releases
 __all__ = ["ActionRecord", "PipelineError", "PipelineExecutor", "StepResult"]
 
 
+# What to do when a stage's output changed whether it requires grad between steps (check_outgoing too).
+_RESHAPE_HINT = (
+    "a layer's requires_grad changed between steps on a rank that does not hold the first stage (a whole stage "
+    "frozen or unfrozen while the stages before it were frozen), which changes what the stages exchange. Call "
+    "reset_shapes() on every rank after such a change (trainer.strategy.reset_shapes() in the callback that "
+    "makes it), or keep a parameter of the first stage trainable"
+)
+
+
 class PipelineError(RuntimeError):
     """An action failed; the message names the rank, the step and the action."""
 
@@ -426,7 +435,9 @@ class PipelineExecutor:
         if s == self.last:
             self._current.result.losses.append(out.detach())  # the graph stays with the Stage until B
         elif s + 1 in self.stages:  # adjacent stage on this rank: hand over, no communication
-            self._current.acts[(s + 1, mb)] = _as_tuple(out)
+            outs = _as_tuple(out)
+            self._check_handed(s, mb, outs)
+            self._current.acts[(s + 1, mb)] = outs
         else:
             outs = _as_tuple(out)
             check_outgoing(
@@ -437,6 +448,21 @@ class PipelineExecutor:
             self._current.to_send[("F", s, mb)] = [t.detach() for t in outs]
             # The send holds the storage from here; B needs only the outputs' places in the graph.
             stage.drop_outputs(mb)
+
+    def _check_handed(self, s: int, mb: int, outs: tuple) -> None:
+        """Stage ``s + 1`` on this rank sends back gradients for the inputs that required grad when the
+        shapes were agreed (``_hand_back``): an output whose ``requires_grad`` changed since (a layer of
+        this rank frozen or unfrozen between steps, which only the first stage's rank sees) would have its
+        gradient dropped, silently. Across ranks :func:`check_outgoing` refuses the same change."""
+        if not torch.is_grad_enabled():
+            return
+        now = [t.requires_grad for t in outs]
+        if now != [mt.requires_grad for mt in self._p2p.meta_in[s + 1]]:
+            raise RuntimeError(
+                f"the output stage {s} hands to stage {s + 1} for micro-batch {mb} requires grad {now}, but "
+                f"{[mt.requires_grad for mt in self._p2p.meta_in[s + 1]]} when the shapes between stages were "
+                f"agreed: {_RESHAPE_HINT}"
+            )
 
     def _grad_outputs(self, s: int, mb: int) -> Any:
         if s == self.last:

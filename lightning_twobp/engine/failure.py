@@ -15,6 +15,7 @@ connections once it has told, so that their waits fail now (gloo groups; see the
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import itertools
 import logging
@@ -42,6 +43,7 @@ _CALLS = itertools.count()  # one key per Trainer call, the same on every rank (
 # must wait, not take a message in flight.
 _NEVER_SENT = 2**31 - 97
 _CLOSED: str | None = None  # why close_links closed this process's groups (check_links_open)
+_RESOLVED = "_twobp_resolved"  # set on what FailureChannel.resolve returned
 
 
 class PeerFailed(PipelineError):
@@ -254,11 +256,17 @@ class FailureChannel:
         """What this rank raises for ``error`` at ``where``: a lost peer becomes :class:`PeerFailed`
         naming the first failure (where one was told; with ``relay_losses`` False only where that was an
         error of a rank's own, not another rank's report of the same loss); an error of its own is told
-        to the others."""
+        to the others. An error resolved already (by a ``told`` inside this one) stays as it is."""
         self.seen = True
         self.mark_failed()
-        if isinstance(error, PeerFailed):  # resolved already, by a call inside this one
+        if getattr(error, _RESOLVED, False):
             return error
+        resolved = self._resolved(error, where, relay_losses)
+        with contextlib.suppress(AttributeError):  # a type without a __dict__: resolved again, to the same answer
+            setattr(resolved, _RESOLVED, True)
+        return resolved
+
+    def _resolved(self, error: BaseException, where: str, relay_losses: bool) -> BaseException:
         if not lost_peer(error):
             self.report(error, where)
             return error

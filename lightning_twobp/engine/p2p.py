@@ -341,5 +341,6 @@ def check_outgoing(actual: Sequence[TensorMeta], expected: Sequence[TensorMeta],
             f"[{', '.join(map(str, actual))}], the receiving rank expects [{', '.join(map(str, expected))}]. "
             f"Shapes may change with the first stage's input (every rank then agrees on them again); a change "
             f"made on one rank alone (autocast, requires_grad, a layer's output) needs executor.reset_shapes() "
-            f"on every rank before the next step"
+            f"on every rank before the next step (trainer.strategy.reset_shapes() under Lightning, e.g. in the "
+            f"callback that freezes or unfreezes layers)"
         )

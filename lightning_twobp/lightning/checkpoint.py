@@ -548,7 +548,10 @@ def load(
 
 
 def _drop_unsaved(module: nn.Module, opt: Any, unsaved: dict[str, Any]) -> None:
-    """Remove from ``opt``'s param groups the settings ``unsaved`` names (``param_groups.<fqn>.<key>``)."""
+    """Remove from ``opt``'s param groups the settings ``unsaved`` names (``param_groups.<fqn>.<key>``), then
+    let the optimizer fill in its own defaults again, as ``load_state_dict`` does through ``__setstate__``
+    (a checkpoint of an older torch lacks a newer default, Adam's ``decoupled_weight_decay``: dropped, its
+    ``step`` raised KeyError)."""
     if not unsaved:
         return
     params = dict(module.named_parameters(remove_duplicate=False))
@@ -558,6 +561,7 @@ def _drop_unsaved(module: nn.Module, opt: Any, unsaved: dict[str, Any]) -> None:
         for group in opt.param_groups:
             if any(q is param for q in group["params"]):
                 group.pop(key, None)
+    type(opt).__setstate__(opt, {"state": opt.state, "param_groups": opt.param_groups})
 
 
 def consolidate(checkpoint_dir: str | os.PathLike, out_path: str | os.PathLike) -> dict:

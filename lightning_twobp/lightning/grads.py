@@ -161,7 +161,9 @@ class TiedParameters:
         for q, group, _ in self._tied:
             if q.grad is None:
                 q.grad = torch.zeros_like(q)
-            dist.all_reduce(_local(q.grad), group=group)
+            dist.all_reduce(_local(q.grad), group=group)  # every holder takes part, frozen or not
+            if not q.requires_grad:  # frozen here: no step (a zero gradient would still decay it in AdamW)
+                q.grad = None
         for first, *copies in twins:  # own tensors: clipping scales each gradient in place
             assert first.grad is not None  # given above
             for q in copies:

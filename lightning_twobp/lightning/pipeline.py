@@ -447,8 +447,9 @@ def build_pipeline(strategy: TwoBPStrategy, trainer: Any) -> Pipeline:
         log.info("CPU heap: freed memory %s (engine.memory.cpu_heap; TWOBP_KEEP_FREED_MEMORY=0/1 overrides)", way)
     contract = find_contract(lm, opts.layers)
     check_not_compiled(lm, contract)  # before the first step: compiled code cannot be split
-    if strategy.requested.schedule != "auto":
-        _check_blocks_fill(contract, strategy.pipeline_degree * opts.stages)
+    # under "auto" the stages per rank are yet to be chosen: at least one per rank
+    per_rank = opts.stages if strategy.requested.schedule != "auto" else 1
+    _check_blocks_fill(contract, strategy.pipeline_degree * per_rank)
     metrics = StepMetrics(lm)
     runner = StepRunner(lm, contract, metrics)
     if strategy.requested.schedule == "auto":

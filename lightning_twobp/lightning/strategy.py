@@ -148,6 +148,13 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
             self._step_checks = dict(self._pipeline.checks.counts)
         return dict(self._step_checks)
 
+    def reset_shapes(self) -> None:
+        """Agree on what the stages exchange again before the next step. Call it on every rank (in the
+        callback that makes the change) after freezing or unfreezing layers between steps where that changes
+        whether a stage's output requires grad: a whole stage, while the stages before it are frozen. The
+        first stage's own changes, and the batch's shapes, are followed without it."""
+        self._built("reset_shapes").executor.reset_shapes()
+
     def record_next_step(self) -> None:
         """Record the next training step's ops on this rank (every rank must ask for the same step):
         :attr:`last_records` then holds their times (:class:`~lightning_twobp.engine.ActionRecord`)
@@ -168,6 +175,13 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
         super().set_world_ranks()
 
     @override
+    def setup_environment(self) -> None:
+        trainer = getattr(self.lightning_module, "_trainer", None)
+        if trainer is not None and trainer.state.fn == TrainerFn.FITTING:
+            check_callbacks(trainer.callbacks)  # before their own setup: weight averaging copies the model there
+        super().setup_environment()
+
+    @override
     def setup_distributed(self) -> None:
         check_links_open("a new Trainer call")
         super().setup_distributed()
@@ -181,7 +195,6 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
     def setup(self, trainer: Any) -> None:
         assert self.accelerator is not None and self.lightning_module is not None and self.model is not None
         self.accelerator.setup(trainer)
-        check_callbacks(trainer.callbacks)
         self._failed = False
         self._batches_checked = False
         self._pipeline = build_pipeline(self, trainer)
@@ -207,7 +220,8 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
     def on_exception(self, exception: BaseException) -> None:
         self._failed = True  # teardown gathers nothing then: another rank may be gone
         if self._failures is not None and not self._failures.seen and not isinstance(exception, Preempted):
-            step = self.lightning_module.trainer.global_step if self.lightning_module is not None else "?"
+            trainer = getattr(self.lightning_module, "_trainer", None)  # not attached yet: a call failing early
+            step = trainer.global_step if trainer is not None else "?"
             self._failures.report(exception, f"global step {step}, outside the training step")
         self._let_peers_go(exception)
         if isinstance(exception, Preempted):  # every rank stops at this step: none needs reaping
@@ -258,6 +272,7 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
         and the precision plugin is Lightning's own again, with the trained loss scale."""
         self._step_checks = self.step_checks  # kept after the pipeline goes
         pipeline, self._pipeline = self._pipeline, None
+        self._failures = None  # this call's: the next call opens its own
         if self._signals is not None:
             self._signals.uninstall()
         lm = self.lightning_module
@@ -402,7 +417,11 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
         """Whether Lightning is handling an error on this rank that its peers did not all raise at one step
         boundary (see :func:`.failures.save_refused`)."""
         trainer = self.lightning_module._trainer if self.lightning_module is not None else None
-        return checkpoint_hooks.refusal(trainer, self._failures) is not None
+        if checkpoint_hooks.refusal(trainer, self._failures) is None:
+            return False
+        if self._failures is not None:  # on the roll now: the slower on_exception hooks still to run count not
+            self._failures.mark_failed()
+        return True
 
     @override
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
