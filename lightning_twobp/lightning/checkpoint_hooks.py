@@ -60,7 +60,8 @@ def save(
         log.warning("twobp: not saving %s: %s", filepath, refused)
         return
     streams = pipeline.streams if pipeline is not None else None
-    lost = failures.roll_call if failures is not None else None
+    # who is gone: a dead or stopped process here, else a failure a live rank told (it closed its links)
+    lost = (lambda: failures.roll_call() or failures.first(wait=1.0) or "") if failures is not None else None
     path = Path(strategy.broadcast(str(filepath)))
     layout = {
         "pipeline_degree": strategy.pipeline_degree,
