@@ -23,10 +23,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from lightning_utilities.core.apply_func import apply_to_collection
 
 from lightning_twobp.lightning.contract import Contract
 from lightning_twobp.lightning.metrics import MetricRef, States, StepMetrics, is_metric
-from lightning_twobp.private import pytree
 
 __all__ = [
     "StepRunner",
@@ -42,15 +42,25 @@ __all__ = [
 Logs = dict[str, tuple[Any, dict]]  # name -> (value, self.log's keyword options)
 
 
+def _batch_tensors(batch: Any) -> list[torch.Tensor]:
+    """The tensors in ``batch``, walked as Lightning walks a batch to move it to the device (dicts,
+    Mappings such as Hugging Face's ``BatchEncoding``, sequences, namedtuples, dataclasses)."""
+    found: list[torch.Tensor] = []
+    apply_to_collection(batch, torch.Tensor, found.append)
+    return found
+
+
 def split_microbatches(batch: Any, m: int, exact: bool = True) -> list[Any]:
     """``batch`` cut along its first dimension into ``m`` micro-batches: equal ones for training
-    (``exact``); evaluation takes a smaller last batch as up to ``m`` nearly equal pieces."""
-    leaves, spec = pytree.tree_flatten(batch)
-    sizes = {x.shape[0] for x in leaves if isinstance(x, torch.Tensor) and x.dim() > 0}
+    (``exact``); evaluation takes a smaller last batch as up to ``m`` nearly equal pieces. The batch is
+    walked as Lightning walks it to move it to the device, so a Mapping that is not a dict (Hugging
+    Face's ``BatchEncoding``) or a dataclass is cut too and keeps its type."""
+    sizes = {x.shape[0] for x in _batch_tensors(batch) if x.dim() > 0}
     if len(sizes) != 1:
         raise ValueError(
             f"cannot split the batch into micro-batches: its tensors have first dimensions {sorted(sizes)}; "
             f"every tensor in the batch needs the same batch dimension first"
+            + ("" if sizes else f" (found no tensor in a batch of type {type(batch).__name__})")
         )
     (n,) = sizes
     if exact and n % m:
@@ -59,8 +69,16 @@ def split_microbatches(batch: Any, m: int, exact: bool = True) -> list[Any]:
             f"of {m}, or set num_microbatches to a divisor of {n}"
         )
     m = min(m, n)
-    chunks = [x.tensor_split(m) if isinstance(x, torch.Tensor) and x.dim() > 0 else [x] * m for x in leaves]
-    return [pytree.tree_unflatten([c[i] for c in chunks], spec) for i in range(m)]
+    pieces: dict[int, tuple[torch.Tensor, ...]] = {}
+
+    def piece(x: torch.Tensor, i: int) -> torch.Tensor:
+        if x.dim() == 0:
+            return x
+        if id(x) not in pieces:
+            pieces[id(x)] = x.tensor_split(m)
+        return pieces[id(x)][i]
+
+    return [apply_to_collection(batch, torch.Tensor, piece, i) for i in range(m)]
 
 
 def check_batch_size(size: int, m: int) -> None:
@@ -119,7 +137,7 @@ def check_batch_size_early(trainer: Any, m: int) -> None:
 
 
 def batch_size(batch: Any) -> int:
-    leaves = [x for x in pytree.tree_leaves(batch) if isinstance(x, torch.Tensor) and x.dim() > 0]
+    leaves = [x for x in _batch_tensors(batch) if x.dim() > 0]
     return leaves[0].shape[0] if leaves else 1
 
 

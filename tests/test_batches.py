@@ -1,0 +1,58 @@
+"""Cutting a batch into micro-batches: every container Lightning moves to the device is cut, keeping its type."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+import pytest
+import torch
+
+from lightning_twobp.lightning.step import batch_size, split_microbatches
+
+
+class Encoding(collections.UserDict):
+    """A Mapping that is not a dict, as Hugging Face's ``BatchEncoding`` (what tokenizers and
+    ``DataCollatorWithPadding`` return)."""
+
+
+@dataclasses.dataclass
+class Batch:
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    labels: torch.Tensor
+
+
+def _columns(n: int = 8) -> dict[str, torch.Tensor]:
+    ids = torch.arange(n * 3).view(n, 3)
+    return {"input_ids": ids, "attention_mask": ids % 2 == 0, "labels": torch.randn(n, 2)}
+
+
+@pytest.mark.parametrize("wrap", [dict, Encoding, lambda d: Batch(**d)], ids=["dict", "mapping", "dataclass"])
+def test_a_mapping_or_dataclass_batch_is_cut_and_keeps_its_type(wrap):
+    cols = _columns()
+    mbs = split_microbatches(wrap(cols), 4)
+    assert len(mbs) == 4 and all(type(mb) is type(wrap(cols)) for mb in mbs)
+    get = (lambda mb, k: getattr(mb, k)) if dataclasses.is_dataclass(mbs[0]) else (lambda mb, k: mb[k])
+    for k, v in cols.items():
+        torch.testing.assert_close(torch.cat([get(mb, k) for mb in mbs]), v)
+        assert get(mbs[1], k).shape[0] == 2
+    assert [batch_size(mb) for mb in split_microbatches(wrap(_columns(6)), 4, exact=False)] == [2, 2, 1, 1]
+
+
+def test_hugging_face_batch_encoding_is_cut():
+    transformers = pytest.importorskip("transformers")
+    mbs = split_microbatches(transformers.BatchEncoding(_columns()), 2)
+    assert all(isinstance(mb, transformers.BatchEncoding) and mb["input_ids"].shape == (4, 3) for mb in mbs)
+
+
+def test_a_batch_without_tensors_says_what_it_holds():
+    with pytest.raises(ValueError, match=r"found no tensor in a batch of type list"):
+        split_microbatches([["a", "b"]], 2)
+
+
+def test_nested_containers_and_0d_tensors_as_before():
+    ids = torch.arange(8)
+    mbs = split_microbatches({"x": (ids, [ids * 2]), "t": torch.tensor(2.0), "n": None}, 4)
+    assert [mb["x"][1][0].tolist() for mb in mbs] == [[0, 2], [4, 6], [8, 10], [12, 14]]
+    assert all(mb["t"].item() == 2.0 and mb["n"] is None and isinstance(mb["x"], tuple) for mb in mbs)
