@@ -8,7 +8,11 @@ import dataclasses
 import pytest
 import torch
 
+from lightning_twobp import TwoBPStrategy
 from lightning_twobp.lightning.step import batch_size, split_microbatches
+from lightning_twobp.processes import run_distributed
+
+from conftest import Regressor, lightning_env, quiet_trainer, regression_data
 
 
 class Encoding(collections.UserDict):
@@ -56,3 +60,23 @@ def test_nested_containers_and_0d_tensors_as_before():
     mbs = split_microbatches({"x": (ids, [ids * 2]), "t": torch.tensor(2.0), "n": None}, 4)
     assert [mb["x"][1][0].tolist() for mb in mbs] == [[0, 2], [4, 6], [8, 10], [12, 14]]
     assert all(mb["t"].item() == 2.0 and mb["n"] is None and isinstance(mb["x"], tuple) for mb in mbs)
+
+
+def _evaluate_twice(rank: int, world: int) -> list[float]:
+    lightning_env(rank, world)
+    model, trainer = Regressor(), quiet_trainer(TwoBPStrategy(), world)
+    first = trainer.validate(model, regression_data(16, seed=2), verbose=False)[0]["val_loss"]
+    second = trainer.validate(model, regression_data(16, seed=3), verbose=False)[0]["val_loss"]
+    return [first, second]
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(300)
+def test_one_trainer_validates_twice_as_one_process(no_leftover_process_group):
+    """Each Trainer call builds new process groups; the data-parallel group a logged value is synced over
+    was one of self.log's options, which Lightning keeps per key and compares on the next call:
+    'You called self.log(val_loss, ...) twice in validation_step with different arguments'."""
+    model, trainer = Regressor(), quiet_trainer()
+    ref = [trainer.validate(model, regression_data(16, seed=s), verbose=False)[0]["val_loss"] for s in (2, 3)]
+    for got in run_distributed(_evaluate_twice, 2, timeout=240):
+        assert got == pytest.approx(ref, rel=1e-5)

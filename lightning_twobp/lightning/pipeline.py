@@ -162,11 +162,11 @@ class Pipeline:
         self.metrics.apply(states)
         return loss, means
 
-    def eval_step(self, state: Any, hook: str, last_rank: int, group: Any, dp_group: Any = None) -> Any:
+    def eval_step(self, state: Any, hook: str, last_rank: int, group: Any) -> Any:
         """Validation, test and predict: a forward-only pipeline pass, then ``hook`` on the last stage per
         micro-batch with the pipelined block answered by the pipeline; the logs shared from
-        ``last_rank`` (global) over ``group`` and logged on every rank (synchronised over ``dp_group``); the
-        predictions, joined.
+        ``last_rank`` (global) over ``group`` and logged on every rank (synchronised over the data-parallel
+        group); the predictions, joined.
         ``state``: the step's micro-batches, from ``runner.begin`` (the batch split before any message)."""
         ex, runner = self.executor, self.runner
         self.metrics.begin()
@@ -179,7 +179,7 @@ class Pipeline:
             with self.streams.fork(ex.last):  # the last stage's part of the step, after the block
                 for i, out in enumerate(outs):
                     runner.provide(i, out)
-        self._log_eval_means(last_rank, group, dp_group)
+        self._log_eval_means(last_rank, group)
         if hook != "predict_step" or outs is None:
             return None
         # predictions live on the rank holding the last stage: the micro-batches' outputs, joined
@@ -187,7 +187,7 @@ class Pipeline:
             lambda *xs: torch.cat(xs) if isinstance(xs[0], torch.Tensor) else list(xs), *state.results
         )
 
-    def _log_eval_means(self, src: int, group: Any, dp_group: Any) -> None:
+    def _log_eval_means(self, src: int, group: Any) -> None:
         """An evaluation step's logs, from the last stage to every rank of the pipeline, logged there."""
         last = self.holds_last
         device = self.executor.device
@@ -196,7 +196,7 @@ class Pipeline:
         if not last:
             self.metrics.apply(states)
         # Synchronised unless the step says otherwise: the epoch value over the replicas, as one process.
-        log_step_values(self.runner.module, means, self.metrics.resolve, device, dp_group, sync=True)
+        log_step_values(self.runner.module, means, self.metrics.resolve, device, sync=True)
 
     def loss(self, output: Any, index: int) -> torch.Tensor:
         """The executor's loss: the user's step on micro-batch ``index``; after the last one the loss and

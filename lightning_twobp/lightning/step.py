@@ -29,6 +29,7 @@ from lightning_twobp.lightning.contract import Contract
 from lightning_twobp.lightning.metrics import MetricRef, States, StepMetrics, is_metric
 
 __all__ = [
+    "DP_GROUP",
     "StepRunner",
     "StepState",
     "check_batch_size",
@@ -40,6 +41,12 @@ __all__ = [
 ]
 
 Logs = dict[str, tuple[Any, dict]]  # name -> (value, self.log's keyword options)
+
+# self.log's ``sync_dist_group`` for a value synchronised over the data-parallel replicas: a name, not the
+# group, since each Trainer call builds new process groups and Lightning keeps a key's options from one
+# call to the next (a second ``validate`` on one Trainer raised "You called self.log(val_loss, ...) twice
+# ... with different arguments"); ``TwoBPStrategy.reduce`` reduces over the group it names.
+DP_GROUP = "twobp:data-parallel"
 
 
 def _batch_tensors(batch: Any) -> list[torch.Tensor]:
@@ -334,9 +341,7 @@ def step_means(state: StepState) -> Logs:
     return means
 
 
-def log_step_values(
-    lm: Any, means: Logs, resolve: Callable[[Any], Any], device: Any, dp_group: Any, sync: bool
-) -> None:
+def log_step_values(lm: Any, means: Logs, resolve: Callable[[Any], Any], device: Any, sync: bool) -> None:
     """Log a step's values (:func:`step_means`) on this rank. Every rank of a pipeline holds the same
     values, so a synchronised value (``sync_dist=True``, or ``sync``: evaluation's default) is reduced over
     the data-parallel group only, as one process over all the data would see it: over the whole world a
@@ -347,7 +352,7 @@ def log_step_values(
         if sync:
             kw = {"sync_dist": True, **kw}
         if kw.get("sync_dist") and kw.get("sync_dist_group") is None:
-            kw = {**kw, "sync_dist_group": dp_group}
+            kw = {**kw, "sync_dist_group": DP_GROUP}
         lm.log(name, value, **kw)
 
 

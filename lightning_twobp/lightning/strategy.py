@@ -40,7 +40,7 @@ from lightning_twobp.lightning.preemption import (
     mark_launcher,
     take_launcher_mark,
 )
-from lightning_twobp.lightning.step import check_batch_size_early, check_batches, log_step_values
+from lightning_twobp.lightning.step import DP_GROUP, check_batch_size_early, check_batches, log_step_values
 from lightning_twobp.options import PipelineOptions
 from lightning_twobp.schedules.auto import AutoChoice, Profile
 
@@ -334,9 +334,7 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
             # That step was clipped or skipped after all: this step ran on the speculative weights.
             pipeline.metrics.undo()
             loss, means = self._train_step(pipeline, args, kwargs)
-        log_step_values(
-            self.lightning_module, means, pipeline.metrics.resolve, self.root_device, self.group("dp"), False
-        )
+        log_step_values(self.lightning_module, means, pipeline.metrics.resolve, self.root_device, False)
         skipped = self.step_checks["skipped"]  # every rank knows the count: nothing travels
         if skipped:
             self.lightning_module.log("pipeline/skipped_steps", float(skipped), on_step=True, on_epoch=False)
@@ -389,6 +387,8 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
         if self._alone():
             return tensor
+        if isinstance(group, str) and group == DP_GROUP:  # a value the pipeline logged (step.log_step_values)
+            group = self.group("dp")
         with self._naming_lost("Lightning's reduce of a logged value (self.log(..., sync_dist=True))"):
             return super().reduce(tensor, group=group, reduce_op=reduce_op)
 
@@ -438,7 +438,7 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
         schedule = pipeline.executor.schedule
         last_rank = self.layout.global_rank_of(schedule.stage_to_rank[pipeline.executor.last])
         state = pipeline.runner.begin(hook, args, kwargs, self.num_microbatches, exact=False)
-        return pipeline.eval_step(state, hook, last_rank, self.group("pp"), self.group("dp"))
+        return pipeline.eval_step(state, hook, last_rank, self.group("pp"))
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
