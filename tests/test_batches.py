@@ -80,3 +80,25 @@ def test_one_trainer_validates_twice_as_one_process(no_leftover_process_group):
     ref = [trainer.validate(model, regression_data(16, seed=s), verbose=False)[0]["val_loss"] for s in (2, 3)]
     for got in run_distributed(_evaluate_twice, 2, timeout=240):
         assert got == pytest.approx(ref, rel=1e-5)
+
+
+def _fit_on_rank_sharded_data(rank: int, world: int) -> str:
+    lightning_env(rank, world)
+    data = regression_data(32).dataset
+    loader = torch.utils.data.DataLoader(data, batch_size=8, sampler=torch.utils.data.DistributedSampler(data))
+    try:
+        quiet_trainer(TwoBPStrategy(), world, max_steps=2).fit(Regressor(), loader)
+    except ValueError as e:
+        return str(e)
+    return "trained"
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(300)
+def test_data_sharded_by_global_rank_is_refused_on_every_rank():
+    """DDP code ported as is (the user's own DistributedSampler, over the world size) gave each stage of
+    the pipeline other samples: the first stage's inputs trained against another sample's labels on the
+    last, without a word. Every rank now refuses the first batch, naming the ranks."""
+    for message in run_distributed(_fit_on_rank_sharded_data, 2, timeout=240):
+        assert "the ranks of one pipeline read different batches at training batch 0" in message, message
+        assert "global ranks [0] / [1]" in message and "DistributedSampler" in message

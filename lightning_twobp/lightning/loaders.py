@@ -17,9 +17,13 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
+import torch
+import torch.distributed as dist
+
+from lightning_twobp.lightning.step import batch_tensors
 from lightning_twobp.private import without_distributed_sampler
 
-__all__ = ["keep_users_sampler"]
+__all__ = ["batch_fingerprint", "check_same_batch", "keep_users_sampler"]
 
 
 def keep_users_sampler(trainer: Any) -> Callable[[], None]:
@@ -39,3 +43,43 @@ def keep_users_sampler(trainer: Any) -> Callable[[], None]:
         )
         return lambda: None
     return undo
+
+
+def batch_fingerprint(batch: Any, device: Any) -> torch.Tensor:
+    """Four float64 numbers that tell batches apart: their tensors' element count, sum, sum of squares and
+    a sum weighted by position (two batches of the same samples in another order differ in it), computed
+    where the tensors are. Equal batches give bitwise equal numbers on every rank: the same ops on the
+    same values."""
+    stats = torch.zeros(4, dtype=torch.float64, device=device)
+    for t in batch_tensors(batch):
+        x = t.detach().reshape(-1).to(device, torch.float64)
+        weights = torch.arange(x.numel(), dtype=torch.float64, device=device).remainder_(7).add_(1)
+        stats += torch.stack([x.new_tensor(float(x.numel())), x.sum(), (x * x).sum(), (x * weights).sum()])
+    return stats
+
+
+def check_same_batch(batch: Any, group: Any, device: Any, where: str, ranks: list[int]) -> None:
+    """Every rank of one pipeline must read the same batch: the first stage computes from its inputs and
+    the last stage's loss reads its own copy's labels. Data sharded by *global* rank (a
+    ``DistributedSampler`` built with the world size, an ``IterableDataset`` splitting by
+    ``dist.get_rank()``) gives each stage other samples and trains on inputs paired with another
+    sample's labels, silently. One all-gather of :func:`batch_fingerprint` over the pipeline's ranks;
+    every rank raises alike, before any pipeline step of the batch."""
+    mine = batch_fingerprint(batch, device)
+    gathered = [torch.empty_like(mine) for _ in ranks]
+    dist.all_gather(gathered, mine, group=group)
+    if all(torch.equal(g, gathered[0]) for g in gathered):
+        return
+    groups: dict[tuple[float, ...], list[int]] = {}
+    for rank, g in zip(ranks, gathered, strict=True):
+        groups.setdefault(tuple(g.tolist()), []).append(rank)
+    raise ValueError(
+        f"twobp: the ranks of one pipeline read different batches at {where} (global ranks "
+        f"{' / '.join(str(r) for r in groups.values())} hold different data): every stage of a pipeline must "
+        f"read the same batch, or the first stage's inputs meet another sample's labels on the last. Something "
+        f"depends on the global rank: a DistributedSampler built with the world size, a dataset that shards by "
+        f"dist.get_rank() / trainer.global_rank (split by trainer.strategy.dp_rank of dp_degree instead, or "
+        f"leave the sampler to Lightning: use_distributed_sampler=True splits by replica), a seed that differs "
+        f"per rank, or random draws in DataLoader workers under seed_everything(workers=True), which seeds each "
+        f"worker by global rank (draw in on_after_batch_transfer instead, where every rank draws alike)"
+    )

@@ -49,7 +49,7 @@ Logs = dict[str, tuple[Any, dict]]  # name -> (value, self.log's keyword options
 DP_GROUP = "twobp:data-parallel"
 
 
-def _batch_tensors(batch: Any) -> list[torch.Tensor]:
+def batch_tensors(batch: Any) -> list[torch.Tensor]:
     """The tensors in ``batch``, walked as Lightning walks a batch to move it to the device (dicts,
     Mappings such as Hugging Face's ``BatchEncoding``, sequences, namedtuples, dataclasses)."""
     found: list[torch.Tensor] = []
@@ -62,7 +62,7 @@ def split_microbatches(batch: Any, m: int, exact: bool = True) -> list[Any]:
     (``exact``); evaluation takes a smaller last batch as up to ``m`` nearly equal pieces. The batch is
     walked as Lightning walks it to move it to the device, so a Mapping that is not a dict (Hugging
     Face's ``BatchEncoding``) or a dataclass is cut too and keeps its type."""
-    sizes = {x.shape[0] for x in _batch_tensors(batch) if x.dim() > 0}
+    sizes = {x.shape[0] for x in batch_tensors(batch) if x.dim() > 0}
     if len(sizes) != 1:
         raise ValueError(
             f"cannot split the batch into micro-batches: its tensors have first dimensions {sorted(sizes)}; "
@@ -144,7 +144,7 @@ def check_batch_size_early(trainer: Any, m: int) -> None:
 
 
 def batch_size(batch: Any) -> int:
-    leaves = [x for x in _batch_tensors(batch) if x.dim() > 0]
+    leaves = [x for x in batch_tensors(batch) if x.dim() > 0]
     return leaves[0].shape[0] if leaves else 1
 
 

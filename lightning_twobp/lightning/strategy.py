@@ -29,6 +29,7 @@ from lightning_twobp.lightning.checks import check_callbacks, check_nodes, check
 from lightning_twobp.lightning.failures import lost_rank, naming_lost, reap, told
 from lightning_twobp.lightning.grads import GradStash
 from lightning_twobp.lightning.layout import check_degree
+from lightning_twobp.lightning.loaders import check_same_batch
 from lightning_twobp.lightning.local_model import meta_layers_aside
 from lightning_twobp.lightning.optimizer_checks import NonFiniteError
 from lightning_twobp.lightning.pipeline import Pipeline, StepRecords, StepRun, build_pipeline
@@ -128,6 +129,7 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
         self.log_group: dist.ProcessGroup | None = None  # the loss and logs' own group (pipeline > 1)
         self.io_group: dist.ProcessGroup | None = None  # checkpoint I/O's group, with a long timeout
         self._batches_checked = False  # the training batches split into micro-batches (checked once per fit)
+        self._same_batch_checked = False  # the pipeline's ranks read the same training batch (once per call)
         self._mesh: DeviceMesh | None = None
         self._pipeline: Pipeline | None = None
         self._stash = GradStash()
@@ -196,7 +198,7 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
         assert self.accelerator is not None and self.lightning_module is not None and self.model is not None
         self.accelerator.setup(trainer)
         self._failed = False
-        self._batches_checked = False
+        self._batches_checked = self._same_batch_checked = False
         self._pipeline = build_pipeline(self, trainer)
         self._failures = FailureChannel.open(self.describe_rank())
         self.precision_plugin = self._pipeline.precision
@@ -316,6 +318,10 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
             checkpoint_hooks.set_rng_state(self._resume_rng)
             self._resume_rng = None
         self._built("on_train_batch_start").streams.apply_pending()
+        if batch_idx == 0 or not self._same_batch_checked:  # each epoch's first batch, and the call's
+            step = self.lightning_module.trainer.global_step
+            self._check_same_batch(batch, f"training batch {batch_idx} (global step {step})")
+            self._same_batch_checked = True
         if self._signals is not None:  # every rank stops before the same step once one was signalled
             with self._naming_lost("the stop-signal agreement of the previous step"):
                 self._signals.agree(self.lightning_module.trainer.global_step)
@@ -348,6 +354,12 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
         if run.records is not None:
             self._record_next, self.last_records = False, run.records
         return result
+
+    def _check_same_batch(self, batch: Any, where: str) -> None:
+        """Every rank of this pipeline holds the same batch (:func:`.loaders.check_same_batch`)."""
+        ranks = [self.layout.global_rank_of(r) for r in range(self.pipeline_degree)]
+        with self._naming_lost("the check that the pipeline's ranks read the same batch"):
+            check_same_batch(batch, self.group("pp"), self.root_device, where, ranks)
 
     def _pipeline_loss(self, output: Any, index: int) -> torch.Tensor:
         """The executor's loss function (bound before the pipeline exists)."""
@@ -437,6 +449,8 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
         pipeline = self._built(hook)
         schedule = pipeline.executor.schedule
         last_rank = self.layout.global_rank_of(schedule.stage_to_rank[pipeline.executor.last])
+        if len(args) > 1 and args[1] == 0:  # each loader's first batch
+            self._check_same_batch(args[0], f"the first batch of a {hook.removesuffix('_step')} loader")
         state = pipeline.runner.begin(hook, args, kwargs, self.num_microbatches, exact=False)
         return pipeline.eval_step(state, hook, last_rank, self.group("pp"))
 
