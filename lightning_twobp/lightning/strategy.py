@@ -318,7 +318,9 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
             checkpoint_hooks.set_rng_state(self._resume_rng)
             self._resume_rng = None
         self._built("on_train_batch_start").streams.apply_pending()
-        if batch_idx == 0 or not self._same_batch_checked:  # each epoch's first batch, and the call's
+        # The call's first batch only: a blocking collective here each epoch would wait on a stopped peer for
+        # the process group's timeout, not pipeline_timeout (the pipeline's own first step follows at once).
+        if not self._same_batch_checked:
             step = self.lightning_module.trainer.global_step
             self._check_same_batch(batch, f"training batch {batch_idx} (global step {step})")
             self._same_batch_checked = True
