@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from lightning_twobp import TwoBPStrategy
-from lightning_twobp.lightning.step import batch_size, split_microbatches
+from lightning_twobp.lightning.step import batch_size, join_predictions, split_microbatches
 from lightning_twobp.processes import run_distributed
 
 from conftest import Regressor, lightning_env, quiet_trainer, regression_data
@@ -102,3 +102,33 @@ def test_data_sharded_by_global_rank_is_refused_on_every_rank():
     for message in run_distributed(_fit_on_rank_sharded_data, 2, timeout=240):
         assert "the ranks of one pipeline read different batches at training batch 0" in message, message
         assert "global ranks [0] / [1]" in message and "DistributedSampler" in message
+
+
+def test_a_list_of_one_value_per_sample_is_cut_like_the_tensors():
+    """A text batch's strings (or ids) beside its tensors: each micro-batch gets its own samples' entries,
+    as its tensors; handed whole to every micro-batch, a count over them read m times the batch's."""
+    batch = {"ids": torch.arange(6), "text": list("abcdef"), "tags": ["x", "y"], "pair": [torch.arange(6), 7]}
+    mbs = split_microbatches(batch, 4, exact=False)
+    assert [mb["text"] for mb in mbs] == [["a", "b"], ["c", "d"], ["e"], ["f"]]
+    assert [mb["ids"].tolist() for mb in mbs] == [[0, 1], [2, 3], [4], [5]]
+    assert all(mb["tags"] == ["x", "y"] and mb["pair"][1] == 7 for mb in mbs)  # not one per sample: whole
+    assert [mb["pair"][0].tolist() for mb in mbs] == [[0, 1], [2, 3], [4], [5]]
+
+
+def test_predictions_join_as_one_batchs():
+    """The inverse of the cut: per-sample tensors and lists joined, containers entry by entry, a value
+    every micro-batch returned alike kept once; a per-batch value that differs is refused, naming it."""
+    mbs = [
+        {
+            "logits": torch.full((2, 3), float(i)),
+            "text": ["a", "b"][: 2 - (i == 2)],
+            "idx": 5,
+            "pair": (torch.ones(2), None),
+        }
+        for i in range(3)
+    ]
+    joined = join_predictions(mbs)
+    assert joined["logits"].shape == (6, 3) and joined["text"] == ["a", "b", "a", "b", "a"]
+    assert joined["idx"] == 5 and joined["pair"][1] is None and joined["pair"][0].shape == (6,)
+    with pytest.raises(ValueError, match="predict_step returned a Tensor that differs between the micro-batches"):
+        join_predictions([torch.tensor(1.0), torch.tensor(2.0)])

@@ -596,12 +596,31 @@ class ReturnsADict(Regressor):
         return {"loss": super().training_step(batch, batch_idx), "mae": torch.tensor(0.0)}
 
 
-def _fit_returning_a_dict(rank: int, world: int) -> list[str]:
+class Mixup(Regressor):
+    """Mixup drawn in the step, before the pipelined call: the stages would draw different lambdas."""
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        lam = torch.rand(x.shape[0], 1)
+        x, y = lam * x + (1 - lam) * x.flip(0), lam * y + (1 - lam) * y.flip(0)
+        return torch.nn.functional.mse_loss(self.layers(x), y)
+
+
+def _fit_warned(rank: int, world: int, model: str) -> list[str]:
     lightning_env(rank, world)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        _trainer(TwoBPStrategy(), world).fit(ReturnsADict(), _data())
+        _trainer(TwoBPStrategy(), world).fit({"dict": ReturnsADict, "mixup": Mixup}[model](), _data())
     return [str(w.message) for w in caught if str(w.message).startswith("twobp:")]
+
+
+def test_random_draws_before_the_pipelined_call_are_named_once(two_ranks, request):
+    """The first stage runs the step's code before the call for the inputs, the last stage again for the
+    loss, each with its own stream: a mixup lambda drawn there differs between them, so it is named (once,
+    where the inputs are captured)."""
+    first, last = two_ranks[request.node.name]
+    assert len(first) == 1 and "training_step draws random numbers before it calls layers" in first[0], first
+    assert "on_after_batch_transfer" in first[0] and last == [], last
 
 
 def test_keys_a_training_step_returns_beside_the_loss_are_named_once(two_ranks, request):
@@ -626,7 +645,8 @@ def two_ranks(request, shared) -> conftest.Launch:
             (str(shared / "pp"),),
         ),
         "test_fp16_overflow_on_one_stage_skips_the_step_everywhere": (_fit_with_overflow, ()),
-        "test_keys_a_training_step_returns_beside_the_loss_are_named_once": (_fit_returning_a_dict, ()),
+        "test_keys_a_training_step_returns_beside_the_loss_are_named_once": (_fit_warned, ("dict",)),
+        "test_random_draws_before_the_pipelined_call_are_named_once": (_fit_warned, ("mixup",)),
         "test_resume_rebuilds_each_ranks_own_param_groups": (_group_settings_resumed, (str(shared / "groups"),)),
     }
     cases |= {

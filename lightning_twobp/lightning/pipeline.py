@@ -46,9 +46,8 @@ from lightning_twobp.lightning.sharding import (
     mixed_precision,
     replica_names,
 )
-from lightning_twobp.lightning.step import Logs, StepRunner, log_step_values, share_logs, step_means
+from lightning_twobp.lightning.step import Logs, StepRunner, join_predictions, log_step_values, share_logs, step_means
 from lightning_twobp.partition import partition
-from lightning_twobp.private import pytree
 from lightning_twobp.schedules import Schedule, build_schedule
 
 if TYPE_CHECKING:
@@ -183,9 +182,7 @@ class Pipeline:
         if hook != "predict_step" or outs is None:
             return None
         # predictions live on the rank holding the last stage: the micro-batches' outputs, joined
-        return pytree.tree_map(
-            lambda *xs: torch.cat(xs) if isinstance(xs[0], torch.Tensor) else list(xs), *state.results
-        )
+        return join_predictions(state.results)
 
     def _log_eval_means(self, src: int, group: Any) -> None:
         """An evaluation step's logs, from the last stage to every rank of the pipeline, logged there."""

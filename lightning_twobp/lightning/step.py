@@ -78,14 +78,55 @@ def split_microbatches(batch: Any, m: int, exact: bool = True) -> list[Any]:
     m = min(m, n)
     pieces: dict[int, tuple[torch.Tensor, ...]] = {}
 
-    def piece(x: torch.Tensor, i: int) -> torch.Tensor:
+    bounds = [0, *torch.tensor([len(c) for c in torch.arange(n).tensor_split(m)]).cumsum(0).tolist()]
+
+    def piece(x: Any, i: int) -> Any:
+        if isinstance(x, list):  # a list of one value per sample (a text batch's strings, ids) is cut too
+            if len(x) == n and not any(isinstance(e, (torch.Tensor, list, tuple, dict)) for e in x):
+                return x[bounds[i] : bounds[i + 1]]
+            return [piece(e, i) if isinstance(e, (torch.Tensor, list)) else _cut(e, piece, i) for e in x]
         if x.dim() == 0:
             return x
         if id(x) not in pieces:
             pieces[id(x)] = x.tensor_split(m)
         return pieces[id(x)][i]
 
-    return [apply_to_collection(batch, torch.Tensor, piece, i) for i in range(m)]
+    return [_cut(batch, piece, i) for i in range(m)]
+
+
+def _cut(batch: Any, piece: Callable[[Any, int], Any], i: int) -> Any:
+    return apply_to_collection(batch, (torch.Tensor, list), piece, i)
+
+
+def _flat(x: Any) -> bool:
+    return isinstance(x, list) and not any(isinstance(e, (torch.Tensor, list, tuple, dict)) for e in x)
+
+
+def join_predictions(results: list[Any]) -> Any:
+    """The micro-batches' ``predict_step`` outputs as the batch's, the inverse of :func:`split_microbatches`:
+    per-sample tensors concatenated, per-sample lists joined, containers entry by entry, and a value every
+    micro-batch returned alike (a batch index, None) kept once. Anything else is refused, naming it."""
+    first = results[0]
+    if isinstance(first, torch.Tensor) and first.dim() > 0:
+        return torch.cat(results)
+    if all(_flat(r) for r in results):
+        return [e for r in results for e in r]
+    if isinstance(first, dict) and all(isinstance(r, dict) and r.keys() == first.keys() for r in results):
+        return {k: join_predictions([r[k] for r in results]) for k in first}
+    if type(first) in (list, tuple) and all(type(r) is type(first) and len(r) == len(first) for r in results):
+        return type(first)(join_predictions(list(col)) for col in zip(*results, strict=True))
+    same = all(
+        torch.equal(r, first) if isinstance(first, torch.Tensor) and isinstance(r, torch.Tensor) else r == first
+        for r in results
+    )
+    if same:
+        return first
+    raise ValueError(
+        f"predict_step returned a {type(first).__name__} that differs between the micro-batches of one batch "
+        f"({results[0]!r:.60} and {results[-1]!r:.60}): under strategy='twobp' it runs once per micro-batch, and "
+        f"only per-sample values (tensors whose first dimension is the batch, lists of one entry per sample) "
+        f"join into the batch's; return those, or compute a value of the whole batch from them afterwards"
+    )
 
 
 def check_batch_size(size: int, m: int) -> None:
@@ -164,9 +205,18 @@ class StepState:
 class _Captured(Exception):
     """Raised by the intercepted block on the first stage to stop the step at its inputs."""
 
-    def __init__(self, inputs: tuple) -> None:
+    def __init__(self, inputs: tuple, rng: list[torch.Tensor]) -> None:
         super().__init__("captured")
         self.inputs = inputs
+        self.rng = rng  # the random states when the block was called
+
+
+def _rng_states() -> list[torch.Tensor]:
+    """The default generators' states: the CPU's, and the current GPU's where CUDA is in use."""
+    states = [torch.get_rng_state()]
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states.append(torch.cuda.get_rng_state())
+    return states
 
 
 def _no_collective(hook: str) -> Callable[..., Any]:
@@ -217,6 +267,7 @@ class StepRunner:
         self.metrics = metrics
         self.state: StepState | None = None
         self._told_extra = False  # the warning about a training_step's keys beside "loss", once a run
+        self._told_random = False  # the warning about random draws before the pipelined call, once a run
         contract.bind(self)  # the ModuleList contract's later stages re-run the step's capture through it
 
     def begin(self, hook: str, args: tuple, kwargs: dict, m: int, exact: bool) -> StepState:
@@ -253,12 +304,16 @@ class StepRunner:
                     f"{self._name} was called with keyword arguments {sorted(kwargs)}: an nn.Sequential takes "
                     f"one positional input"
                 )
-            raise _Captured(inputs)
+            raise _Captured(inputs, _rng_states())
 
+        before = _rng_states()
         try:
             self._call(mb, block, None)
         except _Captured as c:
             inputs = c.inputs
+            if not self._told_random and any(not torch.equal(a, b) for a, b in zip(before, c.rng, strict=True)):
+                self._told_random = True
+                warnings.warn(_random_before(self.current.hook, self._name), stacklevel=2)
         else:
             raise RuntimeError(
                 f"{self.current.hook} did not call {self._name}: under strategy='twobp' it must call the pipelined "
@@ -304,6 +359,17 @@ class StepRunner:
     @property
     def _name(self) -> str:
         return self.contract.name or "the Sequential"
+
+
+def _random_before(hook: str, name: str) -> str:
+    return (
+        f"twobp: {hook} draws random numbers before it calls {name} (mixup's lambda, a random mask): under "
+        f"strategy='twobp' the first stage runs that code for the inputs and the last stage runs it again for "
+        f"the loss, each with its own random stream, so the two draws differ (inputs mixed with one lambda, "
+        f"targets with another). Harmless where the draw shapes only the inputs (input dropout); otherwise draw "
+        f"in on_after_batch_transfer, the dataset or the collate function, where every rank draws alike, and "
+        f"pass the values in the batch"
+    )
 
 
 def _extra_keys(hook: str, keys: list[str]) -> str:
