@@ -77,14 +77,11 @@ def split_microbatches(batch: Any, m: int, exact: bool = True) -> list[Any]:
         )
     m = min(m, n)
     pieces: dict[int, tuple[torch.Tensor, ...]] = {}
-
-    bounds = [0, *torch.tensor([len(c) for c in torch.arange(n).tensor_split(m)]).cumsum(0).tolist()]
+    bounds = [k * (n // m) + min(k, n % m) for k in range(m + 1)]  # tensor_split's: the first n % m one longer
 
     def piece(x: Any, i: int) -> Any:
         if isinstance(x, list):  # a list of one value per sample (a text batch's strings, ids) is cut too
-            if len(x) == n and not any(isinstance(e, (torch.Tensor, list, tuple, dict)) for e in x):
-                return x[bounds[i] : bounds[i + 1]]
-            return [piece(e, i) if isinstance(e, (torch.Tensor, list)) else _cut(e, piece, i) for e in x]
+            return x[bounds[i] : bounds[i + 1]] if len(x) == n and _flat(x) else [_cut(e, piece, i) for e in x]
         if x.dim() == 0:
             return x
         if id(x) not in pieces:
