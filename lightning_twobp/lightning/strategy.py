@@ -9,7 +9,7 @@ and stages; the engine (:class:`~lightning_twobp.engine.PipelineExecutor`) runs 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import ExitStack, nullcontext
 from datetime import timedelta
 from typing import Any, Literal
@@ -399,33 +399,34 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
     # rank 0 whether last.ckpt exists while rank 0 asks it in its own save: a deadlock until the timeout).
     @override
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
-        if self._alone():
-            return tensor
         if isinstance(group, str) and group == DP_GROUP:  # a value the pipeline logged (step.log_step_values)
             group = self.group("dp")
-        with self._naming_lost("Lightning's reduce of a logged value (self.log(..., sync_dist=True))"):
-            return super().reduce(tensor, group=group, reduce_op=reduce_op)
+        what = "Lightning's reduce of a logged value (self.log(..., sync_dist=True))"
+        return self._collective(what, tensor, lambda: super(TwoBPStrategy, self).reduce(tensor, group, reduce_op))
 
     @override
     def barrier(self, *args: Any, **kwargs: Any) -> None:
-        if self._alone():
-            return
-        with self._naming_lost("Lightning's barrier"):
-            super().barrier(*args, **kwargs)
+        self._collective("Lightning's barrier", None, lambda: super(TwoBPStrategy, self).barrier(*args, **kwargs))
 
     @override
     def broadcast(self, obj: Any, src: int = 0) -> Any:
-        if self._alone():
-            return obj
-        with self._naming_lost("Lightning's broadcast (a checkpoint path, a callback's state)"):
-            return super().broadcast(obj, src)
+        what = "Lightning's broadcast (a checkpoint path, a callback's state)"
+        return self._collective(what, obj, lambda: super(TwoBPStrategy, self).broadcast(obj, src))
 
     @override
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:  # noqa: A002 - Lightning's name
+        what = "Lightning's agreement on a decision (a checkpoint file's existence, a stop)"
+        return self._collective(
+            what, decision, lambda: super(TwoBPStrategy, self).reduce_boolean_decision(decision, all)
+        )
+
+    def _collective(self, what: str, alone: Any, call: Callable[[], Any]) -> Any:
+        """``call()`` (one of Lightning's collectives), named when a rank is lost; ``alone`` where this rank
+        answers for itself (:meth:`_alone`)."""
         if self._alone():
-            return decision
-        with self._naming_lost("Lightning's agreement on a decision (a checkpoint file's existence, a stop)"):
-            return super().reduce_boolean_decision(decision, all=all)
+            return alone
+        with self._naming_lost(what):
+            return call()
 
     def _alone(self) -> bool:
         """Whether Lightning is handling an error on this rank that its peers did not all raise at one step
