@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import math
 import os
+import random
 import warnings
 from collections.abc import Callable
 from pathlib import Path
 
 import lightning.pytorch as pl
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -597,30 +599,66 @@ class ReturnsADict(Regressor):
 
 
 class Mixup(Regressor):
-    """Mixup drawn in the step, before the pipelined call: the stages would draw different lambdas."""
+    """Mixup drawn in the step, before the pipelined call (torch's lambda, NumPy's and Python's draws as
+    timm's Mixup makes them); each micro-batch's draws recorded, or replayed from ``replay`` (one process)."""
+
+    def __init__(self, replay: list | None = None) -> None:
+        super().__init__()
+        self.drawn: list[tuple] = []
+        self.replay = replay
+
+    def _mix(self, x, y, lam):
+        return lam * x + (1 - lam) * x.flip(0), lam * y + (1 - lam) * y.flip(0)
 
     def training_step(self, batch, batch_idx):
         x, y = batch
-        lam = torch.rand(x.shape[0], 1)
-        x, y = lam * x + (1 - lam) * x.flip(0), lam * y + (1 - lam) * y.flip(0)
-        return torch.nn.functional.mse_loss(self.layers(x), y)
+        if self.replay is None:  # under the pipeline: once per micro-batch on each of the two stages
+            lam = torch.rand(x.shape[0], 1)
+            self.drawn.append((lam.flatten().tolist(), float(np.random.beta(0.4, 0.4)), random.random()))
+            x, y = self._mix(x, y, lam)
+            return torch.nn.functional.mse_loss(self.layers(x), y)
+        # one process: the same micro-batches with the lambdas the pipeline drew, their mean loss
+        losses = []
+        for xm, ym in zip(x.chunk(4), y.chunk(4), strict=True):
+            lam = torch.tensor(self.replay.pop(0)[0]).unsqueeze(1)
+            xm, ym = self._mix(xm, ym, lam)
+            losses.append(torch.nn.functional.mse_loss(self.layers(xm), ym))
+        return torch.stack(losses).mean()
 
 
-def _fit_warned(rank: int, world: int, model: str) -> list[str]:
+def _fit_mixup(rank: int, world: int) -> tuple[list[tuple], dict, list[str]]:
+    lightning_env(rank, world)
+    pl.seed_everything(7 + rank)  # ranks seeded apart: the step's draws still agree
+    model = Mixup()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _trainer(TwoBPStrategy(num_microbatches=4), world).fit(model, _data())
+    return model.drawn, _trained(model), [str(w.message) for w in caught if str(w.message).startswith("twobp:")]
+
+
+def _fit_warned(rank: int, world: int) -> list[str]:
     lightning_env(rank, world)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        _trainer(TwoBPStrategy(), world).fit({"dict": ReturnsADict, "mixup": Mixup}[model](), _data())
+        _trainer(TwoBPStrategy(), world).fit(ReturnsADict(), _data())
     return [str(w.message) for w in caught if str(w.message).startswith("twobp:")]
 
 
-def test_random_draws_before_the_pipelined_call_are_named_once(two_ranks, request):
+def test_random_draws_before_the_pipelined_call_agree_across_stages(two_ranks, request):
     """The first stage runs the step's code before the call for the inputs, the last stage again for the
-    loss, each with its own stream: a mixup lambda drawn there differs between them, so it is named (once,
-    where the inputs are captured)."""
-    first, last = two_ranks[request.node.name]
-    assert len(first) == 1 and "training_step draws random numbers before it calls layers" in first[0], first
-    assert "on_after_batch_transfer" in first[0] and last == [], last
+    loss: mixup's lambda drawn there (torch, NumPy, Python) is the same number on both, per micro-batch,
+    also with the ranks seeded apart; so the model trains as one process mixing inputs and targets alike
+    with those lambdas. (Before, each stage drew from its own stream: inputs mixed with one lambda,
+    targets with another.)"""
+    (first, params0, said0), (last, params1, said1) = two_ranks[request.node.name]
+    assert len(first) == 3 * 4 and first == last, (first, last)
+    assert len({str(d) for d in first}) == len(first), first  # a new draw per micro-batch and step
+    assert said0 == said1 == [], (said0, said1)
+    ref = Mixup(replay=list(first))
+    _trainer("auto", 1).fit(ref, _data())
+    want = _trained(ref)
+    for name, got in (params0 | params1).items():
+        torch.testing.assert_close(got, want[name], rtol=1e-5, atol=1e-6, msg=name)
 
 
 def test_keys_a_training_step_returns_beside_the_loss_are_named_once(two_ranks, request):
@@ -645,8 +683,8 @@ def two_ranks(request, shared) -> conftest.Launch:
             (str(shared / "pp"),),
         ),
         "test_fp16_overflow_on_one_stage_skips_the_step_everywhere": (_fit_with_overflow, ()),
-        "test_keys_a_training_step_returns_beside_the_loss_are_named_once": (_fit_warned, ("dict",)),
-        "test_random_draws_before_the_pipelined_call_are_named_once": (_fit_warned, ("mixup",)),
+        "test_keys_a_training_step_returns_beside_the_loss_are_named_once": (_fit_warned, ()),
+        "test_random_draws_before_the_pipelined_call_agree_across_stages": (_fit_mixup, ()),
         "test_resume_rebuilds_each_ranks_own_param_groups": (_group_settings_resumed, (str(shared / "groups"),)),
     }
     cases |= {

@@ -453,8 +453,8 @@ class ModuleListContract:
     # ------------------------------------------------------------------ a stage's run
     def run_stage(self, stage: LoopStage, inputs: tuple) -> Any:
         calls = self._step_calls()
-        for mb in calls.state.microbatches[len(calls.calls) :]:  # stages after the first capture here
-            self._runner.capture(mb)
+        for i in range(len(calls.calls), len(calls.state.microbatches)):  # stages after the first capture here
+            self._runner.capture(i)
         calls.check(self.name)
         if stage.first == 0:
             index, tensors = inputs[0], inputs[1:]

@@ -38,7 +38,7 @@ from lightning_twobp.lightning.modulelist_contract import ModuleListContract, ca
 from lightning_twobp.lightning.optimizer_checks import OptimizerChecks
 from lightning_twobp.lightning.profile import profile_layers
 from lightning_twobp.lightning.quiet import known_warnings_off
-from lightning_twobp.lightning.rng import StageStreams
+from lightning_twobp.lightning.rng import StageStreams, fingerprint
 from lightning_twobp.lightning.sharding import (
     ShardedStages,
     check_replicas,
@@ -115,11 +115,11 @@ class Pipeline:
 
     def capture(self) -> list[tuple] | None:
         """The first stage's inputs: its part of the step, up to the pipelined block, per micro-batch,
-        drawing from stage 0's random stream (the last stage's part runs inside its F)."""
+        drawing what the last stage's part draws there (:meth:`.rng.StageStreams.step_code`; the last
+        stage's part runs inside its F)."""
         if 0 not in self.executor.stages:
             return None
-        with self.streams.fork(0):
-            inputs = [self.runner.capture(mb) for mb in self.runner.current.microbatches]
+        inputs = [self.runner.capture(i) for i in range(len(self.runner.current.microbatches))]
         self.metrics.clear()  # what this part updated counts where the last stage runs it again
         return inputs
 
@@ -206,6 +206,19 @@ class Pipeline:
             if self.logs is not None:
                 self.logs.send(runner.mean_loss(), self.means, states)
         return loss
+
+
+def _shared_seed(strategy: TwoBPStrategy) -> str | None:
+    """The seed of the step code's random draws, alike on every rank of this pipeline: pipeline rank 0's
+    fingerprint of its generator, broadcast (ranks seeded apart, ``seed_everything(42 + rank)``, still
+    draw mixup's lambda alike). None where the pipeline is one rank."""
+    group = strategy.group("pp")
+    if group is None or strategy.pipeline_degree == 1:
+        return None
+    seed = int.from_bytes(bytes.fromhex(fingerprint())[:8], "little") >> 1
+    value = torch.tensor([seed], dtype=torch.int64, device=strategy.root_device)
+    dist.broadcast(value, src=strategy.layout.global_rank_of(0), group=group)
+    return str(int(value.item()))
 
 
 def _schedule(strategy: TwoBPStrategy, num_stages: int) -> Schedule:
@@ -458,7 +471,8 @@ def build_pipeline(strategy: TwoBPStrategy, trainer: Any) -> Pipeline:
         sizes = _partition(strategy, runner, contract.layers(), trainer)
         schedule = _schedule(strategy, strategy.pipeline_degree * opts.stages)
     strategy.stage_sizes = list(sizes)
-    streams = StageStreams(schedule.stages_of(layout.pp_rank), layout.dp_rank, device)
+    streams = StageStreams(schedule.stages_of(layout.pp_rank), layout.dp_rank, device, _shared_seed(strategy))
+    runner.streams = streams
     local = split_model(contract, sizes, schedule, layout.pp_rank)
     _announce(strategy, local, schedule, list(sizes))
     sharding, grad_reduce = _data_parallel(strategy, local, shard)

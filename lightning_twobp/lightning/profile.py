@@ -129,8 +129,9 @@ def block_inputs(
             if id(t) not in inside and t.device != device:
                 moved.append((t, t.data))
                 t.data = t.data.to(device)
+    state.microbatches[0] = mb
     try:
-        return runner.capture(mb)
+        return runner.capture(0)
     finally:
         for t, data in moved:
             t.data = data

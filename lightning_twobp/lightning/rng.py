@@ -8,10 +8,17 @@ stream seeded from (the random state at the start of the Trainer call, ``k``, ``
 under a seed, different between stages and between replicas (one process draws one mask for its
 whole batch, so replicas must not repeat each other's), and independent of what any other stage draws
 or in which order a schedule runs the stages. The executor enters :meth:`StageStreams.fork` around
-every F, B, W and BW of a stage and its forward-only passes; the strategy around the first stage's
-part of the step before the pipelined block and the last stage's part after it. The global streams
-are untouched by the stages' draws, so they stay in step across the ranks of a pipeline (a shuffling
-loader reads them).
+every F, B, W and BW of a stage and its forward-only passes, the strategy around the last stage's
+evaluation step. The global streams are untouched by the stages' draws, so they stay in step across
+the ranks of a pipeline (a shuffling loader reads them).
+
+The step's own code before the pipelined call is the one thing every stage must draw *alike*: the
+first stage runs it for the inputs and the last stage again for the loss, so mixup's lambda (or a
+random mask applied to inputs and targets) drawn there must be the same number on both, or the inputs
+are mixed with one lambda and the targets with another. :meth:`StageStreams.step_code` seeds torch's,
+NumPy's and Python's generators for that code from (a seed pipeline rank 0 broadcast when the Trainer
+call set up, the step, the micro-batch), the same on every rank of the pipeline, and hands the stage's
+own stream back at the pipelined call.
 
 Checkpoints store each stream under ``stage{k}_dp{d}``, so it resumes on whichever rank holds stage
 ``k`` under the new layout; a stage the checkpoint has no stream for starts a new one.
@@ -20,29 +27,46 @@ Checkpoints store each stream under ``stage{k}_dp{d}``, so it resumes on whichev
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable, Iterator, Mapping
-from contextlib import contextmanager
+import random
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import AbstractContextManager, contextmanager
 
 import torch
 
-__all__ = ["StageStreams"]
+try:  # NumPy is optional for torch; a step that draws from it (timm's Mixup: np.random.beta) needs it
+    import numpy as np
+except ImportError:  # pragma: no cover - numpy ships with every environment the tests run in
+    np = None  # type: ignore[assignment]
+
+__all__ = ["StageStreams", "drawing_from", "fingerprint"]
+
+
+def _seed(text: str) -> int:
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") >> 1  # a 63-bit seed
 
 
 def _derive(base: str, stage: int, dp_rank: int) -> int:
-    digest = hashlib.sha256(f"{base}:stage{stage}:dp{dp_rank}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") >> 1  # a 63-bit seed
+    return _seed(f"{base}:stage{stage}:dp{dp_rank}")
+
+
+def fingerprint() -> str:
+    """A fingerprint of the CPU generator's state now, without drawing from it (the loaders' shuffling
+    stays as it was)."""
+    return hashlib.sha256(torch.get_rng_state().numpy().tobytes()).hexdigest()
 
 
 class StageStreams:
     """The random streams of this rank's stages (CPU, and the CUDA device when training on one)."""
 
-    def __init__(self, stages: Iterable[int], dp_rank: int, device: torch.device) -> None:
+    def __init__(self, stages: Iterable[int], dp_rank: int, device: torch.device, shared: str | None = None) -> None:
+        """``shared``: the seed of the step code's draws, the same on every rank of this pipeline
+        (:func:`fingerprint` on pipeline rank 0, broadcast); this rank's own fingerprint when alone."""
         self.dp_rank = dp_rank
         self._devices = [device] if device.type == "cuda" else []
-        # A fingerprint of the state now, without drawing from it: the loaders' shuffling stays as it was.
-        base = hashlib.sha256(torch.get_rng_state().numpy().tobytes()).hexdigest()
+        base = fingerprint()
         self._states = {s: self._seeded(_derive(base, s, dp_rank)) for s in stages}
         self._pending: dict[int, Mapping[str, torch.Tensor]] = {}
+        self._shared = f"{shared or base}:dp{dp_rank}"
 
     def _current(self) -> list[torch.Tensor]:
         return [torch.get_rng_state(), *(torch.cuda.get_rng_state(d) for d in self._devices)]
@@ -67,6 +91,13 @@ class StageStreams:
         finally:
             self._states[stage] = self._current()
             self._install(outer)
+
+    def step_code(self, key: str) -> AbstractContextManager[Callable[[], None]]:
+        """Inside, until the function it yields is called (at the pipelined call): torch's (CPU and
+        CUDA), NumPy's and Python's global generators draw from a stream seeded by (the shared seed,
+        ``key``): the step and the micro-batch, so every rank of the pipeline draws the same numbers in
+        the step's code before the call (:func:`drawing_from`)."""
+        return drawing_from(_seed(f"{self._shared}:{key}"), self._devices)
 
     def name(self, stage: int) -> str:
         return f"stage{stage}_dp{self.dp_rank}"
@@ -95,3 +126,39 @@ class StageStreams:
                 *(c if c is not None else new for c, new in zip(cuda, self._states[s][1:], strict=False)),
             ]
         self._pending = {}
+
+
+@contextmanager
+def drawing_from(seed: int | None, devices: list[torch.device]) -> Iterator[Callable[[], None]]:
+    """Torch's (CPU and ``devices``), NumPy's and Python's global generators seeded with ``seed`` (None:
+    left as they are) until the function this yields is called or the block ends; then they are as
+    before it, untouched by what was drawn inside. Draws after that call go to the generators as
+    they were (the last stage's own stream, where the step runs inside its F)."""
+    outer = [torch.get_rng_state(), *(torch.cuda.get_rng_state(d) for d in devices)]
+    np_outer = np.random.get_state() if np is not None else None
+    py_outer = random.getstate()
+    if seed is not None:
+        torch.default_generator.manual_seed(seed)
+        for d in devices:
+            with torch.cuda.device(d):
+                torch.cuda.manual_seed(seed)
+        if np is not None:
+            np.random.seed(seed % 2**32)
+        random.seed(seed)
+    handed_back = False
+
+    def hand_back() -> None:
+        nonlocal handed_back
+        if not handed_back:
+            handed_back = True
+            torch.set_rng_state(outer[0])
+            for d, state in zip(devices, outer[1:], strict=True):
+                torch.cuda.set_rng_state(state, d)
+            if np is not None:
+                np.random.set_state(np_outer)
+            random.setstate(py_outer)
+
+    try:
+        yield hand_back
+    finally:
+        hand_back()

@@ -18,6 +18,7 @@ import functools
 import operator
 import warnings
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,6 +28,7 @@ from lightning_utilities.core.apply_func import apply_to_collection
 
 from lightning_twobp.lightning.contract import Contract
 from lightning_twobp.lightning.metrics import MetricRef, States, StepMetrics, is_metric
+from lightning_twobp.lightning.rng import StageStreams, drawing_from
 
 __all__ = [
     "DP_GROUP",
@@ -194,6 +196,7 @@ class StepState:
     args: tuple  # the hook's arguments after the batch (batch_idx, dataloader_idx)
     kwargs: dict
     microbatches: list[Any]
+    key: str = ""  # the step, as every rank of the pipeline names it: its random draws' seed (rng.step_code)
     logs: list[Logs] = field(default_factory=list)
     results: list[Any] = field(default_factory=list)  # what the hook returned, per micro-batch (last stage)
     losses: list[torch.Tensor] = field(default_factory=list)  # training: each micro-batch's loss, detached
@@ -202,18 +205,9 @@ class StepState:
 class _Captured(Exception):
     """Raised by the intercepted block on the first stage to stop the step at its inputs."""
 
-    def __init__(self, inputs: tuple, rng: list[torch.Tensor]) -> None:
+    def __init__(self, inputs: tuple) -> None:
         super().__init__("captured")
         self.inputs = inputs
-        self.rng = rng  # the random states when the block was called
-
-
-def _rng_states() -> list[torch.Tensor]:
-    """The default generators' states: the CPU's, and the current GPU's where CUDA is in use."""
-    states = [torch.get_rng_state()]
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        states.append(torch.cuda.get_rng_state())
-    return states
 
 
 def _no_collective(hook: str) -> Callable[..., Any]:
@@ -264,13 +258,22 @@ class StepRunner:
         self.metrics = metrics
         self.state: StepState | None = None
         self._told_extra = False  # the warning about a training_step's keys beside "loss", once a run
-        self._told_random = False  # the warning about random draws before the pipelined call, once a run
+        # The pipeline's random streams once it is built: the step's code before the pipelined call draws
+        # alike on every stage (None while profiling, before the pipeline exists).
+        self.streams: StageStreams | None = None
         contract.bind(self)  # the ModuleList contract's later stages re-run the step's capture through it
 
     def begin(self, hook: str, args: tuple, kwargs: dict, m: int, exact: bool) -> StepState:
         batch, rest = args[0], args[1:]
-        self.state = StepState(hook, rest, kwargs, split_microbatches(batch, m, exact))
+        self.state = StepState(hook, rest, kwargs, split_microbatches(batch, m, exact), key=self._key(hook, rest))
         return self.state
+
+    def _key(self, hook: str, rest: tuple) -> str:
+        """The step as every rank names it alike and a resumed run names it again: the hook, the trainer's
+        global step and epoch, and the hook's integer arguments (batch_idx, dataloader_idx)."""
+        trainer = getattr(self.module, "_trainer", None)
+        where = (trainer.global_step, trainer.current_epoch) if trainer is not None else (0, 0)
+        return f"{hook}:{where}:{[a for a in rest if isinstance(a, int)]}"
 
     @property
     def current(self) -> StepState:
@@ -278,9 +281,26 @@ class StepRunner:
         assert self.state is not None, "no step has begun"
         return self.state
 
-    def _call(self, mb: Any, block: Callable[..., Any], logs: Logs | None) -> Any:
+    def _call(self, index: int, block: Callable[..., Any], logs: Logs | None) -> Any:
         state = self.current
         recorder = _LogRecorder(logs, self.metrics)
+        with self._drawing_alike(index) as hand_back:
+
+            def call(*args: Any, **kwargs: Any) -> Any:
+                hand_back()  # the block and what follows it draw from the stage's own stream
+                return block(*args, **kwargs)
+
+            return self._call_hook(state, state.microbatches[index], call, recorder)
+
+    def _drawing_alike(self, index: int) -> AbstractContextManager[Callable[[], None]]:
+        """Micro-batch ``index``'s step code up to the pipelined call draws the same random numbers on every
+        stage (:meth:`.rng.StageStreams.step_code`): mixup's lambda mixes the first stage's inputs and the
+        last stage's targets alike."""
+        if self.streams is None:  # profiling, before the pipeline exists: its draws leave no trace
+            return drawing_from(None, [])
+        return self.streams.step_code(f"{self.current.key}:mb{index}")
+
+    def _call_hook(self, state: StepState, mb: Any, block: Callable[..., Any], recorder: _LogRecorder) -> Any:
         lm = self.module
         with self.contract.intercept(block):
             # ``self.log`` answered by the recorder and ``self.all_gather`` refused, for this call only
@@ -292,8 +312,8 @@ class StepRunner:
             finally:
                 del lm.__dict__["log"], lm.__dict__["all_gather"]
 
-    def capture(self, mb: Any) -> tuple:
-        """The pipelined block's positional inputs for micro-batch ``mb`` (first stage)."""
+    def capture(self, index: int) -> tuple:
+        """The pipelined block's positional inputs for micro-batch ``index`` (first stage)."""
 
         def block(*inputs: Any, **kwargs: Any) -> Any:
             if kwargs:
@@ -301,16 +321,12 @@ class StepRunner:
                     f"{self._name} was called with keyword arguments {sorted(kwargs)}: an nn.Sequential takes "
                     f"one positional input"
                 )
-            raise _Captured(inputs, _rng_states())
+            raise _Captured(inputs)
 
-        before = _rng_states()
         try:
-            self._call(mb, block, None)
+            self._call(index, block, None)
         except _Captured as c:
             inputs = c.inputs
-            if not self._told_random and any(not torch.equal(a, b) for a, b in zip(before, c.rng, strict=True)):
-                self._told_random = True
-                warnings.warn(_random_before(self.current.hook, self._name), stacklevel=2)
         else:
             raise RuntimeError(
                 f"{self.current.hook} did not call {self._name}: under strategy='twobp' it must call the pipelined "
@@ -329,7 +345,7 @@ class StepRunner:
         """Run the hook on micro-batch ``index`` with the block answered by ``output`` (last stage);
         record its logs and return what the hook returned."""
         logs: Logs = {}
-        result = self._call(self.current.microbatches[index], lambda *a, **k: output, logs)
+        result = self._call(index, lambda *a, **k: output, logs)
         self.current.logs.append(logs)
         self.current.results.append(result)
         return result
@@ -356,17 +372,6 @@ class StepRunner:
     @property
     def _name(self) -> str:
         return self.contract.name or "the Sequential"
-
-
-def _random_before(hook: str, name: str) -> str:
-    return (
-        f"twobp: {hook} draws random numbers before it calls {name} (mixup's lambda, a random mask): under "
-        f"strategy='twobp' the first stage runs that code for the inputs and the last stage runs it again for "
-        f"the loss, each with its own random stream, so the two draws differ (inputs mixed with one lambda, "
-        f"targets with another). Harmless where the draw shapes only the inputs (input dropout); otherwise draw "
-        f"in on_after_batch_transfer, the dataset or the collate function, where every rank draws alike, and "
-        f"pass the values in the batch"
-    )
 
 
 def _extra_keys(hook: str, keys: list[str]) -> str:
