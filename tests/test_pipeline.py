@@ -2,7 +2,8 @@
 
 For each schedule and pipeline degree p in {2, 4}: micro-batch counts {1 where allowed, p, 2p, an odd
 count}, stages per rank {1, 2} where the schedule allows, split and fused backward. The mean loss and every
-parameter gradient must equal the single-process reference (fp32, rtol 1e-5). One process group per
+parameter gradient must equal the single-process reference (fp32, rtol 1e-5), and so must a forward-only
+pass (evaluation) on the same layout. One process group per
 (schedule, p) runs all of its configurations, to keep process start-up out of the CI budget.
 """
 
@@ -86,6 +87,15 @@ def _check_schedule(rank: int, world: int, name: str) -> list[str]:
             failures.append(f"{tag}: rank {rank} checked no parameters")
         if any(st.in_flight for st in ex.stages.values()):
             failures.append(f"{tag}: micro-batches still in flight after the step")
+        # evaluation on the same layout: stage-major order deadlocked where stages alternate between ranks
+        outs = ex.forward_only(list(ids) if 0 in mine else None, m)
+        if num_stages - 1 in mine:
+            with torch.no_grad():
+                expected = [ref(ids[i]) for i in range(m)]
+            if outs is None or len(outs) != m:
+                failures.append(f"{tag}: forward-only returned {outs if outs is None else len(outs)} outputs")
+            elif not all(torch.allclose(o, e, rtol=1e-5, atol=1e-6) for o, e in zip(outs, expected, strict=True)):
+                failures.append(f"{tag}: forward-only outputs differ from one process's")
     return failures
 
 

@@ -302,18 +302,22 @@ class PipelineExecutor:
     def forward_only(self, inputs: Sequence[Any] | None, num_microbatches: int) -> list[Any] | None:
         """Evaluation: every micro-batch through every stage, no backward, nothing kept.
 
-        Stage-major order (a GPipe forward): each rank runs its first stage over all micro-batches,
-        then its next, so activations stream while nothing waits on a backward. Shapes may differ
-        between micro-batches (a last, smaller batch), so tensors travel with their metadata
-        (``send_object_list``). Returns the last stage's outputs (its layers only, no loss) on the
-        rank holding it, else None.
+        Micro-batch-major order: each rank runs micro-batch 0 through its stages in stage order, then
+        micro-batch 1, and so on; with one stage per rank the micro-batches still stream through the
+        ranks. Every rank then sends and receives in the one order of (micro-batch, stage), so no two
+        ranks wait on each other's blocking send. Stage-major (a rank's first stage over all
+        micro-batches, then its next) deadlocked where stages alternate between ranks (interleaved
+        1F1B: rank 0 sent stage 0's next micro-batch to rank 1 while rank 1 sent stage 1's first to
+        rank 0, for the stage 2 that rank 0 had not reached). Shapes may differ between micro-batches
+        (a last, smaller batch), so tensors travel with their metadata (``send_object_list``). Returns
+        the last stage's outputs (its layers only, no loss) on the rank holding it, else None.
         """
         outs: list[Any] = []
         carry: dict[tuple[int, int], tuple] = {}
-        for s in sorted(self.stages):
-            layers = self.stages[s].module
-            layers = layers.module if isinstance(layers, _WithLoss) else layers
-            for mb in range(num_microbatches):
+        for mb in range(num_microbatches):
+            for s in sorted(self.stages):
+                layers = self.stages[s].module
+                layers = layers.module if isinstance(layers, _WithLoss) else layers
                 if s == 0:
                     assert inputs is not None  # the rank holding stage 0 passes them
                     x = tuple(t.to(self.device) if isinstance(t, torch.Tensor) else t for t in _as_tuple(inputs[mb]))
