@@ -33,6 +33,7 @@ __all__ = [
     "set_rng_states",
     "tensor_version",
     "training_data_source",
+    "unset_training_data",
     "without_distributed_sampler",
 ]
 
@@ -97,6 +98,17 @@ def training_data_source(trainer: Any) -> Any:
     """The fit loop's handle on the training data (2.x), or None: read before Lightning loads the data,
     to refuse a batch size that cannot split before the sanity check runs."""
     return getattr(trainer.fit_loop, "_data_source", None)
+
+
+def unset_training_data(trainer: Any) -> None:
+    """Undo the fit loop's ``setup_data``, run early to read the first batch (``profile.first_batch``), so
+    that the loop sets its data up again itself where it would have: after a checkpoint's loader state is
+    restored (Lightning loads it there only: a stateful loader resumed at batch 0 otherwise) and outside
+    the random state the profiling forks. There is no public way to make the loop set its data up again."""
+    loop = trainer.fit_loop
+    if loop._data_fetcher is not None:
+        loop._data_fetcher.teardown()
+    loop._data_fetcher = loop._combined_loader = None
 
 
 def without_distributed_sampler(trainer: Any) -> Callable[[], None] | None:

@@ -22,6 +22,8 @@ FOREIGN = {
     "_version",
     "_make_wrapper_subclass",
     "_data_source",
+    "_data_fetcher",
+    "_combined_loader",
     "_accelerator_connector",
     "_forward_cache",
     "_update_count",
@@ -111,6 +113,7 @@ def test_the_private_instance_attributes_still_exist():
 
     trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False)
     assert hasattr(trainer.fit_loop, "_data_source")
+    assert hasattr(trainer.fit_loop, "_data_fetcher") and hasattr(trainer.fit_loop, "_combined_loader")
     assert hasattr(trainer._accelerator_connector, "use_distributed_sampler")
     metric = SumMetric()
     assert hasattr(metric, "_forward_cache") and hasattr(metric, "_update_count")

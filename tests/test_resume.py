@@ -1,6 +1,7 @@
 """Resuming from a mid-epoch checkpoint reproduces the uninterrupted run bitwise: the same batches
 (torchdata's StatefulDataLoader and StatefulDistributedSampler, whose position Lightning saves), each
-rank's random streams (dropout on both stages) and the step counters."""
+rank's random streams (dropout on both stages) and the step counters; resumed under schedule="auto"
+(which reads a batch before the checkpoint is loaded), the same batches."""
 
 from __future__ import annotations
 
@@ -41,23 +42,25 @@ def _trainer(world: int, strategy: TwoBPStrategy, max_steps: int, callbacks: lis
     )
 
 
-def _fit(world: int, max_steps: int, folder: str | None = None, ckpt_path: str | None = None) -> dict:
+def _fit(world: int, max_steps: int, folder: str | None = None, ckpt_path: str | None = None, **kw) -> dict:
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     losses: dict[int, float] = {}
+    batches: dict[int, torch.Tensor] = {}
 
     class _Losses(pl.Callback):
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             losses[trainer.global_step] = float(trainer.callback_metrics["train_loss"])
+            batches[trainer.global_step] = batch[0].clone()
 
     cbs: list[pl.Callback] = [_Losses()]
     if folder:
         cbs.append(ModelCheckpoint(dirpath=folder, every_n_train_steps=3, save_top_k=-1))
     pl.seed_everything(7, verbose=False)
     model = Regressor(widths=(6, 32, 32, 2), dropout=0.5, optimizer=torch.optim.AdamW, lr=0.01)  # both stages drop
-    strategy = TwoBPStrategy(schedule="zb-h1", num_microbatches=4, balance=[3, 4])
+    strategy = TwoBPStrategy(**{"schedule": "zb-h1", "num_microbatches": 4, "balance": [3, 4], **kw})
     _trainer(world, strategy, max_steps, cbs).fit(model, datamodule=Data(), ckpt_path=ckpt_path)
-    return {"losses": losses, "weights": own_weights(model)}
+    return {"losses": losses, "weights": own_weights(model), "batches": batches}
 
 
 def _runs(rank: int, world: int, folder: str) -> dict:
@@ -65,7 +68,9 @@ def _runs(rank: int, world: int, folder: str) -> dict:
     straight = _fit(world, 7)
     _fit(world, 3, folder=folder)  # stops at step 3 of 16, mid-epoch, with a checkpoint there
     resumed = _fit(world, 7, ckpt_path=f"{folder}/epoch=0-step=3.ckpt")
-    return {"straight": straight, "resumed": resumed}
+    # schedule="auto" reads a batch to measure the layers before the checkpoint is loaded
+    auto = _fit(world, 5, ckpt_path=f"{folder}/epoch=0-step=3.ckpt", schedule="auto", memory_limit="1f1b")
+    return {"straight": straight, "resumed": resumed, "auto": auto}
 
 
 def test_resume_mid_epoch_is_bitwise(two_ranks):
@@ -76,6 +81,10 @@ def test_resume_mid_epoch_is_bitwise(two_ranks):
             assert loss == straight["losses"][step], f"rank {rank}: step {step}'s loss differs after resuming"
         for name, value in straight["weights"].items():
             assert torch.equal(resumed["weights"][name], value), f"rank {rank}: {name} differs after resuming"
+        # resumed under schedule="auto" (whatever it picks), the data goes on from the saved position
+        assert sorted(r["auto"]["batches"]) == [4, 5]
+        for step, batch in r["auto"]["batches"].items():
+            assert torch.equal(batch, straight["batches"][step]), f"rank {rank}: step {step} read another batch"
 
 
 # ---------------------------------------------------------------------------------------------- stage streams

@@ -22,7 +22,7 @@ from torch import nn
 
 from lightning_twobp.lightning.contract import SequentialContract, StageModule
 from lightning_twobp.lightning.step import StepRunner
-from lightning_twobp.private import pytree
+from lightning_twobp.private import pytree, unset_training_data
 
 log = logging.getLogger(__name__)
 
@@ -38,9 +38,11 @@ HOOKS = {
 
 def first_batch(trainer: Any) -> Any:
     """The first batch of the data the running Trainer call will read. Its loop sets its data up
-    now (the loop's own ``setup_data``, which it would call a moment later and then skips; it
-    synchronises the ranks, so every rank calls this), and the batch comes from the Trainer's
-    public dataloader properties."""
+    now (the loop's own ``setup_data``; it synchronises the ranks, so every rank calls this), and the
+    batch comes from the Trainer's public dataloader properties. In fitting the loop's setup is undone
+    afterwards, for the loop to run it again in its place: a checkpoint's loader state is restored
+    after this (set up now, a resumed run read the epoch from its first batch again), and its sampler's
+    draws belong outside the caller's forked random state."""
     fn = trainer.state.fn
     loop, loaders = {
         TrainerFn.FITTING: (trainer.fit_loop, lambda: trainer.train_dataloader),
@@ -59,7 +61,10 @@ def first_batch(trainer: Any) -> Any:
             'balance="time" profiles the layers on the first batch of the data, and none was found: pass '
             "the dataloader to the Trainer call, or use balance='params' or a list of layer counts"
         )
-    return next(iter(found))
+    batch = next(iter(found))
+    if fn == TrainerFn.FITTING:
+        unset_training_data(trainer)
+    return batch
 
 
 def keep_buffers(layers: list[nn.Module]) -> Callable[[], None]:
