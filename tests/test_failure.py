@@ -19,10 +19,11 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from lightning_twobp import TwoBPStrategy
 from lightning_twobp.engine.failure import PeerFailed, check_links_open, close_links, process_state
 from lightning_twobp.processes import free_port, rank_env, run_distributed
 
-from conftest import AdamRegressor, checkpointing_trainer, regression_data, user_script
+from conftest import AdamRegressor, checkpointing_trainer, quiet_trainer, regression_data, user_script
 
 pytestmark = pytest.mark.dist
 
@@ -33,6 +34,16 @@ class FailsOnRank1(AdamRegressor):
     def training_step(self, batch, batch_idx):
         if self.trainer.global_rank == 1 and self.global_step == AT:
             raise ValueError("a bug in the user's step on rank 1")
+        return super().training_step(batch, batch_idx)
+
+
+class FailsMeasuringOnRank1(AdamRegressor):
+    """Its step fails on rank 1 the first time it runs: under schedule="auto" that is in setup, where the
+    layers (and the step past them, for the loss) are measured, rank 0 waiting on rank 1 in a collective."""
+
+    def training_step(self, batch, batch_idx):
+        if self.trainer.global_rank == 1:
+            raise ValueError("a bug in the user's step on rank 1, met measuring the layers")
         return super().training_step(batch, batch_idx)
 
 
@@ -75,10 +86,18 @@ def _fit(rank: int, world: int, port: int, folder: str, model: str) -> dict:
     rank_env(rank, world, port)
     saving = ModelCheckpoint(dirpath=f"{folder}/ckpt", every_n_train_steps=1, save_last=True, save_on_exception=True)
     trainer = checkpointing_trainer(world, 20, [RaisesOnRank1(), saving] if model == "callback" else [saving])
+    if model == "measuring":
+        strategy = TwoBPStrategy(schedule="auto", memory_limit="1f1b")
+        trainer = quiet_trainer(strategy, world, max_steps=20, callbacks=[saving], enable_checkpointing=True)
     start = time.monotonic()
     out: dict = {"type": None}
     try:
-        module = {"user": FailsOnRank1, "reentrant": ReentrantOnLastStage, "callback": AdamRegressor}[model]()
+        module = {
+            "user": FailsOnRank1,
+            "reentrant": ReentrantOnLastStage,
+            "callback": AdamRegressor,
+            "measuring": FailsMeasuringOnRank1,
+        }[model]()
         trainer.fit(module, regression_data(n=16))
     except Exception as err:  # noqa: BLE001 - what each rank raised is the result
         out = {"type": type(err).__name__, "error": str(err), "took": time.monotonic() - start}
@@ -108,15 +127,21 @@ def _live_on_until_all_ended(ended: Path, rank: int, world: int) -> None:
         ("reentrant", "RuntimeError: 2BP split: this stage calls torch.utils.checkpoint with use_reentrant=True"),
         # between steps: rank 0 waits for it in Lightning's next collective, not in a step of ours
         ("callback", "ValueError: a bug in a callback on rank 1"),
+        # in setup, before any step: schedule="auto" measures the layers in collectives over the pipeline
+        ("measuring", "ValueError: a bug in the user's step on rank 1, met measuring the layers"),
     ],
 )
 def test_one_ranks_error_ends_every_rank_naming_it(tmp_path, model, cause):
     seen = run_distributed(_fit, 2, free_port(), str(tmp_path), model, timeout=120)
     assert seen[1]["type"] is not None and cause.split(": ", 1)[1] in seen[1]["error"], seen[1]  # its own error
-    first = f"global rank 1 (pipeline rank 1, stage(s) 1, host {socket.gethostname()}) failed at global step"
+    host = socket.gethostname()
+    first = f"global rank 1 (pipeline rank 1, stage(s) 1, host {host}) failed at global step"
+    here = "global rank 0 (pipeline rank 0, stage(s) 0"
+    if model == "measuring":  # the stages are not chosen yet
+        first, here = f"global rank 1 (host {host}) failed at the setup of the Trainer call", "global rank 0 (host"
     assert seen[0]["type"] == "PeerFailed", seen[0]
     assert first in seen[0]["error"] and cause in seen[0]["error"], seen[0]["error"]
-    assert seen[0]["error"].startswith("global rank 0 (pipeline rank 0, stage(s) 0"), seen[0]["error"]
+    assert seen[0]["error"].startswith(here), seen[0]["error"]
     # not pipeline_timeout's 600 s, nor until rank 1's process ends (it lives on after its error)
     assert max(s["took"] for s in seen) < 30, seen
     for s in seen:  # the links it closed for that are named, with the fix, by the next Trainer call
@@ -127,6 +152,8 @@ def test_one_ranks_error_ends_every_rank_naming_it(tmp_path, model, cause):
         assert saved == ["epoch=0-step=2.ckpt", "last.ckpt"], saved  # step 2, the last one before the error
     if model == "callback":  # step 2's save came after the callback's error: not on one rank alone
         assert saved == ["epoch=0-step=1.ckpt", "last.ckpt"], saved
+    if model == "measuring":
+        assert saved == [], saved
 
 
 def test_the_store_is_reachable_where_torch_keeps_it():

@@ -9,6 +9,7 @@ and stages; the engine (:class:`~lightning_twobp.engine.PipelineExecutor`) runs 
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Callable, Sequence
 from contextlib import ExitStack, nullcontext
 from datetime import timedelta
@@ -199,8 +200,14 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
         self.accelerator.setup(trainer)
         self._failed = False
         self._batches_checked = self._same_batch_checked = False
-        self._pipeline = build_pipeline(self, trainer)
-        self._failures = FailureChannel.open(self.describe_rank())
+        # open before the pipeline is built: schedule="auto" and balance="time" measure the layers there,
+        # in collectives over the pipeline, and a rank failing while measuring is named to the others (who
+        # saw only gloo's "Connection closed by peer"); the stages this rank holds are known after
+        self._failures = FailureChannel.open(f"global rank {self.global_rank} (host {socket.gethostname()})")
+        with told(self._failures, "the setup of the Trainer call"):
+            self._pipeline = build_pipeline(self, trainer)
+        if self._failures is not None:
+            self._failures.me = self.describe_rank()
         self.precision_plugin = self._pipeline.precision
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
@@ -249,8 +256,9 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
         Not for what every rank raises: at a step boundary (preemption, a non-finite step, a full disk) or at
         one point (a logged value Lightning refuses, a check of the batch), seen as every rank on the roll
         within those seconds. Those leave the groups usable, for a script that catches the error and goes on.
-        Nor before this call's pipeline exists (a setup error: nobody holds a message for it)."""
-        if self._failures is None or self._pipeline is None:
+        A setup error of this rank's own counts too: under schedule="auto" or balance="time" the others wait
+        on it in the layers' measuring, and under a named schedule in the first step."""
+        if self._failures is None:
             return
         if isinstance(exception, (Preempted, NonFiniteError, CheckpointError)):
             return
