@@ -1,6 +1,7 @@
 """SIGTERM, as a scheduler sends it, stops every rank at the same step within seconds, exits non-zero, and
 leaves verified checkpoints: sent to every rank mid-step, to one rank only, during a checkpoint save, and
-with ``ModelCheckpoint(save_on_exception=True)``, which then saves the step every rank stopped at."""
+with ``ModelCheckpoint(save_on_exception=True)``, which then saves the step every rank stopped at, from
+which a resume mid-epoch trains as the uninterrupted run."""
 
 from __future__ import annotations
 
@@ -15,12 +16,13 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
+from torchdata.stateful_dataloader import StatefulDataLoader
 
 from lightning_twobp import Preempted
 from lightning_twobp.lightning import checkpoint as ckpt
 from lightning_twobp.processes import free_port, rank_env, run_distributed
 
-from conftest import AdamRegressor, checkpointing_trainer, user_script
+from conftest import AdamRegressor, checkpointing_trainer, own_weights, user_script
 
 pytestmark = pytest.mark.dist
 
@@ -61,6 +63,23 @@ def _signal_during_save(sent: list[float]) -> None:
     ckpt._write_shards = writing
 
 
+def _stateful() -> StatefulDataLoader:
+    """8 batches an epoch, from a loader whose position Lightning saves: a resume goes on mid-epoch."""
+    g = torch.Generator().manual_seed(2)
+    return StatefulDataLoader(TensorDataset(torch.randn(64, 6, generator=g), torch.randn(64, 2, generator=g)), 8)
+
+
+def _resume_differs(world: int, folder: Path, stop: int) -> list[str]:
+    """Resumed from the checkpoint saved at the stop, trained to step 7: the parameters that differ from
+    an uninterrupted run's (bitwise)."""
+    straight, resumed = AdamRegressor(), AdamRegressor()
+    checkpointing_trainer(world, 7, []).fit(straight, _stateful())
+    saved = next(folder.glob(f"*-step={stop}.ckpt"))
+    checkpointing_trainer(world, 7, []).fit(resumed, _stateful(), ckpt_path=saved)
+    want = own_weights(straight)
+    return [n for n, q in own_weights(resumed).items() if not torch.equal(q, want[n])]
+
+
 def _run(rank: int, world: int, port: int, root: str, cases: list[str]) -> dict:
     rank_env(rank, world, port)
     g = torch.Generator().manual_seed(1)
@@ -73,7 +92,7 @@ def _run(rank: int, world: int, port: int, root: str, cases: list[str]) -> dict:
             every_n_train_steps=2,
             save_top_k=-1,
             save_last=True,
-            save_on_exception=case == "on-exception",
+            save_on_exception=case in ("on-exception", "resumed"),
         )
         mid = SignalMidStep({1} if case == "one-rank" else {0, 1})
         write = ckpt._write_shards
@@ -81,7 +100,7 @@ def _run(rank: int, world: int, port: int, root: str, cases: list[str]) -> dict:
             _signal_during_save(mid.sent)
         trainer = checkpointing_trainer(world, STEPS, [saving] + ([] if case == "during-save" else [mid]))
         try:
-            trainer.fit(AdamRegressor(), data)
+            trainer.fit(AdamRegressor(), _stateful() if case == "resumed" else data)
             out[case] = {"error": None, "step": trainer.global_step}
         except Preempted as stop:
             took = time.monotonic() - mid.sent[0] if mid.sent else None
@@ -89,10 +108,12 @@ def _run(rank: int, world: int, port: int, root: str, cases: list[str]) -> dict:
         finally:
             ckpt._write_shards = write
         out[case]["handler"] = signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+        if case == "resumed" and out[case]["error"] is not None:
+            out[case]["differs"] = _resume_differs(world, folder, out[case]["step"])
     return out
 
 
-CASES = ["mid-step", "one-rank", "during-save", "on-exception"]
+CASES = ["mid-step", "one-rank", "during-save", "on-exception", "resumed"]
 
 
 def test_sigterm_stops_every_rank_at_one_step_saves_and_exits_non_zero(tmp_path):
@@ -114,6 +135,10 @@ def test_sigterm_stops_every_rank_at_one_step_saves_and_exits_non_zero(tmp_path)
         stop = seen[0]["step"]
         if case == "on-exception":  # the step every rank stopped at, saved there
             assert f"epoch={(stop - 1) // 2}-step={stop}.ckpt" in saved, saved
+        if case == "resumed":  # resumed mid-epoch from that save: the uninterrupted run's parameters
+            # (the loader's position was saved one batch on, the batch taken before the step that stopped:
+            # the resumed run skipped it)
+            assert seen[0]["differs"] == seen[1]["differs"] == [], seen
 
 
 def _requeue(rank: int, world: int, port: int, root: str) -> dict:

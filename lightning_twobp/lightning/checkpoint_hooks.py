@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-__all__ = ["check_storage_options", "load", "refusal", "save", "set_rng_state"]
+__all__ = ["at_stop", "check_storage_options", "load", "refusal", "save", "set_rng_state"]
 
 
 def check_storage_options(storage_options: Any) -> None:
@@ -34,6 +34,17 @@ def check_storage_options(storage_options: Any) -> None:
             "TwoBPStrategy.save_checkpoint(..., storage_options=...) is not supported: the checkpoint is "
             "written with torch.distributed.checkpoint, not through a CheckpointIO plugin"
         )
+
+
+def at_stop(checkpoint: dict[str, Any], loader_states: Any) -> dict[str, Any]:
+    """``checkpoint`` with the training loader's position ``loader_states`` (kept by
+    :meth:`.preemption.StopSignals.settle` at the end of the last step trained, once every rank agreed to
+    stop), where it is not None: Lightning took the next batch before the step at whose start the ranks
+    stopped, so its own position counts a batch that was never trained (the resumed run skipped it)."""
+    fit = checkpoint.get("loops", {}).get("fit_loop", {}).get("state_dict", {})
+    if loader_states is not None and "combined_loader" in fit:
+        fit["combined_loader"] = loader_states
+    return checkpoint
 
 
 def refusal(trainer: Any, failures: FailureChannel | None) -> str | None:

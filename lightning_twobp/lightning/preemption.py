@@ -5,8 +5,10 @@ join while they are in the middle of a pipeline step, and its per-step check rea
 signal to every rank mid-step, or to one rank, hangs until a timeout or trains on. For the length of
 training :class:`StopSignals` replaces it with a handler that only notes the signal. The ranks agree on
 it at step boundaries: each training step starts a one-number-per-rank all-reduce on a CPU group of its
-own and the next step reads it. That reduce finished long before (the step in between synchronised every
-rank), so nothing on the hot path waits for it and no accelerator is synchronised.
+own before its pipeline step and reads it at its end. Every rank started that reduce before the step's
+messages, so it has finished by then: nothing on the hot path waits for it and no accelerator is
+synchronised. Once they agree, each rank keeps the training loader's position as it is at that step's
+end, before Lightning takes the next batch, for the checkpoint saved at the stop.
 
 Once a rank sees a signal every rank raises :class:`Preempted` before the same training step: Lightning's
 ``on_exception`` hooks then run at one step boundary on every rank alike, so
@@ -25,6 +27,7 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -109,6 +112,10 @@ class StopSignals:
         self._replaced: dict[int, Any] = {}
         self._signum = 0  # the first signal this rank received, 0: none
         self._pending: tuple[Any, torch.Tensor] | None = None
+        self._agreed: torch.Tensor | None = None  # the flags of a stop read at a step's end, raised at the next
+        # The training loader's position at the end of the last step trained, once a stop is agreed: what a
+        # checkpoint saved for the stop holds (Lightning takes the next batch before the step that raises).
+        self.loader_states: Any = None
 
     # ------------------------------------------------------------------ the handler
     def install(self, trainer: Any) -> None:
@@ -117,6 +124,7 @@ class StopSignals:
         if threading.current_thread() is not threading.main_thread():
             return  # Python delivers signals to the main thread only; leave Lightning's handling
         self._trainer, self._signum, self._pending = trainer, 0, None
+        self._agreed, self.loader_states = None, None
         signals = {int(signal.SIGTERM)}
         requeue = _requeue_signal(trainer)
         if requeue is not None:
@@ -144,10 +152,11 @@ class StopSignals:
     # ------------------------------------------------------------------ agreement
     def agree(self, step: int) -> None:
         """At the start of training step ``step`` on every rank: read what the previous step's reduce
-        says, raise :class:`Preempted` if any rank was signalled, else start this step's reduce."""
+        says (or :meth:`settle` read), raise :class:`Preempted` if any rank was signalled, else start this
+        step's reduce."""
         if not self._replaced:
             return
-        seen = self._read()
+        seen = self._agreed if self._agreed is not None else self._read()
         if seen is not None:
             self._stop(seen, step)
         flags = torch.zeros(self._world, dtype=torch.int64)
@@ -156,6 +165,18 @@ class StopSignals:
             self._pending = (None, flags)
         else:
             self._pending = (dist.all_reduce(flags, group=self._group, async_op=True), flags)
+
+    def settle(self, loader_states: Callable[[], Any]) -> None:
+        """At the end of a training step on every rank: read this step's reduce (every rank started it
+        before the step, so it has finished) and, where it says stop, keep ``loader_states()``, the
+        training loader's position now. Lightning takes the next batch before the step at whose start
+        every rank stops; a checkpoint saved for the stop holding the position after that batch made
+        the resumed run skip it. :meth:`agree` raises at the next step's start, as before."""
+        if not self._replaced or self._agreed is not None:
+            return
+        self._agreed = self._read()
+        if self._agreed is not None:
+            self.loader_states = loader_states()
 
     def close(self) -> None:
         """Training ended: wait for the last reduce, so that no collective of ours stays in flight."""

@@ -339,8 +339,12 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        with told(self._failures, f"global step {self.lightning_module.trainer.global_step}"):
-            return self._training_step(args, kwargs)
+        trainer = self.lightning_module.trainer
+        with told(self._failures, f"global step {trainer.global_step}"):
+            loss = self._training_step(args, kwargs)
+        if self._signals is not None:  # a stop agreed now keeps the loader's position for its checkpoint
+            self._signals.settle(lambda: trainer.fit_loop.on_save_checkpoint().get("combined_loader"))
+        return loss
 
     def _training_step(self, args: tuple, kwargs: dict) -> Any:
         pipeline = self._built("training_step")
@@ -500,6 +504,7 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
         if refused is None:
             self._validate()  # save the checked weights, not a speculative step's
             refused = self._pipeline.checks.nonfinite_refusal() if self._pipeline is not None else None
+        checkpoint = checkpoint_hooks.at_stop(checkpoint, self._signals.loader_states if self._signals else None)
         checkpoint_hooks.save(self, checkpoint, filepath, self._pipeline, self._failures, refused)
 
     @override
