@@ -432,6 +432,8 @@ def test_a_limit_that_fits_only_without_adamw_state_is_refused_naming_it(two_ran
     assert f"memory_limit={r['without']:.0f} bytes" in r["error"], r["error"]
     assert f"the smallest predicted peak is {r['with']:.0f} bytes" in r["error"], r["error"]
     assert "optimizer state on rank" in r["error"], r["error"]
+    # a given micro-batch count is the only one tried: a larger batch would make its micro-batches larger
+    assert "num_microbatches=4 was given, so it is the only count tried" in r["error"], r["error"]
 
 
 def _refused(rank: int, world: int) -> str:
@@ -452,6 +454,7 @@ def test_a_limit_nothing_fits_is_refused_before_training_on_every_rank(two_ranks
     assert "memory_limit=1000 bytes" in out[0] and "the smallest predicted peak is" in out[0], out[0]
     # activation_checkpointing=None: one checkpointed profile more says what "full" would hold
     assert "Checkpointed blocks would not fit either: the smallest predicted peak is then" in out[0], out[0]
+    assert "num_microbatches" not in out[0], out[0]  # no count given: auto tried every divisor
 
 
 def test_auto_options_are_checked_at_construction():

@@ -74,6 +74,7 @@ from lightning_twobp.private import pytree
 from lightning_twobp.schedules.auto import (
     AutoChoice,
     LayerCost,
+    NoScheduleFits,
     Profile,
     choose_profiles,
     format_choice,
@@ -464,14 +465,25 @@ def auto_schedule(
         checkpoint,
     )
     # every rank makes the same calls, from the one agreed table: the hint's profile all-reduce is met
-    choice, profile = choose_profiles(
-        profiler.profile,
-        checkpointing,
-        lambda first: resolve_limit(memory_limit, device_bytes(device), fused_1f1b_peak(first)),
-        None if checkpoint is None else (lambda: _checkpointed_too(profiler)),
-        split_backward=split_backward,
-        max_caps=2 * num_ranks,
-    )
+    try:
+        choice, profile = choose_profiles(
+            profiler.profile,
+            checkpointing,
+            lambda first: resolve_limit(memory_limit, device_bytes(device), fused_1f1b_peak(first)),
+            None if checkpoint is None else (lambda: _checkpointed_too(profiler)),
+            split_backward=split_backward,
+            max_caps=2 * num_ranks,
+        )
+    except NoScheduleFits as e:
+        if not num_microbatches:
+            raise
+        # the refusal's "a larger batch divides into more" holds for the counts auto picks, not a given one
+        raise NoScheduleFits(
+            f"{e}. num_microbatches={num_microbatches} was given, so it is the only count tried, and a larger "
+            f"batch makes each of its micro-batches larger: give a larger num_microbatches, or leave it out to "
+            f"let schedule='auto' try the divisors of the batch size up to {4 * num_ranks}",
+            e.smallest,
+        ) from None
     rank_zero_info("twobp: " + format_choice(choice))
     if choice.best.checkpointing is not None and not profile.recompute:
         rank_zero_warn(

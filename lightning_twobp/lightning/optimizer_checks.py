@@ -14,11 +14,27 @@ import torch
 import torch.distributed as dist
 
 from lightning_twobp.engine import StepValidation, Verdict
+from lightning_twobp.lightning.placeholders import Elsewhere
 from lightning_twobp.options import PipelineOptions
 
 log = logging.getLogger(__name__)
 
-__all__ = ["NonFiniteError", "OptimizerChecks"]
+__all__ = ["NonFiniteError", "OptimizerChecks", "buffers_kept"]
+
+
+def buffers_kept(module: torch.nn.Module) -> Callable[[], None]:
+    """A copy of this rank's buffers of ``module``; the returned function writes it back. A pipeline step
+    that ran on a speculative optimizer step's weights runs again once that step is redone, and its first
+    run's buffer writes (a training BatchNorm's running statistics and batch count) must not count twice.
+    Other stages' buffers (on the meta device, or placeholders) are left alone."""
+    kept = [(b, b.detach().clone()) for b in module.buffers() if not b.is_meta and not isinstance(b, Elsewhere)]
+
+    def put_back() -> None:
+        with torch.no_grad():
+            for b, copy in kept:
+                b.copy_(copy)
+
+    return put_back
 
 
 class NonFiniteError(RuntimeError):
@@ -56,6 +72,11 @@ class OptimizerChecks:
     def clip_by_norm(self, optimizer: Any, max_norm: float) -> None:
         """Lightning asks to clip by norm: by the global norm over every stage, in :meth:`before_step`."""
         self.max_norms[id(optimizer)] = max_norm
+
+    @property
+    def pending(self) -> bool:
+        """A speculative optimizer step waits for its verdict (``post_validation``)."""
+        return any(c.pending for c in self.checks.values())
 
     def validate(self, lm: Any) -> Verdict | None:
         """The pending speculative optimizer step's verdict, if any (see ``post_validation``)."""

@@ -32,7 +32,7 @@ from lightning_twobp.lightning.grads import GradStash
 from lightning_twobp.lightning.layout import check_degree
 from lightning_twobp.lightning.loaders import check_same_batch
 from lightning_twobp.lightning.local_model import meta_layers_aside
-from lightning_twobp.lightning.optimizer_checks import NonFiniteError
+from lightning_twobp.lightning.optimizer_checks import NonFiniteError, buffers_kept
 from lightning_twobp.lightning.pipeline import Pipeline, StepRecords, StepRun, build_pipeline
 from lightning_twobp.lightning.placement import PipelinePlacement
 from lightning_twobp.lightning.preemption import (
@@ -348,11 +348,14 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
 
     def _training_step(self, args: tuple, kwargs: dict) -> Any:
         pipeline = self._built("training_step")
+        put_back = buffers_kept(self.lightning_module) if pipeline.checks.pending else None
         loss, means = self._train_step(pipeline, args, kwargs)
         verdict = self._validate()  # the previous optimizer step's global check, long arrived
         if verdict is not None and verdict.redone:
             # That step was clipped or skipped after all: this step ran on the speculative weights.
             pipeline.metrics.undo()
+            if put_back is not None:  # its buffer writes (BatchNorm's statistics) happen once, in the rerun
+                put_back()
             loss, means = self._train_step(pipeline, args, kwargs)
         log_step_values(self.lightning_module, means, pipeline.metrics.resolve, self.root_device, False)
         skipped = self.step_checks["skipped"]  # every rank knows the count: nothing travels
