@@ -38,7 +38,16 @@ class SignalMidStep(pl.Callback):
         self.sent: list[float] = []
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        if trainer.global_step != AT or trainer.global_rank not in self.ranks:
+        if trainer.global_step == AT:
+            self._arm(trainer)
+
+    def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0):
+        """``trainer.validate``: at batch ``AT`` (its step count stays 0)."""
+        if batch_idx == AT:
+            self._arm(trainer)
+
+    def _arm(self, trainer):
+        if trainer.global_rank not in self.ranks:
             return
 
         def hook(module, args, out):
@@ -47,6 +56,21 @@ class SignalMidStep(pl.Callback):
             os.kill(os.getpid(), self.sig)
 
         handle = nn.modules.module.register_module_forward_hook(hook)
+
+
+def _validate_signalled(world: int) -> dict:
+    """SIGTERM to rank 1 in the forward of ``trainer.validate``'s batch ``AT`` (Lightning's handler, a
+    broadcast inside it, left rank 0 waiting out pipeline_timeout, then naming a lost peer)."""
+    g = torch.Generator().manual_seed(3)
+    data = DataLoader(TensorDataset(torch.randn(400, 6, generator=g), torch.randn(400, 2, generator=g)), 8)
+    mid = SignalMidStep({1})
+    trainer = checkpointing_trainer(world, STEPS, [mid])
+    try:
+        trainer.validate(AdamRegressor(), data, verbose=False)
+        return {"error": None, "step": 0}
+    except Preempted as stop:
+        took = time.monotonic() - mid.sent[0] if mid.sent else None
+        return {"error": str(stop), "code": stop.code, "step": 0, "took": took}
 
 
 def _signal_during_save(sent: list[float]) -> None:
@@ -87,6 +111,9 @@ def _run(rank: int, world: int, port: int, root: str, cases: list[str]) -> dict:
     out = {}
     for case in cases:
         folder = Path(root) / case
+        if case == "validate":
+            out[case] = _validate_signalled(world) | {"handler": signal.getsignal(signal.SIGTERM) is signal.SIG_DFL}
+            continue
         saving = ModelCheckpoint(
             dirpath=folder,
             every_n_train_steps=2,
@@ -113,7 +140,7 @@ def _run(rank: int, world: int, port: int, root: str, cases: list[str]) -> dict:
     return out
 
 
-CASES = ["mid-step", "one-rank", "during-save", "on-exception", "resumed"]
+CASES = ["mid-step", "one-rank", "during-save", "on-exception", "resumed", "validate"]
 
 
 def test_sigterm_stops_every_rank_at_one_step_saves_and_exits_non_zero(tmp_path):
@@ -124,9 +151,14 @@ def test_sigterm_stops_every_rank_at_one_step_saves_and_exits_non_zero(tmp_path)
         assert seen[0]["step"] == seen[1]["step"] <= AT + 2, (case, seen)  # the same step, at most 2 later
         for s in seen:
             assert s["code"] == 128 + signal.SIGTERM and s["handler"], (case, s)  # 143; handlers put back
-            assert "SIGTERM on rank(s) [1]" in s["error"] if case == "one-rank" else "[0, 1]" in s["error"], s
+            one = case in ("one-rank", "validate")
+            assert "SIGTERM on rank(s) [1]" in s["error"] if one else "[0, 1]" in s["error"], s
             if s["took"] is not None:
                 assert s["took"] < 30, (case, s)
+        if case == "validate":  # an evaluation call: the ranks stop before one batch, nothing to save
+            stopped = {s["error"].split("before validation batch ")[1].split(",")[0] for s in seen}
+            assert stopped in ({str(AT + 1)}, {str(AT + 2)}), seen  # one batch on both, at most 2 later
+            continue
         folder = tmp_path / case
         assert not list(folder.glob(".*")), sorted(p.name for p in folder.iterdir())  # no .partial left
         saved = sorted(p.name for p in folder.iterdir())

@@ -10,6 +10,9 @@ messages, so it has finished by then: nothing on the hot path waits for it and n
 synchronised. Once they agree, each rank keeps the training loader's position as it is at that step's
 end, before Lightning takes the next batch, for the checkpoint saved at the stop.
 
+An evaluation call (validate, test, predict) agrees likewise, per batch, among the ranks of each
+pipeline; the handler replaces Lightning's from the start of fit's sanity check or of that call.
+
 Once a rank sees a signal every rank raises :class:`Preempted` before the same training step: Lightning's
 ``on_exception`` hooks then run at one step boundary on every rank alike, so
 ``ModelCheckpoint(save_on_exception=True)`` writes a complete checkpoint; without it the last checkpoint
@@ -99,30 +102,48 @@ def _requeue_signal(trainer: Any) -> int | None:
 
 
 class StopSignals:
-    """The signals that stop training, noted by a handler and agreed on by every rank at step boundaries."""
+    """The signals that stop training, noted by a handler and agreed on by every rank at step boundaries;
+    in an evaluation call (validate, test, predict) by the ranks of each pipeline at batch boundaries.
 
-    def __init__(self, timeout: timedelta) -> None:
-        self._group = None
-        self._world, self._rank = 1, 0
+    ``pipelines``: the global ranks of every pipeline (every rank creates every group, in one order). An
+    evaluation call agrees within its pipeline only: data-parallel replicas may read different numbers
+    of evaluation batches, and a reduce over the world per batch would then wait on a replica that has
+    none left."""
+
+    def __init__(self, timeout: timedelta, pipelines: list[list[int]] | None = None) -> None:
+        # (group, the global rank of each position in it): the world's for training
+        self._groups: dict[str, tuple[Any, list[int]]] = {"training": (None, [0]), "evaluation": (None, [0])}
+        self._rank = 0
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             # gloo even under NCCL: the flags stay on the host, so reading them never syncs a device.
-            self._group = dist.new_group(backend="gloo", timeout=timeout)
-            self._world, self._rank = dist.get_world_size(), dist.get_rank()
+            world, self._rank = list(range(dist.get_world_size())), dist.get_rank()
+            self._groups["training"] = self._groups["evaluation"] = (
+                dist.new_group(backend="gloo", timeout=timeout),
+                world,
+            )
+            for ranks in pipelines if pipelines is not None and len(pipelines) > 1 else []:
+                group = dist.new_group(ranks, backend="gloo", timeout=timeout)
+                if self._rank in ranks:
+                    self._groups["evaluation"] = (group, ranks)
         self._trainer: Any = None
         self._replaced: dict[int, Any] = {}
         self._signum = 0  # the first signal this rank received, 0: none
-        self._pending: tuple[Any, torch.Tensor] | None = None
-        self._agreed: torch.Tensor | None = None  # the flags of a stop read at a step's end, raised at the next
+        self._pending: tuple[Any, torch.Tensor, list[int]] | None = None
+        self._agreed: tuple[torch.Tensor, list[int]] | None = None  # a stop read at a step's end, raised at the next
         # The training loader's position at the end of the last step trained, once a stop is agreed: what a
         # checkpoint saved for the stop holds (Lightning takes the next batch before the step that raises).
         self.loader_states: Any = None
 
     # ------------------------------------------------------------------ the handler
     def install(self, trainer: Any) -> None:
-        """Replace the handlers of SIGTERM (and the requeue signal) for the length of training. Called
-        after Lightning registered its own, which this undoes until :meth:`uninstall`."""
+        """Replace the handlers of SIGTERM (and the requeue signal) for the rest of the Trainer call: from
+        the start of training, or of evaluation where that comes first (fit's sanity check, validate,
+        test, predict). Called after Lightning registered its own, which this undoes until
+        :meth:`uninstall`; a second call keeps what the first noted."""
         if threading.current_thread() is not threading.main_thread():
             return  # Python delivers signals to the main thread only; leave Lightning's handling
+        if self._replaced:
+            return
         self._trainer, self._signum, self._pending = trainer, 0, None
         self._agreed, self.loader_states = None, None
         signals = {int(signal.SIGTERM)}
@@ -150,21 +171,21 @@ class StopSignals:
         self._replaced = {}
 
     # ------------------------------------------------------------------ agreement
-    def agree(self, step: int) -> None:
-        """At the start of training step ``step`` on every rank: read what the previous step's reduce
-        says (or :meth:`settle` read), raise :class:`Preempted` if any rank was signalled, else start this
-        step's reduce."""
+    def agree(self, where: str, among: str = "training") -> None:
+        """At the start of a step on every rank of ``among`` ("training": the world; "evaluation": this
+        pipeline), ``where`` naming it ("training step 5", "validation batch 3"): read what the previous
+        step's reduce says (or :meth:`settle` read), raise :class:`Preempted` if any rank was signalled,
+        else start this step's reduce."""
         if not self._replaced:
             return
         seen = self._agreed if self._agreed is not None else self._read()
         if seen is not None:
-            self._stop(seen, step)
-        flags = torch.zeros(self._world, dtype=torch.int64)
-        flags[self._rank] = self._signum
-        if self._group is None:
-            self._pending = (None, flags)
-        else:
-            self._pending = (dist.all_reduce(flags, group=self._group, async_op=True), flags)
+            self._stop(*seen, where)
+        group, members = self._groups[among]
+        flags = torch.zeros(len(members), dtype=torch.int64)
+        flags[members.index(self._rank)] = self._signum
+        work = dist.all_reduce(flags, group=group, async_op=True) if group is not None else None
+        self._pending = (work, flags, members)
 
     def settle(self, loader_states: Callable[[], Any]) -> None:
         """At the end of a training step on every rank: read this step's reduce (every rank started it
@@ -179,25 +200,26 @@ class StopSignals:
             self.loader_states = loader_states()
 
     def close(self) -> None:
-        """Training ended: wait for the last reduce, so that no collective of ours stays in flight."""
+        """Training (or an evaluation call) ended: wait for the last reduce, so that no collective of ours
+        stays in flight."""
         self._read()
 
-    def _read(self) -> torch.Tensor | None:
+    def _read(self) -> tuple[torch.Tensor, list[int]] | None:
         pending, self._pending = self._pending, None
         if pending is None:
             return None
-        work, flags = pending
+        work, flags, members = pending
         if work is not None:
             work.wait()  # finished during the step in between
-        return flags if bool(flags.any()) else None
+        return (flags, members) if bool(flags.any()) else None
 
-    def _stop(self, flags: torch.Tensor, step: int) -> None:
-        ranks = [r for r, s in enumerate(flags.tolist()) if s]
-        signum = int(flags[ranks[0]])
+    def _stop(self, flags: torch.Tensor, members: list[int], where: str) -> None:
+        ranks = [r for r, s in zip(members, flags.tolist(), strict=True) if s]
+        signum = int(flags[members.index(ranks[0])])
         name = signal.Signals(signum).name
         took = f" {time.monotonic() - self._received:.1f} s after it arrived here," if self._signum else ""
         message = (
-            f"twobp: {name} on rank(s) {ranks}: every rank stopped before training step {step},{took} at the "
+            f"twobp: {name} on rank(s) {ranks}: every rank stopped before {where},{took} at the "
             f"same step boundary (ModelCheckpoint(save_on_exception=True) saves a checkpoint there; otherwise "
             f"the last one is left as it was); exit status {128 + signum}"
         )

@@ -192,7 +192,9 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
         self._mesh = self.layout.init_mesh(self.root_device, self._timeout)
         assert self._timeout is not None  # __init__ passes a timedelta or keeps Lightning's default one
         self.io_group, self.log_group = self.layout.side_groups(self._timeout)
-        self._signals = StopSignals(self._timeout)  # SIGTERM and SLURM's requeue: see .preemption
+        pp, dp = range(self.pipeline_degree), range(self.dp_degree)
+        pipelines = [[self.layout.global_rank_of(r, d) for r in pp] for d in dp]
+        self._signals = StopSignals(self._timeout, pipelines)  # SIGTERM and SLURM's requeue: see .preemption
 
     @override
     def setup(self, trainer: Any) -> None:
@@ -308,7 +310,49 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
         trainer = self.lightning_module.trainer
         if trainer.sanity_checking and not self._batches_checked:
             check_batch_size_early(trainer, self.num_microbatches)
+        self._listen_for_signals()
         super().on_validation_start()
+
+    @override
+    def on_test_start(self) -> None:
+        self._listen_for_signals()
+        super().on_test_start()
+
+    @override
+    def on_predict_start(self) -> None:
+        self._listen_for_signals()
+        super().on_predict_start()
+
+    def _listen_for_signals(self) -> None:
+        """Our handler from the start of evaluation too (fit's sanity check, validate, test, predict):
+        Lightning's own broadcasts inside the handler, which the peers, in a pipeline step, never join
+        (``trainer.validate`` waited out pipeline_timeout, then named a lost peer). An evaluation call
+        stops at an agreed batch (:meth:`_eval_step`); fit at its next training step."""
+        if self._signals is not None:
+            self._signals.install(self.lightning_module.trainer)
+
+    @override
+    def on_validation_end(self) -> None:
+        self._end_agreement()
+        super().on_validation_end()
+
+    @override
+    def on_test_end(self) -> None:
+        self._end_agreement()
+        super().on_test_end()
+
+    @override
+    def on_predict_end(self) -> None:
+        self._end_agreement()
+        super().on_predict_end()
+
+    def _end_agreement(self) -> None:
+        """An evaluation call's end: no reduce of ours left in flight. Not in fit, where training's steps
+        go on reading the agreement (a stop flagged in the last evaluation batch included)."""
+        trainer = self.lightning_module.trainer
+        if self._signals is not None and trainer.state.fn != TrainerFn.FITTING:
+            with self._naming_lost("the stop-signal agreement of the last batch"):
+                self._signals.close()
 
     @override
     def on_train_start(self) -> None:
@@ -334,7 +378,7 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
             self._same_batch_checked = True
         if self._signals is not None:  # every rank stops before the same step once one was signalled
             with self._naming_lost("the stop-signal agreement of the previous step"):
-                self._signals.agree(self.lightning_module.trainer.global_step)
+                self._signals.agree(f"training step {self.lightning_module.trainer.global_step}")
         super().on_train_batch_start(batch, batch_idx)
 
     @override
@@ -467,8 +511,15 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
         pipeline = self._built(hook)
         schedule = pipeline.executor.schedule
         last_rank = self.layout.global_rank_of(schedule.stage_to_rank[pipeline.executor.last])
+        kind = hook.removesuffix("_step")
         if len(args) > 1 and args[1] == 0:  # each loader's first batch
-            self._check_same_batch(args[0], f"the first batch of a {hook.removesuffix('_step')} loader")
+            self._check_same_batch(args[0], f"the first batch of a {kind} loader")
+        # An evaluation call's pipeline stops before one batch once one of its ranks was signalled; in fit,
+        # the next training step does (a reduce over the world per evaluation batch would wait on a
+        # replica that read fewer of them).
+        if self._signals is not None and self.lightning_module.trainer.state.fn != TrainerFn.FITTING:
+            with self._naming_lost("the stop-signal agreement of the previous batch"):
+                self._signals.agree(f"{kind} batch {args[1] if len(args) > 1 else 0}", among="evaluation")
         state = pipeline.runner.begin(hook, args, kwargs, self.num_microbatches, exact=False)
         return pipeline.eval_step(state, hook, last_rank, self.group("pp"))
 
