@@ -31,14 +31,14 @@ STEPS = 40  # what the run would train without a signal
 
 
 class SignalMidStep(pl.Callback):
-    """Sends ``sig`` to this process from inside the forward of training step ``AT`` (on ``ranks``)."""
+    """Sends ``sig`` to this process from inside the forward of training step ``at`` (on ``ranks``)."""
 
-    def __init__(self, ranks: set[int], sig: int = signal.SIGTERM) -> None:
-        self.ranks, self.sig = ranks, sig
+    def __init__(self, ranks: set[int], sig: int = signal.SIGTERM, at: int = AT) -> None:
+        self.ranks, self.sig, self.at = ranks, sig, at
         self.sent: list[float] = []
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        if trainer.global_step == AT:
+        if trainer.global_step == self.at:
             self._arm(trainer)
 
     def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0):
@@ -94,14 +94,16 @@ def _stateful() -> StatefulDataLoader:
 
 
 def _resume_differs(world: int, folder: Path, stop: int) -> list[str]:
-    """Resumed from the checkpoint saved at the stop, trained to step 7: the parameters that differ from
-    an uninterrupted run's (bitwise)."""
+    """Resumed from the checkpoint saved at the stop, trained for 2 epochs (16 steps): the parameters that
+    differ from an uninterrupted run's (bitwise), and the step count where it differs."""
     straight, resumed = AdamRegressor(), AdamRegressor()
-    checkpointing_trainer(world, 7, []).fit(straight, _stateful())
+    checkpointing_trainer(world, -1, [], max_epochs=2).fit(straight, _stateful())
     saved = next(folder.glob(f"*-step={stop}.ckpt"))
-    checkpointing_trainer(world, 7, []).fit(resumed, _stateful(), ckpt_path=saved)
+    trainer = checkpointing_trainer(world, -1, [], max_epochs=2)
+    trainer.fit(resumed, _stateful(), ckpt_path=saved)
     want = own_weights(straight)
-    return [n for n, q in own_weights(resumed).items() if not torch.equal(q, want[n])]
+    steps = [f"ended at step {trainer.global_step}"] if trainer.global_step != 16 else []
+    return steps + [n for n, q in own_weights(resumed).items() if not torch.equal(q, want[n])]
 
 
 def _run(rank: int, world: int, port: int, root: str, cases: list[str]) -> dict:
@@ -119,15 +121,17 @@ def _run(rank: int, world: int, port: int, root: str, cases: list[str]) -> dict:
             every_n_train_steps=2,
             save_top_k=-1,
             save_last=True,
-            save_on_exception=case in ("on-exception", "resumed"),
+            save_on_exception=case in ("on-exception", "resumed", "resumed-at-epoch-end"),
         )
-        mid = SignalMidStep({1} if case == "one-rank" else {0, 1})
+        # at the epoch's second-to-last step (8 an epoch): the stop is agreed at its last, after which
+        # Lightning starts the next epoch's loader before the step every rank stops at
+        mid = SignalMidStep({1} if case == "one-rank" else {0, 1}, at=6 if case == "resumed-at-epoch-end" else AT)
         write = ckpt._write_shards
         if case == "during-save":
             _signal_during_save(mid.sent)
         trainer = checkpointing_trainer(world, STEPS, [saving] + ([] if case == "during-save" else [mid]))
         try:
-            trainer.fit(AdamRegressor(), _stateful() if case == "resumed" else data)
+            trainer.fit(AdamRegressor(), _stateful() if case.startswith("resumed") else data)
             out[case] = {"error": None, "step": trainer.global_step}
         except Preempted as stop:
             took = time.monotonic() - mid.sent[0] if mid.sent else None
@@ -135,12 +139,12 @@ def _run(rank: int, world: int, port: int, root: str, cases: list[str]) -> dict:
         finally:
             ckpt._write_shards = write
         out[case]["handler"] = signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
-        if case == "resumed" and out[case]["error"] is not None:
+        if case.startswith("resumed") and out[case]["error"] is not None:
             out[case]["differs"] = _resume_differs(world, folder, out[case]["step"])
     return out
 
 
-CASES = ["mid-step", "one-rank", "during-save", "on-exception", "resumed", "validate"]
+CASES = ["mid-step", "one-rank", "during-save", "on-exception", "resumed", "resumed-at-epoch-end", "validate"]
 
 
 def test_sigterm_stops_every_rank_at_one_step_saves_and_exits_non_zero(tmp_path):
@@ -148,7 +152,8 @@ def test_sigterm_stops_every_rank_at_one_step_saves_and_exits_non_zero(tmp_path)
     for case in CASES:
         seen = [r[case] for r in results]
         assert all(s["error"] is not None for s in seen), (case, seen)  # no rank trained on to the end
-        assert seen[0]["step"] == seen[1]["step"] <= AT + 2, (case, seen)  # the same step, at most 2 later
+        at = 6 if case == "resumed-at-epoch-end" else AT
+        assert seen[0]["step"] == seen[1]["step"] <= at + 2, (case, seen)  # the same step, at most 2 later
         for s in seen:
             assert s["code"] == 128 + signal.SIGTERM and s["handler"], (case, s)  # 143; handlers put back
             one = case in ("one-rank", "validate")
@@ -167,9 +172,9 @@ def test_sigterm_stops_every_rank_at_one_step_saves_and_exits_non_zero(tmp_path)
         stop = seen[0]["step"]
         if case == "on-exception":  # the step every rank stopped at, saved there
             assert f"epoch={(stop - 1) // 2}-step={stop}.ckpt" in saved, saved
-        if case == "resumed":  # resumed mid-epoch from that save: the uninterrupted run's parameters
-            # (the loader's position was saved one batch on, the batch taken before the step that stopped:
-            # the resumed run skipped it)
+        if case.startswith("resumed"):  # resumed from that save: the uninterrupted run's parameters (the
+            # loader's position was saved one batch on, the batch taken before the step that stopped: the
+            # resumed run skipped it; at an epoch's end, the ended epoch's position: it skipped an epoch)
             assert seen[0]["differs"] == seen[1]["differs"] == [], seen
 
 

@@ -99,6 +99,7 @@ class Masks(pl.LightningModule):
             nn.Linear(6, 16), nn.Dropout(0.5), *[m for _ in range(3) for m in (nn.Linear(16, 16), nn.Dropout(0.5))]
         )
         self.masks: dict[int, dict[int, list[torch.Tensor]]] = {}  # dropout -> global step -> masks
+        self.drawn: dict[int, list[float]] = {}  # global step -> the step code's draws before the pipelined call
         for k in range(4):
             self.layers[2 * k + 1].register_forward_hook(self._recorder(k))
 
@@ -110,6 +111,7 @@ class Masks(pl.LightningModule):
 
     def training_step(self, batch, batch_idx):
         x, y = batch
+        self.drawn.setdefault(self.trainer.global_step, []).append(float(torch.rand(())))
         return F.mse_loss(self.layers(x)[:, :2], y)
 
     def configure_optimizers(self):
@@ -119,17 +121,21 @@ class Masks(pl.LightningModule):
 M = 4  # micro-batches of 2 samples: each mask is 2 x 16
 
 
-def _masks(world: int, max_steps: int, folder: str | None = None, ckpt_path: str | None = None, **kw) -> dict:
+def _masks(
+    world: int, max_steps: int, folder: str | None = None, ckpt_path: str | None = None, seed: int = 7, **kw
+) -> dict:
     """Each dropout's masks per step: the last M records of the step (a stage's shape probe before the
-    first step of a Trainer call runs its forward once more, outside its stream)."""
+    first step of a Trainer call runs its forward once more, outside its stream); under "drawn", the
+    step code's draws per step, as a set (each micro-batch's, on the first stage and the last alike)."""
     from lightning.pytorch.callbacks import ModelCheckpoint
 
-    pl.seed_everything(7, verbose=False)
+    pl.seed_everything(seed, verbose=False)
     model = Masks()
     cbs = [ModelCheckpoint(dirpath=folder, every_n_train_steps=2, save_top_k=-1)] if folder else []
     strategy = TwoBPStrategy(num_microbatches=M, **{"schedule": "zb-v", "balance": [2, 2, 2, 2], **kw})
     _trainer(world, strategy, max_steps, cbs).fit(model, datamodule=Data(), ckpt_path=ckpt_path)
-    return {k: {step: ms[-M:] for step, ms in steps.items()} for k, steps in model.masks.items()}
+    masks: dict = {k: {step: ms[-M:] for step, ms in steps.items()} for k, steps in model.masks.items()}
+    return masks | {"drawn": {step: sorted(set(d)) for step, d in model.drawn.items()}}
 
 
 def _stream_runs(rank: int, world: int, folder: str) -> dict:
@@ -137,8 +143,9 @@ def _stream_runs(rank: int, world: int, folder: str) -> dict:
     return {
         "first": _masks(world, 4, folder=folder),  # zb-v: stages 0, 3 on rank 0; 1, 2 on rank 1
         "second": _masks(world, 4),
-        # resumed at step 2 under interleaved 1F1B: stages 0, 2 on rank 0; 1, 3 on rank 1
-        "resumed": _masks(world, 4, ckpt_path=f"{folder}/epoch=0-step=2.ckpt", schedule="interleaved-1f1b"),
+        # resumed at step 2 under interleaved 1F1B: stages 0, 2 on rank 0; 1, 3 on rank 1; the process seeded
+        # otherwise (the step code's seed comes from the checkpoint)
+        "resumed": _masks(world, 4, ckpt_path=f"{folder}/epoch=0-step=2.ckpt", seed=8, schedule="interleaved-1f1b"),
         # 2 data-parallel replicas of a pipeline of one rank holding both stages of the V
         "replicas": _masks(world, 2, pipeline_degree=1, balance=[4, 4]),
     }
@@ -153,6 +160,11 @@ def test_each_stage_draws_from_its_own_stream_restored_by_stage(two_ranks):
     replicas; the same in a second run with the same seed; and after resuming under another layout, the
     same per stage as the uninterrupted run (a stage's stream is stored by stage, not by rank)."""
     ranks = two_ranks[STREAMS]
+    drawn = {run: [r[run].pop("drawn") for r in ranks] for run in ("first", "second", "resumed", "replicas")}
+    # the step code's draws: M per step, alike on the stages that run it (zb-v: rank 0 both), again on resume
+    first_drawn = drawn["first"][0]
+    assert drawn["first"][1] == {} and all(len(first_drawn[s]) == M for s in range(4)), drawn["first"]
+    assert drawn["resumed"][0] == drawn["resumed"][1] == {s: first_drawn[s] for s in (2, 3)}, drawn["resumed"]
     masks = {}  # dropout -> step -> masks, from whichever rank held it
     for run in ("first", "second", "resumed"):
         masks[run] = {k: steps for r in ranks for k, steps in r[run].items()}

@@ -30,9 +30,9 @@ def test_step_code_draws_alike_for_a_key_and_hands_the_generators_back():
     and micro-batch, other numbers for another; the generators are untouched after, and the draws
     after the pipelined call come from the generators as they were before."""
     torch.manual_seed(1)
-    a = StageStreams([0], 0, torch.device("cpu"), shared="42")
+    a = StageStreams([0], 0, torch.device("cpu"), shared=42)
     torch.manual_seed(2)
-    b = StageStreams([1], 0, torch.device("cpu"), shared="42")
+    b = StageStreams([1], 0, torch.device("cpu"), shared=42)
     before = _global()
     with a.step_code("training_step:(0, 0):[0]:mb0"):
         first = _draw()
@@ -53,3 +53,15 @@ def test_drawing_from_none_leaves_no_trace():
     with drawing_from(None, []):
         _draw()
     assert _same(before, _global())
+
+
+def test_a_resumed_stream_takes_the_saved_step_code_seed():
+    """The step code's seed is in the streams' checkpoint state: a run seeded otherwise, resumed, draws
+    what the saved run drew."""
+    saved = StageStreams([0], 0, torch.device("cpu"), shared=42)
+    with saved.step_code("training_step:(2, 0):[2]:mb0"):
+        want = _draw()
+    resumed = StageStreams([0], 0, torch.device("cpu"), shared=8)
+    resumed.resume(saved.state_dict())
+    with resumed.step_code("training_step:(2, 0):[2]:mb0"):
+        assert _draw() == want

@@ -302,42 +302,50 @@ class PipelineExecutor:
     def forward_only(self, inputs: Sequence[Any] | None, num_microbatches: int) -> list[Any] | None:
         """Evaluation: every micro-batch through every stage, no backward, nothing kept.
 
-        Micro-batch-major order: each rank runs micro-batch 0 through its stages in stage order, then
-        micro-batch 1, and so on; with one stage per rank the micro-batches still stream through the
-        ranks. Every rank then sends and receives in the one order of (micro-batch, stage), so no two
-        ranks wait on each other's blocking send. Stage-major (a rank's first stage over all
-        micro-batches, then its next) deadlocked where stages alternate between ranks (interleaved
-        1F1B: rank 0 sent stage 0's next micro-batch to rank 1 while rank 1 sent stage 1's first to
-        rank 0, for the stage 2 that rank 0 had not reached). Shapes may differ between micro-batches
-        (a last, smaller batch), so tensors travel with their metadata (``send_object_list``). Returns
-        the last stage's outputs (its layers only, no loss) on the rank holding it, else None.
+        Stage-major order (a GPipe forward) for one stage per rank and the V layouts (ZB-V, V-Half,
+        V-Min): each rank runs its first stage over all micro-batches, then its next, so activations
+        stream while nothing waits on a backward; in a V a rank sends only from its second stage, once
+        its first has received everything. Elsewhere (interleaved 1F1B) that order deadlocks on the
+        blocking sends, a ring of ranks each sending its first stage's next micro-batch while the last
+        waits to send into a stage its receiver has not reached (p = 2: rank 0 sent stage 0's next
+        micro-batch to rank 1 while rank 1 sent stage 1's first back, for stage 2); there the order is
+        micro-batch-major: each micro-batch through the rank's stages in turn, one order of sends on
+        every rank, at the price of less overlap. Shapes may differ between micro-batches (a last,
+        smaller batch), so tensors travel with their metadata (``send_object_list``). Returns the last
+        stage's outputs (its layers only, no loss) on the rank holding it, else None.
         """
         outs: list[Any] = []
         carry: dict[tuple[int, int], tuple] = {}
-        for mb in range(num_microbatches):
-            for s in sorted(self.stages):
-                layers = self.stages[s].module
-                layers = layers.module if isinstance(layers, _WithLoss) else layers
-                if s == 0:
-                    assert inputs is not None  # the rank holding stage 0 passes them
-                    x = tuple(t.to(self.device) if isinstance(t, torch.Tensor) else t for t in _as_tuple(inputs[mb]))
-                elif (s, mb) in carry:
-                    x = carry.pop((s, mb))
-                else:
-                    x = tuple(t.to(self.device) for t in self._p2p.recv_object(s - 1))
-                try:
-                    with self._context(Action("F", s, mb)):
-                        out = layers(*x)
-                except Exception as e:
-                    raise PipelineError(
-                        f"rank {self.rank}, forward-only pass, stage {s}, micro-batch {mb}: {type(e).__name__}: {e}"
-                    ) from e
-                if s == self.last:
-                    outs.append(out)
-                elif s + 1 in self.stages:
-                    carry[(s + 1, mb)] = _as_tuple(out)
-                else:
-                    self._p2p.send_object(_as_tuple(out), s + 1)
+        ranks = self.schedule.stage_to_rank
+        v_shape = all(ranks[s] == ranks[-1 - s] for s in range(len(ranks)))
+        stages, mbs = sorted(self.stages), range(num_microbatches)
+        if v_shape or len(stages) == 1:
+            order = [(s, mb) for s in stages for mb in mbs]
+        else:
+            order = [(s, mb) for mb in mbs for s in stages]
+        for s, mb in order:
+            layers = self.stages[s].module
+            layers = layers.module if isinstance(layers, _WithLoss) else layers
+            if s == 0:
+                assert inputs is not None  # the rank holding stage 0 passes them
+                x = tuple(t.to(self.device) if isinstance(t, torch.Tensor) else t for t in _as_tuple(inputs[mb]))
+            elif (s, mb) in carry:
+                x = carry.pop((s, mb))
+            else:
+                x = tuple(t.to(self.device) for t in self._p2p.recv_object(s - 1))
+            try:
+                with self._context(Action("F", s, mb)):
+                    out = layers(*x)
+            except Exception as e:
+                raise PipelineError(
+                    f"rank {self.rank}, forward-only pass, stage {s}, micro-batch {mb}: {type(e).__name__}: {e}"
+                ) from e
+            if s == self.last:
+                outs.append(out)
+            elif s + 1 in self.stages:
+                carry[(s + 1, mb)] = _as_tuple(out)
+            else:
+                self._p2p.send_object(_as_tuple(out), s + 1)
         return outs if self.last in self.stages else None
 
     # ------------------------------------------------------------------ dispatch

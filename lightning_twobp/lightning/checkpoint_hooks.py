@@ -40,7 +40,8 @@ def at_stop(checkpoint: dict[str, Any], loader_states: Any) -> dict[str, Any]:
     """``checkpoint`` with the training loader's position ``loader_states`` (kept by
     :meth:`.preemption.StopSignals.settle` at the end of the last step trained, once every rank agreed to
     stop), where it is not None: Lightning took the next batch before the step at whose start the ranks
-    stopped, so its own position counts a batch that was never trained (the resumed run skipped it)."""
+    stopped, so its own position counts a batch that was never trained (the resumed run skipped it).
+    ``[]`` (the stop came as a new epoch began): no position, that epoch's loader starts anew."""
     fit = checkpoint.get("loops", {}).get("fit_loop", {}).get("state_dict", {})
     if loader_states is not None and "combined_loader" in fit:
         fit["combined_loader"] = loader_states

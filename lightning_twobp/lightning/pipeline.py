@@ -208,7 +208,7 @@ class Pipeline:
         return loss
 
 
-def _shared_seed(strategy: TwoBPStrategy) -> str | None:
+def _shared_seed(strategy: TwoBPStrategy) -> int | None:
     """The seed of the step code's random draws, alike on every rank of this pipeline: pipeline rank 0's
     fingerprint of its generator, broadcast (ranks seeded apart, ``seed_everything(42 + rank)``, still
     draw mixup's lambda alike). None where the pipeline is one rank."""
@@ -218,7 +218,7 @@ def _shared_seed(strategy: TwoBPStrategy) -> str | None:
     seed = int.from_bytes(bytes.fromhex(fingerprint())[:8], "little") >> 1
     value = torch.tensor([seed], dtype=torch.int64, device=strategy.root_device)
     dist.broadcast(value, src=strategy.layout.global_rank_of(0), group=group)
-    return str(int(value.item()))
+    return int(value.item())
 
 
 def _schedule(strategy: TwoBPStrategy, num_stages: int) -> Schedule:

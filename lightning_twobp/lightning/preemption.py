@@ -187,17 +187,20 @@ class StopSignals:
         work = dist.all_reduce(flags, group=group, async_op=True) if group is not None else None
         self._pending = (work, flags, members)
 
-    def settle(self, loader_states: Callable[[], Any]) -> None:
+    def settle(self, loader_states: Callable[[], Any], epoch_ended: bool) -> None:
         """At the end of a training step on every rank: read this step's reduce (every rank started it
         before the step, so it has finished) and, where it says stop, keep ``loader_states()``, the
         training loader's position now. Lightning takes the next batch before the step at whose start
         every rank stops; a checkpoint saved for the stop holding the position after that batch made
-        the resumed run skip it. :meth:`agree` raises at the next step's start, as before."""
+        the resumed run skip it. Where this step ended the epoch (``epoch_ended``), the stop comes after
+        the next epoch's loader took its first batch: none is kept then (``[]``), so the resumed run
+        starts that epoch's loader anew (this epoch's exhausted position made it skip the whole epoch).
+        :meth:`agree` raises at the next step's start, as before."""
         if not self._replaced or self._agreed is not None:
             return
         self._agreed = self._read()
         if self._agreed is not None:
-            self.loader_states = loader_states()
+            self.loader_states = [] if epoch_ended else loader_states()
 
     def close(self) -> None:
         """Training (or an evaluation call) ended: wait for the last reduce, so that no collective of ours

@@ -58,15 +58,16 @@ def fingerprint() -> str:
 class StageStreams:
     """The random streams of this rank's stages (CPU, and the CUDA device when training on one)."""
 
-    def __init__(self, stages: Iterable[int], dp_rank: int, device: torch.device, shared: str | None = None) -> None:
+    def __init__(self, stages: Iterable[int], dp_rank: int, device: torch.device, shared: int | None = None) -> None:
         """``shared``: the seed of the step code's draws, the same on every rank of this pipeline
-        (:func:`fingerprint` on pipeline rank 0, broadcast); this rank's own fingerprint when alone."""
+        (from :func:`fingerprint` on pipeline rank 0, broadcast); from this rank's own when alone. Saved
+        in checkpoints, so a resumed run draws as the uninterrupted one, however its process was seeded."""
         self.dp_rank = dp_rank
         self._devices = [device] if device.type == "cuda" else []
         base = fingerprint()
         self._states = {s: self._seeded(_derive(base, s, dp_rank)) for s in stages}
         self._pending: dict[int, Mapping[str, torch.Tensor]] = {}
-        self._shared = f"{shared or base}:dp{dp_rank}"
+        self._shared = shared if shared is not None else _seed(base)
 
     def _current(self) -> list[torch.Tensor]:
         return [torch.get_rng_state(), *(torch.cuda.get_rng_state(d) for d in self._devices)]
@@ -97,25 +98,44 @@ class StageStreams:
         CUDA), NumPy's and Python's global generators draw from a stream seeded by (the shared seed,
         ``key``): the step and the micro-batch, so every rank of the pipeline draws the same numbers in
         the step's code before the call (:func:`drawing_from`)."""
-        return drawing_from(_seed(f"{self._shared}:{key}"), self._devices)
+        return drawing_from(_seed(f"{self._shared}:dp{self.dp_rank}:{key}"), self._devices)
+
+    def kept(self) -> Callable[[], None]:
+        """The streams as they are now; the returned function puts them back (a pipeline step run again,
+        once the optimizer step it ran on is redone, draws its first run's masks: those of checking first)."""
+        saved = dict(self._states)  # each state a tensor of its own, replaced, never written in place
+
+        def put_back() -> None:
+            self._states = dict(saved)
+
+        return put_back
 
     def name(self, stage: int) -> str:
         return f"stage{stage}_dp{self.dp_rank}"
 
+    @property
+    def _steps_name(self) -> str:  # the step code's seed, one per replica (every rank of it holds the same)
+        return f"steps_dp{self.dp_rank}"
+
     def names(self) -> list[str]:
-        return [self.name(s) for s in self._states]
+        return [*(self.name(s) for s in self._states), self._steps_name]
 
     def state_dict(self) -> dict[str, dict[str, torch.Tensor]]:
-        """Each stream as tensors, under :meth:`name` (the checkpoint's keys)."""
+        """Each stream as tensors, under :meth:`name`, and the step code's seed (the checkpoint's keys)."""
         return {
-            self.name(s): {"torch": st[0], **{f"cuda{i}": t for i, t in enumerate(st[1:])}}
-            for s, st in self._states.items()
+            **{
+                self.name(s): {"torch": st[0], **{f"cuda{i}": t for i, t in enumerate(st[1:])}}
+                for s, st in self._states.items()
+            },
+            self._steps_name: {"seed": torch.tensor([self._shared], dtype=torch.int64)},
         }
 
     def resume(self, saved: Mapping[str, Mapping[str, torch.Tensor]]) -> None:
         """Take the checkpoint's streams of this rank's stages at the next :meth:`apply_pending` (right
-        before the next training step, as the global streams are)."""
+        before the next training step, as the global streams are), and its step code's seed now."""
         self._pending = {s: saved[self.name(s)] for s in self._states if self.name(s) in saved}
+        if self._steps_name in saved:  # a checkpoint from before the seed was saved keeps this call's
+            self._shared = int(saved[self._steps_name]["seed"].item())
 
     def apply_pending(self) -> None:
         for s, state in self._pending.items():

@@ -387,18 +387,21 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
         with told(self._failures, f"global step {trainer.global_step}"):
             loss = self._training_step(args, kwargs)
         if self._signals is not None:  # a stop agreed now keeps the loader's position for its checkpoint
-            self._signals.settle(lambda: trainer.fit_loop.on_save_checkpoint().get("combined_loader"))
+            loop = trainer.fit_loop
+            ended = loop.epoch_loop.batch_progress.is_last_batch
+            with self._naming_lost("the stop-signal agreement of this step"):
+                self._signals.settle(lambda: loop.on_save_checkpoint().get("combined_loader"), ended)
         return loss
 
     def _training_step(self, args: tuple, kwargs: dict) -> Any:
         pipeline = self._built("training_step")
-        put_back = buffers_kept(self.lightning_module) if pipeline.checks.pending else None
+        put_back = self._redo_from(pipeline)
         loss, means = self._train_step(pipeline, args, kwargs)
         verdict = self._validate()  # the previous optimizer step's global check, long arrived
         if verdict is not None and verdict.redone:
             # That step was clipped or skipped after all: this step ran on the speculative weights.
             pipeline.metrics.undo()
-            if put_back is not None:  # its buffer writes (BatchNorm's statistics) happen once, in the rerun
+            if put_back is not None:  # its buffer writes (BatchNorm's statistics) and draws happen once, in the rerun
                 put_back()
             loss, means = self._train_step(pipeline, args, kwargs)
         log_step_values(self.lightning_module, means, pipeline.metrics.resolve, self.root_device, False)
@@ -406,6 +409,20 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
         if skipped:
             self.lightning_module.log("pipeline/skipped_steps", float(skipped), on_step=True, on_epoch=False)
         return loss.to(self.root_device)
+
+    def _redo_from(self, pipeline: Pipeline) -> Callable[[], None] | None:
+        """While an optimizer step's verdict is pending: this rank's buffers and random streams as they are
+        before the step, put back by the returned function should the step run again (None: no verdict
+        pending, nothing can be redone)."""
+        if not pipeline.checks.pending:
+            return None
+        buffers, streams = buffers_kept(self.lightning_module), pipeline.streams.kept()
+
+        def put_back() -> None:
+            buffers()
+            streams()
+
+        return put_back
 
     def _train_step(self, pipeline: Pipeline, args: tuple, kwargs: dict) -> tuple[torch.Tensor, Any]:
         pipeline.runner.begin("training_step", args, kwargs, self.num_microbatches, exact=True)
