@@ -9,6 +9,7 @@ import os
 import signal
 import time
 from pathlib import Path
+from typing import Any
 
 import lightning.pytorch as pl
 import pytest
@@ -33,12 +34,12 @@ STEPS = 40  # what the run would train without a signal
 class SignalMidStep(pl.Callback):
     """Sends ``sig`` to this process from inside the forward of training step ``at`` (on ``ranks``)."""
 
-    def __init__(self, ranks: set[int], sig: int = signal.SIGTERM, at: int = AT) -> None:
-        self.ranks, self.sig, self.at = ranks, sig, at
+    def __init__(self, ranks: set[int], sig: int = signal.SIGTERM, at: int = AT, by_batch: bool = False) -> None:
+        self.ranks, self.sig, self.at, self.by_batch = ranks, sig, at, by_batch  # by_batch: ``at`` counts batches
         self.sent: list[float] = []
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        if trainer.global_step == self.at:
+        if (batch_idx if self.by_batch else trainer.global_step) == self.at:
             self._arm(trainer)
 
     def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0):
@@ -93,17 +94,25 @@ def _stateful() -> StatefulDataLoader:
     return StatefulDataLoader(TensorDataset(torch.randn(64, 6, generator=g), torch.randn(64, 2, generator=g)), 8)
 
 
-def _resume_differs(world: int, folder: Path, stop: int) -> list[str]:
-    """Resumed from the checkpoint saved at the stop, trained for 2 epochs (16 steps): the parameters that
+def _resume_differs(world: int, folder: Path, stop: int, **kw: Any) -> list[str]:
+    """Resumed from the checkpoint saved at the stop, trained for 2 epochs (16 batches): the parameters that
     differ from an uninterrupted run's (bitwise), and the step count where it differs."""
     straight, resumed = AdamRegressor(), AdamRegressor()
-    checkpointing_trainer(world, -1, [], max_epochs=2).fit(straight, _stateful())
+    uninterrupted = checkpointing_trainer(world, -1, [], max_epochs=2, **kw)
+    uninterrupted.fit(straight, _stateful())
     saved = next(folder.glob(f"*-step={stop}.ckpt"))
-    trainer = checkpointing_trainer(world, -1, [], max_epochs=2)
+    trainer = checkpointing_trainer(world, -1, [], max_epochs=2, **kw)
     trainer.fit(resumed, _stateful(), ckpt_path=saved)
     want = own_weights(straight)
-    steps = [f"ended at step {trainer.global_step}"] if trainer.global_step != 16 else []
+    steps = [f"ended at step {trainer.global_step}"] if trainer.global_step != uninterrupted.global_step else []
     return steps + [n for n, q in own_weights(resumed).items() if not torch.equal(q, want[n])]
+
+
+# Where the signal comes (a training step, or with ``by_batch`` a batch) for the cases that resume. At the
+# epoch's second-to-last step (8 an epoch) the stop is agreed at its last, after which Lightning starts the
+# next epoch's loader before the step every rank stops at. Accumulating 2 batches a step, a signal in batch
+# 5 is seen after batch 6, inside a window: the stop waits for the window's end.
+RESUMES = {"resumed": {}, "resumed-at-epoch-end": {"at": 6}, "resumed-accumulating": {"at": 5, "by_batch": True}}
 
 
 def _run(rank: int, world: int, port: int, root: str, cases: list[str]) -> dict:
@@ -121,17 +130,16 @@ def _run(rank: int, world: int, port: int, root: str, cases: list[str]) -> dict:
             every_n_train_steps=2,
             save_top_k=-1,
             save_last=True,
-            save_on_exception=case in ("on-exception", "resumed", "resumed-at-epoch-end"),
+            save_on_exception=case == "on-exception" or case in RESUMES,
         )
-        # at the epoch's second-to-last step (8 an epoch): the stop is agreed at its last, after which
-        # Lightning starts the next epoch's loader before the step every rank stops at
-        mid = SignalMidStep({1} if case == "one-rank" else {0, 1}, at=6 if case == "resumed-at-epoch-end" else AT)
+        mid = SignalMidStep({1} if case == "one-rank" else {0, 1}, **RESUMES.get(case, {}))
+        kw = {"accumulate_grad_batches": 2} if case == "resumed-accumulating" else {}
         write = ckpt._write_shards
         if case == "during-save":
             _signal_during_save(mid.sent)
-        trainer = checkpointing_trainer(world, STEPS, [saving] + ([] if case == "during-save" else [mid]))
+        trainer = checkpointing_trainer(world, STEPS, [saving] + ([] if case == "during-save" else [mid]), **kw)
         try:
-            trainer.fit(AdamRegressor(), _stateful() if case.startswith("resumed") else data)
+            trainer.fit(AdamRegressor(), _stateful() if case in RESUMES else data)
             out[case] = {"error": None, "step": trainer.global_step}
         except Preempted as stop:
             took = time.monotonic() - mid.sent[0] if mid.sent else None
@@ -139,12 +147,12 @@ def _run(rank: int, world: int, port: int, root: str, cases: list[str]) -> dict:
         finally:
             ckpt._write_shards = write
         out[case]["handler"] = signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
-        if case.startswith("resumed") and out[case]["error"] is not None:
-            out[case]["differs"] = _resume_differs(world, folder, out[case]["step"])
+        if case in RESUMES and out[case]["error"] is not None:
+            out[case]["differs"] = _resume_differs(world, folder, out[case]["step"], **kw)
     return out
 
 
-CASES = ["mid-step", "one-rank", "during-save", "on-exception", "resumed", "resumed-at-epoch-end", "validate"]
+CASES = ["mid-step", "one-rank", "during-save", "on-exception", *RESUMES, "validate"]
 
 
 def test_sigterm_stops_every_rank_at_one_step_saves_and_exits_non_zero(tmp_path):
@@ -152,7 +160,7 @@ def test_sigterm_stops_every_rank_at_one_step_saves_and_exits_non_zero(tmp_path)
     for case in CASES:
         seen = [r[case] for r in results]
         assert all(s["error"] is not None for s in seen), (case, seen)  # no rank trained on to the end
-        at = 6 if case == "resumed-at-epoch-end" else AT
+        at = RESUMES.get(case, {}).get("at", AT)
         assert seen[0]["step"] == seen[1]["step"] <= at + 2, (case, seen)  # the same step, at most 2 later
         for s in seen:
             assert s["code"] == 128 + signal.SIGTERM and s["handler"], (case, s)  # 143; handlers put back
@@ -172,9 +180,10 @@ def test_sigterm_stops_every_rank_at_one_step_saves_and_exits_non_zero(tmp_path)
         stop = seen[0]["step"]
         if case == "on-exception":  # the step every rank stopped at, saved there
             assert f"epoch={(stop - 1) // 2}-step={stop}.ckpt" in saved, saved
-        if case.startswith("resumed"):  # resumed from that save: the uninterrupted run's parameters (the
-            # loader's position was saved one batch on, the batch taken before the step that stopped: the
-            # resumed run skipped it; at an epoch's end, the ended epoch's position: it skipped an epoch)
+        if case in RESUMES:  # resumed from that save: the uninterrupted run's parameters (the loader's
+            # position was saved one batch on, the batch taken before the step that stopped: the resumed run
+            # skipped it; at an epoch's end, the ended epoch's position: it skipped an epoch; inside an
+            # accumulation window, the window's first half was lost)
             assert seen[0]["differs"] == seen[1]["differs"] == [], seen
 
 

@@ -187,7 +187,7 @@ class StopSignals:
         work = dist.all_reduce(flags, group=group, async_op=True) if group is not None else None
         self._pending = (work, flags, members)
 
-    def settle(self, loader_states: Callable[[], Any], epoch_ended: bool) -> None:
+    def settle(self, loader_states: Callable[[], Any], epoch_ended: bool, steps: bool = True) -> None:
         """At the end of a training step on every rank: read this step's reduce (every rank started it
         before the step, so it has finished) and, where it says stop, keep ``loader_states()``, the
         training loader's position now. Lightning takes the next batch before the step at whose start
@@ -195,11 +195,15 @@ class StopSignals:
         the resumed run skip it. Where this step ended the epoch (``epoch_ended``), the stop comes after
         the next epoch's loader took its first batch: none is kept then (``[]``), so the resumed run
         starts that epoch's loader anew (this epoch's exhausted position made it skip the whole epoch).
-        :meth:`agree` raises at the next step's start, as before."""
+        :meth:`agree` raises at the next step's start, as before. A batch after which the optimizer does
+        not step (``steps`` False: inside a gradient-accumulation window) agrees to nothing: the window's
+        gradients are in no checkpoint, so the stop waits for its last batch (a signalled rank keeps
+        flagging, so the window's last reduce says it again)."""
         if not self._replaced or self._agreed is not None:
             return
-        self._agreed = self._read()
-        if self._agreed is not None:
+        seen = self._read()
+        if seen is not None and steps:
+            self._agreed = seen
             self.loader_states = [] if epoch_ended else loader_states()
 
     def close(self) -> None:

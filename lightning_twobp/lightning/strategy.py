@@ -388,9 +388,11 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
             loss = self._training_step(args, kwargs)
         if self._signals is not None:  # a stop agreed now keeps the loader's position for its checkpoint
             loop = trainer.fit_loop
-            ended = loop.epoch_loop.batch_progress.is_last_batch
+            progress = loop.epoch_loop.batch_progress  # the optimizer steps after this batch where Lightning does
+            ended = progress.is_last_batch
+            steps = ended or progress.current.ready % trainer.accumulate_grad_batches == 0
             with self._naming_lost("the stop-signal agreement of this step"):
-                self._signals.settle(lambda: loop.on_save_checkpoint().get("combined_loader"), ended)
+                self._signals.settle(lambda: loop.on_save_checkpoint().get("combined_loader"), ended, steps)
         return loss
 
     def _training_step(self, args: tuple, kwargs: dict) -> Any:
