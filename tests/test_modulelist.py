@@ -351,6 +351,42 @@ def test_modulelist_models_match_one_process(two_ranks, request, case):
                 torch.testing.assert_close(value, ref["again"]["params"][n], rtol=1e-5, atol=1e-6, msg=n)
 
 
+class MaskedLM(CausalLM):
+    """Masking drawn in the step before the model call, as a masked-LM step draws it: the first stage
+    masks the inputs with it, the last stage the targets, the middle ones re-run it for the side inputs."""
+
+    def __init__(self) -> None:
+        super().__init__("hf-llama")
+        self.masks: dict[int, list[list[bool]]] = {}  # global step -> each call's mask
+
+    def training_step(self, batch, batch_idx):
+        ids, targets, attention = batch
+        hide = torch.rand(ids.shape) < 0.3
+        self.masks.setdefault(self.trainer.global_step, []).append(hide.flatten().tolist())
+        return self._loss((ids.masked_fill(hide, 1), targets.masked_fill(~hide, -100), attention))
+
+
+def _masked(rank: int, world: int) -> dict:
+    """ZB-V, ranks seeded apart: rank 0 runs the step for stage 0 (the inputs) and 3 (the targets), rank 1
+    for stages 1 and 2; each rank's masks per step, as a set."""
+    lightning_env(rank, world)
+    pl.seed_everything(3 + rank, verbose=False)
+    model = MaskedLM()
+    _fit(model, TwoBPStrategy(num_microbatches=M, schedule="zb-v"), world, BATCH, max_steps=2)
+    return {step: sorted(map(tuple, masks)) for step, masks in model.masks.items()}
+
+
+def test_masking_drawn_in_the_step_is_the_same_on_every_stage(two_ranks, request):
+    """The step's code before the model call runs on every stage; a mask drawn there is one mask: the
+    first stage's masked inputs and the last stage's masked targets agree (they differed, silently but
+    for a warning, each stage drawing from its own stream), per micro-batch and step."""
+    first, second = two_ranks[request.node.name]
+    assert sorted(first) == sorted(second) == [0, 1], (first, second)
+    for step in (0, 1):
+        assert len(set(first[step])) == M and set(first[step]) == set(second[step]), step
+    assert not set(first[0]) & set(first[1])  # new draws each step
+
+
 def _bf16(rank: int | None = None, world: int = 1) -> dict:
     """HF Llama under precision="bf16-true" for 2 steps: in one process (``rank`` None, micro-batches
     accumulated) or pipelined with ZB-H1, the rank's own weights."""
@@ -383,6 +419,7 @@ def two_ranks(request) -> conftest.Launch:
     """The models' cases, in one launch of 2 ranks: a test's first call may wait for all of them."""
     cases = {f"test_modulelist_models_match_one_process[{k}]": (_pipelined, args) for k, args in CASES.items()}
     cases["test_bf16_true_stand_ins_carry_the_models_cast"] = (_bf16, ())
+    cases["test_masking_drawn_in_the_step_is_the_same_on_every_stage"] = (_masked, ())
     return launch(request, 2, cases, timeout=840)
 
 
