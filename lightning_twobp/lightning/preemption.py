@@ -221,8 +221,8 @@ class StopSignals:
         return (flags, members) if bool(flags.any()) else None
 
     def _stop(self, flags: torch.Tensor, members: list[int], where: str) -> None:
-        ranks = [r for r, s in zip(members, flags.tolist(), strict=True) if s]
-        signum = int(flags[members.index(ranks[0])])
+        signalled = [(r, s) for r, s in zip(members, flags.tolist(), strict=True) if s]
+        ranks, signum = [r for r, _ in signalled], signalled[0][1]
         name = signal.Signals(signum).name
         took = f" {time.monotonic() - self._received:.1f} s after it arrived here," if self._signum else ""
         message = (

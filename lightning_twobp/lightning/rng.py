@@ -70,12 +70,10 @@ class StageStreams:
         self._shared = shared if shared is not None else _seed(base)
 
     def _current(self) -> list[torch.Tensor]:
-        return [torch.get_rng_state(), *(torch.cuda.get_rng_state(d) for d in self._devices)]
+        return _torch_states(self._devices)
 
     def _install(self, states: list[torch.Tensor]) -> None:
-        torch.set_rng_state(states[0])
-        for d, state in zip(self._devices, states[1:], strict=False):
-            torch.cuda.set_rng_state(state, d)
+        _set_torch_states(states, self._devices)
 
     def _seeded(self, seed: int) -> list[torch.Tensor]:
         with torch.random.fork_rng(devices=self._devices):
@@ -154,7 +152,7 @@ def drawing_from(seed: int | None, devices: list[torch.device]) -> Iterator[Call
     left as they are) until the function this yields is called or the block ends; then they are as
     before it, untouched by what was drawn inside. Draws after that call go to the generators as
     they were (the last stage's own stream, where the step runs inside its F)."""
-    outer = [torch.get_rng_state(), *(torch.cuda.get_rng_state(d) for d in devices)]
+    outer = _torch_states(devices)
     np_outer = np.random.get_state() if np is not None else None
     py_outer = random.getstate()
     if seed is not None:
@@ -171,9 +169,7 @@ def drawing_from(seed: int | None, devices: list[torch.device]) -> Iterator[Call
         nonlocal handed_back
         if not handed_back:
             handed_back = True
-            torch.set_rng_state(outer[0])
-            for d, state in zip(devices, outer[1:], strict=True):
-                torch.cuda.set_rng_state(state, d)
+            _set_torch_states(outer, devices)
             if np is not None:
                 np.random.set_state(np_outer)
             random.setstate(py_outer)
@@ -182,3 +178,14 @@ def drawing_from(seed: int | None, devices: list[torch.device]) -> Iterator[Call
         yield hand_back
     finally:
         hand_back()
+
+
+def _torch_states(devices: list[torch.device]) -> list[torch.Tensor]:
+    """Torch's generator states: the CPU's, then each of ``devices``'."""
+    return [torch.get_rng_state(), *(torch.cuda.get_rng_state(d) for d in devices)]
+
+
+def _set_torch_states(states: list[torch.Tensor], devices: list[torch.device]) -> None:
+    torch.set_rng_state(states[0])
+    for d, state in zip(devices, states[1:], strict=False):
+        torch.cuda.set_rng_state(state, d)
