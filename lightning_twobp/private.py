@@ -101,10 +101,11 @@ def training_data_source(trainer: Any) -> Any:
 
 
 def unset_training_data(trainer: Any) -> None:
-    """Undo the fit loop's ``setup_data``, run early to read the first batch (``profile.first_batch``), so
-    that the loop sets its data up again itself where it would have: after a checkpoint's loader state is
-    restored (Lightning loads it there only: a stateful loader resumed at batch 0 otherwise) and outside
-    the random state the profiling forks. There is no public way to make the loop set its data up again."""
+    """Undo the fit loop's ``setup_data``, run early to read the first batch (``profile.first_batch``) or by
+    the user's code reading ``trainer.estimated_stepping_batches`` (``checkpoint_hooks.load``), so that the
+    loop sets its data up again itself where it would have: after a checkpoint's loader state is restored
+    (Lightning loads it there only: a stateful loader resumed at batch 0 otherwise) and outside the random
+    state the profiling forks. There is no public way to make the loop set its data up again."""
     loop = trainer.fit_loop
     if loop._data_fetcher is not None:
         loop._data_fetcher.teardown()

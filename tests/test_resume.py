@@ -1,7 +1,8 @@
 """Resuming from a mid-epoch checkpoint reproduces the uninterrupted run bitwise: the same batches
 (torchdata's StatefulDataLoader and StatefulDistributedSampler, whose position Lightning saves), each
-rank's random streams (dropout on both stages) and the step counters; resumed under schedule="auto"
-(which reads a batch before the checkpoint is loaded), the same batches."""
+rank's random streams (dropout on both stages) and the step counters, also where configure_optimizers
+reads trainer.estimated_stepping_batches (which sets the data up before the checkpoint is loaded);
+resumed under schedule="auto" (which reads a batch before the checkpoint is loaded), the same batches."""
 
 from __future__ import annotations
 
@@ -30,19 +31,37 @@ class Data(_DataModule):
         return regression_data(n=128).dataset, None
 
 
-def _trainer(world: int, strategy: TwoBPStrategy, max_steps: int, callbacks: list) -> pl.Trainer:
+def _trainer(world: int, strategy: TwoBPStrategy, max_steps: int, callbacks: list, **kw) -> pl.Trainer:
     """The data module's own samplers (StatefulDistributedSampler), saving only where a test asks."""
     return quiet_trainer(
         strategy,
         world,
         max_steps=max_steps,
+        **kw,
         enable_checkpointing=any(isinstance(c, pl.callbacks.ModelCheckpoint) for c in callbacks),
         use_distributed_sampler=True,
         callbacks=callbacks,
     )
 
 
-def _fit(world: int, max_steps: int, folder: str | None = None, ckpt_path: str | None = None, **kw) -> dict:
+class Estimating(Regressor):
+    """Reads trainer.estimated_stepping_batches where OneCycleLR's users do, which (given max_epochs) sets
+    the fit loop's data up before the checkpoint is restored (Lightning #20550)."""
+
+    def configure_optimizers(self):
+        assert self.trainer.estimated_stepping_batches == 7
+        return super().configure_optimizers()
+
+
+def _fit(
+    world: int,
+    max_steps: int,
+    folder: str | None = None,
+    ckpt_path: str | None = None,
+    model_class: type[Regressor] = Regressor,
+    trainer_kw: dict | None = None,
+    **kw,
+) -> dict:
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     losses: dict[int, float] = {}
@@ -57,9 +76,9 @@ def _fit(world: int, max_steps: int, folder: str | None = None, ckpt_path: str |
     if folder:
         cbs.append(ModelCheckpoint(dirpath=folder, every_n_train_steps=3, save_top_k=-1))
     pl.seed_everything(7, verbose=False)
-    model = Regressor(widths=(6, 32, 32, 2), dropout=0.5, optimizer=torch.optim.AdamW, lr=0.01)  # both stages drop
+    model = model_class(widths=(6, 32, 32, 2), dropout=0.5, optimizer=torch.optim.AdamW, lr=0.01)  # both stages drop
     strategy = TwoBPStrategy(**{"schedule": "zb-h1", "num_microbatches": 4, "balance": [3, 4], **kw})
-    _trainer(world, strategy, max_steps, cbs).fit(model, datamodule=Data(), ckpt_path=ckpt_path)
+    _trainer(world, strategy, max_steps, cbs, **(trainer_kw or {})).fit(model, datamodule=Data(), ckpt_path=ckpt_path)
     return {"losses": losses, "weights": own_weights(model), "batches": batches}
 
 
@@ -70,17 +89,23 @@ def _runs(rank: int, world: int, folder: str) -> dict:
     resumed = _fit(world, 7, ckpt_path=f"{folder}/epoch=0-step=3.ckpt")
     # schedule="auto" reads a batch to measure the layers before the checkpoint is loaded
     auto = _fit(world, 5, ckpt_path=f"{folder}/epoch=0-step=3.ckpt", schedule="auto", memory_limit="1f1b")
-    return {"straight": straight, "resumed": resumed, "auto": auto}
+    estimating = _fit(
+        world, 7, ckpt_path=f"{folder}/epoch=0-step=3.ckpt", model_class=Estimating, trainer_kw={"max_epochs": 1}
+    )
+    return {"straight": straight, "resumed": resumed, "auto": auto, "estimating": estimating}
 
 
 def test_resume_mid_epoch_is_bitwise(two_ranks):
     for rank, r in enumerate(two_ranks[MID_EPOCH]):
-        straight, resumed = r["straight"], r["resumed"]
-        assert sorted(resumed["losses"]) == [4, 5, 6, 7]
-        for step, loss in resumed["losses"].items():
-            assert loss == straight["losses"][step], f"rank {rank}: step {step}'s loss differs after resuming"
-        for name, value in straight["weights"].items():
-            assert torch.equal(resumed["weights"][name], value), f"rank {rank}: {name} differs after resuming"
+        straight = r["straight"]
+        # resumed as it was saved, and by a model whose configure_optimizers reads the estimated step count
+        for run in ("resumed", "estimating"):
+            resumed = r[run]
+            assert sorted(resumed["losses"]) == [4, 5, 6, 7], run
+            for step, loss in resumed["losses"].items():
+                assert loss == straight["losses"][step], f"rank {rank}, {run}: step {step}'s loss differs"
+            for name, value in straight["weights"].items():
+                assert torch.equal(resumed["weights"][name], value), f"rank {rank}, {run}: {name} differs"
         # resumed under schedule="auto" (whatever it picks), the data goes on from the saved position
         assert sorted(r["auto"]["batches"]) == [4, 5]
         for step, batch in r["auto"]["batches"].items():

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_twobp.engine.failure import FailureChannel
@@ -18,6 +19,7 @@ from lightning_twobp.lightning.checkpoint import set_rng_state
 from lightning_twobp.lightning.failures import save_refused
 from lightning_twobp.lightning.preemption import Preempted
 from lightning_twobp.lightning.rng import StageStreams
+from lightning_twobp.private import unset_training_data
 
 if TYPE_CHECKING:
     from lightning_twobp.lightning.pipeline import Pipeline
@@ -96,6 +98,12 @@ def load(
     and the random states to restore right before the next training step."""
     path = Path(strategy.broadcast(str(checkpoint_path)))
     lm = strategy.lightning_module
+    if lm.trainer.state.fn == TrainerFn.FITTING:
+        # The fit loop set its data up early where the user's code read trainer.estimated_stepping_batches
+        # (OneCycleLR's total_steps, in configure_optimizers) and then skips loading the checkpoint's loader
+        # position: the resumed run re-read the epoch from its first batch (Lightning #20550, one process
+        # alike). Undone, the loop sets its data up again after the restore, as it does when nothing reads it.
+        unset_training_data(lm.trainer)
     checkpoint = ckpt.load(
         path,
         lm,
