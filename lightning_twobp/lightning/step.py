@@ -461,9 +461,11 @@ def share_logs(
     group: dist.ProcessGroup | None,
     device: torch.device,
     states: States | None = None,
-) -> tuple[torch.Tensor | None, Logs, States]:
-    """The loss, the logged values and the Metrics' step states of one evaluation step, on every rank of
-    the pipeline.
+    stop: bool | None = None,
+) -> tuple[torch.Tensor | None, Logs, States, bool]:
+    """The loss, the logged values, the Metrics' step states of one evaluation step and the last stage's
+    ``trainer.should_stop`` (``stop``: the step's code may set it, on the last stage only), on every rank
+    of the pipeline.
 
     They live on the rank holding the last stage (``src``, a global rank): there each logged value is
     averaged over the micro-batches (:func:`step_means`), and all are broadcast to the pipeline's ranks
@@ -475,7 +477,7 @@ def share_logs(
             name: (v.cpu() if isinstance(v, torch.Tensor) else v, kw) for name, (v, kw) in step_means(state).items()
         }
         metrics = {p: {k: v.cpu() for k, v in st.items()} for p, st in (states or {}).items()}
-        payload = (None if loss is None else loss.detach().cpu(), means, metrics)
+        payload = (None if loss is None else loss.detach().cpu(), means, metrics, bool(stop))
     box = [payload]
     if dist.is_initialized() and dist.get_world_size(group) > 1:
         dist.broadcast_object_list(box, src=src, group=group, device=device if device.type == "cuda" else None)
