@@ -636,6 +636,10 @@ class ReturnsADict(Regressor):
     def training_step(self, batch, batch_idx):
         return {"loss": super().training_step(batch, batch_idx), "mae": torch.tensor(0.0)}
 
+    def validation_step(self, batch, batch_idx):
+        preds = self._forward(batch[0])
+        return {"preds": preds, "loss": torch.nn.functional.mse_loss(preds, batch[1])}  # outputs in one process
+
 
 class Mixup(Regressor):
     """Mixup drawn in the step, before the pipelined call (torch's lambda, NumPy's and Python's draws as
@@ -679,7 +683,7 @@ def _fit_warned(rank: int, world: int) -> list[str]:
     lightning_env(rank, world)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        _trainer(TwoBPStrategy(), world).fit(ReturnsADict(), _data())
+        _trainer(TwoBPStrategy(), world).fit(ReturnsADict(), _data(), _eval_data())
     return [str(w.message) for w in caught if str(w.message).startswith("twobp:")]
 
 
@@ -702,11 +706,14 @@ def test_random_draws_before_the_pipelined_call_agree_across_stages(two_ranks, r
 
 def test_keys_a_training_step_returns_beside_the_loss_are_named_once(two_ranks, request):
     """Lightning's outputs hold only the loss under the pipeline: the keys left out are named, not dropped
-    silently (once, on the last stage, which runs the step per micro-batch)."""
+    silently (once, on the last stage, which runs the step per micro-batch); and what a validation_step
+    returns, which the pipeline does not carry (on_validation_batch_end's outputs are None), likewise."""
     first, last = two_ranks[request.node.name]
     assert first == [], first
-    assert len(last) == 1 and "training_step returned ['mae'] beside 'loss'" in last[0], last
-    assert "self.log" in last[0], last
+    assert len(last) == 2, last
+    trained, validated = sorted(last, key=lambda said: "validation_step" in said)  # the sanity check said first
+    assert "training_step returned ['mae'] beside 'loss'" in trained and "self.log" in trained, last
+    assert "validation_step returned dict" in validated and "`outputs` is None on every rank" in validated, last
 
 
 class StopsInTheStep(Regressor):

@@ -179,6 +179,7 @@ class Pipeline:
             with self.streams.fork(ex.last):  # the last stage's part of the step, after the block
                 for i, out in enumerate(outs):
                     runner.provide(i, out)
+            runner.say_dropped()
         self._log_eval_means(last_rank, group)
         if hook != "predict_step" or outs is None:
             return None

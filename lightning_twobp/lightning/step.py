@@ -258,6 +258,7 @@ class StepRunner:
         self.metrics = metrics
         self.state: StepState | None = None
         self._told_extra = False  # the warning about a training_step's keys beside "loss", once a run
+        self._told_dropped: set[str] = set()  # the hooks whose returned values were said to be dropped
         # The pipeline's random streams once it is built: the step's code before the pipelined call draws
         # alike on every stage (None while profiling, before the pipeline exists).
         self.streams: StageStreams | None = None
@@ -365,6 +366,19 @@ class StepRunner:
         self.current.losses.append(loss.detach())
         return loss
 
+    def say_dropped(self) -> None:
+        """On the last stage, after an evaluation step: a ``validation_step`` or ``test_step`` that returned
+        something (Lightning hands it to ``on_validation_batch_end`` as ``outputs``) is told, once a run, that
+        the pipeline does not carry it: ``outputs`` is None there on every rank. Not for a returned loss
+        alone (a 0-d tensor, or a dict of ``loss`` only), which evaluation steps return by habit."""
+        hook = self.current.hook
+        if hook in self._told_dropped or hook == "predict_step":
+            return
+        returned = sorted({type(r).__name__ for r in self.current.results if not _loss_alone(r)})
+        if returned:
+            self._told_dropped.add(hook)
+            warnings.warn(_dropped(hook, returned), stacklevel=2)
+
     def mean_loss(self) -> torch.Tensor:
         """The step's loss: the mean over micro-batches, computed as the executor computes it."""
         return torch.stack(self.current.losses).mean()
@@ -380,6 +394,21 @@ def _extra_keys(hook: str, keys: list[str]) -> str:
         f"last pipeline stage, and the step's outputs (on_train_batch_end's `outputs`, on every rank) hold only "
         f"'loss'. Log what the step measures with self.log (combined over the micro-batches as one process "
         f"logs it), or collect it in a torchmetrics Metric or in the module's own state (on the last stage)"
+    )
+
+
+def _loss_alone(result: Any) -> bool:
+    loss = result.get("loss") if isinstance(result, dict) and set(result) == {"loss"} else result
+    return loss is None or (isinstance(loss, torch.Tensor) and loss.dim() == 0)
+
+
+def _dropped(hook: str, returned: list[str]) -> str:
+    batch_end = f"on_{hook.removesuffix('_step')}_batch_end"
+    return (
+        f"twobp: {hook} returned {', '.join(returned)}: under strategy='twobp' it runs once per micro-batch on the "
+        f"last pipeline stage, and what it returns is not carried: {batch_end}'s `outputs` is None on every rank. "
+        f"Log what the step measures with self.log (combined over the micro-batches as one process logs it), or "
+        f"collect it in a torchmetrics Metric logged with self.log or in the module's own state (on the last stage)"
     )
 
 
