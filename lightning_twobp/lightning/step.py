@@ -355,6 +355,14 @@ class StepRunner:
         """The executor's ``loss_fn``: the training step on micro-batch ``index`` returns the loss."""
         out = self.provide(index, output)
         loss = out.get("loss") if isinstance(out, dict) else out
+        if loss is None:  # one process skips the batch's backward and optimizer step
+            raise TypeError(
+                f"{self.current.hook} returned None on micro-batch {index}, which skips the batch in one process: "
+                f"under strategy='twobp' the schedule runs every micro-batch's backward, so a step cannot skip "
+                f"its batch (nor one micro-batch); return the loss. To skip a non-finite step on every rank use "
+                f"TwoBPStrategy(on_nonfinite='skip'); to drop samples, filter them in the data or weigh their "
+                f"loss by 0"
+            )
         if not isinstance(loss, torch.Tensor):
             raise TypeError(
                 f"{self.current.hook} returned {type(out).__name__} on micro-batch {index}: under strategy='twobp' "
