@@ -93,6 +93,15 @@ class ReturnsString(Net):
         return "done"
 
 
+class ReturnsNone(Net):
+    """Skips a batch as one process skips it: by returning None."""
+
+    def training_step(self, batch, batch_idx):
+        x, _ = batch
+        self.layers(x)
+        return None
+
+
 class LogsString(Net):
     def training_step(self, batch, batch_idx):
         self.log("phase", "warmup")
@@ -645,6 +654,12 @@ CASES: dict[str, Case] = {
         RuntimeError,
         r"training_step returned str on micro-batch 0: .* must return the loss tensor",
     ),
+    "fit-step-returns-none": (
+        lambda t: _fit(ReturnsNone()),
+        RuntimeError,
+        r"training_step returned None on micro-batch 0, which skips the batch in one process: .* a step cannot "
+        r"skip its batch",
+    ),
     "fit-log-a-string": (
         lambda t: _fit(LogsString()),
         RuntimeError,
@@ -854,6 +869,7 @@ AT_FIRST_FORWARD = {
     "fit-step-skips-layers",
     "fit-input-requires-grad",
     "fit-step-returns-no-loss",
+    "fit-step-returns-none",
     "fit-log-a-string",
     "fit-batch-tensors-differ",
 }

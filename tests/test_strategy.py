@@ -8,6 +8,7 @@ import random
 import warnings
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import lightning.pytorch as pl
 import numpy as np
@@ -635,6 +636,10 @@ class ReturnsADict(Regressor):
     def training_step(self, batch, batch_idx):
         return {"loss": super().training_step(batch, batch_idx), "mae": torch.tensor(0.0)}
 
+    def validation_step(self, batch, batch_idx):
+        preds = self._forward(batch[0])
+        return {"preds": preds, "loss": torch.nn.functional.mse_loss(preds, batch[1])}  # outputs in one process
+
 
 class Mixup(Regressor):
     """Mixup drawn in the step, before the pipelined call (torch's lambda, NumPy's and Python's draws as
@@ -678,7 +683,7 @@ def _fit_warned(rank: int, world: int) -> list[str]:
     lightning_env(rank, world)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        _trainer(TwoBPStrategy(), world).fit(ReturnsADict(), _data())
+        _trainer(TwoBPStrategy(), world).fit(ReturnsADict(), _data(), _eval_data())
     return [str(w.message) for w in caught if str(w.message).startswith("twobp:")]
 
 
@@ -701,11 +706,62 @@ def test_random_draws_before_the_pipelined_call_agree_across_stages(two_ranks, r
 
 def test_keys_a_training_step_returns_beside_the_loss_are_named_once(two_ranks, request):
     """Lightning's outputs hold only the loss under the pipeline: the keys left out are named, not dropped
-    silently (once, on the last stage, which runs the step per micro-batch)."""
+    silently (once, on the last stage, which runs the step per micro-batch); and what a validation_step
+    returns, which the pipeline does not carry (on_validation_batch_end's outputs are None), likewise."""
     first, last = two_ranks[request.node.name]
     assert first == [], first
-    assert len(last) == 1 and "training_step returned ['mae'] beside 'loss'" in last[0], last
-    assert "self.log" in last[0], last
+    assert len(last) == 2, last
+    trained, validated = sorted(last, key=lambda said: "validation_step" in said)  # the sanity check said first
+    assert "training_step returned ['mae'] beside 'loss'" in trained and "self.log" in trained, last
+    assert "validation_step returned dict" in validated and "`outputs` is None on every rank" in validated, last
+
+
+class StopsInTheStep(Regressor):
+    """Stops training from its own step code, which runs on the last stage only under the pipeline:
+    ``training_step`` at global step 2, or ``validation_step`` in epoch 1's validation."""
+
+    def __init__(self, where: str) -> None:
+        super().__init__()
+        self.where = where
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        if self.where == "training_step" and self.trainer.global_step == 2:
+            self.trainer.should_stop = True
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        super().validation_step(batch, batch_idx)
+        if self.where == "validation_step" and self.current_epoch == 1 and not self.trainer.sanity_checking:
+            self.trainer.should_stop = True
+
+
+def _fit_stopped(model: pl.LightningModule, strategy: Any, devices: int) -> tuple[int, dict]:
+    trainer = _trainer(strategy, devices, max_steps=-1, max_epochs=4)
+    trainer.fit(model, _data(), regression_data(16, seed=3))
+    return trainer.global_step, _trained(model)
+
+
+def _fit_stopped_pipelined(rank: int, world: int, where: str, schedule: str) -> tuple[int, dict]:
+    lightning_env(rank, world)
+    # without the stop shared, the first stage went on alone: a hang until the process group's timeout
+    return _fit_stopped(StopsInTheStep(where), TwoBPStrategy(schedule=schedule, pipeline_timeout=60), world)
+
+
+STOPS = {"training_step": "zb-h2", "validation_step": "1f1b"}
+
+
+@pytest.mark.parametrize("where", list(STOPS))
+def test_should_stop_set_in_the_steps_code_stops_every_rank(two_ranks, request, where):
+    """``self.trainer.should_stop = True`` in ``training_step`` or ``validation_step`` is set on the last
+    stage only (the step's code after the pipelined call runs there); every rank of the pipeline stops at
+    the same step as one process does."""
+    ref_step, ref = _fit_stopped(StopsInTheStep(where), "auto", 1)
+    assert ref_step == (3 if where == "training_step" else 16), ref_step
+    results = two_ranks[request.node.name]
+    assert [step for step, _ in results] == [ref_step, ref_step]
+    for name, got in (results[0][1] | results[1][1]).items():
+        torch.testing.assert_close(got, ref[name], rtol=1e-5, atol=1e-6, msg=name)
 
 
 @pytest.fixture(scope="module")
@@ -725,6 +781,10 @@ def two_ranks(request, shared) -> conftest.Launch:
         "test_keys_a_training_step_returns_beside_the_loss_are_named_once": (_fit_warned, ()),
         "test_random_draws_before_the_pipelined_call_agree_across_stages": (_fit_mixup, ()),
         "test_resume_rebuilds_each_ranks_own_param_groups": (_group_settings_resumed, (str(shared / "groups"),)),
+    }
+    cases |= {
+        f"test_should_stop_set_in_the_steps_code_stops_every_rank[{w}]": (_fit_stopped_pipelined, (w, s))
+        for w, s in STOPS.items()
     }
     cases |= {
         f"test_resume_under_another_partition_restores_optimizer_state[{k}]": (

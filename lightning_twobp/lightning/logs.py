@@ -9,14 +9,17 @@ with non-blocking sends of small tensors on a process group of their own (so the
 with the schedule's, which NCCL would match in posting order), and the other ranks take them at the
 end of their step (:meth:`LogChannel.receive`), when they have long arrived.
 
-A message is a header ``[values, names signature, bytes of names]`` (int64) and the values
+A message is a header ``[values, names signature, bytes of names, stop]`` (int64) and the values
 (float64: the mean loss, then each logged value, combined over the micro-batches as
 :func:`~.step.step_means` does, then the step states of the torchmetrics Metrics, flattened: see
 :mod:`.metrics`); the names, their ``self.log`` options and types, and the states' names, dtypes and
 shapes travel as pickled bytes only when they change (the first step, a metric logged only every few
 steps, a last batch of another size). Float64 holds every float32, bfloat16 and int below 2**53
-exactly, so the values logged and the states merged are the last stage's.
-On a GPU the receiving ranks read the 3-number header on the host: one synchronisation per step
+exactly, so the values logged and the states merged are the last stage's. ``stop`` is the last
+stage's ``trainer.should_stop`` after the step: code after the pipelined call (``self.trainer.should_stop
+= True`` once the loss is low enough) runs there only, and a rank that went on alone waited for a peer
+that had left the loop until the process group's timeout.
+On a GPU the receiving ranks read the 4-number header on the host: one synchronisation per step
 at its end, on data that arrived during the step.
 """
 
@@ -111,8 +114,9 @@ class LogChannel:
             work.wait()
         self._in_flight = []
 
-    def send(self, loss: torch.Tensor, means: Logs, states: States | None = None) -> None:
-        """On the last stage's rank, right after its last forward: send without waiting."""
+    def send(self, loss: torch.Tensor, means: Logs, states: States | None = None, stop: bool = False) -> None:
+        """On the last stage's rank, right after its last forward: send without waiting (``stop``: the
+        step's code asked the Trainer to stop)."""
         self.flush()  # the previous step's message has long been taken
         states = states or {}
         spec = (_spec_of(means), _states_spec(states))
@@ -134,7 +138,7 @@ class LogChannel:
             ]
             + [v.detach().to(self.device, torch.float64).reshape(-1) for st in states.values() for v in st.values()]
         )
-        header = torch.tensor([values.numel(), signature, len(names)], dtype=torch.int64, device=self.device)
+        header = torch.tensor([values.numel(), signature, len(names), int(stop)], dtype=torch.int64, device=self.device)
         tensors = [(header, _TAG_HEADER), (values, _TAG_VALUES)]
         if names:
             tensors.append((torch.frombuffer(bytearray(names), dtype=torch.uint8).to(self.device), _TAG_NAMES))
@@ -142,13 +146,13 @@ class LogChannel:
             for t, tag in tensors:
                 self._in_flight += [dist.isend(t, self._global[peer], group=self.group, tag=tag), t]
 
-    def receive(self) -> tuple[torch.Tensor, Logs, States]:
-        """On the other ranks, at the end of their step: the loss, the logged means and the Metrics'
-        step states."""
+    def receive(self) -> tuple[torch.Tensor, Logs, States, bool]:
+        """On the other ranks, at the end of their step: the loss, the logged means, the Metrics' step
+        states and whether the step's code on the last stage asked the Trainer to stop."""
         src = self._global[self.src]
-        header = torch.empty(3, dtype=torch.int64, device=self.device)
+        header = torch.empty(4, dtype=torch.int64, device=self.device)
         dist.recv(header, src, group=self.group, tag=_TAG_HEADER)
-        count, signature, nbytes = header.tolist()  # on a GPU: the step's host read
+        count, signature, nbytes, stop = header.tolist()  # on a GPU: the step's host read
         values = torch.empty(count, dtype=torch.float64, device=self.device)
         dist.recv(values, src, group=self.group, tag=_TAG_VALUES)
         if nbytes:
@@ -159,4 +163,4 @@ class LogChannel:
             raise RuntimeError("the logged names were never received: the log channel lost a message")
         spec, state_spec = self._spec[1]
         means: Logs = {name: (_restore(values[i + 1], kind), kw) for i, (name, kw, kind) in enumerate(spec)}
-        return values[0].float(), means, _unflatten(state_spec, values[1 + len(spec) :])
+        return values[0].float(), means, _unflatten(state_spec, values[1 + len(spec) :]), bool(stop)

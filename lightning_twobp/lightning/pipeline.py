@@ -154,11 +154,12 @@ class Pipeline:
             return result.loss, self.means
         assert self.logs is not None
         try:
-            loss, means, states = self.logs.receive()
+            loss, means, states, stop = self.logs.receive()
         except RuntimeError as e:  # the last stage's rank died after this rank's last action
             last = self.executor.schedule.stage_to_rank[self.executor.last]
             raise self.executor.peer_lost(last, "the step's loss and logs", e) from e
         self.metrics.apply(states)
+        _stop_too(self.runner.module, stop)
         return loss, means
 
     def eval_step(self, state: Any, hook: str, last_rank: int, group: Any) -> Any:
@@ -178,6 +179,7 @@ class Pipeline:
             with self.streams.fork(ex.last):  # the last stage's part of the step, after the block
                 for i, out in enumerate(outs):
                     runner.provide(i, out)
+            runner.say_dropped()
         self._log_eval_means(last_rank, group)
         if hook != "predict_step" or outs is None:
             return None
@@ -189,9 +191,11 @@ class Pipeline:
         last = self.holds_last
         device = self.executor.device
         states = self.metrics.end() if last else None
-        _, means, states = share_logs(self.runner.state if last else None, None, src, group, device, states)
+        stop = self.runner.module.trainer.should_stop if last else None
+        _, means, states, stop = share_logs(self.runner.state if last else None, None, src, group, device, states, stop)
         if not last:
             self.metrics.apply(states)
+            _stop_too(self.runner.module, stop)
         # Synchronised unless the step says otherwise: the epoch value over the replicas, as one process.
         log_step_values(self.runner.module, means, self.metrics.resolve, device, sync=True)
 
@@ -204,8 +208,17 @@ class Pipeline:
             states = self.metrics.end()
             self.means = step_means(runner.current)
             if self.logs is not None:
-                self.logs.send(runner.mean_loss(), self.means, states)
+                self.logs.send(runner.mean_loss(), self.means, states, stop=runner.module.trainer.should_stop)
         return loss
+
+
+def _stop_too(lm: Any, stop: bool) -> None:
+    """A rank without the last stage stops where the last stage's step code set ``trainer.should_stop``
+    (the code after the pipelined call runs there only): every rank of the pipeline leaves the loop at the
+    same step, as one process does (a rank going on alone waited on its peers until the process group's
+    timeout). Only ever set here, never cleared: a stop of this rank's own (a callback's) stays."""
+    if stop:
+        lm.trainer.should_stop = True
 
 
 def _shared_seed(strategy: TwoBPStrategy) -> int | None:

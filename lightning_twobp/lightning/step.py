@@ -258,6 +258,7 @@ class StepRunner:
         self.metrics = metrics
         self.state: StepState | None = None
         self._told_extra = False  # the warning about a training_step's keys beside "loss", once a run
+        self._told_dropped: set[str] = set()  # the hooks whose returned values were said to be dropped
         # The pipeline's random streams once it is built: the step's code before the pipelined call draws
         # alike on every stage (None while profiling, before the pipeline exists).
         self.streams: StageStreams | None = None
@@ -354,6 +355,14 @@ class StepRunner:
         """The executor's ``loss_fn``: the training step on micro-batch ``index`` returns the loss."""
         out = self.provide(index, output)
         loss = out.get("loss") if isinstance(out, dict) else out
+        if loss is None:  # one process skips the batch's backward and optimizer step
+            raise TypeError(
+                f"{self.current.hook} returned None on micro-batch {index}, which skips the batch in one process: "
+                f"under strategy='twobp' the schedule runs every micro-batch's backward, so a step cannot skip "
+                f"its batch (nor one micro-batch); return the loss. To skip a non-finite step on every rank use "
+                f"TwoBPStrategy(on_nonfinite='skip'); to drop samples, filter them in the data or weigh their "
+                f"loss by 0"
+            )
         if not isinstance(loss, torch.Tensor):
             raise TypeError(
                 f"{self.current.hook} returned {type(out).__name__} on micro-batch {index}: under strategy='twobp' "
@@ -364,6 +373,19 @@ class StepRunner:
             warnings.warn(_extra_keys(self.current.hook, sorted(k for k in out if k != "loss")), stacklevel=2)
         self.current.losses.append(loss.detach())
         return loss
+
+    def say_dropped(self) -> None:
+        """On the last stage, after an evaluation step: a ``validation_step`` or ``test_step`` that returned
+        something (Lightning hands it to ``on_validation_batch_end`` as ``outputs``) is told, once a run, that
+        the pipeline does not carry it: ``outputs`` is None there on every rank. Not for a returned loss
+        alone (a 0-d tensor, or a dict of ``loss`` only), which evaluation steps return by habit."""
+        hook = self.current.hook
+        if hook in self._told_dropped or hook == "predict_step":
+            return
+        returned = sorted({type(r).__name__ for r in self.current.results if not _loss_alone(r)})
+        if returned:
+            self._told_dropped.add(hook)
+            warnings.warn(_dropped(hook, returned), stacklevel=2)
 
     def mean_loss(self) -> torch.Tensor:
         """The step's loss: the mean over micro-batches, computed as the executor computes it."""
@@ -380,6 +402,21 @@ def _extra_keys(hook: str, keys: list[str]) -> str:
         f"last pipeline stage, and the step's outputs (on_train_batch_end's `outputs`, on every rank) hold only "
         f"'loss'. Log what the step measures with self.log (combined over the micro-batches as one process "
         f"logs it), or collect it in a torchmetrics Metric or in the module's own state (on the last stage)"
+    )
+
+
+def _loss_alone(result: Any) -> bool:
+    loss = result.get("loss") if isinstance(result, dict) and set(result) == {"loss"} else result
+    return loss is None or (isinstance(loss, torch.Tensor) and loss.dim() == 0)
+
+
+def _dropped(hook: str, returned: list[str]) -> str:
+    batch_end = f"on_{hook.removesuffix('_step')}_batch_end"
+    return (
+        f"twobp: {hook} returned {', '.join(returned)}: under strategy='twobp' it runs once per micro-batch on the "
+        f"last pipeline stage, and what it returns is not carried: {batch_end}'s `outputs` is None on every rank. "
+        f"Log what the step measures with self.log (combined over the micro-batches as one process logs it), or "
+        f"collect it in a torchmetrics Metric logged with self.log or in the module's own state (on the last stage)"
     )
 
 
@@ -461,9 +498,11 @@ def share_logs(
     group: dist.ProcessGroup | None,
     device: torch.device,
     states: States | None = None,
-) -> tuple[torch.Tensor | None, Logs, States]:
-    """The loss, the logged values and the Metrics' step states of one evaluation step, on every rank of
-    the pipeline.
+    stop: bool | None = None,
+) -> tuple[torch.Tensor | None, Logs, States, bool]:
+    """The loss, the logged values, the Metrics' step states of one evaluation step and the last stage's
+    ``trainer.should_stop`` (``stop``: the step's code may set it, on the last stage only), on every rank
+    of the pipeline.
 
     They live on the rank holding the last stage (``src``, a global rank): there each logged value is
     averaged over the micro-batches (:func:`step_means`), and all are broadcast to the pipeline's ranks
@@ -475,7 +514,7 @@ def share_logs(
             name: (v.cpu() if isinstance(v, torch.Tensor) else v, kw) for name, (v, kw) in step_means(state).items()
         }
         metrics = {p: {k: v.cpu() for k, v in st.items()} for p, st in (states or {}).items()}
-        payload = (None if loss is None else loss.detach().cpu(), means, metrics)
+        payload = (None if loss is None else loss.detach().cpu(), means, metrics, bool(stop))
     box = [payload]
     if dist.is_initialized() and dist.get_world_size(group) > 1:
         dist.broadcast_object_list(box, src=src, group=group, device=device if device.type == "cuda" else None)
