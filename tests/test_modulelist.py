@@ -652,6 +652,13 @@ def test_discovery_and_its_errors():
     ):
         find_contract(Two())
     assert find_contract(Two(), layers="encoder").list_name == "encoder"
+    longer = Two()
+    longer.decoder.extend(nn.Linear(2, 2) for _ in range(2))  # the example names the longest list, not the first
+    with pytest.raises(ValueError, match=r"e\.g\. layers='decoder' for the blocks"):
+        find_contract(longer)
+    longer.decoder = nn.ModuleList([nn.Linear(2, 2)])
+    with pytest.raises(ValueError, match=r"e\.g\. layers='encoder' for the blocks"):
+        find_contract(longer)
     with_metrics = Two()
     del with_metrics.decoder
     with_metrics.metrics = nn.ModuleList(nn.Identity() for _ in range(2))  # no parameters: not a candidate
