@@ -452,9 +452,11 @@ class Gate(nn.Module):
         super().__init__()
         self.lin = nn.Linear(6, 6)
 
-    def forward(self, x, scale=None, residual=None):
+    def forward(self, x, scale=None, residual=None, shared=None):
         y = torch.tanh(self.lin(x))
         y = y if scale is None else y * scale
+        if shared is not None:  # the first block leaves its output to the later ones (Gemma4's KV sharing)
+            y = y + shared["kv"] if "kv" in shared else shared.setdefault("kv", y)
         return y if residual is None else (y, residual + y)
 
 
@@ -498,6 +500,7 @@ class Loop(nn.Module):
         h = self.embed(x) + offset
         side = (h.sum(-1, keepdim=True) > 0).float() if self.kind == "side-from-embedding" else None
         residual = torch.zeros_like(x) if self.kind == "residual" else None
+        shared: dict[str, torch.Tensor] = {}
         hs = []
         if self.kind == "shared":  # ALBERT: one layer group, called for every layer
             for _ in range(4):
@@ -507,7 +510,9 @@ class Loop(nn.Module):
                 continue
             if self.kind == "layerdrop" and self.training and torch.rand([]) < self.config.layerdrop:
                 continue
-            if residual is None:
+            if self.kind == "shared-state":
+                h = block(h, shared=shared)
+            elif residual is None:
                 h = block(h, scale=side)
             else:
                 h, residual = block(h, residual=residual)  # two hidden states between blocks
@@ -583,6 +588,10 @@ ERRORS = {
     "layerdrop": (
         r"^ValueError: model drops blocks at random in training \(model.config.layerdrop=0.5: LayerDrop\).*"
         r"set self.model.config.layerdrop = 0.0 before fit"
+    ),
+    "shared-state": (
+        r"an argument of it \(model.blocks\[2\]\) was computed by model.blocks\[0\] \(pipeline stage 0\)"
+        r".*nor blocks that hand values to later blocks through a side input"
     ),
     "twice": r"the step called model a second time",
     "residual": r"an argument of it \(model.blocks\[2\]\) was computed by model.blocks\[1\] \(pipeline stage 0\)",

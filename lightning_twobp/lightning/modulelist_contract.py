@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import copy
 import logging
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, TypeGuard, TypeVar
@@ -563,7 +563,9 @@ class ModuleListContract:
                 f"{what} ({self.list_name}[{i}]) was computed by {x.where}, which is not on this pipeline stage: "
                 f"under strategy='twobp' only the hidden state passes between stages; a block's side inputs must "
                 f"come from the batch (masks, positions, rotary embeddings), not from layers of other stages (a "
-                f"block that returns several hidden states, e.g. a residual stream, is not supported), and "
+                f"block that returns several hidden states, e.g. a residual stream, is not supported, nor blocks that "
+                f"hand values to later blocks through a side input they write into, e.g. Gemma4's keys and values "
+                f"shared across layers, num_kv_shared_layers > 0), and "
                 f"modules with parameters run either before the loop (registered before {self.list_name}: the "
                 f"first stage) or after it (registered after: the last stage), not between blocks"
             )
@@ -577,7 +579,12 @@ class ModuleListContract:
         Elsewhere. Learned from the block's own run on this rank, or once from its meta twin; where the
         twin cannot run, taken to be like the hidden state the block is given (see :meth:`_twin_output`)."""
         key = self._key(i, args, kwargs)
-        if key not in self._shapes:
+        if key not in self._shapes or _shares_state(args, kwargs):
+            # A dict every block is given may carry values from block to block (Gemma4's keys and values shared
+            # across layers): the twin runs each time then, so that what it leaves there is an Elsewhere that a
+            # later block of this stage refuses to compute with. With the shape known (the block ran for real on
+            # this rank: the V's first and last stage), the dict stayed empty, and the later block silently took
+            # its own branch (or raised a bare KeyError)
             self._shapes[key] = _structure(self._twin_output(i, args, kwargs))
         spec, leaves = self._shapes[key]
         where = f"{self.list_name}[{i}] (pipeline stage {self._stage_of[i]})"
@@ -597,8 +604,20 @@ class ModuleListContract:
         Elsewhere too, refused where it would reach this stage's compute, and the stage's first block is
         handed the received hidden state whatever the loop passes it. A write into this stage's tensors
         (shared state between blocks) is refused as before."""
+        # Every tensor the twin makes is block i's: its inputs are relabelled, so a value it leaves outside its
+        # output (into a dict every block is given: Gemma4's KV sharing across layers) names the block where a
+        # later block of this stage reads it, not the embedding the hidden state came from
+        where = f"{self.list_name}[{i}] (pipeline stage {self._stage_of[i]})"
         a, k = pytree.tree_map(
-            lambda x: elsewhere(x, f"{self.list_name}[{i}]") if isinstance(x, torch.Tensor) else x, (args, kwargs)
+            lambda x: (
+                Elsewhere(x._meta, x.device, where)
+                if isinstance(x, Elsewhere)
+                else elsewhere(x, where)
+                if isinstance(x, torch.Tensor)
+                else x
+            ),
+            (args, kwargs),
+            is_leaf=lambda x: isinstance(x, MutableMapping),  # the model's own dict, not a copy: see _skipped
         )
         try:
             with torch.no_grad():
@@ -737,6 +756,11 @@ def _collecting(ancestors: list[tuple[str, nn.Module]], kwargs: dict) -> list[st
             if k not in kwargs and getattr(config, k, None) not in (None, False):
                 asked.append(f"{k}={getattr(config, k)!r} in {path + '.' if path else ''}config")
     return asked
+
+
+def _shares_state(args: tuple, kwargs: dict) -> bool:
+    """Whether a block's side inputs include a mutable mapping, through which blocks can hand values on."""
+    return any(isinstance(v, MutableMapping) for v in (*args[1:], *kwargs.values()))
 
 
 def _layerdrop(ancestors: list[tuple[str, nn.Module]]) -> list[str]:
