@@ -216,6 +216,26 @@ class CachingNanoGPT(NanoGPT):
         return (logits, tuple(presents)) if self.config.use_cache else logits
 
 
+class CodebookNanoGPT(NanoGPT):
+    """nanoGPT with an embedding per codebook in an nn.ModuleList before the blocks, indexed, sliced and iterated
+    by the forward (MusicGen's decoder, Gemma3n's `altup_projections[i - 1]`): on the stages that hold it not,
+    its placeholder was "not subscriptable"."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.transformer["wte"] = nn.ModuleList(nn.Embedding(VOCAB, 16) for _ in range(3))  # keeps its place
+
+    def forward(self, input_ids, attention_mask):
+        t = input_ids.shape[1]
+        wte = self.transformer.wte
+        x = wte[0](input_ids) + sum(e(input_ids.flip(-1)) for e in wte[1:]) + self.transformer.wpe(torch.arange(t))
+        mask = torch.ones(t, t, dtype=torch.bool).tril()[None, None] & attention_mask.bool()[:, None, None]
+        mask = mask | torch.eye(t, dtype=torch.bool)
+        for block in self.transformer.h:
+            x = block(x, attn_mask=mask)
+        return self.lm_head(self.transformer.ln_f(x))
+
+
 class TorchEncoderLM(nn.Module):
     """A user's model on torch's ``nn.TransformerEncoder``, whose forward reads its first layer's attributes
     (``layers[0].self_attn.batch_first``, its weights: the fast path's checks) on every stage, and in
@@ -240,6 +260,7 @@ MODELS = {
     "hf-roberta": _hf_roberta,
     "nanogpt": NanoGPT,
     "caching-nanogpt": CachingNanoGPT,
+    "codebook-nanogpt": CodebookNanoGPT,
     "torch-encoder": TorchEncoderLM,
 }
 
@@ -316,6 +337,8 @@ CASES = {
     "hf-roberta-zb-h1": ("hf-roberta", dict(schedule="zb-h1"), False),
     "nanogpt-zb-h1": ("nanogpt", dict(schedule="zb-h1", layers="model.transformer.h"), False),
     "caching-nanogpt": ("caching-nanogpt", dict(schedule="1f1b", layers="model.transformer.h"), False),
+    # a ModuleList of embeddings of stage 0 indexed and iterated on stage 1 (a placeholder there)
+    "codebook-nanogpt": ("codebook-nanogpt", dict(schedule="1f1b", layers="model.transformer.h"), False),
     "llama-loop-interleaved": ("llama-loop", dict(schedule="interleaved-1f1b"), False),
     # attributes of blocks on another stage read by the model's code; then validate with a padding mask
     "torch-encoder": ("torch-encoder", dict(schedule="zb-h1"), True),
@@ -429,9 +452,11 @@ class Gate(nn.Module):
         super().__init__()
         self.lin = nn.Linear(6, 6)
 
-    def forward(self, x, scale=None, residual=None):
+    def forward(self, x, scale=None, residual=None, shared=None):
         y = torch.tanh(self.lin(x))
         y = y if scale is None else y * scale
+        if shared is not None:  # the first block leaves its output to the later ones (Gemma4's KV sharing)
+            y = y + shared["kv"] if "kv" in shared else shared.setdefault("kv", y)
         return y if residual is None else (y, residual + y)
 
 
@@ -451,6 +476,15 @@ class Loop(nn.Module):
             self.blocks = nn.ModuleList(Gate() for _ in range(1 if kind == "shared" else 4))
         if kind == "loose":
             self.scale = nn.Parameter(torch.ones(6))
+        if kind == "weighted-layer-sum":
+            # Hugging Face's audio classifiers (Whisper, Wav2Vec2): every block's output, weighted by a parameter
+            # the model holds directly; "put it in a module of its own" was the wrong fix for it
+            self.config = SimpleNamespace(use_weighted_layer_sum=True)
+            self.layer_weights = nn.Parameter(torch.ones(4) / 4)
+        if kind == "layerdrop":
+            # Wav2Vec2's default: each stage drew its own skips, and training stopped at a random step, by a
+            # "called when block k was next", or by a misplaced-module error where every block was skipped
+            self.config = SimpleNamespace(layerdrop=0.5)
         self.head = nn.Linear(6, 2)
         if kind == "router-logits":
             # Hugging Face's MoE collects every block's router logits by hooks inside the blocks and adds an
@@ -466,6 +500,7 @@ class Loop(nn.Module):
         h = self.embed(x) + offset
         side = (h.sum(-1, keepdim=True) > 0).float() if self.kind == "side-from-embedding" else None
         residual = torch.zeros_like(x) if self.kind == "residual" else None
+        shared: dict[str, torch.Tensor] = {}
         hs = []
         if self.kind == "shared":  # ALBERT: one layer group, called for every layer
             for _ in range(4):
@@ -473,7 +508,11 @@ class Loop(nn.Module):
         for i, block in enumerate([] if self.kind == "shared" else self.blocks):
             if self.kind == "skip" and i == 1:
                 continue
-            if residual is None:
+            if self.kind == "layerdrop" and self.training and torch.rand([]) < self.config.layerdrop:
+                continue
+            if self.kind == "shared-state":
+                h = block(h, shared=shared)
+            elif residual is None:
                 h = block(h, scale=side)
             else:
                 h, residual = block(h, residual=residual)  # two hidden states between blocks
@@ -542,6 +581,18 @@ ERRORS = {
     ),
     "router-logits": r"model is asked to collect values from every block \(output_router_logits=True in model.config\)",
     "loose": r"model holds parameters directly \(scale\) beside the blocks in model.blocks",
+    "weighted-layer-sum": (
+        r"model mixes the hidden states of every block in model.blocks \(use_weighted_layer_sum=True in model.config, "
+        r"weighted by its parameter layer_weights\).*set use_weighted_layer_sum=False"
+    ),
+    "layerdrop": (
+        r"^ValueError: model drops blocks at random in training \(model.config.layerdrop=0.5: LayerDrop\).*"
+        r"set self.model.config.layerdrop = 0.0 before fit"
+    ),
+    "shared-state": (
+        r"an argument of it \(model.blocks\[2\]\) was computed by model.blocks\[0\] \(pipeline stage 0\)"
+        r".*nor blocks that hand values to later blocks through a side input"
+    ),
     "twice": r"the step called model a second time",
     "residual": r"an argument of it \(model.blocks\[2\]\) was computed by model.blocks\[1\] \(pipeline stage 0\)",
     "data-flag": r"the step calls model with .* in micro-batch 0 and .* in micro-batch 1",
@@ -610,6 +661,13 @@ def test_discovery_and_its_errors():
     ):
         find_contract(Two())
     assert find_contract(Two(), layers="encoder").list_name == "encoder"
+    longer = Two()
+    longer.decoder.extend(nn.Linear(2, 2) for _ in range(2))  # the example names the longest list, not the first
+    with pytest.raises(ValueError, match=r"e\.g\. layers='decoder' for the blocks"):
+        find_contract(longer)
+    longer.decoder = nn.ModuleList([nn.Linear(2, 2)])
+    with pytest.raises(ValueError, match=r"e\.g\. layers='encoder' for the blocks"):
+        find_contract(longer)
     with_metrics = Two()
     del with_metrics.decoder
     with_metrics.metrics = nn.ModuleList(nn.Identity() for _ in range(2))  # no parameters: not a candidate

@@ -193,9 +193,11 @@ def find_contract(module: nn.Module, layers: str | None = None) -> SequentialCon
         return SequentialContract(*find_sequential(module))
     if len(found) > 1:
         listed = ", ".join(f"{n} ({type(m).__name__}, {len(m)} layers)" for n, m in found)
+        # the example: the longest ModuleList (Gemma3n's first by name, altup_projections, holds 1 projection)
+        example = max(lists, key=lambda nm: len(nm[1]))[0]
         raise ValueError(
             f"{type(module).__name__} holds {len(found)} candidates for the pipeline ({listed}): name the one to "
-            f"pipeline with layers=..., e.g. layers={lists[0][0]!r} for the blocks its forward loops over; the others "
+            f"pipeline with layers=..., e.g. layers={example!r} for the blocks its forward loops over; the others "
             f"then run whole on the first or last stage (so an encoder-decoder whose decoder reads the encoder's "
             f"output by cross-attention cannot be pipelined: docs/strategy.md, 'What it does not support')"
         )

@@ -64,10 +64,45 @@ class _Remote(nn.Module):
         return remote
 
     def _child(self, module: nn.Module, where: str) -> _Remote:
-        """A placeholder for ``module``, a part of this one's, knowing the casts and moves this one saw."""
+        """A placeholder for ``module``, a part of this one's, knowing the casts and moves this one saw; while
+        the ModuleList contract stands in for this one's calls (``_calls``), for the child's calls too."""
         remote = _Remote(self.stage, self.rank, [module], self.__dict__["_device"], where)
         remote.__dict__["_float"] = self.__dict__["_float"]
+        calls = self.__dict__.get("_calls")
+        if calls is not None:
+            remote.__dict__.update(_calls=calls, forward=calls(module, where))
         return remote
+
+    def _answer(self, value: Any, where: str) -> Any:
+        """What a read of the set-aside layer gives here: a module as a placeholder, a tensor as Elsewhere."""
+        if isinstance(value, nn.Module):
+            return self._child(value, where)
+        if isinstance(value, torch.Tensor):
+            dtype = self.__dict__["_float"] if value.is_floating_point() and self.__dict__["_float"] else value.dtype
+            meta = torch.empty_strided(value.shape, value.stride(), dtype=dtype, device="meta")
+            return Elsewhere(meta, self.__dict__["_device"], f"{where} (pipeline stage {self.stage})")
+        return value
+
+    # A container of another stage (ModuleList, Sequential, ModuleDict, ParameterList) indexed, sliced or
+    # iterated by the model's code: Gemma3n's `self.altup_projections[i - 1](h)`, MusicGen's embedding per
+    # codebook, before the loop, on every stage ("'_Remote' object is not subscriptable" on the others).
+    def _container(self) -> Any:
+        return self.__dict__["_parts"][self.__dict__["_part"]]
+
+    def __getitem__(self, key: Any) -> Any:
+        return self._answer(self._container()[key], f"{self.__dict__['_where']}[{key!r}]")
+
+    def __len__(self) -> int:
+        return len(self._container())
+
+    def __iter__(self) -> Any:
+        container = self._container()
+        if isinstance(container, (nn.ModuleDict, nn.ParameterDict)):
+            return iter(container)  # the keys, as the container's own iteration gives
+        return iter([self[k] for k in range(len(container))])
+
+    def __bool__(self) -> bool:  # a module is true (torchtitan's `if self.norm:`), whatever its length
+        return True
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         raise RuntimeError(
@@ -84,14 +119,7 @@ class _Remote(nn.Module):
             if not parts or (name.startswith("__") and name.endswith("__")):
                 raise
             value = getattr(parts[self.__dict__["_part"]], name)  # the layer's own AttributeError if absent
-        where = f"{self.__dict__['_where']}.{name}"
-        if isinstance(value, nn.Module):
-            return self._child(value, where)
-        if isinstance(value, torch.Tensor):
-            dtype = self.__dict__["_float"] if value.is_floating_point() and self.__dict__["_float"] else value.dtype
-            meta = torch.empty_strided(value.shape, value.stride(), dtype=dtype, device="meta")
-            return Elsewhere(meta, self.__dict__["_device"], f"{where} (pipeline stage {self.stage})")
-        return value
+        return self._answer(value, f"{self.__dict__['_where']}.{name}")
 
     def _apply(self, fn: Any, recurse: bool = True) -> _Remote:
         # Follow the model's moves and casts (Lightning's model_to_device, a precision's convert_module),

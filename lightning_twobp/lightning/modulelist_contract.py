@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import copy
 import logging
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, TypeGuard, TypeVar
@@ -60,6 +60,7 @@ log = logging.getLogger(__name__)
 __all__ = ["LayerGroup", "LoopStage", "ModuleListContract", "caches_off", "fastpath_off", "identical_blocks"]
 
 _MISSING = object()
+_CALLS = object()  # in an install list: the placeholder's ``_calls`` (see ``_running``), removed on uninstall
 
 
 class _Stop(BaseException):
@@ -300,6 +301,23 @@ class ModuleListContract:
         self._check_not_collecting(self.name, {})  # a config's flags: on every rank, before any compute
         return stage
 
+    def check_every_block_runs(self) -> None:
+        """Refuse LayerDrop before fit's first step: in training it skips blocks at random (Wav2Vec2, HuBERT
+        and WavLM default to ``layerdrop=0.1``; BART's and Whisper's encoders hold ``layerdrop`` from the
+        config), and every stage runs the model's loop with its own draws, so the stages disagree on which
+        blocks run. That raised at a random step, possibly late in training, as a block called out of order
+        or as a module "registered" in the wrong place (the loop skipped every block before it)."""
+        found = _layerdrop(self.ancestors)
+        if not found:
+            return
+        names = " and ".join(f"self.{f.split('=')[0]}" for f in found)
+        raise ValueError(
+            f"{self.name} drops blocks at random in training ({', '.join(found)}: LayerDrop): under strategy='twobp' "
+            f"every pipeline stage runs the loop over {self.list_name} with its own random draws, so the stages would "
+            f"disagree on which blocks ran and training would stop at a random step; set {names} = 0.0 before fit "
+            f"(LayerDrop does not apply in evaluation)"
+        )
+
     def _last_stage(self) -> LoopStage:
         """The last stage, which answers the model's call (:meth:`_resume`), when this rank built it."""
         stage = self._stages.get(self._stage_of[-1])
@@ -497,6 +515,9 @@ class ModuleListContract:
                     occupant = self._occupant(path)
                     installed.append((occupant, occupant.__dict__.get("forward", _MISSING)))
                     occupant.__dict__["forward"] = self._absent(path, part, i, run)
+                    if "_parts" in occupant.__dict__:  # a placeholder (local_model._Remote): its submodules' calls
+                        installed.append((occupant, _CALLS))
+                        occupant.__dict__["_calls"] = self._absent_within(path, part, i, run)
         self._active = run
         try:
             yield run
@@ -542,7 +563,9 @@ class ModuleListContract:
                 f"{what} ({self.list_name}[{i}]) was computed by {x.where}, which is not on this pipeline stage: "
                 f"under strategy='twobp' only the hidden state passes between stages; a block's side inputs must "
                 f"come from the batch (masks, positions, rotary embeddings), not from layers of other stages (a "
-                f"block that returns several hidden states, e.g. a residual stream, is not supported), and "
+                f"block that returns several hidden states, e.g. a residual stream, is not supported, nor blocks that "
+                f"hand values to later blocks through a side input they write into, e.g. Gemma4's keys and values "
+                f"shared across layers, num_kv_shared_layers > 0), and "
                 f"modules with parameters run either before the loop (registered before {self.list_name}: the "
                 f"first stage) or after it (registered after: the last stage), not between blocks"
             )
@@ -556,7 +579,12 @@ class ModuleListContract:
         Elsewhere. Learned from the block's own run on this rank, or once from its meta twin; where the
         twin cannot run, taken to be like the hidden state the block is given (see :meth:`_twin_output`)."""
         key = self._key(i, args, kwargs)
-        if key not in self._shapes:
+        if key not in self._shapes or _shares_state(args, kwargs):
+            # A dict every block is given may carry values from block to block (Gemma4's keys and values shared
+            # across layers): the twin runs each time then, so that what it leaves there is an Elsewhere that a
+            # later block of this stage refuses to compute with. With the shape known (the block ran for real on
+            # this rank: the V's first and last stage), the dict stayed empty, and the later block silently took
+            # its own branch (or raised a bare KeyError)
             self._shapes[key] = _structure(self._twin_output(i, args, kwargs))
         spec, leaves = self._shapes[key]
         where = f"{self.list_name}[{i}] (pipeline stage {self._stage_of[i]})"
@@ -576,8 +604,20 @@ class ModuleListContract:
         Elsewhere too, refused where it would reach this stage's compute, and the stage's first block is
         handed the received hidden state whatever the loop passes it. A write into this stage's tensors
         (shared state between blocks) is refused as before."""
+        # Every tensor the twin makes is block i's: its inputs are relabelled, so a value it leaves outside its
+        # output (into a dict every block is given: Gemma4's KV sharing across layers) names the block where a
+        # later block of this stage reads it, not the embedding the hidden state came from
+        where = f"{self.list_name}[{i}] (pipeline stage {self._stage_of[i]})"
         a, k = pytree.tree_map(
-            lambda x: elsewhere(x, f"{self.list_name}[{i}]") if isinstance(x, torch.Tensor) else x, (args, kwargs)
+            lambda x: (
+                Elsewhere(x._meta, x.device, where)
+                if isinstance(x, Elsewhere)
+                else elsewhere(x, where)
+                if isinstance(x, torch.Tensor)
+                else x
+            ),
+            (args, kwargs),
+            is_leaf=lambda x: isinstance(x, MutableMapping),  # the model's own dict, not a copy: see _skipped
         )
         try:
             with torch.no_grad():
@@ -592,10 +632,18 @@ class ModuleListContract:
         group = self._groups[i]
         return group.parts()[group.paths.index(f"{self.list_name}.{i}")]
 
-    def _absent(self, path: str, part: nn.Module, layer: int, run: _Run) -> Callable[..., Any]:
+    def _absent_within(self, path: str, part: nn.Module, layer: int, run: _Run) -> Callable[..., Any]:
+        """The calls of the submodules of a module of another stage (``self.altup_projections[0](h)``,
+        ``self.embeddings.word_embeddings(ids)``), as :meth:`_absent` answers the module's own."""
+        return lambda module, where: self._absent(path, part, layer, run, module, where)
+
+    def _absent(
+        self, path: str, part: nn.Module, layer: int, run: _Run, module: nn.Module | None = None, sub: str = ""
+    ) -> Callable[..., Any]:
         """A module of another stage, called during this stage's run: its outputs as Elsewhere values,
-        from its meta twin (no memory, no compute)."""
-        where = f"{path} (pipeline stage {self._stage_of[layer]})"
+        from its meta twin (no memory, no compute). ``module`` (named ``sub``) is a submodule of it."""
+        where = f"{sub or path} (pipeline stage {self._stage_of[layer]})"
+        target = part if module is None else module
         paths = self._groups[layer].paths
         before = paths.index(path) < paths.index(f"{self.list_name}.{layer}")  # registered before the blocks
 
@@ -605,7 +653,7 @@ class ModuleListContract:
             a, k = pytree.tree_map(lambda x: elsewhere(x, where) if isinstance(x, torch.Tensor) else x, (args, kwargs))
             try:
                 with torch.no_grad():
-                    out = self._twin(part, path, run.device, where)(*a, **k)
+                    out = self._twin(target, path, run.device, where)(*a, **k)
                 # An output made from the twin's own meta weights alone (BART's positions: an arange on the
                 # weight's device) is plain meta: an Elsewhere too, on this stage's device.
                 return pytree.tree_map(
@@ -620,7 +668,7 @@ class ModuleListContract:
                 raise
             except Exception as e:
                 raise RuntimeError(
-                    f"{path} runs on pipeline stage {self._stage_of[layer]}; to stand in for it on stage "
+                    f"{sub or path} runs on pipeline stage {self._stage_of[layer]}; to stand in for it on stage "
                     f"{run.stage.index} it runs on the meta device, which failed ({type(e).__name__}: {e})"
                 ) from e
 
@@ -710,6 +758,35 @@ def _collecting(ancestors: list[tuple[str, nn.Module]], kwargs: dict) -> list[st
     return asked
 
 
+def _shares_state(args: tuple, kwargs: dict) -> bool:
+    """Whether a block's side inputs include a mutable mapping, through which blocks can hand values on."""
+    return any(isinstance(v, MutableMapping) for v in (*args[1:], *kwargs.values()))
+
+
+def _layerdrop(ancestors: list[tuple[str, nn.Module]]) -> list[str]:
+    """The LayerDrop settings above 0 that the loop reads: a ``layerdrop`` attribute of a module on the path
+    to the blocks (BART's and Whisper's encoders copy theirs from the config when built, so only it counts
+    there), else ``config.layerdrop`` (Wav2Vec2's encoder reads the config at every call)."""
+    held = [(path, module.__dict__["layerdrop"]) for path, module in ancestors if "layerdrop" in module.__dict__]
+    if held:
+        return [f"{path + '.' if path else ''}layerdrop={v!r}" for path, v in held if _positive(v)]
+    seen: set[int] = set()
+    found = []
+    for path, module in ancestors:
+        config = getattr(module, "config", None)
+        if config is None or id(config) in seen:
+            continue
+        seen.add(id(config))
+        v = getattr(config, "layerdrop", None)
+        if _positive(v):
+            found.append(f"{path + '.' if path else ''}config.layerdrop={v!r}")
+    return found
+
+
+def _positive(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0
+
+
 def _real_forward(module: nn.Module, previous: Any) -> Callable[..., Any]:
     """The module's forward as it was before this contract shadowed it."""
     if previous is not _MISSING:
@@ -719,7 +796,9 @@ def _real_forward(module: nn.Module, previous: Any) -> Callable[..., Any]:
 
 def _uninstall(installed: list[tuple[nn.Module, Any]]) -> None:
     for module, previous in reversed(installed):
-        if previous is _MISSING:
+        if previous is _CALLS:
+            module.__dict__.pop("_calls", None)
+        elif previous is _MISSING:
             module.__dict__.pop("forward", None)
         else:
             module.__dict__["forward"] = previous
@@ -781,6 +860,16 @@ def _placement(root: nn.Module, blocks: nn.ModuleList, name: str, ancestors: set
         loose = [n for n, _ in module.named_parameters(recurse=False)]
         if loose:
             where = prefix[:-1] or f"the {type(module).__name__} itself"
+            if getattr(getattr(module, "config", None), "use_weighted_layer_sum", False) is True:
+                # Hugging Face's audio classifiers: a weighted sum of every block's hidden states, which no
+                # module of one stage can compute; moving the weights into a module would not help
+                raise ValueError(
+                    f"{where} mixes the hidden states of every block in {name} (use_weighted_layer_sum=True in "
+                    f"{where}.config, weighted by its parameter {', '.join(loose)}): under strategy='twobp' each "
+                    f"pipeline stage holds only its own blocks' hidden states, so that sum cannot be computed; set "
+                    f"use_weighted_layer_sum=False in the config before building the model (the classifier then "
+                    f"reads the last block's output)"
+                )
             raise ValueError(
                 f"{where} holds parameters directly ({', '.join(loose)}) beside the blocks in {name}: under "
                 f"strategy='twobp' every parameter outside the blocks must belong to a submodule that runs before "

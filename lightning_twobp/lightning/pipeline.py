@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 
@@ -473,6 +474,8 @@ def build_pipeline(strategy: TwoBPStrategy, trainer: Any) -> Pipeline:
     # under "auto" the stages per rank are yet to be chosen: at least one per rank
     per_rank = opts.stages if strategy.requested.schedule != "auto" else 1
     _check_blocks_fill(contract, strategy.pipeline_degree * per_rank)
+    if isinstance(contract, ModuleListContract) and trainer.state.fn == TrainerFn.FITTING:
+        contract.check_every_block_runs()  # LayerDrop: every rank, before any compute
     metrics = StepMetrics(lm)
     runner = StepRunner(lm, contract, metrics)
     if strategy.requested.schedule == "auto":
