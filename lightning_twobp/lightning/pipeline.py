@@ -22,7 +22,7 @@ from lightning_twobp.engine.memory import cpu_heap
 from lightning_twobp.lightning.autoschedule import auto_schedule
 from lightning_twobp.lightning.checkpointing import AUTO_MODES, apply_activation_checkpointing, check_auto_with_switches
 from lightning_twobp.lightning.compiled import check_not_compiled
-from lightning_twobp.lightning.contract import find_contract
+from lightning_twobp.lightning.contract import SequentialContract, find_contract
 from lightning_twobp.lightning.grads import (
     GradStash,
     TiedParameters,
@@ -450,14 +450,27 @@ def _call_scope(strategy: TwoBPStrategy, trainer: Any, metrics: StepMetrics, loc
     return scope
 
 
-def build_pipeline(strategy: TwoBPStrategy, trainer: Any) -> Pipeline:
-    """The pipeline of one Trainer call on this rank, from the strategy's options and layout."""
-    lm = strategy.lightning_module
+def _checked_contract(strategy: TwoBPStrategy, trainer: Any) -> SequentialContract | ModuleListContract:
+    """The model's contract, with what the pipeline cannot run refused on every rank before any compute."""
+    lm, opts = strategy.lightning_module, strategy.options
     if not lm.automatic_optimization:
         raise ValueError(
             "strategy='twobp' supports automatic optimization only: the pipeline schedule owns the "
             "backward, so manual_backward cannot run it; set self.automatic_optimization = True"
         )
+    contract = find_contract(lm, opts.layers)
+    check_not_compiled(lm, contract)  # before the first step: compiled code cannot be split
+    # under "auto" the stages per rank are yet to be chosen: at least one per rank
+    per_rank = opts.stages if strategy.requested.schedule != "auto" else 1
+    _check_blocks_fill(contract, strategy.pipeline_degree * per_rank)
+    if isinstance(contract, ModuleListContract) and trainer.state.fn == TrainerFn.FITTING:
+        contract.check_every_block_runs()  # LayerDrop: every rank, before any compute
+    return contract
+
+
+def build_pipeline(strategy: TwoBPStrategy, trainer: Any) -> Pipeline:
+    """The pipeline of one Trainer call on this rank, from the strategy's options and layout."""
+    lm = strategy.lightning_module
     opts, layout, device = strategy.options, strategy.layout, strategy.root_device
     check_degree(strategy.world_size, strategy.pipeline_degree)
     shard = opts.data_parallel == "shard"
@@ -469,13 +482,7 @@ def build_pipeline(strategy: TwoBPStrategy, trainer: Any) -> Pipeline:
         heap = cpu_heap(strategy.requested.memory_limit)
         way = {"default": "left to the C library"}.get(heap, heap)
         log.info("CPU heap: freed memory %s (engine.memory.cpu_heap; TWOBP_KEEP_FREED_MEMORY=0/1 overrides)", way)
-    contract = find_contract(lm, opts.layers)
-    check_not_compiled(lm, contract)  # before the first step: compiled code cannot be split
-    # under "auto" the stages per rank are yet to be chosen: at least one per rank
-    per_rank = opts.stages if strategy.requested.schedule != "auto" else 1
-    _check_blocks_fill(contract, strategy.pipeline_degree * per_rank)
-    if isinstance(contract, ModuleListContract) and trainer.state.fn == TrainerFn.FITTING:
-        contract.check_every_block_runs()  # LayerDrop: every rank, before any compute
+    contract = _checked_contract(strategy, trainer)
     metrics = StepMetrics(lm)
     runner = StepRunner(lm, contract, metrics)
     if strategy.requested.schedule == "auto":
