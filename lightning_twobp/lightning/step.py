@@ -75,7 +75,9 @@ def split_microbatches(batch: Any, m: int, exact: bool = True) -> list[Any]:
     if exact and n % m:
         raise ValueError(
             f"batch size {n} does not split into {m} micro-batches: use a batch size that is a multiple "
-            f"of {m}, or set num_microbatches to a divisor of {n}"
+            f"of {m}, or set num_microbatches to a divisor of {n}; where it is a smaller last batch (a loader "
+            f"whose length is not known before training, over an IterableDataset, is checked batch by batch), "
+            f"pass drop_last=True to the DataLoader or make the sample count a multiple of {m}"
         )
     m = min(m, n)
     pieces: dict[int, tuple[torch.Tensor, ...]] = {}
