@@ -23,6 +23,7 @@ __all__ = [
     "TorchDispatchMode",
     "collect_rng_states",
     "disabled_torch_function_impl",
+    "forward_hooks",
     "gloo_or_nccl_options",
     "make_wrapper_subclass",
     "metric_finish_step",
@@ -54,6 +55,13 @@ def tensor_version(t: torch.Tensor) -> int:
     gradients it saw were not written since (engine/post_validation.py); a checkpointed block keeps a
     copy of each buffer its forward wrote, for B's recompute (lightning/checkpointing.py)."""
     return t._version
+
+
+def forward_hooks(module: torch.nn.Module) -> int:
+    """How many forward hooks and pre-hooks ``module`` itself holds: the ModuleList contract runs a block of
+    another stage for its hooks' sake (lightning/modulelist_contract.py), and torch lists them only in
+    private dicts."""
+    return len(module._forward_hooks) + len(module._forward_pre_hooks)
 
 
 def gloo_or_nccl_options(backend: str, timeout: timedelta) -> Any:

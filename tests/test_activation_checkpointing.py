@@ -233,9 +233,12 @@ def test_hugging_face_gradient_checkpointing_is_exact_and_recomputes_once(
     for n, value in held.items():
         torch.testing.assert_close(value, reference[n], rtol=1e-5, atol=1e-6, msg=n)
     forwards = {i: f for out in results for i, f in out["forwards"].items()}
-    # F and B's one recompute; the first stage also runs its blocks once per fit to learn the shapes it sends
+    # F and B's one recompute; the first stage also runs its blocks once per fit to learn the shapes it sends,
+    # and under a V a later stage of the same rank runs the meta twin of a block it skips once, for its hooks
+    # (this probe is one: a hook collecting values for the loss is refused there, test_modulelist.py)
     extra = {i: round(f - 2.0, 9) for i, f in forwards.items()}
-    assert set(extra) == set(range(4)) and set(extra.values()) <= {0.0, round(1 / (STEPS * M), 9)}, forwards
+    allowed = {0.0, round(1 / (STEPS * M), 9), round(2 / (STEPS * M), 9)}
+    assert set(extra) == set(range(4)) and set(extra.values()) <= allowed, forwards
     if how == "hf":
         assert all(out["switched"] for out in results), "the model's own switch was not put back after fit"
 

@@ -486,16 +486,18 @@ class Loop(nn.Module):
             # "called when block k was next", or by a misplaced-module error where every block was skipped
             self.config = SimpleNamespace(layerdrop=0.5)
         self.head = nn.Linear(6, 2)
-        if kind == "router-logits":
+        if kind in ("router-logits", "router-hook"):
             # Hugging Face's MoE collects every block's router logits by hooks inside the blocks and adds an
-            # auxiliary loss of them: a block of another stage does not run its hook, and nothing says so
-            self.config = SimpleNamespace(output_router_logits=True)
+            # auxiliary loss of them: a block of another stage does not run its hook, and nothing says so;
+            # "router-hook" is the user's own hooks, with no config flag to see
+            if kind == "router-logits":
+                self.config = SimpleNamespace(output_router_logits=True)
             self.collected: list[torch.Tensor] = []
             for block in self.blocks:
                 block.lin.register_forward_hook(lambda _m, _a, out: self.collected.append(out))
 
     def forward(self, x, offset=0.0):
-        if self.kind == "router-logits":
+        if self.kind in ("router-logits", "router-hook"):
             self.collected.clear()
         h = self.embed(x) + offset
         side = (h.sum(-1, keepdim=True) > 0).float() if self.kind == "side-from-embedding" else None
@@ -520,7 +522,7 @@ class Loop(nn.Module):
             if self.kind == "control-flow" and h.abs().max() > 1e6:
                 break
         out = self.head(self.norm(h) if self.kind == "registered-early" else h)
-        if self.kind == "router-logits":
+        if self.kind in ("router-logits", "router-hook"):
             out = out + torch.stack([c.square().mean() for c in self.collected]).mean()
         return (out, hs) if self.kind == "collect" else out
 
@@ -580,6 +582,9 @@ ERRORS = {
         r"first pipeline stage.*`m = self.model.norm; del self.model.norm; self.model.norm = m`"
     ),
     "router-logits": r"model is asked to collect values from every block \(output_router_logits=True in model.config\)",
+    # the user's own hooks: the twins of other stages' blocks run their hooks, at every micro-batch (with both
+    # stages of the V on this rank no twin ran, and the auxiliary loss took this stage's blocks only, silently)
+    "router-hook": r"model returned a value computed by model.blocks\[0\].*values a forward hook collects",
     "loose": r"model holds parameters directly \(scale\) beside the blocks in model.blocks",
     "weighted-layer-sum": (
         r"model mixes the hidden states of every block in model.blocks \(use_weighted_layer_sum=True in model.config, "

@@ -20,6 +20,8 @@ DOORS = {"private.py", "engine/graph.py"}
 FOREIGN = {
     "_C",
     "_version",
+    "_forward_hooks",
+    "_forward_pre_hooks",
     "_make_wrapper_subclass",
     "_data_source",
     "_data_fetcher",
@@ -108,10 +110,13 @@ def test_each_private_name_still_exists(owner, name):
 
 def test_the_private_instance_attributes_still_exist():
     import lightning.pytorch as pl
+    import torch
     from lightning.pytorch.strategies import DDPStrategy
     from torchmetrics.aggregation import SumMetric
 
     trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False)
+    linear = torch.nn.Linear(1, 1)
+    assert isinstance(linear._forward_hooks, dict) and isinstance(linear._forward_pre_hooks, dict)
     assert hasattr(trainer.fit_loop, "_data_source")
     assert hasattr(trainer.fit_loop, "_data_fetcher") and hasattr(trainer.fit_loop, "_combined_loader")
     assert hasattr(trainer._accelerator_connector, "use_distributed_sampler")

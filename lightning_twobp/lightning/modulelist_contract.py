@@ -52,7 +52,7 @@ import torch
 from torch import nn
 
 from lightning_twobp.lightning.placeholders import Elsewhere, ElsewhereError, ElsewhereWrite, elsewhere, find_elsewhere
-from lightning_twobp.private import pytree
+from lightning_twobp.private import forward_hooks, pytree
 
 _T = TypeVar("_T")
 log = logging.getLogger(__name__)
@@ -287,6 +287,7 @@ class ModuleListContract:
         self._stages: dict[int, LoopStage] = {}  # this rank's stages, by index, as stage_module built them
         self._twins: dict[tuple[int, torch.dtype | None, str | None], nn.Module] = {}
         self._shapes: dict[tuple, tuple[Any, list[Any]]] = {}  # block call -> its output's structure
+        self._twin_ran: set[tuple] = set()  # the block calls whose twin ran (and so ran its hooks)
         self._block_calls = [self._block_call(i) for i in range(self.num_blocks)]
         self._previous: list[Any] = [_MISSING] * self.num_blocks  # the blocks' own instance forwards, if any
 
@@ -437,9 +438,11 @@ class ModuleListContract:
             raise ElsewhereError(
                 f"{path or 'forward'} returned a value computed by {bad.where}, which runs on another pipeline stage "
                 f"(per-block outputs collected by the loop: output_hidden_states=True, output_attentions=True, a "
-                f"cache, or a block that returns several values; or a weight of a module on another stage used "
+                f"cache, or a block that returns several values; values a forward hook collects from every "
+                f"block, e.g. router logits for an auxiliary loss; or a weight of a module on another stage used "
                 f"directly, e.g. a head tied by `h @ self.embed.weight.T`): under strategy='twobp' only the last "
-                f"stage's values can be returned; turn those outputs off, and tie a head as a module of its own "
+                f"stage's values can be returned; turn those outputs off (an auxiliary loss of every block's "
+                f"values cannot be pipelined), and tie a head as a module of its own "
                 f"(`self.head = nn.Linear(...); self.head.weight = self.embed.weight`, called after the loop)"
             )
         return out
@@ -579,12 +582,15 @@ class ModuleListContract:
         Elsewhere. Learned from the block's own run on this rank, or once from its meta twin; where the
         twin cannot run, taken to be like the hidden state the block is given (see :meth:`_twin_output`)."""
         key = self._key(i, args, kwargs)
-        if key not in self._shapes or _shares_state(args, kwargs):
+        if key not in self._shapes or _shares_state(args, kwargs) or (key not in self._twin_ran and self._hooked(i)):
             # A dict every block is given may carry values from block to block (Gemma4's keys and values shared
             # across layers): the twin runs each time then, so that what it leaves there is an Elsewhere that a
-            # later block of this stage refuses to compute with. With the shape known (the block ran for real on
-            # this rank: the V's first and last stage), the dict stayed empty, and the later block silently took
-            # its own branch (or raised a bare KeyError)
+            # later block of this stage refuses to compute with. A forward hook in the block may collect its
+            # values (a router's logits, for an auxiliary loss): the twin runs once then, its hook leaving an
+            # Elsewhere that the loss refuses, at the first micro-batch. With the shape known (the block ran for
+            # real on this rank: the V's first and last stage), the dict stayed empty, or the hook's list
+            # short, and the stage silently took another branch (or raised a bare KeyError)
+            self._twin_ran.add(key)
             self._shapes[key] = _structure(self._twin_output(i, args, kwargs))
         spec, leaves = self._shapes[key]
         where = f"{self.list_name}[{i}] (pipeline stage {self._stage_of[i]})"
@@ -595,6 +601,12 @@ class ModuleListContract:
             ],
             spec,
         )
+
+    def _hooked(self, i: int) -> bool:
+        """Whether a module of block ``i`` holds a forward hook or pre-hook (its twin is a deep copy: hooks
+        included), whose side effects one process would see on every stage. Asked each time: a user may
+        register one between Trainer calls."""
+        return any(forward_hooks(m) for m in self._block_part(i).modules())
 
     def _twin_output(self, i: int, args: tuple, kwargs: dict) -> Any:
         """Block ``i``'s output on Elsewhere inputs, from its meta twin. The meta device cannot run every

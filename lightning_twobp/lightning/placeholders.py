@@ -82,7 +82,9 @@ class Elsewhere(torch.Tensor):
             raise ElsewhereError(
                 f"a value computed by {first.where} was read on the host (Python control flow on it: `if`, "
                 f"bool(), .item(), .tolist()). Under strategy='twobp' this stage does not have it: control flow "
-                f"between the pipelined blocks that depends on the data is not supported"
+                f"between the pipelined blocks that depends on the data is not supported, nor values collected "
+                f"from the blocks of every stage (a forward hook that gathers each block's router logits for an "
+                f"auxiliary loss, per-block outputs): only the last stage's output reaches the loss"
             )
         for i in _written(func):
             if i < len(args) and isinstance(args[i], torch.Tensor) and not isinstance(args[i], Elsewhere):
