@@ -617,7 +617,8 @@ class ModuleListContract:
                 else x
             ),
             (args, kwargs),
-            is_leaf=lambda x: isinstance(x, MutableMapping),  # the model's own dict, not a copy: see _skipped
+            # a dict side input is the model's own, not a copy (see _skipped); the keywords themselves are not one
+            is_leaf=lambda x: isinstance(x, MutableMapping) and x is not kwargs,
         )
         try:
             with torch.no_grad():
