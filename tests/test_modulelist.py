@@ -472,7 +472,8 @@ class KeyedGate(Gate):
         self.kv = nn.Linear(6, 6, bias=False)
 
     def forward(self, x, cond=None, shared=None):
-        assert cond is not None and shared is not None
+        assert shared is not None
+        cond = shared["cond"] if cond is None else cond  # the side input itself in the dict: likewise
         return torch.tanh(self.lin(x)) + shared.setdefault("kv", self.kv(cond))
 
 
@@ -489,7 +490,7 @@ class Loop(nn.Module):
             self.embed = nn.Linear(6, 6)
             if kind == "registered-early":
                 self.norm = nn.LayerNorm(6)  # registered before the blocks, called after them (OPT's decoder)
-            gate = KeyedGate if kind == "shared-from-side-input" else Gate
+            gate = KeyedGate if kind.startswith("shared-from-") else Gate
             self.blocks = nn.ModuleList(gate() for _ in range(1 if kind == "shared" else 4))
         if kind == "loose":
             self.scale = nn.Parameter(torch.ones(6))
@@ -531,6 +532,9 @@ class Loop(nn.Module):
                 h = block(h, shared=shared)
             elif self.kind == "shared-from-side-input":
                 h = block(h, cond=x, shared=shared)
+            elif self.kind == "shared-from-its-side-input":
+                shared.setdefault("cond", x)
+                h = block(h, shared=shared)
             elif residual is None:
                 h = block(h, scale=side)
             else:
@@ -615,6 +619,9 @@ ERRORS = {
     "shared-from-side-input": (
         r"an argument of it \(model.blocks\[2\]\) was computed by model.blocks\[0\] \(pipeline stage 0\)"
         r".*nor blocks that hand values to later blocks through a side input"
+    ),
+    "shared-from-its-side-input": (
+        r"an argument of it \(model.blocks\[2\]\) was computed by model.blocks\[0\] \(pipeline stage 0\)"
     ),
     "twice": r"the step called model a second time",
     "residual": r"an argument of it \(model.blocks\[2\]\) was computed by model.blocks\[1\] \(pipeline stage 0\)",
