@@ -460,6 +460,23 @@ class Gate(nn.Module):
         return y if residual is None else (y, residual + y)
 
 
+class KeyedGate(Gate):
+    """A block whose first call leaves a projection of a side input from the batch to the later blocks (keys
+    and values shared across layers, computed from the conditioning): on a later stage, the meta twin of a
+    block of another stage was handed the real side input, and its projection by meta weights came out as a
+    real tensor of uninitialised memory (torch's matmul of a CPU tensor by a meta one), which the later blocks
+    of this stage computed with, silently."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.kv = nn.Linear(6, 6, bias=False)
+
+    def forward(self, x, cond=None, shared=None):
+        assert shared is not None
+        cond = shared["cond"] if cond is None else cond  # the side input itself in the dict: likewise
+        return torch.tanh(self.lin(x)) + shared.setdefault("kv", self.kv(cond))
+
+
 class Loop(nn.Module):
     """A small loop model whose forward does one thing the contract does not support (``kind``)."""
 
@@ -473,7 +490,8 @@ class Loop(nn.Module):
             self.embed = nn.Linear(6, 6)
             if kind == "registered-early":
                 self.norm = nn.LayerNorm(6)  # registered before the blocks, called after them (OPT's decoder)
-            self.blocks = nn.ModuleList(Gate() for _ in range(1 if kind == "shared" else 4))
+            gate = KeyedGate if kind.startswith("shared-from-") else Gate
+            self.blocks = nn.ModuleList(gate() for _ in range(1 if kind == "shared" else 4))
         if kind == "loose":
             self.scale = nn.Parameter(torch.ones(6))
         if kind == "weighted-layer-sum":
@@ -513,6 +531,11 @@ class Loop(nn.Module):
             if self.kind == "layerdrop" and self.training and torch.rand([]) < self.config.layerdrop:
                 continue
             if self.kind == "shared-state":
+                h = block(h, shared=shared)
+            elif self.kind == "shared-from-side-input":
+                h = block(h, cond=x, shared=shared)
+            elif self.kind == "shared-from-its-side-input":
+                shared.setdefault("cond", x)
                 h = block(h, shared=shared)
             elif residual is None:
                 h = block(h, scale=side)
@@ -597,6 +620,13 @@ ERRORS = {
     "shared-state": (
         r"an argument of it \(model.blocks\[2\]\) was computed by model.blocks\[0\] \(pipeline stage 0\)"
         r".*nor blocks that hand values to later blocks through a side input"
+    ),
+    "shared-from-side-input": (
+        r"an argument of it \(model.blocks\[2\]\) was computed by model.blocks\[0\] \(pipeline stage 0\)"
+        r".*nor blocks that hand values to later blocks through a side input"
+    ),
+    "shared-from-its-side-input": (
+        r"an argument of it \(model.blocks\[2\]\) was computed by model.blocks\[0\] \(pipeline stage 0\)"
     ),
     "twice": r"the step called model a second time",
     "residual": r"an argument of it \(model.blocks\[2\]\) was computed by model.blocks\[1\] \(pipeline stage 0\)",

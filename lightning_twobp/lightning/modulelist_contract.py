@@ -629,10 +629,12 @@ class ModuleListContract:
                 else x
             ),
             (args, kwargs),
-            is_leaf=lambda x: isinstance(x, MutableMapping),  # the model's own dict, not a copy: see _skipped
+            # a dict side input is the model's own, not a copy (see _skipped); the keywords themselves are not one
+            is_leaf=lambda x: isinstance(x, MutableMapping) and x is not kwargs,
         )
+        dicts = [v for v in (*args[1:], *kwargs.values()) if isinstance(v, MutableMapping)]
         try:
-            with torch.no_grad():
+            with torch.no_grad(), _standing_in(dicts, where):
                 return self._twin(self._block_part(i), f"{self.list_name}.{i}")(*a, **k)
         except ElsewhereWrite:
             raise
@@ -773,6 +775,26 @@ def _collecting(ancestors: list[tuple[str, nn.Module]], kwargs: dict) -> list[st
 def _shares_state(args: tuple, kwargs: dict) -> bool:
     """Whether a block's side inputs include a mutable mapping, through which blocks can hand values on."""
     return any(isinstance(v, MutableMapping) for v in (*args[1:], *kwargs.values()))
+
+
+@contextmanager
+def _standing_in(dicts: list[MutableMapping], where: str) -> Iterator[None]:
+    """The real tensors of the model's dicts that a meta twin is handed, as Elsewhere values while it runs
+    (then put back where the twin left them): its meta weights times a real tensor came out as a real tensor
+    of uninitialised memory (torch's CPU matmul by a meta tensor), which it left in the dict for this stage's
+    later blocks to compute with, silently."""
+    swapped = []
+    for d in dicts:
+        for key, value in list(d.items()):
+            if isinstance(value, torch.Tensor) and not isinstance(value, Elsewhere):
+                d[key] = stand_in = elsewhere(value, where)
+                swapped.append((d, key, value, stand_in))
+    try:
+        yield
+    finally:
+        for d, key, value, stand_in in swapped:
+            if d.get(key) is stand_in:
+                d[key] = value
 
 
 def _layerdrop(ancestors: list[tuple[str, nn.Module]]) -> list[str]:
