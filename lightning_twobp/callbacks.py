@@ -128,6 +128,11 @@ class RunSummary(pl.Callback):
             lines.append(
                 f"  rank {r}: {s['peak_memory_kind']} {b / 2**20:,.0f} MiB"
                 + (f", {deferred:.0%} of the weight backward deferred to W" if deferred is not None else "")
+                + (
+                    " (the first stage's input takes no gradient: its backward runs whole in B)"
+                    if deferred == 0 and r % p == 0
+                    else ""
+                )
                 + (f"  ({where})" if where else "")
             )
         if log_dir:
