@@ -582,7 +582,7 @@ class ModuleListContract:
         Elsewhere. Learned from the block's own run on this rank, or once from its meta twin; where the
         twin cannot run, taken to be like the hidden state the block is given (see :meth:`_twin_output`)."""
         key = self._key(i, args, kwargs)
-        if key not in self._shapes or _shares_state(args, kwargs) or (key not in self._twin_ran and self._hooked(i)):
+        if key not in self._shapes or _shared_dicts(args, kwargs) or (key not in self._twin_ran and self._hooked(i)):
             # A dict every block is given may carry values from block to block (Gemma4's keys and values shared
             # across layers): the twin runs each time then, so that what it leaves there is an Elsewhere that a
             # later block of this stage refuses to compute with. A forward hook in the block may collect its
@@ -632,9 +632,8 @@ class ModuleListContract:
             # a dict side input is the model's own, not a copy (see _skipped); the keywords themselves are not one
             is_leaf=lambda x: isinstance(x, MutableMapping) and x is not kwargs,
         )
-        dicts = [v for v in (*args[1:], *kwargs.values()) if isinstance(v, MutableMapping)]
         try:
-            with torch.no_grad(), _standing_in(dicts, where):
+            with torch.no_grad(), _standing_in(_shared_dicts(args, kwargs), where):
                 return self._twin(self._block_part(i), f"{self.list_name}.{i}")(*a, **k)
         except ElsewhereWrite:
             raise
@@ -760,21 +759,27 @@ def _collecting(ancestors: list[tuple[str, nn.Module]], kwargs: dict) -> list[st
     """The ``_COLLECTED`` flags a model call turns on: in its keyword arguments, else in the ``config`` of
     a module on the path to the blocks (Mixtral's ``output_router_logits=True``)."""
     asked = [f"{k}={v!r}" for k, v in kwargs.items() if k in _COLLECTED and v not in (None, False)]
-    seen: set[int] = set()
-    for path, module in ancestors:
-        config = getattr(module, "config", None)
-        if config is None or id(config) in seen:
-            continue
-        seen.add(id(config))
+    for path, config in _configs(ancestors):
         for k in _COLLECTED:
             if k not in kwargs and getattr(config, k, None) not in (None, False):
                 asked.append(f"{k}={getattr(config, k)!r} in {path + '.' if path else ''}config")
     return asked
 
 
-def _shares_state(args: tuple, kwargs: dict) -> bool:
-    """Whether a block's side inputs include a mutable mapping, through which blocks can hand values on."""
-    return any(isinstance(v, MutableMapping) for v in (*args[1:], *kwargs.values()))
+def _configs(ancestors: list[tuple[str, nn.Module]]) -> Iterator[tuple[str, Any]]:
+    """Each distinct ``config`` of a module on the path to the blocks, with the first such module's path
+    (a Hugging Face model and its base model share one)."""
+    seen: set[int] = set()
+    for path, module in ancestors:
+        config = getattr(module, "config", None)
+        if config is not None and id(config) not in seen:
+            seen.add(id(config))
+            yield path, config
+
+
+def _shared_dicts(args: tuple, kwargs: dict) -> list[MutableMapping]:
+    """A block's side inputs that are mutable mappings, through which blocks can hand values on."""
+    return [v for v in (*args[1:], *kwargs.values()) if isinstance(v, MutableMapping)]
 
 
 @contextmanager
@@ -804,17 +809,8 @@ def _layerdrop(ancestors: list[tuple[str, nn.Module]]) -> list[str]:
     held = [(path, module.__dict__["layerdrop"]) for path, module in ancestors if "layerdrop" in module.__dict__]
     if held:
         return [f"{path + '.' if path else ''}layerdrop={v!r}" for path, v in held if _positive(v)]
-    seen: set[int] = set()
-    found = []
-    for path, module in ancestors:
-        config = getattr(module, "config", None)
-        if config is None or id(config) in seen:
-            continue
-        seen.add(id(config))
-        v = getattr(config, "layerdrop", None)
-        if _positive(v):
-            found.append(f"{path + '.' if path else ''}config.layerdrop={v!r}")
-    return found
+    found = [(path, getattr(config, "layerdrop", None)) for path, config in _configs(ancestors)]
+    return [f"{path + '.' if path else ''}config.layerdrop={v!r}" for path, v in found if _positive(v)]
 
 
 def _positive(v: Any) -> bool:
