@@ -219,16 +219,19 @@ class CachingNanoGPT(NanoGPT):
 class CodebookNanoGPT(NanoGPT):
     """nanoGPT with an embedding per codebook in an nn.ModuleList before the blocks, indexed, sliced and iterated
     by the forward (MusicGen's decoder, Gemma3n's `altup_projections[i - 1]`): on the stages that hold it not,
-    its placeholder was "not subscriptable"."""
+    its placeholder was "not subscriptable". And a ModuleDict of position embeddings walked by ``items()`` and
+    ``values()``, which hand the set-aside (meta) modules themselves to the loop on the other stage."""
 
     def __init__(self) -> None:
         super().__init__()
         self.transformer["wte"] = nn.ModuleList(nn.Embedding(VOCAB, 16) for _ in range(3))  # keeps its place
+        self.transformer["wpe"] = nn.ModuleDict({"fine": nn.Embedding(SEQ, 16), "coarse": nn.Embedding(SEQ, 16)})
 
     def forward(self, input_ids, attention_mask):
         t = input_ids.shape[1]
-        wte = self.transformer.wte
-        x = wte[0](input_ids) + sum(e(input_ids.flip(-1)) for e in wte[1:]) + self.transformer.wpe(torch.arange(t))
+        wte, wpe, pos = self.transformer.wte, self.transformer.wpe, torch.arange(t)
+        x = wte[0](input_ids) + sum(e(input_ids.flip(-1)) for e in wte[1:])
+        x = x + sum(e(pos if k == "fine" else pos // 4) for k, e in wpe.items()) + sum(e(pos) for e in wpe.values())
         mask = torch.ones(t, t, dtype=torch.bool).tril()[None, None] & attention_mask.bool()[:, None, None]
         mask = mask | torch.eye(t, dtype=torch.bool)
         for block in self.transformer.h:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import random
@@ -687,6 +688,45 @@ def _fit_warned(rank: int, world: int) -> list[str]:
     return [str(w.message) for w in caught if str(w.message).startswith("twobp:")]
 
 
+def _worker_draws(init: Callable[[int], None] | None) -> list[list[float]]:
+    """What workers 0 and 1 of a loader with worker_init_fn ``init`` draw first, from one base seed (torch
+    gives worker ``i`` the seed ``base + i``, then calls ``init(i)``)."""
+    draws, np_state, py_state = [], np.random.get_state(), random.getstate()
+    with torch.random.fork_rng():
+        for worker in (0, 1):
+            torch.manual_seed(1234 + worker)
+            if init is not None:
+                init(worker)
+            draws.append(torch.rand(3).tolist() + [float(np.random.rand()), random.random()])
+    np.random.set_state(np_state)
+    random.setstate(py_state)
+    return draws
+
+
+def _fit_seeding_workers(rank: int, world: int) -> list[list[float]]:
+    lightning_env(rank, world)
+    pl.seed_everything(5, workers=True, verbose=False)
+    try:
+        trainer = _trainer(TwoBPStrategy(), world, max_steps=1)
+        trainer.fit(Regressor(), _data())
+        return _worker_draws(trainer.train_dataloader.worker_init_fn)
+    finally:
+        del os.environ["PL_SEED_WORKERS"]
+
+
+def test_seeded_dataloader_workers_draw_alike_on_every_stage(two_ranks, request):
+    """Under seed_everything(workers=True) Lightning seeds each DataLoader worker by global rank, so the
+    first stage's workers and the last's drew different noise or masks for the same sample (refused at the
+    first batch as different data). The strategy seeds them by data-parallel rank: every stage draws as one
+    process's workers (rank 0) draw, torch's, NumPy's and Python's generators alike."""
+    from lightning.fabric.utilities.seed import pl_worker_init_function
+
+    first, last = two_ranks[request.node.name]
+    one_process = _worker_draws(functools.partial(pl_worker_init_function, rank=0))
+    assert first == last == one_process, (first, last, one_process)
+    assert one_process != _worker_draws(functools.partial(pl_worker_init_function, rank=1))
+
+
 def test_random_draws_before_the_pipelined_call_agree_across_stages(two_ranks, request):
     """The first stage runs the step's code before the call for the inputs, the last stage again for the
     loss: mixup's lambda drawn there (torch, NumPy, Python) is the same number on both, per micro-batch,
@@ -780,6 +820,7 @@ def two_ranks(request, shared) -> conftest.Launch:
         "test_a_redone_step_counts_batch_norm_statistics_once": (_fit_post_validated, ()),
         "test_keys_a_training_step_returns_beside_the_loss_are_named_once": (_fit_warned, ()),
         "test_random_draws_before_the_pipelined_call_agree_across_stages": (_fit_mixup, ()),
+        "test_seeded_dataloader_workers_draw_alike_on_every_stage": (_fit_seeding_workers, ()),
         "test_resume_rebuilds_each_ranks_own_param_groups": (_group_settings_resumed, (str(shared / "groups"),)),
     }
     cases |= {

@@ -13,17 +13,20 @@ across the ranks).
 
 from __future__ import annotations
 
+import os
 import warnings
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from lightning.fabric.utilities.seed import pl_worker_init_function
 
 from lightning_twobp.lightning.step import batch_tensors
 from lightning_twobp.private import without_distributed_sampler
 
-__all__ = ["batch_fingerprint", "check_same_batch", "keep_users_sampler"]
+__all__ = ["batch_fingerprint", "check_same_batch", "keep_users_sampler", "seed_workers_by_replica"]
 
 
 def keep_users_sampler(trainer: Any) -> Callable[[], None]:
@@ -43,6 +46,19 @@ def keep_users_sampler(trainer: Any) -> Callable[[], None]:
         )
         return lambda: None
     return undo
+
+
+def seed_workers_by_replica(dataloader: Any, dp_rank: int) -> Any:
+    """Under ``seed_everything(workers=True)`` give a loader without a ``worker_init_fn`` Lightning's own,
+    seeded by data-parallel rank rather than by global rank (what Lightning gives it after this hook).
+
+    Seeded by global rank, the workers of the first stage and of the last draw different numbers for the
+    same sample: noise or masking drawn in ``__getitem__`` or a ``collate_fn`` (a masked-LM collator) would
+    meet the first stage's inputs with another draw's targets. By data-parallel rank every rank of one
+    pipeline draws alike, replicas draw apart as DDP's ranks do, and a pipeline alone draws as one process."""
+    if int(os.environ.get("PL_SEED_WORKERS", 0)) and getattr(dataloader, "worker_init_fn", False) is None:
+        dataloader.worker_init_fn = partial(pl_worker_init_function, rank=dp_rank)
+    return dataloader
 
 
 def batch_fingerprint(batch: Any, device: Any) -> torch.Tensor:
@@ -80,6 +96,7 @@ def check_same_batch(batch: Any, group: Any, device: Any, where: str, ranks: lis
         f"depends on the global rank: a DistributedSampler built with the world size, a dataset that shards by "
         f"dist.get_rank() / trainer.global_rank (split by trainer.strategy.dp_rank of dp_degree instead, or "
         f"leave the sampler to Lightning: use_distributed_sampler=True splits by replica), a seed that differs "
-        f"per rank, or random draws in DataLoader workers under seed_everything(workers=True), which seeds each "
-        f"worker by global rank (draw in on_after_batch_transfer instead, where every rank draws alike)"
+        f"per rank, or a worker_init_fn that seeds DataLoader workers by global rank (seed them by "
+        f"trainer.strategy.dp_rank, or leave worker_init_fn unset under seed_everything(workers=True), which "
+        f"the strategy seeds by data-parallel rank)"
     )

@@ -30,7 +30,7 @@ from lightning_twobp.lightning.checks import check_callbacks, check_nodes, check
 from lightning_twobp.lightning.failures import lost_rank, naming_lost, reap, told
 from lightning_twobp.lightning.grads import GradStash
 from lightning_twobp.lightning.layout import check_degree
-from lightning_twobp.lightning.loaders import check_same_batch
+from lightning_twobp.lightning.loaders import check_same_batch, seed_workers_by_replica
 from lightning_twobp.lightning.local_model import meta_layers_aside
 from lightning_twobp.lightning.optimizer_checks import NonFiniteError, buffers_kept
 from lightning_twobp.lightning.pipeline import Pipeline, StepRecords, StepRun, build_pipeline
@@ -169,6 +169,10 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         # Every stage of one pipeline sees the same batch: the data splits by data-parallel rank.
         return {"num_replicas": self.dp_degree, "rank": self.dp_rank}
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        return seed_workers_by_replica(dataloader, self.dp_rank)
 
     # ------------------------------------------------------------------ setup and teardown
     @override
