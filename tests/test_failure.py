@@ -13,6 +13,7 @@ from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
+import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from lightning.pytorch.callbacks import ModelCheckpoint
@@ -21,6 +22,7 @@ from torch.utils.checkpoint import checkpoint
 
 from lightning_twobp import TwoBPStrategy
 from lightning_twobp.engine.failure import PeerFailed, check_links_open, close_links, process_state
+from lightning_twobp.lightning.failures import note_epoch_end
 from lightning_twobp.processes import free_port, rank_env, run_distributed
 
 from conftest import AdamRegressor, checkpointing_trainer, quiet_trainer, regression_data, user_script
@@ -254,3 +256,33 @@ def test_an_error_every_rank_raises_in_the_step_leaves_the_links_open():
     catches the error can go on with its process group."""
     seen = run_distributed(_every, 2, free_port(), timeout=120)
     assert all("val_vector" in s["error"] for s in seen), seen
+
+
+class CollectsInAList(AdamRegressor):
+    """Lightning's own pattern for epoch-end values: a list the step fills, stacked at the epoch's end."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.losses: list = []
+
+    def on_validation_epoch_end(self):
+        self.log("val_mean", torch.stack(self.losses).mean())
+
+
+def test_an_epoch_end_hook_failing_without_the_last_stage_is_told_why():
+    """On a rank without the last stage the step's code after the pipelined call never ran, so the list is
+    empty and torch says only "stack expects a non-empty TensorList": the strategy's on_exception adds a
+    note naming the hook, the rank and the fix (the wiring tried on 2 ranks by hand)."""
+    module = CollectsInAList()
+    with pytest.raises(RuntimeError) as raised:
+        module.on_validation_epoch_end()
+    note_epoch_end(raised.value, module, "pipeline rank 0")
+    (note,) = raised.value.__notes__
+    assert "on_validation_epoch_end on pipeline rank 0" in note and "what validation_step computes" in note, note
+    assert "CatMetric" in note, note
+    other = ValueError("not in an epoch-end hook")
+    note_epoch_end(other, module, "pipeline rank 0")
+    with pytest.raises(RuntimeError) as elsewhere:
+        module.on_validation_epoch_end()
+    note_epoch_end(elsewhere.value, CollectsInAList(), "pipeline rank 0")  # another module's hook
+    assert not hasattr(other, "__notes__") and not hasattr(elsewhere.value, "__notes__")

@@ -14,12 +14,15 @@ saved across ranks that are not at one step.
 * :func:`naming_lost`: around the collectives over every rank outside the pipeline's own waits (the
   global gradient norm, Lightning's ``sync_dist``, the stop-signal agreement): a lost rank is named
   there too, not left to gloo's "Connection closed by peer [address]:port".
+* :func:`note_epoch_end`: an epoch-end hook of the user's that failed on a rank without the last stage,
+  where what the steps collected is missing, is told why.
 """
 
 from __future__ import annotations
 
 import sys
 import time
+import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -30,7 +33,7 @@ from lightning.pytorch.trainer.states import TrainerStatus
 from lightning_twobp.engine.failure import FailureChannel, lost_peer, process_state
 from lightning_twobp.engine.p2p import PeerLost
 
-__all__ = ["lost_rank", "naming_lost", "reap", "save_refused", "told"]
+__all__ = ["lost_rank", "naming_lost", "note_epoch_end", "reap", "save_refused", "told"]
 
 
 @contextmanager
@@ -119,3 +122,35 @@ def reap(launcher: Any, grace: float = 10.0) -> None:
             time.sleep(0.1)
         if proc.poll() is None:
             proc.kill()
+
+
+_EPOCH_ENDS = ("on_train_epoch_end", "on_validation_epoch_end", "on_test_epoch_end", "on_predict_epoch_end")
+_STEPS = ("training_step", "validation_step", "test_step", "predict_step")
+
+
+def note_epoch_end(exception: BaseException, module: Any, where: str) -> None:
+    """Add a note to an error raised inside one of ``module``'s epoch-end hooks on a rank that does not hold
+    the last stage (``where`` names it). The steps' code after the pipelined call runs on the last stage
+    only, so a list the step fills (Lightning's own pattern for epoch-end values) is empty here, and
+    ``torch.stack`` / ``torch.cat`` of it fails with torch's words alone."""
+    frames = (frame for frame, _ in traceback.walk_tb(exception.__traceback__))
+    hook = next(
+        (f.f_code.co_name for f in frames if f.f_code.co_name in _EPOCH_ENDS and f.f_locals.get("self") is module), None
+    )
+    if hook is None:
+        return
+    step = _STEPS[_EPOCH_ENDS.index(hook)]
+    _add_note(
+        exception,
+        f"twobp: this error is in {hook} on {where}, which does not hold the last pipeline stage: what "
+        f"{step} computes after the pipelined call exists on the last stage only, so values the step collects "
+        f"into the module (a list read at the epoch's end) are missing or placeholders here. Collect them in a "
+        f"torchmetrics Metric (CatMetric for the values, MeanMetric for a mean), whose state reaches every rank "
+        f"of the pipeline with the step's logs, or log them in the step with self.log (docs/troubleshooting.md)",
+    )
+
+
+def _add_note(exception: BaseException, note: str) -> None:
+    """``exception.add_note(note)``, which Python 3.10 lacks (its ``__notes__`` list is printed from 3.11)."""
+    notes = getattr(exception, "__notes__", None)
+    exception.__notes__ = [*(notes or []), note]  # type: ignore[attr-defined]

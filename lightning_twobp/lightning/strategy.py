@@ -27,7 +27,7 @@ from lightning_twobp.engine.failure import FailureChannel, check_links_open, clo
 from lightning_twobp.lightning import checkpoint_hooks
 from lightning_twobp.lightning.checkpoint import CheckpointError
 from lightning_twobp.lightning.checks import check_callbacks, check_nodes, checked_optimizers
-from lightning_twobp.lightning.failures import lost_rank, naming_lost, reap, told
+from lightning_twobp.lightning.failures import lost_rank, naming_lost, note_epoch_end, reap, told
 from lightning_twobp.lightning.grads import GradStash
 from lightning_twobp.lightning.layout import check_degree
 from lightning_twobp.lightning.loaders import check_same_batch, seed_workers_by_replica
@@ -234,6 +234,8 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
     @override
     def on_exception(self, exception: BaseException) -> None:
         self._failed = True  # teardown gathers nothing then: another rank may be gone
+        if self._pipeline is not None and not self._pipeline.holds_last:
+            note_epoch_end(exception, self.lightning_module, f"pipeline rank {self.pp_rank}")
         if self._failures is not None and not self._failures.seen and not isinstance(exception, Preempted):
             trainer = getattr(self.lightning_module, "_trainer", None)  # not attached yet: a call failing early
             step = trainer.global_step if trainer is not None else "?"
