@@ -184,6 +184,11 @@ def _layout(rank: int, world: int) -> dict:
     _trainer(strategy, world, max_steps=1, callbacks=[Probe()]).fit(
         Regressor(), DataLoader(_data().dataset, batch_size=8)
     )
+    try:  # after the call: the pipeline is gone, and the error must not say to call fit "first"
+        _ = strategy.stage_ids
+    except RuntimeError as e:
+        seen["after"] = str(e)
+    seen["sizes_after"] = strategy.stage_sizes
     return seen
 
 
@@ -197,6 +202,8 @@ def test_device_mesh_and_stage_properties(four_ranks, request):
         # the V: rank 0 holds stages 0 and 3 (first and last), rank 1 stages 1 and 2
         assert seen["stages"] == ((0, 3) if rank % 2 == 0 else (1, 2))
         assert seen["first"] == seen["last"] == (rank % 2 == 0)
+        assert "call has ended" in seen["after"] and "first" not in seen["after"], seen["after"]
+        assert seen["sizes_after"] is not None  # the message says it stays readable
 
 
 def test_options_that_do_not_apply_raise_type_error():

@@ -28,6 +28,12 @@ __all__ = ["PipelinePlacement"]
 NOT_YET = (
     "the pipeline is built in setup(), when a Trainer call starts: call trainer.fit (or validate, test, predict) first"
 )
+# after a call: its teardown released the pipeline ("call trainer.fit first" misled a user who just had)
+ENDED = (
+    "the pipeline exists only during a Trainer call (built in setup(), released at teardown) and the last "
+    "call has ended: read it in a hook or callback while trainer.fit (or validate, test, predict) runs, "
+    "e.g. on_train_start; strategy.stage_sizes and strategy.auto_choice stay readable after the call"
+)
 
 
 class PipelinePlacement:
@@ -39,6 +45,7 @@ class PipelinePlacement:
     _mesh: DeviceMesh | None
     _timeout: timedelta | None
     _pipeline: Pipeline | None
+    _calls_ended: bool  # a Trainer call has torn its pipeline down
 
     if TYPE_CHECKING:
         # Lightning types it Optional (a strategy not yet connected); every hook of ours runs after the
@@ -120,7 +127,7 @@ class PipelinePlacement:
 
     def _built(self, what: str) -> Pipeline:
         if self._pipeline is None:
-            raise RuntimeError(f"TwoBPStrategy.{what}: {NOT_YET}")
+            raise RuntimeError(f"TwoBPStrategy.{what}: {ENDED if self._calls_ended else NOT_YET}")
         return self._pipeline
 
     @property

@@ -133,6 +133,7 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
         self._same_batch_checked = False  # the pipeline's ranks read the same training batch (once per call)
         self._mesh: DeviceMesh | None = None
         self._pipeline: Pipeline | None = None
+        self._calls_ended = False
         self._stash = GradStash()
         self._signals: StopSignals | None = None
         self._failures: FailureChannel | None = None  # the first failure, told to every rank (see .failures)
@@ -290,6 +291,7 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
         and the precision plugin is Lightning's own again, with the trained loss scale."""
         self._step_checks = self.step_checks  # kept after the pipeline goes
         pipeline, self._pipeline = self._pipeline, None
+        self._calls_ended = self._calls_ended or pipeline is not None
         self._failures = None  # this call's: the next call opens its own
         if self._signals is not None:
             self._signals.uninstall()
