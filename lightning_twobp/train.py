@@ -36,7 +36,19 @@ from omegaconf import DictConfig, OmegaConf
 
 from lightning_twobp.config import CONF_DIR
 
-__all__ = ["instantiate_data", "main", "resume_path", "train"]
+__all__ = ["CheckpointNotFound", "Refused", "instantiate_data", "main", "resume_path", "train"]
+
+
+class Refused(ValueError):
+    """A recipe's configuration refused before anything is built; the message names the fix."""
+
+
+class CheckpointNotFound(FileNotFoundError):
+    """``ckpt_path=last`` found no checkpoint of an earlier run."""
+
+
+# Printed as one line, as twobp-plan prints its refusals: a traceback above the fix only buries it.
+_REFUSED = (Refused, CheckpointNotFound)
 
 
 def train(cfg: DictConfig) -> dict[str, Any]:
@@ -84,7 +96,7 @@ def instantiate_data(cfg: DictConfig) -> Any:
         if "'model." not in str(e):
             raise  # another missing key (a typo in an interpolation): Hydra's message names it
         choices = HydraConfig.get().runtime.choices if HydraConfig.initialized() else {}
-        raise ValueError(
+        raise Refused(
             f"data={choices.get('data', '?')} does not fit model={choices.get('model', '?')} ({e}): use {_DATA_FOR}"
         ) from e
     except MissingMandatoryValue as e:
@@ -94,7 +106,7 @@ def instantiate_data(cfg: DictConfig) -> Any:
             if key.endswith("_path")
             else f"{key}=..."
         )
-        raise ValueError(f"{key} has no value: give it on the command line, e.g. {example}") from e
+        raise Refused(f"{key} has no value: give it on the command line, e.g. {example}") from e
 
 
 def resume_path(ckpt_path: str | None, out_dir: str) -> str | None:
@@ -108,7 +120,7 @@ def resume_path(ckpt_path: str | None, out_dir: str) -> str | None:
     runs = Path(out_dir).resolve().parent
     found = [m.parent for m in runs.glob(f"*/checkpoints/*.ckpt/{MANIFEST}")]
     if not found:
-        raise FileNotFoundError(
+        raise CheckpointNotFound(
             f"ckpt_path=last: no complete checkpoint under {runs}/*/checkpoints/ (earlier runs of this recipe); "
             f"pass a checkpoint's path, quoted for Hydra when it holds '=': "
             f"'ckpt_path=\"outputs/.../checkpoints/epoch=0-step=10.ckpt\"'"
@@ -149,7 +161,13 @@ def _hydra_main(cfg: DictConfig) -> None:
         return
     if OmegaConf.select(cfg, "print_config", default=False) and os.environ.get("LOCAL_RANK", "0") == "0":
         print(OmegaConf.to_yaml(cfg, resolve=True))  # once per machine: Lightning's launcher re-runs this script
-    train(cfg)
+    try:
+        train(cfg)
+    except _REFUSED as e:
+        if os.environ.get("HYDRA_FULL_ERROR") == "1":
+            raise
+        print(f"twobp-train: error: {e}\n(HYDRA_FULL_ERROR=1 for the traceback)", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 def main() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -104,6 +105,17 @@ def test_cli_says_a_refusal_in_one_line_not_a_traceback(overrides, says, capsys,
     assert main(overrides) == 2
     err = capsys.readouterr().err
     assert err.startswith("twobp-plan: error: ") and says in err and "Traceback" not in err, err
+
+
+def test_train_cli_says_a_refusal_in_one_line_not_a_traceback(tmp_path):
+    """twobp-train's refusals before anything is built, as twobp-plan's: one line, exit status 2 (they were
+    two chained tracebacks of up to 79 lines, the fix in the last)."""
+    env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
+    args = [sys.executable, "-m", "lightning_twobp.train", "data=tokens", f"hydra.run.dir={tmp_path}/run"]
+    out = subprocess.run(args, capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert "twobp-train: error: data.train_path has no value" in out.stderr, out.stderr[-2000:]
+    assert "Traceback" not in out.stderr, out.stderr[-2000:]
 
 
 def test_auto_counts_a_sharded_stage_as_one_replica_holds_it():
