@@ -25,6 +25,7 @@ __all__ = [
     "disabled_torch_function_impl",
     "forward_hooks",
     "gloo_or_nccl_options",
+    "layer_sync",
     "make_wrapper_subclass",
     "metric_finish_step",
     "metric_forward_cache",
@@ -118,6 +119,12 @@ def unset_training_data(trainer: Any) -> None:
     if loop._data_fetcher is not None:
         loop._data_fetcher.teardown()
     loop._data_fetcher = loop._combined_loader = None
+
+
+def layer_sync(strategy: Any) -> Any:
+    """The layer conversion ``Trainer(sync_batchnorm=True)`` (or a ``LayerSync`` plugin) handed the strategy,
+    or None: Lightning's DDP applies it in its own ``setup``; nothing public says whether it was asked for."""
+    return getattr(strategy, "_layer_sync", None)
 
 
 def without_distributed_sampler(trainer: Any) -> Callable[[], None] | None:

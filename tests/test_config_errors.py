@@ -53,6 +53,16 @@ class TwoSequentials(Net):
         return F.mse_loss(self.head(self.layers(x)), y)
 
 
+class SyncNormed(Net):
+    """Its layers converted by hand to nn.SyncBatchNorm."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.SyncBatchNorm.convert_sync_batchnorm(
+            nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 2))
+        )
+
+
 class NoSequential(Net):
     def __init__(self) -> None:
         super().__init__()
@@ -624,6 +634,18 @@ CASES: dict[str, Case] = {
         lambda t: _fit(trainer=dict(callbacks=[EMAWeightAveraging()])),
         ValueError,
         r"callbacks=\[EMAWeightAveraging\(...\)\] is not supported under strategy='twobp'",
+    ),
+    # Lightning's DDP converts the model in its own setup, which the strategy replaces: ignored, silently
+    "fit-sync-batchnorm": (
+        lambda t: _fit(trainer=dict(sync_batchnorm=True)),
+        ValueError,
+        r"Trainer\(sync_batchnorm=True\) is not supported under strategy='twobp': SyncBatchNorm gathers.*GroupNorm",
+    ),
+    # gathers over the whole world, whose ranks hold other stages: a hang or a mismatch on GPU
+    "fit-sync-batchnorm-module": (
+        lambda t: _fit(SyncNormed()),
+        ValueError,
+        r"nn.SyncBatchNorm \(layers.1\) is not supported under strategy='twobp'",
     ),
     "fit-manual-optimization": (
         lambda t: _fit(Manual()),

@@ -27,6 +27,7 @@ FOREIGN = {
     "_data_fetcher",
     "_combined_loader",
     "_accelerator_connector",
+    "_layer_sync",
     "_forward_cache",
     "_update_count",
     "_reduce_states",

@@ -13,7 +13,8 @@ from torch import nn
 
 from lightning_twobp.options import check_flag
 
-__all__ = ["check_callbacks", "check_flag", "check_nodes", "checked_optimizers"]  # check_flag: lightning_twobp.options
+# check_flag: lightning_twobp.options
+__all__ = ["check_callbacks", "check_flag", "check_nodes", "check_sync_batchnorm", "checked_optimizers"]
 
 _LOOPBACK = ("", "127.0.0.1", "localhost", "::1")
 
@@ -41,6 +42,32 @@ def check_callbacks(callbacks: Sequence[Any]) -> None:
                 f"setup are this rank's; torch.optim.swa_utils.get_ema_multi_avg_fn does the update), or average "
                 f"after training, in one process, from a consolidated checkpoint (twobp-consolidate)"
             )
+
+
+def check_sync_batchnorm(layer_sync: Any, module: nn.Module) -> None:
+    """``Trainer(sync_batchnorm=True)`` was ignored: Lightning's DDP converts the model in its own setup, which
+    this strategy replaces, so every replica normalised alone while the user asked for synchronised
+    statistics. A model converted by hand (``nn.SyncBatchNorm``) gathers each forward's statistics over the
+    whole world, whose ranks hold other stages and run other layers at other times. Refused before any compute."""
+    synced = [name or type(module).__name__ for name, m in module.named_modules() if isinstance(m, nn.SyncBatchNorm)]
+    if layer_sync is None and not synced:
+        return
+    if layer_sync is not None:
+        what = (
+            "Trainer(sync_batchnorm=True)"
+            if type(layer_sync).__name__ == "TorchSyncBatchNorm"
+            else f"plugins=[{type(layer_sync).__name__}(...)]"
+        )
+    else:
+        what = f"nn.SyncBatchNorm ({', '.join(synced[:3])}{', ...' if len(synced) > 3 else ''})"
+    raise ValueError(
+        f"{what} is not supported under strategy='twobp': SyncBatchNorm gathers a forward's batch statistics from "
+        f"every rank of its process group at once, but a pipeline runs each stage's micro-batches on its own ranks "
+        f"at its own times (torch's default group, the world, holds every stage). BatchNorm here normalises each "
+        f"micro-batch on its own, as gradient accumulation does: drop sync_batchnorm=True (and "
+        f"nn.SyncBatchNorm.convert_sync_batchnorm), or use GroupNorm for statistics that do not depend on the "
+        f"micro-batch"
+    )
 
 
 def check_nodes(num_nodes: int, devices: int, environment: Any) -> None:

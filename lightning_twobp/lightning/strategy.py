@@ -26,7 +26,7 @@ from lightning_twobp.engine import Verdict
 from lightning_twobp.engine.failure import FailureChannel, check_links_open, close_links, lost_peer
 from lightning_twobp.lightning import checkpoint_hooks
 from lightning_twobp.lightning.checkpoint import CheckpointError
-from lightning_twobp.lightning.checks import check_callbacks, check_nodes, checked_optimizers
+from lightning_twobp.lightning.checks import check_callbacks, check_nodes, check_sync_batchnorm, checked_optimizers
 from lightning_twobp.lightning.failures import lost_rank, naming_lost, note_epoch_end, reap, told
 from lightning_twobp.lightning.grads import GradStash
 from lightning_twobp.lightning.layout import check_degree
@@ -44,6 +44,7 @@ from lightning_twobp.lightning.preemption import (
 )
 from lightning_twobp.lightning.step import DP_GROUP, check_batch_size_early, check_batches, log_step_values
 from lightning_twobp.options import PipelineOptions
+from lightning_twobp.private import layer_sync
 from lightning_twobp.schedules.auto import AutoChoice, Profile
 
 __all__ = ["NonFiniteError", "Preempted", "StepRecords", "TwoBPStrategy"]
@@ -187,6 +188,7 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
         trainer = getattr(self.lightning_module, "_trainer", None)
         if trainer is not None and trainer.state.fn == TrainerFn.FITTING:
             check_callbacks(trainer.callbacks)  # before their own setup: weight averaging copies the model there
+            check_sync_batchnorm(layer_sync(self), self.lightning_module)
         super().setup_environment()
 
     @override
