@@ -17,7 +17,12 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from lightning.pytorch.callbacks import EMAWeightAveraging, StochasticWeightAveraging
+from lightning.pytorch.callbacks import (
+    BackboneFinetuning,
+    EMAWeightAveraging,
+    ModelPruning,
+    StochasticWeightAveraging,
+)
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -646,6 +651,18 @@ CASES: dict[str, Case] = {
         lambda t: _fit(SyncNormed()),
         ValueError,
         r"nn.SyncBatchNorm \(layers.1\) is not supported under strategy='twobp'",
+    ),
+    "fit-model-pruning": (
+        lambda t: _fit(trainer=dict(callbacks=[ModelPruning("l1_unstructured", amount=0.3)])),
+        ValueError,
+        r"callbacks=\[ModelPruning\(...\)\] is not supported under strategy='twobp': it collects the modules to "
+        r"prune before the pipeline splits the model.*Prune before fit",
+    ),
+    "fit-backbone-finetuning": (
+        lambda t: _fit(trainer=dict(callbacks=[BackboneFinetuning(unfreeze_backbone_at_epoch=1)])),
+        ValueError,
+        r"callbacks=\[BackboneFinetuning\(...\)\] is not supported under strategy='twobp': after unfreezing it "
+        r"sets the learning rate of optimizer.param_groups\[-1\].*Subclass it",
     ),
     "fit-manual-optimization": (
         lambda t: _fit(Manual()),

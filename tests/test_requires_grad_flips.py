@@ -9,11 +9,13 @@ from __future__ import annotations
 import lightning.pytorch as pl
 import pytest
 import torch
+from lightning.pytorch.callbacks import BaseFinetuning
+from torch import nn
 
 from lightning_twobp import TwoBPStrategy
 from lightning_twobp.processes import run_distributed
 
-from conftest import Regressor, lightning_env, quiet_trainer, regression_data
+from conftest import Regressor, lightning_env, mlp, quiet_trainer, regression_data
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(300)]
 
@@ -44,22 +46,62 @@ def _fit(strategy, devices: int, mode: str) -> dict[str, torch.Tensor]:
     return {n: q.detach().clone() for n, q in model.named_parameters() if not q.is_meta}
 
 
+class WithBackbone(Regressor):
+    """``layers[0]`` (a Sequential of its own) is the backbone; the optimizer takes the trainable layers."""
+
+    def __init__(self) -> None:
+        super().__init__(
+            layers=lambda: nn.Sequential(mlp((6, 16, 16)), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), mlp((16, 2)))
+        )
+
+    @property
+    def backbone(self) -> nn.Module:
+        return self.layers[0]
+
+    def configure_optimizers(self):
+        return torch.optim.SGD([q for q in self.parameters() if q.requires_grad], lr=self.lr, momentum=0.9)
+
+
+class Unfreeze(BaseFinetuning):
+    """A fine-tuning schedule of one's own: the backbone frozen in setup (before the split), unfrozen into a
+    param group of its own at epoch 1. BaseFinetuning iterates ``pl_module.backbone``, on rank 1 the
+    placeholder of a Sequential of rank 0, whose Linear's placeholder claimed to be iterable: TypeError."""
+
+    def freeze_before_training(self, pl_module):
+        self.freeze(pl_module.backbone)
+
+    def finetune_function(self, pl_module, epoch, optimizer):
+        if epoch == 1:
+            self.unfreeze_and_add_param_group(pl_module.backbone, optimizer, lr=0.01)
+
+
+def _fit_backbone(strategy, devices: int) -> dict[str, torch.Tensor]:
+    model = WithBackbone()
+    trainer = quiet_trainer(strategy, devices, max_epochs=2, callbacks=[Unfreeze()])
+    trainer.fit(model, regression_data(n=32))
+    return {n: q.detach().clone() for n, q in model.named_parameters() if not q.is_meta}
+
+
 def _ranks(rank: int, world: int) -> dict:
     lightning_env(rank, world)
-    return {mode: _fit(TwoBPStrategy(schedule="1f1b"), world, mode) for mode in ("freeze", "unfreeze")}
+    out = {mode: _fit(TwoBPStrategy(schedule="1f1b"), world, mode) for mode in ("freeze", "unfreeze")}
+    # rank 0 holds the backbone and a trainable Linear (an all-frozen stage is refused at setup)
+    return out | {"backbone": _fit_backbone(TwoBPStrategy(schedule="1f1b", balance=[3, 2]), world)}
 
 
 def test_a_layer_frozen_or_unfrozen_during_fit_trains_as_in_one_process(no_leftover_process_group):
     init = {n: q.detach().clone() for n, q in Regressor().named_parameters()}
-    ref = {mode: _fit("auto", 1, mode) for mode in ("freeze", "unfreeze")}
+    ref = {mode: _fit("auto", 1, mode) for mode in ("freeze", "unfreeze")} | {"backbone": _fit_backbone("auto", 1)}
     outs = run_distributed(_ranks, 2, timeout=240)
-    for mode in ("freeze", "unfreeze"):
+    for mode in ("freeze", "unfreeze", "backbone"):
         seen = set()
         for out in outs:
             for name, value in out[mode].items():
                 seen.add(name)
                 torch.testing.assert_close(value, ref[mode][name], rtol=1e-5, atol=1e-6, msg=f"{mode}: {name}")
         assert seen == set(ref[mode])
+        if mode == "backbone":
+            continue
         frozen = f"layers.{LAYER}.weight"
         moved = not torch.equal(ref[mode][frozen], init[frozen])
         assert moved == (mode == "unfreeze")  # frozen from step 0: untouched; unfrozen at step 2: trained

@@ -20,28 +20,58 @@ _LOOPBACK = ("", "127.0.0.1", "localhost", "::1")
 
 
 def check_callbacks(callbacks: Sequence[Any]) -> None:
-    """Lightning's weight averaging (``StochasticWeightAveraging``, ``WeightAveraging`` and its
-    ``EMAWeightAveraging``) deep-copies the whole LightningModule in its ``setup``, before the pipeline
-    splits it, then pairs the copy's parameters with ``pl_module.parameters()``, which under the pipeline
-    are this rank's only: a shape error at its first average, on one rank. Refused before any compute."""
-    from lightning.pytorch.callbacks import StochasticWeightAveraging
+    """Lightning callbacks that act on the whole model as one process holds it, refused before any compute:
 
-    kinds: tuple[type, ...] = (StochasticWeightAveraging,)
+    - weight averaging (``StochasticWeightAveraging``, ``WeightAveraging`` and its ``EMAWeightAveraging``)
+      deep-copies the whole LightningModule in its ``setup``, before the pipeline splits it, then pairs the
+      copy's parameters with ``pl_module.parameters()``, which under the pipeline are this rank's only: a
+      shape error at its first average, on one rank;
+    - ``ModelPruning`` collects the modules to prune in its ``setup``, before the split: at the first
+      epoch's end it pruned layers of other ranks, on the meta device (a torch error, after an epoch of
+      training), and a global threshold would rank this rank's weights alone;
+    - ``BackboneFinetuning`` sets the learning rate of ``optimizer.param_groups[-1]`` each epoch after the
+      unfreezing, the group it added for the backbone; a rank that holds none of the backbone added none,
+      and its last group is the head's: the head trained at the backbone's rate, silently."""
+    for cb in callbacks:
+        reason = _unsupported(cb)
+        if reason:
+            raise ValueError(f"callbacks=[{type(cb).__name__}(...)] is not supported under strategy='twobp': {reason}")
+
+
+def _unsupported(cb: Any) -> str | None:
+    from lightning.pytorch.callbacks import BackboneFinetuning, ModelPruning, StochasticWeightAveraging
+
+    averaging: tuple[type, ...] = (StochasticWeightAveraging,)
     try:
         from lightning.pytorch.callbacks import WeightAveraging  # Lightning >= 2.6
 
-        kinds += (WeightAveraging,)
+        averaging += (WeightAveraging,)
     except ImportError:  # pragma: no cover - older Lightning
         pass
-    for cb in callbacks:
-        if isinstance(cb, kinds):
-            raise ValueError(
-                f"callbacks=[{type(cb).__name__}(...)] is not supported under strategy='twobp': it averages a copy of "
-                f"the whole model, made before the pipeline splits it, against the parameters of this rank's stages "
-                f"alone. Average each rank's own parameters in a callback of yours (pl_module.parameters() after "
-                f"setup are this rank's; torch.optim.swa_utils.get_ema_multi_avg_fn does the update), or average "
-                f"after training, in one process, from a consolidated checkpoint (twobp-consolidate)"
-            )
+    if isinstance(cb, averaging):
+        return (
+            "it averages a copy of the whole model, made before the pipeline splits it, against the parameters of "
+            "this rank's stages alone. Average each rank's own parameters in a callback of yours "
+            "(pl_module.parameters() after setup are this rank's; torch.optim.swa_utils.get_ema_multi_avg_fn does "
+            "the update), or average after training, in one process, from a consolidated checkpoint "
+            "(twobp-consolidate)"
+        )
+    if isinstance(cb, ModelPruning):
+        return (
+            "it collects the modules to prune before the pipeline splits the model, so it would prune layers that "
+            "live on other ranks (and a global threshold would rank this rank's weights alone). Prune before fit "
+            "(torch.nn.utils.prune on the model: the pruned model trains as in one process), or after training, in "
+            "one process, from a consolidated checkpoint (twobp-consolidate)"
+        )
+    if isinstance(cb, BackboneFinetuning):
+        return (
+            "after unfreezing it sets the learning rate of optimizer.param_groups[-1], taken to be the backbone's "
+            "group; a pipeline rank that holds none of pl_module.backbone adds no group, and its last group is "
+            "another's, which would train at the backbone's rate. Subclass it and, in finetune_function after the "
+            "unfreezing epoch, set the rate of the groups that hold the backbone's parameters (found by id; none "
+            "on a rank that holds none of them)"
+        )
+    return None
 
 
 def check_sync_batchnorm(layer_sync: Any, module: nn.Module) -> None:

@@ -50,6 +50,14 @@ class _Remote(nn.Module):
     :class:`~.placeholders.Elsewhere` (its shape, dtype and device, no data: computing with it on this
     stage raises, naming where it lives); anything else (flags, sizes, configs) as it is."""
 
+    def __new__(cls, *args: Any, **kwargs: Any) -> _Remote:
+        # Iterable (and sized) only where the layer is: BaseFinetuning.flatten_modules iterates what is
+        # Iterable, and a placeholder of a Linear that claimed to be raised TypeError on another stage.
+        # (No arguments: a copy being made, of the class it was.)
+        parts = args[2] if len(args) > 2 else kwargs.get("parts")
+        container = cls is _Remote and parts is not None and isinstance(parts[0], Iterable)
+        return super().__new__(_RemoteContainer if container else cls)
+
     def __init__(self, stage: int, rank: int, parts: list[nn.Module], device: torch.device, where: str) -> None:
         super().__init__()
         self.stage, self.rank = stage, rank
@@ -92,15 +100,6 @@ class _Remote(nn.Module):
     def __getitem__(self, key: Any) -> Any:
         return self._answer(self._container()[key], f"{self.__dict__['_where']}[{key!r}]")
 
-    def __len__(self) -> int:
-        return len(self._container())
-
-    def __iter__(self) -> Any:
-        container = self._container()
-        if isinstance(container, (nn.ModuleDict, nn.ParameterDict)):
-            return iter(container)  # the keys, as the container's own iteration gives
-        return iter([self[k] for k in range(len(container))])
-
     def __bool__(self) -> bool:  # a module is true (torchtitan's `if self.norm:`), whatever its length
         return True
 
@@ -131,6 +130,20 @@ class _Remote(nn.Module):
 
     def extra_repr(self) -> str:
         return f"stage={self.stage}, rank={self.rank}"
+
+
+class _RemoteContainer(_Remote):
+    """The placeholder of an iterable layer (Sequential, ModuleList, ModuleDict, ParameterList): sized and
+    iterated as the layer is; ``_Remote(...)`` makes one where the layer is iterable."""
+
+    def __len__(self) -> int:
+        return len(self._container())
+
+    def __iter__(self) -> Any:
+        container = self._container()
+        if isinstance(container, (nn.ModuleDict, nn.ParameterDict)):
+            return iter(container)  # the keys, as the container's own iteration gives
+        return iter([self[k] for k in range(len(container))])
 
 
 def float_cast(module: nn.Module) -> torch.dtype | None:
