@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from torch import nn
 
-from lightning_twobp.lightning.contract import find_sequential
+from lightning_twobp.lightning.contract import find_contract, find_sequential
+from lightning_twobp.lightning.local_model import split_model
+from lightning_twobp.schedules import build_schedule
 
 
 class One(nn.Module):
@@ -56,3 +59,26 @@ def test_named_layers():
 def test_errors_name_the_fix(module, layers, match):
     with pytest.raises(ValueError, match=match):
         find_sequential(module, layers=layers)
+
+
+def test_another_ranks_layers_stand_in_by_type_and_a_call_of_one_names_the_fix():
+    """The placeholders of another rank's layers answer isinstance as the layers would (a hook picking
+    layers by type builds the same list on every rank), type() still tells them apart; a call of one by the
+    model's own code (timm's checkpoint_seq walks the Sequential under set_grad_checkpointing()) says the
+    Sequential runs as one call and names the fix."""
+    m = One()
+    m.model.blocks = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Sequential(nn.Linear(4, 4)), nn.Linear(4, 4))
+    contract = find_contract(m)
+    local = split_model(contract, [2, 2], build_schedule("1f1b", 2, 2), pp_rank=0)
+    try:
+        blocks = m.model.blocks
+        assert isinstance(blocks[3], nn.Linear) and type(blocks[3]) is not nn.Linear
+        assert isinstance(blocks[2], nn.Sequential) and not isinstance(blocks[2], nn.Linear)
+        assert [i for i, b in enumerate(blocks) if isinstance(b, nn.Linear)] == [0, 3]
+        with pytest.raises(
+            RuntimeError, match=r"model\.blocks\[3\] belongs to pipeline stage 1 .* timm's checkpoint_seq"
+        ):
+            blocks[3](torch.ones(1, 4))
+    finally:
+        local.restore(False, None, 0, torch.device("cpu"))
+    assert type(m.model.blocks[3]) is nn.Linear

@@ -24,7 +24,8 @@ LAYER = 2  # Linear(16, 16): on pipeline rank 1 (stage 1) of the Regressor's [1,
 
 class Flip(pl.Callback):
     """``"freeze"``: freeze the layer once fit has started; ``"unfreeze"``: it starts frozen (in the
-    model), unfrozen before step 2."""
+    model), unfrozen before step 2; ``"by-type"``: as ``"freeze"``, the layer picked by ``isinstance`` among
+    the layers, where another rank's are placeholders (they were no Linear: rank 1 froze layers.4)."""
 
     def __init__(self, mode: str) -> None:
         self.mode = mode
@@ -32,6 +33,8 @@ class Flip(pl.Callback):
     def on_train_start(self, trainer, pl_module):
         if self.mode == "freeze":
             pl_module.layers[LAYER].requires_grad_(False)
+        if self.mode == "by-type":  # the second Linear, picked by type: layers[LAYER] in one process
+            [m for m in pl_module.layers if isinstance(m, nn.Linear)][1].requires_grad_(False)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if self.mode == "unfreeze" and trainer.global_step == 2:
@@ -84,16 +87,17 @@ def _fit_backbone(strategy, devices: int) -> dict[str, torch.Tensor]:
 
 def _ranks(rank: int, world: int) -> dict:
     lightning_env(rank, world)
-    out = {mode: _fit(TwoBPStrategy(schedule="1f1b"), world, mode) for mode in ("freeze", "unfreeze")}
+    out = {mode: _fit(TwoBPStrategy(schedule="1f1b"), world, mode) for mode in ("freeze", "unfreeze", "by-type")}
     # rank 0 holds the backbone and a trainable Linear (an all-frozen stage is refused at setup)
     return out | {"backbone": _fit_backbone(TwoBPStrategy(schedule="1f1b", balance=[3, 2]), world)}
 
 
 def test_a_layer_frozen_or_unfrozen_during_fit_trains_as_in_one_process(no_leftover_process_group):
     init = {n: q.detach().clone() for n, q in Regressor().named_parameters()}
-    ref = {mode: _fit("auto", 1, mode) for mode in ("freeze", "unfreeze")} | {"backbone": _fit_backbone("auto", 1)}
+    ref = {mode: _fit("auto", 1, mode) for mode in ("freeze", "unfreeze", "by-type")}
+    ref |= {"backbone": _fit_backbone("auto", 1)}
     outs = run_distributed(_ranks, 2, timeout=240)
-    for mode in ("freeze", "unfreeze", "backbone"):
+    for mode in ("freeze", "unfreeze", "by-type", "backbone"):
         seen = set()
         for out in outs:
             for name, value in out[mode].items():

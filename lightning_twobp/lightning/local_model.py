@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_twobp.lightning.contract import Contract
+from lightning_twobp.lightning.contract import Contract, SequentialContract
 from lightning_twobp.lightning.placeholders import Elsewhere
 from lightning_twobp.schedules import Schedule
 
@@ -37,6 +37,14 @@ _HOW_TO_GET_WEIGHTS = (
     "TwoBPStrategy(gather_full_model=True); or merge a checkpoint into one file with "
     "`twobp-consolidate CHECKPOINT_DIR model.ckpt` and load it with "
     "model.load_state_dict(torch.load('model.ckpt')['state_dict'], assign=True)"
+)
+
+
+# A layer of the Sequential called on its own: the model walks the layers itself (timm's checkpoint_seq).
+_ONE_CALL = (
+    ", as one call of the whole nn.Sequential per step; this call is of one of its layers, by the model's own "
+    "code (a loop over the layers, or timm's checkpoint_seq under set_grad_checkpointing(): turn that off and "
+    "pass TwoBPStrategy(activation_checkpointing='full') for the same memory)"
 )
 
 
@@ -63,6 +71,15 @@ class _Remote(nn.Module):
         self.stage, self.rank = stage, rank
         # Not registered as submodules: the set-aside layers must stay out of parameters() and state_dict.
         self.__dict__.update(_parts=parts, _part=0, _device=device, _float=None, _where=where, _hint="")
+
+    # isinstance answers as the layer would: a hook that picks layers by type (`[m for m in self.layers if
+    # isinstance(m, Block)][1].requires_grad_(False)`) builds the same list on every rank and freezes the same
+    # block (it skipped the placeholders, so each rank froze another block, silently). type() still tells
+    # a placeholder; copies are made by type, so they stay placeholders.
+    @property  # type: ignore[misc]
+    def __class__(self) -> type:
+        parts = self.__dict__.get("_parts")
+        return type(parts[self.__dict__["_part"]]) if parts else type(self)
 
     def part(self, k: int, where: str, hint: str = "") -> _Remote:
         """The placeholder for part ``k`` of the layer (the ModuleList contract's embedding, final norm);
@@ -390,10 +407,12 @@ def split_model(contract: Contract, sizes: list[int], schedule: Schedule, pp_ran
     _unguard(contract, removed.values())
     devices = {i: _device_of(layer) for i, layer in removed.items()}
     _to_meta(list(removed.values()), local_ids)
-    contract.swap(
-        {
-            i: _Remote(layer_stage[i], layer_rank[i], contract.parts(layer), devices[i], contract.describe(i))
-            for i, layer in removed.items()
-        }
-    )
+    remotes = {
+        i: _Remote(layer_stage[i], layer_rank[i], contract.parts(layer), devices[i], contract.describe(i))
+        for i, layer in removed.items()
+    }
+    if isinstance(contract, SequentialContract):
+        for remote in remotes.values():
+            remote.__dict__["_hint"] = _ONE_CALL
+    contract.swap(remotes)
     return LocalModel(contract, list(sizes), stages, removed, dict(enumerate(layer_rank)), shared)
