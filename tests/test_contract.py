@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pickle
+
 import pytest
 import torch
 from torch import nn
@@ -75,6 +77,10 @@ def test_another_ranks_layers_stand_in_by_type_and_a_call_of_one_names_the_fix()
         assert isinstance(blocks[3], nn.Linear) and type(blocks[3]) is not nn.Linear
         assert isinstance(blocks[2], nn.Sequential) and not isinstance(blocks[2], nn.Linear)
         assert [i for i, b in enumerate(blocks) if isinstance(b, nn.Linear)] == [0, 3]
+        # pickled with the network (torch.save of a checkpoint whose hyper_parameters hold it): pickle's
+        # __newobj__ checks __class__, which answers as the layer ("args[0] ... has the wrong class")
+        again = pickle.loads(pickle.dumps(blocks))
+        assert type(again[3]) is type(blocks[3]) and isinstance(again[3], nn.Linear) and len(again[2]) == 1
         with pytest.raises(
             RuntimeError, match=r"model\.blocks\[3\] belongs to pipeline stage 1 .* timm's checkpoint_seq"
         ):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import lightning.pytorch as pl
 import pytest
 import torch
-from lightning.pytorch.callbacks import BaseFinetuning
+from lightning.pytorch.callbacks import BackboneFinetuning, BaseFinetuning
 from torch import nn
 
 from lightning_twobp import TwoBPStrategy
@@ -78,9 +78,27 @@ class Unfreeze(BaseFinetuning):
             self.unfreeze_and_add_param_group(pl_module.backbone, optimizer, lr=0.01)
 
 
-def _fit_backbone(strategy, devices: int) -> dict[str, torch.Tensor]:
+class BackboneRates(BackboneFinetuning):
+    """What the refusal of ``BackboneFinetuning`` says to do: after the unfreezing epoch, set the rate of the
+    groups that hold the backbone's parameters, found by id (none on rank 1), not of ``param_groups[-1]``
+    (rank 1's head). Lightning's own schedule otherwise: it was refused too, as a BackboneFinetuning."""
+
+    def finetune_function(self, pl_module, epoch, optimizer):
+        if epoch <= self.unfreeze_backbone_at_epoch:
+            return super().finetune_function(pl_module, epoch, optimizer)
+        lr = min(self.lambda_func(epoch + 1) * self.previous_backbone_lr, optimizer.param_groups[0]["lr"])
+        ids = {id(q) for q in pl_module.backbone.parameters()}
+        for group in optimizer.param_groups:
+            if any(id(q) in ids for q in group["params"]):
+                group["lr"] = lr
+        self.previous_backbone_lr = lr
+        return None
+
+
+def _fit_backbone(strategy, devices: int, rates: bool = False) -> dict[str, torch.Tensor]:
     model = WithBackbone()
-    trainer = quiet_trainer(strategy, devices, max_epochs=2, callbacks=[Unfreeze()])
+    schedule = BackboneRates(unfreeze_backbone_at_epoch=1, lambda_func=lambda e: 0.5) if rates else Unfreeze()
+    trainer = quiet_trainer(strategy, devices, max_epochs=3 if rates else 2, callbacks=[schedule])
     trainer.fit(model, regression_data(n=32))
     return {n: q.detach().clone() for n, q in model.named_parameters() if not q.is_meta}
 
@@ -89,22 +107,24 @@ def _ranks(rank: int, world: int) -> dict:
     lightning_env(rank, world)
     out = {mode: _fit(TwoBPStrategy(schedule="1f1b"), world, mode) for mode in ("freeze", "unfreeze", "by-type")}
     # rank 0 holds the backbone and a trainable Linear (an all-frozen stage is refused at setup)
-    return out | {"backbone": _fit_backbone(TwoBPStrategy(schedule="1f1b", balance=[3, 2]), world)}
+    strategy = dict(schedule="1f1b", balance=[3, 2])
+    out["backbone"] = _fit_backbone(TwoBPStrategy(**strategy), world)
+    return out | {"backbone-rates": _fit_backbone(TwoBPStrategy(**strategy), world, rates=True)}
 
 
 def test_a_layer_frozen_or_unfrozen_during_fit_trains_as_in_one_process(no_leftover_process_group):
     init = {n: q.detach().clone() for n, q in Regressor().named_parameters()}
     ref = {mode: _fit("auto", 1, mode) for mode in ("freeze", "unfreeze", "by-type")}
-    ref |= {"backbone": _fit_backbone("auto", 1)}
+    ref |= {"backbone": _fit_backbone("auto", 1), "backbone-rates": _fit_backbone("auto", 1, rates=True)}
     outs = run_distributed(_ranks, 2, timeout=240)
-    for mode in ("freeze", "unfreeze", "by-type", "backbone"):
+    for mode in ("freeze", "unfreeze", "by-type", "backbone", "backbone-rates"):
         seen = set()
         for out in outs:
             for name, value in out[mode].items():
                 seen.add(name)
                 torch.testing.assert_close(value, ref[mode][name], rtol=1e-5, atol=1e-6, msg=f"{mode}: {name}")
         assert seen == set(ref[mode])
-        if mode == "backbone":
+        if mode.startswith("backbone"):
             continue
         frozen = f"layers.{LAYER}.weight"
         moved = not torch.equal(ref[mode][frozen], init[frozen])

@@ -31,7 +31,8 @@ def check_callbacks(callbacks: Sequence[Any]) -> None:
       training), and a global threshold would rank this rank's weights alone;
     - ``BackboneFinetuning`` sets the learning rate of ``optimizer.param_groups[-1]`` each epoch after the
       unfreezing, the group it added for the backbone; a rank that holds none of the backbone added none,
-      and its last group is the head's: the head trained at the backbone's rate, silently."""
+      and its last group is the head's: the head trained at the backbone's rate, silently. A subclass that
+      overrides ``finetune_function`` (as the refusal says to) is the user's schedule, and accepted."""
     for cb in callbacks:
         reason = _unsupported(cb)
         if reason:
@@ -63,7 +64,8 @@ def _unsupported(cb: Any) -> str | None:
             "(torch.nn.utils.prune on the model: the pruned model trains as in one process), or after training, in "
             "one process, from a consolidated checkpoint (twobp-consolidate)"
         )
-    if isinstance(cb, BackboneFinetuning):
+    # a subclass with a finetune_function of its own is the fix this names: accepted
+    if isinstance(cb, BackboneFinetuning) and type(cb).finetune_function is BackboneFinetuning.finetune_function:
         return (
             "after unfreezing it sets the learning rate of optimizer.param_groups[-1], taken to be the backbone's "
             "group; a pipeline rank that holds none of pl_module.backbone adds no group, and its last group is "

@@ -81,6 +81,11 @@ class _Remote(nn.Module):
         parts = self.__dict__.get("_parts")
         return type(parts[self.__dict__["_part"]]) if parts else type(self)
 
+    # pickle (torch.save of a checkpoint whose hyper_parameters hold the network) rebuilds an object by
+    # copyreg.__newobj__, which refuses one whose __class__ is not its type: rebuild it by its type.
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        return _new_placeholder, (type(self),), self.__dict__
+
     def part(self, k: int, where: str, hint: str = "") -> _Remote:
         """The placeholder for part ``k`` of the layer (the ModuleList contract's embedding, final norm);
         ``hint`` ends the message of a call to it."""
@@ -161,6 +166,11 @@ class _RemoteContainer(_Remote):
         if isinstance(container, (nn.ModuleDict, nn.ParameterDict)):
             return iter(container)  # the keys, as the container's own iteration gives
         return iter([self[k] for k in range(len(container))])
+
+
+def _new_placeholder(cls: type[_Remote]) -> _Remote:
+    """An empty placeholder of class ``cls``, for pickle to fill (``_Remote.__reduce_ex__``)."""
+    return cls.__new__(cls)
 
 
 def float_cast(module: nn.Module) -> torch.dtype | None:
