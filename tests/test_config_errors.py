@@ -23,6 +23,7 @@ from lightning.pytorch.callbacks import (
     ModelPruning,
     StochasticWeightAveraging,
 )
+from lightning.pytorch.plugins import Precision
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -56,6 +57,21 @@ class TwoSequentials(Net):
     def training_step(self, batch, batch_idx):
         x, y = batch
         return F.mse_loss(self.head(self.layers(x)), y)
+
+
+class SwapsLinears(Precision):
+    """What Lightning's TransformerEnginePrecision / BitsandbytesPrecision (GPU packages) do in convert_module:
+    every nn.Linear replaced by another layer holding a copy of its weights."""
+
+    def convert_module(self, module: nn.Module) -> nn.Module:
+        for name, child in module.named_children():
+            if type(child) is nn.Linear:
+                new = nn.Linear(child.in_features, child.out_features, bias=child.bias is not None)
+                new.load_state_dict(child.state_dict())
+                setattr(module, name, new)
+            else:
+                self.convert_module(child)
+        return module
 
 
 class SyncNormed(Net):
@@ -651,6 +667,13 @@ CASES: dict[str, Case] = {
         lambda t: _fit(SyncNormed()),
         ValueError,
         r"nn.SyncBatchNorm \(layers.1\) is not supported under strategy='twobp'",
+    ),
+    # the pipeline is built before the conversion: it trained the old layers, the optimizer held the new ones
+    "fit-precision-replaces-layers": (
+        lambda t: _fit(trainer=dict(plugins=[SwapsLinears()])),
+        ValueError,
+        r"SwapsLinears replaced layers of the model as it converted it, which strategy='twobp' does not support.*"
+        r"precision='bf16-true'",
     ),
     "fit-model-pruning": (
         lambda t: _fit(trainer=dict(callbacks=[ModelPruning("l1_unstructured", amount=0.3)])),

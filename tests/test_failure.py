@@ -278,7 +278,7 @@ def test_an_epoch_end_hook_failing_without_the_last_stage_is_told_why():
         module.on_validation_epoch_end()
     note_epoch_end(raised.value, module, "pipeline rank 0")
     (note,) = raised.value.__notes__
-    assert "on_validation_epoch_end on pipeline rank 0" in note and "what validation_step computes" in note, note
+    assert "on_validation_epoch_end on pipeline rank 0" in note and "values validation_step collected" in note, note
     assert "CatMetric" in note, note
     other = ValueError("not in an epoch-end hook")
     note_epoch_end(other, module, "pipeline rank 0")

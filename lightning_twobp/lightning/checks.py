@@ -14,7 +14,14 @@ from torch import nn
 from lightning_twobp.options import check_flag
 
 # check_flag: lightning_twobp.options
-__all__ = ["check_callbacks", "check_flag", "check_nodes", "check_sync_batchnorm", "checked_optimizers"]
+__all__ = [
+    "check_callbacks",
+    "check_flag",
+    "check_nodes",
+    "check_sync_batchnorm",
+    "checked_optimizers",
+    "converted_in_place",
+]
 
 _LOOPBACK = ("", "127.0.0.1", "localhost", "::1")
 
@@ -100,6 +107,25 @@ def check_sync_batchnorm(layer_sync: Any, module: nn.Module) -> None:
         f"nn.SyncBatchNorm.convert_sync_batchnorm), or use GroupNorm for statistics that do not depend on the "
         f"micro-batch"
     )
+
+
+def converted_in_place(plugin: Any, module: nn.Module) -> None:
+    """``plugin.convert_module(module)``, refused where it replaced layers rather than casting them.
+
+    The strategy builds the pipeline before the precision plugin converts the model (the stages hold the
+    layers then), so a plugin that swaps layers for others (Lightning's ``TransformerEnginePrecision`` and
+    ``BitsandbytesPrecision`` replace each ``nn.Linear``) left the pipeline training the old layers while the
+    optimizer took the new ones' parameters: every step silently wrong. A cast (``"bf16-true"``) keeps each
+    Parameter object, changing its data in place."""
+    before = {id(q) for q in module.parameters()}
+    plugin.convert_module(module)
+    if {id(q) for q in module.parameters()} != before:
+        raise ValueError(
+            f"{type(plugin).__name__} replaced layers of the model as it converted it, which strategy='twobp' does "
+            f"not support: the pipeline is built before the conversion and would train the layers it took, not the "
+            f"new ones the optimizer holds. Build the model with the layers you want (replace them before fit) and "
+            f"use a precision that casts, e.g. precision='bf16-true' or 'bf16-mixed'"
+        )
 
 
 def check_nodes(num_nodes: int, devices: int, environment: Any) -> None:

@@ -142,9 +142,10 @@ def note_epoch_end(exception: BaseException, module: Any, where: str) -> None:
     step = _STEPS[_EPOCH_ENDS.index(hook)]
     _add_note(
         exception,
-        f"twobp: this error is in {hook} on {where}, which does not hold the last pipeline stage: what "
-        f"{step} computes after the pipelined call exists on the last stage only, so values the step collects "
-        f"into the module (a list read at the epoch's end) are missing or placeholders here. Collect them in a "
+        f"twobp: this error is in {hook} on {where}, which does not hold the last pipeline stage. If the hook "
+        f"reads values {step} collected into the module (a list read at the epoch's end): what the step "
+        f"computes after the pipelined call exists on the last stage only, so they are missing or placeholders "
+        f"here. Collect them in a "
         f"torchmetrics Metric (CatMetric for the values, MeanMetric for a mean), whose state reaches every rank "
         f"of the pipeline with the step's logs, or log them in the step with self.log (docs/troubleshooting.md)",
     )

@@ -26,7 +26,13 @@ from lightning_twobp.engine import Verdict
 from lightning_twobp.engine.failure import FailureChannel, check_links_open, close_links, lost_peer
 from lightning_twobp.lightning import checkpoint_hooks
 from lightning_twobp.lightning.checkpoint import CheckpointError
-from lightning_twobp.lightning.checks import check_callbacks, check_nodes, check_sync_batchnorm, checked_optimizers
+from lightning_twobp.lightning.checks import (
+    check_callbacks,
+    check_nodes,
+    check_sync_batchnorm,
+    checked_optimizers,
+    converted_in_place,
+)
 from lightning_twobp.lightning.failures import lost_rank, naming_lost, note_epoch_end, reap, told
 from lightning_twobp.lightning.grads import GradStash
 from lightning_twobp.lightning.layout import check_degree
@@ -218,7 +224,7 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
         if self._failures is not None:
             self._failures.me = self.describe_rank()
         self.precision_plugin = self._pipeline.precision
-        self.precision_plugin.convert_module(self.model)
+        converted_in_place(self.precision_plugin, self.model)
         self.model_to_device()
         if self._pipeline.tied:
             self._pipeline.tied.sync_values()
