@@ -92,9 +92,11 @@ def check_sync_batchnorm(layer_sync: Any, module: nn.Module) -> None:
     if layer_sync is None and not synced:
         return
     if layer_sync is not None:
+        from lightning.pytorch.plugins import TorchSyncBatchNorm  # what sync_batchnorm=True gives
+
         what = (
             "Trainer(sync_batchnorm=True)"
-            if type(layer_sync).__name__ == "TorchSyncBatchNorm"
+            if isinstance(layer_sync, TorchSyncBatchNorm)
             else f"plugins=[{type(layer_sync).__name__}(...)]"
         )
     else:

@@ -124,8 +124,13 @@ def reap(launcher: Any, grace: float = 10.0) -> None:
             proc.kill()
 
 
-_EPOCH_ENDS = ("on_train_epoch_end", "on_validation_epoch_end", "on_test_epoch_end", "on_predict_epoch_end")
-_STEPS = ("training_step", "validation_step", "test_step", "predict_step")
+# each epoch-end hook -> the step whose values it may read
+_STEP_OF = {
+    "on_train_epoch_end": "training_step",
+    "on_validation_epoch_end": "validation_step",
+    "on_test_epoch_end": "test_step",
+    "on_predict_epoch_end": "predict_step",
+}
 
 
 def note_epoch_end(exception: BaseException, module: Any, where: str) -> None:
@@ -135,19 +140,19 @@ def note_epoch_end(exception: BaseException, module: Any, where: str) -> None:
     ``torch.stack`` / ``torch.cat`` of it fails with torch's words alone."""
     frames = (frame for frame, _ in traceback.walk_tb(exception.__traceback__))
     hook = next(
-        (f.f_code.co_name for f in frames if f.f_code.co_name in _EPOCH_ENDS and f.f_locals.get("self") is module), None
+        (f.f_code.co_name for f in frames if f.f_code.co_name in _STEP_OF and f.f_locals.get("self") is module), None
     )
     if hook is None:
         return
-    step = _STEPS[_EPOCH_ENDS.index(hook)]
+    step = _STEP_OF[hook]
     _add_note(
         exception,
         f"twobp: this error is in {hook} on {where}, which does not hold the last pipeline stage. If the hook "
         f"reads values {step} collected into the module (a list read at the epoch's end): what the step "
         f"computes after the pipelined call exists on the last stage only, so they are missing or placeholders "
-        f"here. Collect them in a "
-        f"torchmetrics Metric (CatMetric for the values, MeanMetric for a mean), whose state reaches every rank "
-        f"of the pipeline with the step's logs, or log them in the step with self.log (docs/troubleshooting.md)",
+        f"here. Collect them in a torchmetrics Metric (CatMetric for the values, MeanMetric for a mean), whose "
+        f"state reaches every rank of the pipeline with the step's logs, or log them in the step with self.log "
+        f"(docs/troubleshooting.md)",
     )
 
 

@@ -66,11 +66,14 @@ class _Remote(nn.Module):
         container = cls is _Remote and parts is not None and isinstance(parts[0], Iterable)
         return super().__new__(_RemoteContainer if container else cls)
 
-    def __init__(self, stage: int, rank: int, parts: list[nn.Module], device: torch.device, where: str) -> None:
+    def __init__(
+        self, stage: int, rank: int, parts: list[nn.Module], device: torch.device, where: str, hint: str = ""
+    ) -> None:
+        """``hint`` ends the message of a call to it."""
         super().__init__()
         self.stage, self.rank = stage, rank
         # Not registered as submodules: the set-aside layers must stay out of parameters() and state_dict.
-        self.__dict__.update(_parts=parts, _part=0, _device=device, _float=None, _where=where, _hint="")
+        self.__dict__.update(_parts=parts, _part=0, _device=device, _float=None, _where=where, _hint=hint)
 
     # isinstance answers as the layer would: a hook that picks layers by type (`[m for m in self.layers if
     # isinstance(m, Block)][1].requires_grad_(False)`) builds the same list on every rank and freezes the same
@@ -89,14 +92,12 @@ class _Remote(nn.Module):
     def part(self, k: int, where: str, hint: str = "") -> _Remote:
         """The placeholder for part ``k`` of the layer (the ModuleList contract's embedding, final norm);
         ``hint`` ends the message of a call to it."""
-        remote = self._child(self.__dict__["_parts"][k], where)
-        remote.__dict__["_hint"] = hint
-        return remote
+        return self._child(self.__dict__["_parts"][k], where, hint)
 
-    def _child(self, module: nn.Module, where: str) -> _Remote:
+    def _child(self, module: nn.Module, where: str, hint: str = "") -> _Remote:
         """A placeholder for ``module``, a part of this one's, knowing the casts and moves this one saw; while
         the ModuleList contract stands in for this one's calls (``_calls``), for the child's calls too."""
-        remote = _Remote(self.stage, self.rank, [module], self.__dict__["_device"], where)
+        remote = _Remote(self.stage, self.rank, [module], self.__dict__["_device"], where, hint)
         remote.__dict__["_float"] = self.__dict__["_float"]
         calls = self.__dict__.get("_calls")
         if calls is not None:
@@ -417,12 +418,11 @@ def split_model(contract: Contract, sizes: list[int], schedule: Schedule, pp_ran
     _unguard(contract, removed.values())
     devices = {i: _device_of(layer) for i, layer in removed.items()}
     _to_meta(list(removed.values()), local_ids)
-    remotes = {
-        i: _Remote(layer_stage[i], layer_rank[i], contract.parts(layer), devices[i], contract.describe(i))
-        for i, layer in removed.items()
-    }
-    if isinstance(contract, SequentialContract):
-        for remote in remotes.values():
-            remote.__dict__["_hint"] = _ONE_CALL
-    contract.swap(remotes)
+    hint = _ONE_CALL if isinstance(contract, SequentialContract) else ""
+    contract.swap(
+        {
+            i: _Remote(layer_stage[i], layer_rank[i], contract.parts(layer), devices[i], contract.describe(i), hint)
+            for i, layer in removed.items()
+        }
+    )
     return LocalModel(contract, list(sizes), stages, removed, dict(enumerate(layer_rank)), shared)
