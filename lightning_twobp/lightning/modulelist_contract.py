@@ -438,12 +438,12 @@ class ModuleListContract:
             raise ElsewhereError(
                 f"{path or 'forward'} returned a value computed by {bad.where}, which runs on another pipeline stage "
                 f"(per-block outputs collected by the loop: output_hidden_states=True, output_attentions=True, a "
-                f"cache, or a block that returns several values; values a forward hook collects from every "
-                f"block, e.g. router logits for an auxiliary loss; or a weight of a module on another stage used "
-                f"directly, e.g. a head tied by `h @ self.embed.weight.T`): under strategy='twobp' only the last "
-                f"stage's values can be returned; turn those outputs off (an auxiliary loss of every block's "
-                f"values cannot be pipelined), and tie a head as a module of its own "
-                f"(`self.head = nn.Linear(...); self.head.weight = self.embed.weight`, called after the loop)"
+                f"cache, a block that returns several values, or a U-Net's skip connections; values a forward hook "
+                f"collects from every block, e.g. router logits for an auxiliary loss; or a weight of a module on "
+                f"another stage used directly, e.g. a head tied by `h @ self.embed.weight.T`): under strategy='twobp' "
+                f"only the last stage's values can be returned; turn those outputs off (an auxiliary loss of every "
+                f"block's values cannot be pipelined), and tie a head as a module of its own (`self.head = "
+                f"nn.Linear(...); self.head.weight = self.embed.weight`, called after the loop)"
             )
         return out
 
