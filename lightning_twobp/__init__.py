@@ -15,9 +15,10 @@ from lightning_twobp.registration import register_with_lightning
 
 __version__ = "0.1.0"
 
-__all__ = ["NonFiniteError", "PipelineMonitor", "Preempted", "TwoBPStrategy"]
+__all__ = ["HookScaleError", "NonFiniteError", "PipelineMonitor", "Preempted", "TwoBPStrategy"]
 
 _LAZY = {
+    "HookScaleError": "lightning_twobp.lightning",
     "NonFiniteError": "lightning_twobp.lightning",
     "PipelineMonitor": "lightning_twobp.monitor",
     "Preempted": "lightning_twobp.lightning",

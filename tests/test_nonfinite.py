@@ -1,6 +1,7 @@
 """A NaN or inf anywhere in the pipeline is seen by every rank in the same step: training stops on every
 rank naming the step, the stages and the micro-batch (``on_nonfinite="stop"``, the default), or the
-step is skipped everywhere (``"skip"``); the weights never drift apart."""
+step is skipped everywhere (``"skip"``); the weights never drift apart. The same reduction tells a hook
+that clips by hand, by each rank's own norm, from one that changes the gradients as one process would."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
 
-from lightning_twobp import NonFiniteError, TwoBPStrategy
+from lightning_twobp import HookScaleError, NonFiniteError, TwoBPStrategy
 from lightning_twobp.processes import run_distributed
 
 import conftest
@@ -49,6 +50,38 @@ class SkipAt(pl.Callback):
         if trainer.global_step == self.step:
             for q in pl_module.parameters():
                 q.grad = None
+
+
+class ByHand(Net):
+    """Changes the gradients in ``on_before_optimizer_step``: ``"clip-norm"`` by the norm of this module's
+    parameters (each rank's own under the pipeline), ``"halve"`` by a constant, ``"clip-value"`` per element."""
+
+    def __init__(self, hand: str) -> None:
+        super().__init__()
+        self.hand = hand
+
+    def on_before_optimizer_step(self, optimizer):
+        params = list(self.parameters())
+        if self.hand == "clip-norm":
+            torch.nn.utils.clip_grad_norm_(params, 0.05)
+        elif self.hand == "clip-value":
+            torch.nn.utils.clip_grad_value_(params, 0.005)
+        else:
+            for q in params:
+                if q.grad is not None:
+                    q.grad.mul_(0.5)
+
+
+def _by_hand(rank: int, world: int, hand: str, schedule: str) -> dict:
+    lightning_env(rank, world)
+    model = ByHand(hand)
+    trainer = quiet_trainer(TwoBPStrategy(num_microbatches=M, schedule=schedule), world, max_steps=3)
+    try:
+        trainer.fit(model, _data(False))
+        error = None
+    except HookScaleError as err:
+        error = str(err)
+    return {"error": error, "weights": own_weights(model)}
 
 
 def _data(nan: bool) -> DataLoader:
@@ -107,8 +140,8 @@ def _fit_saving(rank: int, world: int, folder: str) -> str:
     return str(info.value)
 
 
-def _reference(steps: int, skip_at: int | None = None) -> dict:
-    model = Net()
+def _reference(steps: int, skip_at: int | None = None, hand: str | None = None) -> dict:
+    model = ByHand(hand) if hand is not None else Net()
     quiet_trainer(max_steps=steps, callbacks=[SkipAt(skip_at)] if skip_at is not None else []).fit(model, _data(False))
     return own_weights(model)
 
@@ -116,6 +149,8 @@ def _reference(steps: int, skip_at: int | None = None) -> dict:
 STOP = "test_a_nan_loss_stops_every_rank_naming_step_stages_and_microbatch"
 SKIP = "test_skip_drops_the_step_on_every_stage_and_replica"
 SAVE = "test_weights_known_not_finite_are_never_saved"
+HAND = "test_a_hook_clipping_by_each_ranks_own_norm_stops_every_rank"
+HANDS = [("clip-norm", "1f1b"), ("clip-norm", "zb-h2"), ("halve", "zb-h2"), ("clip-value", "1f1b")]
 DATA_PARALLEL = ["replicate", "shard"]
 
 
@@ -129,6 +164,7 @@ def two_ranks(request, saved_folder) -> conftest.Launch:
     """The cases in which every rank stops in the same step (the check's all-reduce), in one launch."""
     cases = {f"{STOP}[{s}]": (_fit, (dict(schedule=s), True, None)) for s in ("1f1b", "zb-h2")}
     cases[SAVE] = (_fit_saving, (str(saved_folder),))
+    cases.update({f"{HAND}[{h}-{s}]": (_by_hand, (h, s)) for h, s in HANDS})
     return launch(request, 2, cases, timeout=600)
 
 
@@ -171,6 +207,31 @@ def test_skip_drops_the_step_on_every_stage_and_replica(four_ranks, request, dat
     for rank in (2, 3):  # the replicas hold bitwise the same weights
         for name, value in out[rank]["weights"].items():
             assert torch.equal(value, out[rank - 2]["weights"][name]), f"replica of rank {rank - 2}: {name}"
+
+
+@pytest.mark.parametrize(("hand", "schedule"), HANDS, ids=[f"{h}-{s}" for h, s in HANDS])
+def test_a_hook_clipping_by_each_ranks_own_norm_stops_every_rank(two_ranks, request, hand, schedule):
+    """``clip_grad_norm_(self.parameters())`` in a hook scales each rank's gradients by its own stages' norm
+    (silently not one process's step before the check): every rank stops at the first step,
+    naming the fix; under post-validation (zb-h2) that step was taken. A constant factor and a clip by value
+    are what one process does: they train as it does."""
+    out = two_ranks[request.node.name]
+    for rank, r in enumerate(out):
+        if hand != "clip-norm":
+            assert r["error"] is None, r["error"]
+            ref = _reference(3, hand=hand)
+        else:
+            err = r["error"]
+            assert err is not None, f"rank {rank} trained on"
+            assert "global step 0" in err and "pipeline rank 0: " in err and "pipeline rank 1: " in err, err
+            assert "clip_grad_norm_(self.parameters(), max_norm)" in err and "gradient_clip_val" in err, err
+            if schedule == "zb-h2":
+                assert "the step was taken" in err, err
+                continue
+            assert "the step was not taken" in err, err
+            ref = _reference(0)
+        for name, value in r["weights"].items():
+            torch.testing.assert_close(value, ref[name], rtol=1e-5, atol=1e-6, msg=f"rank {rank} {name}")
 
 
 def test_detect_anomaly_names_the_operation_and_stops_every_rank():

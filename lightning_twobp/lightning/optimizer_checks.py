@@ -12,6 +12,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities.model_helpers import is_overridden
+from torch.distributed.tensor import DTensor
 
 from lightning_twobp.engine import StepValidation, Verdict
 from lightning_twobp.lightning.placeholders import Elsewhere
@@ -19,7 +22,56 @@ from lightning_twobp.options import PipelineOptions
 
 log = logging.getLogger(__name__)
 
-__all__ = ["NonFiniteError", "OptimizerChecks", "buffers_kept"]
+__all__ = ["HookScaleError", "NonFiniteError", "OptimizerChecks", "buffers_kept", "hooks_may_scale_grads"]
+
+# The user's code that runs between the pipeline's gradients and the optimizer step.
+_GRAD_HOOKS = ("on_after_backward", "on_before_optimizer_step")
+
+
+def hooks_may_scale_grads(lm: Any, callbacks: Sequence[Any]) -> bool:
+    """Whether the module or a callback (not this package's) overrides a hook that runs between the
+    pipeline's gradients and the optimizer step, where a user may clip by hand."""
+    if any(is_overridden(h, lm) for h in (*_GRAD_HOOKS, "configure_gradient_clipping")):
+        return True
+    return any(
+        is_overridden(h, cb, Callback)
+        for cb in callbacks
+        if not type(cb).__module__.startswith("lightning_twobp.")
+        for h in _GRAD_HOOKS
+    )
+
+
+def _grad_norms(params: Sequence[torch.nn.Parameter], device: torch.device) -> torch.Tensor:
+    """Each parameter's gradient norm (0 for none; a DTensor's local shard), on ``device``, no host sync."""
+    norms = [
+        torch.linalg.vector_norm(g.to_local() if isinstance(g, DTensor) else g, dtype=torch.float32)
+        if (g := q.grad) is not None
+        else torch.zeros((), device=device)
+        for q in params
+    ]
+    return torch.stack(norms).to(device) if norms else torch.zeros(0, device=device)
+
+
+# What a rank's hooks did to its gradients, one number in its slot of the step's reduction: 2 nothing,
+# 1 + r all of them scaled by r, 0.5 something else (per element: clip_grad_value_, noise; not judged).
+_UNCHANGED, _OTHER = 2.0, 0.5
+
+
+def _hook_code(before: torch.Tensor, after: torch.Tensor) -> torch.Tensor:
+    if before.numel() == 0:
+        return torch.tensor(_UNCHANGED, device=before.device)
+    moved = before > 0
+    ratio = after / before.clamp_min(torch.finfo(torch.float32).tiny)
+    hi = torch.where(moved, ratio, -torch.inf).max()
+    lo = torch.where(moved, ratio, torch.inf).min()
+    uniform = (hi - lo <= 1e-5 * hi) & (after[~moved] == 0).all() & torch.isfinite(hi)
+    changed = (after != before).any()
+    return torch.where(changed, torch.where(uniform, 1.0 + hi, _OTHER), _UNCHANGED)
+
+
+class HookScaleError(RuntimeError):
+    """A hook before the optimizer step scaled each pipeline rank's gradients by another factor (a
+    ``clip_grad_norm_`` over the rank's own stages): raised on every rank at once."""
 
 
 def buffers_kept(module: torch.nn.Module) -> Callable[[], None]:
@@ -62,6 +114,24 @@ class OptimizerChecks:
     counts: dict[str, int] = field(init=False, default_factory=lambda: {"clipped": 0, "skipped": 0, "redone": 0})
     # a step that left non-finite weights: nothing is saved
     nonfinite_step: int | None = field(init=False, default=None)
+    # the user's hooks may touch the gradients (hooks_may_scale_grads): watch what they do to them
+    watch_hooks: bool = False
+    _before_hooks: dict[int, tuple[list[Any], torch.Tensor]] = field(init=False, default_factory=dict)
+
+    def grads_before_hooks(self, optimizer: Any) -> None:
+        """The step's gradients are complete and the user's hooks come next (``on_after_backward``): note
+        each one's norm, to tell at the step what the hooks did to them (see :meth:`_judge_hooks`)."""
+        if self.watch_hooks:
+            params = [q for g in optimizer.param_groups for q in g["params"] if q.grad is not None]
+            self._before_hooks[id(optimizer)] = (params, _grad_norms(params, self.device))
+
+    def _hook_slots(self, optimizer: Any) -> torch.Tensor:
+        """This rank's code (``_hook_code``) in its slot of the check's group, zeros elsewhere."""
+        params, before = self._before_hooks.pop(id(optimizer), ([], torch.zeros(0, device=self.device)))
+        me, size = (dist.get_rank(self.group), dist.get_world_size(self.group)) if dist.is_initialized() else (0, 1)
+        slots = torch.zeros(size, device=self.device)
+        slots[me] = _hook_code(before, _grad_norms(params, self.device))
+        return slots
 
     def nonfinite_refusal(self) -> str | None:
         """Why no checkpoint may be written now (the weights are known not to be finite), or None."""
@@ -98,13 +168,15 @@ class OptimizerChecks:
         check.max_norm = max_norm
         self._judge(lm, check, check.validate(), done=True)  # nothing pending normally: training_step judged it
         extra = None
-        if check.check_finite:
+        if check.check_finite or (self.watch_hooks and check.active):
             extra = torch.zeros(1, device=self.device)
-            if losses:
+            if losses and check.check_finite:
                 finite = torch.isfinite(torch.stack(list(losses)).float())
                 # 1 + the first non-finite micro-batch, or 0: no host sync until the check's verdict
                 first = torch.where(finite.all(), 0, finite.logical_not().int().argmax() + 1)
                 extra = first.reshape(1).float().to(self.device)
+            if self.watch_hooks:
+                extra = torch.cat([extra, self._hook_slots(optimizer)])
         self._judge(lm, check, check.before_step(extra=extra), done=False)
 
     def _new_check(self, optimizer: Any, max_norm: float | None, fp16: bool) -> StepValidation:
@@ -135,6 +207,8 @@ class OptimizerChecks:
         """Count the verdict; a step skipped for a non-finite gradient stops training on every rank
         (``on_nonfinite="stop"``) or is logged (``"skip"``). Every rank sees the same verdict."""
         self._count()
+        if verdict is not None and self.watch_hooks:
+            self._judge_hooks(lm, verdict, done)
         if verdict is None or not verdict.nonfinite:
             return verdict
         # ``done``: the step counter has moved past the step the verdict is about (a speculative step)
@@ -150,6 +224,33 @@ class OptimizerChecks:
             self.counts["skipped"],
         )
         return verdict
+
+    def _judge_hooks(self, lm: Any, verdict: Verdict, done: bool) -> None:
+        """Stop when the user's hooks scaled every rank's gradients, each by another factor: computed from
+        the rank's own stages (``torch.nn.utils.clip_grad_norm_(self.parameters(), ...)`` in a hook clips
+        by this rank's norm), it differs from what one process computes from the whole model. Factors that
+        agree (none, a constant) and changes of another kind (per element) are the model's own."""
+        if verdict.extra is None or verdict.extra.numel() < 2:
+            return
+        codes = verdict.extra[1:].tolist()
+        if min(codes) < 1.0 or max(codes) - min(codes) <= 1e-5 * max(codes):
+            return
+        ranks = [r % self.pipeline_degree if self.pipeline_degree else r for r in range(len(codes))]
+        factors = ", ".join(f"pipeline rank {r}: {c - 1:.4g}" for r, c in zip(ranks, codes, strict=True))
+        step = lm.trainer.global_step - int(done)
+        taken = "was taken (post-validation checks after the step)" if done else "was not taken"
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(torch.zeros(1, device=self.device))  # meet first, as _stop does
+        raise HookScaleError(
+            f"twobp: training stopped at the optimizer step at global step {step} (the step {taken}): a hook "
+            f"before it (on_after_backward, on_before_optimizer_step or configure_gradient_clipping) scaled the "
+            f"gradients by another factor on each pipeline rank ({factors}). Each rank holds only its own "
+            f"stages' gradients, so a factor computed from them is not the one process's: "
+            f"torch.nn.utils.clip_grad_norm_(self.parameters(), max_norm) there clips by this rank's stages' "
+            f"norm, not the model's. Clip with Trainer(gradient_clip_val=max_norm), or with "
+            f"self.clip_gradients(optimizer, gradient_clip_val=max_norm, gradient_clip_algorithm='norm') in "
+            f"configure_gradient_clipping: both clip by the global norm over every stage"
+        )
 
     def _where(self, verdict: Verdict, step: int) -> str:
         ranks = sorted({r % self.pipeline_degree if self.pipeline_degree else r for r in verdict.nonfinite_ranks})

@@ -36,7 +36,7 @@ from lightning_twobp.lightning.local_model import LocalModel, split_model
 from lightning_twobp.lightning.logs import LogChannel
 from lightning_twobp.lightning.metrics import StepMetrics
 from lightning_twobp.lightning.modulelist_contract import ModuleListContract, caches_off, fastpath_off
-from lightning_twobp.lightning.optimizer_checks import OptimizerChecks
+from lightning_twobp.lightning.optimizer_checks import OptimizerChecks, hooks_may_scale_grads
 from lightning_twobp.lightning.profile import profile_layers
 from lightning_twobp.lightning.quiet import known_warnings_off
 from lightning_twobp.lightning.rng import StageStreams, fingerprint
@@ -519,7 +519,14 @@ def build_pipeline(strategy: TwoBPStrategy, trainer: Any) -> Pipeline:
     # non-finite check sum over every rank (each shard counted once), not over one pipeline.
     check_group = dist.group.WORLD if shard else strategy.group("pp")
     checks = OptimizerChecks(
-        opts, check_group, device, schedule.stages_of, layout.pp_rank, tied.not_counted, strategy.pipeline_degree
+        opts,
+        check_group,
+        device,
+        schedule.stages_of,
+        layout.pp_rank,
+        tied.not_counted,
+        strategy.pipeline_degree,
+        watch_hooks=hooks_may_scale_grads(trainer.lightning_module, trainer.callbacks),
     )
     user_precision, user_scaler, precision = _precision(strategy, checks.clip_by_norm, strategy._before_step)
     scope = _call_scope(strategy, trainer, metrics, local)

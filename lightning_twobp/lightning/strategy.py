@@ -38,7 +38,7 @@ from lightning_twobp.lightning.grads import GradStash
 from lightning_twobp.lightning.layout import check_degree
 from lightning_twobp.lightning.loaders import check_same_batch, seed_workers_by_replica
 from lightning_twobp.lightning.local_model import meta_layers_aside
-from lightning_twobp.lightning.optimizer_checks import NonFiniteError, buffers_kept
+from lightning_twobp.lightning.optimizer_checks import HookScaleError, NonFiniteError, buffers_kept
 from lightning_twobp.lightning.pipeline import Pipeline, StepRecords, StepRun, build_pipeline
 from lightning_twobp.lightning.placement import PipelinePlacement
 from lightning_twobp.lightning.preemption import (
@@ -53,7 +53,7 @@ from lightning_twobp.options import PipelineOptions
 from lightning_twobp.private import layer_sync
 from lightning_twobp.schedules.auto import AutoChoice, Profile
 
-__all__ = ["NonFiniteError", "Preempted", "StepRecords", "TwoBPStrategy"]
+__all__ = ["HookScaleError", "NonFiniteError", "Preempted", "StepRecords", "TwoBPStrategy"]
 
 # Seconds a rank whose step failed waits for every rank to raise too (what all of them meet at one point
 # of a step, after its last message: within milliseconds) before it closes its links for the peers that
@@ -270,14 +270,14 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
         error and this process lives on: close its links, at once where it lost a peer (the run is broken),
         after a few seconds where the error is its own: in a step (the later stages wait on it for data) or
         between steps (a callback of this rank's: the others wait for it in the next step or collective).
-        Not for what every rank raises: at a step boundary (preemption, a non-finite step, a full disk) or at
-        one point (a logged value Lightning refuses, a check of the batch), seen as every rank on the roll
-        within those seconds. Those leave the groups usable, for a script that catches the error and goes on.
-        A setup error of this rank's own counts too: under schedule="auto" or balance="time" the others wait
+        Not for what every rank raises: at a step boundary (preemption, a non-finite or hand-clipped step, a
+        full disk) or at one point (a logged value Lightning refuses, a check of the batch), seen as every rank
+        on the roll within those seconds. Those leave the groups usable, for a script that catches the error and
+        goes on. A setup error of this rank's own counts too: under schedule="auto" or balance="time" the others wait
         on it in the layers' measuring, and under a named schedule in the first step."""
         if self._failures is None:
             return
-        if isinstance(exception, (Preempted, NonFiniteError, CheckpointError)):
+        if isinstance(exception, (Preempted, NonFiniteError, HookScaleError, CheckpointError)):
             return
         self._failures.mark_failed()  # on the roll (a step's error is already, through told)
         if lost_peer(exception) or not self._failures.everyone_failed(wait=_TOGETHER_S):
@@ -538,6 +538,7 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
         lm = self.lightning_module
         closure_loss = self.precision_plugin.pre_backward(closure_loss, lm)  # on_before_backward
         self._stash.add_to_grads(1.0 / lm.trainer.accumulate_grad_batches)
+        self._built("backward").checks.grads_before_hooks(optimizer)
         return self.precision_plugin.post_backward(closure_loss, lm)  # on_after_backward
 
     # ------------------------------------------------------------------ evaluation
