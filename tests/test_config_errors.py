@@ -111,6 +111,16 @@ class TrainedInput(Net):
         return F.mse_loss(self.layers(self.pre(x)), y)
 
 
+class AutocastAroundLayers(Net):
+    """The user's own autocast around the pipelined call: the pipeline would run the layers without it."""
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = self.layers(x)
+        return F.mse_loss(out.float(), y)
+
+
 class Manual(Net):
     def __init__(self) -> None:
         super().__init__()
@@ -704,6 +714,12 @@ CASES: dict[str, Case] = {
         RuntimeError,
         r"the step called layers a second time: under strategy='twobp' it must call the "
         r"pipelined Sequential once per step .* layers\(torch.cat\(\[x, -x\]\)\)",
+    ),
+    "fit-autocast-around-layers": (
+        lambda t: _fit(AutocastAroundLayers()),
+        ValueError,
+        r"training_step changes torch.autocast around its call of layers \(autocast there: cpu bfloat16; in the "
+        r"Trainer's precision context: cpu off\).*use Trainer\(precision='bf16-mixed'\)",
     ),
     "fit-input-requires-grad": (
         lambda t: _fit(TrainedInput()),
