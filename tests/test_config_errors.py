@@ -998,6 +998,21 @@ def test_every_case_has_a_row_in_the_docs_table():
     assert len(CASES) >= 40
 
 
+class AutocastOffAroundLayers(Net):
+    """Autocast entered off around the call, naming another dtype: nothing changes for the layers."""
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        with torch.autocast("cpu", dtype=torch.float16, enabled=False):
+            out = self.layers(x)
+        return F.mse_loss(out, y)
+
+
+def test_autocast_that_changes_nothing_around_the_call_trains():
+    """The control for fit-autocast-around-layers: the dtype of an autocast that is off is not compared."""
+    assert _fit(AutocastOffAroundLayers()).global_step == 2
+
+
 def test_a_batch_that_splits_trains():
     """The control for the batch cases: 20 samples in batches of 8 leave a last batch of 4, which splits
     into 4 micro-batches, so nothing is refused and every batch trains."""

@@ -255,9 +255,8 @@ def _autocast_state(module: Any) -> tuple[tuple[str, bool, str], ...]:
     """Whether autocast is on, and its dtype, for the CPU and the module's device type."""
     device = getattr(module, "device", torch.device("cpu"))
     kinds = dict.fromkeys(("cpu", device.type if isinstance(device, torch.device) else "cpu"))
-    return tuple(
-        (k, torch.is_autocast_enabled(k), str(torch.get_autocast_dtype(k)).removeprefix("torch.")) for k in kinds
-    )
+    on = {k: torch.is_autocast_enabled(k) for k in kinds}  # the dtype counts only where it is on
+    return tuple((k, on[k], str(torch.get_autocast_dtype(k)).removeprefix("torch.") if on[k] else "") for k in kinds)
 
 
 def _same_autocast(hook: str, name: str, outside: tuple, inside: tuple) -> None:
