@@ -111,6 +111,16 @@ class TrainedInput(Net):
         return F.mse_loss(self.layers(self.pre(x)), y)
 
 
+class AutocastAroundLayers(Net):
+    """The user's own autocast around the pipelined call: the pipeline would run the layers without it."""
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = self.layers(x)
+        return F.mse_loss(out.float(), y)
+
+
 class Manual(Net):
     def __init__(self) -> None:
         super().__init__()
@@ -705,6 +715,12 @@ CASES: dict[str, Case] = {
         r"the step called layers a second time: under strategy='twobp' it must call the "
         r"pipelined Sequential once per step .* layers\(torch.cat\(\[x, -x\]\)\)",
     ),
+    "fit-autocast-around-layers": (
+        lambda t: _fit(AutocastAroundLayers()),
+        ValueError,
+        r"training_step changes torch.autocast around its call of layers \(autocast there: cpu bfloat16; in the "
+        r"Trainer's precision context: cpu off\).*use Trainer\(precision='bf16-mixed'\)",
+    ),
     "fit-input-requires-grad": (
         lambda t: _fit(TrainedInput()),
         ValueError,
@@ -980,6 +996,21 @@ def test_every_case_has_a_row_in_the_docs_table():
         f"docs only: {sorted(set(rows) - set(CASES))}; tests only: {sorted(set(CASES) - set(rows))}"
     )
     assert len(CASES) >= 40
+
+
+class AutocastOffAroundLayers(Net):
+    """Autocast entered off around the call, naming another dtype: nothing changes for the layers."""
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        with torch.autocast("cpu", dtype=torch.float16, enabled=False):
+            out = self.layers(x)
+        return F.mse_loss(out, y)
+
+
+def test_autocast_that_changes_nothing_around_the_call_trains():
+    """The control for fit-autocast-around-layers: the dtype of an autocast that is off is not compared."""
+    assert _fit(AutocastOffAroundLayers()).global_step == 2
 
 
 def test_a_batch_that_splits_trains():

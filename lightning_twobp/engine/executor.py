@@ -501,18 +501,31 @@ class PipelineExecutor:
             )
             self._current.to_send[("B", s, mb)] = needed
 
+    def _outside_autocast(self) -> AbstractContextManager[Any]:
+        """B, W and BW run outside the forward's autocast, as ``loss.backward()`` runs after a training
+        step's autocast region (Lightning's too): the step runs inside it, and autograd's engine applies
+        the autocast state it is called under to the backward's own ops, so an fp32 matmul (under
+        ``autocast(enabled=False)`` in the forward) had its input and weight gradients computed in bf16.
+        A checkpointed block's recompute in B restores its forward's autocast state itself."""
+        return torch.autocast(self.device.type, enabled=False)
+
     def _backward_input(self, a: Action) -> None:
         assert isinstance(a.microbatch, int)  # a B covers one micro-batch
         g = self._grad_outputs(a.stage, a.microbatch)
-        self._hand_back(a.stage, a.microbatch, self.stages[a.stage].backward_input(a.microbatch, g))
+        with self._outside_autocast():
+            grads = self.stages[a.stage].backward_input(a.microbatch, g)
+        self._hand_back(a.stage, a.microbatch, grads)
 
     def _backward(self, a: Action) -> None:
         assert isinstance(a.microbatch, int)  # a BW covers one micro-batch
         g = self._grad_outputs(a.stage, a.microbatch)
-        self._hand_back(a.stage, a.microbatch, self.stages[a.stage].backward(a.microbatch, g))
+        with self._outside_autocast():
+            grads = self.stages[a.stage].backward(a.microbatch, g)
+        self._hand_back(a.stage, a.microbatch, grads)
 
     def _backward_weight(self, a: Action) -> None:
-        self.stages[a.stage].backward_weight(a.microbatches)
+        with self._outside_autocast():
+            self.stages[a.stage].backward_weight(a.microbatches)
 
     def _reduce(self, op: GradReduce) -> None:
         params = [p for p in self.stages[op.stage].module.parameters() if p.grad is not None]

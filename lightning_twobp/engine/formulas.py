@@ -86,7 +86,7 @@ class FastW(NamedTuple):
     ) -> list[tuple[GradientEdge, torch.Tensor]]:
         """Accumulate the parameter targets' gradients; return the edge targets' gradients."""
         target = self.targets[0]
-        if self.kind == "mm" and isinstance(target, nn.Parameter) and target.grad is not None:
+        if self.kind == "mm" and isinstance(target, nn.Parameter) and target.grad is not None and _wide(target.grad):
             # grad: (N, out), input: (N, in) -> (out, in), the weight's own layout, added in place
             target.grad.addmm_(grad.t(), operand[0])
             return []
@@ -99,6 +99,13 @@ class FastW(NamedTuple):
             else:
                 edges.append((t, g))
         return edges
+
+
+def _wide(grad: torch.Tensor) -> bool:
+    """Whether ``addmm_`` into ``grad`` rounds as the fused backward's product then AccumulateGrad's add do.
+    In bf16 or fp16 it rounds once where they round twice (the product to bf16, then the sum): 1 ulp off
+    the fused backward per micro-batch after the first, so a 16-bit gradient takes the product, then the add."""
+    return grad.dtype in (torch.float32, torch.float64)
 
 
 def _mm(grad: torch.Tensor, operand: tuple, f: FastW) -> tuple[torch.Tensor]:

@@ -251,6 +251,32 @@ class _LogRecorder:
         self.store[name] = (value.detach() if isinstance(value, torch.Tensor) else value, kwargs)
 
 
+def _autocast_state(module: Any) -> tuple[tuple[str, bool, str], ...]:
+    """Whether autocast is on, and its dtype, for the CPU and the module's device type."""
+    device = getattr(module, "device", torch.device("cpu"))
+    kinds = dict.fromkeys(("cpu", device.type if isinstance(device, torch.device) else "cpu"))
+    on = {k: torch.is_autocast_enabled(k) for k in kinds}  # the dtype counts only where it is on
+    return tuple((k, on[k], str(torch.get_autocast_dtype(k)).removeprefix("torch.") if on[k] else "") for k in kinds)
+
+
+def _same_autocast(hook: str, name: str, outside: tuple, inside: tuple) -> None:
+    """Refuses a step that enters or leaves ``torch.autocast`` around the pipelined call: the pipeline runs
+    the block's layers in the Trainer's precision context, not inside the step's code, so the step's own
+    autocast would be dropped silently (the layers computed in fp32 where one process computes in bf16)."""
+    if inside == outside:
+        return
+
+    def said(state: tuple) -> str:
+        return ", ".join(f"{k} {dtype if on else 'off'}" for k, on, dtype in state)
+
+    raise ValueError(
+        f"{hook} changes torch.autocast around its call of {name} (autocast there: {said(inside)}; in the "
+        f"Trainer's precision context: {said(outside)}): under strategy='twobp' the pipeline runs the layers of {name} "
+        f"in the Trainer's precision context, not inside {hook}, so that autocast would be ignored; use "
+        f"Trainer(precision='bf16-mixed') (or '16-mixed'), or enter torch.autocast inside the layers' own forward"
+    )
+
+
 class StepRunner:
     """Calls a LightningModule's step hook per micro-batch with the pipelined block intercepted."""
 
@@ -287,9 +313,11 @@ class StepRunner:
     def _call(self, index: int, block: Callable[..., Any], logs: Logs | None) -> Any:
         state = self.current
         recorder = _LogRecorder(logs, self.metrics)
+        outside = _autocast_state(self.module)
         with self._drawing_alike(index) as hand_back:
 
             def call(*args: Any, **kwargs: Any) -> Any:
+                _same_autocast(state.hook, self._name, outside, _autocast_state(self.module))
                 hand_back()  # the block and what follows it draw from the stage's own stream
                 return block(*args, **kwargs)
 
