@@ -340,8 +340,9 @@ def test_split_backward_matches_autograd(name, mode):
 
 
 # A parameter used by two ops of the stage gets each op's gradient added to .grad on its own, where autograd
-# sums the two first: in bf16 that rounds once more (1 ulp of the sum), so those two are left out below.
-SUMMED_IN_TWO = {"twice", "mid-embedding-tied"}
+# sums the two first: in bf16 that rounds once more (1 ulp of the sum), so those are left out below (an RNN's
+# hidden weight is used once per time step).
+SUMMED_IN_TWO = {"twice", "mid-embedding-tied", "rnn"}
 
 
 @pytest.mark.parametrize("name", sorted(set(CASES) - SUMMED_IN_TWO))
