@@ -29,6 +29,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_twobp  # noqa: F401  (registers "twobp")
 from lightning_twobp import TwoBPStrategy
+from lightning_twobp.lightning.checks import checked_optimizers
 from lightning_twobp.processes import free_port
 from lightning_twobp.train import resume_path
 
@@ -181,6 +182,12 @@ class StrayTensor(Net):
 class EmptyOptimizer(Net):
     def configure_optimizers(self):
         return torch.optim.SGD(self.layers[3:].parameters(), lr=0.1)
+
+
+def _lbfgs_on_two_ranks() -> None:
+    net = Net()
+    optimizers = [torch.optim.LBFGS(net.parameters(), lr=0.5)]
+    checked_optimizers(lambda: None, net, lambda: optimizers, pp_rank=0, stages=[0], pipeline_degree=2)
 
 
 class SharedBlocks(pl.LightningModule):
@@ -753,6 +760,14 @@ CASES: dict[str, Case] = {
         ValueError,
         r"configure_optimizers on pipeline rank 0 \(stages \[0\]\) gave an optimizer an empty "
         r"parameter list .* build every optimizer from self.parameters\(\)",
+    ),
+    "fit-optimizer-lbfgs": (
+        # one process holds every stage, where LBFGS is exact: the check as setup runs it on 2 pipeline ranks
+        # (tests/test_strategy.py's errors before compute refuse it end to end on 2 ranks)
+        lambda t: _lbfgs_on_two_ranks(),
+        ValueError,
+        r"LBFGS is not supported under strategy='twobp' with pipeline_degree=2: its step takes dot products "
+        r"and norms over all of its parameters .* Use an optimizer whose update is per parameter",
     ),
     "fit-metric-dist-sync-on-step": (
         lambda t: _fit(SyncsOnStep()),
