@@ -146,6 +146,16 @@ class GathersInStep(Net):
         return F.mse_loss(self.layers(self.all_gather(x)[0]), y)
 
 
+class StepsSchedulerInStep(Net):
+    def configure_optimizers(self):
+        opt = torch.optim.SGD(self.parameters(), lr=0.1)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.StepLR(opt, 1, 0.5)}}
+
+    def training_step(self, batch, batch_idx):
+        self.lr_schedulers().step()
+        return super().training_step(batch, batch_idx)
+
+
 class CallsTwice(Net):
     def training_step(self, batch, batch_idx):
         x, y = batch
@@ -705,6 +715,12 @@ CASES: dict[str, Case] = {
         RuntimeError,
         r"training_step did not call layers: under strategy='twobp' it must call the "
         r"pipelined block exactly once",
+    ),
+    "fit-scheduler-step-in-step": (
+        lambda t: _fit(StepsSchedulerInStep()),
+        RuntimeError,
+        r"self.lr_schedulers\(\).step\(\) in training_step under strategy='twobp': the step's code runs once per "
+        r"micro-batch \(2 per batch\).* step it where every rank runs once per batch \(on_train_batch_end\)",
     ),
     "fit-step-calls-twice": (
         lambda t: _fit(CallsTwice()),
