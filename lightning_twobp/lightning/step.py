@@ -28,6 +28,7 @@ from lightning_utilities.core.apply_func import apply_to_collection
 
 from lightning_twobp.lightning.contract import Contract
 from lightning_twobp.lightning.metrics import MetricRef, States, StepMetrics, is_metric
+from lightning_twobp.lightning.placeholders import ElsewhereError, find_elsewhere
 from lightning_twobp.lightning.rng import StageStreams, drawing_from
 
 __all__ = [
@@ -267,6 +268,15 @@ class _LogRecorder:
             raise ValueError(
                 f"self.log({name!r}, ..., reduce_fx={kwargs['reduce_fx']!r}): Lightning reduces logged values by "
                 f"mean, sum, max or min only; for a custom reduction log a torchmetrics Metric instead"
+            )
+        elsewhere = find_elsewhere(value)
+        if elsewhere is not None:
+            raise ElsewhereError(
+                f"self.log({name!r}, ...) from a step under strategy='twobp' logs a value computed by "
+                f"{elsewhere.where}, which this rank does not hold: the step's code after the pipelined call runs "
+                f"on the last stage only, where the layers of other stages have no weights; log such a value from "
+                f"a hook (on_train_batch_end, on_validation_epoch_end) on the rank whose trainer.strategy.stage_ids "
+                f"hold that layer"
             )
         if is_metric(value):
             value = self.metrics.ref(value, name)
