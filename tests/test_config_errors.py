@@ -29,6 +29,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_twobp  # noqa: F401  (registers "twobp")
 from lightning_twobp import TwoBPStrategy
+from lightning_twobp.lightning.checks import checked_optimizers
 from lightning_twobp.processes import free_port
 from lightning_twobp.train import resume_path
 
@@ -155,6 +156,16 @@ class GathersInStep(Net):
         return F.mse_loss(self.layers(self.all_gather(x)[0]), y)
 
 
+class StepsSchedulerInStep(Net):
+    def configure_optimizers(self):
+        opt = torch.optim.SGD(self.parameters(), lr=0.1)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.StepLR(opt, 1, 0.5)}}
+
+    def training_step(self, batch, batch_idx):
+        self.lr_schedulers().step()
+        return super().training_step(batch, batch_idx)
+
+
 class CallsTwice(Net):
     def training_step(self, batch, batch_idx):
         x, y = batch
@@ -191,6 +202,12 @@ class StrayTensor(Net):
 class EmptyOptimizer(Net):
     def configure_optimizers(self):
         return torch.optim.SGD(self.layers[3:].parameters(), lr=0.1)
+
+
+def _lbfgs_on_two_ranks() -> None:
+    net = Net()
+    optimizers = [torch.optim.LBFGS(net.parameters(), lr=0.5)]
+    checked_optimizers(lambda: None, net, lambda: optimizers, pp_rank=0, stages=[0], pipeline_degree=2)
 
 
 class SharedBlocks(pl.LightningModule):
@@ -709,6 +726,12 @@ CASES: dict[str, Case] = {
         r"training_step did not call layers: under strategy='twobp' it must call the "
         r"pipelined block exactly once",
     ),
+    "fit-scheduler-step-in-step": (
+        lambda t: _fit(StepsSchedulerInStep()),
+        RuntimeError,
+        r"self.lr_schedulers\(\).step\(\) in training_step under strategy='twobp': the step's code runs once per "
+        r"micro-batch \(2 per batch\).* step it where every rank runs once per batch \(on_train_batch_end\)",
+    ),
     "fit-step-calls-twice": (
         lambda t: _fit(CallsTwice()),
         RuntimeError,
@@ -769,6 +792,14 @@ CASES: dict[str, Case] = {
         ValueError,
         r"configure_optimizers on pipeline rank 0 \(stages \[0\]\) gave an optimizer an empty "
         r"parameter list .* build every optimizer from self.parameters\(\)",
+    ),
+    "fit-optimizer-lbfgs": (
+        # one process holds every stage, where LBFGS is exact: the check as setup runs it on 2 pipeline ranks
+        # (tests/test_strategy.py's errors before compute refuse it end to end on 2 ranks)
+        lambda t: _lbfgs_on_two_ranks(),
+        ValueError,
+        r"LBFGS is not supported under strategy='twobp' with pipeline_degree=2: its step takes dot products "
+        r"and norms over all of its parameters .* Use an optimizer whose update is per parameter",
     ),
     "fit-metric-dist-sync-on-step": (
         lambda t: _fit(SyncsOnStep()),

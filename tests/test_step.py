@@ -89,3 +89,22 @@ def test_a_steps_metric_state_is_the_whole_batchs_on_every_rank():
     for m in (last.acc, other.acc):
         assert float(m._forward_cache) == float(batch_value)  # the step's value: the whole batch's
         assert float(m.compute()) == float(whole.compute()) and m.update_count == 2
+
+
+def test_a_steps_self_log_of_another_stages_weight_is_refused_naming_the_layer():
+    """The step's code after the pipelined call runs on the last stage, where another stage's layers are
+    placeholders: ``self.log("w0", self.layers[0].weight.abs().mean())`` in a validation step stored the
+    placeholder, which every rank then logged, and the run failed later wherever a logger or the progress bar read
+    it, with a message about control flow between blocks (found by the Lightning trial). It is refused at the
+    ``self.log``, naming the layer and where to log it instead."""
+    from lightning_twobp.lightning.metrics import StepMetrics
+    from lightning_twobp.lightning.placeholders import ElsewhereError, elsewhere
+    from lightning_twobp.lightning.step import _LogRecorder
+
+    store: dict = {}
+    recorder = _LogRecorder(store, StepMetrics(torch.nn.Module()))
+    recorder("loss", torch.tensor(0.5))
+    weight = elsewhere(torch.ones(3, 2), "layers[0].weight (pipeline stage 0)")
+    with pytest.raises(ElsewhereError, match=r"self.log\('w0', ...\) from a step .* computed by layers\[0\].weight"):
+        recorder("w0", weight.abs().mean())
+    assert list(store) == ["loss"]

@@ -240,6 +240,11 @@ class FirstStageOptimizer(Regressor):
         return torch.optim.SGD(self.layers[:3].parameters(), lr=self.lr)
 
 
+class LBFGSRegressor(Regressor):
+    def configure_optimizers(self):
+        return torch.optim.LBFGS(self.parameters(), lr=0.5)
+
+
 def _expect_error(rank: int, world: int, model_cls, strategy_kwargs: dict, trainer_kwargs: dict, batch: int) -> str:
     lightning_env(rank, world)
     x = torch.randn(16, 6)
@@ -271,6 +276,14 @@ ERRORS = {
         dict(),
         8,
         r"configure_optimizers on pipeline rank 1 \(stages \[1\]\) gave an optimizer an empty parameter list",
+    ),
+    # each rank's LBFGS saw its own stages' parameters only: every parameter off, silently, before the check
+    "lbfgs": (
+        LBFGSRegressor,
+        dict(),
+        dict(),
+        8,
+        r"LBFGS is not supported under strategy='twobp' with pipeline_degree=2",
     ),
     "pending-w-per-stage": (
         Regressor,

@@ -17,8 +17,8 @@ from __future__ import annotations
 import functools
 import operator
 import warnings
-from collections.abc import Callable
-from contextlib import AbstractContextManager
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,6 +28,7 @@ from lightning_utilities.core.apply_func import apply_to_collection
 
 from lightning_twobp.lightning.contract import Contract
 from lightning_twobp.lightning.metrics import MetricRef, States, StepMetrics, is_metric
+from lightning_twobp.lightning.placeholders import ElsewhereError, find_elsewhere
 from lightning_twobp.lightning.rng import StageStreams, drawing_from
 
 __all__ = [
@@ -224,6 +225,33 @@ def _no_collective(hook: str) -> Callable[..., Any]:
     return all_gather
 
 
+@contextmanager
+def _no_scheduler_step(lm: Any, hook: str, m: int) -> Iterator[None]:
+    """The LR schedulers of ``configure_optimizers`` refuse ``step()`` while ``hook`` runs: the step's code runs
+    once per micro-batch, on the first stage and again on the last, so ``self.lr_schedulers().step()`` there
+    stepped each rank's scheduler ``m`` times per batch (found by a trial: the rate after 3 steps was 0.5**12
+    of the start, not 0.5**3, silently). Instance attributes shadow ``step``; removed again afterwards."""
+    trainer = getattr(lm, "_trainer", None)
+    configs = trainer.lr_scheduler_configs if trainer is not None else []
+    schedulers = [c.scheduler for c in configs if hasattr(c.scheduler, "__dict__")]
+
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError(
+            f"self.lr_schedulers().step() in {hook} under strategy='twobp': the step's code runs once per "
+            f"micro-batch ({m} per batch), on the first pipeline stage and again on the last, so each rank's "
+            f"scheduler would step {m} times per batch, not once; step it where every rank runs once per batch "
+            f"(on_train_batch_end), or let Lightning step it (interval='step' in configure_optimizers)"
+        )
+
+    for scheduler in schedulers:
+        scheduler.__dict__["step"] = refuse
+    try:
+        yield
+    finally:
+        for scheduler in schedulers:
+            scheduler.__dict__.pop("step", None)
+
+
 class _LogRecorder:
     """Stands in for ``LightningModule.log`` during one micro-batch: records instead of logging."""
 
@@ -240,6 +268,15 @@ class _LogRecorder:
             raise ValueError(
                 f"self.log({name!r}, ..., reduce_fx={kwargs['reduce_fx']!r}): Lightning reduces logged values by "
                 f"mean, sum, max or min only; for a custom reduction log a torchmetrics Metric instead"
+            )
+        elsewhere = find_elsewhere(value)
+        if elsewhere is not None:
+            raise ElsewhereError(
+                f"self.log({name!r}, ...) from a step under strategy='twobp' logs a value computed by "
+                f"{elsewhere.where}, which this rank does not hold: the step's code after the pipelined call runs "
+                f"on the last stage only, where the layers of other stages have no weights; log such a value from "
+                f"a hook (on_train_batch_end, on_validation_epoch_end) on the rank whose trainer.strategy.stage_ids "
+                f"hold that layer"
             )
         if is_metric(value):
             value = self.metrics.ref(value, name)
@@ -333,7 +370,7 @@ class StepRunner:
 
     def _call_hook(self, state: StepState, mb: Any, block: Callable[..., Any], recorder: _LogRecorder) -> Any:
         lm = self.module
-        with self.contract.intercept(block):
+        with self.contract.intercept(block), _no_scheduler_step(lm, state.hook, len(state.microbatches)):
             # ``self.log`` answered by the recorder and ``self.all_gather`` refused, for this call only
             # (instance attributes shadow the methods; removed again below, also when the step raises).
             lm.__dict__["log"] = recorder

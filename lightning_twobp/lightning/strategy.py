@@ -235,6 +235,7 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
                 lambda: self.optimizers,
                 self.pp_rank,
                 self.stage_ids,
+                self.pipeline_degree,
             )
         # Optimizers are created after the move to the device and hold no state yet; a checkpoint's
         # state is loaded afterwards (restore_checkpoint_after_setup), by parameter name.
