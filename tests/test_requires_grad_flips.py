@@ -2,7 +2,8 @@
 between steps) on a stage that is not the first: the pipeline follows the change, as one process does.
 Before, the stage kept the trainable parameters it read at setup: a layer frozen since crashed B
 ("cannot register a hook on a tensor that doesn't require gradient"), and one unfrozen since was
-silently never trained."""
+silently never trained. A first stage frozen from the start (fine-tuning a model's later half) trains
+as one process does, the optimizer over self.parameters(); it was refused at setup."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from conftest import Regressor, lightning_env, mlp, quiet_trainer, regression_da
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(300)]
 
 LAYER = 2  # Linear(16, 16): on pipeline rank 1 (stage 1) of the Regressor's [1, 4] cut
+MODES = ("freeze", "unfreeze", "by-type", "frozen-stage")
 
 
 class Flip(pl.Callback):
@@ -45,6 +47,8 @@ def _fit(strategy, devices: int, mode: str) -> dict[str, torch.Tensor]:
     model = Regressor()
     if mode == "unfreeze":
         model.layers[LAYER].requires_grad_(False)  # configure_optimizers still takes it (self.parameters())
+    if mode == "frozen-stage":  # all of stage 0 (layers.0 in the [1, 4] cut) frozen: rank 0 trains nothing
+        model.layers[0].requires_grad_(False)
     quiet_trainer(strategy, devices, max_steps=4, callbacks=[Flip(mode)]).fit(model, regression_data(n=32))
     return {n: q.detach().clone() for n, q in model.named_parameters() if not q.is_meta}
 
@@ -105,8 +109,8 @@ def _fit_backbone(strategy, devices: int, rates: bool = False) -> dict[str, torc
 
 def _ranks(rank: int, world: int) -> dict:
     lightning_env(rank, world)
-    out = {mode: _fit(TwoBPStrategy(schedule="1f1b"), world, mode) for mode in ("freeze", "unfreeze", "by-type")}
-    # rank 0 holds the backbone and a trainable Linear (an all-frozen stage is refused at setup)
+    out = {mode: _fit(TwoBPStrategy(schedule="1f1b"), world, mode) for mode in MODES}
+    # rank 0 holds the backbone and a trainable Linear
     strategy = dict(schedule="1f1b", balance=[3, 2])
     out["backbone"] = _fit_backbone(TwoBPStrategy(**strategy), world)
     return out | {"backbone-rates": _fit_backbone(TwoBPStrategy(**strategy), world, rates=True)}
@@ -114,10 +118,10 @@ def _ranks(rank: int, world: int) -> dict:
 
 def test_a_layer_frozen_or_unfrozen_during_fit_trains_as_in_one_process(no_leftover_process_group):
     init = {n: q.detach().clone() for n, q in Regressor().named_parameters()}
-    ref = {mode: _fit("auto", 1, mode) for mode in ("freeze", "unfreeze", "by-type")}
+    ref = {mode: _fit("auto", 1, mode) for mode in MODES}
     ref |= {"backbone": _fit_backbone("auto", 1), "backbone-rates": _fit_backbone("auto", 1, rates=True)}
     outs = run_distributed(_ranks, 2, timeout=240)
-    for mode in ("freeze", "unfreeze", "by-type", "backbone", "backbone-rates"):
+    for mode in (*MODES, "backbone", "backbone-rates"):
         seen = set()
         for out in outs:
             for name, value in out[mode].items():
@@ -125,6 +129,10 @@ def test_a_layer_frozen_or_unfrozen_during_fit_trains_as_in_one_process(no_lefto
                 torch.testing.assert_close(value, ref[mode][name], rtol=1e-5, atol=1e-6, msg=f"{mode}: {name}")
         assert seen == set(ref[mode])
         if mode.startswith("backbone"):
+            continue
+        if mode == "frozen-stage":  # refused at setup before ("would hold no trainable parameters")
+            assert torch.equal(ref[mode]["layers.0.weight"], init["layers.0.weight"])
+            assert not torch.equal(ref[mode][f"layers.{LAYER}.weight"], init[f"layers.{LAYER}.weight"])
             continue
         frozen = f"layers.{LAYER}.weight"
         moved = not torch.equal(ref[mode][frozen], init[frozen])

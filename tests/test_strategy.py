@@ -267,7 +267,7 @@ ERRORS = {
         dict(schedule="zb-v", balance=[1, 1, 1, 1], num_microbatches=2),
         dict(),
         8,
-        r"pipeline rank 1 would hold no trainable parameters \(stage 1: layers 1-1, stage 2: layers 2-2\)",
+        r"pipeline rank 1 would hold no parameters \(stage 1: layers 1-1, stage 2: layers 2-2\)",
     ),
     # torch's "empty parameter list" on rank 1 alone: both ranks stop at once, naming it
     "optimizer-empty": (

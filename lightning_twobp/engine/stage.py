@@ -341,7 +341,7 @@ class Stage:
             # (2BP's first stage, too, runs backward-p1 through every layer.)
             self.early_edges += 1 if plan is None else plan.num_early
             if plan is not None:
-                self._fell_back(plan.why)
+                self._fell_back(plan.why, plan.why_params)
             grads = self._full_backward(roots, grads_out, inputs)
             p.outputs = []
             return self._input_grads(p, grads)
@@ -440,8 +440,11 @@ class Stage:
             stacklevel=stacklevel,
         )
 
-    def _fell_back(self, why: str) -> None:
+    def _fell_back(self, why: str, params: tuple[int, ...] = ()) -> None:
         """Say once per stage that a micro-batch's weights were all taken in B: a split that runs fused."""
+        names = [n for n, q in self.module.named_parameters() if id(q) in params]
+        if names:  # the parameters that value is made from (peft's DoRA: lora_magnitude_vector...)
+            why += f", made from {names[0]}" + (f" and {len(names) - 1} more" if len(names) > 1 else "")
         self._warn_once(
             "fallback",
             f"a micro-batch's weight gradients were all taken in B, none deferred to W ({why}; Hugging Face RWKV's "
@@ -629,6 +632,7 @@ class _Plan:
     in_b: list[GradientEdge] = field(default_factory=list)  # taken and carried into the parameters in B
     unseen: tuple[int, ...] = ()  # ids of the stage's parameters with no leaf in this graph (see _Hidden)
     why: str = ""  # why the fallback (see Stage._fell_back)
+    why_params: tuple[int, ...] = ()  # ids of the parameters that value is made from, to name them
 
 
 _REENTRANT = (
@@ -685,7 +689,7 @@ def _plan(
     ]
     if split.fallback:
         num_early = split.num_deferred + len(split.early) + len(split.in_b)
-        return _Plan([], [], [], [], True, 0, num_early, split.unreadable, why=split.why)
+        return _Plan([], [], [], [], True, 0, num_early, split.unreadable, why=split.why, why_params=split.why_params)
     return _Plan(
         split.frontier,
         split.fast,
@@ -889,6 +893,7 @@ class _Split:
     num_deferred: int = 0
     fallback: bool = False
     why: str = ""  # the first reason for the fallback, for its warning
+    why_params: tuple[int, ...] = ()  # ids of the parameters below the shared value of ``why``
     unreadable: list[str] = field(default_factory=list)
 
     def add(self, node: Node) -> None:
@@ -946,9 +951,10 @@ class _Split:
             else:
                 self.fallback = True
                 self.num_deferred += 1  # counted as taken in B by the plan
-                self.why = self.why or (
-                    f"the weight-only value that {n.name()} makes feeds {len(self.sources[n])} ops on the input path"
-                )
+                if not self.why:
+                    uses = len(self.sources[n])
+                    self.why = f"the weight-only value that {n.name()} makes feeds {uses} ops on the input path"
+                    self.why_params = tuple(id(q) for q in _params_below([n], self.params))
         return single
 
     def _take_all_in_b(self, edges: list[tuple[Node, int]]) -> bool:

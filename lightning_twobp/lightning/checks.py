@@ -176,7 +176,8 @@ def checked_optimizers(
             f"parameter list ({error}): under strategy='twobp' each rank holds only its own stages' parameters, so "
             f"an optimizer over some layers only (e.g. self.layers[:3].parameters()) has none on the ranks that "
             f"hold none of them; build every optimizer from self.parameters() (param groups by name for different "
-            f"settings), and leave layers untrained with requires_grad_(False) instead of leaving them out"
+            f"settings), and leave layers untrained with requires_grad_(False) instead of leaving them out (an "
+            f"optimizer over the parameters that require grad has none on a rank whose layers are all frozen)"
         )
     else:
         problem = f"configure_optimizers failed on pipeline rank {pp_rank}: {type(error).__name__}: {error}"

@@ -358,16 +358,17 @@ def _to_meta(layers: list[nn.Module], keep: set[int]) -> None:
     )
 
 
-def _check_trainable(layers: list[nn.Module], bounds: list[int], schedule: Schedule) -> None:
-    # Checked on every rank (each knows the whole cut), so every rank stops, not only the empty one.
+def _check_parameters(layers: list[nn.Module], bounds: list[int], schedule: Schedule) -> None:
+    # Checked on every rank (each knows the whole cut), so every rank stops, not only the empty one. Frozen
+    # parameters count: a rank whose layers are all frozen (fine-tuning the later half of a model) trains
+    # as one process does when the optimizer takes self.parameters(); an optimizer that leaves frozen
+    # parameters out is empty there, which checks.checked_optimizers refuses on every rank, naming the fix.
     for r in range(schedule.num_ranks):
         stages = schedule.stages_of(r)
-        if not any(
-            q.requires_grad for s in stages for i in range(bounds[s], bounds[s + 1]) for q in layers[i].parameters()
-        ):
+        if not any(True for s in stages for i in range(bounds[s], bounds[s + 1]) for _ in layers[i].parameters()):
             here = ", ".join(f"stage {s}: layers {bounds[s]}-{bounds[s + 1] - 1}" for s in stages)
             raise ValueError(
-                f"pipeline rank {r} would hold no trainable parameters ({here}), so configure_optimizers "
+                f"pipeline rank {r} would hold no parameters ({here}), so configure_optimizers "
                 f"would get an empty parameter list: give it a layer with parameters with balance=[...] "
                 f"(layers per stage now {[bounds[k + 1] - bounds[k] for k in range(len(bounds) - 1)]}), "
                 f"or use fewer pipeline ranks"
@@ -406,7 +407,7 @@ def split_model(contract: Contract, sizes: list[int], schedule: Schedule, pp_ran
     docstring). Raises ``ValueError`` before any change when a rank would train nothing."""
     layers = contract.layers()
     bounds = _bounds(sizes)
-    _check_trainable(layers, bounds, schedule)
+    _check_parameters(layers, bounds, schedule)
     mine = set(schedule.stages_of(pp_rank))
     _check_materialized(layers, bounds, mine, contract)
     layer_stage = [s for s in range(len(sizes)) for _ in range(sizes[s])]
