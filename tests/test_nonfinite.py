@@ -54,15 +54,22 @@ class SkipAt(pl.Callback):
 
 class ByHand(Net):
     """Changes the gradients in ``on_before_optimizer_step``: ``"clip-norm"`` by the norm of this module's
-    parameters (each rank's own under the pipeline), ``"halve"`` by a constant, ``"clip-value"`` per element."""
+    parameters (each rank's own under the pipeline), ``"halve"`` by a constant, ``"clip-value"`` per element;
+    ``"frozen-clip-norm"`` clips so with the first stage (layers.0) frozen, ``"drop-first"`` sets layers.0's
+    gradients to None first (pipeline rank 0 then has no gradient left: one process's norm is rank 1's)."""
 
     def __init__(self, hand: str) -> None:
         super().__init__()
         self.hand = hand
+        if hand == "frozen-clip-norm":
+            self.layers[0].requires_grad_(False)
 
     def on_before_optimizer_step(self, optimizer):
         params = list(self.parameters())
-        if self.hand == "clip-norm":
+        if self.hand == "drop-first":
+            for q in self.layers[0].parameters():
+                q.grad = None
+        if self.hand in ("clip-norm", "frozen-clip-norm", "drop-first"):
             torch.nn.utils.clip_grad_norm_(params, 0.05)
         elif self.hand == "clip-value":
             torch.nn.utils.clip_grad_value_(params, 0.005)
@@ -150,7 +157,14 @@ STOP = "test_a_nan_loss_stops_every_rank_naming_step_stages_and_microbatch"
 SKIP = "test_skip_drops_the_step_on_every_stage_and_replica"
 SAVE = "test_weights_known_not_finite_are_never_saved"
 HAND = "test_a_hook_clipping_by_each_ranks_own_norm_stops_every_rank"
-HANDS = [("clip-norm", "1f1b"), ("clip-norm", "zb-h2"), ("halve", "zb-h2"), ("clip-value", "1f1b")]
+HANDS = [
+    ("clip-norm", "1f1b"),
+    ("clip-norm", "zb-h2"),
+    ("halve", "zb-h2"),
+    ("clip-value", "1f1b"),
+    ("frozen-clip-norm", "1f1b"),
+    ("drop-first", "zb-h2"),
+]
 DATA_PARALLEL = ["replicate", "shard"]
 
 
@@ -214,7 +228,9 @@ def test_a_hook_clipping_by_each_ranks_own_norm_stops_every_rank(two_ranks, requ
     """``clip_grad_norm_(self.parameters())`` in a hook scales each rank's gradients by its own stages' norm
     (silently not one process's step before the check): every rank stops at the first step,
     naming the fix; under post-validation (zb-h2) that step was taken. A constant factor and a clip by value
-    are what one process does: they train as it does."""
+    are what one process does: they train as it does. So does that clip where pipeline rank 0 has no gradient
+    (its stage frozen, or its gradients set to None before the clip): one process's norm is rank 1's then
+    (HookScaleError was raised for them, rank 0 counted as unscaled)."""
     out = two_ranks[request.node.name]
     for rank, r in enumerate(out):
         if hand != "clip-norm":
