@@ -60,14 +60,22 @@ def _grad_norms(params: Sequence[torch.nn.Parameter], device: torch.device) -> t
 _UNCHANGED, _OTHER, _NONE = 2.0, 0.5, 0.0
 
 
-def _hook_code(before: torch.Tensor, after: torch.Tensor) -> torch.Tensor:
+def _hook_rtol(params: Sequence[torch.nn.Parameter]) -> float:
+    """How far apart two ratios may be and still be one factor: 1e-5, or a 16-bit gradient's eps, as
+    ``g.mul_(factor)`` rounds each bf16 element by up to half of it (a hand clip under bf16-true moved each
+    parameter's norm by a ratio ~1e-3 off the factor: counted as a change per element, it trained on)."""
+    half = (torch.bfloat16, torch.float16)
+    return max([1e-5, *(torch.finfo(q.grad.dtype).eps for q in params if q.grad is not None and q.grad.dtype in half)])
+
+
+def _hook_code(before: torch.Tensor, after: torch.Tensor, rtol: float) -> torch.Tensor:
     if before.numel() == 0:
         return torch.tensor(_NONE, device=before.device)
     moved = before > 0
     ratio = after / before.clamp_min(torch.finfo(torch.float32).tiny)
     hi = torch.where(moved, ratio, -torch.inf).max()
     lo = torch.where(moved, ratio, torch.inf).min()
-    uniform = (hi - lo <= 1e-5 * hi) & (after[~moved] == 0).all() & torch.isfinite(hi)
+    uniform = (hi - lo <= rtol * hi) & (after[~moved] == 0).all() & torch.isfinite(hi)
     changed = (after != before).any()
     code = torch.where(changed, torch.where(uniform, 1.0 + hi, _OTHER), _UNCHANGED)
     return torch.where((after == 0).all(), _NONE, code)
@@ -120,21 +128,23 @@ class OptimizerChecks:
     nonfinite_step: int | None = field(init=False, default=None)
     # the user's hooks may touch the gradients (hooks_may_scale_grads): watch what they do to them
     watch_hooks: bool = False
-    _before_hooks: dict[int, tuple[list[Any], torch.Tensor]] = field(init=False, default_factory=dict)
+    _before_hooks: dict[int, tuple[list[Any], torch.Tensor, float]] = field(init=False, default_factory=dict)
 
     def grads_before_hooks(self, optimizer: Any) -> None:
         """The step's gradients are complete and the user's hooks come next (``on_after_backward``): note
         each one's norm, to tell at the step what the hooks did to them (see :meth:`_judge_hooks`)."""
         if self.watch_hooks:
             params = [q for g in optimizer.param_groups for q in g["params"] if q.grad is not None]
-            self._before_hooks[id(optimizer)] = (params, _grad_norms(params, self.device))
+            self._before_hooks[id(optimizer)] = (params, _grad_norms(params, self.device), _hook_rtol(params))
 
     def _hook_slots(self, optimizer: Any) -> torch.Tensor:
-        """This rank's code (``_hook_code``) in its slot of the check's group, zeros elsewhere."""
-        params, before = self._before_hooks.pop(id(optimizer), ([], torch.zeros(0, device=self.device)))
+        """This rank's code (``_hook_code``) in its slot of the check's group, then its tolerance in its slot
+        of a second such block (the largest of them compares the codes), zeros elsewhere."""
+        params, before, rtol = self._before_hooks.pop(id(optimizer), ([], torch.zeros(0, device=self.device), 0.0))
         me, size = (dist.get_rank(self.group), dist.get_world_size(self.group)) if dist.is_initialized() else (0, 1)
-        slots = torch.zeros(size, device=self.device)
-        slots[me] = _hook_code(before, _grad_norms(params, self.device))
+        slots = torch.zeros(2 * size, device=self.device)
+        slots[me] = _hook_code(before, _grad_norms(params, self.device), rtol)
+        slots[size + me] = rtol
         return slots
 
     def nonfinite_refusal(self) -> str | None:
@@ -236,9 +246,11 @@ class OptimizerChecks:
         agree (none, a constant) and changes of another kind (per element) are the model's own."""
         if verdict.extra is None or verdict.extra.numel() < 2:
             return
-        judged = [(r, c) for r, c in enumerate(verdict.extra[1:].tolist()) if c != _NONE]
-        codes = [c for _, c in judged]
-        if not codes or min(codes) < 1.0 or max(codes) - min(codes) <= 1e-5 * max(codes):
+        hooks = verdict.extra[1:].tolist()
+        size = len(hooks) // 2
+        judged = [(r, c) for r, c in enumerate(hooks[:size]) if c != _NONE]
+        codes, rtol = [c for _, c in judged], max(hooks[size:], default=1e-5)
+        if not codes or min(codes) < 1.0 or max(codes) - min(codes) <= rtol * max(codes):
             return
         # by pipeline rank: under data_parallel="shard" each replica's rank is named once
         named = {r % self.pipeline_degree if self.pipeline_degree else r: c for r, c in judged}
