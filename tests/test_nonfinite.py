@@ -57,7 +57,8 @@ class ByHand(Net):
     parameters (each rank's own under the pipeline), ``"halve"`` by a constant, ``"clip-value"`` per element;
     ``"frozen-clip-norm"`` clips so with the first stage (layers.0) frozen, ``"drop-first"`` sets layers.0's
     gradients to None first (pipeline rank 0 then has no gradient left: one process's norm is rank 1's);
-    ``"bf16-..."`` under precision="bf16-true", ``"bf16-scale"`` by a constant that rounds (0.3)."""
+    ``"bf16-..."`` under precision="bf16-true", ``"bf16-scale"`` by a constant that rounds (0.3);
+    ``"tiny-clip-norm"`` far below the norms (factors ~1e-6)."""
 
     def __init__(self, hand: str) -> None:
         super().__init__()
@@ -70,8 +71,8 @@ class ByHand(Net):
         if self.hand == "drop-first":
             for q in self.layers[0].parameters():
                 q.grad = None
-        if self.hand in ("clip-norm", "frozen-clip-norm", "drop-first", "bf16-clip-norm"):
-            torch.nn.utils.clip_grad_norm_(params, 0.05)
+        if self.hand in ("clip-norm", "frozen-clip-norm", "drop-first", "bf16-clip-norm", "tiny-clip-norm"):
+            torch.nn.utils.clip_grad_norm_(params, 1e-7 if self.hand == "tiny-clip-norm" else 0.05)
         elif self.hand == "clip-value":
             torch.nn.utils.clip_grad_value_(params, 0.005)
         else:
@@ -169,6 +170,7 @@ HANDS = [
     ("drop-first", "zb-h2"),
     ("bf16-clip-norm", "1f1b"),
     ("bf16-scale", "1f1b"),
+    ("tiny-clip-norm", "1f1b"),
 ]
 DATA_PARALLEL = ["replicate", "shard"]
 
@@ -236,9 +238,10 @@ def test_a_hook_clipping_by_each_ranks_own_norm_stops_every_rank(two_ranks, requ
     are what one process does: they train as it does. So does that clip where pipeline rank 0 has no gradient
     (its stage frozen, or its gradients set to None before the clip): one process's norm is rank 1's then
     (HookScaleError was raised for them, rank 0 counted as unscaled). Under bf16-true each element's product
-    rounds: the clip is seen (it trained on: 3.9e-3 off one process after 3 steps), a constant that rounds trains on."""
+    rounds: the clip is seen (it trained on: 3.9e-3 off one process after 3 steps), a constant that rounds trains on.
+    Factors far below 1 are told apart (compared as 1 + factor they were not: Adam trained on, 8.7e-3 off)."""
     out = two_ranks[request.node.name]
-    refused = hand in ("clip-norm", "bf16-clip-norm")
+    refused = hand in ("clip-norm", "bf16-clip-norm", "tiny-clip-norm")
     for rank, r in enumerate(out):
         err = r["error"]
         if not refused:

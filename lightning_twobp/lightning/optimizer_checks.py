@@ -52,12 +52,13 @@ def _grad_norms(params: Sequence[torch.nn.Parameter], device: torch.device) -> t
     return torch.stack(norms).to(device) if norms else torch.zeros(0, device=device)
 
 
-# What a rank's hooks did to its gradients, one number in its slot of the step's reduction: 2 nothing,
-# 1 + r all of them scaled by r, 0.5 something else (per element: clip_grad_value_, noise; not judged),
-# 0 no gradient left to judge: none (a frozen stage), or all zero after the hooks (set to None, zeroed),
-# which a clip by the rank's own norm never gives; such a rank is left out of the comparison (one
-# process's norm over the model then is the other ranks' own: a hand clip there is exact).
-_UNCHANGED, _OTHER, _NONE = 2.0, 0.5, 0.0
+# What a rank's hooks did to its gradients (``_hook_code``): 1 nothing, r > 0 all of them scaled by r, -1
+# something else (per element: clip_grad_value_, noise; not judged), 0 no gradient left to judge: none (a
+# frozen stage), or all zero after the hooks (set to None, zeroed), which a clip by the rank's own norm never
+# gives; such a rank is left out of the comparison (one process's norm over the model then is the other
+# ranks' own: a hand clip there is exact). The factor itself travels, not 1 + r: compared relative to
+# 1 + r, factors under 1e-5 (a clip far below the norms) all looked alike (Adam: 8.7e-3 off one process).
+_UNCHANGED, _OTHER, _NONE = 1.0, -1.0, 0.0
 
 
 def _hook_rtol(params: Sequence[torch.nn.Parameter]) -> float:
@@ -77,7 +78,7 @@ def _hook_code(before: torch.Tensor, after: torch.Tensor, rtol: float) -> torch.
     lo = torch.where(moved, ratio, torch.inf).min()
     uniform = (hi - lo <= rtol * hi) & (after[~moved] == 0).all() & torch.isfinite(hi)
     changed = (after != before).any()
-    code = torch.where(changed, torch.where(uniform, 1.0 + hi, _OTHER), _UNCHANGED)
+    code = torch.where(changed, torch.where(uniform, hi, _OTHER), _UNCHANGED)
     return torch.where((after == 0).all(), _NONE, code)
 
 
@@ -138,13 +139,16 @@ class OptimizerChecks:
             self._before_hooks[id(optimizer)] = (params, _grad_norms(params, self.device), _hook_rtol(params))
 
     def _hook_slots(self, optimizer: Any) -> torch.Tensor:
-        """This rank's code (``_hook_code``) in its slot of the check's group, then its tolerance in its slot
-        of a second such block (the largest of them compares the codes), zeros elsewhere."""
+        """This rank's factor (``_hook_code``, 0 for none or another change) in its slot of the check's group,
+        then its tolerance in its slot of a second such block (the largest of them compares the factors; inf
+        for another change: nothing is compared), zeros elsewhere: every slot >= 0, as a MAX reduction
+        (clipping by the inf-norm) keeps."""
         params, before, rtol = self._before_hooks.pop(id(optimizer), ([], torch.zeros(0, device=self.device), 0.0))
         me, size = (dist.get_rank(self.group), dist.get_world_size(self.group)) if dist.is_initialized() else (0, 1)
         slots = torch.zeros(2 * size, device=self.device)
-        slots[me] = _hook_code(before, _grad_norms(params, self.device), rtol)
-        slots[size + me] = rtol
+        code = _hook_code(before, _grad_norms(params, self.device), rtol)
+        slots[me] = code.clamp_min(_NONE)
+        slots[size + me] = torch.where(code == _OTHER, torch.inf, rtol)
         return slots
 
     def nonfinite_refusal(self) -> str | None:
@@ -248,13 +252,13 @@ class OptimizerChecks:
             return
         hooks = verdict.extra[1:].tolist()
         size = len(hooks) // 2
-        judged = [(r, c) for r, c in enumerate(hooks[:size]) if c != _NONE]
-        codes, rtol = [c for _, c in judged], max(hooks[size:], default=1e-5)
-        if not codes or min(codes) < 1.0 or max(codes) - min(codes) <= rtol * max(codes):
+        judged = [(r, f) for r, f in enumerate(hooks[:size]) if f > _NONE]
+        codes, rtol = [f for _, f in judged], max(hooks[size:], default=1e-5)
+        if not codes or max(codes) - min(codes) <= rtol * max(codes):
             return
         # by pipeline rank: under data_parallel="shard" each replica's rank is named once
         named = {r % self.pipeline_degree if self.pipeline_degree else r: c for r, c in judged}
-        factors = ", ".join(f"pipeline rank {r}: {c - 1:.4g}" for r, c in sorted(named.items()))
+        factors = ", ".join(f"pipeline rank {r}: {f:.4g}" for r, f in sorted(named.items()))
         step = lm.trainer.global_step - int(done)
         taken = "was taken (post-validation checks after the step)" if done else "was not taken"
         if dist.is_initialized() and dist.get_world_size() > 1:
