@@ -58,7 +58,8 @@ class ByHand(Net):
     ``"frozen-clip-norm"`` clips so with the first stage (layers.0) frozen, ``"drop-first"`` sets layers.0's
     gradients to None first (pipeline rank 0 then has no gradient left: one process's norm is rank 1's);
     ``"bf16-..."`` under precision="bf16-true", ``"bf16-scale"`` by a constant that rounds (0.3);
-    ``"tiny-clip-norm"`` far below the norms (factors ~1e-6)."""
+    ``"tiny-clip-norm"`` far below the norms (factors ~1e-6); ``"drop-mid-clip-norm"`` after setting layers.2's
+    gradients to None (the rest of rank 1's still scaled by one factor)."""
 
     def __init__(self, hand: str) -> None:
         super().__init__()
@@ -68,10 +69,17 @@ class ByHand(Net):
 
     def on_before_optimizer_step(self, optimizer):
         params = list(self.parameters())
-        if self.hand == "drop-first":
-            for q in self.layers[0].parameters():
+        if self.hand in ("drop-first", "drop-mid-clip-norm"):  # layers.2: beside layers.4 on rank 1
+            for q in self.layers[0 if self.hand == "drop-first" else 2].parameters():
                 q.grad = None
-        if self.hand in ("clip-norm", "frozen-clip-norm", "drop-first", "bf16-clip-norm", "tiny-clip-norm"):
+        if self.hand in (
+            "clip-norm",
+            "frozen-clip-norm",
+            "drop-first",
+            "bf16-clip-norm",
+            "tiny-clip-norm",
+            "drop-mid-clip-norm",
+        ):
             torch.nn.utils.clip_grad_norm_(params, 1e-7 if self.hand == "tiny-clip-norm" else 0.05)
         elif self.hand == "clip-value":
             torch.nn.utils.clip_grad_value_(params, 0.005)
@@ -171,6 +179,7 @@ HANDS = [
     ("bf16-clip-norm", "1f1b"),
     ("bf16-scale", "1f1b"),
     ("tiny-clip-norm", "1f1b"),
+    ("drop-mid-clip-norm", "1f1b"),
 ]
 DATA_PARALLEL = ["replicate", "shard"]
 
@@ -239,9 +248,10 @@ def test_a_hook_clipping_by_each_ranks_own_norm_stops_every_rank(two_ranks, requ
     (its stage frozen, or its gradients set to None before the clip): one process's norm is rank 1's then
     (HookScaleError was raised for them, rank 0 counted as unscaled). Under bf16-true each element's product
     rounds: the clip is seen (it trained on: 3.9e-3 off one process after 3 steps), a constant that rounds trains on.
-    Factors far below 1 are told apart (compared as 1 + factor they were not: Adam trained on, 8.7e-3 off)."""
+    Factors far below 1 are told apart (compared as 1 + factor they were not: Adam trained on, 8.7e-3 off), and
+    a rank's gradients set to None beside the scaled ones leave its factor (they made it a change per element)."""
     out = two_ranks[request.node.name]
-    refused = hand in ("clip-norm", "bf16-clip-norm", "tiny-clip-norm")
+    refused = hand in ("clip-norm", "bf16-clip-norm", "tiny-clip-norm", "drop-mid-clip-norm")
     for rank, r in enumerate(out):
         err = r["error"]
         if not refused:

@@ -72,7 +72,8 @@ def _hook_rtol(params: Sequence[torch.nn.Parameter]) -> float:
 def _hook_code(before: torch.Tensor, after: torch.Tensor, rtol: float) -> torch.Tensor:
     if before.numel() == 0:
         return torch.tensor(_NONE, device=before.device)
-    moved = before > 0
+    # a gradient dropped (None) or zeroed beside scaled ones leaves the others' factor: a clip never gives 0
+    moved = (before > 0) & (after != 0)
     ratio = after / before.clamp_min(torch.finfo(torch.float32).tiny)
     hi = torch.where(moved, ratio, -torch.inf).max()
     lo = torch.where(moved, ratio, torch.inf).min()
