@@ -234,6 +234,21 @@ def test_a_hook_clipping_by_each_ranks_own_norm_stops_every_rank(two_ranks, requ
             torch.testing.assert_close(value, ref[name], rtol=1e-5, atol=1e-6, msg=f"rank {rank} {name}")
 
 
+def test_what_the_hooks_did_is_one_number_per_rank():
+    """The codes a rank sends: 1 + r for every gradient scaled by r, 2 for none touched, 0.5 for a change of
+    another kind (not judged), 0 for no gradient to scale (a frozen stage: any factor is one process's)."""
+    from lightning_twobp.lightning.optimizer_checks import _hook_code
+
+    before = torch.tensor([1.0, 2.0, 0.0])
+    assert _hook_code(before, before * 0.25).item() == 1.25
+    assert _hook_code(before, before).item() == 2.0
+    assert _hook_code(before, torch.tensor([1.0, 1.0, 0.0])).item() == 0.5  # clip_grad_value_
+    assert _hook_code(before, torch.tensor([0.5, 1.0, 3.0])).item() == 0.5  # a zero gradient made nonzero
+    assert _hook_code(before, torch.tensor([float("inf"), 2.0, 0.0])).item() == 0.5  # an inf: not judged
+    assert _hook_code(torch.zeros(0), torch.zeros(0)).item() == 0.0
+    assert _hook_code(torch.zeros(2), torch.zeros(2)).item() == 0.0
+
+
 def test_detect_anomaly_names_the_operation_and_stops_every_rank():
     # Its own launch: the rank whose backward raises stops in the middle of a pipeline step.
     seen = run_distributed(_anomaly, 2, timeout=180)

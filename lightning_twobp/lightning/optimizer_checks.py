@@ -53,20 +53,22 @@ def _grad_norms(params: Sequence[torch.nn.Parameter], device: torch.device) -> t
 
 
 # What a rank's hooks did to its gradients, one number in its slot of the step's reduction: 2 nothing,
-# 1 + r all of them scaled by r, 0.5 something else (per element: clip_grad_value_, noise; not judged).
-_UNCHANGED, _OTHER = 2.0, 0.5
+# 1 + r all of them scaled by r, 0.5 something else (per element: clip_grad_value_, noise; not judged),
+# 0 no gradient to scale (a frozen stage, all zeros: any factor gives what one process gives).
+_UNCHANGED, _OTHER, _NOTHING = 2.0, 0.5, 0.0
 
 
 def _hook_code(before: torch.Tensor, after: torch.Tensor) -> torch.Tensor:
     if before.numel() == 0:
-        return torch.tensor(_UNCHANGED, device=before.device)
+        return torch.tensor(_NOTHING, device=before.device)
     moved = before > 0
     ratio = after / before.clamp_min(torch.finfo(torch.float32).tiny)
     hi = torch.where(moved, ratio, -torch.inf).max()
     lo = torch.where(moved, ratio, torch.inf).min()
     uniform = (hi - lo <= 1e-5 * hi) & (after[~moved] == 0).all() & torch.isfinite(hi)
     changed = (after != before).any()
-    return torch.where(changed, torch.where(uniform, 1.0 + hi, _OTHER), _UNCHANGED)
+    code = torch.where(changed, torch.where(uniform, 1.0 + hi, _OTHER), _UNCHANGED)
+    return torch.where(moved.any() | changed, code, _NOTHING)
 
 
 class HookScaleError(RuntimeError):
@@ -232,11 +234,14 @@ class OptimizerChecks:
         agree (none, a constant) and changes of another kind (per element) are the model's own."""
         if verdict.extra is None or verdict.extra.numel() < 2:
             return
-        codes = verdict.extra[1:].tolist()
-        if min(codes) < 1.0 or max(codes) - min(codes) <= 1e-5 * max(codes):
+        slots = verdict.extra[1:].tolist()
+        codes = [c for c in slots if c != _NOTHING]
+        if not codes or min(codes) < 1.0 or max(codes) - min(codes) <= 1e-5 * max(codes):
             return
-        ranks = [r % self.pipeline_degree if self.pipeline_degree else r for r in range(len(codes))]
-        factors = ", ".join(f"pipeline rank {r}: {c - 1:.4g}" for r, c in zip(ranks, codes, strict=True))
+        ranks = [r % self.pipeline_degree if self.pipeline_degree else r for r in range(len(slots))]
+        factors = ", ".join(
+            f"pipeline rank {r}: {c - 1:.4g}" for r, c in zip(ranks, slots, strict=True) if c != _NOTHING
+        )
         step = lm.trainer.global_step - int(done)
         taken = "was taken (post-validation checks after the step)" if done else "was not taken"
         if dist.is_initialized() and dist.get_world_size() > 1:
