@@ -268,6 +268,29 @@ def test_a_hook_clipping_by_each_ranks_own_norm_stops_every_rank(two_ranks, requ
             torch.testing.assert_close(value, ref[name], rtol=1e-5, atol=1e-6, msg=f"rank {rank} {name}")
 
 
+def test_what_the_hooks_did_is_one_number_per_rank():
+    """The codes a rank computes: r for every gradient scaled by r, 1 for none touched, -1 for a change of
+    another kind (not judged; sent as an infinite tolerance), 0 for no gradient left to scale (a frozen
+    stage, all zeros, all set to None: any factor is one process's); gradients dropped beside scaled ones
+    leave the factor of the others; a 16-bit rank's tolerance lets a rounded product count as one factor."""
+    from lightning_twobp.lightning.optimizer_checks import _hook_code
+
+    before = torch.tensor([1.0, 2.0, 0.0])
+    assert _hook_code(before, before * 0.25, 1e-5).item() == 0.25
+    assert _hook_code(before, before * 1e-7, 1e-5).item() == pytest.approx(1e-7, rel=1e-6)  # not lost in 1 + r
+    assert _hook_code(before, before, 1e-5).item() == 1.0
+    assert _hook_code(before, torch.tensor([1.0, 1.0, 0.0]), 1e-5).item() == -1.0  # clip_grad_value_
+    assert _hook_code(before, torch.tensor([0.5, 1.0, 3.0]), 1e-5).item() == -1.0  # a zero gradient made nonzero
+    assert _hook_code(before, torch.tensor([float("inf"), 2.0, 0.0]), 1e-5).item() == -1.0  # an inf: not judged
+    assert _hook_code(before, torch.tensor([0.0, 1.0, 0.0]), 1e-5).item() == 0.5  # layers dropped, the rest halved
+    assert _hook_code(before, torch.zeros(3), 1e-5).item() == 0.0  # all dropped
+    assert _hook_code(torch.zeros(0), torch.zeros(0), 1e-5).item() == 0.0
+    assert _hook_code(torch.zeros(2), torch.zeros(2), 1e-5).item() == 0.0
+    rounded = torch.tensor([0.3 * (1 + 2**-9), 0.6, 0.0])  # bf16 products: ratios within 2**-8 of each other
+    assert _hook_code(before, rounded, 1e-5).item() == -1.0
+    assert _hook_code(before, rounded, 2**-7).item() == pytest.approx(0.3 * (1 + 2**-9))
+
+
 def test_detect_anomaly_names_the_operation_and_stops_every_rank():
     # Its own launch: the rank whose backward raises stops in the middle of a pipeline step.
     seen = run_distributed(_anomaly, 2, timeout=180)

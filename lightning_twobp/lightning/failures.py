@@ -102,8 +102,9 @@ def save_refused(trainer: Any, channel: FailureChannel | None, together: tuple[t
         channel.report(error, f"global step {trainer.global_step}, outside the training step")
         channel.seen = True
     return (
-        f"{type(error).__name__} was raised on this rank in the middle of training, not at a step boundary "
-        f"every rank shares; the last checkpoint on disk is left as it was"
+        f"{type(error).__name__} was raised on this rank in a step or a hook, not at a step boundary the "
+        f"strategy knows every rank shares (a preemption, a non-finite step), so the ranks may be at different "
+        f"points of a step; the last checkpoint on disk is left as it was"
     )
 
 
