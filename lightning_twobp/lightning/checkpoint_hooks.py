@@ -52,11 +52,12 @@ def at_stop(checkpoint: dict[str, Any], loader_states: Any) -> dict[str, Any]:
 
 def refusal(trainer: Any, failures: FailureChannel | None) -> str | None:
     """Why a save must not run now (an error in the middle of a step on this rank: the other ranks are
-    not at this step boundary, and a save would wait on them), or None. Preemption and a non-finite stop
-    happen on every rank at one step boundary, so their checkpoints are consistent."""
-    from lightning_twobp.lightning.optimizer_checks import NonFiniteError
+    not at this step boundary, and a save would wait on them), or None. Preemption, a non-finite stop and a
+    hand-clipped one (HookScaleError) happen on every rank at one step boundary, so their checkpoints are
+    consistent (a step they know to be wrong is refused by ``OptimizerChecks.save_refusal``)."""
+    from lightning_twobp.lightning.optimizer_checks import HookScaleError, NonFiniteError
 
-    return save_refused(trainer, failures, (Preempted, NonFiniteError))
+    return save_refused(trainer, failures, (Preempted, NonFiniteError, HookScaleError))
 
 
 def save(

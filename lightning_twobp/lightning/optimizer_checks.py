@@ -128,6 +128,8 @@ class OptimizerChecks:
     counts: dict[str, int] = field(init=False, default_factory=lambda: {"clipped": 0, "skipped": 0, "redone": 0})
     # a step that left non-finite weights: nothing is saved
     nonfinite_step: int | None = field(init=False, default=None)
+    # a step taken with gradients the hooks scaled by per-rank factors (HookScaleError): nothing is saved
+    scaled_step: int | None = field(init=False, default=None)
     # the user's hooks may touch the gradients (hooks_may_scale_grads): watch what they do to them
     watch_hooks: bool = False
     _before_hooks: dict[int, tuple[list[Any], torch.Tensor, float]] = field(init=False, default_factory=dict)
@@ -152,11 +154,17 @@ class OptimizerChecks:
         slots[size + me] = torch.where(code == _OTHER, torch.inf, rtol)
         return slots
 
-    def nonfinite_refusal(self) -> str | None:
-        """Why no checkpoint may be written now (the weights are known not to be finite), or None."""
-        if self.nonfinite_step is None:
-            return None
-        return f"the optimizer step at global step {self.nonfinite_step} made the weights non-finite"
+    def save_refusal(self) -> str | None:
+        """Why no checkpoint may be written now (the weights are known not to be finite, or to have taken a
+        step the user's hooks scaled by each rank's own factor), or None."""
+        if self.nonfinite_step is not None:
+            return f"the optimizer step at global step {self.nonfinite_step} made the weights non-finite"
+        if self.scaled_step is not None:
+            return (
+                f"the optimizer step at global step {self.scaled_step} was taken (post-validation) with gradients "
+                f"a hook scaled by another factor on each pipeline rank (HookScaleError): not one process's step"
+            )
+        return None
 
     def clip_by_norm(self, optimizer: Any, max_norm: float) -> None:
         """Lightning asks to clip by norm: by the global norm over every stage, in :meth:`before_step`."""
@@ -262,6 +270,8 @@ class OptimizerChecks:
         factors = ", ".join(f"pipeline rank {r}: {f:.4g}" for r, f in sorted(named.items()))
         step = lm.trainer.global_step - int(done)
         taken = "was taken (post-validation checks after the step)" if done else "was not taken"
+        if done:
+            self.scaled_step = step
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(torch.zeros(1, device=self.device))  # meet first, as _stop does
         raise HookScaleError(

@@ -594,7 +594,7 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
         refused = checkpoint_hooks.refusal(self.lightning_module.trainer, self._failures)
         if refused is None:
             self._validate()  # save the checked weights, not a speculative step's
-            refused = self._pipeline.checks.nonfinite_refusal() if self._pipeline is not None else None
+            refused = self._pipeline.checks.save_refusal() if self._pipeline is not None else None
         checkpoint = checkpoint_hooks.at_stop(checkpoint, self._signals.loader_states if self._signals else None)
         checkpoint_hooks.save(self, checkpoint, filepath, self._pipeline, self._failures, refused)
 
