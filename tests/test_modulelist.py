@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 from types import SimpleNamespace
+from typing import Any
 
 import lightning.pytorch as pl
 import pytest
@@ -440,12 +441,68 @@ def test_bf16_true_stand_ins_carry_the_models_cast(two_ranks, request):
             torch.testing.assert_close(value.float(), ref[n].float(), rtol=0.05, atol=0.02, msg=n)
 
 
+class Penalized(CausalLM):
+    """nanoGPT with an L1 penalty of one weight in the loss: of the last stage's final norm (``ln_f``), or of the
+    first stage's position embedding (``wpe``), a placeholder on the last stage, where the loss is computed."""
+
+    def __init__(self, of: str) -> None:
+        super().__init__("nanogpt")
+        self.of = of
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        return loss + 0.01 * getattr(self.model.transformer, self.of).weight.abs().sum()
+
+
+def _penalized(rank: int | None = None, world: int = 1, of: str = "ln_f") -> dict:
+    """3 steps, in one process (micro-batches accumulated) or pipelined: the weights, or the error raised."""
+    if rank is not None:
+        lightning_env(rank, world)
+    model = Penalized(of)
+    strategy: Any = "auto"
+    if rank is not None:
+        strategy = TwoBPStrategy(num_microbatches=M, layers="model.transformer.h", pipeline_timeout=60)
+    try:
+        _fit(
+            model,
+            strategy,
+            world,
+            BATCH if rank is not None else BATCH // M,
+            accumulate_grad_batches=1 if rank is not None else M,
+        )
+    except Exception as e:  # noqa: BLE001 - what each rank raised is the result
+        return {"error": f"{type(e).__name__}: {e}"}
+    return _own(model)
+
+
+def test_a_penalty_of_the_last_stages_weight_in_the_loss_matches_one_process(two_ranks, request):
+    ref = _penalized()
+    results = two_ranks[request.node.name]
+    assert set().union(*results) == set(ref)
+    for out in results:
+        for n, value in out.items():
+            torch.testing.assert_close(value, ref[n], rtol=1e-5, atol=1e-6, msg=n)
+
+
+def test_a_penalty_of_another_stages_weight_in_the_loss_is_refused_naming_it(two_ranks, request):
+    """The first stage's weight in the loss the last stage computes: every rank waited forever (the placeholder's
+    backward made placeholder gradients, which the send to the first stage could not carry). Refused at the last
+    stage's first forward, before any weight changes; the first stage names it (PeerFailed)."""
+    first, last = (out["error"] for out in two_ranks[request.node.name])
+    named = r"ElsewhereError: the loss training_step returned under strategy='twobp' uses model.transformer.wpe.weight"
+    assert re.search(named + r" \(pipeline stage 0\).*on_after_backward", last), last
+    assert first.startswith("PeerFailed: global rank 0") and re.search(named, first), first
+
+
 @pytest.fixture(scope="module")
 def two_ranks(request) -> conftest.Launch:
     """The models' cases, in one launch of 2 ranks: a test's first call may wait for all of them."""
     cases = {f"test_modulelist_models_match_one_process[{k}]": (_pipelined, args) for k, args in CASES.items()}
     cases["test_bf16_true_stand_ins_carry_the_models_cast"] = (_bf16, ())
     cases["test_masking_drawn_in_the_step_is_the_same_on_every_stage"] = (_masked, ())
+    cases["test_a_penalty_of_the_last_stages_weight_in_the_loss_matches_one_process"] = (_penalized, ())
+    # Last: an error of one rank's step closes the process group's links (the cases after it would not run).
+    cases["test_a_penalty_of_another_stages_weight_in_the_loss_is_refused_naming_it"] = (_penalized, ("wpe",))
     return launch(request, 2, cases, timeout=840)
 
 

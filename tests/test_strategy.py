@@ -245,8 +245,16 @@ class LBFGSRegressor(Regressor):
         return torch.optim.LBFGS(self.parameters(), lr=0.5)
 
 
+class PenaltyOverParameters(Regressor):
+    """An L2 penalty over every parameter in the step: each rank summed its own stages' parameters only."""
+
+    def training_step(self, batch, batch_idx):
+        return super().training_step(batch, batch_idx) + 0.01 * sum(p.pow(2).sum() for p in self.parameters())
+
+
 def _expect_error(rank: int, world: int, model_cls, strategy_kwargs: dict, trainer_kwargs: dict, batch: int) -> str:
     lightning_env(rank, world)
+    torch.manual_seed(0)  # the same batches on every rank: a case refused in the step reads them (a case run first too)
     x = torch.randn(16, 6)
     loader = DataLoader(TensorDataset(x, torch.randn(16, 2)), batch_size=batch)
     try:
@@ -291,6 +299,15 @@ ERRORS = {
         dict(),
         8,
         r"max_pending_w=\(1, 1, 1\).*one per stage \(2 ints",
+    ),
+    # Last: refused by the step's code on the last stage, at its first forward, before any weight changes; the
+    # other rank names it (PeerFailed). An error of one rank's step closes the links: no case can run after it.
+    "penalty-over-parameters": (
+        PenaltyOverParameters,
+        dict(),
+        dict(),
+        8,
+        r"ElsewhereError: training_step iterated self.parameters\(\) \(or named_parameters\(\)\) to the end",
     ),
 }
 

@@ -30,7 +30,7 @@ from lightning_twobp.lightning.contract import Contract, SequentialContract
 from lightning_twobp.lightning.placeholders import Elsewhere
 from lightning_twobp.schedules import Schedule
 
-__all__ = ["LocalModel", "SharedParameter", "float_cast", "meta_layers_aside", "split_model"]
+__all__ = ["LocalModel", "SharedParameter", "float_cast", "is_placeholder", "meta_layers_aside", "split_model"]
 
 _HOW_TO_GET_WEIGHTS = (
     "to have every rank hold all trained weights after the Trainer call, pass "
@@ -167,6 +167,11 @@ class _RemoteContainer(_Remote):
         if isinstance(container, (nn.ModuleDict, nn.ParameterDict)):
             return iter(container)  # the keys, as the container's own iteration gives
         return iter([self[k] for k in range(len(container))])
+
+
+def is_placeholder(module: nn.Module) -> bool:
+    """Whether ``module`` stands in for a layer of another pipeline rank (its ``__class__`` is the layer's)."""
+    return issubclass(type(module), _Remote)
 
 
 def _new_placeholder(cls: type[_Remote]) -> _Remote:

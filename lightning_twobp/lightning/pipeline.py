@@ -213,6 +213,16 @@ class Pipeline:
         return loss
 
 
+def _name_parameters(executor: PipelineExecutor, local: Any, lm: Any) -> None:
+    """The stages' messages name a parameter as the model does, with the stage holding it."""
+    stage_of = {id(q): s for s, m in local.stages.items() for q in m.parameters()}
+    names = {}
+    for n, q in lm.named_parameters():
+        names[id(q)] = f"{n} (pipeline stage {stage_of[id(q)]})" if id(q) in stage_of else n
+    for stage in executor.stages.values():
+        stage.names = names
+
+
 def _stop_too(lm: Any, stop: bool) -> None:
     """A rank without the last stage stops where the last stage's step code set ``trainer.should_stop``
     (the code after the pipelined call runs there only): every rank of the pipeline leaves the loop at the
@@ -510,6 +520,7 @@ def build_pipeline(strategy: TwoBPStrategy, trainer: Any) -> Pipeline:
         around=streams.fork,
         batch_w=opts.batch_w,
     )
+    _name_parameters(executor, local, strategy.lightning_module)
     logs = None
     if strategy.log_group is not None:
         last_rank = schedule.stage_to_rank[schedule.num_stages - 1]

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from lightning_utilities.core.apply_func import apply_to_collection
 
 from lightning_twobp.lightning.contract import Contract
+from lightning_twobp.lightning.local_model import is_placeholder
 from lightning_twobp.lightning.metrics import MetricRef, States, StepMetrics, is_metric
 from lightning_twobp.lightning.placeholders import ElsewhereError, find_elsewhere
 from lightning_twobp.lightning.rng import StageStreams, drawing_from
@@ -370,7 +371,11 @@ class StepRunner:
 
     def _call_hook(self, state: StepState, mb: Any, block: Callable[..., Any], recorder: _LogRecorder) -> Any:
         lm = self.module
-        with self.contract.intercept(block), _no_scheduler_step(lm, state.hook, len(state.microbatches)):
+        with (
+            self.contract.intercept(block),
+            _no_scheduler_step(lm, state.hook, len(state.microbatches)),
+            _no_whole_model_reads(lm, state.hook),
+        ):
             # ``self.log`` answered by the recorder and ``self.all_gather`` refused, for this call only
             # (instance attributes shadow the methods; removed again below, also when the step raises).
             lm.__dict__["log"] = recorder
@@ -422,6 +427,11 @@ class StepRunner:
         """The executor's ``loss_fn``: the training step on micro-batch ``index`` returns the loss."""
         out = self.provide(index, output)
         loss = out.get("loss") if isinstance(out, dict) else out
+        elsewhere = find_elsewhere(loss)
+        # Its backward made placeholder gradients, which the send to the previous stage cannot carry: every
+        # rank waited forever (found by a trial: an L1 penalty of the first stage's weight in the loss).
+        if elsewhere is not None:
+            raise ElsewhereError(_loss_elsewhere(self.current.hook, elsewhere.where))
         if loss is None:  # one process skips the batch's backward and optimizer step
             raise TypeError(
                 f"{self.current.hook} returned None on micro-batch {index}, which skips the batch in one process: "
@@ -461,6 +471,72 @@ class StepRunner:
     @property
     def _name(self) -> str:
         return self.contract.name or "the Sequential"
+
+
+def _loss_elsewhere(hook: str, where: str) -> str:
+    return (
+        f"the loss {hook} returned under strategy='twobp' uses {where}, which this rank does not hold: the "
+        f"step's code after the pipelined call runs on the last stage only, where the layers of other stages are "
+        f"placeholders without weights, so a term of their weights in the loss (a penalty such as "
+        f"`c * self.layers[0].weight.abs().sum()`) cannot be computed there. Add the term's gradient instead, in "
+        f"on_after_backward on every rank: `for p in self.layers[0].parameters(): p.grad.add_(c * p.sign())` (a "
+        f"layer of another stage has no parameters there, so each rank adds the gradient of those it holds); for "
+        f"an L2 penalty c * sum(p**2) of every parameter, the optimizer's weight_decay=2*c (without gradient clipping)"
+    )
+
+
+_WHOLE_MODEL = (
+    "add a penalty's gradient instead, on every rank for the parameters it holds: for an L2 penalty c * sum(p**2) "
+    "the optimizer's weight_decay=2*c (exact for SGD and Adam's coupled decay, without gradient clipping); for an "
+    "L1 penalty or any other per-parameter term, in on_after_backward: `for p in self.parameters(): "
+    "p.grad.add_(c * p.sign())` (outside the step parameters() is this rank's own, as it should be there). Count "
+    "parameters or update an EMA teacher in a hook outside the step (on_fit_start, on_train_batch_end), with "
+    "trainer.strategy.stage_ids saying which stages a rank holds and a teacher's parameters paired by name"
+)
+
+
+@contextmanager
+def _no_whole_model_reads(lm: Any, hook: str) -> Iterator[None]:
+    """While ``hook`` runs: iterating ``parameters()`` or ``named_parameters()`` to the end, of a module that
+    holds placeholders of other ranks' layers (or of a placeholder), raises naming the module. On each rank
+    they yield that rank's stages' parameters only, so ``loss + c * sum(p.pow(2).sum() for p in
+    self.parameters())`` trained silently differently from one process (found by a trial: 0.0024 off after 3
+    steps). Reads that stop early (``next(self.parameters()).device``, a model's ``self.dtype``) still work,
+    and outside the step (configure_optimizers, hooks) nothing changes. Instance attributes shadow
+    ``named_parameters`` (which ``parameters`` calls); removed again afterwards."""
+    holders = _placeholder_holders(lm)
+    for name, module in holders:
+        module.__dict__["named_parameters"] = _refusing(module, name, hook)
+    try:
+        yield
+    finally:
+        for _, module in holders:
+            module.__dict__.pop("named_parameters", None)
+
+
+def _placeholder_holders(lm: Any) -> list[tuple[str, Any]]:
+    """The modules of ``lm`` that are, or hold, a placeholder of another rank's layer."""
+    modules = dict(lm.named_modules(remove_duplicate=False))
+    remote = [name for name, m in modules.items() if is_placeholder(m)]
+    names = {".".join(n.split(".")[:k]) for n in remote for k in range(len(n.split(".")) + 1)} if remote else set()
+    return [(n, modules[n]) for n in sorted(names) if n in modules]
+
+
+def _refusing(module: Any, name: str, hook: str) -> Callable[..., Iterator[tuple[str, torch.Tensor]]]:
+    own = type(module).named_parameters
+
+    def named_parameters(*args: Any, **kwargs: Any) -> Iterator[tuple[str, torch.Tensor]]:
+        yield from own(module, *args, **kwargs)
+        if kwargs.get("recurse", args[1] if len(args) > 1 else True):
+            label = f"self.{name}" if name else "self"
+            raise ElsewhereError(
+                f"{hook} iterated {label}.parameters() (or named_parameters()) to the end under strategy='twobp': "
+                f"{label} holds layers of other pipeline stages, so on each rank it yields that rank's stages' "
+                f"parameters only, and a sum over them (a penalty, a parameter count, an EMA teacher's update) is not "
+                f"one process's; {_WHOLE_MODEL}"
+            )
+
+    return named_parameters
 
 
 def _extra_keys(hook: str, keys: list[str]) -> str:
