@@ -47,7 +47,15 @@ from lightning_twobp.lightning.sharding import (
     mixed_precision,
     replica_names,
 )
-from lightning_twobp.lightning.step import Logs, StepRunner, join_predictions, log_step_values, share_logs, step_means
+from lightning_twobp.lightning.step import (
+    Logs,
+    StepRunner,
+    join_predictions,
+    log_step_values,
+    placeholder_holders,
+    share_logs,
+    step_means,
+)
 from lightning_twobp.partition import partition
 from lightning_twobp.schedules import Schedule, build_schedule
 
@@ -507,6 +515,7 @@ def build_pipeline(strategy: TwoBPStrategy, trainer: Any) -> Pipeline:
     streams = StageStreams(schedule.stages_of(layout.pp_rank), layout.dp_rank, device, _shared_seed(strategy))
     runner.streams = streams
     local = split_model(contract, sizes, schedule, layout.pp_rank)
+    runner.holders = placeholder_holders(lm)
     _announce(strategy, local, schedule, list(sizes))
     sharding, grad_reduce = _data_parallel(strategy, local, shard)
     executor = PipelineExecutor(
