@@ -150,6 +150,36 @@ class LogsString(Net):
         return super().training_step(batch, batch_idx)
 
 
+class CatsTheLoss(Net):
+    """Collects each step's loss in a CatMetric (one number per call)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from torchmetrics import CatMetric
+
+        self.losses = CatMetric()
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.losses.update(loss.detach())
+        return loss
+
+
+class RunningLoss(Net):
+    """A running mean of the loss over a window of 5 steps, updated in the step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from torchmetrics.aggregation import RunningMean
+
+        self.running = RunningMean(window=5)
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.log("running_loss", self.running(loss.detach()), prog_bar=True)
+        return loss
+
+
 class GathersInStep(Net):
     def training_step(self, batch, batch_idx):
         x, y = batch
@@ -767,6 +797,18 @@ CASES: dict[str, Case] = {
         r"self.log\('phase', str\) from a step under strategy='twobp': log a tensor, a number or a "
         r"torchmetrics Metric",
     ),
+    "fit-metric-cat-one-number": (
+        lambda t: _fit(CatsTheLoss()),
+        RuntimeError,
+        r"self.losses \(CatMetric\) was given one number in training_step under strategy='twobp': .* \(2 per "
+        r"batch\), so it would hold 2 numbers per batch where one process holds one.*outputs\['loss'\]",
+    ),
+    "fit-metric-running-in-step": (
+        lambda t: _fit(RunningLoss()),
+        RuntimeError,
+        r"self.running \(RunningMean, window=5\) was updated in training_step under strategy='twobp': its window "
+        r"counts updates.* would hold 5 micro-batches, not 5 batches",
+    ),
     "fit-num-nodes-one-machine": (
         lambda t: _fit(trainer=dict(num_nodes=2)),
         ValueError,
@@ -981,6 +1023,8 @@ AT_FIRST_FORWARD = {
     "fit-step-returns-none",
     "fit-log-a-string",
     "fit-batch-tensors-differ",
+    "fit-metric-cat-one-number",
+    "fit-metric-running-in-step",
 }
 
 

@@ -91,6 +91,70 @@ def test_a_steps_metric_state_is_the_whole_batchs_on_every_rank():
         assert float(m.compute()) == float(whole.compute()) and m.update_count == 2
 
 
+def _micro_steps(module: torch.nn.Module, sizes: list[int], hook: str, call) -> None:
+    """``call(i)`` for each micro-batch ``i`` of a step, inside the Metrics' shadows as the step runner
+    sets them (a step on the last stage between ``begin`` and ``end``)."""
+    from lightning_twobp.lightning.step import _shadowed
+
+    metrics = module.twobp_metrics
+    metrics.begin()
+    for i, n in enumerate(sizes):
+        with _shadowed(metrics.step_shadows(hook, len(sizes), n / sum(sizes))):
+            call(i)
+    metrics.end()
+
+
+def test_one_number_metrics_take_the_batch_as_one_process():
+    """A MeanMetric given the step's loss (one number per call, the commonest Metric of all) weighed its
+    micro-batches alike, so a validation's smaller last batch cut 2, 2, 1, 1 read 3% off, and a Metric fed by
+    training and validation steps weighed each training step m times: each number weighs its micro-batch's
+    share now, as self.log's mean does. A ``weight=`` of the step's own and per-sample values stay as they
+    are; ``update`` alone leaves no step value (one process logs none); a CatMetric given one number and a
+    Running window in a step are refused (they would hold micro-batches); a SumMetric of a float warns."""
+    import warnings
+
+    from torchmetrics import CatMetric, MeanMetric, SumMetric
+    from torchmetrics.aggregation import RunningMean
+
+    from lightning_twobp.lightning.metrics import StepMetrics
+
+    m = torch.nn.Module()
+    m.loss, m.weighted, m.per_sample, m.upd = MeanMetric(), MeanMetric(), MeanMetric(), MeanMetric()
+    m.cat, m.total, m.running = CatMetric(), SumMetric(), RunningMean(window=2)
+    m.twobp_metrics = StepMetrics(m)
+    sizes = [2, 2, 1, 1]  # a validation's last batch of 6 in 4 micro-batches
+    per_sample = [torch.tensor(v) for v in ([1.0, 3.0], [2.0, 2.0], [5.0], [4.0])]
+    means = [float(v.mean()) for v in per_sample]
+    m.running.update(torch.tensor(9.0))  # before the step, outside it: the window's position must survive
+
+    def call(i: int) -> None:
+        m.loss(torch.tensor(means[i]))
+        m.weighted(torch.tensor(means[i]), weight=sizes[i])
+        m.per_sample(per_sample[i])
+        m.upd.update(means[i])
+        m.total.update(torch.tensor(sizes[i]))  # a count in the integers: exact, no word
+        m.cat.update(per_sample[i])
+
+    _micro_steps(m, sizes, "validation_step", call)
+    batch = float(torch.cat(per_sample).mean())  # 17 / 6
+    assert float(m.loss.compute()) == pytest.approx(batch) and float(m.loss.weight) == pytest.approx(1.0)
+    assert float(m.loss._forward_cache) == pytest.approx(batch)  # the step's value, as one process logs it
+    assert float(m.weighted.weight) == 6 and float(m.per_sample.weight) == 6
+    assert m.upd._forward_cache is None and float(m.upd.compute()) == pytest.approx(batch)
+    assert float(m.total.compute()) == 6 and m.cat.compute().shape == (6,)
+    m.running.update(torch.tensor(1.0))
+    assert float(m.running.compute()) == 5.0  # 9 and 1: the window went on where it was
+    with pytest.raises(ValueError, match=r"self.cat \(CatMetric\) was given one number in validation_step .* hold 4"):
+        _micro_steps(m, sizes, "validation_step", lambda i: m.cat.update(torch.tensor(means[i])))
+    with pytest.raises(ValueError, match=r"self.running \(RunningMean, window=2\) was updated in training_step"):
+        _micro_steps(m, sizes, "training_step", lambda i: m.running(torch.tensor(means[i])))
+    with pytest.warns(UserWarning, match=r"self.total \(SumMetric\) is given one number .* reads 4x"):
+        _micro_steps(m, sizes, "training_step", lambda i: m.total.update(torch.tensor(means[i])))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once a Trainer call
+        _micro_steps(m, sizes, "training_step", lambda i: m.total.update(torch.tensor(means[i])))
+
+
 def test_a_steps_self_log_of_another_stages_weight_is_refused_naming_the_layer():
     """The step's code after the pipelined call runs on the last stage, where another stage's layers are
     placeholders: ``self.log("w0", self.layers[0].weight.abs().mean())`` in a validation step stored the

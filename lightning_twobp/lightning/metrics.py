@@ -18,6 +18,14 @@ same stage in every replica), so each replica's state counts once, not once per 
 user's own ``process_group`` is put back at teardown. ``self.metric.compute()`` in a hook is exact on
 every rank for the same reason.
 
+A ``MeanMetric`` fed one number per call (``self.val_loss(loss)``, the most common Metric of all) is the
+exception: one process feeds it the batch's mean with a weight of 1, the step's code here one number per
+micro-batch. Each such update is weighed by its micro-batch's share of the batch instead
+(:meth:`StepMetrics.step_shadows`), so the step adds the batch's mean with a weight of 1, as ``self.log``'s
+default mean does (a validation's smaller last batch, cut 2, 2, 1, 1, read 3% off before: its micro-batches
+weighed alike; and a Metric fed by training and validation steps weighed each training step m times). A
+``weight=`` the step passes is its own and stays, as do per-sample values (exact as they are).
+
 torchmetrics has no public way to set the value Lightning logs at a step nor the update count, nor to
 merge a state whose ``update`` needs the full state: :mod:`lightning_twobp.private` holds the three
 doors (``metric_finish_step``, ``metric_forward_cache``, ``metric_merge``), guarded by
@@ -26,6 +34,7 @@ doors (``metric_finish_step``, ``metric_forward_cache``, ``metric_merge``), guar
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -33,6 +42,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torchmetrics.utilities import dim_zero_cat
 
 from lightning_twobp.private import metric_finish_step, metric_forward_cache, metric_merge
 
@@ -54,6 +64,66 @@ def _metric_class() -> type | None:
     except ImportError:  # pragma: no cover - torchmetrics comes with Lightning
         return None
     return Metric
+
+
+def _aggregators() -> tuple[Any, Any, Any, Any]:
+    """torchmetrics' MeanMetric, CatMetric, Running window and (Sum, Max, Min) classes (nothing matches
+    without it)."""
+    try:
+        from torchmetrics import CatMetric, MaxMetric, MeanMetric, MinMetric, SumMetric
+        from torchmetrics.wrappers import Running
+    except ImportError:  # pragma: no cover - torchmetrics comes with Lightning
+        return (), (), (), ()
+    return MeanMetric, CatMetric, Running, (SumMetric, MaxMetric, MinMetric)
+
+
+def _one_number(value: Any) -> bool:
+    """A Python number or a 0-dim tensor: a value for the whole micro-batch (its loss), not per sample (a
+    micro-batch of one sample gives per-sample values of shape (1,), not 0-dim)."""
+    return isinstance(value, (int, float)) or (isinstance(value, torch.Tensor) and value.dim() == 0)
+
+
+def _weighed(update: Callable[..., Any], share: float) -> Callable[..., Any]:
+    """``update`` giving one number without a weight of its own the weight ``share``; any other call as it is."""
+
+    def weighed_update(value: Any, *args: Any, **kwargs: Any) -> Any:
+        if not _one_number(value) or args or "weight" in kwargs:
+            return update(value, *args, **kwargs)
+        return update(value, weight=share)
+
+    return weighed_update
+
+
+def _fix(hook: str) -> str:
+    if hook == "training_step":
+        return "update it in on_train_batch_end from the batch's loss (outputs['loss'], on every rank)"
+    return "log the value with self.log (combined over the micro-batches as one process logs it)"
+
+
+def _one_number_refused(update: Callable[..., Any], path: str, hook: str, m: int) -> Callable[..., Any]:
+    def update_per_sample(value: Any, *args: Any, **kwargs: Any) -> Any:
+        if _one_number(value):
+            raise ValueError(
+                f"self.{path} (CatMetric) was given one number in {hook} under strategy='twobp': the step runs once "
+                f"per micro-batch ({m} per batch), so it would hold {m} numbers per batch where one process holds "
+                f"one, whether the number is a mean or a count; give it per-sample values (a loss with "
+                f"reduction='none'), or {_fix(hook)}"
+            )
+        return update(value, *args, **kwargs)
+
+    return update_per_sample
+
+
+def _refusing_running(path: str, metric: Any, hook: str, m: int) -> Callable[..., Any]:
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise ValueError(
+            f"self.{path} ({type(metric).__name__}, window={metric.window}) was updated in {hook} under "
+            f"strategy='twobp': its window counts updates, and the step runs once per micro-batch ({m} per batch), "
+            f"so the window would hold {metric.window} micro-batches, not {metric.window} batches; {_fix(hook)}, "
+            f"or log the loss with self.log(..., prog_bar=True) (Lightning's progress bar shows its running mean)"
+        )
+
+    return refuse
 
 
 def is_metric(value: Any) -> bool:
@@ -85,6 +155,16 @@ class _Before:
     state: dict[str, Any]
     count: int
     cache: Any
+    plain: dict[str, Any]  # the numbers and flags reset() may change beside the states (Running's position)
+
+
+def _plain(metric: Any) -> dict[str, Any]:
+    return {k: v for k, v in vars(metric).items() if type(v) in (int, float, bool)}
+
+
+# A step's states carry this key where the step called the Metric (its forward), not only ``update``: one
+# process logs a step value then only (Lightning reads the value ``forward`` left), so here too.
+_CALLED = "twobp:called"
 
 
 class StepMetrics:
@@ -102,6 +182,7 @@ class StepMetrics:
                 )
         self._paths = {id(m): name for name, m in self.metrics.items()}
         self._before: dict[str, _Before] = {}
+        self._told: set[str] = set()  # the Metrics warned about one number (see _telling), once a Trainer call
 
     def sync_over(self, group: dist.ProcessGroup | None) -> Callable[[], None]:
         """For the Trainer call, every Metric syncs its state over ``group`` (the data-parallel replicas of
@@ -115,6 +196,46 @@ class StepMetrics:
                 m.process_group = users[name]
 
         return undo
+
+    def step_shadows(self, hook: str, m: int, share: float) -> list[tuple[Any, str, Any]]:
+        """For one micro-batch's call of ``hook`` (of ``m`` per batch), holding ``share`` of the batch's
+        samples: the shadows of the Metrics' ``update`` (and a Running window's ``forward``) for the call:
+        a MeanMetric's one number weighed by ``share`` (see the module docstring); a CatMetric's one number
+        and a Running window refused, as what they would hold differs from one process's whatever the
+        number means."""
+        shadows: list[tuple[Any, str, Any]] = []
+        mean, cat, running, extremes = _aggregators()
+        for path, metric in self.metrics.items():
+            if isinstance(metric, running):
+                refuse = _refusing_running(path, metric, hook, m)
+                shadows += [(metric, "update", refuse), (metric, "forward", refuse)]
+            elif isinstance(metric, mean):
+                shadows.append((metric, "update", _weighed(metric.update, share)))
+            elif isinstance(metric, cat):
+                shadows.append((metric, "update", _one_number_refused(metric.update, path, hook, m)))
+            elif isinstance(metric, extremes) and path not in self._told:
+                shadows.append((metric, "update", self._telling(metric.update, path, hook, m)))
+        return shadows
+
+    def _telling(self, update: Callable[..., Any], path: str, hook: str, m: int) -> Callable[..., Any]:
+        """``update`` that warns, once a Trainer call, where a SumMetric, MaxMetric or MinMetric is given one
+        floating number: it combines the micro-batches' numbers as ``self.log``'s ``reduce_fx`` of its name
+        does, exact for a count, not for a mean (a loss)."""
+
+        def update_telling(value: Any, *args: Any, **kwargs: Any) -> Any:
+            if _one_number(value) and torch.is_floating_point(torch.as_tensor(value)) and path not in self._told:
+                self._told.add(path)
+                warnings.warn(
+                    f"twobp: self.{path} ({type(self.metrics[path]).__name__}) is given one number per call in "
+                    f"{hook}, which runs once per micro-batch ({m} per batch): it takes the {m} micro-batches' "
+                    f"numbers where one process takes the batch's one, exact for a count (tokens, hits), not for "
+                    f"a mean such as the loss (a SumMetric of it reads {m}x one process's); for a mean, "
+                    f"{_fix(hook)}",
+                    stacklevel=2,
+                )
+            return update(value, *args, **kwargs)
+
+        return update_telling
 
     def ref(self, metric: Any, name: str) -> MetricRef:
         path = self._paths.get(id(metric))
@@ -134,7 +255,7 @@ class StepMetrics:
         """On every rank, before the step's first micro-batch: every Metric's state set aside, and empty."""
         self._before = {}
         for name, m in self.metrics.items():
-            self._before[name] = _Before(_copy(m.metric_state), m.update_count, metric_forward_cache(m))
+            self._before[name] = _Before(_copy(m.metric_state), m.update_count, metric_forward_cache(m), _plain(m))
             m.reset()
 
     def clear(self) -> None:
@@ -150,12 +271,15 @@ class StepMetrics:
             if m.update_count == 0:  # not updated in this step: as it was
                 self._put(m, self._before[name])
                 continue
+            called = metric_forward_cache(m) is not None  # reset at begin: set again by a forward call only
             states[name] = {
-                k: torch.cat(v) if isinstance(v, list) else v
+                k: dim_zero_cat(v) if isinstance(v, list) else v  # torchmetrics' own cat: 0-dim values too
                 for k, v in m.metric_state.items()
                 if not (isinstance(v, list) and not v)
             }
-            self._settle(m, self._before[name])
+            if called:
+                states[name][_CALLED] = torch.ones(())
+            self._settle(m, self._before[name], called)
         return states
 
     def apply(self, states: States) -> None:
@@ -166,9 +290,11 @@ class StepMetrics:
             if name not in states:
                 self._put(m, self._before[name])
                 continue
-            for k, v in states[name].items():
+            step = dict(states[name])
+            called = step.pop(_CALLED, None) is not None
+            for k, v in step.items():
                 setattr(m, k, [v.to(m.device)] if isinstance(getattr(m, k), list) else v.to(m.device))
-            self._settle(m, self._before[name])
+            self._settle(m, self._before[name], called)
 
     def undo(self) -> None:
         """The states from before the last :meth:`end` or :meth:`apply` (a step that is run again)."""
@@ -176,9 +302,11 @@ class StepMetrics:
             self._put(self.metrics[name], before)
 
     @staticmethod
-    def _settle(m: Any, before: _Before) -> None:
-        metric_finish_step(m, before.count + 1, None)  # one update per step, as one process counts
-        value = _local_value(m)
+    def _settle(m: Any, before: _Before, called: bool) -> None:
+        """The step's state merged after ``before``'s, one update counted as one process counts it, and the
+        step's value where the step called the Metric (else the value from before, as ``update`` leaves it)."""
+        metric_finish_step(m, before.count + 1, None)
+        value = _local_value(m) if called else before.cache
         metric_merge(m, before.state)
         metric_finish_step(m, before.count + 1, value)
 
@@ -187,4 +315,5 @@ class StepMetrics:
         m.reset()
         for k, v in before.state.items():
             setattr(m, k, list(v) if isinstance(v, list) else v)
+        vars(m).update(before.plain)
         metric_finish_step(m, before.count, before.cache)

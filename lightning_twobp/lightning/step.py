@@ -201,6 +201,7 @@ class StepState:
     args: tuple  # the hook's arguments after the batch (batch_idx, dataloader_idx)
     kwargs: dict
     microbatches: list[Any]
+    sizes: list[int]  # each micro-batch's samples
     key: str = ""  # the step, as every rank of the pipeline names it: its random draws' seed (rng.step_code)
     logs: list[Logs] = field(default_factory=list)
     results: list[Any] = field(default_factory=list)  # what the hook returned, per micro-batch (last stage)
@@ -230,14 +231,22 @@ def _no_collective(hook: str) -> Callable[..., Any]:
 @contextmanager
 def _shadowed(shadows: list[tuple[Any, str, Any]]) -> Iterator[None]:
     """Inside: each ``(obj, name, value)`` as an instance attribute of ``obj``, shadowing its method ``name``
-    for this call only; removed again afterwards, also when the call raises."""
+    for this call only; what was there before (nothing, or an instance attribute of its own: a torchmetrics
+    Metric's wrapped ``update``) is back afterwards, also when the call raises."""
+    before = [(obj, name, obj.__dict__.get(name, _NOTHING)) for obj, name, _ in shadows]
     for obj, name, value in shadows:
         obj.__dict__[name] = value
     try:
         yield
     finally:
-        for obj, name, _ in shadows:
-            obj.__dict__.pop(name, None)
+        for obj, name, value in reversed(before):
+            if value is _NOTHING:
+                obj.__dict__.pop(name, None)
+            else:
+                obj.__dict__[name] = value
+
+
+_NOTHING = object()
 
 
 def _no_scheduler_step(lm: Any, hook: str, m: int) -> list[tuple[Any, str, Any]]:
@@ -341,7 +350,8 @@ class StepRunner:
 
     def begin(self, hook: str, args: tuple, kwargs: dict, m: int, exact: bool) -> StepState:
         batch, rest = args[0], args[1:]
-        self.state = StepState(hook, rest, kwargs, split_microbatches(batch, m, exact), key=self._key(hook, rest))
+        micro = split_microbatches(batch, m, exact)
+        self.state = StepState(hook, rest, kwargs, micro, [batch_size(mb) for mb in micro], key=self._key(hook, rest))
         return self.state
 
     def _key(self, hook: str, rest: tuple) -> str:
@@ -368,7 +378,7 @@ class StepRunner:
                 hand_back()  # the block and what follows it draw from the stage's own stream
                 return block(*args, **kwargs)
 
-            return self._call_hook(state, state.microbatches[index], call, recorder)
+            return self._call_hook(state, index, call, recorder)
 
     def _drawing_alike(self, index: int) -> AbstractContextManager[Callable[[], None]]:
         """Micro-batch ``index``'s step code up to the pipelined call draws the same random numbers on every
@@ -378,15 +388,17 @@ class StepRunner:
             return drawing_from(None, [])
         return self.streams.step_code(f"{self.current.key}:mb{index}")
 
-    def _call_hook(self, state: StepState, mb: Any, block: Callable[..., Any], recorder: _LogRecorder) -> Any:
+    def _call_hook(self, state: StepState, index: int, block: Callable[..., Any], recorder: _LogRecorder) -> Any:
         lm = self.module
-        # ``self.log`` answered by the recorder; ``self.all_gather``, the schedulers' ``step`` and whole-model
-        # parameter reads refused: for this call only.
+        # For this call only: ``self.log`` answered by the recorder; the Metrics' updates as one process's
+        # (StepMetrics.step_shadows); ``self.all_gather``, the schedulers' ``step`` and whole-model parameter
+        # reads refused.
         shadows = [(lm, "log", recorder), (lm, "all_gather", _no_collective(state.hook))]
+        shadows += self.metrics.step_shadows(state.hook, len(state.sizes), state.sizes[index] / sum(state.sizes))
         shadows += _no_scheduler_step(lm, state.hook, len(state.microbatches))
         shadows += _no_whole_model_reads(self.holders, state.hook)
         with self.contract.intercept(block), _shadowed(shadows):
-            return getattr(lm, state.hook)(mb, *state.args, **state.kwargs)
+            return getattr(lm, state.hook)(state.microbatches[index], *state.args, **state.kwargs)
 
     def capture(self, index: int) -> tuple:
         """The pipelined block's positional inputs for micro-batch ``index`` (first stage)."""
@@ -565,7 +577,7 @@ def step_means(state: StepState) -> Logs:
     the count the value is a mean over; else their samples), ``"sum"`` added up, ``"max"``/``"min"`` the
     extreme. A ``batch_size=`` logged with it becomes the step's total. A Metric stays a reference: its
     state holds the whole step."""
-    sizes = [batch_size(mb) for mb in state.microbatches]
+    sizes = state.sizes
     means: Logs = {}
     for name in state.logs[0] if state.logs else {}:
         values = [logs[name][0] for logs in state.logs]
