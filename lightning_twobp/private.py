@@ -148,9 +148,11 @@ def without_distributed_sampler(trainer: Any) -> Callable[[], None] | None:
 # its public merge_state refuses metrics whose update needs the full state (merging by the states'
 # reductions is what its own DDP sync does for every metric): lightning/metrics.py.
 def metric_finish_step(metric: Any, count: int, value: Any) -> None:
-    """After a step: its update count, and ``value`` where Lightning reads the step's value of a logged Metric."""
+    """After a step: its update count, and ``value`` where Lightning reads the step's value of a logged Metric;
+    no cached ``compute()`` (the state changed, as ``update`` drops it)."""
     metric._update_count = count
     metric._forward_cache = value
+    metric._computed = None
 
 
 def metric_forward_cache(metric: Any) -> Any:

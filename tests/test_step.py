@@ -155,6 +155,58 @@ def test_one_number_metrics_take_the_batch_as_one_process():
         _micro_steps(m, sizes, "training_step", lambda i: m.total.update(torch.tensor(means[i])))
 
 
+def test_wrapped_and_tracked_metrics_as_one_process_on_every_rank():
+    """torchmetrics' wrappers under the step's set-aside-and-merge, against one process's updates over whole
+    batches, on the last stage and on another rank given its states (found by a trial, each silently off
+    before): a ClasswiseWrapper (its states are its metric's: merged twice, counts 10x), a MinMaxMetric (its
+    reset emptied the metric it wraps, which had the step's state: 0.0), a MetricTracker (the copy each
+    ``increment()`` adds was unknown to the step: only the last stage's rank counted), a MetricCollection
+    with compute groups; and a Metric deep-copied during the call (MetricTracker, ``clone``, SWA: torch
+    "cannot pickle 'ProcessGroup'" where the data-parallel group sat in ``process_group``)."""
+    import copy
+
+    import torchmetrics as tm
+    from torchmetrics.classification import MulticlassAccuracy, MulticlassF1Score, MulticlassPrecision
+
+    from lightning_twobp.lightning.metrics import StepMetrics
+
+    def module() -> torch.nn.Module:
+        m = torch.nn.Module()
+        m.cw = tm.wrappers.ClasswiseWrapper(MulticlassAccuracy(4, average=None))
+        m.mm = tm.wrappers.MinMaxMetric(MulticlassAccuracy(4))
+        m.tracker = tm.wrappers.MetricTracker(MulticlassAccuracy(4))
+        m.coll = tm.MetricCollection([MulticlassPrecision(4), MulticlassF1Score(4)], compute_groups=True)
+        return m
+
+    def update(m: torch.nn.Module, p: torch.Tensor, t: torch.Tensor) -> None:
+        for name in ("cw", "mm", "tracker", "coll"):
+            getattr(m, name).update(p, t)
+
+    g = torch.Generator().manual_seed(0)
+    steps = [(torch.randn(8, 4, generator=g), torch.randint(0, 4, (8,), generator=g)) for _ in range(3)]
+    one, last, other = module(), module(), module()
+    mine, theirs = StepMetrics(last), StepMetrics(other)
+    undo = [mine.sync_over(None), theirs.sync_over(None)]
+    for k, (p, t) in enumerate(steps):
+        for m in (one, last, other):
+            if k != 1:  # an epoch of one step, then one of two
+                m.tracker.increment()
+        update(one, p, t)
+        mine.begin(), theirs.begin()
+        for i in range(4):
+            update(last, p[2 * i : 2 * i + 2], t[2 * i : 2 * i + 2])
+        theirs.apply(mine.end())
+    for m in (last, other):
+        for name in ("cw", "mm", "coll"):
+            got, want = getattr(m, name).compute(), getattr(one, name).compute()
+            assert {k: float(v) for k, v in got.items()} == {k: float(v) for k, v in want.items()}, name
+        assert [float(v) for v in m.tracker.compute_all()] == [float(v) for v in one.tracker.compute_all()]
+        copy.deepcopy(m)  # a deep copy during the call
+    for u in undo:
+        u()
+    assert last.cw.metric.dist_sync_fn is None and last.tracker[-1].dist_sync_fn is None  # back after the call
+
+
 def test_a_steps_self_log_of_another_stages_weight_is_refused_naming_the_layer():
     """The step's code after the pipelined call runs on the last stage, where another stage's layers are
     placeholders: ``self.log("w0", self.layers[0].weight.abs().mean())`` in a validation step stored the

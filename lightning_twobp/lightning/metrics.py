@@ -77,6 +77,22 @@ def _aggregators() -> tuple[Any, Any, Any, Any]:
     return MeanMetric, CatMetric, Running, (SumMetric, MaxMetric, MinMetric)
 
 
+def _gathering_over(group: dist.ProcessGroup | None) -> Callable[..., list[torch.Tensor]]:
+    """torchmetrics' gather over ``group`` whatever group a sync passes (a function deep-copies as itself)."""
+    from torchmetrics.utilities.distributed import gather_all_tensors
+
+    def gather(result: torch.Tensor, **_: Any) -> list[torch.Tensor]:
+        return gather_all_tensors(result, group=group)
+
+    return gather
+
+
+def _a_view(metric: Any) -> bool:
+    """Whether ``metric``'s states are (the same objects as) those of a Metric it holds."""
+    inner = [x.metric_state for x in metric.modules() if x is not metric and is_metric(x)]
+    return any(v is held.get(k) for k, v in metric.metric_state.items() for held in inner)
+
+
 def _one_number(value: Any) -> bool:
     """A Python number or a 0-dim tensor: a value for the whole micro-batch (its loss), not per sample (a
     micro-batch of one sample gives per-sample values of shape (1,), not 0-dim)."""
@@ -141,13 +157,17 @@ def _copy(state: dict[str, Any]) -> dict[str, Any]:
 
 
 def _local_value(metric: Any) -> Any:
-    """``compute()`` on this rank's state alone, not synced, not cached (the epoch's compute syncs)."""
-    available, cached = metric.distributed_available_fn, metric.compute_with_cache
-    metric.distributed_available_fn, metric.compute_with_cache = _never, False
+    """``compute()`` on this rank's state alone, not synced, not cached (the epoch's compute syncs); the
+    Metrics a wrapper holds too (ClasswiseWrapper computes through its metric's own ``compute``)."""
+    tree = [x for x in metric.modules() if is_metric(x)]
+    users = [(x.distributed_available_fn, x.compute_with_cache) for x in tree]
+    for x in tree:
+        x.distributed_available_fn, x.compute_with_cache = _never, False
     try:
         return metric.compute()
     finally:
-        metric.distributed_available_fn, metric.compute_with_cache = available, cached
+        for x, (available, cached) in zip(tree, users, strict=True):
+            x.distributed_available_fn, x.compute_with_cache = available, cached
 
 
 @dataclass
@@ -171,8 +191,24 @@ class StepMetrics:
     """The Metric modules of ``module``, for one Trainer call (see the module docstring)."""
 
     def __init__(self, module: nn.Module) -> None:
-        self.metrics = {name: m for name, m in module.named_modules() if is_metric(m)}
-        for name, m in self.metrics.items():
+        self.module = module
+        self.metrics: dict[str, Any] = {}
+        self._owners: dict[str, Any] = {}
+        self._paths: dict[int, str] = {}
+        self._gather: Callable[..., list[torch.Tensor]] | None = None  # the data-parallel sync, once set
+        self._users: dict[int, tuple[Any, Any]] = {}  # each Metric's own process group and sync function
+        self._before: dict[str, _Before] = {}
+        self._told: set[str] = set()  # the Metrics warned about one number (see _telling), once a Trainer call
+        self._find()
+
+    def _find(self) -> None:
+        """The module's Metrics, again where they changed: a MetricTracker adds a copy of its Metric at each
+        ``increment()``, during the Trainer call (found here at the next step, so that its state reaches every
+        rank of the pipeline as any other's)."""
+        found = {name: m for name, m in self.module.named_modules() if is_metric(m)}
+        if found.keys() == self.metrics.keys() and all(found[k] is self.metrics[k] for k in found):
+            return
+        for name, m in found.items():
             if m.dist_sync_on_step:
                 raise ValueError(
                     f"{name} ({type(m).__name__}) has dist_sync_on_step=True: under strategy='twobp' only the last "
@@ -180,20 +216,38 @@ class StepMetrics:
                     f"that never join; drop dist_sync_on_step (the epoch's value is synced over the data-parallel "
                     f"replicas, and the step's value is the whole batch's)"
                 )
-        self._paths = {id(m): name for name, m in self.metrics.items()}
-        self._before: dict[str, _Before] = {}
-        self._told: set[str] = set()  # the Metrics warned about one number (see _telling), once a Trainer call
+        self.metrics = found
+        self._paths = {id(m): name for name, m in found.items()}
+        # The Metrics whose states the step sets aside and merges: not a wrapper whose states are those of the
+        # Metric it wraps (ClasswiseWrapper forwards them), which would merge the states from before twice.
+        self._owners = {name: m for name, m in found.items() if not _a_view(m)}
+        if self._gather is not None:
+            self._sync_found()
+
+    def _sync_found(self) -> None:
+        for m in self.metrics.values():
+            if id(m) not in self._users:  # a copy made during the call (it has ours) gets torchmetrics' own
+                ours = m.dist_sync_fn is self._gather
+                self._users[id(m)] = (None, None) if ours else (m.process_group, m.dist_sync_fn)
+                m.process_group, m.dist_sync_fn = None, self._gather
 
     def sync_over(self, group: dist.ProcessGroup | None) -> Callable[[], None]:
         """For the Trainer call, every Metric syncs its state over ``group`` (the data-parallel replicas of
-        this pipeline rank); returns the undo (the user's process groups back)."""
-        users = {name: m.process_group for name, m in self.metrics.items()}
-        for m in self.metrics.values():
-            m.process_group = group
+        this pipeline rank); returns the undo (the users' process groups and sync functions back). The group
+        rides in a sync function, not in ``process_group``: a Metric holding a process group cannot be
+        deep-copied (torch cannot pickle one), and MetricTracker, ``Metric.clone`` and callbacks copying the
+        module (StochasticWeightAveraging) deep-copy it."""
+        self._gather = _gathering_over(group)
+        self._sync_found()
 
         def undo() -> None:
-            for name, m in self.metrics.items():
-                m.process_group = users[name]
+            m: Any
+            for m in self.module.modules():
+                if id(m) in self._users:
+                    m.process_group, m.dist_sync_fn = self._users[id(m)]
+                elif is_metric(m) and m.dist_sync_fn is self._gather:  # a copy made after the last step
+                    m.process_group, m.dist_sync_fn = None, None
+            self._gather, self._users = None, {}
 
         return undo
 
@@ -253,21 +307,25 @@ class StepMetrics:
 
     def begin(self) -> None:
         """On every rank, before the step's first micro-batch: every Metric's state set aside, and empty."""
-        self._before = {}
-        for name, m in self.metrics.items():
-            self._before[name] = _Before(_copy(m.metric_state), m.update_count, metric_forward_cache(m), _plain(m))
+        self._find()
+        # every state set aside before any reset: a wrapper's reset (MinMaxMetric's) resets what it wraps too
+        self._before = {
+            name: _Before(_copy(m.metric_state), m.update_count, metric_forward_cache(m), _plain(m))
+            for name, m in self._owners.items()
+        }
+        for m in self._owners.values():
             m.reset()
 
     def clear(self) -> None:
         """Empty again (after the first stage's part of the step, which the last stage runs again)."""
-        for m in self.metrics.values():
+        for m in self._owners.values():
             m.reset()
 
     def end(self) -> States:
         """On the last stage's rank, after the step's last micro-batch: each updated Metric's step state
         (for the other ranks), its step value computed, the state from before merged back in."""
         states: States = {}
-        for name, m in self.metrics.items():
+        for name, m in self._owners.items():
             if m.update_count == 0:  # not updated in this step: as it was
                 self._put(m, self._before[name])
                 continue
@@ -285,8 +343,9 @@ class StepMetrics:
     def apply(self, states: States) -> None:
         """On the pipeline's other ranks: the last stage's step states, settled as there (whatever this
         rank's part of the step, before the pipelined block, updated is dropped: the last stage ran it too)."""
-        for name, m in self.metrics.items():
-            m.reset()
+        for m in self._owners.values():
+            m.reset()  # all first: a wrapper's reset resets what it wraps, whose state is set next
+        for name, m in self._owners.items():
             if name not in states:
                 self._put(m, self._before[name])
                 continue
@@ -299,7 +358,7 @@ class StepMetrics:
     def undo(self) -> None:
         """The states from before the last :meth:`end` or :meth:`apply` (a step that is run again)."""
         for name, before in self._before.items():
-            self._put(self.metrics[name], before)
+            self._put(self._owners[name], before)
 
     @staticmethod
     def _settle(m: Any, before: _Before, called: bool) -> None:
@@ -312,7 +371,8 @@ class StepMetrics:
 
     @staticmethod
     def _put(m: Any, before: _Before) -> None:
-        m.reset()
+        """``m`` as it was before the step, set, not reset (a wrapper's reset would empty what it wraps, a
+        Metric that has its step's state by then)."""
         for k, v in before.state.items():
             setattr(m, k, list(v) if isinstance(v, list) else v)
         vars(m).update(before.plain)
