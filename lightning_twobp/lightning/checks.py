@@ -166,7 +166,7 @@ def _hook_refusal(name: str, grad: bool, when: str) -> str:
         fix = (
             "For a per-element clamp use Trainer(gradient_clip_val=c, gradient_clip_algorithm='value'), or "
             "clamp p.grad in on_before_optimizer_step (p.grad.clamp_(-c, c)): both see each parameter's whole "
-            "gradient of the step, as one process's hook does, and train exactly as one process there"
+            "gradient of the step, as one process's hook does, and match one process"
         )
     else:
         kind = "a post-accumulate-grad hook (Tensor.register_post_accumulate_grad_hook)"
@@ -177,9 +177,9 @@ def _hook_refusal(name: str, grad: bool, when: str) -> str:
         )
     return (
         f"{name} has {kind}, found {when}, which strategy='twobp' cannot run as one process does: the pipeline "
-        f"computes each parameter's gradient per micro-batch, and its split backward adds the weight gradients "
-        f"into .grad itself in two halves (B and W), so the hook would see parts of the gradient, or not run at "
-        f"all, and a clamp of each part summed is not the clamp of the sum. {fix}"
+        f"computes each parameter's gradient per micro-batch (and 2BP's split adds the weight gradients into .grad "
+        f"itself, in two halves: B and W), so the hook would see parts of the gradient, or not run at all, and a "
+        f"clamp of each part summed is not the clamp of the sum. {fix}"
     )
 
 
