@@ -33,6 +33,7 @@ __all__ = [
     "process_groups",
     "pytree",
     "set_rng_states",
+    "tensor_hooks",
     "tensor_version",
     "training_data_source",
     "unset_training_data",
@@ -56,6 +57,14 @@ def tensor_version(t: torch.Tensor) -> int:
     gradients it saw were not written since (engine/post_validation.py); a checkpointed block keeps a
     copy of each buffer its forward wrote, for B's recompute (lightning/checkpointing.py)."""
     return t._version
+
+
+def tensor_hooks(t: torch.Tensor) -> tuple[int, int]:
+    """How many gradient hooks (``t.register_hook``) and post-accumulate-grad hooks
+    (``t.register_post_accumulate_grad_hook``) ``t`` holds: the split backward adds weight gradients into
+    ``.grad`` itself, so a parameter's hooks are refused before any compute (lightning/checks.py), and
+    torch lists them only in private attributes (None before the first hook)."""
+    return len(t._backward_hooks or ()), len(t._post_accumulate_grad_hooks or ())
 
 
 def forward_hooks(module: torch.nn.Module) -> int:
@@ -169,6 +178,8 @@ def metric_merge(metric: Any, state: dict[str, Any]) -> None:
 GUARDED: tuple[tuple[str, str], ...] = (
     ("torch._C", "_disabled_torch_function_impl"),
     ("torch.Tensor", "_version"),
+    ("torch.Tensor", "_backward_hooks"),
+    ("torch.Tensor", "_post_accumulate_grad_hooks"),
     ("torch.Tensor", "_make_wrapper_subclass"),
     ("torch._C._distributed_c10d.Backend", "Options"),
     ("torch.distributed.distributed_c10d", "_world"),

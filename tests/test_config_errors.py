@@ -128,6 +128,36 @@ class Manual(Net):
         self.automatic_optimization = False
 
 
+class ClampsGradients(Net):
+    """Per-parameter gradient clipping by a tensor hook (RL and GAN code): the pipeline ignored it, silently."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers[2].weight.register_hook(lambda g: g.clamp(-0.02, 0.02))
+
+
+class StepsInBackward(Net):
+    """torch's optimizer-in-backward: each parameter's optimizer stepped in its post-accumulate-grad hook."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = {id(q): torch.optim.SGD([q], lr=0.1) for q in self.parameters()}
+        for q in self.parameters():
+            q.register_post_accumulate_grad_hook(self._step_one)
+
+    def _step_one(self, q: torch.Tensor) -> None:
+        self.inner[id(q)].step()
+        self.inner[id(q)].zero_grad()
+
+
+class ClampsFromTrainStart(Net):
+    """The clamp hook registered once training starts, after the strategy's setup."""
+
+    def on_train_start(self) -> None:
+        for q in self.parameters():
+            q.register_hook(lambda g: g.clamp(-0.02, 0.02))
+
+
 class ReturnsString(Net):
     def training_step(self, batch, batch_idx):
         x, _ = batch
@@ -749,6 +779,26 @@ CASES: dict[str, Case] = {
         ValueError,
         r"strategy='twobp' supports automatic optimization only.*"
         r"self.automatic_optimization = True",
+    ),
+    # the split adds weight gradients into .grad itself, per micro-batch: the hooks ran on parts, or not at all
+    "fit-parameter-grad-hook": (
+        lambda t: _fit(ClampsGradients()),
+        ValueError,
+        r"layers.2.weight \(pipeline stage 0\) has a gradient hook \(Tensor.register_hook\), found at the Trainer's "
+        r"setup, .*the hook would see parts of the gradient.*gradient_clip_algorithm='value'.*on_before_optimizer_step",
+    ),
+    "fit-parameter-post-accumulate-hook": (
+        lambda t: _fit(StepsInBackward()),
+        ValueError,
+        r"layers.0.weight \(pipeline stage 0\) has a post-accumulate-grad hook "
+        r"\(Tensor.register_post_accumulate_grad_hook\), found at the Trainer's setup.*"
+        r"let Lightning step the optimizer",
+    ),
+    "fit-parameter-hook-at-train-start": (
+        lambda t: _fit(ClampsFromTrainStart()),
+        ValueError,
+        r"layers.0.weight \(pipeline stage 0\) has a gradient hook \(Tensor.register_hook\), found before the first "
+        r"training step \(registered in on_fit_start, on_train_start or on_train_batch_start\)",
     ),
     "fit-step-skips-layers": (
         lambda t: _fit(SkipsLayers()),

@@ -20,6 +20,8 @@ DOORS = {"private.py", "engine/graph.py"}
 FOREIGN = {
     "_C",
     "_version",
+    "_backward_hooks",
+    "_post_accumulate_grad_hooks",
     "_forward_hooks",
     "_forward_pre_hooks",
     "_make_wrapper_subclass",
@@ -124,3 +126,10 @@ def test_the_private_instance_attributes_still_exist():
     metric = SumMetric()
     assert hasattr(metric, "_forward_cache") and hasattr(metric, "_update_count")
     assert hasattr(DDPStrategy(), "_timeout")  # TwoBPStrategy reads its base's process-group timeout
+    from lightning_twobp.private import tensor_hooks  # the parameter-hook refusal counts through it
+
+    w = torch.nn.Parameter(torch.zeros(1))
+    assert tensor_hooks(w) == (0, 0)
+    w.register_hook(lambda g: g)
+    w.register_post_accumulate_grad_hook(lambda q: None)
+    assert tensor_hooks(w) == (1, 1)

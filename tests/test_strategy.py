@@ -245,6 +245,15 @@ class LBFGSRegressor(Regressor):
         return torch.optim.LBFGS(self.parameters(), lr=0.5)
 
 
+class StepsLastLayerInBackward(Regressor):
+    """Optimizer-in-backward on the last layer, set up once training starts: the hook is on pipeline rank 1 only
+    (layers[4] is a placeholder without parameters on rank 0)."""
+
+    def on_train_start(self) -> None:
+        for q in self.layers[4].parameters():
+            q.register_post_accumulate_grad_hook(lambda q: q.data.add_(q.grad, alpha=-0.1))
+
+
 class PenaltyOverParameters(Regressor):
     """An L2 penalty over every parameter in the step: each rank summed its own stages' parameters only."""
 
@@ -299,6 +308,16 @@ ERRORS = {
         dict(),
         8,
         r"max_pending_w=\(1, 1, 1\).*one per stage \(2 ints",
+    ),
+    # a hook on rank 1's stage alone, registered after the setup's check: both ranks refuse, naming it (before
+    # this check it ran per micro-batch part, or not at all, silently)
+    "parameter-hook-on-one-rank": (
+        StepsLastLayerInBackward,
+        dict(),
+        dict(),
+        8,
+        r"ValueError: layers.4.weight \(pipeline stage 1\) has a post-accumulate-grad hook .*found before the first "
+        r"training step",
     ),
     # Last: refused by the step's code on the last stage, at its first forward, before any weight changes; the
     # other rank names it (PeerFailed). An error of one rank's step closes the links: no case can run after it.

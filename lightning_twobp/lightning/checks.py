@@ -5,7 +5,7 @@ start, optimizers the pipeline cannot step. Each error names the value and the f
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -13,12 +13,14 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_twobp.options import check_flag
+from lightning_twobp.private import tensor_hooks
 
 # check_flag: lightning_twobp.options
 __all__ = [
     "check_callbacks",
     "check_flag",
     "check_nodes",
+    "check_parameter_hooks",
     "check_sync_batchnorm",
     "checked_optimizers",
     "converted_in_place",
@@ -129,6 +131,56 @@ def converted_in_place(plugin: Any, module: nn.Module) -> None:
             f"new ones the optimizer holds. Build the model with the layers you want (replace them before fit) and "
             f"use a precision that casts, e.g. precision='bf16-true' or 'bf16-mixed'"
         )
+
+
+def check_parameter_hooks(lm: nn.Module, stages: Mapping[int, nn.Module], when: str) -> None:
+    """A gradient hook (``p.register_hook``) or a post-accumulate-grad hook on a parameter of this rank's
+    stages, refused on every rank together (a collective over the world: every rank calls this at the same
+    point, at setup and before the first training step's first forward).
+
+    One process runs such a hook once per backward on the parameter's whole gradient. The pipeline computes
+    each gradient per micro-batch, and its split backward adds the weight gradients into ``.grad`` itself
+    (``Stage._accumulate``), so the hooks ran on parts or not at all: a clamp hook was ignored (every
+    parameter 0.03-0.12 off one process after an epoch), a post-accumulate hook ran 0 to 24 times where one
+    process ran it 36. Run per part, a nonlinear hook (a clamp) of each part summed is not the hook of the
+    sum, so there is no exact way to run them. The strategy's own hooks (``Stage``'s ``_Hidden``, during B)
+    are removed before these checks can see them; FSDP2's ``fully_shard`` registers none on parameters."""
+    names = {id(q): n for n, q in lm.named_parameters()}
+    problem = None
+    for s in sorted(stages):
+        for local, q in stages[s].named_parameters():
+            grad, post = tensor_hooks(q)
+            if grad or post:
+                problem = _hook_refusal(f"{names.get(id(q), local)} (pipeline stage {s})", bool(grad), when)
+                break
+        if problem:
+            break
+    others = [p for p in _everyone(problem) if p]
+    if problem or others:
+        raise ValueError(problem or others[0])
+
+
+def _hook_refusal(name: str, grad: bool, when: str) -> str:
+    if grad:
+        kind = "a gradient hook (Tensor.register_hook)"
+        fix = (
+            "For a per-element clamp use Trainer(gradient_clip_val=c, gradient_clip_algorithm='value'), or "
+            "clamp p.grad in on_before_optimizer_step (p.grad.clamp_(-c, c)): both see each parameter's whole "
+            "gradient of the step, as one process's hook does, and match one process"
+        )
+    else:
+        kind = "a post-accumulate-grad hook (Tensor.register_post_accumulate_grad_hook)"
+        fix = (
+            "An optimizer stepped in the hook (torch's optimizer-in-backward) would step on parts: let Lightning "
+            "step the optimizer (return it from configure_optimizers), and do other per-parameter work on p.grad "
+            "in on_before_optimizer_step, where it holds the whole gradient of the step"
+        )
+    return (
+        f"{name} has {kind}, found {when}, which strategy='twobp' cannot run as one process does: the pipeline "
+        f"computes each parameter's gradient per micro-batch (and 2BP's split adds the weight gradients into .grad "
+        f"itself, in two halves: B and W), so the hook would see parts of the gradient, or not run at all, and a "
+        f"clamp of each part summed is not the clamp of the sum. {fix}"
+    )
 
 
 def check_nodes(num_nodes: int, devices: int, environment: Any) -> None:

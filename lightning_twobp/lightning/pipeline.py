@@ -21,6 +21,7 @@ from lightning_twobp.engine import PipelineExecutor
 from lightning_twobp.engine.memory import cpu_heap
 from lightning_twobp.lightning.autoschedule import auto_schedule
 from lightning_twobp.lightning.checkpointing import AUTO_MODES, apply_activation_checkpointing, check_auto_with_switches
+from lightning_twobp.lightning.checks import check_parameter_hooks
 from lightning_twobp.lightning.compiled import check_not_compiled
 from lightning_twobp.lightning.contract import SequentialContract, find_contract
 from lightning_twobp.lightning.grads import (
@@ -468,6 +469,21 @@ def _call_scope(strategy: TwoBPStrategy, trainer: Any, metrics: StepMetrics, loc
     return scope
 
 
+def _split(strategy: TwoBPStrategy, contract: Any, sizes: list[int], schedule: Schedule, trainer: Any) -> LocalModel:
+    """This rank's stages, their parameters' gradient hooks refused (:func:`.checks.check_parameter_hooks`)
+    before any compute and before FSDP2 replaces the parameters (a hook stays on the parameter it was
+    registered on, so after ``fully_shard`` it would be neither run nor seen); on a refusal the model is put
+    back as it came."""
+    local = split_model(contract, sizes, schedule, strategy.layout.pp_rank)
+    if trainer.state.fn == TrainerFn.FITTING:
+        try:
+            check_parameter_hooks(strategy.lightning_module, local.stages, "at the Trainer's setup")
+        except ValueError:
+            local.restore(False, None, strategy.layout.pp_rank, strategy.root_device)
+            raise
+    return local
+
+
 def _checked_contract(strategy: TwoBPStrategy, trainer: Any) -> SequentialContract | ModuleListContract:
     """The model's contract, with what the pipeline cannot run refused on every rank before any compute."""
     lm, opts = strategy.lightning_module, strategy.options
@@ -514,7 +530,7 @@ def build_pipeline(strategy: TwoBPStrategy, trainer: Any) -> Pipeline:
     strategy.stage_sizes = list(sizes)
     streams = StageStreams(schedule.stages_of(layout.pp_rank), layout.dp_rank, device, _shared_seed(strategy))
     runner.streams = streams
-    local = split_model(contract, sizes, schedule, layout.pp_rank)
+    local = _split(strategy, contract, sizes, schedule, trainer)
     runner.holders = placeholder_holders(lm)
     _announce(strategy, local, schedule, list(sizes))
     sharding, grad_reduce = _data_parallel(strategy, local, shard)

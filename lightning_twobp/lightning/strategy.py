@@ -29,6 +29,7 @@ from lightning_twobp.lightning.checkpoint import CheckpointError
 from lightning_twobp.lightning.checks import (
     check_callbacks,
     check_nodes,
+    check_parameter_hooks,
     check_sync_batchnorm,
     checked_optimizers,
     converted_in_place,
@@ -390,6 +391,11 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
         # The call's first batch only: a blocking collective here each epoch would wait on a stopped peer for
         # the process group's timeout, not pipeline_timeout (the pipeline's own first step follows at once).
         if not self._same_batch_checked:
+            # hooks registered after the setup's check (in on_fit_start, on_train_start, ...): every rank refuses
+            stages = self._built("on_train_batch_start").local.stages
+            when = "before the first training step (registered in on_fit_start, on_train_start or on_train_batch_start)"
+            with self._naming_lost("the check of the parameters' gradient hooks"):
+                check_parameter_hooks(self.lightning_module, stages, when)
             step = self.lightning_module.trainer.global_step
             self._check_same_batch(batch, f"training batch {batch_idx} (global step {step})")
             self._same_batch_checked = True
