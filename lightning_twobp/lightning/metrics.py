@@ -13,10 +13,14 @@ ranks with the logs, and :meth:`StepMetrics.apply` does the same there, so every
 holds the same state and logs the same value.
 
 Epoch values go through Lightning and torchmetrics as usual: Lightning calls ``compute()``, which syncs
-the state over the metric's ``process_group``. For the Trainer call that is the data-parallel group (the
-same stage in every replica), so each replica's state counts once, not once per pipeline rank; the
-user's own ``process_group`` is put back at teardown. ``self.metric.compute()`` in a hook is exact on
-every rank for the same reason.
+the state. For the Trainer call it syncs over the data-parallel group (the same stage in every replica),
+so each replica's state counts once, not once per pipeline rank; the group rides in the Metric's
+``dist_sync_fn`` (a Metric holding a process group cannot be deep-copied), and the user's own
+``process_group`` and ``dist_sync_fn`` are put back at teardown. ``self.metric.compute()`` in a hook is
+exact on every rank for the same reason. Wrappers: a Metric whose states are those of a Metric it wraps
+(ClasswiseWrapper) is left to that Metric; every state is set aside before any reset (a MinMaxMetric's
+reset empties what it wraps); Metrics added during the call (MetricTracker's ``increment()``) are found
+at the next step.
 
 A ``MeanMetric`` fed one number per call (``self.val_loss(loss)``, the most common Metric of all) is the
 exception: one process feeds it the batch's mean with a weight of 1, the step's code here one number per
@@ -24,7 +28,9 @@ micro-batch. Each such update is weighed by its micro-batch's share of the batch
 (:meth:`StepMetrics.step_shadows`), so the step adds the batch's mean with a weight of 1, as ``self.log``'s
 default mean does (a validation's smaller last batch, cut 2, 2, 1, 1, read 3% off before: its micro-batches
 weighed alike; and a Metric fed by training and validation steps weighed each training step m times). A
-``weight=`` the step passes is its own and stays, as do per-sample values (exact as they are).
+``weight=`` the step passes is its own and stays, as do per-sample values (exact as they are). A
+CatMetric given one number and a Running window would hold micro-batches where one process holds batches:
+refused in a step; a Sum/Max/MinMetric given a float warns once (exact for a count, not for a mean).
 
 torchmetrics has no public way to set the value Lightning logs at a step nor the update count, nor to
 merge a state whose ``update`` needs the full state: :mod:`lightning_twobp.private` holds the three
@@ -263,7 +269,7 @@ class StepMetrics:
             if isinstance(metric, running):
                 refuse = _refusing_running(path, metric, hook, m)
                 shadows += [(metric, "update", refuse), (metric, "forward", refuse)]
-            elif isinstance(metric, mean):
+            elif isinstance(metric, mean) and type(metric).update is mean.update:  # not a subclass's own update
                 shadows.append((metric, "update", _weighed(metric.update, share)))
             elif isinstance(metric, cat):
                 shadows.append((metric, "update", _one_number_refused(metric.update, path, hook, m)))
