@@ -242,7 +242,7 @@ class StepMetrics:
         this pipeline rank); returns the undo (the users' process groups and sync functions back). The group
         rides in a sync function, not in ``process_group``: a Metric holding a process group cannot be
         deep-copied (torch cannot pickle one), and MetricTracker, ``Metric.clone`` and callbacks copying the
-        module (StochasticWeightAveraging) deep-copy it."""
+        module in a hook deep-copy it."""
         self._gather = _gathering_over(group)
         self._sync_found()
 
