@@ -241,8 +241,8 @@ class StepMetrics:
         """For the Trainer call, every Metric syncs its state over ``group`` (the data-parallel replicas of
         this pipeline rank); returns the undo (the users' process groups and sync functions back). The group
         rides in a sync function, not in ``process_group``: a Metric holding a process group cannot be
-        deep-copied (torch cannot pickle one), and MetricTracker, ``Metric.clone`` and callbacks copying the
-        module in a hook deep-copy it."""
+        deep-copied (torch cannot pickle one), as MetricTracker, ``Metric.clone`` and a ``copy.deepcopy`` of
+        the module in a hook do."""
         self._gather = _gathering_over(group)
         self._sync_found()
 
