@@ -1145,6 +1145,48 @@ def test_a_batch_that_splits_trains():
     assert t.global_step == 3
 
 
+class Teacher(Net):
+    """A copy of the pipelined layers outside the pipeline: ``how`` says what happens to it in training."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        import copy
+
+        self.teacher = copy.deepcopy(self.layers).requires_grad_(False)
+        self.register_buffer("temperature", torch.ones(()))
+        self.how = how
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        with torch.no_grad():
+            if self.how == "ema":  # the mean-teacher / BYOL update, as written for one process
+                for t, q in zip(self.teacher.parameters(), self.layers.parameters(), strict=False):
+                    t.mul_(0.9).add_(q, alpha=0.1)
+            elif self.how == "averaged":
+                self.averaged.update_parameters(self.layers)
+            self.temperature.mul_(0.5)  # a buffer written on a schedule: left alone
+
+    def on_train_start(self):
+        if self.how == "averaged":
+            self.averaged = torch.optim.swa_utils.AveragedModel(self.teacher)
+
+
+@pytest.mark.parametrize("how", ["ema", "averaged", "frozen"])
+def test_a_copy_outside_the_pipeline_written_in_training_is_refused(how):
+    """An EMA teacher (or AveragedModel) outside the pipeline, updated from the pipelined layers, holds another
+    value on every rank (each holds only its own stages' weights; a trial's teacher was 0.23 off one process
+    after an epoch, silently): refused before the next step, naming it. A frozen reference model and a
+    buffer written on a schedule train on."""
+    if how == "frozen":
+        assert _fit(Teacher(how), layers="layers").global_step == 2
+        return
+    with pytest.raises(
+        ValueError,
+        match=r"(teacher|averaged.module).0.weight.* changed in place during training \(seen before global "
+        r"step 1\).* not supported yet: keep it frozen",
+    ):
+        _fit(Teacher(how), layers="layers")
+
+
 def test_ckpt_path_last_finds_the_newest_complete_checkpoint(tmp_path):
     run = tmp_path / "outputs" / "cpu-tiny-llama" / "2026-12-01_10-00-00"
     run.mkdir(parents=True)

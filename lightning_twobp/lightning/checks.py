@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_twobp.options import check_flag
-from lightning_twobp.private import tensor_hooks
+from lightning_twobp.private import tensor_hooks, tensor_version
 
 # check_flag: lightning_twobp.options
 __all__ = [
@@ -21,6 +21,7 @@ __all__ = [
     "check_flag",
     "check_nodes",
     "check_parameter_hooks",
+    "OutsideWrites",
     "check_sync_batchnorm",
     "checked_optimizers",
     "converted_in_place",
@@ -181,6 +182,40 @@ def _hook_refusal(name: str, grad: bool, when: str) -> str:
         f"itself, in two halves: B and W), so the hook would see parts of the gradient, or not run at all, and a "
         f"clamp of each part summed is not the clamp of the sum. {fix}"
     )
+
+
+class OutsideWrites:
+    """The LightningModule's parameters outside this rank's stages, by their version counters from the call's
+    first training batch on: one written in place during training (an EMA teacher's ``mul_().add_()``, a
+    momentum encoder, ``torch.optim.swa_utils.AveragedModel.update_parameters``) is refused before the next
+    step, on every rank that wrote it.
+
+    Each rank holds only its own stages' weights of the pipelined layers, and only the last stage's rank runs
+    the step past the pipelined call, so such a copy holds other values on every rank and none of them is one
+    process's: a trial's EMA teacher by ``zip(teacher.parameters(), self.layers.parameters())`` paired the
+    teacher's first layers with the last stage's (0.23 off one process after an epoch, silently, where the
+    layers' shapes repeat; a torch shape error where they do not); by name, each rank's copy kept the other
+    stages' layers as they started. Nothing else writes those parameters: the optimizer skips a parameter
+    without a gradient, and no parameter outside the stages gets one (the stages' graphs refuse them)."""
+
+    def __init__(self, lm: nn.Module, stages: Mapping[int, nn.Module]) -> None:
+        inside = {id(q) for stage in stages.values() for q in stage.parameters()}
+        self.watched = [(n, q, tensor_version(q)) for n, q in lm.named_parameters() if id(q) not in inside]
+
+    def check(self, step: int) -> None:
+        changed = [n for n, q, v in self.watched if tensor_version(q) != v]
+        if not changed:
+            return
+        shown = ", ".join(changed[:3]) + (f" and {len(changed) - 3} more" if len(changed) > 3 else "")
+        raise ValueError(
+            f"{shown} (outside the pipelined layers) changed in place during training (seen before global step "
+            f"{step}): under strategy='twobp' each rank holds only its own stages' weights of the pipelined layers "
+            f"and only the last stage's rank runs the step past the pipelined call, so a copy outside the pipeline "
+            f"updated from them (an EMA teacher, a momentum encoder, AveragedModel) would hold other values on "
+            f"every rank, none of them one process's. Such a copy is not supported yet: keep it frozen (a fixed "
+            f"reference model is fine) or train it without the pipeline; a value that depends on nothing the "
+            f"pipeline holds (a schedule) can be a buffer (register_buffer), which this check leaves alone"
+        )
 
 
 def check_nodes(num_nodes: int, devices: int, environment: Any) -> None:

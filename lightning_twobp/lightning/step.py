@@ -505,8 +505,8 @@ _WHOLE_MODEL = (
     "the optimizer's weight_decay=2*c (exact for SGD and Adam's coupled decay, without gradient clipping); for an "
     "L1 penalty or any other per-parameter term, in on_after_backward: `for p in self.parameters(): "
     "p.grad.add_(c * p.sign())` (outside the step parameters() is this rank's own, as it should be there). Count "
-    "parameters or update an EMA teacher in a hook outside the step (on_fit_start, on_train_batch_end), with "
-    "trainer.strategy.stage_ids saying which stages a rank holds and a teacher's parameters paired by name"
+    "parameters in a hook outside the step (on_fit_start), with trainer.strategy.stage_ids saying which stages a "
+    "rank holds; an EMA teacher of the pipelined layers is not supported (no rank holds all their weights)"
 )
 
 

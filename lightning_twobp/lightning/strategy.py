@@ -27,6 +27,7 @@ from lightning_twobp.engine.failure import FailureChannel, check_links_open, clo
 from lightning_twobp.lightning import checkpoint_hooks
 from lightning_twobp.lightning.checkpoint import CheckpointError
 from lightning_twobp.lightning.checks import (
+    OutsideWrites,
     check_callbacks,
     check_nodes,
     check_parameter_hooks,
@@ -139,6 +140,7 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
         self.io_group: dist.ProcessGroup | None = None  # checkpoint I/O's group, with a long timeout
         self._batches_checked = False  # the training batches split into micro-batches (checked once per fit)
         self._same_batch_checked = False  # the pipeline's ranks read the same training batch (once per call)
+        self._outside: OutsideWrites | None = None  # the parameters outside the stages, watched during training
         self._mesh: DeviceMesh | None = None
         self._pipeline: Pipeline | None = None
         self._calls_ended = False
@@ -216,6 +218,7 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
         self.accelerator.setup(trainer)
         self._failed = False
         self._batches_checked = self._same_batch_checked = False
+        self._outside = None
         # open before the pipeline is built: schedule="auto" and balance="time" measure the layers there,
         # in collectives over the pipeline, and a rank failing while measuring is named to the others (who
         # saw only gloo's "Connection closed by peer"); the stages this rank holds are known after
@@ -399,6 +402,10 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
             step = self.lightning_module.trainer.global_step
             self._check_same_batch(batch, f"training batch {batch_idx} (global step {step})")
             self._same_batch_checked = True
+            self._outside = OutsideWrites(self.lightning_module, stages)  # from here on, after a resume's load
+        elif self._outside is not None:
+            with told(self._failures, f"global step {self.lightning_module.trainer.global_step}"):
+                self._outside.check(self.lightning_module.trainer.global_step)
         if self._signals is not None:  # every rank stops before the same step once one was signalled
             with self._naming_lost("the stop-signal agreement of the previous step"):
                 self._signals.agree(f"training step {self.lightning_module.trainer.global_step}")
