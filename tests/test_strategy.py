@@ -202,6 +202,56 @@ def test_bf16_matches_one_process_on_the_same_micro_batches(two_ranks, request, 
             torch.testing.assert_close(value, model.get_parameter(name).detach(), rtol=1e-5, atol=1e-7, msg=name)
 
 
+class _Flat(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.flatten(1)
+
+
+def _sparse_layers() -> nn.Module:
+    return nn.Sequential(nn.Embedding(20, 4, sparse=True), _Flat(), nn.Linear(12, 16), nn.Tanh(), nn.Linear(16, 2))
+
+
+def _tokens() -> DataLoader:
+    g = torch.Generator().manual_seed(1)
+    return DataLoader(TensorDataset(torch.randint(0, 20, (24, 3), generator=g), torch.randn(24, 2, generator=g)), 8)
+
+
+SPARSE = {"1f1b-2bp": "1f1b", "zb-h2": "zb-h2"}  # zb-h2: the check after the step (post-validation)
+
+
+class _SparseRegressor(conftest.Regressor):
+    """An overridden on_before_optimizer_step: the strategy watches what the hooks do to each gradient."""
+
+    def __init__(self) -> None:
+        super().__init__(layers=_sparse_layers)
+
+    def on_before_optimizer_step(self, optimizer) -> None:
+        pass
+
+
+def _fit_sparse_pipelined(rank: int, world: int, schedule: str) -> dict:
+    lightning_env(rank, world)
+    model = _SparseRegressor()
+    _trainer(TwoBPStrategy(schedule=schedule, num_microbatches=4), world).fit(model, _tokens())
+    return _trained(model)
+
+
+@pytest.mark.parametrize("case", list(SPARSE))
+def test_sparse_embedding_gradients_match_one_process(two_ranks, request, case):
+    """An nn.Embedding(sparse=True) in the pipelined layers (SGD takes sparse gradients): the global check of
+    each step reads the norm of its sparse gradient by its values; before, torch's norm raised
+    NotImplementedError there on the embedding's rank and the other rank waited on it (PeerLost)."""
+    model = conftest.Regressor(layers=_sparse_layers)
+    _trainer("auto", 1).fit(model, _tokens())
+    outs = two_ranks[request.node.name]
+    untrained = conftest.Regressor(layers=_sparse_layers).layers[0].weight
+    assert not torch.equal(model.layers[0].weight, untrained), "the embedding trained"
+    for out in outs:
+        for name, value in out.items():
+            torch.testing.assert_close(value, model.get_parameter(name).detach(), rtol=1e-5, atol=1e-6, msg=name)
+    assert set(outs[0]) | set(outs[1]) == {n for n, _ in model.named_parameters()}
+
+
 FOUR_RANK_FITS = {"1f1b-2bp": dict(schedule="1f1b"), "zb-h2": dict(schedule="zb-h2", num_microbatches=4)}
 
 
@@ -905,6 +955,10 @@ def two_ranks(request, shared) -> conftest.Launch:
     cases |= {
         f"test_bf16_matches_one_process_on_the_same_micro_batches[{k}]": (_fit_bf16_pipelined, (k,))
         for k in SAME_MICROBATCHES
+    }
+    cases |= {
+        f"test_sparse_embedding_gradients_match_one_process[{k}]": (_fit_sparse_pipelined, (s,))
+        for k, s in SPARSE.items()
     }
     cases |= {
         "test_checkpoint_resume_is_bitwise_and_consolidates": (_fit_with_checkpoints, (str(shared / "checkpoints"),)),

@@ -41,10 +41,17 @@ def hooks_may_scale_grads(lm: Any, callbacks: Sequence[Any]) -> bool:
     )
 
 
+def _local(g: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard; a sparse gradient's (``nn.Embedding(sparse=True)``) coalesced values."""
+    if isinstance(g, DTensor):
+        return g.to_local()
+    return g.coalesce().values() if g.is_sparse else g
+
+
 def _grad_norms(params: Sequence[torch.nn.Parameter], device: torch.device) -> torch.Tensor:
     """Each parameter's gradient norm (0 for none; a DTensor's local shard), on ``device``, no host sync."""
     norms = [
-        torch.linalg.vector_norm(g.to_local() if isinstance(g, DTensor) else g, dtype=torch.float32)
+        torch.linalg.vector_norm(_local(g), dtype=torch.float32)
         if (g := q.grad) is not None
         else torch.zeros((), device=device)
         for q in params
