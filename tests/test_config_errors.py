@@ -226,6 +226,20 @@ class StepsSchedulerInStep(Net):
         return super().training_step(batch, batch_idx)
 
 
+class ClosureTwice(torch.optim.SGD):
+    """The shape of SAM's step (ascent, then descent): Lightning's closure called twice, then the step."""
+
+    def step(self, closure):
+        closure()
+        closure()
+        return super().step()
+
+
+class ClosureTwiceNet(Net):
+    def configure_optimizers(self):
+        return ClosureTwice(self.parameters(), lr=0.1)
+
+
 class CallsTwice(Net):
     def training_step(self, batch, batch_idx):
         x, y = batch
@@ -812,6 +826,13 @@ CASES: dict[str, Case] = {
         r"self.lr_schedulers\(\).step\(\) in training_step under strategy='twobp': the step's code runs once per "
         r"micro-batch \(2 per batch\).* step it where every rank runs once per batch \(on_train_batch_end\)",
     ),
+    "fit-closure-twice-post-validation": (
+        # a pipeline of one stage checks too: post_validation=True with clipping keeps a step to redo
+        lambda t: _fit(ClosureTwiceNet(), trainer=dict(gradient_clip_val=0.05), post_validation=True),
+        RuntimeError,
+        r"training_step ran 2 times for one batch: the optimizer calls Lightning's closure more than once per "
+        r"step \(SAM-style\), which post-validation .* cannot redo.* Use TwoBPStrategy\(post_validation=False\)",
+    ),
     "fit-step-calls-twice": (
         lambda t: _fit(CallsTwice()),
         RuntimeError,
@@ -1065,6 +1086,7 @@ def _batch_of_two_sizes() -> DataLoader:
 # Refused at the first forward of step 0 (what only the user's own step can show); every other case
 # is refused before any module runs.
 AT_FIRST_FORWARD = {
+    "fit-closure-twice-post-validation",  # the second call of the closure: the first step ran its pipeline
     "fit-log-loose-metric",
     "fit-step-calls-twice",
     "fit-step-skips-layers",

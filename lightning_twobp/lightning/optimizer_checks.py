@@ -182,6 +182,12 @@ class OptimizerChecks:
         """A speculative optimizer step waits for its verdict (``post_validation``)."""
         return any(c.pending for c in self.checks.values())
 
+    @property
+    def may_redo(self) -> bool:
+        """A speculative optimizer step waits for its verdict and would be redone, by ``optimizer.step()``
+        without a closure, should it be clipped or skipped."""
+        return any(c.pending and c.rollback for c in self.checks.values())
+
     def validate(self, lm: Any) -> Verdict | None:
         """The pending speculative optimizer step's verdict, if any (see ``post_validation``)."""
         verdict = None

@@ -149,6 +149,7 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
         self.stage_sizes: list[int] | None = None  # layers per stage, once the pipeline is built
         self._resume_rng: dict[str, torch.Tensor] | None = None  # a checkpoint's random states, not yet restored
         self._record_next = False
+        self._steps_this_batch = 0  # training_step calls for the current batch (see _CLOSURE_AGAIN)
         self.last_records: StepRecords | None = None  # this rank's ops of the latest recorded step
 
     @property
@@ -399,6 +400,7 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
             step = self.lightning_module.trainer.global_step
             self._check_same_batch(batch, f"training batch {batch_idx} (global step {step})")
             self._same_batch_checked = True
+        self._steps_this_batch = 0  # Lightning's closure runs training_step; an optimizer may call it again (SAM)
         if self._signals is not None:  # every rank stops before the same step once one was signalled
             with self._naming_lost("the stop-signal agreement of the previous step"):
                 self._signals.agree(f"training step {self.lightning_module.trainer.global_step}")
@@ -420,6 +422,9 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
 
     def _training_step(self, args: tuple, kwargs: dict) -> Any:
         pipeline = self._built("training_step")
+        self._steps_this_batch += 1
+        if self._steps_this_batch > 1 and pipeline.checks.may_redo:
+            raise RuntimeError(_CLOSURE_AGAIN.format(n=self._steps_this_batch, schedule=self.options.schedule))
         put_back = self._redo_from(pipeline)
         loss, means = self._train_step(pipeline, args, kwargs)
         verdict = self._validate()  # the previous optimizer step's global check, long arrived
@@ -620,6 +625,20 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
         strategy_registry.register(cls.strategy_name, cls, description="2BP pipeline parallelism (lightning_twobp)")
+
+
+# The same batch's training_step again within one optimizer step: the optimizer called Lightning's closure
+# twice (SAM: ascent, then descent). Post-validation keeps a copy and redoes a clipped or skipped step by
+# optimizer.step() alone, which a closure-driven step cannot be (found by a trial: SAM under zb-h2 with
+# clipping stopped with "SAM.step() missing 1 required positional argument: 'closure'"; an optimizer whose
+# closure is optional would have been redone without its second pass, silently).
+_CLOSURE_AGAIN = (
+    "twobp: training_step ran {n} times for one batch: the optimizer calls Lightning's closure more than once "
+    "per step (SAM-style), which post-validation (schedule='{schedule}' with gradient_clip_val or "
+    "on_nonfinite='skip') cannot redo: a step it clips or skips after the fact is redone by optimizer.step() "
+    "with the saved gradients, without the closure. Use TwoBPStrategy(post_validation=False), which checks "
+    "before each step (exact), or a schedule that checks first (1f1b, zb-h1)"
+)
 
 
 def _register() -> None:
