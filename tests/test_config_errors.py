@@ -284,6 +284,16 @@ def _lbfgs_on_two_ranks() -> None:
     checked_optimizers(lambda: None, net, lambda: optimizers, pp_rank=0, stages=[0], pipeline_degree=2)
 
 
+def _zero_over_two_stages() -> None:
+    """ZeroRedundancyOptimizer over the world, seen from pipeline rank 1 of 2: global rank 0 holds stage 0."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    _one_rank_group()
+    net = Net()
+    optimizers = [ZeroRedundancyOptimizer(net.parameters(), optimizer_class=torch.optim.Adam, lr=0.01)]
+    checked_optimizers(lambda: None, net, lambda: optimizers, pp_rank=1, stages=[1], pipeline_degree=2)
+
+
 class SharedBlocks(pl.LightningModule):
     """A ModuleList holding one block twice (weights shared between positions of the loop)."""
 
@@ -913,6 +923,14 @@ CASES: dict[str, Case] = {
         ValueError,
         r"LBFGS is not supported under strategy='twobp' with pipeline_degree=2: its step takes dot products "
         r"and norms over all of its parameters .* Use an optimizer whose update is per parameter",
+    ),
+    "fit-optimizer-zero-over-stages": (
+        # the check as setup runs it on pipeline rank 1 of 2 (tests/test_strategy.py refuses it end to end)
+        lambda t: _zero_over_two_stages(),
+        ValueError,
+        r"ZeroRedundancyOptimizer over global ranks \[0\] under strategy='twobp': global rank\(s\) \[0\] hold other "
+        r"pipeline stages .* Shard over the data-parallel replicas of this stage: ZeroRedundancyOptimizer\(\.\.\., "
+        r"process_group=self.trainer.strategy.group\('dp'\)\)",
     ),
     "fit-metric-dist-sync-on-step": (
         lambda t: _fit(SyncsOnStep()),
