@@ -226,6 +226,20 @@ class StepsSchedulerInStep(Net):
         return super().training_step(batch, batch_idx)
 
 
+class ClosureTwice(torch.optim.SGD):
+    """The shape of SAM's step (ascent, then descent): Lightning's closure called twice, then the step."""
+
+    def step(self, closure):
+        closure()
+        closure()
+        return super().step()
+
+
+class ClosureTwiceNet(Net):
+    def configure_optimizers(self):
+        return ClosureTwice(self.parameters(), lr=0.1)
+
+
 class CallsTwice(Net):
     def training_step(self, batch, batch_idx):
         x, y = batch
@@ -268,6 +282,16 @@ def _lbfgs_on_two_ranks() -> None:
     net = Net()
     optimizers = [torch.optim.LBFGS(net.parameters(), lr=0.5)]
     checked_optimizers(lambda: None, net, lambda: optimizers, pp_rank=0, stages=[0], pipeline_degree=2)
+
+
+def _zero_over_two_stages() -> None:
+    """ZeroRedundancyOptimizer over the world, seen from pipeline rank 1 of 2: global rank 0 holds stage 0."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    _one_rank_group()
+    net = Net()
+    optimizers = [ZeroRedundancyOptimizer(net.parameters(), optimizer_class=torch.optim.Adam, lr=0.01)]
+    checked_optimizers(lambda: None, net, lambda: optimizers, pp_rank=1, stages=[1], pipeline_degree=2)
 
 
 class SharedBlocks(pl.LightningModule):
@@ -812,6 +836,13 @@ CASES: dict[str, Case] = {
         r"self.lr_schedulers\(\).step\(\) in training_step under strategy='twobp': the step's code runs once per "
         r"micro-batch \(2 per batch\).* step it where every rank runs once per batch \(on_train_batch_end\)",
     ),
+    "fit-closure-twice-post-validation": (
+        # a pipeline of one stage checks too: post_validation=True with clipping keeps a step to redo
+        lambda t: _fit(ClosureTwiceNet(), trainer=dict(gradient_clip_val=0.05), post_validation=True),
+        RuntimeError,
+        r"training_step ran 2 times for one batch: the optimizer calls Lightning's closure more than once per "
+        r"step \(SAM-style\), which post-validation .* cannot redo.* Use TwoBPStrategy\(post_validation=False\)",
+    ),
     "fit-step-calls-twice": (
         lambda t: _fit(CallsTwice()),
         RuntimeError,
@@ -892,6 +923,14 @@ CASES: dict[str, Case] = {
         ValueError,
         r"LBFGS is not supported under strategy='twobp' with pipeline_degree=2: its step takes dot products "
         r"and norms over all of its parameters .* Use an optimizer whose update is per parameter",
+    ),
+    "fit-optimizer-zero-over-stages": (
+        # the check as setup runs it on pipeline rank 1 of 2 (tests/test_strategy.py refuses it end to end)
+        lambda t: _zero_over_two_stages(),
+        ValueError,
+        r"ZeroRedundancyOptimizer over global ranks \[0\] under strategy='twobp': global rank\(s\) \[0\] hold other "
+        r"pipeline stages .* Shard over the data-parallel replicas of this stage: ZeroRedundancyOptimizer\(\.\.\., "
+        r"process_group=self.trainer.strategy.group\('dp'\)\)",
     ),
     "fit-metric-dist-sync-on-step": (
         lambda t: _fit(SyncsOnStep()),
@@ -1065,6 +1104,7 @@ def _batch_of_two_sizes() -> DataLoader:
 # Refused at the first forward of step 0 (what only the user's own step can show); every other case
 # is refused before any module runs.
 AT_FIRST_FORWARD = {
+    "fit-closure-twice-post-validation",  # the second call of the closure: the first step ran its pipeline
     "fit-log-loose-metric",
     "fit-step-calls-twice",
     "fit-step-skips-layers",

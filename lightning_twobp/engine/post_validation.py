@@ -42,7 +42,11 @@ __all__ = ["StepValidation", "Verdict"]
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
+    """What the check reads of a gradient: a DTensor's local shard; a sparse gradient's coalesced values
+    (``nn.Embedding(sparse=True)``), which have its norm and finiteness (norms of sparse tensors raise)."""
+    if isinstance(t, DTensor):
+        return t.to_local()
+    return t.coalesce().values() if t.is_sparse else t
 
 
 def _grad(q: nn.Parameter) -> torch.Tensor:

@@ -5,6 +5,7 @@ start, optimizers the pipeline cannot step. Each error names the value and the f
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -256,7 +257,11 @@ def checked_optimizers(
     except Exception as e:  # noqa: BLE001 - shared with the other ranks, then raised again
         error = e
     if error is None:
-        problem = _outside(module, optimizers(), pp_rank) or _whole_model_step(optimizers(), pipeline_degree)
+        problem = (
+            _outside(module, optimizers(), pp_rank)
+            or _whole_model_step(optimizers(), pipeline_degree)
+            or _zero_over_stages(optimizers(), pp_rank, pipeline_degree)
+        )
     elif isinstance(error, ValueError) and "empty parameter list" in str(error):
         problem = (
             f"configure_optimizers on pipeline rank {pp_rank} (stages {list(stages)}) gave an optimizer an empty "
@@ -309,6 +314,33 @@ def _whole_model_step(optimizers: list[Any], pipeline_degree: int) -> str | None
         f"optimizer whose update is per parameter (SGD, Adam, AdamW, ...; a closure that Lightning's "
         f"optimizer_step calls several times is fine), or train with LBFGS in one process"
     )
+
+
+def _zero_over_stages(optimizers: list[Any], pp_rank: int, pipeline_degree: int) -> str | None:
+    """torch's ZeroRedundancyOptimizer shards its parameter list over its process group (the world by default)
+    and broadcasts each shard from the rank that updated it into the same place of every rank's list; ranks
+    holding other stages hold other parameters, so each rank's weights were overwritten by another stage's
+    (found by a trial: 0.48 off one process after 6 steps, silently, where the stages' shapes agree; gloo's
+    size mismatch abort where they do not). Global rank g is pipeline rank g % pipeline_degree
+    (:meth:`.layout.Layout.global_rank_of`)."""
+    # not imported here: torch.distributed.optim scripts its functional optimizers on import (66 warnings of
+    # torch.jit's deprecation); an optimizer of that class exists only where the user imported its module
+    zero = sys.modules.get("torch.distributed.optim.zero_redundancy_optimizer")
+    for opt in optimizers:
+        if zero is None or not isinstance(opt, zero.ZeroRedundancyOptimizer) or pipeline_degree == 1:
+            continue
+        ranks = dist.get_process_group_ranks(opt.process_group)
+        others = [g for g in ranks if g % pipeline_degree != pp_rank]
+        if others:
+            return (
+                f"ZeroRedundancyOptimizer over global ranks {ranks} under strategy='twobp': global rank(s) {others} "
+                f"hold other pipeline stages (other parameters), and ZeRO broadcasts each shard it updates into the "
+                f"same place of every rank's parameter list, so each stage's weights would be overwritten by "
+                f"another's. Shard over the data-parallel replicas of this stage: "
+                f"ZeroRedundancyOptimizer(..., process_group=self.trainer.strategy.group('dp')), or use "
+                f"TwoBPStrategy(data_parallel='shard')"
+            )
+    return None
 
 
 def _everyone(problem: str | None) -> list[str | None]:

@@ -41,10 +41,17 @@ def hooks_may_scale_grads(lm: Any, callbacks: Sequence[Any]) -> bool:
     )
 
 
+def _local(g: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard; a sparse gradient's (``nn.Embedding(sparse=True)``) coalesced values."""
+    if isinstance(g, DTensor):
+        return g.to_local()
+    return g.coalesce().values() if g.is_sparse else g
+
+
 def _grad_norms(params: Sequence[torch.nn.Parameter], device: torch.device) -> torch.Tensor:
     """Each parameter's gradient norm (0 for none; a DTensor's local shard), on ``device``, no host sync."""
     norms = [
-        torch.linalg.vector_norm(g.to_local() if isinstance(g, DTensor) else g, dtype=torch.float32)
+        torch.linalg.vector_norm(_local(g), dtype=torch.float32)
         if (g := q.grad) is not None
         else torch.zeros((), device=device)
         for q in params
@@ -174,6 +181,12 @@ class OptimizerChecks:
     def pending(self) -> bool:
         """A speculative optimizer step waits for its verdict (``post_validation``)."""
         return any(c.pending for c in self.checks.values())
+
+    @property
+    def may_redo(self) -> bool:
+        """A speculative optimizer step waits for its verdict and would be redone, by ``optimizer.step()``
+        without a closure, should it be clipped or skipped."""
+        return any(c.pending and c.rollback for c in self.checks.values())
 
     def validate(self, lm: Any) -> Verdict | None:
         """The pending speculative optimizer step's verdict, if any (see ``post_validation``)."""

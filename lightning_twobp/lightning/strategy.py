@@ -10,6 +10,7 @@ and stages; the engine (:class:`~lightning_twobp.engine.PipelineExecutor`) runs 
 from __future__ import annotations
 
 import socket
+import warnings
 from collections.abc import Callable, Sequence
 from contextlib import ExitStack, nullcontext
 from datetime import timedelta
@@ -151,6 +152,8 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
         self.stage_sizes: list[int] | None = None  # layers per stage, once the pipeline is built
         self._resume_rng: dict[str, torch.Tensor] | None = None  # a checkpoint's random states, not yet restored
         self._record_next = False
+        self._steps_this_batch = 0  # training_step calls for the current batch (see _CLOSURE_AGAIN)
+        self._closure_again_said = False  # _CLOSURE_AGAIN_NORM warned (once per strategy)
         self.last_records: StepRecords | None = None  # this rank's ops of the latest recorded step
 
     @property
@@ -406,6 +409,7 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
         elif self._outside is not None:
             with told(self._failures, f"global step {self.lightning_module.trainer.global_step}"):
                 self._outside.check(self.lightning_module.trainer.global_step)
+        self._steps_this_batch = 0  # Lightning's closure runs training_step; an optimizer may call it again (SAM)
         if self._signals is not None:  # every rank stops before the same step once one was signalled
             with self._naming_lost("the stop-signal agreement of the previous step"):
                 self._signals.agree(f"training step {self.lightning_module.trainer.global_step}")
@@ -427,6 +431,12 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
 
     def _training_step(self, args: tuple, kwargs: dict) -> Any:
         pipeline = self._built("training_step")
+        self._steps_this_batch += 1
+        if self._steps_this_batch > 1 and pipeline.checks.may_redo:
+            raise RuntimeError(_CLOSURE_AGAIN.format(n=self._steps_this_batch, schedule=self.options.schedule))
+        if self._steps_this_batch == 2 and self.pipeline_degree > 1 and not self._closure_again_said:
+            self._closure_again_said = True
+            warnings.warn(_CLOSURE_AGAIN_NORM, UserWarning, stacklevel=2)
         put_back = self._redo_from(pipeline)
         loss, means = self._train_step(pipeline, args, kwargs)
         verdict = self._validate()  # the previous optimizer step's global check, long arrived
@@ -627,6 +637,31 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
         strategy_registry.register(cls.strategy_name, cls, description="2BP pipeline parallelism (lightning_twobp)")
+
+
+# The same batch's training_step again within one optimizer step: the optimizer called Lightning's closure
+# twice (SAM: ascent, then descent). Post-validation keeps a copy and redoes a clipped or skipped step by
+# optimizer.step() alone, which a closure-driven step cannot be (found by a trial: SAM under zb-h2 with
+# clipping stopped with "SAM.step() missing 1 required positional argument: 'closure'"; an optimizer whose
+# closure is optional would have been redone without its second pass, silently).
+_CLOSURE_AGAIN = (
+    "twobp: training_step ran {n} times for one batch: the optimizer calls Lightning's closure more than once "
+    "per step (SAM-style), which post-validation (schedule='{schedule}' with gradient_clip_val or "
+    "on_nonfinite='skip') cannot redo: a step it clips or skips after the fact is redone by optimizer.step() "
+    "with the saved gradients, without the closure. Use TwoBPStrategy(post_validation=False), which checks "
+    "before each step (exact), or a schedule that checks first (1f1b, zb-h1)"
+)
+
+# Said once, where nothing is refused: each run of the closure is exact, but what the optimizer computes over
+# "all" of its parameters is over this rank's (found by a trial: SAM's ||g|| per rank, 0.0074 off one process
+# after 6 steps, silently; summed over the pipeline's group it matched, 1.2e-7).
+_CLOSURE_AGAIN_NORM = (
+    "twobp: training_step ran 2 times for one batch: the optimizer calls Lightning's closure again within its step "
+    "(SAM-style). Each call runs the pipeline and is exact, but each rank's optimizer holds only its own stages' "
+    "parameters: a norm or dot product over all of them (SAM's ||g|| for its perturbation) is this rank's, not "
+    "the model's, and trains differently from one process. Sum it over the pipeline: "
+    "torch.distributed.all_reduce(norm_squared, group=trainer.strategy.group('pp'))"
+)
 
 
 def _register() -> None:
