@@ -327,6 +327,46 @@ class LooseParameter(SharedBlocks):
         return super().forward(x * self.scale)
 
 
+class _KeepsAux(nn.Tanh):
+    """A Tanh that keeps an auxiliary loss on itself in its forward, as a Switch MoE or a VQ-VAE layer does."""
+
+    def forward(self, x):
+        self.aux = x.pow(2).mean()
+        return super().forward(x)
+
+
+class AuxLossOnModule(Net):
+    """The auxiliary loss of a layer on the first stage read back from the layer in training_step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.Sequential(nn.Linear(6, 8), _KeepsAux(), nn.Linear(8, 2))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.mse_loss(self.layers(x), y)
+        return loss + 0.01 * sum(m.aux for m in self.layers if hasattr(m, "aux"))
+
+
+class _AuxLinear(nn.Linear):
+    def forward(self, x):
+        out = super().forward(x)
+        self.aux = out.pow(2).mean()  # a block's auxiliary loss kept on it
+        return out
+
+
+class AuxLossOnBlock(SharedBlocks):
+    """The ModuleList contract's form: blocks that keep their auxiliary loss, summed in training_step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([_AuxLinear(6, 6) for _ in range(3)])
+
+    def training_step(self, batch, batch_idx):
+        return super().training_step(batch, batch_idx) + 0.01 * sum(b.aux for b in self.blocks if hasattr(b, "aux"))
+
+
 def _data(samples: int = 16, batch: int = 8, drop_last: bool = True, second_dim: int = 2) -> DataLoader:
     g = torch.Generator().manual_seed(0)
     return DataLoader(
@@ -855,6 +895,20 @@ CASES: dict[str, Case] = {
         r"training_step changes torch.autocast around its call of layers \(autocast there: cpu bfloat16; in the "
         r"Trainer's precision context: cpu off\).*use Trainer\(precision='bf16-mixed'\)",
     ),
+    # the step reads it on the last stage, where the layer is a placeholder: hasattr was False, the term dropped
+    "fit-aux-loss-on-module": (
+        lambda t: _fit(AuxLossOnModule(), schedule="zb-v", balance=[2, 1]),
+        RuntimeError,
+        r"layers\[1\] stored a scalar that requires grad on itself in its training forward \(layers\[1\].aux; an "
+        r"auxiliary loss kept on the module\?\), on a pipeline stage other than the last.*"
+        r"`out, aux = self.layers\(x\)` in training_step",
+    ),
+    "fit-aux-loss-on-block": (
+        lambda t: _fit(AuxLossOnBlock(), schedule="zb-v", balance=[1, 2]),
+        RuntimeError,
+        r"blocks.0 stored a scalar that requires grad on itself in its training forward \(blocks.0.aux; .*"
+        r"A block passes one hidden state on under the ModuleList contract, so such a loss cannot travel with it",
+    ),
     "fit-input-requires-grad": (
         lambda t: _fit(TrainedInput()),
         ValueError,
@@ -1115,6 +1169,8 @@ AT_FIRST_FORWARD = {
     "fit-batch-tensors-differ",
     "fit-metric-cat-one-number",
     "fit-metric-running-in-step",
+    "fit-aux-loss-on-module",
+    "fit-aux-loss-on-block",
 }
 
 
@@ -1176,6 +1232,29 @@ class AutocastOffAroundLayers(Net):
 def test_autocast_that_changes_nothing_around_the_call_trains():
     """The control for fit-autocast-around-layers: the dtype of an autocast that is off is not compared."""
     assert _fit(AutocastOffAroundLayers()).global_step == 2
+
+
+class _KeepsDetached(nn.Tanh):
+    def forward(self, x):
+        self.aux, self.seen = x.pow(2).mean().detach(), x  # a detached scalar, an activation kept for a look
+        return super().forward(x)
+
+
+class ReparametrizedFirstStage(AuxLossOnModule):
+    """The controls for fit-aux-loss-on-module: torch's hook-based weight_norm sets a computed weight as an
+    attribute before each forward, and values kept detached or not scalar reach no loss term."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        weight_norm = torch.nn.utils.weight_norm  # the hook-based form (deprecated), still common
+        self.layers = nn.Sequential(weight_norm(nn.Linear(6, 8)), _KeepsDetached(), nn.Linear(8, 2))
+
+
+def test_reparametrized_weights_and_detached_values_on_a_first_stage_train():
+    with pytest.warns(FutureWarning, match="weight_norm"):
+        model = ReparametrizedFirstStage()
+    assert _fit(model, schedule="zb-v", balance=[2, 1]).global_step == 2
 
 
 def test_a_batch_that_splits_trains():

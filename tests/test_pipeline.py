@@ -165,13 +165,31 @@ def test_failure_names_rank_step_and_action():
     assert "rank 1, step 0, op 1 (1F0)" in msg and "boom" in msg and "ERROR HERE" in msg
 
 
+class _RunningMean(torch.nn.Module):
+    """Subtracts a running mean of its inputs kept by rebinding its buffer (``self.mean = ...``, not written in
+    place) and counts its calls in a Python attribute: the probe's update of either used to stay."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.register_buffer("mean", torch.zeros(n))
+        self.calls = 0
+
+    def forward(self, x):
+        if self.training:
+            self.mean = 0.9 * self.mean + 0.1 * x.detach().mean(0)
+            self.calls += 1
+        return x - self.mean
+
+
 def _batchnorm(rank: int, world: int) -> list[str]:
-    """BatchNorm statistics after a step equal one process's: the shape exchange leaves no trace."""
+    """BatchNorm statistics after a step equal one process's: the shape exchange leaves no trace (nor in a
+    buffer a layer rebinds, nor in a Python attribute it counts with)."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(
         torch.nn.Linear(8, 16),
         torch.nn.BatchNorm1d(16),
         torch.nn.ReLU(),
+        _RunningMean(16),  # of the ReLU's output: a BatchNorm's has mean 0
         torch.nn.Linear(16, 16),
         torch.nn.BatchNorm1d(16),
         torch.nn.Linear(16, 4),
@@ -180,10 +198,10 @@ def _batchnorm(rank: int, world: int) -> list[str]:
     x, y = torch.randn(4, 6, 8), torch.randint(0, 4, (4, 6))
     (sum(F.cross_entropy(ref(x[i]), y[i]) for i in range(4)) / 4).backward()
     sched = build_schedule("zb-h1", world, 4)
-    parts = split_sequential(model, [3, 3])
+    parts = split_sequential(model, [4, 3])
     ex = PipelineExecutor(sched, {rank: parts[rank]}, loss_fn=F.cross_entropy)
     ex.step(list(x) if rank == 0 else None, list(y) if rank == 1 else None)
-    bad = []
+    bad = [] if model[3].calls == (4 if rank == 0 else 0) else [f"{model[3].calls} calls of the running mean"]
     mine = {id(b) for b in parts[rank].buffers()}
     for (n, a), (_, b) in zip(model.named_buffers(), ref.named_buffers(), strict=False):
         if id(a) in mine and not torch.allclose(a.float(), b.float(), rtol=1e-5):
@@ -202,15 +220,16 @@ def test_batchnorm_statistics_match_single_process(launches, request):
 
 
 class _FailsOnCall(torch.nn.Module):
-    """Raises on its ``at``-th call (1 = the shape exchange's probe, 2 = the first real F)."""
+    """Raises on its ``at``-th call (1 = the shape exchange's probe, 2 = the first real F). It counts in a list:
+    the probe puts a plain attribute back (``self.calls += 1`` would count the first real F as call 1 again)."""
 
     def __init__(self, at: int) -> None:
         super().__init__()
-        self.at, self.calls = at, 0
+        self.at, self.calls = at, [0]
 
     def forward(self, x):
-        self.calls += 1
-        if self.calls == self.at:
+        self.calls[0] += 1
+        if self.calls[0] == self.at:
             raise ValueError("boom")
         return x
 

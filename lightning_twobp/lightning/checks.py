@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -349,3 +349,61 @@ def _everyone(problem: str | None) -> list[str | None]:
     every: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(every, problem)
     return every
+
+
+def grad_scalars(layers: Any) -> set[int]:
+    """The ids of the scalars requiring grad that ``layers`` and their submodules hold as plain attributes."""
+    return {id(t) for *_, t in _attribute_tensors(layers)}
+
+
+def _attribute_tensors(layers: Any) -> Iterator[tuple[int, str, str, torch.Tensor]]:
+    """(layer index, submodule path in it, attribute, tensor) for every scalar tensor with a ``grad_fn`` held in
+    a module's own ``__dict__`` (not a parameter or buffer: those are in ``_parameters`` / ``_buffers``),
+    directly or in a list, tuple or dict. Scalars only: a loss is one, while the weights that torch's hook-based
+    ``weight_norm``, ``spectral_norm`` and ``prune`` set as attributes before each forward are not, nor is an
+    activation kept for a look."""
+    for k, layer in enumerate(layers):
+        for sub, module in layer.named_modules():
+            for attr, value in vars(module).items():
+                if attr in ("_parameters", "_buffers", "_modules"):
+                    continue
+                values = (
+                    value.values() if isinstance(value, dict) else value if isinstance(value, list | tuple) else [value]
+                )
+                for t in values:
+                    if isinstance(t, torch.Tensor) and t.grad_fn is not None and t.dim() == 0:
+                        yield k, sub, attr, t
+
+
+CARRY_AUX = (
+    "Carry it through the pipeline instead: have the layer return (hidden, aux) and each later layer pass the running "
+    "sum on (a tuple of tensors travels between stages), then `out, aux = self.layers(x)` in training_step; or put "
+    "the layers that store it on the last stage (balance=[...])"
+)
+LOOP_AUX = (
+    "A block passes one hidden state on under the ModuleList contract, so such a loss cannot travel with it: put "
+    "those blocks on the last stage (balance=[...]), or train without it (as Hugging Face's router loss, "
+    "output_router_logits=False), or use one nn.Sequential whose layers return (hidden, aux)"
+)
+
+
+def stored_for_loss(layers: Any, name_of: Callable[[int, str], str], before: set[int], fix: str) -> None:
+    """Refuse a scalar that a layer of a stage other than the last stored on a module in its training forward
+    and that requires grad: an auxiliary loss kept on the module (``self.aux = ...``: a Switch MoE's
+    load-balancing loss, a VQ-VAE's commitment loss, a Bayesian layer's KL) for ``training_step`` to add.
+    The step's code after the pipelined call runs on the last stage, where this layer is a placeholder:
+    ``hasattr(layer, 'aux')`` was False there, so the term was left out of the loss, silently (every
+    parameter 3e-4 to 3e-3 off one process after 4 steps in a trial; the logged ``aux`` 1.2 off; a
+    ModuleList's blocks alike). ``name_of(k, sub)``: the model's name of submodule ``sub`` of layer ``k``;
+    ``before``: the ids :func:`grad_scalars` found before the forward; ``fix`` ends the message."""
+    for k, sub, attr, t in _attribute_tensors(layers):
+        if id(t) not in before:
+            name = name_of(k, sub)
+            raise RuntimeError(
+                f"{name} stored a scalar that requires grad on itself in its training forward ({name}.{attr}; "
+                f"an auxiliary loss kept on the module?), on a pipeline stage other than the last: under "
+                f"strategy='twobp' training_step's code after the call of the pipelined layers runs on the last stage "
+                f"only, where {name} is a placeholder without it, so a loss term read from it there would be "
+                f"missing (or, with hasattr or getattr(..., 0), left out silently). {fix}; `.detach()` it if it is "
+                f"only kept for a look"
+            )

@@ -23,6 +23,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from lightning_twobp.lightning.checks import CARRY_AUX, grad_scalars, stored_for_loss
 from lightning_twobp.lightning.modulelist_contract import ModuleListContract, identical_blocks
 
 __all__ = ["Contract", "ModuleListContract", "SequentialContract", "StageModule", "find_contract", "find_sequential"]
@@ -72,19 +73,30 @@ class StageModule(nn.Module):
     the one tuple the previous layer returned, as ``nn.Sequential`` does. When the first layer works
     in place (``nn.ReLU(inplace=True)``) the stage's inputs, which are leaves that require grad, are
     cloned first: autograd refuses an in-place op on such a leaf.
+
+    A stage that is not the last (``names`` given: the layers' names in the model) looks once, at its
+    first training forward, for values its layers' forward stored on themselves (:func:`stored_for_loss`).
     """
 
-    def __init__(self, layers: list[nn.Module]) -> None:
+    def __init__(self, layers: list[nn.Module], names: list[str] | None = None) -> None:
         super().__init__()
         self.layers = nn.ModuleList(layers)  # shared with the user's Sequential, not copied
         self._clone_inputs = _inplace(layers[0])
+        self._look_for_stored = names  # None: the last stage (the step reads its layers), or nothing to look at
 
     def forward(self, *inputs: Any) -> Any:
         if self._clone_inputs:
             inputs = tuple(x.clone() if isinstance(x, torch.Tensor) and x.requires_grad else x for x in inputs)
         x = inputs[0] if len(inputs) == 1 else inputs
+        names = self._look_for_stored if self.training and torch.is_grad_enabled() else None
+        before = grad_scalars(self.layers) if names else set()
         for layer in self.layers:
             x = layer(x)
+        if names:
+            self._look_for_stored = None
+            stored_for_loss(
+                self.layers, lambda k, sub: ".".join([names[k], *([sub] if sub else [])]), before, CARRY_AUX
+            )
         return x
 
 
@@ -117,7 +129,9 @@ class SequentialContract:
         return list(self.seq)
 
     def stage_module(self, first: int, stop: int, bounds: Sequence[int]) -> nn.Module:
-        return StageModule([self.seq[i] for i in range(first, stop)])
+        last = stop == bounds[-1]  # the step's code reads its layers' attributes: nothing to look for there
+        names = None if last else [self.describe(i) for i in range(first, stop)]
+        return StageModule([self.seq[i] for i in range(first, stop)], names)
 
     @contextmanager
     def intercept(self, call: Callable[..., Any]) -> Iterator[None]:

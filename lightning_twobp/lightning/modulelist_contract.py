@@ -51,6 +51,7 @@ from typing import Any, TypeGuard, TypeVar
 import torch
 from torch import nn
 
+from lightning_twobp.lightning.checks import LOOP_AUX, grad_scalars, stored_for_loss
 from lightning_twobp.lightning.placeholders import Elsewhere, ElsewhereError, ElsewhereWrite, elsewhere, find_elsewhere
 from lightning_twobp.private import forward_hooks, pytree
 
@@ -150,11 +151,28 @@ class LoopStage(nn.Module):
         self.layers = nn.ModuleList(contract.layers()[first:stop])  # the user's modules, shared
         self.first, self.stop, self.last_first, self.index = first, stop, last_first, index
         self._contract = [contract]  # a list: not a submodule
+        # looked at once, at the first training forward (checks.stored_for_loss): not on the last stage (which
+        # returns first), which the step's code runs, where it reads the blocks' attributes as one process does
+        self._look_for_stored = True
 
     def forward(self, *inputs: Any) -> Any:
-        if self.stop == self._contract[0].num_blocks:
+        contract = self._contract[0]
+        if self.stop == contract.num_blocks:
             return inputs[0]
-        return self._contract[0].run_stage(self, inputs)
+        look = self._look_for_stored and self.training and torch.is_grad_enabled()
+        before = grad_scalars(self.layers) if look else set()
+        out = contract.run_stage(self, inputs)
+        if look:
+            self._look_for_stored = False
+            stored_for_loss(self.layers, self._name_of, before, LOOP_AUX)
+        return out
+
+    def _name_of(self, k: int, sub: str) -> str:
+        """The model's name of submodule ``sub`` of this stage's layer ``k``: a LayerGroup's "j.rest" is its
+        part j's path (a block, the embedding) and ``rest`` in it."""
+        group = self.layers[k]
+        assert isinstance(group, LayerGroup)
+        return group.path_of(sub) if sub else ", ".join(group.paths)
 
 
 @dataclass

@@ -17,6 +17,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch.distributed.tensor import DTensor
 
 from lightning_twobp.engine import StepValidation, Verdict
+from lightning_twobp.engine.executor import keep_buffers
 from lightning_twobp.lightning.placeholders import Elsewhere
 from lightning_twobp.options import PipelineOptions
 
@@ -100,14 +101,7 @@ def buffers_kept(module: torch.nn.Module) -> Callable[[], None]:
     that ran on a speculative optimizer step's weights runs again once that step is redone, and its first
     run's buffer writes (a training BatchNorm's running statistics and batch count) must not count twice.
     Other stages' buffers (on the meta device, or placeholders) are left alone."""
-    kept = [(b, b.detach().clone()) for b in module.buffers() if not b.is_meta and not isinstance(b, Elsewhere)]
-
-    def put_back() -> None:
-        with torch.no_grad():
-            for b, copy in kept:
-                b.copy_(copy)
-
-    return put_back
+    return keep_buffers(module, lambda b: not b.is_meta and not isinstance(b, Elsewhere))
 
 
 class NonFiniteError(RuntimeError):
