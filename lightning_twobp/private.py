@@ -59,12 +59,12 @@ def tensor_version(t: torch.Tensor) -> int:
     return t._version
 
 
-def tensor_hooks(t: torch.Tensor) -> tuple[int, int]:
-    """How many gradient hooks (``t.register_hook``) and post-accumulate-grad hooks
+def tensor_hooks(t: torch.Tensor) -> tuple[list[Any], list[Any]]:
+    """The gradient hooks (``t.register_hook``) and post-accumulate-grad hooks
     (``t.register_post_accumulate_grad_hook``) ``t`` holds: the split backward adds weight gradients into
     ``.grad`` itself, so a parameter's hooks are refused before any compute (lightning/checks.py), and
     torch lists them only in private attributes (None before the first hook)."""
-    return len(t._backward_hooks or ()), len(t._post_accumulate_grad_hooks or ())
+    return list((t._backward_hooks or {}).values()), list((t._post_accumulate_grad_hooks or {}).values())
 
 
 def forward_hooks(module: torch.nn.Module) -> int:

@@ -1248,13 +1248,25 @@ class ReparametrizedFirstStage(AuxLossOnModule):
         super().__init__()
         torch.manual_seed(0)
         weight_norm = torch.nn.utils.weight_norm  # the hook-based form (deprecated), still common
-        self.layers = nn.Sequential(weight_norm(nn.Linear(6, 8)), _KeepsDetached(), nn.Linear(8, 2))
+        self.layers = nn.Sequential(weight_norm(nn.Linear(6, 8)), _KeepsDetached(), _Gated(), nn.Linear(8, 2))
+
+
+class _Gated(nn.Module):
+    """Keeps the gate its forward uses on itself: a scalar with grad that the stage's output depends on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.logit = nn.Parameter(torch.zeros(()))
+
+    def forward(self, x):
+        self.alpha = torch.sigmoid(self.logit)
+        return x * self.alpha
 
 
 def test_reparametrized_weights_and_detached_values_on_a_first_stage_train():
     with pytest.warns(FutureWarning, match="weight_norm"):
         model = ReparametrizedFirstStage()
-    assert _fit(model, schedule="zb-v", balance=[2, 1]).global_step == 2
+    assert _fit(model, schedule="zb-v", balance=[3, 1]).global_step == 2
 
 
 def test_a_batch_that_splits_trains():
@@ -1277,19 +1289,33 @@ class Teacher(Net):
 
     def on_train_batch_end(self, outputs, batch, batch_idx):
         with torch.no_grad():
-            if self.how == "ema":  # the mean-teacher / BYOL update, as written for one process
-                for t, q in zip(self.teacher.parameters(), self.layers.parameters(), strict=False):
-                    t.mul_(0.9).add_(q, alpha=0.1)
-            elif self.how == "averaged":
+            if self.how == "averaged":
                 self.averaged.update_parameters(self.layers)
+            elif self.how != "epoch-end":
+                self._ema()
             self.temperature.mul_(0.5)  # a buffer written on a schedule: left alone
+
+    def on_train_epoch_end(self):
+        if self.how == "epoch-end":  # the last epoch's write: seen at the end of training
+            self._ema()
+
+    @torch.no_grad()
+    def _ema(self) -> None:
+        pairs = zip(self.teacher.parameters(), self.layers.parameters(), strict=False)
+        for t, q in pairs:  # the mean-teacher / BYOL update, as written for one process
+            if self.how == "data":  # Lightning Bolts' BYOLMAWeightUpdate: no version counter moves
+                t.data = 0.9 * t.data + 0.1 * q.data
+            elif self.how == "data-in-place":  # MoCo's momentum update: neither version nor storage moves
+                t.data.mul_(0.9).add_(q.data, alpha=0.1)
+            elif self.how != "frozen":
+                t.mul_(0.9).add_(q, alpha=0.1)
 
     def on_train_start(self):
         if self.how == "averaged":
             self.averaged = torch.optim.swa_utils.AveragedModel(self.teacher)
 
 
-@pytest.mark.parametrize("how", ["ema", "averaged", "frozen"])
+@pytest.mark.parametrize("how", ["ema", "data", "data-in-place", "epoch-end", "averaged", "frozen"])
 def test_a_copy_outside_the_pipeline_written_in_training_is_refused(how):
     """An EMA teacher (or AveragedModel) outside the pipeline, updated from the pipelined layers, holds another
     value on every rank (each holds only its own stages' weights; a trial's teacher was 0.23 off one process
@@ -1300,8 +1326,9 @@ def test_a_copy_outside_the_pipeline_written_in_training_is_refused(how):
         return
     with pytest.raises(
         ValueError,
-        match=r"(teacher|averaged.module).0.weight.* changed in place during training \(seen before global "
-        r"step 1\).* not supported yet: keep it frozen",
+        match=r"(teacher|averaged.module).0.weight.* changed during training \(seen "
+        + ("at the end of training" if how == "epoch-end" else r"before global step 1")
+        + r"\).* not supported yet: keep it frozen",
     ):
         _fit(Teacher(how), layers="layers")
 
@@ -1336,3 +1363,17 @@ def test_pipeline_timeout_bounds_lightnings_collectives_too():
         == timedelta(seconds=60)
     )
     assert timeout(strategy.io_group) == timedelta(minutes=30)
+
+
+def test_a_wandb_gradient_hook_is_refused_with_its_own_fix():
+    """WandbLogger.watch(log='gradients') registers a read-only hook on every parameter: the refusal names
+    wandb's own option, not the clamp fixes of a hook that changes gradients."""
+    from lightning_twobp.lightning.checks import _hook_refusal
+
+    def hook(grad):
+        return None
+
+    hook.__module__ = "wandb.integration.torch.wandb_torch"  # where wandb's watch defines its hooks
+    message = _hook_refusal("layers.0.weight (pipeline stage 0)", [hook], "at the Trainer's setup")
+    assert "wandb" in message and "log='parameters'" in message and "gradient_clip_algorithm" not in message
+    assert "gradient_clip_algorithm" in _hook_refusal("layers.0.weight (pipeline stage 0)", [print], "at setup")

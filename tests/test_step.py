@@ -202,6 +202,12 @@ def test_wrapped_and_tracked_metrics_as_one_process_on_every_rank():
             assert {k: float(v) for k, v in got.items()} == {k: float(v) for k, v in want.items()}, name
         assert [float(v) for v in m.tracker.compute_all()] == [float(v) for v in one.tracker.compute_all()]
         copy.deepcopy(m)  # a deep copy during the call
+    from lightning_twobp.lightning.step import _shadowed
+
+    # called (forward) in a step, a MinMaxMetric would keep the micro-batches' extremes: refused
+    shadows = mine.step_shadows("training_step", 4, 0.25)
+    with _shadowed(shadows), pytest.raises(ValueError, match=r"self.mm \(MinMaxMetric\) was called in training_step"):
+        last.mm(*steps[0])
     for u in undo:
         u()
     assert last.cw.metric.dist_sync_fn is None and last.tracker[-1].dist_sync_fn is None  # back after the call

@@ -118,7 +118,9 @@ def keep_buffers(
         for name, b in m.named_buffers(recurse=False)
         if keep(b)
     ]
-    plain = [(vars(m), {k: v for k, v in vars(m).items() if not k.startswith("_")}) for m in module.modules()]
+    # not for buffers_kept, at every post-validated step: no walk of every module's attributes there
+    modules = list(module.modules()) if attributes else []
+    plain = [(vars(m), {k: v for k, v in vars(m).items() if not k.startswith("_")}) for m in modules]
 
     def put_back() -> None:
         with torch.no_grad():
@@ -126,7 +128,7 @@ def keep_buffers(
                 if getattr(m, name, None) is not b:
                     setattr(m, name, b)
                 b.copy_(value)
-        for now, before in plain if attributes else []:
+        for now, before in plain:
             for k in [k for k in now if not k.startswith("_") and k not in before]:
                 del now[k]
             now.update(before)

@@ -4,6 +4,7 @@ start, optimizers the pipeline cannot step. Each error names the value and the f
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -153,7 +154,7 @@ def check_parameter_hooks(lm: nn.Module, stages: Mapping[int, nn.Module], when: 
         for local, q in stages[s].named_parameters():
             grad, post = tensor_hooks(q)
             if grad or post:
-                problem = _hook_refusal(f"{names.get(id(q), local)} (pipeline stage {s})", bool(grad), when)
+                problem = _hook_refusal(f"{names.get(id(q), local)} (pipeline stage {s})", grad, when)
                 break
         if problem:
             break
@@ -162,8 +163,14 @@ def check_parameter_hooks(lm: nn.Module, stages: Mapping[int, nn.Module], when: 
         raise ValueError(problem or others[0])
 
 
-def _hook_refusal(name: str, grad: bool, when: str) -> str:
-    if grad:
+def _hook_refusal(name: str, grad: list[Any], when: str) -> str:
+    if any(_owner(h).startswith("wandb") for h in grad):  # read-only logging hooks, on every parameter
+        kind = "a gradient hook of wandb's (WandbLogger.watch / wandb.watch with log='gradients' or 'all')"
+        fix = (
+            "Watch with log='parameters' (or log=None), or log gradient statistics yourself in "
+            "on_before_optimizer_step, where each rank's p.grad holds the whole gradient of the step"
+        )
+    elif grad:
         kind = "a gradient hook (Tensor.register_hook)"
         fix = (
             "For a per-element clamp use Trainer(gradient_clip_val=c, gradient_clip_algorithm='value'), or "
@@ -185,11 +192,17 @@ def _hook_refusal(name: str, grad: bool, when: str) -> str:
     )
 
 
+def _owner(hook: Any) -> str:
+    """The module that defined ``hook`` (a function, a ``functools.partial`` of one, or a callable object)."""
+    fn = getattr(hook, "func", hook)
+    return str(getattr(fn, "__module__", None) or getattr(type(fn), "__module__", ""))
+
+
 class OutsideWrites:
-    """The LightningModule's parameters outside this rank's stages, by their version counters from the call's
-    first training batch on: one written in place during training (an EMA teacher's ``mul_().add_()``, a
-    momentum encoder, ``torch.optim.swa_utils.AveragedModel.update_parameters``) is refused before the next
-    step, on every rank that wrote it.
+    """The LightningModule's parameters outside this rank's stages, from the call's first training batch on
+    (or a checkpoint's load): one written during training (an EMA teacher's ``mul_().add_()``, a momentum
+    encoder's ``p.data = tau * p.data + ...``, ``torch.optim.swa_utils.AveragedModel.update_parameters``) is
+    refused before the next step and at the end of training, on every rank that wrote it.
 
     Each rank holds only its own stages' weights of the pipelined layers, and only the last stage's rank runs
     the step past the pipelined call, so such a copy holds other values on every rank and none of them is one
@@ -197,25 +210,63 @@ class OutsideWrites:
     teacher's first layers with the last stage's (0.23 off one process after an epoch, silently, where the
     layers' shapes repeat; a torch shape error where they do not); by name, each rank's copy kept the other
     stages' layers as they started. Nothing else writes those parameters: the optimizer skips a parameter
-    without a gradient, and no parameter outside the stages gets one (the stages' graphs refuse them)."""
+    without a gradient, and no parameter outside the stages gets one (the stages' graphs refuse them).
+
+    Each check compares the version counters and storages (an in-place write, a ``.data =`` rebind); the first
+    :attr:`VALUE_CHECKS` and the one at the end of training compare values too (a write into ``.data`` moves
+    no version counter), one norm per parameter and one host sync, not at every step."""
+
+    VALUE_CHECKS = 2
 
     def __init__(self, lm: nn.Module, stages: Mapping[int, nn.Module]) -> None:
         inside = {id(q) for stage in stages.values() for q in stage.parameters()}
-        self.watched = [(n, q, tensor_version(q)) for n, q in lm.named_parameters() if id(q) not in inside]
+        self.watched = [(n, q) for n, q in lm.named_parameters() if id(q) not in inside]
+        self._marks = self._mark()
+        self._values = self._norms()
+        self._value_checks = self.VALUE_CHECKS
 
-    def check(self, step: int) -> None:
-        changed = [n for n, q, v in self.watched if tensor_version(q) != v]
+    def _mark(self) -> list[tuple[int, int]]:
+        return [(tensor_version(q), q.data_ptr()) for _, q in self.watched]
+
+    def _norms(self) -> list[float]:
+        if not self.watched:
+            return []
+        with torch.no_grad():
+            return torch.stack(
+                [torch.linalg.vector_norm(q.detach(), dtype=torch.float32) for _, q in self.watched]
+            ).tolist()
+
+    def check(self, when: str, values: bool = False) -> None:
+        """Refuse a write since the start (``when``: where it is seen); ``values``: compare values too."""
+        problem = self.problem(when, values)
+        if problem:
+            raise ValueError(problem)
+
+    def check_everywhere(self, when: str) -> None:
+        """At the end of training, on every rank at once (a collective over the world): values compared, and
+        every rank refuses where one saw a write, as none of them trains again to be stopped at a next step."""
+        problem = self.problem(when, values=True)
+        others = [p for p in _everyone(problem) if p]
+        if problem or others:
+            raise ValueError(problem or others[0])
+
+    def problem(self, when: str, values: bool = False) -> str | None:
+        changed = [n for (n, _), was, now in zip(self.watched, self._marks, self._mark(), strict=True) if was != now]
+        if not changed and self.watched and (values or self._value_checks > 0):
+            self._value_checks -= 1
+            pairs = zip(self.watched, self._values, self._norms(), strict=True)
+            changed = [n for (n, _), was, now in pairs if was != now and not (math.isnan(was) and math.isnan(now))]
         if not changed:
-            return
+            return None
         shown = ", ".join(changed[:3]) + (f" and {len(changed) - 3} more" if len(changed) > 3 else "")
-        raise ValueError(
-            f"{shown} (outside the pipelined layers) changed in place during training (seen before global step "
-            f"{step}): under strategy='twobp' each rank holds only its own stages' weights of the pipelined layers "
-            f"and only the last stage's rank runs the step past the pipelined call, so a copy outside the pipeline "
-            f"updated from them (an EMA teacher, a momentum encoder, AveragedModel) would hold other values on "
-            f"every rank, none of them one process's. Such a copy is not supported yet: keep it frozen (a fixed "
-            f"reference model is fine) or train it without the pipeline; a value that depends on nothing the "
-            f"pipeline holds (a schedule) can be a buffer (register_buffer), which this check leaves alone"
+        return (
+            f"{shown} (outside the pipelined layers) changed during training (seen {when}): under "
+            f"strategy='twobp' each rank holds only its own stages' weights of the pipelined layers and only the "
+            f"last stage's rank runs the step past the pipelined call, so a copy outside the pipeline updated from "
+            f"them (an EMA teacher, a momentum encoder, AveragedModel) would hold other values on every rank, none "
+            f"of them one process's. Such a copy is not supported yet: keep it frozen (a fixed reference model is "
+            f"fine) or train it without the pipeline; a value that depends on nothing the pipeline holds (a "
+            f"schedule) can be a buffer (register_buffer), which this check leaves alone"
         )
 
 
@@ -387,7 +438,22 @@ LOOP_AUX = (
 )
 
 
-def stored_for_loss(layers: Any, name_of: Callable[[int, str], str], before: set[int], fix: str) -> None:
+def _graph_of(out: Any) -> set[Any]:
+    """The autograd nodes the tensors in ``out`` (a tensor or a tuple, list or dict of them) depend on."""
+    values = out.values() if isinstance(out, dict) else out if isinstance(out, list | tuple) else [out]
+    todo: list[Any] = [t.grad_fn for t in values if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+    seen: set[Any] = set()
+    while todo:
+        node = todo.pop()
+        if node is not None and node not in seen:
+            seen.add(node)
+            todo.extend(n for n, _ in node.next_functions)
+    return seen
+
+
+def stored_for_loss(
+    layers: Any, name_of: Callable[[int, str], str], before: set[int], fix: str, out: Any = None
+) -> None:
     """Refuse a scalar that a layer of a stage other than the last stored on a module in its training forward
     and that requires grad: an auxiliary loss kept on the module (``self.aux = ...``: a Switch MoE's
     load-balancing loss, a VQ-VAE's commitment loss, a Bayesian layer's KL) for ``training_step`` to add.
@@ -395,9 +461,16 @@ def stored_for_loss(layers: Any, name_of: Callable[[int, str], str], before: set
     ``hasattr(layer, 'aux')`` was False there, so the term was left out of the loss, silently (every
     parameter 3e-4 to 3e-3 off one process after 4 steps in a trial; the logged ``aux`` 1.2 off; a
     ModuleList's blocks alike). ``name_of(k, sub)``: the model's name of submodule ``sub`` of layer ``k``;
-    ``before``: the ids :func:`grad_scalars` found before the forward; ``fix`` ends the message."""
+    ``before``: the ids :func:`grad_scalars` found before the forward; ``fix`` ends the message. A scalar the
+    stage's output ``out`` depends on is carried (a loss passed on with the hidden state, as the fix says, which
+    a library layer may keep on itself too: DeepSpeed's ``MOELayer.l_aux``) or used (a gate
+    ``self.alpha = sigmoid(...)``), not left behind: not refused."""
+    graph: set[Any] | None = None
     for k, sub, attr, t in _attribute_tensors(layers):
         if id(t) not in before:
+            graph = _graph_of(out) if graph is None else graph
+            if t.grad_fn in graph:
+                continue
             name = name_of(k, sub)
             raise RuntimeError(
                 f"{name} stored a scalar that requires grad on itself in its training forward ({name}.{attr}; "

@@ -94,9 +94,8 @@ class StageModule(nn.Module):
             x = layer(x)
         if names:
             self._look_for_stored = None
-            stored_for_loss(
-                self.layers, lambda k, sub: ".".join([names[k], *([sub] if sub else [])]), before, CARRY_AUX
-            )
+            name_of = lambda k, sub: ".".join([names[k], *([sub] if sub else [])])  # noqa: E731
+            stored_for_loss(self.layers, name_of, before, CARRY_AUX, out=x)
         return x
 
 

@@ -148,6 +148,18 @@ def _refusing_running(path: str, metric: Any, hook: str, m: int) -> Callable[...
     return refuse
 
 
+def _refusing_min_max(path: str, hook: str, m: int) -> Callable[..., Any]:
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise ValueError(
+            f"self.{path} (MinMaxMetric) was called in {hook} under strategy='twobp': each call computes its metric "
+            f"and keeps the min and max of those values, outside its states, and the step runs once per micro-batch "
+            f"({m} per batch), so it would keep the micro-batches' extremes, not the batches'; call "
+            f"self.{path}.update(...) in the step and compute() where the epoch ends"
+        )
+
+    return refuse
+
+
 def is_metric(value: Any) -> bool:
     cls = _metric_class()
     return cls is not None and isinstance(value, cls)
@@ -232,10 +244,13 @@ class StepMetrics:
 
     def _sync_found(self) -> None:
         for m in self.metrics.values():
-            if id(m) not in self._users:  # a copy made during the call (it has ours) gets torchmetrics' own
-                ours = m.dist_sync_fn is self._gather
-                self._users[id(m)] = (None, None) if ours else (m.process_group, m.dist_sync_fn)
-                m.process_group, m.dist_sync_fn = None, self._gather
+            if m.dist_sync_fn is self._gather and id(m) in self._users:
+                continue
+            # a copy made during the call (it has ours) gets torchmetrics' own; by sync function, not id alone:
+            # a Metric made later may have a dropped one's id
+            ours = m.dist_sync_fn is self._gather
+            self._users[id(m)] = (None, None) if ours else (m.process_group, m.dist_sync_fn)
+            m.process_group, m.dist_sync_fn = None, self._gather
 
     def sync_over(self, group: dist.ProcessGroup | None) -> Callable[[], None]:
         """For the Trainer call, every Metric syncs its state over ``group`` (the data-parallel replicas of
@@ -269,6 +284,8 @@ class StepMetrics:
             if isinstance(metric, running):
                 refuse = _refusing_running(path, metric, hook, m)
                 shadows += [(metric, "update", refuse), (metric, "forward", refuse)]
+            elif type(metric).__name__ == "MinMaxMetric":  # its min and max are no states: kept per call
+                shadows.append((metric, "forward", _refusing_min_max(path, hook, m)))
             elif isinstance(metric, mean) and type(metric).update is mean.update:  # not a subclass's own update
                 shadows.append((metric, "update", _weighed(metric.update, share)))
             elif isinstance(metric, cat):

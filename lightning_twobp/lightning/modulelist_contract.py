@@ -164,7 +164,7 @@ class LoopStage(nn.Module):
         out = contract.run_stage(self, inputs)
         if look:
             self._look_for_stored = False
-            stored_for_loss(self.layers, self._name_of, before, LOOP_AUX)
+            stored_for_loss(self.layers, self._name_of, before, LOOP_AUX, out=out)
         return out
 
     def _name_of(self, k: int, sub: str) -> str:

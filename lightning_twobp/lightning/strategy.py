@@ -299,6 +299,9 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
                 self._signals.close()
         if self._pipeline is not None and self._pipeline.logs is not None:
             self._pipeline.logs.flush()
+        if self._outside is not None:  # a write in the last step or epoch (on_train_epoch_end) too
+            with self._naming_lost("the end-of-training check of the parameters outside the pipeline"):
+                self._outside.check_everywhere("at the end of training")
         super().on_train_end()
 
     @override
@@ -405,15 +408,22 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
             step = self.lightning_module.trainer.global_step
             self._check_same_batch(batch, f"training batch {batch_idx} (global step {step})")
             self._same_batch_checked = True
-            self._outside = OutsideWrites(self.lightning_module, stages)  # from here on, after a resume's load
-        elif self._outside is not None:
-            with told(self._failures, f"global step {self.lightning_module.trainer.global_step}"):
-                self._outside.check(self.lightning_module.trainer.global_step)
+        self._check_outside()
         self._steps_this_batch = 0  # Lightning's closure runs training_step; an optimizer may call it again (SAM)
         if self._signals is not None:  # every rank stops before the same step once one was signalled
             with self._naming_lost("the stop-signal agreement of the previous step"):
                 self._signals.agree(f"training step {self.lightning_module.trainer.global_step}")
         super().on_train_batch_start(batch, batch_idx)
+
+    def _check_outside(self) -> None:
+        """The parameters outside the stages, written since the call's first batch (or a checkpoint's load)?
+        (:class:`.checks.OutsideWrites`)"""
+        step = self.lightning_module.trainer.global_step
+        if self._outside is None:
+            self._outside = OutsideWrites(self.lightning_module, self._built("on_train_batch_start").local.stages)
+            return
+        with told(self._failures, f"global step {step}"):
+            self._outside.check(f"before global step {step}")
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -627,6 +637,7 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
         pipeline degree or partition the checkpoint was saved with."""
         streams = self._built("load_checkpoint").streams
         checkpoint, self._resume_rng = checkpoint_hooks.load(self, checkpoint_path, weights_only, streams)
+        self._outside = None  # the load writes every parameter (a LearningRateFinder callback's restore, mid-fit)
         return checkpoint
 
     @override
