@@ -129,7 +129,7 @@ def _one_number_refused(update: Callable[..., Any], path: str, hook: str, m: int
                 f"self.{path} (CatMetric) was given one number in {hook} under strategy='twobp': the step runs once "
                 f"per micro-batch ({m} per batch), so it would hold {m} numbers per batch where one process holds "
                 f"one, whether the number is a mean or a count; give it per-sample values (a loss with "
-                f"reduction='none'), or {_fix(hook)}"
+                f"reduction='none')" + (f", or {_fix(hook)}" if hook == "training_step" else "")
             )
         return update(value, *args, **kwargs)
 
@@ -279,6 +279,8 @@ class StepMetrics:
         and a Running window refused, as what they would hold differs from one process's whatever the
         number means."""
         shadows: list[tuple[Any, str, Any]] = []
+        if m == 1:  # one micro-batch: every call is one process's
+            return shadows
         mean, cat, running, extremes = _aggregators()
         for path, metric in self.metrics.items():
             if isinstance(metric, running):
