@@ -48,7 +48,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torchmetrics import CatMetric, MaxMetric, MeanMetric, Metric, MinMetric, SumMetric
 from torchmetrics.utilities import dim_zero_cat
+from torchmetrics.wrappers import MinMaxMetric, Running
 
 from lightning_twobp.private import metric_finish_step, metric_forward_cache, metric_merge
 
@@ -62,25 +64,6 @@ class MetricRef:
     """A Metric logged in a step, by its path in the LightningModule: each rank logs its own copy."""
 
     path: str
-
-
-def _metric_class() -> type | None:
-    try:
-        from torchmetrics import Metric
-    except ImportError:  # pragma: no cover - torchmetrics comes with Lightning
-        return None
-    return Metric
-
-
-def _aggregators() -> tuple[Any, Any, Any, Any]:
-    """torchmetrics' MeanMetric, CatMetric, Running window and (Sum, Max, Min) classes (nothing matches
-    without it)."""
-    try:
-        from torchmetrics import CatMetric, MaxMetric, MeanMetric, MinMetric, SumMetric
-        from torchmetrics.wrappers import Running
-    except ImportError:  # pragma: no cover - torchmetrics comes with Lightning
-        return (), (), (), ()
-    return MeanMetric, CatMetric, Running, (SumMetric, MaxMetric, MinMetric)
 
 
 def _gathering_over(group: dist.ProcessGroup | None) -> Callable[..., list[torch.Tensor]]:
@@ -136,33 +119,35 @@ def _one_number_refused(update: Callable[..., Any], path: str, hook: str, m: int
     return update_per_sample
 
 
-def _refusing_running(path: str, metric: Any, hook: str, m: int) -> Callable[..., Any]:
+def raising(message: str, error: type[Exception] = ValueError) -> Callable[..., Any]:
+    """A stand-in for a method the step's call refuses: raises ``error(message)`` whatever it is given."""
+
     def refuse(*args: Any, **kwargs: Any) -> Any:
-        raise ValueError(
-            f"self.{path} ({type(metric).__name__}, window={metric.window}) was updated in {hook} under "
-            f"strategy='twobp': its window counts updates, and the step runs once per micro-batch ({m} per batch), "
-            f"so the window would hold {metric.window} micro-batches, not {metric.window} batches; {_fix(hook)}, "
-            f"or log the loss with self.log(..., prog_bar=True) (Lightning's progress bar shows its running mean)"
-        )
+        raise error(message)
 
     return refuse
 
 
-def _refusing_min_max(path: str, hook: str, m: int) -> Callable[..., Any]:
-    def refuse(*args: Any, **kwargs: Any) -> Any:
-        raise ValueError(
-            f"self.{path} (MinMaxMetric) was called in {hook} under strategy='twobp': each call computes its metric "
-            f"and keeps the min and max of those values, outside its states, and the step runs once per micro-batch "
-            f"({m} per batch), so it would keep the micro-batches' extremes, not the batches'; call "
-            f"self.{path}.update(...) in the step and compute() where the epoch ends"
-        )
+def _running_refused(path: str, metric: Any, hook: str, m: int) -> str:
+    return (
+        f"self.{path} ({type(metric).__name__}, window={metric.window}) was updated in {hook} under "
+        f"strategy='twobp': its window counts updates, and the step runs once per micro-batch ({m} per batch), "
+        f"so the window would hold {metric.window} micro-batches, not {metric.window} batches; {_fix(hook)}, "
+        f"or log the loss with self.log(..., prog_bar=True) (Lightning's progress bar shows its running mean)"
+    )
 
-    return refuse
+
+def _min_max_refused(path: str, hook: str, m: int) -> str:
+    return (
+        f"self.{path} (MinMaxMetric) was called in {hook} under strategy='twobp': each call computes its metric "
+        f"and keeps the min and max of those values, outside its states, and the step runs once per micro-batch "
+        f"({m} per batch), so it would keep the micro-batches' extremes, not the batches'; call "
+        f"self.{path}.update(...) in the step and compute() where the epoch ends"
+    )
 
 
 def is_metric(value: Any) -> bool:
-    cls = _metric_class()
-    return cls is not None and isinstance(value, cls)
+    return isinstance(value, Metric)
 
 
 def _never() -> bool:
@@ -281,18 +266,17 @@ class StepMetrics:
         shadows: list[tuple[Any, str, Any]] = []
         if m == 1:  # one micro-batch: every call is one process's
             return shadows
-        mean, cat, running, extremes = _aggregators()
         for path, metric in self.metrics.items():
-            if isinstance(metric, running):
-                refuse = _refusing_running(path, metric, hook, m)
+            if isinstance(metric, Running):
+                refuse = raising(_running_refused(path, metric, hook, m))
                 shadows += [(metric, "update", refuse), (metric, "forward", refuse)]
-            elif type(metric).__name__ == "MinMaxMetric":  # its min and max are no states: kept per call
-                shadows.append((metric, "forward", _refusing_min_max(path, hook, m)))
-            elif isinstance(metric, mean) and type(metric).update is mean.update:  # not a subclass's own update
+            elif isinstance(metric, MinMaxMetric):  # its min and max are no states: kept per call
+                shadows.append((metric, "forward", raising(_min_max_refused(path, hook, m))))
+            elif isinstance(metric, MeanMetric) and type(metric).update is MeanMetric.update:  # not a subclass's own
                 shadows.append((metric, "update", _weighed(metric.update, share)))
-            elif isinstance(metric, cat):
+            elif isinstance(metric, CatMetric):
                 shadows.append((metric, "update", _one_number_refused(metric.update, path, hook, m)))
-            elif isinstance(metric, extremes) and path not in self._told:
+            elif isinstance(metric, (SumMetric, MaxMetric, MinMetric)) and path not in self._told:
                 shadows.append((metric, "update", self._telling(metric.update, path, hook, m)))
         return shadows
 

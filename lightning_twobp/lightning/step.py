@@ -28,7 +28,7 @@ from lightning_utilities.core.apply_func import apply_to_collection
 
 from lightning_twobp.lightning.contract import Contract
 from lightning_twobp.lightning.local_model import is_placeholder
-from lightning_twobp.lightning.metrics import MetricRef, States, StepMetrics, is_metric
+from lightning_twobp.lightning.metrics import MetricRef, States, StepMetrics, is_metric, raising
 from lightning_twobp.lightning.placeholders import ElsewhereError, find_elsewhere
 from lightning_twobp.lightning.rng import StageStreams, drawing_from
 
@@ -217,15 +217,13 @@ class _Captured(Exception):
 
 
 def _no_collective(hook: str) -> Callable[..., Any]:
-    def all_gather(*args: Any, **kwargs: Any) -> Any:
-        raise RuntimeError(
-            f"self.all_gather in {hook} under strategy='twobp': the step runs once per micro-batch, on the "
-            f"pipeline's ranks at different times (the first stage's part before the pipeline starts, the last "
-            f"stage's inside it), so a collective there would wait forever; gather where every rank runs at once "
-            f"(on_train_batch_end, on_validation_epoch_end), or log with self.log(..., sync_dist=True)"
-        )
-
-    return all_gather
+    return raising(
+        f"self.all_gather in {hook} under strategy='twobp': the step runs once per micro-batch, on the "
+        f"pipeline's ranks at different times (the first stage's part before the pipeline starts, the last "
+        f"stage's inside it), so a collective there would wait forever; gather where every rank runs at once "
+        f"(on_train_batch_end, on_validation_epoch_end), or log with self.log(..., sync_dist=True)",
+        RuntimeError,
+    )
 
 
 @contextmanager
@@ -257,14 +255,13 @@ def _no_scheduler_step(lm: Any, hook: str, m: int) -> list[tuple[Any, str, Any]]
     trainer = getattr(lm, "_trainer", None)
     configs = trainer.lr_scheduler_configs if trainer is not None else []
 
-    def refuse(*args: Any, **kwargs: Any) -> Any:
-        raise RuntimeError(
-            f"self.lr_schedulers().step() in {hook} under strategy='twobp': the step's code runs once per "
-            f"micro-batch ({m} per batch), on the first pipeline stage and again on the last, so each rank's "
-            f"scheduler would step {m} times per batch, not once; step it where every rank runs once per batch "
-            f"(on_train_batch_end), or let Lightning step it (interval='step' in configure_optimizers)"
-        )
-
+    refuse = raising(
+        f"self.lr_schedulers().step() in {hook} under strategy='twobp': the step's code runs once per "
+        f"micro-batch ({m} per batch), on the first pipeline stage and again on the last, so each rank's "
+        f"scheduler would step {m} times per batch, not once; step it where every rank runs once per batch "
+        f"(on_train_batch_end), or let Lightning step it (interval='step' in configure_optimizers)",
+        RuntimeError,
+    )
     return [(c.scheduler, "step", refuse) for c in configs if hasattr(c.scheduler, "__dict__")]
 
 
