@@ -109,6 +109,15 @@ def test_soak_harness_samples_every_rank():
     assert "slope after warm-up" in markdown(result) and "not traced" not in markdown(result)
 
 
+def test_meta_build_benchmark_reports_every_rank_of_both_builds(tmp_path, capsys):
+    out = tmp_path / "meta.json"
+    assert main(["--meta-build", "--quick", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["variant"], r["rank"]) for r in rows] == [("cpu", 0), ("cpu", 1), ("meta", 0), ("meta", 1)]
+    assert all(r["fit_s"] > 0 and r["peak"] >= 0 for r in rows)
+    assert "| meta | 1 |" in capsys.readouterr().out
+
+
 def test_gpu_script_runs_its_cuda_code_path_on_the_cpu_at_toy_sizes(tmp_path, capsys, monkeypatch):
     # The one-GPU script (twobp-bench --gpu) must stay runnable where no GPU is: --quick takes the same
     # code at toy sizes on the CPU. Every one-process pipeline's gradients equal plain autograd's.

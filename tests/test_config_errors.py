@@ -24,6 +24,7 @@ from lightning.pytorch.callbacks import (
     StochasticWeightAveraging,
 )
 from lightning.pytorch.plugins import Precision
+from test_materialize import Scale
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -48,6 +49,12 @@ class Net(Regressor):
 
     def __init__(self) -> None:
         super().__init__((6, 8, 2), log=False)
+
+
+def _on_meta(**layers) -> Regressor:
+    """A Regressor built on the meta device, with ``layers=`` its Sequential's maker if given."""
+    with torch.device("meta"):
+        return Regressor((6, 8, 2), log=False, **layers)
 
 
 class TwoSequentials(Net):
@@ -1008,6 +1015,18 @@ CASES: dict[str, Case] = {
         lambda t: _fit(LooseParameter()),
         ValueError,
         r"holds parameters directly \(scale\) beside the blocks in blocks",
+    ),
+    "fit-meta-no-reset-parameters": (
+        lambda t: _fit(_on_meta(layers=lambda: nn.Sequential(nn.Linear(6, 4), Scale(), nn.Linear(4, 2)))),
+        ValueError,
+        r"layers.1 \(Scale\) holds scale on the meta device and has no reset_parameters\(\): .* give Scale a "
+        r"reset_parameters\(\) that sets them, or build the model on a real device",
+    ),
+    "fit-meta-balance-time": (
+        lambda t: _fit(_on_meta(), balance="time"),
+        ValueError,
+        r"the model is built on the meta device and balance='time' times every layer .*: build the model on a "
+        r"real device, or name a schedule with balance='params'",
     ),
     # checkpoints: refused before anything is loaded
     "checkpoint-not-twobp": (

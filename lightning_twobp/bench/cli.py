@@ -14,6 +14,7 @@ twobp-bench --budget [--out DIR] [--steps K] [--only LABEL ...] [--counts M ...]
 twobp-bench --memory-model [--out DIR] [--quick] [--world P]
 twobp-bench --memory-model --simulate [--out DIR] [--quick]
 twobp-bench --sharded [--json PATH] [--quick]
+twobp-bench --meta-build [--world P] [--json PATH] [--quick]
 """
 
 from __future__ import annotations
@@ -71,6 +72,12 @@ def _add_modes(ap: argparse.ArgumentParser) -> None:
         "growth and step time per rank, one launch per layout, alternated (2 rounds; --quick: 1, toy sizes)",
     )
     mode.add_argument(
+        "--meta-build",
+        action="store_true",
+        help="a model built on every rank's CPU against one built on the meta device: memory per rank after "
+        "building, at fit start and at its peak, and fit's time (--world ranks, default 4 here; --quick: toy sizes)",
+    )
+    mode.add_argument(
         "--paper",
         action="store_true",
         help="the 2BP paper's three questions (throughput, peak memory, scaling) on its four models",
@@ -85,7 +92,9 @@ def _add_options(ap: argparse.ArgumentParser) -> None:
         help="--soak: also trace Python's own allocations (tracemalloc), to tell objects from native growth",
     )
     ap.add_argument("--simulate", action="store_true", help="--memory-model: the simulated budget tables")
-    ap.add_argument("--world", type=int, default=2, help="--memory-model: ranks (2P blocks when P > 2)")
+    ap.add_argument(
+        "--world", type=int, help="--memory-model: ranks (2P blocks when P > 2; default 2); --meta-build: ranks (4)"
+    )
     ap.add_argument("--json", help="write the results as JSON to this path (engine, trainer)")
     ap.add_argument(
         "--out",
@@ -249,7 +258,7 @@ def _memory_model(args: argparse.Namespace) -> None:
         return
     from lightning_twobp.bench.memory_model import markdown, run_memory_model, write
 
-    result = run_memory_model(quick=args.quick, m=4 if args.quick else 8, world=args.world)
+    result = run_memory_model(quick=args.quick, m=4 if args.quick else 8, world=args.world or 2)
     _show(markdown(result), args.out, lambda out: write(result, out))
 
 
@@ -257,6 +266,14 @@ def _sharded(args: argparse.Namespace) -> None:
     from lightning_twobp.bench.sharded import markdown, run_sharded
 
     result = run_sharded(steps=3 if args.quick else 8, rounds=1 if args.quick else 2, quick=args.quick)
+    _show_json(markdown(result), result, args.json)
+
+
+def _meta_build(args: argparse.Namespace) -> None:
+    from lightning_twobp.bench.meta_build import markdown, run_meta_build
+
+    sizes = dict(width=64, layers=4, rounds=1) if args.quick else dict(rounds=2)
+    result = run_meta_build(world=args.world or (2 if args.quick else 4), **sizes)
     _show_json(markdown(result), result, args.json)
 
 
@@ -268,6 +285,7 @@ def _workload(args: argparse.Namespace) -> Workload:
 _MODES: dict[str, Callable[[argparse.Namespace], None]] = {
     "memory_model": _memory_model,
     "sharded": _sharded,
+    "meta_build": _meta_build,
     "split": _split,
     "soak": _soak,
     "gpu": _gpu,

@@ -30,7 +30,16 @@ from lightning_twobp.lightning.contract import Contract, SequentialContract
 from lightning_twobp.lightning.placeholders import Elsewhere
 from lightning_twobp.schedules import Schedule
 
-__all__ = ["LocalModel", "SharedParameter", "float_cast", "is_placeholder", "meta_layers_aside", "split_model"]
+__all__ = [
+    "LocalModel",
+    "SharedParameter",
+    "float_cast",
+    "is_placeholder",
+    "left_on_meta",
+    "meta_layers_aside",
+    "replace_tensors",
+    "split_model",
+]
 
 _HOW_TO_GET_WEIGHTS = (
     "to have every rank hold all trained weights after the Trainer call, pass "
@@ -199,6 +208,11 @@ def _guard(where: str) -> Any:
     return check
 
 
+def left_on_meta() -> set[int]:
+    """The ids of the tensors an earlier Trainer call left on the meta device (the layers it guards)."""
+    return {id(t) for part in list(_GUARDS) for t in _tensors(part)}
+
+
 def _unguard(contract: Contract, layers: Iterable[nn.Module]) -> None:
     """Drop the guards a previous Trainer call left on layers this one sets aside again: during the call
     placeholders stand in for them, and the ModuleList contract runs meta twins of them (deep copies,
@@ -286,7 +300,7 @@ class LocalModel:
             dist.broadcast(buf, src=src, group=group)
             if t.is_meta:
                 received[id(t)] = buf.cpu()
-        _replace_tensors(list(self.removed.values()), lambda t: received[id(t)], lambda t: id(t) in received)
+        replace_tensors(list(self.removed.values()), lambda t: received[id(t)], lambda t: id(t) in received)
 
 
 @contextmanager
@@ -336,7 +350,7 @@ def _bounds(sizes: list[int]) -> list[int]:
     return bounds
 
 
-def _replace_tensors(layers: list[nn.Module], make: Any, which: Any) -> None:
+def replace_tensors(layers: list[nn.Module], make: Any, which: Any) -> None:
     """Replace the parameters and buffers of ``layers`` for which ``which(t)`` holds by ``make(t)``
     (a new Parameter for a parameter). A tensor used several times, in one layer or in several, is
     replaced by one new tensor: ties stay tied."""
@@ -358,9 +372,7 @@ def _replace_tensors(layers: list[nn.Module], make: Any, which: Any) -> None:
 def _to_meta(layers: list[nn.Module], keep: set[int]) -> None:
     """Free the tensors of ``layers``, keeping their structure (shapes, dtypes) on the meta device.
     Tensors in ``keep`` (shared with a layer this rank trains) are left alone."""
-    _replace_tensors(
-        layers, lambda t: torch.empty_like(t, device="meta"), lambda t: id(t) not in keep and not t.is_meta
-    )
+    replace_tensors(layers, lambda t: torch.empty_like(t, device="meta"), lambda t: id(t) not in keep and not t.is_meta)
 
 
 def _check_parameters(layers: list[nn.Module], bounds: list[int], schedule: Schedule) -> None:

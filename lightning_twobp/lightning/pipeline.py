@@ -33,8 +33,9 @@ from lightning_twobp.lightning.grads import (
 )
 from lightning_twobp.lightning.layout import check_degree, schedule_label
 from lightning_twobp.lightning.loaders import keep_users_sampler
-from lightning_twobp.lightning.local_model import LocalModel, split_model
+from lightning_twobp.lightning.local_model import LocalModel, left_on_meta, split_model
 from lightning_twobp.lightning.logs import LogChannel
+from lightning_twobp.lightning.materialize import built_on_meta, check_meta_options, custom_inits, materialize
 from lightning_twobp.lightning.metrics import StepMetrics
 from lightning_twobp.lightning.modulelist_contract import ModuleListContract, caches_off, fastpath_off
 from lightning_twobp.lightning.optimizer_checks import OptimizerChecks, hooks_may_scale_grads
@@ -484,6 +485,39 @@ def _split(strategy: TwoBPStrategy, contract: Any, sizes: list[int], schedule: S
     return local
 
 
+def _materialize(strategy: TwoBPStrategy, contract: Any, sizes: list[int], schedule: Schedule) -> None:
+    """This rank's share of a model built on the meta device, with one process's values (:mod:`.materialize`),
+    before the stages' random streams, whose seeds come from the random state one process's build leaves."""
+    if not built_on_meta(strategy.lightning_module, left_on_meta()):
+        return
+    bounds = [sum(sizes[:s]) for s in range(len(sizes) + 1)]
+    mine = set(schedule.stages_of(strategy.layout.pp_rank))
+    layers = contract.layers()
+    others = [
+        part
+        for s in range(len(sizes))
+        if s not in mine
+        for i in range(bounds[s], bounds[s + 1])
+        for part in contract.parts(layers[i])
+    ]
+    lm = strategy.lightning_module
+    custom = custom_inits(lm)
+    made = materialize(lm, others, strategy.root_device, left_on_meta())
+    if custom:
+        rank_zero_warn(
+            f"the model was built on the meta device, and its modules got their values from their own "
+            f"reset_parameters() (torch's default initialization for torch's layers) or Hugging Face's "
+            f"_init_weights; {', '.join(custom)} define an initialization of their own, which the constructor "
+            f"ran on the meta device (on no values) and strategy='twobp' does not call: to keep it, build the model "
+            f"on a real device, or load its weights (docs/strategy.md, 'A model built on the meta device')"
+        )
+    log.info(
+        "built on the meta device: %d modules initialized in one process's order, this rank's stages %s kept",
+        made,
+        sorted(mine),
+    )
+
+
 def _checked_contract(strategy: TwoBPStrategy, trainer: Any) -> SequentialContract | ModuleListContract:
     """The model's contract, with what the pipeline cannot run refused on every rank before any compute."""
     lm, opts = strategy.lightning_module, strategy.options
@@ -493,6 +527,8 @@ def _checked_contract(strategy: TwoBPStrategy, trainer: Any) -> SequentialContra
             "backward, so manual_backward cannot run it; set self.automatic_optimization = True"
         )
     contract = find_contract(lm, opts.layers)
+    if built_on_meta(lm, left_on_meta()):  # before balance="time" or schedule="auto" would time meta layers
+        check_meta_options(opts.balance, strategy.requested.schedule)
     check_not_compiled(lm, contract)  # before the first step: compiled code cannot be split
     # under "auto" the stages per rank are yet to be chosen: at least one per rank
     per_rank = opts.stages if strategy.requested.schedule != "auto" else 1
@@ -500,6 +536,14 @@ def _checked_contract(strategy: TwoBPStrategy, trainer: Any) -> SequentialContra
     if isinstance(contract, ModuleListContract) and trainer.state.fn == TrainerFn.FITTING:
         contract.check_every_block_runs()  # LayerDrop: every rank, before any compute
     return contract
+
+
+def _cpu_heap(strategy: TwoBPStrategy) -> None:
+    """See lightning_twobp.engine.memory: page faults every step unless the heap is kept; under a
+    memory_limit it is not, so the resident set follows the tensors schedule="auto" counted."""
+    heap = cpu_heap(strategy.requested.memory_limit)
+    way = {"default": "left to the C library"}.get(heap, heap)
+    log.info("CPU heap: freed memory %s (engine.memory.cpu_heap; TWOBP_KEEP_FREED_MEMORY=0/1 overrides)", way)
 
 
 def build_pipeline(strategy: TwoBPStrategy, trainer: Any) -> Pipeline:
@@ -511,11 +555,7 @@ def build_pipeline(strategy: TwoBPStrategy, trainer: Any) -> Pipeline:
     if shard:
         check_replicas(layout.dp_degree, str(getattr(strategy.precision_plugin, "precision", "32-true")))
     if device.type == "cpu":
-        # see lightning_twobp.engine.memory: page faults every step unless the heap is kept; under a
-        # memory_limit it is not, so the resident set follows the tensors schedule="auto" counted
-        heap = cpu_heap(strategy.requested.memory_limit)
-        way = {"default": "left to the C library"}.get(heap, heap)
-        log.info("CPU heap: freed memory %s (engine.memory.cpu_heap; TWOBP_KEEP_FREED_MEMORY=0/1 overrides)", way)
+        _cpu_heap(strategy)
     contract = _checked_contract(strategy, trainer)
     metrics = StepMetrics(lm)
     runner = StepRunner(lm, contract, metrics)
@@ -528,6 +568,7 @@ def build_pipeline(strategy: TwoBPStrategy, trainer: Any) -> Pipeline:
         sizes = _partition(strategy, runner, contract.layers(), trainer)
         schedule = _schedule(strategy, strategy.pipeline_degree * opts.stages)
     strategy.stage_sizes = list(sizes)
+    _materialize(strategy, contract, sizes, schedule)  # before the streams, seeded from the random state
     streams = StageStreams(schedule.stages_of(layout.pp_rank), layout.dp_rank, device, _shared_seed(strategy))
     runner.streams = streams
     local = _split(strategy, contract, sizes, schedule, trainer)

@@ -1,0 +1,246 @@
+"""A model built on the meta device: each rank makes its own stages only, with one process's values.
+
+Without processes: the replay against the same model built on the CPU (weights and the random state
+after), the memory it holds while replaying, and what it refuses. On 2 ranks: a meta-built model trained
+through Trainer against one process that built it on the CPU, and a tied Hugging Face GPT-2."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_twobp import TwoBPStrategy
+from lightning_twobp.lightning.materialize import check_meta_options, custom_inits, materialize
+
+import conftest
+from conftest import Regressor, launch, lightning_env, quiet_trainer, regression_data
+
+
+class Model(nn.Module):
+    """Every kind of initialization torch's layers have: random (Linear, Conv1d, Embedding), constant
+    (LayerNorm), buffers (BatchNorm's running statistics and integer count), a zeroed padding row,
+    MultiheadAttention's private initialization after its output projection's, and a head tied to the
+    embedding after its construction (its own draws discarded, the embedding's values kept)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(10, 8, padding_idx=0)
+        self.layers = nn.Sequential(
+            nn.Linear(8, 8), nn.LayerNorm(8), nn.Tanh(), nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Linear(8, 4)
+        )
+        self.conv = nn.Conv1d(4, 4, 3)
+        self.attn = nn.MultiheadAttention(8, 2)
+        self.head = nn.Linear(8, 10, bias=False)
+        self.head.weight = self.embed.weight
+
+
+def _build(meta: bool) -> nn.Module:
+    torch.manual_seed(0)
+    with torch.device("meta") if meta else contextlib.nullcontext():
+        return Model()
+
+
+def test_a_model_built_on_meta_gets_the_values_and_random_state_of_one_built_on_the_cpu():
+    ref = _build(meta=False)
+    after = torch.rand(4)
+    for others in ([], [3, 4, 5]):  # the whole model here, or without the last layers (another rank's)
+        model = _build(meta=True)
+        torch.manual_seed(0)  # the state a meta build leaves: it drew nothing
+        made = materialize(model, [model.layers[i] for i in others], torch.device("cpu"), set())
+        assert made == 10  # the modules that hold tensors: embed, 5 layers with weights, conv, attn, out_proj, head
+        torch.testing.assert_close(torch.rand(4), after, rtol=0, atol=0)  # the draws one process made
+        held = {n: t for n, t in model.state_dict().items() if not t.is_meta}
+        on_meta = {n for n, t in model.state_dict().items() if t.is_meta}
+        assert on_meta == {n for n in ref.state_dict() if any(n.startswith(f"layers.{i}.") for i in others)}
+        for n, t in held.items():
+            assert torch.equal(t, ref.state_dict()[n]), n
+
+
+class Recording(nn.Linear):
+    """A layer that notes, when it is initialized, the bytes of every tensor of the model not on meta."""
+
+    def reset_parameters(self) -> None:
+        super().reset_parameters()
+        root = self.__dict__.get("root")
+        if root is not None:
+            root.live.append(sum(t.nbytes for t in root.state_dict().values() if not t.is_meta))
+
+
+def test_materializing_holds_this_ranks_layers_and_one_other_layer_at_a_time():
+    with torch.device("meta"):
+        model = nn.Sequential(*[Recording(64, 64) for _ in range(8)])
+    model.live = []  # type: ignore[assignment]
+    for layer in model:
+        layer.__dict__["root"] = model
+    layer_bytes = 64 * 64 * 4 + 64 * 4
+    materialize(model, list(model[2:]), torch.device("cpu"), set())  # this rank holds layers 0 and 1
+    assert max(model.live) == 3 * layer_bytes  # its two layers, and the one being initialized
+    assert [t.is_meta for t in model.parameters()] == [False] * 4 + [True] * 12
+
+
+class Scale(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(4))
+
+    def forward(self, x):
+        return x * self.scale
+
+
+class Rotary(nn.Module):
+    """Frequencies computed in __init__ as a buffer, and a reset_parameters that sets only the weight."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(4))
+        self.register_buffer("freqs", 1.0 / 10000 ** (torch.arange(0, 4).float() / 4), persistent=False)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+
+class Causal(nn.Linear):
+    def __init__(self) -> None:
+        super().__init__(4, 4)
+        self.register_buffer("mask", torch.ones(4, 4, dtype=torch.bool).tril(), persistent=False)
+
+
+@pytest.mark.parametrize(
+    "make, match",
+    [
+        (Scale, r"^1 \(Scale\) holds scale on the meta device and has no reset_parameters\(\): .*give Scale a "),
+        (Rotary, r"^1.freqs \(Rotary\) was built on the meta device and Rotary.reset_parameters\(\) left it "),
+        (Causal, r"^1.mask \(Causal\) is a boolean buffer built on the meta device, whose value no check can "),
+    ],
+    ids=["no-reset-parameters", "buffer-left-unset", "boolean-buffer"],
+)
+def test_what_cannot_be_made_is_refused_and_the_model_left_as_built(make, match):
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(4, 4), make())
+    before = [*model.parameters(), *model.buffers()]
+    with pytest.raises(ValueError, match=match):
+        materialize(model, [], torch.device("cpu"), set())
+    assert all(a is b and a.is_meta for a, b in zip([*model.parameters(), *model.buffers()], before, strict=True))
+
+
+def test_an_initialization_of_the_models_own_is_named_and_options_that_time_layers_refused():
+    class NanoGPTLike(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.h = nn.Sequential(nn.Linear(4, 4))
+
+        def _init_weights(self, module: nn.Module) -> None:
+            if isinstance(module, nn.Linear):
+                nn.init.normal_(module.weight, std=0.02)
+
+    outer = nn.Sequential(NanoGPTLike())
+    assert custom_inits(outer) == ["0 (NanoGPTLike)"]
+    assert custom_inits(nn.Sequential(nn.Linear(2, 2), nn.MultiheadAttention(2, 1))) == []
+    assert custom_inits(nn.Sequential(nn.Transformer(8, 2, 1, 1, 16))) == ["0 (Transformer)"]
+    for balance, schedule in (("time", "1f1b"), ("params", "auto")):
+        with pytest.raises(ValueError, match="built on the meta device and .* times every layer"):
+            check_meta_options(balance, schedule)
+    check_meta_options("params", "zb-v")
+
+
+# ---------------------------------------------------------------------------------------------- Trainer
+class MetaRegressor(Regressor):
+    """The Regressor with a LayerNorm, built on the meta device unless ``cpu``."""
+
+    def __init__(self, cpu: bool) -> None:
+        def layers() -> nn.Sequential:
+            return nn.Sequential(
+                nn.Linear(6, 16), nn.Tanh(), nn.LayerNorm(16), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 2)
+            )
+
+        torch.manual_seed(0)
+        with contextlib.nullcontext() if cpu else torch.device("meta"):
+            super().__init__(layers=layers)
+
+
+def _fit_regressor(strategy, world: int) -> dict:
+    model = MetaRegressor(cpu=world == 1)
+    quiet_trainer(strategy, world, max_epochs=1).fit(model, regression_data(32, shuffle=True))
+    # the loader shuffled from the random state the build left, and so does everything after
+    return {"params": {n: p.detach().clone() for n, p in model.named_parameters()}, "rand": torch.rand(3)}
+
+
+def _gpt2() -> nn.Module:
+    transformers = pytest.importorskip("transformers", reason="the Hugging Face model needs transformers")
+    config = transformers.GPT2Config(
+        vocab_size=13,
+        n_embd=16,
+        n_layer=4,
+        n_head=2,
+        n_positions=8,
+        bos_token_id=0,
+        eos_token_id=0,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,  # one process's dropout draws from the global stream
+    )
+    return transformers.GPT2LMHeadModel(config)  # tied embeddings: wte on the first stage, lm_head on the last
+
+
+class MetaGPT2(conftest.pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        with torch.device("meta"):
+            self.model = _gpt2()
+
+    def training_step(self, batch, batch_idx):
+        return self.model(input_ids=batch[0], labels=batch[0]).loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _fit_gpt2(strategy, world: int) -> dict:
+    model = MetaGPT2()
+    if world == 1:  # one process makes the whole model with the same calls, from the same state
+        materialize(model, [], torch.device("cpu"), set())
+    ids = torch.randint(1, 13, (16, 8), generator=torch.Generator().manual_seed(3))
+    quiet_trainer(strategy, world, max_steps=2).fit(model, DataLoader(TensorDataset(ids), batch_size=8))
+    return {"params": {n: p.detach().clone() for n, p in model.named_parameters()}, "rand": torch.rand(3)}
+
+
+FITS = {
+    "regressor-1f1b": (_fit_regressor, {}),
+    "regressor-zb-v": (_fit_regressor, {"schedule": "zb-v"}),
+    "hf-gpt2-tied": (_fit_gpt2, {}),
+}
+
+
+def _pipelined(rank: int, world: int, case: str) -> dict:
+    lightning_env(rank, world)
+    fit, options = FITS[case]
+    return fit(TwoBPStrategy(gather_full_model=True, **options), world)
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("case", sorted(FITS))
+def test_a_model_built_on_meta_trains_as_one_process_built_it(two_ranks, request, case, no_leftover_process_group):
+    """Every rank made only its stages, yet after fit (weights gathered) each holds one process's weights,
+    and the random state is one process's (the loader shuffled alike)."""
+    fit, _ = FITS[case]
+    ref = fit("auto", 1)
+    for out in two_ranks[request.node.name]:
+        torch.testing.assert_close(out["rand"], ref["rand"], rtol=0, atol=0)
+        assert out["params"].keys() == ref["params"].keys()
+        for n, value in out["params"].items():
+            torch.testing.assert_close(value, ref["params"][n], rtol=1e-5, atol=1e-6, msg=n)
+            assert math.isfinite(float(value.abs().sum()))
+
+
+@pytest.fixture(scope="module")
+def two_ranks(request) -> conftest.Launch:
+    cases = {f"test_a_model_built_on_meta_trains_as_one_process_built_it[{k}]": (_pipelined, (k,)) for k in FITS}
+    return launch(request, 2, cases, timeout=540)
