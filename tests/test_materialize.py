@@ -21,6 +21,30 @@ import conftest
 from conftest import Regressor, launch, lightning_env, quiet_trainer, regression_data
 
 
+class Block(nn.Module):
+    """A block whose reset_parameters reaches into its child (as it does in its constructor), and a
+    buffer computed in __init__ that reset_parameters computes again by assigning it (torchtitan's
+    ``self.freqs_cis = ...``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.gamma = nn.Parameter(torch.empty(8))
+        self.register_buffer("freqs", self._freqs(), persistent=False)
+        self.reset_parameters()
+
+    def _freqs(self) -> torch.Tensor:
+        return 1.0 / 10000 ** (torch.arange(0, 8).float() / 8)
+
+    def reset_parameters(self) -> None:
+        self.fc.reset_parameters()
+        nn.init.normal_(self.gamma)
+        self.freqs = self._freqs().to(self.gamma.device)
+
+    def forward(self, x):
+        return self.fc(x) * self.gamma + self.freqs
+
+
 class Model(nn.Module):
     """Every kind of initialization torch's layers have: random (Linear, Conv1d, Embedding), constant
     (LayerNorm), buffers (BatchNorm's running statistics and integer count), a zeroed padding row,
@@ -31,7 +55,7 @@ class Model(nn.Module):
         super().__init__()
         self.embed = nn.Embedding(10, 8, padding_idx=0)
         self.layers = nn.Sequential(
-            nn.Linear(8, 8), nn.LayerNorm(8), nn.Tanh(), nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Linear(8, 4)
+            nn.Linear(8, 8), nn.LayerNorm(8), Block(), nn.Linear(8, 8), nn.BatchNorm1d(8), Block(), nn.Linear(8, 4)
         )
         self.conv = nn.Conv1d(4, 4, 3)
         self.attn = nn.MultiheadAttention(8, 2)
@@ -48,11 +72,14 @@ def _build(meta: bool) -> nn.Module:
 def test_a_model_built_on_meta_gets_the_values_and_random_state_of_one_built_on_the_cpu():
     ref = _build(meta=False)
     after = torch.rand(4)
-    for others in ([], [3, 4, 5]):  # the whole model here, or without the last layers (another rank's)
+    for others in ([], [2, 3, 4], [5, 6]):  # the whole model here, or without some layers (another rank's)
         model = _build(meta=True)
         torch.manual_seed(0)  # the state a meta build leaves: it drew nothing
         made = materialize(model, [model.layers[i] for i in others], torch.device("cpu"), set())
-        assert made == 10  # the modules that hold tensors: embed, 5 layers with weights, conv, attn, out_proj, head
+        # the modules that hold tensors: embed, 7 in the layers (2 blocks, each with its fc), conv, attn,
+        # out_proj, head
+        assert made.modules == 14 and made.real == []
+        assert made.ties == ["head.weight (kept embed's values)"]
         torch.testing.assert_close(torch.rand(4), after, rtol=0, atol=0)  # the draws one process made
         held = {n: t for n, t in model.state_dict().items() if not t.is_meta}
         on_meta = {n for n, t in model.state_dict().items() if t.is_meta}
@@ -79,7 +106,7 @@ def test_materializing_holds_this_ranks_layers_and_one_other_layer_at_a_time():
         layer.__dict__["root"] = model
     layer_bytes = 64 * 64 * 4 + 64 * 4
     materialize(model, list(model[2:]), torch.device("cpu"), set())  # this rank holds layers 0 and 1
-    assert max(model.live) == 3 * layer_bytes  # its two layers, and the one being initialized
+    assert max(model.live) == 3 * layer_bytes  # its two layers, and the other rank's one being initialized
     assert [t.is_meta for t in model.parameters()] == [False] * 4 + [True] * 12
 
 
@@ -111,22 +138,100 @@ class Causal(nn.Linear):
         self.register_buffer("mask", torch.ones(4, 4, dtype=torch.bool).tril(), persistent=False)
 
 
+def _half_real() -> nn.Module:
+    layer = nn.Linear(4, 4)
+    layer.bias = nn.Parameter(torch.zeros(4, device="cpu"))  # a pretrained bias, say
+    return layer
+
+
 @pytest.mark.parametrize(
     "make, match",
     [
         (Scale, r"^1 \(Scale\) holds scale on the meta device and has no reset_parameters\(\): .*give Scale a "),
         (Rotary, r"^1.freqs \(Rotary\) was built on the meta device and Rotary.reset_parameters\(\) left it "),
         (Causal, r"^1.mask \(Causal\) is a boolean buffer built on the meta device, whose value no check can "),
+        (_half_real, r"^1 \(Linear\) holds weight on the meta device and bias on a real device: .*build the module "),
+        (lambda: nn.LazyLinear(4), r"^1 \(LazyLinear\) holds weight, bias on the meta device and lazy parameters"),
+        (
+            lambda: nn.utils.parametrizations.weight_norm(nn.Linear(4, 4)),
+            r"^1.parametrizations.weight \(ParametrizationList\) holds original0, original1 .* register the "
+            r"parametrization \(weight_norm, spectral_norm\) after setup",
+        ),
     ],
-    ids=["no-reset-parameters", "buffer-left-unset", "boolean-buffer"],
+    ids=["no-reset-parameters", "buffer-left-unset", "boolean-buffer", "half-real", "lazy", "parametrization"],
 )
-def test_what_cannot_be_made_is_refused_and_the_model_left_as_built(make, match):
+def test_what_cannot_be_made_is_refused_and_the_model_and_random_state_left_as_they_were(make, match):
     with torch.device("meta"):
         model = nn.Sequential(nn.Linear(4, 4), make())
-    before = [*model.parameters(), *model.buffers()]
+    before, rng = [*model.parameters(), *model.buffers()], torch.get_rng_state()
     with pytest.raises(ValueError, match=match):
         materialize(model, [], torch.device("cpu"), set())
-    assert all(a is b and a.is_meta for a, b in zip([*model.parameters(), *model.buffers()], before, strict=True))
+    assert all(a is b for a, b in zip([*model.parameters(), *model.buffers()], before, strict=True))
+    assert torch.equal(torch.get_rng_state(), rng)
+
+
+class Clamp(nn.Linear):
+    """A range buffer of infinities (set, not unset), and a parameter registered under a second name."""
+
+    def __init__(self) -> None:
+        super().__init__(4, 4)
+        self.register_buffer("bounds", torch.tensor([-math.inf, math.inf]))
+        self.register_parameter("alias", self.weight)
+
+    def reset_parameters(self) -> None:
+        super().reset_parameters()
+        if hasattr(self, "bounds"):
+            self.bounds.copy_(torch.tensor([-math.inf, math.inf]))
+
+
+def test_layers_sharing_a_module_infinities_and_aliases_are_made_as_one_process_makes_them():
+    def build(meta: bool) -> nn.Sequential:
+        torch.manual_seed(0)
+        with torch.device("meta") if meta else contextlib.nullcontext():
+            shared = nn.Linear(4, 4)  # ALBERT's way: one module in two layers
+            return nn.Sequential(nn.Sequential(shared, Clamp()), nn.Sequential(shared, Clamp()), nn.Linear(4, 4))
+
+    ref = build(meta=False)
+    after = torch.rand(2)
+    model = build(meta=True)
+    torch.manual_seed(0)
+    materialize(model, [model[1]], torch.device("cpu"), set())  # layer 1 is another rank's, its shared part ours
+    torch.testing.assert_close(torch.rand(2), after, rtol=0, atol=0)
+    assert model[0][0] is model[1][0] and not model[0][0].weight.is_meta and model[1][1].alias.is_meta
+    assert model[0][1].alias is model[0][1].weight and not model[0][1].alias.is_meta
+    for n, t in model.state_dict().items():
+        assert t.is_meta or torch.equal(t, ref.state_dict()[n]), n
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_a_hugging_face_model_is_made_as_its_own_meta_path_makes_it(arch):
+    """transformers' way from meta (to_empty, initialize_weights, tie_weights): GPT-2's scaled c_proj and
+    tied head, Llama's rotary frequencies; with another rank's blocks too."""
+    transformers = pytest.importorskip("transformers", reason="the Hugging Face models need transformers")
+    config = {
+        "gpt2": lambda: transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=4, n_head=4),
+        "llama": lambda: transformers.LlamaConfig(
+            vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4
+        ),
+    }[arch]()
+    make = transformers.GPT2LMHeadModel if arch == "gpt2" else transformers.LlamaForCausalLM
+    with torch.device("meta"):
+        ref = make(config)
+    ref.to_empty(device="cpu")
+    torch.manual_seed(0)
+    ref.initialize_weights()
+    ref.tie_weights()
+    after = torch.rand(2)
+    with torch.device("meta"):
+        model = make(config)
+    blocks = model.transformer.h if arch == "gpt2" else model.model.layers
+    torch.manual_seed(0)
+    materialize(model, list(blocks[2:]), torch.device("cpu"), set())
+    torch.testing.assert_close(torch.rand(2), after, rtol=0, atol=0)
+    held = {n: t for n, t in model.state_dict().items() if not t.is_meta}
+    assert len(held) < len(model.state_dict())
+    for n, t in held.items():
+        assert torch.equal(t, ref.state_dict()[n]), n
 
 
 def test_an_initialization_of_the_models_own_is_named_and_options_that_time_layers_refused():
@@ -164,11 +269,30 @@ class MetaRegressor(Regressor):
             super().__init__(layers=layers)
 
 
-def _fit_regressor(strategy, world: int) -> dict:
-    model = MetaRegressor(cpu=world == 1)
+def _fit_regressor(strategy, world: int, model: MetaRegressor | None = None) -> dict:
+    model = model or MetaRegressor(cpu=world == 1)
     quiet_trainer(strategy, world, max_epochs=1).fit(model, regression_data(32, shuffle=True))
     # the loader shuffled from the random state the build left, and so does everything after
     return {"params": {n: p.detach().clone() for n, p in model.named_parameters()}, "rand": torch.rand(3)}
+
+
+class OutsideTensor(MetaRegressor):
+    """An optimizer given a tensor that is no parameter of the model: refused at setup, after the model
+    was made. A user who fixes it and calls fit again gets what one process makes."""
+
+    def configure_optimizers(self):
+        return torch.optim.SGD([*self.parameters(), torch.zeros(3, requires_grad=True)], lr=0.1)
+
+
+def _fit_after_a_refused_setup(strategy, world: int) -> dict:
+    model = MetaRegressor(cpu=world == 1)
+    if world > 1:
+        model.__class__ = OutsideTensor
+        with pytest.raises(ValueError, match="holds 1 tensor"):
+            quiet_trainer(TwoBPStrategy(), world, max_epochs=1).fit(model, regression_data(32, shuffle=True))
+        model.__class__ = MetaRegressor
+        assert all(t.is_meta for t in model.parameters())  # as it was built: the next call makes it again
+    return _fit_regressor(strategy, world, model)
 
 
 def _gpt2() -> nn.Module:
@@ -215,6 +339,7 @@ FITS = {
     "regressor-1f1b": (_fit_regressor, {}),
     "regressor-zb-v": (_fit_regressor, {"schedule": "zb-v"}),
     "hf-gpt2-tied": (_fit_gpt2, {}),
+    "refused-then-fitted": (_fit_after_a_refused_setup, {}),
 }
 
 

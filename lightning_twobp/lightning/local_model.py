@@ -33,6 +33,7 @@ from lightning_twobp.schedules import Schedule
 __all__ = [
     "LocalModel",
     "SharedParameter",
+    "drop_guards",
     "float_cast",
     "is_placeholder",
     "left_on_meta",
@@ -213,6 +214,14 @@ def left_on_meta() -> set[int]:
     return {id(t) for part in list(_GUARDS) for t in _tensors(part)}
 
 
+def drop_guards(tensor_ids: set[int]) -> None:
+    """Drop the guards on layers whose every tensor is in ``tensor_ids``: a model built on the meta
+    device, put back as it was built after a refused setup, is the user's again, to be made anew."""
+    for part in list(_GUARDS):
+        if all(id(t) in tensor_ids for t in _tensors(part)):
+            _GUARDS.pop(part).remove()
+
+
 def _unguard(contract: Contract, layers: Iterable[nn.Module]) -> None:
     """Drop the guards a previous Trainer call left on layers this one sets aside again: during the call
     placeholders stand in for them, and the ModuleList contract runs meta twins of them (deep copies,
@@ -353,12 +362,13 @@ def _bounds(sizes: list[int]) -> list[int]:
 def replace_tensors(layers: list[nn.Module], make: Any, which: Any) -> None:
     """Replace the parameters and buffers of ``layers`` for which ``which(t)`` holds by ``make(t)``
     (a new Parameter for a parameter). A tensor used several times, in one layer or in several, is
-    replaced by one new tensor: ties stay tied."""
+    replaced by one new tensor: ties stay tied (one tensor under two names of a module too)."""
     made: dict[int, torch.Tensor] = {}
     with torch.no_grad():
         for layer in layers:
             for module in layer.modules():
-                for name, t in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]:
+                own = [*module._parameters.items(), *module._buffers.items()]  # every name, aliases too
+                for name, t in ((n, t) for n, t in own if t is not None):
                     if id(t) not in made:
                         if not which(t):
                             continue

@@ -8,53 +8,64 @@ outside the pipelined layers, on the rank's device, and leaves the other stages'
 
 **The values are one process's.** One process building the model on that device draws each module's
 initial values as it constructs it: children before the module that holds them, in the order they are
-registered, each with the module's own ``reset_parameters()`` (a Hugging Face model: its
-``_init_weights``), which torch's layers call from their constructors. :func:`materialize` replays
-those calls in that order (post-order, as Hugging Face's ``smart_apply`` initializes) from the random
-state the Trainer call starts in, which a meta build has not drawn from: a layer of another stage is
-made for its call only, one module at a time, and freed again, so the generator steps through the same
-draws as one process and ends where one process's construction left it. Every rank therefore holds
-exactly the weights one process builds, and the data loaders shuffle alike after. Where a model's
-constructor draws in another order (a parent initializing before its children, draws between modules),
-the weights are a fresh initialization from the same calls, not one process's: a checkpoint or
-``load_state_dict`` after fit's setup decides them then.
+registered, each with the module's own ``reset_parameters()``, which torch's layers call from their
+constructors. :func:`materialize` replays those calls in that order (post-order) from the random state
+the Trainer call starts in, which a meta build has not drawn from: a layer of another stage is made
+whole for its modules' calls only, from one scratch buffer, and put back on ``meta``, so the generator
+steps through the same draws as one process and ends where one process's construction left it. Every
+rank therefore holds the weights one process builds, and the data loaders shuffle alike after. A
+Hugging Face model is made as its own meta path makes it (``initialize_weights()``: its
+``_init_weights`` on every module, post-order, as ``smart_apply`` does). Where a model's constructor
+draws in another order (a parent initializing before its children, draws between modules, a tie
+made the other way round), the weights are a fresh initialization from the same calls, not one
+process's; the strategy warns where it can see that (:class:`Made`).
 
 **Nothing is left unset.** A meta tensor has no value, and ``to_empty`` memory holds whatever was there:
 a buffer computed in ``__init__`` (rotary frequencies, a causal mask) that ``reset_parameters`` does not
-make again would train on garbage. So before any compute, on every rank alike (every rank makes every
-module, its own or for its call): a module with meta tensors and no ``reset_parameters`` is refused,
-naming it; floating tensors start as NaN and integer ones at their dtype's largest value, and one still
-so after its module's initialization is refused, naming it; a boolean buffer, which no fill can tell
-apart from a set value, is refused. Each message names the fix.
+make again would train on garbage. So before any compute, on every rank alike (every rank initializes
+every module, its own or for its call): a module with meta tensors and no ``reset_parameters`` is
+refused, naming it, and so are a boolean buffer (no fill can tell it was set), a lazy module's
+parameters and a module holding both meta and real tensors; floating tensors start as NaN and integer
+ones at their dtype's largest value, and one still so after its module's initialization is refused,
+naming it. A refusal leaves the model as it was built and the random state as it was.
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
+from torch.nn.parameter import UninitializedBuffer, UninitializedParameter
 
-from lightning_twobp.lightning.local_model import replace_tensors
+from lightning_twobp.lightning.local_model import drop_guards, replace_tensors
 
-__all__ = ["built_on_meta", "check_meta_options", "custom_inits", "materialize"]
+__all__ = ["Made", "built_on_meta", "check_meta_options", "custom_inits", "materialize", "warn_made"]
 
 _FIX = (
     "under strategy='twobp' a model built on the meta device gets each module's values from its "
     "reset_parameters() (a Hugging Face model: its _init_weights), on the rank that holds it"
 )
+_CHUNK = 1 << 24  # elements per NaN check: bounded temporary memory on a large embedding
 
 
-def _direct(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
-    return [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]
+def _direct(module: nn.Module) -> dict[str, torch.Tensor]:
+    """The module's own parameters and buffers by every name (one tensor registered twice, twice)."""
+    return {n: t for d in (module._parameters, module._buffers) for n, t in d.items() if t is not None}
+
+
+def _all(model: nn.Module) -> Iterator[torch.Tensor]:
+    for module in model.modules():
+        yield from _direct(module).values()
 
 
 def built_on_meta(model: nn.Module, left_by_us: set[int]) -> bool:
     """Whether ``model`` holds meta tensors the user put there (not the layers an earlier Trainer call
     left on ``meta``, whose ids are ``left_by_us``)."""
-    return any(t.is_meta and id(t) not in left_by_us for _, t in _all(model))
+    return any(t.is_meta and id(t) not in left_by_us for t in _all(model))
 
 
 def check_meta_options(balance: Any, schedule: str) -> None:
@@ -86,11 +97,6 @@ def _hugging_face(module: nn.Module) -> bool:
     return any(c.__name__ == "PreTrainedModel" for c in type(module).__mro__)
 
 
-def _all(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    for module in model.modules():
-        yield from _direct(module)
-
-
 def _post_order(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """Every module once, children before their parent, in registration order (Hugging Face's
     ``smart_apply``; torch's layers construct their children before initializing themselves)."""
@@ -109,39 +115,58 @@ def _post_order(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return out
 
 
+def _hf_owner(model: nn.Module, name: str) -> nn.Module | None:
+    """The innermost Hugging Face model holding the module ``name`` (itself included)."""
+    parts = name.split(".") if name else []
+    for k in range(len(parts), -1, -1):
+        owner = model.get_submodule(".".join(parts[:k]))
+        if _hugging_face(owner) and callable(getattr(owner, "_init_weights", None)):
+            return owner
+    return None
+
+
 def _initializer(model: nn.Module, name: str, module: nn.Module) -> tuple[Callable[[], None], str] | None:
     """The call that gives ``module`` its values, and its name for messages: the innermost enclosing
-    Hugging Face model's ``_init_weights(module)``, else the module's own ``reset_parameters``."""
-    for prefix in _prefixes(name):
-        owner = model.get_submodule(prefix)
-        init: Any = getattr(owner, "_init_weights", None)
-        if _hugging_face(owner) and callable(init):
-            return functools.partial(init, module), f"{type(owner).__name__}._init_weights"
+    Hugging Face model's ``_init_weights(module)`` (then the module's own ``reset_parameters`` for what
+    that leaves unset: a user's module inside a Hugging Face model), else ``reset_parameters``."""
     method = "_reset_parameters" if isinstance(module, nn.MultiheadAttention) else "reset_parameters"
-    reset = getattr(module, method, None)  # MultiheadAttention's constructor calls its private one
+    reset: Any = getattr(module, method, None)  # MultiheadAttention's constructor calls its private one
+    owner = _hf_owner(model, name)
+    if owner is not None:
+        hf: Any = owner._init_weights
+
+        def hf_then_own() -> None:
+            hf(module)
+            if callable(reset) and any(_still_unset(t) for t in _direct(module).values() if not t.is_meta):
+                reset()
+
+        return hf_then_own, f"{type(owner).__name__}._init_weights"
     return (reset, f"{type(module).__name__}.{method}") if callable(reset) else None
-
-
-def _prefixes(name: str) -> list[str]:
-    """``a.b.c`` -> ``a.b.c``, ``a.b``, ``a``, ``""``: the module and its ancestors, innermost first."""
-    parts = name.split(".") if name else []
-    return [".".join(parts[:k]) for k in range(len(parts), -1, -1)]
 
 
 def _unset_value(t: torch.Tensor) -> float | int:
     return float("nan") if t.dtype.is_floating_point or t.dtype.is_complex else torch.iinfo(t.dtype).max
 
 
-def _unset(device: torch.device) -> Callable[[torch.Tensor], torch.Tensor]:
-    """A maker of new tensors like its argument on ``device``, holding the value that means "not set"."""
-    return lambda t: torch.full(t.shape, _unset_value(t), dtype=t.dtype, device=device)
+def _still_unset(t: torch.Tensor) -> bool:
+    """Whether ``t`` still holds its fill anywhere, checked in chunks: the comparisons' temporaries stay
+    small on a large embedding (and +inf with -inf is no NaN, as their sum would be)."""
+    flat = t.detach().reshape(-1)
+    for chunk in flat.split(_CHUNK):
+        if t.dtype.is_floating_point or t.dtype.is_complex:
+            wide = chunk if chunk.dtype.itemsize >= 2 or chunk.dtype.is_complex else chunk.float()  # float8
+            if bool(wide.isnan().any()):
+                return True
+        elif bool((chunk == torch.iinfo(t.dtype).max).any()):
+            return True
+    return False
 
 
 class _Scratch:
-    """One buffer the tensors of another rank's module are cut from, for its initialization only: a
-    module's tensors made and freed in turn would each leave its bytes in a heap that keeps freed memory
-    (``engine.memory.cpu_heap``), up to the whole model's (measured: 128 MiB of a 128 MiB model on a rank
-    holding 32), where one buffer of the largest such module stays bounded and is freed once."""
+    """One buffer the tensors of another rank's layer are cut from while its modules initialize: made and
+    freed tensor by tensor, they would each leave their bytes in a heap that keeps freed memory
+    (``engine.memory.cpu_heap``), up to the whole model's (measured: 128 MiB of a 128 MiB model on a
+    rank holding 32), where one buffer the size of the largest such layer stays bounded."""
 
     ALIGN = 64
 
@@ -151,7 +176,8 @@ class _Scratch:
 
     @classmethod
     def bytes_of(cls, tensors: Iterable[torch.Tensor]) -> int:
-        return sum(-(-t.numel() * t.element_size() // cls.ALIGN) * cls.ALIGN for t in tensors)
+        unique = {id(t): t for t in tensors}.values()
+        return sum(-(-t.numel() * t.element_size() // cls.ALIGN) * cls.ALIGN for t in unique)
 
     def cut(self, t: torch.Tensor) -> torch.Tensor:
         n = t.numel() * t.element_size()
@@ -160,88 +186,214 @@ class _Scratch:
         return out.fill_(_unset_value(t))
 
 
-def _still_unset(t: torch.Tensor) -> bool:
-    if t.dtype.is_floating_point or t.dtype.is_complex:
-        return bool(t.sum().isnan())  # NaN anywhere makes the sum NaN; no tensor of t's size is made
-    return bool((t == torch.iinfo(t.dtype).max).any())
+@dataclass
+class Made:
+    """What :func:`materialize` did, for the strategy's warnings, and how to undo it."""
+
+    modules: int  # modules initialized
+    undo: Callable[[], None]  # the model as built (on meta) and the random state as it was
+    real: list[str] = field(default_factory=list)  # modules built on a real device beside the meta ones
+    ties: list[str] = field(default_factory=list)  # tensors several modules initialize: the first one's values
 
 
-def _check_before(model: nn.Module, order: list[tuple[str, nn.Module]]) -> None:
-    """Refuse, before anything is made, a module that nothing can initialize and a boolean buffer."""
+def _check_before(model: nn.Module, order: list[tuple[str, nn.Module]], user_meta: Callable[..., bool]) -> None:
+    """Refuse, before anything is made, what nothing can initialize or no check can see set."""
     for name, module in order:
-        meta = [(n, t) for n, t in _direct(module) if t.is_meta]
-        where = name or type(model).__name__
-        if _initializer(model, name, module) is None:
+        meta = {n: t for n, t in _direct(module).items() if user_meta(t)}
+        if not meta:
+            continue
+        where, kind = name or type(model).__name__, type(module).__name__
+        real = [n for n, t in _direct(module).items() if not t.is_meta]
+        lazy = [n for n, t in meta.items() if isinstance(t, (UninitializedParameter, UninitializedBuffer))]
+        flags = [n for n, t in meta.items() if t.dtype == torch.bool]
+        if lazy or real:
+            what = f"lazy parameters ({', '.join(lazy)})" if lazy else f"{', '.join(real)} on a real device"
             raise ValueError(
-                f"{where} ({type(module).__name__}) holds {', '.join(n for n, _ in meta)} on the meta device and "
-                f"has no reset_parameters(): {_FIX}; give {type(module).__name__} a reset_parameters() that sets "
-                f"them, or build the model on a real device"
+                f"{where} ({kind}) holds {', '.join(meta)} on the meta device and {what}: {_FIX}; build the "
+                f"module wholly on the meta device with its shapes known (no lazy modules), or on a real device"
             )
-        flags = [n for n, t in meta if t.dtype == torch.bool]
         if flags:
             raise ValueError(
-                f"{where}.{flags[0]} ({type(module).__name__}) is a boolean buffer built on the meta device, "
-                f"whose value no check can tell was set: {_FIX}; compute it in forward, store it as a float, "
-                f"or build the model on a real device"
+                f"{where}.{flags[0]} ({kind}) is a boolean buffer built on the meta device, whose value no check "
+                f"can tell was set: {_FIX}; compute it in forward, store it as a float, or build the model on a "
+                f"real device"
+            )
+        if _initializer(model, name, module) is None:
+            parametrized = "parametrizations" in name.split(".")
+            hint = (
+                "register the parametrization (weight_norm, spectral_norm) after setup, e.g. in on_fit_start, "
+                if parametrized
+                else f"give {kind} a reset_parameters() that sets them, "
+            )
+            raise ValueError(
+                f"{where} ({kind}) holds {', '.join(meta)} on the meta device and has no reset_parameters(): "
+                f"{_FIX}; {hint}or build the model on a real device"
             )
 
 
-def materialize(model: nn.Module, others: Iterable[nn.Module], device: torch.device, left_by_us: set[int]) -> int:
+def materialize(model: nn.Module, others: Iterable[nn.Module], device: torch.device, left_by_us: set[int]) -> Made:
     """Make ``model``'s meta tensors on ``device`` with one process's values (see the module's docstring),
-    except those only ``others`` (the modules of other ranks' layers) use, which end on ``meta`` again.
-    Returns the number of modules initialized. On a refusal the model is left as it came (on ``meta``)."""
+    except those only ``others`` (other ranks' layers) use, which end on ``meta`` again. On a refusal
+    the model is left as it came and the random state as it was."""
 
     def user_meta(t: torch.Tensor) -> bool:
         return t.is_meta and id(t) not in left_by_us
 
-    order = [(n, m) for n, m in _post_order(model) if any(user_meta(t) for _, t in _direct(m))]
-    _check_before(model, order)
-    as_built = [(m, n, t) for _, m in order for n, t in _direct(m)]
-    try:
-        _initialize(model, order, {id(m) for layer in others for m in layer.modules()}, device, user_meta)
-    except BaseException:
+    full = _post_order(model)
+    with_meta = {id(m) for _, m in full if any(user_meta(t) for t in _direct(m).values())}
+    # a Hugging Face model's _init_weights also acts through modules holding nothing (GPT-2 scales c_proj
+    # from its attention module): every module under one whose subtree is on meta is called
+    order = [
+        (n, m)
+        for n, m in full
+        if id(m) in with_meta or (_hf_owner(model, n) is not None and any(id(s) in with_meta for s in m.modules()))
+    ]
+    _check_before(model, order, user_meta)
+    as_built = [(m, n, t) for _, m in order for n, t in _direct(m).items()]
+    rng = _RandomState(device)
+
+    def undo() -> None:
         for module, n, t in as_built:
             setattr(module, n, t)
+        drop_guards({id(t) for _, _, t in as_built})  # a refused call's teardown guarded the layers it set aside
+        rng.restore()
+
+    layers = list(others)
+    try:
+        ties = _initialize(model, order, _Layers(model, layers), device, user_meta)
+    except BaseException:
+        undo()
         raise
-    return len(order)
+    real = [
+        f"{n or type(model).__name__} ({type(m).__name__})" for n, m in full if id(m) not in with_meta and _direct(m)
+    ]
+    return Made(len(order), undo, real, ties)
+
+
+class _RandomState:
+    """torch's generator states on the CPU and the device, to put back after a refusal."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cpu = torch.get_rng_state()
+        self.cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+        self.device = device
+
+    def restore(self) -> None:
+        torch.set_rng_state(self.cpu)
+        if self.cuda is not None:
+            torch.cuda.set_rng_state(self.cuda, self.device)
+
+
+class _Layers:
+    """Which modules belong to another rank's layer only (a module shared with this rank's layers, or
+    used outside the pipelined layers, is this rank's), and which tensors are this rank's."""
+
+    def __init__(self, model: nn.Module, others: list[nn.Module]) -> None:
+        roots = {id(layer) for layer in others}
+        mine: dict[int, nn.Module] = {}
+        stack = [model]
+        while stack:  # every module reachable without entering another rank's layer
+            module = stack.pop()
+            if id(module) not in mine:
+                mine[id(module)] = module
+                stack.extend(c for c in module.children() if id(c) not in roots)
+        self.ours = {id(t) for m in mine.values() for t in _direct(m).values()}
+        self.layer_of = {id(m): k for k, layer in enumerate(others) for m in layer.modules() if id(m) not in mine}
+        self.others = others
 
 
 def _initialize(
     model: nn.Module,
     order: list[tuple[str, nn.Module]],
-    elsewhere: set[int],
+    layers: _Layers,
     device: torch.device,
     user_meta: Callable[[torch.Tensor], bool],
-) -> None:
-    """Every module of ``order`` initialized in turn. A module of another rank's layer is made for its call
-    only, so the draws stay one process's, and gets its own meta tensors back after (the same objects:
-    ties between layers stay visible to every rank). A tensor an earlier module initialized (a tie made
-    after construction, ``head.weight = embed.weight``) keeps that module's values: this module's draws go
-    to a copy, as its constructor's went to the tensor the tie replaced."""
-    ours = {id(t) for _, m in order if id(m) not in elsewhere for _, t in _direct(m)}
-    unset = _unset(device)
-    replace_tensors([model], unset, lambda t: user_meta(t) and id(t) in ours)
-    scratch = _Scratch([_Scratch.bytes_of(t for _, t in _direct(m) if user_meta(t)) for _, m in order], device)
-    done: set[int] = set()
+) -> list[str]:
+    """Every module of ``order`` initialized in turn; returns the tensors several modules initialized.
+
+    Another rank's layer is made whole (from one scratch buffer) before its first module's call and put
+    back on ``meta`` after its last, so a module's ``reset_parameters`` may reach into its children as in
+    one process; its original meta tensors go back (the same objects: ties stay visible to every rank).
+    A tensor an earlier module initialized (a tie made after construction, ``head.weight = embed.weight``)
+    keeps that module's values: this module's draws go to a copy, as its constructor's went to the
+    tensor the tie replaced. A ``reset_parameters`` that assigns new tensors has their values copied into
+    the made ones (ties and this rank's tensors keep their identity)."""
+    unset = _unset_fill(device)
+    replace_tensors([model], unset, lambda t: user_meta(t) and id(t) in layers.ours)
+    scratch = _Scratch([_Scratch.bytes_of(t for t in _all(layer) if user_meta(t)) for layer in layers.others], device)
+    done: dict[int, tuple[str, torch.Tensor]] = {}  # the tensor kept: its id is not reused while this runs
+    ties: list[str] = []
+    live: tuple[int | None, list[tuple[nn.Module, str, torch.Tensor]]] = (None, [])
     for name, module in order:
-        own = _direct(module)
-        scratch.offset = 0
-        for n, t in own:
-            if user_meta(t) or id(t) in done:
-                new = scratch.cut(t) if user_meta(t) else unset(t)
-                setattr(module, n, nn.Parameter(new, t.requires_grad) if isinstance(t, nn.Parameter) else new)
+        key = layers.layer_of.get(id(module))
+        if key != live[0]:
+            _put_back(live[1])
+            live = (key, _made_whole(layers.others[key], scratch, user_meta) if key is not None else [])
+        before = _direct(module)
+        shared = {n: t for n, t in before.items() if id(t) in done}
+        ties += [f"{name}.{n} (kept {done[id(t)][0]}'s values)" for n, t in shared.items()]
+        for n, t in shared.items():
+            setattr(module, n, _like(t, unset(t)))
         init = _initializer(model, name, module)
         assert init is not None  # _check_before refused modules without one
         with torch.no_grad():
             init[0]()
+        _keep_identity(name, module, before, shared)
         _check_after(name, module, init[1])
-        for n, t in own:
-            setattr(module, n, t)
-        done.update(id(t) for _, t in own if not t.is_meta)
+        done.update((id(t), (name or type(model).__name__, t)) for t in before.values() if id(t) not in done)
+    _put_back(live[1])
+    return ties
+
+
+def _unset_fill(device: torch.device) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A maker of new tensors like its argument on ``device``, holding the value that means "not set"."""
+    return lambda t: torch.full(t.shape, _unset_value(t), dtype=t.dtype, device=device)
+
+
+def _like(t: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+    return nn.Parameter(new, t.requires_grad) if isinstance(t, nn.Parameter) else new
+
+
+def _made_whole(
+    layer: nn.Module, scratch: _Scratch, user_meta: Callable[[torch.Tensor], bool]
+) -> list[tuple[nn.Module, str, torch.Tensor]]:
+    """Another rank's layer with its meta tensors cut from the scratch buffer (ties kept); the originals."""
+    scratch.offset = 0
+    made: dict[int, torch.Tensor] = {}
+    originals = []
+    for module in layer.modules():
+        for n, t in _direct(module).items():
+            if user_meta(t):
+                if id(t) not in made:
+                    made[id(t)] = _like(t, scratch.cut(t))
+                originals.append((module, n, t))
+                setattr(module, n, made[id(t)])
+    return originals
+
+
+def _put_back(originals: list[tuple[nn.Module, str, torch.Tensor]]) -> None:
+    for module, n, t in originals:
+        setattr(module, n, t)
+
+
+def _keep_identity(name: str, module: nn.Module, before: dict[str, torch.Tensor], shared: dict) -> None:
+    """The tensors as they were before the call: a tie's copy dropped, a new tensor's values copied in."""
+    for n, t in before.items():
+        now = _direct(module).get(n)
+        if n not in shared and now is not t and now is not None:
+            if now.shape != t.shape or now.dtype != t.dtype:
+                raise ValueError(
+                    f"{name}.{n} ({type(module).__name__}) was built on the meta device as {tuple(t.shape)} "
+                    f"{t.dtype}, and its initialization assigned a {tuple(now.shape)} {now.dtype} tensor: {_FIX}; "
+                    f"build it in the shape it trains in"
+                )
+            with torch.no_grad():
+                t.copy_(now)
+        setattr(module, n, t)
 
 
 def _check_after(name: str, module: nn.Module, init: str) -> None:
-    for n, t in _direct(module):
+    for n, t in _direct(module).items():
         if not t.is_meta and _still_unset(t):
             where = f"{name}.{n}" if name else n
             raise ValueError(
@@ -249,3 +401,34 @@ def _check_after(name: str, module: nn.Module, init: str) -> None:
                 f"{_FIX}; set {n} there (a buffer computed in __init__, such as rotary frequencies, is not made "
                 f"again otherwise), or build the model on a real device"
             )
+
+
+def warn_made(made: Made, model: nn.Module) -> None:
+    """What a meta build's values may not share with one process's build, where it can be seen (a Hugging
+    Face model is made as its own meta path makes it: nothing to warn about)."""
+    if any(_hugging_face(m) for m in model.modules()):
+        return
+    doc = "docs/strategy.md, 'A model built on the meta device'"
+    custom = custom_inits(model)
+    if custom:
+        rank_zero_warn(
+            f"the model was built on the meta device, and its modules got their values from their own "
+            f"reset_parameters() (torch's default initialization for torch's layers) or Hugging Face's "
+            f"_init_weights; {', '.join(custom)} define an initialization of their own, which the constructor "
+            f"ran on the meta device (on no values) and strategy='twobp' does not call: to keep it, build the model "
+            f"on a real device, or load its weights ({doc})"
+        )
+    if made.real:
+        rank_zero_warn(
+            f"the model was built partly on the meta device: {', '.join(made.real[:3])}"
+            f"{' and others' if len(made.real) > 3 else ''} hold tensors built on a real device, whose constructors "
+            f"drew from the random generator before setup, so the meta modules' values are a fresh initialization, "
+            f"not one process's ({doc})"
+        )
+    if made.ties:
+        rank_zero_warn(
+            f"the model was built on the meta device with tensors shared between modules: {'; '.join(made.ties[:3])}. "
+            f"A tie keeps the first module's initialization; one process keeps the values of the module whose "
+            f"tensor the tie kept (`head.weight = embed.weight`: the embedding's, as here; `embed.weight = "
+            f"head.weight`: the head's). Where that differs, load the weights, or build on a real device ({doc})"
+        )

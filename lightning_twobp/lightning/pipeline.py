@@ -35,7 +35,7 @@ from lightning_twobp.lightning.layout import check_degree, schedule_label
 from lightning_twobp.lightning.loaders import keep_users_sampler
 from lightning_twobp.lightning.local_model import LocalModel, left_on_meta, split_model
 from lightning_twobp.lightning.logs import LogChannel
-from lightning_twobp.lightning.materialize import built_on_meta, check_meta_options, custom_inits, materialize
+from lightning_twobp.lightning.materialize import built_on_meta, check_meta_options, materialize, warn_made
 from lightning_twobp.lightning.metrics import StepMetrics
 from lightning_twobp.lightning.modulelist_contract import ModuleListContract, caches_off, fastpath_off
 from lightning_twobp.lightning.optimizer_checks import OptimizerChecks, hooks_may_scale_grads
@@ -501,21 +501,10 @@ def _materialize(strategy: TwoBPStrategy, contract: Any, sizes: list[int], sched
         for part in contract.parts(layers[i])
     ]
     lm = strategy.lightning_module
-    custom = custom_inits(lm)
     made = materialize(lm, others, strategy.root_device, left_on_meta())
-    if custom:
-        rank_zero_warn(
-            f"the model was built on the meta device, and its modules got their values from their own "
-            f"reset_parameters() (torch's default initialization for torch's layers) or Hugging Face's "
-            f"_init_weights; {', '.join(custom)} define an initialization of their own, which the constructor "
-            f"ran on the meta device (on no values) and strategy='twobp' does not call: to keep it, build the model "
-            f"on a real device, or load its weights (docs/strategy.md, 'A model built on the meta device')"
-        )
-    log.info(
-        "built on the meta device: %d modules initialized in one process's order, this rank's stages %s kept",
-        made,
-        sorted(mine),
-    )
+    strategy._made = made  # put back as built by teardown should the setup be refused later
+    warn_made(made, lm)
+    log.info("built on the meta device: %d modules initialized, this rank's stages %s kept", made.modules, sorted(mine))
 
 
 def _checked_contract(strategy: TwoBPStrategy, trainer: Any) -> SequentialContract | ModuleListContract:

@@ -41,6 +41,7 @@ from lightning_twobp.lightning.grads import GradStash
 from lightning_twobp.lightning.layout import check_degree
 from lightning_twobp.lightning.loaders import check_same_batch, seed_workers_by_replica
 from lightning_twobp.lightning.local_model import meta_layers_aside
+from lightning_twobp.lightning.materialize import Made
 from lightning_twobp.lightning.optimizer_checks import HookScaleError, NonFiniteError, buffers_kept
 from lightning_twobp.lightning.pipeline import Pipeline, StepRecords, StepRun, build_pipeline
 from lightning_twobp.lightning.placement import PipelinePlacement
@@ -144,6 +145,7 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
         self._outside: OutsideWrites | None = None  # the parameters outside the stages, watched during training
         self._mesh: DeviceMesh | None = None
         self._pipeline: Pipeline | None = None
+        self._made: Made | None = None  # a model built on meta, made during a setup that has not ended yet
         self._calls_ended = False
         self._stash = GradStash()
         self._signals: StopSignals | None = None
@@ -247,6 +249,7 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
         # Optimizers are created after the move to the device and hold no state yet; a checkpoint's
         # state is loaded afterwards (restore_checkpoint_after_setup), by parameter name.
         self.setup_precision_plugin()
+        self._made = None  # made for good: only a refusal during setup puts a meta build back
 
     @override
     def on_exception(self, exception: BaseException) -> None:
@@ -319,8 +322,13 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
         # raised trying would hide the one that ended this call
         with meta_layers_aside(lm) if lm is not None else nullcontext():
             super().teardown()
-        if pipeline is None:
-            return
+        if pipeline is not None:
+            self._take_apart(pipeline)
+        if self._made is not None:  # refused during setup: the model as built, so that a retry makes it again
+            self._made.undo()
+            self._made = None
+
+    def _take_apart(self, pipeline: Pipeline) -> None:
         pipeline.unshard_for_good(self._failed)
         gather = self.options.gather_full_model and not self._failed and dist.is_initialized()
         pipeline.local.restore(gather, self.group("pp"), self.pp_rank, self.root_device)
