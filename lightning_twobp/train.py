@@ -20,6 +20,7 @@ job after another.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -60,7 +61,8 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
     out_dir = HydraConfig.get().runtime.output_dir if HydraConfig.initialized() else os.getcwd()
     data = instantiate_data(cfg)  # first: a config error there is refused before a large model is built
-    model = instantiate(cfg.model)
+    with torch.device("meta") if cfg.get("build_on_meta") else contextlib.nullcontext():
+        model = instantiate(cfg.model)  # on meta, each rank makes its own stages at setup
     strategy = instantiate(cfg.strategy, _convert_="all")  # balance may be a list
     callbacks = [instantiate(c) for c in (cfg.get("callbacks") or {}).values()]
     loggers = [instantiate(lg) for lg in (cfg.get("logger") or {}).values()]

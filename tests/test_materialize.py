@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_twobp import TwoBPStrategy
+from lightning_twobp import TwoBPStrategy, models
 from lightning_twobp.lightning.materialize import check_meta_options, custom_inits, materialize
 
 import conftest
@@ -201,6 +201,36 @@ def test_layers_sharing_a_module_infinities_and_aliases_are_made_as_one_process_
     assert model[0][1].alias is model[0][1].weight and not model[0][1].alias.is_meta
     for n, t in model.state_dict().items():
         assert t.is_meta or torch.equal(t, ref.state_dict()[n]), n
+
+
+OURS = {
+    "llama": lambda: models.LlamaLM(vocab_size=32, dim=16, n_layers=4, n_heads=2, n_kv_heads=1, max_seq_len=8),
+    "llama-loop": lambda: models.LlamaLoopLM(vocab_size=32, dim=16, n_layers=4, n_heads=2, max_seq_len=8),
+    "bert": lambda: models.BertMLM(vocab_size=32, dim=16, n_layers=4, n_heads=2, max_seq_len=8, type_vocab_size=2),
+    "mamba": lambda: models.MambaLM(vocab_size=32, dim=16, n_layers=4, d_state=4, max_seq_len=8),
+    "resnet": lambda: models.ResNetClassifier(depth=50, num_classes=5, width=4, image_size=16),
+}
+
+
+@pytest.mark.parametrize("name", sorted(OURS))
+def test_the_paper_models_built_on_meta_get_the_values_of_a_cpu_build(name):
+    """The recipes' models initialize each module in its own reset_parameters, so a meta build is made
+    exactly (its seed argument seeds the generator in the constructor either way), flags on parameters
+    that configure_optimizers reads (Mamba's _no_weight_decay) kept."""
+    ref = OURS[name]()
+    after = torch.rand(2)
+    with torch.device("meta"):
+        model = OURS[name]()
+    blocks = model.model.blocks if name == "llama-loop" else model.layers
+    made = materialize(model, list(blocks[1:3]), torch.device("cpu"), set())
+    assert made.real == [] and made.ties == [] and custom_inits(model) == []
+    torch.testing.assert_close(torch.rand(2), after, rtol=0, atol=0)
+    assert any(t.is_meta for t in model.state_dict().values())
+    for n, t in model.state_dict().items():
+        assert t.is_meta or torch.equal(t, ref.state_dict()[n]), n
+    flags = {n for n, p in ref.named_parameters() if getattr(p, "_no_weight_decay", False)}
+    assert flags == {n for n, p in model.named_parameters() if getattr(p, "_no_weight_decay", False)}
+    assert bool(flags) == (name == "mamba")
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])

@@ -295,10 +295,12 @@ def _lose_node_1(nodes: list[subprocess.Popen], folder: Path, ready: Any) -> tup
 
 
 def test_two_nodes_train_as_one_process_and_a_lost_node_is_named(one_process, tmp_path):
-    """Two torchrun agents (``--nnodes 2``, a c10d rendezvous on localhost) train the default recipe:
-    the last loss equals one process's; then a node killed mid-run (agent and worker) ends the other's
-    job with an error naming the lost pipeline rank, within the pipeline timeout."""
-    nodes = _two_nodes(tmp_path / "two", [*_ONE_PROCESS, "data.batch_size=32"])
+    """Two torchrun agents (``--nnodes 2``, a c10d rendezvous on localhost) train the default recipe,
+    built on the meta device: the last loss equals one process's, which built it on the CPU; then a
+    node killed mid-run (agent and worker) ends the other's job with an error naming the lost pipeline
+    rank, within the pipeline timeout."""
+    # built on the meta device here: each rank makes its stages with the values one process built
+    nodes = _two_nodes(tmp_path / "two", [*_ONE_PROCESS, "data.batch_size=32", "build_on_meta=true"])
     codes = [p.wait(timeout=300) for p in nodes]
     assert codes == [0, 0], [(tmp_path / "two" / f"node{n}.log").read_text()[-3000:] for n in range(2)]
     want = _final_loss(one_process)

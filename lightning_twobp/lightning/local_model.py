@@ -34,6 +34,7 @@ __all__ = [
     "LocalModel",
     "SharedParameter",
     "drop_guards",
+    "like",
     "float_cast",
     "is_placeholder",
     "left_on_meta",
@@ -359,6 +360,14 @@ def _bounds(sizes: list[int]) -> list[int]:
     return bounds
 
 
+def like(t: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+    """``new`` in ``t``'s place: a Parameter if ``t`` is one, with ``t``'s ``requires_grad`` and the
+    attributes set on it (a flag read by ``configure_optimizers``, as Mamba's ``_no_weight_decay``)."""
+    out = nn.Parameter(new, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else new
+    out.__dict__.update(t.__dict__)
+    return out
+
+
 def replace_tensors(layers: list[nn.Module], make: Any, which: Any) -> None:
     """Replace the parameters and buffers of ``layers`` for which ``which(t)`` holds by ``make(t)``
     (a new Parameter for a parameter). A tensor used several times, in one layer or in several, is
@@ -372,10 +381,7 @@ def replace_tensors(layers: list[nn.Module], make: Any, which: Any) -> None:
                     if id(t) not in made:
                         if not which(t):
                             continue
-                        new = make(t)
-                        made[id(t)] = (
-                            nn.Parameter(new, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else new
-                        )
+                        made[id(t)] = like(t, make(t))
                     setattr(module, name, made[id(t)])
 
 

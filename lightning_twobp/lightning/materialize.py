@@ -41,7 +41,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 from torch.nn.parameter import UninitializedBuffer, UninitializedParameter
 
-from lightning_twobp.lightning.local_model import drop_guards, replace_tensors
+from lightning_twobp.lightning.local_model import drop_guards, like, replace_tensors
 
 __all__ = ["Made", "built_on_meta", "check_meta_options", "custom_inits", "materialize", "warn_made"]
 
@@ -333,7 +333,7 @@ def _initialize(
         shared = {n: t for n, t in before.items() if id(t) in done}
         ties += [f"{name}.{n} (kept {done[id(t)][0]}'s values)" for n, t in shared.items()]
         for n, t in shared.items():
-            setattr(module, n, _like(t, unset(t)))
+            setattr(module, n, like(t, unset(t)))
         init = _initializer(model, name, module)
         assert init is not None  # _check_before refused modules without one
         with torch.no_grad():
@@ -350,10 +350,6 @@ def _unset_fill(device: torch.device) -> Callable[[torch.Tensor], torch.Tensor]:
     return lambda t: torch.full(t.shape, _unset_value(t), dtype=t.dtype, device=device)
 
 
-def _like(t: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
-    return nn.Parameter(new, t.requires_grad) if isinstance(t, nn.Parameter) else new
-
-
 def _made_whole(
     layer: nn.Module, scratch: _Scratch, user_meta: Callable[[torch.Tensor], bool]
 ) -> list[tuple[nn.Module, str, torch.Tensor]]:
@@ -365,7 +361,7 @@ def _made_whole(
         for n, t in _direct(module).items():
             if user_meta(t):
                 if id(t) not in made:
-                    made[id(t)] = _like(t, scratch.cut(t))
+                    made[id(t)] = like(t, scratch.cut(t))
                 originals.append((module, n, t))
                 setattr(module, n, made[id(t)])
     return originals

@@ -31,6 +31,22 @@ __all__ = ["BertEmbeddings", "BertLayer", "BertMLM", "MLMHead", "build_bert"]
 _LN_EPS = 1e-12  # BERT's LayerNorm epsilon
 
 
+class Linear(nn.Linear):
+    """BERT's initialization, in the module's own ``reset_parameters`` (its constructor calls it, and so
+    does the setup of a model built on the meta device): normal(0, 0.02) weight, zero bias."""
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.weight, std=0.02)
+        nn.init.zeros_(self.bias)
+
+
+class Embedding(nn.Embedding):
+    """normal(0, 0.02), as BERT."""
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.weight, std=0.02)
+
+
 class BertEmbeddings(nn.Module):
     """Token ids ``(B, T)`` -> ``(B, T, C)``: token + learned position (+ segment 0), LayerNorm, dropout."""
 
@@ -38,9 +54,9 @@ class BertEmbeddings(nn.Module):
         self, vocab_size: int, dim: int, max_seq_len: int, type_vocab_size: int = 0, dropout: float = 0.0
     ) -> None:
         super().__init__()
-        self.tokens = nn.Embedding(vocab_size, dim)
-        self.positions = nn.Embedding(max_seq_len, dim)
-        self.token_types = nn.Embedding(type_vocab_size, dim) if type_vocab_size else None
+        self.tokens = Embedding(vocab_size, dim)
+        self.positions = Embedding(max_seq_len, dim)
+        self.token_types = Embedding(type_vocab_size, dim) if type_vocab_size else None
         self.norm = nn.LayerNorm(dim, eps=_LN_EPS)
         self.dropout = nn.Dropout(dropout)
 
@@ -65,11 +81,11 @@ class BertLayer(nn.Module):
         if dim % n_heads:
             raise ValueError(f"dim {dim} must divide by n_heads {n_heads}")
         self.n_heads, self.head_dim, self.p = n_heads, dim // n_heads, dropout
-        self.qkv = nn.Linear(dim, 3 * dim)
-        self.proj = nn.Linear(dim, dim)
+        self.qkv = Linear(dim, 3 * dim)
+        self.proj = Linear(dim, dim)
         self.attn_norm = nn.LayerNorm(dim, eps=_LN_EPS)
-        self.fc1 = nn.Linear(dim, ffn_hidden)
-        self.fc2 = nn.Linear(ffn_hidden, dim)
+        self.fc1 = Linear(dim, ffn_hidden)
+        self.fc2 = Linear(ffn_hidden, dim)
         self.ffn_norm = nn.LayerNorm(dim, eps=_LN_EPS)
         self.dropout = nn.Dropout(dropout)
 
@@ -86,10 +102,10 @@ class MLMHead(nn.Module):
 
     def __init__(self, dim: int, vocab_size: int) -> None:
         super().__init__()
-        self.dense = nn.Linear(dim, dim)
+        self.dense = Linear(dim, dim)
         self.norm = nn.LayerNorm(dim, eps=_LN_EPS)
         # Untied from the token embedding: tied weights cannot span pipeline stages (module docstring).
-        self.decoder = nn.Linear(dim, vocab_size)
+        self.decoder = Linear(dim, vocab_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.decoder(self.norm(F.gelu(self.dense(x))))
@@ -110,13 +126,7 @@ def build_bert(
     layers: list[nn.Module] = [BertEmbeddings(vocab_size, dim, max_seq_len, type_vocab_size, dropout)]
     layers += [BertLayer(dim, n_heads, ffn_hidden, dropout) for _ in range(n_layers)]
     layers.append(MLMHead(dim, vocab_size))
-    model = nn.Sequential(*layers)
-    for m in model.modules():
-        if isinstance(m, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(m.weight, std=0.02)
-        if isinstance(m, nn.Linear):
-            nn.init.zeros_(m.bias)
-    return model
+    return nn.Sequential(*layers)
 
 
 class BertMLM(LanguageModel):

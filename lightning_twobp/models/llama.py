@@ -38,11 +38,27 @@ class LlamaConfig:
         return 64 * ((h + 63) // 64)
 
 
+class Linear(nn.Linear):
+    """A projection without bias, initialized as LLaMa's: normal, std 0.02. Each module initializes
+    itself in ``reset_parameters`` (its constructor calls it), so a model built on the meta device is
+    made with the same values at setup (:mod:`lightning_twobp.lightning.materialize`)."""
+
+    def __init__(self, in_features: int, out_features: int) -> None:
+        super().__init__(in_features, out_features, bias=False)
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.weight, std=0.02)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float = 1e-5) -> None:
         super().__init__()
         self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.weight = nn.Parameter(torch.empty(dim))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Normalise in fp32 for stability under bf16 autocast, as LLaMa does.
@@ -74,14 +90,20 @@ class Attention(nn.Module):
                 f"dim {cfg.dim} must divide by n_heads {cfg.n_heads}, and n_heads by n_kv_heads {self.n_kv}"
             )
         self.head_dim = cfg.dim // cfg.n_heads
-        self.wq = nn.Linear(cfg.dim, cfg.n_heads * self.head_dim, bias=False)
-        self.wk = nn.Linear(cfg.dim, self.n_kv * self.head_dim, bias=False)
-        self.wv = nn.Linear(cfg.dim, self.n_kv * self.head_dim, bias=False)
-        self.wo = nn.Linear(cfg.n_heads * self.head_dim, cfg.dim, bias=False)
+        self.wq = Linear(cfg.dim, cfg.n_heads * self.head_dim)
+        self.wk = Linear(cfg.dim, self.n_kv * self.head_dim)
+        self.wv = Linear(cfg.dim, self.n_kv * self.head_dim)
+        self.wo = Linear(cfg.n_heads * self.head_dim, cfg.dim)
+        self.cfg = cfg
         if rope_tables:
             cos, sin = rope_tables_of(cfg)
             self.register_buffer("cos", cos, persistent=False)
             self.register_buffer("sin", sin, persistent=False)
+
+    def reset_parameters(self) -> None:
+        """The rotary tables again (a meta build has none): the projections initialize themselves."""
+        if hasattr(self, "cos"):
+            copy_rope_tables(self, self.cfg)
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor | None = None, sin: torch.Tensor | None = None
@@ -109,12 +131,20 @@ def rope_tables_of(cfg: LlamaConfig) -> tuple[torch.Tensor, torch.Tensor]:
     return ang.cos(), ang.sin()
 
 
+def copy_rope_tables(module: nn.Module, cfg: LlamaConfig) -> None:
+    """``module``'s ``cos`` and ``sin`` buffers set to the tables, on their device."""
+    for name, table in zip(("cos", "sin"), rope_tables_of(cfg), strict=True):
+        buffer: torch.Tensor = getattr(module, name)
+        with torch.no_grad():
+            buffer.copy_(table)
+
+
 class FeedForward(nn.Module):
     def __init__(self, dim: int, hidden: int) -> None:
         super().__init__()
-        self.w1 = nn.Linear(dim, hidden, bias=False)
-        self.w2 = nn.Linear(hidden, dim, bias=False)
-        self.w3 = nn.Linear(dim, hidden, bias=False)
+        self.w1 = Linear(dim, hidden)
+        self.w2 = Linear(hidden, dim)
+        self.w3 = Linear(dim, hidden)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(F.silu(self.w1(x)) * self.w3(x))  # SwiGLU
@@ -136,14 +166,17 @@ class Block(nn.Module):
 
 
 class Embedding(nn.Embedding):
-    """Token ids (B, T) -> (B, T, C); a separate class so partitioners can name it."""
+    """Token ids (B, T) -> (B, T, C); a separate class so partitioners can name it. Normal, std 0.02."""
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.weight, std=0.02)
 
 
 class Head(nn.Module):
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.out = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self.out = Linear(cfg.dim, cfg.vocab_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, C) -> (B, T, V) logits
         return self.out(self.norm(x))
@@ -154,15 +187,7 @@ def build_llama(cfg: LlamaConfig = LlamaConfig()) -> nn.Sequential:
     layers: list[nn.Module] = [Embedding(cfg.vocab_size, cfg.dim)]
     layers += [Block(cfg) for _ in range(cfg.n_layers)]
     layers.append(Head(cfg))
-    model = nn.Sequential(*layers)
-    init_weights(model)
-    return model
-
-
-def init_weights(model: nn.Module) -> None:
-    for m in model.modules():
-        if isinstance(m, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(m.weight, std=0.02)
+    return nn.Sequential(*layers)
 
 
 class LlamaLM(LanguageModel):

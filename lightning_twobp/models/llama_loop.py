@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from typing_extensions import override
 
-from lightning_twobp.models.llama import Block, Embedding, Head, LlamaConfig, LlamaLM, init_weights, rope_tables_of
+from lightning_twobp.models.llama import Block, Embedding, Head, LlamaConfig, LlamaLM, copy_rope_tables, rope_tables_of
 
 __all__ = ["LlamaLoop", "LlamaLoopLM"]
 
@@ -34,9 +34,13 @@ class Rotary(nn.Module):
 
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
+        self.cfg = cfg
         cos, sin = rope_tables_of(cfg)
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
+
+    def reset_parameters(self) -> None:  # the tables again: a meta build has none
+        copy_rope_tables(self, self.cfg)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # (B, T, C) -> 2 x (T, D/2)
         t = x.shape[1]
@@ -52,7 +56,6 @@ class LlamaLoop(nn.Module):
         self.rotary = Rotary(cfg)
         self.blocks = nn.ModuleList(Block(cfg, rope_tables=False) for _ in range(cfg.n_layers))
         self.head = Head(cfg)
-        init_weights(self)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:  # (B, T) -> (B, T, V)
         x = self.embed(ids)

@@ -37,6 +37,7 @@ from torch import nn
 from typing_extensions import Unpack
 
 from lightning_twobp.models.base import LanguageModel, Training, training_arguments
+from lightning_twobp.models.llama import Linear as NormalLinear
 from lightning_twobp.models.llama import RMSNorm
 
 __all__ = ["MambaBlock", "MambaConfig", "MambaHead", "MambaLM", "MambaMixer", "build_mamba", "selective_scan"]
@@ -112,22 +113,32 @@ class MambaMixer(nn.Module):
         self.conv1d = nn.Conv1d(d_inner, d_inner, d_conv, groups=d_inner, padding=d_conv - 1)
         self.x_proj = nn.Linear(d_inner, self.dt_rank + 2 * d_state, bias=False)
         self.dt_proj = nn.Linear(self.dt_rank, d_inner)
-        self.A_log = nn.Parameter(torch.log(torch.arange(1, d_state + 1, dtype=torch.float32).repeat(d_inner, 1)))
-        self.D = nn.Parameter(torch.ones(d_inner))
+        self.A_log = nn.Parameter(torch.empty(d_inner, d_state))
+        self.D = nn.Parameter(torch.empty(d_inner))
         # as the reference: not decayed (a flag of ours on the Parameter, read by configure_optimizers)
         self.A_log._no_weight_decay = self.D._no_weight_decay = True  # type: ignore[attr-defined]
         self.out_proj = nn.Linear(d_inner, dim, bias=False)
+        self.dt_range, self.n_layers = (cfg.dt_min, cfg.dt_max), n_layers
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """The reference's init, after the projections' own (the constructor's order, which a model built
+        on the meta device replays at setup): S4D-real A, unit D, dt_proj for log-uniform steps, out_proj
+        scaled by the depth."""
+        d_inner, d_state = self.A_log.shape
         with torch.no_grad():
+            self.A_log.copy_(torch.log(torch.arange(1, d_state + 1, dtype=torch.float32).repeat(d_inner, 1)))
+            nn.init.ones_(self.D)
             std = self.dt_rank**-0.5
             nn.init.uniform_(self.dt_proj.weight, -std, std)
             # softplus(bias) = dt, log-uniform in [dt_min, dt_max]: the inverse softplus of a sample
-            lo, hi = math.log(cfg.dt_min), math.log(cfg.dt_max)
+            lo, hi = (math.log(v) for v in self.dt_range)
             dt = torch.exp(torch.rand(d_inner) * (hi - lo) + lo)
             dt = dt.clamp(min=1e-4)
             self.dt_proj.bias.copy_(dt + torch.log(-torch.expm1(-dt)))
             # GPT-2's scaling of the residual branch's last projection by the depth
             nn.init.kaiming_uniform_(self.out_proj.weight, a=math.sqrt(5))
-            self.out_proj.weight.div_(math.sqrt(n_layers))
+            self.out_proj.weight.div_(math.sqrt(self.n_layers))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         t = x.shape[1]
@@ -163,7 +174,11 @@ class MambaBlock(nn.Module):
 
 
 class Embedding(nn.Embedding):
-    """Token ids (B, L) -> (B, L, C); a separate class so partitioners can name it."""
+    """Token ids (B, L) -> (B, L, C); a separate class so partitioners can name it. The reference's
+    N(0, 0.02)."""
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.weight, std=0.02)
 
 
 class MambaHead(nn.Module):
@@ -172,7 +187,7 @@ class MambaHead(nn.Module):
     def __init__(self, dim: int, vocab_size: int) -> None:
         super().__init__()
         self.norm = RMSNorm(dim)
-        self.out = nn.Linear(dim, vocab_size, bias=False)
+        self.out = NormalLinear(dim, vocab_size)  # N(0, 0.02): as its tied copy of the embedding would start
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.out(self.norm(x))
@@ -186,12 +201,8 @@ def build_mamba(
     keyword (``d_state=8``) in their place."""
     cfg = replace(mixer or MambaConfig(), **options)  # an unknown keyword: MambaConfig's TypeError names it
     embedding = Embedding(vocab_size, dim)
-    head = MambaHead(dim, vocab_size)
-    with torch.no_grad():  # the reference's N(0, 0.02) embedding; the head starts as its tied copy would
-        nn.init.normal_(embedding.weight, std=0.02)
-        nn.init.normal_(head.out.weight, std=0.02)
     blocks = [MambaBlock(dim, cfg, n_layers) for _ in range(n_layers)]
-    return nn.Sequential(embedding, *blocks, head)
+    return nn.Sequential(embedding, *blocks, MambaHead(dim, vocab_size))
 
 
 class MambaLM(LanguageModel):

@@ -41,6 +41,14 @@ def _norm(kind: str, channels: int) -> nn.Module:
     return nn.GroupNorm(math.gcd(32, channels), channels)
 
 
+class Conv2d(nn.Conv2d):
+    """torchvision's ResNet init in the module's own ``reset_parameters`` (its constructor calls it, and
+    so does the setup of a model built on the meta device): Kaiming normal, fan out."""
+
+    def reset_parameters(self) -> None:
+        nn.init.kaiming_normal_(self.weight, mode="fan_out", nonlinearity="relu")
+
+
 class Bottleneck(nn.Module):
     """1x1 reduce, 3x3 (carrying the stride), 1x1 expand by 4, plus the shortcut; ``(B, Cin, H, W) ->
     (B, 4 planes, H / stride, W / stride)``."""
@@ -50,15 +58,15 @@ class Bottleneck(nn.Module):
     def __init__(self, inplanes: int, planes: int, stride: int = 1, norm: str = "batch") -> None:
         super().__init__()
         out = planes * self.expansion
-        self.conv1 = nn.Conv2d(inplanes, planes, 1, bias=False)
+        self.conv1 = Conv2d(inplanes, planes, 1, bias=False)
         self.bn1 = _norm(norm, planes)
-        self.conv2 = nn.Conv2d(planes, planes, 3, stride=stride, padding=1, bias=False)
+        self.conv2 = Conv2d(planes, planes, 3, stride=stride, padding=1, bias=False)
         self.bn2 = _norm(norm, planes)
-        self.conv3 = nn.Conv2d(planes, out, 1, bias=False)
+        self.conv3 = Conv2d(planes, out, 1, bias=False)
         self.bn3 = _norm(norm, out)
         self.downsample = None
         if stride != 1 or inplanes != out:
-            self.downsample = nn.Sequential(nn.Conv2d(inplanes, out, 1, stride=stride, bias=False), _norm(norm, out))
+            self.downsample = nn.Sequential(Conv2d(inplanes, out, 1, stride=stride, bias=False), _norm(norm, out))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.relu(self.bn1(self.conv1(x)))
@@ -85,7 +93,7 @@ def build_resnet(depth: int | str = 50, num_classes: int = 1000, width: int = 64
     if norm not in _NORMS:
         raise ValueError(f"norm={norm!r}: choose 'batch' (BatchNorm2d) or 'group' (GroupNorm)")
     stem = nn.Sequential(
-        nn.Conv2d(3, width, 7, stride=2, padding=3, bias=False),
+        Conv2d(3, width, 7, stride=2, padding=3, bias=False),
         _norm(norm, width),
         nn.ReLU(),
         nn.MaxPool2d(3, stride=2, padding=1),
@@ -97,15 +105,8 @@ def build_resnet(depth: int | str = 50, num_classes: int = 1000, width: int = 64
         for i in range(count):
             layers.append(Bottleneck(inplanes, planes, stride=2 if stage > 0 and i == 0 else 1, norm=norm))
             inplanes = planes * Bottleneck.expansion
-    layers.append(ResNetHead(inplanes, num_classes))
-    model = nn.Sequential(*layers)
-    for m in model.modules():  # torchvision's init; the fc keeps nn.Linear's default
-        if isinstance(m, nn.Conv2d):
-            nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
-        elif isinstance(m, (nn.BatchNorm2d, nn.GroupNorm)):
-            nn.init.ones_(m.weight)
-            nn.init.zeros_(m.bias)
-    return model
+    layers.append(ResNetHead(inplanes, num_classes))  # the fc keeps nn.Linear's default init, as torchvision
+    return nn.Sequential(*layers)  # norms start at one and zero: BatchNorm2d's and GroupNorm's own reset
 
 
 class ResNetClassifier(PipelineModule):
