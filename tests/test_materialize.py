@@ -15,7 +15,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_twobp import TwoBPStrategy, models
-from lightning_twobp.lightning.materialize import check_meta_options, custom_inits, materialize
+from lightning_twobp.lightning.materialize import check_meta_options, custom_inits, materialize, warn_made
 
 import conftest
 from conftest import Regressor, launch, lightning_env, quiet_trainer, regression_data
@@ -262,6 +262,23 @@ def test_a_hugging_face_model_is_made_as_its_own_meta_path_makes_it(arch):
     assert len(held) < len(model.state_dict())
     for n, t in held.items():
         assert torch.equal(t, ref.state_dict()[n]), n
+
+
+def test_what_setup_cannot_see_as_one_process_is_warned_about():
+    head = nn.Linear(4, 2)  # built on the CPU: it drew before the meta layers are made
+    with torch.device("meta"):
+        embed, loss = nn.Embedding(5, 4), nn.CrossEntropyLoss(weight=torch.ones(2, device="cpu"))
+        tied = nn.Linear(4, 5, bias=False)
+    tied.weight = embed.weight
+    model = nn.ModuleDict(dict(embed=embed, head=head, loss=loss, tied=tied))
+    made = materialize(model, [], torch.device("cpu"), set())
+    assert made.real == ["head (Linear)"] and made.ties == ["tied.weight (kept embed's values)"]  # not the loss
+    with pytest.warns(UserWarning) as seen:
+        warn_made(made, model)
+    assert [str(w.message).split(":")[0] for w in seen] == [
+        "the model was built partly on the meta device",
+        "the model was built on the meta device with tensors shared between modules",
+    ]
 
 
 def test_an_initialization_of_the_models_own_is_named_and_options_that_time_layers_refused():

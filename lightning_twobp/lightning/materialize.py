@@ -192,7 +192,7 @@ class Made:
 
     modules: int  # modules initialized
     undo: Callable[[], None]  # the model as built (on meta) and the random state as it was
-    real: list[str] = field(default_factory=list)  # modules built on a real device beside the meta ones
+    real: list[str] = field(default_factory=list)  # modules with parameters built on a real device beside meta ones
     ties: list[str] = field(default_factory=list)  # tensors several modules initialize: the first one's values
 
 
@@ -264,8 +264,9 @@ def materialize(model: nn.Module, others: Iterable[nn.Module], device: torch.dev
     except BaseException:
         undo()
         raise
+    # parameters built on a device drew from the generator before setup (a loss's class weights did not)
     real = [
-        f"{n or type(model).__name__} ({type(m).__name__})" for n, m in full if id(m) not in with_meta and _direct(m)
+        f"{n or type(model).__name__} ({type(m).__name__})" for n, m in full if id(m) not in with_meta and m._parameters
     ]
     return Made(len(order), undo, real, ties)
 
