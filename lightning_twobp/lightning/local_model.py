@@ -34,10 +34,10 @@ __all__ = [
     "LocalModel",
     "SharedParameter",
     "drop_guards",
-    "like",
     "float_cast",
     "is_placeholder",
     "left_on_meta",
+    "like",
     "meta_layers_aside",
     "replace_tensors",
     "split_model",
@@ -364,7 +364,7 @@ def like(t: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
     """``new`` in ``t``'s place: a Parameter if ``t`` is one, with ``t``'s ``requires_grad`` and the
     attributes set on it (a flag read by ``configure_optimizers``, as Mamba's ``_no_weight_decay``)."""
     out = nn.Parameter(new, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else new
-    out.__dict__.update(t.__dict__)
+    out.__dict__.update(t.__dict__)  # Python attributes only: torch keeps a tensor's hooks in C++
     return out
 
 
