@@ -51,6 +51,16 @@ class Net(Regressor):
         super().__init__((6, 8, 2), log=False)
 
 
+def _metric_on_meta() -> Regressor:
+    """A Regressor built on the meta device with a torchmetrics Metric among its modules."""
+    from torchmetrics import MeanMetric
+
+    with torch.device("meta"):
+        model = Regressor((6, 8, 2), log=False)
+        model.mean = MeanMetric()
+    return model
+
+
 def _on_meta(**layers) -> Regressor:
     """A Regressor built on the meta device, with ``layers=`` its Sequential's maker if given."""
     with torch.device("meta"):
@@ -1021,6 +1031,12 @@ CASES: dict[str, Case] = {
         ValueError,
         r"layers.1 \(Scale\) holds scale on the meta device and has no reset_parameters\(\): .* give Scale a "
         r"reset_parameters\(\) that sets them, or build the model on a real device",
+    ),
+    "fit-meta-metric": (
+        lambda t: _fit(_metric_on_meta()),
+        ValueError,
+        r"mean \(MeanMetric\) is a torchmetrics Metric built on the meta device: its states' defaults have no "
+        r"values to start from; build the Metric outside",
     ),
     "fit-meta-balance-time": (
         lambda t: _fit(_on_meta(), balance="time"),

@@ -264,6 +264,15 @@ def test_a_hugging_face_model_is_made_as_its_own_meta_path_makes_it(arch):
         assert torch.equal(t, ref.state_dict()[n]), n
 
 
+def test_a_metric_built_on_meta_is_refused():
+    torchmetrics = pytest.importorskip("torchmetrics")
+    with torch.device("meta"):
+        model = nn.ModuleDict(dict(layers=nn.Sequential(nn.Linear(2, 2)), mean=torchmetrics.MeanMetric()))
+    with pytest.raises(ValueError, match=r"^mean \(MeanMetric\) is a torchmetrics Metric built on the meta device"):
+        materialize(model, [], torch.device("cpu"), set())
+    assert model.layers[0].weight.is_meta
+
+
 def test_what_setup_cannot_see_as_one_process_is_warned_about():
     head = nn.Linear(4, 2)  # built on the CPU: it drew before the meta layers are made
     with torch.device("meta"):

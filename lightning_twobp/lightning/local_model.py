@@ -323,10 +323,10 @@ def meta_layers_aside(model: nn.Module) -> Iterator[None]:
 
     def visit(parent: nn.Module) -> None:
         for name, child in list(parent.named_children()):
-            if not any(t.is_meta for t in _tensors(child)):
+            every = [t for m in child.modules() for t in _own_tensors(m)]
+            if not any(t.is_meta for t in every):
                 continue
-            own = [*child.parameters(recurse=False), *child.buffers(recurse=False)]
-            if any(t.is_meta for t in own) or all(t.is_meta for t in _tensors(child)):
+            if any(t.is_meta for t in _own_tensors(child)) or all(t.is_meta for t in every):
                 aside.append((parent, name, child))
                 setattr(parent, name, nn.Module())
             else:
@@ -338,6 +338,14 @@ def meta_layers_aside(model: nn.Module) -> Iterator[None]:
     finally:
         for parent, name, child in reversed(aside):
             setattr(parent, name, child)
+
+
+def _own_tensors(module: nn.Module) -> list[torch.Tensor]:
+    """A module's own parameters and buffers, and a torchmetrics Metric's state defaults (which its
+    ``_apply`` moves too; one built on the meta device is refused at setup, and must not hide why)."""
+    defaults = getattr(module, "_defaults", None)
+    states = [v for v in defaults.values() if isinstance(v, torch.Tensor)] if isinstance(defaults, dict) else []
+    return [*module.parameters(recurse=False), *module.buffers(recurse=False), *states]
 
 
 def _owner_dtypes(

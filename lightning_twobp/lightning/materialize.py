@@ -231,6 +231,19 @@ def _check_before(model: nn.Module, order: list[tuple[str, nn.Module]], user_met
             )
 
 
+def _check_metrics(modules: list[tuple[str, nn.Module]]) -> None:
+    """A torchmetrics Metric built on the meta device: its states' defaults (a mean's zero, a minimum's
+    inf) have no values, and no initialization call makes them (by duck type: torchmetrics is optional)."""
+    for name, module in modules:
+        defaults = getattr(module, "_defaults", None)
+        if isinstance(defaults, dict) and any(isinstance(v, torch.Tensor) and v.is_meta for v in defaults.values()):
+            raise ValueError(
+                f"{name} ({type(module).__name__}) is a torchmetrics Metric built on the meta device: its states' "
+                f"defaults have no values to start from; build the Metric outside the `with torch.device('meta')` "
+                f"block (it holds no weights)"
+            )
+
+
 def materialize(model: nn.Module, others: Iterable[nn.Module], device: torch.device, left_by_us: set[int]) -> Made:
     """Make ``model``'s meta tensors on ``device`` with one process's values (see the module's docstring),
     except those only ``others`` (other ranks' layers) use, which end on ``meta`` again. On a refusal
@@ -248,6 +261,7 @@ def materialize(model: nn.Module, others: Iterable[nn.Module], device: torch.dev
         for n, m in full
         if id(m) in with_meta or (_hf_owner(model, n) is not None and any(id(s) in with_meta for s in m.modules()))
     ]
+    _check_metrics(full)
     _check_before(model, order, user_meta)
     as_built = [(m, n, t) for _, m in order for n, t in _direct(m).items()]
     rng = _RandomState(device)
