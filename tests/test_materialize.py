@@ -45,6 +45,21 @@ class Block(nn.Module):
         return self.fc(x) * self.gamma + self.freqs
 
 
+class Rescaled(nn.Module):
+    """A block that holds no tensor itself and initializes its child in its reset_parameters."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.fc.weight, std=0.02)
+
+    def forward(self, x):
+        return self.fc(x)
+
+
 class Model(nn.Module):
     """Every kind of initialization torch's layers have: random (Linear, Conv1d, Embedding), constant
     (LayerNorm), buffers (BatchNorm's running statistics and integer count), a zeroed padding row,
@@ -55,7 +70,7 @@ class Model(nn.Module):
         super().__init__()
         self.embed = nn.Embedding(10, 8, padding_idx=0)
         self.layers = nn.Sequential(
-            nn.Linear(8, 8), nn.LayerNorm(8), Block(), nn.Linear(8, 8), nn.BatchNorm1d(8), Block(), nn.Linear(8, 4)
+            nn.Linear(8, 8), nn.LayerNorm(8), Block(), Rescaled(), nn.BatchNorm1d(8), Block(), nn.Linear(8, 4)
         )
         self.conv = nn.Conv1d(4, 4, 3)
         self.attn = nn.MultiheadAttention(8, 2)
@@ -76,9 +91,9 @@ def test_a_model_built_on_meta_gets_the_values_and_random_state_of_one_built_on_
         model = _build(meta=True)
         torch.manual_seed(0)  # the state a meta build leaves: it drew nothing
         made = materialize(model, [model.layers[i] for i in others], torch.device("cpu"), set())
-        # the modules that hold tensors: embed, 7 in the layers (2 blocks, each with its fc), conv, attn,
-        # out_proj, head
-        assert made.modules == 14 and made.real == []
+        # the modules initialized: embed, 8 in the layers (2 blocks and Rescaled, each with its fc), conv,
+        # attn, out_proj, head
+        assert made.modules == 15 and made.real == []
         assert made.ties == ["head.weight (kept embed's values)"]
         torch.testing.assert_close(torch.rand(4), after, rtol=0, atol=0)  # the draws one process made
         held = {n: t for n, t in model.state_dict().items() if not t.is_meta}
@@ -233,6 +248,58 @@ def test_the_paper_models_built_on_meta_get_the_values_of_a_cpu_build(name):
     assert bool(flags) == (name == "mamba")
 
 
+class Net(nn.Module):
+    """A reset_parameters over the pipelined layers (GPT-2's loop over its blocks, say)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+
+    def reset_parameters(self) -> None:
+        for layer in self.layers:
+            nn.init.normal_(layer.weight, std=0.02)
+
+
+def test_a_reset_parameters_over_the_pipelined_layers_is_refused_on_every_rank():
+    for others in ([], [0], [1]):
+        with torch.device("meta"):
+            model = Net()
+        with pytest.raises(ValueError, match=r"^Net \(Net\) has a reset_parameters\(\) and holds pipelined layers "):
+            materialize(model, [model.layers[i] for i in others], torch.device("cpu"), set(), list(model.layers))
+
+
+class Reads(nn.Module):
+    """A block whose reset_parameters reads a child it shares with another layer."""
+
+    def __init__(self, shared: nn.Linear) -> None:
+        super().__init__()
+        self.shared, self.scale = shared, nn.Parameter(torch.empty(4))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        with torch.no_grad():
+            self.scale.copy_(self.shared.weight.sum(0))
+
+
+def test_other_ranks_layers_sharing_a_module_are_made_together():
+    def build(meta: bool) -> nn.Sequential:
+        torch.manual_seed(0)
+        with torch.device("meta") if meta else contextlib.nullcontext():
+            first = nn.Linear(4, 4)
+            shared = nn.Linear(4, 4)  # built where it is first registered: the replay's order
+            return nn.Sequential(first, Reads(shared), nn.Linear(4, 4), Reads(shared))
+
+    ref = build(meta=False)
+    after = torch.rand(2)
+    for others in ([1, 3], [0, 1, 2, 3], [0, 2]):
+        model = build(meta=True)
+        torch.manual_seed(0)
+        materialize(model, [model[i] for i in others], torch.device("cpu"), set())
+        torch.testing.assert_close(torch.rand(2), after, rtol=0, atol=0)
+        for n, t in model.state_dict().items():
+            assert t.is_meta or torch.equal(t, ref.state_dict()[n]), n
+
+
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])
 def test_a_hugging_face_model_is_made_as_its_own_meta_path_makes_it(arch):
     """transformers' way from meta (to_empty, initialize_weights, tie_weights): GPT-2's scaled c_proj and
@@ -303,7 +370,11 @@ def test_an_initialization_of_the_models_own_is_named_and_options_that_time_laye
     outer = nn.Sequential(NanoGPTLike())
     assert custom_inits(outer) == ["0 (NanoGPTLike)"]
     assert custom_inits(nn.Sequential(nn.Linear(2, 2), nn.MultiheadAttention(2, 1))) == []
-    assert custom_inits(nn.Sequential(nn.Transformer(8, 2, 1, 1, 16))) == ["0 (Transformer)"]
+    assert custom_inits(nn.Sequential(nn.Transformer(8, 2, 1, 1, 16))) == [
+        "0 (Transformer)",
+        "0.encoder (TransformerEncoder)",
+        "0.decoder (TransformerDecoder)",
+    ]
     for balance, schedule in (("time", "1f1b"), ("params", "auto")):
         with pytest.raises(ValueError, match="built on the meta device and .* times every layer"):
             check_meta_options(balance, schedule)

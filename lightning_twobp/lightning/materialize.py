@@ -81,13 +81,18 @@ def check_meta_options(balance: Any, schedule: str) -> None:
 
 def custom_inits(model: nn.Module) -> list[str]:
     """The modules of ``model`` outside Hugging Face's that define an initialization of their own
-    (``_init_weights``, ``init_weights``: nanoGPT's ``self.apply(self._init_weights)``, torchtitan's; or,
-    holding no tensors themselves, ``_reset_parameters``: ``nn.Transformer`` re-initializes its layers),
-    which a constructor on the meta device ran on no values and :func:`materialize` does not call."""
+    (``_init_weights``, ``init_weights``, ``initialize_weights``: nanoGPT's
+    ``self.apply(self._init_weights)``, torchtitan's; or, holding no tensors themselves,
+    ``_reset_parameters``: ``nn.Transformer`` re-initializes its layers), which a constructor on the meta
+    device ran on no values and :func:`materialize` does not call, and ``nn.TransformerEncoder`` /
+    ``Decoder``, whose layers one process makes as deep copies of one (all alike), each drawn here."""
     found = []
     for name, module in model.named_modules():
-        kinds = ["_init_weights", "init_weights"] + ([] if _direct(module) else ["_reset_parameters"])
-        if not _hugging_face(module) and any(callable(getattr(type(module), f, None)) for f in kinds):
+        kinds = ["_init_weights", "init_weights", "initialize_weights"] + (
+            [] if _direct(module) else ["_reset_parameters"]
+        )
+        clones = isinstance(module, (nn.TransformerEncoder, nn.TransformerDecoder))  # deep copies of one layer
+        if not _hugging_face(module) and (clones or any(callable(getattr(type(module), f, None)) for f in kinds)):
             found.append(f"{name or type(model).__name__} ({type(module).__name__})")
     return found
 
@@ -163,15 +168,16 @@ def _still_unset(t: torch.Tensor) -> bool:
 
 
 class _Scratch:
-    """One buffer the tensors of another rank's layer are cut from while its modules initialize: made and
-    freed tensor by tensor, they would each leave their bytes in a heap that keeps freed memory
-    (``engine.memory.cpu_heap``), up to the whole model's (measured: 128 MiB of a 128 MiB model on a
-    rank holding 32), where one buffer the size of the largest such layer stays bounded."""
+    """One buffer the tensors of other ranks' layers are cut from while their modules initialize: made
+    and freed tensor by tensor (or buffer by buffer, between the checks' temporaries), they would each
+    leave their bytes in a heap that keeps freed memory (``engine.memory.cpu_heap``), up to the whole
+    model's (measured: 128 MiB of a 128 MiB model on a rank holding 32), where one buffer the size of
+    the largest layer, reused layer after layer, stays bounded."""
 
     ALIGN = 64
 
-    def __init__(self, sizes: Iterable[int], device: torch.device) -> None:
-        self.buffer = torch.empty(max(sizes, default=0), dtype=torch.uint8, device=device)
+    def __init__(self, size: int, device: torch.device) -> None:
+        self.buffer = torch.empty(size, dtype=torch.uint8, device=device)
         self.offset = 0
 
     @classmethod
@@ -231,6 +237,28 @@ def _check_before(model: nn.Module, order: list[tuple[str, nn.Module]], user_met
             )
 
 
+def _resets(model: nn.Module, name: str, module: nn.Module) -> bool:
+    """Whether ``module`` has an initialization call of its own (or a Hugging Face model's for it)."""
+    return _hf_owner(model, name) is not None or callable(getattr(module, "reset_parameters", None))
+
+
+def _check_spanning(model: nn.Module, order: list[tuple[str, nn.Module]], pipelined: list[nn.Module]) -> None:
+    """Refuse a module outside Hugging Face's whose reset_parameters holds pipelined layers: it may reach
+    into layers other ranks make (and would draw on meta there, silently), so no rank could replay it as
+    one process; decided from the structure, alike on every rank."""
+    roots = {id(layer) for layer in pipelined}
+    for name, module in order:
+        inside = [n for n, m in module.named_modules() if id(m) in roots and m is not module]
+        if inside and _hf_owner(model, name) is None and callable(getattr(module, "reset_parameters", None)):
+            where = name or type(model).__name__
+            raise ValueError(
+                f"{where} ({type(module).__name__}) has a reset_parameters() and holds pipelined layers "
+                f"({', '.join(inside[:3])}{', ...' if len(inside) > 3 else ''}), which the ranks make apart: {_FIX}, "
+                f"and this one may reach into layers of other ranks; move that initialization into the layers' "
+                f"own modules, or build the model on a real device"
+            )
+
+
 def _check_metrics(modules: list[tuple[str, nn.Module]]) -> None:
     """A torchmetrics Metric built on the meta device: its states' defaults (a mean's zero, a minimum's
     inf) have no values, and no initialization call makes them (by duck type: torchmetrics is optional)."""
@@ -244,24 +272,33 @@ def _check_metrics(modules: list[tuple[str, nn.Module]]) -> None:
             )
 
 
-def materialize(model: nn.Module, others: Iterable[nn.Module], device: torch.device, left_by_us: set[int]) -> Made:
+def materialize(
+    model: nn.Module,
+    others: Iterable[nn.Module],
+    device: torch.device,
+    left_by_us: set[int],
+    pipelined: Iterable[nn.Module] | None = None,
+) -> Made:
     """Make ``model``'s meta tensors on ``device`` with one process's values (see the module's docstring),
-    except those only ``others`` (other ranks' layers) use, which end on ``meta`` again. On a refusal
-    the model is left as it came and the random state as it was."""
+    except those only ``others`` (other ranks' layers) use, which end on ``meta`` again; ``pipelined``:
+    every rank's layers (``others`` by default). On a refusal the model is left as it came and the random
+    state as it was."""
 
     def user_meta(t: torch.Tensor) -> bool:
         return t.is_meta and id(t) not in left_by_us
 
+    others = list(others)
     full = _post_order(model)
     with_meta = {id(m) for _, m in full if any(user_meta(t) for t in _direct(m).values())}
-    # a Hugging Face model's _init_weights also acts through modules holding nothing (GPT-2 scales c_proj
-    # from its attention module): every module under one whose subtree is on meta is called
+    # A module holding nothing itself may initialize its children: a block's reset_parameters, and a
+    # Hugging Face model's _init_weights (GPT-2 scales c_proj from its attention module), is called too
     order = [
         (n, m)
         for n, m in full
-        if id(m) in with_meta or (_hf_owner(model, n) is not None and any(id(s) in with_meta for s in m.modules()))
+        if id(m) in with_meta or (_resets(model, n, m) and any(id(s) in with_meta for s in m.modules()))
     ]
     _check_metrics(full)
+    _check_spanning(model, order, others if pipelined is None else list(pipelined))
     _check_before(model, order, user_meta)
     as_built = [(m, n, t) for _, m in order for n, t in _direct(m).items()]
     rng = _RandomState(device)
@@ -279,10 +316,12 @@ def materialize(model: nn.Module, others: Iterable[nn.Module], device: torch.dev
         undo()
         raise
     # parameters built on a device drew from the generator before setup (a loss's class weights did not)
-    real = [
-        f"{n or type(model).__name__} ({type(m).__name__})" for n, m in full if id(m) not in with_meta and m._parameters
-    ]
+    real = [f"{n or type(model).__name__} ({type(m).__name__})" for n, m in full if id(m) not in with_meta and _real(m)]
     return Made(len(order), undo, real, ties)
+
+
+def _real(module: nn.Module) -> bool:
+    return any(p is not None and not p.is_meta for p in module._parameters.values())
 
 
 class _RandomState:
@@ -300,8 +339,9 @@ class _RandomState:
 
 
 class _Layers:
-    """Which modules belong to another rank's layer only (a module shared with this rank's layers, or
-    used outside the pipelined layers, is this rank's), and which tensors are this rank's."""
+    """Which modules belong to another rank's layers only (a module shared with this rank's layers, or
+    used outside the pipelined layers, is this rank's), grouped into units made whole together (layers
+    sharing a module or a tensor), and which tensors are this rank's."""
 
     def __init__(self, model: nn.Module, others: list[nn.Module]) -> None:
         roots = {id(layer) for layer in others}
@@ -313,8 +353,28 @@ class _Layers:
                 mine[id(module)] = module
                 stack.extend(c for c in module.children() if id(c) not in roots)
         self.ours = {id(t) for m in mine.values() for t in _direct(m).values()}
-        self.layer_of = {id(m): k for k, layer in enumerate(others) for m in layer.modules() if id(m) not in mine}
-        self.others = others
+        unit = list(range(len(others)))  # union-find over the layers: a shared module or tensor joins two
+
+        def top(k: int) -> int:
+            while unit[k] != k:
+                k = unit[k]
+            return k
+
+        seen: dict[int, int] = {}
+        for k, layer in enumerate(others):
+            for m in layer.modules():
+                for key in (id(m), *(id(t) for t in _direct(m).values())):
+                    if key in seen and top(seen[key]) != top(k):
+                        unit[top(seen[key])] = top(k)
+                    seen.setdefault(key, k)
+        groups: dict[int, list[nn.Module]] = {}
+        for k, layer in enumerate(others):
+            groups.setdefault(top(k), []).append(layer)
+        self.units = list(groups.values())
+        index = {root: u for u, root in enumerate(groups)}
+        self.unit_of = {
+            id(m): index[top(k)] for k, layer in enumerate(others) for m in layer.modules() if id(m) not in mine
+        }
 
 
 def _initialize(
@@ -335,15 +395,20 @@ def _initialize(
     the made ones (ties and this rank's tensors keep their identity)."""
     unset = _unset_fill(device)
     replace_tensors([model], unset, lambda t: user_meta(t) and id(t) in layers.ours)
-    scratch = _Scratch([_Scratch.bytes_of(t for t in _all(layer) if user_meta(t)) for layer in layers.others], device)
+    last = {layers.unit_of[id(m)]: k for k, (_, m) in enumerate(order) if id(m) in layers.unit_of}
+    sizes = [
+        _Scratch.bytes_of(t for m in _modules(unit) for t in _direct(m).values() if user_meta(t))
+        for unit in layers.units
+    ]
+    pool = _Scratch(max(sizes, default=0), device)  # reused unit after unit; a second open unit gets its own
     done: dict[int, tuple[str, torch.Tensor]] = {}  # the tensor kept: its id is not reused while this runs
     ties: list[str] = []
-    live: tuple[int | None, list[tuple[nn.Module, str, torch.Tensor]]] = (None, [])
-    for name, module in order:
-        key = layers.layer_of.get(id(module))
-        if key != live[0]:
-            _put_back(live[1])
-            live = (key, _made_whole(layers.others[key], scratch, user_meta) if key is not None else [])
+    live: dict[int, list[tuple[nn.Module, str, torch.Tensor]]] = {}  # open units: their original tensors
+    for k, (name, module) in enumerate(order):
+        key = layers.unit_of.get(id(module))
+        if key is not None and key not in live:  # open until its last module: its modules may interleave
+            scratch = pool if not live else _Scratch(sizes[key], device)
+            live[key] = _made_whole(layers.units[key], scratch, user_meta)
         before = _direct(module)
         shared = {n: t for n, t in before.items() if id(t) in done}
         ties += [f"{name}.{n} (kept {done[id(t)][0]}'s values)" for n, t in shared.items()]
@@ -351,12 +416,13 @@ def _initialize(
             setattr(module, n, like(t, unset(t)))
         init = _initializer(model, name, module)
         assert init is not None  # _check_before refused modules without one
-        with torch.no_grad():
+        with torch.no_grad(), device:  # factories without a device: on it, as in one process built there
             init[0]()
         _keep_identity(name, module, before, shared)
         _check_after(name, module, init[1])
         done.update((id(t), (name or type(model).__name__, t)) for t in before.values() if id(t) not in done)
-    _put_back(live[1])
+        if key is not None and last[key] == k:
+            _put_back(live.pop(key))
     return ties
 
 
@@ -365,14 +431,18 @@ def _unset_fill(device: torch.device) -> Callable[[torch.Tensor], torch.Tensor]:
     return lambda t: torch.full(t.shape, _unset_value(t), dtype=t.dtype, device=device)
 
 
+def _modules(unit: list[nn.Module]) -> list[nn.Module]:
+    return list({id(m): m for layer in unit for m in layer.modules()}.values())
+
+
 def _made_whole(
-    layer: nn.Module, scratch: _Scratch, user_meta: Callable[[torch.Tensor], bool]
+    unit: list[nn.Module], scratch: _Scratch, user_meta: Callable[[torch.Tensor], bool]
 ) -> list[tuple[nn.Module, str, torch.Tensor]]:
-    """Another rank's layer with its meta tensors cut from the scratch buffer (ties kept); the originals."""
+    """Other ranks' layers with their meta tensors cut from the scratch buffer (ties kept); the originals."""
     scratch.offset = 0
     made: dict[int, torch.Tensor] = {}
     originals = []
-    for module in layer.modules():
+    for module in _modules(unit):
         for n, t in _direct(module).items():
             if user_meta(t):
                 if id(t) not in made:
@@ -392,11 +462,10 @@ def _keep_identity(name: str, module: nn.Module, before: dict[str, torch.Tensor]
     for n, t in before.items():
         now = _direct(module).get(n)
         if n not in shared and now is not t and now is not None:
-            if now.shape != t.shape or now.dtype != t.dtype:
+            if now.shape != t.shape:
                 raise ValueError(
-                    f"{name}.{n} ({type(module).__name__}) was built on the meta device as {tuple(t.shape)} "
-                    f"{t.dtype}, and its initialization assigned a {tuple(now.shape)} {now.dtype} tensor: {_FIX}; "
-                    f"build it in the shape it trains in"
+                    f"{name}.{n} ({type(module).__name__}) was built on the meta device as {tuple(t.shape)}, and its "
+                    f"initialization assigned a {tuple(now.shape)} tensor: {_FIX}; build it in the shape it trains in"
                 )
             with torch.no_grad():
                 t.copy_(now)
@@ -425,8 +494,9 @@ def warn_made(made: Made, model: nn.Module) -> None:
         rank_zero_warn(
             f"the model was built on the meta device, and its modules got their values from their own "
             f"reset_parameters() (torch's default initialization for torch's layers) or Hugging Face's "
-            f"_init_weights; {', '.join(custom)} define an initialization of their own, which the constructor "
-            f"ran on the meta device (on no values) and strategy='twobp' does not call: to keep it, build the model "
+            f"_init_weights; {', '.join(custom)} define an initialization of their own (or copy one layer into "
+            f"all), which the constructor ran on the meta device (on no values) and strategy='twobp' does not "
+            f"repeat: to keep it, build the model "
             f"on a real device, or load its weights ({doc})"
         )
     if made.real:

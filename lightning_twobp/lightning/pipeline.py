@@ -493,15 +493,11 @@ def _materialize(strategy: TwoBPStrategy, contract: Any, sizes: list[int], sched
     bounds = [sum(sizes[:s]) for s in range(len(sizes) + 1)]
     mine = set(schedule.stages_of(strategy.layout.pp_rank))
     layers = contract.layers()
-    others = [
-        part
-        for s in range(len(sizes))
-        if s not in mine
-        for i in range(bounds[s], bounds[s + 1])
-        for part in contract.parts(layers[i])
-    ]
+    parts = [[*contract.parts(layers[i])] for s in range(len(sizes)) for i in range(bounds[s], bounds[s + 1])]
+    stage_of = [s for s in range(len(sizes)) for _ in range(sizes[s])]
+    others = [part for i, ps in enumerate(parts) if stage_of[i] not in mine for part in ps]
     lm = strategy.lightning_module
-    made = materialize(lm, others, strategy.root_device, left_on_meta())
+    made = materialize(lm, others, strategy.root_device, left_on_meta(), [p for ps in parts for p in ps])
     strategy._made = made  # put back as built by teardown should the setup be refused later
     warn_made(made, lm)
     log.info("built on the meta device: %d modules initialized, this rank's stages %s kept", made.modules, sorted(mine))

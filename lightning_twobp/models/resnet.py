@@ -134,9 +134,10 @@ class ResNetClassifier(PipelineModule):
         self.save_hyperparameters()
         self.image_size = image_size
         self.layers = build_resnet(depth, num_classes, width, norm)
-        self.train_acc = MulticlassAccuracy(num_classes, average="micro")
-        self.val_acc = MulticlassAccuracy(num_classes, average="micro")
-        self.test_acc = MulticlassAccuracy(num_classes, average="micro")
+        with torch.device("cpu"):  # metrics hold no weights: made even in a build on the meta device
+            self.train_acc = MulticlassAccuracy(num_classes, average="micro")
+            self.val_acc = MulticlassAccuracy(num_classes, average="micro")
+            self.test_acc = MulticlassAccuracy(num_classes, average="micro")
 
     @override
     def compute_loss(self, output: torch.Tensor, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
