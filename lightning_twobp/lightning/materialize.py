@@ -25,9 +25,11 @@ a buffer computed in ``__init__`` (rotary frequencies, a causal mask) that ``res
 make again would train on garbage. So before any compute, on every rank alike (every rank initializes
 every module, its own or for its call): a module with meta tensors and no ``reset_parameters`` is
 refused, naming it, and so are a boolean buffer (no fill can tell it was set), a lazy module's
-parameters and a module holding both meta and real tensors; floating tensors start as NaN and integer
-ones at their dtype's largest value, and one still so after its module's initialization is refused,
-naming it. A refusal leaves the model as it was built and the random state as it was.
+parameters, a module holding both meta and real tensors, a torchmetrics Metric built on meta (its
+defaults have no values) and a ``reset_parameters`` holding pipelined layers (it may reach into layers
+other ranks make); floating tensors start as NaN and integer ones at their dtype's largest value, and
+one still so after its module's initialization is refused, naming it. A refusal leaves the model as it
+was built and the random state as it was.
 """
 
 from __future__ import annotations
