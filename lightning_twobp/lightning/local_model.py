@@ -39,6 +39,7 @@ __all__ = [
     "left_on_meta",
     "like",
     "meta_layers_aside",
+    "named_own",
     "replace_tensors",
     "split_model",
 ]
@@ -368,6 +369,11 @@ def _bounds(sizes: list[int]) -> list[int]:
     return bounds
 
 
+def named_own(module: nn.Module) -> dict[str, torch.Tensor]:
+    """The module's own parameters and buffers by every name (one tensor registered twice, twice)."""
+    return {n: t for d in (module._parameters, module._buffers) for n, t in d.items() if t is not None}
+
+
 def like(t: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
     """``new`` in ``t``'s place: a Parameter if ``t`` is one, with ``t``'s ``requires_grad`` and the
     attributes set on it (a flag read by ``configure_optimizers``, as Mamba's ``_no_weight_decay``)."""
@@ -384,8 +390,7 @@ def replace_tensors(layers: list[nn.Module], make: Any, which: Any) -> None:
     with torch.no_grad():
         for layer in layers:
             for module in layer.modules():
-                own = [*module._parameters.items(), *module._buffers.items()]  # every name, aliases too
-                for name, t in ((n, t) for n, t in own if t is not None):
+                for name, t in named_own(module).items():
                     if id(t) not in made:
                         if not which(t):
                             continue

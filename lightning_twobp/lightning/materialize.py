@@ -43,7 +43,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 from torch.nn.parameter import UninitializedBuffer, UninitializedParameter
 
-from lightning_twobp.lightning.local_model import drop_guards, like, replace_tensors
+from lightning_twobp.lightning.local_model import drop_guards, like, named_own, replace_tensors
 
 __all__ = ["Made", "built_on_meta", "check_meta_options", "custom_inits", "materialize", "warn_made"]
 
@@ -54,14 +54,9 @@ _FIX = (
 _CHUNK = 1 << 24  # elements per NaN check: bounded temporary memory on a large embedding
 
 
-def _direct(module: nn.Module) -> dict[str, torch.Tensor]:
-    """The module's own parameters and buffers by every name (one tensor registered twice, twice)."""
-    return {n: t for d in (module._parameters, module._buffers) for n, t in d.items() if t is not None}
-
-
 def _all(model: nn.Module) -> Iterator[torch.Tensor]:
     for module in model.modules():
-        yield from _direct(module).values()
+        yield from named_own(module).values()
 
 
 def built_on_meta(model: nn.Module, left_by_us: set[int]) -> bool:
@@ -91,7 +86,7 @@ def custom_inits(model: nn.Module) -> list[str]:
     found = []
     for name, module in model.named_modules():
         kinds = ["_init_weights", "init_weights", "initialize_weights"] + (
-            [] if _direct(module) else ["_reset_parameters"]
+            [] if named_own(module) else ["_reset_parameters"]
         )
         clones = isinstance(module, (nn.TransformerEncoder, nn.TransformerDecoder))  # deep copies of one layer
         if not _hugging_face(module) and (clones or any(callable(getattr(type(module), f, None)) for f in kinds)):
@@ -122,29 +117,27 @@ def _post_order(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return out
 
 
-def _hf_owner(model: nn.Module, name: str) -> nn.Module | None:
-    """The innermost Hugging Face model holding the module ``name`` (itself included)."""
-    parts = name.split(".") if name else []
-    for k in range(len(parts), -1, -1):
-        owner = model.get_submodule(".".join(parts[:k]))
-        if _hugging_face(owner) and callable(getattr(owner, "_init_weights", None)):
-            return owner
-    return None
+def _hf_owners(model: nn.Module) -> dict[str, nn.Module | None]:
+    """Every module's innermost Hugging Face model (itself included), by name, in one walk from the top."""
+    owners: dict[str, nn.Module | None] = {}
+    for name, module in model.named_modules():  # a parent before its children
+        hf = _hugging_face(module) and callable(getattr(module, "_init_weights", None))
+        owners[name] = module if hf else owners.get(name.rpartition(".")[0]) if name else None
+    return owners
 
 
-def _initializer(model: nn.Module, name: str, module: nn.Module) -> tuple[Callable[[], None], str] | None:
+def _initializer(owner: nn.Module | None, module: nn.Module) -> tuple[Callable[[], None], str] | None:
     """The call that gives ``module`` its values, and its name for messages: the innermost enclosing
     Hugging Face model's ``_init_weights(module)`` (then the module's own ``reset_parameters`` for what
     that leaves unset: a user's module inside a Hugging Face model), else ``reset_parameters``."""
     method = "_reset_parameters" if isinstance(module, nn.MultiheadAttention) else "reset_parameters"
     reset: Any = getattr(module, method, None)  # MultiheadAttention's constructor calls its private one
-    owner = _hf_owner(model, name)
     if owner is not None:
         hf: Any = owner._init_weights
 
         def hf_then_own() -> None:
             hf(module)
-            if callable(reset) and any(_still_unset(t) for t in _direct(module).values() if not t.is_meta):
+            if callable(reset) and any(_still_unset(t) for t in named_own(module).values() if not t.is_meta):
                 reset()
 
         return hf_then_own, f"{type(owner).__name__}._init_weights"
@@ -204,14 +197,16 @@ class Made:
     ties: list[str] = field(default_factory=list)  # tensors several modules initialize: the first one's values
 
 
-def _check_before(model: nn.Module, order: list[tuple[str, nn.Module]], user_meta: Callable[..., bool]) -> None:
+def _check_before(
+    model: nn.Module, order: list[tuple[str, nn.Module]], owners: dict[str, Any], user_meta: Callable[..., bool]
+) -> None:
     """Refuse, before anything is made, what nothing can initialize or no check can see set."""
     for name, module in order:
-        meta = {n: t for n, t in _direct(module).items() if user_meta(t)}
+        meta = {n: t for n, t in named_own(module).items() if user_meta(t)}
         if not meta:
             continue
         where, kind = name or type(model).__name__, type(module).__name__
-        real = [n for n, t in _direct(module).items() if not t.is_meta]
+        real = [n for n, t in named_own(module).items() if not t.is_meta]
         lazy = [n for n, t in meta.items() if isinstance(t, (UninitializedParameter, UninitializedBuffer))]
         flags = [n for n, t in meta.items() if t.dtype == torch.bool]
         if lazy or real:
@@ -226,7 +221,7 @@ def _check_before(model: nn.Module, order: list[tuple[str, nn.Module]], user_met
                 f"can tell was set: {_FIX}; compute it in forward, store it as a float, or build the model on a "
                 f"real device"
             )
-        if _initializer(model, name, module) is None:
+        if _initializer(owners[name], module) is None:
             parametrized = "parametrizations" in name.split(".")
             hint = (
                 "register the parametrization (weight_norm, spectral_norm) after setup, e.g. in on_fit_start, "
@@ -239,19 +234,21 @@ def _check_before(model: nn.Module, order: list[tuple[str, nn.Module]], user_met
             )
 
 
-def _resets(model: nn.Module, name: str, module: nn.Module) -> bool:
+def _resets(owner: nn.Module | None, module: nn.Module) -> bool:
     """Whether ``module`` has an initialization call of its own (or a Hugging Face model's for it)."""
-    return _hf_owner(model, name) is not None or callable(getattr(module, "reset_parameters", None))
+    return owner is not None or callable(getattr(module, "reset_parameters", None))
 
 
-def _check_spanning(model: nn.Module, order: list[tuple[str, nn.Module]], pipelined: list[nn.Module]) -> None:
+def _check_spanning(
+    model: nn.Module, order: list[tuple[str, nn.Module]], owners: dict[str, Any], pipelined: list[nn.Module]
+) -> None:
     """Refuse a module outside Hugging Face's whose reset_parameters holds pipelined layers: it may reach
     into layers other ranks make (and would draw on meta there, silently), so no rank could replay it as
     one process; decided from the structure, alike on every rank."""
     roots = {id(layer) for layer in pipelined}
     for name, module in order:
         inside = [n for n, m in module.named_modules() if id(m) in roots and m is not module]
-        if inside and _hf_owner(model, name) is None and callable(getattr(module, "reset_parameters", None)):
+        if inside and owners[name] is None and callable(getattr(module, "reset_parameters", None)):
             where = name or type(model).__name__
             raise ValueError(
                 f"{where} ({type(module).__name__}) has a reset_parameters() and holds pipelined layers "
@@ -290,19 +287,19 @@ def materialize(
         return t.is_meta and id(t) not in left_by_us
 
     others = list(others)
-    full = _post_order(model)
-    with_meta = {id(m) for _, m in full if any(user_meta(t) for t in _direct(m).values())}
+    full, owners = _post_order(model), _hf_owners(model)
+    with_meta = {id(m) for _, m in full if any(user_meta(t) for t in named_own(m).values())}
     # A module holding nothing itself may initialize its children: a block's reset_parameters, and a
     # Hugging Face model's _init_weights (GPT-2 scales c_proj from its attention module), is called too
     order = [
         (n, m)
         for n, m in full
-        if id(m) in with_meta or (_resets(model, n, m) and any(id(s) in with_meta for s in m.modules()))
+        if id(m) in with_meta or (_resets(owners[n], m) and any(id(s) in with_meta for s in m.modules()))
     ]
     _check_metrics(full)
-    _check_spanning(model, order, others if pipelined is None else list(pipelined))
-    _check_before(model, order, user_meta)
-    as_built = [(m, n, t) for _, m in order for n, t in _direct(m).items()]
+    _check_spanning(model, order, owners, others if pipelined is None else list(pipelined))
+    _check_before(model, order, owners, user_meta)
+    as_built = [(m, n, t) for _, m in order for n, t in named_own(m).items()]
     rng = _RandomState(device)
 
     def undo() -> None:
@@ -311,9 +308,8 @@ def materialize(
         drop_guards({id(t) for _, _, t in as_built})  # a refused call's teardown guarded the layers it set aside
         rng.restore()
 
-    layers = list(others)
     try:
-        ties = _initialize(model, order, _Layers(model, layers), device, user_meta)
+        ties = _initialize(model, order, owners, _Layers(model, others), device, user_meta)
     except BaseException:
         undo()
         raise
@@ -354,7 +350,7 @@ class _Layers:
             if id(module) not in mine:
                 mine[id(module)] = module
                 stack.extend(c for c in module.children() if id(c) not in roots)
-        self.ours = {id(t) for m in mine.values() for t in _direct(m).values()}
+        self.ours = {id(t) for m in mine.values() for t in named_own(m).values()}
         unit = list(range(len(others)))  # union-find over the layers: a shared module or tensor joins two
 
         def top(k: int) -> int:
@@ -365,7 +361,7 @@ class _Layers:
         seen: dict[int, int] = {}
         for k, layer in enumerate(others):
             for m in layer.modules():
-                for key in (id(m), *(id(t) for t in _direct(m).values())):
+                for key in (id(m), *(id(t) for t in named_own(m).values())):
                     if key in seen and top(seen[key]) != top(k):
                         unit[top(seen[key])] = top(k)
                     seen.setdefault(key, k)
@@ -382,6 +378,7 @@ class _Layers:
 def _initialize(
     model: nn.Module,
     order: list[tuple[str, nn.Module]],
+    owners: dict[str, Any],
     layers: _Layers,
     device: torch.device,
     user_meta: Callable[[torch.Tensor], bool],
@@ -399,7 +396,7 @@ def _initialize(
     replace_tensors([model], unset, lambda t: user_meta(t) and id(t) in layers.ours)
     last = {layers.unit_of[id(m)]: k for k, (_, m) in enumerate(order) if id(m) in layers.unit_of}
     sizes = [
-        _Scratch.bytes_of(t for m in _modules(unit) for t in _direct(m).values() if user_meta(t))
+        _Scratch.bytes_of(t for m in _modules(unit) for t in named_own(m).values() if user_meta(t))
         for unit in layers.units
     ]
     pool = _Scratch(max(sizes, default=0), device)  # reused unit after unit; a second open unit gets its own
@@ -411,12 +408,12 @@ def _initialize(
         if key is not None and key not in live:  # open until its last module: its modules may interleave
             scratch = pool if not live else _Scratch(sizes[key], device)
             live[key] = _made_whole(layers.units[key], scratch, user_meta)
-        before = _direct(module)
+        before = named_own(module)
         shared = {n: t for n, t in before.items() if id(t) in done}
         ties += [f"{name}.{n} (kept {done[id(t)][0]}'s values)" for n, t in shared.items()]
         for n, t in shared.items():
             setattr(module, n, like(t, unset(t)))
-        init = _initializer(model, name, module)
+        init = _initializer(owners[name], module)
         assert init is not None  # _check_before refused modules without one
         with torch.no_grad(), device:  # factories without a device: on it, as in one process built there
             init[0]()
@@ -445,7 +442,7 @@ def _made_whole(
     made: dict[int, torch.Tensor] = {}
     originals = []
     for module in _modules(unit):
-        for n, t in _direct(module).items():
+        for n, t in named_own(module).items():
             if user_meta(t):
                 if id(t) not in made:
                     made[id(t)] = like(t, scratch.cut(t))
@@ -462,7 +459,7 @@ def _put_back(originals: list[tuple[nn.Module, str, torch.Tensor]]) -> None:
 def _keep_identity(name: str, module: nn.Module, before: dict[str, torch.Tensor], shared: dict) -> None:
     """The tensors as they were before the call: a tie's copy dropped, a new tensor's values copied in."""
     for n, t in before.items():
-        now = _direct(module).get(n)
+        now = named_own(module).get(n)
         if n not in shared and now is not t and now is not None:
             if now.shape != t.shape:
                 raise ValueError(
@@ -475,7 +472,7 @@ def _keep_identity(name: str, module: nn.Module, before: dict[str, torch.Tensor]
 
 
 def _check_after(name: str, module: nn.Module, init: str) -> None:
-    for n, t in _direct(module).items():
+    for n, t in named_own(module).items():
         if not t.is_meta and _still_unset(t):
             where = f"{name}.{n}" if name else n
             raise ValueError(

@@ -490,12 +490,10 @@ def _materialize(strategy: TwoBPStrategy, contract: Any, sizes: list[int], sched
     before the stages' random streams, whose seeds come from the random state one process's build leaves."""
     if not built_on_meta(strategy.lightning_module, left_on_meta()):
         return
-    bounds = [sum(sizes[:s]) for s in range(len(sizes) + 1)]
     mine = set(schedule.stages_of(strategy.layout.pp_rank))
-    layers = contract.layers()
-    parts = [[*contract.parts(layers[i])] for s in range(len(sizes)) for i in range(bounds[s], bounds[s + 1])]
-    stage_of = [s for s in range(len(sizes)) for _ in range(sizes[s])]
-    others = [part for i, ps in enumerate(parts) if stage_of[i] not in mine for part in ps]
+    stage_of = [s for s, n in enumerate(sizes) for _ in range(n)]
+    parts = [contract.parts(layer) for layer in contract.layers()]
+    others = [part for ps, s in zip(parts, stage_of, strict=True) if s not in mine for part in ps]
     lm = strategy.lightning_module
     made = materialize(lm, others, strategy.root_device, left_on_meta(), [p for ps in parts for p in ps])
     strategy._made = made  # put back as built by teardown should the setup be refused later
