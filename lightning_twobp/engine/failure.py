@@ -150,14 +150,29 @@ class FailureChannel:
     def __init__(self, store: Any, me: str) -> None:
         self._store = store
         self._key = f"twobp/failure/{next(_CALLS)}"
-        self.me = me
+        self._me = me
         self.seen = False  # this rank raised a failure, its own or a peer's, in this Trainer call
         self._world = dist.get_world_size() if dist.is_initialized() else 1
         self._rank = dist.get_rank() if dist.is_initialized() else 0
         self._marked = False  # this rank's mark in the roll of ranks that raised (see everyone_failed)
         self._gone = False  # the store stopped answering (it lives in global rank 0's process)
-        if dist.is_initialized():  # where each rank runs, for roll_call
-            store.set(f"{self._key}/pid/{dist.get_rank()}", f"{socket.gethostname()} {os.getpid()}")
+        self._publish()
+
+    @property
+    def me(self) -> str:
+        return self._me
+
+    @me.setter
+    def me(self, me: str) -> None:
+        """A fuller name once it is known (its pipeline rank and stages, after the pipeline is built)."""
+        self._me = me
+        self._publish()
+
+    def _publish(self) -> None:
+        """Where this rank runs and what it is called, for the others' :meth:`roll_call`."""
+        if dist.is_initialized():
+            record = f"{socket.gethostname()} {os.getpid()} {self._me}"
+            self._store.set(f"{self._key}/pid/{dist.get_rank()}", record)
 
     @classmethod
     def open(cls, me: str) -> FailureChannel | None:
@@ -198,19 +213,20 @@ class FailureChannel:
         return out.get("value")
 
     def roll_call(self) -> str:
-        """The ranks on this host whose process is gone or stopped, as ``global rank 1 (pid 42): dead``;
-        empty when none is (or they run on other hosts, where no process can be looked at)."""
+        """The ranks on this host whose process is gone or stopped, by the name each gave itself, as
+        ``global rank 1 (pipeline rank 1, stage(s) 1, host a), pid 42 (dead)``; empty when none is (or
+        they run on other hosts, where no process can be looked at)."""
         here, found = socket.gethostname(), []
         for r in range(self._world):
             try:
                 if not self._ask("check", [f"{self._key}/pid/{r}"]):
                     continue
-                host, pid = self._ask("get", f"{self._key}/pid/{r}").decode().split()
+                host, pid, name = self._ask("get", f"{self._key}/pid/{r}").decode().split(" ", 2)
             except Exception:  # noqa: BLE001 - the store went away with rank 0
                 break
             state = process_state(int(pid)) if host == here else None
             if state is not None:
-                found.append(f"global rank {r} (pid {pid}): {state}")
+                found.append(f"{name}, pid {pid} ({state})")
         return "; ".join(found)
 
     def _present(self, keys: list[str], wait: float) -> bool:
