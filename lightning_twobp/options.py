@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import math
 import operator
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields, replace
+from pathlib import Path
 from typing import Any
 
 from lightning_twobp.schedules import (
@@ -27,7 +29,7 @@ from lightning_twobp.schedules.auto import Candidate, check_auto_options
 from lightning_twobp.schedules.deferral import check_max_pending_w
 from lightning_twobp.schedules.placement import default_stages_per_rank
 
-__all__ = ["PipelineOptions", "check_activation_checkpointing", "check_batch_w", "check_flag"]
+__all__ = ["PipelineOptions", "check_activation_checkpointing", "check_batch_w", "check_flag", "check_pretrained"]
 
 
 def check_flag(name: str, value: Any, none: str | None = None) -> None:
@@ -68,6 +70,48 @@ def _check_balance(balance: Any) -> None:
     elif not (isinstance(balance, Sequence) and balance and all(_is_count(b) for b in balance)):
         raise ValueError(
             f"balance={balance!r}: a list of layer counts per stage must hold integers >= 1, e.g. balance=[3, 5]"
+        )
+
+
+def check_pretrained(path: Any) -> None:
+    """``TwoBPStrategy(pretrained=path)`` names a directory lightning.pretrained reads; ValueError naming the fix."""
+    where = Path(path)
+    if where.is_dir() and ((where / ".metadata").is_file() or any(where.glob("*.safetensors"))):
+        return
+    if where.is_file() and where.suffix == ".safetensors":
+        hint = f"pass the directory that holds it, pretrained={str(where.parent)!r}"
+    elif where.is_file():
+        hint = (
+            "a single torch file (pytorch_model.bin, a consolidated .ckpt) is read whole by torch.load on every "
+            "rank: save it as safetensors (model.save_pretrained(dir) writes them), or pass the strategy's "
+            "sharded checkpoint directory"
+        )
+    elif where.is_dir():
+        hint = "it holds no *.safetensors file and no .metadata (a torch.distributed.checkpoint directory)"
+    else:
+        hint = "it does not exist here (every rank reads it: a path on a file system all nodes share)"
+    raise ValueError(
+        f"TwoBPStrategy(pretrained={str(path)!r}): a directory of Hugging Face safetensors (what "
+        f"save_pretrained writes, or a Hub snapshot) or of this strategy's checkpoint is read; {hint}"
+    )
+
+
+def _check_pretrained(opts: PipelineOptions) -> None:
+    """``pretrained`` names a directory that can be read (checked here, before any process starts);
+    ``pretrained_prefix`` goes with it. A path object is kept as a string (the options are plain data)."""
+    if opts.pretrained is None:
+        if opts.pretrained_prefix is not None:
+            raise ValueError(
+                f"TwoBPStrategy(pretrained_prefix={opts.pretrained_prefix!r}) names the module the pretrained "
+                f"weights are for: give the weights too, pretrained='<directory>', or drop it"
+            )
+        return
+    check_pretrained(opts.pretrained)
+    object.__setattr__(opts, "pretrained", os.fspath(opts.pretrained))
+    if opts.pretrained_prefix is not None and not isinstance(opts.pretrained_prefix, str):
+        raise ValueError(
+            f"TwoBPStrategy(pretrained_prefix={opts.pretrained_prefix!r}): the dotted name of a module, "
+            f"e.g. pretrained_prefix='model'"
         )
 
 
@@ -239,6 +283,18 @@ class PipelineOptions:
             W at the end of the step; the ZB and V schedules run each W alone and are refused. Not
             bit-equal to the per-micro-batch accumulation (one sum over all rows rounds differently:
             fp32, about 1e-7 of a gradient's largest value). Costs one weight's joined copy at a time.
+        pretrained: a directory of weights each rank reads its own tensors from, at the first Trainer
+            call that sets the model up (:mod:`lightning_twobp.lightning.pretrained`): Hugging Face
+            safetensors (``save_pretrained``'s directory or a Hub snapshot, sharded or not) or a
+            checkpoint directory of this strategy's (its weights only; ``ckpt_path`` resumes it whole).
+            With a model built on the meta device no rank holds more than its stages at any time.
+            Names and shapes are checked on every rank before any compute; tensors the file lacks keep
+            their built values and tensors it holds beyond the model are not read (each named in a
+            warning). A call that resumes from ``ckpt_path`` reads nothing.
+        pretrained_prefix: the dotted name of the module the weights are for (``"model"`` where the
+            LightningModule holds ``self.model = AutoModelForCausalLM...``; ``""`` for the
+            LightningModule itself). Default: the module under which the most of the file's names are
+            names of the model's tensors (refused where none or two are).
     """
 
     schedule: str = "1f1b"
@@ -257,6 +313,8 @@ class PipelineOptions:
     data_parallel: str = "replicate"
     activation_checkpointing: str | int | None = None
     batch_w: bool | int = False
+    pretrained: str | None = None
+    pretrained_prefix: str | None = None
 
     def __post_init__(self) -> None:
         check_flag("split_backward", self.split_backward)
@@ -288,6 +346,7 @@ class PipelineOptions:
         check_activation_checkpointing(self.activation_checkpointing, self.schedule)
         _check_data_parallel(self.data_parallel)
         _check_batch_w(self)
+        _check_pretrained(self)
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any]) -> PipelineOptions:

@@ -109,13 +109,17 @@ def test_soak_harness_samples_every_rank():
     assert "slope after warm-up" in markdown(result) and "not traced" not in markdown(result)
 
 
-def test_meta_build_benchmark_reports_every_rank_of_both_builds(tmp_path, capsys):
+BUILDS = [((), ("cpu", "meta")), (("--pretrained",), ("cpu-load", "meta-pretrained"))]
+
+
+@pytest.mark.parametrize(("flags", "variants"), BUILDS)
+def test_meta_build_benchmark_reports_every_rank_of_both_builds(tmp_path, capsys, flags, variants):
     out = tmp_path / "meta.json"
-    assert main(["--meta-build", "--quick", "--json", str(out)]) == 0
+    assert main(["--meta-build", *flags, "--quick", "--json", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
-    assert [(r["variant"], r["rank"]) for r in rows] == [("cpu", 0), ("cpu", 1), ("meta", 0), ("meta", 1)]
-    assert all(r["fit_s"] > 0 and r["peak"] >= 0 for r in rows)
-    assert "| meta | 1 |" in capsys.readouterr().out
+    assert [(r["variant"], r["rank"]) for r in rows] == [(v, rank) for v in variants for rank in (0, 1)]
+    assert all(r["fit_s"] > 0 and r["total_s"] >= r["fit_s"] and r["peak"] >= 0 for r in rows)
+    assert f"| {variants[1]} | 1 |" in capsys.readouterr().out
 
 
 def test_gpu_script_runs_its_cuda_code_path_on_the_cpu_at_toy_sizes(tmp_path, capsys, monkeypatch):

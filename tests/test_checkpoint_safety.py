@@ -139,9 +139,10 @@ def crashed(tmp_path_factory) -> dict:
 def test_kill_9_during_a_save_leaves_a_checkpoint_that_resumes_exactly(two_ranks, crashed):
     seen, states = crashed["seen"], crashed["states"]
     # rank 1 killed as it starts writing: rank 0 names it, and removes the hidden partial checkpoint
-    assert "was not saved: a rank was lost during the save: global rank 1 (pipeline rank 1, stage(s) 1, host " in seen[
-        "between-shards"
-    ], seen
+    assert (
+        "was not saved: a rank was lost during the save: global rank 1 (pipeline rank 1, stage(s) 1, host "
+        in seen["between-shards"]
+    ), seen
     assert ".last.ckpt.partial" not in states["between-shards"], states
     assert "last.ckpt" not in states["mid-rename"] and ".last.ckpt.partial" in states["mid-rename"], states
     warned = [w for w in crashed["warned"] if issubclass(w.category, UserWarning)]

@@ -61,6 +61,20 @@ def _metric_on_meta() -> Regressor:
     return model
 
 
+def _file(path: Path) -> Path:
+    path.write_bytes(b"")
+    return path
+
+
+def _weights(folder: Path, shapes: dict[str, tuple[int, ...]]) -> Path:
+    """A safetensors file of Net's names, those of ``shapes`` with other shapes."""
+    from safetensors.torch import save_file
+
+    own = {k: torch.zeros(shapes.get(k, tuple(v.shape))) for k, v in Net().state_dict().items()}
+    save_file(own, folder / "model.safetensors")
+    return folder
+
+
 def _on_meta(**layers) -> Regressor:
     """A Regressor built on the meta device, with ``layers=`` its Sequential's maker if given."""
     with torch.device("meta"):
@@ -649,6 +663,13 @@ CASES: dict[str, Case] = {
         ValueError,
         r"TwoBPStrategy\(batch_w='yes'\): use False \(off, the default\), True",
     ),
+    "strategy-pretrained-torch-file": (
+        lambda t: TwoBPStrategy(pretrained=_file(t / "pytorch_model.bin")),
+        ValueError,
+        r"TwoBPStrategy\(pretrained='.*pytorch_model.bin'\): a directory of Hugging Face safetensors .* a single "
+        r"torch file \(pytorch_model.bin, a consolidated .ckpt\) is read whole by torch.load on every rank: save it as "
+        r"safetensors",
+    ),
     "strategy-batch-w-fused": (
         lambda t: TwoBPStrategy(batch_w=True, split_backward=False),
         ValueError,
@@ -1037,6 +1058,12 @@ CASES: dict[str, Case] = {
         ValueError,
         r"mean \(MeanMetric\) is a torchmetrics Metric built on the meta device: its states' defaults have no "
         r"values to start from; build the Metric outside",
+    ),
+    "fit-pretrained-shape": (
+        lambda t: _fit(pretrained=_weights(t, {"layers.0.weight": (9, 6)})),
+        ValueError,
+        r"the pretrained weights in .* do not fit the model: 1 tensor\(s\) differ in shape: layers.0.weight: \(8, 6\) "
+        r"in the model, \(9, 6\) in the file. Build the model with the config the weights were saved with",
     ),
     "fit-meta-balance-time": (
         lambda t: _fit(_on_meta(), balance="time"),

@@ -8,9 +8,13 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
+import tempfile
+from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -462,17 +466,103 @@ def _fit_gpt2(strategy, world: int) -> dict:
     return {"params": {n: p.detach().clone() for n, p in model.named_parameters()}, "rand": torch.rand(3)}
 
 
+def _saved_llama() -> str:
+    """A tiny LLaMa's weights as save_pretrained writes them (on global rank 0 only, in a folder it names
+    to the others): values no build from seed 0 makes."""
+    transformers = pytest.importorskip("transformers", reason="the Hugging Face model needs transformers")
+    ranks = dist.is_initialized()
+    folder = [tempfile.mkdtemp(prefix="twobp-pretrained-") if not ranks or dist.get_rank() == 0 else None]
+    if folder[0] is not None:
+        with torch.random.fork_rng():
+            torch.manual_seed(7)
+            transformers.LlamaForCausalLM(_llama_config()).save_pretrained(folder[0])
+    if ranks:
+        dist.broadcast_object_list(folder)
+    return str(folder[0])
+
+
+def _llama_config() -> Any:
+    transformers = pytest.importorskip("transformers", reason="the Hugging Face model needs transformers")
+    return transformers.LlamaConfig(
+        vocab_size=13,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=4,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=8,
+        tie_word_embeddings=False,
+    )
+
+
+class PretrainedLlama(conftest.pl.LightningModule):
+    """A Hugging Face LLaMa fine-tuned from saved weights, built on the meta device."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        transformers = pytest.importorskip("transformers", reason="the Hugging Face model needs transformers")
+        torch.manual_seed(0)
+        with torch.device("meta"):
+            self.model = transformers.LlamaForCausalLM(_llama_config())
+
+    def training_step(self, batch, batch_idx):
+        return self.model(input_ids=batch[0], labels=batch[0]).loss
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", self.model(input_ids=batch[0], labels=batch[0]).loss)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _fit_pretrained_llama(strategy, world: int) -> dict:
+    """Fit, then validate: the validation keeps the trained weights (the file is read once per model)."""
+    model = PretrainedLlama()
+    if world == 1:  # one process makes the whole model as the ranks do, and loads the file whole
+        materialize(model, [], torch.device("cpu"), set())
+        safetensors = pytest.importorskip("safetensors.torch")
+        model.model.load_state_dict(safetensors.load_file(os.path.join(_saved_llama(), "model.safetensors")))
+    ids = torch.randint(1, 13, (16, 8), generator=torch.Generator().manual_seed(3))
+    trainer = quiet_trainer(strategy, world, max_steps=2)
+    trainer.fit(model, DataLoader(TensorDataset(ids), batch_size=8))
+    trained = {n: p.detach().clone() for n, p in model.named_parameters()}
+    trainer.validate(model, DataLoader(TensorDataset(ids), batch_size=8), verbose=False)
+    kept = {n: p.detach().clone() for n, p in model.named_parameters() if not p.is_meta}
+    assert all(torch.equal(kept[n], trained[n]) for n in kept), "the validation changed the trained weights"
+    return {"params": trained, "rand": torch.rand(3)}
+
+
+def _fit_from_our_checkpoint(strategy, world: int) -> dict:
+    """A model trained and saved, then a second model fine-tuned from its weights (pretrained= naming the
+    strategy's own checkpoint directory; in one process: load_state_dict)."""
+    first = MetaRegressor(cpu=True)
+    trainer = quiet_trainer(TwoBPStrategy() if world > 1 else "auto", world, max_epochs=1)
+    trainer.fit(first, regression_data(32))
+    second = MetaRegressor(cpu=world == 1)
+    if world == 1:
+        second.load_state_dict(first.state_dict())
+        return _fit_regressor(strategy, world, second)
+    folder = [tempfile.mkdtemp(prefix="twobp-ours-") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(folder)
+    trainer.save_checkpoint(os.path.join(folder[0], "first.ckpt"))
+    from_first = TwoBPStrategy(gather_full_model=True, pretrained=os.path.join(folder[0], "first.ckpt"))
+    return _fit_regressor(from_first, world, second)
+
+
 FITS = {
     "regressor-1f1b": (_fit_regressor, {}),
     "regressor-zb-v": (_fit_regressor, {"schedule": "zb-v"}),
     "hf-gpt2-tied": (_fit_gpt2, {}),
     "refused-then-fitted": (_fit_after_a_refused_setup, {}),
+    "pretrained-hf-llama": (_fit_pretrained_llama, {"pretrained": _saved_llama}),
+    "pretrained-our-checkpoint": (_fit_from_our_checkpoint, {}),
 }
 
 
 def _pipelined(rank: int, world: int, case: str) -> dict:
     lightning_env(rank, world)
     fit, options = FITS[case]
+    options = {k: v() if callable(v) else v for k, v in options.items()}  # a file each rank writes itself
     return fit(TwoBPStrategy(gather_full_model=True, **options), world)
 
 

@@ -509,7 +509,8 @@ def test_a_rank_lost_in_the_global_norm_is_named():
     with pytest.raises(RuntimeError) as info:
         run_distributed(_lose_rank_3_before_the_norm, 4, timeout=180, grace=90)
     parts = {int(p.split()[0]): p for p in str(info.value).split("--- rank ")[1:]}
-    dead = r"global rank 3 \(pipeline rank 1, stage\(s\) 1, host [^)]*\), pid \d+ \(dead\) stopped answering while global rank"
+    named = r"global rank 3 \(pipeline rank 1, stage\(s\) 1, host [^)]*\), pid \d+ \(dead\)"
+    dead = rf"{named} stopped answering while global rank"
     for r in (0, 1):  # replica 0's pipeline: its step done, both wait in the norm's all-reduce
         want = rf"Report: {dead} {r} waited for the global gradient norm and non-finite check"
         assert re.search(want, parts[r]), parts[r][-2000:]

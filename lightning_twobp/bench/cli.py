@@ -14,7 +14,7 @@ twobp-bench --budget [--out DIR] [--steps K] [--only LABEL ...] [--counts M ...]
 twobp-bench --memory-model [--out DIR] [--quick] [--world P]
 twobp-bench --memory-model --simulate [--out DIR] [--quick]
 twobp-bench --sharded [--json PATH] [--quick]
-twobp-bench --meta-build [--world P] [--json PATH] [--quick]
+twobp-bench --meta-build [--pretrained] [--world P] [--json PATH] [--quick]
 """
 
 from __future__ import annotations
@@ -92,6 +92,12 @@ def _add_options(ap: argparse.ArgumentParser) -> None:
         help="--soak: also trace Python's own allocations (tracemalloc), to tell objects from native growth",
     )
     ap.add_argument("--simulate", action="store_true", help="--memory-model: the simulated budget tables")
+    ap.add_argument(
+        "--pretrained",
+        action="store_true",
+        help="--meta-build: start from saved weights, every rank loading the file whole on its CPU against a "
+        "meta build reading its stages (TwoBPStrategy(pretrained=...))",
+    )
     ap.add_argument(
         "--world", type=int, help="--memory-model: ranks (2P blocks when P > 2; default 2); --meta-build: ranks (4)"
     )
@@ -273,7 +279,7 @@ def _meta_build(args: argparse.Namespace) -> None:
     from lightning_twobp.bench.meta_build import markdown, run_meta_build
 
     sizes = dict(width=64, layers=4, rounds=1) if args.quick else dict(rounds=2)
-    result = run_meta_build(world=args.world or (2 if args.quick else 4), **sizes)
+    result = run_meta_build(world=args.world or (2 if args.quick else 4), pretrained=args.pretrained, **sizes)
     _show_json(markdown(result), result, args.json)
 
 

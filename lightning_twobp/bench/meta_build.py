@@ -7,6 +7,12 @@ steps of 1F1B + 2BP with ``Trainer(strategy="twobp")``. Each rank reports its re
 building, at ``on_fit_start`` (setup done: the stages cut, and on meta made), and its peak, with the
 ``fit`` call's seconds (setup included: the meta build's replay of every module's initialization).
 Each variant runs in a fresh set of processes, alternated, ``rounds`` times.
+
+With ``pretrained`` the model starts from saved weights (a safetensors file written once, before the
+runs) instead: ``cpu-load`` builds on every rank's CPU and loads the file whole (``load_state_dict`` of
+``safetensors.torch.load_file``, what a user of one process writes), ``meta-pretrained`` builds on meta and
+names the directory to ``TwoBPStrategy(pretrained=...)``, each rank reading its stages' tensors only.
+``total_s`` counts from before building to the end of ``fit`` (the load included either way).
 """
 
 from __future__ import annotations
@@ -14,7 +20,9 @@ from __future__ import annotations
 import contextlib
 import io
 import resource
+import shutil
 import statistics
+import tempfile
 import time
 from typing import Any
 
@@ -29,6 +37,7 @@ from lightning_twobp.processes import free_port, rank_env, run_distributed
 __all__ = ["markdown", "run_meta_build"]
 
 VARIANTS = ("cpu", "meta")
+LOADING = ("cpu-load", "meta-pretrained")
 
 
 class _Regression(pl.LightningModule):
@@ -56,21 +65,27 @@ def _peak_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e6  # KiB on Linux
 
 
-def _worker(rank: int, world: int, port: int, variant: str, width: int, layers: int) -> dict[str, float]:
+def _worker(rank: int, world: int, port: int, variant: str, width: int, layers: int, weights: str) -> dict[str, float]:
     from lightning_twobp import TwoBPStrategy
     from lightning_twobp.bench.trainer import quiet_trainer
 
     rank_env(rank, world, port)
     torch.set_num_threads(1)
     before, peak_before = rss_mb(), _peak_mb()
+    start = time.perf_counter()
     torch.manual_seed(0)
-    with torch.device("meta") if variant == "meta" else contextlib.nullcontext():
+    with torch.device("meta") if variant.startswith("meta") else contextlib.nullcontext():
         model = _Regression(width, layers)
+    if variant == "cpu-load":
+        from safetensors.torch import load_file
+
+        model.load_state_dict(load_file(f"{weights}/model.safetensors"))
     built = rss_mb()
     g = torch.Generator().manual_seed(1)
     data = DataLoader(TensorDataset(torch.randn(16, width, generator=g), torch.randn(16, width, generator=g)), 8)
     fit_start = _FitStart()
-    trainer = quiet_trainer(world, TwoBPStrategy(num_microbatches=4), 2, [fit_start], use_distributed_sampler=False)
+    strategy = TwoBPStrategy(num_microbatches=4, pretrained=weights if variant == "meta-pretrained" else None)
+    trainer = quiet_trainer(world, strategy, 2, [fit_start], use_distributed_sampler=False)
     t0 = time.perf_counter()
     trainer.fit(model, data)
     return dict(
@@ -78,19 +93,43 @@ def _worker(rank: int, world: int, port: int, variant: str, width: int, layers: 
         setup=fit_start.rss - before,
         peak=_peak_mb() - max(before, peak_before),
         fit_s=time.perf_counter() - t0,
+        total_s=time.perf_counter() - start,
     )
 
 
+def _save_weights(width: int, layers: int) -> str:
+    """Weights of the benchmark's model, as safetensors in a folder of their own (seed 1: not the build's)."""
+    from safetensors.torch import save_file
+
+    folder = tempfile.mkdtemp(prefix="twobp-bench-weights-")
+    with torch.random.fork_rng():
+        torch.manual_seed(1)
+        save_file(_Regression(width, layers).state_dict(), f"{folder}/model.safetensors")
+    return folder
+
+
 def run_meta_build(
-    world: int = 4, width: int = 2048, layers: int = 8, rounds: int = 2, timeout: float = 600.0
+    world: int = 4,
+    width: int = 2048,
+    layers: int = 8,
+    rounds: int = 2,
+    timeout: float = 600.0,
+    pretrained: bool = False,
 ) -> dict[str, Any]:
     """Each variant ``rounds`` times, alternated; per variant and rank the median over its rounds."""
-    runs: dict[str, list[list[dict[str, float]]]] = {v: [] for v in VARIANTS}
+    variants = LOADING if pretrained else VARIANTS
+    weights = _save_weights(width, layers) if pretrained else ""
+    runs: dict[str, list[list[dict[str, float]]]] = {v: [] for v in variants}
     order = []
-    for r in range(rounds):
-        for variant in VARIANTS if r % 2 == 0 else VARIANTS[::-1]:
-            order.append(variant)
-            runs[variant].append(run_distributed(_worker, world, free_port(), variant, width, layers, timeout=timeout))
+    try:
+        for r in range(rounds):
+            for variant in variants if r % 2 == 0 else variants[::-1]:
+                order.append(variant)
+                args = (variant, width, layers, weights)
+                runs[variant].append(run_distributed(_worker, world, free_port(), *args, timeout=timeout))
+    finally:
+        if weights:
+            shutil.rmtree(weights, ignore_errors=True)
     rows = [
         dict(
             variant=v,
@@ -112,8 +151,11 @@ def markdown(result: dict[str, Any]) -> str:
         f"{result['world']} gloo processes x 1 thread, 1F1B + 2BP, m = 4, 2 steps; medians of {result['rounds']} "
         f"launches per variant, in the order {', '.join(result['order'])}; MB above the process before building\n\n"
     )
-    w("| built on | rank | after building MB | at fit start MB | peak MB | fit s |\n|---|---|---:|---:|---:|---:|\n")
+    w(
+        "| built on | rank | after building MB | at fit start MB | peak MB | fit s | build to fit end s |\n"
+        "|---|---|---:|---:|---:|---:|---:|\n"
+    )
     for r in result["rows"]:
         mb = " | ".join(f"{r[k]:.0f}" for k in ("built", "setup", "peak"))
-        w(f"| {r['variant']} | {r['rank']} | {mb} | {r['fit_s']:.2f} |\n")
+        w(f"| {r['variant']} | {r['rank']} | {mb} | {r['fit_s']:.2f} | {r['total_s']:.2f} |\n")
     return out.getvalue()

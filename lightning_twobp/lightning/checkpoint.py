@@ -314,6 +314,10 @@ def _disk_full(err: BaseException) -> bool:
     return False
 
 
+def _is_meta(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and value.is_meta
+
+
 def _save(
     checkpoint: dict[str, Any],
     path: Path,
@@ -331,7 +335,10 @@ def _save(
     _barrier(group)
     checkpoint.pop("state_dict", None)
     checkpoint.pop("optimizer_states", None)
-    state: dict[str, Any] = {"model": get_model_state_dict(module)}
+    # after a Trainer call (trainer.save_checkpoint once fit returned) the model is whole again, with the
+    # other ranks' layers on the meta device: each rank writes the weights it holds, as during the call
+    model = {name: value for name, value in get_model_state_dict(module).items() if not _is_meta(value)}
+    state: dict[str, Any] = {"model": model}
     for i, opt in enumerate(optimizers):
         state[f"optimizer_{i}"] = get_optimizer_state_dict(module, opt, options=_OPTIM)
     state["rng"] = {f"rank{rank}": rng_state(), **(streams or {})}  # the rank's streams, and its stages'

@@ -19,6 +19,7 @@ from torch import nn
 
 from lightning_twobp.engine import PipelineExecutor
 from lightning_twobp.engine.memory import cpu_heap
+from lightning_twobp.lightning import pretrained
 from lightning_twobp.lightning.autoschedule import auto_schedule
 from lightning_twobp.lightning.checkpointing import AUTO_MODES, apply_activation_checkpointing, check_auto_with_switches
 from lightning_twobp.lightning.checks import check_parameter_hooks
@@ -39,6 +40,7 @@ from lightning_twobp.lightning.materialize import built_on_meta, check_meta_opti
 from lightning_twobp.lightning.metrics import StepMetrics
 from lightning_twobp.lightning.modulelist_contract import ModuleListContract, caches_off, fastpath_off
 from lightning_twobp.lightning.optimizer_checks import OptimizerChecks, hooks_may_scale_grads
+from lightning_twobp.lightning.pretrained import Plan
 from lightning_twobp.lightning.profile import profile_layers
 from lightning_twobp.lightning.quiet import known_warnings_off
 from lightning_twobp.lightning.rng import StageStreams, fingerprint
@@ -521,6 +523,29 @@ def _checked_contract(strategy: TwoBPStrategy, trainer: Any) -> SequentialContra
     return contract
 
 
+def _pretrained_plan(strategy: TwoBPStrategy, trainer: Any) -> Plan | None:
+    """What ``pretrained=`` reads into this model (:mod:`.pretrained`): nothing where an earlier call read
+    it, or a checkpoint this call resumes from writes every weight."""
+    path, lm = strategy.options.pretrained, strategy.lightning_module
+    if path is None or pretrained.read_before(lm):
+        return None
+    if trainer.ckpt_path is not None:
+        log.info("pretrained weights %s not read: the checkpoint %s holds every weight", path, trainer.ckpt_path)
+        return None
+    found = pretrained.plan(path, lm, strategy.options.pretrained_prefix)
+    pretrained.warn_unmatched(found)
+    return found
+
+
+def _read_pretrained(strategy: TwoBPStrategy, found: Plan | None) -> None:
+    if found is None:
+        return
+    count = pretrained.load(found, strategy.lightning_module)
+    strategy._pretrained_read = True  # the model keeps these weights in later calls once this setup ends
+    under = found.prefix.rstrip(".") or "the model"
+    log.info("pretrained: %d of %d tensors read from %s into %s", count, len(found.keys), found.path, under)
+
+
 def _cpu_heap(strategy: TwoBPStrategy) -> None:
     """See lightning_twobp.engine.memory: page faults every step unless the heap is kept; under a
     memory_limit it is not, so the resident set follows the tensors schedule="auto" counted."""
@@ -540,6 +565,7 @@ def build_pipeline(strategy: TwoBPStrategy, trainer: Any) -> Pipeline:
     if device.type == "cpu":
         _cpu_heap(strategy)
     contract = _checked_contract(strategy, trainer)
+    pretrained = _pretrained_plan(strategy, trainer)  # before any compute: names and shapes, alike on every rank
     metrics = StepMetrics(lm)
     runner = StepRunner(lm, contract, metrics)
     if strategy.requested.schedule == "auto":
@@ -555,6 +581,7 @@ def build_pipeline(strategy: TwoBPStrategy, trainer: Any) -> Pipeline:
     streams = StageStreams(schedule.stages_of(layout.pp_rank), layout.dp_rank, device, _shared_seed(strategy))
     runner.streams = streams
     local = _split(strategy, contract, sizes, schedule, trainer)
+    _read_pretrained(strategy, pretrained)  # this rank's tensors only, before FSDP2 shards them
     runner.holders = placeholder_holders(lm)
     _announce(strategy, local, schedule, list(sizes))
     sharding, grad_reduce = _data_parallel(strategy, local, shard)

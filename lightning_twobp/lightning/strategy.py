@@ -9,6 +9,7 @@ and stages; the engine (:class:`~lightning_twobp.engine.PipelineExecutor`) runs 
 
 from __future__ import annotations
 
+import os
 import socket
 import warnings
 from collections.abc import Callable, Sequence
@@ -25,7 +26,7 @@ from typing_extensions import override
 
 from lightning_twobp.engine import Verdict
 from lightning_twobp.engine.failure import FailureChannel, check_links_open, close_links, lost_peer
-from lightning_twobp.lightning import checkpoint_hooks
+from lightning_twobp.lightning import checkpoint_hooks, pretrained
 from lightning_twobp.lightning.checkpoint import CheckpointError
 from lightning_twobp.lightning.checks import (
     OutsideWrites,
@@ -71,7 +72,7 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
     Args:
         schedule, split_backward, num_microbatches, pipeline_degree, stages_per_rank, max_pending_w,
         memory_limit, balance, layers, gather_full_model, post_validation, on_nonfinite, pipeline_timeout,
-        data_parallel, activation_checkpointing, batch_w: the pipeline's options,
+        data_parallel, activation_checkpointing, batch_w, pretrained, pretrained_prefix: the pipeline's options,
             documented and checked by :class:`~lightning_twobp.options.PipelineOptions` (before any
             process starts). ``pipeline_timeout`` is also the timeout of the process group and of every
             group the strategy makes unless ``timeout`` is given (at least 60 s), so a hung rank stops
@@ -103,6 +104,8 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
         data_parallel: Literal["replicate", "shard"] = "replicate",
         activation_checkpointing: str | int | None = None,
         batch_w: bool | int = False,
+        pretrained: str | os.PathLike[str] | None = None,
+        pretrained_prefix: str | None = None,
         accelerator: Any = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: Any = None,
@@ -146,6 +149,7 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
         self._mesh: DeviceMesh | None = None
         self._pipeline: Pipeline | None = None
         self._made: Made | None = None  # a model built on meta, made during a setup that has not ended yet
+        self._pretrained_read = False  # pretrained= was read in a setup that has not ended yet
         self._calls_ended = False
         self._stash = GradStash()
         self._signals: StopSignals | None = None
@@ -250,6 +254,9 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
         # state is loaded afterwards (restore_checkpoint_after_setup), by parameter name.
         self.setup_precision_plugin()
         self._made = None  # made for good: only a refusal during setup puts a meta build back
+        if self._pretrained_read:  # read for good: later calls keep the model's weights
+            pretrained.mark_read(self.lightning_module)
+            self._pretrained_read = False
 
     @override
     def on_exception(self, exception: BaseException) -> None:
@@ -327,6 +334,7 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
         if self._made is not None:  # refused during setup: the model as built, so that a retry makes it again
             self._made.undo()
             self._made = None
+        self._pretrained_read = False  # refused during setup: the next call reads them again
 
     def _take_apart(self, pipeline: Pipeline) -> None:
         pipeline.unshard_for_good(self._failed)
@@ -645,6 +653,7 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
         pipeline degree or partition the checkpoint was saved with."""
         streams = self._built("load_checkpoint").streams
         checkpoint, self._resume_rng = checkpoint_hooks.load(self, checkpoint_path, weights_only, streams)
+        pretrained.mark_read(self.lightning_module)  # its weights are the checkpoint's: pretrained= is not read later
         self._outside = None  # the load writes every parameter (a LearningRateFinder callback's restore, mid-fit)
         return checkpoint
 

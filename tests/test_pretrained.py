@@ -1,0 +1,158 @@
+"""Pretrained weights read stage by stage (``TwoBPStrategy(pretrained=...)``), without processes: which
+file tensor goes to which of the model's tensors (the module path found, aliases, what the file lacks or
+holds beyond the model), every refusal before a byte is read, and the read itself into the tensors a rank
+holds. The read on 2 ranks through Trainer, against one process loading the file whole:
+``tests/test_materialize.py`` (``pretrained-hf-llama``, ``pretrained-our-checkpoint``)."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_twobp import TwoBPStrategy
+from lightning_twobp.lightning.pretrained import load, plan
+
+transformers = pytest.importorskip("transformers", reason="Hugging Face models are what users load")
+safetensors = pytest.importorskip("safetensors.torch", reason="the Hugging Face weights format")
+
+
+def _config(**kw) -> transformers.LlamaConfig:
+    return transformers.LlamaConfig(
+        **(
+            dict(
+                vocab_size=32,
+                hidden_size=16,
+                intermediate_size=32,
+                num_hidden_layers=2,
+                num_attention_heads=2,
+                num_key_value_heads=2,
+                max_position_embeddings=16,
+                tie_word_embeddings=False,
+            )
+            | kw
+        )
+    )
+
+
+def _saved(folder: Path, model: nn.Module) -> Path:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model.save_pretrained(folder)
+    return folder
+
+
+class Wrapper(nn.Module):
+    """A LightningModule's layout: the Hugging Face model under ``model``, a head of the user's own."""
+
+    def __init__(self, config: transformers.LlamaConfig, meta: bool = False) -> None:
+        super().__init__()
+        with torch.device("meta") if meta else torch.device("cpu"):
+            self.model = transformers.LlamaForCausalLM(config)
+        self.value = nn.Linear(16, 1)
+
+
+def _source(seed: int = 7, **kw) -> nn.Module:
+    torch.manual_seed(seed)
+    return transformers.LlamaForCausalLM(_config(**kw))
+
+
+def test_the_weights_go_under_the_module_they_were_saved_from_and_are_read_bitwise(tmp_path):
+    source = _source()
+    found = plan(_saved(tmp_path, source), Wrapper(_config(), meta=True))
+    assert found.prefix == "model."
+    assert found.missing == ("value.bias", "value.weight") and found.unused == ()
+    target = Wrapper(_config())
+    assert load(found, target) == len(source.state_dict())
+    for name, value in source.state_dict().items():
+        assert torch.equal(target.model.state_dict()[name], value), name
+
+
+def test_a_rank_reads_only_the_tensors_it_holds(tmp_path):
+    """The other ranks' layers are on meta (or set aside): only the real tensors are read."""
+    source = _source()
+    target = Wrapper(_config(), meta=True)
+    layer = target.model.model.layers[1]
+    layer.to_empty(device="cpu")
+    assert load(plan(_saved(tmp_path, source), target), target) == len(layer.state_dict())
+    for name, value in layer.state_dict().items():
+        assert torch.equal(value, source.model.layers[1].state_dict()[name]), name
+    assert all(p.is_meta for p in target.model.model.layers[0].parameters())
+
+
+def test_a_base_model_goes_into_its_causal_lm_and_what_it_lacks_is_named(tmp_path):
+    base = transformers.LlamaModel(_config())
+    found = plan(_saved(tmp_path, base), Wrapper(_config(), meta=True))
+    assert found.prefix == "model.model."
+    assert found.missing == ("model.lm_head.weight", "value.bias", "value.weight")
+
+
+def test_a_tied_weight_saved_once_is_read_through_its_other_name(tmp_path):
+    source = _source(tie_word_embeddings=True)
+    assert "lm_head.weight" not in safetensors.load_file(_saved(tmp_path, source) / "model.safetensors")
+    torch.manual_seed(0)
+    target = transformers.LlamaForCausalLM(_config(tie_word_embeddings=True))
+    found = plan(tmp_path, target)
+    assert found.missing == () and found.unused == ()
+    load(found, target)
+    assert torch.equal(target.lm_head.weight, source.model.embed_tokens.weight)
+
+
+def test_a_bf16_file_is_cast_to_the_models_dtype(tmp_path):
+    source = _source().to(torch.bfloat16)
+    target = transformers.LlamaForCausalLM(_config())
+    load(plan(_saved(tmp_path, source), target), target)
+    assert target.lm_head.weight.dtype == torch.float32
+    assert torch.equal(target.lm_head.weight, source.lm_head.weight.float())
+
+
+def test_the_module_path_can_be_named_and_a_wrong_one_is_refused(tmp_path):
+    _saved(tmp_path, _source())
+    assert plan(tmp_path, Wrapper(_config(), meta=True), prefix="model").prefix == "model."
+    with pytest.raises(ValueError, match=r"pretrained_prefix='encoder'\): the model has no tensor under that module"):
+        plan(tmp_path, Wrapper(_config(), meta=True), prefix="encoder")
+
+
+def test_weights_that_fit_nothing_or_two_modules_alike_are_refused_with_the_fix(tmp_path):
+    _saved(tmp_path, _source())
+    nothing = r"none of the pretrained file's 21 tensor names .*TwoBPStrategy\(pretrained_prefix="
+    with pytest.raises(ValueError, match=nothing):
+        plan(tmp_path, nn.Linear(3, 3))
+    twins = nn.Module()
+    with torch.device("meta"):
+        twins.student, twins.teacher = (transformers.LlamaForCausalLM(_config()) for _ in range(2))
+    with pytest.raises(ValueError, match=r"match 21 tensors under each of the modules 'student', 'teacher'"):
+        plan(tmp_path, twins)
+
+
+def test_a_shape_that_differs_is_refused_before_anything_is_read(tmp_path):
+    _saved(tmp_path, _source())
+    target = transformers.LlamaForCausalLM(_config(vocab_size=40))
+    before = {k: v.clone() for k, v in target.state_dict().items()}
+    with pytest.raises(ValueError, match=r"2 tensor\(s\) differ in shape: model.embed_tokens.weight: \(40, 16\) in"):
+        plan(tmp_path, target)
+    assert all(torch.equal(v, target.state_dict()[k]) for k, v in before.items())
+
+
+@pytest.mark.parametrize(
+    ("make", "match"),
+    [
+        (lambda d: d / "missing", r"it does not exist here \(every rank reads it"),
+        (lambda d: d, r"it holds no \*.safetensors file and no .metadata"),
+        (lambda d: _touch(d / "model.safetensors"), r"pass the directory that holds it, pretrained='.*'"),
+        (lambda d: _touch(d / "pytorch_model.bin"), r"save it as safetensors \(model.save_pretrained\(dir\)"),
+    ],
+)
+def test_a_path_that_cannot_be_read_is_refused_when_the_strategy_is_made(tmp_path, make, match):
+    with pytest.raises(ValueError, match=match):
+        TwoBPStrategy(pretrained=make(tmp_path))
+    with pytest.raises(ValueError, match=r"give the weights too, pretrained='<directory>'"):
+        TwoBPStrategy(pretrained_prefix="model")
+
+
+def _touch(path: Path) -> Path:
+    path.write_bytes(b"")
+    return path
