@@ -65,6 +65,7 @@ from lightning_twobp.bench.peer import Contender, build_runner, grad_error, torc
 from lightning_twobp.bench.peer_ac import counted_forwards, first_error
 from lightning_twobp.bench.workload import WORLD, Workload, keep_freed_memory, reference_grads
 from lightning_twobp.engine.memory import return_freed_memory
+from lightning_twobp.monitor import peak_rss_mb, reset_peak_rss, rss_mb
 from lightning_twobp.processes import run_distributed
 from lightning_twobp.schedules import Schedule, build_schedule, simulate
 from lightning_twobp.schedules.auto import Candidate, NoScheduleFits, Profile, choose, search
@@ -123,20 +124,6 @@ def budget_contenders(with_torch: bool, counts: tuple[int, ...] = (8, 16)) -> li
     return [(c, m) for m in counts for c in ours + (theirs if with_torch else [])]
 
 
-def _status(field: str) -> int:
-    """A ``/proc/self/status`` field in bytes (``VmRSS``, ``VmHWM``)."""
-    with open("/proc/self/status") as fh:
-        for line in fh:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"/proc/self/status has no {field}")
-
-
-def _reset_peak() -> None:
-    with open("/proc/self/clear_refs", "w") as fh:
-        fh.write("5")  # resets VmHWM to the current resident set (Linux >= 4.0)
-
-
 BASELINE = Contender("ours", "1f1b", False)
 
 
@@ -167,12 +154,12 @@ def _one(
     ids, tgt = wl.data()
     runner = build_runner(c, model, wl, m, rank, ids, tgt, schedule=schedule)
     dist.barrier()
-    before = _status("VmRSS")
-    _reset_peak()
+    before = rss_mb() * 1e6
+    reset_peak_rss()
     _timed(runner, [])  # a warm-up (AdamW's state is created there; torch's stages infer their shapes)
     with counted_forwards(runner) as calls:  # and one steady step, its block forwards counted
         _timed(runner, [])
-    peak = _status("VmHWM") - before
+    peak = round(peak_rss_mb() * 1e6 - before)
     keep_freed_memory()  # the timing, as every benchmark and the strategy on CPU run
     # time: alternated with fused 1F1B built in the same processes, so the machine's load cancels in the ratio
     base = build_runner(BASELINE, model, wl, base_m, rank, ids, tgt)

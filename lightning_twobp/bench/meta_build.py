@@ -3,7 +3,7 @@
 ``world`` gloo processes (one thread each) build a Sequential of ``layers`` ``Linear(width, width)``
 (8 x 2048: 128 MiB in fp32) either on the CPU or under ``torch.device("meta")``, and train it for two
 steps of 1F1B + 2BP with ``Trainer(strategy="twobp")``. Each rank reports its resident memory
-(``/proc/self/statm``, and the kernel's peak, ``ru_maxrss``) above what it held before building: after
+(``/proc/self/statm``, and its high-water mark, ``VmHWM``, reset before building) above what it held then: after
 building, at ``on_fit_start`` (setup done: the stages cut, and on meta made), and its peak, with the
 ``fit`` call's seconds (setup included: the meta build's replay of every module's initialization).
 Each variant runs in a fresh set of processes, alternated, ``rounds`` times.
@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-import resource
 import shutil
 import statistics
 import tempfile
@@ -31,7 +30,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_twobp.monitor import rss_mb
+from lightning_twobp.monitor import peak_rss_mb, reset_peak_rss, rss_mb
 from lightning_twobp.processes import free_port, rank_env, run_distributed
 
 __all__ = ["markdown", "run_meta_build"]
@@ -61,17 +60,14 @@ class _FitStart(pl.Callback):
         self.rss = rss_mb()
 
 
-def _peak_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e6  # KiB on Linux
-
-
 def _worker(rank: int, world: int, port: int, variant: str, width: int, layers: int, weights: str) -> dict[str, float]:
     from lightning_twobp import TwoBPStrategy
     from lightning_twobp.bench.trainer import quiet_trainer
 
     rank_env(rank, world, port)
     torch.set_num_threads(1)
-    before, peak_before = rss_mb(), _peak_mb()
+    before = rss_mb()
+    reset_peak_rss()
     start = time.perf_counter()
     torch.manual_seed(0)
     with torch.device("meta") if variant.startswith("meta") else contextlib.nullcontext():
@@ -91,7 +87,7 @@ def _worker(rank: int, world: int, port: int, variant: str, width: int, layers: 
     return dict(
         built=built - before,
         setup=fit_start.rss - before,
-        peak=_peak_mb() - max(before, peak_before),
+        peak=peak_rss_mb() - before,
         fit_s=time.perf_counter() - t0,
         total_s=time.perf_counter() - start,
     )

@@ -542,8 +542,8 @@ def _read_pretrained(strategy: TwoBPStrategy, found: Plan | None) -> None:
         return
     count = pretrained.load(found, strategy.lightning_module)
     strategy._pretrained_read = True  # the model keeps these weights in later calls once this setup ends
-    under = found.prefix.rstrip(".") or "the model"
-    log.info("pretrained: %d of %d tensors read from %s into %s", count, len(found.keys), found.path, under)
+    under, total = found.prefix.rstrip(".") or "the model", len(set(found.keys.values()))
+    log.info("pretrained: %d of %d tensors read from %s into %s", count, total, found.path, under)
 
 
 def _cpu_heap(strategy: TwoBPStrategy) -> None:

@@ -48,8 +48,8 @@ _READ: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
 @dataclass(frozen=True)
 class Plan:
-    """What :func:`load` reads: ``keys`` maps a model's state-dict name to the file's key, one name per
-    tensor (an alias, a tied weight, is written through its tensor)."""
+    """What :func:`load` reads: ``keys`` maps each of the model's state-dict names to the file's key (the
+    names of one tensor, a tied weight, to the same key)."""
 
     path: Path
     ours: bool  # this strategy's checkpoint (else Hugging Face safetensors)
@@ -134,14 +134,14 @@ def plan(path: str | Path, module: nn.Module, prefix: str | None = None) -> Plan
     for name, tensor in model.items():
         by_tensor.setdefault(id(tensor), []).append(name)
     missing = []
-    for names in by_tensor.values():  # a tensor is read once, through the first of its names the file has
+    for names in by_tensor.values():  # a tensor is read through the first of its names the file has
         found = [n for n in names if n.startswith(prefix) and n[len(prefix) :] in shapes]
-        if found:
-            keys[found[0]] = (_OURS if ours else "") + found[0][len(prefix) :]
+        if found:  # every name: a rank may hold the tensor under another (a tied weight's stage)
+            keys.update(dict.fromkeys(names, (_OURS if ours else "") + found[0][len(prefix) :]))
         else:
             missing.extend(names)
     _check_shapes(path, keys, model, shapes, prefix, ours)
-    used = {k[len(_OURS) :] if ours else k for k in keys.values()}
+    used = {k[len(_OURS) :] if ours else k for k in keys.values()}  # the file's names read
     aliases = {n[len(prefix) :] for n in model if n.startswith(prefix)}
     unused = tuple(sorted(k for k in shapes if k not in used and k not in aliases))
     return Plan(path, ours, prefix, keys, tuple(sorted(missing)), unused)
@@ -188,12 +188,22 @@ def mark_read(module: nn.Module) -> None:
 def load(p: Plan, module: nn.Module) -> int:
     """Read into ``module`` the planned tensors it holds now (this rank's stages and what lies outside
     them; other ranks' layers are set aside or on meta), in place; the number read."""
-    own = {n: t for n, t in _tensors(module).items() if n in p.keys and not t.is_meta}
-    state = {p.keys[n]: t.detach() for n, t in own.items()}
+    state: dict[str, torch.Tensor] = {}
+    copies: list[tuple[torch.Tensor, str]] = []  # a second tensor of one key here (a tied weight's copy)
+    for name, tensor in _tensors(module).items():
+        if name not in p.keys or tensor.is_meta:
+            continue
+        key = p.keys[name]
+        if key not in state:
+            state[key] = tensor.detach()
+        elif state[key] is not tensor and state[key].data_ptr() != tensor.data_ptr():
+            copies.append((tensor, key))
     if state:
         reader = dcp.FileSystemReader(p.path) if p.ours else dcp.HuggingFaceStorageReader(str(p.path))
         with torch.no_grad(), warnings.catch_warnings():
             # each rank reads on its own (no_dist), and torch says it assumes one process: that is the intent
             warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
             dcp.load(state, storage_reader=reader, planner=DefaultLoadPlanner(allow_partial_load=True), no_dist=True)
+            for tensor, key in copies:
+                tensor.copy_(state[key])
     return len(state)
