@@ -75,6 +75,8 @@ def _check_balance(balance: Any) -> None:
 
 def check_pretrained(path: Any) -> None:
     """``TwoBPStrategy(pretrained=path)`` names a directory lightning.pretrained reads; ValueError naming the fix."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise ValueError(f"TwoBPStrategy(pretrained={path!r}): a directory's path, e.g. pretrained='/models/llama'")
     where = Path(path)
     if where.is_dir() and ((where / ".metadata").is_file() or any(where.glob("*.safetensors"))):
         return
@@ -290,7 +292,9 @@ class PipelineOptions:
             With a model built on the meta device no rank holds more than its stages at any time.
             Names and shapes are checked on every rank before any compute; tensors the file lacks keep
             their built values and tensors it holds beyond the model are not read (each named in a
-            warning). A call that resumes from ``ckpt_path`` reads nothing.
+            warning). Read once per model object: later Trainer calls keep its weights, and so do
+            calls after one that loaded a checkpoint (a ``ckpt_path`` is loaded after setup, over the
+            weights read there).
         pretrained_prefix: the dotted name of the module the weights are for (``"model"`` where the
             LightningModule holds ``self.model = AutoModelForCausalLM...``; ``""`` for the
             LightningModule itself). Default: the module under which the most of the file's names are

@@ -11,10 +11,15 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from lightning_twobp import TwoBPStrategy
+from lightning_twobp.lightning import checkpoint as ckpt
+from lightning_twobp.lightning.checkpoint import CheckpointError
 from lightning_twobp.lightning.pretrained import load, plan
+
+from conftest import Regressor, quiet_trainer, regression_data
 
 transformers = pytest.importorskip("transformers", reason="Hugging Face models are what users load")
 safetensors = pytest.importorskip("safetensors.torch", reason="the Hugging Face weights format")
@@ -90,6 +95,18 @@ def test_a_base_model_goes_into_its_causal_lm_and_what_it_lacks_is_named(tmp_pat
     assert found.missing == ("model.lm_head.weight", "value.bias", "value.weight")
 
 
+def test_a_causal_lm_file_goes_into_its_base_model(tmp_path):
+    """As from_pretrained drops the base-model prefix: a LightningModule holding a LlamaModel backbone."""
+    source = _source()
+    target = nn.Module()
+    target.backbone = transformers.LlamaModel(_config())
+    found = plan(_saved(tmp_path, source), target)
+    assert (found.prefix, found.missing, found.unused) == ("backbone.", (), ("lm_head.weight",))
+    load(found, target)
+    for name, value in source.model.state_dict().items():
+        assert torch.equal(target.backbone.state_dict()[name], value), name
+
+
 def test_a_tied_weight_saved_once_is_read_through_its_other_name(tmp_path):
     source = _source(tie_word_embeddings=True)
     assert "lm_head.weight" not in safetensors.load_file(_saved(tmp_path, source) / "model.safetensors")
@@ -99,6 +116,58 @@ def test_a_tied_weight_saved_once_is_read_through_its_other_name(tmp_path):
     assert found.missing == () and found.unused == ()
     load(found, target)
     assert torch.equal(target.lm_head.weight, source.model.embed_tokens.weight)
+
+
+def test_a_file_holding_both_names_of_a_tied_weight_says_which_is_not_read(tmp_path):
+    _saved(tmp_path, _source())  # untied: lm_head and embed_tokens differ
+    torch.manual_seed(0)
+    found = plan(tmp_path, transformers.LlamaForCausalLM(_config(tie_word_embeddings=True)))
+    assert found.unused == ("lm_head.weight",)
+
+
+def test_another_torch_distributed_checkpoint_is_read_by_its_own_names(tmp_path):
+    """A dcp.save of a model's state dict (torchtitan's, say), not this strategy's checkpoint: no name
+    is taken for this strategy's "model." part."""
+    source = _source()
+    dcp.save(source.state_dict(), checkpoint_id=tmp_path)
+    target = Wrapper(_config())
+    found = plan(tmp_path, target)
+    assert (found.kind, found.prefix, found.unused) == ("dcp", "model.", ())
+    load(found, target)
+    assert torch.equal(target.model.lm_head.weight, source.lm_head.weight)
+
+
+def test_two_saves_in_one_folder_and_an_unreadable_header_are_refused(tmp_path):
+    _saved(tmp_path, _source())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _source(seed=8).save_pretrained(tmp_path, max_shard_size="20KB")  # leaves model.safetensors beside
+    assert len(list(tmp_path.glob("*.safetensors"))) > 2
+    with pytest.raises(ValueError, match=r"21 tensor\(s\) are in more than one file .* the folder holds two saves"):
+        plan(tmp_path, Wrapper(_config(), meta=True))
+    pointer = tmp_path / "lfs"
+    pointer.mkdir()
+    (pointer / "model.safetensors").write_text("version https://git-lfs.github.com/spec/v1\noid sha256:0\nsize 9\n")
+    with pytest.raises(ValueError, match=r"the header of .*model.safetensors cannot be read .* Git LFS pointer"):
+        plan(pointer, Wrapper(_config(), meta=True))
+
+
+def test_weights_transformers_converts_when_loading_are_refused_where_they_would_stay_unset(tmp_path):
+    """Mixtral's checkpoint holds one tensor per expert, which transformers fuses when it loads them."""
+    config = transformers.MixtralConfig(
+        vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=2, num_local_experts=2,
+    )  # fmt: skip
+    _saved(tmp_path, transformers.MixtralForCausalLM(config))
+    with torch.device("meta"):
+        target = transformers.MixtralForCausalLM(config)
+    converts = r"transformers converts the checkpoint names of MixtralForCausalLM .* initial"
+    with pytest.raises(ValueError, match=converts):
+        plan(tmp_path, target)
+    own = tmp_path / "own"
+    own.mkdir()
+    safetensors.save_file(transformers.MixtralForCausalLM(config).state_dict(), own / "model.safetensors")
+    assert plan(own, target).missing == ()  # saved under the model's own names: read as they are
 
 
 def test_a_bf16_file_is_cast_to_the_models_dtype(tmp_path):
@@ -112,13 +181,15 @@ def test_a_bf16_file_is_cast_to_the_models_dtype(tmp_path):
 def test_the_module_path_can_be_named_and_a_wrong_one_is_refused(tmp_path):
     _saved(tmp_path, _source())
     assert plan(tmp_path, Wrapper(_config(), meta=True), prefix="model").prefix == "model."
-    with pytest.raises(ValueError, match=r"pretrained_prefix='encoder'\): the model has no tensor under that module"):
+    nowhere = r"none of the pretrained file's 21 tensor names .* under the module 'encoder'"
+    with pytest.raises(ValueError, match=nowhere):
         plan(tmp_path, Wrapper(_config(), meta=True), prefix="encoder")
 
 
 def test_weights_that_fit_nothing_or_two_modules_alike_are_refused_with_the_fix(tmp_path):
     _saved(tmp_path, _source())
-    nothing = r"none of the pretrained file's 21 tensor names .*TwoBPStrategy\(pretrained_prefix="
+    # a bare "weight" left after dropping "lm_head." fits any Linear: at least half the file must fit
+    nothing = r"only 1 of the pretrained file's 21 tensor names .*TwoBPStrategy\(pretrained_prefix="
     with pytest.raises(ValueError, match=nothing):
         plan(tmp_path, nn.Linear(3, 3))
     twins = nn.Module()
@@ -156,3 +227,37 @@ def test_a_path_that_cannot_be_read_is_refused_when_the_strategy_is_made(tmp_pat
 def _touch(path: Path) -> Path:
     path.write_bytes(b"")
     return path
+
+
+def _regressor_weights(folder: Path) -> Path:
+    """Weights for the Regressor that no build of it makes (its own plus one)."""
+    safetensors.save_file({k: v + 1.0 for k, v in Regressor().state_dict().items()}, folder / "model.safetensors")
+    return folder
+
+
+def test_a_resumed_fit_keeps_the_checkpoint_and_later_calls_read_nothing(tmp_path):
+    """One process under the strategy: the weights are read at the first setup; a checkpoint resumed
+    after it wins, and a validate after that keeps the model's weights."""
+    weights = _regressor_weights(tmp_path)
+    first = Regressor()
+    trainer = quiet_trainer(TwoBPStrategy(pretrained=weights), max_steps=2)
+    trainer.fit(first, regression_data(32))
+    saved = {k: v.clone() for k, v in first.state_dict().items()}
+    assert not torch.equal(saved["layers.0.weight"], Regressor().state_dict()["layers.0.weight"] + 1.0)
+    trainer.save_checkpoint(tmp_path / "two.ckpt")
+    second = Regressor()
+    again = quiet_trainer(TwoBPStrategy(pretrained=weights), max_steps=2)
+    again.fit(second, regression_data(32), ckpt_path=tmp_path / "two.ckpt")  # at step 2 already: no step
+    again.validate(second, regression_data(32), verbose=False)
+    for k, v in saved.items():
+        assert torch.equal(second.state_dict()[k], v), k
+
+
+def test_a_weight_no_rank_holds_is_not_saved(tmp_path):
+    model = Regressor()
+    with torch.device("meta"):
+        model.extra = nn.Linear(2, 2)
+    nobody = r"not saved: .* 2 weight\(s\) are on the meta device on every rank, .* \(extra.bias, extra.weight\)"
+    with pytest.raises(CheckpointError, match=nobody):
+        ckpt.save({}, tmp_path / "c.ckpt", model, [], {})
+    assert list(tmp_path.iterdir()) == []

@@ -318,6 +318,22 @@ def _is_meta(value: Any) -> bool:
     return isinstance(value, torch.Tensor) and value.is_meta
 
 
+def _check_held(on_meta: set[str], group: dist.ProcessGroup | None) -> None:
+    """Every weight some rank left on meta is held by another rank, else no rank can write it: refused on
+    every rank alike, before anything is written (a checkpoint without it would read back as built)."""
+    _, world = _world()
+    if world > 1:
+        every: list[Any] = [None] * world
+        dist.all_gather_object(every, on_meta, group=group)
+        on_meta = set.intersection(*every)
+    if on_meta:
+        raise CheckpointError(
+            f"{len(on_meta)} weight(s) are on the meta device on every rank, so no rank "
+            f"holds their values ({', '.join(sorted(on_meta)[:5])}): save during or after a Trainer call that "
+            f"made them (a model built on meta is made at setup)"
+        )
+
+
 def _save(
     checkpoint: dict[str, Any],
     path: Path,
@@ -337,7 +353,9 @@ def _save(
     checkpoint.pop("optimizer_states", None)
     # after a Trainer call (trainer.save_checkpoint once fit returned) the model is whole again, with the
     # other ranks' layers on the meta device: each rank writes the weights it holds, as during the call
-    model = {name: value for name, value in get_model_state_dict(module).items() if not _is_meta(value)}
+    whole = get_model_state_dict(module)
+    model = {name: value for name, value in whole.items() if not _is_meta(value)}
+    _check_held(set(whole) - set(model), group)
     state: dict[str, Any] = {"model": model}
     for i, opt in enumerate(optimizers):
         state[f"optimizer_{i}"] = get_optimizer_state_dict(module, opt, options=_OPTIM)

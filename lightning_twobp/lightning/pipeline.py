@@ -523,14 +523,15 @@ def _checked_contract(strategy: TwoBPStrategy, trainer: Any) -> SequentialContra
     return contract
 
 
-def _pretrained_plan(strategy: TwoBPStrategy, trainer: Any) -> Plan | None:
+def _pretrained_plan(strategy: TwoBPStrategy) -> Plan | None:
     """What ``pretrained=`` reads into this model (:mod:`.pretrained`): nothing where an earlier call read
-    it, or a checkpoint this call resumes from writes every weight."""
+    it or loaded a checkpoint into it. (A ``ckpt_path`` of this call is loaded after setup, over what is
+    read here: Lightning names it to the strategy only then.)"""
     path, lm = strategy.options.pretrained, strategy.lightning_module
-    if path is None or pretrained.read_before(lm):
+    if path is None:
         return None
-    if trainer.ckpt_path is not None:
-        log.info("pretrained weights %s not read: the checkpoint %s holds every weight", path, trainer.ckpt_path)
+    if pretrained.read_before(lm):
+        log.info("pretrained weights %s not read: this model was read or loaded in an earlier Trainer call", path)
         return None
     found = pretrained.plan(path, lm, strategy.options.pretrained_prefix)
     pretrained.warn_unmatched(found)
@@ -565,7 +566,7 @@ def build_pipeline(strategy: TwoBPStrategy, trainer: Any) -> Pipeline:
     if device.type == "cpu":
         _cpu_heap(strategy)
     contract = _checked_contract(strategy, trainer)
-    pretrained = _pretrained_plan(strategy, trainer)  # before any compute: names and shapes, alike on every rank
+    weights = _pretrained_plan(strategy)  # before any compute: names and shapes, alike on every rank
     metrics = StepMetrics(lm)
     runner = StepRunner(lm, contract, metrics)
     if strategy.requested.schedule == "auto":
@@ -581,7 +582,7 @@ def build_pipeline(strategy: TwoBPStrategy, trainer: Any) -> Pipeline:
     streams = StageStreams(schedule.stages_of(layout.pp_rank), layout.dp_rank, device, _shared_seed(strategy))
     runner.streams = streams
     local = _split(strategy, contract, sizes, schedule, trainer)
-    _read_pretrained(strategy, pretrained)  # this rank's tensors only, before FSDP2 shards them
+    _read_pretrained(strategy, weights)  # this rank's tensors only, before FSDP2 shards them
     runner.holders = placeholder_holders(lm)
     _announce(strategy, local, schedule, list(sizes))
     sharding, grad_reduce = _data_parallel(strategy, local, shard)
