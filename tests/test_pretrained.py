@@ -235,7 +235,7 @@ def _regressor_weights(folder: Path) -> Path:
     return folder
 
 
-def test_a_resumed_fit_keeps_the_checkpoint_and_later_calls_read_nothing(tmp_path):
+def test_a_resumed_fit_keeps_the_checkpoint_and_later_calls_read_nothing(tmp_path, no_leftover_process_group):
     """One process under the strategy: the weights are read at the first setup; a checkpoint resumed
     after it wins, and a validate after that keeps the model's weights."""
     weights = _regressor_weights(tmp_path)
