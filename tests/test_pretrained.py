@@ -261,3 +261,35 @@ def test_a_weight_no_rank_holds_is_not_saved(tmp_path):
     with pytest.raises(CheckpointError, match=nobody):
         ckpt.save({}, tmp_path / "c.ckpt", model, [], {})
     assert list(tmp_path.iterdir()) == []
+
+
+class FineTuned(Regressor):
+    """A Hugging Face LLaMa fine-tuned under the strategy (the Regressor's data: x as token ids)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        del self.layers
+        self.model = transformers.LlamaForCausalLM(_config())
+
+    def training_step(self, batch, batch_idx):
+        ids = (batch[0].abs() * 10).long() % 32
+        return self.model(input_ids=ids, labels=ids).loss
+
+
+def test_a_fine_tuned_model_goes_back_to_hugging_face(tmp_path, no_leftover_process_group):
+    """pretrained= in, twobp-consolidate --safetensors out: from_pretrained reads the trained weights."""
+    _saved(tmp_path / "hf", _source())
+    model = FineTuned()
+    trainer = quiet_trainer(TwoBPStrategy(pretrained=tmp_path / "hf"), max_steps=2)
+    trainer.fit(model, regression_data(32))
+    trainer.save_checkpoint(tmp_path / "tuned.ckpt")
+    out = tmp_path / "out"
+    assert ckpt.main([str(tmp_path / "tuned.ckpt"), str(out), "--safetensors", "--prefix", "model"]) == 0
+    _config().save_pretrained(out)
+    back = transformers.LlamaForCausalLM.from_pretrained(out)
+    trained = model.model.state_dict()
+    assert not torch.equal(trained["lm_head.weight"], _source().lm_head.weight)  # it trained
+    for name, value in back.state_dict().items():
+        assert torch.equal(value, trained[name]), name
+    with pytest.raises(ValueError, match=r"--prefix 'encoder': no weight of .* its modules: model \(e.g. --prefix"):
+        ckpt.to_safetensors(tmp_path / "tuned.ckpt", out, "encoder")

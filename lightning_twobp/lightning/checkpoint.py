@@ -26,6 +26,13 @@ each rank reads the entries of the parameters it holds now.
 merges the stages into an ordinary Lightning checkpoint (``state_dict`` under the model's names,
 plus the hyper-parameters, epoch and global step, without optimizer state), which the unpipelined
 LightningModule loads with ``Model.load_from_checkpoint(OUT.ckpt)``.
+
+    twobp-consolidate CHECKPOINT_DIR OUT_DIR --safetensors --prefix model
+
+writes the weights under the module ``model`` (the LightningModule's ``self.model``), that prefix
+dropped, as Hugging Face safetensors (``OUT_DIR/model.safetensors``): with the model's
+``config.json`` beside it, ``from_pretrained(OUT_DIR)`` loads the fine-tuned model, and
+``TwoBPStrategy(pretrained=OUT_DIR)`` starts from it.
 """
 
 from __future__ import annotations
@@ -591,18 +598,48 @@ def _drop_unsaved(module: nn.Module, opt: Any, unsaved: dict[str, Any]) -> None:
 
 def consolidate(checkpoint_dir: str | os.PathLike, out_path: str | os.PathLike) -> dict:
     """Merge the stages of ``checkpoint_dir`` into one Lightning checkpoint at ``out_path``; return it."""
+    src, weights = _merged_model(checkpoint_dir)
+    checkpoint = torch.load(src / META, map_location="cpu", weights_only=True)
+    for key in ("optimizer_states", "lr_schedulers", "loops", "twobp"):
+        checkpoint.pop(key, None)
+    checkpoint["state_dict"] = weights
+    torch.save(checkpoint, out_path)
+    return checkpoint
+
+
+def _merged_model(checkpoint_dir: str | os.PathLike) -> tuple[Path, dict[str, torch.Tensor]]:
+    """The verified checkpoint directory, and every weight of its model, merged in this process."""
     src = resolve(checkpoint_dir)
     verify(src, shared=False)
     with tempfile.TemporaryDirectory() as tmp:
         merged = Path(tmp) / "merged.pt"
         dcp_to_torch_save(src, merged)  # no process group needed: reads every shard
-        tensors = torch.load(merged, map_location="cpu", weights_only=True)
-    checkpoint = torch.load(src / META, map_location="cpu", weights_only=True)
-    for key in ("optimizer_states", "lr_schedulers", "loops", "twobp"):
-        checkpoint.pop(key, None)
-    checkpoint["state_dict"] = tensors["model"]
-    torch.save(checkpoint, out_path)
-    return checkpoint
+        return src, torch.load(merged, map_location="cpu", weights_only=True)["model"]
+
+
+def to_safetensors(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathLike, prefix: str = "") -> int:
+    """The model's weights under the module ``prefix`` (``""``: all), that prefix dropped from their names,
+    as ``out_dir/model.safetensors``, what Hugging Face's ``from_pretrained`` reads; the number of tensors."""
+    from safetensors.torch import save_file
+
+    _, weights = _merged_model(checkpoint_dir)
+    head = prefix.strip(".") + "." if prefix.strip(".") else ""
+    chosen = {k[len(head) :]: v for k, v in weights.items() if k.startswith(head) and isinstance(v, torch.Tensor)}
+    if not chosen:
+        tops = sorted({k.split(".", 1)[0] for k in weights})
+        raise ValueError(
+            f"twobp-consolidate --prefix {prefix!r}: no weight of {checkpoint_dir} is under it; its modules: "
+            f"{', '.join(tops)} (e.g. --prefix {tops[0]})"
+        )
+    seen: set[int] = set()
+    for name, value in chosen.items():  # safetensors refuses tensors that share memory (a tied weight)
+        value = value.contiguous()
+        chosen[name] = value.clone() if value.data_ptr() in seen else value
+        seen.add(value.data_ptr())
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(chosen, out / "model.safetensors", metadata={"format": "pt"})
+    return len(chosen)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -610,8 +647,16 @@ def main(argv: list[str] | None = None) -> int:
         prog="twobp-consolidate", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument("checkpoint_dir", help="a checkpoint directory written under strategy='twobp'")
-    ap.add_argument("out", help="where to write the consolidated .ckpt file")
+    ap.add_argument("out", help="where to write the consolidated .ckpt file (with --safetensors: a directory)")
+    ap.add_argument("--safetensors", action="store_true", help="write the weights as Hugging Face safetensors into OUT")
+    ap.add_argument(
+        "--prefix", default="", help="--safetensors: the module whose weights to write, its name dropped (e.g. model)"
+    )
     args = ap.parse_args(argv)
+    if args.safetensors:
+        count = to_safetensors(args.checkpoint_dir, args.out, args.prefix)
+        print(f"wrote {Path(args.out) / 'model.safetensors'}: {count} tensors")
+        return 0
     ckpt = consolidate(args.checkpoint_dir, args.out)
     n = sum(t.numel() for t in ckpt["state_dict"].values() if isinstance(t, torch.Tensor))
     print(f"wrote {args.out}: {len(ckpt['state_dict'])} tensors, {n} elements")
