@@ -132,24 +132,76 @@ def test_another_torch_distributed_checkpoint_is_read_by_its_own_names(tmp_path)
     dcp.save(source.state_dict(), checkpoint_id=tmp_path)
     target = Wrapper(_config())
     found = plan(tmp_path, target)
-    assert (found.kind, found.prefix, found.unused) == ("dcp", "model.", ())
+    assert (found.source.kind, found.prefix, found.unused) == ("dcp", "model.", ())
     load(found, target)
     assert torch.equal(target.model.lm_head.weight, source.lm_head.weight)
 
 
-def test_two_saves_in_one_folder_and_an_unreadable_header_are_refused(tmp_path):
+def test_the_index_says_which_files_to_read_and_without_one_two_saves_are_refused(tmp_path):
+    """save_pretrained leaves an earlier model.safetensors beside new shards: the index names the shards,
+    as from_pretrained reads them; without the index the folder is refused."""
     _saved(tmp_path, _source())
+    newer = _source(seed=8)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        _source(seed=8).save_pretrained(tmp_path, max_shard_size="20KB")  # leaves model.safetensors beside
+        newer.save_pretrained(tmp_path, max_shard_size="20KB")
     assert len(list(tmp_path.glob("*.safetensors"))) > 2
-    with pytest.raises(ValueError, match=r"21 tensor\(s\) are in more than one file .* the folder holds two saves"):
-        plan(tmp_path, Wrapper(_config(), meta=True))
-    pointer = tmp_path / "lfs"
-    pointer.mkdir()
-    (pointer / "model.safetensors").write_text("version https://git-lfs.github.com/spec/v1\noid sha256:0\nsize 9\n")
+    target = transformers.LlamaForCausalLM(_config())
+    load(plan(tmp_path, target), target)
+    assert all(torch.equal(v, newer.state_dict()[k]) for k, v in target.state_dict().items())
+    (tmp_path / "model.safetensors.index.json").unlink()
+    with pytest.raises(ValueError, match=r"21 tensor\(s\) are in more than one file .* no model.safetensors.index"):
+        plan(tmp_path, target)
+
+
+def test_an_unreadable_header_is_refused_naming_the_file(tmp_path):
+    (tmp_path / "model.safetensors").write_text("version https://git-lfs.github.com/spec/v1\noid sha256:0\nsize 9\n")
     with pytest.raises(ValueError, match=r"the header of .*model.safetensors cannot be read .* Git LFS pointer"):
-        plan(pointer, Wrapper(_config(), meta=True))
+        plan(tmp_path, Wrapper(_config(), meta=True))
+
+
+def test_a_classifier_over_a_causal_lms_file_reads_the_body(tmp_path):
+    """The head is the model's own (warned as missing), the file's lm_head not read (warned as unused)."""
+    _saved(tmp_path, _source())
+    with torch.device("meta"):
+        target = transformers.LlamaForSequenceClassification(_config(num_labels=3))
+    found = plan(tmp_path, target)
+    assert (found.prefix, found.missing, found.unused) == ("", ("score.weight",), ("lm_head.weight",))
+
+
+def test_a_model_and_optimizer_checkpoint_of_dcp_reads_the_model(tmp_path):
+    source = _source()
+    optimizer = torch.optim.Adam(source.parameters())
+    source(torch.zeros(1, 4, dtype=torch.long)).logits.sum().backward()
+    optimizer.step()
+    dcp.save({"model": source.state_dict(), "optim": optimizer.state_dict()}, checkpoint_id=tmp_path)
+    target = transformers.LlamaForCausalLM(_config())
+    found = plan(tmp_path, target)
+    assert (found.prefix, found.missing, len(found.unused)) == ("", (), 63)  # Adam's step and two moments
+    load(found, target)
+    assert torch.equal(target.lm_head.weight, source.lm_head.weight)
+
+
+def test_a_quantized_checkpoint_is_refused(tmp_path):
+    state = _source().state_dict()
+    state["model.layers.0.mlp.down_proj.weight"] = state["model.layers.0.mlp.down_proj.weight"].to(torch.float8_e4m3fn)
+    safetensors.save_file(state, tmp_path / "model.safetensors")
+    with pytest.raises(ValueError, match=r"are quantized: 1 tensor\(s\) .*down_proj.weight \(F8_E4M3\)"):
+        plan(tmp_path, transformers.LlamaForCausalLM(_config()))
+
+
+def test_old_names_transformers_renames_are_refused_where_they_would_stay_unset(tmp_path):
+    """BERT checkpoints of 2018 name LayerNorm's weight gamma, which from_pretrained renames."""
+    config = transformers.BertConfig(
+        vocab_size=32, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32
+    )
+    state = {
+        k.replace("LayerNorm.weight", "LayerNorm.gamma").replace("LayerNorm.bias", "LayerNorm.beta"): v
+        for k, v in transformers.BertModel(config).state_dict().items()
+    }
+    safetensors.save_file(state, tmp_path / "model.safetensors")
+    with pytest.raises(ValueError, match=r"converts checkpoint names of BertModel .*LayerNorm.gamma.* 6 of the model"):
+        plan(tmp_path, transformers.BertModel(config))
 
 
 def test_weights_transformers_converts_when_loading_are_refused_where_they_would_stay_unset(tmp_path):
@@ -161,13 +213,16 @@ def test_weights_transformers_converts_when_loading_are_refused_where_they_would
     _saved(tmp_path, transformers.MixtralForCausalLM(config))
     with torch.device("meta"):
         target = transformers.MixtralForCausalLM(config)
-    converts = r"transformers converts the checkpoint names of MixtralForCausalLM .* initial"
+    converts = r"transformers converts checkpoint names of MixtralForCausalLM when it loads them .* 3 of the model"
     with pytest.raises(ValueError, match=converts):
         plan(tmp_path, target)
     own = tmp_path / "own"
     own.mkdir()
     safetensors.save_file(transformers.MixtralForCausalLM(config).state_dict(), own / "model.safetensors")
     assert plan(own, target).missing == ()  # saved under the model's own names: read as they are
+    with torch.device("meta"):  # and into a model with a head of its own: only the head is missing
+        classifier = transformers.MixtralForSequenceClassification(config)
+    assert plan(own, classifier).missing == ("score.weight",)
 
 
 def test_a_bf16_file_is_cast_to_the_models_dtype(tmp_path):
@@ -188,8 +243,8 @@ def test_the_module_path_can_be_named_and_a_wrong_one_is_refused(tmp_path):
 
 def test_weights_that_fit_nothing_or_two_modules_alike_are_refused_with_the_fix(tmp_path):
     _saved(tmp_path, _source())
-    # a bare "weight" left after dropping "lm_head." fits any Linear: at least half the file must fit
-    nothing = r"only 1 of the pretrained file's 21 tensor names .*TwoBPStrategy\(pretrained_prefix="
+    # a bare "weight" left after dropping "lm_head." would fit any Linear: not a pairing
+    nothing = r"none of the pretrained file's 21 tensor names .*TwoBPStrategy\(pretrained_prefix="
     with pytest.raises(ValueError, match=nothing):
         plan(tmp_path, nn.Linear(3, 3))
     twins = nn.Module()

@@ -530,8 +530,10 @@ def _pretrained_plan(strategy: TwoBPStrategy) -> Plan | None:
     path, lm = strategy.options.pretrained, strategy.lightning_module
     if path is None:
         return None
-    if pretrained.read_before(lm):
-        log.info("pretrained weights %s not read: this model was read or loaded in an earlier Trainer call", path)
+    before = pretrained.read_before(lm)
+    if before is not None:
+        say = log.info if before == path else rank_zero_warn  # another directory named: the user expects it read
+        say(f"twobp: pretrained weights {path} not read: this model holds {before}'s, read in an earlier Trainer call")
         return None
     found = pretrained.plan(path, lm, strategy.options.pretrained_prefix)
     pretrained.warn_unmatched(found)

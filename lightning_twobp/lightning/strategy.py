@@ -255,7 +255,7 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
         self.setup_precision_plugin()
         self._made = None  # made for good: only a refusal during setup puts a meta build back
         if self._pretrained_read:  # read for good: later calls keep the model's weights
-            pretrained.mark_read(self.lightning_module)
+            pretrained.mark_read(self.lightning_module, str(self.options.pretrained))
             self._pretrained_read = False
 
     @override
@@ -653,7 +653,8 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
         pipeline degree or partition the checkpoint was saved with."""
         streams = self._built("load_checkpoint").streams
         checkpoint, self._resume_rng = checkpoint_hooks.load(self, checkpoint_path, weights_only, streams)
-        pretrained.mark_read(self.lightning_module)  # its weights are the checkpoint's: pretrained= is not read later
+        # its weights are the checkpoint's: pretrained= is not read in later calls
+        pretrained.mark_read(self.lightning_module, f"the checkpoint {checkpoint_path}")
         self._outside = None  # the load writes every parameter (a LearningRateFinder callback's restore, mid-fit)
         return checkpoint
 
