@@ -650,7 +650,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("out", help="where to write the consolidated .ckpt file (with --safetensors: a directory)")
     ap.add_argument("--safetensors", action="store_true", help="write the weights as Hugging Face safetensors into OUT")
     ap.add_argument(
-        "--prefix", default="", help="--safetensors: the module whose weights to write, its name dropped (e.g. model)"
+        "--prefix",
+        default="",
+        help="--safetensors: the module whose weights to write, its name dropped: for self.model = AutoModel..., "
+        "--prefix model (the default, none, keeps the LightningModule's names, which from_pretrained does not read)",
     )
     args = ap.parse_args(argv)
     if args.safetensors:

@@ -3,18 +3,17 @@
 A model too large for one device is built on the meta device (:mod:`.materialize`) and fine-tuned from a
 checkpoint no rank could hold whole. Each rank reads only the tensors it holds (its stages' layers and
 what lies outside the pipelined layers), through ``torch.distributed.checkpoint``: Hugging Face
-safetensors (``save_pretrained``'s directory, a Hub snapshot, sharded or not) with its
-``HuggingFaceStorageReader``, or a checkpoint directory of this strategy's own (its weights only).
+safetensors, a checkpoint directory of this strategy's own (its weights only) or another DCP directory
+(:mod:`.pretrained_files` reads what a directory holds from its headers).
 
-* :func:`plan`, at setup before any compute and alike on every rank (from the files' headers and the
-  model's structure, which every rank has whole, on meta or not): which module the file's names are
-  under (``pretrained_prefix``, else found: the module path under which the most of the file's names
-  are the model's, a leading part of the file's names dropped where that fits more, as a causal LM's
-  ``model.`` for its base model), every shape checked, what the file lacks and what it holds beyond
-  the model. Refused: a key in two files of the directory (two saves in one folder), a file whose
-  header cannot be read, names that fit nowhere or two places alike, and a Hugging Face model whose
-  weights transformers renames or fuses when loading (its MoE experts) where the file would leave
-  tensors unset.
+* :func:`plan`, at setup before any compute and alike on every rank (from the headers and the model's
+  structure, which every rank has whole, on meta or not): which module the file's names are under
+  (``pretrained_prefix``, else found: the module path under which the most of the file's names are the
+  model's, a leading part of the file's names dropped where that fits more, as a causal LM's ``model.``
+  for its base model), every shape and dtype checked, what the file lacks and what it holds beyond the
+  model. Refused: names that fit nowhere or two places alike, shapes that differ, quantized tensors,
+  and a file holding names transformers converts when it loads them (MoE experts, old LayerNorm names)
+  where they would leave the model's tensors unset.
 * :func:`load`, after this rank's stages are known and before any data-parallel sharding: this rank's
   tensors read in place, cast to the model's dtypes (as ``load_state_dict`` copies).
 
@@ -25,7 +24,6 @@ Read once per model object, at the first Trainer call that sets it up (:func:`ma
 
 from __future__ import annotations
 
-import logging
 import sys
 import warnings
 import weakref
@@ -44,8 +42,6 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from lightning_twobp.lightning.pretrained_files import FLOATS, Source, read_headers
 
 __all__ = ["Plan", "load", "mark_read", "plan", "read_before", "warn_unmatched"]
-
-log = logging.getLogger(__name__)
 
 _SHOWN = 5  # names shown in a message before "and N more"
 

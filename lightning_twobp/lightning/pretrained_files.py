@@ -17,7 +17,9 @@ Three kinds, each read through ``torch.distributed.checkpoint``:
 from __future__ import annotations
 
 import json
+import shutil
 import tempfile
+import weakref
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,8 +38,8 @@ _INDEX = "model.safetensors.index.json"
 
 # the stored dtypes a float tensor of the model is read from by a cast (safetensors' names and torch's):
 # a float8 or integer tensor in their place is a quantized checkpoint, whose values need its scales
-FLOATS = frozenset({"F64", "F32", "F16", "BF16"} | {str(t) for t in (torch.float64, torch.float32, torch.float16)})
-FLOATS = FLOATS | {str(torch.bfloat16)}
+_TORCH_FLOATS = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
+FLOATS = frozenset({"F64", "F32", "F16", "BF16"} | {str(t) for t in _TORCH_FLOATS})
 
 
 @dataclass(frozen=True)
@@ -74,7 +76,10 @@ def read_headers(path: Path) -> Source:
         raise ImportError(f"pretrained={str(path)!r}: reading safetensors needs pip install safetensors") from err
     files = _indexed(path)
     folder = _linked(files) if (path / _INDEX).is_file() else path
-    return Source(path, "safetensors", folder, _safetensors_entries(path, files))
+    source = Source(path, "safetensors", folder, _safetensors_entries(path, files))
+    if folder != path:  # the links go with the plan that reads through them
+        weakref.finalize(source, shutil.rmtree, folder, ignore_errors=True)
+    return source
 
 
 def _dcp(path: Path) -> Source:
@@ -101,7 +106,7 @@ def _indexed(path: Path) -> list[Path]:
 
 
 def _linked(files: list[Path]) -> Path:
-    """A folder of links to ``files`` (tiny; left in the temporary directory, one per plan)."""
+    """A folder of links to ``files``, in the temporary directory (removed with its :class:`Source`)."""
     folder = Path(tempfile.mkdtemp(prefix="twobp-pretrained-"))
     for file in files:
         (folder / file.name).symlink_to(file.resolve())
