@@ -94,6 +94,22 @@ def checkpointing_trainer(world: int, max_steps: int, callbacks: list, **kw: Any
     )
 
 
+def tiny_llama_config(**kw: Any) -> Any:
+    """A Hugging Face LLaMa of 16 wide, untied (``kw`` overrides: vocab_size, num_hidden_layers, ...)."""
+    transformers = pytest.importorskip("transformers", reason="the Hugging Face model needs transformers")
+    sizes: dict[str, Any] = dict(
+        vocab_size=32,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=16,
+        tie_word_embeddings=False,
+    )
+    return transformers.LlamaConfig(**(sizes | kw))
+
+
 def regression_data(
     n: int = 64, d_in: int = 6, d_out: int = 2, batch_size: int = 8, seed: int = 1, scale: float = 1.0, **kw: Any
 ) -> DataLoader:

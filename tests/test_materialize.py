@@ -482,17 +482,7 @@ def _saved_llama() -> str:
 
 
 def _llama_config() -> Any:
-    transformers = pytest.importorskip("transformers", reason="the Hugging Face model needs transformers")
-    return transformers.LlamaConfig(
-        vocab_size=13,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=4,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        max_position_embeddings=8,
-        tie_word_embeddings=False,
-    )
+    return conftest.tiny_llama_config(vocab_size=13, num_hidden_layers=4, max_position_embeddings=8)
 
 
 class PretrainedLlama(conftest.pl.LightningModule):

@@ -19,28 +19,14 @@ from lightning_twobp.lightning import checkpoint as ckpt
 from lightning_twobp.lightning.checkpoint import CheckpointError
 from lightning_twobp.lightning.pretrained import load, plan
 
-from conftest import Regressor, quiet_trainer, regression_data
+from conftest import Regressor, quiet_trainer, regression_data, tiny_llama_config
 
 transformers = pytest.importorskip("transformers", reason="Hugging Face models are what users load")
 safetensors = pytest.importorskip("safetensors.torch", reason="the Hugging Face weights format")
 
 
 def _config(**kw) -> transformers.LlamaConfig:
-    return transformers.LlamaConfig(
-        **(
-            dict(
-                vocab_size=32,
-                hidden_size=16,
-                intermediate_size=32,
-                num_hidden_layers=2,
-                num_attention_heads=2,
-                num_key_value_heads=2,
-                max_position_embeddings=16,
-                tie_word_embeddings=False,
-            )
-            | kw
-        )
-    )
+    return tiny_llama_config(**kw)
 
 
 def _saved(folder: Path, model: nn.Module) -> Path:
