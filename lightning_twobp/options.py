@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import operator
 import os
+import zipfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
@@ -60,6 +61,10 @@ def _check_count(name: str, value: Any) -> None:
         raise ValueError(f"TwoBPStrategy({name}={value!r}): it must be a positive integer, or None for the default")
 
 
+# what marks a directory pretrained= reads beside *.safetensors: DCP's metadata, a torch save of Hugging Face's
+_PRETRAINED_MARKS = (".metadata", "pytorch_model.bin", "pytorch_model.bin.index.json")
+
+
 def _check_balance(balance: Any) -> None:
     if isinstance(balance, str):
         if balance not in ("params", "time"):
@@ -74,32 +79,38 @@ def _check_balance(balance: Any) -> None:
 
 
 def check_pretrained(path: Any) -> None:
-    """``TwoBPStrategy(pretrained=path)`` names a directory lightning.pretrained reads; ValueError naming the fix."""
+    """``TwoBPStrategy(pretrained=path)`` names weights lightning.pretrained reads; ValueError naming the fix."""
     if not isinstance(path, (str, os.PathLike)):
         raise ValueError(f"TwoBPStrategy(pretrained={path!r}): a directory's path, e.g. pretrained='/models/llama'")
     where = Path(path)
-    if where.is_dir() and ((where / ".metadata").is_file() or any(where.glob("*.safetensors"))):
+    if where.is_dir() and any((where / name).is_file() for name in _PRETRAINED_MARKS):
         return
-    if where.is_file() and where.suffix == ".safetensors":
-        hint = f"pass the directory that holds it, pretrained={str(where.parent)!r}"
-    elif where.is_file():
+    if where.is_dir() and any(where.glob("*.safetensors")):
+        return
+    if where.is_file() and (where.suffix == ".safetensors" or zipfile.is_zipfile(where)):
+        return
+    if where.is_file():
         hint = (
-            "a single torch file (pytorch_model.bin, a consolidated .ckpt) is read whole by torch.load on every "
-            "rank: save it as safetensors (model.save_pretrained(dir) writes them), or pass the strategy's "
-            "sharded checkpoint directory"
+            "this file is neither safetensors nor a torch.save file of torch >= 1.6 (a zip archive, which each "
+            "rank memory-maps to read only its own tensors): load it once and torch.save it again, or save it as "
+            "safetensors"
         )
     elif where.is_dir():
-        hint = "it holds no *.safetensors file and no .metadata (a torch.distributed.checkpoint directory)"
+        hint = (
+            "it holds no *.safetensors file, no pytorch_model.bin and no .metadata (a torch.distributed.checkpoint "
+            "directory)"
+        )
     else:
         hint = "it does not exist here (every rank reads it: a path on a file system all nodes share)"
     raise ValueError(
-        f"TwoBPStrategy(pretrained={str(path)!r}): a directory of Hugging Face safetensors (what "
-        f"save_pretrained writes, or a Hub snapshot) or of this strategy's checkpoint is read; {hint}"
+        f"TwoBPStrategy(pretrained={str(path)!r}): a directory of Hugging Face weights (what save_pretrained "
+        f"writes, or a Hub snapshot), a checkpoint directory of this strategy, or a torch.save or safetensors "
+        f"file is read; {hint}"
     )
 
 
 def _check_pretrained(opts: PipelineOptions) -> None:
-    """``pretrained`` names a directory that can be read (checked here, before any process starts);
+    """``pretrained`` names weights that can be read (checked here, before any process starts);
     ``pretrained_prefix`` goes with it. A path object is kept as a string (the options are plain data)."""
     if opts.pretrained is None:
         if opts.pretrained_prefix is not None:
@@ -285,10 +296,12 @@ class PipelineOptions:
             W at the end of the step; the ZB and V schedules run each W alone and are refused. Not
             bit-equal to the per-micro-batch accumulation (one sum over all rows rounds differently:
             fp32, about 1e-7 of a gradient's largest value). Costs one weight's joined copy at a time.
-        pretrained: a directory of weights each rank reads its own tensors from, at the first Trainer
-            call that sets the model up (:mod:`lightning_twobp.lightning.pretrained`): Hugging Face
-            safetensors (``save_pretrained``'s directory or a Hub snapshot, sharded or not) or a
-            checkpoint directory of this strategy's (its weights only; ``ckpt_path`` resumes it whole).
+        pretrained: weights each rank reads its own tensors from, at the first Trainer call that sets
+            the model up (:mod:`lightning_twobp.lightning.pretrained`): Hugging Face's directory
+            (``save_pretrained``'s or a Hub snapshot; safetensors or ``pytorch_model.bin``, sharded or
+            not), a checkpoint directory of this strategy's (its weights only; ``ckpt_path`` resumes it
+            whole), or one file: safetensors, or a ``torch.save`` file (a Lightning ``.ckpt``, a state
+            dict), memory-mapped so that a rank reads its own tensors' bytes only.
             With a model built on the meta device no rank holds more than its stages at any time.
             Names and shapes are checked on every rank before any compute; tensors the file lacks keep
             their built values and tensors it holds beyond the model are not read (each named in a

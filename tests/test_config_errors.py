@@ -663,12 +663,11 @@ CASES: dict[str, Case] = {
         ValueError,
         r"TwoBPStrategy\(batch_w='yes'\): use False \(off, the default\), True",
     ),
-    "strategy-pretrained-torch-file": (
+    "strategy-pretrained-legacy-file": (
         lambda t: TwoBPStrategy(pretrained=_file(t / "pytorch_model.bin")),
         ValueError,
-        r"TwoBPStrategy\(pretrained='.*pytorch_model.bin'\): a directory of Hugging Face safetensors .* a single "
-        r"torch file \(pytorch_model.bin, a consolidated .ckpt\) is read whole by torch.load on every rank: save it as "
-        r"safetensors",
+        r"TwoBPStrategy\(pretrained='.*pytorch_model.bin'\): .* this file is neither safetensors nor a torch.save file "
+        r"of torch >= 1.6 \(a zip archive, which each rank memory-maps .*\): load it once and torch.save it again",
     ),
     "strategy-batch-w-fused": (
         lambda t: TwoBPStrategy(batch_w=True, split_backward=False),

@@ -539,6 +539,32 @@ def _fit_from_our_checkpoint(strategy, world: int) -> dict:
     return _fit_regressor(from_first, world, second)
 
 
+def _lightning_file() -> str:
+    """A Lightning checkpoint file of a one-process run (the Regressor's weights plus one, an optimizer's
+    state beside them), written on global rank 0 and named to the others."""
+    ranks = dist.is_initialized()
+    folder = [tempfile.mkdtemp(prefix="twobp-ckpt-") if not ranks or dist.get_rank() == 0 else None]
+    if folder[0] is not None:
+        with torch.random.fork_rng():
+            trained = MetaRegressor(cpu=True)
+        weights = {k: v + 1.0 for k, v in trained.state_dict().items()}
+        adam = torch.optim.AdamW(trained.parameters()).state_dict()
+        saved = {"state_dict": weights, "optimizer_states": [adam], "epoch": 3, "pytorch-lightning_version": "2.6.0"}
+        torch.save(saved, os.path.join(folder[0], "last.ckpt"))
+    if ranks:
+        dist.broadcast_object_list(folder)
+    return os.path.join(str(folder[0]), "last.ckpt")
+
+
+def _fit_from_a_lightning_file(strategy, world: int) -> dict:
+    """Fine-tuned from a one-process run's ``.ckpt`` (pretrained= naming the file; in one process:
+    load_state_dict of its state dict)."""
+    model = MetaRegressor(cpu=world == 1)
+    if world == 1:
+        model.load_state_dict(torch.load(_lightning_file(), weights_only=True)["state_dict"])
+    return _fit_regressor(strategy, world, model)
+
+
 FITS = {
     "regressor-1f1b": (_fit_regressor, {}),
     "regressor-zb-v": (_fit_regressor, {"schedule": "zb-v"}),
@@ -546,6 +572,7 @@ FITS = {
     "refused-then-fitted": (_fit_after_a_refused_setup, {}),
     "pretrained-hf-llama": (_fit_pretrained_llama, {"pretrained": _saved_llama}),
     "pretrained-our-checkpoint": (_fit_from_our_checkpoint, {}),
+    "pretrained-lightning-file": (_fit_from_a_lightning_file, {"pretrained": _lightning_file, "schedule": "zb-v"}),
 }
 
 

@@ -6,6 +6,7 @@ holds. The read on 2 ranks through Trainer, against one process loading the file
 
 from __future__ import annotations
 
+import json
 import warnings
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from lightning_twobp import TwoBPStrategy
 from lightning_twobp.lightning import checkpoint as ckpt
 from lightning_twobp.lightning.checkpoint import CheckpointError
 from lightning_twobp.lightning.pretrained import load, plan
+from lightning_twobp.monitor import peak_rss_mb, reset_peak_rss
 
 from conftest import Regressor, quiet_trainer, regression_data, tiny_llama_config
 
@@ -249,13 +251,120 @@ def test_a_shape_that_differs_is_refused_before_anything_is_read(tmp_path):
     assert all(torch.equal(v, target.state_dict()[k]) for k, v in before.items())
 
 
+def _bin_saved(folder: Path, model: nn.Module, shards: int = 1) -> Path:
+    """``model``'s weights as transformers 4.x saved them without safetensors: ``pytorch_model.bin``, or
+    ``shards`` files and their index."""
+    folder.mkdir(exist_ok=True)
+    state = model.state_dict()
+    if shards == 1:
+        torch.save(state, folder / "pytorch_model.bin")
+        return folder
+    names = [f"pytorch_model-{i + 1:05d}-of-{shards:05d}.bin" for i in range(shards)]
+    where = {key: names[i % shards] for i, key in enumerate(state)}
+    for name in names:
+        torch.save({k: v for k, v in state.items() if where[k] == name}, folder / name)
+    (folder / "pytorch_model.bin.index.json").write_text(json.dumps({"metadata": {}, "weight_map": where}))
+    return folder
+
+
+@pytest.mark.parametrize("shards", [1, 3])
+def test_pytorch_model_bin_is_read_mapped_like_safetensors(tmp_path, shards):
+    source = _source()
+    folder = _bin_saved(tmp_path, source, shards)
+    torch.save({"stale": torch.zeros(2)}, tmp_path / "other.bin")  # beside the index: not read
+    found = plan(folder, Wrapper(_config(), meta=True))
+    assert found.source.kind == "torch" and found.prefix == "model." and found.unused == ()
+    target = Wrapper(_config())
+    assert load(found, target) == len(source.state_dict())
+    for name, value in source.state_dict().items():
+        assert torch.equal(target.model.state_dict()[name], value), name
+
+
+def test_safetensors_beside_pytorch_model_bin_are_preferred_as_from_pretrained_does(tmp_path):
+    _bin_saved(tmp_path, _source(seed=1))
+    _saved(tmp_path, _source(seed=2))
+    target = Wrapper(_config())
+    load(plan(tmp_path, target), target)
+    assert torch.equal(target.model.lm_head.weight, _source(seed=2).lm_head.weight)
+
+
+def test_a_lightning_checkpoint_file_is_read_by_its_state_dict(tmp_path, no_leftover_process_group):
+    """A model trained by one process without the strategy goes on under it from its ``.ckpt``: the
+    state dict read, the optimizer's state beside it not."""
+    trained = Regressor()
+    one = quiet_trainer("auto", max_steps=2, devices=1)
+    one.fit(trained, regression_data(32))
+    one.save_checkpoint(tmp_path / "one.ckpt")
+    found = plan(tmp_path / "one.ckpt", Regressor())
+    assert found.source.kind == "torch" and found.prefix == "" and found.missing == found.unused == ()
+    model = Regressor()
+    quiet_trainer(TwoBPStrategy(pretrained=tmp_path / "one.ckpt")).validate(model, regression_data(32), verbose=False)
+    for name, value in trained.state_dict().items():
+        assert torch.equal(model.state_dict()[name], value), name
+
+
+def test_a_saved_state_dict_is_read_and_one_among_several_is_asked_for(tmp_path):
+    weights = {k: v + 1.0 for k, v in Regressor().state_dict().items()}
+    optimizer = torch.optim.AdamW(Regressor().parameters()).state_dict()
+    torch.save({"model": weights, "optimizer": optimizer, "step": 3}, tmp_path / "train.pt")
+    model = Regressor()
+    load(plan(tmp_path / "train.pt", model), model)
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in weights.items())
+    torch.save({"model": weights, "ema": weights}, tmp_path / "two.pt")
+    with pytest.raises(ValueError, match=r"no one mapping of names to tensors \(its entries: \['model', 'ema'\]\)"):
+        plan(tmp_path / "two.pt", model)
+
+
+class NotATensor:
+    """An object a pickle may hold: torch.load(weights_only=True) does not make it."""
+
+
+def test_a_torch_file_holding_objects_is_refused_not_unpickled(tmp_path):
+    torch.save({"state_dict": Regressor().state_dict(), "extra": NotATensor()}, tmp_path / "objects.ckpt")
+    with pytest.raises(ValueError, match=r"holds Python objects beyond tensors, .* save its state dict alone"):
+        plan(tmp_path / "objects.ckpt", Regressor())
+
+
+class BigAndSmall(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        with torch.device("meta"):  # another rank's: never read here
+            self.big = nn.Linear(4096, 4096, bias=False)
+        self.small = nn.Linear(64, 64)
+
+
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").is_file(), reason="reads the resident peak from /proc")
+def test_a_torch_file_is_mapped_so_a_rank_touches_only_its_own_tensors(tmp_path):
+    """A 64 MiB weight of another rank's in the file costs this rank's read nothing."""
+    torch.save(
+        {"big.weight": torch.randn(4096, 4096), **nn.Linear(64, 64).state_dict(prefix="small.")}, tmp_path / "w.pt"
+    )
+    model = BigAndSmall()
+    reset_peak_rss()
+    before = peak_rss_mb()
+    assert load(plan(tmp_path / "w.pt", model), model) == 2
+    assert peak_rss_mb() - before < 24, "the other rank's 64 MiB tensor was read"
+
+
+def test_one_safetensors_file_is_read_alone(tmp_path):
+    """Named alone, one file is read even where its folder holds another save."""
+    _saved(tmp_path, _source(seed=1))
+    safetensors.save_file(
+        {k: v.contiguous() for k, v in _source(seed=2).state_dict().items() if "lm_head" not in k},
+        tmp_path / "other.safetensors",
+    )
+    target = Wrapper(_config())
+    load(plan(tmp_path / "model.safetensors", target), target)
+    assert torch.equal(target.model.lm_head.weight, _source(seed=1).lm_head.weight)
+
+
 @pytest.mark.parametrize(
     ("make", "match"),
     [
         (lambda d: d / "missing", r"it does not exist here \(every rank reads it"),
-        (lambda d: d, r"it holds no \*.safetensors file and no .metadata"),
-        (lambda d: _touch(d / "model.safetensors"), r"pass the directory that holds it, pretrained='.*'"),
-        (lambda d: _touch(d / "pytorch_model.bin"), r"save it as safetensors \(model.save_pretrained\(dir\)"),
+        (lambda d: d, r"it holds no \*.safetensors file, no pytorch_model.bin and no .metadata"),
+        (lambda d: _touch(d / "pytorch_model.bin"), r"neither safetensors nor a torch.save file of torch >= 1.6"),
+        (lambda d: _legacy(d / "old.pt"), r"load it once and torch.save it again, or save it as safetensors"),
     ],
 )
 def test_a_path_that_cannot_be_read_is_refused_when_the_strategy_is_made(tmp_path, make, match):
@@ -267,6 +376,11 @@ def test_a_path_that_cannot_be_read_is_refused_when_the_strategy_is_made(tmp_pat
 
 def _touch(path: Path) -> Path:
     path.write_bytes(b"")
+    return path
+
+
+def _legacy(path: Path) -> Path:
+    torch.save(Regressor().state_dict(), path, _use_new_zipfile_serialization=False)
     return path
 
 

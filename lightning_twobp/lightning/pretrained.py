@@ -34,10 +34,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 from lightning_twobp.lightning.pretrained_files import FLOATS, Source, read_headers
 
@@ -253,11 +251,10 @@ def load(p: Plan, module: nn.Module) -> int:
         elif state[key] is not tensor and state[key].data_ptr() != tensor.data_ptr():
             copies.append((tensor, key))
     if state:
-        reader = p.source.reader()
         with torch.no_grad(), warnings.catch_warnings():
             # each rank reads on its own (no_dist), and torch says it assumes one process: that is the intent
             warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
-            dcp.load(state, storage_reader=reader, planner=DefaultLoadPlanner(allow_partial_load=True), no_dist=True)
+            p.source.read(state)
             for tensor, key in copies:
                 tensor.copy_(state[key])
     return len(state)

@@ -1,17 +1,22 @@
-"""What a directory of pretrained weights holds, from its headers only: for ``pretrained=``
-(:mod:`.pretrained`).
+"""What pretrained weights hold, from their headers only: for ``pretrained=`` (:mod:`.pretrained`).
 
-Three kinds, each read through ``torch.distributed.checkpoint``:
+Four kinds:
 
-* ``"safetensors"``: Hugging Face's (``save_pretrained``, a Hub snapshot), with ``HuggingFaceStorageReader``.
-  Where ``model.safetensors.index.json`` is present only the files it lists are read, as
-  ``from_pretrained`` reads them (a Hub snapshot may hold another copy of the weights beside them, Mistral's
-  ``consolidated.safetensors``, and ``save_pretrained`` leaves an earlier ``model.safetensors`` beside new
-  shards); the reader, which takes every ``*.safetensors`` of its folder, is given a folder of links to
-  those. Without an index, a key in two files is refused (the reader would take either, tensor by tensor).
+* ``"safetensors"``: Hugging Face's (``save_pretrained``, a Hub snapshot), read with
+  ``torch.distributed.checkpoint``'s ``HuggingFaceStorageReader``. Where ``model.safetensors.index.json``
+  is present only the files it lists are read, as ``from_pretrained`` reads them (a Hub snapshot may hold
+  another copy of the weights beside them, Mistral's ``consolidated.safetensors``, and ``save_pretrained``
+  leaves an earlier ``model.safetensors`` beside new shards); the reader, which takes every
+  ``*.safetensors`` of its folder, is given a folder of links to those (one file named alone, likewise).
+  Without an index, a key in two files is refused (the reader would take either, tensor by tensor).
 * ``"ours"``: a checkpoint directory of this strategy (``meta.pt`` beside DCP's ``.metadata``), its model's
   weights under ``model.``, seen without it.
 * ``"dcp"``: another ``torch.distributed.checkpoint`` directory, by its own names.
+* ``"torch"``: ``torch.save`` files (``pytorch_model.bin``, sharded with its index, a Lightning ``.ckpt``,
+  a saved state dict), memory-mapped (``torch.load(mmap=True, weights_only=True)``): unpickling makes
+  no tensor's bytes, so a rank touches the pages of its own tensors only, as with safetensors. The state
+  dict is the file's mapping of tensors, a Lightning checkpoint's ``state_dict``, or the one mapping of
+  tensors among the file's entries (``{"model": ..., "optimizer": ...}``).
 """
 
 from __future__ import annotations
@@ -21,12 +26,14 @@ import shutil
 import tempfile
 import weakref
 from collections import defaultdict
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 __all__ = ["FLOATS", "Entry", "Source", "read_headers"]
@@ -34,6 +41,7 @@ __all__ = ["FLOATS", "Entry", "Source", "read_headers"]
 _OURS = "model."  # this strategy's checkpoints hold the model's weights under it, beside the optimizers' state
 _META = "meta.pt"  # lightning.checkpoint.META: what tells this strategy's checkpoint from another DCP one
 _INDEX = "model.safetensors.index.json"
+_BIN, _BIN_INDEX = "pytorch_model.bin", "pytorch_model.bin.index.json"  # what save_pretrained wrote before safetensors
 
 
 # the stored dtypes a float tensor of the model is read from by a cast (safetensors' names and torch's):
@@ -44,38 +52,57 @@ FLOATS = frozenset({"F64", "F32", "F16", "BF16"} | {str(t) for t in _TORCH_FLOAT
 
 @dataclass(frozen=True)
 class Entry:
-    """One stored tensor: the key it is stored under, its shape and its dtype's name."""
+    """One stored tensor: the key it is stored under, its shape, its dtype's name and, for a torch file, the
+    file."""
 
     key: str
     shape: tuple[int, ...]
     dtype: str
+    file: Path | None = None
 
 
 @dataclass(frozen=True)
 class Source:
     """A directory's tensors by the name the model sees each under, and how to read them."""
 
-    path: Path  # the directory the user named
-    kind: str  # "safetensors", "ours" or "dcp"
+    path: Path  # the directory or file the user named
+    kind: str  # "safetensors", "ours", "dcp" or "torch"
     folder: Path  # the folder the reader reads (for an index, its links to the indexed files)
     entries: dict[str, Entry]
 
-    def reader(self) -> Any:
-        if self.kind == "safetensors":
-            return dcp.HuggingFaceStorageReader(str(self.folder))
-        return dcp.FileSystemReader(self.folder)
+    def read(self, state: dict[str, torch.Tensor]) -> None:
+        """Fill ``state``'s tensors (by stored key) in place, each cast to its tensor's dtype."""
+        if self.kind == "torch":
+            _read_torch(self, state)
+            return
+        reader = dcp.HuggingFaceStorageReader(str(self.folder)) if self.kind == "safetensors" else None
+        dcp.load(
+            state,
+            storage_reader=reader or dcp.FileSystemReader(self.folder),
+            planner=DefaultLoadPlanner(allow_partial_load=True),
+            no_dist=True,  # each rank reads on its own
+        )
 
 
 def read_headers(path: Path) -> Source:
-    """The directory's tensors, from its headers; ValueError naming the file where one cannot be read."""
+    """The tensors of the directory or file, from its headers; ValueError naming the file where one cannot
+    be read."""
+    if path.is_file() and path.suffix != ".safetensors":
+        return _torch_files(path, [path])
     if (path / ".metadata").is_file():
         return _dcp(path)
+    if (
+        path.is_dir()
+        and not any(path.glob("*.safetensors"))
+        and ((path / _BIN_INDEX).is_file() or (path / _BIN).is_file())
+    ):
+        return _torch_files(path, _bin_files(path))
     try:
         import safetensors  # noqa: F401 - the reader imports it inside; named here, before any read
     except ImportError as err:
         raise ImportError(f"pretrained={str(path)!r}: reading safetensors needs pip install safetensors") from err
-    files = _indexed(path)
-    folder = _linked(files) if (path / _INDEX).is_file() else path
+    files = [path] if path.is_file() else _indexed(path)
+    folder = _linked(files) if path.is_file() or (path / _INDEX).is_file() else path
     source = Source(path, "safetensors", folder, _safetensors_entries(path, files))
     if folder != path:  # the links go with the plan that reads through them
         weakref.finalize(source, shutil.rmtree, folder, ignore_errors=True)
@@ -139,3 +166,99 @@ def _safetensors_entries(path: Path, files: list[Path]) -> dict[str, Entry]:
             f"folder of their own"
         )
     return entries
+
+
+def _holds_bin(path: Path) -> bool:
+    """A directory of ``pytorch_model.bin`` files and no safetensors (from_pretrained prefers those)."""
+    has_bin = (path / _BIN_INDEX).is_file() or (path / _BIN).is_file()
+    return path.is_dir() and has_bin and not any(path.glob("*.safetensors"))
+
+
+def _bin_files(path: Path) -> list[Path]:
+    """The torch files of a directory without safetensors: those ``pytorch_model.bin.index.json`` lists, else
+    ``pytorch_model.bin``."""
+    if not (path / _BIN_INDEX).is_file():
+        return [path / _BIN]
+    names = sorted(set(json.loads((path / _BIN_INDEX).read_text())["weight_map"].values()))
+    lost = [n for n in names if not (path / n).is_file()]
+    if lost:
+        raise ValueError(f"pretrained: {path / _BIN_INDEX} lists {', '.join(lost)}, which {path} does not hold")
+    return [path / n for n in names]
+
+
+def _torch_files(path: Path, files: list[Path]) -> Source:
+    entries: dict[str, Entry] = {}
+    for file in files:
+        for key, value in _state_dict(file).items():
+            if key in entries:
+                raise ValueError(
+                    f"pretrained: {key} is in both {entries[key].file} and {file}: the folder holds two saves. "
+                    f"Keep the files of one save in a folder of their own"
+                )
+            entries[key] = Entry(key, tuple(value.shape), str(value.dtype), file)
+    return Source(path, "torch", path.parent if path.is_file() else path, entries)
+
+
+def _state_dict(file: Path) -> Mapping[str, torch.Tensor]:
+    """The tensors a torch file holds, memory-mapped (no tensor's bytes read): ValueError naming the fix
+    where it cannot be mapped, holds objects beyond tensors, or no one mapping of them."""
+    try:
+        saved = torch.load(file, map_location="cpu", mmap=True, weights_only=True)
+    except RuntimeError as err:
+        if "mmap" not in str(err):
+            raise ValueError(f"pretrained: {file} cannot be read by torch.load ({err})") from err
+        raise ValueError(
+            f"pretrained: {file} is in torch's legacy format (torch.save before torch 1.6, or "
+            f"_use_new_zipfile_serialization=False), which cannot be memory-mapped, so every rank would read it "
+            f"whole: load it once and torch.save it again, or save it as safetensors"
+        ) from err
+    except Exception as err:  # noqa: BLE001 - an unpickling error: named with the safe way out
+        raise ValueError(
+            f"pretrained: {file} holds Python objects beyond tensors, which torch.load(weights_only=True) does not "
+            f"make ({type(err).__name__}: {str(err).splitlines()[0]}); save its state dict alone "
+            f"(torch.save(model.state_dict(), path)) or as safetensors"
+        ) from err
+    found = _tensors_of(saved)
+    if found is None:
+        keys = list(saved) if isinstance(saved, Mapping) else type(saved).__name__
+        raise ValueError(
+            f"pretrained: {file} holds no one mapping of names to tensors (its entries: {keys}): save the state "
+            f"dict you want alone, torch.save(checkpoint['<entry>'], path)"
+        )
+    return found
+
+
+def _tensors_of(saved: Any) -> Mapping[str, torch.Tensor] | None:
+    """A state dict, a Lightning checkpoint's ``state_dict``, or the one state dict among ``saved``'s
+    entries; None where there is none or several."""
+    if _is_state_dict(saved):
+        return {k: v for k, v in saved.items() if isinstance(v, torch.Tensor)}
+    if not isinstance(saved, Mapping):
+        return None
+    if _is_state_dict(saved.get("state_dict")):  # Lightning's checkpoint, its optimizers' state beside it
+        return _tensors_of(saved["state_dict"])
+    inner = [v for v in saved.values() if _is_state_dict(v)]
+    return _tensors_of(inner[0]) if len(inner) == 1 else None
+
+
+def _is_state_dict(value: Any) -> bool:
+    """Names to tensors (a module's ``_extra_state`` may be anything)."""
+    return (
+        isinstance(value, Mapping)
+        and any(isinstance(v, torch.Tensor) for v in value.values())
+        and all(
+            isinstance(k, str) and (isinstance(v, torch.Tensor) or k.endswith("_extra_state")) for k, v in value.items()
+        )
+    )
+
+
+def _read_torch(source: Source, state: dict[str, torch.Tensor]) -> None:
+    """Each file's mapped tensors copied into ``state``'s: the pages of the tensors read, no others."""
+    by_file: dict[Path, list[str]] = defaultdict(list)
+    for entry in source.entries.values():
+        if entry.key in state and entry.file is not None:
+            by_file[entry.file].append(entry.key)
+    for file, keys in by_file.items():
+        saved = _state_dict(file)
+        for key in keys:
+            state[key].copy_(saved[key])
