@@ -389,6 +389,11 @@ def four_ranks(request) -> conftest.Launch:
         _fit,
         ({"schedule": "zb-h1"}, ("shard",), False, "bf16-mixed"),
     )
+    for precision in HALF_TRUE:
+        cases[f"test_half_precision_weights_sharded_match_replicated[{precision}]"] = (
+            _fit,
+            ({"schedule": "zb-h1"}, ("shard", "replicate"), False, precision),
+        )
     cases["test_gradient_accumulation_sharded_matches_replicated"] = (
         _fit,
         ({"schedule": "zb-h1"}, ("shard", "replicate"), False, "32-true", 2),
@@ -446,6 +451,30 @@ def test_bf16_mixed_sharded_trains_close_to_fp32(four_ranks, request, reference)
         assert got == pytest.approx(want, rel=BF16_RTOL), f"step {step}"
         print(f"step {step}: bf16-mixed loss {got:.6f}, fp32 {want:.6f}")  # shown with pytest -s
     print(f"largest weight difference from fp32: {worst:.2e}")
+
+
+HALF_TRUE = {"bf16-true": torch.bfloat16, "16-true": torch.float16}
+
+
+@pytest.mark.parametrize("precision", list(HALF_TRUE))
+def test_half_precision_weights_sharded_match_replicated(four_ranks, request, precision):
+    """precision="bf16-true" / "16-true": Lightning converts the model before the cut, so FSDP2 shards
+    half-precision weights, and their gradients and momentum are half precision, each rank's a half
+    (1/dp) of the replicated layout's bytes. Sharded equals the replicated pipeline's losses and weights
+    up to the half-precision rounding of the clipping norm (a norm summed over shards, not whole
+    tensors; bitwise equal without clipping, checked by hand), and the model comes back half precision."""
+    dtype = HALF_TRUE[precision]
+    for rank, res in enumerate(four_ranks[request.node.name]):
+        sharded, replicated = res["shard"], res["replicate"]
+        assert sharded["dtypes"] == {dtype} and sharded["kinds"] == {"Parameter"}, f"rank {rank}"
+        assert sharded["losses"] == pytest.approx(replicated["losses"], rel=BF16_RTOL), f"rank {rank}"
+        for name, value in sharded["params"].items():
+            assert value.dtype == dtype, f"rank {rank}: {name} came back {value.dtype}"
+            want = replicated["params"][name].float()
+            torch.testing.assert_close(value.float(), want, rtol=0, atol=BF16_ATOL, msg=f"rank {rank} {name}")
+        for kind in ("params", "grads", "optimizer"):
+            ratio = sharded["bytes"][kind] / replicated["bytes"][kind]
+            assert 0.4 < ratio < 0.6, f"rank {rank} {kind}: {sharded['bytes']} vs {replicated['bytes']}"
 
 
 def test_gradient_accumulation_sharded_matches_replicated(four_ranks, request):
@@ -523,9 +552,10 @@ def test_a_rank_lost_in_the_global_norm_is_named():
 def test_refusals_say_what_is_not_supported():
     with pytest.raises(ValueError, match="nothing to shard the stages over"):
         check_replicas(1, "32-true")
-    with pytest.raises(ValueError, match=r"precision='16-mixed': only fp32 \('32-true'\) and 'bf16-mixed'"):
+    with pytest.raises(ValueError, match=r"precision='16-mixed': fp32 .* are supported \(fp16's GradScaler is not"):
         check_replicas(2, "16-mixed")
     check_replicas(2, "bf16-mixed")  # FSDP2's MixedPrecisionPolicy: bf16 gathered parameters
+    check_replicas(2, "bf16-true")  # a bf16 model sharded as it is
     scalar = nn.Module()
     scalar.scale = nn.Parameter(torch.tensor(1.0))
     with pytest.raises(ValueError, match="parameter scale is a scalar"):

@@ -44,7 +44,10 @@ Under ``precision="bf16-mixed"`` the shards (and the optimizer) stay fp32 and FS
 bf16 (``MixedPrecisionPolicy(param_dtype=bfloat16)``: half the all-gather's bytes and half the
 gathered parameters' memory); the stage's gradients accumulate in bf16 over the micro-batches and
 are cast to fp32 for the reduce-scatter (the policy's ``reduce_dtype`` stays unset: with it FSDP2's
-post-backward hook would move the gradients aside after B, before W has added to them).
+post-backward hook would move the gradients aside after B, before W has added to them). Under
+``"bf16-true"`` and ``"16-true"`` Lightning converts the model before the cut, so the shards, their
+gradients (reduced in that dtype, as the replicated all-reduce does) and the optimizer state are half
+precision: half of fp32's bytes again.
 """
 
 from __future__ import annotations
@@ -79,7 +82,9 @@ __all__ = [
     "untie_within_rank",
 ]
 
-_PRECISIONS = ("32-true", "32", "bf16-mixed")
+# the "-true" half precisions convert the model before it is cut and sharded: FSDP2 then shards half-precision
+# parameters, whose gradients and optimizer state are half precision too (no policy needed)
+_PRECISIONS = ("32-true", "32", "bf16-mixed", "bf16-true", "16-true")
 
 
 def mixed_precision(precision: str) -> MixedPrecisionPolicy | None:
@@ -99,9 +104,9 @@ def check_replicas(dp_degree: int, precision: str) -> None:
     """Refuse, before the model is cut, a layout or precision sharding does not support (yet)."""
     if precision not in _PRECISIONS:
         raise ValueError(
-            f"data_parallel='shard' with precision={precision!r}: only fp32 ('32-true') and 'bf16-mixed' are "
-            f"supported (fp16's GradScaler and the '-true' half precisions are not wired into the shards); use "
-            f"one of those or data_parallel='replicate'"
+            f"data_parallel='shard' with precision={precision!r}: fp32 ('32-true'), 'bf16-mixed', 'bf16-true' and "
+            f"'16-true' are supported (fp16's GradScaler is not wired into the shards); use one of those or "
+            f"data_parallel='replicate'"
         )
     if dp_degree < 2:
         raise ValueError(
