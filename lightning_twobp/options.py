@@ -81,7 +81,9 @@ def _check_balance(balance: Any) -> None:
 def check_pretrained(path: Any) -> None:
     """``TwoBPStrategy(pretrained=path)`` names weights lightning.pretrained reads; ValueError naming the fix."""
     if not isinstance(path, (str, os.PathLike)):
-        raise ValueError(f"TwoBPStrategy(pretrained={path!r}): a directory's path, e.g. pretrained='/models/llama'")
+        raise ValueError(
+            f"TwoBPStrategy(pretrained={path!r}): a path, of a directory or a file, e.g. pretrained='/models/llama'"
+        )
     where = Path(path)
     if where.is_dir() and any((where / name).is_file() for name in _PRETRAINED_MARKS):
         return
@@ -89,11 +91,14 @@ def check_pretrained(path: Any) -> None:
         return
     if where.is_file() and (where.suffix == ".safetensors" or zipfile.is_zipfile(where)):
         return
-    if where.is_file():
+    if where.is_file() and where.name.endswith(".index.json"):
+        hint = f"an index is read with the files it lists: pass the directory that holds it, {str(where.parent)!r}"
+    elif where.is_file():
+        from lightning_twobp.lightning.pretrained_files import not_mappable
+
         hint = (
-            "this file is neither safetensors nor a torch.save file of torch >= 1.6 (a zip archive, which each "
-            "rank memory-maps to read only its own tensors): load it once and torch.save it again, or save it as "
-            "safetensors"
+            f"this file is neither safetensors nor a torch.save file of torch >= 1.6 (a zip archive, which each "
+            f"rank memory-maps to read only its own tensors): {not_mappable(where)}"
         )
     elif where.is_dir():
         hint = (

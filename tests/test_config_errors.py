@@ -62,8 +62,8 @@ def _metric_on_meta() -> Regressor:
     return model
 
 
-def _file(path: Path) -> Path:
-    path.write_bytes(b"")
+def _legacy_file(path: Path) -> Path:
+    torch.save({"w": torch.zeros(1)}, path, _use_new_zipfile_serialization=False)  # torch before 1.6
     return path
 
 
@@ -672,10 +672,11 @@ CASES: dict[str, Case] = {
         r"TwoBPStrategy\(batch_w='yes'\): use False \(off, the default\), True",
     ),
     "strategy-pretrained-legacy-file": (
-        lambda t: TwoBPStrategy(pretrained=_file(t / "pytorch_model.bin")),
+        lambda t: TwoBPStrategy(pretrained=_legacy_file(t / "pytorch_model.bin")),
         ValueError,
         r"TwoBPStrategy\(pretrained='.*pytorch_model.bin'\): .* this file is neither safetensors nor a torch.save file "
-        r"of torch >= 1.6 \(a zip archive, which each rank memory-maps .*\): load it once and torch.save it again",
+        r"of torch >= 1.6 \(a zip archive, which each rank memory-maps .*\): it is in torch's legacy format .* load "
+        r"it once and torch.save it again",
     ),
     "strategy-batch-w-fused": (
         lambda t: TwoBPStrategy(batch_w=True, split_backward=False),

@@ -7,6 +7,7 @@ through Trainer against one process that built it on the CPU, and a tied Hugging
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import os
 import tempfile
@@ -466,34 +467,42 @@ def _fit_gpt2(strategy, world: int) -> dict:
     return {"params": {n: p.detach().clone() for n, p in model.named_parameters()}, "rand": torch.rand(3)}
 
 
-def _saved_llama() -> str:
-    """A tiny LLaMa's weights as save_pretrained writes them (on global rank 0 only, in a folder it names
-    to the others): values no build from seed 0 makes."""
+def _saved_llama(mixtral: bool = False) -> str:
+    """A tiny LLaMa's (or Mixtral's) weights as save_pretrained writes them (on global rank 0 only, in a
+    folder it names to the others): values no build from seed 0 makes."""
     transformers = pytest.importorskip("transformers", reason="the Hugging Face model needs transformers")
     ranks = dist.is_initialized()
     folder = [tempfile.mkdtemp(prefix="twobp-pretrained-") if not ranks or dist.get_rank() == 0 else None]
     if folder[0] is not None:
         with torch.random.fork_rng():
             torch.manual_seed(7)
-            transformers.LlamaForCausalLM(_llama_config()).save_pretrained(folder[0])
+            cls = transformers.MixtralForCausalLM if mixtral else transformers.LlamaForCausalLM
+            cls(_llama_config(mixtral)).save_pretrained(folder[0])  # Mixtral's: one tensor per expert
     if ranks:
         dist.broadcast_object_list(folder)
     return str(folder[0])
 
 
-def _llama_config() -> Any:
-    return conftest.tiny_llama_config(vocab_size=13, num_hidden_layers=4, max_position_embeddings=8)
+def _llama_config(mixtral: bool = False) -> Any:
+    if not mixtral:
+        return conftest.tiny_llama_config(vocab_size=13, num_hidden_layers=4, max_position_embeddings=8)
+    transformers = pytest.importorskip("transformers", reason="the Hugging Face model needs transformers")
+    return transformers.MixtralConfig(
+        vocab_size=13, hidden_size=16, intermediate_size=32, num_hidden_layers=4, num_attention_heads=2,
+        num_key_value_heads=2, num_local_experts=3, max_position_embeddings=8,
+    )  # fmt: skip
 
 
 class PretrainedLlama(conftest.pl.LightningModule):
     """A Hugging Face LLaMa fine-tuned from saved weights, built on the meta device."""
 
-    def __init__(self) -> None:
+    def __init__(self, mixtral: bool = False) -> None:
         super().__init__()
         transformers = pytest.importorskip("transformers", reason="the Hugging Face model needs transformers")
         torch.manual_seed(0)
         with torch.device("meta"):
-            self.model = transformers.LlamaForCausalLM(_llama_config())
+            cls = transformers.MixtralForCausalLM if mixtral else transformers.LlamaForCausalLM
+            self.model = cls(_llama_config(mixtral))
 
     def training_step(self, batch, batch_idx):
         return self.model(input_ids=batch[0], labels=batch[0]).loss
@@ -505,13 +514,13 @@ class PretrainedLlama(conftest.pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
-def _fit_pretrained_llama(strategy, world: int) -> dict:
-    """Fit, then validate: the validation keeps the trained weights (the file is read once per model)."""
-    model = PretrainedLlama()
-    if world == 1:  # one process makes the whole model as the ranks do, and loads the file whole
+def _fit_pretrained_llama(strategy, world: int, mixtral: bool = False) -> dict:
+    """Fit, then validate: the validation keeps the trained weights (the file is read once per model).
+    ``mixtral``: a file of one tensor per expert, which from_pretrained fuses."""
+    model = PretrainedLlama(mixtral)
+    if world == 1:  # one process makes the whole model as the ranks do, and loads the file as transformers does
         materialize(model, [], torch.device("cpu"), set())
-        safetensors = pytest.importorskip("safetensors.torch")
-        model.model.load_state_dict(safetensors.load_file(os.path.join(_saved_llama(), "model.safetensors")))
+        model.model.load_state_dict(type(model.model).from_pretrained(_saved_llama(mixtral)).state_dict())
     ids = torch.randint(1, 13, (16, 8), generator=torch.Generator().manual_seed(3))
     trainer = quiet_trainer(strategy, world, max_steps=2)
     trainer.fit(model, DataLoader(TensorDataset(ids), batch_size=8))
@@ -571,6 +580,10 @@ FITS = {
     "hf-gpt2-tied": (_fit_gpt2, {}),
     "refused-then-fitted": (_fit_after_a_refused_setup, {}),
     "pretrained-hf-llama": (_fit_pretrained_llama, {"pretrained": _saved_llama}),
+    "pretrained-hf-mixtral-experts": (
+        functools.partial(_fit_pretrained_llama, mixtral=True),
+        {"pretrained": functools.partial(_saved_llama, mixtral=True), "schedule": "zb-v"},
+    ),
     "pretrained-our-checkpoint": (_fit_from_our_checkpoint, {}),
     "pretrained-lightning-file": (_fit_from_a_lightning_file, {"pretrained": _lightning_file, "schedule": "zb-v"}),
 }

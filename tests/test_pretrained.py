@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import warnings
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -41,10 +42,10 @@ def _saved(folder: Path, model: nn.Module) -> Path:
 class Wrapper(nn.Module):
     """A LightningModule's layout: the Hugging Face model under ``model``, a head of the user's own."""
 
-    def __init__(self, config: transformers.LlamaConfig, meta: bool = False) -> None:
+    def __init__(self, config: Any, meta: bool = False, cls: Any = None) -> None:
         super().__init__()
         with torch.device("meta") if meta else torch.device("cpu"):
-            self.model = transformers.LlamaForCausalLM(config)
+            self.model = (cls or transformers.LlamaForCausalLM)(config)
         self.value = nn.Linear(16, 1)
 
 
@@ -125,9 +126,10 @@ def test_another_torch_distributed_checkpoint_is_read_by_its_own_names(tmp_path)
     assert torch.equal(target.model.lm_head.weight, source.lm_head.weight)
 
 
-def test_the_index_says_which_files_to_read_and_without_one_two_saves_are_refused(tmp_path):
-    """save_pretrained leaves an earlier model.safetensors beside new shards: the index names the shards,
-    as from_pretrained reads them; without the index the folder is refused."""
+def test_a_folder_is_read_as_from_pretrained_reads_it_and_two_saves_are_named(tmp_path):
+    """save_pretrained leaves an earlier model.safetensors beside new shards and their index:
+    from_pretrained reads model.safetensors, and so does the read, saying so; without it, the index's
+    shards; without either, the folder's two saves are refused."""
     _saved(tmp_path, _source())
     newer = _source(seed=8)
     with warnings.catch_warnings():
@@ -135,6 +137,13 @@ def test_the_index_says_which_files_to_read_and_without_one_two_saves_are_refuse
         newer.save_pretrained(tmp_path, max_shard_size="20KB")
     assert len(list(tmp_path.glob("*.safetensors"))) > 2
     target = transformers.LlamaForCausalLM(_config())
+    found = plan(tmp_path, target)
+    assert "model.safetensors is read, as from_pretrained reads it" in found.source.notes[0]
+    load(found, target)
+    want = transformers.LlamaForCausalLM.from_pretrained(tmp_path).state_dict()
+    assert all(torch.equal(v, want[k]) for k, v in target.state_dict().items())
+    assert torch.equal(target.lm_head.weight, _source().lm_head.weight)
+    (tmp_path / "model.safetensors").rename(tmp_path / "old.safetensors")
     load(plan(tmp_path, target), target)
     assert all(torch.equal(v, newer.state_dict()[k]) for k, v in target.state_dict().items())
     (tmp_path / "model.safetensors.index.json").unlink()
@@ -178,39 +187,68 @@ def test_a_quantized_checkpoint_is_refused(tmp_path):
         plan(tmp_path, transformers.LlamaForCausalLM(_config()))
 
 
-def test_old_names_transformers_renames_are_refused_where_they_would_stay_unset(tmp_path):
-    """BERT checkpoints of 2018 name LayerNorm's weight gamma, which from_pretrained renames."""
+def test_old_names_transformers_renames_are_read_renamed(tmp_path):
+    """BERT checkpoints of 2018 name LayerNorm's weight gamma, which from_pretrained renames: so does the
+    read."""
     config = transformers.BertConfig(
         vocab_size=32, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32
     )
-    state = {
-        k.replace("LayerNorm.weight", "LayerNorm.gamma").replace("LayerNorm.bias", "LayerNorm.beta"): v
-        for k, v in transformers.BertModel(config).state_dict().items()
+    source = transformers.BertModel(config)
+    old = {
+        k.replace("LayerNorm.weight", "LayerNorm.gamma").replace("LayerNorm.bias", "LayerNorm.beta"): v + 1.0
+        for k, v in source.state_dict().items()
     }
-    safetensors.save_file(state, tmp_path / "model.safetensors")
-    with pytest.raises(ValueError, match=r"converts checkpoint names of BertModel .*LayerNorm.gamma.* 6 of the model"):
-        plan(tmp_path, transformers.BertModel(config))
+    safetensors.save_file(old, tmp_path / "model.safetensors")
+    config.save_pretrained(tmp_path)
+    target = transformers.BertModel(config)
+    found = plan(tmp_path, target)
+    assert found.missing == found.unused == () and len(found.converted.renamed) == 6
+    load(found, target)
+    want = transformers.BertModel.from_pretrained(tmp_path).state_dict()
+    assert all(torch.equal(target.state_dict()[k], v) for k, v in want.items())
 
 
-def test_weights_transformers_converts_when_loading_are_refused_where_they_would_stay_unset(tmp_path):
-    """Mixtral's checkpoint holds one tensor per expert, which transformers fuses when it loads them."""
-    config = transformers.MixtralConfig(
-        vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-        num_key_value_heads=2, num_local_experts=2,
-    )  # fmt: skip
+MIXTRAL = dict(
+    vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+    num_key_value_heads=2, num_local_experts=3,
+)  # fmt: skip
+
+
+def test_experts_transformers_fuses_are_fused_on_the_rank_that_holds_them(tmp_path):
+    """Mixtral's checkpoint holds one tensor per expert (and ``block_sparse_moe``), which from_pretrained
+    renames and fuses into one stacked tensor per layer: the read does it with transformers' own
+    conversion, only for the layers the rank holds, and equals from_pretrained."""
+    config = transformers.MixtralConfig(**MIXTRAL)
+    torch.manual_seed(1)
     _saved(tmp_path, transformers.MixtralForCausalLM(config))
-    with torch.device("meta"):
-        target = transformers.MixtralForCausalLM(config)
-    converts = r"transformers converts checkpoint names of MixtralForCausalLM when it loads them .* 3 of the model"
-    with pytest.raises(ValueError, match=converts):
-        plan(tmp_path, target)
-    own = tmp_path / "own"
-    own.mkdir()
-    safetensors.save_file(transformers.MixtralForCausalLM(config).state_dict(), own / "model.safetensors")
-    assert plan(own, target).missing == ()  # saved under the model's own names: read as they are
-    with torch.device("meta"):  # and into a model with a head of its own: only the head is missing
+    want = transformers.MixtralForCausalLM.from_pretrained(tmp_path).state_dict()
+    target = Wrapper(config, meta=True, cls=transformers.MixtralForCausalLM)
+    found = plan(tmp_path, target)
+    assert found.missing == ("value.bias", "value.weight") and found.unused == ()
+    assert len(found.converted.conversions) == 4  # gate_up_proj and down_proj of each layer
+    layer = target.model.model.layers[1]
+    layer.to_empty(device="cpu")
+    assert load(found, target) == len(layer.state_dict())
+    for name, value in layer.state_dict().items():
+        assert torch.equal(value, want[f"model.layers.1.{name}"]), name
+    assert all(q.is_meta for q in target.model.model.layers[0].parameters())
+    whole = Wrapper(config, cls=transformers.MixtralForCausalLM)
+    load(found, whole)
+    assert all(torch.equal(whole.model.state_dict()[k], v) for k, v in want.items())
+    with torch.device("meta"):  # a classifier over the causal LM's file: its body converted, its head missing
         classifier = transformers.MixtralForSequenceClassification(config)
-    assert plan(own, classifier).missing == ("score.weight",)
+    assert plan(tmp_path, classifier).missing == ("score.weight",)
+
+
+def test_a_conversion_that_writes_another_shape_is_refused_before_reading(tmp_path):
+    """Two experts in the file, three in the model: the fused tensor's shape is checked on meta."""
+    _saved(
+        tmp_path, transformers.MixtralForCausalLM(transformers.MixtralConfig(**(MIXTRAL | {"num_local_experts": 2})))
+    )
+    with torch.device("meta"):
+        target = transformers.MixtralForCausalLM(transformers.MixtralConfig(**MIXTRAL))
+    with pytest.raises(ValueError, match=r"gate_up_proj: \(3, 64, 16\) in the model, \(2, 64, 16\) converted"):
+        plan(tmp_path, target)
 
 
 def test_a_bf16_file_is_cast_to_the_models_dtype(tmp_path):
@@ -311,7 +349,7 @@ def test_a_saved_state_dict_is_read_and_one_among_several_is_asked_for(tmp_path)
     load(plan(tmp_path / "train.pt", model), model)
     assert all(torch.equal(model.state_dict()[k], v) for k, v in weights.items())
     torch.save({"model": weights, "ema": weights}, tmp_path / "two.pt")
-    with pytest.raises(ValueError, match=r"no one mapping of names to tensors \(its entries: \['model', 'ema'\]\)"):
+    with pytest.raises(ValueError, match=r"holds 6 of the model's tensors under each of 'ema.', 'model.': two copies"):
         plan(tmp_path / "two.pt", model)
 
 
@@ -320,9 +358,58 @@ class NotATensor:
 
 
 def test_a_torch_file_holding_objects_is_refused_not_unpickled(tmp_path):
+    """As a Lightning checkpoint whose hyperparameters hold a config object: named, with the two fixes."""
     torch.save({"state_dict": Regressor().state_dict(), "extra": NotATensor()}, tmp_path / "objects.ckpt")
-    with pytest.raises(ValueError, match=r"holds Python objects beyond tensors, .* save its state dict alone"):
+    named = r"beyond tensors, .*\(UnpicklingError: .*Unsupported global: GLOBAL test_pretrained.NotATensor.*\)\. If you"
+    with pytest.raises(ValueError, match=named + r" trust the file, .*add_safe_globals.* or save its state dict alone"):
         plan(tmp_path / "objects.ckpt", Regressor())
+    with torch.serialization.safe_globals([NotATensor]):  # allowed by the user: read
+        assert len(plan(tmp_path / "objects.ckpt", Regressor()).keys) == 6
+
+
+def test_tensors_a_torch_file_holds_without_data_are_refused_before_reading(tmp_path):
+    torch.save(nn.Linear(2, 2, device="meta").state_dict(), tmp_path / "meta.pt")
+    with pytest.raises(ValueError, match=r"holds tensors without data or shards of a sharded save \(bias, weight\)"):
+        plan(tmp_path / "meta.pt", nn.Linear(2, 2))
+
+
+def test_a_hugging_face_folder_is_read_as_from_pretrained_picks_its_files(tmp_path):
+    """pytorch_model.bin before its index's shards, and before any safetensors file but model.safetensors
+    (a peft adapter saved beside the model is not the model)."""
+    _bin_saved(tmp_path, _source(seed=1))
+    _bin_saved(tmp_path, _source(seed=2), shards=2)  # an index and its shards beside it: another save
+    safetensors.save_file({"base_model.model.lora_A.weight": torch.zeros(2, 2)}, tmp_path / "adapter_model.safetensors")
+    target = Wrapper(_config())
+    found = plan(tmp_path, target)
+    assert found.source.kind == "torch" and "pytorch_model.bin is read" in found.source.notes[0]
+    load(found, target)
+    assert torch.equal(target.model.lm_head.weight, _source(seed=1).lm_head.weight)
+
+
+class WithState(nn.Module):
+    """A module with extra state (Transformer Engine's fp8 metadata, say): a dict, no tensor."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(2, 2)
+
+    def get_extra_state(self) -> dict:
+        return {"counter": 3}
+
+    def set_extra_state(self, state: dict) -> None:
+        pass
+
+
+def test_a_state_dict_among_other_entries_compiled_names_and_extra_state(tmp_path):
+    """Tensors beside the state dict are named as not read; torch.compile's ``_orig_mod.`` is read as the
+    plain model's; a module's extra state is no tensor (kept as built, and named)."""
+    weights = {"0.lin._orig_mod.weight": torch.ones(2, 2), "0.lin._orig_mod.bias": torch.ones(2)}
+    torch.save({"model": weights, "metrics": {"acc": torch.tensor(0.9)}}, tmp_path / "run.pt")
+    model = nn.Sequential(WithState())
+    found = plan(tmp_path / "run.pt", model)
+    assert found.unused == ("metrics.acc",) and found.missing == ("0._extra_state",)
+    assert load(found, model) == 2
+    assert torch.equal(model[0].lin.weight, torch.ones(2, 2)) and torch.equal(model[0].lin.bias, torch.ones(2))
 
 
 class BigAndSmall(nn.Module):
@@ -365,6 +452,9 @@ def test_one_safetensors_file_is_read_alone(tmp_path):
         (lambda d: d, r"it holds no \*.safetensors file, no pytorch_model.bin and no .metadata"),
         (lambda d: _touch(d / "pytorch_model.bin"), r"neither safetensors nor a torch.save file of torch >= 1.6"),
         (lambda d: _legacy(d / "old.pt"), r"load it once and torch.save it again, or save it as safetensors"),
+        (lambda d: _lfs(d / "pytorch_model.bin"), r"it is a Git LFS pointer, not the weights \(.*git lfs pull"),
+        (lambda d: _touch(d / "model.safetensors.index.json"), r"pass the directory that holds it, '.*'"),
+        (lambda d: 3, r"pretrained=3\): a path, of a directory or a file"),
     ],
 )
 def test_a_path_that_cannot_be_read_is_refused_when_the_strategy_is_made(tmp_path, make, match):
@@ -376,6 +466,11 @@ def test_a_path_that_cannot_be_read_is_refused_when_the_strategy_is_made(tmp_pat
 
 def _touch(path: Path) -> Path:
     path.write_bytes(b"")
+    return path
+
+
+def _lfs(path: Path) -> Path:
+    path.write_text("version https://git-lfs.github.com/spec/v1\noid sha256:0\nsize 9\n")
     return path
 
 

@@ -24,7 +24,6 @@ Read once per model object, at the first Trainer call that sets it up (:func:`ma
 
 from __future__ import annotations
 
-import sys
 import warnings
 import weakref
 from collections import defaultdict
@@ -37,6 +36,8 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 
+from lightning_twobp.lightning import pretrained_conversions as conversions
+from lightning_twobp.lightning.pretrained_conversions import Converted
 from lightning_twobp.lightning.pretrained_files import FLOATS, Source, read_headers
 
 __all__ = ["Plan", "load", "mark_read", "plan", "read_before", "warn_unmatched"]
@@ -58,6 +59,7 @@ class Plan:
     keys: dict[str, str]
     missing: tuple[str, ...]  # the model's tensors the file lacks: left as initialized
     unused: tuple[str, ...]  # the file's tensors that are not read
+    converted: Converted = conversions.NOTHING  # the file's names transformers fuses (MoE experts)
 
     @property
     def path(self) -> Path:
@@ -97,23 +99,40 @@ def _pairings(files: set[str], model: dict[str, Any], given: str | None) -> dict
     return {pair: frozenset(names) for pair, names in placed.items()}
 
 
-def _find_prefix(files: set[str], model: dict[str, Any], given: str | None) -> tuple[str, str]:
+def _find_prefix(
+    files: set[str], model: dict[str, Any], given: str | None, convertible: frozenset[str] = frozenset()
+) -> tuple[str, str]:
     """The module path the file's names go under and the leading part of them dropped: ``given``'s path,
     else the pairing that puts the most of them on the model's names, found only where it places at least
-    half of the names under the part it drops (an optimizer's state beside a model's weights is not
-    counted against it); refused where none does, or two that place different names do."""
+    half of the names under the part it drops, counting those a conversion of the model's Hugging Face
+    models takes (``convertible``: Mixtral's experts are most of its file); an optimizer's state beside a
+    model's weights is not counted against it. Refused where none does, or two that place different
+    names do."""
     if given is not None:
         given = given.strip(".") + "." if given.strip(".") else ""
     placed = _pairings(files, model, given)
     if given is None:
         under = {drop: sum(f.startswith(drop) for f in files) for _, drop in placed}
-        placed = {pair: names for pair, names in placed.items() if 2 * len(names) >= under[pair[1]]}
+        placed = {
+            pair: names
+            for pair, names in placed.items()
+            if 2 * len(names | {f for f in convertible if f.startswith(pair[1])}) >= under[pair[1]]
+        }
     best = max(map(len, placed.values()), default=0)
     if best == 0:
         _refuse_nowhere(files, model, given, max(map(len, _pairings(files, model, given).values()), default=0))
     winners = sorted(pair for pair, names in placed.items() if len(names) == best)
-    targets = {pair: frozenset(pair[0] + f[len(pair[1]) :] for f in placed[pair]) for pair in winners}
-    if len(set(targets.values())) > 1:  # pairings that put the names on the same tensors are one
+    # pairings that put the same names on the same tensors are one; the same tensors from other names are
+    # two copies of the weights (a model and its EMA in one file)
+    targets = {pair: frozenset((f, pair[0] + f[len(pair[1]) :]) for f in placed[pair]) for pair in winners}
+    if len({frozenset(t for _, t in names) for names in targets.values()}) < len(set(targets.values())):
+        drops = sorted({drop for _, drop in winners})
+        raise ValueError(
+            f"the pretrained file holds {best} of the model's tensors under each of {', '.join(map(repr, drops))}: "
+            f"two copies of the weights (a model and its EMA, say). Save the one to start from alone, "
+            f"torch.save(checkpoint[{drops[0].rstrip('.')!r}], path)"
+        )
+    if len(set(targets.values())) > 1:
         raise ValueError(
             f"the pretrained weights match {best} tensors under each of the modules "
             f"{', '.join(repr(p.rstrip('.')) for p, _ in winners)}: pass TwoBPStrategy(pretrained_prefix=...) "
@@ -136,9 +155,13 @@ def _refuse_nowhere(files: set[str], model: dict[str, Any], given: str | None, b
     )
 
 
+_EXTRA = "_extra_state"  # a module's get_extra_state() in its state dict: no tensor of the model
+
+
 def _tensors(module: nn.Module) -> dict[str, Any]:
-    """The model's state-dict tensors by every name (on meta or not, as built)."""
-    return dict(module.state_dict(keep_vars=True))
+    """The model's state-dict tensors by every name (on meta or not, as built); a module's extra state is
+    not one (its ``set_extra_state`` is no copy into a tensor)."""
+    return {k: v for k, v in module.state_dict(keep_vars=True).items() if not k.endswith(_EXTRA)}
 
 
 def plan(path: str | Path, module: nn.Module, prefix: str | None = None) -> Plan:
@@ -146,34 +169,44 @@ def plan(path: str | Path, module: nn.Module, prefix: str | None = None) -> Plan
     before any read, alike on every rank."""
     source = read_headers(Path(path))
     entries, model = source.entries, _tensors(module)
-    prefix, drop = _find_prefix(set(entries), model, prefix)
+    prefix, drop = _find_prefix(set(entries), model, prefix, conversions.convertible(module, set(entries)))
     names: dict[str, str] = {}  # the model's name -> the file's name
     by_tensor: dict[int, list[str]] = defaultdict(list)
     for name, tensor in model.items():
         by_tensor[id(tensor)].append(name)
-    missing = []
+    missing = [k for k in module.state_dict(keep_vars=True) if k.endswith(_EXTRA)]  # kept as built, and said so
     for aliases in by_tensor.values():  # a tensor is read through the first of its names the file has
         found = [n for n in aliases if n.startswith(prefix) and drop + n[len(prefix) :] in entries]
         if found:  # every name: a rank may hold the tensor under another (a tied weight's stage)
             names.update(dict.fromkeys(aliases, drop + found[0][len(prefix) :]))
         else:
             missing.extend(aliases)
-    _check_values(source, names, model)
     unused = sorted(set(entries) - set(names.values()))
+    unset = [n for n in missing if n.startswith(prefix)]
+    converted = conversions.plan_conversions(module, prefix, drop, unset, unused, {f: entries[f].shape for f in unused})
+    for name, f in converted.renamed.items():  # a renamed tensor under every name of it, as above
+        names.update(dict.fromkeys(by_tensor[id(model[name])], f))
+    placed = set(names) | converted.outputs
+    missing, unused = [n for n in missing if n not in placed], [f for f in unused if f not in converted.sources]
+    _check_values(source, names, model, converted)
     _check_conversions(module, prefix, [n for n in missing if n.startswith(prefix)], unused)
     keys = {name: entries[f].key for name, f in names.items()}
-    return Plan(source, prefix, keys, tuple(sorted(missing)), tuple(unused))
+    return Plan(source, prefix, keys, tuple(sorted(missing)), tuple(unused), converted)
 
 
-def _check_values(source: Source, names: dict[str, str], model: dict[str, Any]) -> None:
-    """Every shape as the model's; no float tensor of the model read from a quantized one (float8, int)."""
+def _check_values(source: Source, names: dict[str, str], model: dict[str, Any], converted: Converted) -> None:
+    """Every shape as the model's (a conversion's outputs: checked when planned); no float tensor of the
+    model read from a quantized one (float8, int)."""
     wrong, quantized = [], []
+    read = [(model[name], f) for name, f in names.items()]
+    read += [(model[c.outputs[0]], f) for c in converted.conversions for f, _ in c.sources]
     for name, f in names.items():
         entry, tensor = source.entries[f], model[name]
         if tuple(tensor.shape) != entry.shape:
             wrong.append(f"{name}: {tuple(tensor.shape)} in the model, {entry.shape} in the file")
-        elif tensor.is_floating_point() and entry.dtype not in FLOATS:
-            quantized.append(f"{f} ({entry.dtype})")
+    for tensor, f in read:
+        if tensor.is_floating_point() and source.entries[f].dtype not in FLOATS:
+            quantized.append(f"{f} ({source.entries[f].dtype})")
     if wrong:
         raise ValueError(
             f"the pretrained weights in {source.path} do not fit the model: {len(wrong)} tensor(s) differ in shape: "
@@ -188,34 +221,30 @@ def _check_values(source: Source, names: dict[str, str], model: dict[str, Any]) 
 
 
 def _check_conversions(module: nn.Module, prefix: str, unset: list[str], unused: list[str]) -> None:
-    """A Hugging Face model whose checkpoint names transformers converts when it loads them (Mixtral's
-    experts fused into one tensor, an old BERT's ``LayerNorm.gamma``): read as saved, the converted tensors
-    would keep their initial values. Refused where the file holds names a conversion of a Hugging Face
-    model around or under ``prefix`` takes and leaves some of the model's tensors there unset."""
-    if not unset or not unused or "transformers" not in sys.modules:
+    """Names of the file that a conversion of a Hugging Face model around or under ``prefix`` takes, left
+    unplaced (:mod:`.pretrained_conversions` found no tensor of the model for them) while some of the
+    model's tensors there stay unset: refused, as the conversion did not do what from_pretrained's does."""
+    if not unset or not unused:
         return
-    from transformers import PreTrainedModel
-    from transformers.conversion_mapping import get_model_conversion_mapping
-
-    for name, sub in module.named_modules():
-        path = f"{name}." if name else ""
-        if not isinstance(sub, PreTrainedModel) or not (path.startswith(prefix) or prefix.startswith(path)):
-            continue
-        for convert in get_model_conversion_mapping(sub):
+    for _, sub in conversions.hugging_face_models(module, prefix):
+        for convert in conversions.mapping(sub):
             taken = [k for k in unused if convert.compiled_sources.search(k)]
             if taken:
                 raise ValueError(
-                    f"transformers converts checkpoint names of {type(sub).__name__} when it loads them ({convert}); "
-                    f"pretrained= reads them as saved, so {len(taken)} tensor(s) of the file ({_shown(taken)}) "
-                    f"would not be read and {len(unset)} of the model would keep their initial values "
-                    f"({_shown(unset)}). Save the weights under the model's own names once "
-                    f"(safetensors.torch.save_file(model.state_dict(), ...) from a model from_pretrained loaded), "
-                    f"or build the model with from_pretrained on the CPU"
+                    f"transformers converts checkpoint names of {type(sub).__name__} when it loads them ({convert}), "
+                    f"but {len(taken)} tensor(s) of the file ({_shown(taken)}) placed on none of the model's "
+                    f"tensors that way, and {len(unset)} of the model would keep their initial values "
+                    f"({_shown(unset)}). Build the model with the config and transformers version the weights "
+                    f"were saved with, or save them under the model's own names once "
+                    f"(safetensors.torch.save_file(model.state_dict(), ...) from a model from_pretrained loaded)"
                 )
 
 
 def warn_unmatched(p: Plan) -> None:
-    """What the file lacks and what it holds beyond the model, once (as Hugging Face's loading says it)."""
+    """What the file lacks and what it holds beyond the model, once (as Hugging Face's loading says it),
+    and which of a folder's saves is read where it holds two."""
+    for note in p.source.notes:
+        rank_zero_warn(f"twobp: pretrained: {note}")
     if p.missing:
         rank_zero_warn(
             f"twobp: {len(p.missing)} tensor(s) of the model are not in the pretrained weights {p.path} and keep "
@@ -257,4 +286,4 @@ def load(p: Plan, module: nn.Module) -> int:
             p.source.read(state)
             for tensor, key in copies:
                 tensor.copy_(state[key])
-    return len(state)
+    return len(state) + conversions.apply(p.converted, p.source, module)

@@ -3,25 +3,29 @@
 Four kinds:
 
 * ``"safetensors"``: Hugging Face's (``save_pretrained``, a Hub snapshot), read with
-  ``torch.distributed.checkpoint``'s ``HuggingFaceStorageReader``. Where ``model.safetensors.index.json``
-  is present only the files it lists are read, as ``from_pretrained`` reads them (a Hub snapshot may hold
-  another copy of the weights beside them, Mistral's ``consolidated.safetensors``, and ``save_pretrained``
-  leaves an earlier ``model.safetensors`` beside new shards); the reader, which takes every
-  ``*.safetensors`` of its folder, is given a folder of links to those (one file named alone, likewise).
-  Without an index, a key in two files is refused (the reader would take either, tensor by tensor).
+  ``torch.distributed.checkpoint``'s ``HuggingFaceStorageReader``, which takes every ``*.safetensors`` of
+  its folder: where only some are to be read (an index's, beside Mistral's ``consolidated.safetensors``;
+  one file named alone) it is given a folder of links to those. A key in two files read is refused (the
+  reader would take either, tensor by tensor).
 * ``"ours"``: a checkpoint directory of this strategy (``meta.pt`` beside DCP's ``.metadata``), its model's
   weights under ``model.``, seen without it.
 * ``"dcp"``: another ``torch.distributed.checkpoint`` directory, by its own names.
 * ``"torch"``: ``torch.save`` files (``pytorch_model.bin``, sharded with its index, a Lightning ``.ckpt``,
   a saved state dict), memory-mapped (``torch.load(mmap=True, weights_only=True)``): unpickling makes
-  no tensor's bytes, so a rank touches the pages of its own tensors only, as with safetensors. The state
-  dict is the file's mapping of tensors, a Lightning checkpoint's ``state_dict``, or the one mapping of
-  tensors among the file's entries (``{"model": ..., "optimizer": ...}``).
+  no tensor's bytes, so a rank touches the pages of its own tensors only, as with safetensors. A
+  Lightning checkpoint's ``state_dict`` is read; another file's tensors by their dotted path through its
+  mappings (``{"model": ..., "optimizer": ...}`` gives ``model.<name>``, which :mod:`.pretrained` places
+  under the model as it places a causal LM's ``model.``).
+
+A Hugging Face folder is read as ``from_pretrained`` reads it: ``model.safetensors``, else its index's
+files, else ``pytorch_model.bin``, else its index's; another folder's every ``*.safetensors``. Names
+under ``torch.compile``'s ``_orig_mod.`` are read as the plain model's.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import tempfile
 import weakref
@@ -35,13 +39,17 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.tensor import DTensor
 
-__all__ = ["FLOATS", "Entry", "Source", "read_headers"]
+__all__ = ["FLOATS", "Entry", "Source", "not_mappable", "read_headers"]
 
 _OURS = "model."  # this strategy's checkpoints hold the model's weights under it, beside the optimizers' state
 _META = "meta.pt"  # lightning.checkpoint.META: what tells this strategy's checkpoint from another DCP one
-_INDEX = "model.safetensors.index.json"
+_SAFE, _INDEX = "model.safetensors", "model.safetensors.index.json"
 _BIN, _BIN_INDEX = "pytorch_model.bin", "pytorch_model.bin.index.json"  # what save_pretrained wrote before safetensors
+_COMPILED = "_orig_mod."  # torch.compile's wrapper holds the module under it
+_EXTRA = "_extra_state"  # a module's get_extra_state(), beside its tensors in a state dict
+_LFS = "a file of a few hundred bytes is a Git LFS pointer (git lfs pull fetches the weights)"
 
 
 # the stored dtypes a float tensor of the model is read from by a cast (safetensors' names and torch's):
@@ -63,12 +71,13 @@ class Entry:
 
 @dataclass(frozen=True)
 class Source:
-    """A directory's tensors by the name the model sees each under, and how to read them."""
+    """Stored tensors by the name the model sees each under, and how to read them."""
 
     path: Path  # the directory or file the user named
     kind: str  # "safetensors", "ours", "dcp" or "torch"
     folder: Path  # the folder the reader reads (for an index, its links to the indexed files)
     entries: dict[str, Entry]
+    notes: tuple[str, ...] = ()  # what the user should know of the choice of files (said once, by rank 0)
 
     def read(self, state: dict[str, torch.Tensor]) -> None:
         """Fill ``state``'s tensors (by stored key) in place, each cast to its tensor's dtype."""
@@ -84,52 +93,83 @@ class Source:
         )
 
 
+@dataclass(frozen=True)
+class _Found:
+    kind: str
+    files: list[Path]  # the safetensors or torch files to read (none for DCP)
+    notes: tuple[str, ...] = ()
+
+
 def read_headers(path: Path) -> Source:
     """The tensors of the directory or file, from its headers; ValueError naming the file where one cannot
     be read."""
-    if path.is_file() and path.suffix != ".safetensors":
-        return _torch_files(path, [path])
-    if (path / ".metadata").is_file():
-        return _dcp(path)
-    if (
-        path.is_dir()
-        and not any(path.glob("*.safetensors"))
-        and ((path / _BIN_INDEX).is_file() or (path / _BIN).is_file())
-    ):
-        return _torch_files(path, _bin_files(path))
+    found = _choose(path)
+    if found.kind in ("dcp", "ours"):
+        return Source(path, found.kind, path, _dcp(path, found.kind))
+    if found.kind == "torch":
+        entries = _torch_entries(found.files)
+        return Source(path, "torch", path if path.is_dir() else path.parent, _canonical(entries), found.notes)
     try:
         import safetensors  # noqa: F401 - the reader imports it inside; named here, before any read
     except ImportError as err:
         raise ImportError(f"pretrained={str(path)!r}: reading safetensors needs pip install safetensors") from err
-    files = [path] if path.is_file() else _indexed(path)
-    folder = _linked(files) if path.is_file() or (path / _INDEX).is_file() else path
-    source = Source(path, "safetensors", folder, _safetensors_entries(path, files))
+    entries = _safetensors_entries(path, found.files)
+    whole = path.is_dir() and found.files == sorted(path.glob("*.safetensors"))
+    folder = path if whole else _linked(found.files)  # the reader takes every *.safetensors of its folder
+    source = Source(path, "safetensors", folder, _canonical(entries), found.notes)
     if folder != path:  # the links go with the plan that reads through them
         weakref.finalize(source, shutil.rmtree, folder, ignore_errors=True)
     return source
 
 
-def _dcp(path: Path) -> Source:
+def _choose(path: Path) -> _Found:
+    """What to read, in from_pretrained's order for a Hugging Face folder (``model.safetensors``, its
+    index, ``pytorch_model.bin``, its index), else every ``*.safetensors`` of the folder."""
+    if path.is_file():
+        return _Found("safetensors" if path.suffix == ".safetensors" else "torch", [path])
+    if (path / ".metadata").is_file():
+        return _Found("ours" if (path / _META).is_file() else "dcp", [])
+    for kind, single, index in (("safetensors", _SAFE, _INDEX), ("torch", _BIN, _BIN_INDEX)):
+        if (path / single).is_file():
+            beside = (
+                (
+                    f"{path} holds {single} and {index}: {single} is read, as from_pretrained reads it (the index's "
+                    f"files are another save: remove the one not wanted)",
+                )
+                if (path / index).is_file()
+                else ()
+            )
+            return _Found(kind, [path / single], beside)
+        if (path / index).is_file():
+            return _Found(kind, _listed(path, index))
+    return _Found("safetensors", sorted(path.glob("*.safetensors")))
+
+
+def _listed(path: Path, index: str) -> list[Path]:
+    """The files an index lists."""
+    names = sorted(set(json.loads((path / index).read_text())["weight_map"].values()))
+    lost = [n for n in names if not (path / n).is_file()]
+    if lost:
+        raise ValueError(f"pretrained: {path / index} lists {', '.join(lost)}, which {path} does not hold")
+    return [path / n for n in names]
+
+
+def _canonical(entries: dict[str, Entry]) -> dict[str, Entry]:
+    """The names a compiled model's state dict holds (``torch.compile``'s ``_orig_mod.``) as the plain
+    model's, which is what the strategy pipelines."""
+    return {k.replace(_COMPILED, ""): e for k, e in entries.items()}
+
+
+def _dcp(path: Path, kind: str) -> dict[str, Entry]:
     saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
     tensors = {
         k: Entry(k, tuple(m.size), str(m.properties.dtype))
         for k, m in saved.items()
         if isinstance(m, TensorStorageMetadata)
     }
-    if not (path / _META).is_file():
-        return Source(path, "dcp", path, tensors)
-    return Source(path, "ours", path, {k[len(_OURS) :]: e for k, e in tensors.items() if k.startswith(_OURS)})
-
-
-def _indexed(path: Path) -> list[Path]:
-    """The safetensors files to read: those the index lists, else every one of the folder."""
-    if not (path / _INDEX).is_file():
-        return sorted(path.glob("*.safetensors"))
-    names = sorted(set(json.loads((path / _INDEX).read_text())["weight_map"].values()))
-    lost = [n for n in names if not (path / n).is_file()]
-    if lost:
-        raise ValueError(f"pretrained: {path / _INDEX} lists {', '.join(lost)}, which {path} does not hold")
-    return [path / n for n in names]
+    if kind == "dcp":
+        return tensors
+    return {k[len(_OURS) :]: e for k, e in tensors.items() if k.startswith(_OURS)}
 
 
 def _linked(files: list[Path]) -> Path:
@@ -154,9 +194,13 @@ def _safetensors_entries(path: Path, files: list[Path]) -> dict[str, Entry]:
                     where[key].append(file.name)
         except Exception as err:  # noqa: BLE001 - named with the file and the likely cause
             raise ValueError(
-                f"pretrained: the header of {file} cannot be read ({type(err).__name__}: {err}); a file of a few "
-                f"hundred bytes is a Git LFS pointer (git lfs pull fetches the weights)"
+                f"pretrained: the header of {file} cannot be read ({type(err).__name__}: {err}); {_LFS}"
             ) from err
+    _refuse_twice(path, where)
+    return entries
+
+
+def _refuse_twice(path: Path, where: dict[str, list[str]]) -> None:
     twice = {k: names for k, names in where.items() if len(names) > 1}
     if twice:
         key, names = next(iter(twice.items()))
@@ -165,91 +209,84 @@ def _safetensors_entries(path: Path, files: list[Path]) -> dict[str, Entry]:
             f"and no {_INDEX} says which to read: the folder holds two saves. Keep the files of one save in a "
             f"folder of their own"
         )
+
+
+def _torch_entries(files: list[Path]) -> dict[str, Entry]:
+    entries: dict[str, Entry] = {}
+    where: dict[str, list[str]] = defaultdict(list)
+    for file in files:
+        for key, value in _state_dict(file).items():
+            entries[key] = Entry(key, tuple(value.shape), str(value.dtype), file)
+            where[key].append(file.name)
+    _refuse_twice(files[0].parent, where)
     return entries
 
 
-def _holds_bin(path: Path) -> bool:
-    """A directory of ``pytorch_model.bin`` files and no safetensors (from_pretrained prefers those)."""
-    has_bin = (path / _BIN_INDEX).is_file() or (path / _BIN).is_file()
-    return path.is_dir() and has_bin and not any(path.glob("*.safetensors"))
-
-
-def _bin_files(path: Path) -> list[Path]:
-    """The torch files of a directory without safetensors: those ``pytorch_model.bin.index.json`` lists, else
-    ``pytorch_model.bin``."""
-    if not (path / _BIN_INDEX).is_file():
-        return [path / _BIN]
-    names = sorted(set(json.loads((path / _BIN_INDEX).read_text())["weight_map"].values()))
-    lost = [n for n in names if not (path / n).is_file()]
-    if lost:
-        raise ValueError(f"pretrained: {path / _BIN_INDEX} lists {', '.join(lost)}, which {path} does not hold")
-    return [path / n for n in names]
-
-
-def _torch_files(path: Path, files: list[Path]) -> Source:
-    entries: dict[str, Entry] = {}
-    for file in files:
-        for key, value in _state_dict(file).items():
-            if key in entries:
-                raise ValueError(
-                    f"pretrained: {key} is in both {entries[key].file} and {file}: the folder holds two saves. "
-                    f"Keep the files of one save in a folder of their own"
-                )
-            entries[key] = Entry(key, tuple(value.shape), str(value.dtype), file)
-    return Source(path, "torch", path.parent if path.is_file() else path, entries)
-
-
-def _state_dict(file: Path) -> Mapping[str, torch.Tensor]:
-    """The tensors a torch file holds, memory-mapped (no tensor's bytes read): ValueError naming the fix
-    where it cannot be mapped, holds objects beyond tensors, or no one mapping of them."""
+def _state_dict(file: Path) -> dict[str, torch.Tensor]:
+    """The tensors a torch file holds by dotted name, memory-mapped (no tensor's bytes read): ValueError
+    naming the fix where it cannot be mapped, holds objects beyond tensors, or tensors without data."""
     try:
         saved = torch.load(file, map_location="cpu", mmap=True, weights_only=True)
     except RuntimeError as err:
         if "mmap" not in str(err):
-            raise ValueError(f"pretrained: {file} cannot be read by torch.load ({err})") from err
-        raise ValueError(
-            f"pretrained: {file} is in torch's legacy format (torch.save before torch 1.6, or "
-            f"_use_new_zipfile_serialization=False), which cannot be memory-mapped, so every rank would read it "
-            f"whole: load it once and torch.save it again, or save it as safetensors"
-        ) from err
+            raise ValueError(f"pretrained: {file} cannot be read by torch.load ({_first_lines(err)})") from err
+        raise ValueError(f"pretrained: {file} cannot be memory-mapped: {not_mappable(file)}") from err
     except Exception as err:  # noqa: BLE001 - an unpickling error: named with the safe way out
         raise ValueError(
             f"pretrained: {file} holds Python objects beyond tensors, which torch.load(weights_only=True) does not "
-            f"make ({type(err).__name__}: {str(err).splitlines()[0]}); save its state dict alone "
-            f"(torch.save(model.state_dict(), path)) or as safetensors"
+            f"make ({_first_lines(err)}). If you trust the file, allow them before fit "
+            f"(torch.serialization.add_safe_globals([...]) with the classes named), or save its state dict alone "
+            f"(torch.save(checkpoint['state_dict'], path)) or as safetensors"
         ) from err
     found = _tensors_of(saved)
-    if found is None:
-        keys = list(saved) if isinstance(saved, Mapping) else type(saved).__name__
+    bad = [k for k, v in found.items() if v.is_meta or isinstance(v, DTensor)]
+    if not found or bad:
+        what = f"tensors without data or shards of a sharded save ({', '.join(bad[:3])})" if bad else "no named tensors"
         raise ValueError(
-            f"pretrained: {file} holds no one mapping of names to tensors (its entries: {keys}): save the state "
-            f"dict you want alone, torch.save(checkpoint['<entry>'], path)"
+            f"pretrained: {file} holds {what}: save the model's whole state dict (from a model on a real device; "
+            f"a sharded model through torch.distributed.checkpoint, whose directory pretrained= reads)"
         )
     return found
 
 
-def _tensors_of(saved: Any) -> Mapping[str, torch.Tensor] | None:
-    """A state dict, a Lightning checkpoint's ``state_dict``, or the one state dict among ``saved``'s
-    entries; None where there is none or several."""
-    if _is_state_dict(saved):
-        return {k: v for k, v in saved.items() if isinstance(v, torch.Tensor)}
-    if not isinstance(saved, Mapping):
-        return None
-    if _is_state_dict(saved.get("state_dict")):  # Lightning's checkpoint, its optimizers' state beside it
-        return _tensors_of(saved["state_dict"])
-    inner = [v for v in saved.values() if _is_state_dict(v)]
-    return _tensors_of(inner[0]) if len(inner) == 1 else None
-
-
-def _is_state_dict(value: Any) -> bool:
-    """Names to tensors (a module's ``_extra_state`` may be anything)."""
+def not_mappable(file: Path) -> str:
+    """Why a file is no torch.save zip archive, and the fix."""
+    with open(file, "rb") as fh:
+        head = fh.read(200)
+    if head.startswith(b"version https://git-lfs"):
+        return f"it is a Git LFS pointer, not the weights ({_LFS})"
+    if not head:
+        return "it is empty (an interrupted download or save)"
     return (
-        isinstance(value, Mapping)
-        and any(isinstance(v, torch.Tensor) for v in value.values())
-        and all(
-            isinstance(k, str) and (isinstance(v, torch.Tensor) or k.endswith("_extra_state")) for k, v in value.items()
-        )
+        "it is in torch's legacy format (torch.save before torch 1.6, or _use_new_zipfile_serialization=False), "
+        "or no torch file, and every rank would read a legacy file whole: load it once and torch.save it again, "
+        "or save it as safetensors"
     )
+
+
+def _first_lines(err: Exception) -> str:
+    """torch's message without its terminal colours, cut to the lines that name the cause."""
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(err))
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    named = [ln for ln in lines if "Unsupported global" in ln or "GLOBAL" in ln]
+    return f"{type(err).__name__}: {' '.join((named or lines[:1])[:2])}"
+
+
+def _tensors_of(saved: Any) -> dict[str, torch.Tensor]:
+    """The tensors of ``saved`` by dotted name through its mappings of string keys (an optimizer's state,
+    keyed by index, and lists are left out); a Lightning checkpoint's ``state_dict`` alone. A module's
+    ``_extra_state`` is left out: it is no tensor of the model."""
+    if isinstance(saved, Mapping) and isinstance(saved.get("state_dict"), Mapping) and saved["state_dict"]:
+        saved = saved["state_dict"]  # Lightning's checkpoint, its loops' and optimizers' state beside it
+    out: dict[str, torch.Tensor] = {}
+    stack: list[tuple[str, Any]] = [("", saved)]
+    while stack:
+        prefix, value = stack.pop()
+        if isinstance(value, torch.Tensor) and prefix:
+            out[prefix[:-1]] = value
+        elif isinstance(value, Mapping) and all(isinstance(k, str) for k in value):
+            stack.extend((f"{prefix}{k}.", v) for k, v in value.items() if not k.endswith(_EXTRA))
+    return dict(sorted(out.items()))
 
 
 def _read_torch(source: Source, state: dict[str, torch.Tensor]) -> None:

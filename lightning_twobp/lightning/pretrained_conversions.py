@@ -1,0 +1,211 @@
+"""transformers' checkpoint conversions for ``pretrained=`` (:mod:`.pretrained`).
+
+A Hub checkpoint may name tensors otherwise than the model does: ``from_pretrained`` renames some (an
+old BERT's ``LayerNorm.gamma``, Mixtral's ``block_sparse_moe``) and fuses others (Mixtral's and most
+mixture-of-experts models' experts: one tensor per expert in the file, one stacked tensor in the
+model). Here transformers' own mapping (``get_model_conversion_mapping``) finds them and its own
+operations convert them, per rank, on the tensors the rank holds:
+
+* :func:`plan_conversions`, before any read and alike on every rank: each name of the file that no
+  name of the model takes goes through the mapping of the Hugging Face model it falls under, as
+  ``from_pretrained`` renames it; a renamed name is read like any other, a converted one joins the
+  conversion of its target (a layer's experts). Each conversion is run on meta tensors of the stored
+  shapes, which gives the names and shapes it writes, checked against the model's.
+* :func:`apply`, after the cut: a rank reads the sources of each conversion whose outputs it holds (one
+  conversion at a time: a layer's experts twice at most), converts them and copies the result in.
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_twobp.lightning.pretrained_files import Source
+
+__all__ = ["Conversion", "Converted", "apply", "plan_conversions"]
+
+
+@dataclass(frozen=True)
+class Conversion:
+    """One of transformers' converters for one target: the file's names it reads, the model's it writes."""
+
+    sub: str  # the module path of the Hugging Face model whose mapping converts ("" or ending in ".")
+    layer: str  # the first target's name in that model, from which the converter names its outputs
+    sources: tuple[tuple[str, str], ...]  # (the file's name, the converter's source pattern), in load order
+    outputs: tuple[str, ...]  # the model's names it writes
+    converter: Any  # transformers' WeightConverter, unused: each run takes a copy
+
+
+@dataclass(frozen=True)
+class Converted:
+    """What the mapping places: plain renames (the model's name -> the file's) and conversions."""
+
+    renamed: dict[str, str]
+    conversions: tuple[Conversion, ...]
+
+    @property
+    def sources(self) -> set[str]:
+        return set(self.renamed.values()) | {f for c in self.conversions for f, _ in c.sources}
+
+    @property
+    def outputs(self) -> set[str]:
+        return set(self.renamed) | {n for c in self.conversions for n in c.outputs}
+
+
+NOTHING = Converted({}, ())
+
+
+def hugging_face_models(module: nn.Module, prefix: str) -> list[tuple[str, Any]]:
+    """The Hugging Face models around or under ``prefix`` (a module path), with their paths."""
+    if "transformers" not in sys.modules:
+        return []
+    from transformers import PreTrainedModel
+
+    found = []
+    for name, sub in module.named_modules():
+        path = f"{name}." if name else ""
+        if isinstance(sub, PreTrainedModel) and (path.startswith(prefix) or prefix.startswith(path)):
+            found.append((path, sub))
+    return found
+
+
+def mapping(sub: Any) -> list[Any]:
+    """transformers' conversions of ``sub``'s checkpoint names (none before transformers 5)."""
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+    except ImportError:
+        return []
+    return list(get_model_conversion_mapping(sub))
+
+
+def convertible(module: nn.Module, files: set[str]) -> frozenset[str]:
+    """The file's names a conversion of one of the model's Hugging Face models takes (by its patterns)."""
+    transforms = [t for _, sub in hugging_face_models(module, "") for t in mapping(sub)]
+    return frozenset(f for f in files if any(t.compiled_sources.search(f) for t in transforms))
+
+
+def plan_conversions(
+    module: nn.Module, prefix: str, drop: str, unset: list[str], unused: list[str], shapes: dict[str, tuple[int, ...]]
+) -> Converted:
+    """Place the file's ``unused`` names (``shapes``: each one's stored shape) on the model's ``unset``
+    names through transformers' mappings; ValueError naming the conversion where one fails or writes a
+    shape the model does not hold."""
+    if not unset or not unused:
+        return NOTHING
+    from transformers.core_model_loading import WeightConverter, dot_natural_key
+
+    unset_set, model = set(unset), dict(module.state_dict(keep_vars=True))
+    renamed: dict[str, str] = {}
+    groups: dict[tuple[str, str], list[tuple[str, str]]] = defaultdict(list)
+    templates: dict[tuple[str, str], Any] = {}
+    taken: set[str] = set()
+    for path, sub in hugging_face_models(module, prefix):
+        transforms = mapping(sub)
+        if not transforms:
+            continue
+        converters = [t for t in transforms if isinstance(t, WeightConverter)]
+        by_pattern = {p: c for c in converters for p in c.source_patterns}
+        rename = _renamer(sub, transforms, converters)
+        for f in sorted(set(unused) - taken, key=dot_natural_key):
+            full = prefix + f[len(drop) :] if f.startswith(drop) else None
+            if full is None or not full.startswith(path):
+                continue
+            target, pattern = rename(full[len(path) :])
+            if path + target not in model:
+                continue
+            if pattern is None:
+                if path + target in unset_set:
+                    renamed[path + target] = f
+                    taken.add(f)
+                continue
+            groups[(path, target)].append((f, pattern))
+            templates[(path, target)] = by_pattern[pattern]
+            taken.add(f)
+    subs = dict(hugging_face_models(module, prefix))
+    conversions = tuple(
+        _planned(path, target, sources, templates[(path, target)], subs[path], model, shapes)
+        for (path, target), sources in groups.items()
+    )
+    return Converted(renamed, conversions)
+
+
+def _renamer(sub: Any, transforms: list[Any], converters: list[Any]) -> Callable[[str], tuple[str, str | None]]:
+    """A file's name in ``sub`` -> (the model's name, the converter's source pattern or None), as
+    ``from_pretrained`` renames it."""
+    from transformers.core_model_loading import WeightRenaming, rename_source_key
+
+    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+    meta = dict(sub.state_dict(keep_vars=True))
+    return lambda key: rename_source_key(key, renamings, converters, sub.base_model_prefix, meta)
+
+
+def _planned(
+    path: str,
+    target: str,
+    sources: list[tuple[str, str]],
+    template: Any,
+    sub: Any,
+    model: dict[str, Any],
+    shapes: dict[str, tuple[int, ...]],
+) -> Conversion:
+    """The conversion run on meta tensors of the stored shapes: its outputs, each checked against the model."""
+    conversion = Conversion(path, target, tuple(sources), (), template)
+    out = run(conversion, sub, {f: torch.empty(shapes[f], device="meta") for f, _ in sources})
+    wrong = [
+        f"{path}{name}: {tuple(model[path + name].shape)} in the model, {tuple(value.shape)} converted"
+        for name, value in out.items()
+        if path + name in model and tuple(model[path + name].shape) != tuple(value.shape)
+    ]
+    lost = [path + name for name in out if path + name not in model]
+    if wrong or lost:
+        raise ValueError(
+            f"transformers' conversion {template} of {', '.join(f for f, _ in sources[:3])}... does not fit the model "
+            f"({'; '.join(wrong) or f'it writes {lost}, which the model does not hold'}). Build the model with the "
+            f"config the weights were saved with"
+        )
+    return Conversion(path, target, tuple(sources), tuple(path + name for name in out), template)
+
+
+def run(conversion: Conversion, sub: Any, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The converter on ``tensors`` (by the file's name): the model's tensors it makes, by their names in
+    ``sub``; ValueError naming the conversion where transformers' operation fails."""
+    converter = copy.deepcopy(conversion.converter)
+    for f, pattern in conversion.sources:
+        converter.add_tensor(conversion.layer, f, pattern, lambda t=tensors[f]: t)
+    try:
+        out = converter.convert(conversion.layer, model=sub, config=sub.config)
+    except Exception as err:  # noqa: BLE001 - transformers' operation, named with what it was given
+        raise ValueError(
+            f"transformers' conversion {conversion.converter} failed on {len(conversion.sources)} tensor(s) of the "
+            f"pretrained file for {conversion.sub}{conversion.layer} ({type(err).__name__}: {err})"
+        ) from err
+    return {name: value[0] if isinstance(value, list) else value for name, value in out.items()}
+
+
+def apply(converted: Converted, source: Source, module: nn.Module) -> int:
+    """Run the conversions whose outputs this rank holds (other ranks' layers are set aside or on meta), each on its
+    sources read from ``source``; the number of the model's tensors written."""
+    tensors = dict(module.state_dict(keep_vars=True))
+    written = 0
+    for conversion in converted.conversions:
+        held = [n for n in conversion.outputs if n in tensors and not tensors[n].is_meta]  # set aside or meta
+        if not held:
+            continue
+        dtype = tensors[held[0]].dtype
+        entries = {f: source.entries[f] for f, _ in conversion.sources}
+        read = {e.key: torch.empty(e.shape, dtype=dtype) for e in entries.values()}
+        source.read(read)
+        sub = module.get_submodule(conversion.sub.rstrip(".")) if conversion.sub else module
+        out = run(conversion, sub, {f: read[e.key] for f, e in entries.items()})
+        with torch.no_grad():
+            for name in held:
+                tensors[name].copy_(out[name[len(conversion.sub) :]])
+        written += len(held)
+    return written
