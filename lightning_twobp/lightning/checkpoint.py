@@ -27,12 +27,13 @@ merges the stages into an ordinary Lightning checkpoint (``state_dict`` under th
 plus the hyper-parameters, epoch and global step, without optimizer state), which the unpipelined
 LightningModule loads with ``Model.load_from_checkpoint(OUT.ckpt)``.
 
-    twobp-consolidate CHECKPOINT_DIR OUT_DIR --safetensors --prefix model
+    twobp-consolidate CHECKPOINT_DIR OUT_DIR --safetensors --prefix model [--max-shard-size 5GB]
 
 writes the weights under the module ``model`` (the LightningModule's ``self.model``), that prefix
-dropped, as Hugging Face safetensors (``OUT_DIR/model.safetensors``): with the model's
-``config.json`` beside it, ``from_pretrained(OUT_DIR)`` loads the fine-tuned model, and
-``TwoBPStrategy(pretrained=OUT_DIR)`` starts from it.
+dropped, as Hugging Face safetensors (``OUT_DIR/model.safetensors``, or shards and their index over
+``--max-shard-size``, one shard in memory at a time): with the model's ``config.json`` beside it,
+``from_pretrained(OUT_DIR)`` loads the fine-tuned model, and ``TwoBPStrategy(pretrained=OUT_DIR)``
+starts from it.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ import ctypes
 import errno
 import hashlib
 import json
+import math
 import os
 import pickle
 import shutil
@@ -58,6 +60,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -617,29 +620,84 @@ def _merged_model(checkpoint_dir: str | os.PathLike) -> tuple[Path, dict[str, to
         return src, torch.load(merged, map_location="cpu", weights_only=True)["model"]
 
 
-def to_safetensors(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathLike, prefix: str = "") -> int:
+def to_safetensors(
+    checkpoint_dir: str | os.PathLike, out_dir: str | os.PathLike, prefix: str = "", max_shard_bytes: int = 5 * 10**9
+) -> int:
     """The model's weights under the module ``prefix`` (``""``: all), that prefix dropped from their names,
-    as ``out_dir/model.safetensors``, what Hugging Face's ``from_pretrained`` reads; the number of tensors."""
+    as Hugging Face safetensors in ``out_dir``, what ``from_pretrained`` reads: ``model.safetensors``, or
+    shards of at most ``max_shard_bytes`` (a tensor larger than that alone) and their index, as
+    ``save_pretrained`` writes them. One shard in memory at a time, read from the checkpoint's shards
+    (a model larger than one process's memory is written); the number of tensors."""
     from safetensors.torch import save_file
 
-    _, weights = _merged_model(checkpoint_dir)
-    head = prefix.strip(".") + "." if prefix.strip(".") else ""
-    chosen = {k[len(head) :]: v for k, v in weights.items() if k.startswith(head) and isinstance(v, torch.Tensor)}
-    if not chosen:
-        tops = sorted({k.split(".", 1)[0] for k in weights})
-        raise ValueError(
-            f"twobp-consolidate --prefix {prefix!r}: no weight of {checkpoint_dir} is under it; its modules: "
-            f"{', '.join(tops)} (e.g. --prefix {tops[0]})"
-        )
-    seen: set[int] = set()
-    for name, value in chosen.items():  # safetensors refuses tensors that share memory (a tied weight)
-        value = value.contiguous()
-        chosen[name] = value.clone() if value.data_ptr() in seen else value
-        seen.add(value.data_ptr())
+    src = resolve(checkpoint_dir)
+    verify(src, shared=False)
+    chosen = _stored_weights(src, prefix, checkpoint_dir)
+    shards = _shards(chosen, max_shard_bytes)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    save_file(chosen, out / "model.safetensors", metadata={"format": "pt"})
+    for old in [*out.glob("model*.safetensors"), out / _HF_INDEX]:  # an earlier save's: from_pretrained would read it
+        old.unlink(missing_ok=True)
+    names = ["model.safetensors"] if len(shards) == 1 else [
+        f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))
+    ]  # fmt: skip
+    for name, shard in zip(names, shards, strict=True):
+        state = {key: torch.empty(m.size, dtype=m.properties.dtype) for key, m in (chosen[n] for n in shard)}
+        with warnings.catch_warnings():  # one process reads every shard: torch says it assumes so
+            warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+            dcp.load(state, storage_reader=dcp.FileSystemReader(src), no_dist=True)
+        save_file({n: state[chosen[n][0]] for n in shard}, out / name, metadata={"format": "pt"})
+        del state
+    if len(shards) > 1:
+        total = sum(math.prod(m.size) * m.properties.dtype.itemsize for _, m in chosen.values())
+        where = {n: name for name, shard in zip(names, shards, strict=True) for n in shard}
+        (out / _HF_INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": where}, indent=2))
     return len(chosen)
+
+
+_HF_INDEX = "model.safetensors.index.json"
+
+
+def _stored_weights(src: Path, prefix: str, named: Any) -> dict[str, tuple[str, Any]]:
+    """The checkpoint's model tensors under ``prefix``: the name to write -> (DCP key, its metadata)."""
+    stored = dcp.FileSystemReader(src).read_metadata().state_dict_metadata
+    head = "model." + (prefix.strip(".") + "." if prefix.strip(".") else "")
+    chosen = {
+        k[len(head) :]: (k, m) for k, m in stored.items() if k.startswith(head) and isinstance(m, TensorStorageMetadata)
+    }
+    if not chosen:
+        tops = sorted({k.split(".")[1] for k in stored if k.startswith("model.") and k.count(".") > 1})
+        raise ValueError(
+            f"twobp-consolidate --prefix {prefix!r}: no weight of {named} is under it; its modules: "
+            f"{', '.join(tops)} (e.g. --prefix {tops[0] if tops else 'model'})"
+        )
+    return dict(sorted(chosen.items()))
+
+
+def _shards(chosen: dict[str, tuple[str, Any]], max_bytes: int) -> list[list[str]]:
+    """The names in order, cut into shards of at most ``max_bytes`` (a larger tensor alone)."""
+    shards: list[list[str]] = [[]]
+    size = 0
+    for name, (_, m) in chosen.items():
+        nbytes = math.prod(m.size) * m.properties.dtype.itemsize
+        if shards[-1] and size + nbytes > max_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += nbytes
+    return shards
+
+
+def _bytes(text: str) -> int:
+    """``5GB``, ``500MB``, ``200KB`` or a number of bytes (Hugging Face's ``max_shard_size``)."""
+    units = {"GB": 10**9, "MB": 10**6, "KB": 10**3, "GIB": 2**30, "MIB": 2**20, "KIB": 2**10, "B": 1}
+    upper = text.strip().upper()
+    for unit, scale in units.items():
+        if upper.endswith(unit) and upper[: -len(unit)].strip().replace(".", "", 1).isdigit():
+            return int(float(upper[: -len(unit)]) * scale)
+    if upper.isdigit():
+        return int(upper)
+    raise argparse.ArgumentTypeError(f"--max-shard-size {text!r}: a size such as 5GB, 500MB or a number of bytes")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -650,6 +708,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("out", help="where to write the consolidated .ckpt file (with --safetensors: a directory)")
     ap.add_argument("--safetensors", action="store_true", help="write the weights as Hugging Face safetensors into OUT")
     ap.add_argument(
+        "--max-shard-size",
+        type=_bytes,
+        default=5 * 10**9,
+        help="--safetensors: the largest file to write (default 5GB, as save_pretrained); more: shards and an index",
+    )
+    ap.add_argument(
         "--prefix",
         default="",
         help="--safetensors: the module whose weights to write, its name dropped: for self.model = AutoModel..., "
@@ -657,8 +721,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = ap.parse_args(argv)
     if args.safetensors:
-        count = to_safetensors(args.checkpoint_dir, args.out, args.prefix)
-        print(f"wrote {Path(args.out) / 'model.safetensors'}: {count} tensors")
+        count = to_safetensors(args.checkpoint_dir, args.out, args.prefix, args.max_shard_size)
+        print(f"wrote {args.out}: {count} tensors as Hugging Face safetensors")
         return 0
     ckpt = consolidate(args.checkpoint_dir, args.out)
     n = sum(t.numel() for t in ckpt["state_dict"].values() if isinstance(t, torch.Tensor))
