@@ -281,8 +281,8 @@ class PipelineOptions:
             each replica ``1/dp`` of them; the parameters are gathered once per step before the
             stage's first F and held through its last W, the gradients reduce-scattered once after
             it (:mod:`lightning_twobp.lightning.sharding`); checkpoints hold the shards. Needs at least
-            2 replicas; fp32, ``"bf16-mixed"`` or the ``"-true"`` half precisions (fp16's GradScaler is refused
-            before any compute).
+            2 replicas; fp32, ``"bf16-mixed"``, ``"16-mixed"`` or the ``"-true"`` half precisions (others are
+            refused before any compute).
         activation_checkpointing: ``None`` (off, the default), ``"full"`` (every block recomputed in B),
             an int ``k`` (every k-th block), ``"selective"`` (every block, its matrix products and
             convolutions kept) or,

@@ -11,7 +11,6 @@ import json
 import re
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import lightning.pytorch as pl
 import pytest
@@ -439,13 +438,6 @@ def _fit(
     return t
 
 
-def _fp16_with_scaler() -> Any:
-    """fp16 with its GradScaler (on CPU Lightning turns precision="16-mixed" into bf16: the plugin is given)."""
-    from lightning.pytorch.plugins import MixedPrecision
-
-    return MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))
-
-
 def _one_rank_group() -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
 
@@ -773,10 +765,10 @@ CASES: dict[str, Case] = {
         r"data_parallel='shard' with 1 data-parallel replica: there is nothing to shard the stages over",
     ),
     "fit-shard-precision": (
-        lambda t: _fit(data_parallel="shard", trainer=dict(plugins=[_fp16_with_scaler()])),
+        lambda t: _fit(data_parallel="shard", trainer=dict(precision="64-true")),
         ValueError,
-        r"data_parallel='shard' with precision='16-mixed': fp32 \('32-true'\), 'bf16-mixed', 'bf16-true' and "
-        r"'16-true' are supported \(fp16's GradScaler is not wired into the shards\)",
+        r"data_parallel='shard' with precision='64-true': fp32 \('32-true'\), 'bf16-mixed', 'bf16-true', '16-true' "
+        r"and '16-mixed' are supported; use one of those or data_parallel='replicate'",
     ),
     "fit-more-stages-than-layers": (
         lambda t: _fit(schedule="interleaved-1f1b", stages_per_rank=4),

@@ -11,6 +11,7 @@ import logging
 import os
 import re
 import signal
+from typing import Any
 
 import lightning.pytorch as pl
 import pytest
@@ -296,9 +297,12 @@ def _fit(
         # Lightning's DistributedSampler (shuffle, seed 0) gives replica d the samples perm[d::2]; with
         # ``evaluate`` the fit validates too (the sanity check: a sharded forward-only pass)
         val = {"val_dataloaders": _val_data()} if evaluate else {}
-        _trainer(
-            strategy, world, rec, use_distributed_sampler=True, precision=precision, accumulate_grad_batches=accumulate
-        ).fit(model, _data(), **val)
+        # fp16 with its GradScaler is given as a plugin (on CPU Lightning makes "16-mixed" bf16); its scale
+        # starts high enough that the first steps overflow and are skipped on every rank alike
+        amp = {"plugins": [_fp16()]} if precision == "16-mixed" else {"precision": precision}
+        _trainer(strategy, world, rec, use_distributed_sampler=True, accumulate_grad_batches=accumulate, **amp).fit(
+            model, _data(), **val
+        )
         params = own_weights(model)
         kinds = {type(q).__name__ for q in model.parameters()}
         out[mode] = {"params": params, "losses": rec.losses, "bytes": rec.bytes, "kinds": kinds, "dtypes": dtypes}
@@ -311,6 +315,12 @@ def _fit(
             trainer = _trainer(strategy, world, Recorder(), use_distributed_sampler=False)
             out[mode]["predictions"] = trainer.predict(model, _val_data())  # on the last stage's ranks
     return out
+
+
+def _fp16() -> Any:
+    from lightning.pytorch.plugins import MixedPrecision
+
+    return MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=2.0**40))
 
 
 def _reference(
@@ -394,6 +404,10 @@ def four_ranks(request) -> conftest.Launch:
             _fit,
             ({"schedule": "zb-h1"}, ("shard", "replicate"), False, precision),
         )
+    cases["test_fp16_with_its_grad_scaler_sharded_matches_replicated"] = (
+        _fit,
+        ({"schedule": "zb-h1"}, ("shard", "replicate"), False, "16-mixed"),
+    )
     cases["test_gradient_accumulation_sharded_matches_replicated"] = (
         _fit,
         ({"schedule": "zb-h1"}, ("shard", "replicate"), False, "32-true", 2),
@@ -477,6 +491,20 @@ def test_half_precision_weights_sharded_match_replicated(four_ranks, request, pr
             assert 0.4 < ratio < 0.6, f"rank {rank} {kind}: {sharded['bytes']} vs {replicated['bytes']}"
 
 
+def test_fp16_with_its_grad_scaler_sharded_matches_replicated(four_ranks, request):
+    """fp16 with a GradScaler whose first scale overflows: the overflow check over every stage's DTensor
+    gradient shards (ShardedGradScaler, one all-reduce over the world) skips the same steps as the
+    replicated pipeline and unscales the same values: losses and fp32 weights bitwise equal (the first
+    step skipped: its losses after differ from a run whose scale does not overflow, checked by hand)."""
+    for rank, res in enumerate(four_ranks[request.node.name]):
+        sharded, replicated = res["shard"], res["replicate"]
+        assert sharded["losses"] == replicated["losses"], f"rank {rank}"
+        assert sharded["kinds"] == {"Parameter"} and sharded["dtypes"] == {torch.float32}, f"rank {rank}"
+        for name, value in sharded["params"].items():
+            assert value.dtype == torch.float32, f"rank {rank}: {name} came back {value.dtype}"
+            assert torch.equal(value, replicated["params"][name]), f"rank {rank} {name}"
+
+
 def test_gradient_accumulation_sharded_matches_replicated(four_ranks, request):
     """accumulate_grad_batches=2: each pipeline step's DTensor gradient shards are set aside and added
     into the window's, then scaled, as the replicated gradients are; the weights after 3 optimizer
@@ -552,8 +580,8 @@ def test_a_rank_lost_in_the_global_norm_is_named():
 def test_refusals_say_what_is_not_supported():
     with pytest.raises(ValueError, match="nothing to shard the stages over"):
         check_replicas(1, "32-true")
-    with pytest.raises(ValueError, match=r"precision='16-mixed': fp32 .* are supported \(fp16's GradScaler is not"):
-        check_replicas(2, "16-mixed")
+    with pytest.raises(ValueError, match=r"precision='64-true': fp32 .*, '16-true' and '16-mixed' are supported"):
+        check_replicas(2, "64-true")
     check_replicas(2, "bf16-mixed")  # FSDP2's MixedPrecisionPolicy: bf16 gathered parameters
     check_replicas(2, "bf16-true")  # a bf16 model sharded as it is
     scalar = nn.Module()

@@ -47,7 +47,9 @@ are cast to fp32 for the reduce-scatter (the policy's ``reduce_dtype`` stays uns
 post-backward hook would move the gradients aside after B, before W has added to them). Under
 ``"bf16-true"`` and ``"16-true"`` Lightning converts the model before the cut, so the shards, their
 gradients (reduced in that dtype, as the replicated all-reduce does) and the optimizer state are half
-precision: half of fp32's bytes again.
+precision: half of fp32's bytes again. Under ``"16-mixed"`` the shards stay fp32 (no policy: autocast
+computes in fp16) and the GradScaler's overflow check (torch's ``ShardedGradScaler``, one all-reduce over
+the world, :func:`~.grads.overflow_agreeing_scaler`) reads each rank's DTensor gradient shards.
 """
 
 from __future__ import annotations
@@ -84,7 +86,7 @@ __all__ = [
 
 # the "-true" half precisions convert the model before it is cut and sharded: FSDP2 then shards half-precision
 # parameters, whose gradients and optimizer state are half precision too (no policy needed)
-_PRECISIONS = ("32-true", "32", "bf16-mixed", "bf16-true", "16-true")
+_PRECISIONS = ("32-true", "32", "bf16-mixed", "bf16-true", "16-true", "16-mixed")
 
 
 def mixed_precision(precision: str) -> MixedPrecisionPolicy | None:
@@ -104,9 +106,8 @@ def check_replicas(dp_degree: int, precision: str) -> None:
     """Refuse, before the model is cut, a layout or precision sharding does not support (yet)."""
     if precision not in _PRECISIONS:
         raise ValueError(
-            f"data_parallel='shard' with precision={precision!r}: fp32 ('32-true'), 'bf16-mixed', 'bf16-true' and "
-            f"'16-true' are supported (fp16's GradScaler is not wired into the shards); use one of those or "
-            f"data_parallel='replicate'"
+            f"data_parallel='shard' with precision={precision!r}: fp32 ('32-true'), 'bf16-mixed', 'bf16-true', "
+            f"'16-true' and '16-mixed' are supported; use one of those or data_parallel='replicate'"
         )
     if dp_degree < 2:
         raise ValueError(
