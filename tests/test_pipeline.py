@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from lightning_twobp.engine import PipelineExecutor
+from lightning_twobp.engine import p2p as p2p_module
 from lightning_twobp.models.llama import LlamaConfig, build_llama
 from lightning_twobp.partition import even_sizes, split_sequential
 from lightning_twobp.processes import run_distributed
@@ -87,11 +88,13 @@ def _check_schedule(rank: int, world: int, name: str) -> list[str]:
             failures.append(f"{tag}: rank {rank} checked no parameters")
         if any(st.in_flight for st in ex.stages.values()):
             failures.append(f"{tag}: micro-batches still in flight after the step")
-        # evaluation on the same layout: stage-major order deadlocked where stages alternate between ranks
-        outs = ex.forward_only(list(ids) if 0 in mine else None, m)
+        # evaluation on the same layout: stage-major order deadlocked where stages alternate between ranks;
+        # the last micro-batch smaller (a last batch), its shapes sent ahead of it
+        evaluated = [*ids[:-1], ids[-1][:1]]
+        outs = ex.forward_only(evaluated if 0 in mine else None, m)
         if num_stages - 1 in mine:
             with torch.no_grad():
-                expected = [ref(ids[i]) for i in range(m)]
+                expected = [ref(x) for x in evaluated]
             if outs is None or len(outs) != m:
                 failures.append(f"{tag}: forward-only returned {outs if outs is None else len(outs)} outputs")
             elif not all(torch.allclose(o, e, rtol=1e-5, atol=1e-6) for o, e in zip(outs, expected, strict=True)):
@@ -404,3 +407,16 @@ def launches(request) -> dict[int, conftest.Launch]:
         test = "test_steps_run_back_to_back_without_collectives_and_follow_shape_changes"
         cases[p][f"{test}[{name}-{p}]"] = (_steps_without_collectives, (name,))
     return {p: launch(request, p, c, timeout=840) for p, c in cases.items()}
+
+
+def test_evaluations_header_says_each_tensors_dtype_and_shape_or_hands_over_to_an_object():
+    """forward_only's messages: a fixed-size header, then the tensors as they are; what the header cannot
+    say (a non-tensor, an unknown dtype, more than it holds) goes as an object after a header saying so."""
+    values = (torch.zeros(3, 4, 5), torch.ones((), dtype=torch.bfloat16), torch.zeros(2, dtype=torch.bool))
+    header = p2p_module._header(values)
+    assert header is not None and header.shape == (p2p_module._HEADER,)
+    assert p2p_module._read_header(header) == [(t.dtype, tuple(t.shape)) for t in values]
+    assert p2p_module._header((torch.zeros(2), None)) is None
+    assert p2p_module._header((torch.zeros(2, dtype=torch.float8_e4m3fn),)) is None
+    assert p2p_module._header(tuple(torch.zeros(1, 1) for _ in range(64))) is None  # 1 + 64 * 4 words
+    assert p2p_module._read_header(torch.full((p2p_module._HEADER,), -1)) is None

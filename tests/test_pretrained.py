@@ -80,7 +80,7 @@ def test_a_rank_reads_only_the_tensors_it_holds(tmp_path):
 def test_a_base_model_goes_into_its_causal_lm_and_what_it_lacks_is_named(tmp_path):
     base = transformers.LlamaModel(_config())
     found = plan(_saved(tmp_path, base), Wrapper(_config(), meta=True))
-    assert found.prefix == "model.model."
+    assert found.keys["model.model.norm.weight"] == "norm.weight"  # from_pretrained adds the base prefix
     assert found.missing == ("model.lm_head.weight", "value.bias", "value.weight")
 
 
@@ -202,7 +202,8 @@ def test_old_names_transformers_renames_are_read_renamed(tmp_path):
     config.save_pretrained(tmp_path)
     target = transformers.BertModel(config)
     found = plan(tmp_path, target)
-    assert found.missing == found.unused == () and len(found.converted.renamed) == 6
+    assert found.missing == found.unused == ()
+    assert sum(k.endswith("LayerNorm.gamma") for k in found.keys.values()) == 3  # read through the renaming
     load(found, target)
     want = transformers.BertModel.from_pretrained(tmp_path).state_dict()
     assert all(torch.equal(target.state_dict()[k], v) for k, v in want.items())
@@ -564,3 +565,83 @@ def test_the_export_to_hugging_face_holds_one_shard_at_a_time(tmp_path):
     read = nn.Sequential(*(nn.Linear(2048, 2048, bias=False) for _ in range(8)))
     load(plan(tmp_path / "hf", read), read)
     assert all(torch.equal(a, b) for a, b in zip(read.parameters(), model.parameters(), strict=True))
+
+
+def _equal_to_from_pretrained(folder: Path, cls: Any, config: Any, wrapped: bool = False) -> Any:
+    """A fresh ``cls(config)`` read from ``folder`` (held as a LightningModule's ``self.model`` where
+    ``wrapped``) against ``cls.from_pretrained(folder)``, tensor by tensor; the plan."""
+    want = cls.from_pretrained(folder).state_dict()
+    target: nn.Module = cls(config)
+    if wrapped:
+        holder = nn.Module()
+        holder.model = target
+        target = holder
+    found = plan(folder, target)
+    load(found, target)
+    got = target.model.state_dict() if wrapped else target.state_dict()
+    assert [k for k, v in want.items() if not torch.equal(got[k], v)] == []
+    return found
+
+
+def test_a_checkpoint_whose_names_transformers_moves_is_read_as_from_pretrained_reads_it(tmp_path):
+    """Llava's Hub layout (``language_model.lm_head``, ``language_model.model.*``, which transformers 5
+    moves to ``lm_head`` and ``model.language_model.*``), in a LightningModule: the head read too (it was
+    left as built, warned only)."""
+    text = tiny_llama_config(vocab_size=80)
+    vision = transformers.CLIPVisionConfig(
+        hidden_size=16, intermediate_size=24, num_hidden_layers=1, num_attention_heads=2, image_size=8, patch_size=4
+    )
+    config = transformers.LlavaConfig(text_config=text, vision_config=vision, image_token_index=70)
+    _saved(tmp_path, transformers.LlavaForConditionalGeneration(config))
+    found = _equal_to_from_pretrained(tmp_path, transformers.LlavaForConditionalGeneration, config, wrapped=True)
+    assert found.missing == found.unused == ()
+
+
+def test_a_conversion_of_a_name_the_model_has_too_is_applied(tmp_path):
+    """Qwen3-VL-MoE's Hub experts are stored transposed under the model's own names; from_pretrained
+    transposes them (``Transpose(check_dims=True)``), and so does the read."""
+    text = dict(
+        vocab_size=64, hidden_size=16, intermediate_size=24, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=12,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [1, 1, 2]},
+    )  # fmt: skip
+    vision = dict(
+        depth=1, hidden_size=16, intermediate_size=24, num_heads=2, out_hidden_size=16, patch_size=2,
+        temporal_patch_size=1, spatial_merge_size=1, deepstack_visual_indexes=[0],
+    )  # fmt: skip
+    config = transformers.Qwen3VLMoeConfig(text_config=text, vision_config=vision)
+    cls = transformers.Qwen3VLMoeForConditionalGeneration
+    state = cls(config).state_dict()
+    hub = {k: v.transpose(1, 2).contiguous() if k.endswith("_proj") and v.dim() == 3 else v for k, v in state.items()}
+    safetensors.save_file(hub, tmp_path / "model.safetensors")
+    config.save_pretrained(tmp_path)
+    found = _equal_to_from_pretrained(tmp_path, cls, config)
+    assert len(found.converted.conversions) == 2 and found.missing == found.unused == ()
+
+
+def test_layers_the_model_lacks_are_named_not_refused_and_quantized_parts_are_refused(tmp_path):
+    """A file with one more MoE layer than the model (a multi-token-prediction layer) into a classifier:
+    the extra layer and the head named as from_pretrained names them. GPT-OSS's MXFP4 experts (blocks and
+    scales in place of the weight): refused, not left as built."""
+    moe = dict(
+        vocab_size=32, hidden_size=16, intermediate_size=32, num_attention_heads=2, num_key_value_heads=2,
+        num_experts=3, num_experts_per_tok=2, moe_intermediate_size=8,
+    )  # fmt: skip
+    _saved(
+        tmp_path / "three", transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(num_hidden_layers=3, **moe))
+    )
+    with torch.device("meta"):
+        two = transformers.Qwen3MoeForSequenceClassification(transformers.Qwen3MoeConfig(num_hidden_layers=2, **moe))
+    found = plan(tmp_path / "three", two)
+    assert found.missing == ("score.weight",) and "model.layers.2.mlp.experts.0.up_proj.weight" in found.unused
+    state = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(num_hidden_layers=1, **moe)).state_dict()
+    packed = {k: v for k, v in state.items() if "experts" not in k}
+    packed["model.layers.0.mlp.experts.gate_up_proj_blocks"] = torch.zeros(3, 16, 2, 8, dtype=torch.uint8)
+    packed["model.layers.0.mlp.experts.gate_up_proj_scales"] = torch.zeros(3, 16, 2, dtype=torch.uint8)
+    safetensors.save_file(packed, tmp_path / "model.safetensors")
+    with torch.device("meta"):
+        one = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(num_hidden_layers=1, **moe))
+    with pytest.raises(
+        ValueError, match=r"quantized: model.layers.0.mlp.experts.gate_up_proj_blocks \(U8\) is a part of"
+    ):
+        plan(tmp_path, one)

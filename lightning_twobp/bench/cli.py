@@ -78,6 +78,12 @@ def _add_modes(ap: argparse.ArgumentParser) -> None:
         "building, at fit start and at its peak, and fit's time (--world ranks, default 4 here; --quick: toy sizes)",
     )
     mode.add_argument(
+        "--eval-sends",
+        action="store_true",
+        help="forward-only passes (validation): activations sent as tensors after a header against pickled "
+        "objects, 2 ranks, alternated (--rounds; --quick: toy sizes, 1 round)",
+    )
+    mode.add_argument(
         "--paper",
         action="store_true",
         help="the 2BP paper's three questions (throughput, peak memory, scaling) on its four models",
@@ -283,6 +289,13 @@ def _meta_build(args: argparse.Namespace) -> None:
     _show_json(markdown(result), result, args.json)
 
 
+def _eval_sends(args: argparse.Namespace) -> None:
+    from lightning_twobp.bench.eval_sends import markdown, run_eval_sends
+
+    result = run_eval_sends(quick=args.quick, rounds=1 if args.quick else args.rounds)
+    _show_json(markdown(result), result, args.json)
+
+
 def _workload(args: argparse.Namespace) -> Workload:
     return Workload.quick() if args.quick else Workload()
 
@@ -292,6 +305,7 @@ _MODES: dict[str, Callable[[argparse.Namespace], None]] = {
     "memory_model": _memory_model,
     "sharded": _sharded,
     "meta_build": _meta_build,
+    "eval_sends": _eval_sends,
     "split": _split,
     "soak": _soak,
     "gpu": _gpu,

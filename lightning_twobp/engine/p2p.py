@@ -60,6 +60,14 @@ __all__ = ["MAX_TENSORS", "P2P", "PeerLost", "TensorMeta"]
 
 MAX_TENSORS = 64  # tensors one stage may pass to the next (part of the message tag)
 _SIGNATURE_TAG = 2**31 - 2  # above every message tag: ((mb * S + edge) * 2 + dir) * 64 + index
+_EVAL_TAG = 2**31 - 3  # evaluation's activations (forward-only passes), a stream of their own
+# Evaluation's header: the count of tensors, then per tensor its dtype's index here, its ndim and shape;
+# -1 first: an object follows instead (a value the header cannot say)
+_HEADER = 128
+_WIRE_DTYPES = (
+    torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.int16, torch.int8,
+    torch.uint8, torch.bool, torch.complex64, torch.complex128,
+)  # fmt: skip
 
 
 class PeerLost(RuntimeError):
@@ -310,7 +318,40 @@ class P2P:
             )
         return tuple(bufs)
 
-    # ------------------------------------------------------------------ objects (shape exchange, evaluation)
+    # ------------------------------------------------------------------ evaluation's activations
+    def send_tensors(self, values: tuple, to_stage: int) -> None:
+        """A forward-only pass's output to the next stage: a fixed-size header of shapes and dtypes, then
+        each tensor as it is (no pickling, no copy through the host on a GPU; the shapes may change between
+        micro-batches, a last smaller batch). A value the header cannot say goes as an object."""
+        peer = self.schedule.stage_to_rank[to_stage]
+        header = _header(values)
+        marker = header if header is not None else torch.full((_HEADER,), -1)
+        try:
+            dist.send(marker.to(self.device), self.global_ranks[peer], group=self.group, tag=_EVAL_TAG)
+            for t in values if header is not None else ():
+                dist.send(t.contiguous(), self.global_ranks[peer], group=self.group, tag=_EVAL_TAG)
+        except RuntimeError as e:
+            raise PeerLost(self.describe_loss([peer], f"stage {to_stage} to take its input", e)) from e
+        if header is None:
+            self.send_object(values, to_stage)
+
+    def recv_tensors(self, from_stage: int) -> tuple:
+        """What :meth:`send_tensors` sent, on this rank's device."""
+        peer = self.schedule.stage_to_rank[from_stage]
+        header = torch.empty(_HEADER, dtype=torch.int64, device=self.device)
+        try:
+            dist.recv(header, self.global_ranks[peer], group=self.group, tag=_EVAL_TAG)
+            metas = _read_header(header.cpu())
+            if metas is None:
+                return tuple(t.to(self.device) for t in self.recv_object(from_stage))
+            out = tuple(torch.empty(shape, dtype=dtype, device=self.device) for dtype, shape in metas)
+            for t in out:
+                dist.recv(t, self.global_ranks[peer], group=self.group, tag=_EVAL_TAG)
+        except RuntimeError as e:
+            raise PeerLost(self.describe_loss([peer], f"the output of stage {from_stage}", e)) from e
+        return out
+
+    # ------------------------------------------------------------------ objects (shape exchange)
     def send_object(self, obj: Any, to_stage: int) -> None:
         peer = self.schedule.stage_to_rank[to_stage]
         try:
@@ -344,3 +385,27 @@ def check_outgoing(actual: Sequence[TensorMeta], expected: Sequence[TensorMeta],
             f"on every rank before the next step (trainer.strategy.reset_shapes() under Lightning, e.g. in the "
             f"callback that freezes or unfreezes layers)"
         )
+
+
+def _header(values: tuple) -> torch.Tensor | None:
+    """``values``' count, dtypes and shapes as :data:`_HEADER` int64s; None where they do not fit one."""
+    words = [len(values)]
+    for t in values:
+        if not isinstance(t, torch.Tensor) or t.dtype not in _WIRE_DTYPES:
+            return None
+        words += [_WIRE_DTYPES.index(t.dtype), t.dim(), *t.shape]
+    if len(words) > _HEADER:
+        return None
+    return torch.tensor(words + [0] * (_HEADER - len(words)), dtype=torch.int64)
+
+
+def _read_header(header: torch.Tensor) -> list[tuple[torch.dtype, tuple[int, ...]]] | None:
+    words = header.tolist()
+    if words[0] < 0:
+        return None
+    metas, i = [], 1
+    for _ in range(words[0]):
+        dtype, ndim = _WIRE_DTYPES[words[i]], words[i + 1]
+        metas.append((dtype, tuple(words[i + 2 : i + 2 + ndim])))
+        i += 2 + ndim
+    return metas

@@ -166,32 +166,84 @@ def _tensors(module: nn.Module) -> dict[str, Any]:
 
 def plan(path: str | Path, module: nn.Module, prefix: str | None = None) -> Plan:
     """Which stored tensor goes to which of the model's tensors, every shape and dtype checked: ValueError
-    before any read, alike on every rank."""
+    before any read, alike on every rank. The file is read as ``from_pretrained`` reads it into the model's
+    Hugging Face model (:func:`.pretrained_conversions.hugging_face_view`) where that places at least as many
+    of its names as placing them by their trailing parts does (a checkpoint of the LightningModule's own,
+    a plain module's), else by those."""
     source = read_headers(Path(path))
     entries, model = source.entries, _tensors(module)
-    prefix, drop = _find_prefix(set(entries), model, prefix, conversions.convertible(module, set(entries)))
-    names: dict[str, str] = {}  # the model's name -> the file's name
+    shapes = {f: e.shape for f, e in entries.items()}
+    given = None if prefix is None else prefix.strip(".") + "." if prefix.strip(".") else ""
+    view = conversions.hugging_face_view(module, set(entries), shapes, given)
+    if view is not None and view.placed >= _placed_by_suffix(set(entries), model, given, module):
+        names, converted, prefix = view.names, view.converted, view.path
+    else:
+        names, converted, prefix = _by_suffix_view(entries, model, module, given)
+    names = _with_aliases(names, model)
+    placed = set(names) | converted.outputs
+    missing = [k for k in module.state_dict(keep_vars=True) if k.endswith(_EXTRA) or k not in placed]
+    unused = sorted(set(entries) - set(names.values()) - converted.sources)
+    _check_values(source, names, model, converted)
+    _check_quantized_leftovers(source, missing, unused)
+    keys = {name: entries[f].key for name, f in names.items()}
+    return Plan(source, prefix, keys, tuple(sorted(missing)), tuple(unused), converted)
+
+
+def _placed_by_suffix(files: set[str], model: dict[str, Any], given: str | None, module: nn.Module) -> int:
+    """How many of the file's names the best placing by trailing parts puts on the model (0: none)."""
+    try:
+        prefix, drop = _find_prefix(files, model, given, conversions.convertible(module, files))
+    except ValueError:
+        return 0
+    return sum(f.startswith(drop) and prefix + f[len(drop) :] in model for f in files)
+
+
+def _by_suffix_view(
+    entries: dict[str, Any], model: dict[str, Any], module: nn.Module, given: str | None
+) -> tuple[dict[str, str], Converted, str]:
+    """The file's names placed under the module path their trailing parts fit (:func:`_find_prefix`), the
+    names left over through the conversions of the Hugging Face models there."""
+    files = set(entries)
+    prefix, drop = _find_prefix(files, model, given, conversions.convertible(module, files))
+    names = {n: drop + n[len(prefix) :] for n in model if n.startswith(prefix) and drop + n[len(prefix) :] in files}
+    unused = sorted(files - set(names.values()))
+    unset = [n for n in model if n.startswith(prefix) and n not in names]
+    shapes = {f: entries[f].shape for f in unused}
+    converted = conversions.plan_conversions(module, prefix, drop, unset, unused, shapes)
+    return names | converted.renamed, Converted({}, converted.conversions), prefix
+
+
+def _with_aliases(names: dict[str, str], model: dict[str, Any]) -> dict[str, str]:
+    """Each placed tensor under every name of it (a rank may hold a tied weight under another), read
+    through the first of its names placed; the file's other names for it are then not read."""
     by_tensor: dict[int, list[str]] = defaultdict(list)
     for name, tensor in model.items():
         by_tensor[id(tensor)].append(name)
-    missing = [k for k in module.state_dict(keep_vars=True) if k.endswith(_EXTRA)]  # kept as built, and said so
-    for aliases in by_tensor.values():  # a tensor is read through the first of its names the file has
-        found = [n for n in aliases if n.startswith(prefix) and drop + n[len(prefix) :] in entries]
-        if found:  # every name: a rank may hold the tensor under another (a tied weight's stage)
-            names.update(dict.fromkeys(aliases, drop + found[0][len(prefix) :]))
-        else:
-            missing.extend(aliases)
-    unused = sorted(set(entries) - set(names.values()))
-    unset = [n for n in missing if n.startswith(prefix)]
-    converted = conversions.plan_conversions(module, prefix, drop, unset, unused, {f: entries[f].shape for f in unused})
-    for name, f in converted.renamed.items():  # a renamed tensor under every name of it, as above
-        names.update(dict.fromkeys(by_tensor[id(model[name])], f))
-    placed = set(names) | converted.outputs
-    missing, unused = [n for n in missing if n not in placed], [f for f in unused if f not in converted.sources]
-    _check_values(source, names, model, converted)
-    _check_conversions(module, prefix, [n for n in missing if n.startswith(prefix)], unused)
-    keys = {name: entries[f].key for name, f in names.items()}
-    return Plan(source, prefix, keys, tuple(sorted(missing)), tuple(unused), converted)
+    out: dict[str, str] = {}
+    for aliases in by_tensor.values():
+        found = [n for n in aliases if n in names]
+        if found:
+            out.update(dict.fromkeys(aliases, names[found[0]]))
+    return out
+
+
+# what a quantized checkpoint stores beside (or in place of) a weight: its blocks, scales, zeros
+_QUANTIZED = ("_blocks", "_scales", "_scale_inv", ".qweight", ".qzeros", ".scales", ".absmax", ".SCB")
+
+
+def _check_quantized_leftovers(source: Source, missing: list[str], unused: list[str]) -> None:
+    """A quantized checkpoint's parts left unread where the model's weight of that name stays unset
+    (GPT-OSS's MXFP4 ``gate_up_proj_blocks`` and ``_scales``): refused, as a quantized tensor stored under
+    the weight's own name is (:func:`_check_values`)."""
+    for f in unused:
+        stem = next((f[: -len(q)] for q in _QUANTIZED if f.endswith(q)), None)
+        unset = next((m for m in missing if stem and (m.endswith(stem) or stem.endswith(m))), None)
+        if unset is not None:
+            raise ValueError(
+                f"the pretrained weights in {source.path} are quantized: {f} ({source.entries[f].dtype}) is a part of "
+                f"{unset}, whose value needs the checkpoint's dequantization. Use the checkpoint's unquantized "
+                f"release, or dequantize it once (from_pretrained with the quantizer, then save_pretrained)"
+            )
 
 
 def _check_values(source: Source, names: dict[str, str], model: dict[str, Any], converted: Converted) -> None:
@@ -218,26 +270,6 @@ def _check_values(source: Source, names: dict[str, str], model: dict[str, Any], 
             f"floating point are stored as {_shown(quantized)}, whose values need the checkpoint's scales. Use "
             f"the checkpoint's unquantized release, or dequantize it once and save it with safetensors"
         )
-
-
-def _check_conversions(module: nn.Module, prefix: str, unset: list[str], unused: list[str]) -> None:
-    """Names of the file that a conversion of a Hugging Face model around or under ``prefix`` takes, left
-    unplaced (:mod:`.pretrained_conversions` found no tensor of the model for them) while some of the
-    model's tensors there stay unset: refused, as the conversion did not do what from_pretrained's does."""
-    if not unset or not unused:
-        return
-    for _, sub in conversions.hugging_face_models(module, prefix):
-        for convert in conversions.mapping(sub):
-            taken = [k for k in unused if convert.compiled_sources.search(k)]
-            if taken:
-                raise ValueError(
-                    f"transformers converts checkpoint names of {type(sub).__name__} when it loads them ({convert}), "
-                    f"but {len(taken)} tensor(s) of the file ({_shown(taken)}) placed on none of the model's "
-                    f"tensors that way, and {len(unset)} of the model would keep their initial values "
-                    f"({_shown(unset)}). Build the model with the config and transformers version the weights "
-                    f"were saved with, or save them under the model's own names once "
-                    f"(safetensors.torch.save_file(model.state_dict(), ...) from a model from_pretrained loaded)"
-                )
 
 
 def warn_unmatched(p: Plan) -> None:

@@ -85,6 +85,61 @@ def mapping(sub: Any) -> list[Any]:
     return list(get_model_conversion_mapping(sub))
 
 
+@dataclass(frozen=True)
+class HuggingFaceView:
+    """The file read as ``from_pretrained`` reads it into the one Hugging Face model at ``path``: each name
+    renamed by transformers (its base-model prefix added or dropped), the fused ones converted."""
+
+    path: str
+    names: dict[str, str]  # the model's name -> the file's name
+    converted: Converted
+
+    @property
+    def placed(self) -> int:
+        return len(set(self.names.values())) + len(self.converted.sources)
+
+
+def hugging_face_view(
+    module: nn.Module, files: set[str], shapes: dict[str, tuple[int, ...]], given: str | None
+) -> HuggingFaceView | None:
+    """``from_pretrained``'s reading of the file (names and conversions) into the model's one outermost
+    Hugging Face model (at ``given``, where given); None where there is not exactly one, or before
+    transformers 5 (no mapping to follow: names are read as saved)."""
+    found = hugging_face_models(module, "")
+    roots = [(p, m) for p, m in found if not any(q != p and p.startswith(q) for q, _ in found)]
+    if len(roots) != 1 or (given is not None and given != roots[0][0]):
+        return None
+    try:
+        from transformers.core_model_loading import WeightConverter, dot_natural_key, rename_source_key
+    except ImportError:
+        return None
+    path, sub = roots[0]
+    transforms = mapping(sub)
+    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    by_pattern = {p: c for c in converters for p in c.source_patterns}
+    rename = _renamer(sub, transforms, converters)
+    own = {k for k in sub.state_dict(keep_vars=True) if not k.endswith("_extra_state")}
+    meta = dict(sub.state_dict(keep_vars=True))
+    names: dict[str, str] = {}
+    groups: dict[str, list[tuple[str, str]]] = defaultdict(list)
+    for f in sorted(files, key=dot_natural_key):
+        target, pattern = rename(f)
+        if target not in own and f in own:  # as from_pretrained: the name as saved, its base prefix fixed
+            target, pattern = rename_source_key(f, [], [], sub.base_model_prefix, meta)
+        if target not in own:
+            continue
+        if pattern is None:
+            names.setdefault(path + target, f)
+        else:
+            groups[target].append((f, pattern))
+    model = dict(module.state_dict(keep_vars=True))
+    planned = tuple(
+        _planned(path, target, sources, by_pattern[sources[0][1]], sub, model, shapes)
+        for target, sources in groups.items()
+    )
+    return HuggingFaceView(path, names, Converted({}, planned))
+
+
 def convertible(module: nn.Module, files: set[str]) -> frozenset[str]:
     """The file's names a conversion of one of the model's Hugging Face models takes (by its patterns)."""
     transforms = [t for _, sub in hugging_face_models(module, "") for t in mapping(sub)]
