@@ -554,13 +554,14 @@ def test_a_fine_tuned_model_goes_back_to_hugging_face(tmp_path, no_leftover_proc
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").is_file(), reason="reads the resident peak from /proc")
 def test_the_export_to_hugging_face_holds_one_shard_at_a_time(tmp_path):
     """A 128 MiB model written in 16 MiB shards: the process holds a shard and the buffers reading and
-    writing it (48 MB measured), never the model (it used to, twice: over 256 MB)."""
+    writing it (DCP's read buffer, its unpickled copy, safetensors' bytes: 65-82 MB measured on a first
+    export, 0-34 on later ones in the process), never the model (it used to, twice: 250 MB)."""
     model = nn.Sequential(*(nn.Linear(2048, 2048, bias=False) for _ in range(8)))
     ckpt.save({}, tmp_path / "big.ckpt", model, [], {})
     reset_peak_rss()
     before = peak_rss_mb()
     assert ckpt.to_safetensors(tmp_path / "big.ckpt", tmp_path / "hf", max_shard_bytes=17 * 2**20) == 8
-    assert peak_rss_mb() - before < 80, "more than a shard and its buffers held at once"
+    assert peak_rss_mb() - before < 125, "more than a shard and its buffers held at once"
     assert len(list((tmp_path / "hf").glob("model-*-of-00008.safetensors"))) == 8
     read = nn.Sequential(*(nn.Linear(2048, 2048, bias=False) for _ in range(8)))
     load(plan(tmp_path / "hf", read), read)
@@ -645,3 +646,35 @@ def test_layers_the_model_lacks_are_named_not_refused_and_quantized_parts_are_re
         ValueError, match=r"quantized: model.layers.0.mlp.experts.gate_up_proj_blocks \(U8\) is a part of"
     ):
         plan(tmp_path, one)
+
+
+class Drafted(nn.Module):
+    """A policy model and a draft head of the same blocks (not a Hugging Face model) beside it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = transformers.LlamaForCausalLM(_config())
+        self.draft = nn.Module()
+        self.draft.layers = nn.ModuleList([transformers.models.llama.modeling_llama.LlamaDecoderLayer(_config(), 0)])
+        self.draft.norm = transformers.models.llama.modeling_llama.LlamaRMSNorm(16)
+
+
+def test_beside_a_hugging_face_model_what_fits_two_places_or_nowhere_is_still_refused(tmp_path):
+    """Reading as from_pretrained does never overrides a refusal: a draft head's file fits the draft and
+    the policy's layers alike; a BERT file fits nothing of a LLaMa; a model and its EMA are two copies."""
+    model = Drafted()
+    safetensors.save_file(model.draft.state_dict(), tmp_path / "model.safetensors")
+    with pytest.raises(ValueError, match=r"match 10 tensors under each of the modules 'draft', 'model.model'"):
+        plan(tmp_path, model)
+    bert = transformers.BertModel(
+        transformers.BertConfig(
+            vocab_size=32, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32
+        )
+    )
+    _saved(tmp_path / "bert", bert)
+    with pytest.raises(ValueError, match=r"none of the pretrained file's .* tensor names"):
+        plan(tmp_path / "bert", Wrapper(_config(), meta=True))
+    weights = _source().state_dict()
+    torch.save({"model": weights, "ema": weights}, tmp_path / "two.pt")
+    with pytest.raises(ValueError, match=r"under each of 'ema.', 'model.': two copies"):
+        plan(tmp_path / "two.pt", _source())

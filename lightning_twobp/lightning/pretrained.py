@@ -99,6 +99,10 @@ def _pairings(files: set[str], model: dict[str, Any], given: str | None) -> dict
     return {pair: frozenset(names) for pair, names in placed.items()}
 
 
+class Ambiguous(ValueError):
+    """The file's names fit two places alike: refused whatever else could read them."""
+
+
 def _find_prefix(
     files: set[str], model: dict[str, Any], given: str | None, convertible: frozenset[str] = frozenset()
 ) -> tuple[str, str]:
@@ -127,13 +131,13 @@ def _find_prefix(
     targets = {pair: frozenset((f, pair[0] + f[len(pair[1]) :]) for f in placed[pair]) for pair in winners}
     if len({frozenset(t for _, t in names) for names in targets.values()}) < len(set(targets.values())):
         drops = sorted({drop for _, drop in winners})
-        raise ValueError(
+        raise Ambiguous(
             f"the pretrained file holds {best} of the model's tensors under each of {', '.join(map(repr, drops))}: "
             f"two copies of the weights (a model and its EMA, say). Save the one to start from alone, "
             f"torch.save(checkpoint[{drops[0].rstrip('.')!r}], path)"
         )
     if len(set(targets.values())) > 1:
-        raise ValueError(
+        raise Ambiguous(
             f"the pretrained weights match {best} tensors under each of the modules "
             f"{', '.join(repr(p.rstrip('.')) for p, _ in winners)}: pass TwoBPStrategy(pretrained_prefix=...) "
             f"naming the one they are for"
@@ -169,16 +173,24 @@ def plan(path: str | Path, module: nn.Module, prefix: str | None = None) -> Plan
     before any read, alike on every rank. The file is read as ``from_pretrained`` reads it into the model's
     Hugging Face model (:func:`.pretrained_conversions.hugging_face_view`) where that places at least as many
     of its names as placing them by their trailing parts does (a checkpoint of the LightningModule's own,
-    a plain module's), else by those."""
+    a plain module's), or places at least half of them where trailing parts place none; else by those.
+    Names that fit two places alike are refused either way."""
     source = read_headers(Path(path))
     entries, model = source.entries, _tensors(module)
     shapes = {f: e.shape for f, e in entries.items()}
     given = None if prefix is None else prefix.strip(".") + "." if prefix.strip(".") else ""
     view = conversions.hugging_face_view(module, set(entries), shapes, given)
-    if view is not None and view.placed >= _placed_by_suffix(set(entries), model, given, module):
+    try:
+        names, converted, prefix = _by_suffix_view(entries, model, module, given)
+    except Ambiguous:
+        raise
+    except ValueError:  # fits nowhere by trailing parts: read as from_pretrained reads it, if that places most
+        if view is None or 2 * view.placed < len(entries):
+            raise
         names, converted, prefix = view.names, view.converted, view.path
     else:
-        names, converted, prefix = _by_suffix_view(entries, model, module, given)
+        if view is not None and view.placed >= len(set(names.values())) + len(converted.sources):
+            names, converted, prefix = view.names, view.converted, view.path
     names = _with_aliases(names, model)
     placed = set(names) | converted.outputs
     missing = [k for k in module.state_dict(keep_vars=True) if k.endswith(_EXTRA) or k not in placed]
@@ -187,15 +199,6 @@ def plan(path: str | Path, module: nn.Module, prefix: str | None = None) -> Plan
     _check_quantized_leftovers(source, missing, unused)
     keys = {name: entries[f].key for name, f in names.items()}
     return Plan(source, prefix, keys, tuple(sorted(missing)), tuple(unused), converted)
-
-
-def _placed_by_suffix(files: set[str], model: dict[str, Any], given: str | None, module: nn.Module) -> int:
-    """How many of the file's names the best placing by trailing parts puts on the model (0: none)."""
-    try:
-        prefix, drop = _find_prefix(files, model, given, conversions.convertible(module, files))
-    except ValueError:
-        return 0
-    return sum(f.startswith(drop) and prefix + f[len(drop) :] in model for f in files)
 
 
 def _by_suffix_view(
