@@ -6,6 +6,8 @@ processes: the activations sent as tensors after a header of their shapes (``P2P
 the executor does) and pickled as objects (``send_object_list``, what it did before). Each rank reports
 each round's seconds of both; the figure is the median over rounds of objects' seconds over tensors'
 (above 1: the header way is faster), measured on the last rank, which waits for every activation.
+Then single messages alone, stage 0 to stage 1, 1 MB and 16 MB, ten of each way per round, alternated:
+what one activation costs to move, apart from the compute around it.
 """
 
 from __future__ import annotations
@@ -42,6 +44,23 @@ def _pickled(p2p: P2P, device: torch.device) -> Iterator[None]:
         del p2p.send_tensors, p2p.recv_tensors  # the class's methods again
 
 
+def _messages(executor: PipelineExecutor, rank: int, rounds: int, sizes_mb: tuple[int, ...]) -> dict[str, list[float]]:
+    """Seconds per message of each size and way (on the receiving rank), rounds alternated."""
+    p2p = executor._p2p
+    out: dict[str, list[float]] = {}
+    for mb in sizes_mb:
+        value = (torch.randn(mb * 2**18),)
+        for r in range(rounds):
+            for way in WAYS if r % 2 == 0 else WAYS[::-1]:
+                send = p2p.send_tensors if way == "tensors" else p2p.send_object
+                dist.barrier()
+                start = time.perf_counter()
+                for _ in range(10):
+                    send(value, 1) if rank == 0 else (p2p.recv_tensors(0) if way == "tensors" else p2p.recv_object(0))
+                out.setdefault(f"{way} {mb} MB", []).append((time.perf_counter() - start) / 10)
+    return out
+
+
 def _rank(rank: int, world: int, workload: Workload, m: int, rounds: int) -> dict[str, list[float]]:
     torch.set_num_threads(1)
     device = torch.device("cpu")
@@ -58,7 +77,7 @@ def _rank(rank: int, world: int, workload: Workload, m: int, rounds: int) -> dic
                 start = time.perf_counter()
                 executor.forward_only(inputs, m)
                 seconds[way].append(time.perf_counter() - start)
-    return seconds
+    return seconds | _messages(executor, rank, rounds, (1, 16))
 
 
 @contextmanager
@@ -78,11 +97,12 @@ def run_eval_sends(quick: bool = False, rounds: int = 7, m: int = 8) -> dict[str
         "seconds": {way: statistics.median(last[way]) for way in WAYS},
         "objects_over_tensors": statistics.median(ratios),
         "ratios": ratios,
+        "message_ms": {k: 1e3 * statistics.median(v) for k, v in last.items() if k not in WAYS},
     }
 
 
 def markdown(result: dict[str, Any]) -> str:
-    s = result["seconds"]
+    s, ms = result["seconds"], result["message_ms"]
     return "\n".join(
         [
             f"forward-only, 2 ranks, {result['workload']} ({result['activation_mb']:.1f} MB per activation), "
@@ -95,5 +115,11 @@ def markdown(result: dict[str, Any]) -> str:
             "",
             f"pickled / tensors, median of per-round ratios: **{result['objects_over_tensors']:.2f}** "
             f"(rounds: {', '.join(f'{r:.2f}' for r in result['ratios'])})",
+            "",
+            "one message alone, ms (median of rounds, 10 messages each):",
+            "",
+            "| message | as tensors | pickled |",
+            "|---|---:|---:|",
+            *(f"| {mb} MB | {ms[f'tensors {mb} MB']:.2f} | {ms[f'objects {mb} MB']:.2f} |" for mb in (1, 16)),
         ]
     )
