@@ -678,3 +678,30 @@ def test_beside_a_hugging_face_model_what_fits_two_places_or_nowhere_is_still_re
     torch.save({"model": weights, "ema": weights}, tmp_path / "two.pt")
     with pytest.raises(ValueError, match=r"under each of 'ema.', 'model.': two copies"):
         plan(tmp_path / "two.pt", _source())
+
+
+class Adapted(nn.Module):
+    """peft's LoRA layout (``q_proj.base_layer``, ``q_proj.lora_A``, ``q_proj.lora_B``), built by hand."""
+
+    def __init__(self, base: nn.Linear) -> None:
+        super().__init__()
+        self.base_layer = base
+        self.lora_A = nn.Linear(base.in_features, 2, bias=False)
+        self.lora_B = nn.Linear(2, base.out_features, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base_layer(x) + self.lora_B(self.lora_A(x))
+
+
+def test_the_base_models_weights_go_into_the_layers_an_adapter_wraps(tmp_path):
+    """A LoRA fine-tune started from the base model's file: its q_proj.weight is the adapted layer's
+    base_layer.weight (peft maps it so); the adapter's own weights keep their initialization, named."""
+    _saved(tmp_path, _source())
+    target = Wrapper(_config())
+    for layer in target.model.model.layers:
+        layer.self_attn.q_proj = Adapted(layer.self_attn.q_proj)
+    found = plan(tmp_path, target)
+    assert found.unused == () and all(".lora_" in n for n in found.missing if n.startswith("model."))
+    load(found, target)
+    for i, layer in enumerate(target.model.model.layers):
+        assert torch.equal(layer.self_attn.q_proj.base_layer.weight, _source().model.layers[i].self_attn.q_proj.weight)

@@ -163,9 +163,11 @@ _EXTRA = "_extra_state"  # a module's get_extra_state() in its state dict: no te
 
 
 def _tensors(module: nn.Module) -> dict[str, Any]:
-    """The model's state-dict tensors by every name (on meta or not, as built); a module's extra state is
-    not one (its ``set_extra_state`` is no copy into a tensor)."""
-    return {k: v for k, v in module.state_dict(keep_vars=True).items() if not k.endswith(_EXTRA)}
+    """The model's state-dict tensors by every name (on meta or not, as built), a layer peft adapts also
+    under its base model's name; a module's extra state is not one (its ``set_extra_state`` is no copy
+    into a tensor)."""
+    state = {k: v for k, v in module.state_dict(keep_vars=True).items() if not k.endswith(_EXTRA)}
+    return conversions.with_adapted_names(state)
 
 
 def plan(path: str | Path, module: nn.Module, prefix: str | None = None) -> Plan:

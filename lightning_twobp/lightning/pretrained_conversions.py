@@ -61,6 +61,15 @@ class Converted:
 
 NOTHING = Converted({}, ())
 
+_PEFT = ".base_layer."  # peft's adapter layers hold the layer they adapt under it
+
+
+def with_adapted_names(state: dict[str, Any]) -> dict[str, Any]:
+    """The model's tensors by name, a layer peft adapts (``q_proj.base_layer.weight``) also under the name
+    the base model's checkpoint gives it (``q_proj.weight``), as peft's own loading maps it."""
+    adapted = {k.replace(_PEFT, ".", 1): v for k, v in state.items() if _PEFT in k}
+    return state | {k: v for k, v in adapted.items() if k not in state}
+
 
 def hugging_face_models(module: nn.Module, prefix: str) -> list[tuple[str, Any]]:
     """The Hugging Face models around or under ``prefix`` (a module path), with their paths."""
@@ -118,8 +127,8 @@ def hugging_face_view(
     converters = [t for t in transforms if isinstance(t, WeightConverter)]
     by_pattern = {p: c for c in converters for p in c.source_patterns}
     rename = _renamer(sub, transforms, converters)
-    own = {k for k in sub.state_dict(keep_vars=True) if not k.endswith("_extra_state")}
-    meta = dict(sub.state_dict(keep_vars=True))
+    meta = with_adapted_names(dict(sub.state_dict(keep_vars=True)))
+    own = {k for k in meta if not k.endswith("_extra_state")}
     names: dict[str, str] = {}
     groups: dict[str, list[tuple[str, str]]] = defaultdict(list)
     for f in sorted(files, key=dot_natural_key):
@@ -132,7 +141,7 @@ def hugging_face_view(
             names.setdefault(path + target, f)
         else:
             groups[target].append((f, pattern))
-    model = dict(module.state_dict(keep_vars=True))
+    model = with_adapted_names(dict(module.state_dict(keep_vars=True)))
     planned = tuple(
         _planned(path, target, sources, by_pattern[sources[0][1]], sub, model, shapes)
         for target, sources in groups.items()
@@ -156,7 +165,7 @@ def plan_conversions(
         return NOTHING
     from transformers.core_model_loading import WeightConverter, dot_natural_key
 
-    unset_set, model = set(unset), dict(module.state_dict(keep_vars=True))
+    unset_set, model = set(unset), with_adapted_names(dict(module.state_dict(keep_vars=True)))
     renamed: dict[str, str] = {}
     groups: dict[tuple[str, str], list[tuple[str, str]]] = defaultdict(list)
     templates: dict[tuple[str, str], Any] = {}
@@ -197,7 +206,7 @@ def _renamer(sub: Any, transforms: list[Any], converters: list[Any]) -> Callable
     from transformers.core_model_loading import WeightRenaming, rename_source_key
 
     renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
-    meta = dict(sub.state_dict(keep_vars=True))
+    meta = with_adapted_names(dict(sub.state_dict(keep_vars=True)))
     return lambda key: rename_source_key(key, renamings, converters, sub.base_model_prefix, meta)
 
 
@@ -247,7 +256,7 @@ def run(conversion: Conversion, sub: Any, tensors: dict[str, torch.Tensor]) -> d
 def apply(converted: Converted, source: Source, module: nn.Module) -> int:
     """Run the conversions whose outputs this rank holds (other ranks' layers are set aside or on meta), each on its
     sources read from ``source``; the number of the model's tensors written."""
-    tensors = dict(module.state_dict(keep_vars=True))
+    tensors = with_adapted_names(dict(module.state_dict(keep_vars=True)))
     written = 0
     for conversion in converted.conversions:
         held = [n for n in conversion.outputs if n in tensors and not tensors[n].is_meta]  # set aside or meta
