@@ -6,13 +6,19 @@ mixture-of-experts models' experts: one tensor per expert in the file, one stack
 model). Here transformers' own mapping (``get_model_conversion_mapping``) finds them and its own
 operations convert them, per rank, on the tensors the rank holds:
 
-* :func:`plan_conversions`, before any read and alike on every rank: each name of the file that no
-  name of the model takes goes through the mapping of the Hugging Face model it falls under, as
-  ``from_pretrained`` renames it; a renamed name is read like any other, a converted one joins the
-  conversion of its target (a layer's experts). Each conversion is run on meta tensors of the stored
-  shapes, which gives the names and shapes it writes, checked against the model's.
+* :func:`hugging_face_view`, before any read and alike on every rank: the whole file read as
+  ``from_pretrained`` reads it into the model's one outermost Hugging Face model (every name through
+  ``rename_source_key``: renamed, its base-model prefix added or dropped, or joined to the conversion
+  of its target, a layer's experts). :mod:`.pretrained` takes it where it places at least as many of the
+  file's names as placing them by their trailing parts does.
+* :func:`plan_conversions`, for that other placing: the names it leaves over, through the mapping of the
+  Hugging Face model they fall under.
+* Either way each conversion is run on meta tensors of the stored shapes, which gives the names and
+  shapes it writes, checked against the model's.
 * :func:`apply`, after the cut: a rank reads the sources of each conversion whose outputs it holds (one
   conversion at a time: a layer's experts twice at most), converts them and copies the result in.
+
+A layer peft adapts answers to its base model's name too (:func:`with_adapted_names`).
 """
 
 from __future__ import annotations
@@ -29,7 +35,20 @@ from torch import nn
 
 from lightning_twobp.lightning.pretrained_files import Source
 
-__all__ = ["Conversion", "Converted", "apply", "plan_conversions"]
+__all__ = [
+    "NOTHING",
+    "Conversion",
+    "Converted",
+    "HuggingFaceView",
+    "apply",
+    "convertible",
+    "hugging_face_models",
+    "hugging_face_view",
+    "mapping",
+    "plan_conversions",
+    "run",
+    "with_adapted_names",
+]
 
 
 @dataclass(frozen=True)
