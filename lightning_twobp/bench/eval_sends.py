@@ -61,7 +61,9 @@ def _messages(executor: PipelineExecutor, rank: int, rounds: int, sizes_mb: tupl
     return out
 
 
-def _rank(rank: int, world: int, workload: Workload, m: int, rounds: int) -> dict[str, list[float]]:
+def _rank(
+    rank: int, world: int, workload: Workload, m: int, rounds: int, sizes_mb: tuple[int, ...]
+) -> dict[str, list[float]]:
     torch.set_num_threads(1)
     device = torch.device("cpu")
     stages = workload.stages(workload.model(), world)
@@ -77,7 +79,7 @@ def _rank(rank: int, world: int, workload: Workload, m: int, rounds: int) -> dic
                 start = time.perf_counter()
                 executor.forward_only(inputs, m)
                 seconds[way].append(time.perf_counter() - start)
-    return seconds | _messages(executor, rank, rounds, (1, 16))
+    return seconds | _messages(executor, rank, rounds, sizes_mb)
 
 
 @contextmanager
@@ -87,7 +89,8 @@ def _no_change() -> Iterator[None]:
 
 def run_eval_sends(quick: bool = False, rounds: int = 7, m: int = 8) -> dict[str, Any]:
     workload = Workload.quick() if quick else Workload()
-    ranks = run_distributed(_rank, 2, workload, m, rounds, timeout=600)
+    sizes_mb = (1,) if quick else (1, 16)
+    ranks = run_distributed(_rank, 2, workload, m, rounds, sizes_mb, timeout=600)
     last = ranks[-1]
     ratios = [o / t for o, t in zip(last["objects"], last["tensors"], strict=True)]
     return {
@@ -98,6 +101,7 @@ def run_eval_sends(quick: bool = False, rounds: int = 7, m: int = 8) -> dict[str
         "objects_over_tensors": statistics.median(ratios),
         "ratios": ratios,
         "message_ms": {k: 1e3 * statistics.median(v) for k, v in last.items() if k not in WAYS},
+        "message_sizes_mb": list(sizes_mb),
     }
 
 
@@ -120,6 +124,9 @@ def markdown(result: dict[str, Any]) -> str:
             "",
             "| message | as tensors | pickled |",
             "|---|---:|---:|",
-            *(f"| {mb} MB | {ms[f'tensors {mb} MB']:.2f} | {ms[f'objects {mb} MB']:.2f} |" for mb in (1, 16)),
+            *(
+                f"| {mb} MB | {ms[f'tensors {mb} MB']:.2f} | {ms[f'objects {mb} MB']:.2f} |"
+                for mb in result["message_sizes_mb"]
+            ),
         ]
     )
