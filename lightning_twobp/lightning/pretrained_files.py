@@ -131,18 +131,18 @@ def _choose(path: Path) -> _Found:
         return _Found("ours" if (path / _META).is_file() else "dcp", [])
     for kind, single, index in (("safetensors", _SAFE, _INDEX), ("torch", _BIN, _BIN_INDEX)):
         if (path / single).is_file():
-            beside = (
-                (
-                    f"{path} holds {single} and {index}: {single} is read, as from_pretrained reads it (the index's "
-                    f"files are another save: remove the one not wanted)",
-                )
-                if (path / index).is_file()
-                else ()
-            )
-            return _Found(kind, [path / single], beside)
+            notes = (_two_saves(path, single, index),) if (path / index).is_file() else ()
+            return _Found(kind, [path / single], notes)
         if (path / index).is_file():
             return _Found(kind, _listed(path, index))
     return _Found("safetensors", sorted(path.glob("*.safetensors")))
+
+
+def _two_saves(path: Path, single: str, index: str) -> str:
+    return (
+        f"{path} holds {single} and {index}: {single} is read, as from_pretrained reads it (the index's files are "
+        f"another save: remove the one not wanted)"
+    )
 
 
 def _listed(path: Path, index: str) -> list[Path]:
