@@ -305,17 +305,47 @@ def _state_bytes(optimizer: torch.optim.Optimizer) -> int:
     return sum(t.untyped_storage().nbytes() for t in tensors)
 
 
-def _fit_auto(rank: int, world: int, memory_limit, optimizer=torch.optim.SGD, **options) -> dict:
+class HFLlama(pl.LightningModule):
+    """A Hugging Face LLaMa (the ModuleList contract: its blocks run through the model's own forward, with
+    rotary embeddings and a causal mask made on every stage) trained on next tokens."""
+
+    def __init__(self, optimizer: type[torch.optim.Optimizer] = torch.optim.SGD) -> None:
+        super().__init__()
+        transformers = pytest.importorskip("transformers", reason="the Hugging Face model needs transformers")
+        torch.manual_seed(0)
+        config = conftest.tiny_llama_config(hidden_size=32, intermediate_size=64, num_hidden_layers=4, use_cache=False)
+        self.model = transformers.LlamaForCausalLM(config)
+        self.optimizer = optimizer
+
+    def training_step(self, batch, batch_idx):
+        ids, targets = batch
+        return nn.functional.cross_entropy(self.model(input_ids=ids).logits.flatten(0, 1), targets.flatten())
+
+    def configure_optimizers(self):
+        return self.optimizer(self.parameters(), lr=0.1)
+
+
+def _tokens() -> DataLoader:
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, 32, (48, 16), generator=g)
+    return DataLoader(TensorDataset(ids, (ids + 1) % 32), batch_size=16)
+
+
+MODELS = {"blocks": (Blocks, _loader), "hf-llama": (HFLlama, _tokens)}
+
+
+def _fit_auto(rank: int, world: int, memory_limit, optimizer=torch.optim.SGD, kind="blocks", **options) -> dict:
     from lightning_twobp import TwoBPStrategy
 
     lightning_env(rank, world)
     from lightning_twobp.monitor import PipelineMonitor
 
-    model, peak = Blocks(optimizer), _Peak()
+    make, data = MODELS[kind]
+    model, peak = make(optimizer), _Peak()
     monitor = PipelineMonitor(log_every_n_steps=1, measure_flops=False, log=False)
     strategy = TwoBPStrategy(schedule="auto", memory_limit=memory_limit, **options)
     trainer = _trainer(strategy, world, callbacks=[peak, monitor])
-    trainer.fit(model, _loader())
+    trainer.fit(model, data())
     choice = strategy.auto_choice
     logged = {k: v for k, v in monitor.last.items() if k.endswith("predicted_peak_mb")}
     assert sorted(logged.values()) == sorted(b / 1e6 for b in choice.best.peak_bytes), logged
@@ -358,10 +388,61 @@ def _adamw_refused(rank: int, world: int) -> dict:
     return {"without": without, "with": with_state, "error": "no error"}
 
 
-def _reference(optimizer=torch.optim.SGD) -> dict:
-    model = Blocks(optimizer)
-    _trainer("auto", 1).fit(model, _loader())
-    return {n: q.detach() for n, q in model.named_parameters()}
+def _reference(optimizer=torch.optim.SGD, kind="blocks") -> dict:
+    """One process on whole batches: every micro-batch count auto may pick splits them evenly, and the
+    losses are means, so the pipeline's mean over micro-batches is this one's."""
+    make, data = MODELS[kind]
+    module = make(optimizer)
+    _trainer("auto", 1).fit(module, data())
+    return {n: q.detach() for n, q in module.named_parameters()}
+
+
+def _after_a_call_without_gather(rank: int, world: int) -> str:
+    """schedule="auto" in a second fit, after a first that left the other rank's layers on meta here."""
+    from lightning_twobp import TwoBPStrategy
+
+    lightning_env(rank, world)
+    model = Blocks()
+    _trainer(TwoBPStrategy(schedule="1f1b", num_microbatches=4), world).fit(model, _loader())
+    try:
+        _trainer(TwoBPStrategy(schedule="auto", memory_limit="1f1b"), world).fit(model, _loader())
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def _time_then_validate(rank: int, world: int) -> dict:
+    """balance="time" times once, at the strategy's first call: validating after fit (the other rank's layers
+    on meta here) cuts as fit did, with no second timing to fail on them."""
+    from lightning_twobp import TwoBPStrategy
+
+    lightning_env(rank, world)
+    model, strategy = Blocks(), TwoBPStrategy(schedule="1f1b", balance="time")
+    trainer = _trainer(strategy, world)
+    trainer.fit(model, _loader())
+    fitted, seconds = list(strategy.stage_sizes), strategy.layer_seconds
+    val = trainer.validate(model, _loader(), verbose=False)[0]["val_loss"]
+    return {"fit": fitted, "validate": strategy.stage_sizes, "same": strategy.layer_seconds is seconds, "val": val}
+
+
+class _Unrunnable(nn.Linear):
+    def forward(self, x):
+        raise RuntimeError("this layer cannot run")
+
+
+def _time_fails_on_rank_0(rank: int, world: int) -> str:
+    """balance="time" times on rank 0 and sends the times on: a layer that fails there must not leave the
+    other ranks waiting for them."""
+    from lightning_twobp import TwoBPStrategy
+
+    lightning_env(rank, world)
+    model = Blocks()
+    model.layers[3] = _Unrunnable(8, 8)
+    try:
+        _trainer(TwoBPStrategy(schedule="1f1b", balance="time"), world).fit(model, _loader())
+    except RuntimeError as e:
+        return str(e)
+    return "no error"
 
 
 def _fit_checkpointed(rank: int, world: int) -> dict:
@@ -383,6 +464,10 @@ TRAINS = "test_auto_trains_like_one_process_within_its_limit"
 REFUSED = "test_a_limit_nothing_fits_is_refused_before_training_on_every_rank"
 ADAMW = "test_auto_counts_adamw_state_and_stays_within_its_limit"
 ADAMW_REFUSED = "test_a_limit_that_fits_only_without_adamw_state_is_refused_naming_it"
+HF = "test_auto_on_a_hugging_face_model_trains_like_one_process_within_its_limit"
+LEFT = "test_auto_after_a_call_that_left_layers_elsewhere_is_refused_naming_the_fix"
+TIME_FAILS = "test_a_layer_that_fails_to_time_on_rank_0_fails_every_rank"
+TIME_ONCE = "test_balance_time_times_once_and_later_calls_cut_alike"
 
 
 @pytest.fixture(scope="module")
@@ -393,6 +478,10 @@ def two_ranks(request) -> conftest.Launch:
     cases[ADAMW] = (_fit_auto, ("1f1b", torch.optim.AdamW))
     cases[ADAMW_REFUSED] = (_adamw_refused, ())
     cases[CHECKPOINTED] = (_fit_checkpointed, ())
+    cases[HF] = (_fit_auto, ("1f1b", torch.optim.SGD, "hf-llama"))
+    cases[LEFT] = (_after_a_call_without_gather, ())
+    cases[TIME_FAILS] = (_time_fails_on_rank_0, ())
+    cases[TIME_ONCE] = (_time_then_validate, ())
     return launch(request, 2, cases, timeout=600)
 
 
@@ -434,6 +523,40 @@ def test_a_limit_that_fits_only_without_adamw_state_is_refused_naming_it(two_ran
     assert "optimizer state on rank" in r["error"], r["error"]
     # a given micro-batch count is the only one tried: a larger batch would make its micro-batches larger
     assert "num_microbatches=4 was given, so it is the only count tried" in r["error"], r["error"]
+
+
+@pytest.mark.dist
+def test_auto_on_a_hugging_face_model_trains_like_one_process_within_its_limit(two_ranks):
+    """The ModuleList contract's layers are profiled through the model's own forward, one layer a stage
+    (lightning/layer_runs.py): the embedding with the first block, the head and the loss with the last."""
+    results = two_ranks[HF]
+    _check_trained(results, _reference(kind="hf-llama"))
+    for r in results:  # every layer timed and measured, the loss inside the last layer's run
+        rows = r["profile"].layers[max(r["profile"].layers)]
+        assert len(rows) == 4 and all(c.f > 0 and c.activation > 0 for c in rows), rows
+        assert all(c.f == 0 and c.activation == 0 for c in r["profile"].loss.values()), r["profile"].loss
+
+
+@pytest.mark.dist
+def test_auto_after_a_call_that_left_layers_elsewhere_is_refused_naming_the_fix(two_ranks):
+    for message in two_ranks[LEFT]:
+        assert "an earlier Trainer call left 4 of the 8 layers" in message, message
+        assert "pass gather_full_model=True to the earlier call" in message, message
+
+
+@pytest.mark.dist
+def test_a_layer_that_fails_to_time_on_rank_0_fails_every_rank(two_ranks):
+    first, second = two_ranks[TIME_FAILS]
+    assert "this layer cannot run" in first, first
+    assert 'balance="time": rank 0 could not time the layers: RuntimeError: this layer cannot run' in second, second
+
+
+@pytest.mark.dist
+def test_balance_time_times_once_and_later_calls_cut_alike(two_ranks):
+    first, second = two_ranks[TIME_ONCE]
+    assert first["fit"] == first["validate"] == second["fit"] == second["validate"], (first, second)
+    assert first["same"] and second["same"]
+    assert first["val"] == second["val"]
 
 
 def _refused(rank: int, world: int) -> str:

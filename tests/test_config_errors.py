@@ -1066,12 +1066,6 @@ CASES: dict[str, Case] = {
         r"the pretrained weights in .* do not fit the model: 1 tensor\(s\) differ in shape: layers.0.weight: \(8, 6\) "
         r"in the model, \(9, 6\) in the file. Build the model with the config the weights were saved with",
     ),
-    "fit-meta-balance-time": (
-        lambda t: _fit(_on_meta(), balance="time"),
-        ValueError,
-        r"the model is built on the meta device and balance='time' times every layer .*: build the model on a "
-        r"real device, or name a schedule with balance='params'",
-    ),
     # checkpoints: refused before anything is loaded
     "checkpoint-not-twobp": (
         _not_twobp,

@@ -20,7 +20,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_twobp import TwoBPStrategy, models
-from lightning_twobp.lightning.materialize import check_meta_options, custom_inits, materialize, warn_made
+from lightning_twobp.lightning.materialize import custom_inits, made_for_timing, materialize, warn_made
 
 import conftest
 from conftest import Regressor, launch, lightning_env, quiet_trainer, regression_data
@@ -128,6 +128,36 @@ def test_materializing_holds_this_ranks_layers_and_one_other_layer_at_a_time():
     materialize(model, list(model[2:]), torch.device("cpu"), set())  # this rank holds layers 0 and 1
     assert max(model.live) == 3 * layer_bytes  # its two layers, and the other rank's one being initialized
     assert [t.is_meta for t in model.parameters()] == [False] * 4 + [True] * 12
+
+
+def test_a_layer_made_for_timing_is_one_layer_initialized_and_put_back_as_built():
+    """balance="time" and schedule="auto" run a meta-built model's layers one at a time on values their own
+    initialization draws (layer_runs.placed); after the run the layer is on meta again, the same tensors."""
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8), nn.Linear(8, 8))
+    model[2].weight = model[0].weight  # a tie to a layer outside the one timed
+    before = [(n, t) for n, t in model.named_parameters(remove_duplicate=False)]
+    with made_for_timing(model, model[2], torch.device("cpu")):
+        assert model[2].weight.is_floating_point() and not model[2].weight.is_meta
+        made = model[2].weight.detach()
+        assert made.std() > 0 and torch.isfinite(made).all()  # its reset_parameters drew it
+        assert all(t.is_meta for t in [*model[0].parameters(), *model[1].parameters()])  # one layer at a time
+        assert model[0].weight.is_meta, "the tie is made apart for the run"
+    assert [(n, t) for n, t in model.named_parameters(remove_duplicate=False)] == before
+    assert all(t.is_meta for _, t in before)
+
+
+def test_a_hugging_face_layer_made_for_timing_takes_its_models_initialization():
+    transformers = pytest.importorskip("transformers", reason="the Hugging Face model needs transformers")
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=13, n_embd=16, n_layer=2, n_head=2))
+    block = gpt2.transformer.h[1]
+    with made_for_timing(gpt2, block, torch.device("cpu")):
+        assert torch.equal(block.ln_1.weight, torch.ones(16)) and torch.equal(block.ln_1.bias, torch.zeros(16))
+        std = float(block.mlp.c_fc.weight.detach().std())
+        assert 0.01 < std < 0.03, std  # GPT2PreTrainedModel._init_weights: normal(0, 0.02)
+    assert all(t.is_meta for t in gpt2.parameters())
 
 
 class Scale(nn.Module):
@@ -362,7 +392,7 @@ def test_what_setup_cannot_see_as_one_process_is_warned_about():
     ]
 
 
-def test_an_initialization_of_the_models_own_is_named_and_options_that_time_layers_refused():
+def test_an_initialization_of_the_models_own_is_named():
     class NanoGPTLike(nn.Module):
         def __init__(self) -> None:
             super().__init__()
@@ -380,10 +410,6 @@ def test_an_initialization_of_the_models_own_is_named_and_options_that_time_laye
         "0.encoder (TransformerEncoder)",
         "0.decoder (TransformerDecoder)",
     ]
-    for balance, schedule in (("time", "1f1b"), ("params", "auto")):
-        with pytest.raises(ValueError, match="built on the meta device and .* times every layer"):
-            check_meta_options(balance, schedule)
-    check_meta_options("params", "zb-v")
 
 
 # ---------------------------------------------------------------------------------------------- Trainer
@@ -579,6 +605,10 @@ FITS = {
     "regressor-zb-v": (_fit_regressor, {"schedule": "zb-v"}),
     "hf-gpt2-tied": (_fit_gpt2, {}),
     "refused-then-fitted": (_fit_after_a_refused_setup, {}),
+    # the layers timed one at a time, each made for its run and put back (layer_runs.placed): the cut from
+    # the times, then the rank's share made as one process makes it
+    "regressor-time": (_fit_regressor, {"balance": "time", "schedule": "zb-h1"}),
+    "hf-gpt2-auto": (_fit_gpt2, {"schedule": "auto", "memory_limit": "1f1b"}),
     "pretrained-hf-llama": (_fit_pretrained_llama, {"pretrained": _saved_llama}),
     "pretrained-hf-mixtral-experts": (
         functools.partial(_fit_pretrained_llama, mixtral=True),

@@ -336,6 +336,8 @@ CASES = {
     # the V: 4 stages on 2 ranks, so stages 1 and 2 re-run the step themselves; and the same again
     "hf-llama-zb-v": ("hf-llama", dict(schedule="zb-v"), True),
     "hf-qwen2-moe-zb-h1": ("hf-qwen2-moe", dict(schedule="zb-h1"), False),
+    # the cut from each layer's time, measured through the model's own forward (lightning/layer_runs.py)
+    "hf-gpt2-time": ("hf-gpt2", dict(schedule="zb-h1", balance="time"), False),
     "hf-bloom-zb-v": ("hf-bloom", dict(schedule="zb-v"), False),
     # a module of another stage whose forward moves its own buffer to its input's device
     "hf-roberta-zb-h1": ("hf-roberta", dict(schedule="zb-h1"), False),

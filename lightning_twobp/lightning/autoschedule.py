@@ -65,8 +65,8 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 
 from lightning_twobp.engine.footprint import LayerFootprint, layer_cost, measure_layer, storage_key
-from lightning_twobp.lightning.contract import SequentialContract
-from lightning_twobp.lightning.profile import block_inputs, first_batch, keep_buffers, now
+from lightning_twobp.lightning.layer_runs import LayerRuns, layer_runs, placed
+from lightning_twobp.lightning.profile import first_batch, keep_buffers, now
 from lightning_twobp.lightning.sharding import sharded_static_bytes
 from lightning_twobp.lightning.step import StepRunner, batch_size
 from lightning_twobp.partition import partition
@@ -229,25 +229,22 @@ def _profile_loss(runner: StepRunner, output: torch.Tensor, device: torch.device
     return layer_cost(fp, 0.0)
 
 
-def _profile_layers(
-    layers: list[nn.Module], x: tuple, device: torch.device, repeats: int
-) -> tuple[list, float, torch.Tensor]:
-    """Each layer's footprint on one micro-batch ``x``, the largest output's bytes (one message) and the
-    last layer's output."""
+def _profile_layers(runs: LayerRuns, device: torch.device, repeats: int) -> tuple[list, float, torch.Tensor]:
+    """Each layer's footprint on one micro-batch (:mod:`.layer_runs`), the largest output's bytes (one
+    message) and the last layer's output."""
+    x = runs.inputs
     if len(x) != 1 or not isinstance(x[0], torch.Tensor):
         raise ValueError(
             "schedule='auto' times the layers one by one on a single tensor between them; this model's "
             f"pipelined block takes {len(x)} inputs: name a schedule instead"
         )
     t, rows, largest = x[0], [], 0
-    for i, layer in enumerate(layers):
-        home = next(iter([*layer.parameters(), *layer.buffers()]), torch.empty(0)).device
-        layer.to(device)
-        fp = timed_footprint(layer, t, t.is_floating_point() and i > 0, device, repeats)
-        fixed = 2.0 * sum(q.numel() * q.element_size() for q in layer.parameters() if q.requires_grad)
+    for i, run in enumerate(runs.runs):
+        with placed(runs.model, run.layer, device):
+            fp = timed_footprint(run.call, t, t.is_floating_point() and i > 0, device, repeats)
+            run.layer.zero_grad(set_to_none=True)
+        fixed = 2.0 * sum(q.numel() * q.element_size() for q in run.layer.parameters() if q.requires_grad)
         rows.append(layer_cost(fp, fixed))
-        layer.zero_grad(set_to_none=True)
-        layer.to(home)
         assert fp.output is not None  # measure_layer always returns F's output
         t = fp.output
         largest = max(largest, t.numel() * t.element_size())
@@ -389,16 +386,19 @@ class _Profiler:
         rows = []
         with self.precision.forward_context():
             for m in self.counts:
-                x = block_inputs(self.runner, self.layers, self.trainer, self.batch, m, device)
-                costs, largest, out = _profile_layers(self.layers, x, device, repeats)
+                with layer_runs(self.runner, self.layers, self.trainer, self.batch, m, device) as runs:
+                    costs, largest, out = _profile_layers(runs, device, repeats)
+                    # the loss: in the last layer's run already, or measured on its output (training only:
+                    # validation and prediction steps return no loss)
+                    fitting = self.fitting and not runs.with_loss
+                    loss = _profile_loss(self.runner, out, device, repeats) if fitting else LayerCost()
                 costs = [dataclasses.replace(c, optimizer=o) for c, o in zip(costs, self.optimizer, strict=True)]
                 if self.shard_over > 1:
                     name = str(getattr(self.precision, "precision", "32-true"))
                     costs = [
                         sharded_fixed(c, q, self.shard_over, name) for c, q in zip(costs, self.layers, strict=True)
                     ]
-                # the last row: the loss (training only: validation and prediction steps return no loss)
-                costs.append(_profile_loss(self.runner, out, device, repeats) if self.fitting else LayerCost())
+                costs.append(loss)  # the last row
                 seconds = _message_seconds(largest, self.pp_group, device, repeats)
                 rows.append([_to_row(c) + [seconds] for c in costs])
         return rows
@@ -439,11 +439,6 @@ def auto_schedule(
     (``activation_checkpointing="auto"``: ``AUTO_MODES``); ``checkpoint(mode)`` wraps the layers so
     and returns the undo (None: they are profiled as they are). ``memory_limit="1f1b"`` is fused 1F1B's
     peak in the first way."""
-    if not isinstance(runner.contract, SequentialContract):
-        raise ValueError(
-            f"schedule='auto' times the layers of an nn.Sequential one by one; {runner.contract.name} is pipelined "
-            f"as an nn.ModuleList of blocks (the ModuleList contract): name a schedule instead"
-        )
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         batch = first_batch(trainer)
         optimizer = _optimizer_bytes(runner.module, trainer, layers)

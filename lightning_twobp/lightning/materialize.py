@@ -35,6 +35,7 @@ was built and the random state as it was.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,7 +46,15 @@ from torch.nn.parameter import UninitializedBuffer, UninitializedParameter
 
 from lightning_twobp.lightning.local_model import drop_guards, like, named_own, replace_tensors
 
-__all__ = ["Made", "built_on_meta", "check_meta_options", "custom_inits", "materialize", "warn_made"]
+__all__ = [
+    "Made",
+    "built_on_meta",
+    "check_timed_layers_here",
+    "custom_inits",
+    "made_for_timing",
+    "materialize",
+    "warn_made",
+]
 
 _FIX = (
     "under strategy='twobp' a model built on the meta device gets each module's values from its "
@@ -65,15 +74,62 @@ def built_on_meta(model: nn.Module, left_by_us: set[int]) -> bool:
     return any(t.is_meta and id(t) not in left_by_us for t in _all(model))
 
 
-def check_meta_options(balance: Any, schedule: str) -> None:
-    """Refuse the options that time the layers on real weights before the model is made."""
-    if schedule == "auto" or balance == "time":
-        what = "schedule='auto'" if schedule == "auto" else "balance='time'"
-        raise ValueError(
-            f"the model is built on the meta device and {what} times every layer before the pipeline is cut, "
-            f"which needs every layer's weights on every rank: build the model on a real device, or name a "
-            f"schedule with balance='params' (the default) or a list of layers per stage"
-        )
+@contextmanager
+def made_for_timing(model: nn.Module, layer: nn.Module, device: torch.device) -> Iterator[None]:
+    """``layer``'s meta tensors made on ``device`` while open, each module's from its initialization call
+    (a Hugging Face model's ``_init_weights``, else ``reset_parameters``; zeros where it sets nothing),
+    then the meta tensors put back: what ``balance="time"`` and ``schedule="auto"`` run a meta-built
+    model's layer on, one layer at a time (:mod:`.layer_runs`). Typical values for timing, drawn from the
+    caller's random state (which the profilers fork), not one process's: the layers are made as one
+    process makes them only after the cut (:func:`materialize`). A tie to a tensor outside ``layer`` is
+    made apart for the run."""
+    names = {id(m): n for n, m in model.named_modules()}
+    owners = _hf_owners(model)
+    made: dict[int, torch.Tensor] = {}
+    originals = []
+    for module in layer.modules():
+        for n, t in named_own(module).items():
+            if t.is_meta:
+                if id(t) not in made:
+                    made[id(t)] = like(t, torch.zeros(t.shape, dtype=t.dtype, device=device))
+                originals.append((module, n, t))
+                setattr(module, n, made[id(t)])
+    now = {id(t) for t in made.values()}
+    try:
+        with torch.no_grad(), device:
+            for _, module in _post_order(layer):
+                name = names.get(id(module))
+                init = _initializer(owners[name] if name is not None else None, module)
+                if init is not None and _holds_made(module, now):
+                    init[0]()
+        yield
+    finally:
+        _put_back(originals)
+
+
+def _holds_made(module: nn.Module, made: set[int]) -> bool:
+    """Whether ``module``'s initialization is for tensors just made: its own, or, holding none itself (a
+    block that initializes its children), its children's. A real tensor is never initialized again."""
+    own = named_own(module).values()
+    within = own if own else [t for m in module.modules() for t in named_own(m).values()]
+    return any(id(t) in made for t in within)
+
+
+def check_timed_layers_here(layers: list[nn.Module], left_by_us: set[int], what: str) -> None:
+    """Refuse ``what`` (an option that times every layer before the cut, about to) where an earlier Trainer
+    call of another strategy left other pipeline ranks' layers on ``meta`` here (their ids are
+    ``left_by_us``): there is nothing to time them on (torch said only "Cannot copy out of meta tensor").
+    Every pipeline rank lacks some layers, so every rank refuses alike."""
+    away = [i for i, layer in enumerate(layers) if any(id(t) in left_by_us for t in _all(layer))]
+    if not away:
+        return
+    raise ValueError(
+        f"{what} times every layer on every rank before the pipeline is cut, and an earlier Trainer call left "
+        f"{len(away)} of the {len(layers)} layers (from layer {away[0]}) on other pipeline ranks: this rank holds "
+        f"no weights for them. Give this call the earlier call's cut and schedule (its strategy's stage_sizes as "
+        f"balance=[...], and the schedule it ran: schedule='auto' chose strategy.auto_choice.best.label), or pass "
+        f"gather_full_model=True to the earlier call so that every rank holds every trained weight after it"
+    )
 
 
 def custom_inits(model: nn.Module) -> list[str]:

@@ -313,12 +313,26 @@ class ModuleListContract:
     def layers(self) -> list[nn.Module]:
         return list(self._groups)
 
-    def stage_module(self, first: int, stop: int, bounds: Sequence[int]) -> nn.Module:
+    def stage_module(self, first: int, stop: int, bounds: Sequence[int]) -> LoopStage:
         self._stage_of = [k for k in range(len(bounds) - 1) for _ in range(bounds[k], bounds[k + 1])]
         stage = LoopStage(self, first, stop, bounds[-2], self._stage_of[first])
         self._stages[stage.index] = stage
         self._check_not_collecting(self.name, {})  # a config's flags: on every rank, before any compute
         return stage
+
+    @contextmanager
+    def one_stage_per_layer(self) -> Iterator[list[LoopStage]]:
+        """Every layer as a stage of its own, to run the layers one at a time before the cut
+        (:mod:`.layer_runs`: ``balance="time"``, ``schedule="auto"``); the stages built before are put
+        back after. Stage ``k`` runs as the executor runs it: ``(index, *call tensors)`` in on the first,
+        ``(hidden, index)`` on the others; the last answers the model's call inside the step."""
+        before = self._stage_of, self._stages
+        self._stages = {}
+        bounds = list(range(self.num_blocks + 1))
+        try:
+            yield [self.stage_module(i, i + 1, bounds) for i in range(self.num_blocks)]
+        finally:
+            self._stage_of, self._stages = before
 
     def check_every_block_runs(self) -> None:
         """Refuse LayerDrop before fit's first step: in training it skips blocks at random (Wav2Vec2, HuBERT

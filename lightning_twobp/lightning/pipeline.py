@@ -6,8 +6,8 @@ checks into one :class:`Pipeline`."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
-from contextlib import ExitStack
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -36,7 +36,12 @@ from lightning_twobp.lightning.layout import check_degree, schedule_label
 from lightning_twobp.lightning.loaders import keep_users_sampler
 from lightning_twobp.lightning.local_model import LocalModel, left_on_meta, split_model
 from lightning_twobp.lightning.logs import LogChannel
-from lightning_twobp.lightning.materialize import built_on_meta, check_meta_options, materialize, warn_made
+from lightning_twobp.lightning.materialize import (
+    built_on_meta,
+    check_timed_layers_here,
+    materialize,
+    warn_made,
+)
 from lightning_twobp.lightning.metrics import StepMetrics
 from lightning_twobp.lightning.modulelist_contract import ModuleListContract, caches_off, fastpath_off
 from lightning_twobp.lightning.optimizer_checks import OptimizerChecks, hooks_may_scale_grads
@@ -336,15 +341,37 @@ def _check_blocks_fill(contract: Any, num_stages: int) -> None:
         )
 
 
-def _partition(strategy: TwoBPStrategy, runner: StepRunner, layers: list[nn.Module], trainer: Any) -> list[int]:
+def _partition(strategy: TwoBPStrategy, runner: StepRunner, contract: Any, trainer: Any) -> list[int]:
     """Layers per stage: by parameters, a given list, or (``balance="time"``) measured times."""
-    opts = strategy.options
+    opts, layers = strategy.options, contract.layers()
     costs = None
-    if opts.balance == "time":
+    if opts.balance == "time" and strategy.layer_seconds is None:  # timed once, as "auto" chooses once
         m, device = strategy.num_microbatches, strategy.root_device
-        costs = profile_layers(runner, layers, trainer, m, device, strategy.precision_plugin)
+        with _outside_made(strategy, contract):
+            strategy.layer_seconds = profile_layers(runner, layers, trainer, m, device, strategy.precision_plugin)
+    if opts.balance == "time":
+        costs = strategy.layer_seconds
     num_stages = strategy.pipeline_degree * opts.stages
     return list(partition(nn.Sequential(*layers), num_stages, opts.balance, costs=costs))
+
+
+@contextmanager
+def _outside_made(strategy: TwoBPStrategy, contract: Any) -> Iterator[None]:
+    """A meta-built model's modules outside the pipelined layers made as one process makes them, for the
+    profile of ``balance="time"`` or ``schedule="auto"`` to run the layers among (a rotary embedding's
+    frequencies, the step's own modules), then put back as built, with the random state: the profile
+    makes the layers one at a time for their runs (:func:`.layer_runs.placed`), and after the cut
+    :func:`_materialize` makes this rank's share. One more pass of the model's initialization."""
+    lm = strategy.lightning_module
+    if not built_on_meta(lm, left_on_meta()):
+        yield
+        return
+    parts = [p for layer in contract.layers() for p in contract.parts(layer)]
+    made = materialize(lm, parts, strategy.root_device, left_on_meta(), parts)
+    try:
+        yield
+    finally:
+        made.undo()
 
 
 def _choose(strategy: TwoBPStrategy, runner: StepRunner, contract: Any, trainer: Any) -> list[int]:
@@ -365,7 +392,8 @@ def _choose(strategy: TwoBPStrategy, runner: StepRunner, contract: Any, trainer:
         if ac == "auto":
             check_auto_with_switches(strategy.lightning_module)
         modes = AUTO_MODES if ac == "auto" else (ac,)
-        strategy.auto_choice, strategy.auto_profile = _search(strategy, runner, layers, trainer, modes, checkpoint)
+        with _outside_made(strategy, contract):
+            strategy.auto_choice, strategy.auto_profile = _search(strategy, runner, layers, trainer, modes, checkpoint)
     assert strategy.auto_profile is not None
     best = strategy.auto_choice.best
     strategy.options = req.chosen(best)
@@ -512,8 +540,10 @@ def _checked_contract(strategy: TwoBPStrategy, trainer: Any) -> SequentialContra
             "backward, so manual_backward cannot run it; set self.automatic_optimization = True"
         )
     contract = find_contract(lm, opts.layers)
-    if built_on_meta(lm, left_on_meta()):  # before balance="time" or schedule="auto" would time meta layers
-        check_meta_options(opts.balance, strategy.requested.schedule)
+    if strategy.requested.schedule == "auto" and strategy.auto_choice is None:
+        check_timed_layers_here(contract.layers(), left_on_meta(), "schedule='auto'")
+    elif opts.balance == "time" and strategy.layer_seconds is None:
+        check_timed_layers_here(contract.layers(), left_on_meta(), "balance='time'")
     check_not_compiled(lm, contract)  # before the first step: compiled code cannot be split
     # under "auto" the stages per rank are yet to be chosen: at least one per rank
     per_rank = opts.stages if strategy.requested.schedule != "auto" else 1
@@ -577,7 +607,7 @@ def build_pipeline(strategy: TwoBPStrategy, trainer: Any) -> Pipeline:
         assert strategy.auto_choice is not None
         schedule = strategy.auto_choice.best.schedule  # the order the search built and timed at the measured costs
     else:
-        sizes = _partition(strategy, runner, contract.layers(), trainer)
+        sizes = _partition(strategy, runner, contract, trainer)
         schedule = _schedule(strategy, strategy.pipeline_degree * opts.stages)
     strategy.stage_sizes = list(sizes)
     _materialize(strategy, contract, sizes, schedule)  # before the streams, seeded from the random state

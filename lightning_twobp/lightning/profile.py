@@ -20,20 +20,14 @@ import torch.distributed as dist
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 
-from lightning_twobp.lightning.contract import SequentialContract, StageModule
+from lightning_twobp.lightning.contract import StageModule
+from lightning_twobp.lightning.layer_runs import layer_runs, placed
 from lightning_twobp.lightning.step import StepRunner
 from lightning_twobp.private import pytree, unset_training_data
 
 log = logging.getLogger(__name__)
 
-__all__ = ["HOOKS", "block_inputs", "first_batch", "keep_buffers", "now", "profile_layers"]
-
-HOOKS = {
-    TrainerFn.FITTING: "training_step",
-    TrainerFn.VALIDATING: "validation_step",
-    TrainerFn.TESTING: "test_step",
-    TrainerFn.PREDICTING: "predict_step",
-}
+__all__ = ["first_batch", "keep_buffers", "now", "profile_layers"]
 
 
 def first_batch(trainer: Any) -> Any:
@@ -97,49 +91,26 @@ def profile_layers(
     repeats: int = 3,
 ) -> list[float]:
     """Seconds per layer (median of ``repeats`` after a warm-up run), the same list on every rank."""
-    if not isinstance(runner.contract, SequentialContract):
-        raise ValueError(
-            f'balance="time" times the layers of an nn.Sequential one by one; {runner.contract.name} is pipelined as '
-            f"an nn.ModuleList of blocks (the ModuleList contract), which it cannot time yet: use balance='params' "
-            f"(the default) or a list of blocks per stage"
-        )
-    costs: list[float] | None = None
+    costs: list[float] | str | None = None
+    failed: Exception | None = None
     devices = [device] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices):
         batch = first_batch(trainer)
         if not dist.is_initialized() or dist.get_rank() == 0:
-            costs = _time_layers(runner, layers, trainer, batch, m, device, precision, repeats)
+            try:
+                costs = _time_layers(runner, layers, trainer, batch, m, device, precision, repeats)
+            except Exception as e:  # noqa: BLE001 - sent on, so that the other ranks raise too rather than wait
+                failed, costs = e, f"{type(e).__name__}: {e}"
     box = [costs]
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.broadcast_object_list(box, src=0, device=device if device.type == "cuda" else None)
+    if failed is not None:
+        raise failed
     timed = box[0]
+    if isinstance(timed, str):
+        raise RuntimeError(f'balance="time": rank 0 could not time the layers: {timed}')
     assert timed is not None  # rank 0 timed the layers and sent them to the others
     return timed
-
-
-def block_inputs(
-    runner: StepRunner, layers: list[nn.Module], trainer: Any, batch: Any, m: int, device: torch.device
-) -> tuple:
-    """The pipelined block's inputs for the first of ``m`` micro-batches of ``batch``, on ``device``: the
-    user's step up to the block."""
-    lm = runner.module
-    state = runner.begin(HOOKS[trainer.state.fn], (batch, 0), {}, m, exact=False)
-    mb = pytree.tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, state.microbatches[0])
-    # The step runs up to the pipelined block on this device; whatever it uses besides the block
-    # (small: the block holds the layers) goes there now, as model_to_device will anyway.
-    inside = {id(t) for layer in layers for t in [*layer.parameters(), *layer.buffers()]}
-    moved = []
-    with torch.no_grad():
-        for t in [*lm.parameters(), *lm.buffers()]:
-            if id(t) not in inside and t.device != device:
-                moved.append((t, t.data))
-                t.data = t.data.to(device)
-    state.microbatches[0] = mb
-    try:
-        return runner.capture(0)
-    finally:
-        for t, data in moved:
-            t.data = data
 
 
 def _time_layers(
@@ -152,25 +123,23 @@ def _time_layers(
     precision: Any,
     repeats: int,
 ) -> list[float]:
-    x = block_inputs(runner, layers, trainer, batch, m, device)
     costs = []
     put_back = keep_buffers(layers)
-    home = [next(iter([*layer.parameters(), *layer.buffers()]), torch.empty(0)).device for layer in layers]
-    with precision.forward_context():
-        for i, layer in enumerate(layers):
-            layer.to(device)
+    with precision.forward_context(), layer_runs(runner, layers, trainer, batch, m, device) as runs:
+        x = runs.inputs
+        for run in runs.runs:
             x = tuple(t.detach().requires_grad_(t.is_floating_point()) if isinstance(t, torch.Tensor) else t for t in x)
             times = []
-            for _ in range(repeats + 1):  # the first run warms caches and allocators up
-                start = now(device)
-                out = StageModule([layer])(*x)  # as the stage runs it (tuples, in-place first layers)
-                outs = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
-                if outs:
-                    torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
-                times.append(now(device) - start)
+            with placed(runner.module, run.layer, device):
+                for _ in range(repeats + 1):  # the first run warms caches and allocators up
+                    start = now(device)
+                    out = StageModule([run.call])(*x)  # as the stage runs it (tuples, in-place first layers)
+                    outs = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
+                    if outs:
+                        torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
+                    times.append(now(device) - start)
+                run.layer.zero_grad(set_to_none=True)
             costs.append(sorted(times[1:])[len(times[1:]) // 2])
-            layer.zero_grad(set_to_none=True)
-            layer.to(home[i])
             x = tuple(
                 t.detach() if isinstance(t, torch.Tensor) else t for t in (out if isinstance(out, tuple) else (out,))
             )

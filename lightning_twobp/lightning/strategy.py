@@ -127,6 +127,7 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
         self.options = self.requested
         self.auto_choice: AutoChoice | None = None  # schedule="auto": what it chose, and from which costs
         self.auto_profile: Profile | None = None
+        self.layer_seconds: list[float] | None = None  # balance="time": each layer's, timed at the first setup
         if timeout is None and pipeline_timeout is not None:
             # Lightning's own collectives (logging, checkpoints, the non-finite check) then give up on a
             # hung rank after the same time as the pipeline's waits, not after torch's 30 minutes.

@@ -1,0 +1,183 @@
+"""The pipelined layers one at a time, as ``balance="time"`` and ``schedule="auto"`` run them before the cut.
+
+Each layer runs as a module of one tensor in and one tensor out (:class:`LayerRun`), fed the previous
+layer's output, so that a profiler can time and measure it alone (F, B, W, the fused BW) on one device,
+one layer's weights there at a time:
+
+* **Sequential contract**: the layer itself, the first fed the pipelined block's inputs for the first
+  micro-batch, as the step passes them.
+* **ModuleList contract** (Hugging Face, nanoGPT, torchtitan models): every layer becomes a stage of its
+  own (:meth:`~.modulelist_contract.ModuleListContract.one_stage_per_layer`) and runs as the executor
+  runs a stage, through the model's own forward: the first is fed the model call's first tensor (the
+  token ids), the others the hidden state. The last answers the model's call inside the step, as the
+  last stage does, so its run holds what follows the loop (final norm, head) and, in fitting, the loss
+  (``LayerRuns.with_loss``); elsewhere the step's first tensor result (nothing to differentiate).
+
+While open, what the step uses besides the layers (a ModuleList model's rotary embedding, buffers of the
+LightningModule) sits on the profiling device, and is put back after; a ModuleList model's Metrics are
+put back as they were (the last run runs the step's logging).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from lightning.pytorch.trainer.states import TrainerFn
+from torch import nn
+
+from lightning_twobp.lightning.materialize import made_for_timing
+from lightning_twobp.lightning.modulelist_contract import LoopStage, ModuleListContract
+from lightning_twobp.lightning.step import StepRunner
+from lightning_twobp.private import pytree
+
+__all__ = ["HOOKS", "LayerRun", "LayerRuns", "layer_runs", "placed"]
+
+HOOKS = {
+    TrainerFn.FITTING: "training_step",
+    TrainerFn.VALIDATING: "validation_step",
+    TrainerFn.TESTING: "test_step",
+    TrainerFn.PREDICTING: "predict_step",
+}
+
+
+@dataclass(frozen=True)
+class LayerRun:
+    """One layer as profiling runs it."""
+
+    layer: nn.Module  # the partition's unit: moved to the device for its run, its parameters the layer's
+    call: nn.Module  # what runs it: the layer, or its stage of the ModuleList contract (one tensor in, one out)
+
+
+@dataclass(frozen=True)
+class LayerRuns:
+    """Every layer in order, and the first one's inputs."""
+
+    runs: list[LayerRun]
+    inputs: tuple  # the first run's positional inputs (the Sequential's, as the step passes them)
+    with_loss: bool  # the last run computes the step's loss too (the ModuleList contract, in fitting)
+    model: nn.Module  # the LightningModule: where a meta-built layer's initialization is looked up (placed)
+
+
+@contextmanager
+def layer_runs(
+    runner: StepRunner, layers: list[nn.Module], trainer: Any, batch: Any, m: int, device: torch.device
+) -> Iterator[LayerRuns]:
+    """The layers as runs on ``device``, on the first of ``m`` micro-batches of ``batch`` (see the module
+    docstring); the step's state is this micro-batching's while open."""
+    with _outside_on(runner.module, layers, device):
+        state = runner.begin(HOOKS[trainer.state.fn], (batch, 0), {}, m, exact=False)
+        state.microbatches[0] = pytree.tree_map(
+            lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, state.microbatches[0]
+        )
+        inputs = runner.capture(0)
+        contract = runner.contract
+        if not isinstance(contract, ModuleListContract):  # the Sequential contract: its layers, as they are
+            yield LayerRuns([LayerRun(layer, layer) for layer in layers], inputs, False, runner.module)
+            return
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        runner.metrics.begin()
+        try:
+            with contract.one_stage_per_layer() as stages:
+                yield _loop_runs(runner, stages, inputs, fitting)
+        finally:
+            runner.metrics.undo()
+
+
+def _loop_runs(runner: StepRunner, stages: list[LoopStage], inputs: tuple, fitting: bool) -> LayerRuns:
+    """The ModuleList contract's one-layer stages as runs; ``inputs``: the first stage's, ``(index, *call
+    tensors)``."""
+    assert len(stages) > 1, "a pipeline holds at least two layers (checked at setup)"
+    at = 1 if len(inputs) > 1 else 0  # the model call's first tensor (the ids); the index where it has none
+    index = inputs[0]
+    runs = [LayerRun(stages[0].layers[0], _FirstStage(stages[0], inputs, at))]
+    runs += [LayerRun(s.layers[0], _NextStage(s, index)) for s in stages[1:-1]]
+    runs.append(LayerRun(stages[-1].layers[0], _LastStage(stages[-1], runner, fitting)))
+    return LayerRuns(runs, (inputs[at],), fitting, runner.module)
+
+
+def _hidden(out: Any) -> torch.Tensor:
+    """A stage's hidden state: it returns ``(hidden, index)`` where the next stage is not the last."""
+    return out[0] if isinstance(out, tuple) else out
+
+
+class _FirstStage(nn.Module):
+    """The first layer's stage, fed the model call's tensors with ``x`` at position ``at``."""
+
+    def __init__(self, stage: LoopStage, inputs: tuple, at: int) -> None:
+        super().__init__()
+        self.stage = stage
+        self._inputs, self._at = inputs, at
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        args = list(self._inputs)
+        args[self._at] = x
+        return _hidden(self.stage(*args))
+
+
+class _NextStage(nn.Module):
+    """A later layer's stage, fed the hidden state of micro-batch ``index``."""
+
+    def __init__(self, stage: LoopStage, index: torch.Tensor) -> None:
+        super().__init__()
+        self.stage = stage
+        self._index = index
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return _hidden(self.stage(hidden, self._index))
+
+
+class _LastStage(nn.Module):
+    """The last layer as the executor's last stage runs it: inside the step, which answers the model's
+    call with ``hidden``; the loss in fitting, else the first tensor the step returns, detached (F's work
+    only: nothing follows it). ``stage`` is held for its parameters; the step runs it."""
+
+    def __init__(self, stage: LoopStage, runner: StepRunner, fitting: bool) -> None:
+        super().__init__()
+        self.stage = stage
+        self._runner, self._fitting = runner, fitting
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self._fitting:
+            return self._runner.loss(hidden, 0)
+        found = [t for t in pytree.tree_leaves(self._runner.provide(0, hidden)) if isinstance(t, torch.Tensor)]
+        return found[0].detach() if found else hidden.new_zeros(())
+
+
+@contextmanager
+def placed(model: nn.Module, layer: nn.Module, device: torch.device) -> Iterator[None]:
+    """``layer`` on ``device`` for its run: moved there and back; built on the meta device, made there for
+    the run (:func:`.materialize.made_for_timing`) and put back on ``meta``. One layer's weights at a time,
+    so a model that fits only across the pipeline is still profiled."""
+    tensors = [*layer.parameters(), *layer.buffers()]
+    if any(t.is_meta for t in tensors):
+        with made_for_timing(model, layer, device):
+            yield
+        return
+    home = tensors[0].device if tensors else device
+    layer.to(device)
+    try:
+        yield
+    finally:
+        layer.to(home)
+
+
+@contextmanager
+def _outside_on(lm: nn.Module, layers: list[nn.Module], device: torch.device) -> Iterator[None]:
+    """Every parameter and buffer of ``lm`` outside ``layers`` on ``device`` while open (small: the layers
+    hold the weights), as ``model_to_device`` will put them anyway."""
+    inside = {id(t) for layer in layers for t in [*layer.parameters(), *layer.buffers()]}
+    moved = []
+    with torch.no_grad():
+        for t in [*lm.parameters(), *lm.buffers()]:
+            if id(t) not in inside and t.device != device:
+                moved.append((t, t.data))
+                t.data = t.data.to(device)
+    try:
+        yield
+    finally:
+        for t, data in moved:
+            t.data = data
