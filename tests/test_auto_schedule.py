@@ -397,18 +397,23 @@ def _reference(optimizer=torch.optim.SGD, kind="blocks") -> dict:
     return {n: q.detach() for n, q in module.named_parameters()}
 
 
-def _after_a_call_without_gather(rank: int, world: int) -> str:
-    """schedule="auto" in a second fit, after a first that left the other rank's layers on meta here."""
+def _fit_error(world: int, model: pl.LightningModule, exc: type[Exception], **options) -> str:
+    """The message of the ``exc`` a fit with ``options`` raises ("no error" if none)."""
     from lightning_twobp import TwoBPStrategy
 
-    lightning_env(rank, world)
-    model = Blocks()
-    _trainer(TwoBPStrategy(schedule="1f1b", num_microbatches=4), world).fit(model, _loader())
     try:
-        _trainer(TwoBPStrategy(schedule="auto", memory_limit="1f1b"), world).fit(model, _loader())
-    except ValueError as e:
+        _trainer(TwoBPStrategy(**options), world).fit(model, _loader())
+    except exc as e:
         return str(e)
     return "no error"
+
+
+def _after_a_call_without_gather(rank: int, world: int) -> str:
+    """schedule="auto" in a second fit, after a first that left the other rank's layers on meta here."""
+    lightning_env(rank, world)
+    model = Blocks()
+    _fit_error(world, model, ValueError, schedule="1f1b", num_microbatches=4)
+    return _fit_error(world, model, ValueError, schedule="auto", memory_limit="1f1b")
 
 
 def _time_then_validate(rank: int, world: int) -> dict:
@@ -433,16 +438,10 @@ class _Unrunnable(nn.Linear):
 def _time_fails_on_rank_0(rank: int, world: int) -> str:
     """balance="time" times on rank 0 and sends the times on: a layer that fails there must not leave the
     other ranks waiting for them."""
-    from lightning_twobp import TwoBPStrategy
-
     lightning_env(rank, world)
     model = Blocks()
     model.layers[3] = _Unrunnable(8, 8)
-    try:
-        _trainer(TwoBPStrategy(schedule="1f1b", balance="time"), world).fit(model, _loader())
-    except RuntimeError as e:
-        return str(e)
-    return "no error"
+    return _fit_error(world, model, RuntimeError, schedule="1f1b", balance="time")
 
 
 def _fit_checkpointed(rank: int, world: int) -> dict:
@@ -560,14 +559,8 @@ def test_balance_time_times_once_and_later_calls_cut_alike(two_ranks):
 
 
 def _refused(rank: int, world: int) -> str:
-    from lightning_twobp import TwoBPStrategy
-
     lightning_env(rank, world)
-    try:
-        _trainer(TwoBPStrategy(schedule="auto", memory_limit=1000), world).fit(Blocks(), _loader())
-    except ValueError as e:
-        return str(e)
-    return "no error"
+    return _fit_error(world, Blocks(), ValueError, schedule="auto", memory_limit=1000)
 
 
 @pytest.mark.dist
