@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import warnings
 
 import lightning.pytorch as pl
@@ -416,18 +417,19 @@ def _after_a_call_without_gather(rank: int, world: int) -> str:
     return _fit_error(world, model, ValueError, schedule="auto", memory_limit="1f1b")
 
 
-def _time_then_validate(rank: int, world: int) -> dict:
-    """balance="time" times once, at the strategy's first call: validating after fit (the other rank's layers
-    on meta here) cuts as fit did, with no second timing to fail on them."""
+def _time_then_validate(rank: int, world: int, **options) -> dict:
+    """balance="time" times once, at the strategy's first call (and "auto" chooses once): validating after
+    fit (the other rank's layers on meta here) cuts as fit did, with no second profile to fail on them."""
     from lightning_twobp import TwoBPStrategy
 
     lightning_env(rank, world)
-    model, strategy = Blocks(), TwoBPStrategy(schedule="1f1b", balance="time")
+    model, strategy = Blocks(), TwoBPStrategy(balance="time", **options)
     trainer = _trainer(strategy, world)
     trainer.fit(model, _loader())
-    fitted, seconds = list(strategy.stage_sizes), strategy.layer_seconds
+    fitted, seconds, choice = list(strategy.stage_sizes), strategy.layer_seconds, strategy.auto_choice
     val = trainer.validate(model, _loader(), verbose=False)[0]["val_loss"]
-    return {"fit": fitted, "validate": strategy.stage_sizes, "same": strategy.layer_seconds is seconds, "val": val}
+    same = strategy.layer_seconds is seconds and strategy.auto_choice is choice
+    return {"fit": fitted, "validate": strategy.stage_sizes, "same": same, "val": val}
 
 
 class _Unrunnable(nn.Linear):
@@ -467,6 +469,7 @@ HF = "test_auto_on_a_hugging_face_model_trains_like_one_process_within_its_limit
 LEFT = "test_auto_after_a_call_that_left_layers_elsewhere_is_refused_naming_the_fix"
 TIME_FAILS = "test_a_layer_that_fails_to_time_on_rank_0_fails_every_rank"
 TIME_ONCE = "test_balance_time_times_once_and_later_calls_cut_alike"
+TIMED_ONCE = [{"schedule": "1f1b"}, {"schedule": "auto", "memory_limit": "1f1b"}]  # auto with balance="time"
 
 
 @pytest.fixture(scope="module")
@@ -480,7 +483,8 @@ def two_ranks(request) -> conftest.Launch:
     cases[HF] = (_fit_auto, ("1f1b", torch.optim.SGD, "hf-llama"))
     cases[LEFT] = (_after_a_call_without_gather, ())
     cases[TIME_FAILS] = (_time_fails_on_rank_0, ())
-    cases[TIME_ONCE] = (_time_then_validate, ())
+    for options in TIMED_ONCE:
+        cases[f"{TIME_ONCE}[{options['schedule']}]"] = (functools.partial(_time_then_validate, **options), ())
     return launch(request, 2, cases, timeout=600)
 
 
@@ -551,8 +555,9 @@ def test_a_layer_that_fails_to_time_on_rank_0_fails_every_rank(two_ranks):
 
 
 @pytest.mark.dist
-def test_balance_time_times_once_and_later_calls_cut_alike(two_ranks):
-    first, second = two_ranks[TIME_ONCE]
+@pytest.mark.parametrize("options", TIMED_ONCE, ids=lambda o: o["schedule"])
+def test_balance_time_times_once_and_later_calls_cut_alike(two_ranks, request, options):
+    first, second = two_ranks[request.node.name]
     assert first["fit"] == first["validate"] == second["fit"] == second["validate"], (first, second)
     assert first["same"] and second["same"]
     assert first["val"] == second["val"]

@@ -343,6 +343,12 @@ CASES = {
     "hf-roberta-zb-h1": ("hf-roberta", dict(schedule="zb-h1"), False),
     "nanogpt-zb-h1": ("nanogpt", dict(schedule="zb-h1", layers="model.transformer.h"), False),
     "caching-nanogpt": ("caching-nanogpt", dict(schedule="1f1b", layers="model.transformer.h"), False),
+    # profiled as the call runs: the cache off (on, the last layer's run returned every block's output)
+    "caching-nanogpt-auto": (
+        "caching-nanogpt",
+        dict(schedule="auto", memory_limit="4x1f1b", layers="model.transformer.h"),
+        False,
+    ),
     # a ModuleList of embeddings of stage 0 indexed and iterated on stage 1 (a placeholder there)
     "codebook-nanogpt": ("codebook-nanogpt", dict(schedule="1f1b", layers="model.transformer.h"), False),
     "llama-loop-interleaved": ("llama-loop", dict(schedule="interleaved-1f1b"), False),

@@ -23,7 +23,9 @@ optimizers ``configure_optimizers`` returns (called once more here, on the whole
 from their type and param groups; an optimizer it does not know is counted as Adam's two copies, and
 the log says so. The loss runs once per ``m`` on the last layer's output, as the executor's last stage
 runs it (the user's ``training_step`` past the pipelined block, its logged Metrics put back after): what
-it saves from F to B (a log-softmax as large as the logits, the targets) joins the last stage.
+it saves from F to B (a log-softmax as large as the logits, the targets) joins the last stage. Under the
+ModuleList contract (Hugging Face models) it is part of the last layer's run, which answers the model's
+call inside the step (:mod:`.layer_runs`), and the loss's own row is empty.
 
 Under ``data_parallel="shard"`` a layer's fixed bytes are what one replica holds, counted as
 ``twobp-plan`` counts a sharded stage (:func:`~lightning_twobp.lightning.sharding.sharded_static_bytes`):
@@ -70,7 +72,6 @@ from lightning_twobp.lightning.profile import first_batch, keep_buffers, now
 from lightning_twobp.lightning.sharding import sharded_static_bytes
 from lightning_twobp.lightning.step import StepRunner, batch_size
 from lightning_twobp.partition import partition
-from lightning_twobp.private import pytree
 from lightning_twobp.schedules.auto import (
     AutoChoice,
     LayerCost,
@@ -216,22 +217,15 @@ class _Loss(nn.Module):
 
 
 def _profile_loss(runner: StepRunner, output: torch.Tensor, device: torch.device, repeats: int) -> LayerCost:
-    """The loss as the last stage runs it, on the last layer's ``output`` (its logged Metrics put back)."""
-    state = runner.current
-    state.microbatches[0] = pytree.tree_map(
-        lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, state.microbatches[0]
-    )
-    runner.metrics.begin()
-    try:
-        fp = timed_footprint(_Loss(runner), output, output.is_floating_point(), device, repeats)
-    finally:
-        runner.metrics.undo()
+    """The loss as the last stage runs it, on the last layer's ``output`` (inside :func:`.layer_runs`: the
+    micro-batch on the device, the Metrics it updates put back after)."""
+    fp = timed_footprint(_Loss(runner), output, output.is_floating_point(), device, repeats)
     return layer_cost(fp, 0.0)
 
 
 def _profile_layers(runs: LayerRuns, device: torch.device, repeats: int) -> tuple[list, float, torch.Tensor]:
-    """Each layer's footprint on one micro-batch (:mod:`.layer_runs`), the largest output's bytes (one
-    message) and the last layer's output."""
+    """Each layer's footprint on one micro-batch (:mod:`.layer_runs`), the largest output sent on (one
+    message: the last layer's goes nowhere) and the last layer's output."""
     x = runs.inputs
     if len(x) != 1 or not isinstance(x[0], torch.Tensor):
         raise ValueError(
@@ -247,7 +241,8 @@ def _profile_layers(runs: LayerRuns, device: torch.device, repeats: int) -> tupl
         rows.append(layer_cost(fp, fixed))
         assert fp.output is not None  # measure_layer always returns F's output
         t = fp.output
-        largest = max(largest, t.numel() * t.element_size())
+        if i < len(runs.runs) - 1:
+            largest = max(largest, t.numel() * t.element_size())
     return rows, float(largest), t
 
 

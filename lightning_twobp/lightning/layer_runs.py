@@ -14,14 +14,14 @@ one layer's weights there at a time:
   (``LayerRuns.with_loss``); elsewhere the step's first tensor result (nothing to differentiate).
 
 While open, what the step uses besides the layers (a ModuleList model's rotary embedding, buffers of the
-LightningModule) sits on the profiling device, and is put back after; a ModuleList model's Metrics are
-put back as they were (the last run runs the step's logging).
+LightningModule) sits on the profiling device, the step's Metrics updates are put back after, and a
+ModuleList model runs as the Trainer call will run it: its cache off, torch's attention fast path off.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,7 +30,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 
 from lightning_twobp.lightning.materialize import made_for_timing
-from lightning_twobp.lightning.modulelist_contract import LoopStage, ModuleListContract
+from lightning_twobp.lightning.modulelist_contract import LoopStage, ModuleListContract, caches_off, fastpath_off
 from lightning_twobp.lightning.step import StepRunner
 from lightning_twobp.private import pytree
 
@@ -68,35 +68,43 @@ def layer_runs(
 ) -> Iterator[LayerRuns]:
     """The layers as runs on ``device``, on the first of ``m`` micro-batches of ``batch`` (see the module
     docstring); the step's state is this micro-batching's while open."""
-    with _outside_on(runner.module, layers, device):
+    contract = runner.contract
+    loop = isinstance(contract, ModuleListContract)
+    with ExitStack() as scope:
+        scope.enter_context(_moved(_outside(runner.module, layers), device))
+        if loop:  # as the Trainer call runs the model (pipeline._call_scope): no cache, torch's plain attention
+            scope.callback(caches_off(runner.module.modules()))
+            scope.callback(fastpath_off())
+        runner.metrics.begin()  # the step's Metrics updates, before the block and after it, put back after
+        scope.callback(runner.metrics.undo)
         state = runner.begin(HOOKS[trainer.state.fn], (batch, 0), {}, m, exact=False)
-        state.microbatches[0] = pytree.tree_map(
-            lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, state.microbatches[0]
-        )
+        # every micro-batch: a ModuleList stage after the first captures them all (its model calls)
+        state.microbatches[:] = [
+            pytree.tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, mb)
+            for mb in state.microbatches
+        ]
         inputs = runner.capture(0)
-        contract = runner.contract
         if not isinstance(contract, ModuleListContract):  # the Sequential contract: its layers, as they are
             yield LayerRuns([LayerRun(layer, layer) for layer in layers], inputs, False, runner.module)
             return
-        fitting = trainer.state.fn == TrainerFn.FITTING
-        runner.metrics.begin()
-        try:
-            with contract.one_stage_per_layer() as stages:
-                yield _loop_runs(runner, stages, inputs, fitting)
-        finally:
-            runner.metrics.undo()
+        stages = scope.enter_context(contract.one_stage_per_layer())
+        # the micro-batch index is made on the model's device: a model called without tensors is on the CPU
+        index = inputs[0].to(device)
+        yield _loop_runs(runner, stages, (index, *inputs[1:]), trainer.state.fn == TrainerFn.FITTING)
 
 
 def _loop_runs(runner: StepRunner, stages: list[LoopStage], inputs: tuple, fitting: bool) -> LayerRuns:
     """The ModuleList contract's one-layer stages as runs; ``inputs``: the first stage's, ``(index, *call
-    tensors)``."""
-    assert len(stages) > 1, "a pipeline holds at least two layers (checked at setup)"
+    tensors)``. One stage alone is the last, which runs the model from its own call (its run's input is
+    the call's first tensor, unused)."""
     at = 1 if len(inputs) > 1 else 0  # the model call's first tensor (the ids); the index where it has none
     index = inputs[0]
+    last = LayerRun(stages[-1].layers[0], _LastStage(stages[-1], runner, fitting))
+    if len(stages) == 1:
+        return LayerRuns([last], (inputs[at],), fitting, runner.module)
     runs = [LayerRun(stages[0].layers[0], _FirstStage(stages[0], inputs, at))]
     runs += [LayerRun(s.layers[0], _NextStage(s, index)) for s in stages[1:-1]]
-    runs.append(LayerRun(stages[-1].layers[0], _LastStage(stages[-1], runner, fitting)))
-    return LayerRuns(runs, (inputs[at],), fitting, runner.module)
+    return LayerRuns([*runs, last], (inputs[at],), fitting, runner.module)
 
 
 def _hidden(out: Any) -> torch.Tensor:
@@ -149,31 +157,29 @@ class _LastStage(nn.Module):
 
 @contextmanager
 def placed(model: nn.Module, layer: nn.Module, device: torch.device) -> Iterator[None]:
-    """``layer`` on ``device`` for its run: moved there and back; built on the meta device, made there for
-    the run (:func:`.materialize.made_for_timing`) and put back on ``meta``. One layer's weights at a time,
-    so a model that fits only across the pipeline is still profiled."""
+    """``layer`` on ``device`` for its run, and back after; its tensors built on the meta device made there
+    for the run (:func:`.materialize.made_for_timing`) and put back on ``meta``. One layer's weights at a
+    time, so a model that fits only across the pipeline is still profiled."""
     tensors = [*layer.parameters(), *layer.buffers()]
-    if any(t.is_meta for t in tensors):
-        with made_for_timing(model, layer, device):
-            yield
-        return
-    home = tensors[0].device if tensors else device
-    layer.to(device)
-    try:
+    with made_for_timing(model, layer, device), _moved(tensors, device):
         yield
-    finally:
-        layer.to(home)
+
+
+def _outside(lm: nn.Module, layers: list[nn.Module]) -> list[torch.Tensor]:
+    """The parameters and buffers of ``lm`` outside ``layers`` (small: the layers hold the weights), which
+    the step and the model's forward use besides them (a rotary embedding's frequencies)."""
+    inside = {id(t) for layer in layers for t in [*layer.parameters(), *layer.buffers()]}
+    return [t for t in [*lm.parameters(), *lm.buffers()] if id(t) not in inside]
 
 
 @contextmanager
-def _outside_on(lm: nn.Module, layers: list[nn.Module], device: torch.device) -> Iterator[None]:
-    """Every parameter and buffer of ``lm`` outside ``layers`` on ``device`` while open (small: the layers
-    hold the weights), as ``model_to_device`` will put them anyway."""
-    inside = {id(t) for layer in layers for t in [*layer.parameters(), *layer.buffers()]}
+def _moved(tensors: list[torch.Tensor], device: torch.device) -> Iterator[None]:
+    """``tensors`` (the same objects: their ``.data``) on ``device`` while open, as ``model_to_device`` will
+    put them anyway; meta ones left alone."""
     moved = []
     with torch.no_grad():
-        for t in [*lm.parameters(), *lm.buffers()]:
-            if id(t) not in inside and t.device != device:
+        for t in tensors:
+            if t.device != device and not t.is_meta:
                 moved.append((t, t.data))
                 t.data = t.data.to(device)
     try:

@@ -83,28 +83,35 @@ def made_for_timing(model: nn.Module, layer: nn.Module, device: torch.device) ->
     caller's random state (which the profilers fork), not one process's: the layers are made as one
     process makes them only after the cut (:func:`materialize`). A tie to a tensor outside ``layer`` is
     made apart for the run."""
-    names = {id(m): n for n, m in model.named_modules()}
-    owners = _hf_owners(model)
+    if not any(t.is_meta for m in layer.modules() for t in named_own(m).values()):
+        yield
+        return
     made: dict[int, torch.Tensor] = {}
-    originals = []
-    for module in layer.modules():
-        for n, t in named_own(module).items():
-            if t.is_meta:
-                if id(t) not in made:
-                    made[id(t)] = like(t, torch.zeros(t.shape, dtype=t.dtype, device=device))
-                originals.append((module, n, t))
-                setattr(module, n, made[id(t)])
-    now = {id(t) for t in made.values()}
+    originals: list[tuple[nn.Module, str, torch.Tensor]] = []
     try:
-        with torch.no_grad(), device:
-            for _, module in _post_order(layer):
-                name = names.get(id(module))
-                init = _initializer(owners[name] if name is not None else None, module)
-                if init is not None and _holds_made(module, now):
-                    init[0]()
+        for module in layer.modules():
+            for n, t in named_own(module).items():
+                if t.is_meta:
+                    if id(t) not in made:
+                        made[id(t)] = like(t, torch.zeros(t.shape, dtype=t.dtype, device=device))
+                    originals.append((module, n, t))
+                    setattr(module, n, made[id(t)])
+        _initialize_for_timing(model, layer, {id(t) for t in made.values()}, device)
         yield
     finally:
         _put_back(originals)
+
+
+def _initialize_for_timing(model: nn.Module, layer: nn.Module, made: set[int], device: torch.device) -> None:
+    """The initialization calls of ``layer``'s modules holding ``made`` tensors, children first."""
+    names = {id(m): n for n, m in model.named_modules()}
+    owners = _hf_owners(model)
+    with torch.no_grad(), device:
+        for _, module in _post_order(layer):
+            name = names.get(id(module))
+            init = _initializer(owners[name] if name is not None else None, module)
+            if init is not None and _holds_made(module, made):
+                init[0]()
 
 
 def _holds_made(module: nn.Module, made: set[int]) -> bool:

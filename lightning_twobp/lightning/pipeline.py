@@ -347,12 +347,23 @@ def _partition(strategy: TwoBPStrategy, runner: StepRunner, contract: Any, train
     costs = None
     if opts.balance == "time" and strategy.layer_seconds is None:  # timed once, as "auto" chooses once
         m, device = strategy.num_microbatches, strategy.root_device
-        with _outside_made(strategy, contract):
+        with _outside_made(strategy, contract), _checkpointed(strategy, contract, opts.activation_checkpointing):
             strategy.layer_seconds = profile_layers(runner, layers, trainer, m, device, strategy.precision_plugin)
     if opts.balance == "time":
         costs = strategy.layer_seconds
     num_stages = strategy.pipeline_degree * opts.stages
     return list(partition(nn.Sequential(*layers), num_stages, opts.balance, costs=costs))
+
+
+@contextmanager
+def _checkpointed(strategy: TwoBPStrategy, contract: Any, mode: str | int | None) -> Iterator[None]:
+    """The layers checkpointed as ``activation_checkpointing=mode`` and the model's Hugging Face switch say,
+    as the Trainer call will run them (:func:`_call_scope`), while open: timed as they train."""
+    undo = apply_activation_checkpointing(list(enumerate(contract.layers())), mode, strategy.lightning_module, contract)
+    try:
+        yield
+    finally:
+        undo()
 
 
 @contextmanager
@@ -540,8 +551,9 @@ def _checked_contract(strategy: TwoBPStrategy, trainer: Any) -> SequentialContra
             "backward, so manual_backward cannot run it; set self.automatic_optimization = True"
         )
     contract = find_contract(lm, opts.layers)
-    if strategy.requested.schedule == "auto" and strategy.auto_choice is None:
-        check_timed_layers_here(contract.layers(), left_on_meta(), "schedule='auto'")
+    if strategy.requested.schedule == "auto":  # it chooses once: its balance="time" reads its own profile
+        if strategy.auto_choice is None:
+            check_timed_layers_here(contract.layers(), left_on_meta(), "schedule='auto'")
     elif opts.balance == "time" and strategy.layer_seconds is None:
         check_timed_layers_here(contract.layers(), left_on_meta(), "balance='time'")
     check_not_compiled(lm, contract)  # before the first step: compiled code cannot be split

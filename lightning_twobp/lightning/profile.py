@@ -90,25 +90,27 @@ def profile_layers(
     precision: Any,
     repeats: int = 3,
 ) -> list[float]:
-    """Seconds per layer (median of ``repeats`` after a warm-up run), the same list on every rank."""
-    costs: list[float] | str | None = None
+    """Seconds per layer (median of ``repeats`` after a warm-up run), the same list on every rank. Rank 0's
+    failure reaches the others as an error of the same kind (a refusal, ``ValueError``, stays one)."""
+    sent: list[float] | tuple[bool, str] | None = None
     failed: Exception | None = None
     devices = [device] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices):
         batch = first_batch(trainer)
         if not dist.is_initialized() or dist.get_rank() == 0:
             try:
-                costs = _time_layers(runner, layers, trainer, batch, m, device, precision, repeats)
-            except Exception as e:  # noqa: BLE001 - sent on, so that the other ranks raise too rather than wait
-                failed, costs = e, f"{type(e).__name__}: {e}"
-    box = [costs]
+                sent = _time_layers(runner, layers, trainer, batch, m, device, precision, repeats)
+            except Exception as e:  # noqa: BLE001 - sent on: the other ranks raise it too, naming rank 0's error
+                failed, sent = e, (isinstance(e, ValueError), f"{type(e).__name__}: {e}")
+    box = [sent]
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.broadcast_object_list(box, src=0, device=device if device.type == "cuda" else None)
     if failed is not None:
         raise failed
     timed = box[0]
-    if isinstance(timed, str):
-        raise RuntimeError(f'balance="time": rank 0 could not time the layers: {timed}')
+    if isinstance(timed, tuple):
+        refused, message = timed
+        raise (ValueError if refused else RuntimeError)(f'balance="time": rank 0 could not time the layers: {message}')
     assert timed is not None  # rank 0 timed the layers and sent them to the others
     return timed
 
@@ -125,24 +127,39 @@ def _time_layers(
 ) -> list[float]:
     costs = []
     put_back = keep_buffers(layers)
-    with precision.forward_context(), layer_runs(runner, layers, trainer, batch, m, device) as runs:
-        x = runs.inputs
-        for run in runs.runs:
-            x = tuple(t.detach().requires_grad_(t.is_floating_point()) if isinstance(t, torch.Tensor) else t for t in x)
-            times = []
-            with placed(runner.module, run.layer, device):
-                for _ in range(repeats + 1):  # the first run warms caches and allocators up
-                    start = now(device)
-                    out = StageModule([run.call])(*x)  # as the stage runs it (tuples, in-place first layers)
-                    outs = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
-                    if outs:
-                        torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
-                    times.append(now(device) - start)
-                run.layer.zero_grad(set_to_none=True)
-            costs.append(sorted(times[1:])[len(times[1:]) // 2])
-            x = tuple(
-                t.detach() if isinstance(t, torch.Tensor) else t for t in (out if isinstance(out, tuple) else (out,))
-            )
-    put_back()
+    try:
+        with precision.forward_context(), layer_runs(runner, layers, trainer, batch, m, device) as runs:
+            x = runs.inputs
+            for i, run in enumerate(runs.runs):
+                # the first stage's inputs need no gradient (the executor's first B is the whole backward)
+                x = tuple(_leaf(t, i > 0) if isinstance(t, torch.Tensor) else t for t in x)
+                with placed(runs.model, run.layer, device):
+                    seconds, out = _seconds(run.call, x, device, repeats)
+                    run.layer.zero_grad(set_to_none=True)
+                costs.append(seconds)
+                x = tuple(
+                    t.detach() if isinstance(t, torch.Tensor) else t
+                    for t in (out if isinstance(out, tuple) else (out,))
+                )
+    finally:
+        put_back()
     log.info("twobp: forward+backward seconds per layer: %s", ", ".join(f"{c:.2e}" for c in costs))
     return costs
+
+
+def _leaf(t: torch.Tensor, grad: bool) -> torch.Tensor:
+    return t.detach().requires_grad_(grad and t.is_floating_point())
+
+
+def _seconds(call: nn.Module, x: tuple, device: torch.device, repeats: int) -> tuple[float, Any]:
+    """Forward + backward seconds of ``call`` on ``x``, as a stage runs it: median of ``repeats`` after a
+    warm-up run (caches, allocators); and the output, which the next layer is fed."""
+    times, out = [], None
+    for _ in range(repeats + 1):
+        start = now(device)
+        out = StageModule([call])(*x)  # as the stage runs it (tuples, in-place first layers)
+        outs = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if outs:
+            torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
+        times.append(now(device) - start)
+    return sorted(times[1:])[len(times[1:]) // 2], out
