@@ -335,7 +335,9 @@ def _tokens() -> DataLoader:
 MODELS = {"blocks": (Blocks, _loader), "hf-llama": (HFLlama, _tokens)}
 
 
-def _fit_auto(rank: int, world: int, memory_limit, optimizer=torch.optim.SGD, kind="blocks", **options) -> dict:
+def _fit_auto(
+    rank: int, world: int, memory_limit, optimizer=torch.optim.SGD, kind="blocks", precision="32-true", **options
+) -> dict:
     from lightning_twobp import TwoBPStrategy
 
     lightning_env(rank, world)
@@ -345,7 +347,7 @@ def _fit_auto(rank: int, world: int, memory_limit, optimizer=torch.optim.SGD, ki
     model, peak = make(optimizer), _Peak()
     monitor = PipelineMonitor(log_every_n_steps=1, measure_flops=False, log=False)
     strategy = TwoBPStrategy(schedule="auto", memory_limit=memory_limit, **options)
-    trainer = _trainer(strategy, world, callbacks=[peak, monitor])
+    trainer = _trainer(strategy, world, callbacks=[peak, monitor], precision=precision)
     trainer.fit(model, data())
     choice = strategy.auto_choice
     logged = {k: v for k, v in monitor.last.items() if k.endswith("predicted_peak_mb")}
@@ -466,6 +468,7 @@ REFUSED = "test_a_limit_nothing_fits_is_refused_before_training_on_every_rank"
 ADAMW = "test_auto_counts_adamw_state_and_stays_within_its_limit"
 ADAMW_REFUSED = "test_a_limit_that_fits_only_without_adamw_state_is_refused_naming_it"
 HF = "test_auto_on_a_hugging_face_model_trains_like_one_process_within_its_limit"
+HF_BF16 = "test_auto_profiles_the_layers_in_the_precisions_dtype"
 LEFT = "test_auto_after_a_call_that_left_layers_elsewhere_is_refused_naming_the_fix"
 TIME_FAILS = "test_a_layer_that_fails_to_time_on_rank_0_fails_every_rank"
 TIME_ONCE = "test_balance_time_times_once_and_later_calls_cut_alike"
@@ -481,6 +484,7 @@ def two_ranks(request) -> conftest.Launch:
     cases[ADAMW_REFUSED] = (_adamw_refused, ())
     cases[CHECKPOINTED] = (_fit_checkpointed, ())
     cases[HF] = (_fit_auto, ("1f1b", torch.optim.SGD, "hf-llama"))
+    cases[HF_BF16] = (_fit_auto, ("1f1b", torch.optim.AdamW, "hf-llama", "bf16-true"))
     cases[LEFT] = (_after_a_call_without_gather, ())
     cases[TIME_FAILS] = (_time_fails_on_rank_0, ())
     for options in TIMED_ONCE:
@@ -541,6 +545,21 @@ def test_auto_on_a_hugging_face_model_trains_like_one_process_within_its_limit(t
 
 
 @pytest.mark.dist
+def test_auto_profiles_the_layers_in_the_precisions_dtype(two_ranks):
+    """Under "bf16-true" the model is cast after the cut: auto profiles copies cast as it will be (weights,
+    gradients, AdamW's state and activations in bf16). Profiled as built (fp32), it predicted about twice
+    the measured peak, and the fp32 block shapes it learned made a V's rotary embeddings fp32 in training
+    ("Expected query, key, and value to have the same dtype")."""
+    params = sum(q.numel() for q in HFLlama().parameters())
+    for r in two_ranks[HF_BF16]:
+        assert r["optimizer_predicted"] == r["optimizer_measured"] > 0, r["label"]  # AdamW's bf16 moments
+        rows = r["profile"].layers[max(r["profile"].layers)]
+        assert sum(c.fixed for c in rows) == 2 * 2 * params  # bf16 weights and gradients
+        assert r["measured"] <= r["limit"], {k: v for k, v in r.items() if k not in ("params", "profile")}
+        assert all(v.dtype == torch.bfloat16 and torch.isfinite(v).all() for v in r["params"].values())
+
+
+@pytest.mark.dist
 def test_auto_after_a_call_that_left_layers_elsewhere_is_refused_naming_the_fix(two_ranks):
     for message in two_ranks[LEFT]:
         assert "an earlier Trainer call left 4 of the 8 layers" in message, message
@@ -576,6 +595,22 @@ def test_a_limit_nothing_fits_is_refused_before_training_on_every_rank(two_ranks
     # activation_checkpointing=None: one checkpointed profile more says what "full" would hold
     assert "Checkpointed blocks would not fit either: the smallest predicted peak is then" in out[0], out[0]
     assert "num_microbatches" not in out[0], out[0]  # no count given: auto tried every divisor
+
+
+def test_the_layers_are_profiled_cast_as_the_precision_casts_them_and_put_back_bitwise():
+    from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
+
+    from lightning_twobp.lightning.layer_runs import placed, trained_dtype
+
+    assert trained_dtype(HalfPrecision("bf16-true")) == torch.bfloat16
+    assert trained_dtype(HalfPrecision("16-true")) == torch.float16
+    assert trained_dtype(Precision()) is None and trained_dtype(MixedPrecision("bf16-mixed", "cpu")) is None
+    torch.manual_seed(0)
+    layer = nn.Linear(4, 4)
+    weight, before = layer.weight, layer.weight.detach().clone()
+    with placed(layer, layer, torch.device("cpu"), torch.bfloat16):
+        assert layer.weight is weight and layer.weight.dtype == torch.bfloat16
+    assert layer.weight.dtype == torch.float32 and torch.equal(layer.weight, before)  # no round trip through bf16
 
 
 def test_auto_options_are_checked_at_construction():

@@ -67,7 +67,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 
 from lightning_twobp.engine.footprint import LayerFootprint, layer_cost, measure_layer, storage_key
-from lightning_twobp.lightning.layer_runs import LayerRuns, layer_runs, placed
+from lightning_twobp.lightning.layer_runs import LayerRuns, layer_runs, trained_dtype
 from lightning_twobp.lightning.profile import first_batch, keep_buffers, now
 from lightning_twobp.lightning.sharding import sharded_static_bytes
 from lightning_twobp.lightning.step import StepRunner, batch_size
@@ -86,7 +86,15 @@ from lightning_twobp.schedules.auto import (
 
 log = logging.getLogger(__name__)
 
-__all__ = ["SavedBytes", "auto_schedule", "device_bytes", "optimizer_state_bytes", "sharded_fixed", "timed_footprint"]
+__all__ = [
+    "SavedBytes",
+    "auto_schedule",
+    "device_bytes",
+    "optimizer_state_bytes",
+    "sharded_fixed",
+    "timed_footprint",
+    "trained_size",
+]
 
 _FIELDS = len(LayerCost.__dataclass_fields__)  # LayerCost's fields, in order, as one row of the agreed table
 _SCALAR = 4  # bytes of a per-parameter step counter (a float32 0-d tensor in torch's optimizers)
@@ -153,11 +161,19 @@ def _optimizers(found: Any) -> list[torch.optim.Optimizer]:
     return []
 
 
-def optimizer_state_bytes(optimizers: Sequence[torch.optim.Optimizer]) -> tuple[dict[int, float], list[str]]:
+def trained_size(q: torch.Tensor, cast: torch.dtype | None) -> int:
+    """Bytes per element of ``q`` once the precision has cast the model's floating tensors to ``cast``."""
+    return cast.itemsize if cast is not None and q.is_floating_point() else q.element_size()
+
+
+def optimizer_state_bytes(
+    optimizers: Sequence[torch.optim.Optimizer], cast: torch.dtype | None = None
+) -> tuple[dict[int, float], list[str]]:
     """The bytes of state each parameter (by ``id``) will hold in ``optimizers`` once they have stepped,
-    before they have (torch creates the state at the first step), and one line per optimizer saying how
-    it was counted. An optimizer not known here is counted as Adam's two copies of each parameter,
-    which the line says: give memory_limit that much less if it keeps more."""
+    before they have (torch creates the state at the first step, like each parameter: in ``cast`` once the
+    precision has cast them), and one line per optimizer saying how it was counted. An optimizer not known
+    here is counted as Adam's two copies of each parameter, which the line says: give memory_limit that
+    much less if it keeps more."""
     out: dict[int, float] = {}
     notes = []
     for opt in optimizers:
@@ -167,7 +183,7 @@ def optimizer_state_bytes(optimizers: Sequence[torch.optim.Optimizer]) -> tuple[
             guessed = guessed or copies is None
             k, scalars = copies or (2, 1)
             for q in group["params"]:
-                nbytes = k * q.numel() * q.element_size() + scalars * _SCALAR
+                nbytes = k * q.numel() * trained_size(q, cast) + scalars * _SCALAR
                 out[id(q)] = out.get(id(q), 0.0) + nbytes
                 total += nbytes
         how = (
@@ -180,11 +196,11 @@ def optimizer_state_bytes(optimizers: Sequence[torch.optim.Optimizer]) -> tuple[
     return out, notes
 
 
-def _optimizer_bytes(lm: Any, trainer: Any, layers: list[nn.Module]) -> list[float]:
+def _optimizer_bytes(lm: Any, trainer: Any, layers: list[nn.Module], cast: torch.dtype | None) -> list[float]:
     """Each layer's optimizer-state bytes (training only), from a throw-away ``configure_optimizers``."""
     if trainer.state.fn != TrainerFn.FITTING:  # nothing steps: no state (a later fit keeps this choice)
         return [0.0] * len(layers)
-    per_param, notes = optimizer_state_bytes(_optimizers(lm.configure_optimizers()))
+    per_param, notes = optimizer_state_bytes(_optimizers(lm.configure_optimizers()), cast)
     for line in notes:
         rank_zero_info("twobp: schedule='auto' counts " + line)
         if "not one this counts" in line:
@@ -192,13 +208,16 @@ def _optimizer_bytes(lm: Any, trainer: Any, layers: list[nn.Module]) -> list[flo
     return [sum(per_param.get(id(q), 0.0) for q in layer.parameters() if q.requires_grad) for layer in layers]
 
 
-def sharded_fixed(cost: LayerCost, layer: nn.Module, dp: int, precision: str) -> LayerCost:
+def sharded_fixed(
+    cost: LayerCost, layer: nn.Module, dp: int, precision: str, cast: torch.dtype | None = None
+) -> LayerCost:
     """``cost`` with its fixed bytes as one of ``dp`` replicas holds them under ``data_parallel="shard"``
-    (``precision``: the Trainer's, e.g. ``"32-true"``): the planner's count of a sharded stage
-    (:func:`~lightning_twobp.lightning.sharding.sharded_static_bytes`), its optimizer share kept apart."""
+    (``precision``: the Trainer's, e.g. ``"32-true"``, which casts the weights to ``cast``): the planner's
+    count of a sharded stage (:func:`~lightning_twobp.lightning.sharding.sharded_static_bytes`), its
+    optimizer share kept apart."""
     trained = [q for q in layer.parameters() if q.requires_grad]
     params = sum(q.numel() for q in trained)
-    weight = sum(q.numel() * q.element_size() for q in trained)
+    weight = sum(q.numel() * trained_size(q, cast) for q in trained)
     state = math.ceil(cost.optimizer)
     total = sharded_static_bytes(params, weight, weight, state, dp, precision)
     share = -(-state // dp)
@@ -234,10 +253,10 @@ def _profile_layers(runs: LayerRuns, device: torch.device, repeats: int) -> tupl
         )
     t, rows, largest = x[0], [], 0
     for i, run in enumerate(runs.runs):
-        with placed(runs.model, run.layer, device):
+        with runs.placed(run.layer):  # as it will train: weights and gradients in the precision's dtype
             fp = timed_footprint(run.call, t, t.is_floating_point() and i > 0, device, repeats)
             run.layer.zero_grad(set_to_none=True)
-        fixed = 2.0 * sum(q.numel() * q.element_size() for q in run.layer.parameters() if q.requires_grad)
+            fixed = 2.0 * sum(q.numel() * q.element_size() for q in run.layer.parameters() if q.requires_grad)
         rows.append(layer_cost(fp, fixed))
         assert fp.output is not None  # measure_layer always returns F's output
         t = fp.output
@@ -379,23 +398,23 @@ class _Profiler:
 
     def _each_count(self, device: torch.device, repeats: int) -> list[list[list[float]]]:
         rows = []
-        with self.precision.forward_context():
-            for m in self.counts:
-                with layer_runs(self.runner, self.layers, self.trainer, self.batch, m, device) as runs:
-                    costs, largest, out = _profile_layers(runs, device, repeats)
-                    # the loss: in the last layer's run already, or measured on its output (training only:
-                    # validation and prediction steps return no loss)
-                    fitting = self.fitting and not runs.with_loss
-                    loss = _profile_loss(self.runner, out, device, repeats) if fitting else LayerCost()
-                costs = [dataclasses.replace(c, optimizer=o) for c, o in zip(costs, self.optimizer, strict=True)]
-                if self.shard_over > 1:
-                    name = str(getattr(self.precision, "precision", "32-true"))
-                    costs = [
-                        sharded_fixed(c, q, self.shard_over, name) for c, q in zip(costs, self.layers, strict=True)
-                    ]
-                costs.append(loss)  # the last row
-                seconds = _message_seconds(largest, self.pp_group, device, repeats)
-                rows.append([_to_row(c) + [seconds] for c in costs])
+        for m in self.counts:
+            with layer_runs(self.runner, self.layers, self.trainer, self.batch, m, device, self.precision) as runs:
+                costs, largest, out = _profile_layers(runs, device, repeats)
+                # the loss: in the last layer's run already, or measured on its output (training only:
+                # validation and prediction steps return no loss)
+                fitting = self.fitting and not runs.with_loss
+                loss = _profile_loss(self.runner, out, device, repeats) if fitting else LayerCost()
+            costs = [dataclasses.replace(c, optimizer=o) for c, o in zip(costs, self.optimizer, strict=True)]
+            if self.shard_over > 1:
+                name = str(getattr(self.precision, "precision", "32-true"))
+                costs = [
+                    sharded_fixed(c, q, self.shard_over, name, runs.cast)
+                    for c, q in zip(costs, self.layers, strict=True)
+                ]
+            costs.append(loss)  # the last row
+            seconds = _message_seconds(largest, self.pp_group, device, repeats)
+            rows.append([_to_row(c) + [seconds] for c in costs])
         return rows
 
 
@@ -436,7 +455,7 @@ def auto_schedule(
     peak in the first way."""
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         batch = first_batch(trainer)
-        optimizer = _optimizer_bytes(runner.module, trainer, layers)
+        optimizer = _optimizer_bytes(runner.module, trainer, layers, trained_dtype(precision))
     counts = [num_microbatches] if num_microbatches else _divisors(batch_size(batch), 4 * num_ranks)
     profiler = _Profiler(
         runner,

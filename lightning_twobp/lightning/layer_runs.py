@@ -21,7 +21,7 @@ ModuleList model runs as the Trainer call will run it: its cache off, torch's at
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,7 +34,7 @@ from lightning_twobp.lightning.modulelist_contract import LoopStage, ModuleListC
 from lightning_twobp.lightning.step import StepRunner
 from lightning_twobp.private import pytree
 
-__all__ = ["HOOKS", "LayerRun", "LayerRuns", "layer_runs", "placed"]
+__all__ = ["HOOKS", "LayerRun", "LayerRuns", "layer_runs", "placed", "trained_dtype"]
 
 HOOKS = {
     TrainerFn.FITTING: "training_step",
@@ -59,25 +59,42 @@ class LayerRuns:
     runs: list[LayerRun]
     inputs: tuple  # the first run's positional inputs (the Sequential's, as the step passes them)
     with_loss: bool  # the last run computes the step's loss too (the ModuleList contract, in fitting)
-    model: nn.Module  # the LightningModule: where a meta-built layer's initialization is looked up (placed)
+    model: nn.Module  # the LightningModule: where a meta-built layer's initialization is looked up
+    device: torch.device
+    cast: torch.dtype | None  # the precision's cast of the model's floating tensors ("bf16-true": bf16)
+
+    def placed(self, layer: nn.Module) -> AbstractContextManager[None]:
+        """``layer`` as it will train, for its run (:func:`placed`)."""
+        return placed(self.model, layer, self.device, self.cast)
 
 
 @contextmanager
 def layer_runs(
-    runner: StepRunner, layers: list[nn.Module], trainer: Any, batch: Any, m: int, device: torch.device
+    runner: StepRunner,
+    layers: list[nn.Module],
+    trainer: Any,
+    batch: Any,
+    m: int,
+    device: torch.device,
+    precision: Any,
 ) -> Iterator[LayerRuns]:
     """The layers as runs on ``device``, on the first of ``m`` micro-batches of ``batch`` (see the module
-    docstring); the step's state is this micro-batching's while open."""
+    docstring), in ``precision`` (the Trainer's plugin) as the Trainer call will run them: the batch
+    converted as its loop converts it, the weights cast as ``convert_module`` will cast them (copies, for
+    the runs: the cast comes after the cut, where a meta build is made in fp32 first, as one process
+    makes it), the forward in its context. The step's state is this micro-batching's while open."""
     contract = runner.contract
     loop = isinstance(contract, ModuleListContract)
+    cast = trained_dtype(precision)
     with ExitStack() as scope:
-        scope.enter_context(_moved(_outside(runner.module, layers), device))
+        scope.enter_context(_moved(_outside(runner.module, layers), device, cast))
+        scope.enter_context(precision.forward_context())
         if loop:  # as the Trainer call runs the model (pipeline._call_scope): no cache, torch's plain attention
             scope.callback(caches_off(runner.module.modules()))
             scope.callback(fastpath_off())
         runner.metrics.begin()  # the step's Metrics updates, before the block and after it, put back after
         scope.callback(runner.metrics.undo)
-        state = runner.begin(HOOKS[trainer.state.fn], (batch, 0), {}, m, exact=False)
+        state = runner.begin(HOOKS[trainer.state.fn], (precision.convert_input(batch), 0), {}, m, exact=False)
         # every micro-batch: a ModuleList stage after the first captures them all (its model calls)
         state.microbatches[:] = [
             pytree.tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, mb)
@@ -85,26 +102,41 @@ def layer_runs(
         ]
         inputs = runner.capture(0)
         if not isinstance(contract, ModuleListContract):  # the Sequential contract: its layers, as they are
-            yield LayerRuns([LayerRun(layer, layer) for layer in layers], inputs, False, runner.module)
+            yield LayerRuns([LayerRun(layer, layer) for layer in layers], inputs, False, runner.module, device, cast)
             return
-        stages = scope.enter_context(contract.one_stage_per_layer())
+        stages = scope.enter_context(contract.one_stage_per_layer(cast))
         # the micro-batch index is made on the model's device: a model called without tensors is on the CPU
         index = inputs[0].to(device)
-        yield _loop_runs(runner, stages, (index, *inputs[1:]), trainer.state.fn == TrainerFn.FITTING)
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        runs, first = _loop_runs(runner, stages, (index, *inputs[1:]), fitting)
+        yield LayerRuns(runs, first, fitting, runner.module, device, cast)
 
 
-def _loop_runs(runner: StepRunner, stages: list[LoopStage], inputs: tuple, fitting: bool) -> LayerRuns:
-    """The ModuleList contract's one-layer stages as runs; ``inputs``: the first stage's, ``(index, *call
-    tensors)``. One stage alone is the last, which runs the model from its own call (its run's input is
-    the call's first tensor, unused)."""
+def trained_dtype(precision: Any) -> torch.dtype | None:
+    """The dtype ``precision.convert_module`` casts a model's floating tensors to (``"bf16-true"``: bf16),
+    or None where it keeps fp32 (mixed precision casts inside autocast instead): seen on a one-weight
+    module, since a plugin says it only by doing it. A plugin that cannot convert one here (a quantizing
+    one, on the wrong device) is refused by the conversion itself after the cut (checks.converted_in_place)."""
+    try:
+        converted = precision.convert_module(nn.Linear(1, 1))
+    except Exception:  # noqa: BLE001 - see above: the real conversion says what is wrong
+        return None
+    dtype = next(converted.parameters()).dtype
+    return None if dtype == torch.float32 else dtype
+
+
+def _loop_runs(runner: StepRunner, stages: list[LoopStage], inputs: tuple, fitting: bool) -> tuple[list, tuple]:
+    """The ModuleList contract's one-layer stages as runs, and the first one's inputs; ``inputs``: the first
+    stage's, ``(index, *call tensors)``. One stage alone is the last, which runs the model from its own call
+    (its run's input is the call's first tensor, unused)."""
     at = 1 if len(inputs) > 1 else 0  # the model call's first tensor (the ids); the index where it has none
     index = inputs[0]
     last = LayerRun(stages[-1].layers[0], _LastStage(stages[-1], runner, fitting))
     if len(stages) == 1:
-        return LayerRuns([last], (inputs[at],), fitting, runner.module)
+        return [last], (inputs[at],)
     runs = [LayerRun(stages[0].layers[0], _FirstStage(stages[0], inputs, at))]
     runs += [LayerRun(s.layers[0], _NextStage(s, index)) for s in stages[1:-1]]
-    return LayerRuns([*runs, last], (inputs[at],), fitting, runner.module)
+    return [*runs, last], (inputs[at],)
 
 
 def _hidden(out: Any) -> torch.Tensor:
@@ -156,12 +188,12 @@ class _LastStage(nn.Module):
 
 
 @contextmanager
-def placed(model: nn.Module, layer: nn.Module, device: torch.device) -> Iterator[None]:
-    """``layer`` on ``device`` for its run, and back after; its tensors built on the meta device made there
-    for the run (:func:`.materialize.made_for_timing`) and put back on ``meta``. One layer's weights at a
-    time, so a model that fits only across the pipeline is still profiled."""
-    tensors = [*layer.parameters(), *layer.buffers()]
-    with made_for_timing(model, layer, device), _moved(tensors, device):
+def placed(model: nn.Module, layer: nn.Module, device: torch.device, cast: torch.dtype | None) -> Iterator[None]:
+    """``layer`` on ``device`` for its run, its floating tensors in ``cast`` where given, and back after (the
+    same tensor objects, their data as it was); its tensors built on the meta device made there for the run
+    (:func:`.materialize.made_for_timing`) and put back on ``meta``. One layer's weights at a time, so a
+    model that fits only across the pipeline is still profiled."""
+    with made_for_timing(model, layer, device), _moved([*layer.parameters(), *layer.buffers()], device, cast):
         yield
 
 
@@ -173,15 +205,17 @@ def _outside(lm: nn.Module, layers: list[nn.Module]) -> list[torch.Tensor]:
 
 
 @contextmanager
-def _moved(tensors: list[torch.Tensor], device: torch.device) -> Iterator[None]:
-    """``tensors`` (the same objects: their ``.data``) on ``device`` while open, as ``model_to_device`` will
-    put them anyway; meta ones left alone."""
+def _moved(tensors: list[torch.Tensor], device: torch.device, cast: torch.dtype | None) -> Iterator[None]:
+    """``tensors`` (the same objects: their ``.data``) on ``device`` while open, the floating ones in ``cast``
+    where given, as ``model_to_device`` and the precision's ``convert_module`` will put them; their data as
+    it was after (no round trip through the cast); meta ones left alone."""
     moved = []
     with torch.no_grad():
         for t in tensors:
-            if t.device != device and not t.is_meta:
+            dtype = cast if cast is not None and t.is_floating_point() else t.dtype
+            if not t.is_meta and (t.device != device or t.dtype != dtype):
                 moved.append((t, t.data))
-                t.data = t.data.to(device)
+                t.data = t.data.to(device, dtype)
     try:
         yield
     finally:

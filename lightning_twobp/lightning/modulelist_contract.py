@@ -306,6 +306,7 @@ class ModuleListContract:
         self._twins: dict[tuple[int, torch.dtype | None, str | None], nn.Module] = {}
         self._shapes: dict[tuple, tuple[Any, list[Any]]] = {}  # block call -> its output's structure
         self._twin_ran: set[tuple] = set()  # the block calls whose twin ran (and so ran its hooks)
+        self._cast: torch.dtype | None = None  # the twins' dtype while profiling (one_stage_per_layer)
         self._block_calls = [self._block_call(i) for i in range(self.num_blocks)]
         self._previous: list[Any] = [_MISSING] * self.num_blocks  # the blocks' own instance forwards, if any
 
@@ -321,18 +322,21 @@ class ModuleListContract:
         return stage
 
     @contextmanager
-    def one_stage_per_layer(self) -> Iterator[list[LoopStage]]:
+    def one_stage_per_layer(self, cast: torch.dtype | None = None) -> Iterator[list[LoopStage]]:
         """Every layer as a stage of its own, to run the layers one at a time before the cut
-        (:mod:`.layer_runs`: ``balance="time"``, ``schedule="auto"``); the stages built before are put
-        back after. Stage ``k`` runs as the executor runs it: ``(index, *call tensors)`` in on the first,
-        ``(hidden, index)`` on the others; the last answers the model's call inside the step."""
-        before = self._stage_of, self._stages
-        self._stages = {}
+        (:mod:`.layer_runs`: ``balance="time"``, ``schedule="auto"``). Stage ``k`` runs as the executor
+        runs it: ``(index, *call tensors)`` in on the first, ``(hidden, index)`` on the others; the last
+        answers the model's call inside the step. ``cast``: the dtype the precision will cast the model
+        to, which the other layers' meta twins take (the layers are still as built). What the runs learn
+        (stages, twins, block output shapes) is dropped after: learned before the cast, an fp32 shape
+        made the stages' rotary embeddings fp32 against bf16 values under "bf16-true"."""
+        before = self._stage_of, self._stages, self._twins, self._shapes, self._twin_ran, self._cast
+        self._stages, self._twins, self._shapes, self._twin_ran, self._cast = {}, {}, {}, set(), cast
         bounds = list(range(self.num_blocks + 1))
         try:
             yield [self.stage_module(i, i + 1, bounds) for i in range(self.num_blocks)]
         finally:
-            self._stage_of, self._stages = before
+            self._stage_of, self._stages, self._twins, self._shapes, self._twin_ran, self._cast = before
 
     def check_every_block_runs(self) -> None:
         """Refuse LayerDrop before fit's first step: in training it skips blocks at random (Wav2Vec2, HuBERT
@@ -758,7 +762,7 @@ class ModuleListContract:
         ``self.token_type_ids.to(position_ids.device)``) failed with "Cannot copy out of meta tensor"."""
         from lightning_twobp.lightning.local_model import float_cast  # local_model imports the contracts
 
-        cast = float_cast(self._occupant(path))
+        cast = float_cast(self._occupant(path)) or self._cast
         key = (id(module), cast, None if device is None else str(device))
         twin = self._twins.get(key)
         if twin is None:

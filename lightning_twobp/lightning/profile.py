@@ -21,7 +21,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 
 from lightning_twobp.lightning.contract import StageModule
-from lightning_twobp.lightning.layer_runs import layer_runs, placed
+from lightning_twobp.lightning.layer_runs import LayerRuns, layer_runs
 from lightning_twobp.lightning.step import StepRunner
 from lightning_twobp.private import pytree, unset_training_data
 
@@ -99,7 +99,8 @@ def profile_layers(
         batch = first_batch(trainer)
         if not dist.is_initialized() or dist.get_rank() == 0:
             try:
-                sent = _time_layers(runner, layers, trainer, batch, m, device, precision, repeats)
+                with layer_runs(runner, layers, trainer, batch, m, device, precision) as runs:
+                    sent = _time_layers(runs, repeats)
             except Exception as e:  # noqa: BLE001 - sent on: the other ranks raise it too, naming rank 0's error
                 failed, sent = e, (isinstance(e, ValueError), f"{type(e).__name__}: {e}")
     box = [sent]
@@ -115,32 +116,21 @@ def profile_layers(
     return timed
 
 
-def _time_layers(
-    runner: StepRunner,
-    layers: list[nn.Module],
-    trainer: Any,
-    batch: Any,
-    m: int,
-    device: torch.device,
-    precision: Any,
-    repeats: int,
-) -> list[float]:
+def _time_layers(runs: LayerRuns, repeats: int) -> list[float]:
     costs = []
-    put_back = keep_buffers(layers)
+    put_back = keep_buffers([run.layer for run in runs.runs])
     try:
-        with precision.forward_context(), layer_runs(runner, layers, trainer, batch, m, device) as runs:
-            x = runs.inputs
-            for i, run in enumerate(runs.runs):
-                # the first stage's inputs need no gradient (the executor's first B is the whole backward)
-                x = tuple(_leaf(t, i > 0) if isinstance(t, torch.Tensor) else t for t in x)
-                with placed(runs.model, run.layer, device):
-                    seconds, out = _seconds(run.call, x, device, repeats)
-                    run.layer.zero_grad(set_to_none=True)
-                costs.append(seconds)
-                x = tuple(
-                    t.detach() if isinstance(t, torch.Tensor) else t
-                    for t in (out if isinstance(out, tuple) else (out,))
-                )
+        x = runs.inputs
+        for i, run in enumerate(runs.runs):
+            # the first stage's inputs need no gradient (the executor's first B is the whole backward)
+            x = tuple(_leaf(t, i > 0) if isinstance(t, torch.Tensor) else t for t in x)
+            with runs.placed(run.layer):
+                seconds, out = _seconds(run.call, x, runs.device, repeats)
+                run.layer.zero_grad(set_to_none=True)
+            costs.append(seconds)
+            x = tuple(
+                t.detach() if isinstance(t, torch.Tensor) else t for t in (out if isinstance(out, tuple) else (out,))
+            )
     finally:
         put_back()
     log.info("twobp: forward+backward seconds per layer: %s", ", ".join(f"{c:.2e}" for c in costs))
