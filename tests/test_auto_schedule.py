@@ -469,6 +469,7 @@ ADAMW = "test_auto_counts_adamw_state_and_stays_within_its_limit"
 ADAMW_REFUSED = "test_a_limit_that_fits_only_without_adamw_state_is_refused_naming_it"
 HF = "test_auto_on_a_hugging_face_model_trains_like_one_process_within_its_limit"
 HF_BF16 = "test_auto_profiles_the_layers_in_the_precisions_dtype"
+BLOCKS_BF16 = "test_auto_profiles_a_sequential_on_the_batch_the_precision_converts"
 LEFT = "test_auto_after_a_call_that_left_layers_elsewhere_is_refused_naming_the_fix"
 TIME_FAILS = "test_a_layer_that_fails_to_time_on_rank_0_fails_every_rank"
 TIME_ONCE = "test_balance_time_times_once_and_later_calls_cut_alike"
@@ -485,6 +486,7 @@ def two_ranks(request) -> conftest.Launch:
     cases[CHECKPOINTED] = (_fit_checkpointed, ())
     cases[HF] = (_fit_auto, ("1f1b", torch.optim.SGD, "hf-llama"))
     cases[HF_BF16] = (_fit_auto, ("1f1b", torch.optim.AdamW, "hf-llama", "bf16-true"))
+    cases[BLOCKS_BF16] = (_fit_auto, ("1f1b", torch.optim.AdamW, "blocks", "bf16-true"))
     cases[LEFT] = (_after_a_call_without_gather, ())
     cases[TIME_FAILS] = (_time_fails_on_rank_0, ())
     for options in TIMED_ONCE:
@@ -560,6 +562,16 @@ def test_auto_profiles_the_layers_in_the_precisions_dtype(two_ranks):
 
 
 @pytest.mark.dist
+def test_auto_profiles_a_sequential_on_the_batch_the_precision_converts(two_ranks):
+    """The Sequential's float inputs, converted to bf16 as the loop converts them for bf16 weights (fp32,
+    they met the cast copies in a dtype error)."""
+    params = sum(q.numel() for q in Blocks().parameters())
+    for r in two_ranks[BLOCKS_BF16]:
+        assert sum(c.fixed for c in r["profile"].layers[max(r["profile"].layers)]) == 2 * 2 * params
+        assert r["optimizer_predicted"] == r["optimizer_measured"] > 0 and r["measured"] <= r["limit"], r["label"]
+
+
+@pytest.mark.dist
 def test_auto_after_a_call_that_left_layers_elsewhere_is_refused_naming_the_fix(two_ranks):
     for message in two_ranks[LEFT]:
         assert "an earlier Trainer call left 4 of the 8 layers" in message, message
@@ -611,6 +623,42 @@ def test_the_layers_are_profiled_cast_as_the_precision_casts_them_and_put_back_b
     with placed(layer, layer, torch.device("cpu"), torch.bfloat16):
         assert layer.weight is weight and layer.weight.dtype == torch.bfloat16
     assert layer.weight.dtype == torch.float32 and torch.equal(layer.weight, before)  # no round trip through bf16
+
+
+def test_gradients_are_set_aside_while_a_layer_runs_cast_and_put_back():
+    from lightning_twobp.lightning.layer_runs import placed
+
+    layer = nn.Linear(4, 4)
+    layer.weight.grad = torch.ones(4, 4)
+    with placed(layer, layer, torch.device("cpu"), torch.bfloat16):
+        assert layer.weight.grad is None
+        layer(torch.ones(2, 4, dtype=torch.bfloat16)).sum().backward()  # the run's gradient, in bf16
+        assert layer.weight.grad.dtype == torch.bfloat16
+    assert layer.weight.dtype == torch.float32 and torch.equal(layer.weight.grad, torch.ones(4, 4))
+    assert layer.bias.grad is None
+
+
+def test_a_frozen_weight_counts_once_in_a_layers_fixed_bytes():
+    """A LoRA's base weights: held, with no gradient (they counted nothing)."""
+    from lightning.pytorch.plugins.precision import Precision
+
+    from lightning_twobp.lightning.autoschedule import _profile_layers
+    from lightning_twobp.lightning.layer_runs import LayerRun, LayerRuns
+
+    frozen, trained = nn.Linear(8, 8), nn.Linear(8, 8)
+    frozen.requires_grad_(False)
+    cpu = torch.device("cpu")
+    runs = LayerRuns(
+        [LayerRun(layer, layer) for layer in (frozen, trained)],
+        (torch.randn(4, 8),),
+        False,
+        frozen,
+        cpu,
+        None,
+        Precision(),
+    )
+    rows, _, _ = _profile_layers(runs, cpu, 1)
+    assert [c.fixed for c in rows] == [72 * 4, 2 * 72 * 4]
 
 
 def test_auto_options_are_checked_at_construction():

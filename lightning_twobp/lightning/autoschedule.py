@@ -215,11 +215,12 @@ def sharded_fixed(
     (``precision``: the Trainer's, e.g. ``"32-true"``, which casts the weights to ``cast``): the planner's
     count of a sharded stage (:func:`~lightning_twobp.lightning.sharding.sharded_static_bytes`), its
     optimizer share kept apart."""
-    trained = [q for q in layer.parameters() if q.requires_grad]
-    params = sum(q.numel() for q in trained)
-    weight = sum(q.numel() * trained_size(q, cast) for q in trained)
+    every = list(layer.parameters())  # frozen ones too (a LoRA's base weights): sharded and gathered alike
+    params = sum(q.numel() for q in every)
+    weight = sum(q.numel() * trained_size(q, cast) for q in every)
+    grad = sum(q.numel() * trained_size(q, cast) for q in every if q.requires_grad)
     state = math.ceil(cost.optimizer)
-    total = sharded_static_bytes(params, weight, weight, state, dp, precision)
+    total = sharded_static_bytes(params, weight, grad, state, dp, precision)
     share = -(-state // dp)
     return dataclasses.replace(cost, fixed=float(total - share), optimizer=float(share))
 
@@ -235,11 +236,11 @@ class _Loss(nn.Module):
         return self.runner.loss(output, 0)
 
 
-def _profile_loss(runner: StepRunner, output: torch.Tensor, device: torch.device, repeats: int) -> LayerCost:
+def _profile_loss(runner: StepRunner, runs: LayerRuns, output: torch.Tensor, repeats: int) -> LayerCost:
     """The loss as the last stage runs it, on the last layer's ``output`` (inside :func:`.layer_runs`: the
     micro-batch on the device, the Metrics it updates put back after)."""
-    fp = timed_footprint(_Loss(runner), output, output.is_floating_point(), device, repeats)
-    return layer_cost(fp, 0.0)
+    loss = runs.in_forward_context(_Loss(runner))
+    return layer_cost(timed_footprint(loss, output, output.is_floating_point(), runs.device, repeats), 0.0)
 
 
 def _profile_layers(runs: LayerRuns, device: torch.device, repeats: int) -> tuple[list, float, torch.Tensor]:
@@ -256,7 +257,7 @@ def _profile_layers(runs: LayerRuns, device: torch.device, repeats: int) -> tupl
         with runs.placed(run.layer):  # as it will train: weights and gradients in the precision's dtype
             fp = timed_footprint(run.call, t, t.is_floating_point() and i > 0, device, repeats)
             run.layer.zero_grad(set_to_none=True)
-            fixed = 2.0 * sum(q.numel() * q.element_size() for q in run.layer.parameters() if q.requires_grad)
+            fixed = float(sum(q.numel() * q.element_size() * (1 + q.requires_grad) for q in run.layer.parameters()))
         rows.append(layer_cost(fp, fixed))
         assert fp.output is not None  # measure_layer always returns F's output
         t = fp.output
@@ -359,9 +360,10 @@ class _Profiler:
         undo = self.checkpoint(mode) if self.checkpoint is not None else (lambda: None)
         failed: Exception | None = None
         rows: list[list[list[float]]] = []
+        largest: list[float] = []
         try:
             with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
-                rows = self._rows()
+                rows, largest = self._rows()
         except Exception as e:  # noqa: BLE001 - any way the layers cannot run checkpointed: left out, said below
             if mode is None:
                 raise
@@ -375,6 +377,10 @@ class _Profiler:
                 f"that way ({why}). The other ways are weighed as usual (docs/troubleshooting.md)."
             )
             return None
+        # one message between ranks 0 and 1 per count, once every rank has profiled (a rank whose profile
+        # failed is in the agreement above, not waiting for a message its peer would send)
+        seconds = [_message_seconds(b, self.pp_group, self.device, self.repeats) for b in largest]
+        rows = [[r + [t] for r in per_m] for per_m, t in zip(rows, seconds, strict=True)]
         table = _agree(torch.tensor(rows, dtype=torch.float64), self.device).tolist()
         counts = self.counts
         by_m = {m: tuple(_from_row(r) for r in layer_rows[:-1]) for m, layer_rows in zip(counts, table, strict=True)}
@@ -386,9 +392,9 @@ class _Profiler:
         partitions = _partitions(self.layers, self.num_ranks, self.balance, weights)
         return Profile(self.num_ranks, by_m, partitions, comm, loss, checkpointing=mode)
 
-    def _rows(self) -> list[list[list[float]]]:
-        """This rank's table: per micro-batch count, a row per layer and one for the loss (each row's
-        last number: one message's seconds). Buffers are put back after."""
+    def _rows(self) -> tuple[list[list[list[float]]], list[float]]:
+        """This rank's table: per micro-batch count, a row per layer and one for the loss; and per count,
+        the largest output a stage sends. Buffers are put back after."""
         device, repeats = self.device, self.repeats
         put_back = keep_buffers(self.layers)
         try:
@@ -396,15 +402,15 @@ class _Profiler:
         finally:
             put_back()
 
-    def _each_count(self, device: torch.device, repeats: int) -> list[list[list[float]]]:
-        rows = []
+    def _each_count(self, device: torch.device, repeats: int) -> tuple[list[list[list[float]]], list[float]]:
+        rows, sent = [], []
         for m in self.counts:
             with layer_runs(self.runner, self.layers, self.trainer, self.batch, m, device, self.precision) as runs:
                 costs, largest, out = _profile_layers(runs, device, repeats)
                 # the loss: in the last layer's run already, or measured on its output (training only:
                 # validation and prediction steps return no loss)
                 fitting = self.fitting and not runs.with_loss
-                loss = _profile_loss(self.runner, out, device, repeats) if fitting else LayerCost()
+                loss = _profile_loss(self.runner, runs, out, repeats) if fitting else LayerCost()
             costs = [dataclasses.replace(c, optimizer=o) for c, o in zip(costs, self.optimizer, strict=True)]
             if self.shard_over > 1:
                 name = str(getattr(self.precision, "precision", "32-true"))
@@ -413,9 +419,9 @@ class _Profiler:
                     for c, q in zip(costs, self.layers, strict=True)
                 ]
             costs.append(loss)  # the last row
-            seconds = _message_seconds(largest, self.pp_group, device, repeats)
-            rows.append([_to_row(c) + [seconds] for c in costs])
-        return rows
+            rows.append([_to_row(c) for c in costs])
+            sent.append(largest)
+        return rows, sent
 
 
 def _checkpointed_too(profiler: _Profiler) -> Profile | None:

@@ -27,8 +27,10 @@ from typing import Any
 
 import torch
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 
+from lightning_twobp.lightning.checks import converted_in_place
 from lightning_twobp.lightning.materialize import made_for_timing
 from lightning_twobp.lightning.modulelist_contract import LoopStage, ModuleListContract, caches_off, fastpath_off
 from lightning_twobp.lightning.step import StepRunner
@@ -62,10 +64,16 @@ class LayerRuns:
     model: nn.Module  # the LightningModule: where a meta-built layer's initialization is looked up
     device: torch.device
     cast: torch.dtype | None  # the precision's cast of the model's floating tensors ("bf16-true": bf16)
+    precision: Any  # the Trainer's precision plugin: its forward context (autocast) around each forward
 
     def placed(self, layer: nn.Module) -> AbstractContextManager[None]:
         """``layer`` as it will train, for its run (:func:`placed`)."""
         return placed(self.model, layer, self.device, self.cast)
+
+    def in_forward_context(self, module: nn.Module) -> nn.Module:
+        """``module`` whose forward runs in the precision's forward context, as the step runs it; the
+        backward outside it, as the executor runs B, W and BW (autocast off)."""
+        return _InForwardContext(module, self.precision)
 
 
 @contextmanager
@@ -84,44 +92,50 @@ def layer_runs(
     the runs: the cast comes after the cut, where a meta build is made in fp32 first, as one process
     makes it), the forward in its context. The step's state is this micro-batching's while open."""
     contract = runner.contract
-    loop = isinstance(contract, ModuleListContract)
     cast = trained_dtype(precision)
     with ExitStack() as scope:
         scope.enter_context(_moved(_outside(runner.module, layers), device, cast))
-        scope.enter_context(precision.forward_context())
-        if loop:  # as the Trainer call runs the model (pipeline._call_scope): no cache, torch's plain attention
+        if isinstance(contract, ModuleListContract):  # as the Trainer call runs it (pipeline._call_scope)
             scope.callback(caches_off(runner.module.modules()))
             scope.callback(fastpath_off())
         runner.metrics.begin()  # the step's Metrics updates, before the block and after it, put back after
         scope.callback(runner.metrics.undo)
-        state = runner.begin(HOOKS[trainer.state.fn], (precision.convert_input(batch), 0), {}, m, exact=False)
-        # every micro-batch: a ModuleList stage after the first captures them all (its model calls)
-        state.microbatches[:] = [
-            pytree.tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, mb)
-            for mb in state.microbatches
-        ]
-        inputs = runner.capture(0)
+        # as the loop hands it to the step: its transfer hooks, on the device (every micro-batch: a ModuleList
+        # stage after the first captures them all), converted by the precision
+        batch = precision.convert_input(trainer.strategy.batch_to_device(batch, device))
+        runner.begin(HOOKS[trainer.state.fn], (batch, 0), {}, m, exact=False)
+        with precision.forward_context():
+            inputs = runner.capture(0)
         if not isinstance(contract, ModuleListContract):  # the Sequential contract: its layers, as they are
-            yield LayerRuns([LayerRun(layer, layer) for layer in layers], inputs, False, runner.module, device, cast)
+            runs = [LayerRun(layer, _InForwardContext(layer, precision)) for layer in layers]
+            yield LayerRuns(runs, inputs, False, runner.module, device, cast, precision)
             return
         stages = scope.enter_context(contract.one_stage_per_layer(cast))
         # the micro-batch index is made on the model's device: a model called without tensors is on the CPU
         index = inputs[0].to(device)
         fitting = trainer.state.fn == TrainerFn.FITTING
         runs, first = _loop_runs(runner, stages, (index, *inputs[1:]), fitting)
-        yield LayerRuns(runs, first, fitting, runner.module, device, cast)
+        runs = [LayerRun(run.layer, _InForwardContext(run.call, precision)) for run in runs]
+        yield LayerRuns(runs, first, fitting, runner.module, device, cast, precision)
 
 
 def trained_dtype(precision: Any) -> torch.dtype | None:
-    """The dtype ``precision.convert_module`` casts a model's floating tensors to (``"bf16-true"``: bf16),
-    or None where it keeps fp32 (mixed precision casts inside autocast instead): seen on a one-weight
-    module, since a plugin says it only by doing it. A plugin that cannot convert one here (a quantizing
-    one, on the wrong device) is refused by the conversion itself after the cut (checks.converted_in_place)."""
+    """The dtype ``precision.convert_module`` casts a model's floating tensors to in place (``"bf16-true"``:
+    bf16), or None where it keeps fp32 (mixed precision casts inside autocast instead): seen on a probe,
+    since a plugin says it only by doing it. A plugin that replaces layers is refused here as the conversion
+    after the cut would refuse it (:func:`.checks.converted_in_place`), before the profile's work."""
+    probe = nn.Sequential(nn.Linear(1, 1, dtype=torch.float32))
     try:
-        converted = precision.convert_module(nn.Linear(1, 1))
-    except Exception:  # noqa: BLE001 - see above: the real conversion says what is wrong
+        converted_in_place(precision, probe)
+    except ValueError:
+        raise
+    except Exception as e:  # noqa: BLE001 - a plugin that cannot convert here (a quantizing one off its device)
+        rank_zero_warn(
+            f"twobp: the layers are profiled in fp32: {type(precision).__name__}.convert_module could not convert a "
+            f"probe here ({type(e).__name__}: {e}), so the dtype the model will train in is not known before the cut"
+        )
         return None
-    dtype = next(converted.parameters()).dtype
+    dtype = next(probe.parameters()).dtype
     return None if dtype == torch.float32 else dtype
 
 
@@ -142,6 +156,19 @@ def _loop_runs(runner: StepRunner, stages: list[LoopStage], inputs: tuple, fitti
 def _hidden(out: Any) -> torch.Tensor:
     """A stage's hidden state: it returns ``(hidden, index)`` where the next stage is not the last."""
     return out[0] if isinstance(out, tuple) else out
+
+
+class _InForwardContext(nn.Module):
+    """``inner``'s forward in the precision's forward context (autocast under mixed precision)."""
+
+    def __init__(self, inner: nn.Module, precision: Any) -> None:
+        super().__init__()
+        self.inner = inner
+        self._precision = precision
+
+    def forward(self, *args: Any) -> Any:
+        with self._precision.forward_context():
+            return self.inner(*args)
 
 
 class _FirstStage(nn.Module):
@@ -193,8 +220,27 @@ def placed(model: nn.Module, layer: nn.Module, device: torch.device, cast: torch
     same tensor objects, their data as it was); its tensors built on the meta device made there for the run
     (:func:`.materialize.made_for_timing`) and put back on ``meta``. One layer's weights at a time, so a
     model that fits only across the pipeline is still profiled."""
-    with made_for_timing(model, layer, device), _moved([*layer.parameters(), *layer.buffers()], device, cast):
+    with (
+        _grads_aside(list(layer.parameters())),
+        made_for_timing(model, layer, device, cast),
+        _moved([*layer.parameters(), *layer.buffers()], device, cast),
+    ):
         yield
+
+
+@contextmanager
+def _grads_aside(params: list[nn.Parameter]) -> Iterator[None]:
+    """``params``' ``.grad`` set aside while open (the runs' gradients go to no gradient of the user's) and
+    put back after, whatever the runs left, once their data is as it was (a gradient of the cast dtype
+    cannot stay on an fp32 parameter)."""
+    kept = [(q, q.grad) for q in params]
+    for q in params:
+        q.grad = None
+    try:
+        yield
+    finally:
+        for q, g in kept:
+            q.grad = g
 
 
 def _outside(lm: nn.Module, layers: list[nn.Module]) -> list[torch.Tensor]:
@@ -210,14 +256,17 @@ def _moved(tensors: list[torch.Tensor], device: torch.device, cast: torch.dtype 
     where given, as ``model_to_device`` and the precision's ``convert_module`` will put them; their data as
     it was after (no round trip through the cast); meta ones left alone."""
     moved = []
-    with torch.no_grad():
-        for t in tensors:
-            dtype = cast if cast is not None and t.is_floating_point() else t.dtype
-            if not t.is_meta and (t.device != device or t.dtype != dtype):
-                moved.append((t, t.data))
-                t.data = t.data.to(device, dtype)
     try:
+        with torch.no_grad():
+            for t in tensors:
+                dtype = cast if cast is not None and t.is_floating_point() else t.dtype
+                if not t.is_meta and (t.device != device or t.dtype != dtype):
+                    moved.append((t, t.data, t.grad))  # before the move: a failure part way puts back what moved
+                    t.grad = None
+                    t.data = t.data.to(device, dtype)
         yield
     finally:
-        for t, data in moved:
+        for t, data, grad in reversed(moved):
+            t.grad = None  # a gradient of the moved copy, if the runs left one
             t.data = data
+            t.grad = grad

@@ -75,14 +75,17 @@ def built_on_meta(model: nn.Module, left_by_us: set[int]) -> bool:
 
 
 @contextmanager
-def made_for_timing(model: nn.Module, layer: nn.Module, device: torch.device) -> Iterator[None]:
+def made_for_timing(
+    model: nn.Module, layer: nn.Module, device: torch.device, cast: torch.dtype | None = None
+) -> Iterator[None]:
     """``layer``'s meta tensors made on ``device`` while open, each module's from its initialization call
     (a Hugging Face model's ``_init_weights``, else ``reset_parameters``; zeros where it sets nothing),
     then the meta tensors put back: what ``balance="time"`` and ``schedule="auto"`` run a meta-built
     model's layer on, one layer at a time (:mod:`.layer_runs`). Typical values for timing, drawn from the
     caller's random state (which the profilers fork), not one process's: the layers are made as one
     process makes them only after the cut (:func:`materialize`). A tie to a tensor outside ``layer`` is
-    made apart for the run."""
+    made apart for the run. ``cast``: the dtype its floating tensors are made in (the precision's, so
+    that no fp32 copy is held beside the one the run uses)."""
     if not any(t.is_meta for m in layer.modules() for t in named_own(m).values()):
         yield
         return
@@ -93,7 +96,8 @@ def made_for_timing(model: nn.Module, layer: nn.Module, device: torch.device) ->
             for n, t in named_own(module).items():
                 if t.is_meta:
                     if id(t) not in made:
-                        made[id(t)] = like(t, torch.zeros(t.shape, dtype=t.dtype, device=device))
+                        dtype = cast if cast is not None and t.is_floating_point() else t.dtype
+                        made[id(t)] = like(t, torch.zeros(t.shape, dtype=dtype, device=device))
                     originals.append((module, n, t))
                     setattr(module, n, made[id(t)])
         _initialize_for_timing(model, layer, {id(t) for t in made.values()}, device)

@@ -45,7 +45,7 @@ bf16 (``MixedPrecisionPolicy(param_dtype=bfloat16)``: half the all-gather's byte
 gathered parameters' memory); the stage's gradients accumulate in bf16 over the micro-batches and
 are cast to fp32 for the reduce-scatter (the policy's ``reduce_dtype`` stays unset: with it FSDP2's
 post-backward hook would move the gradients aside after B, before W has added to them). Under
-``"bf16-true"`` and ``"16-true"`` Lightning converts the model before the cut, so the shards, their
+``"bf16-true"`` and ``"16-true"`` Lightning converts the model after it is cut and sharded, so the shards, their
 gradients (reduced in that dtype, as the replicated all-reduce does) and the optimizer state are half
 precision: half of fp32's bytes again. Under ``"16-mixed"`` the shards stay fp32 (no policy: autocast
 computes in fp16) and the GradScaler's overflow check (torch's ``ShardedGradScaler``, one all-reduce over
