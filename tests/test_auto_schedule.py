@@ -189,6 +189,15 @@ def test_a_sharded_stage_is_counted_as_the_planner_counts_it(precision, gathered
     assert four.fixed == pytest.approx(0.75 * replicated.fixed, rel=1e-3)
 
 
+def test_a_frozen_weight_of_a_sharded_stage_is_gathered_without_a_gradient():
+    from lightning_twobp.lightning.autoschedule import sharded_fixed
+
+    frozen = nn.Linear(8, 8)
+    frozen.requires_grad_(False)
+    sharded = sharded_fixed(LayerCost(fixed=72 * 4), frozen, 2, "32-true")
+    assert sharded.fixed == 72 * 4 / 2 + 72 * 4  # a half of the weight held, all of it gathered; no gradient
+
+
 def test_a_limit_that_only_a_sharded_stage_fits_picks_a_schedule():
     from lightning_twobp.lightning.autoschedule import sharded_fixed
 

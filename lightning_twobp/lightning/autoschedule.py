@@ -220,7 +220,8 @@ def sharded_fixed(
     weight = sum(q.numel() * trained_size(q, cast) for q in every)
     grad = sum(q.numel() * trained_size(q, cast) for q in every if q.requires_grad)
     state = math.ceil(cost.optimizer)
-    total = sharded_static_bytes(params, weight, grad, state, dp, precision)
+    trained = sum(q.numel() for q in every if q.requires_grad)
+    total = sharded_static_bytes(params, weight, grad, state, dp, precision, trained)
     share = -(-state // dp)
     return dataclasses.replace(cost, fixed=float(total - share), optimizer=float(share))
 

@@ -94,12 +94,16 @@ def mixed_precision(precision: str) -> MixedPrecisionPolicy | None:
     return MixedPrecisionPolicy(param_dtype=torch.bfloat16) if precision == "bf16-mixed" else None
 
 
-def sharded_static_bytes(params: int, weight: int, grad: int, optimizer: int, dp: int, precision: str) -> int:
+def sharded_static_bytes(
+    params: int, weight: int, grad: int, optimizer: int, dp: int, precision: str, trained: int | None = None
+) -> int:
     """A stage's peak bytes of parameters, gradients and optimizer state on one rank (``twobp-plan``):
     its ``1/dp`` share of each (rounded up), plus what a step holds in full from the first F to the
-    last W: the gathered parameters and their unsharded gradients (bf16 under "bf16-mixed")."""
+    last W: the gathered parameters and the unsharded gradients of the ``trained`` ones (all ``params``
+    by default; a frozen weight has none) (bf16 under "bf16-mixed")."""
     gathered = 2 if precision == "bf16-mixed" else weight // max(params, 1)
-    return sum(-(-b // dp) for b in (weight, grad, optimizer)) + 2 * params * gathered
+    with_grads = params if trained is None else trained
+    return sum(-(-b // dp) for b in (weight, grad, optimizer)) + (params + with_grads) * gathered
 
 
 def check_replicas(dp_degree: int, precision: str) -> None:
