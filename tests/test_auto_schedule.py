@@ -443,6 +443,22 @@ def _time_then_validate(rank: int, world: int, **options) -> dict:
     return {"fit": fitted, "validate": strategy.stage_sizes, "same": same, "val": val}
 
 
+def _inplace_first(rank: int, world: int) -> dict:
+    """A stage that starts with an in-place ReLU (torchvision's blocks): each layer is profiled as its stage
+    runs it, the input cloned first (auto failed there with autograd's in-place error on a leaf)."""
+    from test_lightning_model import InplaceFirst
+
+    from lightning_twobp import TwoBPStrategy
+
+    lightning_env(rank, world)
+    out = {}
+    for name, options in {"time": {"balance": "time"}, "auto": {"schedule": "auto", "memory_limit": "1f1b"}}.items():
+        model, strategy = InplaceFirst(), TwoBPStrategy(gather_full_model=True, **options)
+        _trainer(strategy, world).fit(model, conftest.regression_data(32, batch_size=8))
+        out[name] = {n: q.detach().clone() for n, q in model.named_parameters()}
+    return out
+
+
 class _Unrunnable(nn.Linear):
     def forward(self, x):
         raise RuntimeError("this layer cannot run")
@@ -481,6 +497,7 @@ HF_BF16 = "test_auto_profiles_the_layers_in_the_precisions_dtype"
 BLOCKS_BF16 = "test_auto_profiles_a_sequential_on_the_batch_the_precision_converts"
 LEFT = "test_auto_after_a_call_that_left_layers_elsewhere_is_refused_naming_the_fix"
 TIME_FAILS = "test_a_layer_that_fails_to_time_on_rank_0_fails_every_rank"
+INPLACE = "test_a_stage_starting_in_place_is_profiled_as_it_runs"
 TIME_ONCE = "test_balance_time_times_once_and_later_calls_cut_alike"
 TIMED_ONCE = [{"schedule": "1f1b"}, {"schedule": "auto", "memory_limit": "1f1b"}]  # auto with balance="time"
 
@@ -498,6 +515,7 @@ def two_ranks(request) -> conftest.Launch:
     cases[BLOCKS_BF16] = (_fit_auto, ("1f1b", torch.optim.AdamW, "blocks", "bf16-true"))
     cases[LEFT] = (_after_a_call_without_gather, ())
     cases[TIME_FAILS] = (_time_fails_on_rank_0, ())
+    cases[INPLACE] = (_inplace_first, ())
     for options in TIMED_ONCE:
         cases[f"{TIME_ONCE}[{options['schedule']}]"] = (functools.partial(_time_then_validate, **options), ())
     return launch(request, 2, cases, timeout=600)
@@ -585,6 +603,18 @@ def test_auto_after_a_call_that_left_layers_elsewhere_is_refused_naming_the_fix(
     for message in two_ranks[LEFT]:
         assert "an earlier Trainer call left 4 of the 8 layers" in message, message
         assert "pass gather_full_model=True to the earlier call" in message, message
+
+
+@pytest.mark.dist
+def test_a_stage_starting_in_place_is_profiled_as_it_runs(two_ranks):
+    from test_lightning_model import InplaceFirst
+
+    reference = InplaceFirst()
+    _trainer("auto", 1).fit(reference, conftest.regression_data(32, batch_size=8))
+    for out in two_ranks[INPLACE]:
+        for name in ("time", "auto"):
+            for n, q in reference.named_parameters():
+                torch.testing.assert_close(out[name][n], q.detach(), rtol=1e-5, atol=1e-6, msg=f"{name} {n}")
 
 
 @pytest.mark.dist

@@ -4,8 +4,8 @@ Each layer runs as a module of one tensor in and one tensor out (:class:`LayerRu
 layer's output, so that a profiler can time and measure it alone (F, B, W, the fused BW) on one device,
 one layer's weights there at a time:
 
-* **Sequential contract**: the layer itself, the first fed the pipelined block's inputs for the first
-  micro-batch, as the step passes them.
+* **Sequential contract**: the layer as a one-layer stage runs it (``StageModule``), the first fed the
+  pipelined block's inputs for the first micro-batch, as the step passes them.
 * **ModuleList contract** (Hugging Face, nanoGPT, torchtitan models): every layer becomes a stage of its
   own (:meth:`~.modulelist_contract.ModuleListContract.one_stage_per_layer`) and runs as the executor
   runs a stage, through the model's own forward: the first is fed the model call's first tensor (the
@@ -31,6 +31,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 
 from lightning_twobp.lightning.checks import converted_in_place
+from lightning_twobp.lightning.contract import StageModule
 from lightning_twobp.lightning.materialize import made_for_timing
 from lightning_twobp.lightning.modulelist_contract import LoopStage, ModuleListContract, caches_off, fastpath_off
 from lightning_twobp.lightning.step import StepRunner
@@ -106,8 +107,9 @@ def layer_runs(
         runner.begin(HOOKS[trainer.state.fn], (batch, 0), {}, m, exact=False)
         with precision.forward_context():
             inputs = runner.capture(0)
-        if not isinstance(contract, ModuleListContract):  # the Sequential contract: its layers, as they are
-            runs = [LayerRun(layer, _InForwardContext(layer, precision)) for layer in layers]
+        if not isinstance(contract, ModuleListContract):  # the Sequential contract: each layer as a stage runs it
+            # (StageModule: a tuple passed on as the Sequential passes it, an in-place first layer's input cloned)
+            runs = [LayerRun(layer, _InForwardContext(StageModule([layer]), precision)) for layer in layers]
             yield LayerRuns(runs, inputs, False, runner.module, device, cast, precision)
             return
         stages = scope.enter_context(contract.one_stage_per_layer(cast))
