@@ -196,6 +196,12 @@ def test_a_frozen_weight_of_a_sharded_stage_is_gathered_without_a_gradient():
     frozen.requires_grad_(False)
     sharded = sharded_fixed(LayerCost(fixed=72 * 4), frozen, 2, "32-true")
     assert sharded.fixed == 72 * 4 / 2 + 72 * 4  # a half of the weight held, all of it gathered; no gradient
+    # a bf16 base under an fp32 adapter (FSDP2 wants one dtype among the trained ones only): each as stored
+    base, adapter = nn.Linear(64, 64, bias=False).to(torch.bfloat16).requires_grad_(False), nn.Linear(64, 4)
+    both = nn.ModuleList([base, adapter])
+    w_base, w_adapter = 64 * 64 * 2, (64 * 4 + 4) * 4
+    expected = (w_base + w_adapter) / 2 + w_adapter / 2 + w_base + 2 * w_adapter
+    assert sharded_fixed(LayerCost(fixed=0), both, 2, "32-true").fixed == expected
 
 
 def test_a_limit_that_only_a_sharded_stage_fits_picks_a_schedule():

@@ -29,8 +29,9 @@ call inside the step (:mod:`.layer_runs`), and the loss's own row is empty.
 
 Under ``data_parallel="shard"`` a layer's fixed bytes are what one replica holds, counted as
 ``twobp-plan`` counts a sharded stage (:func:`~lightning_twobp.lightning.sharding.sharded_static_bytes`):
-``1/dp`` of the weights, gradients and optimizer state, plus the weights gathered and their gradients
-unsharded from a step's first F to its last W (:func:`sharded_fixed`). With fp32 AdamW that is
+``1/dp`` of the weights, gradients and optimizer state, plus the weights gathered and the trained ones'
+gradients unsharded from a step's first F to its last W (:func:`sharded_fixed`; a frozen weight, a LoRA's
+base, has none). With fp32 AdamW that is
 16 / dp + 8 bytes a parameter against replicated's 16: nothing saved at dp = 2, a quarter at dp = 4.
 
 With ``activation_checkpointing="auto"`` the layers are profiled three times, plain and checkpointed

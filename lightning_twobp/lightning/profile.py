@@ -20,7 +20,6 @@ import torch.distributed as dist
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 
-from lightning_twobp.lightning.contract import StageModule
 from lightning_twobp.lightning.layer_runs import LayerRuns, layer_runs
 from lightning_twobp.lightning.step import StepRunner
 from lightning_twobp.private import pytree, unset_training_data
@@ -147,7 +146,7 @@ def _seconds(call: nn.Module, x: tuple, device: torch.device, repeats: int) -> t
     times, out = [], None
     for _ in range(repeats + 1):
         start = now(device)
-        out = StageModule([call])(*x)  # as the stage runs it (tuples, in-place first layers)
+        out = call(*x)  # the layer as its stage runs it (layer_runs: tuples, an in-place first layer)
         outs = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
         if outs:
             torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])

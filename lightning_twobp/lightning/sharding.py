@@ -99,11 +99,12 @@ def sharded_static_bytes(
 ) -> int:
     """A stage's peak bytes of parameters, gradients and optimizer state on one rank (``twobp-plan``):
     its ``1/dp`` share of each (rounded up), plus what a step holds in full from the first F to the
-    last W: the gathered parameters and the unsharded gradients of the ``trained`` ones (all ``params``
-    by default; a frozen weight has none) (bf16 under "bf16-mixed")."""
-    gathered = 2 if precision == "bf16-mixed" else weight // max(params, 1)
-    with_grads = params if trained is None else trained
-    return sum(-(-b // dp) for b in (weight, grad, optimizer)) + (params + with_grads) * gathered
+    last W: the gathered parameters and the unsharded gradients of the trained ones (``grad`` bytes, or
+    ``trained`` parameters in bf16 under "bf16-mixed"; a frozen weight has none)."""
+    shares = sum(-(-b // dp) for b in (weight, grad, optimizer))
+    if precision == "bf16-mixed":  # gathered and accumulated in bf16
+        return shares + 2 * (params + (params if trained is None else trained))
+    return shares + weight + grad  # as stored: a frozen base of another dtype than its adapters counted exactly
 
 
 def check_replicas(dp_degree: int, precision: str) -> None:
