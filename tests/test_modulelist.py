@@ -643,13 +643,16 @@ def _regression() -> DataLoader:
 
 def _errors(rank: int, world: int, kinds: list[str]) -> dict:
     """One process holding both stages of the V (zb-v, pipeline degree 1): every stage-to-stage rule
-    applies, without a second process."""
+    applies, without a second process. A kind ending in "-auto" runs under schedule="auto", whose profile
+    runs every layer as a stage of its own first."""
     lightning_env(rank, world)
     out = {}
     for kind in kinds:
+        auto = kind.endswith("-auto")
+        options = {"schedule": "auto", "memory_limit": "1f1b"} if auto else {"schedule": "zb-v"}
         try:
-            _trainer(TwoBPStrategy(schedule="zb-v", num_microbatches=2), world, max_steps=1).fit(
-                LoopRegressor(kind), _regression()
+            _trainer(TwoBPStrategy(num_microbatches=2, **options), world, max_steps=1).fit(
+                LoopRegressor(kind.removesuffix("-auto")), _regression()
             )
         except Exception as e:  # noqa: BLE001 - the message is what is tested
             out[kind] = f"{type(e).__name__}: {e}"
@@ -672,6 +675,8 @@ ERRORS = {
         r"model.norm is called after model.blocks\[3\] .* registered before model.blocks, so it was placed on the "
         r"first pipeline stage.*`m = self.model.norm; del self.model.norm; self.model.norm = m`"
     ),
+    # refused by the profile, naming the layer it ran alone
+    "registered-early-auto": r"registered before model.blocks, .*; layer 3 run alone \(schedule='auto' and balance",
     "router-logits": r"model is asked to collect values from every block \(output_router_logits=True in model.config\)",
     # the user's own hooks: the twins of other stages' blocks run their hooks, at every micro-batch (with both
     # stages of the V on this rank no twin ran, and the auxiliary loss took this stage's blocks only, silently)

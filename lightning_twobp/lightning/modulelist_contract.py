@@ -307,6 +307,7 @@ class ModuleListContract:
         self._shapes: dict[tuple, tuple[Any, list[Any]]] = {}  # block call -> its output's structure
         self._twin_ran: set[tuple] = set()  # the block calls whose twin ran (and so ran its hooks)
         self._cast: torch.dtype | None = None  # the twins' dtype while profiling (one_stage_per_layer)
+        self._profiling = False  # the stages are one_stage_per_layer's: one per layer, for the profile
         self._block_calls = [self._block_call(i) for i in range(self.num_blocks)]
         self._previous: list[Any] = [_MISSING] * self.num_blocks  # the blocks' own instance forwards, if any
 
@@ -330,13 +331,16 @@ class ModuleListContract:
         to, which the other layers' meta twins take (the layers are still as built). What the runs learn
         (stages, twins, block output shapes) is dropped after: learned before the cast, an fp32 shape
         made the stages' rotary embeddings fp32 against bf16 values under "bf16-true"."""
-        before = self._stage_of, self._stages, self._twins, self._shapes, self._twin_ran, self._cast
+        before = self._stage_of, self._stages, self._twins, self._shapes, self._twin_ran, self._cast, self._profiling
         self._stages, self._twins, self._shapes, self._twin_ran, self._cast = {}, {}, {}, set(), cast
+        self._profiling = True
         bounds = list(range(self.num_blocks + 1))
         try:
             yield [self.stage_module(i, i + 1, bounds) for i in range(self.num_blocks)]
         finally:
-            self._stage_of, self._stages, self._twins, self._shapes, self._twin_ran, self._cast = before
+            self._stage_of, self._stages, self._twins, self._shapes, self._twin_ran, self._cast, self._profiling = (
+                before
+            )
 
     def check_every_block_runs(self) -> None:
         """Refuse LayerDrop before fit's first step: in training it skips blocks at random (Wav2Vec2, HuBERT
@@ -749,9 +753,18 @@ class ModuleListContract:
             f"{path} is called {called} in the model's forward, but it is registered {side} {self.list_name}, so "
             f"it was placed on the {stage} pipeline stage (under strategy='twobp' the modules with parameters outside "
             f"the blocks go by their registration order: before the blocks to the first stage, after them to the "
-            f"last); pipeline stage {run.stage.index} runs that call without it. Make the registration order follow "
-            f"the call order: {fix}"
+            f"last); {self._stage_label(run.stage.index)} runs that call without it. Make the registration order "
+            f"follow the call order: {fix}"
         )
+
+    def _stage_label(self, k: int) -> str:
+        """Stage ``k`` in a message: while the layers are profiled (one_stage_per_layer), layer k's own."""
+        if self._profiling:
+            return (
+                f"layer {k} run alone (schedule='auto' and balance='time' run each layer as a stage of its own before "
+                f"the pipeline is cut)"
+            )
+        return f"pipeline stage {k}"
 
     def _twin(self, module: nn.Module, path: str, device: torch.device | None = None, where: str = "") -> nn.Module:
         """``module`` with every tensor on the meta device (a structural copy: no data is copied), its floating
