@@ -89,18 +89,15 @@ def made_for_timing(
     if not any(t.is_meta for m in layer.modules() for t in named_own(m).values()):
         yield
         return
-    made: dict[int, torch.Tensor] = {}
+
+    def zeros(t: torch.Tensor) -> torch.Tensor:
+        dtype = cast if cast is not None and t.is_floating_point() else t.dtype
+        return torch.zeros(t.shape, dtype=dtype, device=device)
+
     originals: list[tuple[nn.Module, str, torch.Tensor]] = []
     try:
-        for module in layer.modules():
-            for n, t in named_own(module).items():
-                if t.is_meta:
-                    if id(t) not in made:
-                        dtype = cast if cast is not None and t.is_floating_point() else t.dtype
-                        made[id(t)] = like(t, torch.zeros(t.shape, dtype=dtype, device=device))
-                    originals.append((module, n, t))
-                    setattr(module, n, made[id(t)])
-        _initialize_for_timing(model, layer, {id(t) for t in made.values()}, device)
+        made = _swap_in(list(layer.modules()), zeros, lambda t: t.is_meta, originals)
+        _initialize_for_timing(model, layer, made, device)
         yield
     finally:
         _put_back(originals)
@@ -506,16 +503,29 @@ def _made_whole(
 ) -> list[tuple[nn.Module, str, torch.Tensor]]:
     """Other ranks' layers with their meta tensors cut from the scratch buffer (ties kept); the originals."""
     scratch.offset = 0
+    originals: list[tuple[nn.Module, str, torch.Tensor]] = []
+    _swap_in(_modules(unit), scratch.cut, user_meta, originals)
+    return originals
+
+
+def _swap_in(
+    modules: list[nn.Module],
+    make: Callable[[torch.Tensor], torch.Tensor],
+    which: Callable[[torch.Tensor], bool],
+    originals: list[tuple[nn.Module, str, torch.Tensor]],
+) -> set[int]:
+    """The tensors of ``modules`` that ``which`` picks replaced by ``make(t)`` (one new tensor per tensor:
+    ties stay tied), each original appended to ``originals`` as it goes (a failure part way can be put
+    back); the ids of the new tensors."""
     made: dict[int, torch.Tensor] = {}
-    originals = []
-    for module in _modules(unit):
+    for module in modules:
         for n, t in named_own(module).items():
-            if user_meta(t):
+            if which(t):
                 if id(t) not in made:
-                    made[id(t)] = like(t, scratch.cut(t))
+                    made[id(t)] = like(t, make(t))
                 originals.append((module, n, t))
                 setattr(module, n, made[id(t)])
-    return originals
+    return {id(t) for t in made.values()}
 
 
 def _put_back(originals: list[tuple[nn.Module, str, torch.Tensor]]) -> None:

@@ -359,11 +359,16 @@ def _partition(strategy: TwoBPStrategy, runner: StepRunner, contract: Any, train
 def _checkpointed(strategy: TwoBPStrategy, contract: Any, mode: str | int | None) -> Iterator[None]:
     """The layers checkpointed as ``activation_checkpointing=mode`` and the model's Hugging Face switch say,
     as the Trainer call will run them (:func:`_call_scope`), while open: timed as they train."""
-    undo = apply_activation_checkpointing(list(enumerate(contract.layers())), mode, strategy.lightning_module, contract)
+    undo = _checkpoint(strategy, contract, mode)
     try:
         yield
     finally:
         undo()
+
+
+def _checkpoint(strategy: TwoBPStrategy, contract: Any, mode: str | int | None) -> Callable[[], None]:
+    """Every layer checkpointed as ``mode`` and the model's switch say; returns the undo."""
+    return apply_activation_checkpointing(list(enumerate(contract.layers())), mode, strategy.lightning_module, contract)
 
 
 @contextmanager
@@ -397,7 +402,7 @@ def _choose(strategy: TwoBPStrategy, runner: StepRunner, contract: Any, trainer:
         layers = contract.layers()
 
         def checkpoint(mode: str | int | None) -> Callable[[], None]:
-            return apply_activation_checkpointing(list(enumerate(layers)), mode, strategy.lightning_module, contract)
+            return _checkpoint(strategy, contract, mode)
 
         ac = req.activation_checkpointing
         if ac == "auto":
