@@ -6,8 +6,11 @@
 The model is built on the ``meta`` device (no memory, no compute), cut into stages as the strategy
 would (``balance="params"``, or the given list; ``"time"`` is measured at run time, so the plan uses
 parameters), and each stage runs one micro-batch through the real split backward
-(:class:`~lightning_twobp.engine.Stage`, by :mod:`~lightning_twobp.engine.footprint`) on meta tensors.
-That gives, per stage:
+(:class:`~lightning_twobp.engine.Stage`, by :mod:`~lightning_twobp.engine.footprint`) on meta tensors,
+layer by layer (:mod:`~lightning_twobp.plan_layers`): a Sequential's layers, or a Hugging Face-style model's
+blocks (the ModuleList contract) each run through the model's own forward, ``lm(lm.sample_input(b))``, as
+``schedule="auto"`` runs them before the cut; attention as the fused kernels save it (not the math path the
+meta device would take). That gives, per stage:
 
 * **activations per micro-batch** (``M_act``): the tensors autograd saves in F, held until B;
 * **held from B to W per micro-batch** (``M_W``): what 2BP keeps after B for the deferred W. When
@@ -59,12 +62,12 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from lightning_twobp.config import CONF_DIR, recipes
 from lightning_twobp.engine.footprint import LayerFootprint, layer_cost, measure_layer
-from lightning_twobp.lightning.checkpointing import apply_activation_checkpointing, keep_products
-from lightning_twobp.lightning.contract import SequentialContract, find_contract
+from lightning_twobp.lightning.checkpointing import keep_products
 from lightning_twobp.lightning.layout import check_degree, schedule_label
 from lightning_twobp.lightning.sharding import check_replicas, sharded_static_bytes
 from lightning_twobp.options import PipelineOptions
 from lightning_twobp.partition import partition
+from lightning_twobp.plan_layers import PlannedLayers, planned_layers
 from lightning_twobp.private import TorchDispatchMode, pytree
 from lightning_twobp.schedules import (
     MemoryCosts,
@@ -178,18 +181,21 @@ def _checkpointed(ac: str | int | None, index: int) -> str | None:
     return "selective" if ac == "selective" else "full"
 
 
-def _footprint(layer: nn.Module, x: torch.Tensor, needs: bool, cache: dict, checkpointed: str | None) -> LayerFootprint:
-    """:func:`measure_layer`, once per signature; ``checkpointed``: wrapped as the strategy wraps it in
-    that mode (``"full"`` or ``"selective"``), or None."""
-    key = (*_signature(layer, x, needs), checkpointed)
+def _footprint(
+    layers: PlannedLayers, i: int, x: torch.Tensor, needs: bool, cache: dict, checkpointed: str | None
+) -> LayerFootprint:
+    """:func:`measure_layer` of layer ``i``, once per signature; ``checkpointed``: wrapped as the strategy
+    wraps it in that mode (``"full"`` or ``"selective"``), or None."""
+    call = layers.calls[i]
+    key = (*_signature(call, x, needs), checkpointed)
     if key not in cache:
-        undo = apply_activation_checkpointing([(0, layer)], checkpointed) if checkpointed else (lambda: None)
+        undo = layers.checkpointed(i, checkpointed) if checkpointed else (lambda: None)
         try:
-            fp = measure_layer(layer, x, needs)
+            fp = measure_layer(call, x, needs)
         finally:
             undo()
         if checkpointed == "selective":  # the kept products live in torch's store, which no saved-tensor hook sees
-            fp = replace(fp, activation_bytes=fp.activation_bytes + _kept_products(layer, x))
+            fp = replace(fp, activation_bytes=fp.activation_bytes + _kept_products(call, x))
         cache[key] = fp
     return cache[key]
 
@@ -231,11 +237,18 @@ class _Measured:
 
 
 def _measure_stage(
-    layers: nn.Sequential, x: torch.Tensor, first: bool, cache: dict, chosen: Sequence[str | None] = ()
+    layers: PlannedLayers,
+    start: int,
+    stop: int,
+    x: torch.Tensor,
+    first: bool,
+    cache: dict,
+    chosen: Sequence[str | None] = (),
 ) -> _Measured:
-    """A stage's bytes, layer by layer. A stage's graph is kept from B to W as soon as one of its
-    layers needs it (one ``retain_graph`` for the whole stage), and then M_W is the whole M_act plus
-    what W reads. The first stage (no input gradient) runs all of its backward in B and holds nothing.
+    """The bytes of a stage of ``layers`` ``start .. stop - 1``, layer by layer. A stage's graph is kept
+    from B to W as soon as one of its layers needs it (one ``retain_graph`` for the whole stage), and then
+    M_W is the whole M_act plus what W reads. The first stage (no input gradient) runs all of its backward
+    in B and holds nothing.
     ``chosen[i]``: layer i runs checkpointed in that mode (see :func:`_checkpointed`); its recompute
     holds what it would have saved in F, less the input it did save. Under the split B holds it on top
     of what it has made for W of the checkpointed layers after i (their operands recomputed, their
@@ -244,12 +257,12 @@ def _measure_stage(
     act = held = recompute = recompute_max = 0
     kept = prev_saves_output = False
     recomputed: list[tuple[int, int]] = []  # (recompute, bytes kept for W) per checkpointed layer
-    for i, layer in enumerate(layers):
+    for i in range(stop - start):
         needs = x.is_floating_point() and not (first and i == 0)
         ckpt = chosen[i] if i < len(chosen) else None
-        m = _footprint(layer, x, needs, cache, ckpt)
+        m = _footprint(layers, start + i, x, needs, cache, ckpt)
         if ckpt:
-            extra = _footprint(layer, x, needs, cache, None).activation_bytes - m.activation_bytes
+            extra = _footprint(layers, start + i, x, needs, cache, None).activation_bytes - m.activation_bytes
             recompute_max = max(recompute_max, extra)
             recomputed.append((extra, m.held_bytes))
         # a tensor saved by both sides of a layer boundary (a ReLU's output, the next conv's input) is one
@@ -292,36 +305,6 @@ def _replay(
     peak = max(levels, default=0)
     during = _recompute_peak(schedule.actions[rank], levels, recompute or {})
     return {"in_flight": count, "activation_bytes": max(peak, during), "recompute_bytes": max(0, during - peak)}
-
-
-def _sequential(lm: nn.Module, layers: str | None) -> nn.Sequential:
-    """The pipelined nn.Sequential of ``lm`` (the plan measures its layers one by one)."""
-    contract = find_contract(lm, layers)
-    if not isinstance(contract, SequentialContract):
-        raise ValueError(
-            f"twobp-plan measures the layers of an nn.Sequential; {contract.name} is pipelined as the nn.ModuleList "
-            f"{contract.list_name} (the ModuleList contract), which it does not plan yet"
-        )
-    return contract.seq
-
-
-def _cast(seq: nn.Sequential, x: torch.Tensor, act_dtype: torch.dtype) -> tuple[torch.Tensor, float]:
-    """``seq`` and its input ``x`` in the activations' dtype, and the factor left to apply to the bytes.
-
-    Autocast's activations, approximately: the model in the half dtype (norms and softmax that
-    autocast keeps in fp32 are counted at half). A model whose forward mixes dtypes by hand cannot run
-    cast; it is measured in fp32 and the activations are scaled (halved for bf16 and fp16)."""
-    if act_dtype == torch.float32:
-        return x, 1.0
-    cast = x.to(act_dtype) if x.is_floating_point() else x
-    try:
-        seq.to(act_dtype)
-        with torch.no_grad():
-            seq(cast)  # on meta: shapes and dtypes only, no compute
-        return cast, 1.0
-    except RuntimeError:
-        seq.to(torch.float32)
-        return x, torch.finfo(act_dtype).bits / 32
 
 
 def _choose_auto(cfg: DictConfig, p: int, shard_over: int = 1) -> search_auto.AutoChoice:
@@ -373,36 +356,42 @@ class _AutoMeasure:
         precision = str(cfg.trainer.get("precision", "32-true"))
         param_bytes, act_dtype = _bytes(precision)
         states = {"adamw": 2, "adam": 2, "sgd": 1}.get(str(cfg.plan.get("optimizer", "adamw")), 2)
-        with torch.device("meta"):
-            lm = instantiate(cfg.model)
-        seq = _sequential(lm, st.get("layers"))
         layers: dict[int, tuple] = {}
         for m in self.counts:
-            (x, scale), row = _cast(seq, lm.sample_input(batch // m), act_dtype), []
-            for i, layer in enumerate(seq):
-                needs = x.is_floating_point() and i > 0
-                mode = _checkpointed(ac, i)
-                fp = _footprint(layer, x, needs, self.cache, mode)
-                n = sum(q.numel() for q in layer.parameters())
-                t = float(n * (batch // m))
-                weight, state = n * param_bytes, n * states * (4 if param_bytes == 4 else 2)
-                fixed = (
-                    sharded_static_bytes(n, weight, weight, state, self.shard_over, precision)
-                    if self.shard_over > 1
-                    else 2 * weight + state
-                )
-                row.append(layer_cost(fp, fixed, (t, 2 * t if mode else t, t), scale))
-                x = torch.empty(fp.out_shape, dtype=fp.out_dtype, device="meta")
-            layers[m] = tuple(row)
+            with torch.device("meta"):
+                lm = instantiate(cfg.model)
+            with planned_layers(lm, st.get("layers"), batch // m, act_dtype) as planned:
+                layers[m] = self._row(planned, ac, batch // m, param_bytes, states, precision)
         balance = st.get("balance", "params")
         balance = list(balance) if OmegaConf.is_list(balance) else ("params" if balance == "time" else balance)
         partitions = {}
         for v in (1, 2):
             try:
-                partitions[v] = tuple(partition(seq, self.p * v, balance))
+                partitions[v] = tuple(partition(nn.Sequential(*planned.units), self.p * v, balance))
             except ValueError:
                 continue
         return search_auto.Profile(self.p, layers, partitions, checkpointing=ac)
+
+    def _row(
+        self, planned: PlannedLayers, ac: str | int | None, samples: int, param_bytes: int, states: int, precision: str
+    ) -> tuple:
+        """Every layer's cost at ``samples`` per micro-batch."""
+        x, row = planned.x, []
+        for i, layer in enumerate(planned.units):
+            needs = x.is_floating_point() and i > 0
+            mode = _checkpointed(ac, i)
+            fp = _footprint(planned, i, x, needs, self.cache, mode)
+            n = sum(q.numel() for q in layer.parameters())
+            t = float(n * samples)
+            weight, state = n * param_bytes, n * states * (4 if param_bytes == 4 else 2)
+            fixed = (
+                sharded_static_bytes(n, weight, weight, state, self.shard_over, precision)
+                if self.shard_over > 1
+                else 2 * weight + state
+            )
+            row.append(layer_cost(fp, fixed, (t, 2 * t if mode else t, t), planned.scale))
+            x = torch.empty(fp.out_shape, dtype=fp.out_dtype, device="meta")
+        return tuple(row)
 
 
 @dataclass(frozen=True)
@@ -487,19 +476,21 @@ def _planned_balance(balance: str | tuple[int, ...], notes: list[str]) -> str | 
 
 def _measure_scaled(
     s: int,
-    module: nn.Sequential,
+    layers: PlannedLayers,
+    bounds: tuple[int, int],
     x: torch.Tensor,
-    scale: float,
     act_dtype: torch.dtype,
     last: bool,
     cache: dict,
     chosen: Sequence[str | None] = (),
     sends: bool = True,
 ) -> _Measured:
-    """:func:`_measure_stage` of stage ``s``, its bytes scaled by ``scale`` (see :func:`_cast`), the
-    loss's own activations added on the last stage. ``sends``: the next stage is on another rank."""
+    """:func:`_measure_stage` of stage ``s`` (``layers`` ``bounds[0] .. bounds[1] - 1``), its bytes scaled by
+    ``layers.scale`` (see :func:`.planned_layers`), the loss's own activations added on the last stage.
+    ``sends``: the next stage is on another rank."""
+    scale = layers.scale
     try:
-        m = _measure_stage(module, x, s == 0, cache, chosen)
+        m = _measure_stage(layers, *bounds, x, s == 0, cache, chosen)
     except RuntimeError as e:
         if scale != 1.0 or act_dtype == torch.float32:
             raise
@@ -518,27 +509,24 @@ def _measure_scaled(
 
 
 def _stage_plans(
-    seq: nn.Sequential,
+    layers: PlannedLayers,
     sizes: list[int],
-    x: torch.Tensor,
-    scale: float,
     act_dtype: torch.dtype,
     rank_of: Sequence[int],
     param_bytes: int,
     states: int,
     ac: str | int | None = None,
 ) -> list[StagePlan]:
-    """Each stage's bytes: its ``sizes`` layers of ``seq`` measured in turn from the input ``x``, those
-    ``ac`` picks checkpointed."""
-    stages, start = [], 0
+    """Each stage's bytes: its ``sizes`` layers measured in turn from the first one's input, those ``ac``
+    picks checkpointed."""
+    stages, start, x = [], 0, layers.x
     cache: dict = {}
     for s, n in enumerate(sizes):
-        module: nn.Sequential = seq[start : start + n]  # type: ignore[assignment]  # torch: no slice overload
-        n_params = sum(q.numel() for q in module.parameters())
+        n_params = sum(q.numel() for q in nn.ModuleList(layers.units[start : start + n]).parameters())
         chosen = [_checkpointed(ac, i) for i in range(start, start + n)]
         last = s == len(sizes) - 1
         sends = not last and rank_of[s + 1] != rank_of[s]
-        m = _measure_scaled(s, module, x, scale, act_dtype, last, cache, chosen, sends)
+        m = _measure_scaled(s, layers, (start, start + n), x, act_dtype, last, cache, chosen, sends)
         x = m.out
         stages.append(
             StagePlan(
@@ -597,13 +585,11 @@ def plan(cfg: DictConfig, recipe: str = "") -> Plan:
 
     with torch.device("meta"):
         lm = instantiate(cfg.model)
-    seq = _sequential(lm, pipe.options.layers)
-    sizes = partition(seq, pipe.num_stages, _planned_balance(pipe.options.balance, notes))
-    x, scale = _cast(seq, lm.sample_input(mbs), act_dtype)
-    if scale != 1.0:
-        notes.append(f"{precision}: activations measured in fp32 and scaled by {scale:g}")
     ac = pipe.options.activation_checkpointing
-    stages = _stage_plans(seq, sizes, x, scale, act_dtype, pipe.schedule.stage_to_rank, param_bytes, states, ac)
+    with planned_layers(lm, pipe.options.layers, mbs, act_dtype) as layers:
+        sizes = partition(nn.Sequential(*layers.units), pipe.num_stages, _planned_balance(pipe.options.balance, notes))
+        stages = _stage_plans(layers, sizes, act_dtype, pipe.schedule.stage_to_rank, param_bytes, states, ac)
+    notes += _layer_notes(layers, precision)
     if ac is not None:
         kept = "input and its matrix products' outputs" if ac == "selective" else "input"
         notes.append(
@@ -613,8 +599,9 @@ def plan(cfg: DictConfig, recipe: str = "") -> Plan:
         )
     if any(sp.graph_kept for sp in stages):
         notes.append(
-            "stages marked * keep their autograd graph from B to W (no direct weight formula for some "
-            "layer: convolution, BatchNorm, LayerNorm or the scan), so 2BP holds about M_act there"
+            "stages marked * keep their autograd graph from B to W (a layer's weight gradient has no direct "
+            "formula: a PReLU slope, a custom autograd Function, a grouped matmul of experts), so 2BP holds about "
+            "M_act there"
         )
     gpu = cfg.plan.get("gpu_memory_gib")
     headroom = float(cfg.plan.get("headroom", 0.9))
@@ -628,7 +615,7 @@ def plan(cfg: DictConfig, recipe: str = "") -> Plan:
     return Plan(
         recipe=recipe,
         model=str(cfg.model._target_).rsplit(".", 1)[-1],
-        params=sum(sp.params for sp in stages),
+        params=layers.params(),
         world=world,
         pipeline_degree=pipe.degree,
         data_parallel=world // pipe.degree,
@@ -645,6 +632,20 @@ def plan(cfg: DictConfig, recipe: str = "") -> Plan:
         ranks=_rank_plans(pipe, stages, gpu, headroom, dp, precision),
         notes=notes,
     )
+
+
+def _layer_notes(layers: PlannedLayers, precision: str) -> list[str]:
+    """What the plan's notes say of how the layers were measured."""
+    notes = []
+    if layers.scale != 1.0:
+        notes.append(f"{precision}: activations measured in fp32 and scaled by {layers.scale:g}")
+    if layers.reads:
+        asked = ", ".join(f"{n} check(s) of {check}()" for check, n in sorted(layers.reads.items()))
+        notes.append(
+            f"the model's forward read values on the meta device ({asked}: its mask code), answered as an ordinary "
+            f"batch answers them (no padding, one sequence per row)"
+        )
+    return notes
 
 
 def _static(sp: StagePlan, data_parallel: str, dp: int, precision: str) -> int:

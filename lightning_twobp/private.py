@@ -23,9 +23,11 @@ __all__ = [
     "TorchDispatchMode",
     "collect_rng_states",
     "disabled_torch_function_impl",
+    "flash_attention_cpu",
     "forward_hooks",
     "gloo_or_nccl_options",
     "layer_sync",
+    "local_scalar_dense",
     "make_wrapper_subclass",
     "metric_finish_step",
     "metric_forward_cache",
@@ -50,6 +52,18 @@ def make_wrapper_subclass(cls: type, *args: Any, **kwargs: Any) -> Any:
     """A tensor subclass instance with no storage of its own (lightning/placeholders.py's placeholders),
     as torch's own wrapper subclasses make theirs."""
     return torch.Tensor._make_wrapper_subclass(cls, *args, **kwargs)
+
+
+# The op a tensor's value read (``.item()``, ``bool(t)``, ``int(t)``) dispatches to: twobp-plan's model runs
+# on the meta device, which holds no values, and answers a mask check there as an ordinary batch would
+# (plan_layers.py); the op has no public name.
+local_scalar_dense = torch.ops.aten._local_scalar_dense.default
+
+
+# The CPU flash attention kernel's op: twobp-plan runs attention on meta through it, since on meta
+# ``scaled_dot_product_attention`` takes its math path, which saves what no fused kernel keeps
+# (plan_layers.py); the kernel ops have no public name.
+flash_attention_cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
 
 
 def tensor_version(t: torch.Tensor) -> int:
@@ -184,6 +198,8 @@ GUARDED: tuple[tuple[str, str], ...] = (
     ("torch._C._distributed_c10d.Backend", "Options"),
     ("torch.distributed.distributed_c10d", "_world"),
     ("torch.utils._python_dispatch", "TorchDispatchMode"),
+    ("torch.ops.aten", "_local_scalar_dense"),
+    ("torch.ops.aten", "_scaled_dot_product_flash_attention_for_cpu"),
     ("lightning.fabric.utilities.seed", "_collect_rng_states"),
     ("lightning.fabric.utilities.seed", "_set_rng_states"),
     ("lightning.pytorch.plugins.precision.Precision", "_after_closure"),

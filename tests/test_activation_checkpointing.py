@@ -354,3 +354,23 @@ def test_a_second_recompute_of_a_block_that_writes_its_buffers_is_refused():
     with pytest.raises(RuntimeError, match="recomputed a second time"):
         out.backward()
     undo()
+
+
+def test_a_blocks_own_instance_forward_runs_checkpointed_and_stays_after():
+    """A block whose forward is an instance attribute (accelerate's hooks, a user's wrapper): the checkpoint
+    runs it, and the undo puts it back (it deleted it, dropping the hook for good after the Trainer call)."""
+    from lightning_twobp.lightning.checkpointing import apply_activation_checkpointing
+
+    block, calls = nn.Linear(4, 4), []
+    plain = block.forward
+
+    def hooked(x: torch.Tensor) -> torch.Tensor:
+        calls.append(torch.is_grad_enabled())
+        return plain(x)
+
+    block.forward = hooked
+    undo = apply_activation_checkpointing([(0, block)], "full")
+    block(torch.randn(2, 4, requires_grad=True)).sum().backward()
+    assert len(calls) == 2  # F, and B's recompute: the block's own forward both times
+    undo()
+    assert block.__dict__["forward"] is hooked

@@ -13,7 +13,7 @@ from omegaconf import OmegaConf
 
 from lightning_twobp import TwoBPStrategy
 from lightning_twobp.config import CONF_DIR, recipes
-from lightning_twobp.lightning.contract import SequentialContract, find_contract
+from lightning_twobp.lightning.contract import find_contract
 from lightning_twobp.plan import format_plan, plan
 
 GROUPS = {g.name: sorted(p.stem for p in g.glob("*.yaml")) for g in CONF_DIR.iterdir() if g.is_dir()}
@@ -27,8 +27,8 @@ def _compose(overrides: list[str], out_dir: Path):
     return cfg
 
 
-def _instantiate_all(cfg) -> bool:
-    """Whether the model is pipelined as an nn.Sequential (twobp-plan plans those)."""
+def _instantiate_all(cfg) -> None:
+    """Every group of ``cfg`` instantiates, the model on meta with a contract of at least two layers."""
     if "HFCausalLM" in cfg.model._target_:
         pytest.importorskip("transformers", reason="the Hugging Face model needs transformers")
     with torch.device("meta"):  # the paper sizes too: no memory
@@ -45,7 +45,6 @@ def _instantiate_all(cfg) -> bool:
         instantiate(lg)
     trainer_cfg = OmegaConf.to_container(cfg.trainer, resolve=True)
     assert trainer_cfg["_target_"] == "lightning.pytorch.Trainer"
-    return isinstance(contract, SequentialContract)
 
 
 def test_groups_exist():
@@ -83,14 +82,12 @@ def test_every_group_option_composes_and_instantiates(override, tmp_path):
 @pytest.mark.parametrize("recipe", recipes())
 def test_every_recipe_instantiates_and_plans(recipe, tmp_path):
     cfg = _compose([f"recipe={recipe}"], tmp_path)
-    if not _instantiate_all(cfg):
-        with pytest.raises(ValueError, match="does not plan yet"):
-            plan(cfg, recipe)
-        return
+    _instantiate_all(cfg)
     result = plan(cfg, recipe)
     text = format_plan(result)
     assert f"twobp-plan {recipe}" in text
-    assert sum(s.params for s in result.stages) == result.params > 0
+    # a tied weight (GPT-2's embedding and head) is one parameter of the model, held by two stages
+    assert 0 < result.params <= sum(s.params for s in result.stages)
     if cfg.plan.gpu_memory_gib is not None:  # the GPU recipes are sized to fit their GPUs
         assert all(r.fits for r in result.ranks), text
 

@@ -209,17 +209,26 @@ def apply_activation_checkpointing(
     caches_on = caches_off(owners)
     for m in switches:
         setattr(m, _HF_FLAG, False)
+    # An instance attribute, undone below to what was there: a block's own instance forward (accelerate's
+    # hooks, a wrapper of the user's) is what the checkpoint runs, and stays after.
+    before = {k: b.__dict__.get("forward", _NONE) for k, b in chosen.items()}
     for b in chosen.values():
-        b.forward = _checkpointed(b, value == "selective")  # an instance attribute: undone below
+        b.forward = _checkpointed(b, value == "selective")
 
     def undo() -> None:
-        for b in chosen.values():
-            del b.forward
+        for k, b in chosen.items():
+            if before[k] is _NONE:
+                del b.forward
+            else:
+                b.forward = before[k]
         for m in switches:
             setattr(m, _HF_FLAG, True)
         caches_on()
 
     return undo
+
+
+_NONE = object()  # a block without an instance forward of its own
 
 
 def check_auto_with_switches(model: nn.Module | None) -> None:

@@ -37,7 +37,7 @@ from lightning_twobp.lightning.modulelist_contract import LoopStage, ModuleListC
 from lightning_twobp.lightning.step import StepRunner
 from lightning_twobp.private import pytree
 
-__all__ = ["HOOKS", "LayerRun", "LayerRuns", "layer_runs", "placed", "trained_dtype"]
+__all__ = ["HOOKS", "LayerRun", "LayerRuns", "layer_runs", "loop_runs", "placed", "trained_dtype"]
 
 HOOKS = {
     TrainerFn.FITTING: "training_step",
@@ -116,7 +116,7 @@ def layer_runs(
         # the micro-batch index is made on the model's device: a model called without tensors is on the CPU
         index = inputs[0].to(device)
         fitting = trainer.state.fn == TrainerFn.FITTING
-        runs, first = _loop_runs(runner, stages, (index, *inputs[1:]), fitting)
+        runs, first = loop_runs(runner, stages, (index, *inputs[1:]), fitting)
         runs = [LayerRun(run.layer, _InForwardContext(run.call, precision)) for run in runs]
         yield LayerRuns(runs, first, fitting, runner.module, device, cast, precision)
 
@@ -141,13 +141,16 @@ def trained_dtype(precision: Any) -> torch.dtype | None:
     return None if dtype == torch.float32 else dtype
 
 
-def _loop_runs(runner: StepRunner, stages: list[LoopStage], inputs: tuple, fitting: bool) -> tuple[list, tuple]:
+def loop_runs(
+    runner: StepRunner, stages: list[LoopStage], inputs: tuple, fitting: bool, attached: bool = False
+) -> tuple[list[LayerRun], tuple]:
     """The ModuleList contract's one-layer stages as runs, and the first one's inputs; ``inputs``: the first
     stage's, ``(index, *call tensors)``. One stage alone is the last, which runs the model from its own call
-    (its run's input is the call's first tensor, unused)."""
+    (its run's input is the call's first tensor, unused). ``attached``: outside fitting, the last run returns
+    the step's first tensor result with its graph (twobp-plan's model call: the logits its loss is counted on)."""
     at = 1 if len(inputs) > 1 else 0  # the model call's first tensor (the ids); the index where it has none
     index = inputs[0]
-    last = LayerRun(stages[-1].layers[0], _LastStage(stages[-1], runner, fitting))
+    last = LayerRun(stages[-1].layers[0], _LastStage(stages[-1], runner, fitting, attached))
     if len(stages) == 1:
         return [last], (inputs[at],)
     runs = [LayerRun(stages[0].layers[0], _FirstStage(stages[0], inputs, at))]
@@ -202,18 +205,20 @@ class _NextStage(nn.Module):
 class _LastStage(nn.Module):
     """The last layer as the executor's last stage runs it: inside the step, which answers the model's
     call with ``hidden``; the loss in fitting, else the first tensor the step returns, detached (F's work
-    only: nothing follows it). ``stage`` is held for its parameters; the step runs it."""
+    only: nothing follows it) unless ``attached``. ``stage`` is held for its parameters; the step runs it."""
 
-    def __init__(self, stage: LoopStage, runner: StepRunner, fitting: bool) -> None:
+    def __init__(self, stage: LoopStage, runner: StepRunner, fitting: bool, attached: bool = False) -> None:
         super().__init__()
         self.stage = stage
-        self._runner, self._fitting = runner, fitting
+        self._runner, self._fitting, self._attached = runner, fitting, attached
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         if self._fitting:
             return self._runner.loss(hidden, 0)
         found = [t for t in pytree.tree_leaves(self._runner.provide(0, hidden)) if isinstance(t, torch.Tensor)]
-        return found[0].detach() if found else hidden.new_zeros(())
+        if not found:
+            return hidden.new_zeros(())
+        return found[0] if self._attached else found[0].detach()
 
 
 @contextmanager

@@ -305,6 +305,7 @@ def _autocast_state(module: Any) -> tuple[tuple[str, bool, str], ...]:
     """Whether autocast is on, and its dtype, for the CPU and the module's device type."""
     device = getattr(module, "device", torch.device("cpu"))
     kinds = dict.fromkeys(("cpu", device.type if isinstance(device, torch.device) else "cpu"))
+    kinds = {k: None for k in kinds if torch.amp.is_autocast_available(k)}  # not "meta" (twobp-plan's model)
     on = {k: torch.is_autocast_enabled(k) for k in kinds}  # the dtype counts only where it is on
     return tuple((k, on[k], str(torch.get_autocast_dtype(k)).removeprefix("torch.") if on[k] else "") for k in kinds)
 
