@@ -58,17 +58,14 @@ from hydra.errors import ConfigCompositionException, MissingConfigException, Ove
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 from torch import nn
-from torch.utils.checkpoint import CheckpointPolicy
 
 from lightning_twobp.config import CONF_DIR, recipes
 from lightning_twobp.engine.footprint import LayerFootprint, layer_cost, measure_layer
-from lightning_twobp.lightning.checkpointing import keep_products
 from lightning_twobp.lightning.layout import check_degree, schedule_label
 from lightning_twobp.lightning.sharding import check_replicas, sharded_static_bytes
 from lightning_twobp.options import PipelineOptions
 from lightning_twobp.partition import partition
 from lightning_twobp.plan_layers import PlannedLayers, planned_layers
-from lightning_twobp.private import TorchDispatchMode, pytree
 from lightning_twobp.schedules import (
     MemoryCosts,
     Schedule,
@@ -187,39 +184,25 @@ def _footprint(
     """:func:`measure_layer` of layer ``i``, once per signature; ``checkpointed``: wrapped as the strategy
     wraps it in that mode (``"full"`` or ``"selective"``), or None."""
     call = layers.calls[i]
-    key = (*_signature(call, x, needs), checkpointed)
+    key = (*_signature(call, x, needs), layers.key(i), checkpointed)
     if key not in cache:
         undo = layers.checkpointed(i, checkpointed) if checkpointed else (lambda: None)
         try:
             fp = measure_layer(call, x, needs)
+        except (RuntimeError, NotImplementedError) as e:  # one line naming the layer, not a traceback
+            raise _MetaRunError(
+                f"{layers.contract.describe(i)} does not run on the meta device ({type(e).__name__}: {e})"
+            ) from e
         finally:
             undo()
         if checkpointed == "selective":  # the kept products live in torch's store, which no saved-tensor hook sees
-            fp = replace(fp, activation_bytes=fp.activation_bytes + _kept_products(call, x))
+            fp = replace(fp, activation_bytes=fp.activation_bytes + layers.kept_products(i, x))
         cache[key] = fp
     return cache[key]
 
 
-class _Products(TorchDispatchMode):
-    """Bytes of the outputs the ``"selective"`` policy (:func:`keep_products`) keeps from F to B."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.bytes = 0
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        out = func(*args, **(kwargs or {}))
-        if keep_products(None, func) == CheckpointPolicy.MUST_SAVE:
-            leaves = pytree.tree_flatten(out)[0]
-            self.bytes += sum(t.numel() * t.element_size() for t in leaves if isinstance(t, torch.Tensor))
-        return out
-
-
-def _kept_products(layer: nn.Module, x: torch.Tensor) -> int:
-    """What a ``"selective"`` layer's F keeps besides its input: its matrix products' outputs."""
-    with torch.no_grad(), _Products() as products:
-        layer(x)
-    return products.bytes
+class _MetaRunError(ValueError):
+    """A layer's run failed on meta: a refusal of the model's (the CLI says it in one line)."""
 
 
 @dataclass(frozen=True)
@@ -491,11 +474,12 @@ def _measure_scaled(
     scale = layers.scale
     try:
         m = _measure_stage(layers, *bounds, x, s == 0, cache, chosen)
-    except RuntimeError as e:
+    except _MetaRunError as e:
         if scale != 1.0 or act_dtype == torch.float32:
             raise
-        raise RuntimeError(
-            f"stage {s} does not run in {act_dtype} on meta ({e}); plan with trainer.precision=32-true"
+        raise _MetaRunError(
+            f"stage {s} does not run in {act_dtype} on meta: {e}; if it runs in fp32, plan with "
+            f"trainer.precision=32-true"
         ) from e
     act, held, rec, rec_max = (int(b * scale) for b in (m.act, m.held, m.recompute, m.recompute_max))
     if last:
@@ -639,11 +623,10 @@ def _layer_notes(layers: PlannedLayers, precision: str) -> list[str]:
     notes = []
     if layers.scale != 1.0:
         notes.append(f"{precision}: activations measured in fp32 and scaled by {layers.scale:g}")
-    if layers.reads:
-        asked = ", ".join(f"{n} check(s) of {check}()" for check, n in sorted(layers.reads.items()))
+    if layers.answered:
         notes.append(
-            f"the model's forward read values on the meta device ({asked}: its mask code), answered as an ordinary "
-            f"batch answers them (no padding, one sequence per row)"
+            f"the model's mask code read values on the meta device ({', '.join(sorted(layers.answered))}: a check "
+            f"of all or any entries), answered as an unpadded batch answers them (one sequence per row)"
         )
     return notes
 

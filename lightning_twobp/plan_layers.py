@@ -8,17 +8,12 @@
   ``lm(lm.sample_input(b))``: the first layer's run is fed the token ids, the last one's returns the
   model's output (the head's logits), which the plan's loss is counted on.
 
-Attention runs as the fused kernels run it in training (:class:`_FusedAttention`): on meta,
-``scaled_dot_product_attention`` would take its math path and save every head's probabilities (T x T), which
-the flash and memory-efficient kernels on a GPU, and the flash kernel on a CPU, do not keep (they save the
-output and a log-sum-exp per row). Routed to the CPU flash kernel's op, whose meta form saves what those do,
-in every block's forward (its own: what a checkpointed block's recompute runs too, inside the backward, where
-a mode entered around the plan's calls is not active).
+What the meta device does differently from a device is put right while the layers are open
+(:mod:`.meta_forward`): attention saves what the fused kernels save, and Hugging Face's mask checks are
+answered as an unpadded batch answers them (the plan notes where).
 
-The meta device holds shapes, not values, and a model's forward may read one: Hugging Face's mask code asks
-whether the batch is packed (``(...).all()``), or, given a mask, whether it pads. Those checks are answered as
-an ordinary batch answers them, every ``all()`` true and every ``any()`` false: no padding, one sequence per
-row (:class:`_OrdinaryBatch`); the plan notes each answer. Any other value read is refused, naming it.
+Under the ModuleList contract every layer is measured on its own (:meth:`PlannedLayers.key`): blocks of one
+class may differ by what the loop hands them (Qwen2's sliding-window layers get a mask, the others none).
 """
 
 from __future__ import annotations
@@ -29,24 +24,19 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
-from torch.overrides import TorchFunctionMode
-from torch.utils.weak import WeakTensorKeyDictionary
+from torch.utils.checkpoint import CheckpointPolicy
 
-from lightning_twobp.lightning.checkpointing import apply_activation_checkpointing
+from lightning_twobp.lightning.checkpointing import apply_activation_checkpointing, keep_products
 from lightning_twobp.lightning.contract import SequentialContract, find_contract
 from lightning_twobp.lightning.layer_runs import loop_runs
 from lightning_twobp.lightning.metrics import StepMetrics
 from lightning_twobp.lightning.modulelist_contract import ModuleListContract, caches_off, fastpath_off
 from lightning_twobp.lightning.step import StepRunner
-from lightning_twobp.private import TorchDispatchMode, flash_attention_cpu, local_scalar_dense
+from lightning_twobp.meta_forward import OrdinaryBatch, attention_fused
+from lightning_twobp.private import TorchDispatchMode, pytree
 
 __all__ = ["PlannedLayers", "planned_layers"]
-
-_MISSING = object()
-# The ordinary batch's answer to a check of all entries or of any entry (see the module docstring).
-_ORDINARY = {"all": True, "any": False}
 
 
 @dataclass(frozen=True)
@@ -58,12 +48,35 @@ class PlannedLayers:
     x: torch.Tensor  # the first call's input, in the activations' dtype where the model runs in it
     scale: float  # the factor left to apply to the bytes (a model that does not run cast: see planned_layers)
     contract: SequentialContract | ModuleListContract
-    reads: dict[str, int] = field(default_factory=dict)  # values the forward read on meta, by check
+    answered: dict[str, int] = field(default_factory=dict)  # mask checks answered on meta, by place
 
     def checkpointed(self, i: int, mode: str) -> Callable[[], None]:
         """Layer ``i`` checkpointed as the strategy checkpoints it in ``mode``; returns the undo."""
         loop = self.contract if isinstance(self.contract, ModuleListContract) else None
         return apply_activation_checkpointing([(i, self.units[i])], mode, None, loop)
+
+    def key(self, i: int) -> int | None:
+        """What besides its signature tells layer ``i``'s bytes apart: its index under the ModuleList contract
+        (see the module docstring), nothing for a Sequential's layer (identical layers are measured once)."""
+        return i if isinstance(self.contract, ModuleListContract) else None
+
+    def kept_products(self, i: int, x: torch.Tensor) -> int:
+        """What a ``"selective"`` layer ``i``'s F keeps besides its input: the outputs of the matrix products
+        inside its block (:func:`keep_products`; not those of the rest of the model's forward its run goes
+        through: the other blocks' stand-ins, the head)."""
+        block = self.contract.blocks[i] if isinstance(self.contract, ModuleListContract) else self.units[i]
+        products = _Products()
+        before = block.__dict__.get("forward", _MISSING)
+        block.__dict__["forward"] = products.counting(block.forward)
+        try:
+            with torch.no_grad(), products:
+                self.calls[i](x)
+        finally:
+            if before is _MISSING:
+                del block.__dict__["forward"]
+            else:
+                block.__dict__["forward"] = before
+        return products.bytes
 
     def params(self) -> int:
         """Parameters of the pipelined layers, a tied one once (each stage holding it keeps a copy)."""
@@ -106,20 +119,32 @@ def _open(
     act_dtype: torch.dtype,
     scale: float = 1.0,
 ) -> Iterator[PlannedLayers]:
-    x = lm.sample_input(batch_size)  # type: ignore[operator]  # the recipe model's
+    sample = getattr(lm, "sample_input", None)
+    if not callable(sample):
+        raise ValueError(
+            f"twobp-plan feeds the model one input made by {type(lm).__name__}.sample_input(batch_size), which it "
+            f"does not define: add `def sample_input(self, batch_size)` returning one input of "
+            + (
+                f"{contract.name} (the pipelined Sequential)"
+                if isinstance(contract, SequentialContract)
+                else "the model's call, self(x) (token ids of shape (batch_size, seq_len) for a language model)"
+            )
+            + ", on the device of the model's parameters (meta here)"
+        )
+    x = sample(batch_size)
     if x.is_floating_point():
         x = x.to(act_dtype)
     if isinstance(contract, SequentialContract):
         units = contract.layers()
-        with _attention_fused(units):
+        with attention_fused(units):
             yield PlannedLayers(units, units, x, scale, contract)
         return
-    reads: dict[str, int] = {}
+    answered: dict[str, int] = {}
     with ExitStack() as scope:
-        scope.enter_context(_attention_fused(list(contract.blocks)))
+        scope.enter_context(attention_fused(list(contract.blocks)))
         scope.callback(caches_off(lm.modules()))  # as the Trainer call runs it (pipeline._call_scope)
         scope.callback(fastpath_off())
-        scope.enter_context(_OrdinaryBatch(type(lm).__name__, reads))
+        scope.enter_context(OrdinaryBatch(type(lm).__name__, answered))
         runner = StepRunner(lm, contract, StepMetrics(lm))
         runner.begin("forward", (x,), {}, 1, exact=False)  # the model's call: lm(x)
         _, *tensors = runner.capture(0)
@@ -128,86 +153,34 @@ def _open(
         # it: the captured one is on meta, which holds no value
         index = torch.zeros((), dtype=torch.long)
         runs, first = loop_runs(runner, stages, (index, *tensors), fitting=False, attached=True)
-        yield PlannedLayers([r.layer for r in runs], [r.call for r in runs], first[0], scale, contract, reads)
+        yield PlannedLayers([r.layer for r in runs], [r.call for r in runs], first[0], scale, contract, answered)
 
 
-class _OrdinaryBatch(TorchDispatchMode):
-    """A value read on meta (``.item()``, ``bool``) of an ``all()`` or ``any()`` answered as an ordinary batch
-    answers it (see the module docstring), counted in ``reads``; any other refused."""
+_MISSING = object()
 
-    def __init__(self, model: str, reads: dict[str, int]) -> None:
+
+class _Products(TorchDispatchMode):
+    """Bytes of the outputs the ``"selective"`` policy (:func:`keep_products`) keeps from F to B, counted
+    while a forward :meth:`counting` wraps runs."""
+
+    def __init__(self) -> None:
         super().__init__()
-        self._model, self._reads = model, reads
-        self._checks: WeakTensorKeyDictionary = WeakTensorKeyDictionary()  # a check's result -> "all" / "any"
+        self.bytes = 0
+        self._inside = 0
+
+    def counting(self, forward: Callable[..., Any]) -> Callable[..., Any]:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            self._inside += 1
+            try:
+                return forward(*args, **kwargs)
+            finally:
+                self._inside -= 1
+
+        return run
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if func is local_scalar_dense and args[0].is_meta:
-            check = self._checks.get(args[0])
-            if check is None:
-                raise ValueError(
-                    f"twobp-plan builds {self._model} on the meta device, which holds shapes but no values, and its "
-                    f"forward reads a value (Tensor.item(), or a Python bool, int or float of a tensor) that is not a "
-                    f"check of all or any entries: it cannot be planned there. Train it with schedule='auto' and a "
-                    f"memory_limit instead, which measures each layer on the device before the cut"
-                )
-            self._reads[check] = self._reads.get(check, 0) + 1
-            return _ORDINARY[check]
         out = func(*args, **(kwargs or {}))
-        name = func.overloadpacket.__name__
-        if name in _ORDINARY and isinstance(out, torch.Tensor) and out.is_meta and out.numel() == 1:
-            self._checks[out] = name
+        if self._inside and keep_products(None, func) == CheckpointPolicy.MUST_SAVE:
+            leaves = pytree.tree_flatten(out)[0]
+            self.bytes += sum(t.numel() * t.element_size() for t in leaves if isinstance(t, torch.Tensor))
         return out
-
-
-@contextmanager
-def _attention_fused(blocks: list[nn.Module]) -> Iterator[None]:
-    """Each of ``blocks`` runs its forward under :class:`_FusedAttention` while open (an instance ``forward``,
-    which the ModuleList contract's block calls and the activation checkpointing wrap in turn)."""
-    installed: list[tuple[nn.Module, Any]] = []
-    try:
-        for block in blocks:
-            installed.append((block, block.__dict__.get("forward", _MISSING)))
-            block.__dict__["forward"] = _fused(block.forward)
-        yield
-    finally:
-        for block, before in reversed(installed):
-            if before is _MISSING:
-                del block.__dict__["forward"]
-            else:
-                block.__dict__["forward"] = before
-
-
-def _fused(forward: Callable[..., Any]) -> Callable[..., Any]:
-    def run(*args: Any, **kwargs: Any) -> Any:
-        with _FusedAttention():
-            return forward(*args, **kwargs)
-
-    return run
-
-
-class _FusedAttention(TorchFunctionMode):
-    """``F.scaled_dot_product_attention`` of meta tensors as the flash kernel (see the module docstring):
-    its output, with the flash kernel's saved tensors (grouped-query attention's key and value heads as they
-    come, as the kernel takes them)."""
-
-    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
-        if func is not F.scaled_dot_product_attention or not args[0].is_meta:
-            return func(*args, **kwargs)
-        q, k, v, mask, dropout, causal, scale = _sdpa_arguments(*args, **kwargs)
-        if mask is not None and mask.dtype == torch.bool:  # as the kernels take it: added to the scores
-            mask = torch.zeros_like(mask, dtype=q.dtype).masked_fill_(mask.logical_not(), float("-inf"))
-        return flash_attention_cpu(q, k, v, dropout, causal, attn_mask=mask, scale=scale)[0]
-
-
-def _sdpa_arguments(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attn_mask: torch.Tensor | None = None,
-    dropout_p: float = 0.0,
-    is_causal: bool = False,
-    scale: float | None = None,
-    enable_gqa: bool = False,
-) -> tuple:
-    return query, key, value, attn_mask, dropout_p, is_causal, scale

@@ -23,6 +23,7 @@ __all__ = [
     "TorchDispatchMode",
     "collect_rng_states",
     "disabled_torch_function_impl",
+    "efficient_attention",
     "flash_attention_cpu",
     "forward_hooks",
     "gloo_or_nccl_options",
@@ -56,14 +57,15 @@ def make_wrapper_subclass(cls: type, *args: Any, **kwargs: Any) -> Any:
 
 # The op a tensor's value read (``.item()``, ``bool(t)``, ``int(t)``) dispatches to: twobp-plan's model runs
 # on the meta device, which holds no values, and answers a mask check there as an ordinary batch would
-# (plan_layers.py); the op has no public name.
+# (meta_forward.py); the op has no public name.
 local_scalar_dense = torch.ops.aten._local_scalar_dense.default
 
 
-# The CPU flash attention kernel's op: twobp-plan runs attention on meta through it, since on meta
-# ``scaled_dot_product_attention`` takes its math path, which saves what no fused kernel keeps
-# (plan_layers.py); the kernel ops have no public name.
+# The CPU flash and the memory-efficient attention kernels' ops: twobp-plan runs attention on meta through
+# them, since on meta ``scaled_dot_product_attention`` takes its math path, which saves what no fused kernel
+# keeps (meta_forward.py); the kernel ops have no public name.
 flash_attention_cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+efficient_attention = torch.ops.aten._scaled_dot_product_efficient_attention.default
 
 
 def tensor_version(t: torch.Tensor) -> int:
@@ -200,6 +202,7 @@ GUARDED: tuple[tuple[str, str], ...] = (
     ("torch.utils._python_dispatch", "TorchDispatchMode"),
     ("torch.ops.aten", "_local_scalar_dense"),
     ("torch.ops.aten", "_scaled_dot_product_flash_attention_for_cpu"),
+    ("torch.ops.aten", "_scaled_dot_product_efficient_attention"),
     ("lightning.fabric.utilities.seed", "_collect_rng_states"),
     ("lightning.fabric.utilities.seed", "_set_rng_states"),
     ("lightning.pytorch.plugins.precision.Precision", "_after_closure"),
