@@ -54,7 +54,12 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import torch
-from hydra.errors import ConfigCompositionException, MissingConfigException, OverrideParseException
+from hydra.errors import (
+    ConfigCompositionException,
+    InstantiationException,
+    MissingConfigException,
+    OverrideParseException,
+)
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 from torch import nn
@@ -713,13 +718,14 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(sys.argv[1:] if argv is None else argv)
     try:
         result = plan_recipe(args.overrides)
-    except _REFUSALS as e:
-        # A refused configuration or override: its message names the numbers and the fix, and a
-        # traceback above it only buries that. HYDRA_FULL_ERROR=1 shows the traceback, as for twobp-train.
-        # (A model's own constructor failing reaches Hydra as an InstantiationException: not caught here.)
-        if os.environ.get("HYDRA_FULL_ERROR") == "1":
+    except (*_REFUSALS, InstantiationException) as e:
+        # A refused configuration or override (or the model's own refusal, its ValueError wrapped by Hydra):
+        # its message names the numbers and the fix, and a traceback above it only buries that.
+        # HYDRA_FULL_ERROR=1 shows the traceback, as for twobp-train.
+        refusal = e.__cause__ if isinstance(e, InstantiationException) else e
+        if not isinstance(refusal, _REFUSALS) or os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise
-        print(f"twobp-plan: error: {e}\n(HYDRA_FULL_ERROR=1 for the traceback)", file=sys.stderr)
+        print(f"twobp-plan: error: {refusal}\n(HYDRA_FULL_ERROR=1 for the traceback)", file=sys.stderr)
         return 2
     print(format_plan(result))
     if args.json:

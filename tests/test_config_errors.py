@@ -1194,7 +1194,16 @@ CASES: dict[str, Case] = {
         ValueError,
         r"lr_decay='linear-ish': choose one of",
     ),
-    "model-hf-arch": (lambda t: _build(f"{X}.HFCausalLM", arch="t5"), ValueError, r"arch='t5': choose one of"),
+    "model-hf-arch": (
+        lambda t: _build(f"{X}.HFCausalLM", arch="t5"),
+        ValueError,
+        r"arch='t5': not a model type transformers has a causal LM for",
+    ),
+    "model-hf-config": (
+        lambda t: _build(f"{X}.HFCausalLM", config=str(t / "nowhere")),
+        ValueError,
+        r"config='.*nowhere' does not exist: give a folder holding a Hugging Face config.json",
+    ),
 }
 
 

@@ -99,6 +99,8 @@ def test_auto_refuses_a_limit_nothing_fits_with_the_smallest_peak():
     [
         (["trainer.devices=2", "schedule=auto", "strategy.memory_limit=1000"], "memory_limit=1000 bytes"),
         (["trainer.devices=2", "schedule=nonesuch"], "Could not find 'schedule/nonesuch'"),
+        # the model's own refusal, which Hydra wraps
+        (["recipe=cpu-tiny-hf-gpt2", "model.config=/nowhere/at/all"], "does not exist: give a folder holding"),
     ],
 )
 def test_cli_says_a_refusal_in_one_line_not_a_traceback(overrides, says, capsys, monkeypatch):

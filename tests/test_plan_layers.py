@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from hydra.errors import InstantiationException
 from torch import nn
 
 from lightning_twobp.meta_forward import attention_fused
@@ -228,3 +229,29 @@ def test_a_layer_that_fails_on_meta_is_refused_in_one_line_naming_it():
         _footprint(layers, 1, layers.x, True, {}, None)
     assert "does not run on the meta device (RuntimeError: no meta kernel here)" in str(e.value)
     assert str(e.value).startswith("layers[1] ")
+
+
+def test_twobp_plan_plans_a_model_from_its_config_json(tmp_path):
+    """A downloaded model's folder is planned from its config.json alone (HFCausalLM(config=...), no weights
+    read): every parameter of the model the config describes, its blocks found without layers=."""
+    from lightning_twobp.plan import plan_recipe
+
+    config = transformers.MistralConfig(**_TINY, num_key_value_heads=2, tie_word_embeddings=False)
+    config.save_pretrained(tmp_path)
+    with torch.device("meta"):
+        described = transformers.MistralForCausalLM(config)
+    p = plan_recipe(["recipe=cpu-tiny-hf-gpt2", f"model.config={tmp_path}", "model.max_seq_len=16"])
+    assert p.params == sum(q.numel() for q in described.parameters())
+    assert [s.layers for s in p.stages] == [(0, 1), (2, 3)] and p.stages[1].held_bytes > 0
+    with pytest.raises(InstantiationException, match="max_seq_len=32 is longer than the 16 positions"):
+        plan_recipe(["recipe=cpu-tiny-hf-gpt2", f"model.config={tmp_path}", "model.max_seq_len=32"])
+
+
+def test_another_architecture_is_built_from_the_sizes():
+    from lightning_twobp.models import HFCausalLM
+
+    with torch.device("meta"):
+        lm = HFCausalLM(arch="qwen2", vocab_size=64, dim=32, n_layers=3, n_heads=4, n_kv_heads=2, max_seq_len=16)
+    cfg = lm.model.config
+    assert type(lm.model).__name__ == "Qwen2ForCausalLM" and len(lm.model.model.layers) == 3
+    assert (cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.vocab_size) == (32, 4, 2, 64)

@@ -1,10 +1,13 @@
-"""A Hugging Face causal LM (GPT-2 or Llama) from a tiny config, random init, as a LightningModule.
+"""A Hugging Face causal LM, random init, as a LightningModule: GPT-2 or Llama from a few sizes, any other
+architecture ``transformers`` has a causal LM for (``arch="mistral"``, ``"qwen2"``, ...), or the one a
+``config.json`` describes (``config=PATH``: a downloaded model's folder, its weights not read).
 
-The model is ``transformers``' own ``GPT2LMHeadModel`` / ``LlamaForCausalLM``, unchanged: its blocks
-are the ``nn.ModuleList`` ``model.transformer.h`` / ``model.model.layers``, which the model's forward
-calls in a loop with an attention mask and position ids (and, for Llama, rotary position
-embeddings). ``strategy="twobp"`` pipelines that loop as it is (the ModuleList contract,
-docs/strategy.md). Nothing is downloaded: the weights are a random initialisation from ``seed``.
+The model is ``transformers``' own (``GPT2LMHeadModel``, ``LlamaForCausalLM``, ...), unchanged: its blocks
+are an ``nn.ModuleList`` (``model.transformer.h``, ``model.model.layers``), which the model's forward
+calls in a loop with an attention mask and position ids (and rotary position embeddings).
+``strategy="twobp"`` pipelines that loop as it is (the ModuleList contract, docs/strategy.md), and
+``twobp-plan`` plans it on the meta device. Nothing is downloaded: the weights are a random
+initialisation from ``seed``.
 
 ``transformers`` is optional (``pip install transformers``, or the ``test`` extra); it is imported
 when the model is built.
@@ -12,6 +15,7 @@ when the model is built.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -21,7 +25,7 @@ from lightning_twobp.models.base import LanguageModel, Training, training_argume
 
 __all__ = ["HFCausalLM"]
 
-_ARCHS = ("gpt2", "llama")
+_SIZED = ("gpt2", "llama")  # built from the sizes with their own config classes (dropout everywhere)
 
 
 def _transformers() -> Any:
@@ -36,7 +40,14 @@ def _transformers() -> Any:
 
 
 class HFCausalLM(LanguageModel):
-    """``transformers``' GPT-2 or Llama, random init, trained on next-token cross-entropy.
+    """A ``transformers`` causal LM, random init, trained on next-token cross-entropy.
+
+    ``arch``: ``"gpt2"`` or ``"llama"`` from the sizes given; another model type with a causal LM
+    (``"mistral"``, ``"qwen2"``, ``"mixtral"``, ...) from the same sizes under its config's standard names
+    (``hidden_size``, ``num_hidden_layers``, ``num_attention_heads``, ``num_key_value_heads``,
+    ``intermediate_size`` = 4 x ``dim``), its other fields at their defaults. ``config``: a directory
+    holding a Hugging Face ``config.json`` (or the file), read locally; it replaces ``arch`` and every size
+    (``max_seq_len`` stays the training sequence length, at most the config's positions).
 
     Batches are ``(ids, targets)`` or ``(ids, targets, attention_mask)``, all ``(B, T)``; targets of
     -100 (padding) are ignored. ``tie_embeddings`` ties the LM head to the token embedding (GPT-2's
@@ -57,14 +68,17 @@ class HFCausalLM(LanguageModel):
         max_seq_len: int = 64,
         tie_embeddings: bool = True,
         dropout: float = 0.0,
+        config: str | None = None,
         **training: Unpack[Training],
     ) -> None:
         training = training_arguments(training, lr=3e-3)  # all five, for save_hyperparameters()
         super().__init__(**training)
         self.save_hyperparameters()
-        if arch not in _ARCHS:
-            raise ValueError(f"arch={arch!r}: choose one of {', '.join(_ARCHS)}")
         self.max_seq_len = max_seq_len
+        if config is not None:
+            self.model = _from_file(config, max_seq_len)
+            return
+        _check_arch(arch)
         self.model = _build(arch, vocab_size, dim, n_layers, n_heads, n_kv_heads, max_seq_len, tie_embeddings, dropout)
 
     @override
@@ -77,12 +91,61 @@ class HFCausalLM(LanguageModel):
         return self(batch[0], batch[2] if len(batch) > 2 else None)  # (ids, targets[, attention_mask])
 
 
+def _causal_types() -> Any:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+
+def _check_arch(arch: str) -> None:
+    _transformers()
+    if arch not in _causal_types():
+        raise ValueError(
+            f"arch={arch!r}: not a model type transformers has a causal LM for; choose gpt2, llama or another "
+            f"(mistral, qwen2, mixtral, gemma, ...), or config=PATH to a folder with the model's config.json"
+        )
+
+
+def _from_file(path: str, seq: int) -> torch.nn.Module:
+    """The causal LM ``path``'s ``config.json`` describes (a folder or the file), random init, no cache."""
+    transformers = _transformers()
+    if not os.path.exists(path):
+        raise ValueError(
+            f"config={path!r} does not exist: give a folder holding a Hugging Face config.json, or the file"
+        )
+    folder = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
+    if not os.path.isfile(os.path.join(folder, "config.json")):
+        raise ValueError(f"config={path!r}: no config.json in {folder}")
+    cfg = transformers.AutoConfig.from_pretrained(folder, local_files_only=True)
+    cfg.use_cache = False
+    positions = getattr(cfg, "max_position_embeddings", None)
+    if positions is not None and seq > positions:
+        raise ValueError(
+            f"max_seq_len={seq} is longer than the {positions} positions of {path}'s config: set "
+            f"max_seq_len <= {positions}"
+        )
+    return transformers.AutoModelForCausalLM.from_config(cfg)
+
+
 def _build(
     arch: str, vocab: int, dim: int, n_layers: int, n_heads: int, n_kv: int | None, seq: int, tie: bool, dropout: float
 ) -> torch.nn.Module:
     transformers = _transformers()
-    # Both architectures: the vocabulary, token 0 to begin and end a text, the head's tying, no key/value cache
+    # Every architecture: the vocabulary, token 0 to begin and end a text, the head's tying, no key/value cache
     common = {"vocab_size": vocab, "bos_token_id": 0, "eos_token_id": 0, "tie_word_embeddings": tie, "use_cache": False}
+    if arch not in _SIZED:  # the sizes under the standard names every config maps to its own
+        cfg = transformers.AutoConfig.for_model(
+            arch,
+            hidden_size=dim,
+            intermediate_size=4 * dim,
+            num_hidden_layers=n_layers,
+            num_attention_heads=n_heads,
+            num_key_value_heads=n_kv or n_heads,
+            max_position_embeddings=seq,
+            pad_token_id=None,
+            **common,
+        )
+        return transformers.AutoModelForCausalLM.from_config(cfg)
     if arch == "gpt2":
         cfg = transformers.GPT2Config(
             n_embd=dim,
