@@ -25,7 +25,6 @@ from lightning_twobp.models.base import LanguageModel, Training, training_argume
 
 __all__ = ["HFCausalLM"]
 
-_SIZED = ("gpt2", "llama")  # built from the sizes with their own config classes (dropout everywhere)
 
 
 def _transformers() -> Any:
@@ -133,19 +132,6 @@ def _build(
     transformers = _transformers()
     # Every architecture: the vocabulary, token 0 to begin and end a text, the head's tying, no key/value cache
     common = {"vocab_size": vocab, "bos_token_id": 0, "eos_token_id": 0, "tie_word_embeddings": tie, "use_cache": False}
-    if arch not in _SIZED:  # the sizes under the standard names every config maps to its own
-        cfg = transformers.AutoConfig.for_model(
-            arch,
-            hidden_size=dim,
-            intermediate_size=4 * dim,
-            num_hidden_layers=n_layers,
-            num_attention_heads=n_heads,
-            num_key_value_heads=n_kv or n_heads,
-            max_position_embeddings=seq,
-            pad_token_id=None,
-            **common,
-        )
-        return transformers.AutoModelForCausalLM.from_config(cfg)
     if arch == "gpt2":
         cfg = transformers.GPT2Config(
             n_embd=dim,
@@ -158,7 +144,9 @@ def _build(
             **common,
         )
         return transformers.GPT2LMHeadModel(cfg)
-    cfg = transformers.LlamaConfig(
+    # Llama and every other architecture: the sizes under the standard names each config maps to its own
+    cfg = transformers.AutoConfig.for_model(
+        arch,
         hidden_size=dim,
         intermediate_size=4 * dim,
         num_hidden_layers=n_layers,
@@ -169,4 +157,4 @@ def _build(
         attention_dropout=dropout,
         **common,
     )
-    return transformers.LlamaForCausalLM(cfg)
+    return transformers.AutoModelForCausalLM.from_config(cfg)
