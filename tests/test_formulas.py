@@ -40,6 +40,30 @@ class MidEmbedding(nn.Module):
         return self.norm(x + self.pos(torch.arange(x.shape[1]).expand(x.shape[0], -1)))
 
 
+class Experts(nn.Module):
+    """A mixture of experts as Hugging Face's (5.x) runs one: a router picks 2 of 4 experts per token, the
+    tokens sorted by expert go through one grouped matmul per weight (``F.grouped_mm`` with the groups'
+    ends), its up weight stored (E, N, K) and used transposed, its down weight stored (E, K, N)."""
+
+    def __init__(self, dim: int = 8, hidden: int = 16, experts: int = 4) -> None:
+        super().__init__()
+        self.router = nn.Linear(dim, experts, bias=False)
+        self.up = nn.Parameter(torch.randn(experts, hidden, dim) / dim**0.5)
+        self.down = nn.Parameter(torch.randn(experts, hidden, dim) / hidden**0.5)
+
+    def forward(self, x):
+        flat = x.reshape(-1, x.shape[-1])
+        weights, chosen = torch.topk(self.router(flat).softmax(-1), 2)
+        expert = chosen.reshape(-1)
+        order = expert.argsort(stable=True)
+        token = order // 2
+        offs = torch.bincount(expert, minlength=self.up.shape[0]).cumsum(0).to(torch.int32)
+        h = torch.nn.functional.grouped_mm(flat[token], self.up.transpose(-1, -2), offs=offs)
+        out = torch.nn.functional.grouped_mm(torch.relu(h), self.down, offs=offs)
+        out = out * weights.reshape(-1)[order, None]
+        return torch.zeros_like(flat).index_add(0, token, out).reshape(x.shape)
+
+
 def _mamba():
     return MambaBlock(8, MambaConfig(d_state=4, expand=2, d_conv=3))
 
@@ -50,6 +74,7 @@ CASES = {
     "mamba-block": (_mamba, (2, 6, 8)),
     "conv-bias-bn-eval": (ConvBias, (2, 3, 6, 6)),
     "mid-embedding": (MidEmbedding, (2, 5, 6)),
+    "moe-experts": (Experts, (2, 5, 8)),
 }
 
 

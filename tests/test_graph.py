@@ -24,6 +24,7 @@ def test_saved_attributes_the_fast_path_reads_still_exist():
         "NativeBatchNormBackward0",
         "NativeLayerNormBackward0",
         "EmbeddingBackward0",
+        "GroupedMmBackward0",
     }
 
 

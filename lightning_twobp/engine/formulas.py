@@ -15,6 +15,7 @@ node                       W
 ``NativeBatchNormBackward0`` ``aten.native_batch_norm_backward(..., (False, w, b))``
 ``NativeLayerNormBackward0`` ``aten.native_layer_norm_backward(..., (False, w, b))``
 ``EmbeddingBackward0``     ``aten.embedding_backward`` (an embedding inside a split stage)
+``GroupedMmBackward0``     ``grouped_mm(input.T, grad, offs)`` per expert (a mixture of experts' weights)
 =========================  =====================================================================
 
 These are the calls ``derivatives.yaml`` makes for the fused backward, so the values are the fused ones.
@@ -34,6 +35,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple, Union
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.autograd.graph import GradientEdge, Node
 
@@ -157,6 +159,16 @@ def _embedding(grad: torch.Tensor, operand: tuple, f: FastW) -> tuple[torch.Tens
     return (torch.ops.aten.embedding_backward(grad, *operand),)
 
 
+def _grouped_mm(grad: torch.Tensor, operand: tuple, f: FastW) -> tuple[torch.Tensor]:
+    # tokens (S, K) sorted by expert, offs their groups' ends, grad (S, N): each expert's (K, N) is its
+    # tokens' input.T @ grad, the call the node makes; a weight stored (E, N, K) and used transposed (Hugging
+    # Face's experts) gets grad.T @ input, in its own layout, as a Linear's weight does (``_mm``)
+    x, offs, transposed = operand
+    if transposed:
+        return (F.grouped_mm(grad.t(), x, offs=offs),)
+    return (F.grouped_mm(x.t(), grad, offs=offs),)
+
+
 _FORMULAS: dict[str, Callable[[torch.Tensor, tuple, FastW], tuple[torch.Tensor | None, ...]]] = {
     "mm": _mm,
     "mm_in_out": _mm_in_out,
@@ -167,6 +179,7 @@ _FORMULAS: dict[str, Callable[[torch.Tensor, tuple, FastW], tuple[torch.Tensor |
     "batch_norm": _batch_norm,
     "layer_norm": _layer_norm,
     "embedding": _embedding,
+    "grouped_mm": _grouped_mm,
 }
 
 
@@ -283,6 +296,34 @@ def _embedding_node(
     return [FastW("embedding", node, (_target(weights[0], params),), (0,), READS["EmbeddingBackward0"])]
 
 
+def _grouped_mm_node(
+    node: Node, weights: Mapping[int, tuple[Node, int]], params: Mapping[int, nn.Parameter]
+) -> list[FastW]:
+    """Tokens (S, K) times a weight (E, K, N) by groups of rows (``offs``): a mixture of experts. The weight
+    is the parameter, or its last two dimensions transposed (stored (E, N, K))."""
+    if 1 not in weights or 0 in weights or len(saved(node, "self_sym_sizes")) != 2:
+        return []
+    if len(saved(node, "mat2_sym_sizes")) != 3 or not hasattr(F, "grouped_mm"):
+        return []  # 2-D x 3-D takes offs: grouped by rows (another grouping has no formula here)
+    edge = weights[1][0]
+    param = _param(edge, params)
+    if param is not None:
+        return [FastW("grouped_mm", node, (param,), (1,), READS["GroupedMmBackward0"], (False,))]
+    if edge.name() != "TransposeBackward0":
+        return []
+    ((leaf, _),) = edge.next_functions
+    param = _param(leaf, params)
+    dims = {_signed(saved(edge, d)) % 3 for d in ("dim0", "dim1")}
+    if param is None or param.dim() != 3 or dims != {1, 2}:
+        return []
+    return [FastW("grouped_mm", node, (param,), (1,), READS["GroupedMmBackward0"], (True,))]
+
+
+def _signed(d: int) -> int:
+    """A saved dimension as given: autograd keeps a negative one as an unsigned 64-bit integer."""
+    return d - (1 << 64) if d >= 1 << 63 else d
+
+
 _FINDERS = {
     "MmBackward0": _linear,
     "AddmmBackward0": _linear,
@@ -292,6 +333,7 @@ _FINDERS = {
     "NativeBatchNormBackward0": _layer("batch_norm"),
     "NativeLayerNormBackward0": _layer("layer_norm"),
     "EmbeddingBackward0": _embedding_node,
+    "GroupedMmBackward0": _grouped_mm_node,
 }
 
 

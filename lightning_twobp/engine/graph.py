@@ -62,6 +62,7 @@ READS = {
     ),
     "NativeLayerNormBackward0": ("input", "normalized_shape", "result1", "result2", "weight", "bias"),
     "EmbeddingBackward0": ("indices", "weight_sym_argsize_0", "padding_idx", "scale_grad_by_freq", "sparse"),
+    "GroupedMmBackward0": ("self", "offs"),
 }
 
 
@@ -203,6 +204,9 @@ _PROBES = {  # one small forward per node kind the formulas read (their values a
     "NativeLayerNormBackward0": lambda: torch.nn.LayerNorm(3)(torch.randn(2, 3, requires_grad=True)),
     "EmbeddingBackward0": lambda: torch.nn.Embedding(4, 3)(torch.tensor([1, 2])),
     "AddBackward0": lambda: torch.randn(3, requires_grad=True) + torch.randn(3, requires_grad=True),
+    "GroupedMmBackward0": lambda: torch.nn.functional.grouped_mm(  # rows of 16 bytes, as the kernel takes
+        torch.randn(4, 4), torch.randn(2, 4, 4, requires_grad=True), offs=torch.tensor([2, 4], dtype=torch.int32)
+    ),
 }
 
 
@@ -229,6 +233,8 @@ def unreadable(name: str) -> str | None:
             saved(node, attr)
     except SavedUnavailable as e:
         return str(e)
+    except (AttributeError, RuntimeError, NotImplementedError) as e:  # an op this torch lacks on the CPU
+        return f"the probe of {name} failed in torch {torch.__version__} ({type(e).__name__}: {e})"
     return None
 
 
@@ -260,6 +266,14 @@ def check_saved_attributes() -> None:
     assert edge_shape(emb.grad_fn, 0) == emb.shape, "_input_metadata no longer gives the output's shape"
     mul = nodes["MulBackward0"]
     assert torch.equal(saved(mul, "self"), x) and torch.equal(saved(mul, "other"), s), "MulBackward0 operands changed"
+    # the grouped matmul's finder reads its operands' ranks and a transposed weight's dimensions
+    experts = torch.randn(2, 4, 4, requires_grad=True)
+    grouped = _PROBES["GroupedMmBackward0"]().grad_fn
+    assert len(saved(grouped, "self_sym_sizes")) == 2 and len(saved(grouped, "mat2_sym_sizes")) == 3
+    t = experts.transpose(-1, -2).grad_fn
+    assert t is not None and {saved(t, "dim0") - (1 << 64), saved(t, "dim1") - (1 << 64)} == {-1, -2}, (
+        "TransposeBackward0 no longer keeps a negative dimension as an unsigned 64-bit integer"
+    )
 
 
 def check_checkpoint_peek() -> None:

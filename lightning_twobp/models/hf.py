@@ -26,7 +26,6 @@ from lightning_twobp.models.base import LanguageModel, Training, training_argume
 __all__ = ["HFCausalLM"]
 
 
-
 def _transformers() -> Any:
     try:
         import transformers
