@@ -589,8 +589,7 @@ def plan(cfg: DictConfig, recipe: str = "") -> Plan:
     if any(sp.graph_kept for sp in stages):
         notes.append(
             "stages marked * keep their autograd graph from B to W (a layer's weight gradient has no direct "
-            "formula: a PReLU slope, a custom autograd Function, a grouped matmul of experts), so 2BP holds about "
-            "M_act there"
+            "formula: a PReLU slope, a custom autograd Function), so 2BP holds about M_act there"
         )
     gpu = cfg.plan.get("gpu_memory_gib")
     headroom = float(cfg.plan.get("headroom", 0.9))

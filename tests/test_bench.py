@@ -270,3 +270,14 @@ def test_eval_sends_harness_times_both_ways_on_the_same_ranks():
     result = run_eval_sends(quick=True, rounds=1)
     assert set(result["seconds"]) == set(WAYS) and all(s > 0 for s in result["seconds"].values())
     assert set(result["message_ms"]) == {"tensors 1 MB", "objects 1 MB"} and "| 1 MB |" in markdown(result)
+
+
+def test_moe_harness_measures_the_experts_formula_against_autograd():
+    """--split --moe: every weight of the Mixtral block by formula, and B frees the graph autograd's path keeps."""
+    pytest.importorskip("transformers")
+    from lightning_twobp.bench.split import bench_moe_block
+
+    r = bench_moe_block(repeats=1, tokens=128)
+    assert r["deferred_fraction"] == 1.0
+    assert r["held_formula_mib"] < r["held_autograd_mib"]
+    assert r["formula"] > 0 and r["autograd"] > 0

@@ -7,6 +7,7 @@ twobp-bench --peer --activation-checkpointing {full,selective} [--rounds N] [--s
 twobp-bench --trainer [--json PATH] [--repeats N] [--only LABEL ...] [--quick]
 twobp-bench --split [--tokens 512 256 64] [--batch-w K]
 twobp-bench --split --paper-blocks [--repeats N] [--quick]
+twobp-bench --split --moe [--repeats N]
 twobp-bench --soak N [--python-memory] [--json PATH]
 twobp-bench --paper [--out DIR] [--quick] [--repeats N]
 twobp-bench --gpu [--json PATH] [--quick]
@@ -144,6 +145,11 @@ def _add_options(ap: argparse.ArgumentParser) -> None:
         help="--split: (B + W) / BW of the --paper models' layers, thread CPU time (--repeats, --quick)",
     )
     ap.add_argument(
+        "--moe",
+        action="store_true",
+        help="--split: (B + W) / BW of a Hugging Face Mixtral expert block, its W by formula and by autograd",
+    )
+    ap.add_argument(
         "--full-size",
         action="store_true",
         help="--split --paper-blocks: the layers at a small real model's size (bench.split.FULL_SIZE)",
@@ -176,6 +182,13 @@ def _split(args: argparse.Namespace) -> None:
     from lightning_twobp.bench.workload import keep_freed_memory
 
     keep_freed_memory()
+    if args.moe:
+        from lightning_twobp.bench.split import bench_moe_block
+
+        r = bench_moe_block(args.repeats)
+        print(f"Mixtral MoE block, 512 tokens: (B+W)/BW {r['formula']:.3f} with W by formula, {r['autograd']:.3f} by")
+        print(f"autograd; held B->W {r['held_formula_mib']:.2f} MiB and {r['held_autograd_mib']:.2f} MiB")
+        return
     if args.paper_blocks:
         for name, ratio in bench_paper_blocks(args.repeats, args.quick, args.full_size).items():
             print(f"{name:<8}(B+W)/BW {ratio:.3f}")

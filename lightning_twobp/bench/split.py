@@ -2,18 +2,22 @@
 
 twobp-bench --split [--tokens 512 256 64] [--batch-w K]
 twobp-bench --split --paper-blocks [--full-size] [--repeats N]
+twobp-bench --split --moe [--repeats N]
 """
 
 from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 
 import torch
 
 from lightning_twobp.bench.paper import PaperModel
-from lightning_twobp.engine import Stage
+from lightning_twobp.engine import Stage, formulas
+from lightning_twobp.engine.footprint import measure_layer
 from lightning_twobp.models.llama import Block, LlamaConfig
 
 
@@ -150,3 +154,76 @@ def _ratio(runs: list[tuple[Stage, torch.Tensor]]) -> float:
         t3 = time.thread_time()
         split, fused = split + t1 - t0, fused + t3 - t2
     return split / fused
+
+
+def bench_moe_block(repeats: int = 21, tokens: int = 512) -> dict[str, float]:
+    """(B + W) / BW of a Hugging Face Mixtral mixture-of-experts block (hidden 512, 8 experts of 1024, 2 per
+    token; ``tokens`` per micro-batch as sequences of 128), one thread, thread CPU time: the split with the
+    experts' W by formula and without it (their grouped matmuls back through autograd from a graph kept until
+    W, as before the formula), alternated with the fused BW each repetition; medians of the per-repetition
+    ratios. Also the bytes one micro-batch holds from B to W, each way (:func:`measure_layer`)."""
+    import transformers
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        torch.manual_seed(0)
+        cfg = transformers.MixtralConfig(
+            hidden_size=512,
+            intermediate_size=1024,
+            num_local_experts=8,
+            num_experts_per_tok=2,
+            num_hidden_layers=1,
+            vocab_size=64,
+        )
+        # through the model, as a user has it: its constructor picks the experts' grouped matmul
+        block = _FirstOutput(transformers.MixtralForCausalLM(cfg).model.layers[0].mlp)
+        x = torch.randn(tokens // 128, 128, 512, requires_grad=True)
+        with_formula, without = Stage(block), Stage(block)
+        ratios: dict[str, list[float]] = {"formula": [], "autograd": []}
+        for _ in range(repeats + 3):
+            ratios["formula"].append(_ratio([(with_formula, x)]))
+            with _no_grouped_formula():
+                ratios["autograd"].append(_ratio([(without, x)]))
+        held = _held(block, x)
+        with _no_grouped_formula():
+            held_autograd = _held(block, x)
+    finally:
+        torch.set_num_threads(threads)
+    return {
+        "formula": statistics.median(ratios["formula"][3:]),
+        "autograd": statistics.median(ratios["autograd"][3:]),
+        "held_formula_mib": held / 2**20,
+        "held_autograd_mib": held_autograd / 2**20,
+        "deferred_fraction": with_formula.deferred_fraction,
+    }
+
+
+def _held(block: torch.nn.Module, x: torch.Tensor) -> int:
+    """Bytes one micro-batch holds from B to W: W's operands and gradients, and the graph where one is kept
+    (about what F saved), as the plan counts them."""
+    fp = measure_layer(block, x, True)
+    return fp.held_bytes + (fp.activation_bytes if fp.graph_kept else 0)
+
+
+class _FirstOutput(torch.nn.Module):
+    """A block that returns a tuple (Hugging Face's MoE blocks: the output and the router logits), as its
+    first output alone: what the next block takes."""
+
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.inner(x)
+        return out[0] if isinstance(out, tuple) else out
+
+
+@contextmanager
+def _no_grouped_formula() -> Iterator[None]:
+    """The grouped matmul without its W formula while open (as before it had one)."""
+    finder = formulas._FINDERS.pop("GroupedMmBackward0")
+    try:
+        yield
+    finally:
+        formulas._FINDERS["GroupedMmBackward0"] = finder
