@@ -21,7 +21,7 @@ from __future__ import annotations
 import inspect
 import os
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 import torch
@@ -32,7 +32,7 @@ from torch.utils.weak import WeakTensorKeyDictionary
 
 from lightning_twobp.private import TorchDispatchMode, efficient_attention, flash_attention_cpu, local_scalar_dense
 
-__all__ = ["OrdinaryBatch", "attention_fused"]
+__all__ = ["OrdinaryBatch", "attention_fused", "forwards_wrapped"]
 
 _MISSING = object()
 # The modules whose checks are answered, and each check's answer for an unpadded batch of one sequence per row
@@ -89,15 +89,23 @@ def _readers() -> tuple[str | None, str]:
     return mask_code, reader
 
 
+def attention_fused(blocks: list[nn.Module]) -> AbstractContextManager[None]:
+    """Each of ``blocks`` runs its forward under :class:`_FusedAttention` while open."""
+    return forwards_wrapped(blocks, _fused)
+
+
 @contextmanager
-def attention_fused(blocks: list[nn.Module]) -> Iterator[None]:
-    """Each of ``blocks`` runs its forward under :class:`_FusedAttention` while open (an instance ``forward``,
-    which the ModuleList contract's block calls and the activation checkpointing wrap in turn)."""
+def forwards_wrapped(
+    blocks: list[nn.Module], wrap: Callable[[Callable[..., Any]], Callable[..., Any]]
+) -> Iterator[None]:
+    """Each of ``blocks``' forward as ``wrap`` makes it while open: an instance ``forward``, which the ModuleList
+    contract's block calls and the activation checkpointing wrap in turn, and which a block's own instance
+    forward (a hook's) is wrapped in and put back after."""
     installed: list[tuple[nn.Module, Any]] = []
     try:
         for block in blocks:
             installed.append((block, block.__dict__.get("forward", _MISSING)))
-            block.__dict__["forward"] = _fused(block.forward)
+            block.__dict__["forward"] = wrap(block.forward)
         yield
     finally:
         for block, before in reversed(installed):

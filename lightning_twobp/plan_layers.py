@@ -33,7 +33,7 @@ from lightning_twobp.lightning.layer_runs import loop_runs
 from lightning_twobp.lightning.metrics import StepMetrics
 from lightning_twobp.lightning.modulelist_contract import ModuleListContract, caches_off, fastpath_off
 from lightning_twobp.lightning.step import StepRunner
-from lightning_twobp.meta_forward import OrdinaryBatch, attention_fused
+from lightning_twobp.meta_forward import OrdinaryBatch, attention_fused, forwards_wrapped
 from lightning_twobp.private import TorchDispatchMode, pytree
 
 __all__ = ["PlannedLayers", "planned_layers"]
@@ -66,16 +66,8 @@ class PlannedLayers:
         through: the other blocks' stand-ins, the head)."""
         block = self.contract.blocks[i] if isinstance(self.contract, ModuleListContract) else self.units[i]
         products = _Products()
-        before = block.__dict__.get("forward", _MISSING)
-        block.__dict__["forward"] = products.counting(block.forward)
-        try:
-            with torch.no_grad(), products:
-                self.calls[i](x)
-        finally:
-            if before is _MISSING:
-                del block.__dict__["forward"]
-            else:
-                block.__dict__["forward"] = before
+        with forwards_wrapped([block], products.counting), torch.no_grad(), products:
+            self.calls[i](x)
         return products.bytes
 
     def params(self) -> int:
@@ -154,9 +146,6 @@ def _open(
         index = torch.zeros((), dtype=torch.long)
         runs, first = loop_runs(runner, stages, (index, *tensors), fitting=False, attached=True)
         yield PlannedLayers([r.layer for r in runs], [r.call for r in runs], first[0], scale, contract, answered)
-
-
-_MISSING = object()
 
 
 class _Products(TorchDispatchMode):
