@@ -626,7 +626,11 @@ def _layer_notes(layers: PlannedLayers, precision: str) -> list[str]:
     """What the plan's notes say of how the layers were measured."""
     notes = []
     if layers.scale != 1.0:
-        notes.append(f"{precision}: activations measured in fp32 and scaled by {layers.scale:g}")
+        measured = "fp32" if layers.scale < 1 else "bf16"
+        notes.append(
+            f"{precision}: activations measured in {measured} (the model does not run in the precision's dtype on "
+            f"meta) and scaled by {layers.scale:g}"
+        )
     if layers.answered:
         notes.append(
             f"the model's mask code read values on the meta device ({', '.join(sorted(layers.answered))}: a check "

@@ -81,19 +81,25 @@ def planned_layers(
 ) -> Iterator[PlannedLayers]:
     """The layers of ``lm`` (built on meta) at ``layers`` (or found), for ``batch_size`` samples, the model in
     ``act_dtype``: autocast's activations, approximately (norms and softmax that autocast keeps in fp32 are
-    counted at half). A model whose forward mixes dtypes by hand cannot run cast; it is measured in fp32 and
-    the activations are scaled (halved for bf16 and fp16). The model stays as this left it: the plan's own."""
+    counted at half). A model that does not run in that dtype on meta is measured in the other and its
+    activations scaled: one whose forward mixes dtypes by hand in fp32 (halved for bf16 and fp16), one with a
+    kernel that takes bf16 only there (Hugging Face's grouped expert matmul, as on a GPU) in bf16 (doubled for
+    fp32). The model stays as this left it: the plan's own."""
     contract = find_contract(lm, layers)
-    scale = 1.0
-    if act_dtype != torch.float32:
-        lm.to(act_dtype)
+    measured = act_dtype
+    for dtype in (act_dtype, torch.bfloat16 if act_dtype == torch.float32 else torch.float32):
+        lm.to(dtype)
         try:
-            with _open(lm, contract, batch_size, act_dtype) as planned, torch.no_grad():
+            with _open(lm, contract, batch_size, dtype) as planned, torch.no_grad():
                 _run_through(planned)  # on meta: shapes and dtypes only, no compute
         except RuntimeError:
-            lm.to(torch.float32)
-            act_dtype, scale = torch.float32, torch.finfo(act_dtype).bits / 32
-    with _open(lm, contract, batch_size, act_dtype, scale) as planned:
+            continue
+        measured = dtype
+        break
+    else:  # neither runs: measured as asked, where the failing layer is named (plan._footprint)
+        lm.to(act_dtype)
+    scale = torch.finfo(act_dtype).bits / torch.finfo(measured).bits
+    with _open(lm, contract, batch_size, measured, scale) as planned:
         yield planned
 
 

@@ -182,6 +182,27 @@ def test_a_cached_plan_is_not_reused_when_a_saved_flag_changes():
     assert len(stage._plans._plans) == 1, "one graph shape: the plan re-made on each change, not added"
 
 
+class Transposed(nn.Module):
+    """An expert weight used transposed in its last two dimensions or in its first two (``dims``, changed
+    between micro-batches): the same graph shape, one with the transposed formula and one without."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(4, 4, 4))
+        self.dims = (1, 2)
+
+    def forward(self, x):
+        offs = torch.tensor([1, 2, 3, 4], dtype=torch.int32)
+        return torch.nn.functional.grouped_mm(x, self.w.transpose(*self.dims), offs=offs)
+
+
+def test_a_cached_plan_is_not_reused_when_an_expert_weight_is_transposed_otherwise():
+    """The cached plan of a grouped matmul keys on the transposed dimensions its formula decided on (it
+    reused the (1, 2) formula for a (0, 1) transpose: a gradient 2.4 off)."""
+    xs = [torch.randn(4, 4) for _ in range(4)]
+    _split_vs_fused(Transposed, xs, alphas=[(1, 2), (0, 1), (1, 2), (0, 1)], attr="dims")
+
+
 class Routed(nn.Module):
     """Each micro-batch through one of two experts of the same shape (a router's choice): the same node
     kinds and edges, different parameters, so a plan cached for one expert must not serve the other."""

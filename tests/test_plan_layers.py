@@ -240,11 +240,12 @@ def test_twobp_plan_plans_a_model_from_its_config_json(tmp_path):
     config.save_pretrained(tmp_path)
     with torch.device("meta"):
         described = transformers.MistralForCausalLM(config)
-    p = plan_recipe(["recipe=cpu-tiny-hf-gpt2", f"model.config={tmp_path}", "model.max_seq_len=16"])
+    config_of = ["recipe=cpu-tiny-hf-gpt2", f"model.config={tmp_path}", "model.vocab_size=64"]
+    p = plan_recipe([*config_of, "model.max_seq_len=16"])
     assert p.params == sum(q.numel() for q in described.parameters())
     assert [s.layers for s in p.stages] == [(0, 1), (2, 3)] and p.stages[1].held_bytes > 0
     with pytest.raises(InstantiationException, match="max_seq_len=32 is longer than the 16 positions"):
-        plan_recipe(["recipe=cpu-tiny-hf-gpt2", f"model.config={tmp_path}", "model.max_seq_len=32"])
+        plan_recipe([*config_of, "model.max_seq_len=32"])
 
 
 def test_another_architecture_is_built_from_the_sizes():
@@ -255,3 +256,37 @@ def test_another_architecture_is_built_from_the_sizes():
     cfg = lm.model.config
     assert type(lm.model).__name__ == "Qwen2ForCausalLM" and len(lm.model.model.layers) == 3
     assert (cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.vocab_size) == (32, 4, 2, 64)
+
+
+def test_a_config_file_of_any_name_builds_in_the_default_dtype(tmp_path):
+    """The file given is read (the folder's config.json was, another model's), the parameters made in fp32
+    whatever the config's torch_dtype (from_config followed it: every downloaded config's bf16, its AdamW
+    state too, whatever the Trainer's precision), and a data vocabulary the model cannot embed is refused."""
+    from lightning_twobp.models import HFCausalLM
+
+    transformers.GPT2Config(vocab_size=300, n_embd=32, n_layer=2, n_head=4).save_pretrained(tmp_path)
+    config = transformers.MistralConfig(**(_TINY | {"vocab_size": 300}), num_key_value_heads=2, dtype="bfloat16")
+    (tmp_path / "mistral.json").write_text(config.to_json_string())
+    lm = HFCausalLM(config=str(tmp_path / "mistral.json"), max_seq_len=16)
+    assert type(lm.model).__name__ == "MistralForCausalLM"
+    assert {q.dtype for q in lm.parameters()} == {torch.float32}
+    with pytest.raises(ValueError, match="vocab_size=512 .* larger than the 300 tokens"):
+        HFCausalLM(config=str(tmp_path / "mistral.json"), max_seq_len=16, vocab_size=512)
+
+
+def test_a_mixture_of_experts_is_planned_in_fp32_through_bf16():
+    """HF's grouped expert matmul takes bf16 only on meta (as on a GPU): 32-true measures in bf16 and doubles
+    the activations (it was refused), the same bytes as bf16-mixed's twice."""
+    from lightning_twobp.plan import plan_recipe
+
+    plans = {
+        p: plan_recipe(["recipe=cpu-tiny-hf-gpt2", "model.arch=mixtral", f"trainer.precision={p}"])
+        for p in ("32-true", "bf16-mixed")
+    }
+    assert any("activations measured in bf16" in n and "scaled by 2" in n for n in plans["32-true"].notes)
+    loss = plans["32-true"].microbatch_size * 64 * 256 * 4  # the last stage's, counted in fp32 by both
+    for s, (full, half) in enumerate(zip(plans["32-true"].stages, plans["bf16-mixed"].stages, strict=True)):
+        own = loss if s == len(plans["32-true"].stages) - 1 else 0
+        assert full.activation_bytes - own == 2 * (half.activation_bytes - own)
+        assert full.held_bytes == 2 * half.held_bytes
+        assert not full.graph_kept  # the experts' W by formula

@@ -15,7 +15,7 @@ node                       W
 ``NativeBatchNormBackward0`` ``aten.native_batch_norm_backward(..., (False, w, b))``
 ``NativeLayerNormBackward0`` ``aten.native_layer_norm_backward(..., (False, w, b))``
 ``EmbeddingBackward0``     ``aten.embedding_backward`` (an embedding inside a split stage)
-``GroupedMmBackward0``     ``grouped_mm(input.T, grad, offs)`` per expert (a mixture of experts' weights)
+``GroupedMmBackward0``     ``grouped_mm(input.T, grad, offs)``, a mixture of experts' weights (transposed: ``grad.T``)
 =========================  =====================================================================
 
 These are the calls ``derivatives.yaml`` makes for the fused backward, so the values are the fused ones.
@@ -162,7 +162,8 @@ def _embedding(grad: torch.Tensor, operand: tuple, f: FastW) -> tuple[torch.Tens
 def _grouped_mm(grad: torch.Tensor, operand: tuple, f: FastW) -> tuple[torch.Tensor]:
     # tokens (S, K) sorted by expert, offs their groups' ends, grad (S, N): each expert's (K, N) is its
     # tokens' input.T @ grad, the call the node makes; a weight stored (E, N, K) and used transposed (Hugging
-    # Face's experts) gets grad.T @ input, in its own layout, as a Linear's weight does (``_mm``)
+    # Face's experts) gets grad.T @ input, the same products in its own layout, as a Linear's weight does
+    # (``_mm``), where the fused backward makes the (E, K, N) product and AccumulateGrad copies it across
     x, offs, transposed = operand
     if transposed:
         return (F.grouped_mm(grad.t(), x, offs=offs),)
@@ -367,11 +368,22 @@ _FLAGS = {
 
 def flags(node: Node) -> tuple[Any, ...]:
     """The saved values of ``node`` that :func:`direct` and :func:`by_product` decide on."""
-    names = _FLAGS.get(node.name(), ())
     try:
-        return tuple(saved(node, n) for n in names)
+        if node.name() == "GroupedMmBackward0":
+            return _grouped_flags(node)
+        return tuple(saved(node, n) for n in _FLAGS.get(node.name(), ()))
     except SavedUnavailable as e:  # planning will say so (and take the slow path): key on the reason
         return (str(e),)
+
+
+def _grouped_flags(node: Node) -> tuple[Any, ...]:
+    """What :func:`_grouped_mm_node` decides on: the operands' ranks and a transposed weight's dimensions
+    (the same graph may transpose other dimensions in another micro-batch)."""
+    ranks = (len(saved(node, "self_sym_sizes")), len(saved(node, "mat2_sym_sizes")))
+    edge = node.next_functions[1][0] if len(node.next_functions) > 1 else None
+    if edge is None or edge.name() != "TransposeBackward0":
+        return ranks
+    return (*ranks, _signed(saved(edge, "dim0")), _signed(saved(edge, "dim1")))
 
 
 def relabel(f: FastW, node: Callable[[Any], Any]) -> FastW:

@@ -256,6 +256,8 @@ def check_saved_attributes() -> None:
     assert saved(add, "alpha") == 1 and saved(add, "beta") == 1, "AddmmBackward0 alpha/beta changed meaning"
     assert torch.equal(saved(nodes["MmBackward0"], "self"), x), "MmBackward0._saved_self is no longer the input"
     for name in READS:
+        if name == "GroupedMmBackward0" and not hasattr(torch.nn.functional, "grouped_mm"):
+            continue
         assert unreadable(name) is None, unreadable(name)
         with torch.random.fork_rng(devices=[]):
             node = _PROBES[name]().grad_fn
@@ -268,8 +270,9 @@ def check_saved_attributes() -> None:
     assert torch.equal(saved(mul, "self"), x) and torch.equal(saved(mul, "other"), s), "MulBackward0 operands changed"
     # the grouped matmul's finder reads its operands' ranks and a transposed weight's dimensions
     experts = torch.randn(2, 4, 4, requires_grad=True)
-    grouped = _PROBES["GroupedMmBackward0"]().grad_fn
-    assert len(saved(grouped, "self_sym_sizes")) == 2 and len(saved(grouped, "mat2_sym_sizes")) == 3
+    if hasattr(torch.nn.functional, "grouped_mm"):  # torch >= 2.10; before, the node keeps the autograd path
+        grouped = _PROBES["GroupedMmBackward0"]().grad_fn
+        assert len(saved(grouped, "self_sym_sizes")) == 2 and len(saved(grouped, "mat2_sym_sizes")) == 3
     t = experts.transpose(-1, -2).grad_fn
     assert t is not None and {saved(t, "dim0") - (1 << 64), saved(t, "dim1") - (1 << 64)} == {-1, -2}, (
         "TransposeBackward0 no longer keeps a negative dimension as an unsigned 64-bit integer"

@@ -43,9 +43,12 @@ class HFCausalLM(LanguageModel):
     ``arch``: ``"gpt2"`` or ``"llama"`` from the sizes given; another model type with a causal LM
     (``"mistral"``, ``"qwen2"``, ``"mixtral"``, ...) from the same sizes under its config's standard names
     (``hidden_size``, ``num_hidden_layers``, ``num_attention_heads``, ``num_key_value_heads``,
-    ``intermediate_size`` = 4 x ``dim``), its other fields at their defaults. ``config``: a directory
-    holding a Hugging Face ``config.json`` (or the file), read locally; it replaces ``arch`` and every size
-    (``max_seq_len`` stays the training sequence length, at most the config's positions).
+    ``intermediate_size`` = 4 x ``dim``), its other fields at their defaults (``dropout`` sets only their
+    ``attention_dropout``). ``config``: a directory holding a Hugging Face ``config.json`` (or the file), read
+    locally; it replaces ``arch``, every size, ``tie_embeddings`` and ``dropout`` (the config's own); the
+    parameters are made in the default dtype (the Trainer's precision casts them), ``max_seq_len`` stays the
+    training sequence length (at most the config's positions) and ``vocab_size`` the largest token id the
+    data may draw (at most the config's vocabulary).
 
     Batches are ``(ids, targets)`` or ``(ids, targets, attention_mask)``, all ``(B, T)``; targets of
     -100 (padding) are ignored. ``tie_embeddings`` ties the LM head to the token embedding (GPT-2's
@@ -74,7 +77,7 @@ class HFCausalLM(LanguageModel):
         self.save_hyperparameters()
         self.max_seq_len = max_seq_len
         if config is not None:
-            self.model = _from_file(config, max_seq_len)
+            self.model = _from_file(config, max_seq_len, vocab_size)
             return
         _check_arch(arch)
         self.model = _build(arch, vocab_size, dim, n_layers, n_heads, n_kv_heads, max_seq_len, tie_embeddings, dropout)
@@ -104,17 +107,18 @@ def _check_arch(arch: str) -> None:
         )
 
 
-def _from_file(path: str, seq: int) -> torch.nn.Module:
-    """The causal LM ``path``'s ``config.json`` describes (a folder or the file), random init, no cache."""
+def _from_file(path: str, seq: int, vocab: int) -> torch.nn.Module:
+    """The causal LM the config at ``path`` describes (a folder's ``config.json``, or the file), random init in
+    the default dtype (the Trainer's precision casts it: a downloaded config's ``torch_dtype`` would otherwise
+    make every parameter bf16 and the optimizer's state with it), no cache."""
     transformers = _transformers()
     if not os.path.exists(path):
         raise ValueError(
             f"config={path!r} does not exist: give a folder holding a Hugging Face config.json, or the file"
         )
-    folder = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
-    if not os.path.isfile(os.path.join(folder, "config.json")):
-        raise ValueError(f"config={path!r}: no config.json in {folder}")
-    cfg = transformers.AutoConfig.from_pretrained(folder, local_files_only=True)
+    if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
+        raise ValueError(f"config={path!r}: no config.json in that folder")
+    cfg = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
     cfg.use_cache = False
     positions = getattr(cfg, "max_position_embeddings", None)
     if positions is not None and seq > positions:
@@ -122,7 +126,12 @@ def _from_file(path: str, seq: int) -> torch.nn.Module:
             f"max_seq_len={seq} is longer than the {positions} positions of {path}'s config: set "
             f"max_seq_len <= {positions}"
         )
-    return transformers.AutoModelForCausalLM.from_config(cfg)
+    if cfg.vocab_size < vocab:
+        raise ValueError(
+            f"vocab_size={vocab} (the token ids the recipe's data draws) is larger than the {cfg.vocab_size} "
+            f"tokens of {path}'s config: set vocab_size <= {cfg.vocab_size}"
+        )
+    return transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.get_default_dtype())
 
 
 def _build(
