@@ -64,6 +64,21 @@ class Experts(nn.Module):
         return torch.zeros_like(flat).index_add(0, token, out).reshape(x.shape)
 
 
+class Sliced(nn.Module):
+    """Linears on slices of weights: an expert's (E, out, in) weight picked per call, as Hugging Face's
+    "eager" experts run them, and rows of a fused weight (W reaches the weight through the slice)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.experts = nn.Parameter(torch.randn(3, 8, 8) / 8**0.5)
+        self.fused = nn.Parameter(torch.randn(24, 8) / 8**0.5)
+
+    def forward(self, x):
+        for e in range(3):
+            x = torch.relu(nn.functional.linear(x, self.experts[e]))
+        return nn.functional.linear(x, self.fused[8:16])
+
+
 def _mamba():
     return MambaBlock(8, MambaConfig(d_state=4, expand=2, d_conv=3))
 
@@ -75,6 +90,7 @@ CASES = {
     "conv-bias-bn-eval": (ConvBias, (2, 3, 6, 6)),
     "mid-embedding": (MidEmbedding, (2, 5, 6)),
     "moe-experts": (Experts, (2, 5, 8)),
+    "sliced-linear": (Sliced, (2, 5, 8)),
 }
 
 

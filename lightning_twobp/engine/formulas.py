@@ -8,7 +8,8 @@ calls the same ATen backward the node itself would, with only the weight outputs
 =========================  =====================================================================
 node                       W
 =========================  =====================================================================
-``MmBackward0``/``Addmm``  ``grad.T @ input`` (a Linear's weight through its ``t()``), ``grad.sum(0)``
+``MmBackward0``/``Addmm``  ``grad.T @ input`` (a Linear's weight through its ``t()``; a weight-only value, a
+                           slice of a 3-D weight: its edge), ``grad.sum(0)``
 ``MulBackward0``           ``(grad * other)`` reduced to the operand's shape (norm scales, Mamba's ``A``)
 ``AddBackward0``           ``grad`` reduced to the operand's shape (a bias added by broadcast)
 ``ConvolutionBackward0``   ``aten.convolution_backward(..., output_mask=(False, w, b))``
@@ -247,10 +248,12 @@ def _linear(node: Node, weights: Mapping[int, tuple[Node, int]], params: Mapping
     mat2_pos = 1 if name == "MmBackward0" else 2
     mat2 = weights.get(mat2_pos)
     if mat2 is not None and mat2[0].name() == "TBackward0":  # nn.Linear: x @ W.t()
-        ((leaf, _),) = mat2[0].next_functions
+        ((leaf, nr),) = mat2[0].next_functions
         param = _param(leaf, params)
         if param is not None and param.dim() == 2:
             out.append(FastW("mm", node, (param,), (mat2_pos,), mat1))
+        elif param is None and leaf is not None:  # W a weight-only value (an expert's slice of a 3-D weight)
+            out.append(FastW("mm", node, (GradientEdge(leaf, nr),), (mat2_pos,), mat1))
     elif mat2 is not None and _param(mat2[0], params) is not None:  # x @ W, W stored (in, out)
         out.append(FastW("mm_in_out", node, (_param(mat2[0], params),), (mat2_pos,), mat1))
     bias = _param(weights[0][0], params) if name == "AddmmBackward0" and 0 in weights else None
