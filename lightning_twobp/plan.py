@@ -345,9 +345,9 @@ class _AutoMeasure:
         param_bytes, act_dtype = _bytes(precision)
         states = {"adamw": 2, "adam": 2, "sgd": 1}.get(str(cfg.plan.get("optimizer", "adamw")), 2)
         layers: dict[int, tuple] = {}
-        for m in self.counts:
-            with torch.device("meta"):
-                lm = instantiate(cfg.model)
+        with torch.device("meta"):
+            lm = instantiate(cfg.model)
+        for m in self.counts:  # planned_layers casts the model as each count's runs need it
             with planned_layers(lm, st.get("layers"), batch // m, act_dtype) as planned:
                 layers[m] = self._row(planned, ac, batch // m, param_bytes, states, precision)
         balance = st.get("balance", "params")
