@@ -45,22 +45,31 @@ class OrdinaryBatch(TorchDispatchMode):
     """A value read on meta inside Hugging Face's mask code answered (see the module docstring), each check's
     place counted in ``answered`` (``"masking_utils.py:761"``); any other refused."""
 
-    def __init__(self, model: str, answered: dict[str, int]) -> None:
+    def __init__(self, model: str, answered: dict[str, int], strict: bool = True) -> None:
         super().__init__()
-        self._model, self.answered = model, answered
+        self._model, self.answered, self._strict = model, answered, strict
         self._checks: WeakTensorKeyDictionary = WeakTensorKeyDictionary()  # a check's result -> its op
 
+    def valueless(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` holds no values (here: is on meta)."""
+        return t.is_meta
+
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if func is local_scalar_dense and args[0].is_meta:
-            return self._answer(self._checks.get(args[0]))
+        if func is local_scalar_dense and self.valueless(args[0]):
+            answer = self._answer(self._checks.get(args[0]))
+            if answer is not None:
+                return answer
         out = func(*args, **(kwargs or {}))
         name = func.overloadpacket.__name__
-        if name in _ORDINARY and isinstance(out, torch.Tensor) and out.is_meta and out.numel() == 1:
+        if name in _ORDINARY and isinstance(out, torch.Tensor) and self.valueless(out) and out.numel() == 1:
             self._checks[out] = name
         return out
 
-    def _answer(self, check: str | None) -> bool:
+    def _answer(self, check: str | None) -> bool | None:
+        """The answer, or (not ``strict``) None where there is none: the read then goes on as it would."""
         mask_code, reader = _readers()
+        if (check is None or mask_code is None) and not self._strict:
+            return None
         if check is None or mask_code is None:
             raise ValueError(
                 f"twobp-plan builds {self._model} on the meta device, which holds shapes but no values, and its "

@@ -256,6 +256,106 @@ class TorchEncoderLM(nn.Module):
         return self.head(self.encoder(self.embed(input_ids), src_key_padding_mask=attention_mask == 0))
 
 
+class ResidualBlock(nn.Module):
+    """mamba_ssm's and flash-attn's block form: the residual stream is a second hidden state, added in the
+    next block (``h, residual = block(h, residual)``), so two values pass between stages."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(16)
+        self.mix = nn.Linear(16, 16)
+
+    def forward(self, h: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        residual = h if residual is None else h + residual
+        return torch.tanh(self.mix(self.norm(residual))), residual
+
+
+class ResidualStreamLM(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, 16)
+        self.layers = nn.ModuleList(ResidualBlock() for _ in range(4))
+        self.norm_f = nn.LayerNorm(16)
+        self.head = nn.Linear(16, VOCAB)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        h, residual = self.embed(input_ids), None
+        for layer in self.layers:
+            h, residual = layer(h, residual)
+        return self.head(self.norm_f(h + residual))
+
+
+class TorchTransformerLM(nn.Module):
+    """torch's ``nn.Transformer`` (Lightning's demo Transformer is one): the decoder's layers pipelined, the
+    encoder whole on the first stage, its output (``memory``) read by every decoder layer on every stage."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, 16)
+        self.transformer = nn.Transformer(16, 2, 2, 4, 32, dropout=0.0, batch_first=True)
+        self.head = nn.Linear(16, VOCAB)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        x = self.embed(input_ids)
+        causal = nn.Transformer.generate_square_subsequent_mask(input_ids.shape[1])
+        pad = attention_mask == 0
+        return self.head(self.transformer(x, x, tgt_mask=causal, src_key_padding_mask=pad, memory_key_padding_mask=pad))
+
+
+class HFSeq2Seq(nn.Module):
+    """A Hugging Face encoder-decoder called as a causal LM: the ids into the encoder (padding masked) and,
+    shifted by nothing, into the decoder; Whisper hears them as one-hot "mel" frames."""
+
+    def __init__(self, model: str, config: str, **kw: Any) -> None:
+        super().__init__()
+        self.inner = _hf(model, config, vocab_size=VOCAB, **kw)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        if "Whisper" in type(self.inner).__name__:
+            frames = F.one_hot(input_ids, VOCAB).float().transpose(1, 2)
+            return self.inner(input_features=frames, decoder_input_ids=input_ids).logits
+        return self.inner(input_ids=input_ids, attention_mask=attention_mask, decoder_input_ids=input_ids).logits
+
+
+def _hf_t5() -> nn.Module:
+    # the decoder's first block computes the position biases every later block takes (carried with the hidden
+    # state); the encoder's stand-in reads its mask in Hugging Face's mask code and makes positions on its device
+    sizes = dict(d_model=16, d_kv=8, d_ff=32, num_layers=2, num_decoder_layers=4, num_heads=2)
+    return HFSeq2Seq("T5ForConditionalGeneration", "T5Config", **sizes, dropout_rate=0.0, decoder_start_token_id=0)
+
+
+def _seq2seq_sizes() -> dict:
+    return dict(
+        d_model=16,
+        encoder_layers=2,
+        decoder_layers=4,
+        encoder_attention_heads=2,
+        decoder_attention_heads=2,
+        encoder_ffn_dim=32,
+        decoder_ffn_dim=32,
+        dropout=0.0,
+        attention_dropout=0.0,
+        activation_dropout=0.0,
+        decoder_start_token_id=0,
+    )
+
+
+def _hf_bart() -> nn.Module:
+    # the encoder's stand-in moves positions made from its meta weights to its input's device
+    model = HFSeq2Seq("BartForConditionalGeneration", "BartConfig", **_seq2seq_sizes(), max_position_embeddings=SEQ)
+    decoder = model.inner.model.decoder  # the contract's fix: layernorm_embedding runs before the loop, so the
+    layers = decoder.layers  # blocks are registered after it
+    del decoder.layers
+    decoder.layers = layers
+    return model
+
+
+def _hf_whisper() -> nn.Module:
+    # the model returns the encoder's output (encoder_last_hidden_state), which the last stage received
+    positions = dict(num_mel_bins=VOCAB, max_source_positions=SEQ // 2, max_target_positions=SEQ, pad_token_id=1)
+    return HFSeq2Seq("WhisperForConditionalGeneration", "WhisperConfig", **_seq2seq_sizes(), **positions)
+
+
 MODELS = {
     "hf-gpt2": _hf_gpt2,
     "hf-llama": _hf_llama,
@@ -266,6 +366,11 @@ MODELS = {
     "caching-nanogpt": CachingNanoGPT,
     "codebook-nanogpt": CodebookNanoGPT,
     "torch-encoder": TorchEncoderLM,
+    "residual-stream": ResidualStreamLM,
+    "torch-transformer": TorchTransformerLM,
+    "hf-t5": _hf_t5,
+    "hf-bart": _hf_bart,
+    "hf-whisper": _hf_whisper,
 }
 
 
@@ -354,6 +459,14 @@ CASES = {
     "llama-loop-interleaved": ("llama-loop", dict(schedule="interleaved-1f1b"), False),
     # attributes of blocks on another stage read by the model's code; then validate with a padding mask
     "torch-encoder": ("torch-encoder", dict(schedule="zb-h1"), True),
+    # values passed between stages beside the hidden state (docs/strategy.md, "Values passed between stages"):
+    # two hidden states, over the V's 4 stages (handed over on rank 1, sent between the ranks)
+    "residual-stream-zb-v": ("residual-stream", dict(schedule="zb-v"), False),
+    # an encoder's output read by every decoder layer; then validate, predict and fit again without gathering
+    "torch-transformer": ("torch-transformer", dict(schedule="zb-h1", layers="model.transformer.decoder.layers"), True),
+    "hf-t5": ("hf-t5", dict(schedule="1f1b", layers="model.inner.decoder.block"), False),
+    "hf-bart": ("hf-bart", dict(schedule="zb-h1", layers="model.inner.model.decoder.layers"), False),
+    "hf-whisper-zb-v": ("hf-whisper", dict(schedule="zb-v", layers="model.inner.model.decoder.layers"), False),
 }
 
 
@@ -545,6 +658,18 @@ class KeyedGate(Gate):
         return torch.tanh(self.lin(x)) + shared.setdefault("kv", self.kv(cond))
 
 
+class EmbedWithPositions(nn.Module):
+    """A module before the blocks that returns a value made from its input's shape alone, beside the hidden
+    state: sent on by the first stage (a module's output), recomputed by the others' stand-in (real there)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.lin(x), torch.arange(x.shape[-1], device=x.device)
+
+
 class Loop(nn.Module):
     """A small loop model whose forward does one thing the contract does not support (``kind``)."""
 
@@ -555,7 +680,7 @@ class Loop(nn.Module):
             self.blocks = nn.ModuleList(Gate() for _ in range(4))
             self.embed = nn.Linear(6, 6)  # registered after the blocks, but called before them
         else:
-            self.embed = nn.Linear(6, 6)
+            self.embed = EmbedWithPositions() if kind == "positions" else nn.Linear(6, 6)
             if kind == "registered-early":
                 self.norm = nn.LayerNorm(6)  # registered before the blocks, called after them (OPT's decoder)
             gate = KeyedGate if kind.startswith("shared-from-") else Gate
@@ -585,8 +710,12 @@ class Loop(nn.Module):
     def forward(self, x, offset=0.0):
         if self.kind in ("router-logits", "router-hook"):
             self.collected.clear()
-        h = self.embed(x) + offset
-        side = (h.sum(-1, keepdim=True) > 0).float() if self.kind == "side-from-embedding" else None
+        if self.kind == "positions":
+            h, positions = self.embed(x)
+            side = positions  # given to every block as it came out of the module
+        else:
+            h = self.embed(x) + offset
+            side = (h.sum(-1, keepdim=True) > 0).float() if self.kind == "side-from-embedding" else None
         residual = torch.zeros_like(x) if self.kind == "residual" else None
         shared: dict[str, torch.Tensor] = {}
         hs = []
@@ -677,6 +806,11 @@ ERRORS = {
     ),
     # refused by the profile, naming the layer it ran alone
     "registered-early-auto": r"registered before model.blocks, .*; layer 3 run alone \(schedule='auto' and balance",
+    # two values between blocks: the layers are timed one by one on one tensor
+    "residual-auto": (
+        r"^ValueError: model.blocks\[1\] takes 1 value\(s\) made on earlier layers besides the hidden state .*"
+        r"name a schedule"
+    ),
     "router-logits": r"model is asked to collect values from every block \(output_router_logits=True in model.config\)",
     # the user's own hooks: the twins of other stages' blocks run their hooks, at every micro-batch (with both
     # stages of the V on this rank no twin ran, and the auxiliary loss took this stage's blocks only, silently)
@@ -692,17 +826,20 @@ ERRORS = {
     ),
     "shared-state": (
         r"an argument of it \(model.blocks\[2\]\) was computed by model.blocks\[0\] \(pipeline stage 0\)"
-        r".*nor blocks that hand values to later blocks through a side input"
+        r".*Not supported: blocks that hand values to later blocks through a side input"
     ),
     "shared-from-side-input": (
         r"an argument of it \(model.blocks\[2\]\) was computed by model.blocks\[0\] \(pipeline stage 0\)"
-        r".*nor blocks that hand values to later blocks through a side input"
+        r".*Not supported: blocks that hand values to later blocks through a side input"
     ),
     "shared-from-its-side-input": (
         r"an argument of it \(model.blocks\[2\]\) was computed by model.blocks\[0\] \(pipeline stage 0\)"
     ),
     "twice": r"the step called model a second time",
-    "residual": r"an argument of it \(model.blocks\[2\]\) was computed by model.blocks\[1\] \(pipeline stage 0\)",
+    # two hidden states between blocks: both sent on (exact against one process: test_modulelist_models_match_...)
+    "residual": "trained",
+    # a module's output beside the hidden state that the next stage computes itself: sent, and its own kept
+    "positions": "trained",
     "data-flag": r"the step calls model with .* in micro-batch 0 and .* in micro-batch 1",
     "shared": r"model.blocks holds 1 block\(s\), fewer than the 2 pipeline stages.*calls the same block several times",
 }
@@ -764,8 +901,8 @@ def test_discovery_and_its_errors():
 
     with pytest.raises(
         ValueError,
-        match=r"holds 2 candidates for the pipeline \(decoder \(ModuleList, 2 layers\), encoder.*an encoder-decoder "
-        r"whose decoder reads the encoder's output by cross-attention cannot be pipelined",
+        match=r"holds 2 candidates for the pipeline \(decoder \(ModuleList, 2 layers\), encoder.*an encoder-decoder: "
+        r"name the decoder's blocks, and the encoder runs whole on the first stage",
     ):
         find_contract(Two())
     assert find_contract(Two(), layers="encoder").list_name == "encoder"

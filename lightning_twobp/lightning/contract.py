@@ -211,8 +211,9 @@ def find_contract(module: nn.Module, layers: str | None = None) -> SequentialCon
         raise ValueError(
             f"{type(module).__name__} holds {len(found)} candidates for the pipeline ({listed}): name the one to "
             f"pipeline with layers=..., e.g. layers={example!r} for the blocks its forward loops over; the others "
-            f"then run whole on the first or last stage (so an encoder-decoder whose decoder reads the encoder's "
-            f"output by cross-attention cannot be pipelined: docs/strategy.md, 'What it does not support')"
+            f"then run whole on the first or last stage (an encoder-decoder: name the decoder's blocks, and the "
+            f"encoder runs whole on the first stage, its output sent on beside the hidden state: docs/strategy.md, "
+            f"'Values passed between stages')"
         )
     return ModuleListContract(module, *lists[0])
 

@@ -158,8 +158,20 @@ def loop_runs(
     return [*runs, last], (inputs[at],)
 
 
-def _hidden(out: Any) -> torch.Tensor:
-    """A stage's hidden state: it returns ``(hidden, index)`` where the next stage is not the last."""
+def _hidden(stage: LoopStage, out: Any) -> torch.Tensor:
+    """A stage's hidden state: it returns ``(hidden, index)`` where the next stage is not the last. A model
+    whose blocks pass on more (``h, residual = block(h, residual)``, an encoder's output every decoder block
+    reads) is refused: the layers are timed one by one on one tensor between them."""
+    carried = out[:-1] if stage.stop < stage.last_first else out if isinstance(out, tuple) else (out,)
+    more = len(carried) - 2  # besides the hidden state and the positions sent after them (LoopStage.at)
+    if more > 0:
+        raise ValueError(
+            f"{stage.next_block} takes {more} value(s) made on earlier layers besides the hidden state (a block "
+            f"that returns several hidden states, or an encoder's output that every block reads): schedule='auto', "
+            f"balance='time' and twobp-plan time and measure the layers one by one on a single tensor between them, "
+            f"which this model does not pass; name a schedule (e.g. schedule='zb-h1') and balance='params' or a list "
+            f"of layer counts"
+        )
     return out[0] if isinstance(out, tuple) else out
 
 
@@ -187,7 +199,7 @@ class _FirstStage(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         args = list(self._inputs)
         args[self._at] = x
-        return _hidden(self.stage(*args))
+        return _hidden(self.stage, self.stage(*args))
 
 
 class _NextStage(nn.Module):
@@ -199,7 +211,7 @@ class _NextStage(nn.Module):
         self._index = index
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return _hidden(self.stage(hidden, self._index))
+        return _hidden(self.stage, self.stage(hidden, self._index))
 
 
 class _LastStage(nn.Module):

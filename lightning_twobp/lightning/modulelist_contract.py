@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -52,7 +53,14 @@ import torch
 from torch import nn
 
 from lightning_twobp.lightning.checks import LOOP_AUX, grad_scalars, stored_for_loss
-from lightning_twobp.lightning.placeholders import Elsewhere, ElsewhereError, ElsewhereWrite, elsewhere, find_elsewhere
+from lightning_twobp.lightning.placeholders import (
+    Elsewhere,
+    ElsewhereError,
+    ElsewhereWrite,
+    StandIn,
+    elsewhere,
+    find_elsewhere,
+)
 from lightning_twobp.private import forward_hooks, pytree
 
 _T = TypeVar("_T")
@@ -68,9 +76,9 @@ class _Stop(BaseException):
     """Raised at the next stage's first block to end a stage's run (a BaseException, so that no
     ``except Exception`` in model code swallows it)."""
 
-    def __init__(self, hidden: torch.Tensor) -> None:
+    def __init__(self, carried: tuple[torch.Tensor, ...], positions: list[int]) -> None:
         super().__init__("stage done")
-        self.hidden = hidden
+        self.carried, self.positions = carried, positions
 
 
 def fastpath_off() -> Callable[[], None]:
@@ -140,10 +148,12 @@ class LayerGroup(nn.Module):
 class LoopStage(nn.Module):
     """One pipeline stage of the ModuleList contract: layers ``first .. stop - 1``.
 
-    Its inputs are ``(micro-batch index, *model-call tensors)`` on the first stage and ``(hidden,
-    index)`` on the others; it returns ``(hidden, index)``, or the hidden state alone when the next
-    stage is the last. The last stage returns its input: it runs inside the step (see the module
-    docstring), through :meth:`ModuleListContract.intercept`.
+    Its inputs are ``(micro-batch index, *model-call tensors)`` on the first stage and ``(*carried,
+    index)`` on the others; it returns ``(*carried, index)``, or the carried values alone when the next
+    stage is the last. ``carried`` is the hidden state, then any other values the next stage's first
+    block takes that were made on earlier stages (see :meth:`ModuleListContract.carried`). The last
+    stage returns its inputs: it runs inside the step (see the module docstring), through
+    :meth:`ModuleListContract.intercept`.
     """
 
     def __init__(self, contract: ModuleListContract, first: int, stop: int, last_first: int, index: int = 0) -> None:
@@ -154,11 +164,13 @@ class LoopStage(nn.Module):
         # looked at once, at the first training forward (checks.stored_for_loss): not on the last stage (which
         # returns first), which the step's code runs, where it reads the blocks' attributes as one process does
         self._look_for_stored = True
+        self._at: dict[tuple, torch.Tensor] = {}  # sent positions, by list and device (LoopStage.at)
+        self._received_at: dict[tuple, list[int]] = {}  # received positions, by kind of run (LoopStage.unpacked)
 
     def forward(self, *inputs: Any) -> Any:
         contract = self._contract[0]
         if self.stop == contract.num_blocks:
-            return inputs[0]
+            return inputs[0] if len(inputs) == 1 else inputs
         look = self._look_for_stored and self.training and torch.is_grad_enabled()
         before = grad_scalars(self.layers) if look else set()
         out = contract.run_stage(self, inputs)
@@ -166,6 +178,29 @@ class LoopStage(nn.Module):
             self._look_for_stored = False
             stored_for_loss(self.layers, self._name_of, before, LOOP_AUX, out=out)
         return out
+
+    def at(self, positions: list[int], like: torch.Tensor) -> torch.Tensor:
+        """``positions`` as the int64 tensor sent after the carried values (made once per list, on the device)."""
+        key = (tuple(positions), like.device)
+        if key not in self._at:
+            self._at[key] = torch.tensor(positions, dtype=torch.long, device=like.device)
+        return self._at[key]
+
+    def unpacked(self, received: tuple[torch.Tensor, ...]) -> tuple[tuple[torch.Tensor, ...], list[int]]:
+        """The values the previous stage sent and where in its first block's call they go: the hidden state
+        alone, or the values then their positions (read on the host once per kind of run: the call's structure
+        is the same for every micro-batch)."""
+        if len(received) == 1:
+            return received, [0]
+        key = (len(received), torch.is_grad_enabled(), self.training)
+        if key not in self._received_at:
+            self._received_at[key] = received[-1].tolist()
+        return received[:-1], self._received_at[key]
+
+    @property
+    def next_block(self) -> str:
+        """The next stage's first block, by the model's name for it."""
+        return f"{self._contract[0].list_name}[{self.stop}]"
 
     def _name_of(self, k: int, sub: str) -> str:
         """The model's name of submodule ``sub`` of this stage's layer ``k``: a LayerGroup's "j.rest" is its
@@ -255,9 +290,35 @@ class _Run:
     """One stage's pass through the model's forward."""
 
     stage: LoopStage
-    inject: torch.Tensor | None  # the received hidden state (None on the first stage)
+    inject: tuple[torch.Tensor, ...] | None  # the received values, the hidden state first (None on the first stage)
     device: torch.device
     next: int = 0  # the block the loop must call next
+    # id of an Elsewhere the stage's first block was given -> (it, the received value standing for it): the
+    # same value handed to the stage's later blocks (an encoder's output, to every decoder block) is swapped too
+    received: dict[int, tuple[Elsewhere, torch.Tensor]] = field(default_factory=dict)
+    # id -> tensor, for the tensors made on this stage that the next stage does not have: what its blocks return,
+    # what it received, and on the first stage what the modules before the blocks return (an encoder's output)
+    # (weakly: a value the model lets go of is not kept alive by this, and its id leaves with it)
+    made: MutableMapping[int, torch.Tensor] = field(default_factory=weakref.WeakValueDictionary)
+
+    def swapped(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """``args`` and ``kwargs`` with every received Elsewhere replaced by its value."""
+        return self.swapped_in((args, kwargs), is_leaf=lambda x: isinstance(x, MutableMapping) and x is not kwargs)
+
+    def swapped_in(self, tree: Any, is_leaf: Callable[[Any], bool] | None = None) -> Any:
+        """``tree`` with every received Elsewhere replaced by its value (the model's output on the last stage: a
+        Hugging Face encoder-decoder returns the encoder's output, which the last stage received)."""
+        if not self.received:
+            return tree
+        flat, spec = pytree.tree_flatten(tree, is_leaf=is_leaf)
+        if not any(id(x) in self.received for x in flat):
+            return tree
+        return pytree.tree_unflatten([self.received[id(x)][1] if id(x) in self.received else x for x in flat], spec)
+
+    def keep(self, out: Any) -> None:
+        for t in pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self.made[id(t)] = t
 
     @property
     def first(self) -> int:  # the stage's first block
@@ -465,9 +526,9 @@ class ModuleListContract:
         """The last stage: the model's own forward with the hidden state ``value`` the previous stage sent
         (the first stage's own inputs when one stage holds everything) injected at the stage's first block."""
         stage = self._last_stage()
-        run = _Run(stage, value if stage.first > 0 else None, device)
+        run = _Run(stage, (value if isinstance(value, tuple) else (value,)) if stage.first > 0 else None, device)
         with self._running(run):
-            out = real(*args, **kwargs)
+            out = run.swapped_in(real(*args, **kwargs))
         if run.next != self.num_blocks:
             raise RuntimeError(
                 f"{path or 'forward'} returned after calling {run.next} of the {self.num_blocks} blocks of "
@@ -523,14 +584,14 @@ class ModuleListContract:
             args, kwargs = calls.calls[0].rebuild(tensors)
             inject = None
         else:
-            inject, index = inputs[0], inputs[1]
+            inject, index = tuple(inputs[:-1]), inputs[-1]
             owner, args, kwargs = calls.select(index)
         run = _Run(stage, inject, index.device)
         with self._running(run):
             try:
                 owner(*args, **kwargs)
             except _Stop as stop:
-                hidden = stop.hidden
+                carried = stop.carried if len(stop.carried) == 1 else (*stop.carried, stage.at(stop.positions, index))
             else:
                 raise RuntimeError(
                     f"the model's forward returned before calling block {stage.stop} of {self.list_name}, where "
@@ -540,7 +601,9 @@ class ModuleListContract:
                     f"block, in order, once"
                 )
         # The index is passed on as a copy: the received one sits in a buffer the next receive reuses.
-        return (hidden, index.clone()) if stage.stop < stage.last_first else hidden
+        if stage.stop < stage.last_first:
+            return (*carried, index.clone())
+        return carried[0] if len(carried) == 1 else carried
 
     @contextmanager
     def _running(self, run: _Run) -> Iterator[_Run]:
@@ -550,6 +613,12 @@ class ModuleListContract:
             self._previous[i] = block.__dict__.get("forward", _MISSING)
             installed.append((block, self._previous[i]))
             block.__dict__["forward"] = self._block_calls[i]
+        if run.first == 0 and run.stop < self.num_blocks:  # what the modules before the blocks make is sent on
+            for path in self._groups[0].paths:
+                if path != f"{self.list_name}.0":
+                    occupant = self._occupant(path)
+                    installed.append((occupant, occupant.__dict__.get("forward", _MISSING)))
+                    occupant.__dict__["forward"] = _kept(_real_forward(occupant, installed[-1][1]), run)
         for i, group in enumerate(self._groups):
             if run.first <= i < run.stop:
                 continue
@@ -587,30 +656,77 @@ class ModuleListContract:
             if i < run.first:
                 return self._skipped(i, args, kwargs, run)
             if i == run.first and run.inject is not None:
-                args = (run.inject, *args[1:])
+                args, kwargs = self._received(i, args, kwargs, run)
+            else:
+                args, kwargs = run.swapped(args, kwargs)
             if i == run.stop:
-                self._check_real(i, args[0], "the hidden state entering it")
-                raise _Stop(args[0])
+                raise _Stop(*self.carried(i, args, kwargs, run))
             bad = find_elsewhere((args, kwargs))
             if bad is not None:
                 self._check_real(i, bad, "the hidden state entering it" if bad is args[0] else "an argument of it")
             out = _real_forward(self.blocks[i], self._previous[i])(*args, **kwargs)
             self._shapes[self._key(i, args, kwargs)] = _structure(out)  # the real one, over a guess
+            run.keep(out)
             return out
 
         return forward
+
+    def carried(self, i: int, args: tuple, kwargs: dict, run: _Run) -> tuple[tuple[torch.Tensor, ...], list[int]]:
+        """What a stage sends on at the next stage's first block ``i``, and where in that block's call (flattened)
+        each goes: the hidden state (its first argument), then every other tensor argument made on this stage
+        (returned by its blocks or received; on the first stage also returned by the modules before the blocks).
+        So a block that returns several hidden states (``h, residual = block(h, residual)``) and an encoder's
+        output that every decoder block reads (``block(h, encoder_hidden_states=memory)``) reach the next stage
+        (:meth:`_received`). A value received is passed on as a copy: the receive buffer is reused."""
+        flat, _ = _flat(args, kwargs)
+        self._check_real(i, flat[0], "the hidden state entering it")
+        positions = [0]
+        for k, x in enumerate(flat[1:], 1):
+            if isinstance(x, Elsewhere):
+                self._check_real(i, x, "an argument of it")
+            if isinstance(x, torch.Tensor) and id(x) in run.made:
+                positions.append(k)
+        passed = {id(t) for t in run.inject or ()}
+        return tuple(flat[k].clone() if id(flat[k]) in passed else flat[k] for k in positions), positions
+
+    def _received(self, i: int, args: tuple, kwargs: dict, run: _Run) -> tuple[tuple, dict]:
+        """The stage's first block ``i`` with the values the previous stage sent (its :meth:`carried`) in their
+        places: the hidden state as the first argument, each other one where this stage's run of the forward
+        holds its placeholder, which the stage's later blocks get it for too (:meth:`_Run.swapped`). A value
+        this stage computed itself (from the batch's shapes alone) is kept; an Elsewhere nothing was sent for
+        is refused by name at the block's call."""
+        assert run.inject is not None
+        values, positions = run.stage.unpacked(run.inject)
+        flat, spec = _flat(args, kwargs)
+        if positions[-1] >= len(flat):
+            raise RuntimeError(
+                f"{self.list_name}[{i}] is given {len(flat)} values on this pipeline stage but the previous stage "
+                f"sent one for argument {positions[-1]} (flattened): the model's forward called it differently on "
+                f"the two stages"
+            )
+        out = list(flat)
+        for k, value in zip(positions, values, strict=True):
+            x = flat[k]
+            if isinstance(x, Elsewhere):
+                run.received[id(x)] = (x, value)
+            if k == 0 or isinstance(x, Elsewhere):
+                out[k] = value
+        run.keep(values)
+        return pytree.tree_unflatten(out, spec)
 
     def _check_real(self, i: int, x: Any, what: str) -> None:
         if isinstance(x, Elsewhere):
             raise ElsewhereError(
                 f"{what} ({self.list_name}[{i}]) was computed by {x.where}, which is not on this pipeline stage: "
-                f"under strategy='twobp' only the hidden state passes between stages; a block's side inputs must "
-                f"come from the batch (masks, positions, rotary embeddings), not from layers of other stages (a "
-                f"block that returns several hidden states, e.g. a residual stream, is not supported, nor blocks that "
-                f"hand values to later blocks through a side input they write into, e.g. Gemma4's keys and values "
-                f"shared across layers, num_kv_shared_layers > 0), and "
-                f"modules with parameters run either before the loop (registered before {self.list_name}: the "
-                f"first stage) or after it (registered after: the last stage), not between blocks"
+                f"under strategy='twobp' what passes between stages is the hidden state and the other values a block "
+                f"is given as they came out of a block or out of a module before the blocks (several hidden states, "
+                f"an encoder's output); a side input computed from them outside a module (`scale = h.mean()`, "
+                f"`memory * 2`) must be computed inside the block or module that uses it, and other side inputs must "
+                f"come from the batch (masks, positions, rotary embeddings). Not supported: blocks that hand values "
+                f"to later blocks through a side input they write into (e.g. Gemma4's keys and values shared across "
+                f"layers, num_kv_shared_layers > 0), and modules with parameters between blocks: they run either "
+                f"before the loop (registered before {self.list_name}: the first stage) or after it (registered "
+                f"after: the last stage)"
             )
 
     def _key(self, i: int, args: tuple, kwargs: dict) -> tuple:
@@ -673,7 +789,7 @@ class ModuleListContract:
             is_leaf=lambda x: isinstance(x, MutableMapping) and x is not kwargs,
         )
         try:
-            with torch.no_grad(), _standing_in(_shared_dicts(args, kwargs), where):
+            with torch.no_grad(), _standing_in(_shared_dicts(args, kwargs), where), StandIn(where):
                 return self._twin(self._block_part(i), f"{self.list_name}.{i}")(*a, **k)
         except ElsewhereWrite:
             raise
@@ -705,7 +821,7 @@ class ModuleListContract:
                 raise self._misplaced(path, before, run)
             a, k = pytree.tree_map(lambda x: elsewhere(x, where) if isinstance(x, torch.Tensor) else x, (args, kwargs))
             try:
-                with torch.no_grad():
+                with torch.no_grad(), StandIn(where):
                     out = self._twin(target, path, run.device, where)(*a, **k)
                 # An output made from the twin's own meta weights alone (BART's positions: an arange on the
                 # weight's device) is plain meta: an Elsewhere too, on this stage's device.
@@ -891,6 +1007,23 @@ def _child(parent: nn.Module, name: str) -> nn.Module:
 
 def _all_set(xs: list[_T | None]) -> TypeGuard[list[_T]]:
     return all(x is not None for x in xs)
+
+
+def _kept(forward: Callable[..., Any], run: _Run) -> Callable[..., Any]:
+    """``forward``, its outputs kept in ``run.made`` (a module before the blocks, on the first stage)."""
+
+    def kept(*args: Any, **kwargs: Any) -> Any:
+        out = forward(*args, **kwargs)
+        run.keep(out)
+        return out
+
+    return kept
+
+
+def _flat(args: tuple, kwargs: dict) -> tuple[list[Any], Any]:
+    """A block call's arguments, flattened; a dict side input is one leaf (the model's own, which a later
+    block may read: see ``_shared_dicts``), as are the keyword arguments' values that are not containers."""
+    return pytree.tree_flatten((args, kwargs), is_leaf=lambda x: isinstance(x, MutableMapping) and x is not kwargs)
 
 
 def _is_shape(x: Any) -> bool:

@@ -27,9 +27,10 @@ from typing import Any
 
 import torch
 
+from lightning_twobp.meta_forward import OrdinaryBatch
 from lightning_twobp.private import disabled_torch_function_impl, make_wrapper_subclass, pytree
 
-__all__ = ["Elsewhere", "ElsewhereError", "ElsewhereWrite", "elsewhere", "find_elsewhere"]
+__all__ = ["Elsewhere", "ElsewhereError", "ElsewhereWrite", "StandIn", "elsewhere", "find_elsewhere"]
 
 _aten = torch.ops.aten
 _HOST_READS = {_aten._local_scalar_dense.default, _aten.is_nonzero.default}
@@ -106,6 +107,41 @@ class Elsewhere(torch.Tensor):
             k["device"] = torch.device("meta")
         out = func(*a, **k)
         return pytree.tree_map(lambda x: Elsewhere(x, device, first.where) if isinstance(x, torch.Tensor) else x, out)
+
+
+class StandIn(OrdinaryBatch):
+    """While a module of another stage stands in by its meta twin (an encoder on a decoder's later stage): a
+    tensor the twin made from its own meta weights moved to a device (BART's positions, ``embed_pos.to(
+    inputs_embeds.device)``) becomes an :class:`Elsewhere` there, and a value Hugging Face's mask code reads
+    (T5's and BART's encoders: "does the mask pad?") is answered as an unpadded batch answers it. Only the
+    twin's output's structure and shapes are used (the stage receives the real output, or refuses it), and
+    the mask code's answers choose the mask's form, not the output's shape. Any other read is refused as an
+    Elsewhere's is."""
+
+    def __init__(self, where: str) -> None:
+        super().__init__(where, {}, strict=False)
+        self._where = where
+
+    def valueless(self, t: torch.Tensor) -> bool:
+        return t.is_meta or isinstance(t, Elsewhere)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func is _aten._to_copy.default and args[0].is_meta and kwargs.get("device") is not None:
+            device = torch.device(kwargs["device"])
+            if device.type != "meta":
+                return Elsewhere(func(*args, **{**kwargs, "device": torch.device("meta")}), device, self._where)
+        flat, spec = pytree.tree_flatten((args, kwargs))
+        real = [x for x in flat if isinstance(x, torch.Tensor) and not x.is_meta and not isinstance(x, Elsewhere)]
+        if real and any(isinstance(x, torch.Tensor) and x.is_meta for x in flat):
+            # a tensor the twin made on the stage's device (T5's relative positions: an arange on its input's
+            # device) meeting one of its meta weights: on meta, the result an Elsewhere on that device
+            a, k = pytree.tree_unflatten([x.to("meta") if any(x is r for r in real) else x for x in flat], spec)
+            out = func(*a, **k)
+            return pytree.tree_map(
+                lambda x: Elsewhere(x, real[0].device, self._where) if isinstance(x, torch.Tensor) else x, out
+            )
+        return super().__torch_dispatch__(func, types, args, kwargs)
 
 
 def _written(func: Any) -> list[int]:
