@@ -462,6 +462,8 @@ CASES = {
     # values passed between stages beside the hidden state (docs/strategy.md, "Values passed between stages"):
     # two hidden states, over the V's 4 stages (handed over on rank 1, sent between the ranks)
     "residual-stream-zb-v": ("residual-stream", dict(schedule="zb-v"), False),
+    # the layers timed one by one with both hidden states between them
+    "residual-stream-time": ("residual-stream", dict(schedule="1f1b", balance="time"), False),
     # an encoder's output read by every decoder layer; then validate, predict and fit again without gathering
     "torch-transformer": ("torch-transformer", dict(schedule="zb-h1", layers="model.transformer.decoder.layers"), True),
     "hf-t5": ("hf-t5", dict(schedule="1f1b", layers="model.inner.decoder.block"), False),

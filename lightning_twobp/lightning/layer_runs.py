@@ -9,7 +9,8 @@ one layer's weights there at a time:
 * **ModuleList contract** (Hugging Face, nanoGPT, torchtitan models): every layer becomes a stage of its
   own (:meth:`~.modulelist_contract.ModuleListContract.one_stage_per_layer`) and runs as the executor
   runs a stage, through the model's own forward: the first is fed the model call's first tensor (the
-  token ids), the others the hidden state. The last answers the model's call inside the step, as the
+  token ids), the others the hidden state (for ``balance="time"``, with any values a model passes beside it:
+  a tuple, which a profile of one tensor per layer refuses). The last answers the model's call inside the step, as the
   last stage does, so its run holds what follows the loop (final norm, head) and, in fitting, the loss
   (``LayerRuns.with_loss``); elsewhere the step's first tensor result (nothing to differentiate).
 
@@ -86,12 +87,15 @@ def layer_runs(
     m: int,
     device: torch.device,
     precision: Any,
+    several: bool = False,
 ) -> Iterator[LayerRuns]:
     """The layers as runs on ``device``, on the first of ``m`` micro-batches of ``batch`` (see the module
     docstring), in ``precision`` (the Trainer's plugin) as the Trainer call will run them: the batch
     converted as its loop converts it, the weights cast as ``convert_module`` will cast them (copies, for
     the runs: the cast comes after the cut, where a meta build is made in fp32 first, as one process
-    makes it), the forward in its context. The step's state is this micro-batching's while open."""
+    makes it), the forward in its context. The step's state is this micro-batching's while open.
+    ``several``: a run may hand the next one several values (a ModuleList model that passes values beside
+    the hidden state), as a tuple; otherwise such a model is refused."""
     contract = runner.contract
     cast = trained_dtype(precision)
     with ExitStack() as scope:
@@ -116,7 +120,7 @@ def layer_runs(
         # the micro-batch index is made on the model's device: a model called without tensors is on the CPU
         index = inputs[0].to(device)
         fitting = trainer.state.fn == TrainerFn.FITTING
-        runs, first = loop_runs(runner, stages, (index, *inputs[1:]), fitting)
+        runs, first = loop_runs(runner, stages, (index, *inputs[1:]), fitting, several=several)
         runs = [LayerRun(run.layer, _InForwardContext(run.call, precision)) for run in runs]
         yield LayerRuns(runs, first, fitting, runner.module, device, cast, precision)
 
@@ -142,7 +146,12 @@ def trained_dtype(precision: Any) -> torch.dtype | None:
 
 
 def loop_runs(
-    runner: StepRunner, stages: list[LoopStage], inputs: tuple, fitting: bool, attached: bool = False
+    runner: StepRunner,
+    stages: list[LoopStage],
+    inputs: tuple,
+    fitting: bool,
+    attached: bool = False,
+    several: bool = False,
 ) -> tuple[list[LayerRun], tuple]:
     """The ModuleList contract's one-layer stages as runs, and the first one's inputs; ``inputs``: the first
     stage's, ``(index, *call tensors)``. One stage alone is the last, which runs the model from its own call
@@ -153,18 +162,20 @@ def loop_runs(
     last = LayerRun(stages[-1].layers[0], _LastStage(stages[-1], runner, fitting, attached))
     if len(stages) == 1:
         return [last], (inputs[at],)
-    runs = [LayerRun(stages[0].layers[0], _FirstStage(stages[0], inputs, at))]
-    runs += [LayerRun(s.layers[0], _NextStage(s, index)) for s in stages[1:-1]]
+    runs = [LayerRun(stages[0].layers[0], _FirstStage(stages[0], inputs, at, several))]
+    runs += [LayerRun(s.layers[0], _NextStage(s, index, several)) for s in stages[1:-1]]
     return [*runs, last], (inputs[at],)
 
 
-def _hidden(stage: LoopStage, out: Any) -> torch.Tensor:
-    """A stage's hidden state: it returns ``(hidden, index)`` where the next stage is not the last. A model
-    whose blocks pass on more (``h, residual = block(h, residual)``, an encoder's output every decoder block
-    reads) is refused: the layers are timed one by one on one tensor between them."""
+def _carried(stage: LoopStage, out: Any, several: bool) -> torch.Tensor | tuple[torch.Tensor, ...]:
+    """What a stage hands the next: its output less the micro-batch index (``(*carried, index)`` where the next
+    stage is not the last). Several values (``h, residual = block(h, residual)``, an encoder's output every
+    decoder block reads: the values, then their positions) only where the caller takes them (``several``)."""
     carried = out[:-1] if stage.stop < stage.last_first else out if isinstance(out, tuple) else (out,)
+    if len(carried) == 1:
+        return carried[0]
     more = len(carried) - 2  # besides the hidden state and the positions sent after them (LoopStage.at)
-    if more > 0:
+    if not several:
         raise ValueError(
             f"{stage.next_block} takes {more} value(s) made on earlier layers besides the hidden state (a block "
             f"that returns several hidden states, or an encoder's output that every block reads): schedule='auto', "
@@ -172,7 +183,7 @@ def _hidden(stage: LoopStage, out: Any) -> torch.Tensor:
             f"which this model does not pass; name a schedule (e.g. schedule='zb-h1') and balance='params' or a list "
             f"of layer counts"
         )
-    return out[0] if isinstance(out, tuple) else out
+    return carried
 
 
 class _InForwardContext(nn.Module):
@@ -191,27 +202,27 @@ class _InForwardContext(nn.Module):
 class _FirstStage(nn.Module):
     """The first layer's stage, fed the model call's tensors with ``x`` at position ``at``."""
 
-    def __init__(self, stage: LoopStage, inputs: tuple, at: int) -> None:
+    def __init__(self, stage: LoopStage, inputs: tuple, at: int, several: bool) -> None:
         super().__init__()
         self.stage = stage
-        self._inputs, self._at = inputs, at
+        self._inputs, self._at, self._several = inputs, at, several
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
         args = list(self._inputs)
         args[self._at] = x
-        return _hidden(self.stage, self.stage(*args))
+        return _carried(self.stage, self.stage(*args), self._several)
 
 
 class _NextStage(nn.Module):
     """A later layer's stage, fed the hidden state of micro-batch ``index``."""
 
-    def __init__(self, stage: LoopStage, index: torch.Tensor) -> None:
+    def __init__(self, stage: LoopStage, index: torch.Tensor, several: bool) -> None:
         super().__init__()
         self.stage = stage
-        self._index = index
+        self._index, self._several = index, several
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return _hidden(self.stage, self.stage(hidden, self._index))
+    def forward(self, *carried: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        return _carried(self.stage, self.stage(*carried, self._index), self._several)
 
 
 class _LastStage(nn.Module):
@@ -224,12 +235,13 @@ class _LastStage(nn.Module):
         self.stage = stage
         self._runner, self._fitting, self._attached = runner, fitting, attached
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+    def forward(self, *carried: torch.Tensor) -> torch.Tensor:
+        value = carried[0] if len(carried) == 1 else carried
         if self._fitting:
-            return self._runner.loss(hidden, 0)
-        found = [t for t in pytree.tree_leaves(self._runner.provide(0, hidden)) if isinstance(t, torch.Tensor)]
+            return self._runner.loss(value, 0)
+        found = [t for t in pytree.tree_leaves(self._runner.provide(0, value)) if isinstance(t, torch.Tensor)]
         if not found:
-            return hidden.new_zeros(())
+            return carried[0].new_zeros(())
         return found[0] if self._attached else found[0].detach()
 
 

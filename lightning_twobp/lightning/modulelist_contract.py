@@ -707,6 +707,12 @@ class ModuleListContract:
         out = list(flat)
         for k, value in zip(positions, values, strict=True):
             x = flat[k]
+            if k > 0 and isinstance(x, Elsewhere) and x.shape != value.shape:
+                raise RuntimeError(
+                    f"{self.list_name}[{i}]: argument {k} (flattened) is a value of shape {tuple(x.shape)} from "
+                    f"{x.where} on this pipeline stage, but the previous stage sent one of shape {tuple(value.shape)} "
+                    f"for it: the model's forward called the block differently on the two stages"
+                )
             if isinstance(x, Elsewhere):
                 run.received[id(x)] = (x, value)
             if k == 0 or isinstance(x, Elsewhere):

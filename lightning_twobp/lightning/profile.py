@@ -98,7 +98,7 @@ def profile_layers(
         batch = first_batch(trainer)
         if not dist.is_initialized() or dist.get_rank() == 0:
             try:
-                with layer_runs(runner, layers, trainer, batch, m, device, precision) as runs:
+                with layer_runs(runner, layers, trainer, batch, m, device, precision, several=True) as runs:
                     sent = _time_layers(runs, repeats)
             except Exception as e:  # noqa: BLE001 - sent on: the other ranks raise it too, naming rank 0's error
                 failed, sent = e, (isinstance(e, ValueError), f"{type(e).__name__}: {e}")
