@@ -635,8 +635,10 @@ class Gate(nn.Module):
         super().__init__()
         self.lin = nn.Linear(6, 6)
 
-    def forward(self, x, scale=None, residual=None, shared=None):
-        y = torch.tanh(self.lin(x))
+    def forward(self, x, scale=None, residual=None, shared=None, bias=None, collect=None):
+        y = torch.tanh(self.lin(x) if bias is None else self.lin(x) + bias)
+        if collect is not None:  # an auxiliary loss per block, into a list every block is given
+            collect.append(y.square().mean())
         y = y if scale is None else y * scale
         if shared is not None:  # the first block leaves its output to the later ones (Gemma4's KV sharing)
             y = y + shared["kv"] if "kv" in shared else shared.setdefault("kv", y)
@@ -685,6 +687,8 @@ class Loop(nn.Module):
             self.embed = EmbedWithPositions() if kind == "positions" else nn.Linear(6, 6)
             if kind == "registered-early":
                 self.norm = nn.LayerNorm(6)  # registered before the blocks, called after them (OPT's decoder)
+            if kind == "in-place":
+                self.cond = nn.Linear(6, 6)  # before the blocks: its output given to every block, then changed
             gate = KeyedGate if kind.startswith("shared-from-") else Gate
             self.blocks = nn.ModuleList(gate() for _ in range(1 if kind == "shared" else 4))
         if kind == "loose":
@@ -720,7 +724,9 @@ class Loop(nn.Module):
             side = (h.sum(-1, keepdim=True) > 0).float() if self.kind == "side-from-embedding" else None
         residual = torch.zeros_like(x) if self.kind == "residual" else None
         shared: dict[str, torch.Tensor] = {}
-        hs = []
+        hs: list[torch.Tensor] = []
+        cond = self.cond(x) if self.kind == "in-place" else None
+        collected: list[torch.Tensor] = []
         if self.kind == "shared":  # ALBERT: one layer group, called for every layer
             for _ in range(4):
                 h = self.blocks[0](h)
@@ -736,6 +742,11 @@ class Loop(nn.Module):
             elif self.kind == "shared-from-its-side-input":
                 shared.setdefault("cond", x)
                 h = block(h, shared=shared)
+            elif self.kind == "in-place":
+                h = block(h, bias=cond)
+                cond.mul_(0.5)  # out of any block: on a stage that received it, the change would not reach it
+            elif self.kind == "collect-list":
+                h = block(h, collect=collected)
             elif residual is None:
                 h = block(h, scale=side)
             else:
@@ -744,6 +755,8 @@ class Loop(nn.Module):
             if self.kind == "control-flow" and h.abs().max() > 1e6:
                 break
         out = self.head(self.norm(h) if self.kind == "registered-early" else h)
+        if collected:
+            out = out + torch.stack(collected).sum()
         if self.kind in ("router-logits", "router-hook"):
             out = out + torch.stack([c.square().mean() for c in self.collected]).mean()
         return (out, hs) if self.kind == "collect" else out
@@ -840,8 +853,14 @@ ERRORS = {
     "twice": r"the step called model a second time",
     # two hidden states between blocks: both sent on (exact against one process: test_modulelist_models_match_...)
     "residual": "trained",
-    # a module's output beside the hidden state that the next stage computes itself: sent, and its own kept
+    # a module's output beside the hidden state that the next stage computes itself: sent, and used
     "positions": "trained",
+    "in-place": r"ElsewhereWrite: .* changes in place a value computed by model.cond \(pipeline stage 0\), which this",
+    # each block's auxiliary loss into one list: the last stage summed its own blocks' alone, silently
+    "collect-list": (
+        r"an argument of it \(model.blocks\[2\]\) was computed by model.blocks\[0\] \(pipeline stage 0\).*"
+        r"Not supported: blocks that hand values to later blocks through a side input they write into"
+    ),
     "data-flag": r"the step calls model with .* in micro-batch 0 and .* in micro-batch 1",
     "shared": r"model.blocks holds 1 block\(s\), fewer than the 2 pipeline stages.*calls the same block several times",
 }

@@ -293,9 +293,10 @@ class _Run:
     inject: tuple[torch.Tensor, ...] | None  # the received values, the hidden state first (None on the first stage)
     device: torch.device
     next: int = 0  # the block the loop must call next
-    # id of an Elsewhere the stage's first block was given -> (it, the received value standing for it): the
-    # same value handed to the stage's later blocks (an encoder's output, to every decoder block) is swapped too
-    received: dict[int, tuple[Elsewhere, torch.Tensor]] = field(default_factory=dict)
+    # id of a value the stage's first block was given where a received one goes (an Elsewhere, or the stage's own
+    # stand-in) -> (it, the received value): the same object handed to the stage's later blocks (an encoder's
+    # output, to every decoder block) is swapped too
+    received: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     # id -> tensor, for the tensors made on this stage that the next stage does not have: what its blocks return,
     # what it received, and on the first stage what the modules before the blocks return (an encoder's output)
     # (weakly: a value the model lets go of is not kept alive by this, and its id leaves with it)
@@ -303,7 +304,7 @@ class _Run:
 
     def swapped(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """``args`` and ``kwargs`` with every received Elsewhere replaced by its value."""
-        return self.swapped_in((args, kwargs), is_leaf=lambda x: isinstance(x, MutableMapping) and x is not kwargs)
+        return self.swapped_in((args, kwargs), is_leaf=_containers_but(kwargs))
 
     def swapped_in(self, tree: Any, is_leaf: Callable[[Any], bool] | None = None) -> Any:
         """``tree`` with every received Elsewhere replaced by its value (the model's output on the last stage: a
@@ -600,7 +601,7 @@ class ModuleListContract:
                     f"every "
                     f"block, in order, once"
                 )
-        # The index is passed on as a copy: the received one sits in a buffer the next receive reuses.
+        # The index is passed on as a copy, an output of this stage's own rather than its input handed through.
         if stage.stop < stage.last_first:
             return (*carried, index.clone())
         return carried[0] if len(carried) == 1 else carried
@@ -616,9 +617,9 @@ class ModuleListContract:
         if run.first == 0 and run.stop < self.num_blocks:  # what the modules before the blocks make is sent on
             for path in self._groups[0].paths:
                 if path != f"{self.list_name}.0":
-                    occupant = self._occupant(path)
-                    installed.append((occupant, occupant.__dict__.get("forward", _MISSING)))
-                    occupant.__dict__["forward"] = _kept(_real_forward(occupant, installed[-1][1]), run)
+                    for module in _callables(self._occupant(path)):
+                        installed.append((module, module.__dict__.get("forward", _MISSING)))
+                        module.__dict__["forward"] = _kept(_real_forward(module, installed[-1][1]), run)
         for i, group in enumerate(self._groups):
             if run.first <= i < run.stop:
                 continue
@@ -677,7 +678,8 @@ class ModuleListContract:
         (returned by its blocks or received; on the first stage also returned by the modules before the blocks).
         So a block that returns several hidden states (``h, residual = block(h, residual)``) and an encoder's
         output that every decoder block reads (``block(h, encoder_hidden_states=memory)``) reach the next stage
-        (:meth:`_received`). A value received is passed on as a copy: the receive buffer is reused."""
+        (:meth:`_received`). A value received is passed on as a copy, an output of this stage's graph like the
+        others: B then returns for it this stage's own gradient plus the one the next stage sent back."""
         flat, _ = _flat(args, kwargs)
         self._check_real(i, flat[0], "the hidden state entering it")
         positions = [0]
@@ -692,9 +694,11 @@ class ModuleListContract:
     def _received(self, i: int, args: tuple, kwargs: dict, run: _Run) -> tuple[tuple, dict]:
         """The stage's first block ``i`` with the values the previous stage sent (its :meth:`carried`) in their
         places: the hidden state as the first argument, each other one where this stage's run of the forward
-        holds its placeholder, which the stage's later blocks get it for too (:meth:`_Run.swapped`). A value
-        this stage computed itself (from the batch's shapes alone) is kept; an Elsewhere nothing was sent for
-        is refused by name at the block's call."""
+        holds its placeholder, which the stage's later blocks get it for too (:meth:`_Run.swapped`). Where this
+        stage computed a value of its own there (a stand-in's output made from the batch's shapes, or drawn at
+        random) the sent one is used all the same: it is the value one process computes with. An Elsewhere
+        nothing was sent for is refused by name at the block's call; a placeholder whose value was received
+        refuses in-place changes (they would not reach the value)."""
         assert run.inject is not None
         values, positions = run.stage.unpacked(run.inject)
         flat, spec = _flat(args, kwargs)
@@ -714,9 +718,10 @@ class ModuleListContract:
                     f"for it: the model's forward called the block differently on the two stages"
                 )
             if isinstance(x, Elsewhere):
+                x.received = True
+            if isinstance(x, torch.Tensor):
                 run.received[id(x)] = (x, value)
-            if k == 0 or isinstance(x, Elsewhere):
-                out[k] = value
+            out[k] = value
         run.keep(values)
         return pytree.tree_unflatten(out, spec)
 
@@ -724,11 +729,13 @@ class ModuleListContract:
         if isinstance(x, Elsewhere):
             raise ElsewhereError(
                 f"{what} ({self.list_name}[{i}]) was computed by {x.where}, which is not on this pipeline stage: "
-                f"under strategy='twobp' what passes between stages is the hidden state and the other values a block "
-                f"is given as they came out of a block or out of a module before the blocks (several hidden states, "
-                f"an encoder's output); a side input computed from them outside a module (`scale = h.mean()`, "
-                f"`memory * 2`) must be computed inside the block or module that uses it, and other side inputs must "
-                f"come from the batch (masks, positions, rotary embeddings). Not supported: blocks that hand values "
+                f"under strategy='twobp' what passes between stages is the hidden state and the other values the next "
+                f"stage's first block is given as they came out of a block or out of a module called before the "
+                f"blocks (several hidden states, an encoder's output given to every block); a value given to later "
+                f"blocks only (one per block, made before the loop), or computed outside a module (`scale = "
+                f"h.mean()`, `memory * 2`), is not sent: compute it inside the block or module that uses it. Other "
+                f"side inputs must come from the batch (masks, positions, rotary embeddings). Not supported: blocks "
+                f"that hand values "
                 f"to later blocks through a side input they write into (e.g. Gemma4's keys and values shared across "
                 f"layers, num_kv_shared_layers > 0), and modules with parameters between blocks: they run either "
                 f"before the loop (registered before {self.list_name}: the first stage) or after it (registered "
@@ -792,7 +799,7 @@ class ModuleListContract:
             ),
             (args, kwargs),
             # a dict side input is the model's own, not a copy (see _skipped); the keywords themselves are not one
-            is_leaf=lambda x: isinstance(x, MutableMapping) and x is not kwargs,
+            is_leaf=_containers_but(kwargs),
         )
         try:
             with torch.no_grad(), _standing_in(_shared_dicts(args, kwargs), where), StandIn(where):
@@ -829,13 +836,17 @@ class ModuleListContract:
             try:
                 with torch.no_grad(), StandIn(where):
                     out = self._twin(target, path, run.device, where)(*a, **k)
-                # An output made from the twin's own meta weights alone (BART's positions: an arange on the
-                # weight's device) is plain meta: an Elsewhere too, on this stage's device.
+                # Every tensor output is this module's, named for it (one computed from the embedding's placeholder
+                # was named for the embedding, which a refusal then blamed); one made from the twin's own meta
+                # weights alone (BART's positions: an arange on the weight's device) is plain meta: an Elsewhere
+                # too, on this stage's device.
                 return pytree.tree_map(
                     lambda x: (
-                        Elsewhere(x, run.device, where)
-                        if isinstance(x, torch.Tensor) and x.is_meta and not isinstance(x, Elsewhere)
-                        else x  # an Elsewhere already, or real: made from the batch's shapes alone
+                        Elsewhere(x._meta, x.device, where)  # on its device (meta, in twobp-plan's runs)
+                        if isinstance(x, Elsewhere)
+                        else Elsewhere(x, run.device, where)
+                        if isinstance(x, torch.Tensor) and x.is_meta
+                        else x  # real: made from the batch's shapes alone
                     ),
                     out,
                 )
@@ -948,20 +959,22 @@ def _configs(ancestors: list[tuple[str, nn.Module]]) -> Iterator[tuple[str, Any]
             yield path, config
 
 
-def _shared_dicts(args: tuple, kwargs: dict) -> list[MutableMapping]:
-    """A block's side inputs that are mutable mappings, through which blocks can hand values on."""
-    return [v for v in (*args[1:], *kwargs.values()) if isinstance(v, MutableMapping)]
+def _shared_dicts(args: tuple, kwargs: dict) -> list[MutableMapping | list]:
+    """A block's side inputs that are mutable mappings or lists, through which blocks can hand values on (a
+    list every block appends its auxiliary loss to: the skipped blocks' twins append placeholders, which the
+    loss then refuses, where it summed this stage's blocks' alone)."""
+    return [v for v in (*args[1:], *kwargs.values()) if isinstance(v, (MutableMapping, list))]
 
 
 @contextmanager
-def _standing_in(dicts: list[MutableMapping], where: str) -> Iterator[None]:
+def _standing_in(dicts: list[MutableMapping | list], where: str) -> Iterator[None]:
     """The real tensors of the model's dicts that a meta twin is handed, as Elsewhere values while it runs
     (then put back where the twin left them): its meta weights times a real tensor came out as a real tensor
     of uninitialised memory (torch's CPU matmul by a meta tensor), which it left in the dict for this stage's
     later blocks to compute with, silently."""
-    swapped = []
+    swapped: list[tuple[Any, Any, torch.Tensor, Elsewhere]] = []
     for d in dicts:
-        for key, value in list(d.items()):
+        for key, value in list(d.items()) if isinstance(d, MutableMapping) else list(enumerate(d)):
             if isinstance(value, torch.Tensor) and not isinstance(value, Elsewhere):
                 d[key] = stand_in = elsewhere(value, where)
                 swapped.append((d, key, value, stand_in))
@@ -969,7 +982,7 @@ def _standing_in(dicts: list[MutableMapping], where: str) -> Iterator[None]:
         yield
     finally:
         for d, key, value, stand_in in swapped:
-            if d.get(key) is stand_in:
+            if (d.get(key) if isinstance(d, MutableMapping) else d[key] if key < len(d) else None) is stand_in:
                 d[key] = value
 
 
@@ -1015,6 +1028,14 @@ def _all_set(xs: list[_T | None]) -> TypeGuard[list[_T]]:
     return all(x is not None for x in xs)
 
 
+def _callables(module: nn.Module) -> list[nn.Module]:
+    """``module``, or where it is a container the forward cannot call (``nn.ModuleList``, ``nn.ModuleDict``:
+    modded-nanogpt's value embeddings, ``self.ve[i](ids)``) the modules in it, so found."""
+    if not isinstance(module, (nn.ModuleList, nn.ModuleDict)):
+        return [module]
+    return [m for child in module.children() for m in _callables(child)]
+
+
 def _kept(forward: Callable[..., Any], run: _Run) -> Callable[..., Any]:
     """``forward``, its outputs kept in ``run.made`` (a module before the blocks, on the first stage)."""
 
@@ -1027,9 +1048,14 @@ def _kept(forward: Callable[..., Any], run: _Run) -> Callable[..., Any]:
 
 
 def _flat(args: tuple, kwargs: dict) -> tuple[list[Any], Any]:
-    """A block call's arguments, flattened; a dict side input is one leaf (the model's own, which a later
-    block may read: see ``_shared_dicts``), as are the keyword arguments' values that are not containers."""
-    return pytree.tree_flatten((args, kwargs), is_leaf=lambda x: isinstance(x, MutableMapping) and x is not kwargs)
+    """A block call's arguments, flattened; a dict or list side input is one leaf (the model's own, which a
+    block may write into and a later block read: see ``_shared_dicts``), not rebuilt as a copy."""
+    return pytree.tree_flatten((args, kwargs), is_leaf=_containers_but(kwargs))
+
+
+def _containers_but(kwargs: dict) -> Callable[[Any], bool]:
+    """pytree's ``is_leaf`` for a call's ``(args, kwargs)``: a dict or list the call is given is a leaf."""
+    return lambda x: isinstance(x, (MutableMapping, list)) and x is not kwargs
 
 
 def _is_shape(x: Any) -> bool:

@@ -54,6 +54,7 @@ class Elsewhere(torch.Tensor):
 
     _meta: torch.Tensor
     where: str  # type: ignore[assignment]  # shadows Tensor.where on purpose: an Elsewhere's origin
+    received: bool = False  # this stage received its value (ModuleListContract._received): no writes into it
 
     @staticmethod
     def __new__(cls, meta: torch.Tensor, device: torch.device, where: str) -> Elsewhere:
@@ -88,6 +89,13 @@ class Elsewhere(torch.Tensor):
                 f"auxiliary loss, per-block outputs): only the last stage's output reaches the loss"
             )
         for i in _written(func):
+            if i < len(args) and getattr(args[i], "received", False):
+                raise ElsewhereWrite(
+                    f"{func} changes in place a value computed by {first.where}, which this pipeline stage received "
+                    f"from the previous one: under strategy='twobp' the stage's blocks get the received value, which "
+                    f"a change made to it between blocks would not reach; make the change out of place inside a block "
+                    f"or module (`mem = mem * 0.5`, returned by it)"
+                )
             if i < len(args) and isinstance(args[i], torch.Tensor) and not isinstance(args[i], Elsewhere):
                 raise ElsewhereWrite(
                     f"{func} writes a value computed by {first.where} into a tensor this stage holds; under "
@@ -106,7 +114,11 @@ class Elsewhere(torch.Tensor):
             device = torch.device(k["device"])
             k["device"] = torch.device("meta")
         out = func(*a, **k)
-        return pytree.tree_map(lambda x: Elsewhere(x, device, first.where) if isinstance(x, torch.Tensor) else x, out)
+        out = pytree.tree_map(lambda x: Elsewhere(x, device, first.where) if isinstance(x, torch.Tensor) else x, out)
+        if func.is_view and getattr(args[0], "received", False):  # a view of a received value: written, refused
+            for x in pytree.tree_leaves(out):
+                x.received = True
+        return out
 
 
 class StandIn(OrdinaryBatch):
@@ -133,7 +145,8 @@ class StandIn(OrdinaryBatch):
                 return Elsewhere(func(*args, **{**kwargs, "device": torch.device("meta")}), device, self._where)
         flat, spec = pytree.tree_flatten((args, kwargs))
         real = [x for x in flat if isinstance(x, torch.Tensor) and not x.is_meta and not isinstance(x, Elsewhere)]
-        if real and any(isinstance(x, torch.Tensor) and x.is_meta for x in flat):
+        writes_real = any(i < len(args) and any(args[i] is r for r in real) for i in _written(func))
+        if real and not writes_real and any(isinstance(x, torch.Tensor) and x.is_meta for x in flat):
             # a tensor the twin made on the stage's device (T5's relative positions: an arange on its input's
             # device) meeting one of its meta weights: on meta, the result an Elsewhere on that device
             a, k = pytree.tree_unflatten([x.to("meta") if any(x is r for r in real) else x for x in flat], spec)
