@@ -564,6 +564,61 @@ def test_bf16_true_stand_ins_carry_the_models_cast(two_ranks, request):
             torch.testing.assert_close(value.float(), ref[n].float(), rtol=0.05, atol=0.02, msg=n)
 
 
+class CrossLengths(pl.LightningModule):
+    """Hugging Face T5 whose encoder reads 8 tokens in one batch and 6 in the next while its decoder reads 4:
+    the cross-attention bias a decoder block returns (heads x 4 x S) changes with S alone. A skipped block's
+    output shape was cached by its hidden state's shape, so the second batch reused S = 8 and the stage
+    refused its own call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.model = _hf_t5()
+
+    def training_step(self, batch, batch_idx):
+        ids, targets = batch
+        logits = self.model.inner(input_ids=ids, decoder_input_ids=targets).logits
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+
+def _cross_batches(split: int = 1) -> DataLoader:
+    """Three batches of BATCH pairs, the encoder's input 8, 6 and 8 tokens long, in ``split`` parts each."""
+    g = torch.Generator().manual_seed(7)
+    batches = []
+    for length in (8, 6, 8):
+        ids, targets = (
+            torch.randint(1, VOCAB, (BATCH, length), generator=g),
+            torch.randint(1, VOCAB, (BATCH, 4), generator=g),
+        )
+        batches += list(zip(ids.chunk(split), targets.chunk(split), strict=True))
+    return DataLoader(batches, batch_size=None)
+
+
+def _cross_lengths(rank: int | None = None, world: int = 1) -> dict:
+    """One process (``rank`` None: micro-batches accumulated) or 1F1B on 2 ranks, 3 steps: every weight."""
+    pipelined = rank is not None
+    if pipelined:
+        lightning_env(rank, world)
+    model = CrossLengths()
+    if pipelined:
+        strategy = TwoBPStrategy(num_microbatches=M, layers="model.inner.decoder.block", gather_full_model=True)
+        _trainer(strategy, world).fit(model, _cross_batches())
+    else:
+        _trainer("auto", 1, accumulate_grad_batches=M).fit(model, _cross_batches(M))
+    return _own(model)
+
+
+def test_an_encoders_length_may_change_between_steps(two_ranks, request):
+    ref = _cross_lengths()
+    for out in two_ranks[request.node.name]:
+        assert set(out) == set(ref)
+        for n, value in out.items():
+            torch.testing.assert_close(value, ref[n], rtol=1e-5, atol=1e-6, msg=n)
+
+
 class Penalized(CausalLM):
     """nanoGPT with an L1 penalty of one weight in the loss: of the last stage's final norm (``ln_f``), or of the
     first stage's position embedding (``wpe``), a placeholder on the last stage, where the loss is computed."""
@@ -623,6 +678,7 @@ def two_ranks(request) -> conftest.Launch:
     cases = {f"test_modulelist_models_match_one_process[{k}]": (_pipelined, args) for k, args in CASES.items()}
     cases["test_bf16_true_stand_ins_carry_the_models_cast"] = (_bf16, ())
     cases["test_masking_drawn_in_the_step_is_the_same_on_every_stage"] = (_masked, ())
+    cases["test_an_encoders_length_may_change_between_steps"] = (_cross_lengths, ())
     cases["test_a_penalty_of_the_last_stages_weight_in_the_loss_matches_one_process"] = (_penalized, ())
     # Last: an error of one rank's step closes the process group's links (the cases after it would not run).
     cases["test_a_penalty_of_another_stages_weight_in_the_loss_is_refused_naming_it"] = (_penalized, ("wpe",))
@@ -663,15 +719,22 @@ class KeyedGate(Gate):
 
 
 class EmbedWithPositions(nn.Module):
-    """A module before the blocks that returns a value made from its input's shape alone, beside the hidden
-    state: sent on by the first stage (a module's output), recomputed by the others' stand-in (real there)."""
+    """A module before the blocks that returns a value made from its input's shape alone beside the hidden
+    state (integer positions: not sent, the next stage's stand-in makes them), or drawn at random
+    (``drawn``: floating, sent, and the next stage's own draw replaced by it)."""
 
-    def __init__(self) -> None:
+    def __init__(self, drawn: bool = False) -> None:
         super().__init__()
         self.lin = nn.Linear(6, 6)
+        self.drawn = drawn
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.drawn:
+            return self.lin(x), torch.rand(x.shape[0], 1, device=x.device)
         return self.lin(x), torch.arange(x.shape[-1], device=x.device)
+
+
+POSITIONS = ("positions", "drawn", "drawn-in-place")
 
 
 class Loop(nn.Module):
@@ -684,7 +747,7 @@ class Loop(nn.Module):
             self.blocks = nn.ModuleList(Gate() for _ in range(4))
             self.embed = nn.Linear(6, 6)  # registered after the blocks, but called before them
         else:
-            self.embed = EmbedWithPositions() if kind == "positions" else nn.Linear(6, 6)
+            self.embed = EmbedWithPositions(kind.startswith("drawn")) if kind in POSITIONS else nn.Linear(6, 6)
             if kind == "registered-early":
                 self.norm = nn.LayerNorm(6)  # registered before the blocks, called after them (OPT's decoder)
             if kind == "in-place":
@@ -716,7 +779,7 @@ class Loop(nn.Module):
     def forward(self, x, offset=0.0):
         if self.kind in ("router-logits", "router-hook"):
             self.collected.clear()
-        if self.kind == "positions":
+        if self.kind in POSITIONS:
             h, positions = self.embed(x)
             side = positions  # given to every block as it came out of the module
         else:
@@ -745,6 +808,9 @@ class Loop(nn.Module):
             elif self.kind == "in-place":
                 h = block(h, bias=cond)
                 cond.mul_(0.5)  # out of any block: on a stage that received it, the change would not reach it
+            elif self.kind == "drawn-in-place":
+                h = block(h, scale=side)
+                side.mul_(0.5)  # the stage's own draw, replaced by the one received: the change would not reach it
             elif self.kind == "collect-list":
                 h = block(h, collect=collected)
             elif residual is None:
@@ -856,6 +922,9 @@ ERRORS = {
     # a module's output beside the hidden state that the next stage computes itself: sent, and used
     "positions": "trained",
     "in-place": r"ElsewhereWrite: .* changes in place a value computed by model.cond \(pipeline stage 0\), which this",
+    # drawn before the blocks: sent, and used where the stage's stand-in drew its own
+    "drawn": "trained",
+    "drawn-in-place": r"ElsewhereWrite: a value this pipeline stage received from the previous one was changed",
     # each block's auxiliary loss into one list: the last stage summed its own blocks' alone, silently
     "collect-list": (
         r"an argument of it \(model.blocks\[2\]\) was computed by model.blocks\[0\] \(pipeline stage 0\).*"

@@ -178,10 +178,9 @@ def _carried(stage: LoopStage, out: Any, several: bool) -> torch.Tensor | tuple[
     if not several:
         raise ValueError(
             f"{stage.next_block} takes {more} value(s) made on earlier layers besides the hidden state (a block "
-            f"that returns several hidden states, or an encoder's output that every block reads): schedule='auto', "
-            f"balance='time' and twobp-plan time and measure the layers one by one on a single tensor between them, "
-            f"which this model does not pass; name a schedule (e.g. schedule='zb-h1') and balance='params' or a list "
-            f"of layer counts"
+            f"that returns several hidden states, or an encoder's output that every block reads): schedule='auto' "
+            f"and twobp-plan measure the layers' memory one by one on a single tensor between them, which this model "
+            f"does not pass; name a schedule (e.g. schedule='zb-h1'); balance='time' times such layers"
         )
     return carried
 

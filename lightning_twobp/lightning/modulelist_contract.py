@@ -61,7 +61,7 @@ from lightning_twobp.lightning.placeholders import (
     elsewhere,
     find_elsewhere,
 )
-from lightning_twobp.private import forward_hooks, pytree
+from lightning_twobp.private import forward_hooks, pytree, tensor_version
 
 _T = TypeVar("_T")
 log = logging.getLogger(__name__)
@@ -186,13 +186,13 @@ class LoopStage(nn.Module):
             self._at[key] = torch.tensor(positions, dtype=torch.long, device=like.device)
         return self._at[key]
 
-    def unpacked(self, received: tuple[torch.Tensor, ...]) -> tuple[tuple[torch.Tensor, ...], list[int]]:
+    def unpacked(self, received: tuple[torch.Tensor, ...], call: Any) -> tuple[tuple[torch.Tensor, ...], list[int]]:
         """The values the previous stage sent and where in its first block's call they go: the hidden state
-        alone, or the values then their positions (read on the host once per kind of run: the call's structure
-        is the same for every micro-batch)."""
+        alone, or the values then their positions, read on the host once per structure of the call (``call``,
+        its pytree spec) and kind of run, which are the same for every micro-batch of a step."""
         if len(received) == 1:
             return received, [0]
-        key = (len(received), torch.is_grad_enabled(), self.training)
+        key = (len(received), call, torch.is_grad_enabled(), self.training)
         if key not in self._received_at:
             self._received_at[key] = received[-1].tolist()
         return received[:-1], self._received_at[key]
@@ -296,7 +296,7 @@ class _Run:
     # id of a value the stage's first block was given where a received one goes (an Elsewhere, or the stage's own
     # stand-in) -> (it, the received value): the same object handed to the stage's later blocks (an encoder's
     # output, to every decoder block) is swapped too
-    received: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    received: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = field(default_factory=dict)  # ... its version
     # id -> tensor, for the tensors made on this stage that the next stage does not have: what its blocks return,
     # what it received, and on the first stage what the modules before the blocks return (an encoder's output)
     # (weakly: a value the model lets go of is not kept alive by this, and its id leaves with it)
@@ -314,6 +314,14 @@ class _Run:
         flat, spec = pytree.tree_flatten(tree, is_leaf=is_leaf)
         if not any(id(x) in self.received for x in flat):
             return tree
+        for x in flat:
+            if id(x) in self.received and tensor_version(x) != self.received[id(x)][2]:
+                raise ElsewhereWrite(
+                    f"a value this pipeline stage received from the previous one was changed in place between blocks "
+                    f"(its own copy of it, of shape {tuple(x.shape)}): under strategy='twobp' the stage's blocks get "
+                    f"the received value, which the change did not reach; make the change out of place inside a "
+                    f"block or module (`x = x + 1`, returned by it)"
+                )
         return pytree.tree_unflatten([self.received[id(x)][1] if id(x) in self.received else x for x in flat], spec)
 
     def keep(self, out: Any) -> None:
@@ -372,6 +380,7 @@ class ModuleListContract:
         self._profiling = False  # the stages are one_stage_per_layer's: one per layer, for the profile
         self._block_calls = [self._block_call(i) for i in range(self.num_blocks)]
         self._previous: list[Any] = [_MISSING] * self.num_blocks  # the blocks' own instance forwards, if any
+        self._guessed: dict[int, str] = {}  # blocks whose stand-in failed on meta (output guessed): why
 
     # ------------------------------------------------------------------ the Contract interface
     def layers(self) -> list[nn.Module]:
@@ -700,8 +709,8 @@ class ModuleListContract:
         nothing was sent for is refused by name at the block's call; a placeholder whose value was received
         refuses in-place changes (they would not reach the value)."""
         assert run.inject is not None
-        values, positions = run.stage.unpacked(run.inject)
         flat, spec = _flat(args, kwargs)
+        values, positions = run.stage.unpacked(run.inject, spec)
         if positions[-1] >= len(flat):
             raise RuntimeError(
                 f"{self.list_name}[{i}] is given {len(flat)} values on this pipeline stage but the previous stage "
@@ -715,15 +724,27 @@ class ModuleListContract:
                 raise RuntimeError(
                     f"{self.list_name}[{i}]: argument {k} (flattened) is a value of shape {tuple(x.shape)} from "
                     f"{x.where} on this pipeline stage, but the previous stage sent one of shape {tuple(value.shape)} "
-                    f"for it: the model's forward called the block differently on the two stages"
+                    f"for it: the model's forward called the block differently on the two stages{self._guess_hint()}"
                 )
             if isinstance(x, Elsewhere):
                 x.received = True
             if isinstance(x, torch.Tensor):
-                run.received[id(x)] = (x, value)
+                run.received[id(x)] = (x, value, tensor_version(x))
             out[k] = value
         run.keep(values)
         return pytree.tree_unflatten(out, spec)
+
+    def _guess_hint(self) -> str:
+        """Why a block call may differ between stages: a block of another stage that does not run on the meta
+        device is taken to return one tensor like its hidden state, which a block returning several is not."""
+        if not self._guessed:
+            return ""
+        i, why = next(iter(self._guessed.items()))
+        return (
+            f" ({self.list_name}[{i}], of another stage, does not run on the meta device ({why}), so its output was "
+            f"taken to be one tensor like its hidden state: a block that returns several values (a residual stream) "
+            f"must run on meta to be pipelined, i.e. without kernels that have no meta implementation)"
+        )
 
     def _check_real(self, i: int, x: Any, what: str) -> None:
         if isinstance(x, Elsewhere):
@@ -743,8 +764,11 @@ class ModuleListContract:
             )
 
     def _key(self, i: int, args: tuple, kwargs: dict) -> tuple:
+        """A block call's signature for the cache of its output's structure: every tensor argument's shape and
+        dtype (T5's cross-attention bias follows the encoder's length, not the hidden state's), the flags."""
         flags = tuple((k, v) for k, v in kwargs.items() if v is None or isinstance(v, (bool, int, str)))
-        return (i, tuple(args[0].shape), args[0].dtype, self.root.training, torch.is_grad_enabled(), flags)
+        shapes = tuple((tuple(x.shape), x.dtype) for x in _flat(args, kwargs)[0] if isinstance(x, torch.Tensor))
+        return (i, shapes, self.root.training, torch.is_grad_enabled(), flags)
 
     def _skipped(self, i: int, args: tuple, kwargs: dict, run: _Run) -> Any:
         """What a block before this stage's first returns here: its output's structure, every tensor an
@@ -782,9 +806,10 @@ class ModuleListContract:
         block: torch's ``grouped_mm`` (Hugging Face's mixture-of-experts layers) wants bf16 there, and a
         block may read its routing on the host. Then the output is taken to be like the hidden state the
         block is given. A wrong guess cannot give a wrong answer: what the loop derives from it is an
-        Elsewhere too, refused where it would reach this stage's compute, and the stage's first block is
-        handed the received hidden state whatever the loop passes it. A write into this stage's tensors
-        (shared state between blocks) is refused as before."""
+        Elsewhere too, refused where it would reach this stage's compute, the stage's first block is
+        handed the received hidden state whatever the loop passes it, and a value received beside it must
+        have its placeholder's shape (:meth:`_received`, whose refusal then names this block: ``_guessed``). A
+        write into this stage's tensors (shared state between blocks) is refused as before."""
         # Every tensor the twin makes is block i's: its inputs are relabelled, so a value it leaves outside its
         # output (into a dict every block is given: Gemma4's KV sharing across layers) names the block where a
         # later block of this stage reads it, not the embedding the hidden state came from
@@ -808,6 +833,7 @@ class ModuleListContract:
             raise
         except Exception as e:
             log.debug("%s[%d] does not run on the meta device (%s: %s)", self.list_name, i, type(e).__name__, e)
+            self._guessed[i] = f"{type(e).__name__}: {e}"
             return a[0]
 
     def _block_part(self, i: int) -> nn.Module:
@@ -972,11 +998,15 @@ def _standing_in(dicts: list[MutableMapping | list], where: str) -> Iterator[Non
     (then put back where the twin left them): its meta weights times a real tensor came out as a real tensor
     of uninitialised memory (torch's CPU matmul by a meta tensor), which it left in the dict for this stage's
     later blocks to compute with, silently."""
-    swapped: list[tuple[Any, Any, torch.Tensor, Elsewhere]] = []
+    swapped: list[tuple[Any, Any, Any, Any]] = []
     for d in dicts:
         for key, value in list(d.items()) if isinstance(d, MutableMapping) else list(enumerate(d)):
-            if isinstance(value, torch.Tensor) and not isinstance(value, Elsewhere):
-                d[key] = stand_in = elsewhere(value, where)
+            leaves = pytree.tree_leaves(value)
+            if any(isinstance(t, torch.Tensor) and not isinstance(t, Elsewhere) for t in leaves):
+                # a tensor, or tensors in a tuple (a list of (key, value) pairs)
+                d[key] = stand_in = pytree.tree_map(
+                    lambda t: elsewhere(t, where) if isinstance(t, torch.Tensor) else t, value
+                )
                 swapped.append((d, key, value, stand_in))
     try:
         yield
@@ -1037,11 +1067,14 @@ def _callables(module: nn.Module) -> list[nn.Module]:
 
 
 def _kept(forward: Callable[..., Any], run: _Run) -> Callable[..., Any]:
-    """``forward``, its outputs kept in ``run.made`` (a module before the blocks, on the first stage)."""
+    """``forward``, its floating-point outputs kept in ``run.made`` (a module before the blocks, on the first
+    stage): an encoder's output is sent on; an integer or boolean one (position ids, a padding mask an
+    embedding module returns) is not, as before values beside the hidden state travelled: made from the batch,
+    the next stage's stand-in makes it too."""
 
     def kept(*args: Any, **kwargs: Any) -> Any:
         out = forward(*args, **kwargs)
-        run.keep(out)
+        run.keep([t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.is_floating_point()])
         return out
 
     return kept
