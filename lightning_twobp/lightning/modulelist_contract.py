@@ -823,7 +823,7 @@ class ModuleListContract:
                 else x
             ),
             (args, kwargs),
-            # a dict side input is the model's own, not a copy (see _skipped); the keywords themselves are not one
+            # a dict or list side input is the model's own, not a copy (see _skipped); the keywords are not one
             is_leaf=_containers_but(kwargs),
         )
         try:
@@ -988,7 +988,7 @@ def _configs(ancestors: list[tuple[str, nn.Module]]) -> Iterator[tuple[str, Any]
 def _shared_dicts(args: tuple, kwargs: dict) -> list[MutableMapping | list]:
     """A block's side inputs that are mutable mappings or lists, through which blocks can hand values on (a
     list every block appends its auxiliary loss to: the skipped blocks' twins append placeholders, which the
-    loss then refuses, where it summed this stage's blocks' alone)."""
+    stage's first block then refuses, where the loss summed this stage's blocks' entries alone)."""
     return [v for v in (*args[1:], *kwargs.values()) if isinstance(v, (MutableMapping, list))]
 
 

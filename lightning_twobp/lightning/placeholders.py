@@ -128,7 +128,8 @@ class StandIn(OrdinaryBatch):
     (T5's and BART's encoders: "does the mask pad?") is answered as an unpadded batch answers it. Only the
     twin's output's structure and shapes are used (the stage receives the real output, or refuses it), and
     the mask code's answers choose the mask's form, not the output's shape. Any other read is refused as an
-    Elsewhere's is."""
+    Elsewhere's is, and a write of a meta value into a real tensor fails as it did (a real output would be
+    left unwritten, and wrong, otherwise)."""
 
     def __init__(self, where: str) -> None:
         super().__init__(where, {}, strict=False)
