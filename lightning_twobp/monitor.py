@@ -51,6 +51,7 @@ from lightning.fabric.utilities.throughput import Throughput, get_available_flop
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.utils.flop_counter import flop_registry
 
+from lightning_twobp.lightning.placeholders import Elsewhere
 from lightning_twobp.lightning.step import batch_size
 from lightning_twobp.private import TorchDispatchMode, pytree
 from lightning_twobp.schedules import Action, Costs, simulate
@@ -160,8 +161,10 @@ class FlopCount(TorchDispatchMode):
 
 
 def _on_meta(out: Any) -> bool:
+    """Whether ``out`` stands in for another stage's values (meta, or an ``Elsewhere`` placeholder of the
+    ModuleList contract, whose ops compute on meta): its op's FLOPs are not this rank's."""
     leaves = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
-    return bool(leaves) and leaves[0].is_meta
+    return bool(leaves) and (leaves[0].is_meta or isinstance(leaves[0], Elsewhere))
 
 
 def _formula(packet: Any) -> Callable | None:
@@ -325,8 +328,8 @@ class PipelineMonitor(pl.Callback):
             strategy.record_next_step()
         if self.measure_flops and trainer.global_step == self.flops_step and self._counter is None:
             # Counts this rank's share of the step: its stages' F, B and W (the optimizer's
-            # elementwise ops count nothing). Meta-device passes of the ModuleList contract, which
-            # stand in for other stages' blocks, run at the first step only, before this one.
+            # elementwise ops count nothing). The ModuleList contract's stand-ins for other stages'
+            # modules compute on placeholders (mostly at the first step): not counted (_on_meta).
             self._counter = FlopCount()
             self._counter.__enter__()
 

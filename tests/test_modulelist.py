@@ -7,6 +7,7 @@ support."""
 from __future__ import annotations
 
 import re
+import warnings
 from types import SimpleNamespace
 from typing import Any
 
@@ -619,6 +620,38 @@ def test_an_encoders_length_may_change_between_steps(two_ranks, request):
             torch.testing.assert_close(value, ref[n], rtol=1e-5, atol=1e-6, msg=n)
 
 
+def _t5_checkpointed(rank: int, world: int) -> dict:
+    """T5 with Hugging Face's own gradient checkpointing on, its decoder's blocks pipelined (ZB-H1, 2 ranks):
+    this rank's weights and how often each of its encoder's layers ran per micro-batch."""
+    lightning_env(rank, world)
+    model = _make("hf-t5")
+    inner = model.model.inner
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # transformers 5 calls it a deprecated alias
+        inner.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    calls = [0] * len(inner.encoder.block)
+    for i, block in enumerate(inner.encoder.block):
+        block.layer[0].register_forward_pre_hook(lambda *_, i=i: calls.__setitem__(i, calls[i] + 1))
+    strategy = TwoBPStrategy(num_microbatches=M, schedule="zb-h1", layers="model.inner.decoder.block")
+    _fit(model, strategy, world, BATCH)
+    return {"params": _own(model), "encoder": [c / (3 * M) for c in calls], "rank": rank}
+
+
+def test_an_encoders_own_checkpointing_is_taken_over_too(two_ranks, request):
+    """Hugging Face's switch is off for the Trainer call and the pipeline checkpoints what it would have: the
+    decoder's blocks, and the encoder's layers on the first stage (they ran plainly, holding every encoder
+    activation one process recomputes). Exact against one process without checkpointing; each encoder layer
+    runs twice per micro-batch (F, B's recompute), plus once per fit for the shapes the first stage sends."""
+    ref = _reference("hf-t5", False)["params"]
+    results = two_ranks[request.node.name]
+    held = {n: v for out in results for n, v in out["params"].items()}
+    assert set(held) == set(ref)
+    for n, value in held.items():
+        torch.testing.assert_close(value, ref[n], rtol=1e-5, atol=1e-6, msg=n)
+    first = next(out for out in results if out["rank"] == 0)
+    assert all(round(f - 2.0, 9) in (0.0, round(1 / (3 * M), 9)) for f in first["encoder"]), first["encoder"]
+
+
 class Penalized(CausalLM):
     """nanoGPT with an L1 penalty of one weight in the loss: of the last stage's final norm (``ln_f``), or of the
     first stage's position embedding (``wpe``), a placeholder on the last stage, where the loss is computed."""
@@ -679,6 +712,7 @@ def two_ranks(request) -> conftest.Launch:
     cases["test_bf16_true_stand_ins_carry_the_models_cast"] = (_bf16, ())
     cases["test_masking_drawn_in_the_step_is_the_same_on_every_stage"] = (_masked, ())
     cases["test_an_encoders_length_may_change_between_steps"] = (_cross_lengths, ())
+    cases["test_an_encoders_own_checkpointing_is_taken_over_too"] = (_t5_checkpointed, ())
     cases["test_a_penalty_of_the_last_stages_weight_in_the_loss_matches_one_process"] = (_penalized, ())
     # Last: an error of one rank's step closes the process group's links (the cases after it would not run).
     cases["test_a_penalty_of_another_stages_weight_in_the_loss_is_refused_naming_it"] = (_penalized, ("wpe",))

@@ -197,6 +197,8 @@ def apply_activation_checkpointing(
         for _, b in blocks:  # 4.x: the model's switch covers every block; 5.x: each block has its own
             if b in switches or (model_wide and not hasattr(b, _HF_FLAG)):
                 chosen[id(b)] = b
+        for m in _switched_outside(switches, blocks, [layer for _, layer in layers]):  # an encoder's layers
+            chosen[id(m)] = m
         log.info(
             "Hugging Face gradient checkpointing is taken over for this Trainer call: %d block(s) on this rank "
             "run under torch.utils.checkpoint(use_reentrant=False) inside the pipeline's block call",
@@ -250,6 +252,37 @@ def _hf_switches(model: nn.Module | None) -> list[nn.Module]:
     if model is None:
         return []
     return [m for m in model.modules() if getattr(m, _HF_FLAG, False) is True]
+
+
+def _switched_outside(
+    switches: list[nn.Module], blocks: list[tuple[int, nn.Module]], held: list[nn.Module]
+) -> list[nn.Module]:
+    """The layers Hugging Face would checkpoint outside the pipelined blocks, in this rank's layers: an
+    encoder's, where the decoder's blocks are pipelined (it runs whole on the first stage). transformers 5.x:
+    each such layer is a ``GradientCheckpointingLayer`` with its own switch; 4.x: the switch is the stack's,
+    covering the entries of its ModuleLists. Their switch off, they ran without checkpointing: the first
+    stage held every encoder activation that one process recomputes."""
+    inside = {id(m) for _, b in blocks for m in b.modules()}
+    mine = {id(m) for layer in held for m in layer.modules()}
+    layer_type = _checkpointing_layer()
+    out: list[nn.Module] = []
+    for m in switches:
+        if id(m) in inside or id(m) not in mine:
+            continue
+        if layer_type is not None:
+            out += [m] if isinstance(m, layer_type) else []
+        else:
+            out += [e for c in m.children() if isinstance(c, nn.ModuleList) for e in c]
+    return out
+
+
+def _checkpointing_layer() -> type | None:
+    """transformers' ``GradientCheckpointingLayer`` (5.x, late 4.x), or None (earlier, or not installed)."""
+    try:
+        from transformers.modeling_layers import GradientCheckpointingLayer
+    except ImportError:
+        return None
+    return GradientCheckpointingLayer
 
 
 def _is_block(module: nn.Module, blocks: list[tuple[int, nn.Module]]) -> bool:

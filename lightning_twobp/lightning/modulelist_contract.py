@@ -381,6 +381,7 @@ class ModuleListContract:
         self._block_calls = [self._block_call(i) for i in range(self.num_blocks)]
         self._previous: list[Any] = [_MISSING] * self.num_blocks  # the blocks' own instance forwards, if any
         self._guessed: dict[int, str] = {}  # blocks whose stand-in failed on meta (output guessed): why
+        self._absent_out: dict[tuple, tuple[Any, list[Any]]] = {}  # a stand-in's call -> its output's structure
 
     # ------------------------------------------------------------------ the Contract interface
     def layers(self) -> list[nn.Module]:
@@ -403,8 +404,9 @@ class ModuleListContract:
         (stages, twins, block output shapes) is dropped after: learned before the cast, an fp32 shape
         made the stages' rotary embeddings fp32 against bf16 values under "bf16-true"."""
         before = self._stage_of, self._stages, self._twins, self._shapes, self._twin_ran, self._cast, self._profiling
+        absent_out = self._absent_out
         self._stages, self._twins, self._shapes, self._twin_ran, self._cast = {}, {}, {}, set(), cast
-        self._profiling = True
+        self._profiling, self._absent_out = True, {}
         bounds = list(range(self.num_blocks + 1))
         try:
             yield [self.stage_module(i, i + 1, bounds) for i in range(self.num_blocks)]
@@ -412,6 +414,7 @@ class ModuleListContract:
             self._stage_of, self._stages, self._twins, self._shapes, self._twin_ran, self._cast, self._profiling = (
                 before
             )
+            self._absent_out = absent_out
 
     def check_every_block_runs(self) -> None:
         """Refuse LayerDrop before fit's first step: in training it skips blocks at random (Wav2Vec2, HuBERT
@@ -764,11 +767,19 @@ class ModuleListContract:
             )
 
     def _key(self, i: int, args: tuple, kwargs: dict) -> tuple:
-        """A block call's signature for the cache of its output's structure: every tensor argument's shape and
-        dtype (T5's cross-attention bias follows the encoder's length, not the hidden state's), the flags."""
-        flags = tuple((k, v) for k, v in kwargs.items() if v is None or isinstance(v, (bool, int, str)))
-        shapes = tuple((tuple(x.shape), x.dtype) for x in _flat(args, kwargs)[0] if isinstance(x, torch.Tensor))
-        return (i, shapes, self.root.training, torch.is_grad_enabled(), flags)
+        """A block call's signature for the cache of its output's structure: the call's structure, every tensor
+        argument's shape, dtype and device (T5's cross-attention bias follows the encoder's length, not the
+        hidden state's), the plain values (flags, sizes), the mode."""
+        leaves, spec = _flat(args, kwargs)
+        values = tuple(
+            (tuple(x.shape), x.dtype, x.device)
+            if isinstance(x, torch.Tensor)
+            else x
+            if x is None or isinstance(x, (bool, int, float, str))
+            else type(x)
+            for x in leaves
+        )
+        return (i, spec, values, self.root.training, torch.is_grad_enabled())
 
     def _skipped(self, i: int, args: tuple, kwargs: dict, run: _Run) -> Any:
         """What a block before this stage's first returns here: its output's structure, every tensor an
@@ -858,6 +869,12 @@ class ModuleListContract:
         def forward(*args: Any, **kwargs: Any) -> Any:
             if (run.next > 0) if before else (run.next < self.num_blocks):
                 raise self._misplaced(path, before, run)
+            # The stand-in runs once per signature of the call: an encoder's is a whole meta forward (tens of ms
+            # of Python a micro-batch, on every later stage's F, and its matmuls counted by the monitor's FLOPs)
+            key = self._key(-1, args, kwargs) + (sub or path, self._twin_cast(path))
+            known = self._absent_out.get(key)
+            if known is not None:
+                return _placeholders(*known, where)
             a, k = pytree.tree_map(lambda x: elsewhere(x, where) if isinstance(x, torch.Tensor) else x, (args, kwargs))
             try:
                 with torch.no_grad(), StandIn(where):
@@ -866,7 +883,7 @@ class ModuleListContract:
                 # was named for the embedding, which a refusal then blamed); one made from the twin's own meta
                 # weights alone (BART's positions: an arange on the weight's device) is plain meta: an Elsewhere
                 # too, on this stage's device.
-                return pytree.tree_map(
+                out = pytree.tree_map(
                     lambda x: (
                         Elsewhere(x._meta, x.device, where)  # on its device (meta, in twobp-plan's runs)
                         if isinstance(x, Elsewhere)
@@ -876,6 +893,9 @@ class ModuleListContract:
                     ),
                     out,
                 )
+                if _cacheable(out, args, kwargs, target):
+                    self._absent_out[key] = _placed(out)
+                return out
             except ElsewhereError:
                 raise
             except Exception as e:
@@ -932,9 +952,7 @@ class ModuleListContract:
         ``device`` (a module of another stage standing in), its buffers are :class:`Elsewhere` values on that
         device, as its inputs are: a forward that moves a buffer to an input's device (RoBERTa's embeddings,
         ``self.token_type_ids.to(position_ids.device)``) failed with "Cannot copy out of meta tensor"."""
-        from lightning_twobp.lightning.local_model import float_cast  # local_model imports the contracts
-
-        cast = float_cast(self._occupant(path)) or self._cast
+        cast = self._twin_cast(path)
         key = (id(module), cast, None if device is None else str(device))
         twin = self._twins.get(key)
         if twin is None:
@@ -952,6 +970,12 @@ class ModuleListContract:
                     del m.__dict__["forward"]
             self._twins[key] = twin
         return twin
+
+    def _twin_cast(self, path: str) -> torch.dtype | None:
+        """The dtype the twins of the module at ``path`` take (see :meth:`_twin`)."""
+        from lightning_twobp.lightning.local_model import float_cast  # local_model imports the contracts
+
+        return float_cast(self._occupant(path)) or self._cast
 
     def _occupant(self, path: str) -> nn.Module:
         parent, attr = self._slots[path]
@@ -1056,6 +1080,41 @@ def _child(parent: nn.Module, name: str) -> nn.Module:
 
 def _all_set(xs: list[_T | None]) -> TypeGuard[list[_T]]:
     return all(x is not None for x in xs)
+
+
+_PLACED = object()
+
+
+def _placed(out: Any) -> tuple[Any, list[Any]]:
+    """A stand-in's output (every tensor an Elsewhere) as its structure: spec, and each placeholder's shape,
+    dtype and device."""
+    leaves, spec = pytree.tree_flatten(out)
+    return spec, [(_PLACED, tuple(x.shape), x.dtype, x.device) if isinstance(x, torch.Tensor) else x for x in leaves]
+
+
+def _placeholders(spec: Any, leaves: list[Any], where: str) -> Any:
+    """Fresh placeholders of a structure :func:`_placed` recorded."""
+    return pytree.tree_unflatten(
+        [
+            Elsewhere(torch.empty(x[1], dtype=x[2], device="meta"), x[3], where)
+            if isinstance(x, tuple) and len(x) == 4 and x[0] is _PLACED
+            else x
+            for x in leaves
+        ],
+        spec,
+    )
+
+
+def _cacheable(out: Any, args: tuple, kwargs: dict, module: nn.Module) -> bool:
+    """Whether a stand-in's output may be replayed from its structure: every tensor in it a placeholder (not
+    a real value made from the batch's shapes), no dict or list handed to it to write into, no hook of the
+    user's to run (it runs at the first call, as a skipped block's twin does)."""
+    leaves = [x for x in pytree.tree_leaves(out) if isinstance(x, torch.Tensor)]
+    return (
+        all(isinstance(x, Elsewhere) for x in leaves)
+        and not _shared_dicts((None, *args), kwargs)
+        and not any(forward_hooks(m) for m in module.modules())
+    )
 
 
 def _callables(module: nn.Module) -> list[nn.Module]:
