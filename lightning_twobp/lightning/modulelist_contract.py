@@ -796,14 +796,8 @@ class ModuleListContract:
             # short, and the stage silently took another branch (or raised a bare KeyError)
             self._twin_ran.add(key)
             self._shapes[key] = _structure(self._twin_output(i, args, kwargs))
-        spec, leaves = self._shapes[key]
-        where = f"{self.list_name}[{i}] (pipeline stage {self._stage_of[i]})"
-        return pytree.tree_unflatten(
-            [
-                Elsewhere(torch.empty(x[1], dtype=x[2], device="meta"), run.device, where) if _is_shape(x) else x
-                for x in leaves
-            ],
-            spec,
+        return _placeholders(
+            *self._shapes[key], f"{self.list_name}[{i}] (pipeline stage {self._stage_of[i]})", run.device
         )
 
     def _hooked(self, i: int) -> bool:
@@ -894,7 +888,7 @@ class ModuleListContract:
                     out,
                 )
                 if _cacheable(out, args, kwargs, target):
-                    self._absent_out[key] = _placed(out)
+                    self._absent_out[key] = _structure(out)
                 return out
             except ElsewhereError:
                 raise
@@ -1082,23 +1076,12 @@ def _all_set(xs: list[_T | None]) -> TypeGuard[list[_T]]:
     return all(x is not None for x in xs)
 
 
-_PLACED = object()
-
-
-def _placed(out: Any) -> tuple[Any, list[Any]]:
-    """A stand-in's output (every tensor an Elsewhere) as its structure: spec, and each placeholder's shape,
-    dtype and device."""
-    leaves, spec = pytree.tree_flatten(out)
-    return spec, [(_PLACED, tuple(x.shape), x.dtype, x.device) if isinstance(x, torch.Tensor) else x for x in leaves]
-
-
-def _placeholders(spec: Any, leaves: list[Any], where: str) -> Any:
-    """Fresh placeholders of a structure :func:`_placed` recorded."""
+def _placeholders(spec: Any, leaves: list[Any], where: str, device: torch.device | None = None) -> Any:
+    """Fresh placeholders of a structure :func:`_structure` recorded, on ``device`` (default: each on the
+    device it was recorded on: meta in twobp-plan's runs)."""
     return pytree.tree_unflatten(
         [
-            Elsewhere(torch.empty(x[1], dtype=x[2], device="meta"), x[3], where)
-            if isinstance(x, tuple) and len(x) == 4 and x[0] is _PLACED
-            else x
+            Elsewhere(torch.empty(x[1], dtype=x[2], device="meta"), device or x[3], where) if _is_shape(x) else x
             for x in leaves
         ],
         spec,
@@ -1151,7 +1134,7 @@ def _containers_but(kwargs: dict) -> Callable[[Any], bool]:
 
 
 def _is_shape(x: Any) -> bool:
-    return isinstance(x, tuple) and len(x) == 3 and x[0] is _SHAPE
+    return isinstance(x, tuple) and len(x) == 4 and x[0] is _SHAPE
 
 
 _SHAPE = object()
@@ -1159,7 +1142,7 @@ _SHAPE = object()
 
 def _structure(out: Any) -> tuple[Any, list[Any]]:
     leaves, spec = pytree.tree_flatten(out)
-    return spec, [(_SHAPE, tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else x for x in leaves]
+    return spec, [(_SHAPE, tuple(x.shape), x.dtype, x.device) if isinstance(x, torch.Tensor) else x for x in leaves]
 
 
 def _device_of(module: nn.Module) -> torch.device:
