@@ -35,6 +35,7 @@ __all__ = [
     "metric_merge",
     "process_groups",
     "pytree",
+    "saved_tensors_hooks_in_force",
     "set_rng_states",
     "tensor_hooks",
     "tensor_version",
@@ -73,6 +74,15 @@ def tensor_version(t: torch.Tensor) -> int:
     gradients it saw were not written since (engine/post_validation.py); a checkpointed block keeps a
     copy of each buffer its forward wrote, for B's recompute (lightning/checkpointing.py)."""
     return t._version
+
+
+def saved_tensors_hooks_in_force() -> tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]] | None:
+    """The (pack, unpack) pair of the innermost ``torch.autograd.graph.saved_tensors_hooks`` in force, or None.
+    Autograd applies the innermost pair alone, so the executor's own pair (recording what a micro-batch saves
+    for the monitor, engine/executor.py) hands each tensor on to this one: a user's ``save_on_cpu`` or a
+    memory meter around the step would otherwise go unseen on the recorded steps. torch keeps the stack
+    private."""
+    return torch._C._autograd._top_saved_tensors_default_hooks(False)
 
 
 def tensor_hooks(t: torch.Tensor) -> tuple[list[Any], list[Any]]:
@@ -193,6 +203,7 @@ def metric_merge(metric: Any, state: dict[str, Any]) -> None:
 # Names checked by tests/test_private_apis.py: (owner, attribute) that must exist.
 GUARDED: tuple[tuple[str, str], ...] = (
     ("torch._C", "_disabled_torch_function_impl"),
+    ("torch._C._autograd", "_top_saved_tensors_default_hooks"),
     ("torch.Tensor", "_version"),
     ("torch.Tensor", "_backward_hooks"),
     ("torch.Tensor", "_post_accumulate_grad_hooks"),

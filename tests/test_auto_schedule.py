@@ -347,7 +347,26 @@ def _tokens() -> DataLoader:
     return DataLoader(TensorDataset(ids, (ids + 1) % 32), batch_size=16)
 
 
-MODELS = {"blocks": (Blocks, _loader), "hf-llama": (HFLlama, _tokens)}
+class HFT5(HFLlama):
+    """A Hugging Face T5 whose decoder's blocks are pipelined (``layers=T5_BLOCKS``): the encoder runs on the
+    first stage and its output travels beside the hidden state, with the first block's position biases."""
+
+    def __init__(self, optimizer: type[torch.optim.Optimizer] = torch.optim.SGD) -> None:
+        pl.LightningModule.__init__(self)
+        transformers = pytest.importorskip("transformers", reason="the Hugging Face model needs transformers")
+        torch.manual_seed(0)
+        sizes = dict(d_model=16, d_kv=8, d_ff=32, num_layers=2, num_decoder_layers=4, num_heads=2)
+        config = transformers.T5Config(vocab_size=32, **sizes, dropout_rate=0.0, decoder_start_token_id=0)
+        self.model = transformers.T5ForConditionalGeneration(config)
+        self.optimizer = optimizer
+
+    def training_step(self, batch, batch_idx):
+        ids, targets = batch
+        return self.model(input_ids=ids, labels=targets).loss
+
+
+T5_BLOCKS = "model.decoder.block"
+MODELS = {"blocks": (Blocks, _loader), "hf-llama": (HFLlama, _tokens), "hf-t5": (HFT5, _tokens)}
 
 
 def _fit_auto(
@@ -375,6 +394,7 @@ def _fit_auto(
         "limit": choice.limit,
         "predicted": choice.best.peak_bytes[strategy.pp_rank],
         "measured": fixed + state + peak.peak,
+        "saved": peak.peak,
         "optimizer_predicted": choice.best.optimizer_bytes[strategy.pp_rank],
         "optimizer_measured": state,
         "params": {n: q.detach().clone() for n, q in model.named_parameters() if not q.is_meta},
@@ -499,6 +519,7 @@ REFUSED = "test_a_limit_nothing_fits_is_refused_before_training_on_every_rank"
 ADAMW = "test_auto_counts_adamw_state_and_stays_within_its_limit"
 ADAMW_REFUSED = "test_a_limit_that_fits_only_without_adamw_state_is_refused_naming_it"
 HF = "test_auto_on_a_hugging_face_model_trains_like_one_process_within_its_limit"
+T5 = "test_auto_plans_an_encoder_decoder_with_the_values_sent_beside_the_hidden_state"
 HF_BF16 = "test_auto_profiles_the_layers_in_the_precisions_dtype"
 BLOCKS_BF16 = "test_auto_profiles_a_sequential_on_the_batch_the_precision_converts"
 LEFT = "test_auto_after_a_call_that_left_layers_elsewhere_is_refused_naming_the_fix"
@@ -517,6 +538,7 @@ def two_ranks(request) -> conftest.Launch:
     cases[ADAMW_REFUSED] = (_adamw_refused, ())
     cases[CHECKPOINTED] = (_fit_checkpointed, ())
     cases[HF] = (_fit_auto, ("1f1b", torch.optim.SGD, "hf-llama"))
+    cases[T5] = (functools.partial(_fit_auto, layers=T5_BLOCKS), ("1f1b", torch.optim.SGD, "hf-t5"))
     cases[HF_BF16] = (_fit_auto, ("1f1b", torch.optim.AdamW, "hf-llama", "bf16-true"))
     cases[BLOCKS_BF16] = (_fit_auto, ("1f1b", torch.optim.AdamW, "blocks", "bf16-true"))
     cases[LEFT] = (_after_a_call_without_gather, ())
@@ -534,6 +556,8 @@ def _check_trained(results: list[dict], ref: dict, atol: float = 1e-6) -> None:
     for name, value in merged.items():
         torch.testing.assert_close(value, ref[name], rtol=1e-5, atol=atol, msg=name)
     for r in results:
+        # seen on every step: the monitor records each (log_every_n_steps=1), and its hooks shadowed the meter's
+        assert r["saved"] > 0, "no saved tensors measured"
         assert r["predicted"] <= r["limit"]
         assert r["measured"] <= r["limit"], {k: v for k, v in r.items() if k not in ("params", "profile")}
 
@@ -577,6 +601,21 @@ def test_auto_on_a_hugging_face_model_trains_like_one_process_within_its_limit(t
         rows = r["profile"].layers[max(r["profile"].layers)]
         assert len(rows) == 4 and all(c.f > 0 and c.activation > 0 for c in rows), rows
         assert all(c.f == 0 and c.activation == 0 for c in r["profile"].loss.values()), r["profile"].loss
+
+
+@pytest.mark.dist
+def test_auto_plans_an_encoder_decoder_with_the_values_sent_beside_the_hidden_state(two_ranks):
+    """T5's decoder blocks take the encoder's output and the first block's position biases beside the hidden
+    state (docs/strategy.md, "Values passed between stages"): each layer is profiled on all of them, and a
+    stage's message counts them (auto refused such models before)."""
+    results = two_ranks[T5]
+    _check_trained(results, _reference(kind="hf-t5"))
+    for r in results:
+        m = max(r["profile"].layers)
+        rows, hidden = r["profile"].layers[m], (16 // m) * 16 * 16 * 4  # a micro-batch's hidden state, fp32
+        # the encoder's output (as large as the hidden state here), the biases and their positions go on too
+        assert all(c.output > 2 * hidden for c in rows[:-1]), (hidden, rows)
+        assert all(c.f > 0 and c.activation > 0 for c in rows), rows
 
 
 @pytest.mark.dist

@@ -31,6 +31,7 @@ from torch import nn
 from lightning_twobp.engine import formulas
 from lightning_twobp.engine.p2p import P2P, PeerLost, TensorMeta, check_outgoing
 from lightning_twobp.engine.stage import Stage
+from lightning_twobp.private import saved_tensors_hooks_in_force
 from lightning_twobp.schedules import Action, Comm, GradReduce, Schedule, add_grad_reduce, lower_communication, validate
 from lightning_twobp.schedules.memory import send_releases
 
@@ -134,6 +135,11 @@ def keep_buffers(
             now.update(before)
 
     return put_back
+
+
+def _as_saved(t: torch.Tensor) -> torch.Tensor:
+    """What autograd saved, as it was packed (no hooks in force around the recorded F)."""
+    return t
 
 
 def _as_tuple(x: Any) -> tuple:
@@ -465,16 +471,19 @@ class PipelineExecutor:
             # less the parameters (and views of them), which live anyway.
             weights = {q.untyped_storage().data_ptr() for q in stage.module.parameters()}
             storages: dict[int, int] = {}
+            # Each tensor goes on to the hooks in force around the step (a user's save_on_cpu, a memory
+            # meter), which autograd would otherwise skip on the recorded steps. Without any, a detached
+            # alias: returning a saved output itself would make a reference cycle through its grad_fn
+            # that keeps the whole graph alive.
+            outer, unpack = saved_tensors_hooks_in_force() or (torch.Tensor.detach, _as_saved)
 
-            def pack(t: torch.Tensor) -> torch.Tensor:
+            def pack(t: torch.Tensor) -> Any:
                 st = t.untyped_storage()
                 if st.data_ptr() not in weights:
                     storages[st.data_ptr()] = st.nbytes()
-                # A detached alias: returning a saved output itself would make a reference cycle
-                # through its grad_fn that keeps the whole graph alive.
-                return t.detach()
+                return outer(t)
 
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
                 out = stage.forward(mb, *inputs, **kwargs)
             self._current.result.held_bytes[(s, mb)] = sum(storages.values())
         else:

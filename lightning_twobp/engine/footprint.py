@@ -18,7 +18,7 @@ no compute: bytes without seconds); ``schedule="auto"`` on the training device b
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,7 +40,9 @@ def storage_key(t: torch.Tensor) -> int:
 
 @dataclass(frozen=True)
 class LayerFootprint:
-    """One micro-batch through one layer (see the module docstring)."""
+    """One micro-batch through one layer (see the module docstring). A layer that hands on several values
+    (a ModuleList model's hidden state with the values sent beside it) has the first one's shape and dtype,
+    and every value's bytes in ``out_bytes``; its inputs' and outputs' bytes below are summed over them."""
 
     out_shape: tuple[int, ...]
     out_dtype: torch.dtype
@@ -50,21 +52,24 @@ class LayerFootprint:
     saved_input: int  # bytes of the input, when the layer saves it (0 otherwise)
     saves_output: bool  # whether the layer saves its own output (a ReLU does, a Linear does not)
     seconds: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)  # F, B, W, BW (zeros without a clock)
-    output: torch.Tensor | None = field(default=None, repr=False, compare=False)  # F's output, detached
+    output: Any = field(default=None, repr=False, compare=False)  # F's output, detached (a tuple: several)
     grad_output_held: int = 0  # bytes of the output's gradient, when W keeps it (a last Linear's input)
     input_held: int = 0  # bytes of the input, when W keeps it (a first Linear's operand)
+    out_bytes: int = 0  # every output value's bytes: what the stage sends on
 
 
 def measure_layer(
-    layer: nn.Module, x: torch.Tensor, needs_input_grad: bool, clock: Callable[[], float] | None = None
+    layer: nn.Module, x: Any, needs_input_grad: bool, clock: Callable[[], float] | None = None
 ) -> LayerFootprint:
-    """One micro-batch ``x`` through ``layer`` as a :class:`Stage`: F, B (from a gradient of ones), W;
-    with a ``clock``, then F once more and the fused backward BW from the same gradient, timed (the
-    bytes are all the first F's and B's). Without one (the meta planner) BW is not run: nothing to time.
+    """One micro-batch ``x`` (a tensor, or a tuple of the values a layer takes) through ``layer`` as a
+    :class:`Stage`: F, B (from a gradient of ones per output), W; with a ``clock``, then F once more and
+    the fused backward BW from the same gradients, timed (the bytes are all the first F's and B's).
+    Without one (the meta planner) BW is not run: nothing to time.
 
     Gradients accumulate into the layer's parameters as in training, so with a clock they hold two
     micro-batches' (the split's and BW's): the caller clears them. With ``needs_input_grad=False`` (the
-    first stage, fed ids or images) B runs the whole backward and W nothing, as in the executor.
+    first stage, fed ids or images) B runs the whole backward and W nothing, as in the executor; with
+    True, the floating-point inputs require grad (not a tensor of positions sent beside them).
     """
     now = clock or (lambda: 0.0)
     params = {storage_key(q) for q in layer.parameters()}
@@ -77,19 +82,24 @@ def measure_layer(
         return t
 
     stage = Stage(layer)
-    inp = x.detach().requires_grad_(needs_input_grad)
+    inp = tuple(_input(t, needs_input_grad) for t in (x if isinstance(x, tuple) else (x,)))
     t0 = now()
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = stage.forward(0, inp)
+        out = stage.forward(0, *inp)
     t1 = now()
     act = sum(saved.values())
-    saved_input = saved.get(storage_key(inp), 0)
-    saves_output = storage_key(out) in saved
-    shape = (tuple(out.shape), out.dtype)
-    if not out.requires_grad:
-        return LayerFootprint(*shape, act, 0, False, saved_input, saves_output, (t1 - t0, 0.0, 0.0, 0.0), out.detach())
-    g_out = torch.ones_like(out)
-    t1b = now()  # the gradient of ones is the measurement's, not B's (BW's timing leaves it out too)
+    outs = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+    saved_input = _bytes_of(inp, saved)
+    saves_output = all(storage_key(t) in saved for t in outs if t.requires_grad) and any(t.requires_grad for t in outs)
+    sizes = (tuple(outs[0].shape), outs[0].dtype)
+    nbytes = sum(t.numel() * t.element_size() for t in outs)
+    detached = pytree.tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, out)
+    if not stage.in_flight or not stage._pending[0].outputs:  # nothing to differentiate: F's work only
+        stage.discard()
+        seconds = (t1 - t0, 0.0, 0.0, 0.0)
+        return LayerFootprint(*sizes, act, 0, False, saved_input, False, seconds, detached, out_bytes=nbytes)
+    g_out = _ones_for(outs)
+    t1b = now()  # the gradients of ones are the measurement's, not B's (BW's timing leaves them out too)
     stage.backward_input(0, g_out)
     t2 = now()
     p = stage._pending[0]
@@ -103,22 +113,40 @@ def measure_layer(
         if isinstance(t, torch.Tensor):
             held[storage_key(t)] = t.untyped_storage().nbytes()
     kept = bool(p.frontier)
-    grad_out, inp_held = held.get(storage_key(g_out), 0), held.get(storage_key(inp), 0)
+    grad_out, inp_held = _bytes_of(g_out, held), _bytes_of(inp, held)
     t2b = now()  # reading what B left is bookkeeping, not W
     stage.backward_weight(0)
     t3 = now()
     bw = 0.0 if clock is None else _fused_seconds(stage, inp, now)
     seconds = (t1 - t0, t2 - t1b, t3 - t2b, bw)
     return LayerFootprint(
-        *shape, act, sum(held.values()), kept, saved_input, saves_output, seconds, out.detach(), grad_out, inp_held
+        *sizes, act, sum(held.values()), kept, saved_input, saves_output, seconds, detached, grad_out, inp_held, nbytes
     )
 
 
-def _fused_seconds(stage: Stage, inp: torch.Tensor, now: Callable[[], float]) -> float:
+def _input(t: Any, needs_grad: bool) -> Any:
+    """An input as the stage receives it: detached, requiring grad where it is floating and B computes one."""
+    if not isinstance(t, torch.Tensor):
+        return t
+    return t.detach().requires_grad_(needs_grad and (t.is_floating_point() or t.is_complex()))
+
+
+def _ones_for(outs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """A gradient of ones for each output that requires grad, in order (what the stage differentiates)."""
+    return [torch.ones_like(t) for t in outs if t.requires_grad]
+
+
+def _bytes_of(tensors: Sequence[Any], found: Mapping[int, int]) -> int:
+    """The bytes of the distinct storages of ``tensors`` that ``found`` holds."""
+    keys = {storage_key(t) for t in tensors if isinstance(t, torch.Tensor)}
+    return sum(found.get(k, 0) for k in keys)
+
+
+def _fused_seconds(stage: Stage, inp: tuple, now: Callable[[], float]) -> float:
     """Seconds of one fused backward (BW) of ``inp`` through ``stage``, after an untimed second F: what
     a fused schedule runs where a split one runs B and W."""
-    out = stage.forward(0, inp)
-    g_out = torch.ones_like(out)
+    out = stage.forward(0, *inp)
+    g_out = _ones_for([t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)])
     t0 = now()
     stage.backward(0, g_out)
     return now() - t0
@@ -136,7 +164,7 @@ def layer_cost(
         fused: float | None = bw
     else:
         (f, b, w), fused = seconds, None
-    out_bytes = math.prod(fp.out_shape) * fp.out_dtype.itemsize
+    out_bytes = fp.out_bytes or math.prod(fp.out_shape) * fp.out_dtype.itemsize
     act, held, inp, out, g, i = (
         scale * x
         for x in (fp.activation_bytes, fp.held_bytes, fp.saved_input, out_bytes, fp.grad_output_held, fp.input_held)

@@ -117,7 +117,7 @@ def _divisors(n: int, most: int) -> list[int]:
 
 def timed_footprint(
     layer: nn.Module,
-    x: torch.Tensor,
+    x: Any,
     needs: bool,
     device: torch.device,
     repeats: int,
@@ -247,24 +247,25 @@ def _profile_loss(runner: StepRunner, runs: LayerRuns, output: torch.Tensor, rep
 
 def _profile_layers(runs: LayerRuns, device: torch.device, repeats: int) -> tuple[list, float, torch.Tensor]:
     """Each layer's footprint on one micro-batch (:mod:`.layer_runs`), the largest output sent on (one
-    message: the last layer's goes nowhere) and the last layer's output."""
+    message: the last layer's goes nowhere; a layer's values sent beside the hidden state count in it)
+    and the last layer's output."""
     x = runs.inputs
     if len(x) != 1 or not isinstance(x[0], torch.Tensor):
         raise ValueError(
-            "schedule='auto' times the layers one by one on a single tensor between them; this model's "
+            "schedule='auto' times the layers one by one from a single tensor into the first; this model's "
             f"pipelined block takes {len(x)} inputs: name a schedule instead"
         )
-    t, rows, largest = x[0], [], 0
+    t: Any = x[0]
+    rows, largest = [], 0
     for i, run in enumerate(runs.runs):
         with runs.placed(run.layer):  # as it will train: weights and gradients in the precision's dtype
-            fp = timed_footprint(run.call, t, t.is_floating_point() and i > 0, device, repeats)
+            fp = timed_footprint(run.call, t, i > 0, device, repeats)
             run.layer.zero_grad(set_to_none=True)
             fixed = float(sum(q.numel() * q.element_size() * (1 + q.requires_grad) for q in run.layer.parameters()))
         rows.append(layer_cost(fp, fixed))
-        assert fp.output is not None  # measure_layer always returns F's output
         t = fp.output
         if i < len(runs.runs) - 1:
-            largest = max(largest, t.numel() * t.element_size())
+            largest = max(largest, fp.out_bytes)
     return rows, float(largest), t
 
 
@@ -407,7 +408,9 @@ class _Profiler:
     def _each_count(self, device: torch.device, repeats: int) -> tuple[list[list[list[float]]], list[float]]:
         rows, sent = [], []
         for m in self.counts:
-            with layer_runs(self.runner, self.layers, self.trainer, self.batch, m, device, self.precision) as runs:
+            # several=True: values a ModuleList model passes beside the hidden state go from layer to layer too
+            opened = layer_runs(self.runner, self.layers, self.trainer, self.batch, m, device, self.precision, True)
+            with opened as runs:
                 costs, largest, out = _profile_layers(runs, device, repeats)
                 # the loss: in the last layer's run already, or measured on its output (training only:
                 # validation and prediction steps return no loss)

@@ -1,18 +1,19 @@
 """The pipelined layers one at a time, as ``balance="time"`` and ``schedule="auto"`` run them before the cut.
 
-Each layer runs as a module of one tensor in and one tensor out (:class:`LayerRun`), fed the previous
-layer's output, so that a profiler can time and measure it alone (F, B, W, the fused BW) on one device,
-one layer's weights there at a time:
+Each layer runs as a module of one tensor in and one tensor out (:class:`LayerRun`; a tuple of them where a
+model passes values beside the hidden state), fed the previous layer's output, so that a profiler can time
+and measure it alone (F, B, W, the fused BW) on one device, one layer's weights there at a time:
 
 * **Sequential contract**: the layer as a one-layer stage runs it (``StageModule``), the first fed the
   pipelined block's inputs for the first micro-batch, as the step passes them.
 * **ModuleList contract** (Hugging Face, nanoGPT, torchtitan models): every layer becomes a stage of its
   own (:meth:`~.modulelist_contract.ModuleListContract.one_stage_per_layer`) and runs as the executor
   runs a stage, through the model's own forward: the first is fed the model call's first tensor (the
-  token ids), the others the hidden state (for ``balance="time"``, with any values a model passes beside it:
-  a tuple, which a profile of one tensor per layer refuses). The last answers the model's call inside the step, as the
-  last stage does, so its run holds what follows the loop (final norm, head) and, in fitting, the loss
-  (``LayerRuns.with_loss``); elsewhere the step's first tensor result (nothing to differentiate).
+  token ids), the others the hidden state (for ``balance="time"`` and ``schedule="auto"``, with any values
+  a model passes beside it: a tuple, which twobp-plan's run on the meta device refuses). The last answers
+  the model's call inside the step, as the last stage does, so its run holds what follows the loop (final
+  norm, head) and, in fitting, the loss (``LayerRuns.with_loss``); elsewhere the step's first tensor result
+  (nothing to differentiate).
 
 While open, what the step uses besides the layers (a ModuleList model's rotary embedding, buffers of the
 LightningModule) sits on the profiling device, the step's Metrics updates are put back after, and a
@@ -178,9 +179,10 @@ def _carried(stage: LoopStage, out: Any, several: bool) -> torch.Tensor | tuple[
     if not several:
         raise ValueError(
             f"{stage.next_block} takes {more} value(s) made on earlier layers besides the hidden state (a block "
-            f"that returns several hidden states, or an encoder's output that every block reads): schedule='auto' "
-            f"and twobp-plan measure the layers' memory one by one on a single tensor between them, which this model "
-            f"does not pass; name a schedule (e.g. schedule='zb-h1'); balance='time' times such layers"
+            f"that returns several hidden states, or an encoder's output that every block reads): twobp-plan runs "
+            f"the layers on the meta device from a single tensor between them, which this model does not pass; "
+            f"plan it on its devices with TwoBPStrategy(schedule='auto', memory_limit=...), which measures such "
+            f"layers, or name a schedule"
         )
     return carried
 
