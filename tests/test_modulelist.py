@@ -1044,6 +1044,15 @@ def test_discovery_and_its_errors():
     assert find_contract(normed).list_name == "encoder"  # its ParametrizationList is not a candidate
     with pytest.raises(ValueError, match="holds no nn.Sequential and no nn.ModuleList of blocks with parameters"):
         find_contract(nn.Linear(2, 2))
+    # blocks of two classes (Jamba's Mamba and attention layers) are named, with the option that pipelines them
+    hybrid = _holder(nn.ModuleList([nn.Linear(2, 2), nn.Conv1d(2, 2, 1), nn.Linear(2, 2)]))
+    with pytest.raises(
+        ValueError,
+        match=r"different classes are not taken on their own: blocks \(3 blocks: Conv1d, Linear\); if its "
+        r"forward loops over one, name it, e\.g\. layers='blocks'",
+    ):
+        find_contract(hybrid)
+    assert find_contract(hybrid, layers="blocks").list_name == "blocks"
     with pytest.raises(ValueError, match="not to an nn.Sequential or an nn.ModuleList"):
         find_contract(Two(), layers="encoder.0")
     with pytest.raises(ValueError, match="give one dotted path"):

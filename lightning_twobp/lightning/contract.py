@@ -199,7 +199,7 @@ def find_contract(module: nn.Module, layers: str | None = None) -> SequentialCon
         raise ValueError(
             f"{type(module).__name__} holds no nn.Sequential and no nn.ModuleList of blocks with parameters: keep the "
             f"blocks the model's forward loops over in an nn.ModuleList (self.blocks = nn.ModuleList(...)), or put "
-            f"the layers to pipeline in one nn.Sequential called once in each step"
+            f"the layers to pipeline in one nn.Sequential called once in each step{_mixed_lists(module)}"
         )
     lists = [(n, m) for n, m in found if isinstance(m, nn.ModuleList)]
     if not lists:
@@ -216,6 +216,27 @@ def find_contract(module: nn.Module, layers: str | None = None) -> SequentialCon
             f"'Values passed between stages')"
         )
     return ModuleListContract(module, *lists[0])
+
+
+def _mixed_lists(module: nn.Module) -> str:
+    """For the not-found error: the ModuleLists of blocks of several classes (Jamba's Mamba and attention
+    layers), which discovery passes over (a list of heads or experts is no stack of layers) but ``layers=``
+    pipelines, the longest first."""
+    mixed = [
+        (name, ml)
+        for name, ml in module.named_modules()
+        if isinstance(ml, nn.ModuleList) and len({type(m) for m in ml}) > 1 and next(ml.parameters(), None) is not None
+    ]
+    if not mixed:
+        return ""
+    mixed.sort(key=lambda nm: -len(nm[1]))
+    listed = ", ".join(
+        f"{name} ({len(ml)} blocks: {', '.join(sorted({type(m).__name__ for m in ml}))})" for name, ml in mixed[:3]
+    )
+    return (
+        f". Its ModuleLists of blocks of different classes are not taken on their own: {listed}; if its forward "
+        f"loops over one, name it, e.g. layers={mixed[0][0]!r}"
+    )
 
 
 def _outermost_pipelines(module: nn.Module) -> list[tuple[str, nn.Sequential | nn.ModuleList]]:
