@@ -469,19 +469,22 @@ def _time_then_validate(rank: int, world: int, **options) -> dict:
     return {"fit": fitted, "validate": strategy.stage_sizes, "same": same, "val": val}
 
 
-def _inplace_first(rank: int, world: int) -> dict:
-    """A stage that starts with an in-place ReLU (torchvision's blocks): each layer is profiled as its stage
-    runs it, the input cloned first (auto failed there with autograd's in-place error on a leaf)."""
-    from test_lightning_model import InplaceFirst
+def _profiled_as_it_runs(rank: int, world: int, model: str) -> dict:
+    """A Sequential ``model`` of test_lightning_model.py under balance="time" and auto: every weight after 3 steps.
+    InplaceFirst: a stage that starts with an in-place ReLU (torchvision's blocks): each layer is profiled as its
+    stage runs it, the input cloned first (auto failed there with autograd's in-place error on a leaf).
+    TupleBoundary: layers that pass (hidden, mask) on, and a step given the last one's tuple (auto failed on the
+    tuple: AttributeError)."""
+    import test_lightning_model
 
     from lightning_twobp import TwoBPStrategy
 
     lightning_env(rank, world)
     out = {}
     for name, options in {"time": {"balance": "time"}, "auto": {"schedule": "auto", "memory_limit": "1f1b"}}.items():
-        model, strategy = InplaceFirst(), TwoBPStrategy(gather_full_model=True, **options)
-        _trainer(strategy, world).fit(model, conftest.regression_data(32, batch_size=8))
-        out[name] = {n: q.detach().clone() for n, q in model.named_parameters()}
+        module, strategy = getattr(test_lightning_model, model)(), TwoBPStrategy(gather_full_model=True, **options)
+        _trainer(strategy, world).fit(module, conftest.regression_data(32, batch_size=8))
+        out[name] = {n: q.detach().clone() for n, q in module.named_parameters()}
     return out
 
 
@@ -524,7 +527,8 @@ HF_BF16 = "test_auto_profiles_the_layers_in_the_precisions_dtype"
 BLOCKS_BF16 = "test_auto_profiles_a_sequential_on_the_batch_the_precision_converts"
 LEFT = "test_auto_after_a_call_that_left_layers_elsewhere_is_refused_naming_the_fix"
 TIME_FAILS = "test_a_layer_that_fails_to_time_on_rank_0_fails_every_rank"
-INPLACE = "test_a_stage_starting_in_place_is_profiled_as_it_runs"
+INPLACE = "test_a_sequential_is_profiled_as_it_runs"
+PROFILED = ["InplaceFirst", "TupleBoundary"]
 TIME_ONCE = "test_balance_time_times_once_and_later_calls_cut_alike"
 TIMED_ONCE = [{"schedule": "1f1b"}, {"schedule": "auto", "memory_limit": "1f1b"}]  # auto with balance="time"
 
@@ -543,7 +547,8 @@ def two_ranks(request) -> conftest.Launch:
     cases[BLOCKS_BF16] = (_fit_auto, ("1f1b", torch.optim.AdamW, "blocks", "bf16-true"))
     cases[LEFT] = (_after_a_call_without_gather, ())
     cases[TIME_FAILS] = (_time_fails_on_rank_0, ())
-    cases[INPLACE] = (_inplace_first, ())
+    for model in PROFILED:
+        cases[f"{INPLACE}[{model}]"] = (_profiled_as_it_runs, (model,))
     for options in TIMED_ONCE:
         cases[f"{TIME_ONCE}[{options['schedule']}]"] = (functools.partial(_time_then_validate, **options), ())
     return launch(request, 2, cases, timeout=600)
@@ -651,12 +656,14 @@ def test_auto_after_a_call_that_left_layers_elsewhere_is_refused_naming_the_fix(
 
 
 @pytest.mark.dist
-def test_a_stage_starting_in_place_is_profiled_as_it_runs(two_ranks):
-    from test_lightning_model import InplaceFirst
+@pytest.mark.parametrize("model", PROFILED)
+def test_a_sequential_is_profiled_as_it_runs(two_ranks, request, model):
+    import test_lightning_model
 
-    reference = InplaceFirst()
+    torch.manual_seed(0)
+    reference = getattr(test_lightning_model, model)()
     _trainer("auto", 1).fit(reference, conftest.regression_data(32, batch_size=8))
-    for out in two_ranks[INPLACE]:
+    for out in two_ranks[request.node.name]:
         for name in ("time", "auto"):
             for n, q in reference.named_parameters():
                 torch.testing.assert_close(out[name][n], q.detach(), rtol=1e-5, atol=1e-6, msg=f"{name} {n}")

@@ -234,15 +234,16 @@ class _Loss(nn.Module):
         super().__init__()
         self.runner = runner
 
-    def forward(self, output: torch.Tensor) -> torch.Tensor:
-        return self.runner.loss(output, 0)
+    def forward(self, *output: torch.Tensor) -> torch.Tensor:
+        # a Sequential whose last layer returns a tuple: the step is given the tuple, as the executor gives it
+        return self.runner.loss(output[0] if len(output) == 1 else output, 0)
 
 
-def _profile_loss(runner: StepRunner, runs: LayerRuns, output: torch.Tensor, repeats: int) -> LayerCost:
-    """The loss as the last stage runs it, on the last layer's ``output`` (inside :func:`.layer_runs`: the
-    micro-batch on the device, the Metrics it updates put back after)."""
+def _profile_loss(runner: StepRunner, runs: LayerRuns, output: Any, repeats: int) -> LayerCost:
+    """The loss as the last stage runs it, on the last layer's ``output`` (a tensor, or a tuple of them; inside
+    :func:`.layer_runs`: the micro-batch on the device, the Metrics it updates put back after)."""
     loss = runs.in_forward_context(_Loss(runner))
-    return layer_cost(timed_footprint(loss, output, output.is_floating_point(), runs.device, repeats), 0.0)
+    return layer_cost(timed_footprint(loss, output, True, runs.device, repeats), 0.0)
 
 
 def _profile_layers(runs: LayerRuns, device: torch.device, repeats: int) -> tuple[list, float, torch.Tensor]:
