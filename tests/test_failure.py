@@ -21,7 +21,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from lightning_twobp import TwoBPStrategy
-from lightning_twobp.engine.failure import PeerFailed, check_links_open, close_links, process_state
+from lightning_twobp.engine.failure import PeerFailed, _cause, check_links_open, close_links, process_state
 from lightning_twobp.lightning.failures import note_epoch_end
 from lightning_twobp.processes import free_port, rank_env, run_distributed
 
@@ -156,6 +156,17 @@ def test_one_ranks_error_ends_every_rank_naming_it(tmp_path, model, cause):
         assert saved == ["epoch=0-step=1.ckpt", "last.ckpt"], saved
     if model == "measuring":
         assert saved == [], saved
+
+
+def test_the_other_ranks_are_told_a_refusals_first_line_whole():
+    """A refusal names its fix at the end of a long first line (a ModuleList contract's run to 900 characters):
+    the 400 the other ranks were told cut it off mid-word."""
+    long = "ElsewhereError: " + "the reason, " * 70 + "and the fix: do this"
+    assert _cause(RuntimeError("rank 0 failed")) == "RuntimeError: rank 0 failed"
+    told = _cause(ValueError(long + "\nthe traceback's lines"))
+    assert told == f"ValueError: {long}" and len(told) > 800
+    cut = _cause(ValueError("word " * 600))
+    assert cut.endswith("word [...]") and len(cut) <= 2000 + 6
 
 
 def test_the_store_is_reachable_where_torch_keeps_it():

@@ -866,11 +866,15 @@ class LoopRegressor(pl.LightningModule):
     def __init__(self, kind: str = "") -> None:
         super().__init__()
         torch.manual_seed(0)
+        if kind == "embedded-in-step":
+            self.embed = nn.Linear(6, 6)  # the step embeds, the model is given inputs_embeds
         self.model = Loop(kind)
         self.kind = kind
 
     def training_step(self, batch, batch_idx):
         x, y = batch
+        if self.kind == "embedded-in-step":
+            x = self.embed(x)
         out = self.model(x, offset=float(x[0, 0])) if self.kind == "data-flag" else self.model(x)
         if self.kind == "twice":
             out = out + self.model(x)
@@ -913,7 +917,7 @@ ERRORS = {
     "skip": r"model.blocks\[2\] was called when block 1 was next",
     "registered-late": (
         r"model.embed is called before model.blocks\[0\] in the model's forward, but it is registered after "
-        r"model.blocks, so it was placed on the last pipeline stage"
+        r"model.blocks, so it was placed on the last pipeline stage.*re-register model.blocks and the modules"
     ),
     "registered-early": (
         r"model.norm is called after model.blocks\[3\] .* registered before model.blocks, so it was placed on the "
@@ -948,6 +952,9 @@ ERRORS = {
         r"an argument of it \(model.blocks\[2\]\) was computed by model.blocks\[0\] \(pipeline stage 0\)"
     ),
     "twice": r"the step called model a second time",
+    # Qwen3 given inputs_embeds the step computed: the message names the module's weight
+    "embedded-in-step": r"an argument of model requires grad: a module with parameters runs before it in the step "
+    r"\(computed from embed.bias, embed.weight\)",
     # two hidden states between blocks: both sent on (exact against one process: test_modulelist_models_match_...)
     "residual": "trained",
     # a module's output beside the hidden state that the next stage computes itself: sent, and used
@@ -1053,6 +1060,17 @@ def test_discovery_and_its_errors():
     ):
         find_contract(hybrid)
     assert find_contract(hybrid, layers="blocks").list_name == "blocks"
+    # Zamba2: a block of the mixed list holds a ModuleList, shared by two blocks (two names): not taken on its own
+    shared = nn.Module()
+    shared.adapters = nn.ModuleList(nn.Linear(2, 2) for _ in range(2))
+    zamba = _holder(nn.ModuleList([nn.Linear(2, 2), nn.Module(), nn.Module()]))
+    zamba.blocks[1].shared, zamba.blocks[2].shared = shared, shared
+    with pytest.raises(
+        ValueError,
+        match=r"blocks of different classes in blocks \(3 blocks: Linear, Module\), and inside them "
+        r"blocks.1.shared.adapters, blocks.2.shared.adapters: name the blocks .* e\.g\. layers='blocks'",
+    ):
+        find_contract(zamba)
     with pytest.raises(ValueError, match="not to an nn.Sequential or an nn.ModuleList"):
         find_contract(Two(), layers="encoder.0")
     with pytest.raises(ValueError, match="give one dotted path"):
@@ -1060,6 +1078,20 @@ def test_discovery_and_its_errors():
     shared = nn.Linear(2, 2)
     with pytest.raises(ValueError, match="holds the same module more than once"):
         find_contract(_holder(nn.ModuleList([shared, shared])), layers="blocks")
+
+
+def test_a_misplaced_module_beside_a_tower_names_the_tower_to_move():
+    """CLIP pipelining its text tower's layers: the vision tower, registered after the text tower and called
+    before it, is fixed by moving the text tower (the child of their parent), not its layers."""
+    root = nn.Module()
+    root.model = nn.Module()
+    root.model.tower = _holder(nn.ModuleList([nn.Linear(2, 2), nn.Linear(2, 2)]))
+    root.model.tower.norm = nn.LayerNorm(2)
+    root.model.vision = nn.Linear(2, 2)
+    contract = find_contract(root, layers="model.tower.blocks")
+    assert contract._holding_blocks("model.vision") == "model.tower"
+    assert contract._holding_blocks("model.tower.norm") == "model.tower.blocks"
+    assert find_contract(_holder(nn.ModuleList([nn.Linear(2, 2)])))._holding_blocks("embed") == "blocks"
 
 
 def _holder(blocks: nn.ModuleList) -> nn.Module:

@@ -63,13 +63,20 @@ def lost_peer(error: BaseException) -> bool:
     return False
 
 
+_SAID = 2000  # characters of the first failure's message the other ranks are told (a refusal's first line whole)
+
+
 def _cause(error: BaseException) -> str:
     """The innermost cause, as ``Type: first line``."""
     root = error
     while root.__cause__ is not None and not isinstance(root, PeerLost):  # PeerLost names the rank; gloo not
         root = root.__cause__
     lines = str(root).strip().splitlines()
-    return f"{type(root).__name__}: {lines[0] if lines else ''}"[:400]
+    said = f"{type(root).__name__}: {lines[0] if lines else ''}"
+    if len(said) <= _SAID:
+        return said
+    # our refusals name the fix at the end of a long first line: keep most of it, cut between words
+    return said[:_SAID].rsplit(" ", 1)[0] + " [...]"
 
 
 def close_links(reason: str, groups: list[Any] | None = None) -> int:

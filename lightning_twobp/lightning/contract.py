@@ -201,6 +201,7 @@ def find_contract(module: nn.Module, layers: str | None = None) -> SequentialCon
             f"blocks the model's forward loops over in an nn.ModuleList (self.blocks = nn.ModuleList(...)), or put "
             f"the layers to pipeline in one nn.Sequential called once in each step{_mixed_lists(module)}"
         )
+    _refuse_inside_mixed(module, found)
     lists = [(n, m) for n, m in found if isinstance(m, nn.ModuleList)]
     if not lists:
         return SequentialContract(*find_sequential(module))
@@ -218,24 +219,46 @@ def find_contract(module: nn.Module, layers: str | None = None) -> SequentialCon
     return ModuleListContract(module, *lists[0])
 
 
-def _mixed_lists(module: nn.Module) -> str:
-    """For the not-found error: the ModuleLists of blocks of several classes (Jamba's Mamba and attention
-    layers), which discovery passes over (a list of heads or experts is no stack of layers) but ``layers=``
-    pipelines, the longest first."""
+def _mixed(module: nn.Module) -> list[tuple[str, nn.ModuleList]]:
+    """The ModuleLists of blocks of several classes with parameters (Jamba's Mamba and attention layers), the
+    longest first: discovery does not take them (a list of heads or experts is no stack of layers), ``layers=``
+    does."""
     mixed = [
         (name, ml)
         for name, ml in module.named_modules()
         if isinstance(ml, nn.ModuleList) and len({type(m) for m in ml}) > 1 and next(ml.parameters(), None) is not None
     ]
-    if not mixed:
-        return ""
-    mixed.sort(key=lambda nm: -len(nm[1]))
-    listed = ", ".join(
+    return sorted(mixed, key=lambda nm: -len(nm[1]))
+
+
+def _listed(mixed: list[tuple[str, nn.ModuleList]]) -> str:
+    return ", ".join(
         f"{name} ({len(ml)} blocks: {', '.join(sorted({type(m).__name__ for m in ml}))})" for name, ml in mixed[:3]
     )
+
+
+def _mixed_lists(module: nn.Module) -> str:
+    """For the not-found error: the ModuleLists of blocks of several classes, and the ``layers=`` that takes one."""
+    mixed = _mixed(module)
+    if not mixed:
+        return ""
     return (
-        f". Its ModuleLists of blocks of different classes are not taken on their own: {listed}; if its forward "
-        f"loops over one, name it, e.g. layers={mixed[0][0]!r}"
+        f". Its ModuleLists of blocks of different classes are not taken on their own: {_listed(mixed)}; if its "
+        f"forward loops over one, name it, e.g. layers={mixed[0][0]!r}"
+    )
+
+
+def _refuse_inside_mixed(module: nn.Module, found: Sequence[tuple[str, nn.Module]]) -> None:
+    """A candidate inside a block of a ModuleList of several classes of blocks is not taken on its own: Zamba2's
+    layers hold a shared block whose adapter list, reached by two names, was all discovery found there."""
+    mixed = _mixed(module)
+    inside = [(n, m) for n, m in found if any(n.startswith(f"{name}.") for name, _ in mixed)]
+    if not inside:
+        return
+    names = ", ".join(dict.fromkeys(n for n, _ in inside))
+    raise ValueError(
+        f"{type(module).__name__} holds blocks of different classes in {_listed(mixed)}, and inside them {names}: "
+        f"name the blocks its forward loops over with layers=..., e.g. layers={mixed[0][0]!r}"
     )
 
 

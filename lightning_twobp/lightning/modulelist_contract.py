@@ -114,6 +114,27 @@ def caches_off(modules: Iterable[nn.Module], why: str | None = None) -> Callable
     return undo
 
 
+def _made_from(tensors: Sequence[torch.Tensor], root: nn.Module, most: int = 10_000) -> str:
+    """For a refusal: the parameters of ``root`` that ``tensors`` were computed from in the step (their graphs'
+    leaves, up to ``most`` nodes), as " (from model.embed_tokens.weight)"; "" where none is found."""
+    # the class's own walk: during the step a holder's named_parameters refuses to be read to the end (step.py)
+    names = {id(q): n for n, q in nn.Module.named_parameters(root)}
+    seen: set[Any] = set()
+    stack: list[Any] = [t.grad_fn for t in tensors]
+    found: list[str] = []
+    while stack and len(seen) < most:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        leaf = getattr(node, "variable", None)  # an AccumulateGrad node's parameter
+        if leaf is not None and id(leaf) in names:
+            found.append(names[id(leaf)])
+        stack.extend(n for n, _ in node.next_functions)
+    found += [names[id(t)] for t in tensors if t.grad_fn is None and id(t) in names]  # a parameter itself
+    return f" (computed from {', '.join(sorted(set(found))[:3])})" if found else ""
+
+
 def identical_blocks(ml: nn.ModuleList) -> bool:
     """Whether ``ml`` holds blocks of one class that have parameters: what automatic discovery pipelines
     (a ModuleList of metrics or of parameter-free modules is not a stack of layers, nor is the
@@ -515,12 +536,12 @@ class ModuleListContract:
         flat, spec = pytree.tree_flatten((args, kwargs))
         positions = [k for k, x in enumerate(flat) if isinstance(x, torch.Tensor)]
         tensors = [flat[k] for k in positions]
-        grads = [k for k, t in zip(positions, tensors, strict=False) if t.requires_grad]
+        grads = [t for t in tensors if t.requires_grad]
         if grads:
             raise ValueError(
-                f"an argument of {path or 'self'} requires grad: a module with parameters runs before it in the step, "
-                f"which the pipeline cannot train; call that module inside the model's forward (before the loop "
-                f"over {self.list_name})"
+                f"an argument of {path or 'self'} requires grad: a module with parameters runs before it in the step"
+                f"{_made_from(grads, self.root)}, which the pipeline cannot train; call that module inside the "
+                f"model's forward (before the loop over {self.list_name})"
             )
         device = tensors[0].device if tensors else _device_of(owner)
         calls = self._step_calls()
@@ -752,18 +773,18 @@ class ModuleListContract:
     def _check_real(self, i: int, x: Any, what: str) -> None:
         if isinstance(x, Elsewhere):
             raise ElsewhereError(
-                f"{what} ({self.list_name}[{i}]) was computed by {x.where}, which is not on this pipeline stage: "
-                f"under strategy='twobp' what passes between stages is the hidden state and the other values the next "
-                f"stage's first block is given as they came out of a block or out of a module called before the "
-                f"blocks (several hidden states, an encoder's output given to every block); a value given to later "
-                f"blocks only (one per block, made before the loop), or computed outside a module (`scale = "
-                f"h.mean()`, `memory * 2`), is not sent: compute it inside the block or module that uses it. Other "
-                f"side inputs must come from the batch (masks, positions, rotary embeddings). Not supported: blocks "
-                f"that hand values "
-                f"to later blocks through a side input they write into (e.g. Gemma4's keys and values shared across "
-                f"layers, num_kv_shared_layers > 0), and modules with parameters between blocks: they run either "
-                f"before the loop (registered before {self.list_name}: the first stage) or after it (registered "
-                f"after: the last stage)"
+                f"{what} ({self.list_name}[{i}]) was computed by {x.where}, or from its output outside any module, "
+                f"which is not on this pipeline stage: under strategy='twobp' what passes between stages is the hidden "
+                f"state and the other values the next stage's first block is given as they came out of a block or out "
+                f"of a module called before the blocks (several hidden states, an encoder's output given to every "
+                f"block); a value given to later blocks only (one per block, made before the loop), or computed "
+                f"outside a module (`scale = h.mean()`, `memory * 2`, Zamba's `torch.clone(inputs_embeds)` for its "
+                f"shared blocks), is not sent: compute it inside the block or module that uses it. Other side inputs "
+                f"must come from the batch (masks, positions, rotary embeddings). Not supported: blocks that hand "
+                f"values to later blocks through a side input they write into (e.g. Gemma4's keys and values shared "
+                f"across layers, num_kv_shared_layers > 0), and modules with parameters between blocks: they run "
+                f"either before the loop (registered before {self.list_name}: the first stage) or after it "
+                f"(registered after: the last stage)"
             )
 
     def _key(self, i: int, args: tuple, kwargs: dict) -> tuple:
@@ -919,8 +940,8 @@ class ModuleListContract:
             f"re-register it after the blocks before the Trainer call (`m = self.{path}; del self.{path}; "
             f"self.{path} = m` moves it last in its parent's registration order)"
             if before
-            else f"re-register {self.list_name} and the modules registered after it that run after the loop (a "
-            f"`del` then a setattr moves a module last in its parent's registration order)"
+            else f"re-register {self._holding_blocks(path)} and the modules registered after it that run after the "
+            f"loop (a `del` then a setattr moves a module last in its parent's registration order)"
         )
         return RuntimeError(
             f"{path} is called {called} in the model's forward, but it is registered {side} {self.list_name}, so "
@@ -929,6 +950,14 @@ class ModuleListContract:
             f"last); {self._stage_label(run.stage.index)} runs that call without it. Make the registration order "
             f"follow the call order: {fix}"
         )
+
+    def _holding_blocks(self, path: str) -> str:
+        """The module beside ``path`` (a child of the same parent) that holds the blocks: what moves after it in
+        that parent's registration order (the blocks themselves, or a tower around them: CLIP's text_model when
+        its vision_model, registered after it, runs first)."""
+        parent = path.rpartition(".")[0]
+        inside = self.list_name[len(parent) + 1 :] if parent else self.list_name
+        return f"{parent}.{inside.split('.')[0]}" if parent else inside.split(".")[0]
 
     def _stage_label(self, k: int) -> str:
         """Stage ``k`` in a message: while the layers are profiled (one_stage_per_layer), layer k's own."""
