@@ -334,10 +334,11 @@ def _check_blocks_fill(contract: Any, num_stages: int) -> None:
     if isinstance(contract, ModuleListContract) and n < num_stages:
         raise ValueError(
             f"{contract.list_name} holds {n} block(s), fewer than the {num_stages} pipeline stages: under "
-            f"strategy='twobp' the stages are cut between the blocks of that ModuleList, each block on one stage. "
+            f"strategy='twobp' the stages are cut between the blocks of that ModuleList, each block on one stage: "
+            f"use at most {n} stage(s) (a V schedule has two per rank), or name a longer list of blocks with layers=. "
             f"A model that calls the same block several times in its loop (weights shared across layers, as "
-            f"ALBERT's num_hidden_groups=1) cannot be cut between those calls; use at most {n} stage(s), or a model "
-            f"with a block per layer (ALBERT: num_hidden_groups=num_hidden_layers, which unshares the weights)"
+            f"ALBERT's num_hidden_groups=1) cannot be cut between those calls: give it a block per layer (ALBERT: "
+            f"num_hidden_groups=num_hidden_layers, which unshares the weights)"
         )
 
 
