@@ -167,6 +167,7 @@ def test_the_other_ranks_are_told_a_refusals_first_line_whole():
     assert told == f"ValueError: {long}" and len(told) > 800
     cut = _cause(ValueError("word " * 600))
     assert cut.endswith("word [...]") and len(cut) <= 2000 + 6
+    assert _cause(ValueError("x" * 3000)) == "ValueError: " + "x" * (2000 - 12) + " [...]"  # no word to cut at
 
 
 def test_the_store_is_reachable_where_torch_keeps_it():

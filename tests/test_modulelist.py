@@ -1060,17 +1060,26 @@ def test_discovery_and_its_errors():
     ):
         find_contract(hybrid)
     assert find_contract(hybrid, layers="blocks").list_name == "blocks"
-    # Zamba2: a block of the mixed list holds a ModuleList, shared by two blocks (two names): not taken on its own
-    shared = nn.Module()
-    shared.adapters = nn.ModuleList(nn.Linear(2, 2) for _ in range(2))
+    # Zamba2: hybrid blocks of the mixed list each hold an adapter ModuleList: the mixed list is offered too, and is
+    # the example (it was an adapter list)
     zamba = _holder(nn.ModuleList([nn.Linear(2, 2), nn.Module(), nn.Module()]))
-    zamba.blocks[1].shared, zamba.blocks[2].shared = shared, shared
+    for hybrid in zamba.blocks[1:]:
+        hybrid.adapters = nn.ModuleList(nn.Linear(2, 2) for _ in range(2))
     with pytest.raises(
         ValueError,
-        match=r"blocks of different classes in blocks \(3 blocks: Linear, Module\), and inside them "
-        r"blocks.1.shared.adapters, blocks.2.shared.adapters: name the blocks .* e\.g\. layers='blocks'",
+        match=r"holds 2 candidates for the pipeline \(blocks.1.adapters \(ModuleList, 2 layers\), blocks.2.adapters "
+        r"\(ModuleList, 2 layers\); around them, blocks of different classes: blocks \(3 blocks: Linear, Module\)\)"
+        r": name the one .* e\.g\. layers='blocks'",
     ):
         find_contract(zamba)
+    # a backbone's blocks inside nn.ModuleList([backbone, head]) are found once: still the pipeline
+    wrapper = _holder(nn.ModuleList([_holder(nn.ModuleList(nn.Linear(2, 2) for _ in range(2))), nn.Linear(2, 2)]))
+    assert find_contract(wrapper).list_name == "blocks.0.blocks"
+    # an encoder and a decoder in one list, each with its blocks: the example is still a list of blocks
+    towers = _holder(nn.ModuleList([_holder(nn.ModuleList(nn.Linear(2, 2) for _ in range(3))), nn.Conv1d(2, 2, 1)]))
+    towers.blocks[1].blocks = nn.ModuleList(nn.Linear(2, 2) for _ in range(3))
+    with pytest.raises(ValueError, match=r"holds 2 candidates .* e\.g\. layers='blocks.0.blocks'.*encoder-decoder"):
+        find_contract(towers)
     with pytest.raises(ValueError, match="not to an nn.Sequential or an nn.ModuleList"):
         find_contract(Two(), layers="encoder.0")
     with pytest.raises(ValueError, match="give one dotted path"):

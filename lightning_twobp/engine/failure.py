@@ -75,8 +75,9 @@ def _cause(error: BaseException) -> str:
     said = f"{type(root).__name__}: {lines[0] if lines else ''}"
     if len(said) <= _SAID:
         return said
-    # our refusals name the fix at the end of a long first line: keep most of it, cut between words
-    return said[:_SAID].rsplit(" ", 1)[0] + " [...]"
+    # our refusals name the fix at the end of a long first line: keep most of it, cut between words if one is near
+    cut = said[:_SAID].rsplit(" ", 1)[0]
+    return (cut if len(cut) > _SAID // 2 else said[:_SAID]) + " [...]"
 
 
 def close_links(reason: str, groups: list[Any] | None = None) -> int:

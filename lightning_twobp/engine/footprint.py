@@ -82,7 +82,8 @@ def measure_layer(
         return t
 
     stage = Stage(layer)
-    inp = tuple(_input(t, needs_input_grad) for t in (x if isinstance(x, tuple) else (x,)))
+    several = isinstance(x, tuple)
+    inp = tuple(_input(t, needs_input_grad, several) for t in (x if several else (x,)))
     t0 = now()
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = stage.forward(0, *inp)
@@ -90,10 +91,12 @@ def measure_layer(
     act = sum(saved.values())
     outs = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
     saved_input = _bytes_of(inp, saved)
-    saves_output = all(storage_key(t) in saved for t in outs if t.requires_grad) and any(t.requires_grad for t in outs)
+    # every value saved, or the next layer's saved input (all of its values) must not be taken off as counted here
+    saves_output = all(storage_key(t) in saved for t in outs) and any(t.requires_grad for t in outs)
     sizes = (tuple(outs[0].shape), outs[0].dtype)
     nbytes = sum(t.numel() * t.element_size() for t in outs)
-    detached = pytree.tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, out)
+    # several values keep their requires_grad (a mask made from the inputs has none), as the next stage receives them
+    detached = pytree.tree_map(lambda t: _detached(t, several or isinstance(out, tuple)), out)
     if not stage.in_flight or not stage._pending[0].outputs:  # nothing to differentiate: F's work only
         stage.discard()
         seconds = (t1 - t0, 0.0, 0.0, 0.0)
@@ -124,11 +127,20 @@ def measure_layer(
     )
 
 
-def _input(t: Any, needs_grad: bool) -> Any:
-    """An input as the stage receives it: detached, requiring grad where it is floating and B computes one."""
+def _input(t: Any, needs_grad: bool, several: bool) -> Any:
+    """An input as the stage receives it: detached, requiring grad where B computes one: a floating-point one
+    alone, or one of ``several`` that required grad where it was made (:func:`_detached` kept the flag)."""
     if not isinstance(t, torch.Tensor):
         return t
-    return t.detach().requires_grad_(needs_grad and (t.is_floating_point() or t.is_complex()))
+    grad = needs_grad and (t.is_floating_point() or t.is_complex()) and (t.requires_grad or not several)
+    return t.detach().requires_grad_(grad)
+
+
+def _detached(t: Any, keep_flag: bool) -> Any:
+    """F's output value, detached; with ``keep_flag``, a leaf that requires grad where the value did."""
+    if not isinstance(t, torch.Tensor):
+        return t
+    return t.detach().requires_grad_(keep_flag and t.requires_grad)
 
 
 def _ones_for(outs: Sequence[torch.Tensor]) -> list[torch.Tensor]:

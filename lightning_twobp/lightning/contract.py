@@ -201,14 +201,18 @@ def find_contract(module: nn.Module, layers: str | None = None) -> SequentialCon
             f"blocks the model's forward loops over in an nn.ModuleList (self.blocks = nn.ModuleList(...)), or put "
             f"the layers to pipeline in one nn.Sequential called once in each step{_mixed_lists(module)}"
         )
-    _refuse_inside_mixed(module, found)
     lists = [(n, m) for n, m in found if isinstance(m, nn.ModuleList)]
     if not lists:
         return SequentialContract(*find_sequential(module))
     if len(found) > 1:
         listed = ", ".join(f"{n} ({type(m).__name__}, {len(m)} layers)" for n, m in found)
+        # Candidates inside the blocks of a list of several classes (Zamba2's hybrid layers, each holding an adapter
+        # list) may be parts of those blocks: that list is an option too.
+        around = [(n, ml) for n, ml in _mixed(module) if any(c.startswith(f"{n}.") for c, _ in found)]
+        if around:
+            listed += f"; around them, blocks of different classes: {_listed(around)}"
         # the example: the longest ModuleList (Gemma3n's first by name, altup_projections, holds 1 projection)
-        example = max(lists, key=lambda nm: len(nm[1]))[0]
+        example = max([*lists, *around], key=lambda nm: len(nm[1]))[0]
         raise ValueError(
             f"{type(module).__name__} holds {len(found)} candidates for the pipeline ({listed}): name the one to "
             f"pipeline with layers=..., e.g. layers={example!r} for the blocks its forward loops over; the others "
@@ -245,20 +249,6 @@ def _mixed_lists(module: nn.Module) -> str:
     return (
         f". Its ModuleLists of blocks of different classes are not taken on their own: {_listed(mixed)}; if its "
         f"forward loops over one, name it, e.g. layers={mixed[0][0]!r}"
-    )
-
-
-def _refuse_inside_mixed(module: nn.Module, found: Sequence[tuple[str, nn.Module]]) -> None:
-    """A candidate inside a block of a ModuleList of several classes of blocks is not taken on its own: Zamba2's
-    layers hold a shared block whose adapter list, reached by two names, was all discovery found there."""
-    mixed = _mixed(module)
-    inside = [(n, m) for n, m in found if any(n.startswith(f"{name}.") for name, _ in mixed)]
-    if not inside:
-        return
-    names = ", ".join(dict.fromkeys(n for n, _ in inside))
-    raise ValueError(
-        f"{type(module).__name__} holds blocks of different classes in {_listed(mixed)}, and inside them {names}: "
-        f"name the blocks its forward loops over with layers=..., e.g. layers={mixed[0][0]!r}"
     )
 
 
