@@ -2,7 +2,8 @@
 
 Every rank gets one intra-op thread, a fresh free port (also in its MASTER_ADDR and MASTER_PORT), and a
 hard timeout: a rank that fails or hangs stops the whole group and the parent raises with the rank's
-traceback, never waits forever.
+traceback, never waits forever. A port another process takes between :func:`free_port` and rank 0's bind
+(jobs run side by side) makes a new launch on a new port, up to three, rather than an error.
 """
 
 from __future__ import annotations
@@ -43,13 +44,20 @@ def _worker(
     # The group's address, for code that reads it as torchrun sets it (Lightning's environment).
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     try:
-        dist.init_process_group(
-            "gloo",
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=rank,
-            world_size=world,
-            timeout=datetime.timedelta(seconds=timeout),
-        )
+        try:
+            dist.init_process_group(
+                "gloo",
+                init_method=f"tcp://127.0.0.1:{port}",
+                rank=rank,
+                world_size=world,
+                timeout=datetime.timedelta(seconds=timeout),
+            )
+        except dist.DistNetworkError as e:
+            if "EADDRINUSE" not in str(e):
+                raise
+            # another process took the port between free_port and the bind: nothing ran, launch again
+            queue.put((rank, "port", str(e)))
+            return
         try:
             # Pickled here, not by the queue: torch's queue reducers share tensors through file
             # descriptors that die with this process, which exits right after.
@@ -67,6 +75,24 @@ def run_distributed(
     rank. ``fn`` must be importable (defined at module level). Raises if any rank fails or the group
     does not finish within ``timeout`` seconds. After a rank fails, the others have ``grace`` seconds
     (at least 10 after one dies without a report) to report theirs before they are stopped."""
+    for _ in range(_PORT_TRIES - 1):
+        try:
+            return _launch(fn, world_size, args, timeout, threads, grace)
+        except _PortTaken:
+            continue
+    return _launch(fn, world_size, args, timeout, threads, grace)
+
+
+_PORT_TRIES = 3  # launches when the rendezvous port is taken before rank 0 binds it (concurrent jobs)
+
+
+class _PortTaken(Exception):
+    """Rank 0 could not bind the rendezvous port: another process took it after :func:`free_port`."""
+
+
+def _launch(
+    fn: Callable[..., Any], world_size: int, args: tuple, timeout: float, threads: int, grace: float
+) -> list[Any]:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
@@ -101,12 +127,14 @@ def run_distributed(
                 continue
             if status == "ok":
                 results[rank] = pickle.loads(value)
+            elif status == "port" and not results:
+                raise _PortTaken(value)
             else:
                 errors.append(f"--- rank {rank} ---\n{value}")
                 # The others may be blocked on the failed rank: give them a few seconds to report
                 # their side (often "connection closed"), then stop them.
                 deadline = min(deadline, datetime.datetime.now() + datetime.timedelta(seconds=grace))
-    finally:
+    finally:  # every rank stopped (killed where it waits on a failed one, or on a port another process took)
         for p in procs:
             p.join(timeout=0 if errors or len(results) < world_size else 10)
             if p.is_alive():

@@ -170,6 +170,27 @@ def test_the_other_ranks_are_told_a_refusals_first_line_whole():
     assert _cause(ValueError("x" * 3000)) == "ValueError: " + "x" * (2000 - 12) + " [...]"  # no word to cut at
 
 
+def _rank_of(rank: int, world: int) -> int:
+    return rank
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(120)
+def test_a_rendezvous_port_taken_by_another_process_is_launched_again(monkeypatch):
+    """Tests side by side: another process bound the port free_port returned before rank 0 did, and a whole
+    module's launch failed (EADDRINUSE, 21 errors in one run). Now a new launch on a new port."""
+    import lightning_twobp.processes as processes
+
+    fresh = processes.free_port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        ports = iter([taken.getsockname()[1]])
+        monkeypatch.setattr(processes, "free_port", lambda: next(ports, None) or fresh())
+        assert run_distributed(_rank_of, 2, timeout=60) == [0, 1]
+        assert next(ports, None) is None  # the taken port was tried first
+
+
 def test_the_store_is_reachable_where_torch_keeps_it():
     """The one private torch API the failure channel uses: fails here when a torch release moves it."""
     assert callable(dist.distributed_c10d._get_default_store)
