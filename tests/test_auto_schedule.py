@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import warnings
@@ -12,6 +13,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from lightning_twobp.engine.footprint import storage_key
 from lightning_twobp.schedules import build_schedule, simulate
 from lightning_twobp.schedules.auto import (
     LayerCost,
@@ -295,20 +297,42 @@ def _loader() -> DataLoader:
 
 
 class _Peak(pl.Callback):
-    """The bytes autograd holds during each training step, live (SavedBytes), parameters excluded."""
+    """The bytes the step holds above the weights, gradients and optimizer state, sampled after every F, B, W and
+    BW as ``twobp-bench --memory-model`` samples them: what autograd saved (SavedBytes, parameters excluded),
+    what the stages keep for their micro-batches and for W, the receive buffers and the sends held
+    (``footprint.held_storages``). The autograd side alone, as this meter was, missed the gradients B keeps
+    for W under a split schedule. Left out: the step's 8-byte signature stage 0's rank sends the others
+    (``P2P.signature_changed``), which the tensors' model does not count."""
 
     def __init__(self) -> None:
         self.peak = 0
+        self.saved_peak = 0
         self._meter = None
+        self._executor = None
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         from lightning_twobp.lightning.autoschedule import SavedBytes
 
+        self._executor = trainer.strategy._pipeline.executor
+        self._executor._around = self._around  # what the bench's executor is built with
         self._meter = SavedBytes(exclude=list(pl_module.parameters())).__enter__()
+
+    @contextlib.contextmanager
+    def _around(self, stage: int):
+        from lightning_twobp.engine.footprint import held_storages, receive_buffers
+        from lightning_twobp.engine.p2p import _SIGNATURE_TAG
+
+        yield
+        ex = self._executor
+        params = {storage_key(q) for s in ex.stages.values() for q in s.module.parameters()}
+        header = {storage_key(t) for t in ex._p2p._sends.get(_SIGNATURE_TAG, ((), (), ()))[2]}
+        held = held_storages(ex.stages, receive_buffers(ex), ex.outgoing())
+        live = {k: v for k, v in {**held, **self._meter.live}.items() if k not in params | header}
+        self.peak = max(self.peak, sum(live.values()))
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self._meter.__exit__(None, None, None)
-        self.peak = max(self.peak, self._meter.peak)
+        self.saved_peak = max(self.saved_peak, self._meter.peak)
 
 
 def _trainer(strategy, devices: int, **kw) -> pl.Trainer:
@@ -394,7 +418,7 @@ def _fit_auto(
         "limit": choice.limit,
         "predicted": choice.best.peak_bytes[strategy.pp_rank],
         "measured": fixed + state + peak.peak,
-        "saved": peak.peak,
+        "saved": peak.saved_peak,
         "optimizer_predicted": choice.best.optimizer_bytes[strategy.pp_rank],
         "optimizer_measured": state,
         "params": {n: q.detach().clone() for n, q in model.named_parameters() if not q.is_meta},
