@@ -116,7 +116,7 @@ def caches_off(modules: Iterable[nn.Module], why: str | None = None) -> Callable
 
 def _made_from(tensors: Sequence[torch.Tensor], root: nn.Module, most: int = 10_000) -> str:
     """For a refusal: the parameters of ``root`` that ``tensors`` were computed from in the step (their graphs'
-    leaves, up to ``most`` nodes), as " (from model.embed_tokens.weight)"; "" where none is found."""
+    leaves, up to ``most`` nodes), as " (computed from model.embed_tokens.weight)"; "" where none is found."""
     # the class's own walk: during the step a holder's named_parameters refuses to be read to the end (step.py)
     names = {id(q): n for n, q in nn.Module.named_parameters(root)}
     seen: set[Any] = set()
