@@ -80,7 +80,14 @@ def run_distributed(
             return _launch(fn, world_size, args, timeout, threads, grace)
         except _PortTaken:
             continue
-    return _launch(fn, world_size, args, timeout, threads, grace)
+    try:
+        return _launch(fn, world_size, args, timeout, threads, grace)
+    except _PortTaken as e:
+        raise RuntimeError(
+            f"rank 0 could not bind a free port for the rendezvous in {_PORT_TRIES} launches: another process took "
+            f"each one between its choice and the bind (many jobs starting at once on this machine); run again, or "
+            f"fewer jobs at a time. The last: {e}"
+        ) from e
 
 
 _PORT_TRIES = 3  # launches when the rendezvous port is taken before rank 0 binds it (concurrent jobs)

@@ -149,11 +149,11 @@ def test_timed_bw_crosses_the_agreed_table():
     cost = layer_cost(fp, 64.0)
     assert cost.bw is not None and cost.bw > 0
     assert _from_row(_to_row(cost)) == cost
-    # not measured: the table carries B + W, which is what None means
-    unmeasured = LayerCost(f=1.0, b=2.0, w=0.5, graph_kept=True)
+    # not measured: the table carries B + W, which is what None means (and output_held as output)
+    unmeasured = LayerCost(f=1.0, b=2.0, w=0.5, graph_kept=True, output=8.0)
     back = _from_row(_to_row(unmeasured))
     assert back.bw == 2.5 and back.graph_kept is True
-    assert back == LayerCost(f=1.0, b=2.0, w=0.5, graph_kept=True, bw=2.5)
+    assert back == LayerCost(f=1.0, b=2.0, w=0.5, graph_kept=True, bw=2.5, output=8.0, output_held=8.0)
 
 
 def test_profiling_puts_batch_norm_statistics_back_by_name_after_a_move() -> None:

@@ -191,6 +191,21 @@ def test_a_rendezvous_port_taken_by_another_process_is_launched_again(monkeypatc
         assert next(ports, None) is None  # the taken port was tried first
 
 
+def test_a_port_taken_at_every_launch_is_named(monkeypatch):
+    import lightning_twobp.processes as processes
+
+    launches = []
+
+    def taken(*args):
+        launches.append(args)
+        raise processes._PortTaken("[rank 0] EADDRINUSE")
+
+    monkeypatch.setattr(processes, "_launch", taken)
+    with pytest.raises(RuntimeError, match=r"could not bind a free port for the rendezvous in 3 launches.*EADDRINUSE"):
+        run_distributed(_rank_of, 2, timeout=60)
+    assert len(launches) == processes._PORT_TRIES == 3
+
+
 def test_the_store_is_reachable_where_torch_keeps_it():
     """The one private torch API the failure channel uses: fails here when a torch release moves it."""
     assert callable(dist.distributed_c10d._get_default_store)

@@ -20,10 +20,12 @@ tokens, m = 8; on ``P`` > 2 ranks 2P blocks, so that a V has one a stage), every
   (``P2P.receive_buffers``; once read, a message is its stage's), every tensor autograd saved
   and has not let go of (:class:`~lightning_twobp.lightning.autoschedule.SavedBytes`) and what the
   stages hold for their micro-batches in flight
-  (:func:`~lightning_twobp.engine.footprint.held_storages`). The peak is the largest count.
+  (:func:`~lightning_twobp.engine.footprint.held_storages`). The peak is the largest count
+  (:class:`~lightning_twobp.engine.footprint.StepMeter`).
 
 Both sides count what a rank has sent and not let go of (``PipelineExecutor.outgoing``: gloo's send
-works hold it until the schedule proves the receive posted, ``schedules.memory.send_releases``).
+works hold it until the schedule proves the receive posted, ``schedules.memory.send_releases``), the
+step's 8-byte signature stage 0's rank sends the others among it (``schedules.memory.SIGNATURE_BYTES``).
 Neither counts what lives inside one action only (a GEMM's temporaries, B's gradients before they
 are handed on), nor an input gradient handed to a stage on the same rank.
 """
@@ -34,8 +36,7 @@ import copy
 import csv
 import io
 import json
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -46,7 +47,7 @@ from torch import nn
 from lightning_twobp.bench.paper import PaperModel
 from lightning_twobp.bench.workload import WORLD, keep_freed_memory, stage_sizes
 from lightning_twobp.engine import PipelineExecutor
-from lightning_twobp.engine.footprint import held_storages, layer_cost, receive_buffers, storage_key
+from lightning_twobp.engine.footprint import StepMeter, layer_cost, storage_key
 from lightning_twobp.lightning.autoschedule import SavedBytes, timed_footprint
 from lightning_twobp.lightning.checkpointing import apply_activation_checkpointing
 from lightning_twobp.partition import split_sequential
@@ -188,24 +189,6 @@ def predict(prof: Profile, c: Contender, m: int) -> tuple[Schedule, tuple[float,
     return schedule, simulate(schedule, costs).peak_bytes
 
 
-class _Meter:
-    """The measured side (the module docstring), sampled at the end of every F, B, W and BW."""
-
-    def __init__(self) -> None:
-        self.peak = 0
-        self.fixed: dict[int, int] = {}
-        self.saved: SavedBytes | None = None
-        self.executor: PipelineExecutor | None = None
-
-    @contextmanager
-    def around(self, stage: int) -> Iterator[None]:
-        yield
-        if self.saved is not None and self.executor is not None:
-            ex = self.executor
-            live = {**self.fixed, **held_storages(ex.stages, receive_buffers(ex), ex.outgoing()), **self.saved.live}
-            self.peak = max(self.peak, sum(live.values()))
-
-
 def _fixed(params: list[nn.Parameter], opt: torch.optim.Optimizer) -> dict[int, int]:
     tensors = [*params, *(q.grad for q in params if q.grad is not None)]
     tensors += [t for state in opt.state.values() for t in state.values() if isinstance(t, torch.Tensor)]
@@ -218,7 +201,7 @@ def _measure(rank: int, pm: PaperModel, schedule: Schedule, m: int) -> int:
     x, y = pm.data()
     parts = split_sequential(copy.deepcopy(layers), stage_sizes(pm.blocks, schedule.num_stages))
     mods = {s: parts[s] for s in schedule.stages_of(rank)}
-    meter = _Meter()
+    meter = StepMeter()
     ex = PipelineExecutor(schedule, mods, loss_fn=loss_fn, around=meter.around)
     meter.executor = ex
     params = [q for mod in mods.values() for q in mod.parameters()]

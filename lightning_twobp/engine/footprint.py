@@ -18,9 +18,10 @@ no compute: bytes without seconds); ``schedule="auto"`` on the training device b
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -30,7 +31,15 @@ from lightning_twobp.engine.stage import Stage
 from lightning_twobp.private import pytree
 from lightning_twobp.schedules.auto import LayerCost
 
-__all__ = ["LayerFootprint", "held_storages", "layer_cost", "measure_layer", "receive_buffers", "storage_key"]
+__all__ = [
+    "LayerFootprint",
+    "StepMeter",
+    "held_storages",
+    "layer_cost",
+    "measure_layer",
+    "receive_buffers",
+    "storage_key",
+]
 
 
 def storage_key(t: torch.Tensor) -> int:
@@ -56,6 +65,9 @@ class LayerFootprint:
     grad_output_held: int = 0  # bytes of the output's gradient, when W keeps it (a last Linear's input)
     input_held: int = 0  # bytes of the input, when W keeps it (a first Linear's operand)
     out_bytes: int = 0  # every output value's bytes: what the stage sends on
+    # the output's storages, what keeping it holds: more than out_bytes for a view of a larger buffer (CPU's
+    # mse_loss returns its scalar in a 64-float one), less for an expanded one (a mask); 0: as out_bytes
+    out_held: int = 0
 
 
 def measure_layer(
@@ -95,12 +107,15 @@ def measure_layer(
     saves_output = all(storage_key(t) in saved for t in outs) and any(t.requires_grad for t in outs)
     sizes = (tuple(outs[0].shape), outs[0].dtype)
     nbytes = sum(t.numel() * t.element_size() for t in outs)
+    out_held = sum({storage_key(t): t.untyped_storage().nbytes() for t in outs}.values())
     # several values keep their requires_grad (a mask made from the inputs has none), as the next stage receives them
     detached = pytree.tree_map(lambda t: _detached(t, several or isinstance(out, tuple)), out)
     if not stage.in_flight or not stage._pending[0].outputs:  # nothing to differentiate: F's work only
         stage.discard()
         seconds = (t1 - t0, 0.0, 0.0, 0.0)
-        return LayerFootprint(*sizes, act, 0, False, saved_input, False, seconds, detached, out_bytes=nbytes)
+        return LayerFootprint(
+            *sizes, act, 0, False, saved_input, False, seconds, detached, out_bytes=nbytes, out_held=out_held
+        )
     g_out = _ones_for(outs)
     t1b = now()  # the gradients of ones are the measurement's, not B's (BW's timing leaves them out too)
     stage.backward_input(0, g_out)
@@ -123,7 +138,18 @@ def measure_layer(
     bw = 0.0 if clock is None else _fused_seconds(stage, inp, now)
     seconds = (t1 - t0, t2 - t1b, t3 - t2b, bw)
     return LayerFootprint(
-        *sizes, act, sum(held.values()), kept, saved_input, saves_output, seconds, detached, grad_out, inp_held, nbytes
+        *sizes,
+        act,
+        sum(held.values()),
+        kept,
+        saved_input,
+        saves_output,
+        seconds,
+        detached,
+        grad_out,
+        inp_held,
+        nbytes,
+        out_held,
     )
 
 
@@ -181,7 +207,10 @@ def layer_cost(
         scale * x
         for x in (fp.activation_bytes, fp.held_bytes, fp.saved_input, out_bytes, fp.grad_output_held, fp.input_held)
     )
-    return LayerCost(f, b, w, act, held, fp.graph_kept, inp, fp.saves_output, fixed, out, g, i, bw=fused)
+    kept = scale * fp.out_held if fp.out_held else None
+    return LayerCost(
+        f, b, w, act, held, fp.graph_kept, inp, fp.saves_output, fixed, out, g, i, bw=fused, output_held=kept
+    )
 
 
 def _storages(values: Any, out: dict[int, int]) -> None:
@@ -213,3 +242,37 @@ def held_storages(
             _storages([p.inputs, p.outputs, [ops for _, ops in p.fast], list(p.captured.values())], out)
             _storages([[g for _, g in p.edge_grads], [list(r) for r in p.weight_roots]], out)
     return out
+
+
+class _Saved(Protocol):
+    """What autograd saved and holds now, per storage (:class:`~lightning_twobp.lightning.autoschedule.SavedBytes`)."""
+
+    @property
+    def live(self) -> Mapping[int, int]: ...
+
+
+class StepMeter:
+    """The most bytes one rank's step held at once, sampled at the end of every F, B, W and BW (pass
+    :meth:`around` as the executor's ``around`` hook, and set ``executor`` and ``saved``): ``fixed``
+    (storage key -> bytes: weights, gradients, optimizer state, as the caller counts them), what autograd
+    saved (``saved.live``), and :func:`held_storages` (what the stages keep for their micro-batches and for
+    W, the receive buffers, the sends held: the step's signature among them), each storage once, less the
+    storages in ``exclude`` (a caller that counts the weights apart). The measured side of
+    :mod:`lightning_twobp.schedules.memory`'s replay, for ``twobp-bench --memory-model`` and the tests
+    of ``schedule="auto"``'s limit alike."""
+
+    def __init__(self, fixed: Mapping[int, int] | None = None, exclude: Iterable[int] = ()) -> None:
+        self.peak = 0
+        self.fixed = dict(fixed or {})
+        self.exclude = set(exclude)
+        self.saved: _Saved | None = None  # sampled only while set: the measured step's
+        self.executor: PipelineExecutor | None = None
+
+    @contextmanager
+    def around(self, stage: int) -> Iterator[None]:
+        yield
+        if self.saved is None or self.executor is None:
+            return
+        ex = self.executor
+        live = {**self.fixed, **held_storages(ex.stages, receive_buffers(ex), ex.outgoing()), **self.saved.live}
+        self.peak = max(self.peak, sum(n for key, n in live.items() if key not in self.exclude))

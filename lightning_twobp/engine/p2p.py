@@ -214,6 +214,7 @@ class P2P:
         if self.schedule.num_ranks == 1:
             value = local
         elif local is not None:
+            # held in its send until finish_sends, the step's end: schedules.memory.SIGNATURE_BYTES counts it
             sig = torch.tensor([local], dtype=torch.int64, device=self.device)
             others = [r for r in range(self.schedule.num_ranks) if r != self.rank]
             try:

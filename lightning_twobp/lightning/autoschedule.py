@@ -295,10 +295,11 @@ def _message_seconds(nbytes: float, group: Any, device: torch.device, repeats: i
 def _to_row(cost: LayerCost) -> list[float]:
     """A layer's row of the agreed table: its fields in order, a bool as 0 or 1, and a ``bw`` not measured
     as ``b + w``, which is what None means (a number for the all-reduce, and the max of the ranks' BWs
-    either way: no NaN to propagate or sentinel to outrank)."""
+    either way: no NaN to propagate or sentinel to outrank); an ``output_held`` of None as ``output``."""
     fields = {f: getattr(cost, f) for f in LayerCost.__dataclass_fields__}
     if cost.bw is None:
         fields["bw"] = cost.b + cost.w
+    fields["output_held"] = cost.kept
     return [float(v) for v in fields.values()]
 
 

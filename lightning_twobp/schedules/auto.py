@@ -35,7 +35,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from .ir import Schedule
-from .memory import MemoryCosts
+from .memory import SIGNATURE_BYTES, MemoryCosts
 from .placement import schedule_label
 from .registry import build_schedule
 from .simulate import Costs, SimResult, simulate
@@ -83,7 +83,10 @@ class LayerCost:
     Linear's), and the bytes of optimizer state its parameters will hold (``optimizer``: AdamW's two
     moments; fixed too, kept apart so that a refusal can name them); ``bw``: seconds of the fused
     backward (BW) of the same micro-batch, where measured; None means B + W (a split that costs nothing,
-    what the search assumed before it timed BW)."""
+    what the search assumed before it timed BW). ``output`` is what a message of it takes (the receive
+    buffer is made to its shape); ``output_held`` what keeping the output holds (its storages: a view
+    of a larger buffer holds all of it, as CPU's ``mse_loss`` returns its scalar in a 256-byte one), where
+    that differs (None: ``output``)."""
 
     f: float = 0.0
     b: float = 0.0
@@ -99,6 +102,12 @@ class LayerCost:
     input_held: float = 0.0
     optimizer: float = 0.0
     bw: float | None = None
+    output_held: float | None = None
+
+    @property
+    def kept(self) -> float:
+        """The bytes the output holds while the stage keeps it (``output_held``, or ``output``)."""
+        return self.output if self.output_held is None else self.output_held
 
 
 @dataclass(frozen=True)
@@ -157,7 +166,7 @@ def stage_cost(layers: Sequence[LayerCost], first: bool) -> StageCost:
     optimizer = sum(x.optimizer for x in layers)
     fixed = sum(x.fixed for x in layers) + optimizer
     last = layers[-1]
-    kept_out = 0.0 if last.saves_output else last.output
+    kept_out = 0.0 if last.saves_output else last.kept
     act += kept_out
     bw = _fused(layers)
     if first:
@@ -236,10 +245,13 @@ class Profile:
     def costs(self, m: int, stages_per_rank: int) -> Costs:
         """The schedule model's :class:`~.simulate.Costs` (with :class:`~.memory.MemoryCosts`)."""
         st = self.stages(m, stages_per_rank)
+        fixed = [s.fixed for s in st]
+        if self.num_ranks > 1:  # stage 0's rank holds the step's signature from the step's start to its end
+            fixed[0] += SIGNATURE_BYTES
         memory = MemoryCosts(
             activation=[s.activation for s in st],
             held=[s.held for s in st],
-            fixed=[s.fixed for s in st],
+            fixed=fixed,
             message=[s.message for s in st],
             input_saved=[s.input_saved for s in st],
             grad_held=[s.grad_held for s in st],

@@ -38,6 +38,9 @@ posted: it has received a message that the receiver posted in the same batch as 
 later. :func:`send_releases` finds, per rank, the first compute action at whose end that holds. In
 1F1B's steady state, the activation a rank sends with F k+1 goes at B k (whose gradient the next rank
 sent after it posted the receive of k+1); without such a message it waits until the step's end.
+The step's signature (stage 0's input shapes, one int64 sent to every other rank at the step's start)
+is held that way for the whole step: :class:`~.auto.Profile` adds its ``SIGNATURE_BYTES`` to stage 0's
+fixed bytes.
 """
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ from .lower import Comm, Op, lower_communication, message
 from .per_stage import PerStage, check_stage_count, stage_value, store_per_stage
 
 __all__ = [
+    "SIGNATURE_BYTES",
     "MemoryCosts",
     "MemoryPeaks",
     "memory_levels",
@@ -63,6 +67,9 @@ __all__ = [
     "send_releases",
 ]
 
+# The step's signature: one int64 that the rank holding stage 0 sends every other rank at the step's start
+# (engine.p2p.P2P.signature_changed) and holds in its send until the step's end. Profile.costs counts it.
+SIGNATURE_BYTES = 8
 _FIELDS = ("activation", "held", "fixed", "message", "input_saved", "grad_held", "input_held", "output_kept")
 Message = tuple[str, int, int]  # (direction F/B, edge stage, micro-batch): :func:`.lower.message`
 # Bytes of one (stage, micro-batch): a number for all, one per stage, or one per (stage, micro-batch).
