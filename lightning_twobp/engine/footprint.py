@@ -106,8 +106,7 @@ def measure_layer(
     # every value saved, or the next layer's saved input (all of its values) must not be taken off as counted here
     saves_output = all(storage_key(t) in saved for t in outs) and any(t.requires_grad for t in outs)
     sizes = (tuple(outs[0].shape), outs[0].dtype)
-    nbytes = sum(t.numel() * t.element_size() for t in outs)
-    out_held = sum({storage_key(t): t.untyped_storage().nbytes() for t in outs}.values())
+    nbytes, out_held = _output_bytes(outs)
     # several values keep their requires_grad (a mask made from the inputs has none), as the next stage receives them
     detached = pytree.tree_map(lambda t: _detached(t, several or isinstance(out, tuple)), out)
     if not stage.in_flight or not stage._pending[0].outputs:  # nothing to differentiate: F's work only
@@ -151,6 +150,15 @@ def measure_layer(
         nbytes,
         out_held,
     )
+
+
+def _output_bytes(outs: Sequence[torch.Tensor]) -> tuple[int, int]:
+    """The outputs' bytes as a message carries them (their shapes) and as keeping them holds them (their
+    storages, each once; none on meta, where out_bytes stands for them): ``LayerFootprint.out_bytes`` and
+    ``out_held``."""
+    held: dict[int, int] = {}
+    _storages(outs, held)
+    return sum(t.numel() * t.element_size() for t in outs), sum(held.values())
 
 
 def _input(t: Any, needs_grad: bool, several: bool) -> Any:
