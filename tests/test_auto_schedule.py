@@ -416,6 +416,7 @@ def _fit_auto(
     state = _state_bytes(trainer.optimizers[0])
     return {
         "label": choice.best.label,
+        "split": choice.best.split_backward,
         "limit": choice.limit,
         "predicted": choice.best.peak_bytes[strategy.pp_rank],
         "measured": fixed + state + peak.peak,
@@ -540,9 +541,38 @@ def _fit_checkpointed(rank: int, world: int) -> dict:
     return saved
 
 
+def _split_pays(choose_profiles):
+    """``autoschedule.choose_profiles`` on profiles whose fused backward costs twice B + W: the tiny layers'
+    split costs about 3x their backward, so auto picks fused orders on them; priced so, it picks a split one
+    (which one depends on the measured F, B and W, all split), and its measured peak is checked like the others'."""
+
+    def dearer(profile: Profile | None) -> Profile | None:
+        if profile is None:
+            return None
+        rows = {m: tuple(dataclasses.replace(c, bw=2 * (c.b + c.w)) for c in cs) for m, cs in profile.layers.items()}
+        return dataclasses.replace(profile, layers=rows)
+
+    def chosen(profile_of, *args, **kwargs):
+        return choose_profiles(lambda mode: dearer(profile_of(mode)), *args, **kwargs)
+
+    return chosen
+
+
+def _fit_split(rank: int, world: int) -> dict:
+    from lightning_twobp.lightning import autoschedule
+
+    real = autoschedule.choose_profiles
+    autoschedule.choose_profiles = _split_pays(real)
+    try:
+        return _fit_auto(rank, world, "4x1f1b", num_microbatches=8)
+    finally:
+        autoschedule.choose_profiles = real
+
+
 CHECKPOINTED = "test_auto_profiles_the_layers_checkpointed"
 LIMITS = ["1f1b", "0.8x1f1b"]
 TRAINS = "test_auto_trains_like_one_process_within_its_limit"
+SPLIT = "test_a_split_pick_trains_like_one_process_within_its_predicted_peak"
 REFUSED = "test_a_limit_nothing_fits_is_refused_before_training_on_every_rank"
 ADAMW = "test_auto_counts_adamw_state_and_stays_within_its_limit"
 ADAMW_REFUSED = "test_a_limit_that_fits_only_without_adamw_state_is_refused_naming_it"
@@ -563,6 +593,7 @@ def two_ranks(request) -> conftest.Launch:
     """The limits, the refusals (raised on every rank before any step) in one launch of 2 ranks."""
     cases = {f"{TRAINS}[{limit}]": (_fit_auto, (limit,)) for limit in LIMITS}
     cases[REFUSED] = (_refused, ())
+    cases[SPLIT] = (_fit_split, ())
     cases[ADAMW] = (_fit_auto, ("1f1b", torch.optim.AdamW))
     cases[ADAMW_REFUSED] = (_adamw_refused, ())
     cases[CHECKPOINTED] = (_fit_checkpointed, ())
@@ -599,6 +630,13 @@ def _check_trained(results: list[dict], ref: dict, atol: float = 1e-6) -> None:
 @pytest.mark.parametrize("memory_limit", LIMITS)
 def test_auto_trains_like_one_process_within_its_limit(two_ranks, request, memory_limit):
     _check_trained(two_ranks[request.node.name], _reference())
+
+
+@pytest.mark.dist
+def test_a_split_pick_trains_like_one_process_within_its_predicted_peak(two_ranks):
+    results = two_ranks[SPLIT]
+    assert all(r["split"] for r in results), [r["label"] for r in results]
+    _check_trained(results, _reference())
 
 
 @pytest.mark.dist
