@@ -43,11 +43,13 @@ _OURS = (os.path.dirname(torch.__file__), os.path.dirname(os.path.abspath(__file
 
 class OrdinaryBatch(TorchDispatchMode):
     """A value read on meta inside Hugging Face's mask code answered (see the module docstring), each check's
-    place counted in ``answered`` (``"masking_utils.py:761"``); any other refused."""
+    place counted in ``answered`` (``"masking_utils.py:761"``); any other refused, or with ``zero_otherwise``
+    answered as zero (False): for a run that wants the order of the module calls and not the values
+    (:mod:`lightning_twobp.lightning.call_order`), past a check such as ``pad_token_id in input_ids``."""
 
-    def __init__(self, model: str, answered: dict[str, int], strict: bool = True) -> None:
+    def __init__(self, model: str, answered: dict[str, int], strict: bool = True, zero_otherwise: bool = False) -> None:
         super().__init__()
-        self._model, self.answered, self._strict = model, answered, strict
+        self._model, self.answered, self._strict, self._zero = model, answered, strict, zero_otherwise
         self._checks: WeakTensorKeyDictionary = WeakTensorKeyDictionary()  # a check's result -> its op
 
     def valueless(self, t: torch.Tensor) -> bool:
@@ -59,6 +61,8 @@ class OrdinaryBatch(TorchDispatchMode):
             answer = self._answer(self._checks.get(args[0]))
             if answer is not None:
                 return answer
+            if self._zero:
+                return torch.zeros((), dtype=args[0].dtype).item()
         out = func(*args, **(kwargs or {}))
         name = func.overloadpacket.__name__
         if name in _ORDINARY and isinstance(out, torch.Tensor) and self.valueless(out) and out.numel() == 1:

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy
 
+from lightning_twobp.lightning.call_order import place_captured
 from lightning_twobp.lightning.checkpointing import apply_activation_checkpointing, keep_products
 from lightning_twobp.lightning.contract import SequentialContract, find_contract
 from lightning_twobp.lightning.layer_runs import loop_runs
@@ -146,6 +147,7 @@ def _open(
         runner = StepRunner(lm, contract, StepMetrics(lm))
         runner.begin("forward", (x,), {}, 1, exact=False)  # the model's call: lm(x)
         _, *tensors = runner.capture(0)
+        place_captured(contract)  # the modules outside the blocks where the forward calls them, as the strategy does
         stages = scope.enter_context(contract.one_stage_per_layer(act_dtype))
         # the micro-batch index (0, the plan's one micro-batch) on the host, where a forward without grad reads
         # it: the captured one is on meta, which holds no value

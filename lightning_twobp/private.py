@@ -11,6 +11,8 @@ it is re-exported here so that the door stays the only import of it.
 
 from __future__ import annotations
 
+import copy
+from collections import OrderedDict
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -25,6 +27,7 @@ __all__ = [
     "disabled_torch_function_impl",
     "efficient_attention",
     "flash_attention_cpu",
+    "drop_forward_hooks",
     "forward_hooks",
     "gloo_or_nccl_options",
     "layer_sync",
@@ -33,6 +36,7 @@ __all__ = [
     "metric_finish_step",
     "metric_forward_cache",
     "metric_merge",
+    "module_copy",
     "process_groups",
     "pytree",
     "saved_tensors_hooks_in_force",
@@ -98,6 +102,28 @@ def forward_hooks(module: torch.nn.Module) -> int:
     another stage for its hooks' sake (lightning/modulelist_contract.py), and torch lists them only in
     private dicts."""
     return len(module._forward_hooks) + len(module._forward_pre_hooks)
+
+
+def drop_forward_hooks(module: torch.nn.Module) -> None:
+    """Give ``module`` (a throwaway copy) no forward hooks or pre-hooks of its own: the call-order trace runs a meta
+    copy of the model, where the user's hooks, copied with it, would run on meta values and count a call that is
+    not one (lightning/call_order.py). torch removes them one handle at a time, which a copy does not hold; new
+    empty dicts, so that a copy sharing its original's (:func:`module_copy`) leaves the original's alone."""
+    module._forward_hooks = OrderedDict()
+    module._forward_pre_hooks = OrderedDict()
+
+
+def module_copy(module: torch.nn.Module, memo: dict[int, Any]) -> torch.nn.Module:
+    """A copy of ``module`` whose own parameters, buffers and submodules are deep copies under ``memo`` (which maps
+    each tensor to its stand-in: meta ones for the call-order trace), and whose other attributes are shared: a
+    LightningModule's trainer is not copied (``copy.deepcopy`` would copy it, the loop and the data with it). torch
+    keeps the three in private dicts."""
+    twin = copy.copy(module)  # a new object over the same attribute values
+    state = twin.__dict__
+    state["_parameters"] = {n: None if q is None else copy.deepcopy(q, memo) for n, q in module._parameters.items()}
+    state["_buffers"] = {n: None if b is None else copy.deepcopy(b, memo) for n, b in module._buffers.items()}
+    state["_modules"] = {n: None if c is None else copy.deepcopy(c, memo) for n, c in module._modules.items()}
+    return twin
 
 
 def gloo_or_nccl_options(backend: str, timeout: timedelta) -> Any:

@@ -120,6 +120,15 @@ def test_the_private_instance_attributes_still_exist():
     trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False)
     linear = torch.nn.Linear(1, 1)
     assert isinstance(linear._forward_hooks, dict) and isinstance(linear._forward_pre_hooks, dict)
+    from lightning_twobp.private import drop_forward_hooks
+
+    seen: list[int] = []
+    hooked = torch.nn.Linear(1, 1)
+    hooked.register_forward_pre_hook(lambda *_: seen.append(1))
+    hooked.register_forward_hook(lambda *_: seen.append(2), with_kwargs=True)
+    drop_forward_hooks(hooked)
+    hooked(torch.ones(1))
+    assert not seen
     assert hasattr(trainer.fit_loop, "_data_source")
     assert hasattr(trainer.fit_loop, "_data_fetcher") and hasattr(trainer.fit_loop, "_combined_loader")
     assert hasattr(trainer._accelerator_connector, "use_distributed_sampler")

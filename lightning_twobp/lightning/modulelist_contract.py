@@ -384,11 +384,12 @@ class ModuleListContract:
         # The module the step calls: the outermost one below the LightningModule, or its own forward.
         self.name = self.ancestors[1][0] if len(self.ancestors) > 1 else "forward"
         pre, post = _placement(root, blocks, name, {id(m) for _, m in self.ancestors})
-        parts: list[list[tuple[str, nn.Module]]] = [[(f"{name}.{i}", b)] for i, b in enumerate(blocks)]
-        parts[0][:0] = pre
-        parts[-1].extend(post)
-        self._groups = [LayerGroup(p) for p in parts]
-        self._slots = {path: _slot(root, path) for p in parts for path, _ in p}
+        self._outside = [*pre, *post]  # in registration order
+        self._before = {path for path, _ in pre}  # the first stage's; the others the last's (place_by_calls)
+        self.placed_why: str | None = "no trace was run"  # why registration order placed them (None: call order)
+        self._sides: dict[str, str] = {}  # the trace's: "before", "after" or "both" (place_by_calls)
+        self._groups = self._grouped()
+        self._slots = {path: _slot(root, path) for path, _ in [*self._outside, *self._block_parts()]}
         self._runner: Any = None
         self._calls: _Calls | None = None
         self._active: _Run | None = None
@@ -403,6 +404,31 @@ class ModuleListContract:
         self._previous: list[Any] = [_MISSING] * self.num_blocks  # the blocks' own instance forwards, if any
         self._guessed: dict[int, str] = {}  # blocks whose stand-in failed on meta (output guessed): why
         self._absent_out: dict[tuple, tuple[Any, list[Any]]] = {}  # a stand-in's call -> its output's structure
+
+    def _block_parts(self) -> list[tuple[str, nn.Module]]:
+        return [(f"{self.list_name}.{i}", b) for i, b in enumerate(self.blocks)]
+
+    def _grouped(self) -> list[LayerGroup]:
+        parts = [[part] for part in self._block_parts()]
+        parts[0][:0] = [(path, m) for path, m in self._outside if path in self._before]
+        parts[-1].extend((path, m) for path, m in self._outside if path not in self._before)
+        return [LayerGroup(p) for p in parts]
+
+    def outside(self) -> list[tuple[str, nn.Module]]:
+        """The modules with parameters outside the blocks, in registration order."""
+        return list(self._outside)
+
+    def place_by_calls(self, sides: Mapping[str, str], why: str | None) -> list[str]:
+        """Put each module outside the blocks on the side of the loop the model's forward calls it
+        (``sides[path]``: ``"before"`` or ``"after"``, traced before the cut by :mod:`.call_order`); the
+        others stay where registration order put them, ``why`` the reason when none was traced. Returns
+        the modules that moved. Before the partition: the groups are the partition's units."""
+        placed = {p: side for p, side in sides.items() if side in ("before", "after")}
+        moved = [p for p, _ in self._outside if p in placed and (placed[p] == "before") != (p in self._before)]
+        self._before ^= set(moved)
+        self._sides, self.placed_why = dict(sides), why
+        self._groups = self._grouped()
+        return moved
 
     # ------------------------------------------------------------------ the Contract interface
     def layers(self) -> list[nn.Module]:
@@ -487,7 +513,7 @@ class ModuleListContract:
                 if new is group:
                     module = group.parts()[k]
                 elif (part := getattr(type(new), "part", None)) is not None:  # local_model._Remote: one per part
-                    module = part(new, k, path, "" if k == block else self._registration_hint(before=k < block))
+                    module = part(new, k, path, "" if k == block else self._registration_hint(path, before=k < block))
                 else:
                     module = new if k == block else copy.copy(new)
                 parent, attr = self._slots[path]
@@ -597,6 +623,10 @@ class ModuleListContract:
             f"computed from them) would hold only the last stage's blocks, a silently wrong value; set {flags}=False"
             + ("; the router's auxiliary loss is then left out" if "output_router_logits" in flags else "")
         )
+
+    def captured_call(self, index: int) -> _Call:
+        """Micro-batch ``index``'s call of the model, as the step made it (captured by the step runner)."""
+        return self._step_calls().calls[index]
 
     def _step_calls(self) -> _Calls:
         if self._runner is None:
@@ -921,34 +951,68 @@ class ModuleListContract:
 
         return forward
 
-    def _registration_hint(self, before: bool) -> str:
+    def _registration_hint(self, path: str, before: bool) -> str:
         """Why a module outside the blocks is on the stage it is, and the fix where a step calls it on
         the other side of the blocks (a head registered before the blocks on the LightningModule)."""
-        side, stage, other = ("before", "first", "after") if before else ("after", "last", "before")
+        other = "after" if before else "before"
+        fix = (
+            f"; if it runs {other} the blocks, register it {other} them (a `del` then a setattr moves a module last "
+            f"in its parent's registration order)"
+            if path not in self._traced()
+            else ""
+        )
+        return f"; {self._placed(path, before)}{fix}"
+
+    def _traced(self) -> set[str]:
+        """The modules the call-order trace placed (:meth:`place_by_calls`)."""
+        return {p for p, side in self._sides.items() if side in ("before", "after")}
+
+    def _placed(self, path: str, before: bool) -> str:
+        """Why ``path`` is on the stage it is (the module docstring): the traced call order, or registration order
+        and why."""
+        side, stage = ("before", "first") if before else ("after", "last")
+        if path in self._traced():
+            return (
+                f"the model's forward called it {side} {self.list_name} when traced on the meta device before the cut, "
+                f"so it was placed on the {stage} pipeline stage"
+            )
+        traced = self._sides.get(path)
+        why = (
+            f"the call order was not traced before the cut ({self.placed_why})"
+            if self.placed_why is not None
+            else "the traced forward called it on both sides of the loop or inside it"
+            if traced is not None
+            else "the traced forward of the model did not call it: the step calls it, or the model on some batches only"
+        )
         return (
-            f"; it is registered {side} {self.list_name}, so it runs on the {stage} stage (modules with parameters "
-            f"outside the blocks go by their registration order); if it runs {other} the blocks, register it "
-            f"{other} them (a `del` then a setattr moves a module last in its parent's registration order)"
+            f"it is registered {side} {self.list_name}, so it was placed on the {stage} pipeline stage (under "
+            f"strategy='twobp' the modules with parameters outside the blocks go where the model's forward calls them; "
+            f"{why}, so by registration order: before the blocks to the first stage, after them to the last)"
         )
 
     def _misplaced(self, path: str, before: bool, run: _Run) -> RuntimeError:
-        """A module registered on one side of the blocks but called on the other (OPT's decoder registers
-        ``final_layer_norm`` before ``layers`` and calls it after the loop): it sits on the wrong stage."""
+        """A module placed on one side of the blocks but called on the other: registered there (OPT's decoder
+        registers ``final_layer_norm`` before ``layers`` and calls it after the loop) where the call order could
+        not be traced, or called on the other side when traced."""
         called = f"after {self.list_name}[{run.next - 1}]" if run.next else f"before {self.list_name}[0]"
-        side, stage = ("before", "first") if before else ("after", "last")
         fix = (
-            f"re-register it after the blocks before the Trainer call (`m = self.{path}; del self.{path}; "
-            f"self.{path} = m` moves it last in its parent's registration order)"
+            "make the model's forward call it on one side of the loop whatever the batch (the side it calls it on "
+            "must not depend on the data)"
+            if path in self._traced()
+            else "give each side of the loop a module of its own (a module with parameters is on one pipeline stage: "
+            "the first or the last)"
+            if self._sides.get(path) == "both"
+            else f"make the registration order follow the call order: re-register it after the blocks before the "
+            f"Trainer call (`m = self.{path}; del self.{path}; self.{path} = m` moves it last in its parent's "
+            f"registration order)"
             if before
-            else f"re-register {self._holding_blocks(path)} and the modules registered after it that run after the "
-            f"loop (a `del` then a setattr moves a module last in its parent's registration order)"
+            else f"make the registration order follow the call order: re-register {self._holding_blocks(path)} and "
+            f"the modules registered after it that run after the loop (a `del` then a setattr moves a module last in "
+            f"its parent's registration order)"
         )
         return RuntimeError(
-            f"{path} is called {called} in the model's forward, but it is registered {side} {self.list_name}, so "
-            f"it was placed on the {stage} pipeline stage (under strategy='twobp' the modules with parameters outside "
-            f"the blocks go by their registration order: before the blocks to the first stage, after them to the "
-            f"last); {self._stage_label(run.stage.index)} runs that call without it. Make the registration order "
-            f"follow the call order: {fix}"
+            f"{path} is called {called} in the model's forward, but {self._placed(path, before)}; "
+            f"{self._stage_label(run.stage.index)} runs that call without it. To fix it, {fix}"
         )
 
     def _holding_blocks(self, path: str) -> str:

@@ -21,6 +21,7 @@ from lightning_twobp.engine import PipelineExecutor
 from lightning_twobp.engine.memory import cpu_heap
 from lightning_twobp.lightning import pretrained
 from lightning_twobp.lightning.autoschedule import auto_schedule
+from lightning_twobp.lightning.call_order import place_by_call_order
 from lightning_twobp.lightning.checkpointing import AUTO_MODES, apply_activation_checkpointing, check_auto_with_switches
 from lightning_twobp.lightning.checks import check_parameter_hooks
 from lightning_twobp.lightning.compiled import check_not_compiled
@@ -571,6 +572,27 @@ def _checked_contract(strategy: TwoBPStrategy, trainer: Any) -> SequentialContra
     return contract
 
 
+def _cut(strategy: TwoBPStrategy, runner: StepRunner, contract: Any, trainer: Any) -> tuple[list[int], Schedule]:
+    """The layers per stage and the schedule: the modules outside a ModuleList's blocks placed where the model
+    calls them first (the partition's units), then ``schedule="auto"``'s choice or the named schedule's cut."""
+    if isinstance(contract, ModuleListContract) and _several_stages(strategy):
+        place_by_call_order(runner, contract, trainer, strategy.precision_plugin)
+    if strategy.requested.schedule == "auto":
+        sizes = _choose(strategy, runner, contract, trainer)
+        assert strategy.auto_choice is not None
+        schedule = strategy.auto_choice.best.schedule  # the order the search built and timed at the measured costs
+    else:
+        sizes = _partition(strategy, runner, contract, trainer)
+        schedule = _schedule(strategy, strategy.pipeline_degree * strategy.options.stages)
+    strategy.stage_sizes = list(sizes)
+    return sizes, schedule
+
+
+def _several_stages(strategy: TwoBPStrategy) -> bool:
+    """Whether the model may be cut into several stages (under "auto", two on one rank: a V schedule)."""
+    return strategy.pipeline_degree > 1 or strategy.options.stages > 1 or strategy.requested.schedule == "auto"
+
+
 def _pretrained_plan(strategy: TwoBPStrategy) -> Plan | None:
     """What ``pretrained=`` reads into this model (:mod:`.pretrained`): nothing where an earlier call read
     it or loaded a checkpoint into it. (A ``ckpt_path`` of this call is loaded after setup, over what is
@@ -619,15 +641,8 @@ def build_pipeline(strategy: TwoBPStrategy, trainer: Any) -> Pipeline:
     weights = _pretrained_plan(strategy)  # before any compute: names and shapes, alike on every rank
     metrics = StepMetrics(lm)
     runner = StepRunner(lm, contract, metrics)
-    if strategy.requested.schedule == "auto":
-        sizes = _choose(strategy, runner, contract, trainer)
-        opts = strategy.options  # the choice, as if the user had named it
-        assert strategy.auto_choice is not None
-        schedule = strategy.auto_choice.best.schedule  # the order the search built and timed at the measured costs
-    else:
-        sizes = _partition(strategy, runner, contract, trainer)
-        schedule = _schedule(strategy, strategy.pipeline_degree * opts.stages)
-    strategy.stage_sizes = list(sizes)
+    sizes, schedule = _cut(strategy, runner, contract, trainer)
+    opts = strategy.options  # under "auto", the choice, as if the user had named it
     _materialize(strategy, contract, sizes, schedule)  # before the streams, seeded from the random state
     streams = StageStreams(schedule.stages_of(layout.pp_rank), layout.dp_rank, device, _shared_seed(strategy))
     runner.streams = streams
