@@ -249,6 +249,12 @@ class PipelineOptions:
         balance: ``"params"`` (default), ``"time"`` (forward + backward time of every layer, measured
             on the first micro-batch of the data before training), or a list of layer counts per stage.
         layers: dotted name of the Sequential to pipeline, when the module holds several.
+        placement: where the modules with parameters outside a ModuleList's blocks go (embeddings, final
+            norm, head: the first stage or the last). ``"call"`` (default): on the side of the loop the
+            model's forward calls them, traced before the cut on a meta copy of the model with the first
+            batch's call (:mod:`lightning_twobp.lightning.call_order`; registration order where the trace
+            cannot say). ``"registration"``: by registration order alone (registered before the
+            ModuleList: the first stage), and the step's code does not run before the cut for the trace.
         gather_full_model: at the end of each Trainer call, every rank receives the trained weights
             of the stages it did not hold, so the model is complete on every rank. Off by default:
             then those layers stay on the ``meta`` device and calling one says how to get them.
@@ -326,6 +332,7 @@ class PipelineOptions:
     stages_per_rank: int | None = None
     balance: str | tuple[int, ...] = "params"
     layers: str | None = None
+    placement: str = "call"
     gather_full_model: bool = False
     post_validation: bool | None = None
     on_nonfinite: str = "stop"
@@ -362,6 +369,11 @@ class PipelineOptions:
                 f"stage, micro-batch and step) or 'skip' (skip that optimizer step everywhere)"
             )
         _check_balance(self.balance)
+        if self.placement not in ("call", "registration"):
+            raise ValueError(
+                f"placement={self.placement!r}: choose 'call' (the default: modules outside the blocks go where the "
+                f"model's forward calls them) or 'registration' (by their registration order)"
+            )
         if not isinstance(self.balance, str):  # a list from the user or Hydra's ListConfig: frozen
             object.__setattr__(self, "balance", tuple(operator.index(b) for b in self.balance))
         _check_timeout(self.pipeline_timeout)

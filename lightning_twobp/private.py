@@ -11,7 +11,6 @@ it is re-exported here so that the door stays the only import of it.
 
 from __future__ import annotations
 
-import copy
 from collections import OrderedDict
 from collections.abc import Callable
 from datetime import timedelta
@@ -27,7 +26,6 @@ __all__ = [
     "disabled_torch_function_impl",
     "efficient_attention",
     "flash_attention_cpu",
-    "drop_forward_hooks",
     "forward_hooks",
     "gloo_or_nccl_options",
     "layer_sync",
@@ -44,6 +42,7 @@ __all__ = [
     "tensor_hooks",
     "tensor_version",
     "training_data_source",
+    "data_source",
     "unset_training_data",
     "without_distributed_sampler",
 ]
@@ -104,26 +103,28 @@ def forward_hooks(module: torch.nn.Module) -> int:
     return len(module._forward_hooks) + len(module._forward_pre_hooks)
 
 
-def drop_forward_hooks(module: torch.nn.Module) -> None:
-    """Give ``module`` (a throwaway copy) no forward hooks or pre-hooks of its own: the call-order trace runs a meta
-    copy of the model, where the user's hooks, copied with it, would run on meta values and count a call that is
-    not one (lightning/call_order.py). torch removes them one handle at a time, which a copy does not hold; new
-    empty dicts, so that a copy sharing its original's (:func:`module_copy`) leaves the original's alone."""
-    module._forward_hooks = OrderedDict()
-    module._forward_pre_hooks = OrderedDict()
-
-
 def module_copy(module: torch.nn.Module, memo: dict[int, Any]) -> torch.nn.Module:
-    """A copy of ``module`` whose own parameters, buffers and submodules are deep copies under ``memo`` (which maps
-    each tensor to its stand-in: meta ones for the call-order trace), and whose other attributes are shared: a
-    LightningModule's trainer is not copied (``copy.deepcopy`` would copy it, the loop and the data with it). torch
-    keeps the three in private dicts."""
-    twin = copy.copy(module)  # a new object over the same attribute values
-    state = twin.__dict__
-    state["_parameters"] = {n: None if q is None else copy.deepcopy(q, memo) for n, q in module._parameters.items()}
-    state["_buffers"] = {n: None if b is None else copy.deepcopy(b, memo) for n, b in module._buffers.items()}
-    state["_modules"] = {n: None if c is None else copy.deepcopy(c, memo) for n, c in module._modules.items()}
-    return twin
+    """A copy of ``module``'s tree for one throwaway run: each module a new object over the same attributes (a
+    LightningModule's trainer shared, not copied, nor cleared as pickling's ``__getstate__`` clears it), its
+    parameters and buffers ``memo``'s stand-ins for them (meta tensors, for the call-order trace of
+    lightning/call_order.py), its submodules copies (one per module, shared ones shared), and no forward hooks
+    or pre-hooks (the user's would run on the stand-ins and count a call that is not one; a hook bound to a
+    large object would drag it into a deep copy). torch keeps all of these in private dicts."""
+    copies: dict[int, torch.nn.Module] = {}
+
+    def copied(m: torch.nn.Module) -> torch.nn.Module:
+        if id(m) not in copies:
+            twin = object.__new__(type(m))
+            twin.__dict__.update(m.__dict__)
+            copies[id(m)] = twin
+            state = twin.__dict__
+            state["_parameters"] = {n: None if q is None else memo[id(q)] for n, q in m._parameters.items()}
+            state["_buffers"] = {n: None if b is None else memo.get(id(b), b) for n, b in m._buffers.items()}
+            state["_modules"] = {n: None if c is None else copied(c) for n, c in m._modules.items()}
+            state["_forward_hooks"], state["_forward_pre_hooks"] = OrderedDict(), OrderedDict()
+        return copies[id(m)]
+
+    return copied(module)
 
 
 def gloo_or_nccl_options(backend: str, timeout: timedelta) -> Any:
@@ -168,6 +169,12 @@ def training_data_source(trainer: Any) -> Any:
     """The fit loop's handle on the training data (2.x), or None: read before Lightning loads the data,
     to refuse a batch size that cannot split before the sanity check runs."""
     return getattr(trainer.fit_loop, "_data_source", None)
+
+
+def data_source(loop: Any) -> Any:
+    """A Trainer loop's handle on its data (2.x), or None: read before the loop sets its data up, whose iterator
+    then reads the first batch ahead (the call-order trace must not take a stream's first batch that way)."""
+    return getattr(loop, "_data_source", None)
 
 
 def unset_training_data(trainer: Any) -> None:

@@ -715,6 +715,12 @@ CASES: dict[str, Case] = {
         ValueError,
         r"balance='flops': choose 'params' \(the default\), 'time' or a list of layer counts",
     ),
+    "strategy-placement-name": (
+        lambda t: TwoBPStrategy(placement="order"),
+        ValueError,
+        r"placement='order': choose 'call' \(the default: modules outside the blocks go where the model's forward "
+        r"calls them\) or 'registration'",
+    ),
     "strategy-balance-list": (
         lambda t: TwoBPStrategy(balance=[3, 0]),
         ValueError,

@@ -922,8 +922,8 @@ ERRORS = {
     "registered-early-auto": "trained",
     "registered-early-both": (
         r"model.norm is called after model.blocks\[3\] .* registered before model.blocks, so it was placed on the "
-        r"first pipeline stage .*the traced forward called it on both sides of the loop.*give each side of the loop a "
-        r"module of its own"
+        r"first pipeline stage .*the traced forward called it both before and after the loop.*give each side of the "
+        r"loop a module of its own"
     ),
     "registered-early-host": (
         r"model.norm is called after model.blocks\[3\] .* registered before model.blocks, so it was placed on the "
@@ -1104,9 +1104,9 @@ def test_a_misplaced_module_beside_a_tower_names_the_tower_to_move():
     root.model.tower.norm = nn.LayerNorm(2)
     root.model.vision = nn.Linear(2, 2)
     contract = find_contract(root, layers="model.tower.blocks")
-    assert contract._holding_blocks("model.vision") == "model.tower"
-    assert contract._holding_blocks("model.tower.norm") == "model.tower.blocks"
-    assert find_contract(_holder(nn.ModuleList([nn.Linear(2, 2)])))._holding_blocks("embed") == "blocks"
+    assert contract.holding_blocks("model.vision") == "model.tower"
+    assert contract.holding_blocks("model.tower.norm") == "model.tower.blocks"
+    assert find_contract(_holder(nn.ModuleList([nn.Linear(2, 2)]))).holding_blocks("embed") == "blocks"
 
 
 def _holder(blocks: nn.ModuleList) -> nn.Module:

@@ -248,6 +248,24 @@ def test_twobp_plan_plans_a_model_from_its_config_json(tmp_path):
         plan_recipe([*config_of, "model.max_seq_len=32"])
 
 
+def test_twobp_plan_places_opts_final_norm_where_its_forward_calls_it(tmp_path):
+    """OPT registers its decoder's final_layer_norm before the layers and calls it after them: planned with the last
+    layer (by the traced call order), where registration order put it with the first and the plan was refused."""
+    from lightning_twobp.plan import plan_recipe
+
+    config = transformers.OPTConfig(**_TINY, ffn_dim=64, word_embed_proj_dim=32, dropout=0.0)
+    config.save_pretrained(tmp_path)
+    sizes = ["model.vocab_size=64", "model.max_seq_len=16"]
+    p = plan_recipe(["recipe=cpu-tiny-hf-gpt2", f"model.config={tmp_path}", *sizes])
+    with torch.device("meta"):
+        described = transformers.OPTForCausalLM(config)
+    norm = sum(q.numel() for q in described.model.decoder.final_layer_norm.parameters())
+    assert p.params == sum(q.numel() for q in described.parameters())
+    assert [s.layers for s in p.stages] == [(0, 1), (2, 3)]
+    last = sum(q.numel() for q in described.model.decoder.layers[2:].parameters()) + described.lm_head.weight.numel()
+    assert p.stages[1].params == last + norm  # the head's copy of the tied embedding with the last stage
+
+
 def test_another_architecture_is_built_from_the_sizes():
     from lightning_twobp.models import HFCausalLM
 

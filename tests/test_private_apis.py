@@ -120,16 +120,23 @@ def test_the_private_instance_attributes_still_exist():
     trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False)
     linear = torch.nn.Linear(1, 1)
     assert isinstance(linear._forward_hooks, dict) and isinstance(linear._forward_pre_hooks, dict)
-    from lightning_twobp.private import drop_forward_hooks
+    from lightning_twobp.private import module_copy
 
     seen: list[int] = []
-    hooked = torch.nn.Linear(1, 1)
-    hooked.register_forward_pre_hook(lambda *_: seen.append(1))
-    hooked.register_forward_hook(lambda *_: seen.append(2), with_kwargs=True)
-    drop_forward_hooks(hooked)
-    hooked(torch.ones(1))
-    assert not seen
+    holder = torch.nn.Sequential(torch.nn.Linear(1, 1))
+    holder.trainer_like = object()  # shared, not copied
+    holder[0].register_forward_pre_hook(lambda *_: seen.append(1))
+    holder.register_forward_hook(lambda *_: seen.append(2), with_kwargs=True)
+    memo = {id(t): torch.nn.Parameter(torch.zeros_like(t)) for t in holder.parameters()}
+    twin = module_copy(holder, memo)
+    twin(torch.ones(1))
+    assert not seen and twin.trainer_like is holder.trainer_like and twin[0] is not holder[0]
+    assert twin[0].weight is memo[id(holder[0].weight)] and holder[0].weight.abs().sum() > 0
+    holder(torch.ones(1))
+    assert seen == [1, 2]  # the original's hooks stay
     assert hasattr(trainer.fit_loop, "_data_source")
+    loops = (trainer.validate_loop, trainer.test_loop, trainer.predict_loop)
+    assert all(hasattr(loop, "_data_source") for loop in loops)
     assert hasattr(trainer.fit_loop, "_data_fetcher") and hasattr(trainer.fit_loop, "_combined_loader")
     assert hasattr(trainer._accelerator_connector, "use_distributed_sampler")
     metric = SumMetric()

@@ -365,9 +365,11 @@ class Stage:
             self.early_edges += 1 if plan is None else plan.num_early
             if plan is not None:
                 self._fell_back(plan.why, plan.why_params)
-            grads = self._full_backward(roots, grads_out, inputs)
-            p.outputs = []
-            return self._input_grads(p, grads)
+            grads = self._input_grads(p, self._full_backward(roots, grads_out, inputs))
+            # nothing is left for W: the graph and the inputs go now, not at W (a first stage held its
+            # micro-batch of data until then, which the memory model does not count)
+            p.outputs, p.inputs = [], []
+            return grads
         self.deferred_edges += plan.num_deferred
         self.early_edges += plan.num_early
         if plan.unreadable:

@@ -30,43 +30,43 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
-from contextlib import ExitStack
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 from torch.overrides import TorchFunctionMode
+from torch.utils.data import IterableDataset
 
 from lightning_twobp.lightning.layer_runs import HOOKS
 from lightning_twobp.lightning.modulelist_contract import ModuleListContract, caches_off
 from lightning_twobp.lightning.profile import first_batch
+from lightning_twobp.lightning.rng import drawing_from
 from lightning_twobp.lightning.step import StepRunner
 from lightning_twobp.meta_forward import OrdinaryBatch
-from lightning_twobp.private import drop_forward_hooks, module_copy, pytree
+from lightning_twobp.private import data_source, module_copy, pytree
 
 log = logging.getLogger(__name__)
 
 __all__ = ["call_sides", "place_by_call_order", "place_captured", "traced_sides"]
 
 _BLOCK = object()  # a block's call in the recorded order
+_SIDES = ("before", "after")  # what the trace places; "both" (before and after) and "inside" (between blocks) not
 
 
 def place_by_call_order(runner: StepRunner, contract: ModuleListContract, trainer: Any, precision: Any) -> None:
-    """Trace the call order on rank 0, send it to every rank, and place the outside modules by it (the module
-    docstring); the moves are logged."""
+    """Trace the call order on every rank, check that the ranks agree, and place the outside modules by it (the
+    module docstring); the moves are shown."""
     device = trainer.strategy.root_device
-    found: list[Any] = [None]
     start = time.perf_counter()
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+    with drawing_from(None, [device] if device.type == "cuda" else []):  # torch's, NumPy's and Python's put back
         batch = _batch(trainer)
-        if not dist.is_initialized() or dist.get_rank() == 0:
-            found[0] = _traced(runner, contract, trainer, batch, device, precision)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.broadcast_object_list(found, src=0, device=device if device.type == "cuda" else None)
-    sides, why = found[0]
+        sides, why = _traced(runner, contract, trainer, batch, device, precision)
+    sides, why = _agreed(sides, why)
     moved = contract.place_by_calls(sides, why)
     log.debug("twobp: call order traced in %.3f s", time.perf_counter() - start)
     if why is not None:
@@ -76,12 +76,50 @@ def place_by_call_order(runner: StepRunner, contract: ModuleListContract, traine
         rank_zero_info(f"twobp: {path} is called {sides[path]} {contract.list_name}: placed on the {stage} stage")
 
 
+def _agreed(sides: dict[str, str], why: str | None) -> tuple[dict[str, str], str | None]:
+    """Every rank's trace, the same everywhere: each rank traced its own first batch (every rank runs the step's
+    code alike), and where they differ none is used."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return sides, why
+    found: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(found, (sides, why))
+    if all(f == found[0] for f in found):
+        return found[0]
+    differ = next(r for r, f in enumerate(found) if f != found[0])
+    return {}, f"the ranks traced different call orders (rank 0: {found[0][0]}; rank {differ}: {found[differ][0]})"
+
+
 def _batch(trainer: Any) -> Any:
-    """The first batch, or the reason there is none (every rank reads it: the data setup synchronises them)."""
+    """The first batch, or why there is none to trace on (every rank reads it: the data setup synchronises
+    them). A stream (an ``IterableDataset``) is not read: the loop's setup reads a batch ahead, and a stream's
+    would be gone for training; so the loader is looked at before it is set up."""
+    source = data_source(_LOOPS[trainer.state.fn](trainer))
+    if source is not None and source.is_defined() and _streams(source.dataloader()):
+        return _NoBatch("the data is an IterableDataset, not read before training (its first batch would be lost)")
     try:
-        return first_batch(trainer)
+        return first_batch(trainer, _first)
     except ValueError as e:  # no dataloader: the trace cannot run
-        return _NoBatch(str(e))
+        return _NoBatch(f"no dataloader was found: {_first_line(e)}")
+
+
+_LOOPS = {
+    TrainerFn.FITTING: lambda t: t.fit_loop,
+    TrainerFn.VALIDATING: lambda t: t.validate_loop,
+    TrainerFn.TESTING: lambda t: t.test_loop,
+    TrainerFn.PREDICTING: lambda t: t.predict_loop,
+}
+
+
+def _streams(loaders: Any) -> bool:
+    """Whether any of ``loaders`` (one, or a list or dict of them) reads an ``IterableDataset``."""
+    return any(isinstance(getattr(x, "dataset", None), IterableDataset) for x in pytree.tree_leaves(loaders))
+
+
+def _first(loader: Any) -> Any:
+    try:
+        return next(iter(loader))
+    except StopIteration:
+        return _NoBatch("the data holds no batch")
 
 
 class _NoBatch:
@@ -94,12 +132,12 @@ def _traced(
 ) -> tuple[dict[str, str], str | None]:
     """:func:`traced_sides` of the step's call of the model on ``batch``, or no sides and why."""
     if isinstance(batch, _NoBatch):
-        return {}, f"no batch to trace it on ({batch.why})"
+        return {}, f"no batch to trace it on: {batch.why}"
     try:
         _capture(runner, trainer, batch, device, precision)
     except Exception as e:  # noqa: BLE001 - the step's own error: the first step raises it again
         return {}, f"the step did not reach the model's call ({type(e).__name__}: {_first_line(e)})"
-    return traced_sides(contract)
+    return traced_sides(contract, training=trainer.state.fn == TrainerFn.FITTING)
 
 
 def _capture(runner: StepRunner, trainer: Any, batch: Any, device: torch.device, precision: Any) -> None:
@@ -117,58 +155,97 @@ def _capture(runner: StepRunner, trainer: Any, batch: Any, device: torch.device,
 def place_captured(contract: ModuleListContract) -> list[str]:
     """Place the outside modules by the call order of the model call the contract has captured (``twobp-plan``'s
     single process, whose call is on meta already); returns the modules moved."""
-    return contract.place_by_calls(*traced_sides(contract))
+    return contract.place_by_calls(*traced_sides(contract, training=False))
 
 
-def traced_sides(contract: ModuleListContract) -> tuple[dict[str, str], str | None]:
+def traced_sides(contract: ModuleListContract, training: bool) -> tuple[dict[str, str], str | None]:
     """``(sides, why)``: each outside module's side of the loop in the model call the contract captured
-    (``"before"``, ``"after"``, ``"both"``: :func:`call_sides`) and None, or no sides and why none were traced."""
+    (:func:`call_sides`), run in training mode or not, and None; or no sides and why none were traced."""
     call = contract.captured_call(0)
     path = next(p for p, m in contract.ancestors if m is call.owner)
     args, kwargs = call.rebuild([torch.empty_like(t, device="meta") for t in call.tensors])
     try:
-        return call_sides(call.owner, path, contract, args, kwargs), None
+        twin = _meta_copy(call.owner).train(training)
     except Exception as e:  # noqa: BLE001 - any failure leaves registration order, and says why
+        return {}, f"the model could not be copied to the meta device ({type(e).__name__}: {_first_line(e)})"
+    try:
+        return call_sides(twin, path, contract, args, kwargs), None
+    except _NoBlocks as e:
+        return {}, str(e)
+    except Exception as e:  # noqa: BLE001
         return {}, f"the model's forward did not run on the meta device ({type(e).__name__}: {_first_line(e)})"
 
 
-def call_sides(owner: nn.Module, path: str, contract: ModuleListContract, args: tuple, kwargs: dict) -> dict[str, str]:
-    """Each outside module of ``contract`` inside ``owner`` (at ``path``) that ``owner(*args, **kwargs)`` calls,
-    run as a meta copy: ``"before"`` the first block, ``"after"`` the last, or ``"both"``."""
-    twin = _meta_copy(owner)
+def call_sides(twin: nn.Module, path: str, contract: ModuleListContract, args: tuple, kwargs: dict) -> dict[str, str]:
+    """Each outside module of ``contract`` inside the model at ``path`` that ``twin(*args, **kwargs)`` calls or
+    whose weights it uses (``twin``: the model's meta copy): ``"before"`` the first block, ``"after"`` the last,
+    ``"both"``, or ``"inside"`` (between the first block's call and the last's)."""
     within = path + "." if path else ""  # "": the LightningModule's own forward, called by the step as self(x)
-    inside = {p: p[len(within) :] for p, _ in contract.outside() if p.startswith(within)}
+    inside = {p: twin.get_submodule(p[len(within) :]) for p, _ in contract.outside() if p.startswith(within)}
     order: list[Any] = []
+    uses = _ParameterUses(order)
     with ExitStack() as scope:
-        owned: dict[int, str] = {}  # each outside module's parameters (their uses outside a call: DeBERTa's
-        for p, rel in inside.items():  # rel_embeddings.weight, read by the encoder before its loop)
-            for module in twin.get_submodule(rel).modules():
-                scope.callback(module.register_forward_pre_hook(_recorder(order, p)).remove)
-            owned.update((id(q), p) for q in twin.get_submodule(rel).parameters())
+        for p, module in inside.items():
+            scope.enter_context(uses.owned_by(p, module))
         for block in twin.get_submodule(contract.list_name[len(within) :]).children():
             scope.callback(block.register_forward_pre_hook(_recorder(order, _BLOCK)).remove)
             scope.callback(block.register_forward_hook(_recorder(order, _BLOCK)).remove)
         scope.callback(caches_off(twin.modules()))  # as the Trainer call runs it
         scope.enter_context(torch.no_grad())
-        scope.enter_context(OrdinaryBatch(type(owner).__name__, {}, strict=False, zero_otherwise=True))
-        scope.enter_context(_ParameterUses(owned, order))
+        scope.enter_context(OrdinaryBatch(type(twin).__name__, {}, strict=False, zero_otherwise=True))
+        scope.enter_context(uses)
         twin(*args, **kwargs)
     return _sides(order)
 
 
 class _ParameterUses(TorchFunctionMode):
-    """Each op that takes a parameter of ``owned`` records its module's path in ``order``."""
+    """Each call of an outside module, and each op that takes one of their parameters and makes a tensor (DeBERTa-v2's
+    encoder reads ``rel_embeddings.weight`` before its loop; a read of ``.dtype`` or ``.shape`` makes none) outside
+    a call of that parameter's module, records the module's path in ``order``: a parameter tied between several
+    modules, each of them."""
 
-    def __init__(self, owned: dict[int, str], order: list[Any]) -> None:
+    def __init__(self, order: list[Any]) -> None:
         super().__init__()
-        self._owned, self._order = owned, order
+        self._order = order
+        self._owners: dict[int, list[str]] = {}
+        self._running: list[str] = []  # the outside modules whose forwards are running: their weights' uses are theirs
+
+    @contextmanager
+    def owned_by(self, path: str, module: nn.Module) -> Iterator[None]:
+        """Record ``module``'s calls and its parameters' uses as ``path``'s, while open."""
+        for q in module.parameters():
+            self._owners.setdefault(id(q), []).append(path)
+        handles = []  # a submodule called on its own is the module's too (self.embeddings.word_embeddings(ids))
+        for m in module.modules():
+            handles += [m.register_forward_pre_hook(self._entered(path)), m.register_forward_hook(self._left)]
+        try:
+            yield
+        finally:
+            for h in handles:
+                h.remove()
+
+    def _entered(self, path: str) -> Callable[..., None]:
+        def enter(*_: Any) -> None:
+            if path not in self._running:
+                self._order.append(path)
+            self._running.append(path)
+
+        return enter
+
+    def _left(self, *_: Any) -> None:
+        self._running.pop()
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if not any(isinstance(t, torch.Tensor) for t in pytree.tree_leaves(out)):
+            return out
         for x in pytree.tree_leaves((args, kwargs or {})):
-            path = self._owned.get(id(x)) if isinstance(x, nn.Parameter) else None
-            if path is not None:
-                self._order.append(path)
-        return func(*args, **(kwargs or {}))
+            owners = self._owners.get(id(x), ()) if isinstance(x, nn.Parameter) else ()
+            # a use inside a call of one of its owners is that call's (a head tied to the embedding: the head's);
+            # inside another module's, it is its own (DeBERTa-v2's LayerNorm of rel_embeddings.weight)
+            if not any(p in self._running for p in owners):
+                self._order.extend(owners)
+        return out
 
 
 def _recorder(order: list[Any], what: Any) -> Callable[..., None]:
@@ -178,19 +255,21 @@ def _recorder(order: list[Any], what: Any) -> Callable[..., None]:
     return record
 
 
+class _NoBlocks(Exception):
+    """The traced forward called none of the blocks."""
+
+
 def _sides(order: list[Any]) -> dict[str, str]:
     """Each module's side of the loop in the recorded ``order`` (the blocks' calls are ``_BLOCK``)."""
     blocks = [k for k, x in enumerate(order) if x is _BLOCK]
     if not blocks:
-        raise RuntimeError("the model's forward called none of the blocks")
+        raise _NoBlocks("the model's forward, traced on the meta device, called none of the blocks")
     first, last = blocks[0], blocks[-1]
-    sides: dict[str, str] = {}
+    seen: dict[str, set[str]] = {}
     for k, x in enumerate(order):
-        if x is _BLOCK:
-            continue
-        side = "before" if k < first else "after" if k > last else "both"
-        sides[x] = side if sides.get(x, side) == side else "both"
-    return sides
+        if x is not _BLOCK:
+            seen.setdefault(x, set()).add("before" if k < first else "after" if k > last else "inside")
+    return {x: "inside" if "inside" in on else "both" if len(on) > 1 else on.pop() for x, on in seen.items()}
 
 
 def _meta_copy(module: nn.Module) -> nn.Module:
@@ -203,7 +282,6 @@ def _meta_copy(module: nn.Module) -> nn.Module:
         memo[id(t)] = nn.Parameter(meta, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else meta
     twin = module_copy(module, memo)
     for m in twin.modules():
-        drop_forward_hooks(m)
         forward = m.__dict__.get("forward")
         if forward is not None and getattr(forward, "__qualname__", "").startswith(ModuleListContract.__qualname__):
             del m.__dict__["forward"]

@@ -18,9 +18,10 @@ survive, and which sends every value a later stage uses). While a stage runs:
 * the stage's first block gets the hidden state the previous stage sent instead of its argument;
 * the stage's blocks run; at the next stage's first block the stage stops and sends that block's
   hidden state (a tensor) on;
-* modules with parameters outside the blocks belong to the first layer (those registered before the
-  ModuleList: embeddings) or to the last (those registered after it: final norm, LM head). On other
-  stages they, too, yield ``Elsewhere`` values, computed on the meta device.
+* modules with parameters outside the blocks belong to the first layer (those the forward calls before
+  the loop: embeddings) or to the last (those it calls after it: final norm, LM head), as a trace before
+  the cut finds (:mod:`.call_order`; registration order where it cannot say). On other stages they, too,
+  yield ``Elsewhere`` values, computed on the meta device.
 
 So **side inputs are recomputed on every stage from its own micro-batch**, by the model's own code:
 masks, position ids, rotary embeddings, cache positions, non-tensor flags; none of them travels. A
@@ -53,6 +54,7 @@ import torch
 from torch import nn
 
 from lightning_twobp.lightning.checks import LOOP_AUX, grad_scalars, stored_for_loss
+from lightning_twobp.lightning.outside_modules import OutsideModules, registered_sides
 from lightning_twobp.lightning.placeholders import (
     Elsewhere,
     ElsewhereError,
@@ -359,11 +361,12 @@ class _Run:
         return self.stage.stop
 
 
-class ModuleListContract:
+class ModuleListContract(OutsideModules):
     """The pipelined part is the ``nn.ModuleList`` at ``name`` in ``root`` (see the module docstring).
 
     ``layers()`` has one :class:`LayerGroup` per block; the first also holds the modules with
-    parameters registered before the ModuleList, the last those registered after it. The model is the
+    parameters registered before the ModuleList, the last those registered after it, until
+    :meth:`place_by_calls` moves them to the side the forward calls them on. The model is the
     outermost module on the path to the ModuleList that the step calls (``model`` for
     ``model.transformer.h``, or the LightningModule's own forward).
     """
@@ -383,11 +386,8 @@ class ModuleListContract:
         self.ancestors = _ancestors(root, name)  # (path, module), the LightningModule first
         # The module the step calls: the outermost one below the LightningModule, or its own forward.
         self.name = self.ancestors[1][0] if len(self.ancestors) > 1 else "forward"
-        pre, post = _placement(root, blocks, name, {id(m) for _, m in self.ancestors})
-        self._outside = [*pre, *post]  # in registration order
-        self._before = {path for path, _ in pre}  # the first stage's; the others the last's (place_by_calls)
-        self.placed_why: str | None = "no trace was run"  # why registration order placed them (None: call order)
-        self._sides: dict[str, str] = {}  # the trace's: "before", "after" or "both" (place_by_calls)
+        pre, post = registered_sides(root, blocks, name, {id(m) for _, m in self.ancestors})
+        OutsideModules.__init__(self, [*pre, *post], {path for path, _ in pre})
         self._groups = self._grouped()
         self._slots = {path: _slot(root, path) for path, _ in [*self._outside, *self._block_parts()]}
         self._runner: Any = None
@@ -408,27 +408,14 @@ class ModuleListContract:
     def _block_parts(self) -> list[tuple[str, nn.Module]]:
         return [(f"{self.list_name}.{i}", b) for i, b in enumerate(self.blocks)]
 
+    def _regroup(self) -> None:
+        self._groups = self._grouped()
+
     def _grouped(self) -> list[LayerGroup]:
         parts = [[part] for part in self._block_parts()]
         parts[0][:0] = [(path, m) for path, m in self._outside if path in self._before]
         parts[-1].extend((path, m) for path, m in self._outside if path not in self._before)
         return [LayerGroup(p) for p in parts]
-
-    def outside(self) -> list[tuple[str, nn.Module]]:
-        """The modules with parameters outside the blocks, in registration order."""
-        return list(self._outside)
-
-    def place_by_calls(self, sides: Mapping[str, str], why: str | None) -> list[str]:
-        """Put each module outside the blocks on the side of the loop the model's forward calls it
-        (``sides[path]``: ``"before"`` or ``"after"``, traced before the cut by :mod:`.call_order`); the
-        others stay where registration order put them, ``why`` the reason when none was traced. Returns
-        the modules that moved. Before the partition: the groups are the partition's units."""
-        placed = {p: side for p, side in sides.items() if side in ("before", "after")}
-        moved = [p for p, _ in self._outside if p in placed and (placed[p] == "before") != (p in self._before)]
-        self._before ^= set(moved)
-        self._sides, self.placed_why = dict(sides), why
-        self._groups = self._grouped()
-        return moved
 
     # ------------------------------------------------------------------ the Contract interface
     def layers(self) -> list[nn.Module]:
@@ -513,7 +500,7 @@ class ModuleListContract:
                 if new is group:
                     module = group.parts()[k]
                 elif (part := getattr(type(new), "part", None)) is not None:  # local_model._Remote: one per part
-                    module = part(new, k, path, "" if k == block else self._registration_hint(path, before=k < block))
+                    module = part(new, k, path, "" if k == block else self.registration_hint(path, before=k < block))
                 else:
                     module = new if k == block else copy.copy(new)
                 parent, attr = self._slots[path]
@@ -909,7 +896,7 @@ class ModuleListContract:
         where = f"{sub or path} (pipeline stage {self._stage_of[layer]})"
         target = part if module is None else module
         paths = self._groups[layer].paths
-        before = paths.index(path) < paths.index(f"{self.list_name}.{layer}")  # registered before the blocks
+        before = paths.index(path) < paths.index(f"{self.list_name}.{layer}")  # placed before the blocks
 
         def forward(*args: Any, **kwargs: Any) -> Any:
             if (run.next > 0) if before else (run.next < self.num_blocks):
@@ -951,77 +938,14 @@ class ModuleListContract:
 
         return forward
 
-    def _registration_hint(self, path: str, before: bool) -> str:
-        """Why a module outside the blocks is on the stage it is, and the fix where a step calls it on
-        the other side of the blocks (a head registered before the blocks on the LightningModule)."""
-        other = "after" if before else "before"
-        fix = (
-            f"; if it runs {other} the blocks, register it {other} them (a `del` then a setattr moves a module last "
-            f"in its parent's registration order)"
-            if path not in self._traced()
-            else ""
-        )
-        return f"; {self._placed(path, before)}{fix}"
-
-    def _traced(self) -> set[str]:
-        """The modules the call-order trace placed (:meth:`place_by_calls`)."""
-        return {p for p, side in self._sides.items() if side in ("before", "after")}
-
-    def _placed(self, path: str, before: bool) -> str:
-        """Why ``path`` is on the stage it is (the module docstring): the traced call order, or registration order
-        and why."""
-        side, stage = ("before", "first") if before else ("after", "last")
-        if path in self._traced():
-            return (
-                f"the model's forward called it {side} {self.list_name} when traced on the meta device before the cut, "
-                f"so it was placed on the {stage} pipeline stage"
-            )
-        traced = self._sides.get(path)
-        why = (
-            f"the call order was not traced before the cut ({self.placed_why})"
-            if self.placed_why is not None
-            else "the traced forward called it on both sides of the loop or inside it"
-            if traced is not None
-            else "the traced forward of the model did not call it: the step calls it, or the model on some batches only"
-        )
-        return (
-            f"it is registered {side} {self.list_name}, so it was placed on the {stage} pipeline stage (under "
-            f"strategy='twobp' the modules with parameters outside the blocks go where the model's forward calls them; "
-            f"{why}, so by registration order: before the blocks to the first stage, after them to the last)"
-        )
-
     def _misplaced(self, path: str, before: bool, run: _Run) -> RuntimeError:
-        """A module placed on one side of the blocks but called on the other: registered there (OPT's decoder
-        registers ``final_layer_norm`` before ``layers`` and calls it after the loop) where the call order could
-        not be traced, or called on the other side when traced."""
+        """A module placed on one side of the blocks but called on the other (:meth:`misplaced_fix`)."""
         called = f"after {self.list_name}[{run.next - 1}]" if run.next else f"before {self.list_name}[0]"
-        fix = (
-            "make the model's forward call it on one side of the loop whatever the batch (the side it calls it on "
-            "must not depend on the data)"
-            if path in self._traced()
-            else "give each side of the loop a module of its own (a module with parameters is on one pipeline stage: "
-            "the first or the last)"
-            if self._sides.get(path) == "both"
-            else f"make the registration order follow the call order: re-register it after the blocks before the "
-            f"Trainer call (`m = self.{path}; del self.{path}; self.{path} = m` moves it last in its parent's "
-            f"registration order)"
-            if before
-            else f"make the registration order follow the call order: re-register {self._holding_blocks(path)} and "
-            f"the modules registered after it that run after the loop (a `del` then a setattr moves a module last in "
-            f"its parent's registration order)"
-        )
         return RuntimeError(
-            f"{path} is called {called} in the model's forward, but {self._placed(path, before)}; "
-            f"{self._stage_label(run.stage.index)} runs that call without it. To fix it, {fix}"
+            f"{path} is called {called} in the model's forward, but {self.placed(path, before)}; "
+            f"{self._stage_label(run.stage.index)} runs that call without it. To fix it, "
+            f"{self.misplaced_fix(path, before)}"
         )
-
-    def _holding_blocks(self, path: str) -> str:
-        """The module beside ``path`` (a child of the same parent) that holds the blocks: what moves after it in
-        that parent's registration order (the blocks themselves, or a tower around them: CLIP's text_model when
-        its vision_model, registered after it, runs first)."""
-        parent = path.rpartition(".")[0]
-        inside = self.list_name[len(parent) + 1 :] if parent else self.list_name
-        return f"{parent}.{inside.split('.')[0]}" if parent else inside.split(".")[0]
 
     def _stage_label(self, k: int) -> str:
         """Stage ``k`` in a message: while the layers are profiled (one_stage_per_layer), layer k's own."""
@@ -1256,50 +1180,3 @@ def _ancestors(root: nn.Module, path: str) -> list[tuple[str, nn.Module]]:
 def _slot(root: nn.Module, path: str) -> tuple[nn.Module, str]:
     parent_path, _, attr = path.rpartition(".")
     return (root.get_submodule(parent_path) if parent_path else root), attr
-
-
-def _placement(root: nn.Module, blocks: nn.ModuleList, name: str, ancestors: set[int]) -> tuple[list, list]:
-    """The modules with parameters outside the blocks, as ``(pre, post)`` lists of ``(path, module)``:
-    registered before the ModuleList (in module-tree order) they run before the loop, after it
-    after. Parameters held directly by a module on the path to the ModuleList cannot be placed."""
-    seen = {id(m) for m in blocks.modules()}
-    pre: list[tuple[str, nn.Module]] = []
-    post: list[tuple[str, nn.Module]] = []
-    side = pre
-
-    def walk(module: nn.Module, prefix: str) -> None:
-        nonlocal side
-        loose = [n for n, _ in module.named_parameters(recurse=False)]
-        if loose:
-            where = prefix[:-1] or f"the {type(module).__name__} itself"
-            if getattr(getattr(module, "config", None), "use_weighted_layer_sum", False) is True:
-                # Hugging Face's audio classifiers: a weighted sum of every block's hidden states, which no
-                # module of one stage can compute; moving the weights into a module would not help
-                raise ValueError(
-                    f"{where} mixes the hidden states of every block in {name} (use_weighted_layer_sum=True in "
-                    f"{where}.config, weighted by its parameter {', '.join(loose)}): under strategy='twobp' each "
-                    f"pipeline stage holds only its own blocks' hidden states, so that sum cannot be computed; set "
-                    f"use_weighted_layer_sum=False in the config before building the model (the classifier then "
-                    f"reads the last block's output)"
-                )
-            raise ValueError(
-                f"{where} holds parameters directly ({', '.join(loose)}) beside the blocks in {name}: under "
-                f"strategy='twobp' every parameter outside the blocks must belong to a submodule that runs before "
-                f"the loop (the first stage) or after it (the last stage); put it in a small module of its own"
-            )
-        for attr, child in module._modules.items():
-            if child is blocks:
-                side = post
-                continue
-            if child is None or id(child) in seen:
-                continue
-            path = prefix + attr
-            if id(child) in ancestors:
-                walk(child, path + ".")
-                continue
-            seen.update(id(m) for m in child.modules())
-            if next(child.parameters(), None) is not None:
-                side.append((path, child))
-
-    walk(root, "")
-    return pre, post

@@ -576,7 +576,10 @@ def _cut(strategy: TwoBPStrategy, runner: StepRunner, contract: Any, trainer: An
     """The layers per stage and the schedule: the modules outside a ModuleList's blocks placed where the model
     calls them first (the partition's units), then ``schedule="auto"``'s choice or the named schedule's cut."""
     if isinstance(contract, ModuleListContract) and _several_stages(strategy):
-        place_by_call_order(runner, contract, trainer, strategy.precision_plugin)
+        if strategy.options.placement == "call":
+            place_by_call_order(runner, contract, trainer, strategy.precision_plugin)
+        else:
+            contract.place_by_calls({}, "TwoBPStrategy(placement='registration') was given")
     if strategy.requested.schedule == "auto":
         sizes = _choose(strategy, runner, contract, trainer)
         assert strategy.auto_choice is not None

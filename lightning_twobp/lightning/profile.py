@@ -29,13 +29,14 @@ log = logging.getLogger(__name__)
 __all__ = ["first_batch", "keep_buffers", "now", "profile_layers"]
 
 
-def first_batch(trainer: Any) -> Any:
-    """The first batch of the data the running Trainer call will read. Its loop sets its data up
-    now (the loop's own ``setup_data``; it synchronises the ranks, so every rank calls this), and the
-    batch comes from the Trainer's public dataloader properties. In fitting the loop's setup is undone
-    afterwards, for the loop to run it again in its place: a checkpoint's loader state is restored
-    after this (set up now, a resumed run read the epoch from its first batch again), and its sampler's
-    draws belong outside the caller's forked random state."""
+def first_batch(trainer: Any, read: Callable[[Any], Any] = lambda loader: next(iter(loader))) -> Any:
+    """The first batch of the data the running Trainer call will read (``read(loader)``: its first batch,
+    or what a caller makes of the loader). Its loop sets its data up now (the loop's own ``setup_data``;
+    it synchronises the ranks, so every rank calls this), and the batch comes from the Trainer's public
+    dataloader properties. In fitting the loop's setup is undone afterwards, for the loop to run it
+    again in its place: a checkpoint's loader state is restored after this (set up now, a resumed run
+    read the epoch from its first batch again), and its sampler's draws belong outside the caller's
+    forked random state."""
     fn = trainer.state.fn
     loop, loaders = {
         TrainerFn.FITTING: (trainer.fit_loop, lambda: trainer.train_dataloader),
@@ -54,10 +55,11 @@ def first_batch(trainer: Any) -> Any:
             'balance="time" profiles the layers on the first batch of the data, and none was found: pass '
             "the dataloader to the Trainer call, or use balance='params' or a list of layer counts"
         )
-    batch = next(iter(found))
-    if fn == TrainerFn.FITTING:
-        unset_training_data(trainer)
-    return batch
+    try:
+        return read(found)
+    finally:
+        if fn == TrainerFn.FITTING:
+            unset_training_data(trainer)
 
 
 def keep_buffers(layers: list[nn.Module]) -> Callable[[], None]:

@@ -97,6 +97,7 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
         memory_limit: float | str | None = None,
         balance: str | Sequence[int] = "params",
         layers: str | None = None,
+        placement: Literal["call", "registration"] = "call",
         gather_full_model: bool = False,
         post_validation: bool | None = None,
         on_nonfinite: Literal["stop", "skip"] = "stop",

@@ -1,0 +1,184 @@
+"""The modules with parameters outside a ModuleList's blocks (embeddings, final norm, head): which side of the loop
+each is on, and so which stage holds it (the first or the last), and why, for the messages that name it.
+
+Registration order first (:func:`registered_sides`: a module registered before the ModuleList runs before the
+loop), then, where a trace of the model's forward before the cut says otherwise, the call order
+(:meth:`OutsideModules.place_by_calls`, :mod:`.call_order`). A mixin of
+:class:`~.modulelist_contract.ModuleListContract`, which provides ``list_name`` and regroups its layers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from torch import nn
+
+__all__ = ["OutsideModules", "registered_sides"]
+
+
+class OutsideModules:
+    """Where each outside module is, and why (see the module docstring)."""
+
+    list_name: str
+
+    def __init__(self, outside: list[tuple[str, nn.Module]], before: set[str]) -> None:
+        self._outside = outside  # (path, module), in registration order
+        self._before = before  # the paths on the first stage; the others are on the last
+        self.placed_why: str | None = "no trace was run"  # why registration order placed them (None: call order)
+        self._sides: dict[str, str] = {}  # the trace's: "before", "after", "both" or "inside"
+
+    def _regroup(self) -> None:
+        """Rebuild the layers after a move (the contract's)."""
+        raise NotImplementedError
+
+    def outside(self) -> list[tuple[str, nn.Module]]:
+        """The modules with parameters outside the blocks, in registration order."""
+        return list(self._outside)
+
+    def place_by_calls(self, sides: Mapping[str, str], why: str | None) -> list[str]:
+        """Put each module outside the blocks on the side of the loop the model's forward calls it (``sides[path]``:
+        ``"before"`` or ``"after"``, traced before the cut by :mod:`.call_order`); the others stay where
+        registration order put them, ``why`` the reason when none was traced. Returns the modules that moved.
+        Before the partition: the layers are its units."""
+        placed = {p: side for p, side in sides.items() if side in ("before", "after")}
+        moved = [p for p, _ in self._outside if p in placed and (placed[p] == "before") != (p in self._before)]
+        self._before ^= set(moved)
+        self._sides, self.placed_why = dict(sides), why
+        self._regroup()
+        return moved
+
+    def _traced(self, path: str) -> bool:
+        """Whether the call-order trace placed ``path``."""
+        return self._sides.get(path) in ("before", "after")
+
+    def placed(self, path: str, before: bool) -> str:
+        """Why ``path`` is on the stage it is: the traced call order, or registration order and why."""
+        side, stage = ("before", "first") if before else ("after", "last")
+        if self._traced(path):
+            return (
+                f"the model's forward called it {side} {self.list_name} when traced on the meta device before the cut, "
+                f"so it was placed on the {stage} pipeline stage"
+            )
+        return (
+            f"it is registered {side} {self.list_name}, so it was placed on the {stage} pipeline stage (under "
+            f"strategy='twobp' the modules with parameters outside the blocks go where the model's forward calls them; "
+            f"{self._untraced(path)}, so by registration order: before the blocks to the first stage, after them to "
+            f"the last)"
+        )
+
+    def _untraced(self, path: str) -> str:
+        """Why the trace did not place ``path``."""
+        if self.placed_why is not None:
+            return f"the call order was not traced before the cut ({self.placed_why})"
+        traced = self._sides.get(path)
+        if traced == "both":
+            return "the traced forward called it both before and after the loop"
+        if traced == "inside":
+            return "the traced forward called it between the blocks"
+        return "the traced forward of the model did not call it: the step calls it, or the model on some batches only"
+
+    def misplaced_fix(self, path: str, before: bool) -> str:
+        """The fix for ``path``, placed on the side of the loop it is not called on."""
+        if self._traced(path):
+            return (
+                "make the model's forward call it on one side of the loop whatever the batch (the side it was traced "
+                "on must not depend on the data or the mode), or pass TwoBPStrategy(placement='registration') and "
+                "register it on the side it runs"
+            )
+        if self._sides.get(path) == "inside" and self.placed_why is None:
+            return (
+                "make it part of a block, or call it before or after the loop: a module with parameters between the "
+                "blocks has no stage of its own"
+            )
+        if self._sides.get(path) == "both" and self.placed_why is None:
+            return (
+                "give each side of the loop a module of its own (a module with parameters is on one pipeline stage: "
+                "the first or the last), or, if it runs on one side only in training, register it on that side"
+            )
+        if before:
+            return (
+                f"make the registration order follow the call order: re-register it after the blocks before the "
+                f"Trainer call (`m = self.{path}; del self.{path}; self.{path} = m` moves it last in its parent's "
+                f"registration order)"
+            )
+        return (
+            f"make the registration order follow the call order: re-register {self.holding_blocks(path)} and the "
+            f"modules registered after it that run after the loop (a `del` then a setattr moves a module last in its "
+            f"parent's registration order)"
+        )
+
+    def registration_hint(self, path: str, before: bool) -> str:
+        """Why a module outside the blocks is on the stage it is, and the fix where a step calls it on the other side
+        of the blocks (a head registered before the blocks on the LightningModule)."""
+        other = "after" if before else "before"
+        if self._traced(path):
+            fix = f"; if the step calls it {other} the blocks, pass TwoBPStrategy(placement='registration')"
+        else:
+            fix = f"; if it runs {other} the blocks, register it {other} them"
+        return (
+            f"; {self.placed(path, before)}{fix} (a `del` then a setattr moves a module last in its parent's "
+            f"registration order)"
+        )
+
+    def holding_blocks(self, path: str) -> str:
+        """The module beside ``path`` (a child of the same parent) that holds the blocks: what moves after it in
+        that parent's registration order (the blocks themselves, or a tower around them: CLIP's text_model when
+        its vision_model, registered after it, runs first)."""
+        parent = path.rpartition(".")[0]
+        inside = self.list_name[len(parent) + 1 :] if parent else self.list_name
+        return f"{parent}.{inside.split('.')[0]}" if parent else inside.split(".")[0]
+
+
+def registered_sides(root: nn.Module, blocks: nn.ModuleList, name: str, ancestors: set[int]) -> tuple[list, list]:
+    """The modules with parameters outside the blocks, as ``(pre, post)`` lists of ``(path, module)``:
+    registered before the ModuleList (in module-tree order) they run before the loop, after it
+    after. Parameters held directly by a module on the path to the ModuleList cannot be placed."""
+    pre: list[tuple[str, nn.Module]] = []
+    post: list[tuple[str, nn.Module]] = []
+    _walk(root, "", blocks, name, ancestors, {id(m) for m in blocks.modules()}, [pre, post])
+    return pre, post
+
+
+def _walk(
+    module: nn.Module, prefix: str, blocks: nn.ModuleList, name: str, ancestors: set[int], seen: set[int], sides: list
+) -> None:
+    """``module``'s children into ``sides[-1]`` in registration order (``sides``: ``[pre, post]``; the ModuleList
+    pops ``pre``), descending into the ModuleList's ancestors."""
+    _check_no_loose(module, prefix, name)
+    for attr, child in module._modules.items():
+        if child is blocks:
+            if len(sides) == 2:
+                sides.pop(0)
+            continue
+        if child is None or id(child) in seen:
+            continue
+        path = prefix + attr
+        if id(child) in ancestors:
+            _walk(child, path + ".", blocks, name, ancestors, seen, sides)
+            continue
+        seen.update(id(m) for m in child.modules())
+        if next(child.parameters(), None) is not None:
+            sides[0].append((path, child))
+
+
+def _check_no_loose(module: nn.Module, prefix: str, name: str) -> None:
+    """Refuse parameters held directly by a module on the path to the ModuleList: no module of one side holds them."""
+    loose = [n for n, _ in module.named_parameters(recurse=False)]
+    if not loose:
+        return
+    where = prefix[:-1] or f"the {type(module).__name__} itself"
+    if getattr(getattr(module, "config", None), "use_weighted_layer_sum", False) is True:
+        # Hugging Face's audio classifiers: a weighted sum of every block's hidden states, which no
+        # module of one stage can compute; moving the weights into a module would not help
+        raise ValueError(
+            f"{where} mixes the hidden states of every block in {name} (use_weighted_layer_sum=True in "
+            f"{where}.config, weighted by its parameter {', '.join(loose)}): under strategy='twobp' each "
+            f"pipeline stage holds only its own blocks' hidden states, so that sum cannot be computed; set "
+            f"use_weighted_layer_sum=False in the config before building the model (the classifier then "
+            f"reads the last block's output)"
+        )
+    raise ValueError(
+        f"{where} holds parameters directly ({', '.join(loose)}) beside the blocks in {name}: under "
+        f"strategy='twobp' every parameter outside the blocks must belong to a submodule that runs before "
+        f"the loop (the first stage) or after it (the last stage); put it in a small module of its own"
+    )

@@ -1,0 +1,193 @@
+"""Where the modules outside a ModuleList's blocks go (lightning/call_order.py): the side of the loop a meta copy of
+the model calls them on, for Hugging Face models that register them elsewhere (OPT, DeBERTa-v2) and for the cases
+that must not move a module (a metadata read, tied weights, a call between blocks); the original model untouched;
+and a run whose data the trace must leave as one process reads it."""
+
+from __future__ import annotations
+
+import random
+
+import lightning.pytorch as pl
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, Dataset, IterableDataset
+
+from lightning_twobp import TwoBPStrategy
+from lightning_twobp.lightning import call_order
+from lightning_twobp.lightning.contract import find_contract
+from lightning_twobp.processes import run_distributed
+
+from conftest import lightning_env, quiet_trainer
+
+transformers = pytest.importorskip("transformers", reason="the Hugging Face models need transformers")
+
+
+def _sides(lm: nn.Module, layers: str, *args, **kwargs) -> dict[str, str]:
+    """The traced side of each outside module when ``lm.model(*args, **kwargs)`` runs (the step's call)."""
+    contract = find_contract(lm, layers)
+    meta = [a.to("meta") if isinstance(a, torch.Tensor) else a for a in args]
+    kw = {k: v.to("meta") if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+    return call_order.call_sides(call_order._meta_copy(lm.model), "model", contract, tuple(meta), kw)
+
+
+class Holder(nn.Module):
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+
+def test_opt_and_deberta_are_traced_where_their_forward_calls_them():
+    opt = transformers.OPTForCausalLM(
+        transformers.OPTConfig(
+            vocab_size=32, num_hidden_layers=2, num_attention_heads=2, hidden_size=8, ffn_dim=16,
+            word_embed_proj_dim=8, max_position_embeddings=16, dropout=0.0,
+        )
+    )  # fmt: skip
+    ids = torch.randint(2, 32, (2, 6))
+    sides = _sides(Holder(opt), "model.model.decoder.layers", input_ids=ids)
+    # registered before the layers and called after them (the error OPT met at its first step); the head is tied to
+    # the embedding, and each is placed by its own call
+    assert sides["model.model.decoder.final_layer_norm"] == "after"
+    assert sides["model.model.decoder.embed_tokens"] == "before" and sides["model.lm_head"] == "after"
+    config = transformers.DebertaV2Config(
+        vocab_size=32, hidden_size=8, intermediate_size=16, num_hidden_layers=2, num_attention_heads=2,
+        max_position_embeddings=16, relative_attention=True, position_buckets=4, max_relative_positions=16,
+        pos_att_type=["p2c", "c2p"], norm_rel_ebd="layer_norm", pad_token_id=0,
+    )  # fmt: skip
+    deberta = transformers.DebertaV2ForMaskedLM(config)
+    sides = _sides(Holder(deberta), "model.deberta.encoder.layer", input_ids=ids)
+    # both registered after the layer list; the relative embeddings are read by weight, not called
+    assert sides["model.deberta.encoder.rel_embeddings"] == "before"
+    assert sides["model.deberta.encoder.LayerNorm"] == "before"
+
+
+class Loop(nn.Module):
+    """A loop whose ``kind`` of outside use the trace must not take for a call on the other side."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+        self.norm = nn.LayerNorm(4)  # registered before the blocks, called after them
+        self.embed = nn.Embedding(10, 4)
+        self.blocks = nn.ModuleList(nn.Linear(4, 4) for _ in range(3))
+        self.head = nn.Linear(4, 10)
+        if kind == "tied":
+            self.head.weight = self.embed.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed(ids).to(self.norm.weight.dtype)  # a read of its dtype: no use of its values
+        for i, block in enumerate(self.blocks):
+            h = block(h)
+            if self.kind == "inside" and i == 0:
+                h = self.norm(h)
+        if self.kind == "weight":
+            return h @ self.embed.weight.T  # the embedding's weight used after the loop by no module (norm unused)
+        return self.head(self.norm(h))
+
+
+@pytest.mark.parametrize(
+    "kind, norm, embed, head",
+    [("", "after", "before", "after"), ("tied", "after", "before", "after"), ("inside", "inside", "before", "after")]
+    + [("weight", None, "both", None)],
+)
+def test_a_metadata_read_a_tied_weight_and_a_call_between_blocks_are_told_apart(kind, norm, embed, head):
+    model = Holder(Loop(kind))
+    sides = _sides(model, "model.blocks", torch.randint(0, 10, (2, 3)))
+    assert (sides.get("model.norm"), sides.get("model.embed"), sides.get("model.head")) == (norm, embed, head)
+
+
+def test_the_trace_leaves_the_model_as_it_was():
+    model = Holder(Loop(""))
+    seen: list[str] = []
+    model.model.norm.register_forward_pre_hook(lambda *_: seen.append("norm"))
+    model.eval()
+    twin = call_order._meta_copy(model.model).train(True)
+    assert _sides(model, "model.blocks", torch.randint(0, 10, (2, 3)))["model.norm"] == "after"
+    assert not seen and not model.training and twin.training  # the user's hook did not run on the copy
+    assert all(not q.is_meta for q in model.parameters()) and all(q.is_meta for q in twin.parameters())
+    model.model(torch.randint(0, 10, (2, 3)))
+    assert seen == ["norm"]
+
+
+# ---------------------------------------------------------------------------------------------- the data
+class Drawn(Dataset):
+    """Samples drawn from Python's and NumPy's generators as they are read (augmentation in the main process)."""
+
+    def __len__(self) -> int:
+        return 32
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x = torch.tensor([random.random(), float(np.random.rand())] * 2, dtype=torch.float32)
+        return x, x[:2] * 0.5
+
+
+class Stream(IterableDataset):
+    """A stream read once: a batch read before training would be gone from it."""
+
+    def __init__(self) -> None:
+        self.left = [torch.full((4,), float(k)) for k in range(32)]
+
+    def __iter__(self):
+        while self.left:
+            x = self.left.pop(0)
+            yield x, x[:2] * 0.5
+
+
+class InOrder(nn.Module):
+    """Registered as called: it trains whether the call order is traced or not (a stream is not read to trace)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(4, 4)
+        self.blocks = nn.ModuleList(nn.Linear(4, 4) for _ in range(2))
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        for block in self.blocks:
+            h = torch.tanh(block(h))
+        return self.head(h)
+
+
+class Recorder(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.model = Holder(InOrder())
+        self.seen: dict[int, set[float]] = {}  # global step -> the samples its calls read (every micro-batch's)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        if getattr(self.trainer.strategy, "_pipeline", True) is not None:  # not the trace's run before the cut
+            self.seen.setdefault(self.trainer.global_step, set()).update(x[:, 0].tolist())
+        return F.mse_loss(self.model.model(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _first_batches(rank: int | None, world: int, data: str) -> dict[int, list[float]]:
+    """The samples each step read: one process (``rank`` None), or the pipeline's two stages on one rank (ZB-V),
+    whose setup traces the call order first."""
+    if rank is not None:
+        lightning_env(rank, world)
+    random.seed(0)
+    np.random.seed(0)
+    model = Recorder()
+    strategy = "auto" if rank is None else TwoBPStrategy(schedule="zb-v", num_microbatches=2)
+    loader = DataLoader(Drawn() if data == "drawn" else Stream(), batch_size=8)
+    quiet_trainer(strategy, 1, max_steps=2).fit(model, loader)
+    return {step: sorted(seen) for step, seen in model.seen.items()}
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("data", ["drawn", "stream"])
+def test_the_trace_leaves_the_data_as_one_process_reads_it(data):
+    """Reading the first batch to trace on drew from Python's and NumPy's generators (the trace put back torch's
+    alone) and took a stream's first batch, which training then missed: both silent."""
+    ours = run_distributed(_first_batches, 1, data, timeout=200)[0]
+    assert ours == _first_batches(None, 1, data)
