@@ -64,6 +64,29 @@ def test_opt_and_deberta_are_traced_where_their_forward_calls_them():
     assert sides["model.deberta.encoder.LayerNorm"] == "before"
 
 
+def test_a_mixture_of_experts_whose_meta_kernel_takes_bf16_only_is_traced_in_bf16():
+    """torch's grouped matmul on meta takes bf16 only, as on a GPU: an fp32 Jamba's trace failed there and fell back
+    to registration order (its modules are registered in call order, so nothing showed); it is traced again in bf16."""
+    config = transformers.JambaConfig(
+        vocab_size=32, num_hidden_layers=2, num_attention_heads=2, hidden_size=16, intermediate_size=16,
+        num_key_value_heads=2, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1,
+        num_experts=2, num_experts_per_tok=1, mamba_d_state=4, mamba_d_conv=4, mamba_expand=2, mamba_dt_rank=4,
+        use_cache=False,
+    )  # fmt: skip
+    model = Holder(transformers.JambaForCausalLM(config))
+    contract = find_contract(model, "model.model.layers")
+    ids = torch.randint(0, 32, (2, 6))
+    sides, why = call_order.sides_on_meta(
+        contract, model.model, "model", [ids], lambda ts: ((), {"input_ids": ts[0]}), training=True
+    )
+    assert why is None and sides == {
+        "model.model.embed_tokens": "before",
+        "model.model.final_layernorm": "after",
+        "model.lm_head": "after",
+    }
+    assert all(q.dtype == torch.float32 and not q.is_meta for q in model.parameters())
+
+
 class Loop(nn.Module):
     """A loop whose ``kind`` of outside use the trace must not take for a call on the other side."""
 

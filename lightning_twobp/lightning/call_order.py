@@ -163,17 +163,38 @@ def traced_sides(contract: ModuleListContract, training: bool) -> tuple[dict[str
     (:func:`call_sides`), run in training mode or not, and None; or no sides and why none were traced."""
     call = contract.captured_call(0)
     path = next(p for p, m in contract.ancestors if m is call.owner)
-    args, kwargs = call.rebuild([torch.empty_like(t, device="meta") for t in call.tensors])
+    return sides_on_meta(contract, call.owner, path, call.tensors, call.rebuild, training)
+
+
+def sides_on_meta(
+    contract: ModuleListContract,
+    owner: nn.Module,
+    path: str,
+    tensors: list[torch.Tensor],
+    rebuild: Callable[[list[torch.Tensor]], tuple[tuple, dict]],
+    training: bool,
+) -> tuple[dict[str, str], str | None]:
+    """:func:`traced_sides` of ``owner`` (at ``path``) called on ``rebuild(tensors)``, each tensor on meta."""
     try:
-        twin = _meta_copy(call.owner).train(training)
+        twin = _meta_copy(owner).train(training)
     except Exception as e:  # noqa: BLE001 - any failure leaves registration order, and says why
         return {}, f"the model could not be copied to the meta device ({type(e).__name__}: {_first_line(e)})"
-    try:
-        return call_sides(twin, path, contract, args, kwargs), None
-    except _NoBlocks as e:
-        return {}, str(e)
-    except Exception as e:  # noqa: BLE001
-        return {}, f"the model's forward did not run on the meta device ({type(e).__name__}: {_first_line(e)})"
+    why = None
+    # Some meta kernels take bf16 only, as their GPU kernels do (torch's grouped matmul of a mixture of experts:
+    # Jamba's, Qwen3-Next's): the call order does not depend on the dtype, so an fp32 model is traced again in bf16
+    for dtype in (None, torch.bfloat16):
+        args, kwargs = rebuild([_on_meta(t, dtype) for t in tensors])
+        try:
+            return call_sides(twin if dtype is None else twin.to(dtype), path, contract, args, kwargs), None
+        except _NoBlocks as e:
+            return {}, str(e)
+        except Exception as e:  # noqa: BLE001 - the first failure is the one to tell
+            why = why or f"the model's forward did not run on the meta device ({type(e).__name__}: {_first_line(e)})"
+    return {}, why
+
+
+def _on_meta(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    return torch.empty_like(t, device="meta", dtype=dtype if dtype is not None and t.is_floating_point() else t.dtype)
 
 
 def call_sides(twin: nn.Module, path: str, contract: ModuleListContract, args: tuple, kwargs: dict) -> dict[str, str]:

@@ -140,9 +140,9 @@ class _Remote(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         raise RuntimeError(
-            f"{self.__dict__['_where']} belongs to pipeline stage {self.stage} on pipeline rank {self.rank}; "
-            f"under strategy='twobp' the pipelined layers run only through the pipeline, from training_step"
-            f"{self.__dict__['_hint']}"
+            f"{self.__dict__['_where']} belongs to pipeline stage {self.stage} on pipeline rank {self.rank} and is "
+            f"called here outside the pipeline's run of that stage; under strategy='twobp' each stage's layers run "
+            f"on their own stage, inside the step's call of the pipelined model{self.__dict__['_hint']}"
         )
 
     def __getattr__(self, name: str) -> Any:

@@ -587,8 +587,10 @@ class ModuleListContract(OutsideModules):
                 f"{path or 'forward'} returned a value computed by {bad.where}, which runs on another pipeline stage "
                 f"(per-block outputs collected by the loop: output_hidden_states=True, output_attentions=True, a "
                 f"cache, a block that returns several values, or a U-Net's skip connections; values a forward hook "
-                f"collects from every block, e.g. router logits for an auxiliary loss; or a weight of a module on "
-                f"another stage used directly, e.g. a head tied by `h @ self.embed.weight.T`): under strategy='twobp' "
+                f"collects from every block, e.g. router logits for an auxiliary loss; a value a module before the "
+                f"blocks computed, returned as it is (CLIP's image embeddings with its text layers pipelined); or a "
+                f"weight of a module on another stage used directly, e.g. a head tied by `h @ self.embed.weight.T`): "
+                f"under strategy='twobp' "
                 f"only the last stage's values can be returned; turn those outputs off (an auxiliary loss of every "
                 f"block's values cannot be pipelined), and tie a head as a module of its own (`self.head = "
                 f"nn.Linear(...); self.head.weight = self.embed.weight`, called after the loop)"
@@ -800,8 +802,8 @@ class ModuleListContract(OutsideModules):
                 f"must come from the batch (masks, positions, rotary embeddings). Not supported: blocks that hand "
                 f"values to later blocks through a side input they write into (e.g. Gemma4's keys and values shared "
                 f"across layers, num_kv_shared_layers > 0), and modules with parameters between blocks: they run "
-                f"either before the loop (registered before {self.list_name}: the first stage) or after it "
-                f"(registered after: the last stage)"
+                f"either before the loop (called before {self.list_name}: the first stage) or after it (called "
+                f"after: the last stage)"
             )
 
     def _key(self, i: int, args: tuple, kwargs: dict) -> tuple:
