@@ -4,7 +4,7 @@ what autograd saved, what the stages keep for W, receive buffers, sends), weight
 
     python docs/results/memory-model/auto_candidates.py > docs/results/memory-model/auto_candidates.txt
 
-(from the repository root; about 3 minutes on 2 cores)."""
+(from the repository root; about a minute on 2 cores)."""
 
 import sys
 
