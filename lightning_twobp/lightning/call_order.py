@@ -52,10 +52,9 @@ from lightning_twobp.private import data_source, module_copy, pytree
 
 log = logging.getLogger(__name__)
 
-__all__ = ["call_sides", "place_by_call_order", "place_captured", "traced_sides"]
+__all__ = ["call_sides", "place_by_call_order", "place_captured", "sides_on_meta", "traced_sides"]
 
 _BLOCK = object()  # a block's call in the recorded order
-_SIDES = ("before", "after")  # what the trace places; "both" (before and after) and "inside" (between blocks) not
 
 
 def place_by_call_order(runner: StepRunner, contract: ModuleListContract, trainer: Any, precision: Any) -> None:
