@@ -42,9 +42,9 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils.data import IterableDataset
 
-from lightning_twobp.lightning.layer_runs import HOOKS
-from lightning_twobp.lightning.modulelist_contract import ModuleListContract, caches_off
-from lightning_twobp.lightning.profile import first_batch
+from lightning_twobp.lightning.layer_runs import capture_first
+from lightning_twobp.lightning.modulelist_contract import ModuleListContract, caches_off, without_installed_forwards
+from lightning_twobp.lightning.profile import data_loop, first_batch
 from lightning_twobp.lightning.rng import drawing_from
 from lightning_twobp.lightning.step import StepRunner
 from lightning_twobp.meta_forward import OrdinaryBatch
@@ -92,21 +92,13 @@ def _batch(trainer: Any) -> Any:
     """The first batch, or why there is none to trace on (every rank reads it: the data setup synchronises
     them). A stream (an ``IterableDataset``) is not read: the loop's setup reads a batch ahead, and a stream's
     would be gone for training; so the loader is looked at before it is set up."""
-    source = data_source(_LOOPS[trainer.state.fn](trainer))
+    source = data_source(data_loop(trainer))
     if source is not None and source.is_defined() and _streams(source.dataloader()):
         return _NoBatch("the data is an IterableDataset, not read before training (its first batch would be lost)")
     try:
         return first_batch(trainer, _first)
     except ValueError as e:  # no dataloader: the trace cannot run
         return _NoBatch(f"no dataloader was found: {_first_line(e)}")
-
-
-_LOOPS = {
-    TrainerFn.FITTING: lambda t: t.fit_loop,
-    TrainerFn.VALIDATING: lambda t: t.validate_loop,
-    TrainerFn.TESTING: lambda t: t.test_loop,
-    TrainerFn.PREDICTING: lambda t: t.predict_loop,
-}
 
 
 def _streams(loaders: Any) -> bool:
@@ -143,10 +135,7 @@ def _capture(runner: StepRunner, trainer: Any, batch: Any, device: torch.device,
     """The step's call of the model on the first micro-batch, captured as a stage captures it."""
     runner.metrics.begin()  # the step's Metrics updates before the call, put back
     try:
-        batch = precision.convert_input(trainer.strategy.batch_to_device(batch, device))
-        runner.begin(HOOKS[trainer.state.fn], (batch, 0), {}, 1, exact=False)
-        with precision.forward_context():
-            runner.capture(0)
+        capture_first(runner, trainer, batch, device, precision, 1)
     finally:
         runner.metrics.undo()
 
@@ -300,12 +289,7 @@ def _meta_copy(module: nn.Module) -> nn.Module:
     for t in [*module.parameters(), *module.buffers()]:
         meta = torch.empty_like(t, device="meta")
         memo[id(t)] = nn.Parameter(meta, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else meta
-    twin = module_copy(module, memo)
-    for m in twin.modules():
-        forward = m.__dict__.get("forward")
-        if forward is not None and getattr(forward, "__qualname__", "").startswith(ModuleListContract.__qualname__):
-            del m.__dict__["forward"]
-    return twin
+    return without_installed_forwards(module_copy(module, memo))
 
 
 def _first_line(e: BaseException) -> str:

@@ -39,7 +39,7 @@ from lightning_twobp.lightning.modulelist_contract import LoopStage, ModuleListC
 from lightning_twobp.lightning.step import StepRunner
 from lightning_twobp.private import pytree
 
-__all__ = ["HOOKS", "LayerRun", "LayerRuns", "layer_runs", "loop_runs", "placed", "trained_dtype"]
+__all__ = ["HOOKS", "LayerRun", "LayerRuns", "capture_first", "layer_runs", "loop_runs", "placed", "trained_dtype"]
 
 HOOKS = {
     TrainerFn.FITTING: "training_step",
@@ -106,12 +106,7 @@ def layer_runs(
             scope.callback(fastpath_off())
         runner.metrics.begin()  # the step's Metrics updates, before the block and after it, put back after
         scope.callback(runner.metrics.undo)
-        # as the loop hands it to the step: its transfer hooks, on the device (every micro-batch: a ModuleList
-        # stage after the first captures them all), converted by the precision
-        batch = precision.convert_input(trainer.strategy.batch_to_device(batch, device))
-        runner.begin(HOOKS[trainer.state.fn], (batch, 0), {}, m, exact=False)
-        with precision.forward_context():
-            inputs = runner.capture(0)
+        inputs = capture_first(runner, trainer, batch, device, precision, m)
         if not isinstance(contract, ModuleListContract):  # the Sequential contract: each layer as a stage runs it
             # (StageModule: a tuple passed on as the Sequential passes it, an in-place first layer's input cloned)
             runs = [LayerRun(layer, _InForwardContext(StageModule([layer]), precision)) for layer in layers]
@@ -124,6 +119,17 @@ def layer_runs(
         runs, first = loop_runs(runner, stages, (index, *inputs[1:]), fitting, several=several)
         runs = [LayerRun(run.layer, _InForwardContext(run.call, precision)) for run in runs]
         yield LayerRuns(runs, first, fitting, runner.module, device, cast, precision)
+
+
+def capture_first(runner: StepRunner, trainer: Any, batch: Any, device: torch.device, precision: Any, m: int) -> tuple:
+    """The step's call of the pipelined block on the first of ``m`` micro-batches of ``batch``, captured as the
+    first stage captures it (its inputs), the batch handed over as the loop hands it to the step: its transfer
+    hooks, on the device (every micro-batch: a ModuleList stage after the first captures them all), converted by
+    the precision; the step's state is this micro-batching's after it."""
+    batch = precision.convert_input(trainer.strategy.batch_to_device(batch, device))
+    runner.begin(HOOKS[trainer.state.fn], (batch, 0), {}, m, exact=False)
+    with precision.forward_context():
+        return runner.capture(0)
 
 
 def trained_dtype(precision: Any) -> torch.dtype | None:

@@ -68,7 +68,15 @@ from lightning_twobp.private import forward_hooks, pytree, tensor_version
 _T = TypeVar("_T")
 log = logging.getLogger(__name__)
 
-__all__ = ["LayerGroup", "LoopStage", "ModuleListContract", "caches_off", "fastpath_off", "identical_blocks"]
+__all__ = [
+    "LayerGroup",
+    "LoopStage",
+    "ModuleListContract",
+    "caches_off",
+    "fastpath_off",
+    "identical_blocks",
+    "without_installed_forwards",
+]
 
 _MISSING = object()
 _CALLS = object()  # in an install list: the placeholder's ``_calls`` (see ``_running``), removed on uninstall
@@ -976,11 +984,7 @@ class ModuleListContract(OutsideModules):
                     memo[id(t)] = nn.Parameter(meta, requires_grad=t.requires_grad)
                 else:
                     memo[id(t)] = meta if device is None else Elsewhere(meta, device, where)
-            twin = copy.deepcopy(module, memo)
-            for m in twin.modules():  # instance forwards this contract installed are not the module's own
-                fwd = m.__dict__.get("forward")
-                if fwd is not None and getattr(fwd, "__qualname__", "").startswith(type(self).__qualname__):
-                    del m.__dict__["forward"]
+            twin = without_installed_forwards(copy.deepcopy(module, memo))
             self._twins[key] = twin
         return twin
 
@@ -1177,6 +1181,16 @@ def _ancestors(root: nn.Module, path: str) -> list[tuple[str, nn.Module]]:
         prefix = f"{prefix}.{part}" if prefix else part
         out.append((prefix, module))
     return out
+
+
+def without_installed_forwards(copied: nn.Module) -> nn.Module:
+    """``copied`` (a copy of a module of the model) without the instance forwards this contract installed on the
+    original: they are not the module's own, and call the original's modules."""
+    for m in copied.modules():
+        fwd = m.__dict__.get("forward")
+        if fwd is not None and getattr(fwd, "__qualname__", "").startswith(ModuleListContract.__qualname__):
+            del m.__dict__["forward"]
+    return copied
 
 
 def _slot(root: nn.Module, path: str) -> tuple[nn.Module, str]:

@@ -26,7 +26,7 @@ from lightning_twobp.private import pytree, unset_training_data
 
 log = logging.getLogger(__name__)
 
-__all__ = ["first_batch", "keep_buffers", "now", "profile_layers"]
+__all__ = ["data_loop", "first_batch", "keep_buffers", "now", "profile_layers"]
 
 
 def first_batch(trainer: Any, read: Callable[[Any], Any] = lambda loader: next(iter(loader))) -> Any:
@@ -38,14 +38,9 @@ def first_batch(trainer: Any, read: Callable[[Any], Any] = lambda loader: next(i
     read the epoch from its first batch again), and its sampler's draws belong outside the caller's
     forked random state."""
     fn = trainer.state.fn
-    loop, loaders = {
-        TrainerFn.FITTING: (trainer.fit_loop, lambda: trainer.train_dataloader),
-        TrainerFn.VALIDATING: (trainer.validate_loop, lambda: trainer.val_dataloaders),
-        TrainerFn.TESTING: (trainer.test_loop, lambda: trainer.test_dataloaders),
-        TrainerFn.PREDICTING: (trainer.predict_loop, lambda: trainer.predict_dataloaders),
-    }[fn]
+    loop = data_loop(trainer)
     loop.setup_data()
-    found = loaders()
+    found = _LOADERS[fn](trainer)
     if isinstance(found, (list, tuple)):
         found = found[0] if found else None
     if isinstance(found, dict):
@@ -60,6 +55,25 @@ def first_batch(trainer: Any, read: Callable[[Any], Any] = lambda loader: next(i
     finally:
         if fn == TrainerFn.FITTING:
             unset_training_data(trainer)
+
+
+_LOOPS: dict[Any, Callable[[Any], Any]] = {
+    TrainerFn.FITTING: lambda t: t.fit_loop,
+    TrainerFn.VALIDATING: lambda t: t.validate_loop,
+    TrainerFn.TESTING: lambda t: t.test_loop,
+    TrainerFn.PREDICTING: lambda t: t.predict_loop,
+}
+_LOADERS: dict[Any, Callable[[Any], Any]] = {
+    TrainerFn.FITTING: lambda t: t.train_dataloader,
+    TrainerFn.VALIDATING: lambda t: t.val_dataloaders,
+    TrainerFn.TESTING: lambda t: t.test_dataloaders,
+    TrainerFn.PREDICTING: lambda t: t.predict_dataloaders,
+}
+
+
+def data_loop(trainer: Any) -> Any:
+    """The loop of the running Trainer call, which reads its data."""
+    return _LOOPS[trainer.state.fn](trainer)
 
 
 def keep_buffers(layers: list[nn.Module]) -> Callable[[], None]:
