@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import warnings
+from collections.abc import Callable
 
 import lightning.pytorch as pl
 import pytest
@@ -417,6 +418,11 @@ def _fit_auto(
     return {
         "label": choice.best.label,
         "split": choice.best.split_backward,
+        # a stage of this rank runs some backwards fused and others split
+        "mixed": any(
+            {a.kind for a in choice.best.schedule.actions[strategy.pp_rank] if a.stage == s} >= {"B", "BW"}
+            for s in choice.best.schedule.stages_of(strategy.pp_rank)
+        ),
         "limit": choice.limit,
         "predicted": choice.best.peak_bytes[strategy.pp_rank],
         "measured": fixed + state + peak.peak,
@@ -558,11 +564,31 @@ def _split_pays(choose_profiles):
     return chosen
 
 
-def _fit_split(rank: int, world: int) -> dict:
+def _fused_where_it_loses(choose_profiles):
+    """``autoschedule.choose_profiles`` on profiles timed alike on every layer (F = B = W = 1 ms, BW 10% under
+    B + W, the loss free): the fastest is then a split order with part of its backwards fused (schedules.fusion),
+    whatever the machine measured."""
+
+    def priced(profile: Profile | None) -> Profile | None:
+        if profile is None:
+            return None
+        even = {"f": 1e-3, "b": 1e-3, "w": 1e-3, "bw": 2e-3 / 1.1}
+        rows = {m: tuple(dataclasses.replace(c, **even) for c in cs) for m, cs in profile.layers.items()}
+        loss = {m: dataclasses.replace(c, f=0.0, b=0.0, w=0.0, bw=None) for m, c in profile.loss.items()}
+        return dataclasses.replace(profile, layers=rows, loss=loss, comm={m: 0.0 for m in profile.comm})
+
+    def chosen(profile_of, *args, **kwargs):
+        return choose_profiles(lambda mode: priced(profile_of(mode)), *args, **kwargs)
+
+    return chosen
+
+
+def _fit_repriced(reprice: Callable, rank: int, world: int) -> dict:
+    """auto at 4x fused 1F1B's peak, m = 8, choosing on profiles ``reprice`` rewrites (the training is real)."""
     from lightning_twobp.lightning import autoschedule
 
     real = autoschedule.choose_profiles
-    autoschedule.choose_profiles = _split_pays(real)
+    autoschedule.choose_profiles = reprice(real)
     try:
         return _fit_auto(rank, world, "4x1f1b", num_microbatches=8)
     finally:
@@ -573,6 +599,7 @@ CHECKPOINTED = "test_auto_profiles_the_layers_checkpointed"
 LIMITS = ["1f1b", "0.8x1f1b"]
 TRAINS = "test_auto_trains_like_one_process_within_its_limit"
 SPLIT = "test_a_split_pick_trains_like_one_process_within_its_predicted_peak"
+MIXED = "test_a_pick_fused_where_its_split_loses_trains_like_one_process_within_its_predicted_peak"
 REFUSED = "test_a_limit_nothing_fits_is_refused_before_training_on_every_rank"
 ADAMW = "test_auto_counts_adamw_state_and_stays_within_its_limit"
 ADAMW_REFUSED = "test_a_limit_that_fits_only_without_adamw_state_is_refused_naming_it"
@@ -593,7 +620,8 @@ def two_ranks(request) -> conftest.Launch:
     """The limits, the refusals (raised on every rank before any step) in one launch of 2 ranks."""
     cases = {f"{TRAINS}[{limit}]": (_fit_auto, (limit,)) for limit in LIMITS}
     cases[REFUSED] = (_refused, ())
-    cases[SPLIT] = (_fit_split, ())
+    cases[SPLIT] = (functools.partial(_fit_repriced, _split_pays), ())
+    cases[MIXED] = (functools.partial(_fit_repriced, _fused_where_it_loses), ())
     cases[ADAMW] = (_fit_auto, ("1f1b", torch.optim.AdamW))
     cases[ADAMW_REFUSED] = (_adamw_refused, ())
     cases[CHECKPOINTED] = (_fit_checkpointed, ())
@@ -636,6 +664,16 @@ def test_auto_trains_like_one_process_within_its_limit(two_ranks, request, memor
 def test_a_split_pick_trains_like_one_process_within_its_predicted_peak(two_ranks):
     results = two_ranks[SPLIT]
     assert all(r["split"] for r in results), [r["label"] for r in results]
+    _check_trained(results, _reference())
+
+
+@pytest.mark.dist
+def test_a_pick_fused_where_its_split_loses_trains_like_one_process_within_its_predicted_peak(two_ranks):
+    """Some micro-batches' backward fused (BW), the others split (B, then W), on one stage: exact, and every
+    rank within its own predicted peak."""
+    results = two_ranks[MIXED]
+    assert all("backwards fused where the split loses" in r["label"] for r in results), [r["label"] for r in results]
+    assert any(r["mixed"] for r in results), [r["label"] for r in results]
     _check_trained(results, _reference())
 
 

@@ -1,7 +1,9 @@
 """Every schedule, run for real on gloo processes, against one process with the same micro-batching.
 
 For each schedule and pipeline degree p in {2, 4}: micro-batch counts {1 where allowed, p, 2p, an odd
-count}, stages per rank {1, 2} where the schedule allows, split and fused backward. The mean loss and every
+count}, stages per rank {1, 2} where the schedule allows, split and fused backward, and at 2p the split
+fused where it loses at costs that price BW below B + W (schedules.fusion: some micro-batches' backward
+as one BW, the others split, on one stage). The mean loss and every
 parameter gradient must equal the single-process reference (fp32, rtol 1e-5), and so must a forward-only
 pass (evaluation) on the same layout. One process group per
 (schedule, p) runs all of its configurations, to keep process start-up out of the CI budget.
@@ -20,7 +22,8 @@ from lightning_twobp.engine import p2p as p2p_module
 from lightning_twobp.models.llama import LlamaConfig, build_llama
 from lightning_twobp.partition import even_sizes, split_sequential
 from lightning_twobp.processes import run_distributed
-from lightning_twobp.schedules import build_schedule, schedule_spec
+from lightning_twobp.schedules import Costs, Schedule, build_schedule, schedule_spec
+from lightning_twobp.schedules.fusion import fuse_where_split_loses, num_fused
 
 import conftest
 from conftest import launch
@@ -36,8 +39,9 @@ def loss_fn(logits, target):
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
 
 
-def configs(name: str, p: int) -> list[tuple[int, int, bool]]:
-    """(stages per rank, micro-batches, split) that the schedule allows for p ranks."""
+def configs(name: str, p: int) -> list[tuple[int, int, bool | str]]:
+    """(stages per rank, micro-batches, split) that the schedule allows for p ranks; split "mixed": the split
+    schedule fused where it loses (:func:`_mixed`)."""
     odd = 3 if p == 2 else 5
     ms = [1, p, 2 * p, odd]
     splits = [True] if schedule_spec(name).split_only else [True, False]
@@ -51,14 +55,32 @@ def configs(name: str, p: int) -> list[tuple[int, int, bool]]:
             out += [(1, m, split) for m in (1, odd)] + [(2, m, split) for m in (p, 2 * p, 3 * p)]
         elif name in ("zb-v", "v-half", "v-min"):
             out += [(2, m, split) for m in ms]
-    return out
+    spr = 2 if name in ("zb-v", "v-half", "v-min", "interleaved-1f1b") else 1
+    return out + [(spr, 2 * p, "mixed")]
+
+
+# BW at 0.9 of B + W: the fusion pass fuses some backwards of every schedule and keeps others split
+# (GPipe and 1F1B capped at k = 0, where each W follows its B; ZB-H1 at p = 4: 11 of 32 fused)
+MIXED_COSTS = Costs(f=1.0, b=1.0, w=1.0, bw=1.8)
+
+
+def _mixed(name: str, num_stages: int, m: int, spr: int) -> Schedule:
+    cap = 0 if not schedule_spec(name).split_only else None
+    sched = build_schedule(name, num_stages, m, stages_per_rank=spr, costs=MIXED_COSTS, max_pending_w=cap)
+    overlaps = schedule_spec(name).overlaps
+    fused = fuse_where_split_loses(sched, MIXED_COSTS, (lambda r: r.period) if overlaps else None, 1 + overlaps)
+    assert num_fused(fused) > 0, str(fused)
+    return fused
 
 
 def _check_schedule(rank: int, world: int, name: str) -> list[str]:
     failures = []
     for spr, m, split in configs(name, world):
         num_stages = world * spr
-        sched = build_schedule(name, num_stages, m, stages_per_rank=spr, split_backward=split)
+        if split == "mixed":
+            sched = _mixed(name, num_stages, m, spr)
+        else:
+            sched = build_schedule(name, num_stages, m, stages_per_rank=spr, split_backward=bool(split))
         torch.manual_seed(0)
         model = build_llama(LlamaConfig(vocab_size=VOCAB, dim=16, n_layers=num_stages, n_heads=2, max_seq_len=SEQ))
         ref = copy.deepcopy(model)

@@ -118,6 +118,9 @@ def _two_stage(rank0: str, rank1: str, split: bool = True, m: int = 2) -> Schedu
 def test_validate_accepts_a_hand_written_schedule():
     s = _two_stage("0F0 0F1 0B0 0B1 0W0+1", "1F0 1B0 1F1 1B1 1W1 1W0")
     assert validate(s) is s
+    # a split schedule may run some micro-batches' backward fused (schedules.fusion): BW there
+    mixed = _two_stage("0F0 0F1 0B0 0BW1 0W0", "1F0 1BW0 1F1 1B1 1W1")
+    assert validate(mixed) is mixed
 
 
 @pytest.mark.parametrize(
@@ -127,7 +130,8 @@ def test_validate_accepts_a_hand_written_schedule():
         ("0F0 0F1 0B0 0B1 0W0+1 0W1", "1F0 1B0 1F1 1B1 1W0+1", True, "repeats W"),
         ("0F0 0F1 0B0 0B1 0W0+1 1F0", "1B0 1F1 1B1 1W0+1", True, "belongs on rank 1"),
         ("0F0 0F1 0B0 0W0+1 0B1", "1F0 1B0 1F1 1B1 1W0+1", True, "rank 0 position 3: 0W0+1 runs before 0B1"),
-        ("0F0 0F1 0BW0 0BW1", "1F0 1BW0 1F1 1BW1", True, "split_backward=True"),
+        ("0F0 0F1 0BW0 0B1 0W1", "1F0 1BW0 1F1 1B1 1BW1 1W1", True, "stage 1 micro-batch 1 has both BW and B"),
+        ("0F0 0F1 0BW0 0BW1 0W1", "1F0 1BW0 1F1 1BW1", True, "stage 0 micro-batch 1 has both BW and W"),
         ("0F0 0F1 0B0 0B1 0W0+1", "1F0 1B0 1F1 1B1 1W0+1", False, "split_backward=False"),
         # Rank 1 wants 1F1 first, which needs 0F1, queued behind 0BW0, which needs 1BW0.
         ("0F0 0BW0 0F1 0BW1", "1F1 1BW1 1F0 1BW0", False, "deadlock"),

@@ -34,12 +34,13 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from .fusion import fuse_where_split_loses, num_fused
 from .ir import Schedule
 from .memory import SIGNATURE_BYTES, MemoryCosts
 from .placement import schedule_label
 from .registry import build_schedule
 from .simulate import Costs, SimResult, simulate
-from .spec import SCHEDULES, schedule_spec
+from .spec import SCHEDULES, ScheduleSpec, schedule_spec
 
 __all__ = [
     "AutoChoice",
@@ -288,6 +289,8 @@ class Candidate:
     optimizer_bytes: tuple[float, ...] = ()
     checkpointing: str | int | None = None
     costs: Costs | None = field(default=None, repr=False, compare=False)  # the durations it was built and timed at
+    recompute: tuple[float, ...] = field(default=(), repr=False, compare=False)  # each stage's B recompute bytes
+    fused: int = 0  # the (stage, micro-batch) backwards a split schedule runs fused (.fusion)
 
     @property
     def peak(self) -> float:
@@ -309,7 +312,9 @@ class Candidate:
     def label(self) -> str:
         cap = "" if self.max_pending_w is None else f", max_pending_w={self.max_pending_w}"
         ac = "" if self.checkpointing is None else f", activation_checkpointing={self.checkpointing!r}"
-        return f"{schedule_label(self.name, self.split_backward)} (m={self.num_microbatches}{cap}{ac})"
+        total = self.schedule.num_stages * self.num_microbatches
+        fused = f", {self.fused} of {total} backwards fused where the split loses" if self.fused else ""
+        return f"{schedule_label(self.name, self.split_backward)} (m={self.num_microbatches}{cap}{ac}{fused})"
 
 
 @dataclass(frozen=True)
@@ -383,13 +388,23 @@ def search(
                     if schedule.actions in seen:
                         continue
                     seen.add(schedule.actions)
-                    sim = simulate(schedule, costs, iterations=2 if spec.overlaps else 1)
-                    step = sim.period if spec.overlaps else sim.makespan
+                    sim = simulate(schedule, costs, iterations=_iterations(spec))
                     opt = _per_rank(schedule, profile.stages(m, v))
-                    peak = _plus_recompute(sim.peak_bytes, schedule, _stage_recompute(profile, m, v, split))
+                    rec = _stage_recompute(profile, m, v, split)
+                    peak = _plus_recompute(sim.peak_bytes, schedule, rec)
                     ac = profile.checkpointing
-                    out.append(Candidate(name, split, m, v, k, step, peak, schedule, sim, opt, ac, costs=costs))
+                    step = _step(spec, sim)
+                    out.append(Candidate(name, split, m, v, k, step, peak, schedule, sim, opt, ac, costs, rec))
     return tuple(out)
+
+
+def _iterations(spec: ScheduleSpec) -> int:
+    return 2 if spec.overlaps else 1
+
+
+def _step(spec: ScheduleSpec, sim: SimResult) -> float:
+    """A step's predicted time: the steady period where steps overlap, else one step's makespan."""
+    return sim.period if spec.overlaps else sim.makespan
 
 
 def search_profiles(profiles: Iterable[Profile], **options: Any) -> tuple[Candidate, ...]:
@@ -545,6 +560,7 @@ def choose(candidates: Sequence[Candidate], limit: float, unsearched: Sequence[C
     (None), never chosen: a refusal says what they would hold."""
     if not candidates:
         raise ValueError("schedule='auto' has no candidate: no schedule accepts these stage and micro-batch counts")
+    candidates = (*candidates, *_fusions(candidates, limit))
     fits = [c for c in candidates if c.peak <= limit]
     if not fits:
         smallest = min(candidates, key=lambda c: (c.peak, c.step_time))
@@ -559,6 +575,52 @@ def choose(candidates: Sequence[Candidate], limit: float, unsearched: Sequence[C
         )
     best = min(fits, key=lambda c: (c.step_time, c.peak))
     return AutoChoice(best, limit, tuple(candidates))
+
+
+def _fusions(candidates: Sequence[Candidate], limit: float) -> list[Candidate]:
+    """The split candidates with their backward fused where the split loses (:mod:`.fusion`), each a
+    candidate of its own, for those that might beat the fastest that fits. A fusion saves at most the
+    ``b + w - bw`` of its (stage, micro-batch), so a candidate whose step less all of those is no shorter
+    is left alone; the rest go in order of that bound. A fused variant never holds more than its split
+    source, so one whose source did not fit may."""
+    best = min((c.step_time for c in candidates if c.peak <= limit), default=math.inf)
+    hopeful = sorted(
+        ((c.step_time - _most_saved(c), i) for i, c in enumerate(candidates) if c.split_backward and _priced(c)),
+    )
+    out = []
+    for bound, i in hopeful:
+        if bound >= best:
+            break
+        variant = _fused_variant(candidates[i])
+        if variant is not None:
+            out.append(variant)
+            best = min(best, variant.step_time) if variant.peak <= limit else best
+    return out
+
+
+def _priced(c: Candidate) -> bool:
+    return c.costs is not None and c.costs.bw is not None
+
+
+def _most_saved(c: Candidate) -> float:
+    """The most fusing can take off ``c``'s step: every (stage, micro-batch) at its ``b + w - bw``."""
+    assert c.costs is not None
+    n, costs = c.schedule.num_stages, c.costs
+    return c.num_microbatches * sum(max(0.0, costs.of("B", s) + costs.of("W", s) - costs.of("BW", s)) for s in range(n))
+
+
+def _fused_variant(c: Candidate) -> Candidate | None:
+    """``c`` with each backward fused where its split does not pay at ``c``'s costs; None where none is."""
+    assert c.costs is not None
+    spec = schedule_spec(c.name)
+    it = _iterations(spec)
+    schedule = fuse_where_split_loses(c.schedule, c.costs, lambda sim: _step(spec, sim), it)
+    fused = num_fused(schedule)
+    if not fused:
+        return None
+    sim = simulate(schedule, c.costs, iterations=it)
+    peak = _plus_recompute(sim.peak_bytes, schedule, c.recompute) if c.recompute else sim.peak_bytes
+    return replace(c, step_time=_step(spec, sim), peak_bytes=peak, schedule=schedule, sim=sim, fused=fused)
 
 
 def _checkpointing_hint(candidates: Sequence[Candidate], unsearched: Sequence[Candidate], limit: float) -> str:

@@ -67,12 +67,10 @@ def _check_shape(schedule: Schedule) -> None:
                 f"{schedule.name}: rank {rank} position {pos}: {action} belongs on rank "
                 f"{schedule.stage_to_rank[action.stage]}, which holds stage {action.stage}"
             )
-        fused = action.kind == "BW"
-        if action.kind != "F" and fused == schedule.split_backward:
-            want = "B and W" if schedule.split_backward else "BW"
+        if action.kind in ("B", "W") and not schedule.split_backward:
             raise ValueError(
                 f"{schedule.name}: rank {rank} position {pos}: {action} in a schedule with "
-                f"split_backward={schedule.split_backward} (expects {want})"
+                f"split_backward=False (expects BW)"
             )
 
 
@@ -89,9 +87,17 @@ def _check_coverage(schedule: Schedule) -> None:
                     f"(already at rank {r0} position {p0})"
                 )
             seen[key] = (rank, pos)
-    kinds = ("F", "B", "W") if schedule.split_backward else ("F", "BW")
     for stage in range(schedule.num_stages):
         for mb in range(schedule.num_microbatches):
+            # a split schedule may fuse a micro-batch's backward (.fusion): BW there, or B and W, never both
+            fused = ("BW", stage, mb) in seen
+            both = [k for k in ("B", "W") if fused and (k, stage, mb) in seen]
+            if both:
+                raise ValueError(
+                    f"{schedule.name}: stage {stage} micro-batch {mb} has both BW and {both[0]}; a backward runs "
+                    f"fused (BW) or split (B then W), once"
+                )
+            kinds = ("F", "BW") if fused or not schedule.split_backward else ("F", "B", "W")
             missing = [k for k in kinds if (k, stage, mb) not in seen]
             if missing:
                 raise ValueError(
