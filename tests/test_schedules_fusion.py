@@ -74,7 +74,7 @@ def test_zb_v_at_two_ranks_fuses_the_w_that_follow_their_b_and_keeps_the_split_w
     assert num_fused(fused) == kinds.count("BW") == 20
 
 
-def test_nothing_changes_where_bw_is_not_measured_or_not_cheaper_or_the_w_is_batched():
+def test_nothing_changes_where_bw_is_not_measured_or_not_cheaper():
     split = build_schedule("zb-h1", 2, 4)
     assert fuse_where_split_loses(split, Costs()) is split  # bw unmeasured: priced B + W, no gain to find
     assert fuse_where_split_loses(split, Costs(bw=2.0)) is split  # BW as dear as B + W
@@ -83,8 +83,18 @@ def test_nothing_changes_where_bw_is_not_measured_or_not_cheaper_or_the_w_is_bat
     assert all(a.stage == 0 for row in fuse_where_split_loses(split, dear).actions for a in row if a.kind == "BW")
     fused = build_schedule("1f1b", 2, 4, split_backward=False)
     assert fuse_where_split_loses(fused, _costs(1.42, 2)) is fused
-    joined = build_schedule("1f1b", 2, 4)  # 1F1B + 2BP: every W of a stage joined at the step's end
-    assert fuse_where_split_loses(joined, _costs(1.42, 2)) == joined
+
+
+def test_a_joined_w_gives_up_the_micro_batches_fused_and_keeps_the_others():
+    costs = _costs(1.05, 4)
+    joined = build_schedule("gpipe", 4, 8, costs=costs)  # GPipe + 2BP: a stage's W joined at the step's end
+    fused = fuse_where_split_loses(joined, costs)
+    ws = {a.stage: a.microbatches for row in fused.actions for a in row if a.kind == "W"}
+    fused_mbs = {s: {a.microbatch for a in fused.actions[s] if a.kind == "BW"} for s in range(4)}
+    assert ws[0] == tuple(range(8)) and not fused_mbs[0]  # the first stage's W is empty: nothing to gain
+    assert ws[3] == (0, 1, 2) and fused_mbs[3] == set(range(3, 8)), str(fused)
+    assert all(set(ws[s]) | fused_mbs[s] == set(range(8)) for s in range(1, 4))
+    assert simulate(fused, costs).makespan <= simulate(joined, costs).makespan
 
 
 def test_auto_weighs_the_fused_variants_and_picks_one_where_it_is_fastest():

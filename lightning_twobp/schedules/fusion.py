@@ -7,8 +7,8 @@ its rank. Where a W fills none (ZB-V at p = 2 runs most W right after their own 
 cost. :func:`fuse_where_split_loses` writes those micro-batches' backward as one BW at B's place,
 and leaves the split where it pays, judged by the schedule model at the given costs:
 
-* a candidate is a ``(stage, micro-batch)`` whose W covers it alone (a batched W stays whole) on a
-  stage whose measured ``bw`` is below ``b + w``;
+* a candidate is a ``(stage, micro-batch)`` on a stage whose measured ``bw`` is below ``b + w`` (where
+  a W covers several micro-batches, as 1F1B + 2BP joins them at the step's end, the others stay in it);
 * in order of B's start, a candidate is fused when the simulated step is not longer for it; the next
   is judged on the schedule with every earlier fusion in (a run of candidates is tried at once first,
   and halved where it does not pass: one simulation where all of them fuse).
@@ -86,19 +86,25 @@ def _candidates(schedule: Schedule, costs: Costs, sim: SimResult) -> list[tuple[
     cheaper = {
         s for s in range(schedule.num_stages) if costs.of("BW", s) < (costs.of("B", s) + costs.of("W", s)) * (1 - _SAME)
     }
-    alone = {(a.stage, a.microbatch) for row in schedule.actions for a in row if a.kind == "W" and a.stage in cheaper}
     starts: dict[tuple[int, int], float] = {}
     for _, action, start, _ in sim.timeline:
         key = (action.stage, action.microbatches[0])
-        if action.kind == "B" and key in alone and key not in starts:  # the first step's B (the timeline is sorted)
+        if action.kind == "B" and action.stage in cheaper and key not in starts:  # the first step's (sorted by start)
             starts[key] = start
     return sorted(starts, key=lambda k: (starts[k], k))
 
 
 def _fuse(schedule: Schedule, stage: int, mb: int) -> Schedule:
-    """``schedule`` with B(stage, mb) written as BW(stage, mb) and its W gone."""
-    b, w = Action("B", stage, mb), Action("W", stage, mb)
+    """``schedule`` with B(stage, mb) written as BW(stage, mb), and ``mb`` gone from the W that covered it
+    (a W of several micro-batches keeps the others)."""
     rank = schedule.stage_to_rank[stage]
-    row = tuple(Action("BW", stage, mb) if a == b else a for a in schedule.actions[rank] if a != w)
-    rows = schedule.actions[:rank] + (row,) + schedule.actions[rank + 1 :]
+    row: list[Action] = []
+    for a in schedule.actions[rank]:
+        if a.stage != stage or mb not in a.microbatches or a.kind == "F":
+            row.append(a)
+        elif a.kind == "B":
+            row.append(Action("BW", stage, mb))
+        elif len(a.microbatches) > 1:  # W: the rest of a batched one stays
+            row.append(Action("W", stage, tuple(m for m in a.microbatches if m != mb)))
+    rows = schedule.actions[:rank] + (tuple(row),) + schedule.actions[rank + 1 :]
     return Schedule(schedule.name, schedule.num_stages, schedule.num_microbatches, schedule.stage_to_rank, rows, True)
