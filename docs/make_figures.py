@@ -9,6 +9,8 @@ communication cost), and writes
 * ``docs/img/<key>.png``: the timeline (10 x 2.6 inches at 100 dpi), and for the Zero Bubble
   schedules ``docs/img/<key>-overlapped.png``: two iterations back to back;
 * ``docs/img/schedules_table.md``: one row per schedule;
+* ``docs/img/zb-v-p2-split.png`` and ``docs/img/zb-v-p2-fused.png``: ZB-V at p = 2, m = 8 with the fused
+  backward at 1/1.1 of B + W, as built and fused where the split loses (schedules.fusion);
 * ``docs/img/memory.png``: what rank 0 holds over one iteration, for 1F1B, 1F1B + 2BP (uncapped and
   capped), ZB-H1, V-Half and V-Min; and the bubble-vs-memory table (KEY ``memory-table``) at m = 8 and
   16, unit and measured-like costs;
@@ -34,6 +36,7 @@ from lightning_twobp.schedules import (
     peak_activations,
     simulate,
 )
+from lightning_twobp.schedules.fusion import fuse_where_split_loses, num_fused
 from lightning_twobp.viz import plot_schedule
 
 DOCS = Path(__file__).resolve().parent
@@ -292,8 +295,22 @@ def fill(doc: str, key: str, text: str) -> str:
     return pattern.sub(lambda m: m.group(1) + text.rstrip("\n") + "\n" + m.group(2), doc)
 
 
+def plot_fused() -> None:
+    """ZB-V at p = 2, m = 8, BW = (B + W) / 1.1 on every stage but the first (whose B is its whole backward):
+    split as built, and fused where the split loses (two steps back to back: the period auto times)."""
+    b, w = [2 / 1.1, 1.0, 1.0, 1.0], [0.0, 1.0, 1.0, 1.0]
+    costs = Costs(f=1.0, b=b, w=w, bw=2 / 1.1)
+    split = build_schedule("zb-v", 4, 8, stages_per_rank=2, costs=costs)
+    fused = fuse_where_split_loses(split, costs, lambda sim: sim.period, 2)
+    plot_schedule(split, costs, path=IMG / "zb-v-p2-split.png", name="ZB-V, split", iterations=2)
+    n = num_fused(fused)
+    label = f"ZB-V, {n} of 32 backwards fused where the split loses"
+    plot_schedule(fused, costs, path=IMG / "zb-v-p2-fused.png", name=label, iterations=2)
+
+
 def main() -> None:
     IMG.mkdir(parents=True, exist_ok=True)
+    plot_fused()
     rows = []
     for entry in ENTRIES:
         schedule = entry.build()
