@@ -204,14 +204,18 @@ def op_medians(records: Sequence[Any]) -> dict[tuple[str, int], float]:
 
 def measured_costs(records: Sequence[Any], num_stages: int) -> Costs:
     """Median F, B and W seconds per stage from recorded ops (:func:`op_medians`; a fused BW counts
-    as B, with W zero)."""
+    as B, with W zero). A stage that ran both (a split schedule fused in part: schedules.fusion) gives its
+    BW as ``bw``, so the fused ones are timed at what they took."""
     med = op_medians(records)
 
     def col(kind: str) -> tuple[float, ...]:
         fallback = "BW" if kind == "B" else kind  # a stage that ran fused backwards has no B
         return tuple(med.get((kind, s), med.get((fallback, s), 0.0)) for s in range(num_stages))
 
-    return Costs(f=col("F"), b=col("B"), w=col("W"))
+    f, b, w = col("F"), col("B"), col("W")
+    mixed = any(("BW", s) in med and ("B", s) in med for s in range(num_stages))
+    bw = tuple(med.get(("BW", s), b[s] + w[s]) for s in range(num_stages)) if mixed else None
+    return Costs(f=f, b=b, w=w, bw=bw)
 
 
 def busy_seconds(records: Sequence[Any]) -> tuple[float, float]:

@@ -213,4 +213,7 @@ def test_measured_costs_take_medians_per_stage_without_waits():
         ActionRecord(1, 0, "SEND", 7.0, 9.0),
     ]
     c = measured_costs(recs, 2)
-    assert c.f == (1.0, 0.0) and c.b == (0.0, 3.0) and c.w == (0.0, 1.0)
+    assert c.f == (1.0, 0.0) and c.b == (0.0, 3.0) and c.w == (0.0, 1.0) and c.bw is None
+    # a stage that ran some backwards fused and others split (schedules.fusion): BW timed as measured
+    mixed = measured_costs([*recs, ActionRecord(1, 0, "1B1", 9.0, 11.0)], 2)
+    assert mixed.b == (0.0, 2.0) and mixed.bw == (0.0, 3.0)

@@ -135,6 +135,8 @@ def test_validate_accepts_a_hand_written_schedule():
         ("0F0 0F1 0B0 0B1 0W0+1", "1F0 1B0 1F1 1B1 1W0+1", False, "split_backward=False"),
         # Rank 1 wants 1F1 first, which needs 0F1, queued behind 0BW0, which needs 1BW0.
         ("0F0 0BW0 0F1 0BW1", "1F1 1BW1 1F0 1BW0", False, "deadlock"),
+        # the same in a split schedule fused in part: the wait names the fused backward it waits for
+        ("0F0 0BW0 0F1 0B1 0W1", "1F1 1B1 1W1 1F0 1BW0", True, "on 0BW0, waiting for 1BW0"),
     ],
 )
 def test_validate_names_the_fault(rank0, rank1, split, message):

@@ -1,5 +1,6 @@
-"""The fused backward where the split loses (schedules/fusion.py), as data: never a longer step nor a higher
-peak than the split it comes from, the split kept where it pays, and schedule="auto" weighing both."""
+"""The fused backward where the split loses (schedules/fusion.py), as data: never a longer step than the split
+it comes from (nor a higher peak where no message is counted), the split kept where it pays, and
+schedule="auto" weighing both."""
 
 from __future__ import annotations
 
@@ -7,11 +8,12 @@ import pytest
 from test_auto_split_price import _priced
 
 from lightning_twobp.schedules import Action, Costs, MemoryCosts, build_schedule, schedule_spec, simulate, validate
-from lightning_twobp.schedules.auto import choose, search
+from lightning_twobp.schedules.auto import LayerCost, Profile, choose, search
 from lightning_twobp.schedules.fusion import fuse_where_split_loses, num_fused
 
 NAMES = ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "zb-v", "v-half", "v-min"]
-# F to B, B to W and fixed bytes per stage: a fusion lets a micro-batch's B-to-W bytes go at once
+# F to B, B to W and fixed bytes per stage, no messages: a fusion lets a micro-batch's B-to-W bytes go at
+# once (with messages a fusion can move when another rank lets a sent tensor go: docs/schedules.md)
 MEMORY = MemoryCosts(activation=100.0, held=40.0, fixed=1000.0)
 
 
@@ -36,7 +38,7 @@ def _layout(name: str, p: int) -> tuple[int, int]:
 @pytest.mark.parametrize("name", NAMES)
 @pytest.mark.parametrize("p", [2, 4])
 @pytest.mark.parametrize("ratio", [1.05, 1.42])
-def test_a_fused_variant_is_valid_and_never_slower_nor_fuller_than_its_split(name, p, ratio):
+def test_a_fused_variant_is_valid_and_never_slower_than_its_split_nor_fuller_without_messages(name, p, ratio):
     stages, spr = _layout(name, p)
     costs = _costs(ratio, stages)
     read, it = _step(name)
@@ -112,3 +114,20 @@ def test_auto_weighs_the_fused_variants_and_picks_one_where_it_is_fastest():
     assert best.peak <= source.peak
     # split for free (BW = B + W): no variant, the choice auto made before
     assert not any(c.fused for c in choose(search(_priced(1.0, 2, (8,))), float("inf")).considered)
+
+
+def test_auto_weighs_every_split_candidates_variant():
+    """A reviewer's random costs (p = 4, BW at 0.99 of B + W): the fastest that fits is interleaved 1F1B's
+    variant, whose split source less a `b + w - bw` per fusion was no faster than ZB-V's: such a bound
+    pruned it (a fusion can take a whole W off the critical path)."""
+    fbw = [(1.942, 1.309, 2.872), (0.807, 1.911, 2.917), (1.95, 1.841, 1.546), (1.042, 0.749, 1.01)]
+    fbw += [(0.598, 0.952, 2.611), (0.505, 1.517, 1.683), (0.965, 1.728, 2.183), (0.974, 1.222, 2.966)]
+    held = [51.2, 187.8, 189.8, 71.5, 80.9, 109.8, 83.8, 75.3]
+    layers = tuple(
+        LayerCost(f=f, b=b, w=w, activation=100, held=h, fixed=1000, bw=0.99 * (b + w))
+        for (f, b, w), h in zip(fbw, held, strict=True)
+    )
+    profile = Profile(4, {8: layers}, {1: (2,) * 4, 2: (1,) * 8})
+    best = choose(search(profile, families=("zb-v", "interleaved-1f1b")), 3400).best
+    assert (best.name, best.max_pending_w, best.fused) == ("interleaved-1f1b", 7, 37), best.label
+    assert best.step_time == pytest.approx(89.1, abs=1e-3) and best.peak <= 3400

@@ -471,6 +471,18 @@ def test_split_defers_every_weight_edge_on_a_llama_block():
     assert stage.deferred_fraction == 1.0
 
 
+def test_a_micro_batch_run_fused_in_a_split_stage_counts_as_taken_in_b():
+    """A split schedule fused in part (schedules.fusion): the fraction W computed counts the fused ones."""
+    stage = Stage(nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8)))
+    for mb in range(2):
+        stage.forward(mb, _x(4, 8))
+    stage.backward_input(0, torch.ones(4, 8))
+    stage.backward_weight(0)
+    assert stage.deferred_fraction == 1.0
+    stage.backward(1, torch.ones(4, 8))  # its four weights taken in the fused backward
+    assert stage.deferred_fraction == 0.5, (stage.deferred_edges, stage.early_edges)
+
+
 @pytest.mark.parametrize("mode", ["split", "fused"])
 def test_memory_returns_to_baseline(mode):
     """Everything a micro-batch saved for backward is freed once its W (or BW) is done."""

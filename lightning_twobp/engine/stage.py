@@ -59,7 +59,8 @@ __all__ = ["Stage", "deferred_fraction"]
 
 def deferred_fraction(stages: Iterable[Stage]) -> float:
     """Share of the weight-gradient edges of ``stages`` that W computed, all micro-batches so far
-    (1.0: every weight backward deferred; below: some taken in B, see the module docstring)."""
+    (1.0: every weight backward deferred; below: some taken in B, see the module docstring, or in a fused
+    BW, which counts each parameter as one edge taken)."""
     deferred = early = 0
     for st in stages:
         deferred += st.deferred_edges
@@ -338,6 +339,9 @@ class Stage:
         grads_out = self._grad_outputs(mb, p, grad_outputs)
         inputs = [x for x in p.inputs if _is_tensor_requiring_grad(x)]
         del self._pending[mb]
+        # a split schedule may fuse some micro-batches (schedules.fusion): their weights count as taken in B,
+        # one edge per parameter (no graph walk for a count)
+        self.early_edges += len(self._params)
         if not p.outputs:
             return self._input_grads(p, [None] * len(inputs))
         return self._input_grads(p, self._full_backward([_root(o) for o in p.outputs], grads_out, inputs))

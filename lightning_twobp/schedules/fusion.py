@@ -13,9 +13,12 @@ and leaves the split where it pays, judged by the schedule model at the given co
   is judged on the schedule with every earlier fusion in (a run of candidates is tried at once first,
   and halved where it does not pass: one simulation where all of them fuse).
 
-So the result is never slower than its source at those costs, and never holds more: a BW lets go at
-once of what B kept for W (:mod:`.memory`), and the rest of each rank's list keeps its order, so the
-cap on pending W (:mod:`.deferral`) still holds and the lowered communication is the same.
+So the result is never slower than its source at those costs, and the cap on pending W (:mod:`.deferral`)
+still holds (a BW leaves nothing pending). What it holds is replayed like any order's (:mod:`.memory`):
+a BW lets go at once of what B kept for W, so a rank holds less or the same, but the communication is
+lowered from the new order, and where a fusion moves when a neighbour lets a sent tensor go, that rank can
+hold it longer (a V-Half case, messages counted: 15 bytes more of 525 on another rank). ``schedule="auto"``
+checks each fused variant's own peak against the limit.
 """
 
 from __future__ import annotations

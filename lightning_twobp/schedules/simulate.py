@@ -234,13 +234,14 @@ def simulate(schedule: Schedule, costs: Costs | None = None, *, iterations: int 
 def _deadlock_report(schedule: Schedule, pos: list[int], ends: Container[tuple[str, int, int]]) -> str:
     cells = []
     waits = []
+    # dependencies() says "B" for either backward; name the one this schedule writes for that micro-batch
+    fused = {(a.stage, a.microbatch) for row in schedule.actions for a in row if a.kind == "BW"}
     for rank, row in enumerate(schedule.actions):
         cells.append([f">{a}<" if i == pos[rank] else str(a) for i, a in enumerate(row)])
         if pos[rank] < len(row):
             action = row[pos[rank]]
-            # dependencies() says "B" for either backward; name the one this schedule uses.
             missing = [
-                f"{stage}{'BW' if kind == 'B' and not schedule.split_backward else kind}{mb}"
+                f"{stage}{'BW' if kind == 'B' and (stage, mb) in fused else kind}{mb}"
                 for kind, stage, mb in dependencies(action, schedule.num_stages)
                 if (kind, stage, mb) not in ends
             ]
