@@ -1,12 +1,13 @@
 """The 2BP paper's RQ1 on the Zero Bubble rows, with each schedule also fused where its split loses.
 
-For each of `twobp-bench --paper`'s four models at p = 2, m = 4 (its 1F1B-2 / ZB rows): fused 1F1B-2 (the
-baseline), ZB-H1, ZB-H2 and ZB-V as the paper bench builds them, and the same families built at the layers'
-profiled costs and fused where the split loses (schedules.fusion: what schedule="auto" weighs for them),
-on the same stage modules in one 2-rank gloo group, one thread per rank, taking turns with the order rotated
-every round. Each row's gradients are checked against one process first. Prints one line per model and
-row: the median step time, RQ1 (the baseline's time over the row's, from the medians of the per-round
-ratios) and, for the fused rows, how many of the backwards were fused and the simulated gain.
+For each of `twobp-bench --paper`'s four models at p = 2, m = 4 (its 1F1B-2 / ZB rows): fused 1F1B-2
+(the baseline), ZB-H1, ZB-H2 and ZB-V as the paper bench builds them (at unit costs), the same families
+built at the layers' profiled costs ("at costs"), and those fused where the split loses
+(schedules.fusion: what schedule="auto" weighs for them), on the same stage modules in one 2-rank gloo
+group, one thread per rank, taking turns with the order rotated every round. Each row's gradients are
+checked against one process first. Prints one line per model and row: the median step time, RQ1 (the
+median over rounds of the baseline's time over the row's) and, for the fused rows, how many of the
+backwards were fused and the simulated gain.
 
     PYTHONPATH=. python docs/results/fusion/paper_fused.py [ROUNDS]
 """
@@ -55,6 +56,7 @@ def schedules(pm: P.PaperModel, layers: P.LayerCosts) -> dict[str, tuple[Schedul
         it = 2 if spec.overlaps else 1
         read = (lambda sim: sim.period) if spec.overlaps else (lambda sim: sim.makespan)
         split = build_schedule(name, 2 * v, M, stages_per_rank=v, costs=costs)
+        out[f"{name} at costs"] = (split, "")
         fused = fuse_where_split_loses(split, costs, read, it)
         gain = read(simulate(split, costs, iterations=it)) / read(simulate(fused, costs, iterations=it))
         total = fused.num_stages * M
