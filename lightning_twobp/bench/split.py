@@ -148,9 +148,10 @@ def _ratio(runs: list[tuple[Stage, torch.Tensor]]) -> float:
         st.backward_input(0, g)
         st.backward_weight(0)
         t1 = time.thread_time()
-        st.forward(0, inp)
+        whole = Stage(st.module)  # the fused run on a twin: st's deferred_fraction reads the split's alone
+        whole.forward(0, inp)
         t2 = time.thread_time()
-        st.backward(0, g)
+        whole.backward(0, g)
         t3 = time.thread_time()
         split, fused = split + t1 - t0, fused + t3 - t2
     return split / fused
