@@ -554,8 +554,9 @@ def fused_1f1b_peak(profile: Profile) -> float | None:
 
 
 def choose(candidates: Sequence[Candidate], limit: float, unsearched: Sequence[Candidate] = ()) -> AutoChoice:
-    """The fastest candidate whose peak is within ``limit`` (ties: the smaller peak, then the order of
-    ``candidates``); :class:`NoScheduleFits` naming the smallest peak when none is. ``unsearched``: the
+    """The fastest candidate whose peak is within ``limit``, among ``candidates`` and each split one's variant
+    fused where its split loses (:func:`_fusions`; ties: the smaller peak, then the order of ``candidates``,
+    the variants after them); :class:`NoScheduleFits` naming the smallest peak when none is. ``unsearched``: the
     candidates with checkpointed layers when the user's ``activation_checkpointing`` did not allow them
     (None), never chosen: a refusal says what they would hold."""
     if not candidates:
