@@ -41,7 +41,6 @@ __all__ = [
     "set_rng_states",
     "tensor_hooks",
     "tensor_version",
-    "training_data_source",
     "data_source",
     "unset_training_data",
     "without_distributed_sampler",
@@ -165,15 +164,11 @@ def set_rng_states(states: dict[str, Any]) -> None:
     _set_rng_states(states)
 
 
-def training_data_source(trainer: Any) -> Any:
-    """The fit loop's handle on the training data (2.x), or None: read before Lightning loads the data,
-    to refuse a batch size that cannot split before the sanity check runs."""
-    return getattr(trainer.fit_loop, "_data_source", None)
-
-
 def data_source(loop: Any) -> Any:
     """A Trainer loop's handle on its data (2.x), or None: read before the loop sets its data up, whose iterator
-    then reads the first batch ahead (the call-order trace must not take a stream's first batch that way)."""
+    then reads the first batch ahead (the call-order trace must not take a stream's first batch that way), and
+    before Lightning loads the data (the fit loop's: a batch size that cannot split is refused before the
+    sanity check runs)."""
     return getattr(loop, "_data_source", None)
 
 

@@ -176,9 +176,9 @@ def check_batch_size_early(trainer: Any, m: int) -> None:
     checked when training starts (:func:`check_batches`)."""
     from lightning.pytorch.utilities.seed import isolate_rng
 
-    from lightning_twobp.private import training_data_source
+    from lightning_twobp.private import data_source
 
-    source = training_data_source(trainer)
+    source = data_source(trainer.fit_loop)
     if source is None or not source.is_defined():
         return
     with isolate_rng(include_cuda=True):
