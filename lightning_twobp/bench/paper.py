@@ -209,16 +209,18 @@ class LayerCosts:
 
     def stage_costs(self, sizes: Sequence[int], split: bool) -> Costs:
         """Per-stage costs of the cut ``sizes``. Fused: B is the BW (W zero), as measured_costs has it.
-        Split: the first stage's B is its whole backward and its W zero, as the engine runs it."""
-        f, b, w, start = [], [], [], 0
+        Split: the first stage's B is its whole backward and its W zero, as the engine runs it. ``bw``: the
+        stages' fused backward, which prices a BW written into a split order (schedules.fusion)."""
+        f, b, w, bw, start = [], [], [], [], 0
         for s, n in enumerate(sizes):
             sl = slice(start, start + n)
             start += n
             f.append(sum(self.f[sl]))
+            bw.append(sum(self.bw[sl]))
             whole = not split or s == 0
-            b.append(sum(self.bw[sl]) if whole else sum(self.b[sl]))
+            b.append(bw[-1] if whole else sum(self.b[sl]))
             w.append(0.0 if whole else sum(self.w[sl]))
-        return Costs(f=f, b=b, w=w)
+        return Costs(f=f, b=b, w=w, bw=bw)
 
 
 def _calibration(measured: Costs, predicted: Costs) -> tuple[float, float, float]:

@@ -68,7 +68,7 @@ from lightning_twobp.lightning.step import (
 )
 from lightning_twobp.partition import partition
 from lightning_twobp.schedules import Schedule, build_schedule
-from lightning_twobp.schedules.fusion import num_fused
+from lightning_twobp.schedules.fusion import fused_note
 
 if TYPE_CHECKING:
     from lightning_twobp.lightning.strategy import TwoBPStrategy
@@ -283,10 +283,8 @@ def _announce(strategy: TwoBPStrategy, local: LocalModel, schedule: Schedule, si
         n = sum(q.numel() for q in module.parameters())
         last = first + sizes[s] - 1
         log.info("stage %d: layers %d-%d (%d parameters) on pipeline rank %d", s, first, last, n, pp_rank)
-    fused = num_fused(schedule)  # schedule="auto" may pick a split order fused in part (schedules.fusion)
-    total = schedule.num_stages * schedule.num_microbatches
-    label = schedule_label(schedule.name, strategy.options.split_backward)
-    label += f" ({fused} of {total} backwards fused where the split loses)" if fused else ""
+    note = fused_note(schedule)  # schedule="auto" may pick a split order fused in part (schedules.fusion)
+    label = schedule_label(schedule.name, strategy.options.split_backward) + (f" ({note})" if note else "")
     rank_zero_info(
         f"twobp: {label}, {schedule.num_stages} stages on "
         f"{strategy.pipeline_degree} ranks x {strategy.dp_degree} replica(s), {strategy.num_microbatches} "

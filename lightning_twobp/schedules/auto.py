@@ -34,7 +34,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from .fusion import fuse_where_split_loses, num_fused
+from .fusion import fuse_where_split_loses, fused_note, num_fused
 from .ir import Schedule
 from .memory import SIGNATURE_BYTES, MemoryCosts
 from .placement import schedule_label
@@ -290,7 +290,11 @@ class Candidate:
     checkpointing: str | int | None = None
     costs: Costs | None = field(default=None, repr=False, compare=False)  # the durations it was built and timed at
     recompute: tuple[float, ...] = field(default=(), repr=False, compare=False)  # each stage's B recompute bytes
-    fused: int = 0  # the (stage, micro-batch) backwards a split schedule runs fused (.fusion)
+
+    @property
+    def fused(self) -> int:
+        """The (stage, micro-batch) backwards its split schedule runs fused (:mod:`.fusion`)."""
+        return num_fused(self.schedule)
 
     @property
     def peak(self) -> float:
@@ -312,8 +316,8 @@ class Candidate:
     def label(self) -> str:
         cap = "" if self.max_pending_w is None else f", max_pending_w={self.max_pending_w}"
         ac = "" if self.checkpointing is None else f", activation_checkpointing={self.checkpointing!r}"
-        total = self.schedule.num_stages * self.num_microbatches
-        fused = f", {self.fused} of {total} backwards fused where the split loses" if self.fused else ""
+        note = fused_note(self.schedule)
+        fused = f", {note}" if note else ""
         return f"{schedule_label(self.name, self.split_backward)} (m={self.num_microbatches}{cap}{ac}{fused})"
 
 
@@ -597,12 +601,11 @@ def _fused_variant(c: Candidate) -> Candidate | None:
     spec = schedule_spec(c.name)
     it = _iterations(spec)
     schedule = fuse_where_split_loses(c.schedule, c.costs, lambda sim: _step(spec, sim), it)
-    fused = num_fused(schedule)
-    if not fused:
+    if not num_fused(schedule):
         return None
     sim = simulate(schedule, c.costs, iterations=it)
     peak = _plus_recompute(sim.peak_bytes, schedule, c.recompute) if c.recompute else sim.peak_bytes
-    return replace(c, step_time=_step(spec, sim), peak_bytes=peak, schedule=schedule, sim=sim, fused=fused)
+    return replace(c, step_time=_step(spec, sim), peak_bytes=peak, schedule=schedule, sim=sim)
 
 
 def _checkpointing_hint(candidates: Sequence[Candidate], unsearched: Sequence[Candidate], limit: float) -> str:

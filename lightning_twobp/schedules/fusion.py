@@ -28,7 +28,7 @@ from collections.abc import Callable
 from .ir import Action, Schedule
 from .simulate import Costs, SimResult, simulate
 
-__all__ = ["fuse_where_split_loses", "num_fused"]
+__all__ = ["fuse_where_split_loses", "fused_note", "num_fused"]
 
 # A fusion is kept when the step it gives is no more than this much longer (the sum of float
 # durations in a different order): equal, in the model's terms.
@@ -38,6 +38,14 @@ _SAME = 1e-9
 def num_fused(schedule: Schedule) -> int:
     """How many (stage, micro-batch) backwards a split schedule runs fused (0 for one that fuses none)."""
     return sum(a.kind == "BW" for row in schedule.actions for a in row) if schedule.split_backward else 0
+
+
+def fused_note(schedule: Schedule) -> str:
+    """``"20 of 32 backwards fused where the split loses"`` for a split schedule fused in part, else ``""``: what
+    labels and logs add to the schedule's name."""
+    fused = num_fused(schedule)
+    total = schedule.num_stages * schedule.num_microbatches
+    return f"{fused} of {total} backwards fused where the split loses" if fused else ""
 
 
 def fuse_where_split_loses(

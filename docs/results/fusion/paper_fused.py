@@ -27,23 +27,10 @@ from lightning_twobp.bench.workload import keep_freed_memory, stage_sizes
 from lightning_twobp.engine import PipelineExecutor
 from lightning_twobp.partition import split_sequential
 from lightning_twobp.processes import run_distributed
-from lightning_twobp.schedules import Costs, Schedule, build_schedule, schedule_spec, simulate
+from lightning_twobp.schedules import Schedule, build_schedule, schedule_spec, simulate
 from lightning_twobp.schedules.fusion import fuse_where_split_loses, num_fused
 
 M, FAMILIES = 4, ("zb-h1", "zb-h2", "zb-v")
-
-
-def stage_costs(layers: P.LayerCosts, sizes: list[int]) -> Costs:
-    """Per-stage F, B, W and the fused BW; the first stage's B is its whole backward (no input gradient)."""
-    f, b, w, bw, start = [], [], [], [], 0
-    for s, n in enumerate(sizes):
-        sl = slice(start, start + n)
-        start += n
-        f.append(sum(layers.f[sl]))
-        bw.append(sum(layers.bw[sl]))
-        b.append(bw[-1] if s == 0 else sum(layers.b[sl]))
-        w.append(0.0 if s == 0 else sum(layers.w[sl]))
-    return Costs(f=f, b=b, w=w, bw=bw)
 
 
 def schedules(pm: P.PaperModel, layers: P.LayerCosts) -> dict[str, tuple[Schedule, str]]:
@@ -52,7 +39,7 @@ def schedules(pm: P.PaperModel, layers: P.LayerCosts) -> dict[str, tuple[Schedul
         spec = schedule_spec(name)
         v = spec.default_stages_per_rank
         out[name] = (build_schedule(name, 2 * v, M, stages_per_rank=v), "")
-        costs = stage_costs(layers, list(stage_sizes(pm.blocks, 2 * v)))
+        costs = layers.stage_costs(stage_sizes(pm.blocks, 2 * v), split=True)
         it = 2 if spec.overlaps else 1
         read = (lambda sim: sim.period) if spec.overlaps else (lambda sim: sim.makespan)
         split = build_schedule(name, 2 * v, M, stages_per_rank=v, costs=costs)
