@@ -21,6 +21,7 @@ from lightning_twobp.schedules import (
     simulate,
 )
 from lightning_twobp.schedules.builders.zb_greedy import memory_limits
+from lightning_twobp.schedules.simulate import dependencies
 
 
 def expected_refusal(name: str, ranks: int, m: int, spr: int, split: bool) -> str | None:
@@ -79,13 +80,13 @@ def test_build_simulate_lower(name, ranks, m, spr, split):
     assert tuple(tuple(op for op in ops if isinstance(op, Action)) for ops in lowered) == s.actions
 
 
-costs_strategy = st.builds(
-    Costs,
-    f=st.floats(0.25, 4),
-    b=st.floats(0.25, 4),
-    w=st.floats(0.0, 4),
-    comm=st.sampled_from([0.0, 0.1, 1.0]),
-)
+def costs_of(**more):
+    """Costs drawn per kind (and ``more``: a measured ``bw``)."""
+    kinds = {"f": st.floats(0.25, 4), "b": st.floats(0.25, 4), "w": st.floats(0.0, 4)}
+    return st.builds(Costs, **kinds, comm=st.sampled_from([0.0, 0.1, 1.0]), **more)
+
+
+costs_strategy = costs_of()
 
 
 @given(
@@ -102,3 +103,55 @@ def test_greedy_terminates_at_any_costs(name, ranks, m, costs):
     assert result.makespan >= max(result.busy) + (ranks - 1) * costs.f - 1e-9
     _assert_memory_limits(s, result, name, ranks)
     _assert_comm_ok(s)
+
+
+def _reference_timeline(s, costs, iterations):
+    """The simulator's model written plainly (each action's start: its rank free and every dependency
+    done, plus ``comm`` across ranks), as ``simulate`` computed it before it compiled the lists to
+    numbers: what its faster loop must still give, to the bit."""
+    ends, pos, free, out = {}, [0] * s.num_ranks, [0.0] * s.num_ranks, []
+    progress = True
+    while progress:
+        progress = False
+        for rank, row in enumerate(s.actions):
+            while row and pos[rank] < iterations * len(row):
+                it, a = pos[rank] // len(row), row[pos[rank] % len(row)]
+                keys = dependencies(a, s.num_stages)
+                deps = [ends.get((it, *k)) for k in keys]
+                if None in deps:
+                    break
+                hops = [costs.comm if s.stage_to_rank[stage] != rank else 0.0 for _, stage, _ in keys]
+                start = max([free[rank], *(e + h for e, h in zip(deps, hops, strict=True))])
+                free[rank] = start + costs.duration(a)
+                for mb in a.microbatches:
+                    ends[(it, "B" if a.is_backward else a.kind, a.stage, mb)] = free[rank]
+                out.append((rank, a, start, free[rank], it))
+                pos[rank] += 1
+                progress = True
+    return out
+
+
+@given(
+    name=st.sampled_from(SCHEDULES),
+    ranks=st.integers(1, 5),
+    m=st.integers(1, 12),
+    split=st.booleans(),
+    costs=costs_of(bw=st.one_of(st.none(), st.floats(0.25, 8))),
+    iterations=st.integers(1, 4),
+)
+@settings(max_examples=80, deadline=None)
+def test_simulate_times_as_the_model_says(name, ranks, m, split, costs, iterations):
+    spr = schedule_spec(name).default_stages_per_rank
+    if expected_refusal(name, ranks, m, spr, split) is not None:
+        return
+    s = build_schedule(name, ranks * spr, m, stages_per_rank=spr, split_backward=split, costs=costs)
+    ref = _reference_timeline(s, costs, iterations)
+    sim = simulate(s, costs, iterations=iterations)
+    assert sim.timeline == tuple(sorted([(r, a, t0, t1) for r, a, t0, t1, _ in ref], key=lambda t: (t[2], t[0])))
+    assert sim.iteration_ends == tuple(max(t1 for *_, t1, it in ref if it == i) for i in range(iterations))
+    # without the timeline (what a pass comparing many orders asks for) the times are the same, and the
+    # first of several iterations ends when one alone does (the builders' score reads both off one call)
+    bare = simulate(s, costs, iterations=iterations, memory=False, timeline=False)
+    assert (bare.timeline, bare.peak_bytes) == ((), ())
+    assert (bare.iteration_ends, bare.busy, bare.makespan) == (sim.iteration_ends, sim.busy, sim.makespan)
+    assert bare.iteration_ends[0] == simulate(s, costs).makespan

@@ -73,7 +73,7 @@ class _Greedy:
         self.costs, self.read, self.iterations = costs, read, iterations
 
     def time(self, schedule: Schedule) -> float:
-        return self.read(simulate(schedule, self.costs, iterations=self.iterations, memory=False))
+        return self.read(simulate(schedule, self.costs, iterations=self.iterations, memory=False, timeline=False))
 
     def run(self, schedule: Schedule, best: float, pairs: list[tuple[int, int]]) -> Schedule:
         if not pairs:

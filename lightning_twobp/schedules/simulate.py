@@ -28,8 +28,9 @@ from __future__ import annotations
 
 from collections.abc import Container
 from dataclasses import dataclass, field
+from operator import itemgetter
 
-from .ir import Action, DeadlockError, Schedule, format_grid
+from .ir import KINDS, Action, DeadlockError, Schedule, format_grid
 from .memory import MemoryCosts, peak_bytes, peak_inflight
 from .per_stage import PerStage, check_stage_count, stage_value, store_per_stage
 
@@ -150,7 +151,9 @@ def dependencies(action: Action, num_stages: int) -> list[tuple[str, int, int]]:
     return deps
 
 
-def simulate(schedule: Schedule, costs: Costs | None = None, *, iterations: int = 1, memory: bool = True) -> SimResult:
+def simulate(
+    schedule: Schedule, costs: Costs | None = None, *, iterations: int = 1, memory: bool = True, timeline: bool = True
+) -> SimResult:
     """Time ``schedule`` at ``costs`` (default unit costs); raise DeadlockError if stuck.
 
     ``iterations > 1`` runs the schedule that many times back to back with nothing between
@@ -163,61 +166,57 @@ def simulate(schedule: Schedule, costs: Costs | None = None, *, iterations: int 
     dependencies, so ranks are advanced round-robin until no rank can start its next
     action; the resulting times do not depend on the round-robin order. ``memory=False`` leaves
     the memory replay out (``peak_inflight`` and ``peak_bytes`` empty): a pass that compares many
-    orders by their time alone (:mod:`.fusion`) spends a third of each call there.
+    orders by their time alone (:mod:`.fusion`) spends a third of each call there; ``timeline=False``
+    leaves :attr:`SimResult.timeline` empty (sorting it took a fifth of a call at p = 8).
     """
     if isinstance(iterations, bool) or not isinstance(iterations, int) or iterations < 1:
         raise ValueError(f"iterations must be an int >= 1, got {iterations!r}")
     costs = costs or Costs()
     costs.check(schedule.num_stages)
-    owner = schedule.stage_to_rank
     rows = schedule.actions
-    # (iteration, kind, stage, micro-batch) -> end time
-    ends: dict[tuple[int, str, int, int], float] = {}
+    plan, keys = _compiled(schedule, costs)
+    # ends[it * len(keys) + key]: when iteration `it` finished the F or backward that `key` names
+    ends: list[float | None] = [None] * (iterations * len(keys))
     pos = [0] * len(rows)  # position in the rank's list, counted over all iterations
     free = [0.0] * len(rows)
-    timeline: list[tuple[int, Action, float, float]] = []
+    ran: list[tuple[int, Action, float, float]] = []
     iteration_ends = [0.0] * iterations
-    # each action's dependencies and duration, once (the loop below meets every action `iterations` times)
-    needs = {a: dependencies(a, schedule.num_stages) for row in rows for a in row}
-    takes = {a: costs.duration(a) for a in needs}
 
     progress = True
     while progress:
         progress = False
-        for rank, row in enumerate(rows):
-            while row and pos[rank] < iterations * len(row):
-                it, at = divmod(pos[rank], len(row))
-                action = row[at]
-                start = free[rank]
-                ready = True
-                for kind, stage, mb in needs[action]:
-                    end = ends.get((it, kind, stage, mb))
+        for rank, steps in enumerate(plan):
+            n, p, t = len(steps), pos[rank], free[rank]
+            while p < iterations * n:
+                it, at = divmod(p, n)
+                needs, takes, sets = steps[at]
+                base, start = it * len(keys), t
+                for key, hop in needs:
+                    end = ends[base + key]
                     if end is None:
-                        ready = False
                         break
-                    hop = costs.comm if owner[stage] != rank else 0.0
                     start = max(start, end + hop)
-                if not ready:
-                    break
-                end = start + takes[action]
-                kind = "B" if action.is_backward else action.kind
-                for mb in action.microbatches:
-                    ends[(it, kind, action.stage, mb)] = end
-                timeline.append((rank, action, start, end))
-                free[rank] = end
-                iteration_ends[it] = max(iteration_ends[it], end)
-                pos[rank] += 1
-                progress = True
+                else:
+                    t = start + takes
+                    for key in sets:
+                        ends[base + key] = t
+                    ran.append((rank, rows[rank][at], start, t))
+                    iteration_ends[it] = max(iteration_ends[it], t)
+                    p += 1
+                    progress = True
+                    continue
+                break
+            pos[rank], free[rank] = p, t
 
     if any(p < iterations * len(row) for p, row in zip(pos, rows, strict=False)):
         # Iterations differ only in time, so a schedule that sticks sticks in its first one.
         first = [min(p, len(row)) for p, row in zip(pos, rows, strict=False)]
-        done = {(kind, stage, mb) for (it, kind, stage, mb) in ends if it == 0}
+        done = {key for i, key in enumerate(keys) if ends[i] is not None}
         raise DeadlockError(_deadlock_report(schedule, first, done))
 
     makespan = max(free, default=0.0)
     busy = [0.0] * len(rows)
-    for rank, _, start, end in timeline:
+    for rank, _, start, end in ran:
         busy[rank] += end - start
     idle = sum(makespan - b for b in busy)
     return SimResult(
@@ -226,9 +225,41 @@ def simulate(schedule: Schedule, costs: Costs | None = None, *, iterations: int 
         busy=tuple(busy),
         peak_inflight=peak_inflight(schedule) if memory else (),
         peak_bytes=peak_bytes(schedule, costs.memory) if memory else (),
-        timeline=tuple(sorted(timeline, key=lambda t: (t[2], t[0]))),
+        timeline=tuple(sorted(ran, key=itemgetter(2, 0))) if timeline else (),  # by start, then rank
         iteration_ends=tuple(iteration_ends),
     )
+
+
+def _compiled(
+    schedule: Schedule, costs: Costs
+) -> tuple[list[list[tuple[tuple[tuple[int, float], ...], float, tuple[int, ...]]]], list[tuple[str, int, int]]]:
+    """Each rank's list as plain numbers, for :func:`simulate`'s loop (which meets every action once per
+    iteration and spent most of its time hashing actions and keys): per action, its dependencies as
+    ``(key, hop)`` (``hop``: ``costs.comm`` where the dependency is on another rank), its duration, and
+    the keys it finishes; ``keys[key]`` is the ``(kind, stage, micro-batch)`` a key stands for (kind F, or
+    B for either backward: a W finishes nothing another action waits for)."""
+    index: dict[tuple[str, int, int], int] = {}
+    owner, last = schedule.stage_to_rank, schedule.num_stages - 1
+    took = {k: [costs.of(k, s) for s in range(schedule.num_stages)] for k in KINDS}
+    plan = []
+    for rank, row in enumerate(schedule.actions):
+        steps = []
+        for a in row:
+            s, mbs = a.stage, a.microbatches
+            needs: list[tuple[str, int, int]] = []  # as dependencies(a) lists them
+            for mb in mbs:
+                if a.kind == "F":
+                    needs += [("F", s - 1, mb)] if s > 0 else []
+                elif a.kind == "W":
+                    needs.append(("B", s, mb))
+                else:
+                    needs += [("F", s, mb), ("B", s + 1, mb)] if s < last else [("F", s, mb)]
+            hops = tuple((index.setdefault(k, len(index)), costs.comm if owner[k[1]] != rank else 0.0) for k in needs)
+            kind = "B" if a.kind == "BW" else a.kind
+            sets = () if kind == "W" else tuple(index.setdefault((kind, s, mb), len(index)) for mb in mbs)
+            steps.append((hops, took[a.kind][s] * len(mbs), sets))
+        plan.append(steps)
+    return plan, list(index)
 
 
 def _deadlock_report(schedule: Schedule, pos: list[int], ends: Container[tuple[str, int, int]]) -> str:

@@ -28,7 +28,7 @@ def validate(schedule: Schedule) -> Schedule:
     # and none of its lowered communication under blocking point-to-point semantics
     # (strict rendezvous, the NCCL worst case) with one posting order per rank pair.
     try:
-        simulate(schedule)
+        simulate(schedule, memory=False, timeline=False)
         check_comm_deadlock(lower_communication(schedule), schedule.stage_to_rank)
     except DeadlockError as err:
         raise ValueError(f"{schedule.name}: schedule deadlocks\n{err}") from err
