@@ -44,6 +44,8 @@ from .spec import SCHEDULES, ScheduleSpec, schedule_spec
 
 __all__ = [
     "AutoChoice",
+    "Build",
+    "BuildAll",
     "Candidate",
     "LayerCost",
     "NoScheduleFits",
@@ -53,6 +55,7 @@ __all__ = [
     "choose_profiles",
     "format_choice",
     "fused_1f1b_peak",
+    "builds",
     "resolve_limit",
     "search",
     "search_profiles",
@@ -348,12 +351,70 @@ def _options(name: str, split: bool | None) -> tuple[bool, ...]:
     return both if split is None else tuple(s for s in both if s == split)
 
 
+@dataclass(frozen=True)
+class Build:
+    """One schedule the search builds: :func:`build_schedule`'s arguments."""
+
+    name: str
+    num_stages: int
+    num_microbatches: int
+    stages_per_rank: int
+    split_backward: bool
+    costs: Costs
+    max_pending_w: int | None
+
+    def run(self) -> Schedule | None:
+        """The schedule; None where the family refuses these counts (its layout rules)."""
+        try:
+            return build_schedule(
+                self.name,
+                self.num_stages,
+                self.num_microbatches,
+                stages_per_rank=self.stages_per_rank,
+                split_backward=self.split_backward,
+                costs=self.costs,
+                max_pending_w=self.max_pending_w,
+            )
+        except ValueError:
+            return None
+
+
+# Each Build's schedule, in order (:func:`search`'s ``build_all``): one after the other by default; the
+# strategy shares them out over its ranks (lightning/search_builds.py), the expensive part of a search.
+BuildAll = Callable[[Sequence[Build]], Sequence[Schedule | None]]
+
+
+def builds(
+    profile: Profile,
+    families: Iterable[str] | None = None,
+    microbatches: Iterable[int] | None = None,
+    split_backward: bool | None = None,
+    max_caps: int | None = None,
+) -> tuple[Build, ...]:
+    """What :func:`search` builds (the same arguments), in its order: per family, count, split and cap."""
+    names = tuple(SCHEDULES) if families is None else tuple(families)
+    counts = profile.microbatch_counts if microbatches is None else tuple(microbatches)
+    out: list[Build] = []
+    for name in names:
+        v = schedule_spec(name).default_stages_per_rank
+        if v not in profile.partitions:
+            continue
+        for m in counts:
+            costs = profile.costs(m, v)
+            for split in _options(name, split_backward):
+                top = m if max_caps is None else min(m, max_caps + 1)
+                caps = (None, *range(top)) if split else (None,)
+                out += [Build(name, profile.num_ranks * v, m, v, split, costs, k) for k in caps]
+    return tuple(out)
+
+
 def search(
     profile: Profile,
     families: Iterable[str] | None = None,
     microbatches: Iterable[int] | None = None,
     split_backward: bool | None = None,
     max_caps: int | None = None,
+    build_all: BuildAll | None = None,
 ) -> tuple[Candidate, ...]:
     """Every (family, split, m, cap) the profile allows, built, timed and replayed.
 
@@ -361,45 +422,45 @@ def search(
     partition for), ``microbatches`` (default: the profile's counts), ``split_backward`` (None: both
     where both exist). Caps run from 0 to ``m - 1`` (``m`` and above change nothing), or to ``max_caps``;
     a cap that leaves the order unchanged is not listed twice. Combinations a schedule refuses (its
-    layout rules) are skipped.
+    layout rules) are skipped. ``build_all`` makes the schedules of :func:`builds` (default: each in
+    turn); the same schedules whoever builds them, so the same candidates.
     """
-    names = tuple(SCHEDULES) if families is None else tuple(families)
-    counts = profile.microbatch_counts if microbatches is None else tuple(microbatches)
+    requests = builds(profile, families, microbatches, split_backward, max_caps)
+    made = build_all(requests) if build_all is not None else [b.run() for b in requests]
     out: list[Candidate] = []
-    for name in names:
-        spec = schedule_spec(name)
-        v = spec.default_stages_per_rank
-        if v not in profile.partitions:
+    seen: set[tuple] = set()
+    for b, schedule in zip(requests, made, strict=True):
+        key = (b.name, b.num_microbatches, b.split_backward, schedule.actions if schedule is not None else None)
+        if schedule is None or key in seen:
             continue
-        for m in counts:
-            costs = profile.costs(m, v)
-            for split in _options(name, split_backward):
-                top = m if max_caps is None else min(m, max_caps + 1)
-                seen: set[tuple] = set()
-                for k in (None, *range(top)) if split else (None,):
-                    try:
-                        schedule = build_schedule(
-                            name,
-                            profile.num_ranks * v,
-                            m,
-                            stages_per_rank=v,
-                            split_backward=split,
-                            costs=costs,
-                            max_pending_w=k,
-                        )
-                    except ValueError:
-                        continue
-                    if schedule.actions in seen:
-                        continue
-                    seen.add(schedule.actions)
-                    sim = simulate(schedule, costs, iterations=_iterations(spec))
-                    opt = _per_rank(schedule, profile.stages(m, v))
-                    rec = _stage_recompute(profile, m, v, split)
-                    peak = _plus_recompute(sim.peak_bytes, schedule, rec)
-                    ac = profile.checkpointing
-                    step = _step(spec, sim)
-                    out.append(Candidate(name, split, m, v, k, step, peak, schedule, sim, opt, ac, costs, rec))
+        seen.add(key)
+        out.append(_candidate(profile, b, schedule))
     return tuple(out)
+
+
+def _candidate(profile: Profile, b: Build, schedule: Schedule) -> Candidate:
+    """``schedule``, built as ``b`` asked, timed and replayed at ``b``'s costs."""
+    spec, m, v = schedule_spec(b.name), b.num_microbatches, b.stages_per_rank
+    sim = simulate(schedule, b.costs, iterations=_iterations(spec))
+    opt = _per_rank(schedule, profile.stages(m, v))
+    rec = _stage_recompute(profile, m, v, b.split_backward)
+    peak = _plus_recompute(sim.peak_bytes, schedule, rec)
+    step = _step(spec, sim)
+    return Candidate(
+        b.name,
+        b.split_backward,
+        m,
+        v,
+        b.max_pending_w,
+        step,
+        peak,
+        schedule,
+        sim,
+        opt,
+        profile.checkpointing,
+        b.costs,
+        rec,
+    )
 
 
 def _iterations(spec: ScheduleSpec) -> int:

@@ -3,16 +3,22 @@
 The layers are the budget bench's tiny LLaMa measured once (``bench.budget.workload_profile``: F, B, W, the
 fused BW and the bytes of every layer at m = 8 and 16), its blocks repeated to 4p so that every family has
 a partition at p ranks, at m = p, 2p and 4p with caps 0..2p (what the strategy searches for a batch those
-counts divide). Run from the repository root: ``PYTHONPATH=. python docs/results/search-time/search_time.py``.
+counts divide). Run from the repository root: ``PYTHONPATH=. python docs/results/search-time/search_time.py``;
+with ``--ranks N`` the same search runs in N gloo processes (one thread each) that share its builds out as the
+strategy does (``lightning/search_builds.py``), rank 0's seconds printed, beside the one-process search on the
+same profile.
 """
 
 import dataclasses
+import sys
 import time
 
 import torch
 
 from lightning_twobp.bench.budget import workload_profile
 from lightning_twobp.bench.peer import Workload
+from lightning_twobp.lightning.search_builds import build_across
+from lightning_twobp.processes import run_distributed
 from lightning_twobp.schedules.auto import Profile, choose, search
 
 
@@ -36,18 +42,28 @@ def profile_at(p: int, measured: Profile) -> Profile:
     return dataclasses.replace(measured, num_ranks=p, layers=by_m, partitions={1: even(p), 2: even(2 * p)})
 
 
+def timed(profile: Profile, build_all=None) -> tuple[float, float, int, str]:
+    """Seconds of ``search`` and of ``choose`` on ``profile``, the candidates and the fastest."""
+    start = time.perf_counter()
+    candidates = search(profile, max_caps=2 * profile.num_ranks, build_all=build_all)
+    searched = time.perf_counter()
+    best = choose(candidates, float("inf")).best
+    return searched - start, time.perf_counter() - searched, len(candidates), best.label
+
+
+def _shared(rank: int, world: int, profile: Profile) -> tuple[float, float, int, str]:
+    return timed(profile, build_across())
+
+
 if __name__ == "__main__":
     torch.set_num_threads(1)
+    ranks = int(sys.argv[sys.argv.index("--ranks") + 1]) if "--ranks" in sys.argv else 1
     measured = workload_profile(Workload(), (8, 16))
     for p in (2, 4, 8):
         profile = profile_at(p, measured)
-        start = time.perf_counter()
-        candidates = search(profile, max_caps=2 * p)
-        searched = time.perf_counter()
-        best = choose(candidates, float("inf")).best
-        done = time.perf_counter()
-        print(
-            f"p={p}: {len(candidates)} candidates, search {searched - start:.1f} s, choose {done - searched:.1f} s, "
-            f"total {done - start:.1f} s; fastest {best.label}",
-            flush=True,
-        )
+        runs = [("one process", timed(profile))]
+        if ranks > 1:
+            runs.append((f"{ranks} ranks", run_distributed(_shared, ranks, profile, timeout=600)[0]))
+        for how, (s, c, n, label) in runs:
+            took = f"search {s:.1f} s, choose {c:.1f} s, total {s + c:.1f} s"
+            print(f"p={p}, {how}: {n} candidates, {took}; fastest {label}", flush=True)

@@ -1,0 +1,74 @@
+"""``schedule="auto"``'s builds shared out over the ranks (lightning/search_builds.py): every rank gets the
+candidates one process's search makes, having built about 1/world of them, and a build that fails on one
+rank fails the search on every rank, named, with none left waiting."""
+
+from __future__ import annotations
+
+from lightning_twobp.lightning.search_builds import build_across
+from lightning_twobp.processes import run_distributed
+from lightning_twobp.schedules.auto import Build, LayerCost, Profile, builds, search
+
+WORLD = 3
+
+
+def _profile() -> Profile:
+    """Four ranks' pipeline (more than the processes: the search's p is the profile's), m = 4 and 8."""
+    per_m = {
+        m: LayerCost(f=8 / m, b=8 / m, w=6 / m, bw=13 / m, activation=800 / m, held=320 / m, fixed=1000) for m in (4, 8)
+    }
+    return Profile(4, {m: (c,) * 8 for m, c in per_m.items()}, {1: (2, 2, 2, 2), 2: (1,) * 8})
+
+
+def _snapshot(candidates) -> list:
+    return [(c.label, c.step_time, c.peak_bytes, c.schedule) for c in candidates]
+
+
+def _shared(rank: int, world: int) -> dict:
+    made = []
+    run = Build.run
+
+    def counted(self):
+        made.append(self)
+        return run(self)
+
+    Build.run = counted  # type: ignore[method-assign]
+    try:
+        shared = _snapshot(search(_profile(), max_caps=3, build_all=build_across()))
+        built = len(made)
+
+        def broken(self):
+            if self == builds(_profile(), max_caps=3)[5]:
+                raise RuntimeError("a builder bug")
+            return run(self)
+
+        Build.run = broken if rank == 5 % world else run  # type: ignore[method-assign]
+        try:
+            search(_profile(), max_caps=3, build_all=build_across())
+            failure = None
+        except RuntimeError as e:
+            failure = str(e)
+    finally:
+        Build.run = run  # type: ignore[method-assign]
+    return {"candidates": shared, "built": built, "failure": failure}
+
+
+def test_every_rank_gets_the_one_process_candidates_having_built_a_share():
+    alone = _snapshot(search(_profile(), max_caps=3))
+    total = len(builds(_profile(), max_caps=3))
+    ranks = run_distributed(_shared, WORLD, timeout=180)
+    for r in ranks:
+        assert r["candidates"] == alone  # labels, times, peaks and orders, to the bit
+    assert sorted(r["built"] for r in ranks) == sorted(len(range(k, total, WORLD)) for k in range(WORLD))
+    fifth = builds(_profile(), max_caps=3)[5]
+    for r in ranks:  # every rank names the build, its rank and the error; none hangs in the gather
+        assert r["failure"] == (
+            f"schedule='auto' could not build {fifth.name} (m={fifth.num_microbatches}, split_backward="
+            f"{fifth.split_backward}, max_pending_w={fifth.max_pending_w}) on rank {5 % WORLD}: "
+            "RuntimeError: a builder bug"
+        )
+
+
+def test_one_process_builds_each_in_turn():
+    assert _snapshot(search(_profile(), max_caps=3, build_all=build_across())) == _snapshot(
+        search(_profile(), max_caps=3)
+    )
