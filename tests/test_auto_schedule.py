@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 import warnings
 from collections.abc import Callable
 
@@ -401,6 +402,7 @@ def _fit_auto(
     from lightning_twobp import TwoBPStrategy
 
     lightning_env(rank, world)
+    from lightning_twobp.lightning import pipeline
     from lightning_twobp.monitor import PipelineMonitor
 
     make, data = MODELS[kind]
@@ -408,7 +410,12 @@ def _fit_auto(
     monitor = PipelineMonitor(log_every_n_steps=1, measure_flops=False, log=False)
     strategy = TwoBPStrategy(schedule="auto", memory_limit=memory_limit, **options)
     trainer = _trainer(strategy, world, callbacks=[peak, monitor], precision=precision)
-    trainer.fit(model, data())
+    said, announce = [], pipeline.rank_zero_info
+    pipeline.rank_zero_info = lambda text, *a, **k: said.append(text) or announce(text, *a, **k)
+    try:
+        trainer.fit(model, data())
+    finally:
+        pipeline.rank_zero_info = announce
     choice = strategy.auto_choice
     logged = {k: v for k, v in monitor.last.items() if k.endswith("predicted_peak_mb")}
     assert sorted(logged.values()) == sorted(b / 1e6 for b in choice.best.peak_bytes), logged
@@ -431,6 +438,7 @@ def _fit_auto(
         "optimizer_measured": state,
         "params": {n: q.detach().clone() for n, q in model.named_parameters() if not q.is_meta},
         "profile": strategy.auto_profile,
+        "announced": [t for t in said if t.startswith("twobp: ")],  # the pipeline's line of what it runs
     }
 
 
@@ -674,6 +682,10 @@ def test_a_pick_fused_where_its_split_loses_trains_like_one_process_within_its_p
     results = two_ranks[MIXED]
     assert all("backwards fused where the split loses" in r["label"] for r in results), [r["label"] for r in results]
     assert any(r["mixed"] for r in results), [r["label"] for r in results]
+    for r in results:  # the pipeline says what it runs: the pick's family, fused in part, and how many
+        fused = re.search(r"\d+ of \d+ backwards fused where the split loses", r["label"])
+        assert fused is not None and len(r["announced"]) == 1, (r["label"], r["announced"])
+        assert r["announced"][0].startswith(f"twobp: {r['label'].split(' (')[0]} ({fused.group(0)}), "), r["announced"]
     _check_trained(results, _reference())
 
 
