@@ -214,3 +214,26 @@ def test_the_trace_leaves_the_data_as_one_process_reads_it(data):
     alone) and took a stream's first batch, which training then missed: both silent."""
     ours = run_distributed(_first_batches, 1, data, timeout=200)[0]
     assert ours == _first_batches(None, 1, data)
+
+
+def _agree_on(rank: int, world: int) -> list:
+    """``_agreed`` on ranks that traced the same order, then on ranks that did not (rank 1 saw the head first)."""
+    from lightning_twobp.lightning.call_order import _agreed
+
+    same = _agreed({"model.norm": "after", "lm_head": "after"}, None)
+    differ = _agreed({"model.norm": "after", "lm_head": "after" if rank == 0 else "before"}, None)
+    return [same, differ]
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(120)
+def test_ranks_that_traced_different_call_orders_place_by_registration_alike():
+    """Each rank traces its own first batch. Where the traces differ, no rank places by its own (the ranks would
+    cut the model differently and deadlock): every rank gets none, and why, naming both orders."""
+    for same, differ in run_distributed(_agree_on, 2, timeout=100):
+        assert same == ({"model.norm": "after", "lm_head": "after"}, None)
+        assert differ == (
+            {},
+            "the ranks traced different call orders (rank 0: {'model.norm': 'after', 'lm_head': 'after'}; "
+            "rank 1: {'model.norm': 'after', 'lm_head': 'before'})",
+        )
