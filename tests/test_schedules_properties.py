@@ -21,6 +21,7 @@ from lightning_twobp.schedules import (
     simulate,
 )
 from lightning_twobp.schedules.builders.zb_greedy import memory_limits
+from lightning_twobp.schedules.deferral import peak_pending_w
 from lightning_twobp.schedules.simulate import dependencies
 
 
@@ -155,3 +156,23 @@ def test_simulate_times_as_the_model_says(name, ranks, m, split, costs, iteratio
     assert (bare.timeline, bare.peak_bytes) == ((), ())
     assert (bare.iteration_ends, bare.busy, bare.makespan) == (sim.iteration_ends, sim.busy, sim.makespan)
     assert bare.iteration_ends[0] == simulate(s, costs).makespan
+
+
+@given(
+    name=st.sampled_from(SCHEDULES),
+    ranks=st.integers(1, 6),
+    m=st.integers(1, 16),
+    costs=costs_of(bw=st.one_of(st.none(), st.floats(0.25, 8))),
+)
+@settings(max_examples=60, deadline=None)
+def test_a_cap_at_the_memory_bound_changes_nothing(name, ranks, m, costs):
+    """What lets schedule="auto"'s search skip those caps: a rank holds at most its family's memory bound of
+    pairs from F to W, so no stage has more W waiting, and the order built under such a cap is the uncapped one."""
+    spec = schedule_spec(name)
+    v = spec.default_stages_per_rank
+    if expected_refusal(name, ranks, m, v, True) is not None:
+        return
+    held = spec.memory.bound(ranks, m, v, True)
+    uncapped = build_schedule(name, ranks * v, m, stages_per_rank=v, costs=costs)
+    assert max(peak_pending_w(uncapped)) <= held
+    assert build_schedule(name, ranks * v, m, stages_per_rank=v, costs=costs, max_pending_w=held) == uncapped

@@ -396,13 +396,17 @@ def builds(
     counts = profile.microbatch_counts if microbatches is None else tuple(microbatches)
     out: list[Build] = []
     for name in names:
-        v = schedule_spec(name).default_stages_per_rank
+        spec = schedule_spec(name)
+        v = spec.default_stages_per_rank
         if v not in profile.partitions:
             continue
         for m in counts:
             costs = profile.costs(m, v)
             for split in _options(name, split_backward):
-                top = m if max_caps is None else min(m, max_caps + 1)
+                # a stage never has more W waiting than its rank holds pairs from F to W (the family's memory
+                # bound), so a cap at or above it changes nothing: built, it would be the uncapped order again
+                held = spec.memory.bound(profile.num_ranks, m, v, split)
+                top = min(m, held) if max_caps is None else min(m, held, max_caps + 1)
                 caps = (None, *range(top)) if split else (None,)
                 out += [Build(name, profile.num_ranks * v, m, v, split, costs, k) for k in caps]
     return tuple(out)
