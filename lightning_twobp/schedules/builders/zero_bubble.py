@@ -37,11 +37,14 @@ __all__ = ["STEADY_ITERATIONS", "schedule_score", "zero_bubble"]
 STEADY_ITERATIONS = 4
 
 
+@functools.lru_cache(maxsize=256)
 def schedule_score(schedule: Schedule, costs: Costs) -> tuple[float, float]:
     """``(steady-state period, single-iteration makespan)`` at ``costs``: lower is faster. Rounded to 1e-9
     so that float noise between equally fast orders does not decide. Times only (the memory replay is
     left out). One simulation gives both: no action of a rank's first iteration waits on a later one,
-    so the first iteration of several ends when a single iteration does."""
+    so the first iteration of several ends when a single iteration does. Kept for the last orders scored:
+    the greedy's policies and tie-breaks, and the caps a search builds one after the other, mostly come
+    to orders already scored (two in three of a p = 8 search's)."""
     sim = simulate(schedule, costs, iterations=STEADY_ITERATIONS, memory=False, timeline=False)
     return (round(sim.period, 9), round(sim.iteration_ends[0], 9))
 
