@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -10,6 +12,7 @@ from lightning_twobp.schedules import Costs, build_schedule, peak_activations, s
 from lightning_twobp.schedules.builders.zb_greedy import memory_limits
 from lightning_twobp.schedules.builders.zb_orders import paper_order
 from lightning_twobp.schedules.builders.zero_bubble import schedule_score
+from lightning_twobp.schedules.memo import remembered
 
 from conftest import cost_strategy
 
@@ -138,3 +141,16 @@ def test_zb_v_at_b_twice_f_matches_the_papers_v():
     costs = Costs(1, 2, 1)
     s = build_schedule("zb-v", 16, 16, stages_per_rank=2, costs=costs)
     assert simulate(s, costs).makespan <= simulate(paper_order("zb-v", 8, 16), costs).makespan == 142
+
+
+def test_builds_are_reused_within_a_search_only(monkeypatch):
+    """Inside ``memo.remembered`` (a search) a build made before is reused; outside it every build runs as
+    written, so nothing is held after a search and a builder patched between searches is seen."""
+    module = importlib.import_module("lightning_twobp.schedules.builders.zero_bubble")
+    calls, real = [], module.greedy
+    monkeypatch.setattr(module, "greedy", lambda *a, **k: calls.append(a) or real(*a, **k))
+    with remembered():
+        first = build_schedule("zb-h2", 4, 8)
+        made = len(calls)
+        assert made > 0 and build_schedule("zb-h2", 4, 8) == first and len(calls) == made
+    assert build_schedule("zb-h2", 4, 8) == first and len(calls) == 2 * made

@@ -1,12 +1,12 @@
-"""``schedule="auto"``'s builds shared out over the ranks (lightning/search_builds.py): every rank gets the
-candidates one process's search makes, having built about 1/world of them, and a build that fails on one
-rank fails the search on every rank, named, with none left waiting."""
+"""``schedule="auto"``'s builds and fused variants shared out over the ranks (lightning/search_builds.py):
+every rank gets the candidates one process's search makes, having built about 1/world of them; a build
+that fails on one rank fails the search on every rank, named, with none left waiting."""
 
 from __future__ import annotations
 
-from lightning_twobp.lightning.search_builds import build_across
+from lightning_twobp.lightning.search_builds import _turns, build_across, fuse_across
 from lightning_twobp.processes import run_distributed
-from lightning_twobp.schedules.auto import Build, LayerCost, Profile, builds, search
+from lightning_twobp.schedules.auto import Build, LayerCost, Profile, builds, choose, search
 
 WORLD = 3
 
@@ -33,15 +33,17 @@ def _shared(rank: int, world: int) -> dict:
 
     Build.run = counted  # type: ignore[method-assign]
     try:
-        shared = _snapshot(search(_profile(), max_caps=3, build_all=build_across()))
+        candidates = search(_profile(), max_caps=3, build_all=build_across())
+        shared = _snapshot(candidates)
         built = len(made)
+        fused = _snapshot(choose(candidates, float("inf"), fuse_all=fuse_across()).considered)
 
         def broken(self):
             if self == builds(_profile(), max_caps=3)[5]:
                 raise RuntimeError("a builder bug")
             return run(self)
 
-        Build.run = broken if rank == 5 % world else run  # type: ignore[method-assign]
+        Build.run = broken if rank == _turns(builds(_profile(), max_caps=3))[5] % world else run  # type: ignore[method-assign]
         try:
             search(_profile(), max_caps=3, build_all=build_across())
             failure = None
@@ -49,23 +51,34 @@ def _shared(rank: int, world: int) -> dict:
             failure = str(e)
     finally:
         Build.run = run  # type: ignore[method-assign]
-    return {"candidates": shared, "built": built, "failure": failure}
+    try:  # rank 1 searches fewer caps (a schedule registered on some ranks only would do the same)
+        search(_profile(), max_caps=2 if rank == 1 else 3, build_all=build_across())
+        differ = None
+    except RuntimeError as e:
+        differ = str(e)
+    return {"candidates": shared, "built": built, "failure": failure, "differ": differ, "fused": fused}
 
 
 def test_every_rank_gets_the_one_process_candidates_having_built_a_share():
     alone = _snapshot(search(_profile(), max_caps=3))
     total = len(builds(_profile(), max_caps=3))
     ranks = run_distributed(_shared, WORLD, timeout=180)
+    with_fused = _snapshot(choose(search(_profile(), max_caps=3), float("inf")).considered)
+    assert any("fused where the split loses" in c[0] for c in with_fused)
     for r in ranks:
         assert r["candidates"] == alone  # labels, times, peaks and orders, to the bit
-    assert sorted(r["built"] for r in ranks) == sorted(len(range(k, total, WORLD)) for k in range(WORLD))
+        assert r["fused"] == with_fused  # and the variants fused where the split loses, made a share per rank
+    owner = [t % WORLD for t in _turns(builds(_profile(), max_caps=3))]
+    assert [r["built"] for r in ranks] == [owner.count(k) for k in range(WORLD)]
+    assert all(0 < r["built"] < total for r in ranks)
     fifth = builds(_profile(), max_caps=3)[5]
     for r in ranks:  # every rank names the build, its rank and the error; none hangs in the gather
         assert r["failure"] == (
-            f"schedule='auto' could not build {fifth.name} (m={fifth.num_microbatches}, split_backward="
-            f"{fifth.split_backward}, max_pending_w={fifth.max_pending_w}) on rank {5 % WORLD}: "
+            f"schedule='auto' could not make {fifth.name} (m={fifth.num_microbatches}, split_backward="
+            f"{fifth.split_backward}, max_pending_w={fifth.max_pending_w}) on rank {owner[5]}: "
             "RuntimeError: a builder bug"
         )
+        assert r["differ"] is not None and r["differ"].startswith("schedule='auto': the ranks searched different"), r
 
 
 def test_one_process_builds_each_in_turn():

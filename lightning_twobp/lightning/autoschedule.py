@@ -10,8 +10,8 @@ CUDA, where the allocator would add its rounding), the bytes held from B to W, a
 weights and gradients. Pipeline ranks 0 and 1 time one
 message of the largest layer output. One all-reduce (max) gives every rank the same table, so every
 rank makes the same choice: ranks that searched on their own timings could pick different schedules
-and deadlock. The search itself is :mod:`lightning_twobp.schedules.auto` (pure data); its builds are
-shared out over the ranks (:mod:`.search_builds`).
+and deadlock. The search itself is :mod:`lightning_twobp.schedules.auto` (pure data); its builds and fused
+variants are shared out over the ranks (:mod:`.search_builds`).
 
 Why not time the executor's first steps (the monitor's ``measured_costs``)? Those steps would have
 to run some schedule before one is known to fit the limit, and a V schedule cuts the model into
@@ -71,7 +71,7 @@ from torch import nn
 from lightning_twobp.engine.footprint import LayerFootprint, layer_cost, measure_layer, storage_key
 from lightning_twobp.lightning.layer_runs import LayerRuns, layer_runs, trained_dtype
 from lightning_twobp.lightning.profile import first_batch, keep_buffers, now
-from lightning_twobp.lightning.search_builds import build_across
+from lightning_twobp.lightning.search_builds import build_across, fuse_across
 from lightning_twobp.lightning.sharding import sharded_static_bytes
 from lightning_twobp.lightning.step import StepRunner, batch_size
 from lightning_twobp.partition import partition
@@ -498,6 +498,7 @@ def auto_schedule(
             split_backward=split_backward,
             max_caps=2 * num_ranks,
             build_all=build_across(),  # each rank builds a share; every rank gets them all
+            fuse_all=fuse_across(),  # and the fused variants alike
         )
     except NoScheduleFits as e:
         if not num_microbatches:

@@ -36,6 +36,7 @@ from typing import Any
 
 from .fusion import fuse_where_split_loses, fused_note, num_fused
 from .ir import Schedule
+from .memo import remembered
 from .memory import SIGNATURE_BYTES, MemoryCosts
 from .placement import schedule_label
 from .registry import build_schedule
@@ -47,6 +48,7 @@ __all__ = [
     "Build",
     "BuildAll",
     "Candidate",
+    "FuseAll",
     "LayerCost",
     "NoScheduleFits",
     "Profile",
@@ -54,6 +56,7 @@ __all__ = [
     "choose",
     "choose_profiles",
     "format_choice",
+    "fused_order",
     "fused_1f1b_peak",
     "builds",
     "resolve_limit",
@@ -382,6 +385,9 @@ class Build:
 # Each Build's schedule, in order (:func:`search`'s ``build_all``): one after the other by default; the
 # strategy shares them out over its ranks (lightning/search_builds.py), the expensive part of a search.
 BuildAll = Callable[[Sequence[Build]], Sequence[Schedule | None]]
+# Each candidate's order fused where its split loses (:func:`fused_order`), in order (:func:`choose`'s
+# ``fuse_all``): the same sharing as the builds'.
+FuseAll = Callable[[Sequence["Candidate"]], Sequence[Schedule]]
 
 
 def builds(
@@ -430,7 +436,8 @@ def search(
     turn); the same schedules whoever builds them, so the same candidates.
     """
     requests = builds(profile, families, microbatches, split_backward, max_caps)
-    made = build_all(requests) if build_all is not None else [b.run() for b in requests]
+    with remembered():  # the builds' repeated steps reused, for this search only (.memo)
+        made = build_all(requests) if build_all is not None else [b.run() for b in requests]
     out: list[Candidate] = []
     seen: set[tuple] = set()
     for b, schedule in zip(requests, made, strict=True):
@@ -487,6 +494,7 @@ def choose_profiles(
     modes: Sequence[str | int | None],
     limit_of: Callable[[Profile], float],
     hint_of: Callable[[], Profile | None] | None = None,
+    fuse_all: FuseAll | None = None,
     **options: Any,
 ) -> tuple[AutoChoice, Profile]:
     """The choice over the layers run each way of ``modes`` (``profile_of(mode)`` measures them; None: they
@@ -494,7 +502,7 @@ def choose_profiles(
     their recompute bytes from the plain one (:func:`with_recompute`); the limit is ``limit_of`` the first
     profile; ``options`` go to :func:`search`. When only plain layers were weighed and nothing fits,
     ``hint_of()`` (the layers checkpointed "full"; None: not known) lets the refusal say what checkpointing
-    would hold."""
+    would hold. ``fuse_all``: as :func:`choose`'s."""
     measured = [profile_of(mode) for mode in modes]
     profiles = _recomputed([p for p in measured if p is not None])
     if not profiles:
@@ -505,7 +513,7 @@ def choose_profiles(
     if tuple(modes) == (None,) and hint_of is not None and all(c.peak > limit for c in candidates):
         full = hint_of()
         unsearched = () if full is None else search(with_recompute(full, profiles[0]), **options)
-    choice = choose(candidates, limit, unsearched)
+    choice = choose(candidates, limit, unsearched, fuse_all)
     return choice, next(p for p in profiles if p.checkpointing == choice.best.checkpointing)
 
 
@@ -622,15 +630,18 @@ def fused_1f1b_peak(profile: Profile) -> float | None:
     return max(simulate(schedule, profile.costs(m, 1)).peak_bytes)
 
 
-def choose(candidates: Sequence[Candidate], limit: float, unsearched: Sequence[Candidate] = ()) -> AutoChoice:
+def choose(
+    candidates: Sequence[Candidate], limit: float, unsearched: Sequence[Candidate] = (), fuse_all: FuseAll | None = None
+) -> AutoChoice:
     """The fastest candidate whose peak is within ``limit``, among ``candidates`` and each split one's variant
     fused where its split loses (:func:`_fusions`; ties: the smaller peak, then the order of ``candidates``,
     the variants after them); :class:`NoScheduleFits` naming the smallest peak when none is. ``unsearched``: the
     candidates with checkpointed layers when the user's ``activation_checkpointing`` did not allow them
-    (None), never chosen: a refusal says what they would hold."""
+    (None), never chosen: a refusal says what they would hold. ``fuse_all`` makes the variants' orders
+    (:func:`fused_order` of each; default: each in turn)."""
     if not candidates:
         raise ValueError("schedule='auto' has no candidate: no schedule accepts these stage and micro-batch counts")
-    candidates = (*candidates, *_fusions(candidates))
+    candidates = (*candidates, *_fusions(candidates, fuse_all))
     fits = [c for c in candidates if c.peak <= limit]
     if not fits:
         smallest = min(candidates, key=lambda c: (c.peak, c.step_time))
@@ -647,12 +658,14 @@ def choose(candidates: Sequence[Candidate], limit: float, unsearched: Sequence[C
     return AutoChoice(best, limit, tuple(candidates))
 
 
-def _fusions(candidates: Sequence[Candidate]) -> list[Candidate]:
+def _fusions(candidates: Sequence[Candidate], fuse_all: FuseAll | None = None) -> list[Candidate]:
     """The split candidates with their backward fused where the split loses (:mod:`.fusion`), each a
     candidate of its own. Every one is built: no cheap bound holds (a fusion can take a whole W off the
     critical path, not only its ``b + w - bw``; a reviewer's random costs found a pruned variant 23x past
     such a bound). At p = 4 with five micro-batch counts that adds up to about the search's own time."""
-    variants = (_fused_variant(c) for c in candidates if c.split_backward and _priced(c))
+    split = [c for c in candidates if c.split_backward and _priced(c)]
+    orders = fuse_all(split) if fuse_all is not None else [fused_order(c) for c in split]
+    variants = (_fused_variant(c, order) for c, order in zip(split, orders, strict=True))
     return [v for v in variants if v is not None]
 
 
@@ -660,15 +673,19 @@ def _priced(c: Candidate) -> bool:
     return c.costs is not None and c.costs.bw is not None
 
 
-def _fused_variant(c: Candidate) -> Candidate | None:
-    """``c`` with each backward fused where its split does not pay at ``c``'s costs; None where none is."""
+def fused_order(c: Candidate) -> Schedule:
+    """``c``'s order with each backward fused where its split does not pay at ``c``'s costs (:mod:`.fusion`)."""
     assert c.costs is not None
     spec = schedule_spec(c.name)
-    it = _iterations(spec)
-    schedule = fuse_where_split_loses(c.schedule, c.costs, lambda sim: _step(spec, sim), it)
+    return fuse_where_split_loses(c.schedule, c.costs, lambda sim: _step(spec, sim), _iterations(spec))
+
+
+def _fused_variant(c: Candidate, schedule: Schedule) -> Candidate | None:
+    """``c`` run as ``schedule`` (its :func:`fused_order`), timed and replayed; None where nothing is fused."""
     if not num_fused(schedule):
         return None
-    sim = simulate(schedule, c.costs, iterations=it)
+    spec = schedule_spec(c.name)
+    sim = simulate(schedule, c.costs, iterations=_iterations(spec))
     peak = _plus_recompute(sim.peak_bytes, schedule, c.recompute) if c.recompute else sim.peak_bytes
     return replace(c, step_time=_step(spec, sim), peak_bytes=peak, schedule=schedule, sim=sim)
 

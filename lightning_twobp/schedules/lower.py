@@ -54,7 +54,6 @@ it (at unit costs, once it has more micro-batches than ranks); GPipe and interle
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -110,11 +109,8 @@ class Comm:
 Op = Action | Comm
 
 
-@functools.lru_cache(maxsize=16)
 def lower_communication(schedule: Schedule) -> tuple[tuple[Op, ...], ...]:
-    """Per rank: compute actions interleaved with the batches of sends and receives. Kept for the last
-    few schedules (a schedule and its lowering are immutable): ``schedule="auto"``'s search lowers each
-    candidate twice, to validate it and to place its messages in the memory replay."""
+    """Per rank: compute actions interleaved with the batches of sends and receives."""
     placement = schedule.stage_to_rank
     last = schedule.num_stages - 1
 

@@ -63,6 +63,7 @@ class Costs:
 
     def __post_init__(self) -> None:
         store_per_stage(self, "Costs", self._durations)
+        object.__setattr__(self, "comm", float(self.comm))  # a NumPy or torch scalar too: hashable, compared by value
         if self.comm < 0:
             raise ValueError(f"Costs.comm must be >= 0, got {self.comm!r}")
 
@@ -254,12 +255,20 @@ def _compiled(
                     needs.append(("B", s, mb))
                 else:
                     needs += [("F", s, mb), ("B", s + 1, mb)] if s < last else [("F", s, mb)]
-            hops = tuple((index.setdefault(k, len(index)), costs.comm if owner[k[1]] != rank else 0.0) for k in needs)
+            hops = tuple((index.setdefault(k, len(index)), _hop(costs, owner, k[1], rank)) for k in needs)
             kind = "B" if a.kind == "BW" else a.kind
             sets = () if kind == "W" else tuple(index.setdefault((kind, s, mb), len(index)) for mb in mbs)
-            steps.append((hops, took[a.kind][s] * len(mbs), sets))
+            # a stage beyond the schedule's (not validated): timed as before, left to deadlock on its dependencies
+            takes = took[a.kind][s] * len(mbs) if s <= last else costs.duration(a)
+            steps.append((hops, takes, sets))
         plan.append(steps)
     return plan, list(index)
+
+
+def _hop(costs: Costs, owner: tuple[int, ...], stage: int, rank: int) -> float:
+    """``comm`` where ``stage`` is on another rank than ``rank`` (or beyond the schedule's stages: an action
+    that waits on it never runs, as before the lists were compiled)."""
+    return costs.comm if stage >= len(owner) or owner[stage] != rank else 0.0
 
 
 def _deadlock_report(schedule: Schedule, pos: list[int], ends: Container[tuple[str, int, int]]) -> str:

@@ -4,9 +4,9 @@ The layers are the budget bench's tiny LLaMa measured once (``bench.budget.workl
 fused BW and the bytes of every layer at m = 8 and 16), its blocks repeated to 4p so that every family has
 a partition at p ranks, at m = p, 2p and 4p with caps 0..2p (what the strategy searches for a batch those
 counts divide). Run from the repository root: ``PYTHONPATH=. python docs/results/search-time/search_time.py``;
-with ``--ranks N`` the same search runs in N gloo processes (one thread each) that share its builds out as the
-strategy does (``lightning/search_builds.py``), rank 0's seconds printed, beside the one-process search on the
-same profile.
+with ``--ranks N`` the same search runs in N gloo processes (one thread each) that share its builds and
+fused variants out as the strategy does (``lightning/search_builds.py``), rank 0's seconds printed, beside
+the one-process search on the same profile.
 """
 
 import dataclasses
@@ -17,7 +17,6 @@ import torch
 
 from lightning_twobp.bench.budget import workload_profile
 from lightning_twobp.bench.peer import Workload
-from lightning_twobp.lightning.search_builds import build_across
 from lightning_twobp.processes import run_distributed
 from lightning_twobp.schedules.auto import Profile, choose, search
 
@@ -42,17 +41,20 @@ def profile_at(p: int, measured: Profile) -> Profile:
     return dataclasses.replace(measured, num_ranks=p, layers=by_m, partitions={1: even(p), 2: even(2 * p)})
 
 
-def timed(profile: Profile, build_all=None) -> tuple[float, float, int, str]:
+def timed(profile: Profile, build_all=None, fuse_all=None) -> tuple[float, float, int, str]:
     """Seconds of ``search`` and of ``choose`` on ``profile``, the candidates and the fastest."""
     start = time.perf_counter()
-    candidates = search(profile, max_caps=2 * profile.num_ranks, build_all=build_all)
+    shared = {} if build_all is None else {"build_all": build_all}  # the code before it had no such argument
+    candidates = search(profile, max_caps=2 * profile.num_ranks, **shared)
     searched = time.perf_counter()
-    best = choose(candidates, float("inf")).best
+    best = choose(candidates, float("inf"), **({} if fuse_all is None else {"fuse_all": fuse_all})).best
     return searched - start, time.perf_counter() - searched, len(candidates), best.label
 
 
 def _shared(rank: int, world: int, profile: Profile) -> tuple[float, float, int, str]:
-    return timed(profile, build_across())
+    from lightning_twobp.lightning.search_builds import build_across, fuse_across  # not in the code before it
+
+    return timed(profile, build_across(), fuse_across())
 
 
 if __name__ == "__main__":

@@ -63,6 +63,7 @@ from collections import deque
 from collections.abc import Sequence
 
 from ..ir import Action, Schedule
+from ..memo import kept, remembering
 from ..simulate import Costs
 from .v_orders import V_SCHEDULES, v_memory_bound
 
@@ -84,14 +85,43 @@ def greedy(
     """One greedy schedule of the Zero Bubble families (``zb-h1``, ``zb-h2``: one stage per rank;
     ``zb-v``, ``v-half``, ``v-min``: the V) over the stage-to-rank map ``placement``, within the
     family's memory limits and, with ``max_pending_w``, at most that many W waiting per stage before
-    each F or B (over it, the oldest waiting W of the stage runs first)."""
+    each F or B (over it, the oldest waiting W of the stage runs first).
+
+    A cap at or above what the uncapped run ever has waiting on each stage never forces a W, so the
+    run under it is the uncapped one: within a search, where the uncapped run is kept (:mod:`..memo`), that
+    order is returned without running again (``schedule="auto"`` builds every cap from 0 up, most of them such)."""
     if policy not in POLICIES:
         raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
     costs.check(len(placement))
+    place = tuple(placement)
+    if max_pending_w is None or remembering():
+        order, most = _uncapped(name, place, num_microbatches, costs, policy, b_tie_break)
+        if max_pending_w is None or all(k >= n for k, n in zip(max_pending_w, most, strict=True)):
+            return order
+    return _run(name, place, num_microbatches, costs, policy, b_tie_break, max_pending_w)[0]
+
+
+@kept
+def _uncapped(
+    name: str, placement: tuple[int, ...], m: int, costs: Costs, policy: str, b_tie_break: str
+) -> tuple[Schedule, tuple[int, ...]]:
+    return _run(name, placement, m, costs, policy, b_tie_break, None)
+
+
+def _run(
+    name: str,
+    placement: tuple[int, ...],
+    m: int,
+    costs: Costs,
+    policy: str,
+    b_tie_break: str,
+    max_pending_w: Sequence[int] | None,
+) -> tuple[Schedule, tuple[int, ...]]:
+    """The greedy's order, and per stage the most W it ever had waiting."""
     limit_fb, limit_fw = memory_limits(name, max(placement) + 1)
-    rows = _GreedyScheduler(
+    scheduler = _GreedyScheduler(
         placement,
-        num_microbatches,
+        m,
         costs,
         limit_fb,
         limit_fw,
@@ -99,15 +129,17 @@ def greedy(
         b_tie_break=b_tie_break,
         wait_for_b=policy == "fit",
         max_pending_w=max_pending_w,
-    ).run()
-    return Schedule(
+    )
+    rows = scheduler.run()
+    schedule = Schedule(
         name=name,
         num_stages=len(placement),
-        num_microbatches=num_microbatches,
+        num_microbatches=m,
         stage_to_rank=placement,
         actions=rows,
         split_backward=True,
     )
+    return schedule, tuple(scheduler.most_pending_w)
 
 
 def memory_limits(name: str, num_ranks: int) -> tuple[list[int], list[int]]:
@@ -165,6 +197,7 @@ class _GreedyScheduler:
         self.b_todo: list[list[int]] = [[] for _ in range(self.num_stages)]
         self.w_todo: list[deque[tuple[int, int]]] = [deque() for _ in range(ranks)]
         self.pending_w = [0] * self.num_stages  # per stage: B done, W not done
+        self.most_pending_w = [0] * self.num_stages  # the most pending_w ever held
         self.activations = [0] * ranks  # F done, B not done
         self.inflight = [0] * ranks  # F done, W not done
         self.free = [0.0] * ranks
@@ -286,6 +319,7 @@ class _GreedyScheduler:
             self.b_end[(s, m)] = end
             self.w_todo[rank].append((s, m))
             self.pending_w[s] += 1
+            self.most_pending_w[s] = max(self.most_pending_w[s], self.pending_w[s])
             self.activations[rank] -= 1
         else:
             self.w_todo[rank].remove((s, m))

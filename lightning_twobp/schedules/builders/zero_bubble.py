@@ -21,11 +21,11 @@ under the cap, so the choice is the fastest capped schedule, never slower than t
 
 from __future__ import annotations
 
-import functools
 from dataclasses import replace
 
 from ..deferral import cap_pending_w
 from ..ir import Schedule
+from ..memo import kept
 from ..simulate import Costs, simulate
 from ..spec import BuildRequest
 from .zb_greedy import POLICIES, greedy
@@ -37,24 +37,22 @@ __all__ = ["STEADY_ITERATIONS", "schedule_score", "zero_bubble"]
 STEADY_ITERATIONS = 4
 
 
-@functools.lru_cache(maxsize=256)
+@kept
 def schedule_score(schedule: Schedule, costs: Costs) -> tuple[float, float]:
     """``(steady-state period, single-iteration makespan)`` at ``costs``: lower is faster. Rounded to 1e-9
     so that float noise between equally fast orders does not decide. Times only (the memory replay is
     left out). One simulation gives both: no action of a rank's first iteration waits on a later one,
-    so the first iteration of several ends when a single iteration does. Kept for the last orders scored:
-    the greedy's policies and tie-breaks, and the caps a search builds one after the other, mostly come
-    to orders already scored (two in three of a p = 8 search's)."""
+    so the first iteration of several ends when a single iteration does. Reused within a search
+    (:mod:`..memo`)."""
     sim = simulate(schedule, costs, iterations=STEADY_ITERATIONS, memory=False, timeline=False)
     return (round(sim.period, 9), round(sim.iteration_ends[0], 9))
 
 
-@functools.lru_cache(maxsize=128)
+@kept
 def zero_bubble(req: BuildRequest) -> Schedule:
     """Build ``zb-h1``, ``zb-h2`` (one stage per rank), ``zb-v``, ``v-half`` or ``v-min`` (V, two per rank) at
-    ``req.costs``, under ``req.max_pending_w`` when given. Kept for the last requests (a build is a pure
-    function of its request): ZB-H2 weighs ZB-H1's build at the same request, which ``schedule="auto"``'s
-    search has just made."""
+    ``req.costs``, under ``req.max_pending_w`` when given. Reused within a search (:mod:`..memo`): ZB-H2
+    weighs ZB-H1's build at the same request, which the search has made."""
     target = req.costs
     candidates = [paper_order(req.name, req.num_ranks, req.num_microbatches)]
     if req.max_pending_w is not None:
