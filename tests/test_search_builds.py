@@ -1,8 +1,11 @@
 """``schedule="auto"``'s builds and fused variants shared out over the ranks (lightning/search_builds.py):
 every rank gets the candidates one process's search makes, having built about 1/world of them; a build
-that fails on one rank fails the search on every rank, named, with none left waiting."""
+that fails on one rank fails the search on every rank, named, with none left waiting; and a limit given as a
+fraction of the device is read against one device size everywhere."""
 
 from __future__ import annotations
+
+import torch
 
 from lightning_twobp.lightning.search_builds import _turns, build_across, fuse_across
 from lightning_twobp.processes import run_distributed
@@ -56,7 +59,29 @@ def _shared(rank: int, world: int) -> dict:
         differ = None
     except RuntimeError as e:
         differ = str(e)
-    return {"candidates": shared, "built": built, "failure": failure, "differ": differ, "fused": fused}
+    return {
+        "candidates": shared,
+        "built": built,
+        "failure": failure,
+        "differ": differ,
+        "fused": fused,
+        "devices": _devices(rank),
+    }
+
+
+def _devices(rank: int) -> list:
+    """The device size a fraction ``memory_limit`` is read against, on ranks whose devices differ, then on ranks
+    of which one cannot tell: one number on every rank (the smallest), or None on every rank."""
+    from lightning_twobp.lightning import autoschedule
+
+    real = autoschedule.device_bytes
+    try:
+        autoschedule.device_bytes = lambda device: 1000.0 * (rank + 1)
+        sizes = [autoschedule.smallest_device(torch.device("cpu"))]
+        autoschedule.device_bytes = lambda device: None if rank == 2 else 1000.0
+        return [*sizes, autoschedule.smallest_device(torch.device("cpu"))]
+    finally:
+        autoschedule.device_bytes = real
 
 
 def test_every_rank_gets_the_one_process_candidates_having_built_a_share():
@@ -79,6 +104,7 @@ def test_every_rank_gets_the_one_process_candidates_having_built_a_share():
             "RuntimeError: a builder bug"
         )
         assert r["differ"] is not None and r["differ"].startswith("schedule='auto': the ranks searched different"), r
+        assert r["devices"] == [1000.0, None]
 
 
 def test_one_process_builds_each_in_turn():

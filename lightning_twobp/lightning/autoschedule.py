@@ -113,6 +113,15 @@ def device_bytes(device: torch.device) -> float | None:
         return None
 
 
+def smallest_device(device: torch.device) -> float | None:
+    """The smallest :func:`device_bytes` over the ranks (None where a rank cannot tell): a limit given as a
+    fraction of the device is then one number everywhere, so every rank makes the same choice, and the same
+    calls between ranks after it (the checkpointing hint profiles where nothing fits, the shared builds)."""
+    mine = device_bytes(device) or 0.0
+    least = -_agree(torch.tensor([-mine], dtype=torch.float64), device).item()  # the max of the negatives
+    return least or None
+
+
 def _divisors(n: int, most: int) -> list[int]:
     return [d for d in range(1, min(n, most) + 1) if n % d == 0]
 
@@ -493,7 +502,7 @@ def auto_schedule(
         choice, profile = choose_profiles(
             profiler.profile,
             checkpointing,
-            lambda first: resolve_limit(memory_limit, device_bytes(device), fused_1f1b_peak(first)),
+            lambda first: resolve_limit(memory_limit, smallest_device(device), fused_1f1b_peak(first)),
             None if checkpoint is None else (lambda: _checkpointed_too(profiler)),
             split_backward=split_backward,
             max_caps=2 * num_ranks,
