@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lightning_twobp.schedules import Costs, build_schedule, peak_activations, simulate, validate
-from lightning_twobp.schedules.builders.zb_greedy import memory_limits
+from lightning_twobp.schedules.builders.zb_greedy import greedy, memory_limits
 from lightning_twobp.schedules.builders.zb_orders import paper_order
 from lightning_twobp.schedules.builders.zero_bubble import schedule_score
 from lightning_twobp.schedules.memo import remembered
@@ -154,3 +154,26 @@ def test_builds_are_reused_within_a_search_only(monkeypatch):
         made = len(calls)
         assert made > 0 and build_schedule("zb-h2", 4, 8) == first and len(calls) == made
     assert build_schedule("zb-h2", 4, 8) == first and len(calls) == 2 * made
+
+
+@given(
+    name=st.sampled_from(["zb-h1", "zb-h2", "zb-v", "v-half", "v-min"]),
+    ranks=st.integers(1, 5),
+    m=st.integers(1, 12),
+    costs=costs_strategy,
+    caps=st.lists(st.integers(0, 12), min_size=1, max_size=4),
+    policy=st.sampled_from(["eager", "fit"]),
+    tie_break=st.sampled_from(["later-stage", "smallest-mb"]),
+)
+@settings(max_examples=60, deadline=None)
+def test_a_greedy_run_a_cap_cannot_change_is_reused_as_built(name, ranks, m, costs, caps, policy, tie_break):
+    """Within a search the greedy returns its uncapped order for a cap at or above what that order ever had
+    waiting on each stage: the order built under the cap, every time (per-stage caps, both policies)."""
+    v = 2 if name in ("zb-v", "v-half", "v-min") else 1
+    placement = build_schedule(name, ranks * v, m, stages_per_rank=v).stage_to_rank
+    per_stage = tuple(caps[s % len(caps)] for s in range(ranks * v))
+    kw = {"costs": costs, "policy": policy, "b_tie_break": tie_break}
+    with remembered():
+        greedy(name, placement, m, **kw)  # the uncapped run the search builds first
+        reused = greedy(name, placement, m, **kw, max_pending_w=per_stage)
+    assert reused == greedy(name, placement, m, **kw, max_pending_w=per_stage)

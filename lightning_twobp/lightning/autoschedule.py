@@ -373,11 +373,13 @@ class _Profiler:
         Hugging Face ConvBERT, Longformer): said, and that way left out of the search. Plain, they must
         run: an error there is the model's. (Every rank profiles the same layers: a failure is every
         rank's, before the profile's one message between ranks.)"""
-        undo = self.checkpoint(mode) if self.checkpoint is not None else (lambda: None)
+        undo: Callable[[], None] = _nothing
         failed: Exception | None = None
         rows: list[list[list[float]]] = []
         largest: list[float] = []
         try:
+            if self.checkpoint is not None:  # inside: a wrapping that fails on one rank is agreed below, not a hang
+                undo = self.checkpoint(mode)
             with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
                 rows, largest = self._rows()
         except Exception as e:  # noqa: BLE001 - any way the layers cannot run checkpointed: left out, said below
@@ -440,6 +442,10 @@ class _Profiler:
             rows.append([_to_row(c) for c in costs])
             sent.append(largest)
         return rows, sent
+
+
+def _nothing() -> None:
+    """Nothing to undo: the layers were not wrapped."""
 
 
 def _checkpointed_too(profiler: _Profiler) -> Profile | None:

@@ -397,7 +397,9 @@ def builds(
     split_backward: bool | None = None,
     max_caps: int | None = None,
 ) -> tuple[Build, ...]:
-    """What :func:`search` builds (the same arguments), in its order: per family, count, split and cap."""
+    """What :func:`search` builds (the same arguments), in its order: per family, count, split and cap. Not a cap
+    at or above the family's ``MemoryClass.bound``: a rank holds no more pairs from F to W, so no stage has more
+    W waiting, and the order built under such a cap is the uncapped one."""
     names = tuple(SCHEDULES) if families is None else tuple(families)
     counts = profile.microbatch_counts if microbatches is None else tuple(microbatches)
     out: list[Build] = []
@@ -430,10 +432,10 @@ def search(
 
     ``families`` (default: every registered schedule whose default stages per rank the profile has a
     partition for), ``microbatches`` (default: the profile's counts), ``split_backward`` (None: both
-    where both exist). Caps run from 0 to ``m - 1`` (``m`` and above change nothing), or to ``max_caps``;
-    a cap that leaves the order unchanged is not listed twice. Combinations a schedule refuses (its
-    layout rules) are skipped. ``build_all`` makes the schedules of :func:`builds` (default: each in
-    turn); the same schedules whoever builds them, so the same candidates.
+    where both exist). Caps run from 0 to ``m - 1`` (``m`` and above change nothing), or to ``max_caps``,
+    and below the family's memory bound (:func:`builds`); a cap that leaves the order unchanged is not listed
+    twice. Combinations a schedule refuses (its layout rules) are skipped. ``build_all`` makes the schedules
+    of :func:`builds` (default: each in turn); the same schedules whoever builds them, so the same candidates.
     """
     requests = builds(profile, families, microbatches, split_backward, max_caps)
     with remembered():  # the builds' repeated steps reused, for this search only (.memo)
