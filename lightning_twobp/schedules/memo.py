@@ -5,7 +5,7 @@ steps repeat across those builds: ZB-H2 weighs ZB-H1's order at the same request
 an order ever has waiting builds that order again, and the greedy's policies and tie-breaks mostly come to
 orders already scored (two in three of a p = 8 search's scores). Inside :func:`remembered` each
 :func:`kept` function returns what it returned before for the same arguments; outside it, it runs as
-written. So nothing is held after the search (a p = 8 search keeps some 30 MB of orders while it runs),
+written. So nothing is held after the search (a p = 8 search keeps about 35 MiB of orders while it runs),
 a test or user that patches a builder between searches sees its patch, and a single build is never
 slower than before. The functions kept must be pure functions of hashable arguments.
 """
