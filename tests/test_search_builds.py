@@ -5,6 +5,7 @@ fraction of the device is read against one device size everywhere."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from lightning_twobp.lightning.search_builds import _turns, build_across, fuse_across
@@ -84,6 +85,8 @@ def _devices(rank: int) -> list:
         autoschedule.device_bytes = real
 
 
+@pytest.mark.dist
+@pytest.mark.timeout(240)
 def test_every_rank_gets_the_one_process_candidates_having_built_a_share():
     alone = _snapshot(search(_profile(), max_caps=3))
     total = len(builds(_profile(), max_caps=3))
