@@ -168,6 +168,34 @@ def check_activation_checkpointing(value: Any, schedule: str | None = None) -> s
     )
 
 
+def _checked_auto_schedules(opts: PipelineOptions) -> tuple[str, ...]:
+    """``auto_schedules`` as a tuple of known, distinct names that ``schedule="auto"`` can run with the
+    options' ``split_backward``; ValueError naming the fix otherwise."""
+    given = opts.auto_schedules
+    if opts.schedule != "auto":
+        raise ValueError(
+            f"auto_schedules={given!r} is the list schedule='auto' chooses among; with schedule={opts.schedule!r} "
+            f"drop it, or use schedule='auto'"
+        )
+    names = (given,) if isinstance(given, str) else tuple(given)  # type: ignore[arg-type]
+    if not names:
+        raise ValueError(
+            f"auto_schedules={given!r} leaves schedule='auto' nothing to choose: name at least one of "
+            f"{', '.join(SCHEDULES)}, or drop it (every schedule)"
+        )
+    unknown = [n for n in names if n not in SCHEDULES]
+    if unknown:
+        raise ValueError(f"auto_schedules: unknown schedule {unknown[0]!r}; choose among {', '.join(SCHEDULES)}")
+    if len(set(names)) != len(names):
+        raise ValueError(f"auto_schedules={list(names)!r} names a schedule twice: name each once")
+    for name in names:
+        try:
+            check_split(name, opts.split_backward)
+        except ValueError as e:
+            raise ValueError(f"auto_schedules={list(names)!r}: {e}, or leave {name!r} out") from None
+    return names
+
+
 def check_batch_w(value: Any) -> None:
     """``value`` is one ``batch_w`` takes: False (off), True (the engine's default size) or bytes >= 0."""
     if isinstance(value, bool) or (isinstance(value, int) and value >= 0):
@@ -236,6 +264,11 @@ class PipelineOptions:
             device's memory (e.g. ``0.5``), ``"1f1b"`` for fused 1F1B's predicted peak, or a multiple
             of it (``"0.5x1f1b"``). A limit nothing fits is refused before training, naming the
             smallest peak that would.
+        auto_schedules: with ``schedule="auto"``: the schedules it chooses among (e.g. ``("zb-h1",
+            "zb-v")``; default None: every registered one). It still chooses each one's micro-batch count,
+            deferral cap and split, and where the split loses, fuses it (:mod:`lightning_twobp.schedules.fusion`):
+            ``("zb-v",)`` is ZB-V made the fastest it can be within ``memory_limit``. Names are checked
+            when the object is made; one the model has too few layers for is said before profiling.
         max_pending_w: the most micro-batches per stage whose W may wait after their B (an int >= 0,
             or one per stage; None: no cap): over it the oldest W runs early, trading some of 2BP's gain
             for memory (:mod:`lightning_twobp.schedules.deferral`). Split schedules only.
@@ -339,6 +372,7 @@ class PipelineOptions:
     pipeline_timeout: float | None = 600.0
     max_pending_w: int | tuple[int, ...] | None = None
     memory_limit: float | str | None = None
+    auto_schedules: tuple[str, ...] | None = None
     data_parallel: str = "replicate"
     activation_checkpointing: str | int | None = None
     batch_w: bool | int = False
@@ -351,6 +385,8 @@ class PipelineOptions:
         check_flag("post_validation", self.post_validation, none="on for zb-h2 and zb-v, the default")
         if self.schedule not in SCHEDULES and self.schedule != "auto":  # checked now: the Trainer is not built yet
             raise ValueError(f"unknown schedule {self.schedule!r}; choose one of {', '.join(SCHEDULES)}, or 'auto'")
+        if self.auto_schedules is not None:  # a list from the user or Hydra's ListConfig: frozen
+            object.__setattr__(self, "auto_schedules", _checked_auto_schedules(self))
         if self.schedule == "auto":
             check_auto_options(self.memory_limit, self.stages_per_rank, self.max_pending_w)
         else:
@@ -419,6 +455,7 @@ class PipelineOptions:
             stages_per_rank=best.stages_per_rank,
             max_pending_w=best.max_pending_w,
             memory_limit=None,
+            auto_schedules=None,
             activation_checkpointing=ac,
             batch_w=self.batch_w if joined else False,  # batch_w applies where the choice runs W together
         )

@@ -295,14 +295,16 @@ def _replay(
     return {"in_flight": count, "activation_bytes": max(peak, during), "recompute_bytes": max(0, during - peak)}
 
 
-def _choose_auto(cfg: DictConfig, p: int, shard_over: int = 1) -> search_auto.AutoChoice:
+def _choose_auto(
+    cfg: DictConfig, p: int, shard_over: int = 1, families: tuple[str, ...] | None = None
+) -> search_auto.AutoChoice:
     """``schedule=auto`` on paper: each layer's bytes measured on meta at every micro-batch count that
     divides the batch (up to 4p), its time taken as parameters x samples (the GEMMs' FLOPs; meta has
     no clock; a checkpointed layer's B twice that: its recompute), the fixed bytes as the plan counts
     them (``shard_over`` > 1: one of that many ``data_parallel="shard"`` replicas' share); the device is
     ``plan.gpu_memory_gib`` x headroom. ``strategy.activation_checkpointing=auto`` weighs the layers
     plain and ``full`` (the checkpointed ones' peaks with B's recompute); a limit nothing plain fits
-    says what ``full`` would hold."""
+    says what ``full`` would hold. ``families``: ``strategy.auto_schedules``, checked (None: every schedule)."""
     st = cfg.strategy
     batch = int(cfg.data.batch_size)
     given = st.get("num_microbatches")
@@ -321,6 +323,7 @@ def _choose_auto(cfg: DictConfig, p: int, shard_over: int = 1) -> search_auto.Au
         lambda: measure.profile("full"),
         microbatches=counts,
         max_caps=2 * p,
+        families=families,
     )
     return choice
 
@@ -405,11 +408,13 @@ def _pipeline(cfg: DictConfig, world: int, notes: list[str]) -> _Pipeline:
     p = opts.degree(world)
     check_degree(world, p)
     shard_over = world // p if opts.data_parallel == "shard" else 1
-    choice = _choose_auto(cfg, p, shard_over) if opts.schedule == "auto" else None
+    choice = _choose_auto(cfg, p, shard_over, opts.auto_schedules) if opts.schedule == "auto" else None
     if choice is not None:
-        searched_ac = opts.activation_checkpointing
+        searched_ac, among = opts.activation_checkpointing, opts.auto_schedules
         opts = opts.chosen(choice.best)
-        notes.append(search_auto.format_choice(choice, unit="parameter-samples").split("\nsimulated")[0])
+        notes.append(
+            search_auto.format_choice(choice, unit="parameter-samples", families=among).split("\nsimulated")[0]
+        )
         notes.append(
             "schedule=auto on paper: F, B and W of a layer take its parameters x samples (no clock on meta), "
             "a checkpointed layer's B twice that (its recompute)"

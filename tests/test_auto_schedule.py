@@ -20,7 +20,9 @@ from lightning_twobp.schedules.auto import (
     LayerCost,
     NoScheduleFits,
     Profile,
+    check_families,
     choose,
+    choose_profiles,
     format_choice,
     resolve_limit,
     search,
@@ -107,6 +109,27 @@ def test_search_covers_families_microbatches_and_caps():
     # a cap that changes nothing is not listed twice: every (name, split, m) order is distinct
     keys = [(c.name, c.split_backward, c.num_microbatches, c.schedule.actions) for c in candidates]
     assert len(keys) == len(set(keys))
+
+
+def test_auto_schedules_restrict_the_choice_and_are_named():
+    """``auto_schedules``: the choice among those schedules only (each still at its best m, cap and split, and
+    fused where the split loses), said in the announcement; none runnable: refused naming the list."""
+    prof = _profile()
+    free = choose(search(prof), float("inf")).best
+    among = ("zb-h1", "1f1b") if free.name not in ("zb-h1", "1f1b") else ("zb-h2", "v-min")
+    choice, _ = choose_profiles(lambda mode: prof, (None,), lambda first: float("inf"), families=among)
+    assert choice.best.name in among and {c.name for c in choice.considered} == set(among)
+    assert choice.best.step_time >= free.step_time
+    assert format_choice(choice, families=among).startswith(f"schedule='auto' among {', '.join(among)}: ")
+    # interleaved 1F1B needs m to be a multiple of p: at m = 3 on 2 ranks nothing of the list is left
+    odd = dataclasses.replace(prof, layers={3: prof.layers[2]}, comm={3: 0.0})
+    with pytest.raises(ValueError, match=r"among \['interleaved-1f1b'\] has no candidate: .*add a schedule"):
+        choose_profiles(lambda mode: odd, (None,), lambda first: float("inf"), families=("interleaved-1f1b",))
+    # a V needs two stages per rank: on 2 ranks 3 layers are too few, said before anything is profiled
+    with pytest.raises(ValueError, match=r"each needs at least 4 stages on 2 ranks \(zb-v: 4, v-min: 4\), .* 3 "):
+        check_families(("zb-v", "v-min"), 3, 2)
+    check_families(("zb-v", "1f1b"), 3, 2)  # one of them can run: the search skips the other
+    check_families(None, 1, 2)
 
 
 def test_a_cap_is_chosen_when_it_is_what_fits():
@@ -603,7 +626,21 @@ def _fit_repriced(reprice: Callable, rank: int, world: int) -> dict:
         autoschedule.choose_profiles = real
 
 
+def _fit_among(rank: int, world: int) -> dict:
+    """auto among ZB-H1 only (``auto_schedules``), with what it said of its choice."""
+    from lightning_twobp.lightning import autoschedule
+
+    said, info = [], autoschedule.rank_zero_info
+    autoschedule.rank_zero_info = lambda text, *a, **k: said.append(text) or info(text, *a, **k)
+    try:
+        out = _fit_auto(rank, world, "4x1f1b", num_microbatches=4, auto_schedules=["zb-h1"])
+    finally:
+        autoschedule.rank_zero_info = info
+    return {**out, "name": out["label"].split(" ")[0], "said": said}
+
+
 CHECKPOINTED = "test_auto_profiles_the_layers_checkpointed"
+AMONG = "test_auto_among_the_schedules_given_trains_like_one_process"
 LIMITS = ["1f1b", "0.8x1f1b"]
 TRAINS = "test_auto_trains_like_one_process_within_its_limit"
 SPLIT = "test_a_split_pick_trains_like_one_process_within_its_predicted_peak"
@@ -628,6 +665,7 @@ def two_ranks(request) -> conftest.Launch:
     """The limits, the refusals (raised on every rank before any step) in one launch of 2 ranks."""
     cases = {f"{TRAINS}[{limit}]": (_fit_auto, (limit,)) for limit in LIMITS}
     cases[REFUSED] = (_refused, ())
+    cases[AMONG] = (_fit_among, ())
     cases[SPLIT] = (functools.partial(_fit_repriced, _split_pays), ())
     cases[MIXED] = (functools.partial(_fit_repriced, _fused_where_it_loses), ())
     cases[ADAMW] = (_fit_auto, ("1f1b", torch.optim.AdamW))
@@ -666,6 +704,14 @@ def _check_trained(results: list[dict], ref: dict, atol: float = 1e-6) -> None:
 @pytest.mark.parametrize("memory_limit", LIMITS)
 def test_auto_trains_like_one_process_within_its_limit(two_ranks, request, memory_limit):
     _check_trained(two_ranks[request.node.name], _reference())
+
+
+@pytest.mark.dist
+def test_auto_among_the_schedules_given_trains_like_one_process(two_ranks):
+    results = two_ranks[AMONG]
+    assert all(r["name"] == "zb-h1" for r in results), [r["label"] for r in results]
+    assert any(t.startswith("twobp: schedule='auto' among zb-h1: zb-h1") for r in results for t in r["said"])
+    _check_trained(results, _reference())
 
 
 @pytest.mark.dist
@@ -879,6 +925,18 @@ def test_auto_options_are_checked_at_construction():
         TwoBPStrategy(schedule="1f1b", memory_limit=0.5)
     with pytest.raises(ValueError, match="give bytes per device"):
         TwoBPStrategy(schedule="auto", memory_limit="lots")
+    auto = dict(schedule="auto", memory_limit="1f1b")
+    assert TwoBPStrategy(**auto, auto_schedules=["zb-v", "1f1b"]).requested.auto_schedules == ("zb-v", "1f1b")
+    with pytest.raises(ValueError, match="auto_schedules=.* is the list schedule='auto' chooses among; with "):
+        TwoBPStrategy(schedule="zb-v", auto_schedules=["zb-v"])
+    with pytest.raises(ValueError, match="leaves schedule='auto' nothing to choose"):
+        TwoBPStrategy(**auto, auto_schedules=[])
+    with pytest.raises(ValueError, match="unknown schedule 'zb-x'; choose among"):
+        TwoBPStrategy(**auto, auto_schedules=["zb-x"])
+    with pytest.raises(ValueError, match="names a schedule twice"):
+        TwoBPStrategy(**auto, auto_schedules=["1f1b", "1f1b"])
+    with pytest.raises(ValueError, match="zb-h1 is split by definition.*or leave 'zb-h1' out"):
+        TwoBPStrategy(**auto, auto_schedules=["1f1b", "zb-h1"], split_backward=False)
 
 
 # ------------------------------------------------------------------ the strategy sharded, pp 2 x dp 2

@@ -87,6 +87,15 @@ def test_auto_plans_the_fastest_schedule_within_a_device_fraction():
     assert "auto" not in p.schedule and "schedule='auto'" in format_plan(p)
 
 
+def test_auto_plans_among_the_schedules_given():
+    """strategy.auto_schedules on paper: the choice among them, said in the plan's note."""
+    p = plan_recipe(
+        ["trainer.devices=2", "schedule=auto", "strategy.memory_limit=4x1f1b", "strategy.auto_schedules=[v-min]"]
+    )
+    assert p.schedule.startswith("v-min"), p.schedule
+    assert any(n.startswith("schedule='auto' among v-min: v-min") for n in p.notes), p.notes
+
+
 def test_auto_refuses_a_limit_nothing_fits_with_the_smallest_peak():
     from lightning_twobp.schedules.auto import NoScheduleFits
 

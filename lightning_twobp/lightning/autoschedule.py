@@ -80,6 +80,7 @@ from lightning_twobp.schedules.auto import (
     LayerCost,
     NoScheduleFits,
     Profile,
+    check_families,
     choose_profiles,
     format_choice,
     fused_1f1b_peak,
@@ -475,6 +476,7 @@ def auto_schedule(
     shard_over: int = 1,
     checkpointing: Sequence[str | int | None] = (None,),
     checkpoint: Callable[[Any], Callable[[], None]] | None = None,
+    families: Sequence[str] | None = None,
 ) -> tuple[AutoChoice, Profile]:
     """Profile, agree, search and log (see the module docstring); the same answer on every rank, and the
     profile of the choice. ``shard_over``: the data-parallel replicas a stage is sharded over
@@ -482,7 +484,8 @@ def auto_schedule(
     ``checkpointing``: the ways of running the layers to weigh, one profile each
     (``activation_checkpointing="auto"``: ``AUTO_MODES``); ``checkpoint(mode)`` wraps the layers so
     and returns the undo (None: they are profiled as they are). ``memory_limit="1f1b"`` is fused 1F1B's
-    peak in the first way."""
+    peak in the first way. ``families``: the schedules to choose among (None: every one)."""
+    check_families(families, len(layers), num_ranks)  # before profiling: a list the model cannot run
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         batch = first_batch(trainer)
         optimizer = _optimizer_bytes(runner.module, trainer, layers, trained_dtype(precision))
@@ -514,6 +517,7 @@ def auto_schedule(
             max_caps=2 * num_ranks,
             build_all=build_across(),  # each rank builds a share; every rank gets them all
             fuse_all=fuse_across(),  # and the fused variants alike
+            families=families,
         )
     except NoScheduleFits as e:
         if not num_microbatches:
@@ -525,7 +529,7 @@ def auto_schedule(
             f"let schedule='auto' try the divisors of the batch size up to {4 * num_ranks}",
             e.smallest,
         ) from None
-    rank_zero_info("twobp: " + format_choice(choice))
+    rank_zero_info("twobp: " + format_choice(choice, families=families))
     if choice.best.checkpointing is not None and not profile.recompute:
         rank_zero_warn(
             f"schedule='auto' chose {choice.best.label} from the checkpointed layers' saved bytes, without the "

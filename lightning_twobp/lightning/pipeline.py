@@ -458,6 +458,7 @@ def _search(
         shard_over=strategy.layout.dp_degree if req.data_parallel == "shard" else 1,
         checkpointing=modes,
         checkpoint=checkpoint,
+        families=req.auto_schedules,
     )
 
 

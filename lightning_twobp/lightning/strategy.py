@@ -71,9 +71,9 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
 
     Args:
         schedule, split_backward, num_microbatches, pipeline_degree, stages_per_rank, max_pending_w,
-        memory_limit, balance, layers, gather_full_model, post_validation, on_nonfinite, pipeline_timeout,
-        data_parallel, activation_checkpointing, batch_w, pretrained, pretrained_prefix: the pipeline's options,
-            documented and checked by :class:`~lightning_twobp.options.PipelineOptions` (before any
+        memory_limit, auto_schedules, balance, layers, gather_full_model, post_validation, on_nonfinite,
+        pipeline_timeout, data_parallel, activation_checkpointing, batch_w, pretrained, pretrained_prefix: the
+            pipeline's options, documented and checked by :class:`~lightning_twobp.options.PipelineOptions` (before any
             process starts). ``pipeline_timeout`` is also the timeout of the process group and of every
             group the strategy makes unless ``timeout`` is given (at least 60 s), so a hung rank stops
             Lightning's collectives in minutes rather than torch's default 30; checkpoint I/O gets a
@@ -95,6 +95,7 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
         stages_per_rank: int | None = None,
         max_pending_w: int | Sequence[int] | None = None,
         memory_limit: float | str | None = None,
+        auto_schedules: Sequence[str] | None = None,
         balance: str | Sequence[int] = "params",
         layers: str | None = None,
         placement: Literal["call", "registration"] = "call",

@@ -511,6 +511,15 @@ def choose_profiles(
         raise ValueError(f"none of the ways {tuple(modes)} to run the layers could be measured")
     limit = limit_of(profiles[0])
     candidates = search_profiles(profiles, **options)
+    if not candidates and options.get("families") is not None:
+        first = profiles[0]
+        counts = list(options.get("microbatches") or first.microbatch_counts)
+        raise ValueError(
+            f"schedule='auto' among {list(options['families'])!r} has no candidate: none of them accepts "
+            f"{first.num_ranks} ranks at the micro-batch counts {counts} "
+            f"(docs/schedules.md lists each schedule's rules): add a schedule to auto_schedules, or give another "
+            f"num_microbatches"
+        )
     unsearched: tuple[Candidate, ...] = ()
     if tuple(modes) == (None,) and hint_of is not None and all(c.peak > limit for c in candidates):
         full = hint_of()
@@ -571,6 +580,24 @@ def _plus_recompute(peaks: tuple[float, ...], schedule: Schedule, stages: Sequen
 def _per_rank(schedule: Schedule, stages: Sequence[StageCost]) -> tuple[float, ...]:
     """Each rank's optimizer-state bytes: those of the stages it holds."""
     return tuple(sum(stages[s].optimizer for s in schedule.stages_of(r)) for r in range(schedule.num_ranks))
+
+
+def check_families(families: Sequence[str] | None, num_layers: int, num_ranks: int) -> None:
+    """ValueError when none of ``families`` (``auto_schedules``) can cut ``num_layers`` layers into its stages on
+    ``num_ranks`` ranks (a V needs two stages per rank): said before any layer is profiled."""
+    if families is None:
+        return
+    needs = {name: num_ranks * schedule_spec(name).default_stages_per_rank for name in families}
+    if any(n <= num_layers for n in needs.values()):
+        return
+    fewest = min(needs.values())
+    fit = [n for n in SCHEDULES if schedule_spec(n).default_stages_per_rank * num_ranks <= num_layers]
+    raise ValueError(
+        f"auto_schedules={list(families)!r}: each needs at least {fewest} stages on {num_ranks} ranks "
+        f"({', '.join(f'{k}: {v}' for k, v in needs.items())}), and the pipeline has {num_layers} layers to cut: "
+        + (f"add one of {', '.join(fit)}, " if fit else "")
+        + "or use fewer pipeline ranks"
+    )
 
 
 def check_auto_options(memory_limit: Any, stages_per_rank: Any, max_pending_w: Any) -> None:
@@ -711,12 +738,15 @@ def _checkpointing_hint(candidates: Sequence[Candidate], unsearched: Sequence[Ca
     return f". Checkpointed blocks would not fit either: the smallest predicted peak is then {known}"
 
 
-def format_choice(choice: AutoChoice, max_actions: int = 64, unit: str = "s") -> str:
+def format_choice(
+    choice: AutoChoice, max_actions: int = 64, unit: str = "s", families: Sequence[str] | None = None
+) -> str:
     """The choice, the runners-up, and the chosen schedule's simulated timeline (rank: action@start);
-    times in ``unit`` (seconds when measured)."""
+    times in ``unit`` (seconds when measured); ``families``: the schedules it was made among (None: all)."""
     best = choice.best
+    among = "" if families is None else f" among {', '.join(families)}"
     lines = [
-        f"schedule='auto': {best.label}, predicted {best.step_time:.4g} {unit} per step, peak "
+        f"schedule='auto'{among}: {best.label}, predicted {best.step_time:.4g} {unit} per step, peak "
         f"{', '.join(size(b) for b in best.peak_bytes)} per rank{best.optimizer_note()} (limit {size(choice.limit)}); "
         f"{len(choice.fitting)} of {len(choice.considered)} candidates fit",
     ]
