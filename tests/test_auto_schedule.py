@@ -125,10 +125,14 @@ def test_auto_schedules_restrict_the_choice_and_are_named():
     odd = dataclasses.replace(prof, layers={3: prof.layers[2]}, comm={3: 0.0})
     with pytest.raises(ValueError, match=r"among \['interleaved-1f1b'\] has no candidate: .*add a schedule"):
         choose_profiles(lambda mode: odd, (None,), lambda first: float("inf"), families=("interleaved-1f1b",))
-    # a V needs two stages per rank: on 2 ranks 3 layers are too few, said before anything is profiled
-    with pytest.raises(ValueError, match=r"each needs at least 4 stages on 2 ranks \(zb-v: 4, v-min: 4\), .* 3 "):
+    # before anything is profiled: a V needs two stages per rank, so 3 layers on 2 ranks are too few; and
+    # interleaved 1F1B refuses an odd count (those that would run are named: not interleaved 1F1B itself)
+    with pytest.raises(ValueError, match=r"zb-v needs 4 stages on 2 ranks, and the pipeline has 3 layers; v-min "):
         check_families(("zb-v", "v-min"), 3, 2)
+    with pytest.raises(ValueError, match=r"interleaved-1f1b refuses m = 3, 5 \(.*\)\. Add one of gpipe, 1f1b, zb-h1,"):
+        check_families(("interleaved-1f1b",), 8, 2, [3, 5])
     check_families(("zb-v", "1f1b"), 3, 2)  # one of them can run: the search skips the other
+    check_families(("interleaved-1f1b",), 8, 2, [3, 4])
     check_families(None, 1, 2)
 
 

@@ -485,11 +485,11 @@ def auto_schedule(
     (``activation_checkpointing="auto"``: ``AUTO_MODES``); ``checkpoint(mode)`` wraps the layers so
     and returns the undo (None: they are profiled as they are). ``memory_limit="1f1b"`` is fused 1F1B's
     peak in the first way. ``families``: the schedules to choose among (None: every one)."""
-    check_families(families, len(layers), num_ranks)  # before profiling: a list the model cannot run
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         batch = first_batch(trainer)
         optimizer = _optimizer_bytes(runner.module, trainer, layers, trained_dtype(precision))
     counts = [num_microbatches] if num_microbatches else _divisors(batch_size(batch), 4 * num_ranks)
+    check_families(families, len(layers), num_ranks, counts)  # before profiling: a list that cannot run here
     profiler = _Profiler(
         runner,
         layers,

@@ -38,7 +38,7 @@ from .fusion import fuse_where_split_loses, fused_note, num_fused
 from .ir import Schedule
 from .memo import remembered
 from .memory import SIGNATURE_BYTES, MemoryCosts
-from .placement import schedule_label
+from .placement import check_layout, schedule_label
 from .registry import build_schedule
 from .simulate import Costs, SimResult, simulate
 from .spec import SCHEDULES, ScheduleSpec, schedule_spec
@@ -582,22 +582,44 @@ def _per_rank(schedule: Schedule, stages: Sequence[StageCost]) -> tuple[float, .
     return tuple(sum(stages[s].optimizer for s in schedule.stages_of(r)) for r in range(schedule.num_ranks))
 
 
-def check_families(families: Sequence[str] | None, num_layers: int, num_ranks: int) -> None:
-    """ValueError when none of ``families`` (``auto_schedules``) can cut ``num_layers`` layers into its stages on
-    ``num_ranks`` ranks (a V needs two stages per rank): said before any layer is profiled."""
+def check_families(
+    families: Sequence[str] | None, num_layers: int, num_ranks: int, counts: Sequence[int] | None = None
+) -> None:
+    """ValueError when none of ``families`` (``auto_schedules``) can run here: it needs more stages than
+    ``num_layers`` layers on ``num_ranks`` ranks (a V needs two per rank), or its layout rules refuse every
+    micro-batch count of ``counts`` (interleaved 1F1B: a multiple of the ranks). Said before any layer is
+    profiled, with each schedule's reason and those that would run; the search's own refusals after the
+    profile remain the last word."""
     if families is None:
         return
-    needs = {name: num_ranks * schedule_spec(name).default_stages_per_rank for name in families}
-    if any(n <= num_layers for n in needs.values()):
+    why = {name: _cannot_run(name, num_layers, num_ranks, counts) for name in families}
+    if any(reason is None for reason in why.values()):
         return
-    fewest = min(needs.values())
-    fit = [n for n in SCHEDULES if schedule_spec(n).default_stages_per_rank * num_ranks <= num_layers]
+    would = [n for n in SCHEDULES if n not in why and _cannot_run(n, num_layers, num_ranks, counts) is None]
     raise ValueError(
-        f"auto_schedules={list(families)!r}: each needs at least {fewest} stages on {num_ranks} ranks "
-        f"({', '.join(f'{k}: {v}' for k, v in needs.items())}), and the pipeline has {num_layers} layers to cut: "
-        + (f"add one of {', '.join(fit)}, " if fit else "")
-        + "or use fewer pipeline ranks"
+        f"auto_schedules={list(families)!r}: none can run here: "
+        + "; ".join(f"{k} {v}" for k, v in why.items())
+        + ". "
+        + (f"Add one of {', '.join(would)}, " if would else "")
+        + "or change the pipeline (fewer ranks, more layers, another num_microbatches)"
     )
+
+
+def _cannot_run(name: str, num_layers: int, num_ranks: int, counts: Sequence[int] | None) -> str | None:
+    """Why schedule ``name`` cannot run ``num_layers`` layers on ``num_ranks`` ranks at any of ``counts``; None
+    when it can."""
+    v = schedule_spec(name).default_stages_per_rank
+    if num_ranks * v > num_layers:
+        return f"needs {num_ranks * v} stages on {num_ranks} ranks, and the pipeline has {num_layers} layers"
+    refusals = []
+    for m in counts or (None,):
+        try:
+            check_layout(name, num_ranks * v, v, m)
+        except ValueError as e:
+            refusals.append(str(e))
+            continue
+        return None
+    return f"refuses m = {', '.join(map(str, counts))} ({refusals[0]})" if counts else refusals[0]
 
 
 def check_auto_options(memory_limit: Any, stages_per_rank: Any, max_pending_w: Any) -> None:
