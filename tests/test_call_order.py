@@ -6,6 +6,7 @@ and a run whose data the trace must leave as one process reads it."""
 from __future__ import annotations
 
 import random
+import warnings
 
 import lightning.pytorch as pl
 import numpy as np
@@ -18,7 +19,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset
 from lightning_twobp import TwoBPStrategy
 from lightning_twobp.lightning import call_order
 from lightning_twobp.lightning.contract import find_contract
-from lightning_twobp.processes import run_distributed
+from lightning_twobp.processes import free_port, rank_env, run_distributed
 
 from conftest import lightning_env, quiet_trainer
 
@@ -214,6 +215,38 @@ def test_the_trace_leaves_the_data_as_one_process_reads_it(data):
     alone) and took a stream's first batch, which training then missed: both silent."""
     ours = run_distributed(_first_batches, 1, data, timeout=200)[0]
     assert ours == _first_batches(None, 1, data)
+
+
+def _steps_read(options: dict | None) -> dict[int, list[float]]:
+    """The samples each step read from a stream read once: one process (``options`` None), or in this process a
+    one-rank pipeline with ``options`` (not under run_distributed: its ranks are daemonic and cannot start the
+    DataLoader worker the profile reads a stream with)."""
+    rank_env(0, 1, free_port())
+    random.seed(0)
+    np.random.seed(0)
+    model = Recorder()
+    strategy = "auto" if options is None else TwoBPStrategy(num_microbatches=2, **options)
+    quiet_trainer(strategy, 1, max_steps=2).fit(model, DataLoader(Stream(), batch_size=8))
+    return {step: sorted(seen) for step, seen in model.seen.items()}
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize(
+    "options",
+    [dict(schedule="zb-v", balance="time"), dict(schedule="auto", memory_limit="4x1f1b")],
+    ids=["time", "auto"],
+)
+def test_profiling_leaves_a_stream_as_one_process_reads_it(options, no_leftover_process_group):
+    """balance="time" and schedule="auto" read the first batch before the cut. On a stream read once they took
+    its first two batches (the loop's setup read one ahead, the profile another) and training started at its
+    third, silently; a worker now reads the profile's copy, and the loop's setup is not run early."""
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        ours = _steps_read(options)
+    assert not [w for w in said if "IterableDataset" in str(w.message)]  # read by a worker: nothing to say
+    assert ours == _steps_read(None)
+    assert ours[0][0] == 0.0  # the stream's first sample
 
 
 def _agree_on(rank: int, world: int) -> list:

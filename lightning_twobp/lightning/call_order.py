@@ -40,15 +40,14 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 from torch.overrides import TorchFunctionMode
-from torch.utils.data import IterableDataset
 
 from lightning_twobp.lightning.layer_runs import capture_first
 from lightning_twobp.lightning.modulelist_contract import ModuleListContract, caches_off, without_installed_forwards
-from lightning_twobp.lightning.profile import data_loop, first_batch
+from lightning_twobp.lightning.profile import data_loop, first_batch, streaming
 from lightning_twobp.lightning.rng import drawing_from
 from lightning_twobp.lightning.step import StepRunner
 from lightning_twobp.meta_forward import OrdinaryBatch
-from lightning_twobp.private import data_source, module_copy, pytree
+from lightning_twobp.private import module_copy, pytree
 
 log = logging.getLogger(__name__)
 
@@ -92,18 +91,12 @@ def _batch(trainer: Any) -> Any:
     """The first batch, or why there is none to trace on (every rank reads it: the data setup synchronises
     them). A stream (an ``IterableDataset``) is not read: the loop's setup reads a batch ahead, and a stream's
     would be gone for training; so the loader is looked at before it is set up."""
-    source = data_source(data_loop(trainer))
-    if source is not None and source.is_defined() and _streams(source.dataloader()):
+    if streaming(data_loop(trainer)) is not None:
         return _NoBatch("the data is an IterableDataset, not read before training (its first batch would be lost)")
     try:
         return first_batch(trainer, _first)
     except ValueError as e:  # no dataloader: the trace cannot run
         return _NoBatch(f"no dataloader was found: {_first_line(e)}")
-
-
-def _streams(loaders: Any) -> bool:
-    """Whether any of ``loaders`` (one, or a list or dict of them) reads an ``IterableDataset``."""
-    return any(isinstance(getattr(x, "dataset", None), IterableDataset) for x in pytree.tree_leaves(loaders))
 
 
 def _first(loader: Any) -> Any:
