@@ -177,7 +177,12 @@ def _checked_auto_schedules(opts: PipelineOptions) -> tuple[str, ...]:
             f"auto_schedules={given!r} is the list schedule='auto' chooses among; with schedule={opts.schedule!r} "
             f"drop it, or use schedule='auto'"
         )
-    names = (given,) if isinstance(given, str) else tuple(given)  # type: ignore[arg-type]
+    try:
+        names = (given,) if isinstance(given, str) else tuple(given)  # type: ignore[arg-type]
+    except TypeError:
+        raise ValueError(
+            f"auto_schedules={given!r}: give a list of schedule names, e.g. ['zb-h1', 'zb-v'] (or None: every one)"
+        ) from None
     if not names:
         raise ValueError(
             f"auto_schedules={given!r} leaves schedule='auto' nothing to choose: name at least one of "
@@ -268,7 +273,9 @@ class PipelineOptions:
             "zb-v")``; default None: every registered one). It still chooses each one's micro-batch count,
             deferral cap and split, and where the split loses, fuses it (:mod:`lightning_twobp.schedules.fusion`):
             ``("zb-v",)`` is ZB-V made the fastest it can be within ``memory_limit``. Names are checked
-            when the object is made; one the model has too few layers for is said before profiling.
+            when the object is made; one that cannot run on the model (too few layers for its stages, a
+            ``balance`` list of another length, a layout that refuses the micro-batch counts) is said and
+            left out before profiling, and a list none of which can run is refused then.
         max_pending_w: the most micro-batches per stage whose W may wait after their B (an int >= 0,
             or one per stage; None: no cap): over it the oldest W runs early, trading some of 2BP's gain
             for memory (:mod:`lightning_twobp.schedules.deferral`). Split schedules only.

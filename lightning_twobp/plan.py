@@ -310,7 +310,7 @@ def _choose_auto(
     given = st.get("num_microbatches")
     counts = [int(given)] if given else [d for d in range(1, min(batch, 4 * p) + 1) if batch % d == 0]
     ac = st.get("activation_checkpointing")
-    measure = _AutoMeasure(cfg, p, shard_over, counts)
+    measure = _AutoMeasure(cfg, p, shard_over, counts, families)
     gpu = cfg.plan.get("gpu_memory_gib")
     device = None if gpu is None else float(gpu) * GiB * float(cfg.plan.get("headroom", 0.9))
     limit = st.get("memory_limit") or "1f1b"
@@ -324,6 +324,7 @@ def _choose_auto(
         microbatches=counts,
         max_caps=2 * p,
         families=families,
+        split_backward=None if st.get("split_backward", True) else False,  # as the strategy searches
     )
     return choice
 
@@ -336,6 +337,7 @@ class _AutoMeasure:
     p: int
     shard_over: int
     counts: list[int]
+    families: tuple[str, ...] | None = None  # strategy.auto_schedules, checked against the layers as planned
     cache: dict[tuple, LayerFootprint] = field(default_factory=dict)
 
     def profile(self, ac: str | int | None) -> search_auto.Profile:
@@ -355,6 +357,8 @@ class _AutoMeasure:
                 layers[m] = self._row(planned, ac, batch // m, param_bytes, states, precision)
         balance = st.get("balance", "params")
         balance = list(balance) if OmegaConf.is_list(balance) else ("params" if balance == "time" else balance)
+        split = bool(st.get("split_backward", True))
+        search_auto.check_families(self.families, len(planned.units), self.p, self.counts, balance, split)
         partitions = {}
         for v in (1, 2):
             try:

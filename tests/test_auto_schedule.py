@@ -113,27 +113,44 @@ def test_search_covers_families_microbatches_and_caps():
 
 def test_auto_schedules_restrict_the_choice_and_are_named():
     """``auto_schedules``: the choice among those schedules only (each still at its best m, cap and split, and
-    fused where the split loses), said in the announcement; none runnable: refused naming the list."""
+    fused where the split loses), said in the announcement and in a refusal; none built: refused with why."""
     prof = _profile()
     free = choose(search(prof), float("inf")).best
     among = ("zb-h1", "1f1b") if free.name not in ("zb-h1", "1f1b") else ("zb-h2", "v-min")
     choice, _ = choose_profiles(lambda mode: prof, (None,), lambda first: float("inf"), families=among)
     assert choice.best.name in among and {c.name for c in choice.considered} == set(among)
-    assert choice.best.step_time >= free.step_time
     assert format_choice(choice, families=among).startswith(f"schedule='auto' among {', '.join(among)}: ")
+    smallest = min(c.peak for c in search(prof, families=among))
+    with pytest.raises(
+        NoScheduleFits,
+        match=rf"^schedule='auto' among \['{among[0]}', '{among[1]}'\]: memory_limit=.*"
+        r"or add schedules to auto_schedules \(or drop it",
+    ):
+        choose_profiles(lambda mode: prof, (None,), lambda first: smallest - 1, families=among)
     # interleaved 1F1B needs m to be a multiple of p: at m = 3 on 2 ranks nothing of the list is left
     odd = dataclasses.replace(prof, layers={3: prof.layers[2]}, comm={3: 0.0})
-    with pytest.raises(ValueError, match=r"among \['interleaved-1f1b'\] has no candidate: .*add a schedule"):
+    with pytest.raises(
+        ValueError, match=r"among \['interleaved-1f1b'\] has no candidate \(interleaved-1f1b: refuses m = 3"
+    ):
         choose_profiles(lambda mode: odd, (None,), lambda first: float("inf"), families=("interleaved-1f1b",))
-    # before anything is profiled: a V needs two stages per rank, so 3 layers on 2 ranks are too few; and
-    # interleaved 1F1B refuses an odd count (those that would run are named: not interleaved 1F1B itself)
+
+
+def test_auto_schedules_that_cannot_run_are_said_before_profiling():
+    """check_families, before anything is profiled: a V needs two stages per rank (3 layers on 2 ranks are
+    too few; a balance list cuts another number); interleaved 1F1B refuses an odd count. None of the list can
+    run: refused, naming those that would (not interleaved 1F1B itself; no split-only one without the split).
+    Some can: the others are returned, with why, to be said."""
     with pytest.raises(ValueError, match=r"zb-v needs 4 stages on 2 ranks, and the pipeline has 3 layers; v-min "):
         check_families(("zb-v", "v-min"), 3, 2)
+    with pytest.raises(ValueError, match=r"zb-v needs 4 stages on 2 ranks, and balance=\[4, 4\] cuts 2\. "):
+        check_families(("zb-v",), 8, 2, balance=(4, 4))
     with pytest.raises(ValueError, match=r"interleaved-1f1b refuses m = 3, 5 \(.*\)\. Add one of gpipe, 1f1b, zb-h1,"):
         check_families(("interleaved-1f1b",), 8, 2, [3, 5])
-    check_families(("zb-v", "1f1b"), 3, 2)  # one of them can run: the search skips the other
-    check_families(("interleaved-1f1b",), 8, 2, [3, 4])
-    check_families(None, 1, 2)
+    with pytest.raises(ValueError, match=r"\)\. Add one of gpipe, 1f1b, or change"):
+        check_families(("interleaved-1f1b",), 8, 2, [3, 5], split_backward=False)
+    assert set(check_families(("zb-v", "1f1b"), 3, 2)) == {"zb-v"}
+    assert check_families(("interleaved-1f1b",), 8, 2, [3, 4]) == {}
+    assert check_families(None, 1, 2) == {}
 
 
 def test_a_cap_is_chosen_when_it_is_what_fits():
@@ -643,7 +660,24 @@ def _fit_among(rank: int, world: int) -> dict:
     return {**out, "name": out["label"].split(" ")[0], "said": said}
 
 
+def _among_refused(rank: int, world: int) -> dict:
+    """auto among ZB-V alone on a balance list of 2 stages: refused before any layer is profiled."""
+    from lightning_twobp.lightning import autoschedule
+
+    lightning_env(rank, world)
+    profiled, real = [], autoschedule._Profiler.profile
+    autoschedule._Profiler.profile = lambda self, mode: profiled.append(mode) or real(self, mode)
+    try:
+        said = _fit_error(
+            world, Blocks(), ValueError, schedule="auto", memory_limit="4x1f1b", balance=[4, 4], auto_schedules=["zb-v"]
+        )
+    finally:
+        autoschedule._Profiler.profile = real
+    return {"said": said, "profiled": profiled}
+
+
 CHECKPOINTED = "test_auto_profiles_the_layers_checkpointed"
+AMONG_REFUSED = "test_auto_among_schedules_that_cannot_run_is_refused_before_profiling"
 AMONG = "test_auto_among_the_schedules_given_trains_like_one_process"
 LIMITS = ["1f1b", "0.8x1f1b"]
 TRAINS = "test_auto_trains_like_one_process_within_its_limit"
@@ -670,6 +704,7 @@ def two_ranks(request) -> conftest.Launch:
     cases = {f"{TRAINS}[{limit}]": (_fit_auto, (limit,)) for limit in LIMITS}
     cases[REFUSED] = (_refused, ())
     cases[AMONG] = (_fit_among, ())
+    cases[AMONG_REFUSED] = (_among_refused, ())
     cases[SPLIT] = (functools.partial(_fit_repriced, _split_pays), ())
     cases[MIXED] = (functools.partial(_fit_repriced, _fused_where_it_loses), ())
     cases[ADAMW] = (_fit_auto, ("1f1b", torch.optim.AdamW))
@@ -716,6 +751,13 @@ def test_auto_among_the_schedules_given_trains_like_one_process(two_ranks):
     assert all(r["name"] == "zb-h1" for r in results), [r["label"] for r in results]
     assert any(t.startswith("twobp: schedule='auto' among zb-h1: zb-h1") for r in results for t in r["said"])
     _check_trained(results, _reference())
+
+
+@pytest.mark.dist
+def test_auto_among_schedules_that_cannot_run_is_refused_before_profiling(two_ranks):
+    for r in two_ranks[AMONG_REFUSED]:
+        assert "zb-v needs 4 stages on 2 ranks, and balance=[4, 4] cuts 2" in r["said"], r["said"]
+        assert r["profiled"] == [], r
 
 
 @pytest.mark.dist

@@ -94,6 +94,16 @@ def test_auto_plans_among_the_schedules_given():
     )
     assert p.schedule.startswith("v-min"), p.schedule
     assert any(n.startswith("schedule='auto' among v-min: v-min") for n in p.notes), p.notes
+    # on 4 devices the recipe's layers are too few for a V's 8 stages: said as the strategy says it
+    with pytest.raises(ValueError, match=r"zb-v needs 8 stages on 4 ranks, and the pipeline has \d layers"):
+        plan_recipe(
+            ["trainer.devices=4", "schedule=auto", "strategy.memory_limit=4x1f1b", "strategy.auto_schedules=[zb-v]"]
+        )
+    # without the split, as the strategy searches: fused schedules only
+    fused = plan_recipe(
+        ["trainer.devices=2", "schedule=auto", "strategy.memory_limit=4x1f1b", "strategy.split_backward=false"]
+    )
+    assert "2BP" not in fused.schedule and not fused.schedule.startswith(("zb", "v-")), fused.schedule
 
 
 def test_auto_refuses_a_limit_nothing_fits_with_the_smallest_peak():

@@ -489,7 +489,10 @@ def auto_schedule(
         batch = first_batch(trainer)
         optimizer = _optimizer_bytes(runner.module, trainer, layers, trained_dtype(precision))
     counts = [num_microbatches] if num_microbatches else _divisors(batch_size(batch), 4 * num_ranks)
-    check_families(families, len(layers), num_ranks, counts)  # before profiling: a list that cannot run here
+    # before profiling: a list none of which can run here is refused; one that cannot is said and left out
+    skipped = check_families(families, len(layers), num_ranks, counts, balance, split_backward is not False)
+    for name, why in skipped.items():
+        rank_zero_warn(f"schedule='auto' leaves {name} out of auto_schedules' search: it {why}")
     profiler = _Profiler(
         runner,
         layers,

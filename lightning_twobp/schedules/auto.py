@@ -511,21 +511,44 @@ def choose_profiles(
         raise ValueError(f"none of the ways {tuple(modes)} to run the layers could be measured")
     limit = limit_of(profiles[0])
     candidates = search_profiles(profiles, **options)
-    if not candidates and options.get("families") is not None:
-        first = profiles[0]
-        counts = list(options.get("microbatches") or first.microbatch_counts)
-        raise ValueError(
-            f"schedule='auto' among {list(options['families'])!r} has no candidate: none of them accepts "
-            f"{first.num_ranks} ranks at the micro-batch counts {counts} "
-            f"(docs/schedules.md lists each schedule's rules): add a schedule to auto_schedules, or give another "
-            f"num_microbatches"
-        )
+    families = options.get("families")
+    if not candidates and families is not None:
+        raise ValueError(_none_built(families, profiles[0], options.get("microbatches")))
     unsearched: tuple[Candidate, ...] = ()
     if tuple(modes) == (None,) and hint_of is not None and all(c.peak > limit for c in candidates):
         full = hint_of()
         unsearched = () if full is None else search(with_recompute(full, profiles[0]), **options)
-    choice = choose(candidates, limit, unsearched, fuse_all)
+    try:
+        choice = choose(candidates, limit, unsearched, fuse_all)
+    except NoScheduleFits as e:
+        if families is None:
+            raise
+        raise NoScheduleFits(
+            f"schedule='auto' among {list(families)!r}: {e}; or add schedules to auto_schedules (or drop it: then "
+            f"every schedule is weighed)",
+            e.smallest,
+        ) from None
     return choice, next(p for p in profiles if p.checkpointing == choice.best.checkpointing)
+
+
+def _none_built(families: Sequence[str], profile: Profile, microbatches: Iterable[int] | None) -> str:
+    """Why none of ``families`` gave a candidate on ``profile``: no cut of the layers into its stages, or a
+    layout that refuses every micro-batch count."""
+    counts = list(microbatches or profile.microbatch_counts)
+    why = []
+    for name in families:
+        v = schedule_spec(name).default_stages_per_rank
+        if v not in profile.partitions:
+            why.append(
+                f"{name}: its {profile.num_ranks * v} stages could not be cut from the layers (too few, or a "
+                f"balance list of another length)"
+            )
+        else:
+            why.append(f"{name}: refuses m = {', '.join(map(str, counts))} on {profile.num_ranks} ranks")
+    return (
+        f"schedule='auto' among {list(families)!r} has no candidate ({'; '.join(why)}; docs/schedules.md lists each "
+        f"schedule's rules): add a schedule to auto_schedules, or change the pipeline"
+    )
 
 
 def _recomputed(profiles: list[Profile]) -> list[Profile]:
@@ -583,38 +606,55 @@ def _per_rank(schedule: Schedule, stages: Sequence[StageCost]) -> tuple[float, .
 
 
 def check_families(
-    families: Sequence[str] | None, num_layers: int, num_ranks: int, counts: Sequence[int] | None = None
-) -> None:
-    """ValueError when none of ``families`` (``auto_schedules``) can run here: it needs more stages than
-    ``num_layers`` layers on ``num_ranks`` ranks (a V needs two per rank), or its layout rules refuse every
-    micro-batch count of ``counts`` (interleaved 1F1B: a multiple of the ranks). Said before any layer is
-    profiled, with each schedule's reason and those that would run; the search's own refusals after the
-    profile remain the last word."""
+    families: Sequence[str] | None,
+    num_layers: int,
+    num_ranks: int,
+    counts: Sequence[int] | None = None,
+    balance: Any = None,
+    split_backward: bool = True,
+) -> dict[str, str]:
+    """Which of ``families`` (``auto_schedules``) cannot run here, and why: more stages than ``num_layers``
+    layers on ``num_ranks`` ranks (a V needs two per rank), a ``balance`` list of another length, or layout
+    rules that refuse every micro-batch count of ``counts`` (interleaved 1F1B: a multiple of the ranks).
+    ValueError when none can, naming each one's reason and the schedules that would run (with
+    ``split_backward``); said before any layer is profiled. The search's own refusals after the profile
+    remain the last word."""
     if families is None:
-        return
-    why = {name: _cannot_run(name, num_layers, num_ranks, counts) for name in families}
-    if any(reason is None for reason in why.values()):
-        return
-    would = [n for n in SCHEDULES if n not in why and _cannot_run(n, num_layers, num_ranks, counts) is None]
+        return {}
+    why = {name: _cannot_run(name, num_layers, num_ranks, counts, balance) for name in families}
+    cannot = {k: v for k, v in why.items() if v is not None}
+    if len(cannot) < len(why):
+        return cannot
+    would = [
+        n
+        for n in SCHEDULES
+        if n not in why
+        and (split_backward or not schedule_spec(n).split_only)
+        and _cannot_run(n, num_layers, num_ranks, counts, balance) is None
+    ]
     raise ValueError(
         f"auto_schedules={list(families)!r}: none can run here: "
-        + "; ".join(f"{k} {v}" for k, v in why.items())
+        + "; ".join(f"{k} {v}" for k, v in cannot.items())
         + ". "
         + (f"Add one of {', '.join(would)}, " if would else "")
-        + "or change the pipeline (fewer ranks, more layers, another num_microbatches)"
+        + "or change the pipeline (fewer ranks, more layers, another balance or num_microbatches)"
     )
 
 
-def _cannot_run(name: str, num_layers: int, num_ranks: int, counts: Sequence[int] | None) -> str | None:
-    """Why schedule ``name`` cannot run ``num_layers`` layers on ``num_ranks`` ranks at any of ``counts``; None
-    when it can."""
-    v = schedule_spec(name).default_stages_per_rank
-    if num_ranks * v > num_layers:
-        return f"needs {num_ranks * v} stages on {num_ranks} ranks, and the pipeline has {num_layers} layers"
+def _cannot_run(
+    name: str, num_layers: int, num_ranks: int, counts: Sequence[int] | None, balance: Any = None
+) -> str | None:
+    """Why schedule ``name`` cannot run ``num_layers`` layers on ``num_ranks`` ranks at any of ``counts``
+    (``balance``: a list of layers per stage, or a rule); None when it can."""
+    stages = num_ranks * schedule_spec(name).default_stages_per_rank
+    if stages > num_layers:
+        return f"needs {stages} stages on {num_ranks} ranks, and the pipeline has {num_layers} layers"
+    if not isinstance(balance, (str, type(None))) and len(balance) != stages:
+        return f"needs {stages} stages on {num_ranks} ranks, and balance={list(balance)} cuts {len(balance)}"
     refusals = []
     for m in counts or (None,):
         try:
-            check_layout(name, num_ranks * v, v, m)
+            check_layout(name, stages, stages // num_ranks, m)
         except ValueError as e:
             refusals.append(str(e))
             continue
