@@ -217,17 +217,31 @@ def test_the_trace_leaves_the_data_as_one_process_reads_it(data):
     assert ours == _first_batches(None, 1, data)
 
 
-def _steps_read(options: dict | None) -> dict[int, list[float]]:
-    """The samples each step read from a stream read once: one process (``options`` None), or in this process a
-    one-rank pipeline with ``options`` (not under run_distributed: its ranks are daemonic and cannot start the
-    DataLoader worker the profile reads a stream with)."""
+class Restarted(IterableDataset):
+    """A stream that each ``iter()`` starts again, as PyTorch asks of an IterableDataset."""
+
+    def __iter__(self):
+        for k in range(32):
+            x = torch.full((4,), float(k))
+            yield x, x[:2] * 0.5
+
+
+def _steps_read(options: dict | None, data: str) -> tuple[dict[int, list[float]], list[str]]:
+    """The samples each step read from a stream and what was said of it: one process (``options`` None), or a
+    one-rank pipeline with ``options``."""
     rank_env(0, 1, free_port())
     random.seed(0)
     np.random.seed(0)
     model = Recorder()
     strategy = "auto" if options is None else TwoBPStrategy(num_microbatches=2, **options)
-    quiet_trainer(strategy, 1, max_steps=2).fit(model, DataLoader(Stream(), batch_size=8))
-    return {step: sorted(seen) for step, seen in model.seen.items()}
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        quiet_trainer(strategy, 1, max_steps=2).fit(
+            model, DataLoader({"once": Stream, "restarted": Restarted}[data](), batch_size=8)
+        )
+    return {step: sorted(seen) for step, seen in model.seen.items()}, [
+        str(w.message) for w in said if "IterableDataset" in str(w.message)
+    ]
 
 
 @pytest.mark.dist
@@ -237,16 +251,16 @@ def _steps_read(options: dict | None) -> dict[int, list[float]]:
     [dict(schedule="zb-v", balance="time"), dict(schedule="auto", memory_limit="4x1f1b")],
     ids=["time", "auto"],
 )
-def test_profiling_leaves_a_stream_as_one_process_reads_it(options, no_leftover_process_group):
-    """balance="time" and schedule="auto" read the first batch before the cut. On a stream read once they took
-    its first two batches (the loop's setup read one ahead, the profile another) and training started at its
-    third, silently; a worker now reads the profile's copy, and the loop's setup is not run early."""
-    with warnings.catch_warnings(record=True) as said:
-        warnings.simplefilter("always")
-        ours = _steps_read(options)
-    assert not [w for w in said if "IterableDataset" in str(w.message)]  # read by a worker: nothing to say
-    assert ours == _steps_read(None)
-    assert ours[0][0] == 0.0  # the stream's first sample
+def test_profiling_a_stream_reads_one_batch_ahead_and_says_when_it_was_lost(options, no_leftover_process_group):
+    """balance="time" and schedule="auto" read the first batch before the cut. On a stream that iterates once they
+    took its first two batches (the loop's early setup read one ahead, the profile another) and training started
+    at its third, silently. Now the setup is not run early for a stream, and the one batch the profile reads is
+    said when the first training batch is not it; a stream that iter() restarts trains as one process, nothing said."""
+    restarted, said = _steps_read(options, "restarted")
+    assert restarted == _steps_read(None, "restarted")[0] and not said, said
+    once, said = _steps_read(options, "once")
+    assert once[0][0] == 8.0, once  # the profile's batch, 0-7, and no more
+    assert len(said) == 1 and "training has skipped that batch" in said[0], said
 
 
 def _agree_on(rank: int, world: int) -> list:

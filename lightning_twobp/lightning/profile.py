@@ -12,86 +12,51 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities import CombinedLoader
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
-from torch.utils.data import DataLoader, IterableDataset
+from torch.utils.data import IterableDataset
 
 from lightning_twobp.lightning.layer_runs import LayerRuns, layer_runs
+from lightning_twobp.lightning.loaders import batch_fingerprint
 from lightning_twobp.lightning.step import StepRunner
 from lightning_twobp.private import data_source, pytree, unset_training_data
 
 log = logging.getLogger(__name__)
 
-__all__ = ["data_loop", "first_batch", "keep_buffers", "now", "profile_layers", "read_first", "streaming"]
+__all__ = ["data_loop", "first_batch", "keep_buffers", "now", "profile_layers", "said_lost_stream_batch", "streaming"]
 
 
-def read_first(loader: Any) -> Any:
-    """``loader``'s first batch, the stream it reads left as it was. A ``DataLoader`` over an
-    ``IterableDataset`` read in this process (``num_workers=0``) is read by one worker instead, as the same
-    loader with ``num_workers=1`` (its own copy of the dataset: forked, or pickled under ``spawn``), so a stream
-    that iterates once (a generator kept by the dataset, a queue, a list it pops) still holds that batch when
-    training starts. Read here, the two reads before the cut (the optimizer's count and the profile) took the
-    first two batches of such a stream and training started at its third, silently. A stream restarted by
-    ``iter()`` gives the same batch either way; a loader with workers already reads a copy in each. Where no
-    worker can start (a daemonic process; a dataset ``spawn`` cannot pickle) it is read here, and said."""
-    if isinstance(loader, DataLoader) and isinstance(loader.dataset, IterableDataset) and loader.num_workers == 0:
-        try:
-            return _read(_in_one_worker(loader))
-        except StopIteration:
-            raise  # an empty stream: as read here
-        except Exception as e:  # noqa: BLE001 - any way a worker fails to start: read here, and say so
-            rank_zero_warn(
-                f"twobp: the first batch of the IterableDataset was read in this process to profile the layers "
-                f"(balance='time' or schedule='auto'): a DataLoader worker could not read it ({type(e).__name__}: "
-                f"{e}). If the dataset iterates once (iter() does not restart it), training misses the batches "
-                f"read before it: give the DataLoader num_workers=1 or more, make __iter__ restart the stream, "
-                f"or use balance='params' and a named schedule"
-            )
-    return _read(loader)
-
-
-def _in_one_worker(loader: DataLoader) -> DataLoader:
-    """``loader`` as one worker reads it (see :func:`read_first`)."""
-    return DataLoader(
-        loader.dataset,
-        batch_size=loader.batch_size,
-        drop_last=loader.drop_last,
-        collate_fn=loader.collate_fn,
-        num_workers=1,
-        worker_init_fn=loader.worker_init_fn,
-        multiprocessing_context=loader.multiprocessing_context,
-        generator=loader.generator,
-    )
-
-
-def _read(loader: Any) -> Any:
-    it = iter(loader)
-    try:
-        return next(it)
-    finally:
-        del it  # a worker stops with its iterator
-
-
-def first_batch(trainer: Any, read: Callable[[Any], Any] = read_first) -> Any:
+def first_batch(trainer: Any, read: Callable[[Any], Any] = lambda loader: next(iter(loader))) -> Any:
     """The first batch of the data the running Trainer call will read (``read(loader)``: its first batch,
     or what a caller makes of the loader). Its loop sets its data up now (the loop's own ``setup_data``;
     it synchronises the ranks, so every rank calls this), and the batch comes from the Trainer's public
     dataloader properties. In fitting the loop's setup is undone afterwards, for the loop to run it
     again in its place: a checkpoint's loader state is restored after this (set up now, a resumed run
     read the epoch from its first batch again), and its sampler's draws belong outside the caller's
-    forked random state. Data that streams (an ``IterableDataset``) is read from the loop's source before
-    any setup instead: the setup's iterator reads a batch ahead, which a stream read once would lose."""
+    forked random state.
+
+    Data that streams (an ``IterableDataset``) is read from the loop's source before any setup instead:
+    the setup's iterator reads a batch ahead, which a stream that iterates once would lose. What this read
+    takes from such a stream cannot be given back (nothing tells it from a stream that ``iter()`` restarts
+    before training reads it), so in fitting its fingerprint is kept for the strategy to compare with the
+    first training batch (:func:`said_lost_stream_batch`): a stream that lost it is said, not trained past
+    silently."""
     fn = trainer.state.fn
     loop = data_loop(trainer)
     streamed = streaming(loop)
     if streamed is not None:
-        return read(_first_loader(streamed))
+        batch = read(_first_loader(streamed))
+        if fn == TrainerFn.FITTING:
+            _STREAM_READS[trainer] = batch_fingerprint(batch, torch.device("cpu"))
+        return batch
     loop.setup_data()
     found = _first_loader(_LOADERS[fn](trainer))
     try:
@@ -101,6 +66,26 @@ def first_batch(trainer: Any, read: Callable[[Any], Any] = read_first) -> Any:
             unset_training_data(trainer)
 
 
+# A stream's first batch read before training (its fingerprint), per Trainer, until the first training batch.
+_STREAM_READS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def said_lost_stream_batch(trainer: Any, batch: Any) -> None:
+    """At a fit's first training batch: when :func:`first_batch` read a stream before training and this
+    batch is not the one it read, say so (a stream that iterates once lost it to the profile)."""
+    read = _STREAM_READS.pop(trainer, None)
+    if read is None or torch.equal(read, batch_fingerprint(batch, torch.device("cpu"))):
+        return
+    rank_zero_warn(
+        "twobp: the first training batch is not the batch balance='time' or schedule='auto' read from the "
+        "IterableDataset before training to profile the layers: if the dataset iterates once (iter() does not "
+        "restart the stream), training has skipped that batch, which one process would have trained on. Make "
+        "__iter__ return a new iterator over the stream (as PyTorch asks of an IterableDataset: each epoch "
+        "calls it), or use balance='params' and a named schedule. (A stream that draws its samples at random, "
+        "or an on_before_batch_transfer hook that changes the batch, also gives another batch; then ignore this.)"
+    )
+
+
 def streaming(loop: Any) -> Any | None:
     """The loop's loaders, looked at before it sets its data up, when any of them reads an ``IterableDataset``;
     else None. (The source calls the LightningModule's or datamodule's ``*_dataloader()`` hook once more.)"""
@@ -108,6 +93,8 @@ def streaming(loop: Any) -> Any | None:
     if source is None or not source.is_defined():
         return None
     loaders = source.dataloader()
+    if isinstance(loaders, CombinedLoader):  # the loaders it combines
+        loaders = loaders.iterables
     streams = any(isinstance(getattr(x, "dataset", None), IterableDataset) for x in pytree.tree_leaves(loaders))
     return loaders if streams else None
 

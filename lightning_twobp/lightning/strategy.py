@@ -53,6 +53,7 @@ from lightning_twobp.lightning.preemption import (
     mark_launcher,
     take_launcher_mark,
 )
+from lightning_twobp.lightning.profile import said_lost_stream_batch
 from lightning_twobp.lightning.step import DP_GROUP, check_batch_size_early, check_batches, log_step_values
 from lightning_twobp.options import PipelineOptions
 from lightning_twobp.private import layer_sync
@@ -427,6 +428,7 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
             step = self.lightning_module.trainer.global_step
             self._check_same_batch(batch, f"training batch {batch_idx} (global step {step})")
             self._same_batch_checked = True
+            said_lost_stream_batch(self.lightning_module.trainer, batch)
         self._check_outside()
         self._steps_this_batch = 0  # Lightning's closure runs training_step; an optimizer may call it again (SAM)
         if self._signals is not None:  # every rank stops before the same step once one was signalled
