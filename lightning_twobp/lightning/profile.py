@@ -74,7 +74,9 @@ def said_lost_stream_batch(trainer: Any, batch: Any) -> None:
     """At a fit's first training batch: when :func:`first_batch` read a stream before training and this
     batch is not the one it read, say so (a stream that iterates once lost it to the profile)."""
     read = _STREAM_READS.pop(trainer, None)
-    if read is None or torch.equal(read, batch_fingerprint(batch, torch.device("cpu"))):
+    if read is None or trainer.ckpt_path is not None:  # a resumed fit starts where the checkpoint stopped
+        return
+    if torch.equal(read, batch_fingerprint(batch, torch.device("cpu"))):
         return
     rank_zero_warn(
         "twobp: the first training batch is not the batch balance='time' or schedule='auto' read from the "
