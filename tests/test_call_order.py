@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import DataLoader, Dataset, IterableDataset
+from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
 
 from lightning_twobp import TwoBPStrategy
 from lightning_twobp.lightning import call_order
@@ -261,6 +261,38 @@ def test_profiling_a_stream_reads_one_batch_ahead_and_says_when_it_was_lost(opti
     once, said = _steps_read(options, "once")
     assert once[0][0] == 8.0, once  # the profile's batch, 0-7, and no more
     assert len(said) == 1 and "training has skipped that batch" in said[0], said
+
+
+class TwoLoaders(Recorder):
+    """A step that takes a dict of two loaders' batches, as Lightning combines them (``max_size_cycle``)."""
+
+    def training_step(self, batch, batch_idx):
+        (x, y), (u, v) = batch["a"], batch["b"]
+        return super().training_step((torch.cat([x, u]), torch.cat([y, v])), batch_idx)
+
+
+def _two_loaders(options: dict | None) -> dict[int, list[float]]:
+    rank_env(0, 1, free_port())
+    model = TwoLoaders()
+    strategy = "auto" if options is None else TwoBPStrategy(num_microbatches=2, **options)
+    x = torch.arange(64.0).repeat_interleave(4).reshape(64, 4)
+    loaders = {k: DataLoader(TensorDataset(x[i::2], x[i::2, :2] * 0.5), batch_size=4) for i, k in enumerate("ab")}
+    quiet_trainer(strategy, 1, max_steps=2).fit(model, loaders)
+    return {step: sorted(seen) for step, seen in model.seen.items()}
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize(
+    "options",
+    [dict(schedule="zb-v", balance="time"), dict(schedule="auto", memory_limit="4x1f1b")],
+    ids=["time", "auto"],
+)
+def test_a_step_over_several_loaders_is_profiled_on_the_batch_it_receives(options, no_leftover_process_group):
+    """The profile read the first loader's batch alone (a tuple), and a step that takes the dict Lightning makes
+    of several loaders failed before training; it reads them combined as the fit loop does, and trains as one
+    process."""
+    assert _two_loaders(options) == _two_loaders(None)
 
 
 def _agree_on(rank: int, world: int) -> list:

@@ -53,17 +53,41 @@ def first_batch(trainer: Any, read: Callable[[Any], Any] = lambda loader: next(i
     loop = data_loop(trainer)
     streamed = streaming(loop)
     if streamed is not None:
-        batch = read(_first_loader(streamed))
+        batch = read(_batches(streamed, fn))
         if fn == TrainerFn.FITTING:
             _STREAM_READS[trainer] = batch_fingerprint(batch, torch.device("cpu"))
         return batch
     loop.setup_data()
-    found = _first_loader(_LOADERS[fn](trainer))
+    found = _batches(_LOADERS[fn](trainer), fn)
     try:
         return read(found)
     finally:
         if fn == TrainerFn.FITTING:
             unset_training_data(trainer)
+
+
+def _batches(found: Any, fn: Any) -> Any:
+    """What to read the first batch from: in fitting, several loaders (a list, a dict, a ``CombinedLoader``)
+    combined as the fit loop combines them (``max_size_cycle`` unless given a ``CombinedLoader``), so the batch
+    has the structure the training step receives (the first loader's batch alone failed in a step that takes
+    a dict); otherwise the first loader, which an evaluation loop reads first."""
+    if fn == TrainerFn.FITTING and isinstance(found, (list, tuple, dict, CombinedLoader)):
+        combined = found if isinstance(found, CombinedLoader) else CombinedLoader(found, "max_size_cycle")
+        if not pytree.tree_leaves(combined.iterables):
+            _first_loader(None)  # none: refused as for a single loader
+        return _Combined(combined)
+    return _first_loader(found)
+
+
+class _Combined:
+    """A ``CombinedLoader``'s batches without the indices it yields beside them."""
+
+    def __init__(self, combined: CombinedLoader) -> None:
+        self.combined = combined
+
+    def __iter__(self) -> Any:
+        for batch, _, _ in self.combined:
+            yield batch
 
 
 # A stream's first batch read before training (its fingerprint), per Trainer, until the first training batch.
@@ -95,9 +119,8 @@ def streaming(loop: Any) -> Any | None:
     if source is None or not source.is_defined():
         return None
     loaders = source.dataloader()
-    if isinstance(loaders, CombinedLoader):  # the loaders it combines
-        loaders = loaders.iterables
-    streams = any(isinstance(getattr(x, "dataset", None), IterableDataset) for x in pytree.tree_leaves(loaders))
+    inner = loaders.iterables if isinstance(loaders, CombinedLoader) else loaders  # the loaders it combines
+    streams = any(isinstance(getattr(x, "dataset", None), IterableDataset) for x in pytree.tree_leaves(inner))
     return loaders if streams else None
 
 
