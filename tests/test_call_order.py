@@ -217,6 +217,14 @@ def test_the_trace_leaves_the_data_as_one_process_reads_it(data):
     assert ours == _first_batches(None, 1, data)
 
 
+# the two options that read the first batch before the cut to profile the layers
+PROFILING = pytest.mark.parametrize(
+    "options",
+    [dict(schedule="zb-v", balance="time"), dict(schedule="auto", memory_limit="4x1f1b")],
+    ids=["time", "auto"],
+)
+
+
 class Restarted(IterableDataset):
     """A stream that each ``iter()`` starts again, as PyTorch asks of an IterableDataset."""
 
@@ -246,11 +254,7 @@ def _steps_read(options: dict | None, data: str) -> tuple[dict[int, list[float]]
 
 @pytest.mark.dist
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize(
-    "options",
-    [dict(schedule="zb-v", balance="time"), dict(schedule="auto", memory_limit="4x1f1b")],
-    ids=["time", "auto"],
-)
+@PROFILING
 def test_profiling_a_stream_reads_one_batch_ahead_and_says_when_it_was_lost(options, no_leftover_process_group):
     """balance="time" and schedule="auto" read the first batch before the cut. On a stream that iterates once they
     took its first two batches (the loop's early setup read one ahead, the profile another) and training started
@@ -283,11 +287,7 @@ def _two_loaders(options: dict | None) -> dict[int, list[float]]:
 
 @pytest.mark.dist
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize(
-    "options",
-    [dict(schedule="zb-v", balance="time"), dict(schedule="auto", memory_limit="4x1f1b")],
-    ids=["time", "auto"],
-)
+@PROFILING
 def test_a_step_over_several_loaders_is_profiled_on_the_batch_it_receives(options, no_leftover_process_group):
     """The profile read the first loader's batch alone (a tuple), and a step that takes the dict Lightning makes
     of several loaders failed before training; it reads them combined as the fit loop does, and trains as one
