@@ -37,20 +37,25 @@ def rank_env(rank: int, world: int, port: int) -> None:
 
 
 def _worker(
-    rank: int, world: int, port: int, fn: Callable, args: tuple, queue: Any, threads: int, timeout: float
+    rank: int, world: int, port: int, fn: Callable, args: tuple, queue: Any, threads: int, timeout: float, backend: str
 ) -> None:
     torch.set_num_threads(threads)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     # The group's address, for code that reads it as torchrun sets it (Lightning's environment).
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    # NCCL: GPU ``rank`` is this rank's, set before the group is made and bound to it (as Lightning does)
+    device = torch.device("cuda", rank) if backend == "nccl" else None
+    if device is not None:
+        torch.cuda.set_device(device)
     try:
         try:
             dist.init_process_group(
-                "gloo",
+                backend,
                 init_method=f"tcp://127.0.0.1:{port}",
                 rank=rank,
                 world_size=world,
                 timeout=datetime.timedelta(seconds=timeout),
+                device_id=device,
             )
         except dist.DistNetworkError as e:
             if "EADDRINUSE" not in str(e):
@@ -69,19 +74,26 @@ def _worker(
 
 
 def run_distributed(
-    fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0, threads: int = 1, grace: float = 5.0
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout: float = 120.0,
+    threads: int = 1,
+    grace: float = 5.0,
+    backend: str = "gloo",
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned processes; return the results by
     rank. ``fn`` must be importable (defined at module level). Raises if any rank fails or the group
     does not finish within ``timeout`` seconds. After a rank fails, the others have ``grace`` seconds
-    (at least 10 after one dies without a report) to report theirs before they are stopped."""
+    (at least 10 after one dies without a report) to report theirs before they are stopped. ``backend``:
+    gloo (CPU), or ``"nccl"`` with GPU ``r`` for rank ``r``."""
     for _ in range(_PORT_TRIES - 1):
         try:
-            return _launch(fn, world_size, args, timeout, threads, grace)
+            return _launch(fn, world_size, args, timeout, threads, grace, backend)
         except _PortTaken:
             continue
     try:
-        return _launch(fn, world_size, args, timeout, threads, grace)
+        return _launch(fn, world_size, args, timeout, threads, grace, backend)
     except _PortTaken as e:
         raise RuntimeError(
             f"rank 0 could not bind a free port for the rendezvous in {_PORT_TRIES} launches: another process took "
@@ -98,13 +110,13 @@ class _PortTaken(Exception):
 
 
 def _launch(
-    fn: Callable[..., Any], world_size: int, args: tuple, timeout: float, threads: int, grace: float
+    fn: Callable[..., Any], world_size: int, args: tuple, timeout: float, threads: int, grace: float, backend: str
 ) -> list[Any]:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
     procs = [
-        ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue, threads, timeout), daemon=True)
+        ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue, threads, timeout, backend), daemon=True)
         for r in range(world_size)
     ]
     for p in procs:

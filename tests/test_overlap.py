@@ -51,13 +51,16 @@ class _CountCollectives(pl.Callback):
 
     def __init__(self) -> None:
         self.calls: dict[str, int] = {}
+        self.groups: dict[str, set[str]] = {}  # the post-validation reduce's and the shape signature's groups
         self._saved: dict[str, object] = {}
+        self._restore = lambda: None
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if batch_idx == 1:
+            self._watch_groups(trainer.strategy.group("pp"))
             for name in self.NAMES:
                 fn = getattr(dist, name)
-                self._saved[name] = fn
+                self._saved.setdefault(name, fn)  # all_reduce: the original, under _watch_groups' wrapper
 
                 def counted(*a, _fn=fn, _name=name, **k):
                     import traceback
@@ -69,9 +72,30 @@ class _CountCollectives(pl.Callback):
 
                 setattr(dist, name, counted)
 
+    def _watch_groups(self, pp: dist.ProcessGroup) -> None:
+        """Which group the all-reduces and stage 0's shape signature travel on: ``"own"``, a group of the
+        pipeline's ranks other than the schedule's ``"pp"`` (on NCCL a group's operations run in order, so on
+        ``"pp"`` they held the step's sends back: lightning/layout.py, SideGroups)."""
+        from lightning_twobp.engine.p2p import P2P
+
+        def where(group) -> str:
+            if group is pp:
+                return "pp"
+            same = dist.get_process_group_ranks(group) == dist.get_process_group_ranks(pp)
+            return "own" if same else "other"
+
+        def seen(kind: str, group) -> None:
+            self.groups.setdefault(kind, set()).add(where(group))
+
+        reduce, signature = dist.all_reduce, P2P.signature_changed
+        self._saved["all_reduce"], self._restore = reduce, lambda: setattr(P2P, "signature_changed", signature)
+        dist.all_reduce = lambda *a, **k: (seen("all_reduce", k.get("group")), reduce(*a, **k))[1]
+        P2P.signature_changed = lambda p2p, *a: (seen("signature", p2p.shape_group), signature(p2p, *a))[1]
+
     def on_train_end(self, trainer, pl_module):
         for name, fn in self._saved.items():
             setattr(dist, name, fn)
+        self._restore()
 
 
 class _Logged(pl.Callback):
@@ -93,6 +117,7 @@ def _fit(rank: int, world: int, strategy_kwargs: dict, clip: float | None, inf_a
     return {
         "params": own_weights(model),
         "calls": counter.calls,
+        "groups": counter.groups,
         "losses": logged.losses,
         "checks": trainer.strategy.step_checks,
     }
@@ -135,6 +160,8 @@ def test_one_async_check_per_step_and_the_logged_loss_is_one_process_loss(two_ra
         # steps 2..6: the pipeline's own messages, and the non-finite check's all-reduce, started
         # asynchronously right before each optimizer step and waited for after the next pipeline step
         assert r["calls"] == {"all_reduce": 5}, r["calls"]
+        # neither waits on the schedule's group, where on NCCL it would hold the next step's sends back
+        assert r["groups"] == {"all_reduce": {"own"}, "signature": {"own"}}, r["groups"]
     ref = _reference(None)
     for r in out:  # every rank logs the last stage's loss, for every step
         assert r["losses"] == pytest.approx(ref, rel=1e-5)

@@ -300,6 +300,8 @@ def _fit(
         # fp16 with its GradScaler is given as a plugin (on CPU Lightning makes "16-mixed" bf16); its scale
         # starts high enough that the first steps overflow and are skipped on every rank alike
         amp = {"plugins": [_fp16()]} if precision == "16-mixed" else {"precision": precision}
+        moved: set[str] = set()  # the parameters' kinds when Lightning's teardown moves the model to the CPU
+        model.cpu = _seen_moving(model, moved)
         _trainer(strategy, world, rec, use_distributed_sampler=True, accumulate_grad_batches=accumulate, **amp).fit(
             model, _data(), **val
         )
@@ -307,6 +309,8 @@ def _fit(
         kinds = {type(q).__name__ for q in model.parameters()}
         out[mode] = {"params": params, "losses": rec.losses, "bytes": rec.bytes, "kinds": kinds, "dtypes": dtypes}
         out[mode]["tied"] = len(dict(model.named_parameters())) == parameters
+        out[mode]["kinds_moved"] = moved
+        del model.cpu
         if evaluate:  # a second Trainer call shards the trained stages again; forward-only, then freed
             strategy = TwoBPStrategy(pipeline_degree=2, data_parallel=mode, **strategy_kwargs)
             trainer = _trainer(strategy, world, Recorder(), use_distributed_sampler=True)
@@ -315,6 +319,17 @@ def _fit(
             trainer = _trainer(strategy, world, Recorder(), use_distributed_sampler=False)
             out[mode]["predictions"] = trainer.predict(model, _val_data())  # on the last stage's ranks
     return out
+
+
+def _seen_moving(model: nn.Module, seen: set[str]) -> Any:
+    """``model.cpu``, adding the kinds of the model's parameters at the move to ``seen`` first."""
+    cpu = model.cpu
+
+    def moving() -> nn.Module:
+        seen.update(type(q).__name__ for q in model.parameters())
+        return cpu()
+
+    return moving
 
 
 def _fp16() -> Any:
@@ -347,6 +362,9 @@ def _check_against_reference(results: list[dict], mode: str, reference: tuple, g
     for rank, res in enumerate(results):
         r = res[mode]
         assert r["kinds"] == {"Parameter"}, f"rank {rank}: after fit the model holds plain parameters again"
+        # gathered before Lightning moves the model off the device: a DTensor moved to the CPU keeps its
+        # device's mesh, and on NCCL its gather then fails
+        assert r["kinds_moved"] == {"Parameter"}, f"rank {rank}: {r['kinds_moved']} moved to the CPU"
         assert r["tied"], f"rank {rank}: the model's tied parameters are one Parameter again after fit"
         assert set(r["params"]) == set(results[rank % 2][mode]["params"]), "replicas hold the same stages"
         if gathered:

@@ -387,9 +387,10 @@ def _timed(r: _Runner, device: torch.device) -> float:
 
 def _worker(rank: int, world: int, quick: bool, repeats: int, with_torch: bool) -> dict:
     keep_freed_memory()
-    # CUDA: one GPU per rank where the host has them (RQ2 then reads max_memory_allocated). Written for
-    # a multi-GPU host and not run by this project's tests or docs: their machine has no GPU.
-    device = torch.device(f"cuda:{rank}") if torch.cuda.device_count() >= world else torch.device("cpu")
+    # CUDA: one GPU per rank where the host has them, on NCCL (run_distributed(backend=)), RQ2 then reading
+    # max_memory_allocated. Written for a multi-GPU host and not run by this project's tests or docs: their
+    # machine has no GPU.
+    device = torch.device(f"cuda:{rank}") if dist.get_backend() == "nccl" else torch.device("cpu")
     runners, refs, profiles = [], {}, {}
     for pm in models(quick):
         layers, loss_fn = pm.build()
@@ -469,7 +470,9 @@ def run_paper(quick: bool = False, repeats: int = 5, timeout: float = 3600.0) ->
     process."""
     start = time.perf_counter()
     with_torch = torch_pipelining_available()
-    per_rank = run_distributed(_worker, WORLD, quick, repeats, with_torch, timeout=timeout)
+    # one GPU per rank where the host has them, over NCCL (gloo has no GPU sends); else CPU processes on gloo
+    backend = "nccl" if torch.cuda.device_count() >= WORLD else "gloo"
+    per_rank = run_distributed(_worker, WORLD, quick, repeats, with_torch, timeout=timeout, backend=backend)
     failures: list[str] = []
     rq1, rq2, rq3 = [], [], []
     for pm in models(quick):

@@ -88,7 +88,8 @@ class _StepRun:
     pending: list[Callable[[], None]] = field(default_factory=list)  # reduces started this step
     t0: float = 0.0  # the step's start (after the shape exchange)
     t0_event: Any = None  # its CUDA event, when recording on a GPU
-    events: list[tuple[Any, Any]] = field(default_factory=list)  # CUDA (start, end) events of recorded ops
+    # CUDA events of recorded ops: (start, end, the (before, after) pairs around its receives' waits)
+    events: list[tuple[Any, Any, list[tuple[Any, Any]]]] = field(default_factory=list)
 
 
 class _WithLoss(nn.Module):
@@ -169,6 +170,9 @@ class PipelineExecutor:
         batch_w: a W over several micro-batches joins each weight's call over them (``True``: where a
             micro-batch's output gradient at the op is at most :data:`formulas.BATCH_BYTES`; an int: that
             many bytes; ``Stage.batch_w_bytes``). Not bit-equal to one call per micro-batch (a joined sum).
+        shape_group: a group of the same ranks, in the same order, for stage 0's input signature sent at each
+            step's start (default: ``group``). On NCCL a group runs its operations in order, and on ``group``
+            that send holds the step's first activations back until every peer has posted its receive.
     """
 
     def __init__(
@@ -184,6 +188,7 @@ class PipelineExecutor:
         timeout: float | None = 600.0,
         around: Callable[[int], AbstractContextManager[Any]] | None = None,
         batch_w: bool | int = False,
+        shape_group: dist.ProcessGroup | None = None,
     ) -> None:
         validate(schedule)
         self._around = around
@@ -222,7 +227,7 @@ class PipelineExecutor:
         self.ops = lowered[self.rank]
         # op index -> the sends this rank lets go of at the end of that op (their receives are posted)
         self._releases = send_releases(lowered)[self.rank]
-        self._p2p = P2P(schedule, self.rank, group, self.device, timeout=timeout)
+        self._p2p = P2P(schedule, self.rank, group, self.device, timeout=timeout, shape_group=shape_group)
         self.steps = 0  # steps run so far, counted from 0 in error messages
         self.step_label: str | None = None  # the caller's name for the next step in messages ("global step 7")
         self._handlers = {
@@ -330,9 +335,9 @@ class PipelineExecutor:
                     r.op,
                     run.t0_event.elapsed_time(a) / 1e3,
                     run.t0_event.elapsed_time(b) / 1e3,
-                    r.wait,
+                    sum(x.elapsed_time(y) for x, y in waits) / 1e3,  # the device's stall, on its own clock
                 )
-                for r, (a, b) in zip(res.records, run.events, strict=False)
+                for r, (a, b, waits) in zip(res.records, run.events, strict=False)
             ]
         if self.last in self.stages:
             res.loss = torch.stack([x.detach() for x in res.losses]).mean()
@@ -412,6 +417,7 @@ class PipelineExecutor:
             if self.device.type == "cuda":
                 ev = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
                 ev[0].record()
+                self._p2p.wait_events = []
         try:
             with torch.profiler.record_function(self._labels[step]), self._context(arg):
                 handler(arg)
@@ -427,7 +433,8 @@ class PipelineExecutor:
         if self.record:
             if self.device.type == "cuda":
                 ev[1].record()
-                self._current.events.append(ev)
+                self._current.events.append((*ev, self._p2p.wait_events or []))
+                self._p2p.wait_events = None
             label = "+".join(map(str, arg)) if isinstance(arg, list) else str(arg)
             self._current.result.records.append(
                 ActionRecord(

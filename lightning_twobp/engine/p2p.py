@@ -105,10 +105,15 @@ class P2P:
         group: dist.ProcessGroup | None,
         device: torch.device,
         timeout: float | None = None,
+        shape_group: dist.ProcessGroup | None = None,
     ) -> None:
         self.schedule = schedule
         self.rank = rank
         self.group = group
+        # stage 0's input signature travels here: the same ranks in the same order as ``group``, or ``group``
+        # itself (on NCCL a group's operations run in order, so on ``group`` the signature's send holds the
+        # step's first activations back until every peer has posted its receive)
+        self.shape_group = group if shape_group is None else shape_group
         self.device = device
         self.timeout = None if timeout is None else datetime.timedelta(seconds=timeout)
         world = schedule.num_ranks
@@ -132,6 +137,10 @@ class P2P:
         self._sends: dict[Message | int, tuple[list, list[int], list[torch.Tensor]]] = {}
         self._arrived: set[Message] = set()  # messages received this step that carried tensors
         self.wait_time = 0.0  # seconds blocked on receives since the last reset (for records)
+        # recording on a GPU: CUDA (before, after) events around each receive's wait since the last reset, so
+        # that the stall is read on the device's clock, as the ops' times are (the host's wait also covers
+        # the work the device still had queued)
+        self.wait_events: list[tuple[Any, Any]] | None = None
 
     def finish_sends(self) -> None:
         """Wait for every send of the step not let go already (their tensors must live until then)."""
@@ -218,7 +227,9 @@ class P2P:
             sig = torch.tensor([local], dtype=torch.int64, device=self.device)
             others = [r for r in range(self.schedule.num_ranks) if r != self.rank]
             try:
-                works = [dist.isend(sig, self.global_ranks[r], group=self.group, tag=_SIGNATURE_TAG) for r in others]
+                works = [
+                    dist.isend(sig, self.global_ranks[r], group=self.shape_group, tag=_SIGNATURE_TAG) for r in others
+                ]
             except RuntimeError as e:  # gloo posts a send to a dead rank's closed connection at once
                 raise PeerLost(
                     self.describe_loss(others, "the start of the step (sending stage 0's input shapes)", e)
@@ -228,7 +239,7 @@ class P2P:
         else:
             sig = torch.empty(1, dtype=torch.int64, device=self.device)
             src = self.schedule.stage_to_rank[0]
-            work = dist.irecv(sig, self.global_ranks[src], group=self.group, tag=_SIGNATURE_TAG)
+            work = dist.irecv(sig, self.global_ranks[src], group=self.shape_group, tag=_SIGNATURE_TAG)
             self._wait(work, [src], "the start of the step (stage 0's input shapes)")
             value = int(sig.item())  # on a GPU, the step's one host sync
         changed = value != self._signature
@@ -305,11 +316,18 @@ class P2P:
         leaves (``detach().requires_grad_()``) over the buffer."""
         works, bufs, peer = self._recvs.pop(key)
         t = time.perf_counter()
+        timed = self.wait_events is not None and self.device.type == "cuda"
+        if timed:
+            before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            before.record()
         direction, stage, mb = key
         what = f"the input of {stage}F{mb}" if direction == "F" else f"the output gradient of {stage}B{mb}"
         for w in works:
             self._wait(w, [peer], what)
         self.wait_time += time.perf_counter() - t
+        if timed:
+            after.record()
+            self.wait_events.append((before, after))  # type: ignore[union-attr]  # timed: not None
         if bufs:  # a message that carried tensors: proof that its sender posted what came before it
             self._arrived.add(("F", stage - 1, mb) if direction == "F" else ("B", stage, mb))
         if key[0] == "F":

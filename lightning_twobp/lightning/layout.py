@@ -26,6 +26,7 @@ _IO_TIMEOUT = timedelta(minutes=30)  # at least this for checkpoint collectives
 
 __all__ = [
     "MeshLayout",
+    "SideGroups",
     "check_degree",
     "default_num_microbatches",
     "default_stages_per_rank",
@@ -41,6 +42,32 @@ def check_degree(world_size: int, pipeline_degree: int) -> None:
             f"must be a multiple of pipeline_degree (use one of "
             f"{[d for d in range(1, world_size + 1) if world_size % d == 0]})"
         )
+
+
+@dataclass(frozen=True)
+class SideGroups:
+    """The process groups beside the mesh's. On NCCL every group runs its operations in order on one
+    stream of its own, so a message that waits on a peer holds back whatever was posted after it in its
+    group: the schedule's sends and receives travel alone on the mesh's ``"pp"`` group, and what passes
+    between steps gets a group of its own (None where there is no process group; all but ``io`` None with
+    one pipeline rank).
+
+    - ``io``: checkpoint I/O's, the world with at least 30 minutes (writing, hashing and verifying a large
+      checkpoint may take longer than a hung rank should).
+    - ``logs``: this pipeline's loss and logs (NCCL matches messages between two ranks in posting order,
+      ignoring tags, so they must never mix with the schedule's).
+    - ``checks``: this pipeline's post-validation reduce (``engine.post_validation``), posted at a step's
+      end and read a step later. On the ``"pp"`` group it held the next step's sends back until the last
+      pipeline rank had posted it: a flush at every step boundary, on a GPU only.
+    - ``shapes``: stage 0's input signature, sent at each step's start (``engine.p2p.P2P``); on the
+      ``"pp"`` group its send held stage 0's first activations back until every peer had posted its
+      receive.
+    """
+
+    io: dist.ProcessGroup | None
+    logs: dist.ProcessGroup | None
+    checks: dist.ProcessGroup | None
+    shapes: dist.ProcessGroup | None
 
 
 @dataclass(frozen=True)
@@ -71,24 +98,19 @@ class MeshLayout:
         d = self.dp_rank if dp_rank is None else dp_rank
         return d * self.pipeline_degree + pp_rank
 
-    def side_groups(self, timeout: timedelta) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:
-        """The groups beside the mesh: checkpoint I/O's (the world, with at least 30 minutes: writing,
-        hashing and verifying a large checkpoint may take longer than a hung rank should) and this
-        pipeline's loss and logs' (None with one pipeline rank), every rank creating every group in one
-        order. The logs travel on a group of their own so that their messages never mix with the
-        schedule's (NCCL matches messages between two ranks in posting order, ignoring tags)."""
+    def side_groups(self, timeout: timedelta) -> SideGroups:
+        """The groups beside the mesh (:class:`SideGroups`), every rank creating every group in one order."""
         if not dist.is_initialized():
-            return None, None
-        io_group = dist.new_group(timeout=max(timeout, _IO_TIMEOUT))
-        log_group = None
+            return SideGroups(None, None, None, None)
+        io = dist.new_group(timeout=max(timeout, _IO_TIMEOUT))
+        mine: list[dist.ProcessGroup | None] = [None, None, None]
         if self.pipeline_degree > 1:
             for d in range(self.dp_degree):
-                group = dist.new_group(
-                    [self.global_rank_of(r, d) for r in range(self.pipeline_degree)], timeout=timeout
-                )
+                ranks = [self.global_rank_of(r, d) for r in range(self.pipeline_degree)]
+                made = [dist.new_group(ranks, timeout=timeout) for _ in mine]
                 if d == self.dp_rank:
-                    log_group = group
-        return io_group, log_group
+                    mine = list(made)
+        return SideGroups(io, *mine)
 
     def init_mesh(self, device: torch.device, timeout: timedelta | None = None) -> DeviceMesh | None:
         """The ``("dp", "pp")`` device mesh over the world; ``None`` without a process group. Its
@@ -97,9 +119,10 @@ class MeshLayout:
         if not dist.is_initialized():
             return None
         override: dict[int | str, Any] | None = None  # per dimension: (backend, options), as torch takes it
-        options = group_options(dist.get_backend(), timeout)
-        if options is not None:
-            override = {"dp": options, "pp": options}
+        if group_options(dist.get_backend(), timeout) is not None:
+            # one options object per dimension: NCCL's split writes the new group's ranks into the options
+            # it is given and keeps them (torch's own split_group copies them for this reason)
+            override = {dim: group_options(dist.get_backend(), timeout) for dim in ("dp", "pp")}
         return init_device_mesh(
             device.type, (self.dp_degree, self.pipeline_degree), mesh_dim_names=("dp", "pp"), backend_override=override
         )

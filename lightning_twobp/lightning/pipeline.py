@@ -668,6 +668,7 @@ def build_pipeline(strategy: TwoBPStrategy, trainer: Any) -> Pipeline:
         timeout=opts.pipeline_timeout,
         around=streams.fork,
         batch_w=opts.batch_w,
+        shape_group=strategy.shape_group,
     )
     _name_parameters(executor, local, strategy.lightning_module)
     logs = None
@@ -677,7 +678,8 @@ def build_pipeline(strategy: TwoBPStrategy, trainer: Any) -> Pipeline:
     tied = _tied(strategy, local, contract.name, sharding)
     # Sharded gradients: each rank holds 1/dp of its stages' gradients, so the global norm and the
     # non-finite check sum over every rank (each shard counted once), not over one pipeline.
-    check_group = dist.group.WORLD if shard else strategy.group("pp")
+    # Otherwise a group of their own (layout.SideGroups: on NCCL, on "pp" they held the next step's sends back).
+    check_group = dist.group.WORLD if shard else (strategy.check_group or strategy.group("pp"))
     checks = OptimizerChecks(
         opts,
         check_group,

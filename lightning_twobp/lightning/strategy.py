@@ -147,6 +147,8 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
         self._step_checks = {"clipped": 0, "skipped": 0, "redone": 0}
         self.log_group: dist.ProcessGroup | None = None  # the loss and logs' own group (pipeline > 1)
         self.io_group: dist.ProcessGroup | None = None  # checkpoint I/O's group, with a long timeout
+        self.check_group: dist.ProcessGroup | None = None  # the post-validation reduce's (pipeline > 1)
+        self.shape_group: dist.ProcessGroup | None = None  # stage 0's input signature's (pipeline > 1)
         self._batches_checked = False  # the training batches split into micro-batches (checked once per fit)
         self._same_batch_checked = False  # the pipeline's ranks read the same training batch (once per call)
         self._outside: OutsideWrites | None = None  # the parameters outside the stages, watched during training
@@ -220,7 +222,8 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
         check_degree(self.world_size, self.pipeline_degree)
         self._mesh = self.layout.init_mesh(self.root_device, self._timeout)
         assert self._timeout is not None  # __init__ passes a timedelta or keeps Lightning's default one
-        self.io_group, self.log_group = self.layout.side_groups(self._timeout)
+        side = self.layout.side_groups(self._timeout)  # layout.SideGroups: why each is a group of its own
+        self.io_group, self.log_group, self.check_group, self.shape_group = side.io, side.logs, side.checks, side.shapes
         pp, dp = range(self.pipeline_degree), range(self.dp_degree)
         pipelines = [[self.layout.global_rank_of(r, d) for r in pp] for d in dp]
         self._signals = StopSignals(self._timeout, pipelines)  # SIGTERM and SLURM's requeue: see .preemption
@@ -320,8 +323,9 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
 
     @override
     def teardown(self) -> None:
-        """Lightning's teardown (optimizers and model to the CPU), then the model is put back whole
-        and the precision plugin is Lightning's own again, with the trained loss scale."""
+        """Sharded stages gathered whole, Lightning's teardown (optimizers and model to the CPU), then the
+        model is put back whole and the precision plugin is Lightning's own again, with the trained loss
+        scale."""
         self._step_checks = self.step_checks  # kept after the pipeline goes
         pipeline, self._pipeline = self._pipeline, None
         self._calls_ended = self._calls_ended or pipeline is not None
@@ -329,6 +333,10 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
         if self._signals is not None:
             self._signals.uninstall()
         lm = self.lightning_module
+        if pipeline is not None:
+            # data_parallel="shard": gathered on the device, before Lightning moves the model to the CPU (a
+            # DTensor moved there keeps its mesh, whose NCCL groups cannot gather CPU tensors)
+            pipeline.unshard_for_good(self._failed)
         # the layers a previous call left on the meta device cannot move to the CPU, and the error
         # raised trying would hide the one that ended this call
         with meta_layers_aside(lm) if lm is not None else nullcontext():
@@ -341,7 +349,6 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
         self._pretrained_read = False  # refused during setup: the next call reads them again
 
     def _take_apart(self, pipeline: Pipeline) -> None:
-        pipeline.unshard_for_good(self._failed)
         gather = self.options.gather_full_model and not self._failed and dist.is_initialized()
         pipeline.local.restore(gather, self.group("pp"), self.pp_rank, self.root_device)
         pipeline.scope.close()
