@@ -435,10 +435,17 @@ def test_evaluations_header_says_each_tensors_dtype_and_shape_or_hands_over_to_a
     """forward_only's messages: a fixed-size header, then the tensors as they are; what the header cannot
     say (a non-tensor, an unknown dtype, more than it holds) goes as an object after a header saying so."""
     values = (torch.zeros(3, 4, 5), torch.ones((), dtype=torch.bfloat16), torch.zeros(2, dtype=torch.bool))
-    header = p2p_module._header(values)
+    header = p2p_module._header(values, "gloo")
     assert header is not None and header.shape == (p2p_module._HEADER,)
     assert p2p_module._read_header(header) == [(t.dtype, tuple(t.shape)) for t in values]
-    assert p2p_module._header((torch.zeros(2), None)) is None
-    assert p2p_module._header((torch.zeros(2, dtype=torch.float8_e4m3fn),)) is None
-    assert p2p_module._header(tuple(torch.zeros(1, 1) for _ in range(64))) is None  # 1 + 64 * 4 words
+    assert p2p_module._header((torch.zeros(2), None), "gloo") is None
+    assert p2p_module._header((torch.zeros(2, dtype=torch.float8_e4m3fn),), "gloo") is None
+    assert p2p_module._header(tuple(torch.zeros(1, 1) for _ in range(64)), "gloo") is None  # 1 + 64 * 4 words
+    # NCCL cannot send int16 or complex tensors: those go as an object, through the host
+    for dtype in (torch.int16, torch.complex64):
+        assert p2p_module._header((torch.zeros(2, dtype=dtype),), "gloo") is not None
+        assert p2p_module._header((torch.zeros(2, dtype=dtype),), "nccl") is None
+    assert p2p_module._header(values, "nccl") is not None
+    # an object's values land on the receiver's device, a non-tensor among them as it is
+    assert p2p_module._on(None, torch.device("cpu")) is None
     assert p2p_module._read_header(torch.full((p2p_module._HEADER,), -1)) is None

@@ -70,6 +70,9 @@ _WIRE_DTYPES = (
 )  # fmt: skip
 
 
+_NOT_ON_NCCL = (torch.int16, torch.complex64, torch.complex128)  # torch's NCCL type map has none of these
+
+
 class PeerLost(RuntimeError):
     """Another rank of the pipeline stopped answering: its process died, or nothing came within the
     timeout (hung, stopped, or far slower). The message names it by pipeline rank, stage and host."""
@@ -343,7 +346,7 @@ class P2P:
         each tensor as it is (no pickling, no copy through the host on a GPU; the shapes may change between
         micro-batches, a last smaller batch). A value the header cannot say goes as an object."""
         peer = self.schedule.stage_to_rank[to_stage]
-        header = _header(values)
+        header = _header(values, dist.get_backend(self.group))
         marker = header if header is not None else torch.full((_HEADER,), -1)
         try:
             dist.send(marker.to(self.device), self.global_ranks[peer], group=self.group, tag=_EVAL_TAG)
@@ -351,8 +354,8 @@ class P2P:
                 dist.send(t.contiguous(), self.global_ranks[peer], group=self.group, tag=_EVAL_TAG)
         except RuntimeError as e:
             raise PeerLost(self.describe_loss([peer], f"stage {to_stage} to take its input", e)) from e
-        if header is None:
-            self.send_object(values, to_stage)
+        if header is None:  # through the host: a GPU tensor pickled as it is would land on this rank's GPU index
+            self.send_object(tuple(v.cpu() if isinstance(v, torch.Tensor) else v for v in values), to_stage)
 
     def recv_tensors(self, from_stage: int) -> tuple:
         """What :meth:`send_tensors` sent, on this rank's device."""
@@ -362,7 +365,7 @@ class P2P:
             dist.recv(header, self.global_ranks[peer], group=self.group, tag=_EVAL_TAG)
             metas = _read_header(header.cpu())
             if metas is None:
-                return tuple(t.to(self.device) for t in self.recv_object(from_stage))
+                return tuple(_on(v, self.device) for v in self.recv_object(from_stage))
             out = tuple(torch.empty(shape, dtype=dtype, device=self.device) for dtype, shape in metas)
             for t in out:
                 dist.recv(t, self.global_ranks[peer], group=self.group, tag=_EVAL_TAG)
@@ -406,11 +409,18 @@ def check_outgoing(actual: Sequence[TensorMeta], expected: Sequence[TensorMeta],
         )
 
 
-def _header(values: tuple) -> torch.Tensor | None:
-    """``values``' count, dtypes and shapes as :data:`_HEADER` int64s; None where they do not fit one."""
+def _on(value: Any, device: torch.device) -> Any:
+    return value.to(device) if isinstance(value, torch.Tensor) else value
+
+
+def _header(values: tuple, backend: str) -> torch.Tensor | None:
+    """``values``' count, dtypes and shapes as :data:`_HEADER` int64s; None where they do not fit one, or
+    where ``backend`` cannot send one of them (NCCL has no int16 or complex type)."""
     words = [len(values)]
     for t in values:
         if not isinstance(t, torch.Tensor) or t.dtype not in _WIRE_DTYPES:
+            return None
+        if backend == "nccl" and t.dtype in _NOT_ON_NCCL:
             return None
         words += [_WIRE_DTYPES.index(t.dtype), t.dim(), *t.shape]
     if len(words) > _HEADER:
