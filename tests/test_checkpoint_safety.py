@@ -301,14 +301,59 @@ def test_a_full_disk_is_named_and_leaves_nothing_hidden(two_ranks, full_disk):
     for out in two_ranks[DISK]:
         for case in ("meta", "shard"):
             assert "was not saved: the disk is full" in out[case], (case, out[case])
-            assert "The previous checkpoint at" in out[case] and "the partial one was removed" in out[case]
+            # no last.ckpt was saved before this one: nothing is said to be intact
+            assert "The partial one was removed" in out[case] and "previous" not in out[case], out[case]
     for case in ("meta", "shard"):
         left = sorted(p.name for p in (tmp_path / case).iterdir())
         assert left == ["epoch=0-step=2.ckpt"], left  # no .last.ckpt.partial
         ckpt.verify(tmp_path / case / "epoch=0-step=2.ckpt", shared=False)
 
 
+def _save_after_another_layout(rank: int, world: int, root: str) -> dict:
+    """Fit with ZB-V (two stages a rank), validate with another Trainer under 1F1B (one), then save with the
+    first: the second call replaced layers the first one's optimizer steps."""
+    lightning_env(rank, world)
+    model = AdamRegressor()
+    first = quiet_trainer(TwoBPStrategy(schedule="zb-v", gather_full_model=True), world, max_steps=2)
+    first.fit(model, regression_data(n=16))
+    quiet_trainer(TwoBPStrategy(gather_full_model=True), world).validate(model, regression_data(n=16), verbose=False)
+    out = {}
+    try:
+        first.save_checkpoint(f"{root}/full.ckpt")
+        out["full"] = "saved"
+    except ckpt.CheckpointError as err:
+        out["full"] = str(err)
+    first.save_checkpoint(f"{root}/weights.ckpt", weights_only=True)
+    out["weights"] = {n: q.detach().clone() for n, q in model.named_parameters()}
+    try:  # resuming a fit from the weights alone is refused by Lightning, as in one process
+        quiet_trainer(TwoBPStrategy(), world, max_steps=4).fit(
+            AdamRegressor(), regression_data(n=16), ckpt_path=f"{root}/weights.ckpt"
+        )
+        out["resumed"] = "resumed"
+    except KeyError as err:
+        out["resumed"] = str(err)
+    return out
+
+
+def test_a_save_after_another_layouts_call_is_refused_naming_the_weights_only_save(two_ranks, another_layout):
+    """A Trainer's optimizer, after another Trainer's call with another layout replaced layers it steps: the
+    save is refused on every rank before anything is written (torch's bare KeyError on some ranks, the others
+    waiting), naming the fix; saved with weights_only=True, the checkpoint holds the weights alone, as one
+    process's does, and a fit resumed from it is refused by Lightning."""
+    for out in two_ranks[ANOTHER_LAYOUT]:
+        assert "checkpoint" in out["full"] and "no longer the model's" in out["full"], out["full"]
+        assert "weights_only=True" in out["full"] and "previous checkpoint" not in out["full"], out["full"]
+        assert "contains only the model" in out["resumed"], out["resumed"]
+    assert not (another_layout / "full.ckpt").exists()
+    saved = ckpt.dcp.FileSystemReader(another_layout / "weights.ckpt").read_metadata().state_dict_metadata
+    assert saved and not [k for k in saved if k.startswith("optimizer_")], sorted(saved)
+    merged = ckpt.consolidate(another_layout / "weights.ckpt", another_layout / "merged.ckpt")["state_dict"]
+    whole = two_ranks[ANOTHER_LAYOUT][0]["weights"]  # gather_full_model: every rank holds the whole model
+    assert set(merged) == set(whole) and all(torch.equal(merged[n], whole[n]) for n in whole)
+
+
 KILL = "test_kill_9_during_a_save_leaves_a_checkpoint_that_resumes_exactly"
+ANOTHER_LAYOUT = "test_a_save_after_another_layouts_call_is_refused_naming_the_weights_only_save"
 SHORTER = "test_a_checkpoint_with_weights_the_model_lacks_is_refused_unless_strict_loading_is_off"
 DISK = "test_a_full_disk_is_named_and_leaves_nothing_hidden"
 
@@ -319,10 +364,20 @@ def full_disk(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def two_ranks(request, saved, full_disk) -> conftest.Launch:
+def another_layout(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("another-layout")
+
+
+@pytest.fixture(scope="module")
+def two_ranks(request, saved, full_disk, another_layout) -> conftest.Launch:
     """The runs that end on every rank alike, in one launch of 2 ranks (the killed ones are ``crashed``'s):
-    resuming from each crash (those only when their test runs), loading into a shorter model, a full disk."""
-    cases = {SHORTER: (_load_into_shorter, (str(saved),)), DISK: (_fill_the_disk, (str(full_disk),))}
+    resuming from each crash (those only when their test runs), loading into a shorter model, a full disk,
+    a save after another layout's call."""
+    cases = {
+        SHORTER: (_load_into_shorter, (str(saved),)),
+        DISK: (_fill_the_disk, (str(full_disk),)),
+        ANOTHER_LAYOUT: (_save_after_another_layout, (str(another_layout),)),
+    }
     if KILL in conftest.wanted(request):
         cases[KILL] = (_resume_all, (str(request.getfixturevalue("crashed")["root"]), list(POINTS)))
     return launch(request, 2, cases, timeout=600)

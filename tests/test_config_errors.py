@@ -492,6 +492,15 @@ def _storage_options(tmp: Path) -> None:
     t.strategy.save_checkpoint(t._checkpoint_connector.dump_checkpoint(), tmp / "c.ckpt", storage_options={"a": 1})
 
 
+def _stale_optimizer(tmp: Path) -> None:
+    t = _fit()
+    _SEEN.clear()  # the fit trained; the refusal is the save's
+    # what a later Trainer call with another layout does to a layer this rank did not train in it
+    layer = next(m for m in t.lightning_module.modules() if isinstance(m, nn.Linear))
+    layer.weight = nn.Parameter(layer.weight.detach().clone())
+    t.save_checkpoint(tmp / "c.ckpt")
+
+
 def _compose(*overrides: str):
     from hydra import compose, initialize_config_dir
     from hydra.core.hydra_config import HydraConfig
@@ -1087,6 +1096,11 @@ CASES: dict[str, Case] = {
         _without_manifest,
         RuntimeError,
         r"c.ckpt has no twobp-manifest.json: it was not written completely",
+    ),
+    "checkpoint-optimizer-stale": (
+        _stale_optimizer,
+        RuntimeError,
+        r"was not saved: the optimizer steps 1 parameter\(s\) that are no longer the model's .*weights_only=True",
     ),
     "checkpoint-storage-options": (
         _storage_options,

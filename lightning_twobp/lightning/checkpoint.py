@@ -287,16 +287,23 @@ def _why_not_saved(err: BaseException, path: Path, lost: Callable[[], str] | Non
             free = "free space unknown"
         return (
             f"checkpoint {path} was not saved: the disk is full (no space left on the filesystem of "
-            f"{path.parent}, {free}). The previous checkpoint at {path} is intact and the partial one was "
-            f"removed; free space, or keep fewer checkpoints (ModelCheckpoint(save_top_k=...))"
+            f"{path.parent}, {free}).{_previous(path)} The partial one was removed: free space, or keep fewer "
+            f"checkpoints (ModelCheckpoint(save_top_k=...))"
         )
     if lost_peer(err):
         who = (lost() if lost is not None else "") or "another rank (its process died, hung or was stopped)"
         return (
             f"checkpoint {path} was not saved: a rank was lost during the save: {who} "
-            f"({_first_line(err)}). The previous checkpoint at {path} is intact"
+            f"({_first_line(err)}).{_previous(path)}"
         )
-    return f"checkpoint {path} was not saved: {_first_line(err)}. The previous checkpoint at {path} is intact"
+    if isinstance(err, CheckpointError):  # ours, refused before any write: its message whole
+        return f"checkpoint {path} was not saved: {err}.{_previous(path)}"
+    return f"checkpoint {path} was not saved: {_first_line(err)}.{_previous(path)}"
+
+
+def _previous(path: Path) -> str:
+    """What a failed save left at ``path``: the previous checkpoint, where there is one."""
+    return f" The previous checkpoint at {path} is intact." if path.exists() else ""
 
 
 def _first_line(err: BaseException) -> str:
@@ -344,6 +351,29 @@ def _check_held(on_meta: set[str], group: dist.ProcessGroup | None) -> None:
         )
 
 
+def _check_stepped(module: nn.Module, optimizers: list[Any], group: dist.ProcessGroup | None) -> None:
+    """Every parameter the optimizers step is one of the model's: their state is saved under the model's
+    parameter names. Refused on every rank alike, before anything is written (torch's own lookup failed on
+    the ranks holding one, with a bare KeyError, while the others went on to wait for them)."""
+    held = {id(q) for q in module.parameters()}
+    stale = sum(1 for opt in optimizers for g in opt.param_groups for q in g["params"] if id(q) not in held)
+    _, world = _world()
+    every: list[Any] = [stale]
+    if world > 1:
+        every = [None] * world
+        dist.all_gather_object(every, stale, group=group)
+    if any(every):
+        ranks = [r for r, n in enumerate(every) if n]
+        raise CheckpointError(
+            f"the optimizer steps {max(every)} parameter(s) that are no longer the model's (on rank(s) {ranks}), "
+            f"so its state cannot be saved by their names. Under strategy='twobp' a rank holds only the layers it "
+            f"trains and those it did not are replaced: a Trainer call since this one's fit, with another pipeline "
+            f"layout (another Trainer's predict, say), replaced some this optimizer steps. Save with the Trainer "
+            f"that used the model last, before that call, or the weights alone "
+            f"(trainer.save_checkpoint(path, weights_only=True))"
+        )
+
+
 def _save(
     checkpoint: dict[str, Any],
     path: Path,
@@ -360,12 +390,14 @@ def _save(
         tmp.mkdir(parents=True)
     _barrier(group)
     checkpoint.pop("state_dict", None)
-    checkpoint.pop("optimizer_states", None)
+    if checkpoint.pop("optimizer_states", None) is None:  # save_checkpoint(weights_only=True): the weights alone
+        optimizers = []
     # after a Trainer call (trainer.save_checkpoint once fit returned) the model is whole again, with the
     # other ranks' layers on the meta device: each rank writes the weights it holds, as during the call
     whole = get_model_state_dict(module)
     model = {name: value for name, value in whole.items() if not _is_meta(value)}
     _check_held(set(whole) - set(model), group)
+    _check_stepped(module, optimizers, group)
     state: dict[str, Any] = {"model": model}
     for i, opt in enumerate(optimizers):
         state[f"optimizer_{i}"] = get_optimizer_state_dict(module, opt, options=_OPTIM)
@@ -535,11 +567,15 @@ def load(
             f"this checkpoint, pass weights_only=False (Trainer.fit(..., weights_only=False)), or register "
             f"the types with torch.serialization.add_safe_globals"
         ) from err
+    saved: dict[str, Any] = dcp.FileSystemReader(path).read_metadata().state_dict_metadata  # tensors' metadata
+    if not any(k.startswith("optimizer_") for k in saved):
+        # saved with weights_only=True: a resumed fit is then refused by Lightning, as in one process, naming
+        # the state the checkpoint lacks
+        optimizers = []
     state: dict[str, Any] = {"model": get_model_state_dict(module)}
     for i, opt in enumerate(optimizers):
         # The optimizer's own state dict as the template (torch fills a fresh optimizer's state first).
         state[f"optimizer_{i}"] = get_optimizer_state_dict(module, opt, options=_OPTIM)
-    saved: dict[str, Any] = dcp.FileSystemReader(path).read_metadata().state_dict_metadata  # tensors' metadata
     if strict:
         _refuse_unexpected(path, saved, state["model"], group)
     # This rank's random states and its stages', where the checkpoint has them (it may come from another
