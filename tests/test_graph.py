@@ -28,6 +28,25 @@ def test_saved_attributes_the_fast_path_reads_still_exist():
     }
 
 
+def test_a_gpu_batch_norm_in_training_gives_its_weight_gradients_in_b():
+    """cuDNN's and MIOpen's batch norm (a GPU's) make the scale and bias gradients in the input gradient's
+    call: B takes them, as the CPU's in training. Their node classes exist in every build of torch, so the
+    flag read is checked here; the node itself only on a GPU."""
+    from lightning_twobp.engine import formulas
+
+    class Node:
+        def __init__(self, name: str, training: bool) -> None:
+            self._name, self._saved_training = name, training
+
+        def name(self) -> str:
+            return self._name
+
+    for name in ("CudnnBatchNormBackward0", "MiopenBatchNormBackward0"):
+        assert "_saved_training" in dir(getattr(torch._C._functions, name)), name
+        assert formulas.by_product(Node(name, True)) and not formulas.by_product(Node(name, False))
+        assert formulas.flags(Node(name, True)) == (True,)
+
+
 def test_a_missing_attribute_is_a_typed_error():
     node = (torch.randn(2, requires_grad=True) * 2).grad_fn
     with pytest.raises(SavedUnavailable, match="no saved attribute 'nonexistent'"):

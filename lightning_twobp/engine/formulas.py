@@ -346,8 +346,15 @@ _FINDERS = {
 # scale and bias gradients are, so a W formula would compute those reductions a second time. Measured
 # on ResNet-50's blocks (docs/benchmarks.md): the W half of ``native_batch_norm_backward`` cost as much as
 # the whole fused call's reductions. An eval-mode batch norm uses fixed statistics (its input gradient
-# needs no reduction), so its weights keep the W formula.
-_BY_PRODUCT = {"NativeBatchNormBackward0": "training", "NativeGroupNormBackward0": None}
+# needs no reduction), so its weights keep the W formula. On a GPU a training batch norm runs cuDNN's (or
+# MIOpen's) kernel, whose backward makes all three gradients in one call whatever is asked (torch's
+# derivatives.yaml): taken in B too (not run here: no GPU; an eval-mode one goes through autograd in W).
+_BY_PRODUCT = {
+    "NativeBatchNormBackward0": "training",
+    "CudnnBatchNormBackward0": "training",
+    "MiopenBatchNormBackward0": "training",
+    "NativeGroupNormBackward0": None,
+}
 
 
 def by_product(node: Node) -> bool:
@@ -366,6 +373,8 @@ _FLAGS = {
     "AddBackward0": ("alpha",),
     "EmbeddingBackward0": ("sparse",),
     "NativeBatchNormBackward0": ("training",),
+    "CudnnBatchNormBackward0": ("training",),
+    "MiopenBatchNormBackward0": ("training",),
 }
 
 
