@@ -45,9 +45,9 @@ def _worker(
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     # NCCL: GPU ``rank`` is this rank's, set before the group is made and bound to it (as Lightning does)
     device = torch.device("cuda", rank) if backend == "nccl" else None
-    if device is not None:
-        torch.cuda.set_device(device)
     try:
+        if device is not None:
+            torch.cuda.set_device(device)
         try:
             dist.init_process_group(
                 backend,

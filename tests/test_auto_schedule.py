@@ -1051,3 +1051,18 @@ def test_auto_says_when_its_choice_drops_batch_w():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         _say_dropped(req, dataclasses.replace(req, schedule="1f1b", memory_limit=None), "1F1B")
+
+
+def test_a_model_normalised_by_batch_statistics_keeps_one_micro_batch_count():
+    """A training BatchNorm normalises each micro-batch by its own statistics, so the count changes what is
+    trained: auto weighs the default 2p alone (or the largest divisor of the batch below it), not whichever
+    count the run's timings favour (a trial's two launches of one configuration trained two models)."""
+    from lightning_twobp.lightning.autoschedule import _counts
+
+    plain = [nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4)]
+    normed = [nn.Sequential(nn.Conv2d(3, 3, 1), nn.BatchNorm2d(3)), nn.ReLU()]
+    assert _counts(plain, 16, 2) == [1, 2, 4, 8]
+    assert _counts(normed, 16, 2) == [4]
+    assert _counts(normed, 6, 2) == [3]  # 4 does not divide 6
+    normed[0].eval()  # running statistics: the count changes nothing
+    assert _counts(normed, 16, 2) == [1, 2, 4, 8]

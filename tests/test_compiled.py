@@ -39,6 +39,34 @@ def test_a_compiled_layer_with_weights_is_named(how):
         _check(model)
 
 
+class Outer(nn.Module):
+    """A model holding the model whose layers are pipelined (a LightningModule's ``self.model``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = Model()
+
+
+@pytest.mark.parametrize("how", ["container in place", "holder in place", "holder wrapped"])
+def test_a_compiled_module_around_the_layers_is_named(how):
+    """Compiling the pipelined container, or a module whose forward runs it, failed in the first step inside
+    torch's compiler (the pipeline runs that forward cut into stages): refused at setup, named."""
+    outer = Outer()
+    if how == "container in place":
+        outer.model.layers.compile()
+        name = "model.layers"
+    elif how == "holder in place":
+        outer.model.compile()
+        name = "model"
+    else:
+        outer.model = torch.compile(outer.model)
+        name = "model"
+    contract = find_contract(outer)
+    named = rf"(^{name} is compiled with torch.compile and its forward|would be silently)"
+    with pytest.raises(ValueError, match=named):
+        check_not_compiled(outer, contract)
+
+
 def test_compiling_what_holds_no_weights_is_allowed():
     model = Model()
     model.layers[1] = torch.compile(model.layers[1])

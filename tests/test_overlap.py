@@ -52,50 +52,70 @@ class _CountCollectives(pl.Callback):
     def __init__(self) -> None:
         self.calls: dict[str, int] = {}
         self.groups: dict[str, set[str]] = {}  # the post-validation reduce's and the shape signature's groups
-        self._saved: dict[str, object] = {}
-        self._restore = lambda: None
+        self._undo: list[tuple[object, str, object]] = []  # (module, name, what it held), restored in reverse
+
+    def _patch(self, module: object, name: str, fn: object) -> None:
+        self._undo.append((module, name, getattr(module, name)))
+        setattr(module, name, fn)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if batch_idx == 1:
-            self._watch_groups(trainer.strategy.group("pp"))
+            self._watch_groups(trainer.strategy)
             for name in self.NAMES:
                 fn = getattr(dist, name)
-                self._saved.setdefault(name, fn)  # all_reduce: the original, under _watch_groups' wrapper
 
                 def counted(*a, _fn=fn, _name=name, **k):
-                    import traceback
-
-                    stack = traceback.extract_stack(limit=4)
-                    if not any(f.name in ("_broadcast_sigterm_tensor", "agree") for f in stack):
+                    if not _left_out():
                         self.calls[_name] = self.calls.get(_name, 0) + 1
                     return _fn(*a, **k)
 
-                setattr(dist, name, counted)
+                self._patch(dist, name, counted)
 
-    def _watch_groups(self, pp: dist.ProcessGroup) -> None:
-        """Which group the all-reduces and stage 0's shape signature travel on: ``"own"``, a group of the
-        pipeline's ranks other than the schedule's ``"pp"`` (on NCCL a group's operations run in order, so on
-        ``"pp"`` they held the step's sends back: lightning/layout.py, SideGroups)."""
-        from lightning_twobp.engine.p2p import P2P
+    def _watch_groups(self, strategy) -> None:
+        """The group each all-reduce and stage 0's shape signature travel on, by the strategy's name for it:
+        on NCCL a group's operations run in order, so on ``"pp"`` they held the step's sends back
+        (lightning/layout.py, SideGroups). The signature's sends and receives are seen where torch's
+        point-to-point calls are made (``isend`` / ``irecv`` in both of torch's modules: a batch's ``P2POp``
+        checks its op against them)."""
+        from lightning_twobp.engine.p2p import _SIGNATURE_TAG
 
-        def where(group) -> str:
-            if group is pp:
-                return "pp"
-            same = dist.get_process_group_ranks(group) == dist.get_process_group_ranks(pp)
-            return "own" if same else "other"
+        names = {"pp": strategy.group("pp"), "checks": strategy.check_group, "shapes": strategy.shape_group}
+        names |= {"logs": strategy.log_group, "io": strategy.io_group}
 
         def seen(kind: str, group) -> None:
-            self.groups.setdefault(kind, set()).add(where(group))
+            name = next((n for n, g in names.items() if g is group), "other")
+            self.groups.setdefault(kind, set()).add(name)
 
-        reduce, signature = dist.all_reduce, P2P.signature_changed
-        self._saved["all_reduce"], self._restore = reduce, lambda: setattr(P2P, "signature_changed", signature)
-        dist.all_reduce = lambda *a, **k: (seen("all_reduce", k.get("group")), reduce(*a, **k))[1]
-        P2P.signature_changed = lambda p2p, *a: (seen("signature", p2p.shape_group), signature(p2p, *a))[1]
+        reduce = dist.all_reduce
+
+        def all_reduce(*a, **k):
+            if not _left_out():
+                seen("all_reduce", k.get("group"))
+            return reduce(*a, **k)
+
+        self._patch(dist, "all_reduce", all_reduce)
+        for name in ("isend", "irecv"):
+            fn = getattr(dist.distributed_c10d, name)
+
+            def p2p(*a, _fn=fn, **k):
+                if k.get("tag") == _SIGNATURE_TAG:
+                    seen("signature", k.get("group"))
+                return _fn(*a, **k)
+
+            self._patch(dist, name, p2p)
+            self._patch(dist.distributed_c10d, name, p2p)
 
     def on_train_end(self, trainer, pl_module):
-        for name, fn in self._saved.items():
-            setattr(dist, name, fn)
-        self._restore()
+        for module, name, fn in reversed(self._undo):
+            setattr(module, name, fn)
+        self._undo = []
+
+
+def _left_out() -> bool:
+    """Lightning's SIGTERM broadcast and the preemption flags' all-reduce (see _CountCollectives)."""
+    import traceback
+
+    return any(f.name in ("_broadcast_sigterm_tensor", "agree") for f in traceback.extract_stack(limit=5))
 
 
 class _Logged(pl.Callback):
@@ -161,7 +181,7 @@ def test_one_async_check_per_step_and_the_logged_loss_is_one_process_loss(two_ra
         # asynchronously right before each optimizer step and waited for after the next pipeline step
         assert r["calls"] == {"all_reduce": 5}, r["calls"]
         # neither waits on the schedule's group, where on NCCL it would hold the next step's sends back
-        assert r["groups"] == {"all_reduce": {"own"}, "signature": {"own"}}, r["groups"]
+        assert r["groups"] == {"all_reduce": {"checks"}, "signature": {"shapes"}}, r["groups"]
     ref = _reference(None)
     for r in out:  # every rank logs the last stage's loss, for every step
         assert r["losses"] == pytest.approx(ref, rel=1e-5)

@@ -656,14 +656,19 @@ def summary(result: dict) -> str:
     return out.getvalue()
 
 
-def markdown(result: dict) -> str:
-    out = io.StringIO()
-    w = out.write
-    w(
-        f"{result['world']} gloo ranks x 1 thread on {result['device']}, torch {result['torch_version']}, "
+def _heading(result: dict) -> str:
+    backend = "NCCL" if str(result["device"]).startswith("cuda") else "gloo"
+    return (
+        f"{result['world']} {backend} ranks x 1 thread on {result['device']}, torch {result['torch_version']}, "
         f"median of {result['repeats']} alternated rounds ({result['seconds']:.0f} s in all)"
         f"{' (--quick)' if result['quick'] else ''}\n\n"
     )
+
+
+def markdown(result: dict) -> str:
+    out = io.StringIO()
+    w = out.write
+    w(_heading(result))
     w(
         "Models: "
         + "; ".join(

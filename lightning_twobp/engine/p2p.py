@@ -51,6 +51,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lightning_twobp.private import pytree
 from lightning_twobp.schedules import Comm, Schedule
 from lightning_twobp.schedules.lower import message
 from lightning_twobp.schedules.memory import Message
@@ -346,7 +347,7 @@ class P2P:
         each tensor as it is (no pickling, no copy through the host on a GPU; the shapes may change between
         micro-batches, a last smaller batch). A value the header cannot say goes as an object."""
         peer = self.schedule.stage_to_rank[to_stage]
-        header = _header(values, dist.get_backend(self.group))
+        header = _header(values, "nccl" if self.device.type == "cuda" else "gloo")  # NCCL carries GPU tensors
         marker = header if header is not None else torch.full((_HEADER,), -1)
         try:
             dist.send(marker.to(self.device), self.global_ranks[peer], group=self.group, tag=_EVAL_TAG)
@@ -355,7 +356,7 @@ class P2P:
         except RuntimeError as e:
             raise PeerLost(self.describe_loss([peer], f"stage {to_stage} to take its input", e)) from e
         if header is None:  # through the host: a GPU tensor pickled as it is would land on this rank's GPU index
-            self.send_object(tuple(v.cpu() if isinstance(v, torch.Tensor) else v for v in values), to_stage)
+            self.send_object(pytree.tree_map_only(torch.Tensor, torch.Tensor.cpu, values), to_stage)
 
     def recv_tensors(self, from_stage: int) -> tuple:
         """What :meth:`send_tensors` sent, on this rank's device."""
@@ -365,7 +366,8 @@ class P2P:
             dist.recv(header, self.global_ranks[peer], group=self.group, tag=_EVAL_TAG)
             metas = _read_header(header.cpu())
             if metas is None:
-                return tuple(_on(v, self.device) for v in self.recv_object(from_stage))
+                values = self.recv_object(from_stage)
+                return tuple(pytree.tree_map_only(torch.Tensor, lambda t: t.to(self.device), values))
             out = tuple(torch.empty(shape, dtype=dtype, device=self.device) for dtype, shape in metas)
             for t in out:
                 dist.recv(t, self.global_ranks[peer], group=self.group, tag=_EVAL_TAG)
@@ -407,10 +409,6 @@ def check_outgoing(actual: Sequence[TensorMeta], expected: Sequence[TensorMeta],
             f"on every rank before the next step (trainer.strategy.reset_shapes() under Lightning, e.g. in the "
             f"callback that freezes or unfreezes layers)"
         )
-
-
-def _on(value: Any, device: torch.device) -> Any:
-    return value.to(device) if isinstance(value, torch.Tensor) else value
 
 
 def _header(values: tuple, backend: str) -> torch.Tensor | None:

@@ -127,6 +127,32 @@ def _divisors(n: int, most: int) -> list[int]:
     return [d for d in range(1, min(n, most) + 1) if n % d == 0]
 
 
+_BATCH_STATISTICS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
+
+
+def _counts(layers: list[nn.Module], batch: int, num_ranks: int) -> list[int]:
+    """The micro-batch counts the search weighs: every divisor of the batch up to ``4p``, or, where a layer
+    normalises by its batch's statistics in training (a BatchNorm: each micro-batch is normalised by its own,
+    so the count changes what is trained), one count: the default ``2p`` (or the largest divisor below it),
+    so that the trained model does not follow the timings of the run (found by a trial: two launches of one
+    configuration picked 8 and 4 micro-batches and trained two models)."""
+    found = next(
+        (f"pipelined layer {i} ({type(m).__name__}{' at ' + n if n else ''})"
+         for i, layer in enumerate(layers) for n, m in layer.named_modules()
+         if isinstance(m, _BATCH_STATISTICS) and m.training),
+        None,
+    )  # fmt: skip
+    every = _divisors(batch, 4 * num_ranks)
+    if found is None:
+        return every
+    kept = max(d for d in every if d <= 2 * num_ranks)
+    rank_zero_info(
+        f"twobp: schedule='auto' weighs num_microbatches={kept} only: {found} normalises by each micro-batch's "
+        f"statistics, so another count would train another model; pass num_microbatches= to choose it"
+    )
+    return [kept]
+
+
 def timed_footprint(
     layer: nn.Module,
     x: Any,
@@ -488,7 +514,7 @@ def auto_schedule(
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         batch = first_batch(trainer)
         optimizer = _optimizer_bytes(runner.module, trainer, layers, trained_dtype(precision))
-    counts = [num_microbatches] if num_microbatches else _divisors(batch_size(batch), 4 * num_ranks)
+    counts = [num_microbatches] if num_microbatches else _counts(layers, batch_size(batch), num_ranks)
     # before profiling: a list none of which can run here is refused; one that cannot is said and left out
     skipped = check_families(families, len(layers), num_ranks, counts, balance, split_backward is not False)
     for name, why in skipped.items():

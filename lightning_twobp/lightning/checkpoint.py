@@ -68,6 +68,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.tensor import DTensor
 
 from lightning_twobp.engine.failure import lost_peer
 from lightning_twobp.private import collect_rng_states, set_rng_states
@@ -356,16 +357,25 @@ def _check_stepped(module: nn.Module, optimizers: list[Any], group: dist.Process
     parameter names. Refused on every rank alike, before anything is written (torch's own lookup failed on
     the ranks holding one, with a bare KeyError, while the others went on to wait for them)."""
     held = {id(q) for q in module.parameters()}
-    stale = sum(1 for opt in optimizers for g in opt.param_groups for q in g["params"] if id(q) not in held)
+    gone = [q for opt in optimizers for g in opt.param_groups for q in g["params"] if id(q) not in held]
+    mine = (len(gone), any(isinstance(q, DTensor) for q in gone))
     _, world = _world()
-    every: list[Any] = [stale]
+    every: list[Any] = [mine]
     if world > 1:
         every = [None] * world
-        dist.all_gather_object(every, stale, group=group)
-    if any(every):
-        ranks = [r for r, n in enumerate(every) if n]
+        dist.all_gather_object(every, mine, group=group)
+    if any(sharded for _, sharded in every):
         raise CheckpointError(
-            f"the optimizer steps {max(every)} parameter(s) that are no longer the model's (on rank(s) {ranks}), "
+            "under data_parallel='shard' the optimizer's state stays sharded over the replicas after the Trainer "
+            "call, while the model is whole again, so it cannot be saved by the model's parameter names: save "
+            "during the call (ModelCheckpoint, or trainer.save_checkpoint in a callback), or the weights alone "
+            "after it (trainer.save_checkpoint(path, weights_only=True))"
+        )
+    if any(n for n, _ in every):
+        ranks = [r for r, (n, _) in enumerate(every) if n]
+        stale = max(n for n, _ in every)
+        raise CheckpointError(
+            f"the optimizer steps {stale} parameter(s) that are no longer the model's (on rank(s) {ranks}), "
             f"so its state cannot be saved by their names. Under strategy='twobp' a rank holds only the layers it "
             f"trains and those it did not are replaced: a Trainer call since this one's fit, with another pipeline "
             f"layout (another Trainer's predict, say), replaced some this optimizer steps. Save with the Trainer "

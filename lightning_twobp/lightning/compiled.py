@@ -48,11 +48,31 @@ def _compiled(lm: nn.Module, contract: Any) -> str | None:
             f"torch.compile({wrapped}) would be silently dropped: the pipeline runs the layers under the "
             f"compile wrapper ({contract.name}) directly"
         )
+    around = _compiled_around(lm, parts)
+    if around is not None:
+        return (
+            f"{around} is compiled with torch.compile and its forward runs the pipelined layers "
+            f"({contract.name}), which the pipeline cuts into stages: compiled code cannot be cut (it failed in "
+            f"the first step, inside torch's compiler)"
+        )
     for i, layer in enumerate(contract.layers()):
         for name, sub in layer.named_modules():
             if _is_compiled(sub) and any(q.requires_grad for q in sub.parameters()):
                 where = f"{contract.describe(i)}{'.' + name if name else ''}"
                 return f"{where} is compiled with torch.compile and holds weights, so its backward cannot be split"
+    return None
+
+
+def _compiled_around(lm: nn.Module, parts: list[str]) -> str | None:
+    """The first module from ``lm`` down to the pipelined layers' container that is compiled, by name
+    (``model.compile()`` in place, or ``torch.compile(model)`` reached by attribute)."""
+    module: Any = lm
+    for k, part in enumerate(parts):
+        module = getattr(module, part, None)
+        if not isinstance(module, nn.Module):
+            return None
+        if _is_compiled(module):
+            return ".".join(parts[: k + 1])
     return None
 
 
