@@ -1063,6 +1063,11 @@ def test_a_model_normalised_by_batch_statistics_keeps_one_micro_batch_count():
     normed = [nn.Sequential(nn.Conv2d(3, 3, 1), nn.BatchNorm2d(3)), nn.ReLU()]
     assert _counts(plain, 16, 2) == [1, 2, 4, 8]
     assert _counts(normed, 16, 2) == [4]
-    assert _counts(normed, 6, 2) == [3]  # 4 does not divide 6
+    assert _counts(normed, 6, 2) == [2]  # 4 does not divide 6: the largest multiple of p below it
+    assert _counts(normed, 9, 4) == [3]  # no multiple of p divides 9: the largest divisor below 2p
     normed[0].eval()  # running statistics: the count changes nothing
     assert _counts(normed, 16, 2) == [1, 2, 4, 8]
+    # without running statistics a batch norm uses the batch's in eval too; the lazy ones count alike
+    assert _counts([nn.BatchNorm1d(4, track_running_stats=False).eval()], 16, 2) == [4]
+    assert _counts([nn.Sequential(nn.LazyBatchNorm1d())], 16, 2) == [4]
+    assert _counts([nn.SyncBatchNorm(4)], 16, 2) == [4]

@@ -67,6 +67,48 @@ def test_a_compiled_module_around_the_layers_is_named(how):
         check_not_compiled(outer, contract)
 
 
+class Loop(nn.Module):
+    """A base model whose forward loops over its blocks (a Hugging Face model's ``.model``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(4, 4) for _ in range(4))
+
+    def forward(self, x):
+        for block in self.layers:
+            x = block(x)
+        return x
+
+
+class Held(nn.Module):
+    """A LightningModule's ``self.model`` holding the base model (``AutoModelForCausalLM``'s ``.model``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = Loop()
+
+    def forward(self, x):
+        return self.model(x)
+
+
+@pytest.mark.parametrize("how", ["in place", "wrapped"])
+def test_a_compiled_base_model_of_a_modulelist_is_named(how):
+    """A ModuleList contract's name is its top holder's: the base model under it, compiled, got through setup
+    and failed in the first step inside dynamo (a review's catch)."""
+    outer = nn.Module()
+    outer.model = Held()
+    if how == "in place":
+        outer.model.model.compile()
+    else:
+        outer.model.model = torch.compile(outer.model.model)
+    contract = find_contract(outer, layers="model.model.layers")
+    with pytest.raises(ValueError, match=r"^model\.model is compiled with torch.compile .*\(model\.model\.layers\)"):
+        check_not_compiled(outer, contract)
+    outer.model.model = Loop()  # the list itself compiled: iterated, never called, so allowed
+    outer.model.model.layers.compile()
+    check_not_compiled(outer, find_contract(outer, layers="model.model.layers"))
+
+
 def test_compiling_what_holds_no_weights_is_allowed():
     model = Model()
     model.layers[1] = torch.compile(model.layers[1])

@@ -423,11 +423,11 @@ class PipelineExecutor:
                 handler(arg)
                 if step in self._releases:  # inside: a memory sample at the context's exit sees it
                     self._p2p.release(self._releases[step])
-        except PipelineError:
+        except BaseException as e:
             self._p2p.wait_events = None  # recorded op by op: a failed one's stay off
-            raise
-        except Exception as e:  # name the rank, the step and the action, then show where
-            self._p2p.wait_events = None
+            if isinstance(e, PipelineError) or not isinstance(e, Exception):  # named already, or an interrupt
+                raise
+            # name the rank, the step and the action, then show where
             what = ", ".join(map(str, arg)) if isinstance(arg, list) else str(arg)
             raise PipelineError(
                 f"rank {self.rank}, {self._which()}, op {step} ({what}): {type(e).__name__}: {e}\n{self._listing(step)}"

@@ -127,25 +127,33 @@ def _divisors(n: int, most: int) -> list[int]:
     return [d for d in range(1, min(n, most) + 1) if n % d == 0]
 
 
-_BATCH_STATISTICS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
+def _batch_statistics(m: nn.Module) -> bool:
+    """Whether ``m`` normalises by its batch's statistics: a batch norm of any kind (BatchNorm1d/2d/3d,
+    SyncBatchNorm, the lazy ones, a subclass) in training, or keeping no running statistics (torch then uses
+    the batch's in eval too). By class name: their common base is private to torch."""
+    kind = any(c.__name__ == "_BatchNorm" for c in type(m).__mro__)
+    return kind and (m.training or getattr(m, "running_mean", None) is None)
 
 
 def _counts(layers: list[nn.Module], batch: int, num_ranks: int) -> list[int]:
     """The micro-batch counts the search weighs: every divisor of the batch up to ``4p``, or, where a layer
-    normalises by its batch's statistics in training (a BatchNorm: each micro-batch is normalised by its own,
-    so the count changes what is trained), one count: the default ``2p`` (or the largest divisor below it),
+    normalises by its batch's statistics (a BatchNorm in training: each micro-batch is normalised by its own,
+    so the count changes what is trained), one count: the default ``2p`` (or the largest divisor below it, a
+    multiple of ``p`` where there is one),
     so that the trained model does not follow the timings of the run (found by a trial: two launches of one
     configuration picked 8 and 4 micro-batches and trained two models)."""
     found = next(
         (f"pipelined layer {i} ({type(m).__name__}{' at ' + n if n else ''})"
          for i, layer in enumerate(layers) for n, m in layer.named_modules()
-         if isinstance(m, _BATCH_STATISTICS) and m.training),
+         if _batch_statistics(m)),
         None,
     )  # fmt: skip
     every = _divisors(batch, 4 * num_ranks)
     if found is None:
         return every
-    kept = max(d for d in every if d <= 2 * num_ranks)
+    # a multiple of the ranks where the batch has one (interleaved schedules need it), else the largest below
+    below = [d for d in every if d <= 2 * num_ranks]
+    kept = max([d for d in below if d % num_ranks == 0] or below)
     rank_zero_info(
         f"twobp: schedule='auto' weighs num_microbatches={kept} only: {found} normalises by each micro-batch's "
         f"statistics, so another count would train another model; pass num_microbatches= to choose it"

@@ -352,13 +352,13 @@ def _check_held(on_meta: set[str], group: dist.ProcessGroup | None) -> None:
         )
 
 
-def _check_stepped(module: nn.Module, optimizers: list[Any], group: dist.ProcessGroup | None) -> None:
+def _check_stepped(module: nn.Module, optimizers: list[Any], group: dist.ProcessGroup | None, shard: bool) -> None:
     """Every parameter the optimizers step is one of the model's: their state is saved under the model's
     parameter names. Refused on every rank alike, before anything is written (torch's own lookup failed on
     the ranks holding one, with a bare KeyError, while the others went on to wait for them)."""
     held = {id(q) for q in module.parameters()}
     gone = [q for opt in optimizers for g in opt.param_groups for q in g["params"] if id(q) not in held]
-    mine = (len(gone), any(isinstance(q, DTensor) for q in gone))
+    mine = (len(gone), shard and any(isinstance(q, DTensor) for q in gone))
     _, world = _world()
     every: list[Any] = [mine]
     if world > 1:
@@ -407,7 +407,7 @@ def _save(
     whole = get_model_state_dict(module)
     model = {name: value for name, value in whole.items() if not _is_meta(value)}
     _check_held(set(whole) - set(model), group)
-    _check_stepped(module, optimizers, group)
+    _check_stepped(module, optimizers, group, layout.get("data_parallel") == "shard")
     state: dict[str, Any] = {"model": model}
     for i, opt in enumerate(optimizers):
         state[f"optimizer_{i}"] = get_optimizer_state_dict(module, opt, options=_OPTIM)

@@ -48,12 +48,17 @@ def _compiled(lm: nn.Module, contract: Any) -> str | None:
             f"torch.compile({wrapped}) would be silently dropped: the pipeline runs the layers under the "
             f"compile wrapper ({contract.name}) directly"
         )
-    around = _compiled_around(lm, parts)
+    ancestors = getattr(contract, "ancestors", None)  # a ModuleList's holders, the LightningModule first
+    if ancestors is not None:  # its name is the top holder's alone
+        around = next((n for n, m in ancestors[1:] if _is_compiled(m)), None)
+    else:
+        around = _compiled_around(lm, parts)
     if around is not None:
+        layers = getattr(contract, "list_name", contract.name)
         return (
-            f"{around} is compiled with torch.compile and its forward runs the pipelined layers "
-            f"({contract.name}), which the pipeline cuts into stages: compiled code cannot be cut (it failed in "
-            f"the first step, inside torch's compiler)"
+            f"{around} is compiled with torch.compile and its forward runs the pipelined layers ({layers}), "
+            f"which the pipeline cuts into stages: compiled code cannot be cut (it failed in the first step, "
+            f"inside torch's compiler)"
         )
     for i, layer in enumerate(contract.layers()):
         for name, sub in layer.named_modules():
