@@ -206,6 +206,27 @@ def test_a_port_taken_at_every_launch_is_named(monkeypatch):
     assert len(launches) == processes._PORT_TRIES == 3
 
 
+_STARTS: list[int] = []
+
+
+def _what_a_rank_starts_with(rank, world):
+    _STARTS.append(rank)  # a module global: a rank forked from a process that kept it would count earlier launches
+    return os.environ.get("TWOBP_PROBE"), os.getcwd(), torch.get_num_threads(), len(_STARTS)
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(120)
+def test_each_launch_starts_its_ranks_fresh_with_the_launchers_environment_of_the_moment(tmp_path, monkeypatch):
+    """Ranks are forked from a server that imported torch and Lightning once (processes.py), whose own
+    environment and directory are those of its start: each launch's ranks must still see the launcher's of
+    that moment, as spawned ones would, with one thread and nothing an earlier launch left behind."""
+    run_distributed(_what_a_rank_starts_with, 2, timeout=60)  # the server runs from here on
+    monkeypatch.setenv("TWOBP_PROBE", "set after the first launch")
+    monkeypatch.chdir(tmp_path)
+    seen = run_distributed(_what_a_rank_starts_with, 2, timeout=60)
+    assert seen == [("set after the first launch", str(tmp_path), 1, 1)] * 2
+
+
 def test_the_store_is_reachable_where_torch_keeps_it():
     """The one private torch API the failure channel uses: fails here when a torch release moves it."""
     assert callable(dist.distributed_c10d._get_default_store)
