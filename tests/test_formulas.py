@@ -4,6 +4,7 @@ backward, every parameter through a formula, and B freeing the micro-batch's gra
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -295,3 +296,44 @@ def test_batched_w_joins_micro_batches_and_matches_the_fused_backward(name, limi
     for (n, q), r in zip(mod.named_parameters(), ref.parameters(), strict=True):
         # joined: one sum over three micro-batches, rounded differently from three accumulated sums
         torch.testing.assert_close(q.grad, r.grad, rtol=1e-5, atol=1e-6 * r.grad.abs().max().item(), msg=n)
+
+
+class CrossAttention(nn.Module):
+    """torch's decoder layer attending to a memory made from the same input: its cross-attention splits the
+    packed in-projection's bias between the query's product and the key/value's, one weight-only value that
+    two Linears use (it ran the whole micro-batch in B, "none deferred to W")."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.TransformerDecoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
+
+    def forward(self, x):
+        return self.layer(x, x.flip(1) * 0.5)
+
+
+def test_a_weight_value_several_ops_use_is_deferred_by_their_formulas():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        stage = _split_vs_fused(CrossAttention, [torch.randn(2, 5, 8) for _ in range(3)])
+    assert stage.deferred_fraction == 1.0
+
+
+class SharedWithoutFormula(nn.Module):
+    """A weight-only value (``2 w``) that a product with a formula and ``atan2`` (none) both use, ``atan2``
+    upstream: W re-entering at ``atan2`` towards that value would run the product's share again."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.rand(8) + 0.5)
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        s = self.w * 2
+        return torch.atan2(self.lin(x) * s, s)
+
+
+def test_a_weight_value_an_op_without_a_formula_shares_runs_fused_saying_so_and_stays_exact():
+    said = r"MulBackward0 makes feeds 2 ops on the input path, one of them without a W"
+    with pytest.warns(RuntimeWarning, match=said):
+        stage = _split_vs_fused(SharedWithoutFormula, [torch.randn(4, 8) for _ in range(2)])
+    assert stage.deferred_fraction == 0.0

@@ -7,7 +7,6 @@ compared). Micro-batches interleave (F0 F1 B0 B1 W(0,1)) so per-micro-batch stat
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import gc
 import warnings
@@ -311,15 +310,11 @@ def test_split_backward_matches_autograd(name, mode):
         if mode.endswith("-dropped"):
             stage.drop_outputs(i)
     mode = mode.removesuffix("-dropped")
-    # a split that runs fused says so, naming the parameter the shared value is made from (a DoRA model said
-    # only "ViewBackward0"). The shared transpose cannot be split; nor can a GRU's first step, whose
-    # hidden-state product with h0 = 0 is one weight-only value split three ways into its gates.
-    fell_back = mode == "split" and name in ("tied-transpose", "gru")
-    named = {
-        "tied-transpose": r"all taken in B.*TBackward0 makes feeds 2 ops on the input path, made from w;",
-        "gru": r"all taken in B.*makes feeds 3 ops on the input path, made from m.weight_hh_l0",
-    }.get(name, "")
-    with pytest.warns(RuntimeWarning, match=named) if fell_back else contextlib.nullcontext():
+    # A weight-only value several ops use (the shared transpose; a GRU's first step, whose hidden-state
+    # product with h0 = 0 is one weight-only value split three ways into its gates) is split too: each op's
+    # share by its formula. Where one of them has none, the split runs fused and says so (test_formulas).
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
         got_all = [(stage.backward_input if mode == "split" else stage.backward)(i, grads[i]) for i in range(len(mbs))]
     for i, got in enumerate(got_all):
         assert len(got) == len(mbs[i])
@@ -329,7 +324,7 @@ def test_split_backward_matches_autograd(name, mode):
             else:
                 torch.testing.assert_close(g, r, rtol=RTOL, atol=ATOL)
     if mode == "split":
-        if name in ("embedding-first", "tied-transpose", "gru"):
+        if name == "embedding-first":
             # no input grad to split off, or a graph that cannot be split: B runs the whole backward
             assert stage.deferred_fraction < 1.0
             assert all(p.grad is not None for p in mod.parameters() if p.requires_grad)
@@ -346,8 +341,8 @@ def test_split_backward_matches_autograd(name, mode):
 
 # A parameter used by two ops of the stage gets each op's gradient added to .grad on its own, where autograd
 # sums the two first: in bf16 that rounds once more (1 ulp of the sum), so those are left out below (an RNN's
-# hidden weight is used once per time step).
-SUMMED_IN_TWO = {"twice", "mid-embedding-tied", "rnn"}
+# hidden weight is used once per time step; a weight-only value several ops use, each op's share by its formula).
+SUMMED_IN_TWO = {"twice", "mid-embedding-tied", "rnn", "gru", "tied-transpose"}
 
 
 @pytest.mark.parametrize("name", sorted(set(CASES) - SUMMED_IN_TWO))
@@ -370,7 +365,7 @@ def test_split_in_bf16_rounds_as_the_fused_backward(name):
     for i, x in enumerate(mbs):
         stage.forward(i, *x)
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)  # tied-transpose's split that runs fused
+        warnings.simplefilter("error", RuntimeWarning)  # no split here runs fused
         for i in range(3):
             stage.backward_input(i, grads[i])
         for i in range(3):

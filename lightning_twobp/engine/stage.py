@@ -28,9 +28,12 @@ The one shape this cannot defer is a weight-only node reached from two frontier 
 that starts at one of them and passes through the other (then re-entering at the first would recompute
 the second). For a leaf parameter used directly by several ops the edges are instead taken in B
 (typically a bias or a norm scale: cheap), unless a weight-only node feeds it too (then each op's own
-share is deferred by its formula, see ``_fed_by_weights``); for anything else the micro-batch's weight
-grads are all taken in B and W only accumulates them. Both stay exact; ``Stage.deferred_fraction``
-tells how much was split.
+share is deferred by its formula, see ``_fed_by_weights``). A weight-only *value* several input-path ops
+use (a packed projection's bias split between query and key/value, a transpose taken once, a GRU's gates,
+DoRA's magnitude) is deferred op by op too, each op's share by its formula, summed where W carries the
+edges into the weights; where one of those ops has no formula, or the value also lies below an output that
+reaches no input, the micro-batch's weight grads are all taken in B and W only accumulates them. All stay
+exact; ``Stage.deferred_fraction`` tells how much was split.
 Inside an activation-checkpointed block a frontier node, or a weight-only region that saved tensors, is
 also taken in B (B's engine call, then carried into the weights in B's recompute group): W running it
 again would recompute the block once more, or fail under selective checkpointing.
@@ -913,6 +916,7 @@ class _Split:
     used_outputs: set[tuple[Node, int]]
     read: list[Node]  # nodes with weight edges: their saved flags decided (formulas.flags)
     mixed: set[Node]  # parameters' leaves also fed by a weight-only node (see _fed_by_weights)
+    shared: set[Node] = field(default_factory=set)  # weight-only values several input-path ops use directly
     frontier: list[tuple[Node, list[tuple[Node, int]]]] = field(default_factory=list)
     fast: list[formulas.FastW] = field(default_factory=list)
     early: list[GradientEdge] = field(default_factory=list)
@@ -933,14 +937,17 @@ class _Split:
             self.read.append(node)
         if single and formulas.by_product(node):
             # A training batch norm: B's call makes these from the reductions its input gradient needs.
-            if self._take_all_in_b(list(single.values())):
+            if self._take_all_in_b(list(single.values())) or self._shared_unsplit(list(single.values())):
                 return
             self.free.extend(GradientEdge(*e) for e in single.values())
             return
         # A weight-only region that saved tensors inside an activation-checkpointed block can be run once
         # per recompute: its edge is taken in B's engine call and carried into the weights in B's group
         # (see graph.in_checkpoint). Cheap where it happens: a PReLU slope, Mamba's -exp(A_log).
-        for pos in [pos for pos, (n, _) in single.items() if _region_checkpointed(n)]:
+        checkpointed = [pos for pos, (n, _) in single.items() if _region_checkpointed(n)]
+        if self._shared_unsplit([single[pos] for pos in checkpointed]):
+            return
+        for pos in checkpointed:
             self.in_b.append(GradientEdge(*single.pop(pos)))
         try:
             # A node whose second or third output feeds on (``native_batch_norm``'s saved mean) gets
@@ -953,7 +960,7 @@ class _Split:
         self.fast.extend(direct)
         self.num_deferred += len(covered)
         deferred = [e for pos, e in single.items() if pos not in covered]
-        if self._take_all_in_b(deferred):
+        if self._take_all_in_b(deferred) or self._shared_unsplit(deferred):
             return
         if deferred and in_checkpoint(node):  # W would run this node again: B runs it once, for both halves
             self.in_b.extend(GradientEdge(*e) for e in deferred)
@@ -977,14 +984,32 @@ class _Split:
                 if (n, i) not in self.early_seen:
                     self.early_seen.add((n, i))
                     self.early.append(GradientEdge(n, i))
-            else:
-                self.fallback = True
-                self.num_deferred += 1  # counted as taken in B by the plan
-                if not self.why:
-                    uses = len(self.sources[n])
-                    self.why = f"the weight-only value that {n.name()} makes feeds {uses} ops on the input path"
-                    self.why_params = tuple(id(q) for q in _params_below([n], self.params))
+            elif all(to_input[s] for s in self.sources[n]):
+                # A weight-only value several input-path ops use (a packed projection's bias split between
+                # query and key/value, nn.TransformerDecoderLayer's cross-attention): each op's share by its
+                # formula, summed where W carries the edges into the weights (see _shared_unsplit).
+                single[pos] = (n, i)
+                self.shared.add(n)
+            else:  # also below an output that reaches no input, whose backward W runs whole (freeing it)
+                self._fall_back(n, 1)
         return single
+
+    def _shared_unsplit(self, edges: list[tuple[Node, int]]) -> bool:
+        """Fall back (the micro-batch's weights all in B) when ``edges`` lead into a shared weight-only value
+        (several input-path ops use it) and no formula took this op's share: an engine call into it, B's or
+        W's re-entry at this node, gets the share of every op it passes through, which their own W adds too."""
+        shared = [n for n, _ in edges if n in self.shared]
+        if shared:
+            self._fall_back(shared[0], len(edges), ", one of them without a W formula")
+        return bool(shared)
+
+    def _fall_back(self, shared: Node, edges: int, detail: str = "") -> None:
+        self.fallback = True
+        self.num_deferred += edges  # counted as taken in B by the plan
+        if not self.why:
+            uses = len(self.sources[shared])
+            self.why = f"the weight-only value that {shared.name()} makes feeds {uses} ops on the input path{detail}"
+            self.why_params = tuple(id(q) for q in _params_below([shared], self.params))
 
     def _take_all_in_b(self, edges: list[tuple[Node, int]]) -> bool:
         """Fall back (the micro-batch's weights all in B) when ``edges`` hold a mixed leaf that no formula
