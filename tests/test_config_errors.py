@@ -1362,6 +1362,37 @@ def test_a_batch_that_splits_trains():
     assert t.global_step == 3
 
 
+class NextShard(Net):
+    """Its ``train_dataloader()`` hands out the next shard at each call, as a user's streaming data may:
+    the strategy's own check before the sanity check called it once more than one process does, and the run
+    trained on the second shard (found by a trial)."""
+
+    def __init__(self, batch: int) -> None:
+        super().__init__()
+        self.batch, self.calls = batch, 0
+
+    def train_dataloader(self):
+        self.calls += 1
+        return _data(16, self.batch)
+
+    def val_dataloader(self):
+        return _data(16, 8)
+
+
+@pytest.mark.parametrize("batch", [8, 2])
+def test_a_training_loader_from_a_hook_is_asked_for_once_as_in_one_process(batch):
+    model = NextShard(batch)
+    t = _trainer(TwoBPStrategy(num_microbatches=4), num_sanity_val_steps=2)
+    if batch == 8:
+        t.fit(model)
+        assert t.global_step == 2
+    else:  # refused when Lightning asks for it, before the first training step
+        with pytest.raises(ValueError, match=r"the training batch size 2 is smaller than num_microbatches=4"):
+            t.fit(model)
+        assert t.global_step == 0
+    assert model.calls == 1
+
+
 class Teacher(Net):
     """A copy of the pipelined layers outside the pipeline: ``how`` says what happens to it in training."""
 

@@ -204,6 +204,13 @@ class StepMetrics:
         self._told: set[str] = set()  # the Metrics warned about one number (see _telling), once a Trainer call
         self._find()
 
+    def first_time(self, key: str) -> bool:
+        """Whether ``key`` (a warning's) is met for the first time in this Trainer call: said once a call."""
+        if key in self._told:
+            return False
+        self._told.add(key)
+        return True
+
     def _find(self) -> None:
         """The module's Metrics, again where they changed: a MetricTracker adds a copy of its Metric at each
         ``increment()``, during the Trainer call (found here at the next step, so that its state reaches every

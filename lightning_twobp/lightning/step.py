@@ -169,20 +169,17 @@ def check_batches(loader: Any, m: int) -> None:
 
 
 def check_batch_size_early(trainer: Any, m: int) -> None:
-    """The sanity check runs before Lightning loads the training data. A batch size that cannot split
-    into micro-batches is refused before its first validation step: the training loader is asked for
-    (as Lightning will ask again later) with every random generator put back afterwards, so the data and
-    the run stay what they are without this check. The last batch, which needs Lightning's sampler, is
-    checked when training starts (:func:`check_batches`)."""
-    from lightning.pytorch.utilities.seed import isolate_rng
-
+    """The sanity check runs before Lightning loads the training data. A training loader given to the
+    Trainer call whose batch size cannot split into micro-batches is refused before its first validation
+    step. One that a ``train_dataloader()`` hook makes is checked when training starts, with the last
+    batch (:func:`check_batches`): calling the hook here too would call it once more than one process does,
+    and a hook that hands out the next shard, or counts its calls, would then train on other data."""
     from lightning_twobp.private import data_source
 
     source = data_source(trainer.fit_loop)
-    if source is None or not source.is_defined():
+    if source is None or source.is_module():
         return
-    with isolate_rng(include_cuda=True):
-        loader = source.dataloader()
+    loader = source.dataloader()  # the instance itself: no hook runs
     size = getattr(loader, "batch_size", None)
     if isinstance(size, int):
         check_batch_size(size, m)
@@ -268,9 +265,10 @@ def _no_scheduler_step(lm: Any, hook: str, m: int) -> list[tuple[Any, str, Any]]
 class _LogRecorder:
     """Stands in for ``LightningModule.log`` during one micro-batch: records instead of logging."""
 
-    def __init__(self, store: Logs | None, metrics: StepMetrics) -> None:
+    def __init__(self, store: Logs | None, metrics: StepMetrics, hook: str, m: int) -> None:
         self.store = store
         self.metrics = metrics
+        self.hook, self.m = hook, m
 
     def __call__(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
         if self.store is None:  # first stage, before the block: the last stage logs it
@@ -293,12 +291,34 @@ class _LogRecorder:
             )
         if is_metric(value):
             value = self.metrics.ref(value, name)
+        self._tell_extreme(name, value, reduction(kwargs))
         if not isinstance(value, (torch.Tensor, int, float, MetricRef)):
             raise TypeError(
                 f"self.log({name!r}, {type(value).__name__}) from a step under strategy='twobp': log a tensor, a "
                 f"number or a torchmetrics Metric; see docs/strategy.md, 'Logging and metrics'"
             )
         self.store[name] = (value.detach() if isinstance(value, torch.Tensor) else value, kwargs)
+
+    def _tell_extreme(self, name: str, value: Any, how: str) -> None:
+        """Warn once a Trainer call where a floating number is logged with ``reduce_fx`` sum, max or min: the
+        step's value is the micro-batches' sum or extreme (:func:`step_means`), one process's for a count or an
+        extreme over the batch's samples, not for a mean such as the loss (found by a trial: an epoch's max of
+        the loss read the worst micro-batch's mean, 2.56 against one process's 1.60)."""
+        floating = isinstance(value, float) or (isinstance(value, torch.Tensor) and value.is_floating_point())
+        if how == "mean" or not floating or self.m == 1 or not self.metrics.first_time(f"log:{name}"):
+            return
+        fix = (
+            "log the batch's loss in on_train_batch_end (outputs['loss'], on every rank) with that reduce_fx"
+            if self.hook == "training_step"
+            else "log a value the micro-batches' sum or extreme gives whole (a count, the largest sample's loss)"
+        )
+        warnings.warn(
+            f"twobp: self.log({name!r}, ..., reduce_fx={how!r}) in {self.hook}, which runs once per micro-batch "
+            f"({self.m} per batch): the step logs the {self.m} values' {how}, one process's value for a count or an "
+            f"extreme over the batch's samples, not for a mean such as the loss (its {how} over micro-batches is "
+            f"not the batch's mean); for such a mean, {fix}",
+            stacklevel=3,
+        )
 
 
 def _autocast_state(module: Any) -> tuple[tuple[str, bool, str], ...]:
@@ -367,7 +387,7 @@ class StepRunner:
 
     def _call(self, index: int, block: Callable[..., Any], logs: Logs | None) -> Any:
         state = self.current
-        recorder = _LogRecorder(logs, self.metrics)
+        recorder = _LogRecorder(logs, self.metrics, state.hook, len(state.microbatches))
         outside = _autocast_state(self.module)
         with self._drawing_alike(index) as hand_back:
 
