@@ -656,8 +656,9 @@ def _static(sp: StagePlan, data_parallel: str, dp: int, precision: str) -> int:
 
 def format_plan(pl: Plan) -> str:
     g = lambda b: f"{b / GiB:8.2f}"  # noqa: E731
+    count = f"{pl.params / 1e9:.3f}e9" if pl.params >= 1e8 else f"{pl.params / 1e6:.3f}e6"  # a tiny recipe read 0.000e9
     lines = [
-        f"twobp-plan {pl.recipe}: {pl.model}, {pl.params / 1e9:.3f}e9 parameters; {pl.world} devices = pipeline "
+        f"twobp-plan {pl.recipe}: {pl.model}, {count} parameters; {pl.world} devices = pipeline "
         f"{pl.pipeline_degree} x data {pl.data_parallel}; {pl.schedule}, m={pl.num_microbatches}, micro-batch "
         f"{pl.microbatch_size}; {pl.precision}; {pl.optimizer}"
         + ("" if pl.activation_checkpointing is None else f"; activation_checkpointing={pl.activation_checkpointing}"),

@@ -69,7 +69,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     trainer: pl.Trainer = instantiate(
         cfg.trainer, strategy=strategy, callbacks=callbacks, logger=loggers or False, default_root_dir=out_dir
     )
-    trainer.fit(model, datamodule=data, ckpt_path=resume_path(cfg.get("ckpt_path"), out_dir))
+    trainer.fit(model, datamodule=data, ckpt_path=resume_path(cfg.get("ckpt_path"), out_dir, cfg.get("model")))
     if cfg.get("validate"):
         trainer.validate(model, datamodule=data)
     summary: dict[str, Any] = next((c.summary for c in callbacks if hasattr(c, "summary")), {})
@@ -111,23 +111,70 @@ def instantiate_data(cfg: DictConfig) -> Any:
         raise Refused(f"{key} has no value: give it on the command line, e.g. {example}") from e
 
 
-def resume_path(ckpt_path: str | None, out_dir: str) -> str | None:
+def resume_path(ckpt_path: str | None, out_dir: str, model: DictConfig | None = None) -> str | None:
     """``ckpt_path`` as given, or for ``last`` the newest complete checkpoint of this recipe's earlier
-    runs (``outputs/<recipe>/*/checkpoints/*.ckpt``, the run directory's siblings). Lightning's own
+    runs (``outputs/<recipe>/*/checkpoints/*.ckpt``, the run directory's siblings) whose ``model`` config (in
+    the run's ``.hydra/config.yaml``) is ``model``: an earlier run with other overrides (``model.vocab_size``)
+    holds other shapes, which failed in torch's loader naming neither checkpoint nor fix. Lightning's own
     ``"last"`` would look only in this run's new, empty directory."""
     if ckpt_path != "last":
         return ckpt_path
     from lightning_twobp.lightning.checkpoint import MANIFEST
 
     runs = Path(out_dir).resolve().parent
-    found = [m.parent for m in runs.glob(f"*/checkpoints/*.ckpt/{MANIFEST}")]
+    found = sorted(
+        (m.parent for m in runs.glob(f"*/checkpoints/*.ckpt/{MANIFEST}")),
+        key=lambda p: (p / MANIFEST).stat().st_mtime,
+        reverse=True,
+    )
     if not found:
         raise CheckpointNotFound(
             f"ckpt_path=last: no complete checkpoint under {runs}/*/checkpoints/ (earlier runs of this recipe); "
             f"pass a checkpoint's path, quoted for Hydra when it holds '=': "
             f"'ckpt_path=\"outputs/.../checkpoints/epoch=0-step=10.ckpt\"'"
         )
-    return str(max(found, key=lambda p: (p / MANIFEST).stat().st_mtime))
+    wanted = {} if model is None else _flat(OmegaConf.to_container(model, resolve=True))
+    differs = {path: _differences(_run_model(path.parent.parent), wanted) for path in found}
+    same = [path for path in found if not differs[path]]
+    if not same:
+        raise CheckpointNotFound(
+            f"ckpt_path=last: the newest checkpoint of this recipe, {found[0]}, is of another model "
+            f"({'; '.join(differs[found[0]][:4])}), and so is every other under {runs}: run with that run's "
+            f"overrides, or pass the checkpoint to resume as ckpt_path"
+        )
+    if same[0] != found[0]:
+        print(f"twobp: ckpt_path=last: {found[0]} is of another model ({'; '.join(differs[found[0]][:4])}); "
+              f"resuming {same[0]}, the newest of this one", flush=True)  # fmt: skip
+    return str(same[0])
+
+
+def _run_model(run: Path) -> dict[str, Any] | None:
+    """The ``model`` config an earlier run saved (Hydra's ``.hydra/config.yaml``), flat; None when unknown."""
+    saved = run / ".hydra" / "config.yaml"
+    if not saved.is_file():
+        return None
+    cfg = OmegaConf.load(saved)
+    model = cfg.get("model") if isinstance(cfg, DictConfig) else None
+    if not isinstance(model, DictConfig):
+        return None
+    try:
+        return _flat(OmegaConf.to_container(model, resolve=True))
+    except Exception:  # an interpolation into another group of that run's config: compare as written
+        return _flat(OmegaConf.to_container(model, resolve=False))
+
+
+def _flat(tree: Any, prefix: str = "model") -> dict[str, Any]:
+    if not isinstance(tree, dict):
+        return {prefix: tree}
+    return {k: v for key, sub in tree.items() for k, v in _flat(sub, f"{prefix}.{key}").items()}
+
+
+def _differences(saved: dict[str, Any] | None, wanted: dict[str, Any]) -> list[str]:
+    """``key: theirs (that run) -> ours (this run)`` for each key that differs; none where either is unknown."""
+    if saved is None or not wanted:
+        return []
+    keys = sorted(saved.keys() | wanted.keys())
+    return [f"{k} {saved.get(k)!r} there, {wanted.get(k)!r} here" for k in keys if saved.get(k) != wanted.get(k)]
 
 
 def _launched_by_lightning(cfg: DictConfig) -> bool:

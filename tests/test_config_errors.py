@@ -8,6 +8,7 @@ the table users read and the cases CI runs cannot drift apart.
 from __future__ import annotations
 
 import json
+import os
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -32,7 +33,7 @@ import lightning_twobp  # noqa: F401  (registers "twobp")
 from lightning_twobp import TwoBPStrategy
 from lightning_twobp.lightning.checks import checked_optimizers
 from lightning_twobp.processes import free_port
-from lightning_twobp.train import resume_path
+from lightning_twobp.train import CheckpointNotFound, resume_path
 
 from conftest import Regressor, quiet_trainer
 
@@ -1458,6 +1459,30 @@ def test_ckpt_path_last_finds_the_newest_complete_checkpoint(tmp_path):
     (older / "twobp-manifest.json").write_text("{}")
     assert resume_path("last", str(run)) == str(older)
     assert resume_path("some/path", str(run)) == "some/path" and resume_path(None, str(run)) is None
+
+
+def test_ckpt_path_last_resumes_the_newest_checkpoint_of_this_model(tmp_path, capsys):
+    """A newer run with other overrides (``model.vocab_size``) holds other shapes: ``last`` took it, and torch's
+    loader failed on a size mismatch naming neither checkpoint (found by the docs trial)."""
+    from omegaconf import OmegaConf
+
+    runs = tmp_path / "outputs" / "cpu-tiny-llama"
+    ckpts = {}
+    for when, vocab in [("2026-11-29_10-00-00", 256), ("2026-11-30_10-00-00", 384)]:
+        (runs / when / ".hydra").mkdir(parents=True)
+        OmegaConf.save(
+            OmegaConf.create({"model": {"dim": 64, "vocab_size": vocab}}), runs / when / ".hydra/config.yaml"
+        )
+        ckpts[vocab] = runs / when / "checkpoints" / "epoch=0-step=5.ckpt"
+        ckpts[vocab].mkdir(parents=True)
+        (ckpts[vocab] / "twobp-manifest.json").write_text("{}")
+    os.utime(ckpts[256] / "twobp-manifest.json", (1, 1))  # the older
+    run = str(runs / "2026-12-01_10-00-00")
+    assert resume_path("last", run, OmegaConf.create({"dim": 64, "vocab_size": 384})) == str(ckpts[384])
+    assert resume_path("last", run, OmegaConf.create({"dim": 64, "vocab_size": 256})) == str(ckpts[256])
+    assert "model.vocab_size 384 there, 256 here" in capsys.readouterr().out
+    with pytest.raises(CheckpointNotFound, match=r"is of another model \(model.vocab_size 384 there, 512 here\)"):
+        resume_path("last", run, OmegaConf.create({"dim": 64, "vocab_size": 512}))
 
 
 def test_pipeline_timeout_bounds_lightnings_collectives_too():

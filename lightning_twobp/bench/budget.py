@@ -63,6 +63,7 @@ from lightning_twobp.bench.memory_model import ADAMW_COPIES, layer_costs, partit
 from lightning_twobp.bench.paper import PaperModel
 from lightning_twobp.bench.peer import Contender, build_runner, grad_error, torch_pipelining_available
 from lightning_twobp.bench.peer_ac import counted_forwards, first_error
+from lightning_twobp.bench.progress import say
 from lightning_twobp.bench.workload import WORLD, Workload, keep_freed_memory, reference_grads
 from lightning_twobp.engine.memory import return_freed_memory
 from lightning_twobp.monitor import peak_rss_mb, reset_peak_rss, rss_mb
@@ -346,6 +347,7 @@ def run_budget(
         refs = _reference_files(wl, counts, Path(tmp))
 
         def run(c: Contender, m: int, auto_label: str | None = None, schedule: Schedule | None = None) -> None:
+            say(f"--budget: {auto_label or c.label} at m={m}, alone in a fresh pair of processes")
             try:
                 per_rank = run_distributed(_one, WORLD, wl, c, m, steps, counts[0], refs[m], schedule, timeout=1800)
             except RuntimeError as e:  # a schedule that does not take this m (torch's checks), or this checkpointing

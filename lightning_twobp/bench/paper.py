@@ -50,6 +50,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_twobp.bench.peer import grad_error, grad_failures, torch_pipelining_available, what_ran
+from lightning_twobp.bench.progress import say
 from lightning_twobp.bench.workload import WORLD, grad_of, keep_freed_memory, stage_sizes
 from lightning_twobp.engine import PipelineExecutor
 from lightning_twobp.engine.stage import Stage
@@ -392,7 +393,9 @@ def _worker(rank: int, world: int, quick: bool, repeats: int, with_torch: bool) 
     # machine has no GPU.
     device = torch.device(f"cuda:{rank}") if dist.get_backend() == "nccl" else torch.device("cpu")
     runners, refs, profiles = [], {}, {}
+    tell = say if rank == 0 else lambda what: None
     for pm in models(quick):
+        tell(f"--paper: {pm.name}: one-process references, layer profiles and {len(rows(with_torch))} pipelines")
         layers, loss_fn = pm.build()
         x, y = pm.data()
         for m in (WORLD, 2 * WORLD):
@@ -411,6 +414,7 @@ def _worker(rank: int, world: int, quick: bool, repeats: int, with_torch: bool) 
 
     times: dict[str, list[float]] = {r.key: [] for r in runners}
     for i in range(repeats):
+        tell(f"--paper: gradients checked; timing round {i + 1} of {repeats} ({len(runners)} pipelines)")
         k = i * len(runners) // max(1, repeats)
         for r in runners[k:] + runners[:k]:
             times[r.key].append(_timed(r, device))
@@ -418,6 +422,7 @@ def _worker(rank: int, world: int, quick: bool, repeats: int, with_torch: bool) 
     # Two recorded steps per row of ours (recording adds a saved-tensor hook: not timed): the per-op
     # costs for RQ3 (medians over both) and the bytes each micro-batch holds for RQ2; on CUDA, the
     # peak allocated.
+    tell("--paper: recording two steps per pipeline (memory, per-op costs)")
     records: dict[str, list[tuple[str, float, float, float]]] = {}
     held: dict[str, dict[tuple[int, int], int]] = {}
     cuda_peak: dict[str, int] = {}
