@@ -68,6 +68,51 @@ def test_lightning_demo_models_train_as_in_one_process(two_ranks, request, name)
             torch.testing.assert_close(value, ref[n], rtol=1e-5, atol=atol, msg=n)
 
 
+class Shards(BoringModel):
+    """A hook that hands out the next shard at each call and draws it at random, as BoringModel's does:
+    ``balance="time"`` and ``schedule="auto"`` read the first batch in setup, and the hook ran two or three
+    times where one process runs it once (trained on another shard, silently)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 2))
+        self.calls = 0
+
+    def train_dataloader(self) -> DataLoader:
+        self.calls += 1
+        shard = RandomDataset(32, 64)
+        shard.data += self.calls
+        return DataLoader(shard, batch_size=4, shuffle=True)  # its order drawn from the random state the hook left
+
+
+PROFILED = {
+    "balance-time": dict(balance="time", num_microbatches=2),
+    "auto": dict(schedule="auto", memory_limit="1.5x1f1b"),
+}
+
+
+def _fit_shards(strategy, devices: int) -> tuple[dict, int]:
+    torch.manual_seed(0)
+    model = Shards()
+    quiet_trainer(strategy, devices, max_steps=4, limit_val_batches=2).fit(model)
+    return {n: q.detach().clone() for n, q in model.named_parameters()}, model.calls
+
+
+def _fit_shards_pipelined(rank: int, world: int, case: str) -> tuple[dict, int]:
+    lightning_env(rank, world)
+    return _fit_shards(TwoBPStrategy(gather_full_model=True, **PROFILED[case]), world)
+
+
+@pytest.mark.parametrize("case", list(PROFILED))
+def test_a_hook_made_loader_is_made_once_when_the_layers_are_profiled(two_ranks, request, case):
+    ref, calls = _fit_shards("auto", 1)
+    assert calls == 1
+    for params, calls in two_ranks[request.node.name]:
+        assert calls == 1, f"train_dataloader() ran {calls} times"
+        for n, value in params.items():
+            torch.testing.assert_close(value, ref[n], rtol=1e-5, atol=1e-6, msg=n)
+
+
 class CLIModel(BoringModel):
     def __init__(self) -> None:
         super().__init__()
@@ -129,5 +174,11 @@ def test_lightning_cli(two_ranks, request, case):
 def two_ranks(request) -> conftest.Launch:
     """Every case of this module, in one launch of 2 ranks."""
     cases = {f"test_lightning_demo_models_train_as_in_one_process[{n}]": (_fit_pipelined, (n,)) for n in DEMOS}
+    cases |= {
+        f"test_a_hook_made_loader_is_made_once_when_the_layers_are_profiled[{k}]": (_fit_shards_pipelined, (k,))
+        for k in PROFILED
+    }
+    # last: LightningCLI seeds at random and exports PL_GLOBAL_SEED, which Lightning's DDP setup re-seeds from
+    # (as in any DDP run), so a later fit in these processes draws other data than the reference's
     cases |= {f"test_lightning_cli[{k}]": (_cli, (args,)) for k, (args, _) in CLI.items()}
     return launch(request, 2, cases, timeout=840)

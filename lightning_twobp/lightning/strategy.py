@@ -26,7 +26,7 @@ from typing_extensions import override
 
 from lightning_twobp.engine import Verdict
 from lightning_twobp.engine.failure import FailureChannel, check_links_open, close_links, lost_peer
-from lightning_twobp.lightning import checkpoint_hooks, pretrained
+from lightning_twobp.lightning import checkpoint_hooks, first_loader, pretrained
 from lightning_twobp.lightning.checkpoint import CheckpointError
 from lightning_twobp.lightning.checks import (
     OutsideWrites,
@@ -163,6 +163,7 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
         self._failed = False
         self.stage_sizes: list[int] | None = None  # layers per stage, once the pipeline is built
         self._resume_rng: dict[str, torch.Tensor] | None = None  # a checkpoint's random states, not yet restored
+        self._release_loader: Callable[[], None] = lambda: None  # first_loader.hold's, until training starts
         self._record_next = False
         self._steps_this_batch = 0  # training_step calls for the current batch (see _CLOSURE_AGAIN)
         self._closure_again_said = False  # _CLOSURE_AGAIN_NORM warned (once per strategy)
@@ -235,6 +236,8 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
         self._failed = False
         self._batches_checked = self._same_batch_checked = False
         self._outside = None
+        if trainer.state.fn == TrainerFn.FITTING:  # before the layers' profile reads the first batch
+            self._release_loader = first_loader.hold(trainer)
         # open before the pipeline is built: schedule="auto" and balance="time" measure the layers there,
         # in collectives over the pipeline, and a rank failing while measuring is named to the others (who
         # saw only gloo's "Connection closed by peer"); the stages this rank holds are known after
@@ -327,6 +330,7 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
         model is put back whole and the precision plugin is Lightning's own again, with the trained loss
         scale."""
         self._step_checks = self.step_checks  # kept after the pipeline goes
+        self._release_loader()  # a call that ended before training
         pipeline, self._pipeline = self._pipeline, None
         self._calls_ended = self._calls_ended or pipeline is not None
         self._failures = None  # this call's: the next call opens its own
@@ -410,6 +414,7 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
 
     @override
     def on_train_start(self) -> None:
+        self._release_loader()  # the fit loop has its loader: a reload later runs the hook, as in one process
         loader = self.lightning_module.trainer.train_dataloader
         if not self._batches_checked and loader is not None:
             check_batches(loader, self.num_microbatches)
