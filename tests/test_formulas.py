@@ -9,6 +9,7 @@ import warnings
 import pytest
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from lightning_twobp.engine import Stage, formulas
 from lightning_twobp.models.bert import BertLayer
@@ -337,3 +338,93 @@ def test_a_weight_value_an_op_without_a_formula_shares_runs_fused_saying_so_and_
     with pytest.warns(RuntimeWarning, match=said):
         stage = _split_vs_fused(SharedWithoutFormula, [torch.randn(4, 8) for _ in range(2)])
     assert stage.deferred_fraction == 0.0
+
+
+# Shapes a review found (the split crashed in W, or counted a share twice); each now exact, most by falling back.
+class CheckpointedUseOfShared(nn.Module):
+    """``s`` used by two products (deferred) and, through ``s.exp()``, inside a checkpointed block (carried
+    into the weights in B, which freed ``s``'s graph before W's push went through it: a crash)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.rand(8) + 0.5)
+
+    def forward(self, x):
+        s = -self.w.exp()
+        y = checkpoint(lambda x, s: x * s.exp(), x, s, use_reentrant=False)
+        return y * s + x * s
+
+
+class NestedAtReentry(nn.Module):
+    """``addcmul`` (no formula) of ``s`` and ``-s``: W re-entering it took ``-s``'s share at ``s`` too and
+    pushed it again (1.5x the gradient, silently, before the change that split shared values)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.rand(8) + 0.5)
+
+    def forward(self, x):
+        s = self.w * 2
+        return torch.addcmul(x, s, s.neg())
+
+
+class NestedBatchNorm(nn.Module):
+    """A training batch norm whose scale is ``s`` and bias ``-s``: B's call took both, one below the other."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.rand(8) + 0.5)
+
+    def forward(self, x):
+        s = self.w * 2
+        return nn.functional.batch_norm(x, None, None, s, -s, training=True)
+
+
+class NestedInCheckpoint(nn.Module):
+    """The same nesting inside a checkpointed block, whose edges B takes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.rand(8) + 0.5)
+
+    def forward(self, x):
+        return checkpoint(self.body, x, self.w, use_reentrant=False)
+
+    @staticmethod
+    def body(x, w):
+        s = w.exp()
+        return torch.addcmul(x, s, -s)
+
+
+@pytest.mark.parametrize("make", [CheckpointedUseOfShared, NestedAtReentry, NestedBatchNorm, NestedInCheckpoint])
+def test_weight_values_taken_twice_or_freed_early_fall_back_exactly(make):
+    with pytest.warns(RuntimeWarning, match="none deferred to W"):
+        _split_vs_fused(make, [torch.randn(4, 8) for _ in range(2)])
+
+
+class RootBelowShared(nn.Module):
+    """``u = exp(w)`` below a shared ``s = 2 u``, and returned too (an output that reaches no input): W ran that
+    output's backward first, freeing ``u``, then pushed the products' shares through it (a crash)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.rand(8) + 0.5)
+
+    def forward(self, x):
+        u = self.w.exp()
+        s = u * 2
+        return x * s + x.relu() * s, u.sum() * 3
+
+
+def test_an_output_that_reaches_no_input_below_a_shared_value_keeps_its_graph_for_w():
+    torch.manual_seed(0)
+    ref = RootBelowShared()
+    stage = Stage(copy.deepcopy(ref))
+    x, g = torch.randn(4, 8), [torch.randn(4, 8), torch.randn(())]
+    xr = x.clone().requires_grad_()
+    torch.autograd.backward(list(ref(xr)), g)
+    stage.forward(0, x.clone().requires_grad_())
+    (gx,) = stage.backward_input(0, g)
+    stage.backward_weight(0)
+    torch.testing.assert_close(gx, xr.grad, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(stage.module.w.grad, ref.w.grad, rtol=1e-5, atol=1e-6)

@@ -300,7 +300,11 @@ class Stage:
             param.grad.add_(grad)
 
     def _full_backward(
-        self, outputs: list[torch.Tensor | GradientEdge], grads_out: list, inputs: list[torch.Tensor]
+        self,
+        outputs: list[torch.Tensor | GradientEdge],
+        grads_out: list,
+        inputs: list[torch.Tensor],
+        retain_graph: bool = False,
     ) -> tuple[torch.Tensor | None, ...]:
         """The whole backward in one autograd call: accumulate every parameter's grad and return
         the grads of ``inputs``.
@@ -318,7 +322,7 @@ class Stage:
         for x in inputs:
             x.grad = None
         # A list mixing tensors and edges (a dropped output's) is accepted; torch's hint names one kind.
-        torch.autograd.backward(cast(list[torch.Tensor], outputs), grads_out, inputs=leaves)
+        torch.autograd.backward(cast(list[torch.Tensor], outputs), grads_out, inputs=leaves, retain_graph=retain_graph)
         grads = tuple(x.grad for x in inputs)
         for x in inputs:
             x.grad = None  # the caller owns the gradient now; the detached input is dropped with the graph
@@ -479,11 +483,10 @@ class Stage:
             why += f", made from {names[0]}" + (f" and {len(names) - 1} more" if len(names) > 1 else "")
         self._warn_once(
             "fallback",
-            f"a micro-batch's weight gradients were all taken in B, none deferred to W ({why}; Hugging Face RWKV's "
-            f"-exp(time_decay) is one). Exact, but B runs the whole backward and W has nothing to do, so the split "
-            f"gains nothing on this stage (deferred_fraction counts them as taken in B). To defer them, compute that "
-            f"value where each op uses it, from the parameter; or train this model with a fused schedule "
-            f"(split_backward=False).",
+            f"a micro-batch's weight gradients were all taken in B, none deferred to W ({why}). Exact, but B runs "
+            f"the whole backward and W has nothing to do, so the split gains nothing on this stage (deferred_fraction "
+            f"counts them as taken in B). To defer them, compute that value where each op uses it, from the "
+            f"parameter; or train this model with a fused schedule (split_backward=False).",
         )
 
     def _hidden_in_b(self, hit: set[int]) -> None:
@@ -514,7 +517,9 @@ class Stage:
         edge_grads: list[tuple[GradientEdge, torch.Tensor]] = []
         for p in pend:
             if p.weight_roots:
-                self._full_backward([t for t, _ in p.weight_roots], [g for _, g in p.weight_roots], [])
+                # kept for the push below: a weight-only node the input path's share also goes through
+                # (freed here, the push failed with "backward through the graph a second time")
+                self._full_backward([t for t, _ in p.weight_roots], [g for _, g in p.weight_roots], [], True)
             edge_grads.extend(p.edge_grads)
         edge_grads.extend(self._apply_formulas(pend))
         for p in pend:
@@ -713,6 +718,7 @@ def _plan(
     for node in reversed(order):  # parents first: the order B reaches them
         if reach.to_input[node] and getattr(node, "variable", None) is None:
             split.add(node)
+    split.check_b_targets()
     to_input, to_param = reach.to_input, reach.to_param
     weight_roots = [
         i
@@ -937,7 +943,8 @@ class _Split:
             self.read.append(node)
         if single and formulas.by_product(node):
             # A training batch norm: B's call makes these from the reductions its input gradient needs.
-            if self._take_all_in_b(list(single.values())) or self._shared_unsplit(list(single.values())):
+            edges = list(single.values())
+            if self._take_all_in_b(edges) or self._shared_unsplit(edges, edges, ", one a batch norm's, taken in B"):
                 return
             self.free.extend(GradientEdge(*e) for e in single.values())
             return
@@ -945,7 +952,8 @@ class _Split:
         # per recompute: its edge is taken in B's engine call and carried into the weights in B's group
         # (see graph.in_checkpoint). Cheap where it happens: a PReLU slope, Mamba's -exp(A_log).
         checkpointed = [pos for pos, (n, _) in single.items() if _region_checkpointed(n)]
-        if self._shared_unsplit([single[pos] for pos in checkpointed]):
+        in_region = [single[pos] for pos in checkpointed]
+        if self._shared_unsplit(in_region, list(single.values()), ", one in a checkpointed region, taken in B"):
             return
         for pos in checkpointed:
             self.in_b.append(GradientEdge(*single.pop(pos)))
@@ -960,11 +968,18 @@ class _Split:
         self.fast.extend(direct)
         self.num_deferred += len(covered)
         deferred = [e for pos, e in single.items() if pos not in covered]
-        if self._take_all_in_b(deferred) or self._shared_unsplit(deferred):
+        if self._take_all_in_b(deferred) or self._shared_unsplit(
+            deferred, deferred, ", one of them without a W formula"
+        ):
             return
         if deferred and in_checkpoint(node):  # W would run this node again: B runs it once, for both halves
             self.in_b.extend(GradientEdge(*e) for e in deferred)
             deferred = []
+        nested = _nested([n for n, _ in deferred])
+        if nested is not None:  # W's re-entry would take the upper value's share at both: counted twice
+            why = f"W re-entering {node.name()} would take a gradient at {nested.name()} and at a value above it"
+            self._fall_back(nested, len(deferred), why=why)
+            return
         if deferred:
             self.frontier.append((node, deferred))
             self.num_deferred += len(deferred)
@@ -994,21 +1009,41 @@ class _Split:
                 self._fall_back(n, 1)
         return single
 
-    def _shared_unsplit(self, edges: list[tuple[Node, int]]) -> bool:
-        """Fall back (the micro-batch's weights all in B) when ``edges`` lead into a shared weight-only value
-        (several input-path ops use it) and no formula took this op's share: an engine call into it, B's or
-        W's re-entry at this node, gets the share of every op it passes through, which their own W adds too."""
+    def check_b_targets(self) -> None:
+        """After every node: fall back where B's engine call would take a gradient at two weight values one
+        below the other (a training batch norm's scale ``s`` and bias ``-s``; a checkpointed op using ``s`` and
+        ``-s``), or where a checkpointed region B carries into the weights lies below a shared value: the lower
+        capture holds the upper's share, pushed again from there; and B's push frees what W's goes through."""
+        targets = [e.node for e in self.early + self.free + self.in_b]
+        nested = _nested(targets)
+        if nested is not None:
+            self._fall_back(
+                nested, 0, why=f"B's engine call would take a gradient at {nested.name()} and at a value above it"
+            )
+            return
+        carried = _below([e.node for e in self.in_b])
+        shared = next((n for n in self.shared if n in carried), None)
+        if shared is not None:
+            self._fall_back(shared, 0, ", and a checkpointed region taken in B goes through it")
+
+    def _shared_unsplit(self, edges: list[tuple[Node, int]], counted: list[tuple[Node, int]], detail: str) -> bool:
+        """Fall back (the micro-batch's weights all in B; ``counted``: this node's edges, taken in B) when ``edges``
+        lead into a shared weight-only value (several input-path ops use it) and no formula takes this op's share:
+        an engine call into it, B's or W's re-entry at this node, gets the share of every op it passes through,
+        which their own W adds too."""
         shared = [n for n, _ in edges if n in self.shared]
         if shared:
-            self._fall_back(shared[0], len(edges), ", one of them without a W formula")
+            self._fall_back(shared[0], len(counted), detail)
         return bool(shared)
 
-    def _fall_back(self, shared: Node, edges: int, detail: str = "") -> None:
+    def _fall_back(self, shared: Node, edges: int, detail: str = "", why: str = "") -> None:
         self.fallback = True
         self.num_deferred += edges  # counted as taken in B by the plan
         if not self.why:
-            uses = len(self.sources[shared])
-            self.why = f"the weight-only value that {shared.name()} makes feeds {uses} ops on the input path{detail}"
+            uses = len(self.sources.get(shared, ()))
+            self.why = (
+                why or f"the weight-only value that {shared.name()} makes feeds {uses} ops on the input path{detail}"
+            )
             self.why_params = tuple(id(q) for q in _params_below([shared], self.params))
 
     def _take_all_in_b(self, edges: list[tuple[Node, int]]) -> bool:
@@ -1038,6 +1073,31 @@ def _fed_by_weights(order: list[Node], children: dict[Node, list[tuple[Node, int
         for n, _ in children[node]
         if getattr(n, "variable", None) is not None
     }
+
+
+def _below(tops: Iterable[Node]) -> set[Node]:
+    """Every node below ``tops`` (the weight-only region: small)."""
+    seen: set[Node] = set()
+    stack = [n for top in tops for n, _ in top.next_functions if n is not None]
+    while stack:
+        node = stack.pop()
+        if node not in seen:
+            seen.add(node)
+            stack.extend(n for n, _ in node.next_functions if n is not None)
+    return seen
+
+
+def _nested(targets: list[Node]) -> Node | None:
+    """A node among ``targets`` that lies below another of them (an engine call's gradient there would hold
+    the other's share too), or None."""
+    if len(targets) < 2:
+        return None
+    wanted = set(targets)
+    for top in wanted:
+        below = _below([top]) & wanted
+        if below:
+            return next(iter(below))
+    return None
 
 
 def _region_checkpointed(top: Node) -> bool:

@@ -114,7 +114,7 @@ def said_lost_stream_batch(trainer: Any, batch: Any) -> None:
 
 def streaming(loop: Any) -> Any | None:
     """The loop's loaders, looked at before it sets its data up, when any of them reads an ``IterableDataset``;
-    else None. (The source calls the LightningModule's or datamodule's ``*_dataloader()`` hook once more.)"""
+    else None. (A fit's ``train_dataloader()`` hook runs once all the same: :mod:`.first_loader`.)"""
     source = data_source(loop)
     if source is None or not source.is_defined():
         return None
