@@ -3,7 +3,9 @@
 Ranks are forked from one server process that has imported torch, Lightning and this package once (a
 spawned rank spends most of a short job importing them: 3-6 s of CPU each on a 2-core machine). The server
 runs no torch op and touches no GPU, so a forked rank starts as clean as a spawned one; it gets the
-launching process's environment, working directory and ``sys.path`` at each launch, as a spawned one would.
+launching process's environment, working directory, ``sys.path``, stdout and stderr at each launch, and
+fresh seeds for torch's and NumPy's global generators, as a spawned one would (forked, every rank of every
+launch drew the same unseeded numbers, and wrote where the launcher's output went when the server started).
 Every rank gets one intra-op thread, a fresh free port (also in its MASTER_ADDR and MASTER_PORT), and a
 hard timeout: a rank that fails or hangs stops the whole group and the parent raises with the rank's
 traceback, never waits forever. A port another process takes between :func:`free_port` and rank 0's bind
@@ -16,6 +18,7 @@ import datetime
 import os
 import pickle
 import socket
+import sys
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -50,6 +53,36 @@ def _context() -> Any:
     return ctx
 
 
+class _Stdio:
+    """The launcher's stdout and stderr of the moment, handed to a rank (the server's are those of its start,
+    before a test's capture or a script's redirection): file descriptors passed as ``multiprocessing`` passes
+    them, taken over when the rank unpickles its arguments."""
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, Any]]:
+        from multiprocessing import reduction
+
+        return _adopt_stdio, (reduction.DupFd(1), reduction.DupFd(2))
+
+
+def _adopt_stdio(out: Any, err: Any) -> None:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    for fd, target in ((out, 1), (err, 2)):
+        new = fd.detach()
+        os.dup2(new, target)
+        os.close(new)
+
+
+def _fresh_seeds() -> None:
+    """Seeds a spawned rank would have: its own, not the server's, which every forked rank would share."""
+    torch.seed()
+    try:
+        import numpy as np
+    except ImportError:
+        return
+    np.random.seed()
+
+
 def _worker(
     rank: int,
     world: int,
@@ -61,11 +94,13 @@ def _worker(
     timeout: float,
     backend: str,
     env: dict[str, str],
+    stdio: None,  # _Stdio: taken over already, on unpickling
 ) -> None:
     # The server's environment is the one it started with; a spawned rank would have the launcher's now
     # (a test's monkeypatched variable, a port exported since).
     os.environ.clear()
     os.environ.update(env)
+    _fresh_seeds()
     torch.set_num_threads(threads)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     # The group's address, for code that reads it as torchrun sets it (Lightning's environment).
@@ -145,7 +180,9 @@ def _launch(
     env = dict(os.environ)
     procs = [
         ctx.Process(
-            target=_worker, args=(r, world_size, port, fn, args, queue, threads, timeout, backend, env), daemon=True
+            target=_worker,
+            args=(r, world_size, port, fn, args, queue, threads, timeout, backend, env, _Stdio()),
+            daemon=True,
         )
         for r in range(world_size)
     ]

@@ -33,6 +33,7 @@ import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from hydra.utils import instantiate
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
 
 from lightning_twobp.config import CONF_DIR
@@ -114,9 +115,10 @@ def instantiate_data(cfg: DictConfig) -> Any:
 def resume_path(ckpt_path: str | None, out_dir: str, model: DictConfig | None = None) -> str | None:
     """``ckpt_path`` as given, or for ``last`` the newest complete checkpoint of this recipe's earlier
     runs (``outputs/<recipe>/*/checkpoints/*.ckpt``, the run directory's siblings) whose ``model`` config (in
-    the run's ``.hydra/config.yaml``) is ``model``: an earlier run with other overrides (``model.vocab_size``)
-    holds other shapes, which failed in torch's loader naming neither checkpoint nor fix. Lightning's own
-    ``"last"`` would look only in this run's new, empty directory."""
+    the run's ``.hydra/config.yaml``) is ``model``, else the newest: a newer run with other overrides
+    (``model.vocab_size``) holds other shapes, which failed in torch's loader naming neither checkpoint nor
+    fix; where the newest differs, a line names the keys. Lightning's own ``"last"`` would look only in this
+    run's new, empty directory."""
     if ckpt_path != "last":
         return ckpt_path
     from lightning_twobp.lightning.checkpoint import MANIFEST
@@ -136,16 +138,14 @@ def resume_path(ckpt_path: str | None, out_dir: str, model: DictConfig | None = 
     wanted = {} if model is None else _flat(OmegaConf.to_container(model, resolve=True))
     differs = {path: _differences(_run_model(path.parent.parent), wanted) for path in found}
     same = [path for path in found if not differs[path]]
-    if not same:
-        raise CheckpointNotFound(
-            f"ckpt_path=last: the newest checkpoint of this recipe, {found[0]}, is of another model "
-            f"({'; '.join(differs[found[0]][:4])}), and so is every other under {runs}: run with that run's "
-            f"overrides, or pass the checkpoint to resume as ckpt_path"
-        )
-    if same[0] != found[0]:
-        print(f"twobp: ckpt_path=last: {found[0]} is of another model ({'; '.join(differs[found[0]][:4])}); "
-              f"resuming {same[0]}, the newest of this one", flush=True)  # fmt: skip
-    return str(same[0])
+    chosen = same[0] if same else found[0]  # none alike: the newest (a changed lr resumes; a shape says so below)
+    if differs[found[0]]:
+        said = "; ".join(differs[found[0]][:4])
+        what = f"resuming {chosen}, the newest with this model config" if same else "resuming it all the same"
+        fix = "a checkpoint of other shapes fails to load: pass ckpt_path= one of this model"
+        if getattr(rank_zero_only, "rank", 0) == 0:  # every rank resolves it alike
+            print(f"twobp: ckpt_path=last: the newest checkpoint, {found[0]}, was written with {said}; {what} ({fix})")
+    return str(chosen)
 
 
 def _run_model(run: Path) -> dict[str, Any] | None:

@@ -73,39 +73,43 @@ class Shards(BoringModel):
     ``balance="time"`` and ``schedule="auto"`` read the first batch in setup, and the hook ran two or three
     times where one process runs it once (trained on another shard, silently)."""
 
-    def __init__(self) -> None:
+    def __init__(self, generator: bool) -> None:
         super().__init__()
         self.layer = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 2))
-        self.calls = 0
+        self.calls, self.generator = 0, generator
 
     def train_dataloader(self) -> DataLoader:
         self.calls += 1
         shard = RandomDataset(32, 64)
         shard.data += self.calls
-        return DataLoader(shard, batch_size=4, shuffle=True)  # its order drawn from the random state the hook left
+        # its order drawn from the random state the hook left, or from its own generator, which the profile's
+        # read of the first batch moved on (a review found that loader trained in another order)
+        g = torch.Generator().manual_seed(7) if self.generator else None
+        return DataLoader(shard, batch_size=4, shuffle=True, generator=g)
 
 
 PROFILED = {
     "balance-time": dict(balance="time", num_microbatches=2),
     "auto": dict(schedule="auto", memory_limit="1.5x1f1b"),
+    "auto-own-generator": dict(schedule="auto", memory_limit="1.5x1f1b"),
 }
 
 
-def _fit_shards(strategy, devices: int) -> tuple[dict, int]:
+def _fit_shards(strategy, devices: int, generator: bool) -> tuple[dict, int]:
     torch.manual_seed(0)
-    model = Shards()
+    model = Shards(generator)
     quiet_trainer(strategy, devices, max_steps=4, limit_val_batches=2).fit(model)
     return {n: q.detach().clone() for n, q in model.named_parameters()}, model.calls
 
 
 def _fit_shards_pipelined(rank: int, world: int, case: str) -> tuple[dict, int]:
     lightning_env(rank, world)
-    return _fit_shards(TwoBPStrategy(gather_full_model=True, **PROFILED[case]), world)
+    return _fit_shards(TwoBPStrategy(gather_full_model=True, **PROFILED[case]), world, "generator" in case)
 
 
 @pytest.mark.parametrize("case", list(PROFILED))
 def test_a_hook_made_loader_is_made_once_when_the_layers_are_profiled(two_ranks, request, case):
-    ref, calls = _fit_shards("auto", 1)
+    ref, calls = _fit_shards("auto", 1, "generator" in case)
     assert calls == 1
     for params, calls in two_ranks[request.node.name]:
         assert calls == 1, f"train_dataloader() ran {calls} times"

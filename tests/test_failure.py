@@ -211,20 +211,25 @@ _STARTS: list[int] = []
 
 def _what_a_rank_starts_with(rank, world):
     _STARTS.append(rank)  # a module global: a rank forked from a process that kept it would count earlier launches
-    return os.environ.get("TWOBP_PROBE"), os.getcwd(), torch.get_num_threads(), len(_STARTS)
+    print(f"rank {rank} of a launch", flush=True)
+    return os.environ.get("TWOBP_PROBE"), os.getcwd(), torch.get_num_threads(), len(_STARTS), float(torch.rand(()))
 
 
 @pytest.mark.dist
 @pytest.mark.timeout(120)
-def test_each_launch_starts_its_ranks_fresh_with_the_launchers_environment_of_the_moment(tmp_path, monkeypatch):
+def test_each_launch_starts_its_ranks_fresh_with_the_launchers_environment_of_the_moment(tmp_path, monkeypatch, capfd):
     """Ranks are forked from a server that imported torch and Lightning once (processes.py), whose own
-    environment and directory are those of its start: each launch's ranks must still see the launcher's of
-    that moment, as spawned ones would, with one thread and nothing an earlier launch left behind."""
-    run_distributed(_what_a_rank_starts_with, 2, timeout=60)  # the server runs from here on
+    environment, directory and output are those of its start: each launch's ranks must still see the
+    launcher's of that moment, as spawned ones would, with one thread, seeds of their own (a review found every
+    rank of every launch drawing the same unseeded numbers) and nothing an earlier launch left behind."""
+    first = run_distributed(_what_a_rank_starts_with, 2, timeout=60)  # the server runs from here on
     monkeypatch.setenv("TWOBP_PROBE", "set after the first launch")
     monkeypatch.chdir(tmp_path)
     seen = run_distributed(_what_a_rank_starts_with, 2, timeout=60)
-    assert seen == [("set after the first launch", str(tmp_path), 1, 1)] * 2
+    assert [s[:4] for s in seen] == [("set after the first launch", str(tmp_path), 1, 1)] * 2
+    draws = [s[4] for s in first + seen]
+    assert len(set(draws)) == 4, draws
+    assert capfd.readouterr().out.count("of a launch") == 4  # into the test's capture, made after the server
 
 
 def test_the_store_is_reachable_where_torch_keeps_it():

@@ -10,8 +10,11 @@ process runs it once, and one that hands out the next shard, or counts its calls
 From setup until training starts the source's ``dataloader()`` is shadowed: its first call runs the hook,
 every later one gets that loader back, with the random state the hook left (where the state is the one
 the hook started from: the profile forks its draws, so Lightning's own call finds it so), as though the
-hook ran then. Where something drew random numbers in between, the hook runs again: its draws would
-differ from one process's otherwise.
+hook ran then, and each ``torch.Generator`` of the loader and its samplers as the hook made it (the profile
+read a batch from it: a shuffling loader's own generator had moved on, and trained in another order). Where
+something drew random numbers in between (an ``on_fit_start`` hook drawing), the hook runs again: its draws
+would differ from one process's otherwise. A sampler keeping other state that iterating moves (its own
+NumPy generator) is not put back.
 """
 
 from __future__ import annotations
@@ -33,18 +36,20 @@ class _Once:
     def __init__(self, source: Any) -> None:
         self.source = source
         self.made: tuple[Any, dict[str, Any], dict[str, Any]] | None = None  # loader, states before, after
+        self.generators: list[tuple[torch.Generator, torch.Tensor]] = []  # the loader's own, as made
 
     def __call__(self) -> Any:
         now = _states()
         if self.made is not None:
             loader, before, after = self.made
-            if _same(now, after):  # asked again before anything drew: the state is the hook's already
-                return loader
-            if _same(now, before):  # the draws in between were forked away: as though the hook ran now
-                set_rng_states(after)
+            if _same(now, after) or _same(now, before):  # nothing drew since, or its draws were forked away
+                set_rng_states(after)  # as though the hook ran now
+                for g, state in self.generators:
+                    g.set_state(state)
                 return loader
         loader = type(self.source).dataloader(self.source)
         self.made = (loader, now, _states())
+        self.generators = [(g, g.get_state()) for g in _generators(loader)]
         return loader
 
 
@@ -56,6 +61,19 @@ def hold(trainer: Any) -> Callable[[], None]:
         return lambda: None
     source.dataloader = _Once(source)
     return lambda: vars(source).pop("dataloader", None)
+
+
+def _generators(loaders: Any) -> list[torch.Generator]:
+    """The ``torch.Generator`` objects of ``loaders`` (one, a collection, a CombinedLoader) and their samplers."""
+    found: dict[int, torch.Generator] = {}
+    for loader in pytree.tree_leaves(getattr(loaders, "iterables", loaders)):
+        holders = [loader, getattr(loader, "sampler", None), getattr(loader, "batch_sampler", None)]
+        holders.append(getattr(holders[-1], "sampler", None))
+        for holder in holders:
+            g = getattr(holder, "generator", None)
+            if isinstance(g, torch.Generator):
+                found[id(g)] = g
+    return list(found.values())
 
 
 def _states() -> dict[str, Any]:

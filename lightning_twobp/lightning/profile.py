@@ -132,8 +132,9 @@ def _first_loader(found: Any) -> Any:
         found = next(iter(found.values()), None)
     if found is None:
         raise ValueError(
-            'balance="time" profiles the layers on the first batch of the data, and none was found: pass '
-            "the dataloader to the Trainer call, or use balance='params' or a list of layer counts"
+            "schedule='auto' and balance='time' profile the layers on the first batch of the data, and none was "
+            "found (no loader, or limit_train_batches=0): pass the dataloader to the Trainer call, or name a "
+            "schedule and use balance='params' or a list of layer counts"
         )
     return found
 

@@ -163,7 +163,6 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
         self._failed = False
         self.stage_sizes: list[int] | None = None  # layers per stage, once the pipeline is built
         self._resume_rng: dict[str, torch.Tensor] | None = None  # a checkpoint's random states, not yet restored
-        self._release_loader: Callable[[], None] = lambda: None  # first_loader.hold's, until training starts
         self._record_next = False
         self._steps_this_batch = 0  # training_step calls for the current batch (see _CLOSURE_AGAIN)
         self._closure_again_said = False  # _CLOSURE_AGAIN_NORM warned (once per strategy)
@@ -330,7 +329,7 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
         model is put back whole and the precision plugin is Lightning's own again, with the trained loss
         scale."""
         self._step_checks = self.step_checks  # kept after the pipeline goes
-        self._release_loader()  # a call that ended before training
+        self._let_loader_go()  # a call that ended before training
         pipeline, self._pipeline = self._pipeline, None
         self._calls_ended = self._calls_ended or pipeline is not None
         self._failures = None  # this call's: the next call opens its own
@@ -412,9 +411,13 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
             with self._naming_lost("the stop-signal agreement of the last batch"):
                 self._signals.close()
 
+    def _let_loader_go(self) -> None:
+        """first_loader.hold's release, once (set in setup, for a fit)."""
+        vars(self).pop("_release_loader", lambda: None)()
+
     @override
     def on_train_start(self) -> None:
-        self._release_loader()  # the fit loop has its loader: a reload later runs the hook, as in one process
+        self._let_loader_go()  # the fit loop has its loader: a reload later runs the hook, as in one process
         loader = self.lightning_module.trainer.train_dataloader
         if not self._batches_checked and loader is not None:
             check_batches(loader, self.num_microbatches)
