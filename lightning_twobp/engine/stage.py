@@ -1075,16 +1075,22 @@ def _fed_by_weights(order: list[Node], children: dict[Node, list[tuple[Node, int
     }
 
 
-def _below(tops: Iterable[Node]) -> set[Node]:
-    """Every node below ``tops`` (the weight-only region: small)."""
+def _region(tops: Iterable[Node]) -> Iterator[Node]:
+    """``tops`` and every node below them, each once, as met (the weight-only region is small: a walk is
+    cheap, and a caller that stops early walks less)."""
     seen: set[Node] = set()
-    stack = [n for top in tops for n, _ in top.next_functions if n is not None]
+    stack = list(tops)
     while stack:
         node = stack.pop()
         if node not in seen:
             seen.add(node)
+            yield node
             stack.extend(n for n, _ in node.next_functions if n is not None)
-    return seen
+
+
+def _below(tops: Iterable[Node]) -> set[Node]:
+    """Every node strictly below ``tops``."""
+    return set(_region(n for top in tops for n, _ in top.next_functions if n is not None))
 
 
 def _nested(targets: list[Node]) -> Node | None:
@@ -1102,31 +1108,10 @@ def _nested(targets: list[Node]) -> Node | None:
 
 def _region_checkpointed(top: Node) -> bool:
     """Whether a node of the weight-only region from ``top`` down saved a tensor in a checkpointed block."""
-    seen: set[Node] = set()
-    stack = [top]
-    while stack:
-        node = stack.pop()
-        if node in seen:
-            continue
-        seen.add(node)
-        if in_checkpoint(node):
-            return True
-        stack.extend(n for n, _ in node.next_functions if n is not None)
-    return False
+    return any(in_checkpoint(node) for node in _region([top]))
 
 
 def _params_below(nodes: Iterable[Node], params: dict[int, nn.Parameter]) -> list[nn.Parameter]:
-    """The parameters reachable from ``nodes`` (the weight-only region is small: a walk is cheap)."""
-    found: dict[int, nn.Parameter] = {}
-    seen: set[Node] = set()
-    stack = list(nodes)
-    while stack:
-        node = stack.pop()
-        if node in seen:
-            continue
-        seen.add(node)
-        q = _leaf_param(node, params)
-        if q is not None:
-            found[id(q)] = q
-        stack.extend(n for n, _ in node.next_functions if n is not None)
+    """The parameters reachable from ``nodes``."""
+    found = {id(q): q for q in (_leaf_param(node, params) for node in _region(nodes)) if q is not None}
     return list(found.values())
