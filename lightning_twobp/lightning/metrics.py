@@ -293,8 +293,7 @@ class StepMetrics:
         does, exact for a count, not for a mean (a loss)."""
 
         def update_telling(value: Any, *args: Any, **kwargs: Any) -> Any:
-            if _one_number(value) and torch.is_floating_point(torch.as_tensor(value)) and path not in self._told:
-                self._told.add(path)
+            if _one_number(value) and torch.is_floating_point(torch.as_tensor(value)) and self.first_time(path):
                 warnings.warn(
                     f"twobp: self.{path} ({type(self.metrics[path]).__name__}) is given one number per call in "
                     f"{hook}, which runs once per micro-batch ({m} per batch): it takes the {m} micro-batches' "
