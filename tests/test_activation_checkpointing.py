@@ -374,3 +374,33 @@ def test_a_blocks_own_instance_forward_runs_checkpointed_and_stays_after():
     assert len(calls) == 2  # F, and B's recompute: the block's own forward both times
     undo()
     assert block.__dict__["forward"] is hooked
+
+
+@pytest.mark.parametrize("split", [True, False])
+def test_a_block_that_starts_in_place_is_checkpointed_like_one_process(split):
+    """torchvision's EfficientNet and MobileNet classifiers start with Dropout(inplace=True): torch's checkpoint
+    refuses their recompute (the input it recomputes from was changed; one process too). The checkpointed call
+    changes a copy instead: the same output, the same mask in the recompute, the same gradients."""
+    from lightning_twobp.engine import Stage
+    from lightning_twobp.lightning.checkpointing import apply_activation_checkpointing
+
+    torch.manual_seed(0)
+    first, head = nn.Linear(8, 16), nn.Sequential(nn.Dropout(0.5, inplace=True), nn.Linear(16, 2))
+    model = nn.Sequential(first, head)
+    x = torch.randn(4, 8, requires_grad=True)
+    torch.manual_seed(1)
+    model(x).sum().backward()
+    ref = [q.grad.clone() for q in model.parameters()] + [x.grad.clone()]
+    model.zero_grad()
+    undo = apply_activation_checkpointing([(1, head)], "full")
+    stage = Stage(model)
+    torch.manual_seed(1)
+    out = stage.forward(0, x)
+    if split:
+        (gx,) = stage.backward_input(0, torch.ones_like(out))
+        stage.backward_weight(0)
+    else:
+        (gx,) = stage.backward(0, torch.ones_like(out))
+    undo()
+    for got, want in zip([q.grad for q in model.parameters()] + [gx], ref, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=0)

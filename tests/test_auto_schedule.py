@@ -322,6 +322,17 @@ def test_memory_limit_forms(value, expected):
     assert resolve_limit(value, device_bytes=100.0, fused_1f1b_peak=30.0) == expected
 
 
+@pytest.mark.parametrize("value", [1.5, 2, 999])
+def test_a_few_bytes_of_memory_limit_are_refused_as_meant_another_way(value):
+    """memory_limit=1.5 was taken as 1.5 bytes, refused only after the layers were profiled, saying bytes."""
+    from lightning_twobp import TwoBPStrategy
+
+    wanted = rf"memory_limit={value} would be {value} bytes .* memory_limit='{value}x1f1b'"
+    with pytest.raises(ValueError, match=wanted):
+        TwoBPStrategy(schedule="auto", memory_limit=value)
+    assert resolve_limit(1000, 100.0, 30.0) == 1000.0
+
+
 @pytest.mark.parametrize("value", [0, -1, "big", "x1f1b", True, None])
 def test_bad_memory_limits_say_what_works(value):
     with pytest.raises(ValueError, match="give bytes per device"):

@@ -316,3 +316,12 @@ def test_ranks_that_traced_different_call_orders_place_by_registration_alike():
             "the ranks traced different call orders (rank 0: {'model.norm': 'after', 'lm_head': 'after'}; "
             "rank 1: {'model.norm': 'after', 'lm_head': 'before'})",
         )
+
+
+def test_a_long_reason_is_cut_at_a_sentences_end():
+    """torch's meta-kernel errors run on for a paragraph: the reason the trace failed ends at a sentence, not
+    mid-word (litgpt's Mixtral: "... please set 'torch.fx.experimental._con")."""
+    reason = "The register_meta function for torch.nonzero() raises unimplemented by default. " * 5
+    cut = call_order._first_line(NotImplementedError(reason))
+    assert cut.endswith("by default.") and len(cut) <= 300, cut
+    assert call_order._first_line(ValueError("x" * 400)) == "x" * 300 + "..."

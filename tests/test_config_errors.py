@@ -700,6 +700,11 @@ CASES: dict[str, Case] = {
         ValueError,
         r"memory_limit='lots': give bytes per device",
     ),
+    "strategy-auto-limit-few-bytes": (
+        lambda t: TwoBPStrategy(schedule="auto", memory_limit=1.5),
+        ValueError,
+        r"memory_limit=1.5 would be 1.5 bytes per device",
+    ),
     "strategy-auto-chosen-option": (
         lambda t: TwoBPStrategy(schedule="auto", memory_limit="1f1b", max_pending_w=1),
         ValueError,

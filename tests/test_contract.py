@@ -88,3 +88,39 @@ def test_another_ranks_layers_stand_in_by_type_and_a_call_of_one_names_the_fix()
     finally:
         local.restore(False, None, 0, torch.device("cpu"))
     assert type(m.model.blocks[3]) is nn.Linear
+
+
+class AddsInPlace(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x += 1
+        return x
+
+
+@pytest.mark.parametrize(
+    "first",
+    [
+        lambda: nn.ReLU(inplace=True),
+        # torchvision's EfficientNet classifier: the in-place layer inside a Sequential
+        lambda: nn.Sequential(nn.Sequential(nn.Dropout(0.0, inplace=True), nn.ReLU(inplace=True))),
+    ],
+)
+def test_a_stage_that_starts_in_place_works_on_a_copy_of_its_input(first):
+    from lightning_twobp.engine import Stage
+    from lightning_twobp.lightning.contract import StageModule
+
+    torch.manual_seed(0)
+    layers = [first(), nn.Linear(4, 2)]
+    stage, x = Stage(StageModule(layers)), torch.randn(3, 4, requires_grad=True)
+    out = stage.forward(0, x)
+    (gx,) = stage.backward(0, torch.ones_like(out))
+    xr = x.detach().clone().requires_grad_()
+    nn.Sequential(*layers)(xr.clone()).sum().backward()
+    torch.testing.assert_close(gx, xr.grad)
+
+
+def test_a_stage_that_changes_its_input_in_place_otherwise_is_told_the_fix():
+    from lightning_twobp.engine import Stage
+
+    stage = Stage(nn.Sequential(AddsInPlace(), nn.Linear(4, 2)))
+    with pytest.raises(RuntimeError, match=r"(?s)this pipeline stage changes its input in place .*inplace=False"):
+        stage.forward(0, torch.randn(3, 4, requires_grad=True))

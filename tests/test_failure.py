@@ -63,6 +63,16 @@ class LogsAVector(AdamRegressor):
         self.log("val_vector", F.mse_loss(self.layers(x), y, reduction="none").mean(0))  # 2 values: refused
 
 
+class PredictsALoss(AdamRegressor):
+    """predict_step returns a loss with the predictions: a 0-d value, another in each micro-batch, which the last
+    stage refuses to join, after the pipeline's part of the step."""
+
+    def predict_step(self, batch, batch_idx):
+        x, y = batch
+        out = self.layers(x)
+        return {"prediction": out, "loss": F.mse_loss(out, y)}
+
+
 class Reentrant(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -99,8 +109,13 @@ def _fit(rank: int, world: int, port: int, folder: str, model: str) -> dict:
             "reentrant": ReentrantOnLastStage,
             "callback": AdamRegressor,
             "measuring": FailsMeasuringOnRank1,
+            "predict": AdamRegressor,
         }[model]()
-        trainer.fit(module, regression_data(n=16))
+        if model == "predict":
+            # one batch: with a second, rank 0's next step waited on rank 1 and was told there
+            quiet_trainer(TwoBPStrategy(schedule="1f1b"), world).predict(PredictsALoss(), regression_data(n=8))
+        else:
+            trainer.fit(module, regression_data(n=16))
     except Exception as err:  # noqa: BLE001 - what each rank raised is the result
         out = {"type": type(err).__name__, "error": str(err), "took": time.monotonic() - start}
     try:  # a new Trainer call in this process: its links were closed, and it says so
@@ -131,6 +146,9 @@ def _live_on_until_all_ended(ended: Path, rank: int, world: int) -> None:
         ("callback", "ValueError: a bug in a callback on rank 1"),
         # in setup, before any step: schedule="auto" measures the layers in collectives over the pipeline
         ("measuring", "ValueError: a bug in the user's step on rank 1, met measuring the layers"),
+        # the last stage refuses predict_step's outputs after the pipeline's part of the step: rank 0 had
+        # returned as if predict had worked, and its next call waited on rank 1 until the store's timeout
+        ("predict", "ValueError: predict_step returned a Tensor that differs between the micro-batches"),
     ],
 )
 def test_one_ranks_error_ends_every_rank_naming_it(tmp_path, model, cause):
@@ -139,6 +157,8 @@ def test_one_ranks_error_ends_every_rank_naming_it(tmp_path, model, cause):
     host = socket.gethostname()
     first = f"global rank 1 (pipeline rank 1, stage(s) 1, host {host}) failed at global step"
     here = "global rank 0 (pipeline rank 0, stage(s) 0"
+    if model == "predict":
+        first = f"global rank 1 (pipeline rank 1, stage(s) 1, host {host}) failed at a prediction step"
     if model == "measuring":  # the stages are not chosen yet
         first, here = f"global rank 1 (host {host}) failed at the setup of the Trainer call", "global rank 0 (host"
     assert seen[0]["type"] == "PeerFailed", seen[0]
@@ -154,7 +174,7 @@ def test_one_ranks_error_ends_every_rank_naming_it(tmp_path, model, cause):
         assert saved == ["epoch=0-step=2.ckpt", "last.ckpt"], saved  # step 2, the last one before the error
     if model == "callback":  # step 2's save came after the callback's error: not on one rank alone
         assert saved == ["epoch=0-step=1.ckpt", "last.ckpt"], saved
-    if model == "measuring":
+    if model in ("measuring", "predict"):
         assert saved == [], saved
 
 

@@ -130,6 +130,44 @@ def test_gather_full_model_receives_in_the_owners_dtype(two_ranks, request):
         torch.testing.assert_close(ranks[0]["64-true"][name], value, rtol=1e-5, atol=1e-7, msg=name)
 
 
+class MadeInForward(nn.Linear):
+    """A Linear that registers buffers in its first forward, as litgpt's LoRA layers register ``_lora_ind``: the
+    other rank's copy of the layer, cut before training, has none."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not hasattr(self, "index"):
+            self.register_buffer("index", torch.arange(self.out_features, dtype=torch.long), persistent=False)
+            self.register_buffer("calls", torch.zeros(()))
+        self.calls += 1
+        return super().forward(x) + 0.01 * self.index
+
+
+def _made_in_forward() -> nn.Sequential:
+    return nn.Sequential(MadeInForward(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), MadeInForward(16, 2))
+
+
+def _gathered_made_in_forward(rank: int, world: int) -> dict:
+    lightning_env(rank, world)
+    model = Regressor(layers=_made_in_forward)
+    _trainer(TwoBPStrategy(gather_full_model=True), world, max_steps=2).fit(model, _data())
+    return {"state": {n: t.detach().clone() for n, t in model.state_dict().items()}, "index": model.layers[4].index}
+
+
+def test_gather_full_model_receives_buffers_made_in_training(two_ranks, request):
+    """Buffers a layer registers in its first forward reach the other rank too, persistent or not, with the
+    owner's values (each rank derived the broadcast order from its own layers: gloo aborted at the end of fit)."""
+    ranks = two_ranks[request.node.name]
+    model = Regressor(layers=_made_in_forward)
+    _trainer("auto", 1, max_steps=2).fit(model, _data())
+    for out in ranks:
+        assert set(out["state"]) == set(model.state_dict()), "a persistent buffer made in training is in state_dict"
+        torch.testing.assert_close(out["index"], model.layers[4].index)
+        for name, value in model.state_dict().items():
+            if not name.endswith("calls"):  # counts forwards: per micro-batch in the pipeline
+                torch.testing.assert_close(out["state"][name], value, rtol=1e-5, atol=1e-6, msg=name)
+    torch.testing.assert_close(ranks[0]["state"], ranks[1]["state"])
+
+
 class FailsAtStep1(Regressor):
     def training_step(self, batch, batch_idx):
         if batch_idx == 1:
@@ -561,6 +599,7 @@ def two_ranks(request) -> conftest.Launch:
     """The 2-rank cases of this module, in one launch (the failing fit has its own: it breaks the group)."""
     cases = {f"test_model_is_whole_after_fit_and_fits_again[{k}]": (_after_fit, (g,)) for k, g in GATHER.items()}
     cases["test_gather_full_model_receives_in_the_owners_dtype"] = (_gathered, ())
+    cases["test_gather_full_model_receives_buffers_made_in_training"] = (_gathered_made_in_forward, ())
     cases |= {f"test_model_zoo_matches_one_process[{k}]": (_fit_zoo, (k,)) for k in ZOO}
     cases["test_logged_torchmetrics_metrics_give_the_one_process_values"] = (_fit_classifier_pipelined, ())
     return launch(request, 2, cases, timeout=840)

@@ -71,6 +71,23 @@ def deferred_fraction(stages: Iterable[Stage]) -> float:
     return 1.0 if deferred + early == 0 else deferred / (deferred + early)
 
 
+def _in_place_named(module: nn.Module, inputs: list[Any], kwargs: dict[str, Any]) -> Any:
+    """``module(*inputs, **kwargs)``; autograd's refusal of an in-place op on a stage's input (a leaf that
+    requires grad: its gradient goes upstream) is said in the pipeline's terms, with the fix."""
+    try:
+        return module(*inputs, **kwargs)
+    except RuntimeError as e:
+        if "leaf Variable that requires grad is being used in an in-place operation" not in str(e):
+            raise
+        raise RuntimeError(
+            f"this pipeline stage changes its input in place ({e}): a stage's input is a leaf tensor that requires "
+            f"grad, whose gradient goes to the stage before, and autograd refuses an in-place op on it. Make the "
+            f"stage's first op out of place (inplace=False on an activation or dropout, `x = x + y` for `x += y`), "
+            f"or start the stage at another layer (under strategy='twobp': balance=[...]). A Sequential's layer that "
+            f"starts in place (nn.ReLU(inplace=True), or a Sequential starting with one) gets a copy of its input"
+        ) from e
+
+
 @dataclass(frozen=True)
 class _Sent:
     """An output that was sent on and dropped (:meth:`Stage.drop_outputs`): its place in the graph and
@@ -187,7 +204,7 @@ class Stage:
             )
         local = [x.detach().requires_grad_() if _is_tensor_requiring_grad(x) else x for x in inputs]
         if torch.is_grad_enabled():
-            out = self.module(*local, **kwargs)
+            out = _in_place_named(self.module, local, kwargs)
         else:  # forward-only (evaluation): nothing to hold
             return self.module(*local, **kwargs)
         flat_out, spec = pytree.tree_flatten(out)

@@ -286,5 +286,10 @@ def _meta_copy(module: nn.Module) -> nn.Module:
 
 
 def _first_line(e: BaseException) -> str:
+    """The error's first line, up to a sentence's end within 300 characters (torch's meta-kernel errors run on
+    for a paragraph: cut mid-word, the reason read "please set 'torch.fx.experimental._con")."""
     line = str(e).strip().splitlines()[0] if str(e).strip() else ""
-    return line[:300]
+    if len(line) <= 300:
+        return line
+    end = line.rfind(". ", 0, 300)
+    return line[: end + 1] if end > 0 else line[:300] + "..."

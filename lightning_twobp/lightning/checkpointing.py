@@ -49,6 +49,7 @@ from torch.utils.checkpoint import (
     noop_context_fn,
 )
 
+from lightning_twobp.lightning.contract import starts_in_place
 from lightning_twobp.lightning.modulelist_contract import caches_off
 from lightning_twobp.options import check_activation_checkpointing
 from lightning_twobp.private import tensor_version
@@ -92,17 +93,28 @@ def _checkpointed(block: nn.Module, selective: bool) -> Callable[..., Any]:
     forward = block.forward
     contexts = _selective_contexts if selective else noop_context_fn
     buffers = [(m, n) for m in block.modules() for n, _ in m.named_buffers(recurse=False)]
+    # A block that changes its input in place (torchvision's classifiers start with Dropout(inplace=True))
+    # changes what the checkpoint recomputes from: torch refuses the recompute ("modified by an inplace
+    # operation"), in one process too. Inside the checkpoint it changes a copy, made again by each recompute.
+    inner = _on_copies(forward) if starts_in_place(block) else forward
 
     @functools.wraps(forward)
     def run(*args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():  # evaluation: nothing is saved, nothing to recompute
             return forward(*args, **kwargs)
         if not buffers:
-            return checkpoint(forward, *args, use_reentrant=False, context_fn=contexts, **kwargs)
-        call = _BuffersAsF(forward, buffers)
+            return checkpoint(inner, *args, use_reentrant=False, context_fn=contexts, **kwargs)
+        call = _BuffersAsF(inner, buffers)
         out = checkpoint(call, *args, use_reentrant=False, context_fn=contexts, **kwargs)
         call.keep_changed()
         return out
+
+    return run
+
+
+def _on_copies(forward: Callable[..., Any]) -> Callable[..., Any]:
+    def run(*args: Any, **kwargs: Any) -> Any:
+        return forward(*(a.clone() if isinstance(a, torch.Tensor) else a for a in args), **kwargs)
 
     return run
 

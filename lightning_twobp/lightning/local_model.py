@@ -20,7 +20,7 @@ import weakref
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -291,27 +291,70 @@ class LocalModel:
         self.removed = {}
 
     def _gather(self, group: dist.ProcessGroup | None, pp_rank: int, device: torch.device) -> None:
-        # Every distinct tensor once, in one order every rank derives from the same model structure,
-        # from the rank holding the first layer that uses it.
+        # Every distinct tensor once, from the rank that trained its layer, in the order of the tensors that
+        # rank holds: a module may register a buffer in its first forward (litgpt's LoRA ``_lora_ind``), which
+        # the set-aside copies elsewhere, cut before training, lack; an order each rank derived from its own
+        # layers then paired broadcasts of different tensors (gloo aborted on a size mismatch).
         layers = [self.removed.get(i, layer) for i, layer in enumerate(self.contract.layers())]
-        order: list[tuple[torch.Tensor, int]] = []
+        owned = {i: _held(layer) for i, layer in enumerate(layers) if self.owner[i] == pp_rank}
+        every: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(every, owned, group=group)
+        received: dict[int, torch.Tensor] = {}
         seen: set[int] = set()
         for i, layer in enumerate(layers):
-            for t in _tensors(layer):
-                if id(t) not in seen:
+            src = dist.get_global_rank(group, self.owner[i]) if group is not None else self.owner[i]
+            mine = dict(_named_tensors(layer))
+            for held in every[self.owner[i]][i]:
+                t = mine.get(held.name)
+                if t is not None and id(t) in seen:
+                    continue  # tied: broadcast with the first layer that uses it
+                if t is not None:
                     seen.add(id(t))
-                    order.append((t, self.owner[i]))
-        received: dict[int, torch.Tensor] = {}
-        for (t, owner), dtype in zip(order, _owner_dtypes(order, pp_rank, group), strict=False):
-            src = dist.get_global_rank(group, owner) if group is not None else owner
-            if owner == pp_rank:  # after teardown's move to the CPU: NCCL sends from the device
-                dist.broadcast(t.detach().to(device), src=src, group=group)
-                continue
-            buf = torch.empty(t.shape, dtype=dtype, device=device)
-            dist.broadcast(buf, src=src, group=group)
-            if t.is_meta:
-                received[id(t)] = buf.cpu()
+                if self.owner[i] == pp_rank:  # after teardown's move to the CPU: NCCL sends from the device
+                    dist.broadcast(cast(torch.Tensor, t).detach().to(device), src=src, group=group)
+                    continue
+                buf = torch.empty(held.shape, dtype=getattr(torch, held.dtype.removeprefix("torch.")), device=device)
+                dist.broadcast(buf, src=src, group=group)
+                if t is None:
+                    held.register(layer, buf.cpu())
+                elif t.is_meta:
+                    received[id(t)] = buf.cpu()
         replace_tensors(list(self.removed.values()), lambda t: received[id(t)], lambda t: id(t) in received)
+
+
+@dataclass(frozen=True)
+class _Held:
+    """A tensor of a layer, as the rank that trained the layer holds it: what another rank needs to receive
+    it, and to register it where its own copy of the layer lacks it."""
+
+    name: str  # in the layer
+    shape: tuple[int, ...]
+    dtype: str  # the owner's: the set-aside copies keep the dtype from before the precision plugin's cast
+    parameter: bool
+    persistent: bool
+
+    def register(self, layer: nn.Module, value: torch.Tensor) -> None:
+        prefix, _, leaf = self.name.rpartition(".")
+        module = layer.get_submodule(prefix)
+        if self.parameter:
+            module.register_parameter(leaf, nn.Parameter(value))
+        else:
+            module.register_buffer(leaf, value, persistent=self.persistent)
+
+
+def _named_tensors(layer: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """The layer's parameters, then buffers, each tensor once (as :func:`_tensors`), with its name."""
+    yield from layer.named_parameters()
+    yield from layer.named_buffers()
+
+
+def _held(layer: nn.Module) -> list[_Held]:
+    out = []
+    for name, t in _named_tensors(layer):
+        prefix, _, leaf = name.rpartition(".")
+        persistent = leaf not in layer.get_submodule(prefix)._non_persistent_buffers_set
+        out.append(_Held(name, tuple(t.shape), str(t.dtype), isinstance(t, nn.Parameter), persistent))
+    return out
 
 
 @contextmanager
@@ -347,19 +390,6 @@ def _own_tensors(module: nn.Module) -> list[torch.Tensor]:
     defaults = getattr(module, "_defaults", None)
     states = [v for v in defaults.values() if isinstance(v, torch.Tensor)] if isinstance(defaults, dict) else []
     return [*module.parameters(recurse=False), *module.buffers(recurse=False), *states]
-
-
-def _owner_dtypes(
-    order: list[tuple[torch.Tensor, int]], pp_rank: int, group: dist.ProcessGroup | None
-) -> list[torch.dtype]:
-    """Each tensor's dtype on the rank that trained it. The set-aside copies here keep the dtype they had
-    when the Trainer call cut the model, before the precision plugin converted the trained stages
-    (``"bf16-true"``, ``"64-true"``): a receive buffer in that dtype would read the owner's bytes wrongly."""
-    mine = [str(t.dtype) if owner == pp_rank else None for t, owner in order]
-    every: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(every, mine, group=group)
-    owners = [next(d[k] for d in every if d[k] is not None) for k in range(len(order))]
-    return [getattr(torch, name.removeprefix("torch.")) for name in owners]
 
 
 def _bounds(sizes: list[int]) -> list[int]:

@@ -200,11 +200,12 @@ class Pipeline:
                 for i, out in enumerate(outs):
                     runner.provide(i, out)
             runner.say_dropped()
+        # predictions live on the rank holding the last stage: the micro-batches' outputs, joined before the
+        # logs are shared, so that a refusal there reaches the other ranks as a failed step (joined after,
+        # they returned as if predict had worked and their next call waited on this rank)
+        predictions = join_predictions(state.results) if hook == "predict_step" and outs is not None else None
         self._log_eval_means(last_rank, group)
-        if hook != "predict_step" or outs is None:
-            return None
-        # predictions live on the rank holding the last stage: the micro-batches' outputs, joined
-        return join_predictions(state.results)
+        return predictions
 
     def _log_eval_means(self, src: int, group: Any) -> None:
         """An evaluation step's logs, from the last stage to every rank of the pipeline, logged there."""

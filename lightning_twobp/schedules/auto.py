@@ -679,8 +679,11 @@ def check_auto_options(memory_limit: Any, stages_per_rank: Any, max_pending_w: A
             )
 
 
+_FEWEST_BYTES = 1000  # a limit in bytes below this is refused as meant another way (memory_limit=1.5)
+
+
 def resolve_limit(memory_limit: float | str, device_bytes: float | None, fused_1f1b_peak: float | None) -> float:
-    """``memory_limit`` in bytes per device: a number above 1 is bytes; one in (0, 1] a fraction of
+    """``memory_limit`` in bytes per device: a number of 1000 or more is bytes; one in (0, 1] a fraction of
     ``device_bytes``; ``"1f1b"`` fused 1F1B's predicted peak, ``"<x>x1f1b"`` (``"0.5x1f1b"``) x times it."""
     if isinstance(memory_limit, str):
         text = memory_limit.strip().lower()
@@ -696,8 +699,15 @@ def resolve_limit(memory_limit: float | str, device_bytes: float | None, fused_1
                 raise ValueError(f"memory_limit={memory_limit!r} needs fused 1F1B's predicted peak, which is unknown")
             return scale * fused_1f1b_peak
     elif not isinstance(memory_limit, bool) and isinstance(memory_limit, (int, float)) and memory_limit > 0:
-        if memory_limit > 1:
+        if memory_limit >= _FEWEST_BYTES:
             return float(memory_limit)
+        if memory_limit > 1:  # no model fits in so few bytes: a multiple of something, meant another way
+            raise ValueError(
+                f"memory_limit={memory_limit!r} would be {memory_limit!r} bytes per device (a number above 1 is "
+                f"bytes, e.g. 8e9): for {memory_limit!r} times fused 1F1B's peak write "
+                f"memory_limit='{memory_limit!r}x1f1b'; a fraction of the device's memory is a number in (0, 1], "
+                f"e.g. 0.5"
+            )
         if device_bytes is None:
             raise ValueError(
                 f"memory_limit={memory_limit!r} is a fraction of the device's memory, which is unknown here: "
