@@ -286,6 +286,34 @@ class ResidualStreamLM(nn.Module):
         return self.head(self.norm_f(h + residual))
 
 
+class ModulatedBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.mix, self.scale = nn.Linear(16, 16), nn.Linear(16, 16)
+
+    def forward(self, h: torch.Tensor, temb: torch.Tensor) -> torch.Tensor:
+        return h + torch.tanh(self.mix(h)) * (1 + self.scale(temb))
+
+
+class ModulatedLM(nn.Module):
+    """diffusers' SD3 and Flux form: a conditioning vector made before the loop, given to every block and to the
+    norm after it (``norm_out(h, temb)``): the last stage's norm gets the value sent beside the hidden state."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.cond = nn.Embedding(VOCAB, 16), nn.Sequential(nn.Linear(16, 16), nn.Tanh())
+        self.layers = nn.ModuleList(ModulatedBlock() for _ in range(4))
+        self.norm_out, self.head = nn.Linear(16, 32), nn.Linear(16, VOCAB)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        h = self.embed(input_ids)
+        temb = self.cond(h.mean(1, keepdim=True))  # a module's output: sent on (a value made outside one is not)
+        for layer in self.layers:
+            h = layer(h, temb=temb)
+        shift, scale = self.norm_out(temb).chunk(2, -1)
+        return self.head(F.layer_norm(h, (16,)) * (1 + scale) + shift)
+
+
 class TorchTransformerLM(nn.Module):
     """torch's ``nn.Transformer`` (Lightning's demo Transformer is one): the decoder's layers pipelined, the
     encoder whole on the first stage, its output (``memory``) read by every decoder layer on every stage."""
@@ -364,6 +392,7 @@ MODELS = {
     "codebook-nanogpt": CodebookNanoGPT,
     "torch-encoder": TorchEncoderLM,
     "residual-stream": ResidualStreamLM,
+    "modulated": ModulatedLM,
     "torch-transformer": TorchTransformerLM,
     "hf-t5": _hf_t5,
     "hf-bart": _hf_bart,
@@ -461,6 +490,8 @@ CASES = {
     "residual-stream-zb-v": ("residual-stream", dict(schedule="zb-v"), False),
     # the layers timed one by one with both hidden states between them
     "residual-stream-time": ("residual-stream", dict(schedule="1f1b", balance="time"), False),
+    # a value made before the loop given to every block and to a module after it, on the V's last stage (rank 0)
+    "modulated-zb-v": ("modulated", dict(schedule="zb-v", layers="model.layers"), False),
     # an encoder's output read by every decoder layer; then validate, predict and fit again without gathering
     "torch-transformer": ("torch-transformer", dict(schedule="zb-h1", layers="model.transformer.decoder.layers"), True),
     "hf-t5": ("hf-t5", dict(schedule="1f1b", layers="model.inner.decoder.block"), False),

@@ -421,6 +421,27 @@ class BigAndSmall(nn.Module):
         self.small = nn.Linear(64, 64)
 
 
+def test_the_export_names_its_files_as_the_reader_wants(tmp_path):
+    """diffusers' from_pretrained reads diffusion_pytorch_model.safetensors (a trial found only model.safetensors
+    written): --weights-name names the file, and shards and their index after it, as save_pretrained does."""
+    from safetensors.torch import load_file
+
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64))
+    ckpt.save({}, tmp_path / "m.ckpt", model, [], {})
+    args = [str(tmp_path / "m.ckpt"), str(tmp_path / "out"), "--safetensors", "--weights-name"]
+    assert ckpt.main([*args, "diffusion_pytorch_model.safetensors"]) == 0
+    read = load_file(tmp_path / "out" / "diffusion_pytorch_model.safetensors")
+    assert all(torch.equal(read[n], q) for n, q in model.state_dict().items()) and len(read) == 4
+    assert ckpt.main([*args, "diffusion_pytorch_model.safetensors", "--max-shard-size", "20KB"]) == 0
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [
+        "diffusion_pytorch_model-00001-of-00002.safetensors",
+        "diffusion_pytorch_model-00002-of-00002.safetensors",
+        "diffusion_pytorch_model.safetensors.index.json",
+    ]
+    with pytest.raises(ValueError, match=r"--weights-name 'weights.bin': a file name ending in .safetensors"):
+        ckpt.to_safetensors(tmp_path / "m.ckpt", tmp_path / "out", weights_name="weights.bin")
+
+
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").is_file(), reason="reads the resident peak from /proc")
 def test_a_torch_file_is_mapped_so_a_rank_touches_only_its_own_tensors(tmp_path):
     """A 64 MiB weight of another rank's in the file costs this rank's read nothing."""

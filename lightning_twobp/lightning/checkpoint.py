@@ -33,7 +33,8 @@ writes the weights under the module ``model`` (the LightningModule's ``self.mode
 dropped, as Hugging Face safetensors (``OUT_DIR/model.safetensors``, or shards and their index over
 ``--max-shard-size``, one shard in memory at a time): with the model's ``config.json`` beside it,
 ``from_pretrained(OUT_DIR)`` loads the fine-tuned model, and ``TwoBPStrategy(pretrained=OUT_DIR)``
-starts from it.
+starts from it. For diffusers, add ``--weights-name diffusion_pytorch_model.safetensors``, the file its
+``from_pretrained`` reads.
 """
 
 from __future__ import annotations
@@ -667,25 +668,37 @@ def _merged_model(checkpoint_dir: str | os.PathLike) -> tuple[Path, dict[str, to
 
 
 def to_safetensors(
-    checkpoint_dir: str | os.PathLike, out_dir: str | os.PathLike, prefix: str = "", max_shard_bytes: int = 5 * 10**9
+    checkpoint_dir: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    prefix: str = "",
+    max_shard_bytes: int = 5 * 10**9,
+    weights_name: str = "model.safetensors",
 ) -> int:
     """The model's weights under the module ``prefix`` (``""``: all), that prefix dropped from their names,
-    as Hugging Face safetensors in ``out_dir``, what ``from_pretrained`` reads: ``model.safetensors``, or
-    shards of at most ``max_shard_bytes`` (a tensor larger than that alone) and their index, as
-    ``save_pretrained`` writes them. One shard in memory at a time, read from the checkpoint's shards
+    as Hugging Face safetensors in ``out_dir``, what ``from_pretrained`` reads: ``weights_name``
+    (transformers' ``model.safetensors``; diffusers reads ``diffusion_pytorch_model.safetensors``), or
+    shards of at most ``max_shard_bytes`` (a tensor larger than that alone) and their index, named after it
+    as ``save_pretrained`` names them. One shard in memory at a time, read from the checkpoint's shards
     (a model larger than one process's memory is written); the number of tensors."""
     from safetensors.torch import save_file
 
+    stem = weights_name.removesuffix(".safetensors")
+    if not stem or "/" in weights_name or not weights_name.endswith(".safetensors"):
+        raise ValueError(
+            f"--weights-name {weights_name!r}: a file name ending in .safetensors, e.g. model.safetensors "
+            f"(transformers) or diffusion_pytorch_model.safetensors (diffusers)"
+        )
     src = resolve(checkpoint_dir)
     verify(src, shared=False)
     chosen = _stored_weights(src, prefix, checkpoint_dir)
     shards = _shards(chosen, max_shard_bytes)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    for old in [*out.glob("model*.safetensors"), out / _HF_INDEX]:  # an earlier save's: from_pretrained would read it
+    index = out / f"{weights_name}.index.json"
+    for old in [*out.glob(f"{stem}*.safetensors"), index]:  # an earlier save's: from_pretrained would read it
         old.unlink(missing_ok=True)
-    names = ["model.safetensors"] if len(shards) == 1 else [
-        f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))
+    names = [weights_name] if len(shards) == 1 else [
+        f"{stem}-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))
     ]  # fmt: skip
     for name, shard in zip(names, shards, strict=True):
         state = {key: torch.empty(m.size, dtype=m.properties.dtype) for key, m in (chosen[n] for n in shard)}
@@ -697,11 +710,8 @@ def to_safetensors(
     if len(shards) > 1:
         total = sum(math.prod(m.size) * m.properties.dtype.itemsize for _, m in chosen.values())
         where = {n: name for name, shard in zip(names, shards, strict=True) for n in shard}
-        (out / _HF_INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": where}, indent=2))
+        index.write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": where}, indent=2))
     return len(chosen)
-
-
-_HF_INDEX = "model.safetensors.index.json"
 
 
 def _stored_weights(src: Path, prefix: str, named: Any) -> dict[str, tuple[str, Any]]:
@@ -765,9 +775,15 @@ def main(argv: list[str] | None = None) -> int:
         help="--safetensors: the module whose weights to write, its name dropped: for self.model = AutoModel..., "
         "--prefix model (the default, none, keeps the LightningModule's names, which from_pretrained does not read)",
     )
+    ap.add_argument(
+        "--weights-name",
+        default="model.safetensors",
+        help="--safetensors: the file from_pretrained reads (default model.safetensors, transformers'; "
+        "diffusion_pytorch_model.safetensors for diffusers); shards and their index are named after it",
+    )
     args = ap.parse_args(argv)
     if args.safetensors:
-        count = to_safetensors(args.checkpoint_dir, args.out, args.prefix, args.max_shard_size)
+        count = to_safetensors(args.checkpoint_dir, args.out, args.prefix, args.max_shard_size, args.weights_name)
         print(f"wrote {args.out}: {count} tensors as Hugging Face safetensors")
         return 0
     ckpt = consolidate(args.checkpoint_dir, args.out)

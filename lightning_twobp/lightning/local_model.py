@@ -142,7 +142,12 @@ class _Remote(nn.Module):
         raise RuntimeError(
             f"{self.__dict__['_where']} belongs to pipeline stage {self.stage} on pipeline rank {self.rank} and is "
             f"called here outside the pipeline's run of that stage; under strategy='twobp' each stage's layers run "
-            f"on their own stage, inside the step's call of the pipelined model{self.__dict__['_hint']}"
+            f"on their own stage, inside the step's call of the pipelined model{self.__dict__['_hint']}. A part of a "
+            f"block that the model's forward also calls outside its loop over the blocks (diffusers' DiT calls "
+            f"transformer_blocks[0].norm1.emb after them) is on that block's stage only: give the forward a module of "
+            f"its own for that call, outside the blocks, holding the block's parameters (`out = copy.deepcopy(part)`, "
+            f"then each of its parameters set to the part's, `out.linear_1.weight = part.linear_1.weight`): a "
+            f"parameter used on two stages is kept in sync, as tied embeddings are"
         )
 
     def __getattr__(self, name: str) -> Any:

@@ -680,6 +680,15 @@ class ModuleListContract(OutsideModules):
                     for module in _callables(self._occupant(path)):
                         installed.append((module, module.__dict__.get("forward", _MISSING)))
                         module.__dict__["forward"] = _kept(_real_forward(module, installed[-1][1]), run)
+        if run.first > 0 and run.stop == self.num_blocks:
+            # The modules after the blocks get the values this stage received where the forward gives them its
+            # placeholders: SD3's and Flux's `norm_out(h, temb)`, `temb` made before the loop and given to
+            # every block, so sent beside the hidden state (refused as computed elsewhere before)
+            for path in self._groups[-1].paths:
+                if path != f"{self.list_name}.{self.num_blocks - 1}":
+                    for module in _callables(self._occupant(path)):
+                        installed.append((module, module.__dict__.get("forward", _MISSING)))
+                        module.__dict__["forward"] = _given_received(_real_forward(module, installed[-1][1]), run)
         for i, group in enumerate(self._groups):
             if run.first <= i < run.stop:
                 continue
@@ -1143,6 +1152,16 @@ def _kept(forward: Callable[..., Any], run: _Run) -> Callable[..., Any]:
         return out
 
     return kept
+
+
+def _given_received(forward: Callable[..., Any], run: _Run) -> Callable[..., Any]:
+    """``forward`` with every placeholder in its arguments whose value this stage received swapped for it."""
+
+    def given(*args: Any, **kwargs: Any) -> Any:
+        args, kwargs = run.swapped(args, kwargs)
+        return forward(*args, **kwargs)
+
+    return given
 
 
 def _flat(args: tuple, kwargs: dict) -> tuple[list[Any], Any]:
