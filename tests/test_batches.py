@@ -132,3 +132,16 @@ def test_predictions_join_as_one_batchs():
     assert joined["idx"] == 5 and joined["pair"][1] is None and joined["pair"][0].shape == (6,)
     with pytest.raises(ValueError, match="predict_step returned a Tensor that differs between the micro-batches"):
         join_predictions([torch.tensor(1.0), torch.tensor(2.0)])
+
+
+def test_a_list_of_one_tensor_per_sample_joins_as_one_processs_list():
+    """predict_step returning `[row for row in out]`: one process's list of 8 rows, not 2 columns of 8 (a review
+    found the lists read as one entry per output, silently); a list that reads both ways is refused."""
+    rows = [{"rows": [torch.full((3,), float(2 * i + k)) for k in range(2)]} for i in range(4)]
+    joined = join_predictions(rows, [2, 2, 2, 2])["rows"]
+    assert len(joined) == 8 and all(torch.equal(r, torch.full((3,), float(k))) for k, r in enumerate(joined))
+    outputs = [[torch.zeros(2, 3), torch.ones(2), torch.ones(2, 5)] for _ in range(4)]  # one entry per output
+    assert [tuple(t.shape) for t in join_predictions(outputs, [2, 2, 2, 2])] == [(8, 3), (8,), (8, 5)]
+    both = [[torch.zeros(2, 2), torch.ones(2, 2)] for _ in range(4)]
+    with pytest.raises(ValueError, match="reads as one tensor per sample or as one tensor of the micro-batch per"):
+        join_predictions(both, [2, 2, 2, 2])

@@ -325,3 +325,5 @@ def test_a_long_reason_is_cut_at_a_sentences_end():
     cut = call_order._first_line(NotImplementedError(reason))
     assert cut.endswith("by default.") and len(cut) <= 300, cut
     assert call_order._first_line(ValueError("x" * 400)) == "x" * 300 + "..."
+    abbreviated = "Cannot trace the op (e.g. Nonzero) here. " + "More words follow. " * 20
+    assert call_order._first_line(RuntimeError(abbreviated)).startswith("Cannot trace the op (e.g. Nonzero) here.")

@@ -122,5 +122,20 @@ def test_a_stage_that_changes_its_input_in_place_otherwise_is_told_the_fix():
     from lightning_twobp.engine import Stage
 
     stage = Stage(nn.Sequential(AddsInPlace(), nn.Linear(4, 2)))
-    with pytest.raises(RuntimeError, match=r"(?s)this pipeline stage changes its input in place .*inplace=False"):
+    told = r"(?s)this pipeline stage, or a parameter of its, is changed in place .*inplace=False"
+    with pytest.raises(RuntimeError, match=told):
         stage.forward(0, torch.randn(3, 4, requires_grad=True))
+
+
+class ScalesItsWeight(nn.Linear):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.weight.mul_(1.0)
+        return super().forward(x)
+
+
+def test_a_parameter_changed_in_place_on_a_first_stage_keeps_torchs_message():
+    """No input of the stage requires grad: the leaf autograd refuses is not its input; torch's message stays."""
+    from lightning_twobp.engine import Stage
+
+    with pytest.raises(RuntimeError, match=r"^a leaf Variable that requires grad is being used in an in-place"):
+        Stage(ScalesItsWeight(4, 2)).forward(0, torch.randn(3, 4))

@@ -142,26 +142,74 @@ class MadeInForward(nn.Linear):
         return super().forward(x) + 0.01 * self.index
 
 
+class GrowsShared(nn.Linear):
+    """A table every such layer shares when built (a RoPE cache made once for all blocks), replaced in each by a
+    longer one in training: the owner's layers no longer share it, the other rank's copies still do."""
+
+    def __init__(self, n: int, table: torch.Tensor) -> None:
+        super().__init__(n, n)
+        self.register_buffer("rope", table)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.rope.numel() < 16:
+            self.rope = torch.arange(16.0) * 0.5
+        return super().forward(x) + self.rope[: self.out_features] * 0.01
+
+
+class ChangesItself(nn.Linear):
+    """In its first forward: drops its cache (set to None), makes a frozen gain, and takes a table its twin in
+    the model made (one tensor under both layers' names)."""
+
+    def __init__(self, n: int, shared: dict) -> None:
+        super().__init__(n, n)
+        self.register_buffer("cache", torch.zeros(n), persistent=False)
+        self.shared = shared
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not hasattr(self, "gain"):
+            self.cache = None
+            self.register_parameter("gain", nn.Parameter(torch.full((self.out_features,), 2.0), requires_grad=False))
+            self.register_buffer("table", self.shared.setdefault("t", torch.arange(16.0)), persistent=False)
+        return super().forward(x) * self.gain + 0.01 * self.table
+
+
 def _made_in_forward() -> nn.Sequential:
-    return nn.Sequential(MadeInForward(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), MadeInForward(16, 2))
+    table, shared = torch.arange(2.0), {}
+    return nn.Sequential(
+        MadeInForward(6, 16), GrowsShared(16, table), nn.Tanh(), GrowsShared(16, table),  # rank 0
+        ChangesItself(16, shared), ChangesItself(16, shared), nn.Tanh(), MadeInForward(16, 2),  # rank 1
+    )  # fmt: skip
 
 
 def _gathered_made_in_forward(rank: int, world: int) -> dict:
     lightning_env(rank, world)
     model = Regressor(layers=_made_in_forward)
-    _trainer(TwoBPStrategy(gather_full_model=True), world, max_steps=2).fit(model, _data())
-    return {"state": {n: t.detach().clone() for n, t in model.state_dict().items()}, "index": model.layers[4].index}
+    _trainer(TwoBPStrategy(gather_full_model=True, balance=[4, 4]), world, max_steps=2).fit(model, _data())
+    return {"state": {n: t.detach().clone() for n, t in model.state_dict().items()}, **_changed(model.layers)}
 
 
-def test_gather_full_model_receives_buffers_made_in_training(two_ranks, request):
-    """Buffers a layer registers in its first forward reach the other rank too, persistent or not, with the
-    owner's values (each rank derived the broadcast order from its own layers: gloo aborted at the end of fit)."""
+def _changed(layers: nn.Sequential) -> dict:
+    return {
+        "index": layers[7].index,
+        "tied": (layers[1].rope is layers[3].rope, layers[4].table is layers[5].table),
+        "gain": layers[4].gain.requires_grad,
+        "cache": (layers[4].cache, layers[5].cache),
+    }
+
+
+def test_gather_full_model_receives_tensors_as_training_left_them(two_ranks, request):
+    """Tensors a layer registers, drops or unties in training reach the other rank as its owner holds them, ties
+    included (each rank derived the broadcasts from its own copy of the layers: gloo aborted at the end of fit,
+    or both ranks waited on each other; a buffer dropped stayed on meta, a frozen parameter came trainable)."""
     ranks = two_ranks[request.node.name]
     model = Regressor(layers=_made_in_forward)
     _trainer("auto", 1, max_steps=2).fit(model, _data())
+    alone = _changed(model.layers)
+    assert alone["tied"] == (False, True) and alone["gain"] is False and alone["cache"] == (None, None)
     for out in ranks:
         assert set(out["state"]) == set(model.state_dict()), "a persistent buffer made in training is in state_dict"
-        torch.testing.assert_close(out["index"], model.layers[4].index)
+        torch.testing.assert_close(out["index"], alone["index"])
+        assert (out["tied"], out["gain"], out["cache"]) == (alone["tied"], alone["gain"], alone["cache"]), out
         for name, value in model.state_dict().items():
             if not name.endswith("calls"):  # counts forwards: per micro-batch in the pipeline
                 torch.testing.assert_close(out["state"][name], value, rtol=1e-5, atol=1e-6, msg=name)
@@ -198,6 +246,36 @@ def test_model_is_put_back_after_an_exception():
     assert "boom" in results[0]["raised"]
     for out in results:
         assert out["raised"] and out["keys_equal"] and out["restored"] and out["placeholders"] == []
+
+
+class MakesAModule(nn.Linear):
+    """Makes a child module in its first forward (a cache object made lazily): the other rank's copy cannot
+    hold what it trained."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not hasattr(self, "kv"):
+            self.kv = nn.Module()
+            self.kv.register_buffer("k", torch.ones(self.out_features))
+        return super().forward(x) + 0.0 * self.kv.k
+
+
+def _gather_refused(rank: int, world: int) -> dict:
+    lightning_env(rank, world)
+    model = Regressor(layers=lambda: nn.Sequential(MakesAModule(6, 16), nn.Tanh(), nn.Linear(16, 2)))
+    try:
+        _trainer(TwoBPStrategy(gather_full_model=True, balance=[1, 2]), world, max_steps=1).fit(model, _data())
+    except RuntimeError as e:
+        return {"raised": str(e), "restored": "forward" not in model.layers.__dict__, "layer": type(model.layers[0])}
+    return {"raised": ""}
+
+
+def test_a_gather_that_cannot_rebuild_a_layer_is_refused_on_every_rank():
+    """A submodule made in training on one rank: refused on every rank, before any broadcast (rank 1 failed alone
+    in its copy's get_submodule, rank 0 was told a bare "Connection closed"), and the model is put back."""
+    for out in run_distributed(_gather_refused, 2, timeout=120):
+        assert "gather_full_model=True cannot rebuild the trained model on every rank" in out["raised"], out
+        assert "holds kv.k, in a submodule its copy here lacks" in out["raised"], out["raised"]
+        assert out["restored"] and out["layer"] is MakesAModule
 
 
 # ---------------------------------------------------------------------------------------------- layout API
@@ -599,7 +677,7 @@ def two_ranks(request) -> conftest.Launch:
     """The 2-rank cases of this module, in one launch (the failing fit has its own: it breaks the group)."""
     cases = {f"test_model_is_whole_after_fit_and_fits_again[{k}]": (_after_fit, (g,)) for k, g in GATHER.items()}
     cases["test_gather_full_model_receives_in_the_owners_dtype"] = (_gathered, ())
-    cases["test_gather_full_model_receives_buffers_made_in_training"] = (_gathered_made_in_forward, ())
+    cases["test_gather_full_model_receives_tensors_as_training_left_them"] = (_gathered_made_in_forward, ())
     cases |= {f"test_model_zoo_matches_one_process[{k}]": (_fit_zoo, (k,)) for k in ZOO}
     cases["test_logged_torchmetrics_metrics_give_the_one_process_values"] = (_fit_classifier_pipelined, ())
     return launch(request, 2, cases, timeout=840)

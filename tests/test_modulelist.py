@@ -314,6 +314,21 @@ class ModulatedLM(nn.Module):
         return self.head(F.layer_norm(h, (16,)) * (1 + scale) + shift)
 
 
+class InPlaceLoopLM(nn.Module):
+    """A loop whose second stage starts with nn.ReLU(inplace=True): its input, received, gets a copy."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.head = nn.Embedding(VOCAB, 16), nn.Linear(16, VOCAB)
+        self.layers = nn.ModuleList([nn.Linear(16, 16), nn.Linear(16, 16), nn.ReLU(inplace=True), nn.Linear(16, 16)])
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        h = self.embed(input_ids)
+        for layer in self.layers:
+            h = layer(h)
+        return self.head(h)
+
+
 class TorchTransformerLM(nn.Module):
     """torch's ``nn.Transformer`` (Lightning's demo Transformer is one): the decoder's layers pipelined, the
     encoder whole on the first stage, its output (``memory``) read by every decoder layer on every stage."""
@@ -393,6 +408,7 @@ MODELS = {
     "torch-encoder": TorchEncoderLM,
     "residual-stream": ResidualStreamLM,
     "modulated": ModulatedLM,
+    "in-place-loop": InPlaceLoopLM,
     "torch-transformer": TorchTransformerLM,
     "hf-t5": _hf_t5,
     "hf-bart": _hf_bart,
@@ -492,6 +508,7 @@ CASES = {
     "residual-stream-time": ("residual-stream", dict(schedule="1f1b", balance="time"), False),
     # a value made before the loop given to every block and to a module after it, on the V's last stage (rank 0)
     "modulated-zb-v": ("modulated", dict(schedule="zb-v", layers="model.layers"), False),
+    "in-place-loop": ("in-place-loop", dict(schedule="1f1b", balance=[2, 2], layers="model.layers"), False),
     # an encoder's output read by every decoder layer; then validate, predict and fit again without gathering
     "torch-transformer": ("torch-transformer", dict(schedule="zb-h1", layers="model.transformer.decoder.layers"), True),
     "hf-t5": ("hf-t5", dict(schedule="1f1b", layers="model.inner.decoder.block"), False),

@@ -77,14 +77,15 @@ def _in_place_named(module: nn.Module, inputs: list[Any], kwargs: dict[str, Any]
     try:
         return module(*inputs, **kwargs)
     except RuntimeError as e:
-        if "leaf Variable that requires grad is being used in an in-place operation" not in str(e):
-            raise
+        leaf = "leaf Variable that requires grad is being used in an in-place operation"
+        if leaf not in str(e) or not any(_is_tensor_requiring_grad(x) for x in inputs):
+            raise  # no input of the stage's can be the leaf: a parameter changed in place, torch's message says so
         raise RuntimeError(
-            f"this pipeline stage changes its input in place ({e}): a stage's input is a leaf tensor that requires "
-            f"grad, whose gradient goes to the stage before, and autograd refuses an in-place op on it. Make the "
-            f"stage's first op out of place (inplace=False on an activation or dropout, `x = x + y` for `x += y`), "
-            f"or start the stage at another layer (under strategy='twobp': balance=[...]). A Sequential's layer that "
-            f"starts in place (nn.ReLU(inplace=True), or a Sequential starting with one) gets a copy of its input"
+            f"this pipeline stage, or a parameter of its, is changed in place ({e}): a stage's input is a leaf tensor "
+            f"that requires grad, whose gradient goes to the stage before, and autograd refuses an in-place op on "
+            f"it. Make the stage's first op out of place (inplace=False on an activation or dropout, `x = x + y` for "
+            f"`x += y`), or start the stage at another layer (under strategy='twobp': balance=[...]). A layer that "
+            f"is an in-place activation or dropout, or a Sequential starting with one, gets a copy of its input"
         ) from e
 
 

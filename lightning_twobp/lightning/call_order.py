@@ -29,6 +29,7 @@ registration order was its call order: those are the models that trained before.
 from __future__ import annotations
 
 import logging
+import re
 import time
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
@@ -291,5 +292,5 @@ def _first_line(e: BaseException) -> str:
     line = str(e).strip().splitlines()[0] if str(e).strip() else ""
     if len(line) <= 300:
         return line
-    end = line.rfind(". ", 0, 300)
-    return line[: end + 1] if end > 0 else line[:300] + "..."
+    ends = [m.end() for m in re.finditer(r"(?<!e\.g)(?<!i\.e)\.(?= [A-Z])", line[:300])]  # not at "e.g. X"
+    return line[: ends[-1]] if ends else line[:300] + "..."

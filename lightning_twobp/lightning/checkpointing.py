@@ -49,7 +49,7 @@ from torch.utils.checkpoint import (
     noop_context_fn,
 )
 
-from lightning_twobp.lightning.contract import starts_in_place
+from lightning_twobp.lightning.in_place import starts_in_place
 from lightning_twobp.lightning.modulelist_contract import caches_off
 from lightning_twobp.options import check_activation_checkpointing
 from lightning_twobp.private import tensor_version

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from lightning_twobp.lightning.checks import CARRY_AUX, grad_scalars, stored_for_loss
+from lightning_twobp.lightning.in_place import starts_in_place
 from lightning_twobp.lightning.modulelist_contract import ModuleListContract, identical_blocks
 
 __all__ = [
@@ -33,7 +34,6 @@ __all__ = [
     "StageModule",
     "find_contract",
     "find_sequential",
-    "starts_in_place",
 ]
 
 
@@ -68,16 +68,6 @@ class Contract(Protocol):
         """The name of parameter ``name`` of layer ``i``, relative to :attr:`name`."""
 
 
-def starts_in_place(module: nn.Module) -> bool:
-    """Does ``module`` start by changing its input in place? torch's in-place activations and dropouts say so
-    in their ``inplace`` attribute; a Sequential starts with its first layer (torchvision's EfficientNet
-    classifier: ``Sequential(Dropout(p, inplace=True), Linear)``). A forward of other code is not looked
-    into: there, a pipeline stage's input changed in place is refused by name (``Stage.forward``)."""
-    while isinstance(module, nn.Sequential) and len(module):
-        module = module[0]
-    return bool(getattr(module, "inplace", False))
-
-
 class StageModule(nn.Module):
     """A run of a Sequential's layers as one pipeline stage, called as the Sequential calls them.
 
@@ -94,7 +84,7 @@ class StageModule(nn.Module):
     def __init__(self, layers: list[nn.Module], names: list[str] | None = None) -> None:
         super().__init__()
         self.layers = nn.ModuleList(layers)  # shared with the user's Sequential, not copied
-        self._clone_inputs = starts_in_place(layers[0])
+        self._clone_inputs = starts_in_place(self.layers)
         self._look_for_stored = names  # None: the last stage (the step reads its layers), or nothing to look at
 
     def forward(self, *inputs: Any) -> Any:

@@ -285,8 +285,13 @@ class LocalModel:
         """Put the set-aside layers back into the contract. With ``gather`` every pipeline rank
         first receives the trained weights of the layers it did not hold (one broadcast per tensor
         from the rank that trained it, layer by layer, each landing on the CPU right away)."""
-        if gather:
-            self._gather(group, pp_rank, device)
+        try:
+            if gather:
+                self._gather(group, pp_rank, device)
+        finally:  # a gather refused (on every rank, before any broadcast) leaves the model whole all the same
+            self._put_back()
+
+    def _put_back(self) -> None:
         self.contract.swap(self.removed)
         for i, layer in self.removed.items():
             for part in self.contract.parts(layer):
@@ -296,61 +301,126 @@ class LocalModel:
         self.removed = {}
 
     def _gather(self, group: dist.ProcessGroup | None, pp_rank: int, device: torch.device) -> None:
-        # Every distinct tensor once, from the rank that trained its layer, in the order of the tensors that
-        # rank holds: a module may register a buffer in its first forward (litgpt's LoRA ``_lora_ind``), which
-        # the set-aside copies elsewhere, cut before training, lack; an order each rank derived from its own
-        # layers then paired broadcasts of different tensors (gloo aborted on a size mismatch).
+        # Every tensor from the rank that trained its layer, as that rank holds it: the tensors it names, their
+        # shapes and dtypes, and which are one tensor (ties), the owner's. The copies elsewhere were cut before
+        # training and may differ: a buffer registered or dropped in a forward (litgpt's LoRA ``_lora_ind``), a
+        # shared cache replaced in each layer; an order or ties each rank derived from its own layers paired
+        # broadcasts of different tensors (gloo aborted, or both ranks waited).
         layers = [self.removed.get(i, layer) for i, layer in enumerate(self.contract.layers())]
-        owned = {i: _held(layer) for i, layer in enumerate(layers) if self.owner[i] == pp_rank}
-        every: list[Any] = [None] * dist.get_world_size(group)
-        dist.all_gather_object(every, owned, group=group)
-        received: dict[int, torch.Tensor] = {}
-        seen: set[int] = set()
-        for i, layer in enumerate(layers):
-            src = dist.get_global_rank(group, self.owner[i]) if group is not None else self.owner[i]
-            mine = dict(_named_tensors(layer))
-            for held in every[self.owner[i]][i]:
-                t = mine.get(held.name)
-                if t is not None and id(t) in seen:
-                    continue  # tied: broadcast with the first layer that uses it
-                if t is not None:
-                    seen.add(id(t))
-                if self.owner[i] == pp_rank:  # after teardown's move to the CPU: NCCL sends from the device
-                    dist.broadcast(cast(torch.Tensor, t).detach().to(device), src=src, group=group)
-                    continue
+        plan = _GatherPlan.agree(layers, self.owner, pp_rank, group)
+        values: list[torch.Tensor] = []
+        for k, (i, held) in enumerate(plan.order):
+            owner, mine = self.owner[i], plan.local[i].get(held.name)
+            tie = plan.ties[owner].get(k)
+            src = dist.get_global_rank(group, owner) if group is not None else owner
+            if tie is not None:  # the tensor of an earlier entry: nothing sent
+                value = values[tie]
+            elif owner == pp_rank:  # after teardown's move to the CPU: NCCL sends from the device
+                value = cast(torch.Tensor, mine)
+                dist.broadcast(value.detach().to(device), src=src, group=group)
+            else:
                 buf = torch.empty(held.shape, dtype=getattr(torch, held.dtype.removeprefix("torch.")), device=device)
                 dist.broadcast(buf, src=src, group=group)
-                if t is None:
-                    held.register(layer, buf.cpu())
-                elif t.is_meta:
-                    received[id(t)] = buf.cpu()
-        replace_tensors(list(self.removed.values()), lambda t: received[id(t)], lambda t: id(t) in received)
+                value = mine if mine is not None and not mine.is_meta else held.made(mine, buf.cpu())
+            values.append(value)
+            if owner != pp_rank and value is not mine:
+                held.install(layers[i], value)
+        for i, layer in enumerate(layers):  # what the owner no longer holds (a buffer set to None in training)
+            if self.owner[i] != pp_rank:
+                kept = {held.name for held in plan.held[self.owner[i]][i]}
+                for name in plan.local[i].keys() - kept:
+                    prefix, _, leaf = name.rpartition(".")
+                    setattr(layer.get_submodule(prefix), leaf, None)
 
 
 @dataclass(frozen=True)
 class _Held:
-    """A tensor of a layer, as the rank that trained the layer holds it: what another rank needs to receive
-    it, and to register it where its own copy of the layer lacks it."""
+    """A tensor of a layer under one of its names, as the rank that trained the layer holds it: what another
+    rank needs to receive it and to put it in its own copy of the layer."""
 
     name: str  # in the layer
     shape: tuple[int, ...]
     dtype: str  # the owner's: the set-aside copies keep the dtype from before the precision plugin's cast
     parameter: bool
+    requires_grad: bool
     persistent: bool
 
-    def register(self, layer: nn.Module, value: torch.Tensor) -> None:
+    def made(self, old: torch.Tensor | None, value: torch.Tensor) -> torch.Tensor:
+        """``value`` as this tensor: a Parameter with the owner's ``requires_grad`` (and ``old``'s attributes)."""
+        if not self.parameter:
+            return value
+        out = like(old, value) if isinstance(old, nn.Parameter) else nn.Parameter(value)
+        return out.requires_grad_(self.requires_grad)
+
+    def install(self, layer: nn.Module, value: torch.Tensor) -> None:
         prefix, _, leaf = self.name.rpartition(".")
         module = layer.get_submodule(prefix)
+        if leaf in (module._parameters if self.parameter else module._buffers):
+            setattr(module, leaf, value)
+            return
+        if hasattr(module, leaf):  # the other kind here
+            delattr(module, leaf)
         if self.parameter:
-            module.register_parameter(leaf, nn.Parameter(value))
+            module.register_parameter(leaf, cast(nn.Parameter, value))
         else:
             module.register_buffer(leaf, value, persistent=self.persistent)
 
 
+@dataclass(frozen=True)
+class _GatherPlan:
+    """What every rank of the pipeline agrees on before ``gather_full_model``'s broadcasts: each layer's tensors
+    as its owner holds them (``held[rank][layer]``), their order (``order``: layer by layer, the owner's names),
+    and per owner the entries that are an earlier entry's tensor (``ties[rank]``: position -> position)."""
+
+    local: list[dict[str, torch.Tensor]]  # this rank's copy of each layer: name -> tensor
+    held: list[dict[int, list[_Held]]]
+    order: list[tuple[int, _Held]]
+    ties: list[dict[int, int]]
+
+    @classmethod
+    def agree(cls, layers: list[nn.Module], owner: dict[int, int], rank: int, group: Any) -> _GatherPlan:
+        local = [dict(_named_tensors(layer)) for layer in layers]
+        held: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(held, {i: _held(layer) for i, layer in enumerate(layers) if owner[i] == rank}, group)
+        order = [(i, h) for i in range(len(layers)) for h in held[owner[i]][i]]
+        first: dict[int, int] = {}
+        ties: dict[int, int] = {}
+        for k, (i, h) in enumerate(order):
+            t = local[i].get(h.name)
+            if t is not None and id(t) in first and owner[i] == rank:
+                ties[k] = first[id(t)]
+            elif t is not None:
+                first.setdefault(id(t), k)
+        missing = [
+            f"{layers[i].__class__.__name__} (layer {i}, trained on pipeline rank {owner[i]}) holds {h.name}, in a "
+            f"submodule its copy here lacks"
+            for i, h in order
+            if owner[i] != rank and h.name not in local[i] and not _resolves(layers[i], h.name)
+        ]
+        every: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(every, (ties, missing), group)
+        wrong = next((m for _, ms in every for m in ms), None)
+        if wrong is not None:  # every rank raises it, before any broadcast
+            raise RuntimeError(
+                f"gather_full_model=True cannot rebuild the trained model on every rank: {wrong} (a module made in "
+                f"a forward during training). Leave gather_full_model off and read the weights from a checkpoint "
+                f"(twobp-consolidate), or build that submodule in the layer's __init__"
+            )
+        return cls(local, held, order, [t for t, _ in every])
+
+
+def _resolves(layer: nn.Module, name: str) -> bool:
+    try:
+        layer.get_submodule(name.rpartition(".")[0])
+    except AttributeError:
+        return False
+    return True
+
+
 def _named_tensors(layer: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """The layer's parameters, then buffers, each tensor once (as :func:`_tensors`), with its name."""
-    yield from layer.named_parameters()
-    yield from layer.named_buffers()
+    """Every name of the layer's parameters, then of its buffers: a tensor under two names twice (a tie)."""
+    yield from layer.named_parameters(remove_duplicate=False)
+    yield from layer.named_buffers(remove_duplicate=False)
 
 
 def _held(layer: nn.Module) -> list[_Held]:
@@ -358,7 +428,8 @@ def _held(layer: nn.Module) -> list[_Held]:
     for name, t in _named_tensors(layer):
         prefix, _, leaf = name.rpartition(".")
         persistent = leaf not in layer.get_submodule(prefix)._non_persistent_buffers_set
-        out.append(_Held(name, tuple(t.shape), str(t.dtype), isinstance(t, nn.Parameter), persistent))
+        parameter = isinstance(t, nn.Parameter)
+        out.append(_Held(name, tuple(t.shape), str(t.dtype), parameter, t.requires_grad, persistent))
     return out
 
 

@@ -54,6 +54,7 @@ import torch
 from torch import nn
 
 from lightning_twobp.lightning.checks import LOOP_AUX, grad_scalars, stored_for_loss
+from lightning_twobp.lightning.in_place import starts_in_place
 from lightning_twobp.lightning.outside_modules import OutsideModules, registered_sides
 from lightning_twobp.lightning.placeholders import (
     Elsewhere,
@@ -790,7 +791,8 @@ class ModuleListContract(OutsideModules):
                 x.received = True
             if isinstance(x, torch.Tensor):
                 run.received[id(x)] = (x, value, tensor_version(x))
-            out[k] = value
+            # the stage's input, a leaf that requires grad: a block that changes it in place at once gets a copy
+            out[k] = value.clone() if k == 0 and starts_in_place(self.blocks[i]) else value
         run.keep(values)
         return pytree.tree_unflatten(out, spec)
 

@@ -60,6 +60,7 @@ from lightning_twobp.lightning.sharding import (
 from lightning_twobp.lightning.step import (
     Logs,
     StepRunner,
+    batch_size,
     join_predictions,
     log_step_values,
     placeholder_holders,
@@ -203,7 +204,8 @@ class Pipeline:
         # predictions live on the rank holding the last stage: the micro-batches' outputs, joined before the
         # logs are shared, so that a refusal there reaches the other ranks as a failed step (joined after,
         # they returned as if predict had worked and their next call waited on this rank)
-        predictions = join_predictions(state.results) if hook == "predict_step" and outs is not None else None
+        sizes = [batch_size(mb) for mb in state.microbatches]
+        predictions = join_predictions(state.results, sizes) if hook == "predict_step" and outs is not None else None
         self._log_eval_means(last_rank, group)
         return predictions
 

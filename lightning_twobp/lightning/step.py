@@ -106,19 +106,20 @@ def _flat(x: Any) -> bool:
     return isinstance(x, list) and not any(isinstance(e, (torch.Tensor, list, tuple, dict)) for e in x)
 
 
-def join_predictions(results: list[Any]) -> Any:
+def join_predictions(results: list[Any], sizes: list[int] | None = None) -> Any:
     """The micro-batches' ``predict_step`` outputs as the batch's, the inverse of :func:`split_microbatches`:
     per-sample tensors concatenated, per-sample lists joined, containers entry by entry, and a value every
-    micro-batch returned alike (a batch index, None) kept once. Anything else is refused, naming it."""
+    micro-batch returned alike (a batch index, None) kept once. Anything else is refused, naming it.
+    ``sizes``: each micro-batch's samples, which tell a list of one tensor per sample from a list of outputs."""
     first = results[0]
     if isinstance(first, torch.Tensor) and first.dim() > 0:
         return torch.cat(results)
-    if all(_flat(r) for r in results):
+    if all(_flat(r) for r in results) or _per_sample(results, sizes):
         return [e for r in results for e in r]
     if isinstance(first, dict) and all(isinstance(r, dict) and r.keys() == first.keys() for r in results):
-        return {k: join_predictions([r[k] for r in results]) for k in first}
+        return {k: join_predictions([r[k] for r in results], sizes) for k in first}
     if type(first) in (list, tuple) and all(type(r) is type(first) and len(r) == len(first) for r in results):
-        return type(first)(join_predictions(list(col)) for col in zip(*results, strict=True))
+        return type(first)(join_predictions(list(col), sizes) for col in zip(*results, strict=True))
     same = all(
         torch.equal(r, first) if isinstance(first, torch.Tensor) and isinstance(r, torch.Tensor) else r == first
         for r in results
@@ -130,6 +131,23 @@ def join_predictions(results: list[Any]) -> Any:
         f"({results[0]!r:.60} and {results[-1]!r:.60}): under strategy='twobp' it runs once per micro-batch, and "
         f"only per-sample values (tensors whose first dimension is the batch, lists of one entry per sample) "
         f"join into the batch's; return those, or compute a value of the whole batch from them afterwards"
+    )
+
+
+def _per_sample(results: list[Any], sizes: list[int] | None) -> bool:
+    """Is each micro-batch's output a list of one tensor per sample (``[row for row in out]``)? A list as long as
+    its micro-batch whose tensors have as many rows could be either that or one entry per output: refused."""
+    if sizes is None or not all(type(r) is list and len(r) == n for r, n in zip(results, sizes, strict=True)):
+        return False
+    if not all(isinstance(e, torch.Tensor) for r in results for e in r):
+        return False
+    if any(e.dim() == 0 or e.shape[0] != n for r, n in zip(results, sizes, strict=True) for e in r):
+        return True
+    raise ValueError(
+        f"predict_step returned a list of {sizes[0]} tensors of {sizes[0]} rows each for a micro-batch of "
+        f"{sizes[0]} samples: under strategy='twobp' it runs once per micro-batch, and this reads as one tensor per "
+        f"sample or as one tensor of the micro-batch per output alike; return a tuple (or a dict) for several "
+        f"outputs, or torch.stack the samples' rows into one tensor"
     )
 
 

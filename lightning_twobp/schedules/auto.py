@@ -702,11 +702,11 @@ def resolve_limit(memory_limit: float | str, device_bytes: float | None, fused_1
         if memory_limit >= _FEWEST_BYTES:
             return float(memory_limit)
         if memory_limit > 1:  # no model fits in so few bytes: a multiple of something, meant another way
+            x = f"{float(memory_limit):g}"
             raise ValueError(
-                f"memory_limit={memory_limit!r} would be {memory_limit!r} bytes per device (a number above 1 is "
-                f"bytes, e.g. 8e9): for {memory_limit!r} times fused 1F1B's peak write "
-                f"memory_limit='{memory_limit!r}x1f1b'; a fraction of the device's memory is a number in (0, 1], "
-                f"e.g. 0.5"
+                f"memory_limit={x} would be {x} bytes per device (bytes are a number of {_FEWEST_BYTES} or more, "
+                f"e.g. 8e9): for {x} times fused 1F1B's peak write memory_limit='{x}x1f1b'; a fraction of the "
+                f"device's memory is a number in (0, 1], e.g. 0.5"
             )
         if device_bytes is None:
             raise ValueError(
@@ -715,8 +715,8 @@ def resolve_limit(memory_limit: float | str, device_bytes: float | None, fused_1
             )
         return memory_limit * device_bytes
     raise ValueError(
-        f"memory_limit={memory_limit!r}: give bytes per device (a number > 1, e.g. 8e9), a fraction of the "
-        f"device's memory (0 < x <= 1, e.g. 0.5), '1f1b' for fused 1F1B's peak or e.g. '0.5x1f1b' for a multiple"
+        f"memory_limit={memory_limit!r}: give bytes per device (a number >= {_FEWEST_BYTES}, e.g. 8e9), a fraction of "
+        f"the device's memory (0 < x <= 1, e.g. 0.5), '1f1b' for fused 1F1B's peak or e.g. '0.5x1f1b' for a multiple"
     )
 
 
