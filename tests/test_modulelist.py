@@ -291,13 +291,14 @@ class ModulatedBlock(nn.Module):
         super().__init__()
         self.mix, self.scale = nn.Linear(16, 16), nn.Linear(16, 16)
 
-    def forward(self, h: torch.Tensor, temb: torch.Tensor) -> torch.Tensor:
-        return h + torch.tanh(self.mix(h)) * (1 + self.scale(temb))
+    def forward(self, hidden_states: torch.Tensor, temb: torch.Tensor) -> torch.Tensor:
+        return hidden_states + torch.tanh(self.mix(hidden_states)) * (1 + self.scale(temb))
 
 
 class ModulatedLM(nn.Module):
     """diffusers' SD3 and Flux form: a conditioning vector made before the loop, given to every block and to the
-    norm after it (``norm_out(h, temb)``): the last stage's norm gets the value sent beside the hidden state."""
+    norm after it (``norm_out(h, temb)``): the last stage's norm gets the value sent beside the hidden state; and
+    the blocks called by keywords alone, the hidden state by its parameter's name."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -309,7 +310,7 @@ class ModulatedLM(nn.Module):
         h = self.embed(input_ids)
         temb = self.cond(h.mean(1, keepdim=True))  # a module's output: sent on (a value made outside one is not)
         for layer in self.layers:
-            h = layer(h, temb=temb)
+            h = layer(hidden_states=h, temb=temb)
         shift, scale = self.norm_out(temb).chunk(2, -1)
         return self.head(F.layer_norm(h, (16,)) * (1 + scale) + shift)
 

@@ -43,6 +43,7 @@ micro-batch index.
 from __future__ import annotations
 
 import copy
+import inspect
 import logging
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMapping, Sequence
@@ -719,10 +720,13 @@ class ModuleListContract(OutsideModules):
                     f"the data, the RNG or a setting, e.g. LayerDrop) is not supported"
                 )
             run.next += 1
+            if not args:  # diffusers' SD3 and Flux: `block(hidden_states=h, temb=temb)`
+                args, kwargs = _hidden_first(self.blocks[i], self._previous[i], kwargs)
             if not args or not isinstance(args[0], torch.Tensor):
                 raise TypeError(
                     f"{self.list_name}[{i}] was called without a tensor as its first positional argument: under "
-                    f"strategy='twobp' a block takes the hidden state first (then any keyword side inputs)"
+                    f"strategy='twobp' a block takes the hidden state first, by position or by the name of its "
+                    f"forward's first parameter (then any keyword side inputs)"
                 )
             if i < run.first:
                 return self._skipped(i, args, kwargs, run)
@@ -1154,6 +1158,22 @@ def _kept(forward: Callable[..., Any], run: _Run) -> Callable[..., Any]:
         return out
 
     return kept
+
+
+def _hidden_first(block: nn.Module, previous: Any, kwargs: dict) -> tuple[tuple, dict]:
+    """A block called by keywords alone, its hidden state by the name of its forward's first parameter: that one
+    first, by position (as the block takes it), the others as they were. A block of another stage is a
+    placeholder here, whose ``__class__`` answers as the block's."""
+    forward = block.__class__.forward if previous is _MISSING else previous
+    try:
+        params = list(inspect.signature(forward).parameters.values())[1 if previous is _MISSING else 0 :]
+    except (TypeError, ValueError):  # no signature to read
+        return (), kwargs
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    if not params or params[0].kind not in positional or params[0].name not in kwargs:
+        return (), kwargs
+    first = params[0].name
+    return (kwargs[first],), {k: v for k, v in kwargs.items() if k != first}
 
 
 def _given_received(forward: Callable[..., Any], run: _Run) -> Callable[..., Any]:
