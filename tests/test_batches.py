@@ -134,14 +134,22 @@ def test_predictions_join_as_one_batchs():
         join_predictions([torch.tensor(1.0), torch.tensor(2.0)])
 
 
-def test_a_list_of_one_tensor_per_sample_joins_as_one_processs_list():
-    """predict_step returning `[row for row in out]`: one process's list of 8 rows, not 2 columns of 8 (a review
-    found the lists read as one entry per output, silently); a list that reads both ways is refused."""
+def test_a_list_of_one_tensor_per_sample_is_refused_naming_the_fix():
+    """predict_step returning `[row for row in out]` was joined as a list of outputs, each micro-batch's rows as
+    columns (silently: 2 tensors of 8 where one process has 8 rows); a list of outputs still joins per output."""
     rows = [{"rows": [torch.full((3,), float(2 * i + k)) for k in range(2)]} for i in range(4)]
-    joined = join_predictions(rows, [2, 2, 2, 2])["rows"]
-    assert len(joined) == 8 and all(torch.equal(r, torch.full((3,), float(k))) for k, r in enumerate(joined))
+    with pytest.raises(ValueError, match=r"a list of 2 tensors of shape \(3,\) .* torch.stack the samples' rows"):
+        join_predictions(rows, [2, 2, 2, 2])
     outputs = [[torch.zeros(2, 3), torch.ones(2), torch.ones(2, 5)] for _ in range(4)]  # one entry per output
     assert [tuple(t.shape) for t in join_predictions(outputs, [2, 2, 2, 2])] == [(8, 3), (8,), (8, 5)]
-    both = [[torch.zeros(2, 2), torch.ones(2, 2)] for _ in range(4)]
-    with pytest.raises(ValueError, match="reads as one tensor per sample or as one tensor of the micro-batch per"):
-        join_predictions(both, [2, 2, 2, 2])
+    pair = [[torch.zeros(2, 3), torch.full((5,), 7.0)] for _ in range(3)]  # as many outputs as samples: per output
+    joined = join_predictions(pair, [2, 2, 2])
+    assert joined[0].shape == (6, 3) and torch.equal(joined[1], torch.full((5,), 7.0))
+
+
+def test_a_hugging_face_model_output_joins_as_one():
+    """predict_step returning a ModelOutput: joined, it stays one (it came back a dict, and `out.logits` failed)."""
+    outputs = pytest.importorskip("transformers.modeling_outputs", reason="the model output needs transformers")
+    mbs = [outputs.CausalLMOutput(logits=torch.full((2, 3), float(i))) for i in range(2)]
+    joined = join_predictions(mbs, [2, 2])
+    assert isinstance(joined, outputs.CausalLMOutput) and joined.logits.shape == (4, 3)

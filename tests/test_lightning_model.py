@@ -156,6 +156,17 @@ class GrowsShared(nn.Linear):
         return super().forward(x) + self.rope[: self.out_features] * 0.01
 
 
+class ReadsTable(nn.Linear):
+    """Uses the shared table as built: on the other rank than the layers that replace theirs."""
+
+    def __init__(self, n: int, table: torch.Tensor) -> None:
+        super().__init__(n, n)
+        self.register_buffer("rope", table)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(super().forward(x)) + self.rope.sum() * 0.01
+
+
 class ChangesItself(nn.Linear):
     """In its first forward: drops its cache (set to None), makes a frozen gain, and takes a table its twin in
     the model made (one tensor under both layers' names)."""
@@ -177,7 +188,7 @@ def _made_in_forward() -> nn.Sequential:
     table, shared = torch.arange(2.0), {}
     return nn.Sequential(
         MadeInForward(6, 16), GrowsShared(16, table), nn.Tanh(), GrowsShared(16, table),  # rank 0
-        ChangesItself(16, shared), ChangesItself(16, shared), nn.Tanh(), MadeInForward(16, 2),  # rank 1
+        ChangesItself(16, shared), ChangesItself(16, shared), ReadsTable(16, table), MadeInForward(16, 2),  # rank 1
     )  # fmt: skip
 
 
@@ -191,7 +202,15 @@ def _gathered_made_in_forward(rank: int, world: int) -> dict:
 def _changed(layers: nn.Sequential) -> dict:
     return {
         "index": layers[7].index,
-        "tied": (layers[1].rope is layers[3].rope, layers[4].table is layers[5].table),
+        "tied": tuple(
+            a is b
+            for a, b in [
+                (layers[1].rope, layers[3].rope),
+                (layers[4].table, layers[5].table),
+                (layers[1].rope, layers[6].rope),
+            ]
+        ),
+        "sizes": (layers[1].rope.numel(), layers[6].rope.numel()),
         "gain": layers[4].gain.requires_grad,
         "cache": (layers[4].cache, layers[5].cache),
     }
@@ -200,16 +219,18 @@ def _changed(layers: nn.Sequential) -> dict:
 def test_gather_full_model_receives_tensors_as_training_left_them(two_ranks, request):
     """Tensors a layer registers, drops or unties in training reach the other rank as its owner holds them, ties
     included (each rank derived the broadcasts from its own copy of the layers: gloo aborted at the end of fit,
-    or both ranks waited on each other; a buffer dropped stayed on meta, a frozen parameter came trainable)."""
+    or both ranks waited on each other; a buffer dropped stayed on meta, a frozen parameter came trainable; a
+    table shared across the ranks when built and replaced on one stayed stale on the other, silently)."""
     ranks = two_ranks[request.node.name]
     model = Regressor(layers=_made_in_forward)
     _trainer("auto", 1, max_steps=2).fit(model, _data())
     alone = _changed(model.layers)
-    assert alone["tied"] == (False, True) and alone["gain"] is False and alone["cache"] == (None, None)
+    assert alone["tied"] == (False, True, False) and alone["sizes"] == (16, 2)
+    assert alone["gain"] is False and alone["cache"] == (None, None)
     for out in ranks:
         assert set(out["state"]) == set(model.state_dict()), "a persistent buffer made in training is in state_dict"
         torch.testing.assert_close(out["index"], alone["index"])
-        assert (out["tied"], out["gain"], out["cache"]) == (alone["tied"], alone["gain"], alone["cache"]), out
+        assert all(out[k] == alone[k] for k in ("tied", "sizes", "gain", "cache")), out
         for name, value in model.state_dict().items():
             if not name.endswith("calls"):  # counts forwards: per micro-batch in the pipeline
                 torch.testing.assert_close(out["state"][name], value, rtol=1e-5, atol=1e-6, msg=name)

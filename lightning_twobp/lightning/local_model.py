@@ -308,6 +308,7 @@ class LocalModel:
         # broadcasts of different tensors (gloo aborted, or both ranks waited).
         layers = [self.removed.get(i, layer) for i, layer in enumerate(self.contract.layers())]
         plan = _GatherPlan.agree(layers, self.owner, pp_rank, group)
+        synced = {id(shared.param) for shared in self.shared if shared.param is not None}
         values: list[torch.Tensor] = []
         for k, (i, held) in enumerate(plan.order):
             owner, mine = self.owner[i], plan.local[i].get(held.name)
@@ -321,7 +322,9 @@ class LocalModel:
             else:
                 buf = torch.empty(held.shape, dtype=getattr(torch, held.dtype.removeprefix("torch.")), device=device)
                 dist.broadcast(buf, src=src, group=group)
-                value = mine if mine is not None and not mine.is_meta else held.made(mine, buf.cpu())
+                # a parameter tied across ranks is this rank's own copy, kept equal by the step: it stays (and so
+                # does its tie here); anything else is the owner's, a tensor this rank held since the cut included
+                value = mine if mine is not None and id(mine) in synced else held.made(mine, buf.cpu())
             values.append(value)
             if owner != pp_rank and value is not mine:
                 held.install(layers[i], value)
@@ -383,14 +386,14 @@ class _GatherPlan:
         held: list[Any] = [None] * dist.get_world_size(group)
         dist.all_gather_object(held, {i: _held(layer) for i, layer in enumerate(layers) if owner[i] == rank}, group)
         order = [(i, h) for i in range(len(layers)) for h in held[owner[i]][i]]
+        # ties among this rank's own layers only: its copies of other ranks' layers are as the cut left them (a
+        # table shared then and replaced by its owner in training is no longer that owner's)
         first: dict[int, int] = {}
         ties: dict[int, int] = {}
         for k, (i, h) in enumerate(order):
-            t = local[i].get(h.name)
-            if t is not None and id(t) in first and owner[i] == rank:
-                ties[k] = first[id(t)]
-            elif t is not None:
-                first.setdefault(id(t), k)
+            if owner[i] == rank:
+                ties.update({k: first[id(local[i][h.name])]} if id(local[i][h.name]) in first else {})
+                first.setdefault(id(local[i][h.name]), k)
         missing = [
             f"{layers[i].__class__.__name__} (layer {i}, trained on pipeline rank {owner[i]}) holds {h.name}, in a "
             f"submodule its copy here lacks"

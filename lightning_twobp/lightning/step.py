@@ -110,14 +110,16 @@ def join_predictions(results: list[Any], sizes: list[int] | None = None) -> Any:
     """The micro-batches' ``predict_step`` outputs as the batch's, the inverse of :func:`split_microbatches`:
     per-sample tensors concatenated, per-sample lists joined, containers entry by entry, and a value every
     micro-batch returned alike (a batch index, None) kept once. Anything else is refused, naming it.
-    ``sizes``: each micro-batch's samples, which tell a list of one tensor per sample from a list of outputs."""
+    ``sizes``: each micro-batch's samples, which tell a list of one tensor per sample (refused) from a list of
+    outputs."""
     first = results[0]
-    if isinstance(first, torch.Tensor) and first.dim() > 0:
+    if isinstance(first, torch.Tensor) and first.dim() > 0 and _rows_per_sample(results, sizes):
         return torch.cat(results)
-    if all(_flat(r) for r in results) or _per_sample(results, sizes):
+    if all(_flat(r) for r in results):
         return [e for r in results for e in r]
+    _refuse_rows(results, sizes)
     if isinstance(first, dict) and all(isinstance(r, dict) and r.keys() == first.keys() for r in results):
-        return {k: join_predictions([r[k] for r in results], sizes) for k in first}
+        return _like(first, {k: join_predictions([r[k] for r in results], sizes) for k in first})
     if type(first) in (list, tuple) and all(type(r) is type(first) and len(r) == len(first) for r in results):
         return type(first)(join_predictions(list(col), sizes) for col in zip(*results, strict=True))
     same = all(
@@ -134,20 +136,39 @@ def join_predictions(results: list[Any], sizes: list[int] | None = None) -> Any:
     )
 
 
-def _per_sample(results: list[Any], sizes: list[int] | None) -> bool:
-    """Is each micro-batch's output a list of one tensor per sample (``[row for row in out]``)? A list as long as
-    its micro-batch whose tensors have as many rows could be either that or one entry per output: refused."""
-    if sizes is None or not all(type(r) is list and len(r) == n for r, n in zip(results, sizes, strict=True)):
-        return False
-    if not all(isinstance(e, torch.Tensor) for r in results for e in r):
-        return False
-    if any(e.dim() == 0 or e.shape[0] != n for r, n in zip(results, sizes, strict=True) for e in r):
+def _like(first: dict, joined: dict) -> dict:
+    """``joined`` as ``first``'s kind of dict: a Hugging Face ``ModelOutput`` stays one (``out.logits``)."""
+    if type(first) is dict:
+        return joined
+    try:
+        return type(first)(**joined)
+    except TypeError:  # a mapping not made from keywords
+        return joined
+
+
+def _rows_per_sample(results: list[Any], sizes: list[int] | None) -> bool:
+    """Tensors with a row per sample of their micro-batch (joined along it); not a value of the whole micro-batch
+    (an embedding of shape (5,) every micro-batch returns: kept once where alike, else refused)."""
+    if sizes is None:
         return True
+    pairs = zip(results, sizes, strict=True)
+    return all(isinstance(r, torch.Tensor) and r.dim() > 0 and r.shape[0] == n for r, n in pairs)
+
+
+def _refuse_rows(results: list[Any], sizes: list[int] | None) -> None:
+    """Refuse a list of one tensor per sample (``[row for row in out]``: as long as its micro-batch, its tensors
+    alike), which would join as a list of outputs, each micro-batch's rows as columns (silently: 2 tensors of 8
+    where one process has 8 rows); as one tensor per sample it cannot be told from a list of outputs alike."""
+    if sizes is None or not all(type(r) is list and len(r) == n for r, n in zip(results, sizes, strict=True)):
+        return
+    entries = [e for r in results for e in r]
+    if not entries or not all(isinstance(e, torch.Tensor) and e.shape == entries[0].shape for e in entries):
+        return
     raise ValueError(
-        f"predict_step returned a list of {sizes[0]} tensors of {sizes[0]} rows each for a micro-batch of "
-        f"{sizes[0]} samples: under strategy='twobp' it runs once per micro-batch, and this reads as one tensor per "
-        f"sample or as one tensor of the micro-batch per output alike; return a tuple (or a dict) for several "
-        f"outputs, or torch.stack the samples' rows into one tensor"
+        f"predict_step returned a list of {sizes[0]} tensors of shape {tuple(entries[0].shape)} for a micro-batch "
+        f"of {sizes[0]} samples: under strategy='twobp' it runs once per micro-batch, and a list as long as the "
+        f"micro-batch reads as one tensor per sample or as one entry per output alike; torch.stack the samples' "
+        f"rows into one tensor (joined along the batch), or return a tuple (or a dict) for several outputs"
     )
 
 
