@@ -391,9 +391,13 @@ class _GatherPlan:
         first: dict[int, int] = {}
         ties: dict[int, int] = {}
         for k, (i, h) in enumerate(order):
-            if owner[i] == rank:
-                ties.update({k: first[id(local[i][h.name])]} if id(local[i][h.name]) in first else {})
-                first.setdefault(id(local[i][h.name]), k)
+            if owner[i] != rank:
+                continue
+            t = id(local[i][h.name])
+            if t in first:
+                ties[k] = first[t]
+            else:
+                first[t] = k
         missing = [
             f"{layers[i].__class__.__name__} (layer {i}, trained on pipeline rank {owner[i]}) holds {h.name}, in a "
             f"submodule its copy here lacks"

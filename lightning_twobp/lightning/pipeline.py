@@ -204,8 +204,9 @@ class Pipeline:
         # predictions live on the rank holding the last stage: the micro-batches' outputs, joined before the
         # logs are shared, so that a refusal there reaches the other ranks as a failed step (joined after,
         # they returned as if predict had worked and their next call waited on this rank)
-        sizes = [batch_size(mb) for mb in state.microbatches]
-        predictions = join_predictions(state.results, sizes) if hook == "predict_step" and outs is not None else None
+        predictions = None
+        if hook == "predict_step" and outs is not None:
+            predictions = join_predictions(state.results, [batch_size(mb) for mb in state.microbatches])
         self._log_eval_means(last_rank, group)
         return predictions
 
