@@ -43,6 +43,7 @@ micro-batch index.
 from __future__ import annotations
 
 import copy
+import functools
 import inspect
 import logging
 import weakref
@@ -1166,16 +1167,24 @@ def _hidden_first(block: nn.Module, previous: Any, kwargs: dict) -> tuple[tuple,
     """A block called by keywords alone, its hidden state by the name of its forward's first parameter: that one
     first, by position (as the block takes it), the others as they were. A block of another stage is a
     placeholder here, whose ``__class__`` answers as the block's."""
-    forward = block.__class__.forward if previous is _MISSING else previous
-    try:
-        params = list(inspect.signature(forward).parameters.values())[1 if previous is _MISSING else 0 :]
-    except (TypeError, ValueError):  # no signature to read
+    if previous is _MISSING:  # the class's forward: its signature read once, not at every call
+        first = _first_parameter(block.__class__.forward, skip=1)
+    else:
+        first = _first_parameter.__wrapped__(previous, skip=0)
+    if first is None or first not in kwargs:
         return (), kwargs
-    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    if not params or params[0].kind not in positional or params[0].name not in kwargs:
-        return (), kwargs
-    first = params[0].name
     return (kwargs[first],), {k: v for k, v in kwargs.items() if k != first}
+
+
+@functools.cache
+def _first_parameter(forward: Callable[..., Any], skip: int) -> str | None:
+    """The name of ``forward``'s first parameter after ``skip`` (``self``), where it can be given by position."""
+    try:
+        params = list(inspect.signature(forward).parameters.values())[skip:]
+    except (TypeError, ValueError):  # no signature to read
+        return None
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return params[0].name if params and params[0].kind in positional else None
 
 
 def _given_received(forward: Callable[..., Any], run: _Run) -> Callable[..., Any]:
