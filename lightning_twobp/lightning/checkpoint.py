@@ -789,7 +789,7 @@ def main(argv: list[str] | None = None) -> int:
         "--weights-name",
         default="model.safetensors",
         help="--safetensors: the file from_pretrained reads (default model.safetensors, transformers'; "
-        "diffusion_pytorch_model.safetensors for diffusers; model.fp16.safetensors for variant=\"fp16\"); shards "
+        'diffusion_pytorch_model.safetensors for diffusers; model.fp16.safetensors for variant="fp16"); shards '
         "and their index are named after it, as save_pretrained names them",
     )
     args = ap.parse_args(argv)
