@@ -438,6 +438,13 @@ def test_the_export_names_its_files_as_the_reader_wants(tmp_path):
         "diffusion_pytorch_model-00002-of-00002.safetensors",
         "diffusion_pytorch_model.safetensors.index.json",
     ]
+    # a variant's index, where from_pretrained(..., variant="fp16") looks (transformers' _add_variant)
+    assert ckpt.main([*args, "model.fp16.safetensors", "--max-shard-size", "20KB"]) == 0
+    assert sorted(p.name for p in (tmp_path / "out").iterdir() if p.name.startswith("model.")) == [
+        "model.fp16-00001-of-00002.safetensors",
+        "model.fp16-00002-of-00002.safetensors",
+        "model.safetensors.index.fp16.json",
+    ]
     with pytest.raises(ValueError, match=r"--weights-name 'weights.bin': a file name ending in .safetensors"):
         ckpt.to_safetensors(tmp_path / "m.ckpt", tmp_path / "out", weights_name="weights.bin")
 

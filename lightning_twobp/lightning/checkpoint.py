@@ -678,8 +678,9 @@ def to_safetensors(
     as Hugging Face safetensors in ``out_dir``, what ``from_pretrained`` reads: ``weights_name``
     (transformers' ``model.safetensors``; diffusers reads ``diffusion_pytorch_model.safetensors``), or
     shards of at most ``max_shard_bytes`` (a tensor larger than that alone) and their index, named after it
-    as ``save_pretrained`` names them. One shard in memory at a time, read from the checkpoint's shards
-    (a model larger than one process's memory is written); the number of tensors."""
+    as ``save_pretrained`` names them (a variant's index too: :func:`_index_name`). One shard in memory at a
+    time, read from the checkpoint's shards (a model larger than one process's memory is written); the number
+    of tensors."""
     from safetensors.torch import save_file
 
     stem = weights_name.removesuffix(".safetensors")
@@ -694,7 +695,7 @@ def to_safetensors(
     shards = _shards(chosen, max_shard_bytes)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    index = out / f"{weights_name}.index.json"
+    index = out / _index_name(weights_name)
     for old in [*out.glob(f"{stem}*.safetensors"), index]:  # an earlier save's: from_pretrained would read it
         old.unlink(missing_ok=True)
     names = [weights_name] if len(shards) == 1 else [
@@ -712,6 +713,15 @@ def to_safetensors(
         where = {n: name for name, shard in zip(names, shards, strict=True) for n in shard}
         index.write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": where}, indent=2))
     return len(chosen)
+
+
+def _index_name(weights_name: str) -> str:
+    """The shards' index as ``save_pretrained`` names it (transformers' and diffusers' ``_add_variant``): a
+    variant's (``model.fp16.safetensors``) goes before ``.json``, ``model.safetensors.index.fp16.json``, where
+    ``from_pretrained(..., variant="fp16")`` looks for it."""
+    stem = weights_name.removesuffix(".safetensors")
+    base, dot, variant = stem.rpartition(".")
+    return f"{base}.safetensors.index.{variant}.json" if dot else f"{weights_name}.index.json"
 
 
 def _stored_weights(src: Path, prefix: str, named: Any) -> dict[str, tuple[str, Any]]:
@@ -779,7 +789,8 @@ def main(argv: list[str] | None = None) -> int:
         "--weights-name",
         default="model.safetensors",
         help="--safetensors: the file from_pretrained reads (default model.safetensors, transformers'; "
-        "diffusion_pytorch_model.safetensors for diffusers); shards and their index are named after it",
+        'diffusion_pytorch_model.safetensors for diffusers; model.fp16.safetensors for variant="fp16"); shards '
+        "and their index are named after it, as save_pretrained names them",
     )
     args = ap.parse_args(argv)
     if args.safetensors:
