@@ -164,6 +164,7 @@ def test_one_ranks_error_ends_every_rank_naming_it(tmp_path, model, cause):
     assert seen[0]["type"] == "PeerFailed", seen[0]
     assert first in seen[0]["error"] and cause in seen[0]["error"], seen[0]["error"]
     assert seen[0]["error"].startswith(here), seen[0]["error"]
+    assert "died or was killed" not in seen[0]["error"], seen[0]["error"]  # it raised; it was not killed
     # not pipeline_timeout's 600 s, nor until rank 1's process ends (it lives on after its error)
     assert max(s["took"] for s in seen) < 30, seen
     for s in seen:  # the links it closed for that are named, with the fix, by the next Trainer call

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_twobp.engine.executor import PipelineError
-from lightning_twobp.engine.p2p import PeerLost
+from lightning_twobp.engine.p2p import CLOSED, PeerLost
 from lightning_twobp.private import process_groups
 
 __all__ = ["FailureChannel", "PeerFailed", "check_links_open", "close_links", "lost_peer", "process_state"]
@@ -303,7 +303,8 @@ class FailureChannel:
         if first.startswith(f"{self.me} ") or (not relay_losses and f": {PeerLost.__name__}: " in first):
             return error
         lines = str(error).strip().splitlines()
+        # the peer told its failure: its links closed after it (close_links or its end), it was not killed
+        here = (lines[0] if lines else type(error).__name__).replace(CLOSED, "its connection closed after that failure")
         return PeerFailed(
-            f"{self.me} stopped at {where} because {first} (the first failure; its log has the traceback). "
-            f"Here: {lines[0] if lines else type(error).__name__}"
+            f"{self.me} stopped at {where} because {first} (the first failure; its log has the traceback). Here: {here}"
         )

@@ -74,6 +74,11 @@ _WIRE_DTYPES = (
 _NOT_ON_NCCL = (torch.int16, torch.complex64, torch.complex128)  # torch's NCCL type map has none of these
 
 
+# Why a peer's wait failed on a closed connection, where nothing else is known. A peer that told its own
+# failure first (engine/failure.py) is said to have closed it after that failure instead.
+CLOSED = "its connection closed: the process died or was killed"
+
+
 class PeerLost(RuntimeError):
     """Another rank of the pipeline stopped answering: its process died, or nothing came within the
     timeout (hung, stopped, or far slower). The message names it by pipeline rank, stage and host."""
@@ -195,7 +200,7 @@ class P2P:
                 else "the wait timed out"
             )
         elif any(k in text for k in ("Connection closed", "Connection reset", "closed by peer", "Broken pipe")):
-            why = "its connection closed: the process died or was killed"
+            why = CLOSED
         else:
             why = f"{type(error).__name__}: {text}"
         return f"{names} stopped answering while pipeline rank {self.rank} waited for {what}: {why}"
