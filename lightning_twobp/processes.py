@@ -182,7 +182,7 @@ def _launch(
         ctx.Process(
             target=_worker,
             args=(r, world_size, port, fn, args, queue, threads, timeout, backend, env, _Stdio()),
-            daemon=True,
+            daemon=False,  # a rank may start processes of its own: a DataLoader's workers
         )
         for r in range(world_size)
     ]

@@ -98,16 +98,18 @@ class _Deferred(pl.Callback):
 def _fit_pipelined(rank: int, world: int, strategy_kwargs: dict, trainer_kwargs: dict) -> dict:
     lightning_env(rank, world)
     model, deferred = Regressor(), _Deferred()
+    loader = trainer_kwargs.pop("loader", {})
     trainer = _trainer(TwoBPStrategy(**strategy_kwargs), world, callbacks=[deferred], **trainer_kwargs)
-    trainer.fit(model, _data())
+    trainer.fit(model, _data(**loader))
     params = _trained(model)
     return {"params": params, "train_loss": float(trainer.callback_metrics["train_loss"]), "deferred": deferred.value}
 
 
 def _reference(**trainer_kwargs) -> tuple[dict, float]:
     model = Regressor()
+    loader = trainer_kwargs.pop("loader", {})
     trainer = _trainer("auto", 1, **trainer_kwargs)
-    trainer.fit(model, _data())
+    trainer.fit(model, _data(**loader))
     return {n: q.detach() for n, q in model.named_parameters()}, float(trainer.callback_metrics["train_loss"])
 
 
@@ -138,6 +140,8 @@ FITS = {
     "1f1b-2bp-capped": (dict(schedule="1f1b", num_microbatches=4, max_pending_w=1), dict(), 1e-5),
     # every block under torch.utils.checkpoint(use_reentrant=False) for the Trainer call (issue 21)
     "zb-h1-checkpointed": (dict(schedule="zb-h1", activation_checkpointing="full"), dict(), 1e-5),
+    # a loader with worker processes, in ranks run_distributed started (daemonic ranks could not start them)
+    "zb-h1-loader-workers": (dict(schedule="zb-h1"), dict(loader=dict(num_workers=1)), 1e-5),
 }
 
 
