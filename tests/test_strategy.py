@@ -513,6 +513,40 @@ def test_dp_x_pp_matches_one_process_on_the_union_of_the_shards(four_ranks, requ
             torch.testing.assert_close(value, ref[name].detach(), rtol=1e-5, atol=1e-6, msg=f"rank {rank} {name}")
 
 
+def _normed() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(6, 16), nn.BatchNorm1d(16), nn.Tanh(), nn.Linear(16, 16), nn.BatchNorm1d(16), nn.Linear(16, 2)
+    )
+
+
+def _fit_dp_pp_normed(rank: int, world: int) -> dict:
+    lightning_env(rank, world)
+    model = Regressor(layers=_normed)
+    trainer = _trainer(TwoBPStrategy(schedule="1f1b", pipeline_degree=2), world, use_distributed_sampler=True)
+    trainer.fit(model, _data())
+    (val,) = trainer.validate(model, regression_data(32, batch_size=8, seed=2), verbose=False)
+    own = {n: b.clone() for n, b in model.named_buffers() if not b.is_meta and b.numel()}
+    return {"params": own_weights(model), "buffers": own, "val_loss": val["val_loss"]}
+
+
+def test_dp_x_pp_validates_with_replica_zeros_batch_norm_statistics(four_ranks, request):
+    """Each replica's batch norms update from the micro-batches it reads. As under DDP's broadcast_buffers
+    (Lightning's default), every replica takes replica 0's buffers before each step and evaluation: the
+    validation of a DP x PP run equals one process's validation of the model its checkpoint holds (the
+    parameters, replica 0's buffers). Before, each replica validated its shard with statistics of its own."""
+    results = four_ranks[request.node.name]
+    for rank, out in enumerate(results[2:], start=2):  # replica 1 holds replica 0's buffers, bitwise
+        assert out["buffers"].keys() == results[rank - 2]["buffers"].keys() and out["buffers"], out["buffers"]
+        for name, b in out["buffers"].items():
+            assert torch.equal(b, results[rank - 2]["buffers"][name]), f"rank {rank} {name}"
+    model = Regressor(layers=_normed)
+    state = {**results[0]["params"], **results[1]["params"], **results[0]["buffers"], **results[1]["buffers"]}
+    model.load_state_dict(state, strict=True)
+    (val,) = quiet_trainer("auto", 1).validate(model, regression_data(32, batch_size=8, seed=2), verbose=False)
+    assert results[0]["val_loss"] == pytest.approx(val["val_loss"], rel=1e-6)
+
+
 class AdamRegressor(Regressor):
     def configure_optimizers(self):
         return torch.optim.Adam(self.parameters(), lr=0.01)
@@ -1076,4 +1110,5 @@ def four_ranks(request) -> conftest.Launch:
         for k, kw in FOUR_RANK_FITS.items()
     }
     cases |= {f"test_dp_x_pp_matches_one_process_on_the_union_of_the_shards[{s}]": (_fit_dp_pp, (s,)) for s in DP_X_PP}
+    cases["test_dp_x_pp_validates_with_replica_zeros_batch_norm_statistics"] = (_fit_dp_pp_normed, ())
     return launch(request, 4, cases, timeout=840)

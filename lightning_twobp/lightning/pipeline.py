@@ -49,6 +49,7 @@ from lightning_twobp.lightning.optimizer_checks import OptimizerChecks, hooks_ma
 from lightning_twobp.lightning.pretrained import Plan
 from lightning_twobp.lightning.profile import profile_layers
 from lightning_twobp.lightning.quiet import known_warnings_off
+from lightning_twobp.lightning.replica_buffers import ReplicaBuffers
 from lightning_twobp.lightning.rng import StageStreams, fingerprint
 from lightning_twobp.lightning.sharding import (
     ShardedStages,
@@ -117,6 +118,13 @@ class Pipeline:
     means: Logs = field(default_factory=dict)  # the training step's logged means (last stage)
     sharding: ShardedStages | None = None  # data_parallel="shard": the stages' FSDP2 shards
     replicas: str = ""  # this rank's data-parallel peers, "global rank 2 (host b)", named when lost
+    buffers: ReplicaBuffers | None = None  # with several replicas: replica 0's buffers before each step
+
+    def sync_buffers(self) -> None:
+        """Before a training step's first forward and at an evaluation's start (its replicas may read
+        different numbers of batches), as DDP's ``broadcast_buffers``: :mod:`.replica_buffers`."""
+        if self.buffers is not None:
+            self.buffers.sync()
 
     def unshard_for_good(self, failed: bool) -> None:
         """data_parallel="shard", at teardown: this rank's stages hold their full weights again as plain
@@ -148,6 +156,7 @@ class Pipeline:
         """One pipeline step over the micro-batches ``runner.begin`` made: the gradients set aside in
         ``stash`` for ``backward``, the mean loss and the logged means on every rank of the pipeline."""
         ex = self.executor
+        self.sync_buffers()
         with stash.collect(params), self.precision.train_step_context():
             self.metrics.begin()  # before any part of the step runs on this rank
             inputs = self.capture()
@@ -491,6 +500,15 @@ def _data_parallel(
     return None, None
 
 
+def _replica_buffers(strategy: TwoBPStrategy) -> ReplicaBuffers | None:
+    """With several data-parallel replicas, the model's buffers kept to replica 0's (:mod:`.replica_buffers`)."""
+    layout, group = strategy.layout, strategy.group("dp")
+    if layout.dp_degree == 1 or group is None:
+        return None
+    src = layout.global_rank_of(layout.pp_rank, 0)
+    return ReplicaBuffers(strategy.lightning_module, group, src, strategy.root_device)
+
+
 def _replicas(strategy: TwoBPStrategy, sharding: ShardedStages | None) -> str:
     """This rank's data-parallel peers by global rank and host (one all-gather at setup), or ""."""
     if sharding is not None:
@@ -711,4 +729,5 @@ def build_pipeline(strategy: TwoBPStrategy, trainer: Any) -> Pipeline:
         checks,
         sharding=sharding,
         replicas=_replicas(strategy, sharding),
+        buffers=_replica_buffers(strategy),
     )

@@ -367,18 +367,25 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
         trainer = self.lightning_module.trainer
         if trainer.sanity_checking and not self._batches_checked:
             check_batch_size_early(trainer, self.num_microbatches)
-        self._listen_for_signals()
+        self._evaluation_starts()
         super().on_validation_start()
 
     @override
     def on_test_start(self) -> None:
-        self._listen_for_signals()
+        self._evaluation_starts()
         super().on_test_start()
 
     @override
     def on_predict_start(self) -> None:
-        self._listen_for_signals()
+        self._evaluation_starts()
         super().on_predict_start()
+
+    def _evaluation_starts(self) -> None:
+        """Every rank at an evaluation's start: stop signals heard from here, the buffers made replica 0's."""
+        self._listen_for_signals()
+        if self._pipeline is not None:
+            with self._naming_lost("the broadcast of replica 0's buffers"):
+                self._pipeline.sync_buffers()
 
     def _listen_for_signals(self) -> None:
         """Our handler from the start of evaluation too (fit's sanity check, validate, test, predict):
