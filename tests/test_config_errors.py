@@ -837,8 +837,8 @@ CASES: dict[str, Case] = {
     "fit-two-sequentials": (
         lambda t: _fit(TwoSequentials()),
         ValueError,
-        r"TwoSequentials holds 2 nn.Sequential modules \(head, layers\): name the one that "
-        r"training_step calls with layers=\.\.\.",
+        r"TwoSequentials holds 2 nn.Sequential modules \(head, layers\): name the one to pipeline with "
+        r"layers=\.\.\.",
     ),
     "fit-layers-unknown": (
         lambda t: _fit(layers="blocks"),

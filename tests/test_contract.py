@@ -34,6 +34,23 @@ def test_finds_the_one_outermost_sequential():
     assert name == "model.blocks" and seq is m.model.blocks
 
 
+def test_a_sequential_a_models_forward_calls_between_trained_modules_is_a_loops_blocks():
+    """timm's ViT calls its blocks (one nn.Sequential) between its patch embedding and head: the step's contract
+    would refuse their parameters at the first step, so the Sequential is cut as a loop's blocks. Without
+    trainable parameters outside it (or called by the step itself, at the top), it is the step's one call."""
+    from lightning_twobp.lightning.contract import SequentialContract
+    from lightning_twobp.lightning.modulelist_contract import ModuleListContract
+
+    m = One()
+    assert isinstance(find_contract(m), ModuleListContract) and find_contract(m).list_name == "model.blocks"
+    assert isinstance(find_contract(m, layers="model.blocks"), ModuleListContract)
+    m.embed.requires_grad_(False)  # a frozen module outside: the step may call the Sequential itself
+    assert isinstance(find_contract(m), SequentialContract)
+    top = nn.Module()
+    top.layers, top.head = nn.Sequential(nn.Linear(2, 2)), nn.Linear(2, 2)
+    assert isinstance(find_contract(top, layers="layers"), SequentialContract)
+
+
 def test_a_sequential_model_is_its_own_pipeline():
     seq = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
     assert find_sequential(seq) == ("", seq)
@@ -50,8 +67,8 @@ def test_named_layers():
         (
             Two(),
             None,
-            r"holds 2 nn.Sequential modules \(decoder, encoder\): name the one that training_step calls with "
-            r"layers=..., e.g. layers='decoder'",
+            r"holds 2 nn.Sequential modules \(decoder, encoder\): name the one to pipeline with layers=..., e.g. "
+            r"layers='decoder'",
         ),
         (nn.Linear(2, 2), None, r"holds no nn.Sequential: put the layers to pipeline in one nn.Sequential"),
         (Two(), "middle", r"layers='middle' names no submodule of Two; Sequentials found: decoder, encoder"),
@@ -69,6 +86,7 @@ def test_another_ranks_layers_stand_in_by_type_and_a_call_of_one_names_the_fix()
     model's own code (timm's checkpoint_seq walks the Sequential under set_grad_checkpointing()) says the
     Sequential runs as one call and names the fix."""
     m = One()
+    m.embed.requires_grad_(False)  # the Sequential the step calls (trained modules around it: a loop's blocks)
     m.model.blocks = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Sequential(nn.Linear(4, 4)), nn.Linear(4, 4))
     contract = find_contract(m)
     local = split_model(contract, [2, 2], build_schedule("1f1b", 2, 2), pp_rank=0)

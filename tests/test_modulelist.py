@@ -330,6 +330,30 @@ class InPlaceLoopLM(nn.Module):
         return self.head(h)
 
 
+class MlpBlock(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.ln, self.fc = nn.LayerNorm(d), nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.fc(self.ln(x)))
+
+
+class SequentialBlocksLM(nn.Module):
+    """Blocks in one nn.Sequential that the forward calls whole between an embedding and a head (timm's ViT
+    ``blocks``, ConvNeXt's ``stages``): pipelined as a loop's blocks, the embedding on the first stage, the norm
+    and head on the last (the step's contract refused the embedding's parameters at the first step)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, 16)
+        self.blocks = nn.Sequential(*[MlpBlock(16) for _ in range(4)])
+        self.norm, self.head = nn.LayerNorm(16), nn.Linear(16, VOCAB)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm(self.blocks(self.embed(input_ids))))
+
+
 class TorchTransformerLM(nn.Module):
     """torch's ``nn.Transformer`` (Lightning's demo Transformer is one): the decoder's layers pipelined, the
     encoder whole on the first stage, its output (``memory``) read by every decoder layer on every stage."""
@@ -410,6 +434,7 @@ MODELS = {
     "residual-stream": ResidualStreamLM,
     "modulated": ModulatedLM,
     "in-place-loop": InPlaceLoopLM,
+    "sequential-blocks": SequentialBlocksLM,
     "torch-transformer": TorchTransformerLM,
     "hf-t5": _hf_t5,
     "hf-bart": _hf_bart,
@@ -510,6 +535,10 @@ CASES = {
     # a value made before the loop given to every block and to a module after it, on the V's last stage (rank 0)
     "modulated-zb-v": ("modulated", dict(schedule="zb-v", layers="model.layers"), False),
     "in-place-loop": ("in-place-loop", dict(schedule="1f1b", balance=[2, 2], layers="model.layers"), False),
+    # an nn.Sequential of blocks the model's forward calls whole: found, and cut between its blocks over the V;
+    # named, then validate, predict and fit again
+    "sequential-blocks-zb-v": ("sequential-blocks", dict(schedule="zb-v"), False),
+    "sequential-blocks": ("sequential-blocks", dict(schedule="1f1b", layers="model.blocks"), True),
     # an encoder's output read by every decoder layer; then validate, predict and fit again without gathering
     "torch-transformer": ("torch-transformer", dict(schedule="zb-h1", layers="model.transformer.decoder.layers"), True),
     "hf-t5": ("hf-t5", dict(schedule="1f1b", layers="model.inner.decoder.block"), False),

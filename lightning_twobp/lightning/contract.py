@@ -187,7 +187,7 @@ def find_contract(module: nn.Module, layers: str | None = None) -> SequentialCon
                 f"layers={layers!r} names no submodule of {type(module).__name__}; candidates found: {', '.join(names)}"
             ) from None
         if isinstance(target, nn.Sequential):
-            return SequentialContract(layers, target)
+            return _sequential_contract(module, layers, target)
         if isinstance(target, nn.ModuleList):
             return ModuleListContract(module, layers, target)
         raise ValueError(
@@ -206,7 +206,7 @@ def find_contract(module: nn.Module, layers: str | None = None) -> SequentialCon
         )
     lists = [(n, m) for n, m in found if isinstance(m, nn.ModuleList)]
     if not lists:
-        return SequentialContract(*find_sequential(module))
+        return _sequential_contract(module, *find_sequential(module))
     if len(found) > 1:
         listed = ", ".join(f"{n} ({type(m).__name__}, {len(m)} layers)" for n, m in found)
         # Candidates inside the blocks of a list of several classes (Zamba2's hybrid layers, each holding an adapter
@@ -224,6 +224,20 @@ def find_contract(module: nn.Module, layers: str | None = None) -> SequentialCon
             f"'Values passed between stages')"
         )
     return ModuleListContract(module, *lists[0])
+
+
+def _sequential_contract(module: nn.Module, name: str, seq: nn.Sequential) -> SequentialContract | ModuleListContract:
+    """The contract of the Sequential ``seq`` at ``name``: its layers pipelined as the step's one call of it
+    (:class:`SequentialContract`); or, nested in a model that holds trainable parameters outside it (timm's ViT
+    ``blocks`` between its patch embedding and head, ConvNeXt's ``stages``), as the blocks of a loop: a Sequential
+    runs its layers one after the other as a loop over a ModuleList does, and the loop contract places the modules
+    around it on the first and last stages. The step contract would refuse those parameters at the first step:
+    its stages train only the Sequential's."""
+    if "." in name:
+        inside = {id(q) for q in seq.parameters()}
+        if any(q.requires_grad and id(q) not in inside for q in module.parameters()):
+            return ModuleListContract(module, name, seq)
+    return SequentialContract(name, seq)
 
 
 def _mixed(module: nn.Module) -> list[tuple[str, nn.ModuleList]]:
@@ -314,11 +328,14 @@ def find_sequential(module: nn.Module, layers: str | None = None) -> tuple[str, 
         )
     if len(found) > 1:
         listed = ", ".join(n for n, _ in found)
+        longest = max(found, key=lambda nm: len(nm[1]))[0]
         raise ValueError(
-            f"{type(module).__name__} holds {len(found)} nn.Sequential modules ({listed}): name the one that "
-            f"training_step calls with layers=..., e.g. layers={found[0][0]!r}. When they are called from "
-            f"another module's forward (torchvision's ResNet calls layer1..layer4), none of them is the "
-            f"pipeline: build one nn.Sequential of the model's parts in order (e.g. nn.Sequential(m.conv1, "
-            f"m.bn1, m.relu, m.maxpool, m.layer1, ..., m.avgpool, nn.Flatten(1), m.fc)) and call that"
+            f"{type(module).__name__} holds {len(found)} nn.Sequential modules ({listed}): name the one to "
+            f"pipeline with layers=..., e.g. layers={longest!r}. The one training_step calls is cut between its "
+            f"layers; one that another module's forward calls (torchvision's ResNet calls layer1..layer4) between "
+            f"its blocks, that forward running the modules before it on the first stage and those after it on the "
+            f"last. To cut anywhere in such a model, build one nn.Sequential of its parts in order (e.g. "
+            f"nn.Sequential(m.conv1, m.bn1, m.relu, m.maxpool, m.layer1, ..., m.avgpool, nn.Flatten(1), m.fc)) "
+            f"and call that"
         )
     return found[0]

@@ -382,7 +382,7 @@ class ModuleListContract(OutsideModules):
     ``model.transformer.h``, or the LightningModule's own forward).
     """
 
-    def __init__(self, root: nn.Module, name: str, blocks: nn.ModuleList) -> None:
+    def __init__(self, root: nn.Module, name: str, blocks: nn.ModuleList | nn.Sequential) -> None:
         self.root = root
         self.list_name = name
         self.blocks = blocks

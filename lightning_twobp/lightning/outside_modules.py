@@ -129,7 +129,9 @@ class OutsideModules:
         return f"{parent}.{inside.split('.')[0]}" if parent else inside.split(".")[0]
 
 
-def registered_sides(root: nn.Module, blocks: nn.ModuleList, name: str, ancestors: set[int]) -> tuple[list, list]:
+def registered_sides(
+    root: nn.Module, blocks: nn.ModuleList | nn.Sequential, name: str, ancestors: set[int]
+) -> tuple[list, list]:
     """The modules with parameters outside the blocks, as ``(pre, post)`` lists of ``(path, module)``:
     registered before the ModuleList (in module-tree order) they run before the loop, after it
     after. Parameters held directly by a module on the path to the ModuleList cannot be placed."""
@@ -140,7 +142,7 @@ def registered_sides(root: nn.Module, blocks: nn.ModuleList, name: str, ancestor
 
 
 def _walk(
-    module: nn.Module, prefix: str, blocks: nn.ModuleList, name: str, ancestors: set[int], seen: set[int], sides: list
+    module: nn.Module, prefix: str, blocks: nn.Module, name: str, ancestors: set[int], seen: set[int], sides: list
 ) -> None:
     """``module``'s children into ``sides[-1]`` in registration order (``sides``: ``[pre, post]``; the ModuleList
     pops ``pre``), descending into the ModuleList's ancestors."""
