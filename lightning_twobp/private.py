@@ -11,6 +11,7 @@ it is re-exported here so that the door stays the only import of it.
 
 from __future__ import annotations
 
+import types
 from collections import OrderedDict
 from collections.abc import Callable
 from datetime import timedelta
@@ -117,6 +118,11 @@ def module_copy(module: torch.nn.Module, memo: dict[int, Any]) -> torch.nn.Modul
             twin.__dict__.update(m.__dict__)
             copies[id(m)] = twin
             state = twin.__dict__
+            # A method bound to the module in its own __dict__ (`m._pos_embed = types.MethodType(f, m)`, a
+            # patched forward) would run on the original module's tensors: bound to the copy instead.
+            for k, v in m.__dict__.items():
+                if isinstance(v, types.MethodType) and v.__self__ is m:
+                    state[k] = types.MethodType(v.__func__, twin)
             state["_parameters"] = {n: None if q is None else memo[id(q)] for n, q in m._parameters.items()}
             state["_buffers"] = {n: None if b is None else memo.get(id(b), b) for n, b in m._buffers.items()}
             state["_modules"] = {n: None if c is None else copied(c) for n, c in m._modules.items()}

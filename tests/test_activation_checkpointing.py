@@ -243,6 +243,110 @@ def test_hugging_face_gradient_checkpointing_is_exact_and_recomputes_once(
         assert all(out["switched"] for out in results), "the model's own switch was not put back after fit"
 
 
+class TimmLike(nn.Module):
+    """timm's switch: ``set_grad_checkpointing()`` sets ``grad_checkpointing`` on the model, whose forward then
+    checkpoints each block of its Sequential itself (timm's ``checkpoint_seq``); counts each block's calls (of its
+    first layer: a recompute reruns the block's forward, not its hooks)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.stem, self.head = nn.Linear(8, 16), nn.Linear(16, 8)
+        self.blocks = nn.Sequential(*[nn.Sequential(nn.Linear(16, 16), nn.LayerNorm(16), nn.Tanh()) for _ in range(4)])
+        self.grad_checkpointing = False
+        self.calls = [0] * 4
+        for i, block in enumerate(self.blocks):
+            block[0].register_forward_pre_hook(lambda *_, i=i: self.calls.__setitem__(i, self.calls[i] + 1))
+
+    def set_grad_checkpointing(self, enable: bool = True) -> None:
+        self.grad_checkpointing = enable
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.stem(x)
+        if self.grad_checkpointing:
+            for block in self.blocks:
+                x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+        else:
+            x = self.blocks(x)
+        return self.head(x)
+
+
+class TimmLM(pl.LightningModule):
+    def __init__(self, checkpointed: bool) -> None:
+        super().__init__()
+        self.model = TimmLike()
+        self.model.set_grad_checkpointing(checkpointed)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.mse_loss(self.model(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+
+def _vectors() -> DataLoader:
+    g = torch.Generator().manual_seed(4)
+    return DataLoader(
+        TensorDataset(torch.randn(STEPS * BATCH, 8, generator=g), torch.randn(STEPS * BATCH, 8, generator=g)),
+        batch_size=BATCH,
+    )
+
+
+def _state(model: nn.Module) -> dict:
+    return {n: t.detach().clone() for n, t in model.state_dict().items() if not t.is_meta}
+
+
+def _fit_timm(rank: int, world: int, schedule: str) -> dict:
+    lightning_env(rank, world)
+    model = TimmLM(checkpointed=True)
+    strategy = TwoBPStrategy(schedule=schedule, num_microbatches=M, layers="model.blocks")
+    quiet_trainer(strategy, world, max_steps=STEPS, num_sanity_val_steps=0).fit(model, _vectors())
+    state = _state(model)
+    local = [i for i in range(4) if f"model.blocks.{i}.0.weight" in state]
+    forwards = {i: model.model.calls[i] / (STEPS * M) for i in local}
+    return {"state": state, "forwards": forwards, "switched": model.model.grad_checkpointing}
+
+
+TIMM_SCHEDULES = ["1f1b", "zb-v"]
+
+
+@pytest.mark.parametrize("schedule", TIMM_SCHEDULES)
+def test_timms_own_gradient_checkpointing_is_taken_over(two_ranks, request, schedule, no_leftover_process_group):
+    """A timm model's forward checkpoints each block itself under its switch: the recompute re-entered the
+    pipeline's block call in B and failed (ElsewhereWrite). The switch is taken over as Hugging Face's is: the
+    blocks run checkpointed inside the pipeline's call and recompute once; every parameter equals one process
+    without checkpointing; the switch is back on after fit."""
+    results = two_ranks[request.node.name]
+    model = TimmLM(checkpointed=False)
+    data = DataLoader(_vectors().dataset, batch_size=BATCH // M)
+    quiet_trainer("auto", 1, max_steps=STEPS, accumulate_grad_batches=M, num_sanity_val_steps=0).fit(model, data)
+    reference = _state(model)
+    held = {n: v for out in results for n, v in out["state"].items()}
+    assert set(held) == set(reference)
+    assert all(torch.equal(v, reference[n]) for n, v in held.items()), [
+        n for n, v in held.items() if not torch.equal(v, reference[n])
+    ]
+    forwards = {i: f for out in results for i, f in out["forwards"].items()}
+    extra = {i: round(f - 2.0, 9) for i, f in forwards.items()}  # F and B's one recompute, as above
+    assert set(extra) == set(range(4)) and set(extra.values()) <= {
+        0.0,
+        round(1 / (STEPS * M), 9),
+        round(2 / (STEPS * M), 9),
+    }, forwards
+    assert all(out["switched"] for out in results), "timm's switch was not put back after fit"
+
+
+def test_auto_checkpointing_with_timms_switch_on_is_refused():
+    from lightning_twobp.lightning.checkpointing import check_auto_with_switches
+
+    model = TimmLike()
+    check_auto_with_switches(model)  # off: nothing to say
+    model.set_grad_checkpointing(True)
+    with pytest.raises(ValueError, match=r"timm's gradient checkpointing is on .*set_grad_checkpointing\(False\)"):
+        check_auto_with_switches(model)
+
+
 @pytest.fixture(scope="module")
 def two_ranks(request) -> conftest.Launch:
     """Every case of this module in one launch of 2 ranks."""
@@ -254,6 +358,7 @@ def two_ranks(request) -> conftest.Launch:
         f"test_hugging_face_gradient_checkpointing_is_exact_and_recomputes_once[{k}]": (_fit_hf, args)
         for k, args in HF_CASES.items()
     }
+    cases |= {f"test_timms_own_gradient_checkpointing_is_taken_over[{s}]": (_fit_timm, (s,)) for s in TIMM_SCHEDULES}
     return launch(request, 2, cases, timeout=840)
 
 

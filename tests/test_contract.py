@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import pickle
 
 import pytest
@@ -103,6 +104,9 @@ def test_another_ranks_layers_stand_in_by_type_and_a_call_of_one_names_the_fix()
             RuntimeError, match=r"model\.blocks\[3\] belongs to pipeline stage 1 .* timm's checkpoint_seq"
         ):
             blocks[3](torch.ones(1, 4))
+        # a copy of the model made during the call (timm's ModelEmaV3 in a callback's on_fit_start) says so
+        with pytest.raises(RuntimeError, match=r"model\.blocks\[3\] is called in a copy of the model made during"):
+            copy.deepcopy(blocks)[3](torch.ones(1, 4))
     finally:
         local.restore(False, None, 0, torch.device("cpu"))
     assert type(m.model.blocks[3]) is nn.Linear

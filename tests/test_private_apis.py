@@ -134,6 +134,12 @@ def test_the_private_instance_attributes_still_exist():
     assert twin[0].weight is memo[id(holder[0].weight)] and holder[0].weight.abs().sum() > 0
     holder(torch.ones(1))
     assert seen == [1, 2]  # the original's hooks stay
+    # a method bound to the module in its own __dict__ (a patched `_pos_embed`) runs on the copy's tensors
+    import types
+
+    holder[0].scaled = types.MethodType(lambda self, x: self.weight * x, holder[0])
+    twin = module_copy(holder, memo)
+    assert twin[0].scaled.__self__ is twin[0] and torch.equal(twin[0].scaled(torch.ones(1)), torch.zeros(1, 1))
     assert hasattr(trainer.fit_loop, "_data_source")
     loops = (trainer.validate_loop, trainer.test_loop, trainer.predict_loop)
     assert all(hasattr(loop, "_data_source") for loop in loops)

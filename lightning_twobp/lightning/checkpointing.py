@@ -71,6 +71,7 @@ log = logging.getLogger(__name__)
 AUTO_MODES: tuple[str | None, ...] = (None, "selective", "full")
 
 _HF_FLAG = "gradient_checkpointing"  # Hugging Face's public switch, on the model and on each block (5.x)
+_TIMM_FLAG = "grad_checkpointing"  # timm's, set by model.set_grad_checkpointing() on the model (and its stages)
 
 
 # The costly ops: a transformer's matrix products, a conv net's convolutions (attention: by name, below).
@@ -216,6 +217,7 @@ def apply_activation_checkpointing(
             "run under torch.utils.checkpoint(use_reentrant=False) inside the pipeline's block call",
             len(chosen),
         )
+    timm_switches = _take_over_timm(model, blocks, chosen) if loop_blocks is not None else []
     # What Hugging Face does while it checkpoints, kept, whoever asked for the checkpointing: no cache in
     # training (its models turn ``use_cache`` off then; a block's recompute would find the cache F
     # filled and run other ops, and a per-block cache is also a value the pipeline cannot return)
@@ -237,6 +239,8 @@ def apply_activation_checkpointing(
                 b.forward = before[k]
         for m in switches:
             setattr(m, _HF_FLAG, True)
+        for m in timm_switches:
+            setattr(m, _TIMM_FLAG, True)
         caches_on()
 
     return undo
@@ -249,6 +253,15 @@ def check_auto_with_switches(model: nn.Module | None) -> None:
     """``activation_checkpointing="auto"`` weighs plain against checkpointed blocks; a Hugging Face switch
     that is on checkpoints its blocks whatever the choice, so the plain profile would not be plain (and
     the recompute's bytes would come out as nothing): refused, naming both ways out."""
+    modules = list(model.modules()) if model is not None else []
+    timm_on = [m for m in modules if getattr(m, _TIMM_FLAG, None) is True]
+    if timm_on and any(hasattr(m, "set_grad_checkpointing") for m in modules):  # timm's switch (the model's method)
+        raise ValueError(
+            f"TwoBPStrategy(activation_checkpointing='auto') chooses whether to checkpoint the blocks, but timm's "
+            f"gradient checkpointing is on in {len(timm_on)} module(s) ({type(timm_on[0]).__name__} first), so the "
+            f"plain profile would be checkpointed too: call model.set_grad_checkpointing(False) to let 'auto' "
+            f"choose, or pass activation_checkpointing=None to keep the model's own checkpointing"
+        )
     on = _hf_switches(model)
     if on:
         raise ValueError(
@@ -257,6 +270,39 @@ def check_auto_with_switches(model: nn.Module | None) -> None:
             f"call model.gradient_checkpointing_disable() to let 'auto' choose, or pass "
             f"activation_checkpointing=None to keep the model's own checkpointing"
         )
+
+
+def _take_over_timm(model: nn.Module | None, blocks: list[tuple[int, nn.Module]], chosen: dict) -> list[nn.Module]:
+    """timm's own switch (``model.set_grad_checkpointing()``: ``grad_checkpointing`` on the module whose forward
+    runs the blocks, EVA's loop or ViT's ``checkpoint_seq(self.blocks, x)``) checkpoints each block call by
+    timm's ``checkpoint``, whose recompute re-entered the pipeline's block call in the backward (a stage's B
+    failed with ElsewhereWrite): taken over as Hugging Face's model-wide switch is, off for the call, the blocks
+    put into ``chosen`` to be checkpointed here. Returns the switches turned off, for the undo to turn on."""
+    switches = _timm_loop_switches(model, [b for _, b in blocks])
+    if switches:
+        chosen.update((id(b), b) for _, b in blocks)
+        log.info(
+            "timm's set_grad_checkpointing() is taken over for this Trainer call: %d block(s) on this rank run "
+            "under torch.utils.checkpoint(use_reentrant=False) inside the pipeline's block call",
+            len(blocks),
+        )
+        for m in switches:
+            setattr(m, _TIMM_FLAG, False)
+    return switches
+
+
+def _timm_loop_switches(model: nn.Module | None, blocks: list[nn.Module]) -> list[nn.Module]:
+    """The modules of ``model`` with timm's switch on (``grad_checkpointing is True``) that hold the pipelined
+    blocks in a ModuleList or Sequential child of their own: their forward checkpoints each block call."""
+    if model is None or not blocks:
+        return []
+    first = blocks[0]
+    return [
+        m
+        for m in model.modules()
+        if getattr(m, _TIMM_FLAG, None) is True
+        and any(isinstance(c, (nn.ModuleList, nn.Sequential)) and any(e is first for e in c) for c in m.children())
+    ]
 
 
 def _hf_switches(model: nn.Module | None) -> list[nn.Module]:

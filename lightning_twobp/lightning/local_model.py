@@ -86,6 +86,7 @@ class _Remote(nn.Module):
         self.stage, self.rank = stage, rank
         # Not registered as submodules: the set-aside layers must stay out of parameters() and state_dict.
         self.__dict__.update(_parts=parts, _part=0, _device=device, _float=None, _where=where, _hint=hint)
+        self.__dict__["_origin"] = id(self)  # a copy (copy.deepcopy, pickle) carries another object's id
 
     # isinstance answers as the layer would: a hook that picks layers by type (`[m for m in self.layers if
     # isinstance(m, Block)][1].requires_grad_(False)`) builds the same list on every rank and freezes the same
@@ -139,6 +140,17 @@ class _Remote(nn.Module):
         return True
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.__dict__.get("_origin", id(self)) != id(self):
+            raise RuntimeError(
+                f"{self.__dict__['_where']} is called in a copy of the model made during a Trainer call under "
+                f"strategy='twobp' (copy.deepcopy of the LightningModule or its model: an EMA such as timm's "
+                f"ModelEmaV3 made in a callback's on_fit_start, or a teacher): the copy holds this rank's stages "
+                f"only, and {self.__dict__['_where']} there is a placeholder for the layer pipeline rank "
+                f"{self.rank} (stage {self.stage}) trained, without weights. gather_full_model=True gathers the "
+                f"model, not such copies: a copy of the whole model cannot be kept up to date under the pipeline; "
+                f"each rank's copy holds its own stages' tensors (an EMA of them exactly as one process's), which "
+                f"a hook after fit can gather by name from the ranks of the pipeline"
+            )
         raise RuntimeError(
             f"{self.__dict__['_where']} belongs to pipeline stage {self.stage} on pipeline rank {self.rank} and is "
             f"called here outside the pipeline's run of that stage; under strategy='twobp' each stage's layers run "
