@@ -632,6 +632,16 @@ CASES: dict[str, Case] = {
         r"shape exchange before the first action, stage 0 .* values passed between pipeline stages "
         r"must be tensors",
     ),
+    "executor-packed-sequence-between-stages": (
+        lambda t: _executor(
+            ("interleaved-1f1b", 2, 2, {"stages_per_rank": 2}),
+            {0: _PackedOut(), 1: nn.Identity()},
+            ([torch.ones(1, 2)] * 2, [torch.ones(1, 2)] * 2),
+        ),
+        RuntimeError,
+        r"shape exchange before the first action, stage 0 .* stage 0 returns a PackedSequence: .* Unpack it "
+        r"\(torch.nn.utils.rnn.pad_packed_sequence\)",
+    ),
     # TwoBPStrategy(...): refused when it is constructed
     "strategy-num-microbatches": (
         lambda t: TwoBPStrategy(num_microbatches=0),
@@ -773,6 +783,11 @@ CASES: dict[str, Case] = {
         TypeError,
         r"TwoBPStrategy got find_unused_parameters: DistributedDataParallel's options do not "
         r"apply .* remove them",
+    ),
+    "strategy-unknown-option": (
+        lambda t: TwoBPStrategy(num_microbatch=4),
+        TypeError,
+        r"TwoBPStrategy got unknown option\(s\) num_microbatch \(did you mean num_microbatches\?\); its options are",
     ),
     # a Trainer call: refused at setup or when training starts, before the first step
     "fit-devices-not-multiple": (
@@ -1236,6 +1251,11 @@ CASES: dict[str, Case] = {
 class _DictOut(nn.Module):
     def forward(self, x):
         return {"hidden": x}
+
+
+class _PackedOut(nn.Module):
+    def forward(self, x):
+        return nn.utils.rnn.pack_padded_sequence(x.unsqueeze(-1), torch.tensor([x.shape[1]]), batch_first=True)
 
 
 def _collate_gone_wrong(samples):

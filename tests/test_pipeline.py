@@ -437,10 +437,13 @@ def test_evaluations_header_says_each_tensors_dtype_and_shape_or_hands_over_to_a
     values = (torch.zeros(3, 4, 5), torch.ones((), dtype=torch.bfloat16), torch.zeros(2, dtype=torch.bool))
     header = p2p_module._header(values, "gloo")
     assert header is not None and header.shape == (p2p_module._HEADER,)
-    assert p2p_module._read_header(header) == [(t.dtype, tuple(t.shape)) for t in values]
+    assert p2p_module._read_header(header) == [(t.dtype, tuple(t.shape), tuple(range(t.dim()))) for t in values]
+    # a dense tensor with permuted strides (an LSTM's batch-first output) travels in its memory order, with it
+    lstm_like = torch.zeros(12, 2, 5).transpose(0, 1)
+    assert p2p_module._read_header(p2p_module._header((lstm_like,), "gloo")) == [(torch.float32, (12, 2, 5), (1, 0, 2))]
     assert p2p_module._header((torch.zeros(2), None), "gloo") is None
     assert p2p_module._header((torch.zeros(2, dtype=torch.float8_e4m3fn),), "gloo") is None
-    assert p2p_module._header(tuple(torch.zeros(1, 1) for _ in range(64)), "gloo") is None  # 1 + 64 * 4 words
+    assert p2p_module._header(tuple(torch.zeros(1, 1) for _ in range(64)), "gloo") is None  # 1 + 64 * 6 words
     # NCCL cannot send int16 or complex tensors: those go as an object, through the host
     for dtype in (torch.int16, torch.complex64):
         assert p2p_module._header((torch.zeros(2, dtype=dtype),), "gloo") is not None

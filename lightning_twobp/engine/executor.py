@@ -147,6 +147,30 @@ def _as_tuple(x: Any) -> tuple:
     return x if isinstance(x, tuple) else (x,)
 
 
+def _hint(e: BaseException) -> str:
+    """The fix for a failure whose own message does not name it."""
+    if "selective activation checkpoint has been mutated" in str(e):
+        return (
+            " (a block changes in place a matrix product's output that selective checkpointing keeps from F to B, "
+            "as torch's LSTM with proj_size does on CPU; torch refuses it in one process too: checkpoint such "
+            "blocks fully, activation_checkpointing='full' or a number, or not at all)"
+        )
+    return ""
+
+
+def _refuse_packed(s: int, out: Any) -> None:
+    """A stage that is not the last returning a PackedSequence (a named tuple of tensors): it would reach the next
+    stage as a plain tuple of its fields (or, on the same rank, splatted into them), where its RNN fails on it."""
+    if isinstance(out, torch.nn.utils.rnn.PackedSequence):
+        raise TypeError(
+            f"stage {s} returns a PackedSequence: only tensors and plain tuples of them travel between pipeline "
+            f"stages, so the next stage would get a tuple of its fields and its RNN would fail on it. Unpack "
+            f"it (torch.nn.utils.rnn.pad_packed_sequence) in the layer that ends the stage and pack again in "
+            f"the next, as one layer that packs, runs the RNN and pads; or cut the stages elsewhere (under "
+            f"strategy='twobp': balance=[...])"
+        )
+
+
 class PipelineExecutor:
     """Runs ``schedule`` on this rank.
 
@@ -388,7 +412,14 @@ class PipelineExecutor:
                 ) from e
             if s == self.last:
                 outs.append(out)
-            elif s + 1 in self.stages:
+                continue
+            try:
+                _refuse_packed(s, out)
+            except TypeError as e:
+                raise PipelineError(
+                    f"rank {self.rank}, forward-only pass, stage {s}, micro-batch {mb}: TypeError: {e}"
+                ) from e
+            if s + 1 in self.stages:
                 carry[(s + 1, mb)] = _as_tuple(out)
             else:
                 self._p2p.send_tensors(_as_tuple(out), s + 1)
@@ -430,7 +461,8 @@ class PipelineExecutor:
             # name the rank, the step and the action, then show where
             what = ", ".join(map(str, arg)) if isinstance(arg, list) else str(arg)
             raise PipelineError(
-                f"rank {self.rank}, {self._which()}, op {step} ({what}): {type(e).__name__}: {e}\n{self._listing(step)}"
+                f"rank {self.rank}, {self._which()}, op {step} ({what}): {type(e).__name__}: {e}{_hint(e)}\n"
+                f"{self._listing(step)}"
             ) from e
         if self.record:
             if self.device.type == "cuda":
@@ -658,6 +690,7 @@ class PipelineExecutor:
         with torch.random.fork_rng(devices=devices), torch.enable_grad():
             out = _as_tuple(module(*inputs))
         put_back()
+        _refuse_packed(s, out)
         bad = [type(x).__name__ for x in out if not isinstance(x, torch.Tensor)]
         if bad:
             raise TypeError(

@@ -45,7 +45,7 @@ import datetime
 import socket
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -89,10 +89,41 @@ class TensorMeta:
     shape: tuple[int, ...]
     dtype: torch.dtype
     requires_grad: bool
+    # The order of the dims from the outermost in memory (a dense tensor with permuted strides: an LSTM's
+    # batch-first output is (T, B, C) in memory), () when contiguous or not dense. An activation travels in
+    # that order and is received with the sender's strides: a layer's kernel may round differently on another
+    # layout (bf16 matmuls on CPU do), which made the next stage differ from one process. Not compared: a
+    # layout is not a shape.
+    perm: tuple[int, ...] = field(default=(), compare=False)
 
     @classmethod
     def of(cls, t: torch.Tensor) -> TensorMeta:
-        return cls(tuple(t.shape), t.dtype, t.requires_grad)
+        return cls(tuple(t.shape), t.dtype, t.requires_grad, _layout(t))
+
+    def empty(self, device: torch.device) -> torch.Tensor:
+        """A contiguous receive buffer, in this layout's order (:meth:`unwire` gives the tensor)."""
+        return torch.empty(
+            [self.shape[d] for d in self.perm] if self.perm else self.shape, dtype=self.dtype, device=device
+        )
+
+    def unwire(self, buf: torch.Tensor) -> torch.Tensor:
+        """The received tensor over ``buf``, with its sender's strides."""
+        return buf.permute([self.perm.index(d) for d in range(len(self.perm))]) if self.perm else buf
+
+    def wire(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` as it travels: contiguous in this layout's order (no copy where it is laid out so)."""
+        if not self.perm or tuple(t.shape) != self.shape:
+            return t.contiguous()
+        return t.permute(self.perm).contiguous()
+
+
+def _layout(t: torch.Tensor) -> tuple[int, ...]:
+    """The dims of ``t`` from the outermost in memory, where ``t`` is dense with permuted strides; else ()."""
+    if t.is_contiguous() or t.dim() < 2:
+        return ()
+    strides = t.stride()
+    perm = tuple(sorted(range(t.dim()), key=lambda d: (-strides[d], d)))
+    return perm if t.permute(perm).is_contiguous() else ()
 
     def __str__(self) -> str:
         grad = ", requires grad" if self.requires_grad else ""
@@ -269,6 +300,8 @@ class P2P:
 
     def _new_buffers(self, key: tuple[str, int, int]) -> list[torch.Tensor]:
         """Fresh buffers for one receive, made as it is posted (the module docstring)."""
+        if key[0] == "F":  # an activation: received with its sender's layout
+            return [mt.empty(self.device) for mt in self._recv_metas(key[0], key[1])]
         return [torch.empty(mt.shape, dtype=mt.dtype, device=self.device) for mt in self._recv_metas(key[0], key[1])]
 
     def post(self, comms: Sequence[Comm], outgoing: dict[tuple[str, int, int], list[torch.Tensor]]) -> None:
@@ -283,7 +316,10 @@ class P2P:
             key = (c.kind[-1], c.stage, c.microbatch)
             if c.is_send:
                 edge = c.stage if key[0] == "F" else c.stage - 1
-                tensors = [t.contiguous() for t in outgoing.pop(key)]
+                if key[0] == "F":  # an activation: in the layout the receiver's buffer has
+                    tensors = [mt.wire(t) for t, mt in zip(outgoing.pop(key), self.meta_out[c.stage], strict=True)]
+                else:
+                    tensors = [t.contiguous() for t in outgoing.pop(key)]
                 for i, t in enumerate(tensors):
                     ops.append(dist.P2POp(dist.isend, t, peer, self.group, self.tag(key[0], edge, c.microbatch, i)))
                     owner.append((True, message(c)))
@@ -341,8 +377,9 @@ class P2P:
             self._arrived.add(("F", stage - 1, mb) if direction == "F" else ("B", stage, mb))
         if key[0] == "F":
             metas = self.meta_in[key[1]]
+            received = [mt.unwire(b) for b, mt in zip(bufs, metas, strict=False)]
             return tuple(
-                b.detach().requires_grad_() if mt.requires_grad else b for b, mt in zip(bufs, metas, strict=False)
+                b.detach().requires_grad_() if mt.requires_grad else b for b, mt in zip(received, metas, strict=False)
             )
         return tuple(bufs)
 
@@ -357,7 +394,13 @@ class P2P:
         try:
             dist.send(marker.to(self.device), self.global_ranks[peer], group=self.group, tag=_EVAL_TAG)
             for t in values if header is not None else ():
-                dist.send(t.contiguous(), self.global_ranks[peer], group=self.group, tag=_EVAL_TAG)
+                perm = _layout(t)  # as the header says: with its layout, which the receiver puts back
+                dist.send(
+                    (t.permute(perm) if perm else t).contiguous(),
+                    self.global_ranks[peer],
+                    group=self.group,
+                    tag=_EVAL_TAG,
+                )
         except RuntimeError as e:
             raise PeerLost(self.describe_loss([peer], f"stage {to_stage} to take its input", e)) from e
         if header is None:  # through the host: a GPU tensor pickled as it is would land on this rank's GPU index
@@ -373,9 +416,13 @@ class P2P:
             if metas is None:
                 values = self.recv_object(from_stage)
                 return tuple(pytree.tree_map_only(torch.Tensor, lambda t: t.to(self.device), values))
-            out = tuple(torch.empty(shape, dtype=dtype, device=self.device) for dtype, shape in metas)
-            for t in out:
+            bufs = [torch.empty(shape, dtype=dtype, device=self.device) for dtype, shape, _ in metas]
+            for t in bufs:
                 dist.recv(t, self.global_ranks[peer], group=self.group, tag=_EVAL_TAG)
+            out = tuple(
+                b.permute([perm.index(d) for d in range(len(perm))])
+                for b, (_, _, perm) in zip(bufs, metas, strict=True)
+            )
         except RuntimeError as e:
             raise PeerLost(self.describe_loss([peer], f"the output of stage {from_stage}", e)) from e
         return out
@@ -425,19 +472,21 @@ def _header(values: tuple, backend: str) -> torch.Tensor | None:
             return None
         if backend == "nccl" and t.dtype in _NOT_ON_NCCL:
             return None
-        words += [_WIRE_DTYPES.index(t.dtype), t.dim(), *t.shape]
+        perm = _layout(t) or tuple(range(t.dim()))  # the layout it travels in (TensorMeta.perm)
+        words += [_WIRE_DTYPES.index(t.dtype), t.dim(), *(t.shape[d] for d in perm), *perm]
     if len(words) > _HEADER:
         return None
     return torch.tensor(words + [0] * (_HEADER - len(words)), dtype=torch.int64)
 
 
-def _read_header(header: torch.Tensor) -> list[tuple[torch.dtype, tuple[int, ...]]] | None:
+def _read_header(header: torch.Tensor) -> list[tuple[torch.dtype, tuple[int, ...], tuple[int, ...]]] | None:
+    """Each tensor's dtype, shape as it travels, and the order of its dims in that layout."""
     words = header.tolist()
     if words[0] < 0:
         return None
     metas, i = [], 1
     for _ in range(words[0]):
         dtype, ndim = _WIRE_DTYPES[words[i]], words[i + 1]
-        metas.append((dtype, tuple(words[i + 2 : i + 2 + ndim])))
-        i += 2 + ndim
+        metas.append((dtype, tuple(words[i + 2 : i + 2 + ndim]), tuple(words[i + 2 + ndim : i + 2 + 2 * ndim])))
+        i += 2 + 2 * ndim
     return metas

@@ -496,7 +496,7 @@ class Stage:
 
     def _fell_back(self, why: str, params: tuple[int, ...] = ()) -> None:
         """Say once per stage that a micro-batch's weights were all taken in B: a split that runs fused."""
-        names = [n for n, q in self.module.named_parameters() if id(q) in params]
+        names = [self.names.get(id(q), n) for n, q in self.module.named_parameters() if id(q) in params]
         if names:  # the parameters that value is made from (peft's DoRA: lora_magnitude_vector...)
             why += f", made from {names[0]}" + (f" and {len(names) - 1} more" if len(names) > 1 else "")
         self._warn_once(
@@ -510,7 +510,7 @@ class Stage:
     def _hidden_in_b(self, hit: set[int]) -> None:
         """Count parameters that B's engine call filled from inside a node as taken in B, and say so once."""
         self.early_edges += len(hit)
-        first = next(n for n, q in self.module.named_parameters() if id(q) in hit)
+        first = next(self.names.get(id(q), n) for n, q in self.module.named_parameters() if id(q) in hit)
         self._warn_once(
             "hidden",
             f"{len(hit)} parameter(s) ({first} first) got their gradients in B from inside a node of the graph, not "

@@ -297,10 +297,15 @@ def _profile_layers(runs: LayerRuns, device: torch.device, repeats: int) -> tupl
     message: the last layer's goes nowhere; a layer's values sent beside the hidden state count in it)
     and the last layer's output."""
     x = runs.inputs
-    if len(x) != 1 or not isinstance(x[0], torch.Tensor):
+    if len(x) != 1 or not (
+        isinstance(x[0], torch.Tensor)
+        or (isinstance(x[0], (tuple, list)) and all(isinstance(v, torch.Tensor) for v in x[0]))
+    ):
+        kind = type(x[0]).__name__ if x else ""
+        got = f"{len(x)} inputs" if len(x) != 1 else f"one {kind} that is not a tensor nor a tuple of tensors"
         raise ValueError(
-            "schedule='auto' times the layers one by one from a single tensor into the first; this model's "
-            f"pipelined block takes {len(x)} inputs: name a schedule instead"
+            "schedule='auto' times the layers one by one from one tensor (or one tuple of tensors) into the first; "
+            f"this model's pipelined block is given {got}: name a schedule instead"
         )
     t: Any = x[0]
     rows, largest = [], 0

@@ -999,7 +999,11 @@ class ModuleListContract(OutsideModules):
             for t in [*module.parameters(), *module.buffers()]:
                 meta = torch.empty_like(t, device="meta", dtype=cast if cast and t.is_floating_point() else t.dtype)
                 if isinstance(t, nn.Parameter):
-                    memo[id(t)] = nn.Parameter(meta, requires_grad=t.requires_grad)
+                    # standing in, an Elsewhere on the device as its inputs are: autocast casts what is on its
+                    # device, so a meta weight beside a cast input failed a conv's dtype check under bf16-mixed
+                    # (ViT's, DINOv2's, ConvNeXt's patch embeddings) and gave a Linear's output the wrong dtype
+                    data = meta if device is None else Elsewhere(meta, device, where)
+                    memo[id(t)] = nn.Parameter(data, requires_grad=t.requires_grad)
                 else:
                     memo[id(t)] = meta if device is None else Elsewhere(meta, device, where)
             twin = without_installed_forwards(copy.deepcopy(module, memo))

@@ -119,11 +119,7 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
         **kwargs: Any,
     ) -> None:
         if kwargs:
-            raise TypeError(
-                f"TwoBPStrategy got {', '.join(sorted(kwargs))}: DistributedDataParallel's options do not apply "
-                f"(the pipeline schedule computes the gradients and reduces them over data-parallel replicas "
-                f"itself); remove them"
-            )
+            _refuse_unknown_options(kwargs)
         # The parameters named as PipelineOptions' fields, which lists and checks them (one list).
         self.requested = PipelineOptions.from_mapping(locals())
         # What runs: the user's options, or with schedule="auto" the choice made at the first setup.
@@ -726,3 +722,27 @@ def _register() -> None:
 
 
 _register()
+
+
+def _refuse_unknown_options(kwargs: dict[str, Any]) -> None:
+    """``TwoBPStrategy(**kwargs)`` beyond its own parameters: DistributedDataParallel's options (which DDPStrategy
+    passes on) do not apply; any other name is a typo, said with the nearest option."""
+    import difflib
+    import inspect
+
+    from torch.nn.parallel import DistributedDataParallel
+
+    ddp = set(inspect.signature(DistributedDataParallel.__init__).parameters) - {"self", "module"}
+    own = [n for n in inspect.signature(TwoBPStrategy.__init__).parameters if n not in ("self", "kwargs")]
+    typos = sorted(k for k in kwargs if k not in ddp)
+    if typos:
+        hints = []
+        for k in typos:
+            near = difflib.get_close_matches(k, own, n=1)
+            hints.append(f"{k} (did you mean {near[0]}?)" if near else k)
+        raise TypeError(f"TwoBPStrategy got unknown option(s) {', '.join(hints)}; its options are {', '.join(own)}")
+    raise TypeError(
+        f"TwoBPStrategy got {', '.join(sorted(kwargs))}: DistributedDataParallel's options do not apply "
+        f"(the pipeline schedule computes the gradients and reduces them over data-parallel replicas "
+        f"itself); remove them"
+    )
