@@ -29,7 +29,6 @@ __all__ = [
     "flash_attention_cpu",
     "forward_hooks",
     "gloo_or_nccl_options",
-    "keep_generators",
     "layer_sync",
     "local_scalar_dense",
     "make_wrapper_subclass",
@@ -254,17 +253,3 @@ GUARDED: tuple[tuple[str, str], ...] = (
     ("lightning.pytorch.plugins.precision.Precision", "_after_closure"),
     ("torchmetrics.Metric", "_reduce_states"),
 )
-
-
-def keep_generators(modules: Any) -> Callable[[], None]:
-    """The state of every ``torch.Generator`` that ``modules`` hold as plain attributes, and the call that puts it
-    back. A module may draw from a generator of its own (torchtune's ``LayerDropout`` keeps one per layer), which
-    forking torch's global generators leaves alone: a forward run for shapes, a call-order trace or a profile drew
-    from it, and training then drew other masks than one process (a trial: every weight 1-2% off)."""
-    saved = [(g, g.get_state()) for m in modules for g in vars(m).values() if isinstance(g, torch.Generator)]
-
-    def put_back() -> None:
-        for g, state in saved:
-            g.set_state(state)
-
-    return put_back

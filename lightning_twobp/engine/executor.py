@@ -31,7 +31,8 @@ from torch import nn
 from lightning_twobp.engine import formulas
 from lightning_twobp.engine.p2p import P2P, PeerLost, TensorMeta, check_outgoing
 from lightning_twobp.engine.stage import Stage
-from lightning_twobp.private import keep_generators, saved_tensors_hooks_in_force
+from lightning_twobp.own_generators import keep_generators
+from lightning_twobp.private import saved_tensors_hooks_in_force
 from lightning_twobp.schedules import Action, Comm, GradReduce, Schedule, add_grad_reduce, lower_communication, validate
 from lightning_twobp.schedules.memory import send_releases
 

@@ -48,7 +48,8 @@ from lightning_twobp.lightning.profile import data_loop, first_batch, streaming
 from lightning_twobp.lightning.rng import drawing_from
 from lightning_twobp.lightning.step import StepRunner
 from lightning_twobp.meta_forward import OrdinaryBatch
-from lightning_twobp.private import keep_generators, module_copy, pytree
+from lightning_twobp.own_generators import keep_generators
+from lightning_twobp.private import module_copy, pytree
 
 log = logging.getLogger(__name__)
 

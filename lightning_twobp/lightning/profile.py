@@ -27,7 +27,8 @@ from torch.utils.data import IterableDataset
 from lightning_twobp.lightning.layer_runs import LayerRuns, layer_runs
 from lightning_twobp.lightning.loaders import batch_fingerprint
 from lightning_twobp.lightning.step import StepRunner
-from lightning_twobp.private import data_source, keep_generators, pytree, unset_training_data
+from lightning_twobp.own_generators import keep_generators
+from lightning_twobp.private import data_source, pytree, unset_training_data
 
 log = logging.getLogger(__name__)
 
