@@ -447,6 +447,27 @@ def test_a_checkpointed_block_recomputes_with_its_buffers_as_f_saw_them(norm, mo
     _checkpointed_like_one_process(_BufferReader(norm), mode, (4, 8))
 
 
+class _OwnGenerator(nn.Module):
+    """A block drawing its mask from a generator of its own (torchtune's LayerDropout keeps one per layer)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.generator = torch.Generator().manual_seed(3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.a(x) * (torch.rand(x.shape, generator=self.generator) > 0.5)
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_a_checkpointed_block_recomputes_with_its_own_generator_as_f_drew(mode):
+    """torch's checkpoint forks the global generators only: a block's own generator drew another mask in the
+    recompute than in F, and the gradients were silently wrong (same shapes). The recompute draws from F's state,
+    and leaves the generator where F left it."""
+    torch.manual_seed(0)
+    _checkpointed_like_one_process(_OwnGenerator(), mode, (4, 8))
+
+
 def test_a_second_recompute_of_a_block_that_writes_its_buffers_is_refused():
     """Only one copy of F's buffers is kept (selective checkpointing allows no clone in a recompute), so a
     second backward through the same checkpointed forward must say so, not recompute on written buffers."""

@@ -907,6 +907,10 @@ class Loop(nn.Module):
             # "called when block k was next", or by a misplaced-module error where every block was skipped
             self.config = SimpleNamespace(layerdrop=0.5)
         self.head = nn.Linear(6, 2)
+        if kind == "tied-outside-tree":
+            # torchtune's TiedLinear: a plain object (no nn.Module) holding the embedding module, whose weight the
+            # head reads after the loop; no placeholder stands in for a module reached outside the module tree
+            self.tied = SimpleNamespace(tied_module=self.embed)
         if kind in ("router-logits", "router-hook"):
             # Hugging Face's MoE collects every block's router logits by hooks inside the blocks and adds an
             # auxiliary loss of them: a block of another stage does not run its hook, and nothing says so;
@@ -965,6 +969,8 @@ class Loop(nn.Module):
             hs.append(h)
             if self.kind == "control-flow" and h.abs().max() > 1e6:
                 break
+        if self.kind == "tied-outside-tree":
+            h = F.linear(h, self.tied.tied_module.weight)
         out = self.head(self.norm(h) if self.kind.startswith("registered-early") else h)
         if collected:
             out = out + torch.stack(collected).sum()
@@ -1068,6 +1074,7 @@ ERRORS = {
         r"an argument of it \(model.blocks\[2\]\) was computed by model.blocks\[0\] \(pipeline stage 0\)"
     ),
     "twice": r"the step called model a second time",
+    "tied-outside-tree": r"model.embed.weight \(pipeline stage 0\) is used in the graph .*torchtune's TiedLinear",
     # Qwen3 given inputs_embeds the step computed: the message names the module's weight
     "embedded-in-step": r"an argument of model requires grad: a module with parameters runs before it in the step "
     r"\(computed from embed.bias, embed.weight\)",

@@ -206,15 +206,28 @@ class _RunningMean(torch.nn.Module):
         return x - self.mean
 
 
+class _OwnDraw(torch.nn.Module):
+    """Drops features with a mask drawn from a generator of its own (torchtune's LayerDropout keeps one per
+    layer), which forking torch's global generators does not cover: the probe's draw used to stay."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.generator = torch.Generator().manual_seed(5)
+
+    def forward(self, x):
+        return x * (torch.rand(x.shape[-1], generator=self.generator) > 0.3)
+
+
 def _batchnorm(rank: int, world: int) -> list[str]:
     """BatchNorm statistics after a step equal one process's: the shape exchange leaves no trace (nor in a
-    buffer a layer rebinds, nor in a Python attribute it counts with)."""
+    buffer a layer rebinds, nor in a Python attribute it counts with, nor in a module's own generator)."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(
         torch.nn.Linear(8, 16),
         torch.nn.BatchNorm1d(16),
         torch.nn.ReLU(),
         _RunningMean(16),  # of the ReLU's output: a BatchNorm's has mean 0
+        _OwnDraw(),
         torch.nn.Linear(16, 16),
         torch.nn.BatchNorm1d(16),
         torch.nn.Linear(16, 4),
@@ -223,10 +236,12 @@ def _batchnorm(rank: int, world: int) -> list[str]:
     x, y = torch.randn(4, 6, 8), torch.randint(0, 4, (4, 6))
     (sum(F.cross_entropy(ref(x[i]), y[i]) for i in range(4)) / 4).backward()
     sched = build_schedule("zb-h1", world, 4)
-    parts = split_sequential(model, [4, 3])
+    parts = split_sequential(model, [5, 3])
     ex = PipelineExecutor(sched, {rank: parts[rank]}, loss_fn=F.cross_entropy)
     ex.step(list(x) if rank == 0 else None, list(y) if rank == 1 else None)
     bad = [] if model[3].calls == (4 if rank == 0 else 0) else [f"{model[3].calls} calls of the running mean"]
+    if rank == 0 and not torch.equal(model[4].generator.get_state(), ref[4].generator.get_state()):
+        bad.append("the module's own generator drew more than one process's")
     mine = {id(b) for b in parts[rank].buffers()}
     for (n, a), (_, b) in zip(model.named_buffers(), ref.named_buffers(), strict=False):
         if id(a) in mine and not torch.allclose(a.float(), b.float(), rtol=1e-5):

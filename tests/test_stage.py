@@ -596,3 +596,28 @@ def test_a_parameter_of_another_stage_in_the_graph_is_refused_at_the_first_forwa
     fine.forward(0, x)
     fine.backward(0, torch.ones(2, 1))
     assert last.weight.grad is not None
+
+
+def test_a_set_aside_weight_reached_directly_is_named_with_the_tie_as_a_module():
+    """A weight of a layer another rank holds is on the meta device here; a forward that reaches it directly, not
+    through its module (torchtune's TiedLinear keeps the embedding module outside the module tree, so no placeholder
+    stands in for it), computed on meta with it. Refused at the first F, named, with the fix: a head of its own."""
+    embed = nn.Embedding(5, 3, device="meta")
+
+    class TiedHead(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.norm = nn.LayerNorm(3)
+            self.tied = [embed]  # outside the module tree, as TiedLinear holds it
+
+        def forward(self, h):
+            return torch.nn.functional.linear(self.norm(h), self.tied[0].weight)
+
+    stage = Stage(TiedHead())
+    stage.names = {id(embed.weight): "model.tok_embeddings.weight (pipeline stage 0, held by pipeline rank 0)"}
+    with pytest.raises(
+        RuntimeError,
+        match=r"model.tok_embeddings.weight \(pipeline stage 0, held by pipeline rank 0\) is used by this pipeline "
+        r"stage's forward, but this rank does not hold it .*head.weight = embed.weight",
+    ):
+        stage.forward(0, torch.randn(2, 4, 3, requires_grad=True))

@@ -31,6 +31,7 @@ from torch import nn
 from lightning_twobp.engine import formulas
 from lightning_twobp.engine.p2p import P2P, PeerLost, TensorMeta, check_outgoing
 from lightning_twobp.engine.stage import Stage
+from lightning_twobp.own_generators import keep_generators
 from lightning_twobp.private import saved_tensors_hooks_in_force
 from lightning_twobp.schedules import Action, Comm, GradReduce, Schedule, add_grad_reduce, lower_communication, validate
 from lightning_twobp.schedules.memory import send_releases
@@ -123,6 +124,7 @@ def keep_buffers(
     # not for buffers_kept, at every post-validated step: no walk of every module's attributes there
     modules = list(module.modules()) if attributes else []
     plain = [(vars(m), {k: v for k, v in vars(m).items() if not k.startswith("_")}) for m in modules]
+    generators = keep_generators(modules)  # a module's own generator (torchtune's LayerDropout) drew too
 
     def put_back() -> None:
         with torch.no_grad():
@@ -134,6 +136,7 @@ def keep_buffers(
             for k in [k for k in now if not k.startswith("_") and k not in before]:
                 del now[k]
             now.update(before)
+        generators()
 
     return put_back
 

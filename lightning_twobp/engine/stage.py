@@ -228,6 +228,16 @@ class Stage:
             var = getattr(node, "variable", None)
             if isinstance(var, nn.Parameter) and id(var) not in self._params and id(var) not in given:
                 name = self.names.get(id(var), f"a parameter of shape {tuple(var.shape)}")
+                if var.is_meta:  # a weight of a layer set aside on this rank, reached directly, not through its module
+                    raise RuntimeError(
+                        f"{name} is used by this pipeline stage's forward, but this rank does not hold it (only its "
+                        f"shape, on the meta device): the forward reached the weight directly, not through its module, "
+                        f"so no placeholder stood in for it (a head tied by a reference kept outside the module tree, "
+                        f"as torchtune's TiedLinear keeps `tied_module`, the embedding). Tie a head as a module of its "
+                        f"own, called after the loop: `head = nn.Linear(dim, vocab, bias=False); head.weight = "
+                        f"embed.weight` in place of the reference (torchtune: `model.output = head` with "
+                        f"`model.tok_embeddings.weight`); tied modules on two stages are kept in sync"
+                    )
                 raise RuntimeError(
                     f"{name} is used in the graph of this pipeline stage, but is not one of the stage's own "
                     f"parameters: the stage's backward computes gradients of its own parameters only, so its "
@@ -235,7 +245,10 @@ class Stage:
                     f"which the last stage computes, or a module outside the pipelined layers called in the step). "
                     f"Add such a term's gradient in on_after_backward instead: `for p in self.layers[0].parameters(): "
                     f"p.grad.add_(c * p.sign())` for an L1 penalty (a layer of another rank has no parameters there), "
-                    f"or move the module into the pipelined layers"
+                    f"or move the module into the pipelined layers; for a weight of another stage's module read "
+                    f"directly by this stage's forward (a head tied by `h @ embed.weight.T`, or torchtune's "
+                    f"TiedLinear), tie the head as a module of its own: `head = nn.Linear(dim, vocab, bias=False); "
+                    f"head.weight = embed.weight`, called after the loop"
                 )
 
     def drop_outputs(self, mb: int) -> None:

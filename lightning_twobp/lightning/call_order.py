@@ -48,6 +48,7 @@ from lightning_twobp.lightning.profile import data_loop, first_batch, streaming
 from lightning_twobp.lightning.rng import drawing_from
 from lightning_twobp.lightning.step import StepRunner
 from lightning_twobp.meta_forward import OrdinaryBatch
+from lightning_twobp.own_generators import keep_generators
 from lightning_twobp.private import module_copy, pytree
 
 log = logging.getLogger(__name__)
@@ -62,9 +63,11 @@ def place_by_call_order(runner: StepRunner, contract: ModuleListContract, traine
     module docstring); the moves are shown."""
     device = trainer.strategy.root_device
     start = time.perf_counter()
+    generators = keep_generators(trainer.lightning_module.modules())  # the modules' own (the trace shares them)
     with drawing_from(None, [device] if device.type == "cuda" else []):  # torch's, NumPy's and Python's put back
         batch = _batch(trainer)
         sides, why = _traced(runner, contract, trainer, batch, device, precision)
+    generators()
     sides, why = _agreed(sides, why)
     moved = contract.place_by_calls(sides, why)
     log.debug("twobp: call order traced in %.3f s", time.perf_counter() - start)

@@ -98,11 +98,17 @@ def _checkpointed(block: nn.Module, selective: bool) -> Callable[..., Any]:
     # changes what the checkpoint recomputes from: torch refuses the recompute ("modified by an inplace
     # operation"), in one process too. Inside the checkpoint it changes a copy, made again by each recompute.
     inner = _on_copies(forward) if starts_in_place(block) else forward
+    # A module's own generator (torchtune's LayerDropout keeps one per layer): torch's checkpoint forks and puts back
+    # the global generators only, so the recompute drew another skip mask than F (a trial: torch's "a different
+    # number of tensors was saved", or another batch shape in B). The recompute draws from F's state.
+    generators = [g for m in block.modules() for g in vars(m).values() if isinstance(g, torch.Generator)]
+    stepped = inner
 
     @functools.wraps(forward)
     def run(*args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():  # evaluation: nothing is saved, nothing to recompute
             return forward(*args, **kwargs)
+        inner = _GeneratorsAsF(stepped, generators) if generators else stepped
         if not buffers:
             return checkpoint(inner, *args, use_reentrant=False, context_fn=contexts, **kwargs)
         call = _BuffersAsF(inner, buffers)
@@ -118,6 +124,30 @@ def _on_copies(forward: Callable[..., Any]) -> Callable[..., Any]:
         return forward(*(a.clone() if isinstance(a, torch.Tensor) else a for a in args), **kwargs)
 
     return run
+
+
+class _GeneratorsAsF:
+    """One checkpointed call of a block whose recompute draws from its modules' own generators as F did: their
+    states before F are kept, set for the recompute, and the states the recompute found put back after it."""
+
+    def __init__(self, forward: Callable[..., Any], generators: list[torch.Generator]) -> None:
+        self.forward = forward
+        self.generators = generators
+        self.before = [g.get_state() for g in generators]  # outside the checkpoint, before F
+        self.ran = False
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if not self.ran:  # F
+            self.ran = True
+            return self.forward(*args, **kwargs)
+        now = [g.get_state() for g in self.generators]
+        for g, state in zip(self.generators, self.before, strict=True):
+            g.set_state(state)
+        try:
+            return self.forward(*args, **kwargs)
+        finally:
+            for g, state in zip(self.generators, now, strict=True):
+                g.set_state(state)
 
 
 # A norm's running statistics: its kernel writes them in a training forward without counting the write.

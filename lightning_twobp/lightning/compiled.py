@@ -63,7 +63,12 @@ def _compiled(lm: nn.Module, contract: Any) -> str | None:
     for i, layer in enumerate(contract.layers()):
         for name, sub in layer.named_modules():
             if _is_compiled(sub) and any(q.requires_grad for q in sub.parameters()):
-                where = f"{contract.describe(i)}{'.' + name if name else ''}"
+                path_of = getattr(layer, "path_of", None)  # a ModuleList contract's group: the model's own name
+                where = (
+                    f"{path_of(name)} (in {contract.describe(i)})"
+                    if path_of is not None and name
+                    else f"{contract.describe(i)}{'.' + name if name else ''}"
+                )
                 return f"{where} is compiled with torch.compile and holds weights, so its backward cannot be split"
     return None
 

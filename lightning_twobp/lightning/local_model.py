@@ -48,7 +48,8 @@ _HOW_TO_GET_WEIGHTS = (
     "to have every rank hold all trained weights after the Trainer call, pass "
     "TwoBPStrategy(gather_full_model=True); or merge a checkpoint into one file with "
     "`twobp-consolidate CHECKPOINT_DIR model.ckpt` and load it with "
-    "model.load_state_dict(torch.load('model.ckpt')['state_dict'], assign=True)"
+    "model.load_state_dict(torch.load('model.ckpt')['state_dict'], assign=True) (assign=True gives every name a "
+    "Parameter of its own: tie tied weights again after it, e.g. `model.lm_head.weight = model.embed.weight`)"
 )
 
 

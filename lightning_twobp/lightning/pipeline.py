@@ -251,6 +251,15 @@ def _name_parameters(executor: PipelineExecutor, local: Any, lm: Any) -> None:
     names = {}
     for n, q in lm.named_parameters():
         names[id(q)] = f"{n} (pipeline stage {stage_of[id(q)]})" if id(q) in stage_of else n
+    # The set-aside layers' tensors (on the meta device here) are named too: a forward that reaches one directly,
+    # not through its module (torchtune's TiedLinear keeps the embedding module outside the module tree), meets it.
+    contract, bounds = local.contract, local.bounds
+    for i, layer in local.removed.items():
+        held_on = next(s for s in range(len(bounds) - 1) if bounds[s] <= i < bounds[s + 1])
+        for n, q in layer.named_parameters():
+            full = contract.parameter_name(i, n)
+            full = full if contract.name in ("", "forward") else f"{contract.name}.{full}"
+            names.setdefault(id(q), f"{full} (pipeline stage {held_on}, held by pipeline rank {local.owner[i]})")
     for stage in executor.stages.values():
         stage.names = names
 

@@ -27,6 +27,7 @@ from torch.utils.data import IterableDataset
 from lightning_twobp.lightning.layer_runs import LayerRuns, layer_runs
 from lightning_twobp.lightning.loaders import batch_fingerprint
 from lightning_twobp.lightning.step import StepRunner
+from lightning_twobp.own_generators import keep_generators
 from lightning_twobp.private import data_source, pytree, unset_training_data
 
 log = logging.getLogger(__name__)
@@ -163,11 +164,13 @@ def keep_buffers(layers: list[nn.Module]) -> Callable[[], None]:
     back. By name, not by tensor: profiling moves a layer to the device and back (on a GPU, before the
     model is moved there), which replaces its buffer tensors."""
     saved = [(layer, name, b.clone()) for layer in layers for name, b in layer.named_buffers()]
+    generators = keep_generators([m for layer in layers for m in layer.modules()])  # a module's own generator
 
     def put_back() -> None:
         with torch.no_grad():
             for layer, name, value in saved:
                 layer.get_buffer(name).copy_(value)
+        generators()
 
     return put_back
 
