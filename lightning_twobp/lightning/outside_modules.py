@@ -182,5 +182,6 @@ def _check_no_loose(module: nn.Module, prefix: str, name: str) -> None:
     raise ValueError(
         f"{where} holds parameters directly ({', '.join(loose)}) beside the blocks in {name}: under "
         f"strategy='twobp' every parameter outside the blocks must belong to a submodule that runs before "
-        f"the loop (the first stage) or after it (the last stage); put it in a small module of its own"
+        f"the loop (the first stage) or after it (the last stage); put it in a small module of its own (timm's "
+        f"ViT: docs/strategy.md, 'The one change an existing model may need')"
     )
