@@ -35,18 +35,38 @@ def test_finds_the_one_outermost_sequential():
     assert name == "model.blocks" and seq is m.model.blocks
 
 
+class _Model(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.blocks, self.head = (
+            nn.Linear(4, 4),
+            nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)),
+            nn.Linear(4, 2),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.blocks(self.embed(x)))
+
+
 def test_a_sequential_a_models_forward_calls_between_trained_modules_is_a_loops_blocks():
     """timm's ViT calls its blocks (one nn.Sequential) between its patch embedding and head: the step's contract
-    would refuse their parameters at the first step, so the Sequential is cut as a loop's blocks. Without
-    trainable parameters outside it (or called by the step itself, at the top), it is the step's one call."""
+    would refuse their parameters at the first step, so the Sequential is cut as a loop's blocks. The step's own
+    call where nothing trainable sits beside it in the model around it: trainable modules elsewhere (a head or a
+    teacher the step calls, a probe it never does: a review found these refused after the change), a bare
+    container around it, a frozen embedding, or the Sequential at the top."""
     from lightning_twobp.lightning.contract import SequentialContract
     from lightning_twobp.lightning.modulelist_contract import ModuleListContract
 
-    m = One()
-    assert isinstance(find_contract(m), ModuleListContract) and find_contract(m).list_name == "model.blocks"
-    assert isinstance(find_contract(m, layers="model.blocks"), ModuleListContract)
-    m.embed.requires_grad_(False)  # a frozen module outside: the step may call the Sequential itself
-    assert isinstance(find_contract(m), SequentialContract)
+    root = nn.Module()
+    root.model = _Model()
+    assert isinstance(find_contract(root), ModuleListContract) and find_contract(root).list_name == "model.blocks"
+    assert isinstance(find_contract(root, layers="model.blocks"), ModuleListContract)
+    root.model.embed.requires_grad_(False)
+    root.model.head.requires_grad_(False)
+    assert isinstance(find_contract(root), SequentialContract)  # nothing trainable beside it
+    root.probe = nn.Linear(2, 2)  # trainable, outside the model around the Sequential
+    assert isinstance(find_contract(root), SequentialContract)
+    assert isinstance(find_contract(One()), SequentialContract)  # a bare nn.Module() around it, embed outside
     top = nn.Module()
     top.layers, top.head = nn.Sequential(nn.Linear(2, 2)), nn.Linear(2, 2)
     assert isinstance(find_contract(top, layers="layers"), SequentialContract)

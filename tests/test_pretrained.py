@@ -445,6 +445,15 @@ def test_the_export_names_its_files_as_the_reader_wants(tmp_path):
         "model.fp16-00002-of-00002.safetensors",
         "model.safetensors.index.fp16.json",
     ]
+    # the plain name beside it leaves the variant's files (a review: model*.safetensors removed them)
+    assert ckpt.main([*args, "model.safetensors"]) == 0
+    assert sorted(p.name for p in (tmp_path / "out").iterdir() if p.name.startswith("model.")) == [
+        "model.fp16-00001-of-00002.safetensors",
+        "model.fp16-00002-of-00002.safetensors",
+        "model.safetensors",
+        "model.safetensors.index.fp16.json",
+    ]
+    assert ckpt._index_name("model-v1.5.safetensors") == "model-v1.5.safetensors.index.json"  # a dot, no variant
     with pytest.raises(ValueError, match=r"--weights-name 'weights.bin': a file name ending in .safetensors"):
         ckpt.to_safetensors(tmp_path / "m.ckpt", tmp_path / "out", weights_name="weights.bin")
 

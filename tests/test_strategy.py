@@ -530,17 +530,51 @@ def test_dp_x_pp_matches_one_process_on_the_union_of_the_shards(four_ranks, requ
             torch.testing.assert_close(value, ref[name].detach(), rtol=1e-5, atol=1e-6, msg=f"rank {rank} {name}")
 
 
-def _normed() -> nn.Module:
+class _Counting(nn.Module):
+    """Counts its training calls in an int16 buffer (gloo broadcasts no int16: the buffers travel as bytes)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("calls", torch.zeros((), dtype=torch.int16))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            self.calls += 1
+        return x
+
+
+class _Growing(nn.Module):
+    """A cache buffer whose length follows what its replica saw (older rotary caches grew with the sequence
+    length): here, by the rank, so that the replicas differ at the first step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("cache", torch.zeros(1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training and self.cache.numel() == 1:
+            self.cache = torch.zeros(2 + dist.get_rank())
+        return x
+
+
+def _two_norms(extra: nn.Module | None = None) -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(
-        nn.Linear(6, 16), nn.BatchNorm1d(16), nn.Tanh(), nn.Linear(16, 16), nn.BatchNorm1d(16), nn.Linear(16, 2)
+        nn.Linear(6, 16),
+        nn.BatchNorm1d(16),
+        nn.Tanh(),
+        extra or _Counting(),
+        nn.Linear(16, 16),
+        nn.BatchNorm1d(16),
+        nn.Linear(16, 2),
     )
 
 
 def _fit_dp_pp_normed(rank: int, world: int) -> dict:
     lightning_env(rank, world)
-    model = Regressor(layers=_normed)
-    trainer = _trainer(TwoBPStrategy(schedule="1f1b", pipeline_degree=2), world, use_distributed_sampler=True)
+    model = Regressor(layers=_two_norms)
+    strategy = TwoBPStrategy(schedule="1f1b", pipeline_degree=2, balance=[4, 3])
+    trainer = _trainer(strategy, world, use_distributed_sampler=True)
     trainer.fit(model, _data())
     (val,) = trainer.validate(model, regression_data(32, batch_size=8, seed=2), verbose=False)
     own = {n: b.clone() for n, b in model.named_buffers() if not b.is_meta and b.numel()}
@@ -557,11 +591,30 @@ def test_dp_x_pp_validates_with_replica_zeros_batch_norm_statistics(four_ranks, 
         assert out["buffers"].keys() == results[rank - 2]["buffers"].keys() and out["buffers"], out["buffers"]
         for name, b in out["buffers"].items():
             assert torch.equal(b, results[rank - 2]["buffers"][name]), f"rank {rank} {name}"
-    model = Regressor(layers=_normed)
+    model = Regressor(layers=_two_norms)
     state = {**results[0]["params"], **results[1]["params"], **results[0]["buffers"], **results[1]["buffers"]}
     model.load_state_dict(state, strict=True)
     (val,) = quiet_trainer("auto", 1).validate(model, regression_data(32, batch_size=8, seed=2), verbose=False)
     assert results[0]["val_loss"] == pytest.approx(val["val_loss"], rel=1e-6)
+
+
+def _fit_dp_pp_growing(rank: int, world: int) -> str:
+    lightning_env(rank, world)
+    model = Regressor(layers=functools.partial(_two_norms, _Growing()))
+    strategy = TwoBPStrategy(schedule="1f1b", pipeline_degree=2, balance=[4, 3])
+    try:
+        _trainer(strategy, world, use_distributed_sampler=True).fit(model, _data())
+    except Exception as e:  # noqa: BLE001 - the refusal, on every rank
+        return f"{type(e).__name__}: {e}"
+    return "trained"
+
+
+def test_dp_x_pp_refuses_a_buffer_that_differs_between_replicas_naming_it(four_ranks, request):
+    """A buffer whose size follows the data a replica read cannot take replica 0's: refused, naming the sizes,
+    not a gloo abort or an NCCL hang (a review's cache that grew)."""
+    for out in four_ranks[request.node.name][::2]:  # the first stage's ranks hold the growing cache
+        assert "the data-parallel replicas hold different buffers (global rank 0: " in out, out
+        assert "a cache that grows" in out and "layers.3.cache" in out, out
 
 
 class AdamRegressor(Regressor):
@@ -1128,4 +1181,6 @@ def four_ranks(request) -> conftest.Launch:
     }
     cases |= {f"test_dp_x_pp_matches_one_process_on_the_union_of_the_shards[{s}]": (_fit_dp_pp, (s,)) for s in DP_X_PP}
     cases["test_dp_x_pp_validates_with_replica_zeros_batch_norm_statistics"] = (_fit_dp_pp_normed, ())
+    # last: a step refused on the first stage's ranks only (those holding the cache) leaves the links closed
+    cases["test_dp_x_pp_refuses_a_buffer_that_differs_between_replicas_naming_it"] = (_fit_dp_pp_growing, ())
     return launch(request, 4, cases, timeout=840)

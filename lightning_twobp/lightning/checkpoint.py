@@ -42,6 +42,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import errno
+import glob
 import hashlib
 import json
 import math
@@ -696,7 +697,9 @@ def to_safetensors(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     index = out / _index_name(weights_name)
-    for old in [*out.glob(f"{stem}*.safetensors"), index]:  # an earlier save's: from_pretrained would read it
+    # an earlier save's under this name (from_pretrained would read it), not another variant's (model.fp16...)
+    earlier = [out / weights_name, *out.glob(f"{glob.escape(stem)}-[0-9]*-of-[0-9]*.safetensors"), index]
+    for old in earlier:
         old.unlink(missing_ok=True)
     names = [weights_name] if len(shards) == 1 else [
         f"{stem}-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))
@@ -720,8 +723,13 @@ def _index_name(weights_name: str) -> str:
     variant's (``model.fp16.safetensors``) goes before ``.json``, ``model.safetensors.index.fp16.json``, where
     ``from_pretrained(..., variant="fp16")`` looks for it."""
     stem = weights_name.removesuffix(".safetensors")
-    base, dot, variant = stem.rpartition(".")
-    return f"{base}.safetensors.index.{variant}.json" if dot else f"{weights_name}.index.json"
+    base, _, variant = stem.rpartition(".")
+    if base in _READ_NAMES:  # a variant of a name from_pretrained reads; another dot is part of a name
+        return f"{base}.safetensors.index.{variant}.json"
+    return f"{weights_name}.index.json"
+
+
+_READ_NAMES = ("model", "diffusion_pytorch_model")  # transformers' and diffusers' weights files, as stems
 
 
 def _stored_weights(src: Path, prefix: str, named: Any) -> dict[str, tuple[str, Any]]:

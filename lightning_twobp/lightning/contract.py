@@ -228,14 +228,21 @@ def find_contract(module: nn.Module, layers: str | None = None) -> SequentialCon
 
 def _sequential_contract(module: nn.Module, name: str, seq: nn.Sequential) -> SequentialContract | ModuleListContract:
     """The contract of the Sequential ``seq`` at ``name``: its layers pipelined as the step's one call of it
-    (:class:`SequentialContract`); or, nested in a model that holds trainable parameters outside it (timm's ViT
+    (:class:`SequentialContract`); or, nested in a model that holds trainable parameters beside it (timm's ViT
     ``blocks`` between its patch embedding and head, ConvNeXt's ``stages``), as the blocks of a loop: a Sequential
     runs its layers one after the other as a loop over a ModuleList does, and the loop contract places the modules
     around it on the first and last stages. The step contract would refuse those parameters at the first step:
     its stages train only the Sequential's."""
     if "." in name:
+        # the model around it (``model`` for ``model.blocks``): a module with a forward of its own that holds
+        # trainable parameters beside the Sequential, which its forward runs around it. A bare container (an
+        # nn.Module() grouping it) or trainable modules elsewhere in the LightningModule (a head or a teacher the
+        # step calls, a probe it never does) leave the Sequential the step's own call, as before.
+        outer = module.get_submodule(name.split(".")[0])
         inside = {id(q) for q in seq.parameters()}
-        if any(q.requires_grad and id(q) not in inside for q in module.parameters()):
+        if type(outer).forward is not nn.Module.forward and any(
+            q.requires_grad and id(q) not in inside for q in outer.parameters()
+        ):
             return ModuleListContract(module, name, seq)
     return SequentialContract(name, seq)
 
