@@ -406,7 +406,7 @@ class ModuleListContract(OutsideModules):
         self._active: _Run | None = None
         self._stage_of: list[int] = [0] * self.num_blocks  # the partition (stage_module): each block's stage
         self._stages: dict[int, LoopStage] = {}  # this rank's stages, by index, as stage_module built them
-        self._twins: dict[tuple[int, torch.dtype | None, str | None], nn.Module] = {}
+        self._twins: dict[tuple[int, torch.dtype | None, str | None, bool], nn.Module] = {}
         self._shapes: dict[tuple, tuple[Any, list[Any]]] = {}  # block call -> its output's structure
         self._twin_ran: set[tuple] = set()  # the block calls whose twin ran (and so ran its hooks)
         self._cast: torch.dtype | None = None  # the twins' dtype while profiling (one_stage_per_layer)
@@ -992,17 +992,21 @@ class ModuleListContract(OutsideModules):
         device, as its inputs are: a forward that moves a buffer to an input's device (RoBERTa's embeddings,
         ``self.token_type_ids.to(position_ids.device)``) failed with "Cannot copy out of meta tensor"."""
         cast = self._twin_cast(path)
-        key = (id(module), cast, None if device is None else str(device))
+        # under autocast its weights stand in on the device too (below); elsewhere they stay meta, as a plan's
+        # model is (a forward moving a meta buffer to an Elsewhere's device failed in twobp-plan otherwise)
+        autocast = device is not None and torch.is_autocast_enabled(device.type)
+        key = (id(module), cast, None if device is None else str(device), autocast)
         twin = self._twins.get(key)
         if twin is None:
             memo: dict[int, Any] = {}
             for t in [*module.parameters(), *module.buffers()]:
                 meta = torch.empty_like(t, device="meta", dtype=cast if cast and t.is_floating_point() else t.dtype)
                 if isinstance(t, nn.Parameter):
-                    # standing in, an Elsewhere on the device as its inputs are: autocast casts what is on its
-                    # device, so a meta weight beside a cast input failed a conv's dtype check under bf16-mixed
-                    # (ViT's, DINOv2's, ConvNeXt's patch embeddings) and gave a Linear's output the wrong dtype
-                    data = meta if device is None else Elsewhere(meta, device, where)
+                    # standing in under autocast, an Elsewhere on the device as its inputs are: autocast casts
+                    # what is on its device, so a meta weight beside a cast input failed a conv's dtype check
+                    # under bf16-mixed (ViT's, DINOv2's, ConvNeXt's patch embeddings) and gave a Linear's
+                    # output the wrong dtype
+                    data = Elsewhere(meta, device, where) if autocast and device is not None else meta
                     memo[id(t)] = nn.Parameter(data, requires_grad=t.requires_grad)
                 else:
                     memo[id(t)] = meta if device is None else Elsewhere(meta, device, where)

@@ -26,6 +26,7 @@ from lightning_twobp.lightning.checkpointing import AUTO_MODES, apply_activation
 from lightning_twobp.lightning.checks import check_parameter_hooks
 from lightning_twobp.lightning.compiled import check_not_compiled
 from lightning_twobp.lightning.contract import SequentialContract, find_contract
+from lightning_twobp.lightning.failures import naming_lost
 from lightning_twobp.lightning.grads import (
     GradStash,
     TiedParameters,
@@ -123,8 +124,11 @@ class Pipeline:
     def sync_buffers(self) -> None:
         """Before a training step's first forward and at an evaluation's start (its replicas may read
         different numbers of batches), as DDP's ``broadcast_buffers``: :mod:`.replica_buffers`."""
-        if self.buffers is not None:
-            self.buffers.sync()
+        if self.buffers is not None:  # a lost replica is named, as the sharded stages' all-gather names it
+            with naming_lost(
+                "the broadcast of replica 0's buffers", lambda: f"a data-parallel replica, {self.replicas},"
+            ):
+                self.buffers.sync()
 
     def unshard_for_good(self, failed: bool) -> None:
         """data_parallel="shard", at teardown: this rank's stages hold their full weights again as plain
