@@ -37,14 +37,18 @@ class ReplicaBuffers:
         self._check_alike(named)
         if not named:
             return
+        # the widest elements first: each buffer's bytes then start at a multiple of its element size, where a
+        # view of them as its dtype may start (no copy of the slice)
+        named.sort(key=lambda nb: -nb[1].element_size())
         flat = torch.cat([_bytes(b) for _, b in named])
         dist.broadcast(flat, src=self.src, group=self.group)
+        if dist.get_rank() == self.src:  # its own buffers were sent: nothing to copy back
+            return
         offset = 0
         with torch.no_grad():
             for _, b in named:
                 size = b.numel() * b.element_size()
-                # a copy of the slice: a dtype view needs its storage offset aligned to the dtype's size
-                b.copy_(flat[offset : offset + size].clone().view(b.dtype).view(b.shape))
+                b.copy_(flat[offset : offset + size].view(b.dtype).view(b.shape))
                 offset += size
 
     def _check_alike(self, named: list[tuple[str, torch.Tensor]]) -> None:
