@@ -295,6 +295,10 @@ class PipelineOptions:
             batch's call (:mod:`lightning_twobp.lightning.call_order`; registration order where the trace
             cannot say). ``"registration"``: by registration order alone (registered before the
             ModuleList: the first stage), and the step's code does not run before the cut for the trace.
+        broadcast_buffers: with data-parallel replicas, every replica takes replica 0's buffers (a batch
+            norm's running statistics) before each training step and at each evaluation's start, as DDP's
+            ``broadcast_buffers`` (:mod:`lightning_twobp.lightning.replica_buffers`). ``False``: each replica
+            keeps its own, as before this option existed (the checkpoint holds replica 0's).
         gather_full_model: at the end of each Trainer call, every rank receives the trained weights
             of the stages it did not hold, so the model is complete on every rank. Off by default:
             then those layers stay on the ``meta`` device and calling one says how to get them.
@@ -374,6 +378,7 @@ class PipelineOptions:
     layers: str | None = None
     placement: str = "call"
     gather_full_model: bool = False
+    broadcast_buffers: bool = True
     post_validation: bool | None = None
     on_nonfinite: str = "stop"
     pipeline_timeout: float | None = 600.0
@@ -389,6 +394,7 @@ class PipelineOptions:
     def __post_init__(self) -> None:
         check_flag("split_backward", self.split_backward)
         check_flag("gather_full_model", self.gather_full_model)
+        check_flag("broadcast_buffers", self.broadcast_buffers)
         check_flag("post_validation", self.post_validation, none="on for zb-h2 and zb-v, the default")
         if self.schedule not in SCHEDULES and self.schedule != "auto":  # checked now: the Trainer is not built yet
             raise ValueError(f"unknown schedule {self.schedule!r}; choose one of {', '.join(SCHEDULES)}, or 'auto'")

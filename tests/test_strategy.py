@@ -570,10 +570,10 @@ def _two_norms(extra: nn.Module | None = None) -> nn.Module:
     )
 
 
-def _fit_dp_pp_normed(rank: int, world: int) -> dict:
+def _fit_dp_pp_normed(rank: int, world: int, broadcast: bool = True) -> dict:
     lightning_env(rank, world)
     model = Regressor(layers=_two_norms)
-    strategy = TwoBPStrategy(schedule="1f1b", pipeline_degree=2, balance=[4, 3])
+    strategy = TwoBPStrategy(schedule="1f1b", pipeline_degree=2, balance=[4, 3], broadcast_buffers=broadcast)
     trainer = _trainer(strategy, world, use_distributed_sampler=True)
     trainer.fit(model, _data())
     (val,) = trainer.validate(model, regression_data(32, batch_size=8, seed=2), verbose=False)
@@ -596,6 +596,13 @@ def test_dp_x_pp_validates_with_replica_zeros_batch_norm_statistics(four_ranks, 
     model.load_state_dict(state, strict=True)
     (val,) = quiet_trainer("auto", 1).validate(model, regression_data(32, batch_size=8, seed=2), verbose=False)
     assert results[0]["val_loss"] == pytest.approx(val["val_loss"], rel=1e-6)
+
+
+def test_dp_x_pp_keeps_each_replicas_buffers_when_asked(four_ranks, request):
+    """``broadcast_buffers=False`` (DDP's option): each replica keeps the statistics of what it read."""
+    results = four_ranks[request.node.name]
+    differ = [n for n, b in results[2]["buffers"].items() if not torch.equal(b, results[0]["buffers"][n])]
+    assert "layers.1.running_mean" in differ, differ
 
 
 def _fit_dp_pp_growing(rank: int, world: int) -> str:
@@ -1181,6 +1188,7 @@ def four_ranks(request) -> conftest.Launch:
     }
     cases |= {f"test_dp_x_pp_matches_one_process_on_the_union_of_the_shards[{s}]": (_fit_dp_pp, (s,)) for s in DP_X_PP}
     cases["test_dp_x_pp_validates_with_replica_zeros_batch_norm_statistics"] = (_fit_dp_pp_normed, ())
+    cases["test_dp_x_pp_keeps_each_replicas_buffers_when_asked"] = (_fit_dp_pp_normed, (False,))
     # last: a step refused on the first stage's ranks only (those holding the cache) leaves the links closed
     cases["test_dp_x_pp_refuses_a_buffer_that_differs_between_replicas_naming_it"] = (_fit_dp_pp_growing, ())
     return launch(request, 4, cases, timeout=840)

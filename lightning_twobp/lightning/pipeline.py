@@ -516,7 +516,7 @@ def _data_parallel(
 def _replica_buffers(strategy: TwoBPStrategy) -> ReplicaBuffers | None:
     """With several data-parallel replicas, the model's buffers kept to replica 0's (:mod:`.replica_buffers`)."""
     layout, group = strategy.layout, strategy.group("dp")
-    if layout.dp_degree == 1 or group is None:
+    if layout.dp_degree == 1 or group is None or not strategy.options.broadcast_buffers:
         return None
     src = layout.global_rank_of(layout.pp_rank, 0)
     return ReplicaBuffers(strategy.lightning_module, group, src, strategy.root_device)

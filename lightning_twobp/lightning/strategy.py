@@ -72,8 +72,9 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
 
     Args:
         schedule, split_backward, num_microbatches, pipeline_degree, stages_per_rank, max_pending_w,
-        memory_limit, auto_schedules, balance, layers, gather_full_model, post_validation, on_nonfinite,
-        pipeline_timeout, data_parallel, activation_checkpointing, batch_w, pretrained, pretrained_prefix: the
+        memory_limit, auto_schedules, balance, layers, gather_full_model, broadcast_buffers, post_validation,
+        on_nonfinite, pipeline_timeout, data_parallel, activation_checkpointing, batch_w, pretrained,
+        pretrained_prefix: the
             pipeline's options, documented and checked by :class:`~lightning_twobp.options.PipelineOptions` (before any
             process starts). ``pipeline_timeout`` is also the timeout of the process group and of every
             group the strategy makes unless ``timeout`` is given (at least 60 s), so a hung rank stops
@@ -101,6 +102,7 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
         layers: str | None = None,
         placement: Literal["call", "registration"] = "call",
         gather_full_model: bool = False,
+        broadcast_buffers: bool = True,
         post_validation: bool | None = None,
         on_nonfinite: Literal["stop", "skip"] = "stop",
         pipeline_timeout: float | None = 600.0,
