@@ -1226,6 +1226,24 @@ def test_a_misplaced_module_beside_a_tower_names_the_tower_to_move():
     assert find_contract(_holder(nn.ModuleList([nn.Linear(2, 2)]))).holding_blocks("embed") == "blocks"
 
 
+def test_a_module_the_step_calls_before_the_pipelined_call_is_told_to_call_it_after():
+    """Knowledge distillation with the teacher called before the student (a trial on torchtune): the step's code
+    before the pipelined call runs on the first stage and again on the last, so the teacher, on one of them, is
+    refused on the other. "Register it before the blocks" and then "after them" sent the user round in a circle;
+    the message now says to call it after the pipelined call (torchtune's recipe order, exact in the trial)."""
+    root = nn.Module()
+    root.model = Loop()
+    root.teacher = nn.Linear(6, 2)  # registered after the blocks: the last stage
+    contract = find_contract(root, layers="model.blocks")
+    contract.place_by_calls({"model.embed": "before", "model.head": "after"}, None)  # traced: the step calls it
+    hint = contract.registration_hint("teacher", before=False)
+    assert (
+        "the step calls it: if before the pipelined call (a teacher whose output the loss takes), call it after" in hint
+    )
+    assert "if it runs before the blocks, register it before them" in hint
+    assert "call it after, where" not in contract.registration_hint("model.head", before=False)  # the model's call
+
+
 def _holder(blocks: nn.ModuleList) -> nn.Module:
     m = nn.Module()
     m.blocks = blocks

@@ -113,6 +113,15 @@ class OutsideModules:
         other = "after" if before else "before"
         if self._traced(path):
             fix = f"; if the step calls it {other} the blocks, pass TwoBPStrategy(placement='registration')"
+        elif self.placed_why is None and path not in self._sides:  # traced: the model's forward never called it
+            # the step's own call: its code before the pipelined call runs on the first stage (for the inputs) and
+            # again on the last (for the loss), so re-registering only moves the refusal to the other stage
+            fix = (
+                f"; the step calls it: if before the pipelined call (a teacher whose output the loss takes), call it "
+                f"after, where only the last stage runs the step's code, and keep it registered after the blocks (the "
+                f"step's code before that call runs on the first stage and again on the last, and a module with "
+                f"parameters is on one of them); if it runs {other} the blocks, register it {other} them"
+            )
         else:
             fix = f"; if it runs {other} the blocks, register it {other} them"
         return (
