@@ -5,8 +5,12 @@ action of the schedule, or the first to find a peer killed or hung) writes a one
 (rank, stage, step, cause) into the process group's own key-value store before it raises; the first
 writer wins (``compare_set``). Its peers are waiting on it for a message: when its process ends their
 wait fails (the connection closes), and instead of "peer was lost" each raises :class:`PeerFailed`
-with that summary. Nothing happens on the happy path: the store is read only after a wait on a peer
-failed.
+with that summary. Nothing happens on the happy path but one mark per rank at a Trainer call's end: the
+store is read only after a wait on a peer failed.
+
+The store is served by global rank 0's process and ends with it: after a failure, rank 0 waits (a few
+seconds at most) until every other rank is done with the store (:meth:`FailureChannel.leave`), so that a
+peer slow to read the failure rank 0 told finds it there, not a closed store.
 
 A failed rank whose process lives on (the user's script caught the error and goes on, to save, log or
 evaluate) would leave its peers waiting on it until the timeout: :func:`close_links` closes its
@@ -20,6 +24,7 @@ import datetime
 import itertools
 import logging
 import os
+import re
 import socket
 import threading
 import time
@@ -164,6 +169,7 @@ class FailureChannel:
         self._rank = dist.get_rank() if dist.is_initialized() else 0
         self._marked = False  # this rank's mark in the roll of ranks that raised (see everyone_failed)
         self._gone = False  # the store stopped answering (it lives in global rank 0's process)
+        self._done = False  # this rank's mark: done with the store in this Trainer call (see leave)
         self._publish()
 
     @property
@@ -270,11 +276,60 @@ class FailureChannel:
         except Exception as err:  # noqa: BLE001 - the store may be gone: then nobody is known to have failed
             log.debug("twobp: could not mark this rank failed: %s", err)
 
+    def done(self) -> None:
+        """Mark this rank done with the store in this Trainer call (once): at its end, failed or not."""
+        if self._done:
+            return
+        self._done = True
+        try:
+            self._ask("set", f"{self._key}/left/{self._rank}", "1")
+        except Exception as err:  # noqa: BLE001 - the store may be gone: nobody can read it then
+            log.debug("twobp: could not mark this rank done with the store: %s", err)
+
+    def leave(self, wait: float) -> None:
+        """This rank is done with the store in this Trainer call (its failure resolved, told and its links
+        closed). The store is served by global rank 0's process and ends with it: there, wait up to ``wait``
+        seconds until every other rank is done with it too (or its process, on this host, is dead or
+        stopped). A rank 0 that failed first and whose process then ended at once left a peer still on its
+        way to the store (a loaded machine) with no store to read the failure from, and it said rank 0 "died
+        or was killed"."""
+        self.done()
+        if self._rank != 0:
+            return
+        deadline = time.monotonic() + wait
+        waiting = list(range(1, self._world))
+        while waiting:
+            waiting = [r for r in waiting if not self._left(r)]
+            if not waiting or time.monotonic() >= deadline:
+                return
+            time.sleep(0.05)
+
+    def _left(self, rank: int) -> bool:
+        """Whether global rank ``rank`` needs the store no more: done with it, or its process dead or stopped."""
+        try:
+            if self._ask("check", [f"{self._key}/left/{rank}"]):
+                return True
+            if not self._ask("check", [f"{self._key}/pid/{rank}"]):
+                return False
+            host, pid, _ = self._ask("get", f"{self._key}/pid/{rank}").decode().split(" ", 2)
+        except Exception:  # noqa: BLE001 - the store stopped answering: nothing to keep it for
+            return True
+        return host == socket.gethostname() and process_state(int(pid)) is not None
+
     def everyone_failed(self, wait: float) -> bool:
         """Whether every rank raised in this Trainer call (an error they all meet, as a check at the same
         point of a step), waiting up to ``wait`` seconds for the others to: then no rank waits on another,
         and the groups are left usable (see :func:`close_links`)."""
         return self._present([f"{self._key}/failed/{r}" for r in range(self._world)], wait)
+
+    def _raised(self, loss: str) -> bool:
+        """Whether the peers a loss names (``... global rank 2, host a) stopped answering``) all raised in this
+        Trainer call: each marks itself on the roll before its links close. A peer killed meanwhile (3+ ranks:
+        the first failure told was another rank's) is not, and its loss keeps its words."""
+        ranks = re.findall(r"global rank (\d+)", loss.rsplit(" stopped answering ", 1)[0])
+        if not ranks:  # not named by rank: said as before
+            return True
+        return self._present([f"{self._key}/failed/{r}" for r in ranks], wait=1.0)
 
     def resolve(self, error: BaseException, where: str, relay_losses: bool = True) -> BaseException:
         """What this rank raises for ``error`` at ``where``: a lost peer becomes :class:`PeerFailed`
@@ -303,8 +358,11 @@ class FailureChannel:
         if first.startswith(f"{self.me} ") or (not relay_losses and f": {PeerLost.__name__}: " in first):
             return error
         lines = str(error).strip().splitlines()
-        # the peer told its failure: its links closed after it (close_links or its end), it was not killed
-        here = (lines[0] if lines else type(error).__name__).replace(CLOSED, "its connection closed after that failure")
+        here = lines[0] if lines else type(error).__name__
+        if CLOSED in here and self._raised(here.split(CLOSED, 1)[0]):
+            # the lost peer raised (told the first failure, or met it): its links closed after it
+            # (close_links or its end), it was not killed
+            here = here.replace(CLOSED, "its connection closed after that failure")
         return PeerFailed(
             f"{self.me} stopped at {where} because {first} (the first failure; its log has the traceback). Here: {here}"
         )

@@ -65,6 +65,9 @@ __all__ = ["HookScaleError", "NonFiniteError", "Preempted", "StepRecords", "TwoB
 # of a step, after its last message: within milliseconds) before it closes its links for the peers that
 # wait on it instead.
 _TOGETHER_S = 5.0
+# Seconds global rank 0, whose process serves the store, waits after a failure for the other ranks to be done
+# with the store (to have read the failure told there) before its on_exception returns and its process may end.
+_LEAVE_S = 10.0
 
 
 class TwoBPStrategy(PipelinePlacement, DDPStrategy):
@@ -279,6 +282,8 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
             exit_after_launcher()  # the launcher first: its observer would SIGKILL it for a rank's 143
         else:
             reap(self.launcher)  # rank 0 under Lightning's launcher: no rank it started outlives it
+        if self._failures is not None:  # after reap: a stopped rank killed there lets the ranks waiting on it go
+            self._failures.leave(wait=_LEAVE_S)
         super().on_exception(exception)
 
     @override
@@ -330,6 +335,8 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
         self._let_loader_go()  # a call that ended before training
         pipeline, self._pipeline = self._pipeline, None
         self._calls_ended = self._calls_ended or pipeline is not None
+        if self._failures is not None:  # for global rank 0's wait, where it failed alone (FailureChannel.leave)
+            self._failures.done()
         self._failures = None  # this call's: the next call opens its own
         if self._signals is not None:
             self._signals.uninstall()
