@@ -123,6 +123,18 @@ def test_a_metadata_read_a_tied_weight_and_a_call_between_blocks_are_told_apart(
     assert (sides.get("model.norm"), sides.get("model.embed"), sides.get("model.head")) == (norm, embed, head)
 
 
+def test_a_weight_read_outside_its_modules_calls_is_recorded_with_its_side():
+    """A direct read (``h @ embed.weight.T``) is recorded as a read, with its side; a head tied as a module reads
+    nothing outside a call (its use is its own call's); neither module's call counts as a read."""
+    for kind, reads in [("weight", {(("model.embed", "model.embed.weight", (10, 4)),): {"after"}}), ("tied", {})]:
+        model = Holder(Loop(kind))
+        contract = find_contract(model, "model.blocks")
+        found: call_order.Reads = {}
+        ids = torch.randint(0, 10, (2, 3), device="meta")
+        call_order.call_sides(call_order._meta_copy(model.model), "model", contract, (ids,), {}, found)
+        assert found == reads, kind
+
+
 def test_the_trace_leaves_the_model_as_it_was():
     model = Holder(Loop(""))
     seen: list[str] = []
@@ -299,8 +311,8 @@ def _agree_on(rank: int, world: int) -> list:
     """``_agreed`` on ranks that traced the same order, then on ranks that did not (rank 1 saw the head first)."""
     from lightning_twobp.lightning.call_order import _agreed
 
-    same = _agreed({"model.norm": "after", "lm_head": "after"}, None)
-    differ = _agreed({"model.norm": "after", "lm_head": "after" if rank == 0 else "before"}, None)
+    same = _agreed({"model.norm": "after", "lm_head": "after"}, None, {})
+    differ = _agreed({"model.norm": "after", "lm_head": "after" if rank == 0 else "before"}, None, {})
     return [same, differ]
 
 
@@ -310,11 +322,12 @@ def test_ranks_that_traced_different_call_orders_place_by_registration_alike():
     """Each rank traces its own first batch. Where the traces differ, no rank places by its own (the ranks would
     cut the model differently and deadlock): every rank gets none, and why, naming both orders."""
     for same, differ in run_distributed(_agree_on, 2, timeout=100):
-        assert same == ({"model.norm": "after", "lm_head": "after"}, None)
+        assert same == ({"model.norm": "after", "lm_head": "after"}, None, {})
         assert differ == (
             {},
             "the ranks traced different call orders (rank 0: {'model.norm': 'after', 'lm_head': 'after'}; "
             "rank 1: {'model.norm': 'after', 'lm_head': 'before'})",
+            {},
         )
 
 

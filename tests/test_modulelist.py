@@ -971,6 +971,8 @@ class Loop(nn.Module):
                 break
         if self.kind == "tied-outside-tree":
             h = F.linear(h, self.tied.tied_module.weight)
+        if self.kind == "read-directly":  # a head tied by a read of the weight, in the model's forward
+            h = h @ self.embed.weight.T
         out = self.head(self.norm(h) if self.kind.startswith("registered-early") else h)
         if collected:
             out = out + torch.stack(collected).sum()
@@ -1074,7 +1076,15 @@ ERRORS = {
         r"an argument of it \(model.blocks\[2\]\) was computed by model.blocks\[0\] \(pipeline stage 0\)"
     ),
     "twice": r"the step called model a second time",
-    "tied-outside-tree": r"model.embed.weight \(pipeline stage 0\) is used in the graph .*torchtune's TiedLinear",
+    # refused at setup by the call-order trace (test_a_head_tied_outside_the_module_tree_is_refused_at_setup...)
+    "tied-outside-tree": (
+        r"^ValueError: the model's forward uses model.embed.weight \(shape \(6, 6\)\) after model.blocks, outside "
+        r"any call of model.embed .*torchtune's TiedLinear.*head.weight = embed.weight"
+    ),
+    "read-directly": (
+        r"^ValueError: the model's forward uses model.embed.weight \(shape \(6, 6\)\) after model.blocks, outside "
+        r"any call of model.embed .*`h @ embed.weight.T`"
+    ),
     # Qwen3 given inputs_embeds the step computed: the message names the module's weight
     "embedded-in-step": r"an argument of model requires grad: a module with parameters runs before it in the step "
     r"\(computed from embed.bias, embed.weight\)",
@@ -1105,6 +1115,88 @@ def test_what_the_contract_does_not_support_raises_before_a_silent_answer():
         else:
             assert results[kind] != "trained", f"{kind}: trained without an error"
             assert re.search(match, results[kind], re.S), f"{kind}: {results[kind]}"
+
+
+class _TiedByReference:
+    """torchtune's TiedLinear: not an nn.Module; it keeps the embedding module and reads its weight."""
+
+    def __init__(self, tied_module: nn.Module) -> None:
+        self.tied_module = tied_module
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.tied_module.weight)
+
+
+class _TiedLoop(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, 6)
+        self.blocks = nn.ModuleList(nn.Linear(6, 6) for _ in range(4))
+        self.output = _TiedByReference(self.embed)  # torchtune: `self.output = TiedLinear(self.tok_embeddings)`
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed(ids)
+        for block in self.blocks:
+            h = torch.tanh(block(h))
+        return self.output(h)
+
+
+class _TiedLM(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.model = _TiedLoop()
+        self.ran: list[str] = []  # real compute: a block's call (the trace's meta copy runs no hooks), a step
+        for block in self.model.blocks:
+            block.register_forward_hook(lambda *_: self.ran.append("block"))
+
+    def training_step(self, batch, batch_idx):
+        ids, targets = batch
+        return F.cross_entropy(self.model(ids).flatten(0, 1), targets.flatten())
+
+    def optimizer_step(self, *args, **kwargs):
+        self.ran.append("optimizer step")
+        super().optimizer_step(*args, **kwargs)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _tied_by_reference(rank: int, world: int) -> tuple[str, list[str], bool]:
+    lightning_env(rank, world)
+    lm = _TiedLM()
+    before = [q.detach().clone() for q in lm.parameters()]
+    ids = torch.randint(0, VOCAB, (4 * BATCH, SEQ), generator=torch.Generator().manual_seed(1))
+    try:
+        _trainer(TwoBPStrategy(schedule="1f1b", num_microbatches=2), world, max_steps=1).fit(
+            lm, DataLoader(TensorDataset(ids, (ids + 1) % VOCAB), batch_size=BATCH)
+        )
+    except Exception as e:  # noqa: BLE001 - the message is what is tested
+        error = f"{type(e).__name__}: {e}"
+    else:
+        error = "trained"
+    # a rank that set a layer aside may hold it on meta after a failure: its values are not compared
+    now = zip(lm.parameters(), before, strict=True)
+    untouched = all(q.grad is None and (q.is_meta or torch.equal(q, b)) for q, b in now)
+    return error, lm.ran, untouched
+
+
+@pytest.mark.dist
+def test_a_head_tied_outside_the_module_tree_is_refused_at_setup_on_every_rank():
+    """torchtune's TiedLinear (a plain object holding the embedding, whose weight the head reads after the loop) was
+    refused at the first F, once stage 0 had run; the call-order trace sees the read now (the reference reaches the
+    original embedding, traced as its meta copy), and every rank refuses it at setup, before any block ran, naming
+    the weight, its shape and the fix."""
+    results = run_distributed(_tied_by_reference, 2, timeout=240)
+    for rank, (error, ran, untouched) in enumerate(results):
+        assert re.search(
+            r"^ValueError: the model's forward uses model.embed.weight \(shape \(13, 6\)\) after model.blocks, "
+            r"outside any call of model.embed .*model.embed is on the first pipeline stage, and the last stage.*"
+            r"torchtune's TiedLinear.*`head = nn.Linear\(dim, vocab, bias=False\); head.weight = embed.weight`",
+            error,
+            re.S,
+        ), f"rank {rank}: {error}"
+        assert ran == [] and untouched, f"rank {rank}: ran {ran}, parameters untouched {untouched}"
 
 
 # ---------------------------------------------------------------------------------------------- units

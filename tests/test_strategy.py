@@ -273,6 +273,79 @@ def test_sparse_embedding_gradients_match_one_process(two_ranks, request, case):
     assert set(outs[0]) | set(outs[1]) == {n for n, _ in model.named_parameters()}
 
 
+class _UsesOutAndState(nn.Module):
+    """Takes a bare nn.LSTM's ``(out, (h, c))`` whole and uses every part of it: each gets a gradient."""
+
+    def forward(self, x: tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        out, (h, c) = x
+        return torch.cat([out.flatten(1), h.transpose(0, 1).flatten(1), c.transpose(0, 1).flatten(1)], 1)
+
+
+def _bare_lstm() -> nn.Module:
+    return nn.Sequential(
+        nn.Linear(6, 12),
+        nn.Unflatten(1, (3, 4)),
+        nn.LSTM(4, 4, batch_first=True),
+        _UsesOutAndState(),
+        nn.Linear(20, 16),
+        nn.Tanh(),
+        nn.Linear(16, 2),
+    )
+
+
+# the nested tuple crosses a cut between ranks (1F1B, ZB-H1) and between two stages of one rank (ZB-V's 1 and 2)
+NESTED = {
+    "1f1b": dict(schedule="1f1b", balance=[3, 4]),
+    "zb-h1": dict(schedule="zb-h1", balance=[3, 4]),
+    "zb-v": dict(schedule="zb-v", balance=[2, 1, 2, 2], num_microbatches=2),
+    # the layers timed one by one, each given the one before's output: the profile handed on the top tuple alone
+    "zb-h1-time": dict(schedule="zb-h1", balance="time"),
+}
+
+
+class _Grads(pl.Callback):
+    """Each step's gradients of this rank's parameters, as the optimizer gets them."""
+
+    def __init__(self) -> None:
+        self.steps: list[dict[str, torch.Tensor]] = []
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        named = pl_module.named_parameters()
+        self.steps.append({n: q.grad.clone() for n, q in named if not q.is_meta and q.grad is not None})
+
+
+def _fit_nested(strategy: Any, devices: int) -> tuple[list[dict], float, float]:
+    """Gradients of every step, the last step's loss, and the validation loss after the fit."""
+    model, grads = Regressor(layers=_bare_lstm), _Grads()
+    trainer = _trainer(strategy, devices, callbacks=[grads])
+    trainer.fit(model, _data())
+    loss = float(trainer.callback_metrics["train_loss"])  # before validate, which clears it
+    return grads.steps, loss, float(trainer.validate(model, _eval_data(), verbose=False)[0]["val_loss"])
+
+
+def _fit_nested_pipelined(rank: int, world: int, case: str) -> tuple[list[dict], float, float]:
+    lightning_env(rank, world)
+    return _fit_nested(TwoBPStrategy(**NESTED[case]), world)
+
+
+@pytest.mark.parametrize("case", list(NESTED))
+def test_a_nested_tuple_between_stages_trains_as_one_process(two_ranks, request, case):
+    """A bare nn.LSTM ends a stage with ``(out, (h, c))``: training refused it (only tensors and flat tuples
+    travelled) while validate passed it; its leaves travel now and the structure is rebuilt on the next stage,
+    gradients flowing back to each, so the loss, every gradient of every step and the validation loss are one
+    process's."""
+    ref, ref_loss, ref_val = _fit_nested("auto", 1)
+    seen: set[str] = set()
+    for steps, loss, val in two_ranks[request.node.name]:
+        assert loss == pytest.approx(ref_loss, rel=1e-5) and val == pytest.approx(ref_val, rel=1e-5)
+        assert len(steps) == len(ref)
+        for step, ref_step in zip(steps, ref, strict=True):
+            for name, grad in step.items():
+                seen.add(name)
+                torch.testing.assert_close(grad, ref_step[name], rtol=1e-5, atol=1e-7, msg=name)
+    assert seen == set(ref[0]), "every parameter's gradient is compared"
+
+
 class _SAM(torch.optim.SGD):
     """Sharpness-aware minimization's step (ascent to w + rho g / ||g||, the closure again, descent from w),
     its ||g|| summed over ``group`` (the pipeline's: each rank's optimizer holds its own stages only)."""
@@ -1147,6 +1220,9 @@ def two_ranks(request, shared) -> conftest.Launch:
     cases |= {
         f"test_sparse_embedding_gradients_match_one_process[{k}]": (_fit_sparse_pipelined, (s,))
         for k, s in SPARSE.items()
+    }
+    cases |= {
+        f"test_a_nested_tuple_between_stages_trains_as_one_process[{k}]": (_fit_nested_pipelined, (k,)) for k in NESTED
     }
     cases["test_sam_calls_the_closure_twice_as_one_process_does"] = (_fit_sam_pipelined, ())
     cases |= {

@@ -30,9 +30,9 @@ from torch import nn
 
 from lightning_twobp.engine import formulas
 from lightning_twobp.engine.p2p import P2P, PeerLost, TensorMeta, check_outgoing
-from lightning_twobp.engine.stage import Stage
+from lightning_twobp.engine.stage import Stage, carried_leaves
 from lightning_twobp.own_generators import keep_generators
-from lightning_twobp.private import saved_tensors_hooks_in_force
+from lightning_twobp.private import pytree, saved_tensors_hooks_in_force
 from lightning_twobp.schedules import Action, Comm, GradReduce, Schedule, add_grad_reduce, lower_communication, validate
 from lightning_twobp.schedules.memory import send_releases
 
@@ -150,6 +150,12 @@ def _as_tuple(x: Any) -> tuple:
     return x if isinstance(x, tuple) else (x,)
 
 
+def _detached(values: tuple, device: torch.device) -> tuple:
+    """``values`` (tensors in tuples and lists) detached onto ``device``, each keeping its ``requires_grad``."""
+    leaves, spec = carried_leaves(values)
+    return pytree.tree_unflatten([t.detach().to(device).requires_grad_(t.requires_grad) for t in leaves], spec)
+
+
 def _hint(e: BaseException) -> str:
     """The fix for a failure whose own message does not name it."""
     if "selective activation checkpoint has been mutated" in str(e):
@@ -255,6 +261,9 @@ class PipelineExecutor:
         # op index -> the sends this rank lets go of at the end of that op (their receives are posted)
         self._releases = send_releases(lowered)[self.rank]
         self._p2p = P2P(schedule, self.rank, group, self.device, timeout=timeout, shape_group=shape_group)
+        # each stage's input structure (nested tuples and lists: a bare nn.LSTM's (out, (h, c))), learnt with the
+        # shapes: its leaves travel, and the stage gets them rebuilt
+        self._in_specs: dict[int, pytree.TreeSpec] = {}
         self.steps = 0  # steps run so far, counted from 0 in error messages
         self.step_label: str | None = None  # the caller's name for the next step in messages ("global step 7")
         self._handlers = {
@@ -496,9 +505,10 @@ class PipelineExecutor:
     def _stage_inputs(self, s: int, mb: int) -> tuple:
         if s == 0:
             return tuple(x.to(self.device) if isinstance(x, torch.Tensor) else x for x in self._current.inputs[mb])
-        if (s, mb) in self._current.acts:
-            return self._current.acts.pop((s, mb))
-        return self._p2p.wait(("F", s, mb))
+        handed = (s, mb) in self._current.acts  # by stage s - 1 on this rank, else received
+        leaves = self._current.acts.pop((s, mb)) if handed else self._p2p.wait(("F", s, mb))
+        spec = self._in_specs.get(s)
+        return tuple(pytree.tree_unflatten(list(leaves), spec)) if spec is not None else tuple(leaves)
 
     def _forward(self, a: Action) -> None:
         s, mb = a.stage, a.microbatch
@@ -535,11 +545,11 @@ class PipelineExecutor:
         if s == self.last:
             self._current.result.losses.append(out.detach())  # the graph stays with the Stage until B
         elif s + 1 in self.stages:  # adjacent stage on this rank: hand over, no communication
-            outs = _as_tuple(out)
+            outs = tuple(carried_leaves(_as_tuple(out))[0])
             self._check_handed(s, mb, outs)
             self._current.acts[(s + 1, mb)] = outs
         else:
-            outs = _as_tuple(out)
+            outs = tuple(carried_leaves(_as_tuple(out))[0])
             check_outgoing(
                 [TensorMeta.of(t) for t in outs],
                 self._p2p.meta_out[s],
@@ -661,14 +671,14 @@ class PipelineExecutor:
             if s2r[s] != self.rank:
                 if s2r[s + 1] == self.rank:  # receive the previous stage's output (data and metadata)
                     carry = p2p.recv_object(s)
-                    p2p.meta_in[s + 1] = [TensorMeta.of(t) for t in carry]
+                    self._takes(s + 1, carry)
                 continue
             if s == 0:
                 inputs = self._stage_inputs(0, 0)
                 p2p.meta_in[0] = [TensorMeta.of(t) for t in inputs if isinstance(t, torch.Tensor)]
             else:
                 assert carry is not None  # stage s - 1's output, received or computed above
-                inputs = tuple(t.detach().to(self.device).requires_grad_(t.requires_grad) for t in carry)
+                inputs = _detached(carry, self.device)
             try:
                 out = self._probe(s, inputs)
             except Exception as e:
@@ -677,14 +687,19 @@ class PipelineExecutor:
                     f"micro-batch 0: "
                     f"{type(e).__name__}: {e}"
                 ) from e
-            p2p.meta_out[s] = [TensorMeta.of(t) for t in out]
-            carry = tuple(t.detach().requires_grad_(t.requires_grad) for t in out)
+            p2p.meta_out[s] = [TensorMeta.of(t) for t in carried_leaves(out)[0]]
+            carry = _detached(out, self.device)
             if s2r[s + 1] == self.rank:
-                p2p.meta_in[s + 1] = list(p2p.meta_out[s])
+                self._takes(s + 1, carry)
             else:
-                p2p.send_object(tuple(t.detach().cpu().requires_grad_(t.requires_grad) for t in out), s + 1)
+                p2p.send_object(_detached(out, torch.device("cpu")), s + 1)
 
-    def _probe(self, s: int, inputs: tuple) -> tuple[torch.Tensor, ...]:
+    def _takes(self, s: int, carry: tuple) -> None:
+        """Stage ``s``'s input, as the shape exchange carried it: each leaf's metadata and the structure."""
+        leaves, self._in_specs[s] = carried_leaves(carry)
+        self._p2p.meta_in[s] = [TensorMeta.of(t) for t in leaves]
+
+    def _probe(self, s: int, inputs: tuple) -> tuple:
         """Stage ``s``'s forward for its output metadata only: leaves no trace in RNG or buffers
         (dropout draws, BatchNorm running statistics)."""
         module = self.stages[s].module
@@ -694,10 +709,11 @@ class PipelineExecutor:
             out = _as_tuple(module(*inputs))
         put_back()
         _refuse_packed(s, out)
-        bad = [type(x).__name__ for x in out if not isinstance(x, torch.Tensor)]
+        bad = [type(x).__name__ for x in carried_leaves(out)[0] if not isinstance(x, torch.Tensor)]
         if bad:
             raise TypeError(
-                f"stage {s} returns {bad}: values passed between pipeline stages must be tensors "
-                f"(or a tuple of tensors); move non-tensor values into the stage that uses them"
+                f"stage {s} returns {bad}: values passed between pipeline stages must be tensors, or tuples "
+                f"and lists of them (nested too, as a bare nn.LSTM's (out, (h, c))); move non-tensor values "
+                f"into the stage that uses them"
             )
         return out

@@ -57,7 +57,14 @@ from lightning_twobp.engine import formulas
 from lightning_twobp.engine.graph import SavedUnavailable, in_checkpoint
 from lightning_twobp.private import pytree
 
-__all__ = ["Stage", "deferred_fraction"]
+__all__ = ["Stage", "carried_leaves", "deferred_fraction"]
+
+
+def carried_leaves(value: Any) -> tuple[list[Any], pytree.TreeSpec]:
+    """``value``'s leaves through plain tuples and lists, nested (a bare nn.LSTM's ``(out, (h, c))``), and its
+    structure to rebuild it: what a stage takes in and hands on, leaf by leaf. Any other container (a dict, a
+    named tuple such as a PackedSequence) is one leaf, which cannot travel between stages."""
+    return pytree.tree_flatten(value, is_leaf=lambda x: type(x) not in (tuple, list))
 
 
 def deferred_fraction(stages: Iterable[Stage]) -> float:
@@ -78,7 +85,7 @@ def _in_place_named(module: nn.Module, inputs: list[Any], kwargs: dict[str, Any]
         return module(*inputs, **kwargs)
     except RuntimeError as e:
         leaf = "leaf Variable that requires grad is being used in an in-place operation"
-        if leaf not in str(e) or not any(_is_tensor_requiring_grad(x) for x in inputs):
+        if leaf not in str(e) or not any(_is_tensor_requiring_grad(x) for x in pytree.tree_leaves(inputs)):
             raise  # no input of the stage's can be the leaf: a parameter changed in place, torch's message says so
         raise RuntimeError(
             f"this pipeline stage, or a parameter of its, is changed in place ({e}): a stage's input is a leaf tensor "
@@ -121,7 +128,7 @@ def _filled(o: torch.Tensor | _Sent, value: float) -> torch.Tensor:
 class _Pending:
     """What one micro-batch holds between its F and its last B/W."""
 
-    inputs: list[Any]  # the detached inputs, as the module saw them
+    inputs: list[Any]  # the detached inputs, as the module saw them: leaf by leaf (carried_leaves)
     outputs: list[torch.Tensor | _Sent]  # tensor outputs that require grad (the graph's roots)
     out_spec: Any = None
     flat_out: list[Any] = field(default_factory=list)
@@ -196,18 +203,21 @@ class Stage:
 
     # ------------------------------------------------------------------ F
     def forward(self, mb: int, *inputs: Any, **kwargs: Any) -> Any:
-        """F: run the module on micro-batch ``mb``. Tensors requiring grad are detached here so the
-        stage's graph ends at its inputs; their gradients come back from B/BW."""
+        """F: run the module on micro-batch ``mb``. Tensors requiring grad are detached here, inside tuples and
+        lists too (:func:`carried_leaves`), so the stage's graph ends at its inputs; their gradients come back from
+        B/BW, one per leaf."""
         if mb in self._pending:
             raise RuntimeError(
                 f"micro-batch {mb} is already in flight on this stage; finish its backward "
                 f"(and W) before running its forward again"
             )
-        local = [x.detach().requires_grad_() if _is_tensor_requiring_grad(x) else x for x in inputs]
+        leaves, in_spec = carried_leaves(inputs)
+        local = [x.detach().requires_grad_() if _is_tensor_requiring_grad(x) else x for x in leaves]
+        args = list(pytree.tree_unflatten(local, in_spec))
         if torch.is_grad_enabled():
-            out = _in_place_named(self.module, local, kwargs)
+            out = _in_place_named(self.module, args, kwargs)
         else:  # forward-only (evaluation): nothing to hold
-            return self.module(*local, **kwargs)
+            return self.module(*args, **kwargs)
         flat_out, spec = pytree.tree_flatten(out)
         roots = [t for t in flat_out if _is_tensor_requiring_grad(t)]
         if not self._looked:  # the stage's first F: refuse what B cannot split before any backward runs
@@ -302,7 +312,7 @@ class Stage:
         return [_filled(o, 0.0) if g is None else g for g, o in zip(grads, p.outputs, strict=False)]
 
     def _input_grads(self, p: _Pending, grads: Sequence[torch.Tensor | None]) -> tuple[Any, ...]:
-        """One entry per positional input: its gradient, or None (non-tensor or no grad)."""
+        """One entry per input leaf (:func:`carried_leaves`): its gradient, or None (non-tensor or no grad)."""
         it = iter(grads)
         out: list[torch.Tensor | None] = []
         for x in p.inputs:

@@ -53,9 +53,23 @@ from lightning_twobp.private import module_copy, pytree
 
 log = logging.getLogger(__name__)
 
-__all__ = ["call_sides", "place_by_call_order", "place_captured", "sides_on_meta", "traced_sides"]
+__all__ = [
+    "Reads",
+    "call_sides",
+    "place_by_call_order",
+    "place_captured",
+    "refuse_reads_elsewhere",
+    "sides_on_meta",
+    "traced_sides",
+]
 
 _BLOCK = object()  # a block's call in the recorded order
+
+# The sides of the loop ("before", "after", "inside") on which the model's forward uses a parameter outside any call
+# of the outside modules holding it (a weight read directly), by its holders: (module path, parameter name, shape)
+# for each (several where it is tied).
+Holders = tuple[tuple[str, str, tuple[int, ...]], ...]
+Reads = dict[Holders, set[str]]
 
 
 def place_by_call_order(runner: StepRunner, contract: ModuleListContract, trainer: Any, precision: Any) -> None:
@@ -66,10 +80,12 @@ def place_by_call_order(runner: StepRunner, contract: ModuleListContract, traine
     generators = keep_generators(trainer.lightning_module.modules())  # the modules' own (the trace shares them)
     with drawing_from(None, [device] if device.type == "cuda" else []):  # torch's, NumPy's and Python's put back
         batch = _batch(trainer)
-        sides, why = _traced(runner, contract, trainer, batch, device, precision)
+        reads: Reads = {}
+        sides, why = _traced(runner, contract, trainer, batch, device, precision, reads)
     generators()
-    sides, why = _agreed(sides, why)
+    sides, why, reads = _agreed(sides, why, reads)
     moved = contract.place_by_calls(sides, why)
+    refuse_reads_elsewhere(contract, reads)  # every rank, before any compute: they agreed on the trace
     log.debug("twobp: call order traced in %.3f s", time.perf_counter() - start)
     if why is not None:
         log.info("twobp: the modules outside %s are placed by registration order: %s", contract.list_name, why)
@@ -78,17 +94,18 @@ def place_by_call_order(runner: StepRunner, contract: ModuleListContract, traine
         rank_zero_info(f"twobp: {path} is called {sides[path]} {contract.list_name}: placed on the {stage} stage")
 
 
-def _agreed(sides: dict[str, str], why: str | None) -> tuple[dict[str, str], str | None]:
+def _agreed(sides: dict[str, str], why: str | None, reads: Reads) -> tuple[dict[str, str], str | None, Reads]:
     """Every rank's trace, the same everywhere: each rank traced its own first batch (every rank runs the step's
     code alike), and where they differ none is used."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
-        return sides, why
+        return sides, why, reads
     found: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(found, (sides, why))
+    dist.all_gather_object(found, (sides, why, reads))
     if all(f == found[0] for f in found):
         return found[0]
     differ = next(r for r, f in enumerate(found) if f != found[0])
-    return {}, f"the ranks traced different call orders (rank 0: {found[0][0]}; rank {differ}: {found[differ][0]})"
+    why = f"the ranks traced different call orders (rank 0: {found[0][0]}; rank {differ}: {found[differ][0]})"
+    return {}, why, {}
 
 
 def _batch(trainer: Any) -> Any:
@@ -116,7 +133,13 @@ class _NoBatch:
 
 
 def _traced(
-    runner: StepRunner, contract: ModuleListContract, trainer: Any, batch: Any, device: torch.device, precision: Any
+    runner: StepRunner,
+    contract: ModuleListContract,
+    trainer: Any,
+    batch: Any,
+    device: torch.device,
+    precision: Any,
+    reads: Reads,
 ) -> tuple[dict[str, str], str | None]:
     """:func:`traced_sides` of the step's call of the model on ``batch``, or no sides and why."""
     if isinstance(batch, _NoBatch):
@@ -125,7 +148,7 @@ def _traced(
         _capture(runner, trainer, batch, device, precision)
     except Exception as e:  # noqa: BLE001 - the step's own error: the first step raises it again
         return {}, f"the step did not reach the model's call ({type(e).__name__}: {_first_line(e)})"
-    return traced_sides(contract, training=trainer.state.fn == TrainerFn.FITTING)
+    return traced_sides(contract, training=trainer.state.fn == TrainerFn.FITTING, reads=reads)
 
 
 def _capture(runner: StepRunner, trainer: Any, batch: Any, device: torch.device, precision: Any) -> None:
@@ -143,12 +166,14 @@ def place_captured(contract: ModuleListContract) -> list[str]:
     return contract.place_by_calls(*traced_sides(contract, training=False))
 
 
-def traced_sides(contract: ModuleListContract, training: bool) -> tuple[dict[str, str], str | None]:
+def traced_sides(
+    contract: ModuleListContract, training: bool, reads: Reads | None = None
+) -> tuple[dict[str, str], str | None]:
     """``(sides, why)``: each outside module's side of the loop in the model call the contract captured
     (:func:`call_sides`), run in training mode or not, and None; or no sides and why none were traced."""
     call = contract.captured_call(0)
     path = next(p for p, m in contract.ancestors if m is call.owner)
-    return sides_on_meta(contract, call.owner, path, call.tensors, call.rebuild, training)
+    return sides_on_meta(contract, call.owner, path, call.tensors, call.rebuild, training, reads)
 
 
 def sides_on_meta(
@@ -158,6 +183,7 @@ def sides_on_meta(
     tensors: list[torch.Tensor],
     rebuild: Callable[[list[torch.Tensor]], tuple[tuple, dict]],
     training: bool,
+    reads: Reads | None = None,
 ) -> tuple[dict[str, str], str | None]:
     """:func:`traced_sides` of ``owner`` (at ``path``) called on ``rebuild(tensors)``, each tensor on meta."""
     try:
@@ -170,7 +196,9 @@ def sides_on_meta(
     for dtype in (None, torch.bfloat16):
         args, kwargs = rebuild([_on_meta(t, dtype) for t in tensors])
         try:
-            return call_sides(twin if dtype is None else twin.to(dtype), path, contract, args, kwargs), None
+            if reads is not None:
+                reads.clear()  # a failed first try's
+            return call_sides(twin if dtype is None else twin.to(dtype), path, contract, args, kwargs, reads), None
         except _NoBlocks as e:
             return {}, str(e)
         except Exception as e:  # noqa: BLE001 - the first failure is the one to tell
@@ -182,17 +210,21 @@ def _on_meta(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     return torch.empty_like(t, device="meta", dtype=dtype if dtype is not None and t.is_floating_point() else t.dtype)
 
 
-def call_sides(twin: nn.Module, path: str, contract: ModuleListContract, args: tuple, kwargs: dict) -> dict[str, str]:
+def call_sides(
+    twin: nn.Module, path: str, contract: ModuleListContract, args: tuple, kwargs: dict, reads: Reads | None = None
+) -> dict[str, str]:
     """Each outside module of ``contract`` inside the model at ``path`` that ``twin(*args, **kwargs)`` calls or
     whose weights it uses (``twin``: the model's meta copy): ``"before"`` the first block, ``"after"`` the last,
-    ``"both"``, or ``"inside"`` (between the first block's call and the last's)."""
+    ``"both"``, or ``"inside"`` (between the first block's call and the last's). ``reads``, where given, gets the
+    sides on which a parameter is used outside any call of a module holding it (:data:`Reads`)."""
     within = path + "." if path else ""  # "": the LightningModule's own forward, called by the step as self(x)
-    inside = {p: twin.get_submodule(p[len(within) :]) for p, _ in contract.outside() if p.startswith(within)}
+    originals = dict(contract.outside())
+    inside = {p: twin.get_submodule(p[len(within) :]) for p in originals if p.startswith(within)}
     order: list[Any] = []
     uses = _ParameterUses(order)
     with ExitStack() as scope:
         for p, module in inside.items():
-            scope.enter_context(uses.owned_by(p, module))
+            scope.enter_context(uses.owned_by(p, module, originals[p]))
         for block in twin.get_submodule(contract.list_name[len(within) :]).children():
             scope.callback(block.register_forward_pre_hook(_recorder(order, _BLOCK)).remove)
             scope.callback(block.register_forward_hook(_recorder(order, _BLOCK)).remove)
@@ -201,7 +233,10 @@ def call_sides(twin: nn.Module, path: str, contract: ModuleListContract, args: t
         scope.enter_context(OrdinaryBatch(type(twin).__name__, {}, strict=False, zero_otherwise=True))
         scope.enter_context(uses)
         twin(*args, **kwargs)
-    return _sides(order)
+    sides = _sides(order)
+    if reads is not None:
+        reads.update(_read_sides(order, uses.reads))
+    return sides
 
 
 class _ParameterUses(TorchFunctionMode):
@@ -215,12 +250,19 @@ class _ParameterUses(TorchFunctionMode):
         self._order = order
         self._owners: dict[int, list[str]] = {}
         self._running: list[str] = []  # the outside modules whose forwards are running: their weights' uses are theirs
+        self._stand_in: dict[int, nn.Parameter] = {}  # id of an original parameter -> its meta copy in the twin
+        self._holders: dict[int, Holders] = {}
+        self.reads: list[tuple[int, Holders]] = []  # (place in the order, holders): uses outside their calls
 
     @contextmanager
-    def owned_by(self, path: str, module: nn.Module) -> Iterator[None]:
-        """Record ``module``'s calls and its parameters' uses as ``path``'s, while open."""
-        for q in module.parameters():
+    def owned_by(self, path: str, module: nn.Module, original: nn.Module) -> Iterator[None]:
+        """Record ``module``'s calls and its parameters' uses as ``path``'s, while open; ``original`` is the module
+        ``module`` is the meta copy of, whose parameters a reference kept outside the module tree still reaches
+        (torchtune's TiedLinear keeps ``tied_module``, the embedding: the copy shares it)."""
+        for (n, q), o in zip(module.named_parameters(), original.parameters(), strict=True):
             self._owners.setdefault(id(q), []).append(path)
+            self._holders[id(q)] = (*self._holders.get(id(q), ()), (path, f"{path}.{n}", tuple(q.shape)))
+            self._stand_in[id(o)] = q
         handles = []  # a submodule called on its own is the module's too (self.embeddings.word_embeddings(ids))
         for m in module.modules():
             handles += [m.register_forward_pre_hook(self._entered(path)), m.register_forward_hook(self._left)]
@@ -242,16 +284,57 @@ class _ParameterUses(TorchFunctionMode):
         self._running.pop()
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        out = func(*args, **(kwargs or {}))
+        # an original parameter, reached through a reference the copy shares, is traced as its meta copy: recorded
+        # as its module's use, and no op runs on real data
+        args, kwargs = pytree.tree_map_only(torch.Tensor, lambda t: self._stand_in.get(id(t), t), (args, kwargs or {}))
+        out = func(*args, **kwargs)
         if not any(isinstance(t, torch.Tensor) for t in pytree.tree_leaves(out)):
             return out
         for x in pytree.tree_leaves((args, kwargs or {})):
             owners = self._owners.get(id(x), ()) if isinstance(x, nn.Parameter) else ()
             # a use inside a call of one of its owners is that call's (a head tied to the embedding: the head's);
             # inside another module's, it is its own (DeBERTa-v2's LayerNorm of rel_embeddings.weight)
-            if not any(p in self._running for p in owners):
+            if owners and not any(p in self._running for p in owners):
                 self._order.extend(owners)
+                self.reads.append((len(self._order) - 1, self._holders[id(x)]))
         return out
+
+
+def _read_sides(order: list[Any], reads: list[tuple[int, Holders]]) -> Reads:
+    """Each read's side of the loop in the recorded ``order`` (``reads``: its place there and the holders)."""
+    blocks = [k for k, x in enumerate(order) if x is _BLOCK]
+    found: Reads = {}
+    for k, holders in reads:
+        found.setdefault(holders, set()).add("before" if k < blocks[0] else "after" if k > blocks[-1] else "inside")
+    return found
+
+
+def refuse_reads_elsewhere(contract: ModuleListContract, reads: Reads) -> None:
+    """Refuse a parameter the model's forward uses directly, outside any call of its module, on the side of the loop
+    whose stage does not hold that module: the stage would compute with the set-aside meta weight (another rank's)
+    or with another stage's (a V schedule's first and last on one rank), and B or W gives it no gradient. The first
+    F refused it (:meth:`~lightning_twobp.engine.stage.Stage._refuse_foreign`), after the earlier stages had run;
+    here every rank refuses it at setup, before any compute."""
+    for holders, on in reads.items():
+        for side in sorted(on & {"before", "after"}):
+            if not any(contract.on_first_stage(path) == (side == "before") for path, _, _ in holders):
+                raise ValueError(_read_elsewhere(contract, holders, side))
+
+
+def _read_elsewhere(contract: ModuleListContract, holders: Holders, side: str) -> str:
+    path, name, shape = holders[0]
+    weights = f"{name} (shape {shape})"
+    held, other = ("last", "first") if side == "before" else ("first", "last")
+    return (
+        f"the model's forward uses {weights} {side} {contract.list_name}, outside any call of {path} (traced on the "
+        f"meta device before the cut): {path} is on the {held} pipeline stage, and the {other} stage, which runs the "
+        f"code {side} the blocks, does not hold its weights, so that use would compute without them and give them "
+        f"no gradient. This is a head tied by a reference kept outside the module tree (torchtune's TiedLinear keeps "
+        f"`tied_module`, the embedding) or by a direct read (`h @ embed.weight.T`). Tie the head as a module of its "
+        f"own, called {side} the loop: `head = nn.Linear(dim, vocab, bias=False); head.weight = embed.weight` in "
+        f"place of the reference (torchtune: `model.output = head` with `model.tok_embeddings.weight`); tied modules "
+        f"on two stages are kept in sync (docs/strategy.md, 'Tied embeddings')"
+    )
 
 
 def _recorder(order: list[Any], what: Any) -> Callable[..., None]:

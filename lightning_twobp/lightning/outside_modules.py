@@ -47,6 +47,10 @@ class OutsideModules:
         self._regroup()
         return moved
 
+    def on_first_stage(self, path: str) -> bool:
+        """Whether ``path`` is placed on the first pipeline stage (else on the last)."""
+        return path in self._before
+
     def _traced(self, path: str) -> bool:
         """Whether the call-order trace placed ``path``."""
         return self._sides.get(path) in ("before", "after")

@@ -223,18 +223,21 @@ def _time_layers(runs: LayerRuns, repeats: int) -> list[float]:
         x = runs.inputs
         for i, run in enumerate(runs.runs):
             # the first stage's inputs need no gradient (the executor's first B is the whole backward)
-            x = tuple(_leaf(t, i > 0) if isinstance(t, torch.Tensor) else t for t in x)
+            x = _leaves(x, i > 0)
             with runs.placed(run.layer):
                 seconds, out = _seconds(run.call, x, runs.device, repeats)
                 run.layer.zero_grad(set_to_none=True)
             costs.append(seconds)
-            x = tuple(
-                t.detach() if isinstance(t, torch.Tensor) else t for t in (out if isinstance(out, tuple) else (out,))
-            )
+            x = pytree.tree_map_only(torch.Tensor, torch.Tensor.detach, out if isinstance(out, tuple) else (out,))
     finally:
         put_back()
     log.info("twobp: forward+backward seconds per layer: %s", ", ".join(f"{c:.2e}" for c in costs))
     return costs
+
+
+def _leaves(x: tuple, grad: bool) -> tuple:
+    """``x``'s tensors, nested in tuples too (a bare nn.LSTM's ``(out, (h, c))``), each a leaf as a stage gets it."""
+    return tuple(pytree.tree_map_only(torch.Tensor, lambda t: _leaf(t, grad), x))
 
 
 def _leaf(t: torch.Tensor, grad: bool) -> torch.Tensor:
