@@ -2,7 +2,9 @@
 (torchdata's StatefulDataLoader and StatefulDistributedSampler, whose position Lightning saves), each
 rank's random streams (dropout on both stages) and the step counters, also where configure_optimizers
 reads trainer.estimated_stepping_batches (which sets the data up before the checkpoint is loaded);
-resumed under schedule="auto" (which reads a batch before the checkpoint is loaded), the same batches."""
+resumed under schedule="auto" (which reads a batch before the checkpoint is loaded), the same batches;
+and the optimizer's whole saved state, also where its train() makes empty entries or it steps only in
+train mode (schedule-free optimizers)."""
 
 from __future__ import annotations
 
@@ -209,13 +211,111 @@ def test_each_stage_draws_from_its_own_stream_restored_by_stage(two_ranks):
     assert all(_equal(replicas[0][a][0], replicas[0][b][0]) == 0 for a, b in ((0, 2), (1, 3)))
 
 
+# ---------------------------------------------------------------------------------------------- optimizer modes
+class ModeSGD(torch.optim.SGD):
+    """SGD with momentum that steps only in train mode, as schedule-free optimizers (schedulefree's
+    AdamWScheduleFree) do: ``train()`` / ``eval()`` switch the mode, kept in the param groups (so saved),
+    and ``train()`` reads ``self.state[p]``, which makes an empty state entry for every parameter."""
+
+    def __init__(self, params, lr: float) -> None:
+        super().__init__(params, lr=lr, momentum=0.9)
+        for group in self.param_groups:
+            group["train_mode"] = False
+
+    def train(self) -> None:
+        for group in self.param_groups:
+            group["train_mode"] = True
+            for q in group["params"]:
+                self.state[q]  # noqa: B018 - the defaultdict's empty entry, as schedulefree's train() leaves
+
+    def step(self, closure=None):
+        if not all(group["train_mode"] for group in self.param_groups):
+            raise RuntimeError("ModeSGD stepped in eval mode: call .train() first")
+        return super().step(closure)
+
+
+class ModeRegressor(Regressor):
+    """Calls ``train()`` where schedule-free users do, at each epoch's start (after a checkpoint is loaded);
+    ``early``: in configure_optimizers too."""
+
+    def __init__(self, early: bool = False) -> None:
+        super().__init__(widths=(6, 32, 32, 2), lr=0.05)
+        self.early = early
+
+    def configure_optimizers(self):
+        opt = ModeSGD(self.parameters(), lr=self.lr)
+        if self.early:
+            opt.train()
+        return opt
+
+    def on_train_epoch_start(self) -> None:
+        self.trainer.optimizers[0].train()
+
+    def _momentum(self) -> dict[str, torch.Tensor | None]:
+        opt = self.trainer.optimizers[0]
+        return {n: opt.state[q].get("momentum_buffer") for n, q in self.named_parameters() if not q.is_meta}
+
+    def on_train_start(self) -> None:  # after a checkpoint is loaded, before any step
+        self.at_start = {n: None if b is None else b.clone() for n, b in self._momentum().items()}
+
+    def on_train_end(self) -> None:
+        self.at_end = {n: None if b is None else b.clone() for n, b in self._momentum().items()}
+
+
+def _mode_fit(world: int, max_steps: int, folder: str | None = None, ckpt_path: str | None = None, **kw) -> dict:
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    pl.seed_everything(7, verbose=False)
+    model = ModeRegressor(**kw)
+    cbs = [ModelCheckpoint(dirpath=folder, every_n_train_steps=2, save_top_k=-1)] if folder else []
+    trainer = _trainer(world, TwoBPStrategy(schedule="1f1b", num_microbatches=2), max_steps, cbs)
+    trainer.fit(model, datamodule=Data(), ckpt_path=ckpt_path)
+    return {"weights": own_weights(model), "at_start": model.at_start, "at_end": model.at_end}
+
+
+def _mode_runs(rank: int, world: int, folder: str) -> dict:
+    lightning_env(rank, world)
+    out: dict = {"straight": _mode_fit(world, 5), "saved": _mode_fit(world, 2, folder=folder)}
+    ckpt = f"{folder}/epoch=0-step=2.ckpt"
+    for name, kw in {"late": {}, "early": {"early": True}}.items():
+        try:
+            out[name] = _mode_fit(world, 5, ckpt_path=ckpt, **kw)
+        except Exception as err:  # noqa: BLE001 - raised on every rank alike at the load, before any step
+            out[name] = f"{type(err).__name__}: {err}"
+    return out
+
+
+def test_resume_restores_every_saved_optimizer_state(two_ranks):
+    """An optimizer that steps only in train mode, or whose train() makes empty state entries (schedule-free
+    optimizers), resumes bitwise: the load reads every state entry the checkpoint holds for the rank's
+    parameters (torch's template ran a step, refused in eval mode, on a fresh optimizer, and read no state
+    from one with empty entries: the momentum was dropped without a word)."""
+    for rank, r in enumerate(two_ranks[OPTIMIZER_MODES]):
+        straight, saved = r["straight"], r["saved"]["at_end"]
+        assert saved and all(b is not None for b in saved.values()), saved
+        for run in ("late", "early"):
+            resumed = r[run]
+            assert isinstance(resumed, dict), f"rank {rank}, {run}: {resumed}"
+            assert sorted(resumed["at_start"]) == sorted(saved), run
+            for name, buf in saved.items():
+                loaded = resumed["at_start"][name]
+                assert loaded is not None and torch.equal(loaded, buf), f"rank {rank}, {run}: {name}'s momentum lost"
+            for name, value in straight["weights"].items():
+                assert torch.equal(resumed["weights"][name], value), f"rank {rank}, {run}: {name} differs"
+
+
 MID_EPOCH = "test_resume_mid_epoch_is_bitwise"
 STREAMS = "test_each_stage_draws_from_its_own_stream_restored_by_stage"
+OPTIMIZER_MODES = "test_resume_restores_every_saved_optimizer_state"
 
 
 @pytest.fixture(scope="module")
 def two_ranks(request, tmp_path_factory) -> conftest.Launch:
     """Both tests' runs in one launch of 2 ranks."""
     root = tmp_path_factory.mktemp("resume")
-    cases = {MID_EPOCH: (_runs, (str(root / "mid"),)), STREAMS: (_stream_runs, (str(root / "streams"),))}
+    cases = {
+        MID_EPOCH: (_runs, (str(root / "mid"),)),
+        STREAMS: (_stream_runs, (str(root / "streams"),)),
+        OPTIMIZER_MODES: (_mode_runs, (str(root / "modes"),)),
+    }
     return launch(request, 2, cases, timeout=840)

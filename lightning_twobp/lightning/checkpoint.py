@@ -4,7 +4,8 @@ A checkpoint is a directory written with ``torch.distributed.checkpoint``: each 
 stages' weights and optimizer state, keyed by the parameters' fully qualified names in the whole
 model (``torch.distributed.checkpoint.state_dict``: ``get_model_state_dict`` and
 ``get_optimizer_state_dict`` with ``flatten_optimizer_state_dict=True``, which keys every parameter's
-state *and* its param-group settings by name). Replicas are deduplicated; under
+state *and* its param-group settings by name; loading reads every optimizer entry the checkpoint's metadata
+lists for the rank's parameters, never stepping the fresh optimizer). Replicas are deduplicated; under
 ``data_parallel="shard"`` the parameters and their optimizer state are DTensors, which DCP writes
 shard by shard (each replica its rows) and reads into whatever each rank holds at load: its rows
 again, or whole tensors in a replicated or one-process run. The rest of Lightning's
@@ -68,7 +69,6 @@ from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
-    set_optimizer_state_dict,
 )
 from torch.distributed.tensor import DTensor
 
@@ -585,9 +585,12 @@ def load(
         # the state the checkpoint lacks
         optimizers = []
     state: dict[str, Any] = {"model": get_model_state_dict(module)}
+    names = [_param_names(module, opt) for opt in optimizers]
     for i, opt in enumerate(optimizers):
-        # The optimizer's own state dict as the template (torch fills a fresh optimizer's state first).
-        state[f"optimizer_{i}"] = get_optimizer_state_dict(module, opt, options=_OPTIM)
+        # Built from the checkpoint's own entries for this rank's parameters, not from the fresh optimizer's
+        # state (torch's helper steps an optimizer that has none, and reads no state at all from one that has
+        # any entry, an empty one included: the saved state was then dropped without a word)
+        state[f"optimizer_{i}"] = _optimizer_template(opt, names[i], saved, f"optimizer_{i}.")
     if strict:
         _refuse_unexpected(path, saved, state["model"], group)
     # This rank's random states and its stages', where the checkpoint has them (it may come from another
@@ -605,46 +608,102 @@ def load(
             rng[name] = found
     if rng:
         state["rng"] = rng
-    # Param-group settings the optimizer has now but the checkpoint does not: an LR scheduler made since
-    # the save added them (``initial_lr``: Lightning's lr_find saves, swaps in its own scheduler, then
-    # restores). Not read (DCP would refuse the missing key); dropped after loading, as one process's
-    # ``optimizer.load_state_dict`` replaces the param groups by the saved ones.
-    unsaved = [
-        {
-            k: v
-            for k, v in state[f"optimizer_{i}"].items()
-            if k.startswith("param_groups.") and f"optimizer_{i}.{k}" not in saved
-        }
-        for i in range(len(optimizers))
-    ]
-    for i, extra in enumerate(unsaved):
-        for k in extra:
-            del state[f"optimizer_{i}"][k]
     dcp.load(state, checkpoint_id=path, process_group=group)
     set_model_state_dict(module, state["model"], options=StateDictOptions(strict=strict))
     for i, opt in enumerate(optimizers):
-        set_optimizer_state_dict(module, opt, state[f"optimizer_{i}"] | unsaved[i], options=_OPTIM)
-        _drop_unsaved(module, opt, unsaved[i])
+        _set_optimizer(opt, names[i], state[f"optimizer_{i}"])
     checkpoint["twobp_rng"] = rng.pop(own, None)  # restored by the strategy right before the next training step
     checkpoint["twobp_streams"] = rng
     return checkpoint
 
 
-def _drop_unsaved(module: nn.Module, opt: Any, unsaved: dict[str, Any]) -> None:
-    """Remove from ``opt``'s param groups the settings ``unsaved`` names (``param_groups.<fqn>.<key>``), then
-    let the optimizer fill in its own defaults again, as ``load_state_dict`` does through ``__setstate__``
-    (a checkpoint of an older torch lacks a newer default, Adam's ``decoupled_weight_decay``: dropped, its
-    ``step`` raised KeyError)."""
-    if not unsaved:
-        return
-    params = dict(module.named_parameters(remove_duplicate=False))
-    for flat in unsaved:
-        fqn, key = flat[len("param_groups.") :].rsplit(".", 1)
-        param = params.get(fqn)
-        for group in opt.param_groups:
-            if any(q is param for q in group["params"]):
-                group.pop(key, None)
-    type(opt).__setstate__(opt, {"state": opt.state, "param_groups": opt.param_groups})
+def _param_names(module: nn.Module, opt: Any) -> list[list[str]]:
+    """The names the checkpoint keys ``opt``'s parameters by, group by group: torch's
+    (``get_optimizer_state_dict``'s, which drop wrappers' prefixes), read from a stand-in optimizer over the
+    same parameters that holds one placeholder entry, so that torch's helper neither steps ``opt`` (it runs
+    a step on an optimizer whose state is empty) nor reads its state."""
+    stand_in = torch.optim.Optimizer([{"params": g["params"]} for g in opt.param_groups], {})
+    first = next((q for g in opt.param_groups for q in g["params"]), None)
+    if first is None:
+        return [[] for _ in opt.param_groups]
+    stand_in.state[first] = {"placeholder": 0}
+    groups: Any = get_optimizer_state_dict(module, stand_in)["param_groups"]
+    return [list(g["params"]) for g in groups]
+
+
+def _optimizer_template(opt: Any, names: list[list[str]], saved: dict[str, Any], prefix: str) -> dict[str, Any]:
+    """What :func:`load` reads for ``opt``, flat as it was saved: the param-group settings ``opt`` has that
+    the checkpoint has too (one it lacks, which an LR scheduler made since the save added, ``initial_lr``
+    after Lightning's lr_find swapped in its own scheduler, is not read: DCP would refuse the missing key,
+    and :func:`_set_optimizer` leaves it out), and every state entry the checkpoint holds for its
+    parameters (``state.<name>.<key>``, nested keys dotted), allocated from the checkpoint's metadata:
+    shaped like the parameter (a DTensor where the parameter is one, so each rank reads its rows), or as
+    saved."""
+    template: dict[str, Any] = {}
+    stored = _by_param(saved, f"{prefix}state.", {f for fqns in names for f in fqns})
+    for group, fqns in zip(opt.param_groups, names, strict=True):
+        for param, fqn in zip(group["params"], fqns, strict=True):
+            for k, v in group.items():
+                if k != "params" and f"{prefix}param_groups.{fqn}.{k}" in saved:
+                    template[f"param_groups.{fqn}.{k}"] = v
+            for key in stored.get(fqn, ()):
+                template[f"state.{fqn}.{key}"] = _placeholder(saved[f"{prefix}state.{fqn}.{key}"], param)
+    return template
+
+
+def _by_param(keys: Any, head: str, fqns: set[str]) -> dict[str, list[str]]:
+    """The keys under ``head`` (``state.``) of the parameters ``fqns`` names, as ``name -> [rest]``: a
+    parameter's name ends at the dot after which the rest (``exp_avg``, or a nested ``a.b``) begins."""
+    out: dict[str, list[str]] = {}
+    for key in keys:
+        if key.startswith(head):
+            parts = key[len(head) :].split(".")
+            for j in range(1, len(parts)):
+                if (fqn := ".".join(parts[:j])) in fqns:
+                    out.setdefault(fqn, []).append(".".join(parts[j:]))
+                    break
+    return out
+
+
+def _placeholder(meta: Any, param: torch.Tensor) -> Any:
+    """Room for one saved optimizer value: a tensor of its saved shape and dtype (on the CPU where it is a
+    scalar, as torch's optimizers keep ``step``; ``load_state_dict`` moves the rest to the parameter's
+    device), or a stand-in that DCP replaces by the saved object."""
+    if not isinstance(meta, TensorStorageMetadata):
+        return 0
+    size, dtype = tuple(meta.size), meta.properties.dtype
+    if isinstance(param, DTensor) and size == tuple(param.shape):
+        return torch.empty_like(param, dtype=dtype)
+    return torch.empty(size, dtype=dtype, device="cpu" if not size else param.device)
+
+
+def _set_optimizer(opt: Any, names: list[list[str]], flat: dict[str, Any]) -> None:
+    """Load what :func:`load` read into ``opt`` with its own ``load_state_dict``, as one process does: the
+    state the checkpoint holds for each parameter, whole (nested keys rebuilt), and the saved param-group
+    settings. A setting the optimizer has now but the checkpoint lacks is left out, so the optimizer fills
+    in its own default again through ``__setstate__`` (a checkpoint of an older torch lacks a newer default,
+    Adam's ``decoupled_weight_decay``)."""
+    state: dict[str, Any] = {}
+    groups: list[dict[str, Any]] = []
+    for group, fqns in zip(opt.param_groups, names, strict=True):
+        if not fqns:  # a group with none of this rank's parameters: nothing of it was saved here, it stays
+            groups.append(dict(group, params=[]))
+            continue
+        settings: dict[str, Any] = {}
+        for k in group:
+            found = [flat[f"param_groups.{f}.{k}"] for f in fqns if f"param_groups.{f}.{k}" in flat]
+            if k != "params" and found:
+                settings[k] = found[0]
+        groups.append({**settings, "params": list(fqns)})
+    for fqn, keys in _by_param(flat, "state.", {f for fqns in names for f in fqns}).items():
+        entries: dict[str, Any] = state.setdefault(fqn, {})
+        for key in keys:
+            *parents, last = key.split(".")
+            node = entries
+            for part in parents:
+                node = node.setdefault(part, {})
+            node[last] = flat[f"state.{fqn}.{key}"]
+    opt.load_state_dict({"state": state, "param_groups": groups})
 
 
 def consolidate(checkpoint_dir: str | os.PathLike, out_path: str | os.PathLike) -> dict:
