@@ -104,6 +104,58 @@ def test_data_sharded_by_global_rank_is_refused_on_every_rank():
         assert "global ranks [0] / [1]" in message and "DistributedSampler" in message
 
 
+class _Unsized(torch.utils.data.IterableDataset):
+    """Batches without a length: Lightning counts inf training batches."""
+
+    def __iter__(self):
+        yield from regression_data(32).dataset
+
+
+def _loaders_of_different_lengths(rank: int, world: int) -> list[tuple[str, float]]:
+    """A training loader of 4 batches on rank 0 and 2 on rank 1, the same first batch on both (as litdata built
+    before the launcher set WORLD_SIZE gave one stage 8 batches and the other 4); first the same for validation,
+    and an unsized loader on both ranks, which trains."""
+    import time
+
+    lightning_env(rank, world)
+    said = []
+    for how in ("unsized", "validate", "fit"):
+        data = torch.utils.data.Subset(regression_data(32).dataset, range(32 if rank == 0 else 16))
+        loader = torch.utils.data.DataLoader(_Unsized() if how == "unsized" else data, batch_size=8)
+        trainer, start = quiet_trainer(TwoBPStrategy(pipeline_timeout=120), world, max_steps=6), time.monotonic()
+        try:
+            if how == "validate":
+                trainer.validate(Regressor(), loader, verbose=False)
+            else:
+                trainer.fit(Regressor(), loader)
+            said.append(("trained", time.monotonic() - start))
+        except ValueError as e:
+            said.append((str(e), time.monotonic() - start))
+    return said
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(300)
+def test_loaders_of_different_lengths_on_a_pipelines_ranks_are_refused_on_every_rank_at_once():
+    """Before this check the rank with more batches waited in the step after the other's epoch had ended, for
+    pipeline_timeout (600 s by default), then raised a PeerLost that read like a crash."""
+    for said in run_distributed(_loaders_of_different_lengths, 2, timeout=240):
+        assert said[0][0] == "trained", said[0]
+        for (message, seconds), what, where in zip(
+            said[1:],
+            ["validation loaders (dataloader_idx 0)", "training loaders"],
+            ["the first batch of a validation loader", "training batch 0 (global step 0)"],
+            strict=True,
+        ):
+            assert message.startswith(
+                f"twobp: the {what} of one pipeline's ranks have different lengths (global rank 0: 4 batches, "
+                f"global rank 1: 2 batches; seen at {where}): every stage of a pipeline must read the same batches"
+            ), message
+            assert "split the data by trainer.strategy.dp_rank" in message.lower()
+            assert "_DistributedEnv(trainer.strategy.dp_degree, trainer.strategy.dp_rank, 1)" in message
+            assert seconds < 60, f"refused after {seconds:.0f} s: not at once"
+
+
 def test_a_list_of_one_value_per_sample_is_cut_like_the_tensors():
     """A text batch's strings (or ids) beside its tensors: each micro-batch gets its own samples' entries,
     as its tensors; handed whole to every micro-batch, a count over them read m times the batch's."""

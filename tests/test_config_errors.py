@@ -326,6 +326,23 @@ def _zero_over_two_stages() -> None:
     checked_optimizers(lambda: None, net, lambda: optimizers, pp_rank=1, stages=[1], pipeline_degree=2)
 
 
+def _muon_over_the_world() -> None:
+    """muon-optimizer's MuonWithAuxAdam (not a dependency: a module of that name with its class, as the user
+    imported it) seen on pipeline rank 0 of 2, subclassed to take Lightning's closure as users do."""
+    import sys
+    import types
+
+    muon = types.ModuleType("muon")
+    muon.MuonWithAuxAdam = type("MuonWithAuxAdam", (torch.optim.SGD,), {"__module__": "muon"})  # type: ignore[attr-defined]
+    sys.modules["muon"] = muon
+    try:
+        net = Net()
+        optimizers = [type("WithClosure", (muon.MuonWithAuxAdam,), {})(net.parameters(), lr=0.02)]
+        checked_optimizers(lambda: None, net, lambda: optimizers, pp_rank=0, stages=[0], pipeline_degree=2)
+    finally:
+        del sys.modules["muon"]
+
+
 class SharedBlocks(pl.LightningModule):
     """A ModuleList holding one block twice (weights shared between positions of the loop)."""
 
@@ -1060,6 +1077,15 @@ CASES: dict[str, Case] = {
         r"ZeroRedundancyOptimizer over global ranks \[0\] under strategy='twobp': global rank\(s\) \[0\] hold other "
         r"pipeline stages .* Shard over the data-parallel replicas of this stage: ZeroRedundancyOptimizer\(\.\.\., "
         r"process_group=self.trainer.strategy.group\('dp'\)\)",
+    ),
+    "fit-optimizer-muon-over-the-world": (
+        # the check as setup runs it on pipeline rank 0 of 2 (tests/test_optimizer_collectives.py: any optimizer
+        # whose step communicates over other stages' ranks, refused end to end at its first step)
+        lambda t: _muon_over_the_world(),
+        ValueError,
+        r"muon.MuonWithAuxAdam is not supported under strategy='twobp' with pipeline_degree=2: its step splits the "
+        r"parameters by dist.get_rank\(\) and dist.get_world_size\(\) of the world group .*muon's SingleDeviceMuon "
+        r"or SingleDeviceMuonWithAuxAdam, or torch.optim.Muon",
     ),
     "fit-metric-dist-sync-on-step": (
         lambda t: _fit(SyncsOnStep()),

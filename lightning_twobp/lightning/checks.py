@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_twobp.lightning.collectives import world_collective_optimizer
 from lightning_twobp.options import check_flag
 from lightning_twobp.private import tensor_hooks, tensor_version
 
@@ -312,6 +313,7 @@ def checked_optimizers(
             _outside(module, optimizers(), pp_rank)
             or _whole_model_step(optimizers(), pipeline_degree)
             or _zero_over_stages(optimizers(), pp_rank, pipeline_degree)
+            or world_collective_optimizer(optimizers(), pipeline_degree)
         )
     elif isinstance(error, ValueError) and "empty parameter list" in str(error):
         problem = (

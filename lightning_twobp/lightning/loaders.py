@@ -13,6 +13,7 @@ across the ranks).
 
 from __future__ import annotations
 
+import math
 import os
 import warnings
 from collections.abc import Callable
@@ -26,7 +27,14 @@ from lightning.fabric.utilities.seed import pl_worker_init_function
 from lightning_twobp.lightning.step import batch_tensors
 from lightning_twobp.private import without_distributed_sampler
 
-__all__ = ["batch_fingerprint", "check_same_batch", "keep_users_sampler", "seed_workers_by_replica"]
+__all__ = [
+    "batch_fingerprint",
+    "check_same_batch",
+    "eval_length",
+    "keep_users_sampler",
+    "lengths_differ",
+    "seed_workers_by_replica",
+]
 
 
 def keep_users_sampler(trainer: Any) -> Callable[[], None]:
@@ -74,21 +82,28 @@ def batch_fingerprint(batch: Any, device: Any) -> torch.Tensor:
     return stats
 
 
-def check_same_batch(batch: Any, group: Any, device: Any, where: str, ranks: list[int]) -> None:
+def check_same_batch(
+    batch: Any, group: Any, device: Any, where: str, ranks: list[int], length: tuple[str, float] | None = None
+) -> None:
     """Every rank of one pipeline must read the same batch: the first stage computes from its inputs and
     the last stage's loss reads its own copy's labels. Data sharded by *global* rank (a
     ``DistributedSampler`` built with the world size, an ``IterableDataset`` splitting by
     ``dist.get_rank()``) gives each stage other samples and trains on inputs paired with another
     sample's labels, silently. One all-gather of :func:`batch_fingerprint` over the pipeline's ranks;
-    every rank raises alike, before any pipeline step of the batch."""
-    mine = batch_fingerprint(batch, device)
+    every rank raises alike, before any pipeline step of the batch. ``length``: (what, count) of the loader's
+    batches (``trainer.num_training_batches``; ``inf`` for an unsized loader), gathered in the same
+    all-gather: they must agree too (:func:`lengths_differ`)."""
+    mine = torch.cat([batch_fingerprint(batch, device), _count(length, device)])
     gathered = [torch.empty_like(mine) for _ in ranks]
     dist.all_gather(gathered, mine, group=group)
-    if all(torch.equal(g, gathered[0]) for g in gathered):
+    if all(torch.equal(g[:4], gathered[0][:4]) for g in gathered):
+        counts = [float(g[4]) for g in gathered]
+        if length is not None and any(c != counts[0] for c in counts):
+            raise ValueError(lengths_differ(length[0], dict(zip(ranks, counts, strict=True)), where))
         return
     groups: dict[tuple[float, ...], list[int]] = {}
     for rank, g in zip(ranks, gathered, strict=True):
-        groups.setdefault(tuple(g.tolist()), []).append(rank)
+        groups.setdefault(tuple(g[:4].tolist()), []).append(rank)
     raise ValueError(
         f"twobp: the ranks of one pipeline read different batches at {where} (global ranks "
         f"{' / '.join(str(r) for r in groups.values())} hold different data): every stage of a pipeline must "
@@ -100,3 +115,42 @@ def check_same_batch(batch: Any, group: Any, device: Any, where: str, ranks: lis
         f"trainer.strategy.dp_rank, or leave worker_init_fn unset under seed_everything(workers=True), which "
         f"the strategy seeds by data-parallel rank)"
     )
+
+
+def _count(length: tuple[str, float] | None, device: Any) -> torch.Tensor:
+    return torch.tensor([-1.0 if length is None else float(length[1])], dtype=torch.float64, device=device)
+
+
+def lengths_differ(what: str, counts: dict[int, float], where: str) -> str:
+    """The refusal of a pipeline whose ranks' loaders have different numbers of batches ``counts`` (global rank
+    -> count): the rank whose loader ends first leaves the loop while the others wait on it in the next step
+    (found by a trial: litdata gave one stage 8 batches and the other 4; after step 4 the first waited out
+    pipeline_timeout, 600 s by default, then raised a PeerLost that read like a crash)."""
+    shown = ", ".join(f"global rank {r}: {_batches(c)}" for r, c in counts.items())
+    return (
+        f"twobp: the {what} of one pipeline's ranks have different lengths ({shown}; seen at {where}): every "
+        f"stage of a pipeline must read the same batches, or the rank whose loader ends first leaves the loop while "
+        f"the others wait for it in the next step (until pipeline_timeout, then a PeerLost that reads like a crash). "
+        f"Split the data by trainer.strategy.dp_rank of trainer.strategy.dp_degree, not by the global rank or the "
+        f"world size (use_distributed_sampler=True does; a dataset that reads the world size from the environment "
+        f"when it is built sees another one on each rank). For litdata's StreamingDataset, set "
+        f"dataset.distributed_env = _DistributedEnv(trainer.strategy.dp_degree, trainer.strategy.dp_rank, 1) in "
+        f"train_dataloader (from litdata.utilities.env import _DistributedEnv: a private API of litdata's, which has "
+        f"no public one to shard by replica)"
+    )
+
+
+def _batches(count: float) -> str:
+    return "unsized (inf) batches" if math.isinf(count) else f"{int(count)} batches"
+
+
+def eval_length(trainer: Any, kind: str, index: int) -> tuple[str, float] | None:
+    """(what, batches) of evaluation loader ``index`` of ``kind`` (validation, test, predict) as Lightning counts
+    them for this run (the sanity check's own count in it), or None where Lightning keeps no count."""
+    name = {"validation": "num_val_batches", "test": "num_test_batches", "predict": "num_predict_batches"}.get(kind)
+    if kind == "validation" and trainer.sanity_checking:
+        name = "num_sanity_val_batches"
+    counts = getattr(trainer, name, None) if name is not None else None
+    if not isinstance(counts, list | tuple) or not 0 <= index < len(counts):
+        return None
+    return f"{kind} loaders (dataloader_idx {index})", float(counts[index])

@@ -594,7 +594,13 @@ def _checked_contract(strategy: TwoBPStrategy, trainer: Any) -> SequentialContra
     if not lm.automatic_optimization:
         raise ValueError(
             "strategy='twobp' supports automatic optimization only: the pipeline schedule owns the "
-            "backward, so manual_backward cannot run it; set self.automatic_optimization = True"
+            "backward, so manual_backward cannot run it; set self.automatic_optimization = True. For two "
+            "optimizers (configure_optimizers returning [Muon(...), AdamW(...)], for which Lightning asks for manual "
+            "optimization), return one torch.optim.Optimizer subclass that holds both: its __init__ builds them "
+            "(torch.optim.Muon over the 2-D weights, AdamW over the rest, both from self.parameters()) and calls "
+            "super().__init__(muon.param_groups + adamw.param_groups, {}), then points their param_groups at its own "
+            "(sliced) and their state at self.state (again after load_state_dict); its step(closure) runs the "
+            "closure under torch.enable_grad(), then muon.step() and adamw.step() (docs/troubleshooting.md)"
         )
     contract = find_contract(lm, opts.layers)
     if strategy.requested.schedule == "auto":  # it chooses once: its balance="time" reads its own profile

@@ -37,10 +37,11 @@ from lightning_twobp.lightning.checks import (
     checked_optimizers,
     converted_in_place,
 )
+from lightning_twobp.lightning.collectives import StepWatch
 from lightning_twobp.lightning.failures import lost_rank, naming_lost, note_epoch_end, reap, told
 from lightning_twobp.lightning.grads import GradStash
 from lightning_twobp.lightning.layout import check_degree
-from lightning_twobp.lightning.loaders import check_same_batch, seed_workers_by_replica
+from lightning_twobp.lightning.loaders import check_same_batch, eval_length, seed_workers_by_replica
 from lightning_twobp.lightning.local_model import meta_layers_aside
 from lightning_twobp.lightning.materialize import Made
 from lightning_twobp.lightning.optimizer_checks import HookScaleError, NonFiniteError, buffers_kept
@@ -152,6 +153,7 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
         self.shape_group: dist.ProcessGroup | None = None  # stage 0's input signature's (pipeline > 1)
         self._batches_checked = False  # the training batches split into micro-batches (checked once per fit)
         self._same_batch_checked = False  # the pipeline's ranks read the same training batch (once per call)
+        self._steps_watched: set[int] = set()  # the optimizers whose first step of this call was watched
         self._outside: OutsideWrites | None = None  # the parameters outside the stages, watched during training
         self._mesh: DeviceMesh | None = None
         self._pipeline: Pipeline | None = None
@@ -235,6 +237,7 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
         self.accelerator.setup(trainer)
         self._failed = False
         self._batches_checked = self._same_batch_checked = False
+        self._steps_watched = set()
         self._outside = None
         if trainer.state.fn == TrainerFn.FITTING:  # before the layers' profile reads the first batch
             self._release_loader = first_loader.hold(trainer)
@@ -453,7 +456,8 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
             with self._naming_lost("the check of the parameters' gradient hooks"):
                 check_parameter_hooks(self.lightning_module, stages, when)
             step = self.lightning_module.trainer.global_step
-            self._check_same_batch(batch, f"training batch {batch_idx} (global step {step})")
+            length = ("training loaders", float(self.lightning_module.trainer.num_training_batches))
+            self._check_same_batch(batch, f"training batch {batch_idx} (global step {step})", length)
             self._same_batch_checked = True
             said_lost_stream_batch(self.lightning_module.trainer, batch)
         self._check_outside()
@@ -533,11 +537,12 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
             self._record_next, self.last_records = False, run.records
         return result
 
-    def _check_same_batch(self, batch: Any, where: str) -> None:
-        """Every rank of this pipeline holds the same batch (:func:`.loaders.check_same_batch`)."""
+    def _check_same_batch(self, batch: Any, where: str, length: tuple[str, float] | None = None) -> None:
+        """Every rank of this pipeline holds the same batch, from loaders of the same ``length`` (what, batches)
+        (:func:`.loaders.check_same_batch`)."""
         ranks = [self.layout.global_rank_of(r) for r in range(self.pipeline_degree)]
         with self._naming_lost("the check that the pipeline's ranks read the same batch"):
-            check_same_batch(batch, self.group("pp"), self.root_device, where, ranks)
+            check_same_batch(batch, self.group("pp"), self.root_device, where, ranks, length)
 
     def _pipeline_loss(self, output: Any, index: int) -> torch.Tensor:
         """The executor's loss function (bound before the pipeline exists)."""
@@ -561,6 +566,20 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
             return None
         with self._naming_lost("the global gradient norm and non-finite check"):
             return self._pipeline.checks.validate(self.lightning_module)
+
+    @override
+    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        """Lightning's step; an optimizer's first step of the call with its collectives watched: one over a group
+        holding other pipeline stages is refused before it runs (:class:`.collectives.StepWatch`)."""
+        if id(optimizer) in self._steps_watched or self.pipeline_degree == 1 or not dist.is_initialized():
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+        replicas = dist.get_process_group_ranks(self.group("dp"))
+        watch = StepWatch(optimizer, replicas, self.pipeline_degree, self.group("pp"))
+        with watch.around():
+            out = super().optimizer_step(optimizer, closure, model, **kwargs)
+        if watch.stepped or not isinstance(optimizer, torch.optim.Optimizer):  # else the next step is its first
+            self._steps_watched.add(id(optimizer))
+        return out
 
     def _before_step(self, optimizer: Any) -> None:
         """Right before each optimizer step (the precision plugin calls it): the global check."""
@@ -631,7 +650,8 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
         last_rank = self.layout.global_rank_of(schedule.stage_to_rank[pipeline.executor.last])
         kind = hook.removesuffix("_step")
         if len(args) > 1 and args[1] == 0:  # each loader's first batch
-            self._check_same_batch(args[0], f"the first batch of a {kind} loader")
+            length = eval_length(self.lightning_module.trainer, kind, args[2] if len(args) > 2 else 0)
+            self._check_same_batch(args[0], f"the first batch of a {kind} loader", length)
         # An evaluation call's pipeline stops before one batch once one of its ranks was signalled; in fit,
         # the next training step does (a reduce over the world per evaluation batch would wait on a
         # replica that read fewer of them).
