@@ -75,7 +75,8 @@ efficient_attention = torch.ops.aten._scaled_dot_product_efficient_attention.def
 def tensor_version(t: torch.Tensor) -> int:
     """Autograd's count of in-place writes to ``t``: post-validation redoes a step only when the
     gradients it saw were not written since (engine/post_validation.py); a checkpointed block keeps a
-    copy of each buffer its forward wrote, for B's recompute (lightning/checkpointing.py)."""
+    copy of each buffer its forward wrote, for B's recompute (lightning/checkpointing.py); B sees a ``.grad``
+    written in place from inside a node's backward (engine/stage.py's ``_Hidden``)."""
     return t._version
 
 

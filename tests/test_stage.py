@@ -621,3 +621,164 @@ def test_a_set_aside_weight_reached_directly_is_named_with_the_tie_as_a_module()
         r"stage's forward, but this rank does not hold it .*head.weight = embed.weight",
     ):
         stage.forward(0, torch.randn(2, 4, 3, requires_grad=True))
+
+
+# ------------------------------------------------------------------------------ custom autograd.Functions with weights
+class LinFn(torch.autograd.Function):
+    """``x @ w.T`` whose backward returns both gradients, counting its calls. A Python Function cannot tell which
+    of them the engine wants: ``ctx.needs_input_grad`` is fixed at forward."""
+
+    calls = 0
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        return x @ w.t()
+
+    @staticmethod
+    def backward(ctx, g):
+        LinFn.calls += 1
+        x, w = ctx.saved_tensors
+        return g @ w, g.t() @ x
+
+
+class FillFn(torch.autograd.Function):
+    """``x @ w.T + b`` whose backward accumulates the weight's ``.grad`` itself and returns None for it (fused
+    weight-gradient-accumulation Linears), and returns the bias's gradient as usual."""
+
+    calls = 0
+
+    @staticmethod
+    def forward(ctx, x, w, b):
+        ctx.save_for_backward(x, w)
+        return x @ w.t() + b
+
+    @staticmethod
+    def backward(ctx, g):
+        FillFn.calls += 1
+        x, w = ctx.saved_tensors
+        with torch.no_grad():
+            gw = g.t() @ x
+            if w.grad is None:
+                w.grad = gw
+            else:
+                w.grad.add_(gw)
+        return g @ w, None, g.sum(0)
+
+
+class Assigns(torch.autograd.Function):
+    """Reformer style: the weight is not an input; the backward assigns its ``.grad`` (no autograd accumulation)."""
+
+    @staticmethod
+    def forward(ctx, x, lin):
+        ctx.save_for_backward(x)
+        ctx.lin = lin
+        return x @ lin.weight.detach().t()
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        w = ctx.lin.weight
+        with torch.no_grad():
+            w.grad = g.t() @ x if w.grad is None else w.grad + g.t() @ x
+        return g @ w.detach(), None
+
+
+class CustomLinear(nn.Linear):
+    """A Linear whose product is ``fn``: LinFn, FillFn (with its bias) or Assigns."""
+
+    def __init__(self, fn: type[torch.autograd.Function]) -> None:
+        super().__init__(8, 8, bias=fn is FillFn)
+        self.fn = fn
+
+    def forward(self, x):
+        if self.fn is FillFn:
+            return FillFn.apply(x, self.weight, self.bias)
+        return self.fn.apply(x, self if self.fn is Assigns else self.weight)
+
+
+class Checkpointed(nn.Module):
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self.m = module
+
+    def forward(self, x):
+        return torch.utils.checkpoint.checkpoint(self.m, x, use_reentrant=False)
+
+
+def _custom_stack(fn: type[torch.autograd.Function]) -> nn.Module:
+    return nn.Sequential(nn.Linear(8, 8), CustomLinear(fn), nn.Tanh(), nn.Linear(8, 8))
+
+
+def _split_interleaved(module: nn.Module) -> Stage:
+    """Three micro-batches, F0 F1 B0 B1 W0 F2 B2 W(1, 2), against plain autograd at rtol 1e-6; the stage."""
+    torch.manual_seed(1)
+    ref = copy.deepcopy(module)
+    xs = [_x(4, 8) for _ in range(3)]
+    gs = [torch.randn(4, 8) for _ in range(3)]
+    ref_in, ref_grads = _reference(ref, [(x,) for x in xs], [[g] for g in gs])
+    stage = Stage(module)
+    stage.names = {id(q): n for n, q in module.named_parameters()}
+    got = []
+    stage.forward(0, xs[0])
+    stage.forward(1, xs[1])
+    got += [stage.backward_input(0, gs[0]), stage.backward_input(1, gs[1])]
+    stage.backward_weight(0)
+    stage.forward(2, xs[2])
+    got.append(stage.backward_input(2, gs[2]))
+    stage.backward_weight([1, 2])
+    for g, r in zip(got, ref_in, strict=True):
+        torch.testing.assert_close(g[0], r[0], rtol=1e-6, atol=1e-7)
+    for n, q in module.named_parameters():
+        torch.testing.assert_close(q.grad, ref_grads[n], rtol=1e-6, atol=1e-7, msg=n)
+    return stage
+
+
+def test_a_function_that_writes_its_weights_grad_is_taken_in_b_once():
+    """Fails without ``Stage._filled_in_b``: the weight's gradient came out exactly twice plain autograd's, with
+    deferred_fraction 1.0 and no warning (B ran the Function's backward, which wrote ``.grad``; W re-entered the
+    node for the weight's edge and ran it again). Micro-batch 0 is re-entered at once with that ``.grad`` kept;
+    1 and 2 are planned with the node taken in B."""
+    FillFn.calls = 0
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        stage = _split_interleaved(_custom_stack(FillFn))
+    said = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    assert len(said) == 1, said
+    assert "backward of FillFnBackward wrote the .grad of 1 parameter(s) (1.weight first) itself during B" in said[0]
+    assert "split_backward=False" in said[0] and "return the weight's gradient from backward" in said[0]
+    # per micro-batch: the two nn.Linears' 4 edges in W; FillFn's 2 (weight, bias) taken in B
+    assert stage.deferred_fraction == pytest.approx(4 / 6)
+    assert FillFn.calls == 3 + 2 + 1 + 1  # the reference's 3; micro-batch 0 in B and re-entered, 1 and 2 once
+
+
+def test_a_function_that_assigns_a_weight_grad_it_does_not_take_is_counted_in_b():
+    """Fails with ``_Hidden`` on post-accumulate-grad hooks (before): a ``.grad =`` fires none, so the weight taken
+    in B went unsaid and deferred_fraction said 1.0."""
+    with pytest.warns(RuntimeWarning, match=r"1 parameter\(s\) \(1.weight first\) got their gradients in B"):
+        stage = _split_interleaved(_custom_stack(Assigns))
+    assert stage.deferred_fraction == pytest.approx(4 / 5)  # the Linears' 4 edges in W, Assigns' weight in B
+
+
+def test_w_rerunning_a_python_function_is_said():
+    """Fails without ``Stage._rerun_in_w``: W re-enters the Function's node and runs its whole backward again
+    (twice per micro-batch, input half included), while deferred_fraction says 1.0 and nothing was said."""
+    LinFn.calls = 0
+    with pytest.warns(RuntimeWarning, match=r"W re-enters LinFnBackward .* whole backward a second time") as rec:
+        stage = _split_interleaved(_custom_stack(LinFn))
+    assert "split_backward=False" in str(rec[0].message)
+    assert LinFn.calls == 3 + 6  # the reference's 3; the stage's 3 micro-batches, each in B and again in W
+    assert stage.deferred_fraction == 1.0
+
+
+def test_a_checkpointed_function_without_formula_taken_in_b_is_said():
+    """Fails without ``Stage._checkpointed_in_b``: inside a checkpointed block the Function's weights were taken in
+    B (deferred_fraction 0.5) and nothing was said, where the other fallback warns."""
+    module = nn.Sequential(nn.Linear(8, 8), Checkpointed(nn.Sequential(CustomLinear(LinFn), nn.Tanh())))
+    with pytest.warns(
+        RuntimeWarning,
+        match=r"in an activation-checkpointed block, LinFnBackward has no W formula, so the weight gradients it "
+        r"leads to \(1.m.0.weight\) are taken in B",
+    ):
+        stage = _split_interleaved(module)
+    assert stage.deferred_fraction == pytest.approx(2 / 3)  # the Linear's 2 edges in W, the Function's in B

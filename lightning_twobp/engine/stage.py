@@ -20,7 +20,10 @@ How the split works, per micro-batch:
   node would, weight outputs only. When every weight edge has a formula, B frees the graph at once.
 * **W** otherwise re-enters the graph at the frontier: for each frontier node, one engine call from that node
   (rooted at the recorded gradient) to its weight-only edges. Autograd runs the node again with only the
-  weight outputs enabled, so W costs the weight GEMMs and nothing of the input-grad chain. One further call
+  weight outputs enabled, so for a built-in node W costs the weight GEMMs and nothing of the input-grad chain;
+  a Python ``autograd.Function`` cannot see that mask and runs its whole backward again (said once:
+  ``Stage._rerun_in_w``), and one whose backward writes a weight's ``.grad`` itself is taken in B instead
+  (``Stage._filled_in_b``). One further call
   pushes those edge gradients through the weight-only region (transposes, dtype casts, a weight used
   twice) into the parameters, and the graph is released.
 
@@ -50,12 +53,13 @@ from typing import Any, cast
 
 import torch
 from torch import nn
+from torch.autograd.function import BackwardCFunction
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 from torch.utils import checkpoint as checkpoint_utils
 
 from lightning_twobp.engine import formulas
 from lightning_twobp.engine.graph import SavedUnavailable, in_checkpoint
-from lightning_twobp.private import pytree
+from lightning_twobp.private import pytree, tensor_version
 
 __all__ = ["Stage", "carried_leaves", "deferred_fraction"]
 
@@ -167,6 +171,9 @@ class Stage:
         self._looked = False  # the first F's graph searched for a reentrant checkpoint and foreign parameters
         self.names: dict[int, str] = {}  # id(parameter) -> its name, for messages (set by the caller)
         self._plans = _PlanCache()  # B's plan per graph shape: every micro-batch after the first reuses it
+        # ids of parameters whose .grad a node's own backward wrote during B (see _filled_in_b): the nodes above
+        # them are taken in B, never re-entered by W
+        self._filled: frozenset[int] = frozenset()
         # W of several micro-batches joins each weight's gradients up to this many bytes per micro-batch into
         # one call (formulas.batch_key). Off by default: the joined sum rounds differently from the fused
         # backward's per-micro-batch accumulation (fp32: ~1e-7 of the gradient's largest value, not
@@ -407,7 +414,7 @@ class Stage:
         if not p.outputs:
             return self._input_grads(p, [None] * len(inputs))
         roots = [_root(o) for o in p.outputs]
-        plan = self._plans.plan(roots, inputs, self._params) if inputs else None
+        plan = self._plans.plan(roots, inputs, self._params, self._filled) if inputs else None
         if plan is None or plan.fallback:
             # No input needs a gradient (a first stage fed token ids): nothing upstream waits for
             # this B and there is no input-grad half to split off; deferring would only hold the
@@ -437,10 +444,9 @@ class Stage:
         p.weight_roots = [(roots[i], grads_out[i]) for i in plan.weight_roots]
 
         fast_nodes = list(dict.fromkeys(f.node for f in plan.fast))
-        with _Hidden([self._params[i] for i in plan.unseen]) as hidden:
+        # Usually no parameter to watch: none without a leaf, and no frontier node W re-enters (a LLaMa block)
+        with _Hidden([self._params[i] for i in plan.unseen + plan.watch]) as hidden:
             grads, operands = self._input_half(p, plan, roots, inputs + plan.early_edges, grads_out, fast_nodes)
-        if hidden.hit:
-            self._hidden_in_b(hidden.hit)
         n_early = len(inputs) + len(plan.early_edges)
         for node, g in zip(fast_nodes, grads[n_early:], strict=True):
             p.captured.setdefault(node, (g,))
@@ -456,6 +462,16 @@ class Stage:
             p.outputs = []
         early = zip(plan.early_edges, grads[len(inputs) : n_early], strict=True)
         p.edge_grads = [(e, g) for e, g in early if g is not None]
+        if hidden.hit:
+            unseen = set(plan.unseen)
+            if hidden.hit & unseen:
+                self._hidden_in_b(hidden.hit & unseen)
+            if hidden.hit - unseen:
+                self._filled_in_b(p, hidden.hit - unseen)
+        if plan.in_b_nodes and "checkpointed" not in self._warned:
+            self._checkpointed_in_b(plan)
+        if p.frontier and "rerun" not in self._warned:
+            self._rerun_in_w(p)
         return self._input_grads(p, grads[: len(inputs)])
 
     def _input_half(
@@ -542,6 +558,71 @@ class Stage:
             f"to W; deferred_fraction counts them as taken in B.",
         )
 
+    def _filled_in_b(self, p: _Pending, hit: set[int]) -> None:
+        """Parameters below a frontier node whose ``.grad`` changed during B although B was not to compute them: the
+        node's own backward wrote it (a custom autograd.Function that accumulates its weight's gradient itself and
+        returns None for it, as fused weight-gradient-accumulation Linears do). W re-entering that node would run
+        that backward again and add the gradient a second time. This micro-batch's re-entry runs now, with those
+        ``.grad`` kept as B left them (one copy each, once: a micro-batch planned before it was seen); from the next
+        micro-batch on the plan takes such a node's weight edges in B (:func:`_plan`'s ``filled``), so its backward
+        runs once. Exact; counted as taken in B, and said once."""
+        self._filled = self._filled | hit
+        self._plans = _PlanCache()  # re-plan with those nodes taken in B
+        protect = [self._params[i] for i in hit]
+        keep: list[tuple[Node, list[tuple[Node, int]]]] = []
+        nodes: list[str] = []
+        for node, edges in p.frontier:
+            if not {id(q) for q in _params_below([n for n, _ in edges], self._params)} & hit:
+                keep.append((node, edges))
+                continue
+            nodes.append(node.name())
+            self.deferred_edges -= len(edges)
+            self.early_edges += len(edges)
+            p.edge_grads.extend(self._reenter(p, node, edges, protect))
+        p.frontier = keep
+        if not keep:
+            p.outputs = []
+        first = next(self.names.get(id(q), n) for n, q in self.module.named_parameters() if id(q) in hit)
+        self._warn_once(
+            "filled",
+            f"the backward of {', '.join(dict.fromkeys(nodes)) or 'a node'} wrote the .grad of {len(hit)} parameter(s) "
+            f"({first} first) itself during B, where B computes input gradients only (a custom autograd.Function that "
+            f"accumulates a weight's gradient inside its backward and returns None for it, as fused "
+            f"weight-gradient-accumulation Linears do). W re-entering that node for its weight edges would run that "
+            f"backward again and add the gradient twice, so its weight gradients are taken in B instead: exact, but "
+            f"not deferred to W (deferred_fraction counts them as taken in B). To defer them, return the weight's "
+            f"gradient from backward instead of writing .grad; or train this model with split_backward=False.",
+        )
+
+    def _checkpointed_in_b(self, plan: _Plan) -> None:
+        """Say once that an activation-checkpointed node without a W formula had its weight gradients taken in B."""
+        names = [self.names.get(id(q), n) for n, q in self.module.named_parameters() if id(q) in plan.in_b_params]
+        made = f" ({names[0]}" + (f" and {len(names) - 1} more" if len(names) > 1 else "") + ")" if names else ""
+        self._warn_once(
+            "checkpointed",
+            f"in an activation-checkpointed block, {', '.join(plan.in_b_nodes)} has no W formula, so the weight "
+            f"gradients it leads to{made} are taken in B, in the block's one recompute: W re-entering the node would "
+            f"recompute the block once more (or fail under selective checkpointing). Exact, but not deferred to W "
+            f"(deferred_fraction counts them as taken in B). To defer them, run that op outside the checkpointed "
+            f"block, or use ops with a W formula there (docs/guide.md, 'How it works'); or train this model with "
+            f"split_backward=False.",
+        )
+
+    def _rerun_in_w(self, p: _Pending) -> None:
+        """Say once that W re-enters a Python ``autograd.Function``'s node: it runs that node's whole backward again."""
+        again = list(dict.fromkeys(n.name() for n, _ in p.frontier if isinstance(n, BackwardCFunction)))
+        if not again:
+            return
+        self._warn_once(
+            "rerun",
+            f"W re-enters {', '.join(again)} for its weight gradients. That node is a Python autograd.Function (a "
+            f"custom Function, flex_attention with a parameter in score_mod, torchao's float8 matmul), which cannot "
+            f"see which of its gradients W asks for (ctx.needs_input_grad is fixed at forward), so W runs its whole "
+            f"backward a second time, the input-gradient half included: that node's backward costs twice, once in B "
+            f"and once in W. Exact. To avoid it, train this model with split_backward=False, or compute those "
+            f"weights with ops that have a W formula (docs/guide.md, 'How it works').",
+        )
+
     # ------------------------------------------------------------------ W
     def backward_weight(self, mb: int | Iterable[int]) -> None:
         """W (2BP's backward-p2): the parameter gradients of one or several micro-batches, accumulated
@@ -565,24 +646,40 @@ class Stage:
         edge_grads.extend(self._apply_formulas(pend))
         for p in pend:
             for node, edges in p.frontier:
-                recorded = p.captured.get(node)
-                if recorded is None:
-                    continue
-                roots = [(GradientEdge(node, i), g) for i, g in enumerate(recorded) if g is not None]
-                if not roots:
-                    continue
-                targets = [GradientEdge(n, i) for n, i in edges]
-                got = torch.autograd.grad(
-                    [r for r, _ in roots],
-                    targets,
-                    [g for _, g in roots],
-                    allow_unused=True,
-                    retain_graph=False,  # this node's saved tensors are not needed again
-                )
-                edge_grads.extend((e, g) for e, g in zip(targets, got, strict=False) if g is not None)
+                edge_grads.extend(self._reenter(p, node, edges))
         self._push_to_params(edge_grads)
         for m in mbs:
             del self._pending[m]
+
+    @staticmethod
+    def _reenter(
+        p: _Pending, node: Node, edges: list[tuple[Node, int]], protect: Sequence[nn.Parameter] = ()
+    ) -> list[tuple[GradientEdge, torch.Tensor]]:
+        """W at a frontier node: one engine call rooted at the gradient B recorded there, for its weight edges only;
+        their gradients, to push into the parameters. ``protect``: parameters whose ``.grad`` the node's backward
+        writes itself (see :meth:`Stage._filled_in_b`), put back as they were."""
+        recorded = p.captured.get(node)
+        if recorded is None:
+            return []
+        roots = [(GradientEdge(node, i), g) for i, g in enumerate(recorded) if g is not None]
+        if not roots:
+            return []
+        targets = [GradientEdge(n, i) for n, i in edges]
+        kept = [(q, q.grad, None if q.grad is None else q.grad.clone()) for q in protect]
+        try:
+            got = torch.autograd.grad(
+                [r for r, _ in roots],
+                targets,
+                [g for _, g in roots],
+                allow_unused=True,
+                retain_graph=False,  # this node's saved tensors are not needed again
+            )
+        finally:
+            for q, grad, value in kept:
+                q.grad = grad
+                if grad is not None and value is not None:
+                    grad.copy_(value)
+        return [(e, g) for e, g in zip(targets, got, strict=False) if g is not None]
 
     def _apply_formulas(self, pend: list[_Pending]) -> list[tuple[GradientEdge, torch.Tensor]]:
         """Every formula of ``pend``'s micro-batches; a weight's small micro-batches joined into one call
@@ -630,26 +727,27 @@ class Stage:
 
 
 class _Hidden:
-    """Finds the parameters without a leaf in B's graph that got a gradient during B: a custom
-    ``autograd.Function`` on the input path (Reformer's reversible layers) recomputes its layers and calls
-    ``torch.autograd.backward`` inside its own backward, filling their ``.grad`` in B where the plan cannot
-    see it. Hooks on those parameters only (usually none: an unused parameter), removed after B's call."""
+    """Finds the watched parameters whose ``.grad`` changed during B (a new tensor, or the same one written in
+    place: its ``_version``), where B computes no parameter's gradient: a custom ``autograd.Function`` filled
+    it from inside its own backward. Watched are the parameters without a leaf in B's graph (Reformer's
+    reversible layers recompute theirs and call ``torch.autograd.backward`` inside the Function's backward, or
+    assign ``.grad``), and those below a frontier node W re-enters (a Function that accumulates its weight's
+    ``.grad`` itself and returns None for it). Usually none. No hook: a direct ``.grad`` write fires none."""
 
     def __init__(self, params: list[nn.Parameter]) -> None:
         self.params = params
         self.hit: set[int] = set()  # ids of the parameters filled
-        self.handles: list[Any] = []
+        self.before: list[tuple[torch.Tensor | None, int]] = []
 
     def __enter__(self) -> _Hidden:
-        self.handles = [q.register_post_accumulate_grad_hook(self._hit) for q in self.params]
+        self.before = [(q.grad, -1 if q.grad is None else tensor_version(q.grad)) for q in self.params]
         return self
 
-    def _hit(self, param: torch.Tensor) -> None:
-        self.hit.add(id(param))
-
     def __exit__(self, *exc: object) -> None:
-        for h in self.handles:
-            h.remove()
+        for q, (grad, version) in zip(self.params, self.before, strict=True):
+            if q.grad is not grad or (grad is not None and tensor_version(grad) != version):
+                self.hit.add(id(q))
+        self.before = []
 
 
 class _Recorder:
@@ -711,6 +809,9 @@ class _Plan:
     unseen: tuple[int, ...] = ()  # ids of the stage's parameters with no leaf in this graph (see _Hidden)
     why: str = ""  # why the fallback (see Stage._fell_back)
     why_params: tuple[int, ...] = ()  # ids of the parameters that value is made from, to name them
+    watch: tuple[int, ...] = ()  # ids of the parameters below the frontier nodes W re-enters (see _Hidden)
+    in_b_nodes: tuple[str, ...] = ()  # checkpointed nodes without a formula, taken in B (Stage._checkpointed_in_b)
+    in_b_params: tuple[int, ...] = ()  # ids of the parameters they lead to
 
 
 _REENTRANT = (
@@ -740,10 +841,12 @@ def _plan(
     params: dict[int, nn.Parameter],
     walked: tuple[list[Node], dict[Node, list[tuple[Node, int]]]] | None = None,
     read: list[Node] | None = None,
+    filled: frozenset[int] = frozenset(),
 ) -> _Plan:
     """Classify the graph below ``outputs`` (tensors, or a dropped output's edge): input path,
     weight-only region, frontier edges. ``read``, when given, receives the nodes whose saved flags the
-    choices read (see :class:`_PlanCache`)."""
+    choices read (see :class:`_PlanCache`). ``filled``: ids of parameters whose ``.grad`` a node's own
+    backward writes; the nodes above them are taken in B."""
     nodes = [_node(o) for o in outputs]
     order, children = walked or _walk([n for n in nodes if n is not None])
     _refuse_reentrant(order)
@@ -755,6 +858,7 @@ def _plan(
         _used_outputs(children),
         [] if read is None else read,
         _fed_by_weights(order, children, reach),
+        filled=filled,
     )
     for node in reversed(order):  # parents first: the order B reaches them
         if reach.to_input[node] and getattr(node, "variable", None) is None:
@@ -769,6 +873,10 @@ def _plan(
     if split.fallback:
         num_early = split.num_deferred + len(split.early) + len(split.in_b)
         return _Plan([], [], [], [], True, 0, num_early, split.unreadable, why=split.why, why_params=split.why_params)
+    # B checks that no node's own backward writes the .grad of a parameter below a frontier node W re-enters
+    # (_Hidden): W would write it again. Those carried into the parameters in B itself are not watched.
+    pushed = {id(q) for q in _params_below([e.node for e in split.in_b], params)}
+    watch = _params_below([n for _, edges in split.frontier for n, _ in edges], params)
     return _Plan(
         split.frontier,
         split.fast,
@@ -780,6 +888,9 @@ def _plan(
         split.unreadable,
         split.in_b,
         tuple(params.keys() - {id(getattr(n, "variable", None)) for n in order}),
+        watch=tuple(id(q) for q in watch if id(q) not in pushed),
+        in_b_nodes=tuple(dict.fromkeys(n.name() for n, _ in split.checkpointed)),
+        in_b_params=tuple(id(q) for q in _params_below([m for _, ms in split.checkpointed for m in ms], params)),
     )
 
 
@@ -804,6 +915,7 @@ class _PlanCache:
         outputs: Sequence[torch.Tensor | GradientEdge],
         inputs: Sequence[torch.Tensor],
         params: dict[int, nn.Parameter],
+        filled: frozenset[int] = frozenset(),
     ) -> _Plan:
         nodes = [_node(o) for o in outputs]
         roots = [n for n in nodes if n is not None]
@@ -816,7 +928,7 @@ class _PlanCache:
         if cached is not None and all(formulas.flags(met[k]) == v for k, v in cached[1]):
             return _relabel(cached[0], met.__getitem__)
         read: list[Node] = []
-        plan = _plan(outputs, inputs, params, _walk(roots), read)
+        plan = _plan(outputs, inputs, params, _walk(roots), read, filled)
         index = {n: k for k, n in enumerate(met)}
         if len(self._plans) >= self.LIMIT:
             del self._plans[next(iter(self._plans))]
@@ -975,6 +1087,9 @@ class _Split:
     why: str = ""  # the first reason for the fallback, for its warning
     why_params: tuple[int, ...] = ()  # ids of the parameters below the shared value of ``why``
     unreadable: list[str] = field(default_factory=list)
+    filled: frozenset[int] = frozenset()  # parameters a node's own backward writes (Stage._filled_in_b)
+    # checkpointed nodes without a formula whose weight edges are taken in B, with those edges' nodes
+    checkpointed: list[tuple[Node, list[Node]]] = field(default_factory=list)
 
     def add(self, node: Node) -> None:
         single = self._weight_edges(node)
@@ -1014,6 +1129,16 @@ class _Split:
         ):
             return
         if deferred and in_checkpoint(node):  # W would run this node again: B runs it once, for both halves
+            self.in_b.extend(GradientEdge(*e) for e in deferred)
+            self.checkpointed.append((node, [n for n, _ in deferred]))
+            deferred = []
+        if (
+            deferred
+            and self.filled
+            and {id(q) for q in _params_below([n for n, _ in deferred], self.params)} & self.filled
+        ):
+            # its backward writes a weight's .grad itself: W running it again would add that twice (see
+            # Stage._filled_in_b); B runs it once, for both halves
             self.in_b.extend(GradientEdge(*e) for e in deferred)
             deferred = []
         nested = _nested([n for n, _ in deferred])

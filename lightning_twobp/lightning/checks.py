@@ -147,8 +147,8 @@ def check_parameter_hooks(lm: nn.Module, stages: Mapping[int, nn.Module], when: 
     (``Stage._accumulate``), so the hooks ran on parts or not at all: a clamp hook was ignored (every
     parameter 0.03-0.12 off one process after an epoch), a post-accumulate hook ran 0 to 24 times where one
     process ran it 36. Run per part, a nonlinear hook (a clamp) of each part summed is not the hook of the
-    sum, so there is no exact way to run them. The strategy's own hooks (``Stage``'s ``_Hidden``, during B)
-    are removed before these checks can see them; FSDP2's ``fully_shard`` registers none on parameters."""
+    sum, so there is no exact way to run them. The strategy registers none on parameters (``Stage``'s
+    ``_Hidden`` compares ``.grad`` before and after B); nor does FSDP2's ``fully_shard``."""
     names = {id(q): n for n, q in lm.named_parameters()}
     problem = None
     for s in sorted(stages):
