@@ -9,11 +9,54 @@ loop), then, where a trace of the model's forward before the cut says otherwise,
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
+import torch
 from torch import nn
 
-__all__ = ["OutsideModules", "registered_sides"]
+__all__ = ["LooseParameter", "OutsideModules", "registered_sides"]
+
+
+class LooseParameter(nn.Module):
+    """A parameter a module on the path to the blocks holds directly (timm's ViT: ``cls_token`` and ``pos_embed``;
+    Wav2Vec2's ``masked_spec_embed``; PixArt's ``scale_shift_table``), as a part of the layer that uses it (the first
+    or the last, as the call-order trace finds): the same Parameter under its own name, so the partition, the
+    optimizer, data-parallel gradients and checkpoints see it as that layer's, named as one process names it
+    (``model.cls_token``, the part's path). The model's forward reads it from its holder: a rank that sets the
+    layer aside takes it out of the holder and an Elsewhere stands in (:meth:`set_aside`), as a placeholder does
+    for a module; :meth:`put_back` gives the holder this part's tensor again (on meta, or gathered)."""
+
+    def __init__(self, holder: nn.Module, name: str) -> None:
+        super().__init__()
+        self.__dict__.update(_holder=holder, _name=name)  # not a submodule: the holder holds the blocks too
+        self.register_parameter(name, holder._parameters[name])
+
+    def tensor(self) -> torch.Tensor:
+        q = self._parameters[self.__dict__["_name"]]
+        assert q is not None  # registered from named_parameters, which skips None
+        return q
+
+    def set_aside(self, stand_in: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Take the parameter out of its holder; ``stand_in(tensor)`` makes what a read of it gives."""
+        self.__dict__["_stand_in"] = stand_in
+        self.__dict__["_holder"]._parameters.pop(self.__dict__["_name"], None)
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Make the stand-in again (the model moved or was cast since), while set aside."""
+        stand_in = self.__dict__.get("_stand_in")
+        if stand_in is not None:  # found before nn.Module.__getattr__ looks for a parameter
+            self.__dict__["_holder"].__dict__[self.__dict__["_name"]] = stand_in(self.tensor())
+
+    def put_back(self) -> None:
+        self.__dict__.pop("_stand_in", None)
+        holder, name = self.__dict__["_holder"], self.__dict__["_name"]
+        holder.__dict__.pop(name, None)
+        holder._parameters[name] = self.tensor()
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        raise TypeError("a parameter a module holds directly is read by that module's forward, not called")
 
 
 class OutsideModules:
@@ -147,19 +190,28 @@ def registered_sides(
 ) -> tuple[list, list]:
     """The modules with parameters outside the blocks, as ``(pre, post)`` lists of ``(path, module)``:
     registered before the ModuleList (in module-tree order) they run before the loop, after it
-    after. Parameters held directly by a module on the path to the ModuleList cannot be placed."""
+    after. A parameter held directly by a module on the path to the ModuleList is a :class:`LooseParameter` part,
+    before the loop until the call-order trace says otherwise."""
     pre: list[tuple[str, nn.Module]] = []
     post: list[tuple[str, nn.Module]] = []
-    _walk(root, "", blocks, name, ancestors, {id(m) for m in blocks.modules()}, [pre, post])
+    _walk(root, "", blocks, name, ancestors, {id(m) for m in blocks.modules()}, [pre, post], len(ancestors) == 1)
     return pre, post
 
 
 def _walk(
-    module: nn.Module, prefix: str, blocks: nn.Module, name: str, ancestors: set[int], seen: set[int], sides: list
+    module: nn.Module,
+    prefix: str,
+    blocks: nn.Module,
+    name: str,
+    ancestors: set[int],
+    seen: set[int],
+    sides: list,
+    called: bool = True,
 ) -> None:
     """``module``'s children into ``sides[-1]`` in registration order (``sides``: ``[pre, post]``; the ModuleList
-    pops ``pre``), descending into the ModuleList's ancestors."""
-    _check_no_loose(module, prefix, name)
+    pops ``pre``), descending into the ModuleList's ancestors. ``called``: ``module`` is (inside) the module the step
+    calls, whose forward the call-order trace runs: the LightningModule is only where its own forward loops."""
+    sides[0].extend((prefix + n, LooseParameter(module, n)) for n in _loose(module, prefix, name, called))
     for attr, child in module._modules.items():
         if child is blocks:
             if len(sides) == 2:
@@ -169,18 +221,19 @@ def _walk(
             continue
         path = prefix + attr
         if id(child) in ancestors:
-            _walk(child, path + ".", blocks, name, ancestors, seen, sides)
+            _walk(child, path + ".", blocks, name, ancestors, seen, sides)  # the module the step calls, or inside it
             continue
         seen.update(id(m) for m in child.modules())
         if next(child.parameters(), None) is not None:
             sides[0].append((path, child))
 
 
-def _check_no_loose(module: nn.Module, prefix: str, name: str) -> None:
-    """Refuse parameters held directly by a module on the path to the ModuleList: no module of one side holds them."""
+def _loose(module: nn.Module, prefix: str, name: str, called: bool) -> list[str]:
+    """The names of the parameters ``module`` (on the path to the ModuleList) holds directly; refused where no stage
+    could compute with them, or where the step's own code around the model's call uses them (``called`` False)."""
     loose = [n for n, _ in module.named_parameters(recurse=False)]
     if not loose:
-        return
+        return loose
     where = prefix[:-1] or f"the {type(module).__name__} itself"
     if getattr(getattr(module, "config", None), "use_weighted_layer_sum", False) is True:
         # Hugging Face's audio classifiers: a weighted sum of every block's hidden states, which no
@@ -192,9 +245,12 @@ def _check_no_loose(module: nn.Module, prefix: str, name: str) -> None:
             f"use_weighted_layer_sum=False in the config before building the model (the classifier then "
             f"reads the last block's output)"
         )
-    raise ValueError(
-        f"{where} holds parameters directly ({', '.join(loose)}) beside the blocks in {name}: under "
-        f"strategy='twobp' every parameter outside the blocks must belong to a submodule that runs before "
-        f"the loop (the first stage) or after it (the last stage); put it in a small module of its own (timm's "
-        f"ViT: docs/strategy.md, 'The one change an existing model may need')"
-    )
+    if not called:  # the step's code before the model's call runs on every stage, the loss after it on the last
+        raise ValueError(
+            f"{where} holds parameters directly ({', '.join(loose)}) beside the model that holds the blocks in "
+            f"{name}: under strategy='twobp' the step's code before the model's call runs on every pipeline stage and "
+            f"the code after it on the last, so no one stage can hold them; put them in a module of their own "
+            f"registered after the model (the last stage, where the loss is computed), or inside the model, whose "
+            f"forward may use them as one process does"
+        )
+    return loose
