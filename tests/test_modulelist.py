@@ -924,6 +924,8 @@ class Loop(nn.Module):
                 self.cond = nn.Linear(6, 6)  # before the blocks: its output given to every block, then changed
             gate = KeyedGate if kind.startswith("shared-from-") else Gate
             self.blocks = nn.ModuleList(gate() for _ in range(1 if kind == "shared" else 4))
+        if kind == "loose-both":  # a parameter the model holds directly, used before the loop and after it
+            self.temperature = nn.Parameter(torch.ones(()))
         if kind == "weighted-layer-sum":
             # Hugging Face's audio classifiers (Whisper, Wav2Vec2): every block's output, weighted by a parameter
             # the model holds directly; "put it in a module of its own" was the wrong fix for it
@@ -959,6 +961,8 @@ class Loop(nn.Module):
             side = (h.sum(-1, keepdim=True) > 0).float() if self.kind == "side-from-embedding" else None
         if self.kind == "registered-early-both":  # on both sides of the loop: one stage cannot hold it
             h = self.norm(h)
+        if self.kind == "loose-both":
+            h = h * self.temperature
         if self.kind == "registered-early-host":  # a read on the host, which the call-order trace cannot make
             h = h * (len(x[:, 0].tolist()) / x.shape[0])
         residual = torch.zeros_like(x) if self.kind == "residual" else None
@@ -1001,6 +1005,8 @@ class Loop(nn.Module):
         if self.kind == "read-directly":  # a head tied by a read of the weight, in the model's forward
             h = h @ self.embed.weight.T
         out = self.head(self.norm(h) if self.kind.startswith("registered-early") else h)
+        if self.kind == "loose-both":
+            out = out / self.temperature
         if collected:
             out = out + torch.stack(collected).sum()
         if self.kind in ("router-logits", "router-hook"):
@@ -1082,6 +1088,10 @@ ERRORS = {
     # the user's own hooks: the twins of other stages' blocks run their hooks, at every micro-batch (with both
     # stages of the V on this rank no twin ran, and the auxiliary loss took this stage's blocks only, silently)
     "router-hook": r"model returned a value computed by model.blocks\[0\].*values a forward hook collects",
+    "loose-both": (
+        r"ValueError: the model's forward uses model.temperature \(shape \(\)\), a parameter held directly by model, "
+        r"both before and after model.blocks .* Give each side a module of its own holding it, tied"
+    ),
     "weighted-layer-sum": (
         r"model mixes the hidden states of every block in model.blocks \(use_weighted_layer_sum=True in model.config, "
         r"weighted by its parameter layer_weights\).*set use_weighted_layer_sum=False"
