@@ -9,7 +9,7 @@ loop), then, where a trace of the model's forward before the cut says otherwise,
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping, MutableMapping
 from typing import Any
 
 import torch
@@ -21,26 +21,28 @@ __all__ = ["LooseParameter", "OutsideModules", "registered_sides"]
 class LooseParameter(nn.Module):
     """A parameter a module on the path to the blocks holds directly (timm's ViT: ``cls_token`` and ``pos_embed``;
     Wav2Vec2's ``masked_spec_embed``; PixArt's ``scale_shift_table``), as a part of the layer that uses it (the first
-    or the last, as the call-order trace finds): the same Parameter under its own name, so the partition, the
-    optimizer, data-parallel gradients and checkpoints see it as that layer's, named as one process names it
-    (``model.cls_token``, the part's path). The model's forward reads it from its holder: a rank that sets the
-    layer aside takes it out of the holder and an Elsewhere stands in (:meth:`set_aside`), as a placeholder does
-    for a module; :meth:`put_back` gives the holder this part's tensor again (on meta, or gathered)."""
+    or the last, as the call-order trace finds), so the partition, the optimizer, data-parallel gradients and
+    checkpoints see it as that layer's, named as one process names it (``model.cls_token``, the part's path).
+
+    Its one parameter is its holder's entry (:class:`_HolderEntry`): whatever replaces it, through the holder (a
+    model made on the meta device) or through this part (FSDP2's sharded and gathered weights, a set-aside layer
+    moved to meta), both see it, as the model's forward reads it from the holder. A rank that sets the layer aside
+    takes it out of the holder, keeps it here, and leaves an Elsewhere for the forward to read (:meth:`set_aside`),
+    as a placeholder does for a module; :meth:`put_back` returns it."""
 
     def __init__(self, holder: nn.Module, name: str) -> None:
         super().__init__()
-        self.__dict__.update(_holder=holder, _name=name)  # not a submodule: the holder holds the blocks too
-        self.register_parameter(name, holder._parameters[name])
+        self.__dict__.update(_holder=holder, _name=name, _parameters=_HolderEntry(holder, name))
 
     def tensor(self) -> torch.Tensor:
         q = self._parameters[self.__dict__["_name"]]
-        assert q is not None  # registered from named_parameters, which skips None
+        assert q is not None  # found by named_parameters, which skips None
         return q
 
     def set_aside(self, stand_in: Callable[[torch.Tensor], torch.Tensor]) -> None:
         """Take the parameter out of its holder; ``stand_in(tensor)`` makes what a read of it gives."""
         self.__dict__["_stand_in"] = stand_in
-        self.__dict__["_holder"]._parameters.pop(self.__dict__["_name"], None)
+        self._parameters.detach()
         self.refresh()
 
     def refresh(self) -> None:
@@ -51,12 +53,53 @@ class LooseParameter(nn.Module):
 
     def put_back(self) -> None:
         self.__dict__.pop("_stand_in", None)
-        holder, name = self.__dict__["_holder"], self.__dict__["_name"]
-        holder.__dict__.pop(name, None)
-        holder._parameters[name] = self.tensor()
+        self.__dict__["_holder"].__dict__.pop(self.__dict__["_name"], None)
+        self._parameters.attach()
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         raise TypeError("a parameter a module holds directly is read by that module's forward, not called")
+
+
+class _HolderEntry(MutableMapping):
+    """A :class:`LooseParameter`'s ``_parameters``: one name, read from and written into its holder's own
+    ``_parameters`` while attached; kept here while detached (the layer set aside, the holder reading a stand-in)."""
+
+    def __init__(self, holder: nn.Module, name: str) -> None:
+        self.holder, self.name = holder, name
+        self.kept: Any = _ATTACHED
+
+    def detach(self) -> None:
+        if self.kept is _ATTACHED:
+            self.kept = self.holder._parameters.pop(self.name)
+
+    def attach(self) -> None:
+        if self.kept is not _ATTACHED:
+            self.holder._parameters[self.name], self.kept = self.kept, _ATTACHED
+
+    def __getitem__(self, key: str) -> Any:
+        if key != self.name:
+            raise KeyError(key)
+        return self.holder._parameters[key] if self.kept is _ATTACHED else self.kept
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        if key != self.name:
+            raise KeyError(f"a LooseParameter holds {self.name!r} only, not {key!r}")
+        if self.kept is _ATTACHED:
+            self.holder._parameters[key] = value
+        else:
+            self.kept = value
+
+    def __delitem__(self, key: str) -> None:
+        raise TypeError(f"{self.name!r} is its holder's parameter: delete it there")
+
+    def __iter__(self) -> Iterator[str]:
+        return iter((self.name,))
+
+    def __len__(self) -> int:
+        return 1
+
+
+_ATTACHED = object()
 
 
 class OutsideModules:
