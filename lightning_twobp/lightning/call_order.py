@@ -258,7 +258,7 @@ class _ParameterUses(TorchFunctionMode):
         self._holders: dict[int, Holders] = {}
         self.reads: list[tuple[int, Holders]] = []  # (place in the order, holders): uses outside their calls
 
-    def loose(self, path: str, param: nn.Parameter, original: nn.Parameter) -> None:
+    def loose(self, path: str, param: Any, original: torch.Tensor) -> None:
         """Record the uses of ``param`` (the meta copy of ``original``), held directly by a module on the path to the
         blocks, as ``path``'s: each a read outside any call (:data:`Reads`), on the side of the loop it is placed on."""
         self._owners.setdefault(id(param), []).append(path)

@@ -523,8 +523,10 @@ class ModuleListContract(OutsideModules):
                 parent, attr = self._slots[path]
                 setattr(parent, attr, module)
             for path, part in zip(group.paths, group.parts(), strict=True):
-                if isinstance(part, LooseParameter):
-                    part.put_back() if new is group else part.set_aside(self._loose_stand_in(i, path))
+                if isinstance(part, LooseParameter) and new is group:
+                    part.put_back()
+                elif isinstance(part, LooseParameter):
+                    part.set_aside(self._loose_stand_in(i, path))
         return old
 
     def _loose_stand_in(self, i: int, path: str) -> Callable[[torch.Tensor], torch.Tensor]:

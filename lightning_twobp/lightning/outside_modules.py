@@ -42,7 +42,7 @@ class LooseParameter(nn.Module):
     def set_aside(self, stand_in: Callable[[torch.Tensor], torch.Tensor]) -> None:
         """Take the parameter out of its holder; ``stand_in(tensor)`` makes what a read of it gives."""
         self.__dict__["_stand_in"] = stand_in
-        self._parameters.detach()
+        self._entry().detach()
         self.refresh()
 
     def refresh(self) -> None:
@@ -54,7 +54,12 @@ class LooseParameter(nn.Module):
     def put_back(self) -> None:
         self.__dict__.pop("_stand_in", None)
         self.__dict__["_holder"].__dict__.pop(self.__dict__["_name"], None)
-        self._parameters.attach()
+        self._entry().attach()
+
+    def _entry(self) -> _HolderEntry:
+        entry = self.__dict__["_parameters"]
+        assert isinstance(entry, _HolderEntry)
+        return entry
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         raise TypeError("a parameter a module holds directly is read by that module's forward, not called")
