@@ -926,6 +926,8 @@ class Loop(nn.Module):
             self.blocks = nn.ModuleList(gate() for _ in range(1 if kind == "shared" else 4))
         if kind == "loose-both":  # a parameter the model holds directly, used before the loop and after it
             self.temperature = nn.Parameter(torch.ones(()))
+        if kind in ("loose-inside", "loose-host"):  # one given to every block; one used after the loop, untraced
+            self.gate = nn.Parameter(torch.ones(6))
         if kind == "weighted-layer-sum":
             # Hugging Face's audio classifiers (Whisper, Wav2Vec2): every block's output, weighted by a parameter
             # the model holds directly; "put it in a module of its own" was the wrong fix for it
@@ -963,7 +965,7 @@ class Loop(nn.Module):
             h = self.norm(h)
         if self.kind == "loose-both":
             h = h * self.temperature
-        if self.kind == "registered-early-host":  # a read on the host, which the call-order trace cannot make
+        if self.kind in ("registered-early-host", "loose-host"):  # a read on the host, which the trace cannot make
             h = h * (len(x[:, 0].tolist()) / x.shape[0])
         residual = torch.zeros_like(x) if self.kind == "residual" else None
         shared: dict[str, torch.Tensor] = {}
@@ -991,6 +993,8 @@ class Loop(nn.Module):
             elif self.kind == "drawn-in-place":
                 h = block(h, scale=side)
                 side.mul_(0.5)  # the stage's own draw, replaced by the one received: the change would not reach it
+            elif self.kind == "loose-inside":
+                h = block(h, scale=self.gate)
             elif self.kind == "collect-list":
                 h = block(h, collect=collected)
             elif residual is None:
@@ -1007,6 +1011,8 @@ class Loop(nn.Module):
         out = self.head(self.norm(h) if self.kind.startswith("registered-early") else h)
         if self.kind == "loose-both":
             out = out / self.temperature
+        if self.kind == "loose-host":
+            out = out * self.gate[: out.shape[-1]]
         if collected:
             out = out + torch.stack(collected).sum()
         if self.kind in ("router-logits", "router-hook"):
@@ -1091,6 +1097,15 @@ ERRORS = {
     "loose-both": (
         r"ValueError: the model's forward uses model.temperature \(shape \(\)\), a parameter held directly by model, "
         r"both before and after model.blocks .* Give each side a module of its own holding it, tied"
+    ),
+    "loose-inside": (
+        r"ValueError: the model's forward uses model.gate \(shape \(6,\)\), a parameter held directly by model, "
+        r"between the blocks of model.blocks .* Make it the blocks' own"
+    ),
+    "loose-host": (
+        r"ValueError: model.gate \(shape \(6,\)\), a parameter held directly by model beside the blocks in "
+        r"model.blocks, goes with the layer on the side of the loop .* that trace did not run \(the model's forward "
+        r"did not run on the meta device .*put the parameter in a module of its own"
     ),
     "weighted-layer-sum": (
         r"model mixes the hidden states of every block in model.blocks \(use_weighted_layer_sum=True in model.config, "

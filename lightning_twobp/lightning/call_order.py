@@ -92,7 +92,8 @@ def place_by_call_order(runner: StepRunner, contract: ModuleListContract, traine
         log.info("twobp: the modules outside %s are placed by registration order: %s", contract.list_name, why)
     for path in moved:  # shown: a module placed against its registration order, which the user may look for
         stage = "first" if sides[path] == "before" else "last"
-        rank_zero_info(f"twobp: {path} is called {sides[path]} {contract.list_name}: placed on the {stage} stage")
+        how = "used" if isinstance(dict(contract.outside()).get(path), LooseParameter) else "called"
+        rank_zero_info(f"twobp: {path} is {how} {sides[path]} {contract.list_name}: placed on the {stage} stage")
 
 
 def _agreed(sides: dict[str, str], why: str | None, reads: Reads) -> tuple[dict[str, str], str | None, Reads]:
@@ -336,15 +337,6 @@ def _read_elsewhere(contract: ModuleListContract, holders: Holders, side: str) -
     path, name, shape = holders[0]
     weights = f"{name} (shape {shape})"
     held, other = ("last", "first") if side == "before" else ("first", "last")
-    if isinstance(dict(contract.outside()).get(path), LooseParameter):  # held directly: used on both sides
-        return (
-            f"the model's forward uses {weights}, a parameter held directly by "
-            f"{path.rpartition('.')[0] or 'the LightningModule'}, both before and after {contract.list_name} (traced "
-            f"on the meta device before the cut): it is placed with the {held} pipeline stage's layers, and the "
-            f"{other} stage, which runs the code {side} the blocks, does not hold it. Give each side a module of its "
-            f"own holding it, tied (`self.pre, self.post = nn.Module(), nn.Module(); self.pre.w = self.post.w = w`, "
-            f"each side reading its own): a parameter of modules on two stages is kept in sync, as tied embeddings are"
-        )
     return (
         f"the model's forward uses {weights} {side} {contract.list_name}, outside any call of {path} (traced on the "
         f"meta device before the cut): {path} is on the {held} pipeline stage, and the {other} stage, which runs the "

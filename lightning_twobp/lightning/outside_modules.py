@@ -136,7 +136,46 @@ class OutsideModules:
         self._before ^= set(moved)
         self._sides, self.placed_why = dict(sides), why
         self._regroup()
+        self._refuse_unplaced_loose()
         return moved
+
+    def _refuse_unplaced_loose(self) -> None:
+        """A module the trace did not place keeps its registration place; a parameter held directly has none to keep
+        (registration order says nothing of where the forward uses it): refuse one not traced to one side of the
+        loop, on every rank, before any compute. One the traced forward never used stays where it is, unused."""
+        for path, part in self._outside:
+            side = self._sides.get(path)
+            if not isinstance(part, LooseParameter) or side in ("before", "after"):
+                continue
+            if side is None and self.placed_why is None:
+                continue
+            raise ValueError(self._loose_unplaced(path, part, side))
+
+    def _loose_unplaced(self, path: str, part: LooseParameter, side: str | None) -> str:
+        holder = path.rpartition(".")[0] or "the LightningModule"
+        what = f"{path} (shape {tuple(part.tensor().shape)}), a parameter held directly by {holder}"
+        if side is None:
+            return (
+                f"{what} beside the blocks in {self.list_name}, goes with the layer on the side of the loop the "
+                f"model's forward uses it, found by tracing the call order before the cut; that trace did not run "
+                f"({self.placed_why}), and a parameter has no registration order to fall back on. Let the trace run "
+                f"(TwoBPStrategy(placement='call'), the default), or put the parameter in a module of its own, "
+                f"registered before the blocks if the forward uses it before them, after them if after"
+            )
+        if side == "both":
+            return (
+                f"the model's forward uses {what}, both before and after {self.list_name} (traced on the meta device "
+                f"before the cut): no one pipeline stage holds it. Give each side a module of its own holding it, tied "
+                f"(`self.pre, self.post = nn.Module(), nn.Module(); self.pre.w = self.post.w = w`, each side reading "
+                f"its own): a parameter of modules on two stages is kept in sync, as tied embeddings are"
+            )
+        return (
+            f"the model's forward uses {what}, between the blocks of {self.list_name} (given to them, or computed with "
+            f"between two of them; traced on the meta device before the cut): the blocks sit on several pipeline "
+            f"stages, and no one stage holds it. Make it the blocks' own (each block a parameter of its own, or one "
+            f"holding it and the others tied to it, `block.w = first.w`: a parameter of modules on several stages is "
+            f"kept in sync, as tied embeddings are), or use it before or after the loop only"
+        )
 
     def on_first_stage(self, path: str) -> bool:
         """Whether ``path`` is placed on the first pipeline stage (else on the last)."""
