@@ -390,6 +390,32 @@ class LooseParameter(SharedBlocks):
         return F.mse_loss((self.net(x) * self.scale)[:, :2], y)
 
 
+class _LooseLoopNet(_LoopNet):
+    """A parameter held directly beside the blocks, used before them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(6))
+
+    def forward(self, x):
+        return super().forward(x * self.scale)
+
+
+class LooseOnMeta(LooseParameter):
+    """A model built on the meta device that holds a parameter directly beside its blocks: no module of its own
+    initializes it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        del self.scale
+        with torch.device("meta"):
+            self.net = _LooseLoopNet()
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.mse_loss(self.net(x)[:, :2], y)
+
+
 class _KeepsAux(nn.Tanh):
     """A Tanh that keeps an auxiliary loss on itself in its forward, as a Switch MoE or a VQ-VAE layer does."""
 
@@ -1124,6 +1150,12 @@ CASES: dict[str, Case] = {
         ValueError,
         r"the LooseParameter itself holds parameters directly \(scale\) beside the model that holds the blocks in "
         r"net.blocks: .* put them in a module of their own registered after the model",
+    ),
+    "fit-loose-parameter-on-meta": (
+        lambda t: _fit(LooseOnMeta()),
+        ValueError,
+        r"net.scale, a parameter held directly by net beside the blocks in net.blocks, is on the meta device: .*"
+        r"Build the model on a real device",
     ),
     "fit-meta-no-reset-parameters": (
         lambda t: _fit(_on_meta(layers=lambda: nn.Sequential(nn.Linear(6, 4), Scale(), nn.Linear(4, 2)))),
