@@ -364,16 +364,56 @@ class SharedBlocks(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
-class LooseParameter(SharedBlocks):
-    """A parameter held directly by the module that loops over the blocks."""
-
+class _LoopNet(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.blocks = nn.ModuleList([nn.Linear(6, 6) for _ in range(3)])
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
+class LooseParameter(SharedBlocks):
+    """A parameter the LightningModule holds directly beside the model its step calls (a learned temperature): the
+    step's code around the call runs on every stage or on the last, so no one stage can hold it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        del self.blocks
+        self.net = _LoopNet()
+        self.scale = nn.Parameter(torch.ones(6))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.mse_loss((self.net(x) * self.scale)[:, :2], y)
+
+
+class _LooseLoopNet(_LoopNet):
+    """A parameter held directly beside the blocks, used before them."""
+
+    def __init__(self) -> None:
+        super().__init__()
         self.scale = nn.Parameter(torch.ones(6))
 
     def forward(self, x):
         return super().forward(x * self.scale)
+
+
+class LooseOnMeta(LooseParameter):
+    """A model built on the meta device that holds a parameter directly beside its blocks: no module of its own
+    initializes it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        del self.scale
+        with torch.device("meta"):
+            self.net = _LooseLoopNet()
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.mse_loss(self.net(x)[:, :2], y)
 
 
 class _KeepsAux(nn.Tanh):
@@ -1108,7 +1148,14 @@ CASES: dict[str, Case] = {
     "fit-loose-parameter": (
         lambda t: _fit(LooseParameter()),
         ValueError,
-        r"holds parameters directly \(scale\) beside the blocks in blocks",
+        r"the LooseParameter itself holds parameters directly \(scale\) beside the model that holds the blocks in "
+        r"net.blocks: .* put them in a module of their own registered after the model",
+    ),
+    "fit-loose-parameter-on-meta": (
+        lambda t: _fit(LooseOnMeta()),
+        ValueError,
+        r"net.scale, a parameter held directly by net beside the blocks in net.blocks, is on the meta device: .*"
+        r"Build the model on a real device",
     ),
     "fit-meta-no-reset-parameters": (
         lambda t: _fit(_on_meta(layers=lambda: nn.Sequential(nn.Linear(6, 4), Scale(), nn.Linear(4, 2)))),

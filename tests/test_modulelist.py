@@ -371,6 +371,30 @@ class ConvEmbeddedLM(nn.Module):
         return self.head(h)
 
 
+class LooseTokensLM(nn.Module):
+    """timm's ViT and DeiT: a class token and a position table the model holds directly, beside its blocks, used
+    before the loop (the first stage's); and PixArt's ``scale_shift_table``, held directly too and used after it
+    (the last stage's, as the call-order trace finds)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, 16)
+        self.cls_token = nn.Parameter(torch.randn(1, 1, 16) * 0.1)
+        self.pos_embed = nn.Parameter(torch.randn(1, SEQ + 1, 16) * 0.1)
+        self.layers = nn.ModuleList([MlpBlock(16) for _ in range(4)])
+        self.norm = nn.LayerNorm(16)
+        self.scale_shift_table = nn.Parameter(torch.randn(2, 16) * 0.1)
+        self.head = nn.Linear(16, VOCAB)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        h = self.embed(input_ids)
+        h = torch.cat([self.cls_token.expand(h.shape[0], -1, -1), h], 1) + self.pos_embed[:, : h.shape[1] + 1]
+        for layer in self.layers:
+            h = layer(h)
+        shift, scale = self.scale_shift_table.chunk(2)
+        return self.head(self.norm(h)[:, 1:] * (1 + scale) + shift)
+
+
 class TorchTransformerLM(nn.Module):
     """torch's ``nn.Transformer`` (Lightning's demo Transformer is one): the decoder's layers pipelined, the
     encoder whole on the first stage, its output (``memory``) read by every decoder layer on every stage."""
@@ -453,6 +477,7 @@ MODELS = {
     "in-place-loop": InPlaceLoopLM,
     "sequential-blocks": SequentialBlocksLM,
     "conv-embedded": ConvEmbeddedLM,
+    "loose-tokens": LooseTokensLM,
     "torch-transformer": TorchTransformerLM,
     "hf-t5": _hf_t5,
     "hf-bart": _hf_bart,
@@ -553,6 +578,10 @@ CASES = {
     # a value made before the loop given to every block and to a module after it, on the V's last stage (rank 0)
     "modulated-zb-v": ("modulated", dict(schedule="zb-v", layers="model.layers"), False),
     "in-place-loop": ("in-place-loop", dict(schedule="1f1b", balance=[2, 2], layers="model.layers"), False),
+    # parameters the model holds directly beside its blocks, on the side of the loop they are used on; then
+    # validate, predict and fit again without gathering (set aside and put back again); and over the V
+    "loose-tokens": ("loose-tokens", dict(schedule="1f1b"), True),
+    "loose-tokens-zb-v": ("loose-tokens", dict(schedule="zb-v"), False),
     # an nn.Sequential of blocks the model's forward calls whole: found, and cut between its blocks over the V;
     # named, then validate, predict and fit again
     "sequential-blocks-zb-v": ("sequential-blocks", dict(schedule="zb-v"), False),
@@ -895,8 +924,10 @@ class Loop(nn.Module):
                 self.cond = nn.Linear(6, 6)  # before the blocks: its output given to every block, then changed
             gate = KeyedGate if kind.startswith("shared-from-") else Gate
             self.blocks = nn.ModuleList(gate() for _ in range(1 if kind == "shared" else 4))
-        if kind == "loose":
-            self.scale = nn.Parameter(torch.ones(6))
+        if kind == "loose-both":  # a parameter the model holds directly, used before the loop and after it
+            self.temperature = nn.Parameter(torch.ones(()))
+        if kind in ("loose-inside", "loose-host"):  # one given to every block; one used after the loop, untraced
+            self.gate = nn.Parameter(torch.ones(6))
         if kind == "weighted-layer-sum":
             # Hugging Face's audio classifiers (Whisper, Wav2Vec2): every block's output, weighted by a parameter
             # the model holds directly; "put it in a module of its own" was the wrong fix for it
@@ -932,7 +963,9 @@ class Loop(nn.Module):
             side = (h.sum(-1, keepdim=True) > 0).float() if self.kind == "side-from-embedding" else None
         if self.kind == "registered-early-both":  # on both sides of the loop: one stage cannot hold it
             h = self.norm(h)
-        if self.kind == "registered-early-host":  # a read on the host, which the call-order trace cannot make
+        if self.kind == "loose-both":
+            h = h * self.temperature
+        if self.kind in ("registered-early-host", "loose-host"):  # a read on the host, which the trace cannot make
             h = h * (len(x[:, 0].tolist()) / x.shape[0])
         residual = torch.zeros_like(x) if self.kind == "residual" else None
         shared: dict[str, torch.Tensor] = {}
@@ -960,6 +993,8 @@ class Loop(nn.Module):
             elif self.kind == "drawn-in-place":
                 h = block(h, scale=side)
                 side.mul_(0.5)  # the stage's own draw, replaced by the one received: the change would not reach it
+            elif self.kind == "loose-inside":
+                h = block(h, scale=self.gate)
             elif self.kind == "collect-list":
                 h = block(h, collect=collected)
             elif residual is None:
@@ -974,6 +1009,10 @@ class Loop(nn.Module):
         if self.kind == "read-directly":  # a head tied by a read of the weight, in the model's forward
             h = h @ self.embed.weight.T
         out = self.head(self.norm(h) if self.kind.startswith("registered-early") else h)
+        if self.kind == "loose-both":
+            out = out / self.temperature
+        if self.kind == "loose-host":
+            out = out * self.gate[: out.shape[-1]]
         if collected:
             out = out + torch.stack(collected).sum()
         if self.kind in ("router-logits", "router-hook"):
@@ -1055,7 +1094,19 @@ ERRORS = {
     # the user's own hooks: the twins of other stages' blocks run their hooks, at every micro-batch (with both
     # stages of the V on this rank no twin ran, and the auxiliary loss took this stage's blocks only, silently)
     "router-hook": r"model returned a value computed by model.blocks\[0\].*values a forward hook collects",
-    "loose": r"model holds parameters directly \(scale\) beside the blocks in model.blocks",
+    "loose-both": (
+        r"ValueError: the model's forward uses model.temperature \(shape \(\)\), a parameter held directly by model, "
+        r"both before and after model.blocks .* Give each side a module of its own holding it, tied"
+    ),
+    "loose-inside": (
+        r"ValueError: the model's forward uses model.gate \(shape \(6,\)\), a parameter held directly by model, "
+        r"between the blocks of model.blocks .* Make it the blocks' own"
+    ),
+    "loose-host": (
+        r"ValueError: model.gate \(shape \(6,\)\), a parameter held directly by model beside the blocks in "
+        r"model.blocks, goes with the layer on the side of the loop .* that trace did not run \(the model's forward "
+        r"did not run on the meta device .*put the parameter in a module of its own"
+    ),
     "weighted-layer-sum": (
         r"model mixes the hidden states of every block in model.blocks \(use_weighted_layer_sum=True in model.config, "
         r"weighted by its parameter layer_weights\).*set use_weighted_layer_sum=False"

@@ -11,6 +11,7 @@ import logging
 import os
 import re
 import signal
+from collections.abc import Iterator
 from typing import Any
 
 import lightning.pytorch as pl
@@ -80,6 +81,37 @@ class ThreeUses(MomentumRegressor):
         self.layers = nn.Sequential(
             nn.Linear(6, 16), nn.Tanh(), a, nn.Tanh(), b, nn.Tanh(), c, nn.Tanh(), d, nn.Linear(16, 3)
         )
+
+
+class _LooseNet(nn.Module):
+    """A model that holds parameters directly beside its blocks: a scale used before them (timm's ViT's class
+    token and position table) and a bias after them (PixArt's scale_shift_table)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(6, 16)
+        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, 16))
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(4))
+        self.out = nn.Linear(16, 3)
+        self.bias = nn.Parameter(torch.full((3,), 0.1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.inp(x)) * self.scale
+        for block in self.blocks:
+            h = block(h)
+        return self.out(h) + self.bias
+
+    def __iter__(self) -> Iterator[nn.Module]:  # as _fit walks a Sequential's layers
+        return iter(self.children())
+
+
+class LooseRegressor(MomentumRegressor):
+    """MomentumRegressor's step around a model with parameters held directly beside its ModuleList of blocks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = _LooseNet()  # type: ignore[assignment]
 
 
 class Recorder(pl.Callback):
@@ -456,6 +488,10 @@ def four_ranks(request) -> conftest.Launch:
         _fit,
         ({"schedule": "zb-v", "balance": [3, 2, 2, 3]}, ("shard",), False, "32-true", 1, ThreeUses),
     )
+    cases["test_loose_parameters_sharded_and_replicated_match_one_process"] = (
+        _fit,
+        ({"schedule": "zb-h1"}, ("shard", "replicate"), False, "32-true", 1, LooseRegressor),
+    )
     return launch(request, 4, cases, timeout=900)
 
 
@@ -569,6 +605,14 @@ def test_a_weight_on_two_stages_of_one_rank_and_on_another_sharded_matches_one_p
     """ZB-V with one weight on stages 0 and 3 (pipeline rank 0: two copies, their gradients summed
     there) and on stage 1 (rank 1: then summed over the holders, the total given to both copies)."""
     _check_against_reference(four_ranks[request.node.name], "shard", _reference(ThreeUses))
+
+
+def test_loose_parameters_sharded_and_replicated_match_one_process(four_ranks, request):
+    """Parameters the model holds directly (tests/test_modulelist.py's loose-tokens) under pp2 x dp2: the first
+    stage's scale and the last stage's bias are that stage's, sharded with it (FSDP2 sets its shards and gathered
+    weights through the stage, into the module whose forward reads them) or replicated, as one process trains."""
+    for mode in ("shard", "replicate"):
+        _check_against_reference(four_ranks[request.node.name], mode, _reference(LooseRegressor))
 
 
 class _DieBeforeStep(pl.Callback):

@@ -44,6 +44,7 @@ from torch.overrides import TorchFunctionMode
 
 from lightning_twobp.lightning.layer_runs import capture_first
 from lightning_twobp.lightning.modulelist_contract import ModuleListContract, caches_off, without_installed_forwards
+from lightning_twobp.lightning.outside_modules import LooseParameter
 from lightning_twobp.lightning.profile import data_loop, first_batch, streaming
 from lightning_twobp.lightning.rng import drawing_from
 from lightning_twobp.lightning.step import StepRunner
@@ -91,7 +92,8 @@ def place_by_call_order(runner: StepRunner, contract: ModuleListContract, traine
         log.info("twobp: the modules outside %s are placed by registration order: %s", contract.list_name, why)
     for path in moved:  # shown: a module placed against its registration order, which the user may look for
         stage = "first" if sides[path] == "before" else "last"
-        rank_zero_info(f"twobp: {path} is called {sides[path]} {contract.list_name}: placed on the {stage} stage")
+        how = "used" if isinstance(dict(contract.outside()).get(path), LooseParameter) else "called"
+        rank_zero_info(f"twobp: {path} is {how} {sides[path]} {contract.list_name}: placed on the {stage} stage")
 
 
 def _agreed(sides: dict[str, str], why: str | None, reads: Reads) -> tuple[dict[str, str], str | None, Reads]:
@@ -218,13 +220,16 @@ def call_sides(
     ``"both"``, or ``"inside"`` (between the first block's call and the last's). ``reads``, where given, gets the
     sides on which a parameter is used outside any call of a module holding it (:data:`Reads`)."""
     within = path + "." if path else ""  # "": the LightningModule's own forward, called by the step as self(x)
-    originals = dict(contract.outside())
-    inside = {p: twin.get_submodule(p[len(within) :]) for p in originals if p.startswith(within)}
+    inside = {p: part for p, part in contract.outside() if p.startswith(within)}
     order: list[Any] = []
     uses = _ParameterUses(order)
     with ExitStack() as scope:
-        for p, module in inside.items():
-            scope.enter_context(uses.owned_by(p, module, originals[p]))
+        for p, part in inside.items():
+            if isinstance(part, LooseParameter):  # its holder's copy's parameter of that name, not a module
+                holder, _, n = p[len(within) :].rpartition(".")
+                uses.loose(p, twin.get_submodule(holder)._parameters[n], part.tensor())
+            else:
+                scope.enter_context(uses.owned_by(p, twin.get_submodule(p[len(within) :]), part))
         for block in twin.get_submodule(contract.list_name[len(within) :]).children():
             scope.callback(block.register_forward_pre_hook(_recorder(order, _BLOCK)).remove)
             scope.callback(block.register_forward_hook(_recorder(order, _BLOCK)).remove)
@@ -253,6 +258,13 @@ class _ParameterUses(TorchFunctionMode):
         self._stand_in: dict[int, nn.Parameter] = {}  # id of an original parameter -> its meta copy in the twin
         self._holders: dict[int, Holders] = {}
         self.reads: list[tuple[int, Holders]] = []  # (place in the order, holders): uses outside their calls
+
+    def loose(self, path: str, param: Any, original: torch.Tensor) -> None:
+        """Record the uses of ``param`` (the meta copy of ``original``), held directly by a module on the path to the
+        blocks, as ``path``'s: each a read outside any call (:data:`Reads`), on the side of the loop it is placed on."""
+        self._owners.setdefault(id(param), []).append(path)
+        self._holders[id(param)] = ((path, path, tuple(param.shape)),)
+        self._stand_in[id(original)] = param
 
     @contextmanager
     def owned_by(self, path: str, module: nn.Module, original: nn.Module) -> Iterator[None]:

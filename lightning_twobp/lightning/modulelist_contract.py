@@ -57,7 +57,7 @@ from torch import nn
 
 from lightning_twobp.lightning.checks import LOOP_AUX, grad_scalars, stored_for_loss
 from lightning_twobp.lightning.in_place import starts_in_place
-from lightning_twobp.lightning.outside_modules import OutsideModules, registered_sides
+from lightning_twobp.lightning.outside_modules import LooseParameter, OutsideModules, registered_sides
 from lightning_twobp.lightning.placeholders import (
     Elsewhere,
     ElsewhereError,
@@ -171,9 +171,12 @@ class LayerGroup(nn.Module):
         return [_child(self, str(k)) for k in range(len(self.paths))]
 
     def path_of(self, name: str) -> str:
-        """The LightningModule's name for ``name`` (``"k.rest"`` inside this group)."""
+        """The LightningModule's name for ``name`` (``"k.rest"`` inside this group): a loose parameter's part
+        (``"k.cls_token"``) is named by its path (``model.cls_token``)."""
         k, _, rest = name.partition(".")
-        return f"{self.paths[int(k)]}.{rest}" if rest else self.paths[int(k)]
+        if rest and not isinstance(_child(self, k), LooseParameter):
+            return f"{self.paths[int(k)]}.{rest}"
+        return self.paths[int(k)]
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         raise TypeError("a LayerGroup is a unit of the partition, not a module to call")
@@ -400,7 +403,8 @@ class ModuleListContract(OutsideModules):
         pre, post = registered_sides(root, blocks, name, {id(m) for _, m in self.ancestors})
         OutsideModules.__init__(self, [*pre, *post], {path for path, _ in pre})
         self._groups = self._grouped()
-        self._slots = {path: _slot(root, path) for path, _ in [*self._outside, *self._block_parts()]}
+        modules = [(p, m) for p, m in self._outside if not isinstance(m, LooseParameter)]  # loose: no slot of theirs
+        self._slots = {path: _slot(root, path) for path, _ in [*modules, *self._block_parts()]}
         self._runner: Any = None
         self._calls: _Calls | None = None
         self._active: _Run | None = None
@@ -505,9 +509,11 @@ class ModuleListContract(OutsideModules):
         old: dict[int, nn.Module] = {}
         for i, new in replacements.items():
             group = self._groups[i]
-            old[i] = group if new is not group else self._occupant(group.paths[0])
+            old[i] = group if new is not group else self._occupant(next(p for p in group.paths if p in self._slots))
             block = group.paths.index(f"{self.list_name}.{i}")
             for k, path in enumerate(group.paths):
+                if isinstance(group.parts()[k], LooseParameter):
+                    continue  # below, once the block's placeholder is in
                 if new is group:
                     module = group.parts()[k]
                 elif (part := getattr(type(new), "part", None)) is not None:  # local_model._Remote: one per part
@@ -516,7 +522,25 @@ class ModuleListContract(OutsideModules):
                     module = new if k == block else copy.copy(new)
                 parent, attr = self._slots[path]
                 setattr(parent, attr, module)
+            for path, part in zip(group.paths, group.parts(), strict=True):
+                if isinstance(part, LooseParameter) and new is group:
+                    part.put_back()
+                elif isinstance(part, LooseParameter):
+                    part.set_aside(self._loose_stand_in(i, path))
         return old
+
+    def _loose_stand_in(self, i: int, path: str) -> Callable[[torch.Tensor], torch.Tensor]:
+        """What a read of layer ``i``'s loose parameter gives while the layer is set aside: an Elsewhere, made as
+        the block's placeholder answers a read of its tensors (on the device the model moved to, in its cast), at
+        each run (:meth:`_running`: the model moves and casts after the cut)."""
+        block = f"{self.list_name}.{i}"
+
+        def stand_in(t: torch.Tensor) -> torch.Tensor:
+            occupant = self._occupant(block)
+            answer = getattr(type(occupant), "_answer", None)  # local_model._Remote's
+            return answer(occupant, t, path) if answer is not None else elsewhere(t, path)
+
+        return stand_in
 
     @contextmanager
     def intercept(self, call: Callable[..., Any]) -> Iterator[None]:
@@ -673,6 +697,10 @@ class ModuleListContract(OutsideModules):
 
     @contextmanager
     def _running(self, run: _Run) -> Iterator[_Run]:
+        for group in self._groups:
+            for part in group.parts():
+                if isinstance(part, LooseParameter):
+                    part.refresh()
         installed = []
         for i in range(self.num_blocks):
             block = self.blocks[i]
@@ -681,7 +709,7 @@ class ModuleListContract(OutsideModules):
             block.__dict__["forward"] = self._block_calls[i]
         if run.first == 0 and run.stop < self.num_blocks:  # what the modules before the blocks make is sent on
             for path in self._groups[0].paths:
-                if path != f"{self.list_name}.0":
+                if path != f"{self.list_name}.0" and path in self._slots:
                     for module in _callables(self._occupant(path)):
                         installed.append((module, module.__dict__.get("forward", _MISSING)))
                         module.__dict__["forward"] = _kept(_real_forward(module, installed[-1][1]), run)
@@ -690,7 +718,7 @@ class ModuleListContract(OutsideModules):
             # placeholders: SD3's and Flux's `norm_out(h, temb)`, `temb` made before the loop and given to
             # every block, so sent beside the hidden state (refused as computed elsewhere before)
             for path in self._groups[-1].paths:
-                if path != f"{self.list_name}.{self.num_blocks - 1}":
+                if path != f"{self.list_name}.{self.num_blocks - 1}" and path in self._slots:
                     for module in _callables(self._occupant(path)):
                         installed.append((module, module.__dict__.get("forward", _MISSING)))
                         module.__dict__["forward"] = _given_received(_real_forward(module, installed[-1][1]), run)
@@ -698,7 +726,7 @@ class ModuleListContract(OutsideModules):
             if run.first <= i < run.stop:
                 continue
             for path, part in zip(group.paths, group.parts(), strict=False):
-                if path != f"{self.list_name}.{i}":
+                if path != f"{self.list_name}.{i}" and path in self._slots:  # a loose part: its holder answers
                     occupant = self._occupant(path)
                     installed.append((occupant, occupant.__dict__.get("forward", _MISSING)))
                     occupant.__dict__["forward"] = self._absent(path, part, i, run)

@@ -9,11 +9,102 @@ loop), then, where a trace of the model's forward before the cut says otherwise,
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping, MutableMapping
+from typing import Any
 
+import torch
 from torch import nn
 
-__all__ = ["OutsideModules", "registered_sides"]
+__all__ = ["LooseParameter", "OutsideModules", "registered_sides"]
+
+
+class LooseParameter(nn.Module):
+    """A parameter a module on the path to the blocks holds directly (timm's ViT: ``cls_token`` and ``pos_embed``;
+    Wav2Vec2's ``masked_spec_embed``; PixArt's ``scale_shift_table``), as a part of the layer that uses it (the first
+    or the last, as the call-order trace finds), so the partition, the optimizer, data-parallel gradients and
+    checkpoints see it as that layer's, named as one process names it (``model.cls_token``, the part's path).
+
+    Its one parameter is its holder's entry (:class:`_HolderEntry`): whatever replaces it, through the holder (a
+    model made on the meta device) or through this part (FSDP2's sharded and gathered weights, a set-aside layer
+    moved to meta), both see it, as the model's forward reads it from the holder. A rank that sets the layer aside
+    takes it out of the holder, keeps it here, and leaves an Elsewhere for the forward to read (:meth:`set_aside`),
+    as a placeholder does for a module; :meth:`put_back` returns it."""
+
+    def __init__(self, holder: nn.Module, name: str) -> None:
+        super().__init__()
+        self.__dict__.update(_holder=holder, _name=name, _parameters=_HolderEntry(holder, name))
+
+    def tensor(self) -> torch.Tensor:
+        q = self._parameters[self.__dict__["_name"]]
+        assert q is not None  # found by named_parameters, which skips None
+        return q
+
+    def set_aside(self, stand_in: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Take the parameter out of its holder; ``stand_in(tensor)`` makes what a read of it gives."""
+        self.__dict__["_stand_in"] = stand_in
+        self._entry().detach()
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Make the stand-in again (the model moved or was cast since), while set aside."""
+        stand_in = self.__dict__.get("_stand_in")
+        if stand_in is not None:  # found before nn.Module.__getattr__ looks for a parameter
+            self.__dict__["_holder"].__dict__[self.__dict__["_name"]] = stand_in(self.tensor())
+
+    def put_back(self) -> None:
+        self.__dict__.pop("_stand_in", None)
+        self.__dict__["_holder"].__dict__.pop(self.__dict__["_name"], None)
+        self._entry().attach()
+
+    def _entry(self) -> _HolderEntry:
+        entry = self.__dict__["_parameters"]
+        assert isinstance(entry, _HolderEntry)
+        return entry
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        raise TypeError("a parameter a module holds directly is read by that module's forward, not called")
+
+
+class _HolderEntry(MutableMapping):
+    """A :class:`LooseParameter`'s ``_parameters``: one name, read from and written into its holder's own
+    ``_parameters`` while attached; kept here while detached (the layer set aside, the holder reading a stand-in)."""
+
+    def __init__(self, holder: nn.Module, name: str) -> None:
+        self.holder, self.name = holder, name
+        self.kept: Any = _ATTACHED
+
+    def detach(self) -> None:
+        if self.kept is _ATTACHED:
+            self.kept = self.holder._parameters.pop(self.name)
+
+    def attach(self) -> None:
+        if self.kept is not _ATTACHED:
+            self.holder._parameters[self.name], self.kept = self.kept, _ATTACHED
+
+    def __getitem__(self, key: str) -> Any:
+        if key != self.name:
+            raise KeyError(key)
+        return self.holder._parameters[key] if self.kept is _ATTACHED else self.kept
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        if key != self.name:
+            raise KeyError(f"a LooseParameter holds {self.name!r} only, not {key!r}")
+        if self.kept is _ATTACHED:
+            self.holder._parameters[key] = value
+        else:
+            self.kept = value
+
+    def __delitem__(self, key: str) -> None:
+        raise TypeError(f"{self.name!r} is its holder's parameter: delete it there")
+
+    def __iter__(self) -> Iterator[str]:
+        return iter((self.name,))
+
+    def __len__(self) -> int:
+        return 1
+
+
+_ATTACHED = object()
 
 
 class OutsideModules:
@@ -45,7 +136,46 @@ class OutsideModules:
         self._before ^= set(moved)
         self._sides, self.placed_why = dict(sides), why
         self._regroup()
+        self._refuse_unplaced_loose()
         return moved
+
+    def _refuse_unplaced_loose(self) -> None:
+        """A module the trace did not place keeps its registration place; a parameter held directly has none to keep
+        (registration order says nothing of where the forward uses it): refuse one not traced to one side of the
+        loop, on every rank, before any compute. One the traced forward never used stays where it is, unused."""
+        for path, part in self._outside:
+            side = self._sides.get(path)
+            if not isinstance(part, LooseParameter) or side in ("before", "after"):
+                continue
+            if side is None and self.placed_why is None:
+                continue
+            raise ValueError(self._loose_unplaced(path, part, side))
+
+    def _loose_unplaced(self, path: str, part: LooseParameter, side: str | None) -> str:
+        holder = path.rpartition(".")[0] or "the LightningModule"
+        what = f"{path} (shape {tuple(part.tensor().shape)}), a parameter held directly by {holder}"
+        if side is None:
+            return (
+                f"{what} beside the blocks in {self.list_name}, goes with the layer on the side of the loop the "
+                f"model's forward uses it, found by tracing the call order before the cut; that trace did not run "
+                f"({self.placed_why}), and a parameter has no registration order to fall back on. Let the trace run "
+                f"(TwoBPStrategy(placement='call'), the default), or put the parameter in a module of its own, "
+                f"registered before the blocks if the forward uses it before them, after them if after"
+            )
+        if side == "both":
+            return (
+                f"the model's forward uses {what}, both before and after {self.list_name} (traced on the meta device "
+                f"before the cut): no one pipeline stage holds it. Give each side a module of its own holding it, tied "
+                f"(`self.pre, self.post = nn.Module(), nn.Module(); self.pre.w = self.post.w = w`, each side reading "
+                f"its own): a parameter of modules on two stages is kept in sync, as tied embeddings are"
+            )
+        return (
+            f"the model's forward uses {what}, between the blocks of {self.list_name} (given to them, or computed with "
+            f"between two of them; traced on the meta device before the cut): the blocks sit on several pipeline "
+            f"stages, and no one stage holds it. Make it the blocks' own (each block a parameter of its own, or one "
+            f"holding it and the others tied to it, `block.w = first.w`: a parameter of modules on several stages is "
+            f"kept in sync, as tied embeddings are), or use it before or after the loop only"
+        )
 
     def on_first_stage(self, path: str) -> bool:
         """Whether ``path`` is placed on the first pipeline stage (else on the last)."""
@@ -147,19 +277,28 @@ def registered_sides(
 ) -> tuple[list, list]:
     """The modules with parameters outside the blocks, as ``(pre, post)`` lists of ``(path, module)``:
     registered before the ModuleList (in module-tree order) they run before the loop, after it
-    after. Parameters held directly by a module on the path to the ModuleList cannot be placed."""
+    after. A parameter held directly by a module on the path to the ModuleList is a :class:`LooseParameter` part,
+    before the loop until the call-order trace says otherwise."""
     pre: list[tuple[str, nn.Module]] = []
     post: list[tuple[str, nn.Module]] = []
-    _walk(root, "", blocks, name, ancestors, {id(m) for m in blocks.modules()}, [pre, post])
+    _walk(root, "", blocks, name, ancestors, {id(m) for m in blocks.modules()}, [pre, post], len(ancestors) == 1)
     return pre, post
 
 
 def _walk(
-    module: nn.Module, prefix: str, blocks: nn.Module, name: str, ancestors: set[int], seen: set[int], sides: list
+    module: nn.Module,
+    prefix: str,
+    blocks: nn.Module,
+    name: str,
+    ancestors: set[int],
+    seen: set[int],
+    sides: list,
+    called: bool = True,
 ) -> None:
     """``module``'s children into ``sides[-1]`` in registration order (``sides``: ``[pre, post]``; the ModuleList
-    pops ``pre``), descending into the ModuleList's ancestors."""
-    _check_no_loose(module, prefix, name)
+    pops ``pre``), descending into the ModuleList's ancestors. ``called``: ``module`` is (inside) the module the step
+    calls, whose forward the call-order trace runs: the LightningModule is only where its own forward loops."""
+    sides[0].extend((prefix + n, LooseParameter(module, n)) for n in _loose(module, prefix, name, called))
     for attr, child in module._modules.items():
         if child is blocks:
             if len(sides) == 2:
@@ -169,18 +308,19 @@ def _walk(
             continue
         path = prefix + attr
         if id(child) in ancestors:
-            _walk(child, path + ".", blocks, name, ancestors, seen, sides)
+            _walk(child, path + ".", blocks, name, ancestors, seen, sides)  # the module the step calls, or inside it
             continue
         seen.update(id(m) for m in child.modules())
         if next(child.parameters(), None) is not None:
             sides[0].append((path, child))
 
 
-def _check_no_loose(module: nn.Module, prefix: str, name: str) -> None:
-    """Refuse parameters held directly by a module on the path to the ModuleList: no module of one side holds them."""
+def _loose(module: nn.Module, prefix: str, name: str, called: bool) -> list[str]:
+    """The names of the parameters ``module`` (on the path to the ModuleList) holds directly; refused where no stage
+    could compute with them, or where the step's own code around the model's call uses them (``called`` False)."""
     loose = [n for n, _ in module.named_parameters(recurse=False)]
     if not loose:
-        return
+        return loose
     where = prefix[:-1] or f"the {type(module).__name__} itself"
     if getattr(getattr(module, "config", None), "use_weighted_layer_sum", False) is True:
         # Hugging Face's audio classifiers: a weighted sum of every block's hidden states, which no
@@ -192,9 +332,12 @@ def _check_no_loose(module: nn.Module, prefix: str, name: str) -> None:
             f"use_weighted_layer_sum=False in the config before building the model (the classifier then "
             f"reads the last block's output)"
         )
-    raise ValueError(
-        f"{where} holds parameters directly ({', '.join(loose)}) beside the blocks in {name}: under "
-        f"strategy='twobp' every parameter outside the blocks must belong to a submodule that runs before "
-        f"the loop (the first stage) or after it (the last stage); put it in a small module of its own (timm's "
-        f"ViT: docs/strategy.md, 'The one change an existing model may need')"
-    )
+    if not called:  # the step's code before the model's call runs on every stage, the loss after it on the last
+        raise ValueError(
+            f"{where} holds parameters directly ({', '.join(loose)}) beside the model that holds the blocks in "
+            f"{name}: under strategy='twobp' the step's code before the model's call runs on every pipeline stage and "
+            f"the code after it on the last, so no one stage can hold them; put them in a module of their own "
+            f"registered after the model (the last stage, where the loss is computed), or inside the model, whose "
+            f"forward may use them as one process does"
+        )
+    return loose

@@ -47,6 +47,7 @@ from lightning_twobp.lightning.materialize import (
 from lightning_twobp.lightning.metrics import StepMetrics
 from lightning_twobp.lightning.modulelist_contract import ModuleListContract, caches_off, fastpath_off
 from lightning_twobp.lightning.optimizer_checks import OptimizerChecks, hooks_may_scale_grads
+from lightning_twobp.lightning.outside_modules import LooseParameter
 from lightning_twobp.lightning.pretrained import Plan
 from lightning_twobp.lightning.profile import profile_layers
 from lightning_twobp.lightning.quiet import known_warnings_off
@@ -413,6 +414,7 @@ def _outside_made(strategy: TwoBPStrategy, contract: Any) -> Iterator[None]:
     if not built_on_meta(lm, left_on_meta()):
         yield
         return
+    _refuse_loose_on_meta(contract)
     parts = [p for layer in contract.layers() for p in contract.parts(layer)]
     made = materialize(lm, parts, strategy.root_device, left_on_meta(), parts)
     try:
@@ -577,6 +579,7 @@ def _materialize(strategy: TwoBPStrategy, contract: Any, sizes: list[int], sched
     before the stages' random streams, whose seeds come from the random state one process's build leaves."""
     if not built_on_meta(strategy.lightning_module, left_on_meta()):
         return
+    _refuse_loose_on_meta(contract)
     mine = set(schedule.stages_of(strategy.layout.pp_rank))
     stage_of = [s for s, n in enumerate(sizes) for _ in range(n)]
     parts = [contract.parts(layer) for layer in contract.layers()]
@@ -586,6 +589,26 @@ def _materialize(strategy: TwoBPStrategy, contract: Any, sizes: list[int], sched
     strategy._made = made  # put back as built by teardown should the setup be refused later
     warn_made(made, lm)
     log.info("built on the meta device: %d modules initialized, this rank's stages %s kept", made.modules, sorted(mine))
+
+
+def _refuse_loose_on_meta(contract: Any) -> None:
+    """A model built on the meta device is made layer by layer, each module by its own initialization; a parameter
+    the model holds directly beside its blocks (:class:`.outside_modules.LooseParameter`) has none of its own (the
+    model's would make the blocks too, on every rank): refused, naming it, before any weight is made."""
+    if not isinstance(contract, ModuleListContract):
+        return
+    ours = left_on_meta()
+    for path, part in contract.outside():
+        if isinstance(part, LooseParameter) and part.tensor().is_meta and id(part.tensor()) not in ours:
+            holder = path.rpartition(".")[0] or "the LightningModule"
+            raise ValueError(
+                f"{path}, a parameter held directly by {holder} beside the blocks in {contract.list_name}, is on the "
+                f"meta device: a model built there is made layer by layer, each module by its own reset_parameters() "
+                f"(or Hugging Face's _init_weights), and a parameter the model holds directly has none of its own (the "
+                f"model's would make its blocks too, on every rank). Build the model on a real device (each rank "
+                f"sets aside what it does not hold), or put the parameter in a module of its own with a "
+                f"reset_parameters() that sets it"
+            )
 
 
 def _checked_contract(strategy: TwoBPStrategy, trainer: Any) -> SequentialContract | ModuleListContract:
