@@ -403,6 +403,7 @@ class ModuleListContract(OutsideModules):
         pre, post = registered_sides(root, blocks, name, {id(m) for _, m in self.ancestors})
         OutsideModules.__init__(self, [*pre, *post], {path for path, _ in pre})
         self._groups = self._grouped()
+        self._loose = [m for _, m in self._outside if isinstance(m, LooseParameter)]
         modules = [(p, m) for p, m in self._outside if not isinstance(m, LooseParameter)]  # loose: no slot of theirs
         self._slots = {path: _slot(root, path) for path, _ in [*modules, *self._block_parts()]}
         self._runner: Any = None
@@ -697,10 +698,8 @@ class ModuleListContract(OutsideModules):
 
     @contextmanager
     def _running(self, run: _Run) -> Iterator[_Run]:
-        for group in self._groups:
-            for part in group.parts():
-                if isinstance(part, LooseParameter):
-                    part.refresh()
+        for loose in self._loose:  # their stand-ins in the device and cast the model has now
+            loose.refresh()
         installed = []
         for i in range(self.num_blocks):
             block = self.blocks[i]
