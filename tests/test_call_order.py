@@ -340,3 +340,19 @@ def test_a_long_reason_is_cut_at_a_sentences_end():
     assert call_order._first_line(ValueError("x" * 400)) == "x" * 300 + "..."
     abbreviated = "Cannot trace the op (e.g. Nonzero) here. " + "More words follow. " * 20
     assert call_order._first_line(RuntimeError(abbreviated)).startswith("Cannot trace the op (e.g. Nonzero) here.")
+
+
+def test_a_trace_stopped_after_the_blocks_places_the_parameters_used_before_them():
+    """Hugging Face's CTC loss has no meta kernel: the trace stops after the blocks, the modules keep their
+    registration places, and a parameter the model holds directly that was used before the first block (Wav2Vec2's
+    masked_spec_embed) is placed there all the same, not said to be untraced; one also used later, or seen in no
+    block's company, is not placed."""
+    from lightning_twobp.lightning.call_order import _BLOCK, _before_blocks
+
+    paths = {"model.a", "model.b", "model.c"}
+    assert _before_blocks(["model.c", "model.a", _BLOCK, _BLOCK, "model.b"], paths) == {
+        "model.a": "before",
+        "model.c": "before",
+    }
+    assert _before_blocks(["model.a", _BLOCK, "model.a"], paths) == {}  # used inside or after too
+    assert _before_blocks(["model.a"], paths) == {}  # stopped before any block

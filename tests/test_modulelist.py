@@ -926,7 +926,8 @@ class Loop(nn.Module):
             self.blocks = nn.ModuleList(gate() for _ in range(1 if kind == "shared" else 4))
         if kind == "loose-both":  # a parameter the model holds directly, used before the loop and after it
             self.temperature = nn.Parameter(torch.ones(()))
-        if kind in ("loose-inside", "loose-host"):  # one given to every block; one used after the loop, untraced
+        if kind in ("loose-inside", "loose-host", "loose-partial"):  # given to every block; after the loop, untraced
+            # (placed before it, and said); before the loop, the trace stopped after the blocks (placed all the same)
             self.gate = nn.Parameter(torch.ones(6))
         if kind == "weighted-layer-sum":
             # Hugging Face's audio classifiers (Whisper, Wav2Vec2): every block's output, weighted by a parameter
@@ -961,6 +962,8 @@ class Loop(nn.Module):
         else:
             h = self.embed(x) + offset
             side = (h.sum(-1, keepdim=True) > 0).float() if self.kind == "side-from-embedding" else None
+        if self.kind == "loose-partial":
+            h = h * self.gate
         if self.kind == "registered-early-both":  # on both sides of the loop: one stage cannot hold it
             h = self.norm(h)
         if self.kind == "loose-both":
@@ -1013,6 +1016,8 @@ class Loop(nn.Module):
             out = out / self.temperature
         if self.kind == "loose-host":
             out = out * self.gate[: out.shape[-1]]
+        if self.kind == "loose-partial":  # Hugging Face's CTC loss after the blocks: no meta kernel (masked_select)
+            out = out * (len(out[:, 0].tolist()) / out.shape[0])
         if collected:
             out = out + torch.stack(collected).sum()
         if self.kind in ("router-logits", "router-hook"):
@@ -1102,11 +1107,9 @@ ERRORS = {
         r"ValueError: the model's forward uses model.gate \(shape \(6,\)\), a parameter held directly by model, "
         r"between the blocks of model.blocks .* Make it the blocks' own"
     ),
-    "loose-host": (
-        r"ValueError: model.gate \(shape \(6,\)\), a parameter held directly by model beside the blocks in "
-        r"model.blocks, goes with the layer on the side of the loop .* that trace did not run \(the model's forward "
-        r"did not run on the meta device .*put the parameter in a module of its own"
-    ),
+    # untraced: placed before the loop, and said (a warning); used after it, the last stage's first step refuses it
+    "loose-host": r"model.gate \(pipeline stage 0\) is used in the graph of this pipeline stage, but is not one of",
+    "loose-partial": "trained",
     "weighted-layer-sum": (
         r"model mixes the hidden states of every block in model.blocks \(use_weighted_layer_sum=True in model.config, "
         r"weighted by its parameter layer_weights\).*set use_weighted_layer_sum=False"

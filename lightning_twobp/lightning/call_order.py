@@ -192,7 +192,8 @@ def sides_on_meta(
         twin = _meta_copy(owner).train(training)
     except Exception as e:  # noqa: BLE001 - any failure leaves registration order, and says why
         return {}, f"the model could not be copied to the meta device ({type(e).__name__}: {_first_line(e)})"
-    why = None
+    why: str | None = None
+    partial: dict[str, str] = {}
     # Some meta kernels take bf16 only, as their GPU kernels do (torch's grouped matmul of a mixture of experts:
     # Jamba's, Qwen3-Next's): the call order does not depend on the dtype, so an fp32 model is traced again in bf16
     for dtype in (None, torch.bfloat16):
@@ -205,7 +206,8 @@ def sides_on_meta(
             return {}, str(e)
         except Exception as e:  # noqa: BLE001 - the first failure is the one to tell
             why = why or f"the model's forward did not run on the meta device ({type(e).__name__}: {_first_line(e)})"
-    return {}, why
+            partial = partial or getattr(e, "twobp_loose_before", {})
+    return partial, why
 
 
 def _on_meta(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
@@ -237,7 +239,14 @@ def call_sides(
         scope.enter_context(torch.no_grad())
         scope.enter_context(OrdinaryBatch(type(twin).__name__, {}, strict=False, zero_otherwise=True))
         scope.enter_context(uses)
-        twin(*args, **kwargs)
+        try:
+            twin(*args, **kwargs)
+        except Exception as e:
+            # Hugging Face's CTC loss after the blocks has no meta kernel: the modules keep their registration
+            # places, but a parameter held directly, used before the first block, was seen there all the same
+            loose = {p for p, part in inside.items() if isinstance(part, LooseParameter)}
+            e.twobp_loose_before = _before_blocks(order, loose)  # type: ignore[attr-defined]
+            raise
     sides = _sides(order)
     if reads is not None:
         reads.update(_read_sides(order, uses.reads))
@@ -347,6 +356,16 @@ def _read_elsewhere(contract: ModuleListContract, holders: Holders, side: str) -
         f"place of the reference (torchtune: `model.output = head` with `model.tok_embeddings.weight`); tied modules "
         f"on two stages are kept in sync (docs/strategy.md, 'Tied embeddings')"
     )
+
+
+def _before_blocks(order: list[Any], paths: set[str]) -> dict[str, str]:
+    """Of ``paths``, those a partial ``order`` (the trace stopped by a failure) records used before the first block
+    only: ``"before"`` each. Nothing is said of the others (their later uses were not seen)."""
+    if _BLOCK not in order:
+        return {}
+    first = order.index(_BLOCK)
+    seen = {x for x in order[:first] if x in paths}
+    return {p: "before" for p in seen if p not in order[first:]}
 
 
 def _recorder(order: list[Any], what: Any) -> Callable[..., None]:

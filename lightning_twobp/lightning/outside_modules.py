@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator, Mapping, MutableMapping
 from typing import Any
 
 import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 
 __all__ = ["LooseParameter", "OutsideModules", "registered_sides"]
@@ -149,6 +150,9 @@ class OutsideModules:
                 continue
             if side is None and self.placed_why is None:
                 continue
+            if side is None:  # not traced: before the blocks, where such parameters mostly are, and said
+                rank_zero_warn(self._loose_unplaced(path, part, side))
+                continue
             raise ValueError(self._loose_unplaced(path, part, side))
 
     def _loose_unplaced(self, path: str, part: LooseParameter, side: str | None) -> str:
@@ -156,11 +160,10 @@ class OutsideModules:
         what = f"{path} (shape {tuple(part.tensor().shape)}), a parameter held directly by {holder}"
         if side is None:
             return (
-                f"{what} beside the blocks in {self.list_name}, goes with the layer on the side of the loop the "
-                f"model's forward uses it, found by tracing the call order before the cut; that trace did not run "
-                f"({self.placed_why}), and a parameter has no registration order to fall back on. Let the trace run "
-                f"(TwoBPStrategy(placement='call'), the default), or put the parameter in a module of its own, "
-                f"registered before the blocks if the forward uses it before them, after them if after"
+                f"twobp: {what} beside the blocks in {self.list_name}, is placed on the first pipeline stage: the "
+                f"call order, which says which side of the loop uses it, was not traced ({self.placed_why}). If the "
+                f"model's forward uses it after the blocks, the first step fails on the last stage; then put it in a "
+                f"module of its own registered after the blocks (one registered before them goes to the first stage)"
             )
         if side == "both":
             return (

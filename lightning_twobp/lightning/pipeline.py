@@ -501,7 +501,7 @@ def _data_parallel(
     layout = strategy.layout
     if shard:
         try:
-            check_stages(local.stages)
+            check_stages(local.stages, _model_names(local))
         except ValueError:
             local.restore(False, None, layout.pp_rank, strategy.root_device)  # the model as it came
             raise

@@ -144,8 +144,9 @@ def untie_within_rank(stages: dict[int, nn.Module]) -> list[list[tuple[int, str]
     return list(twins.values())
 
 
-def check_stages(stages: dict[int, nn.Module]) -> None:
-    """Refuse, before any compute, stages sharding does not support (yet); each error says what to do."""
+def check_stages(stages: dict[int, nn.Module], name: Callable[[int, str], str] = lambda s, n: n) -> None:
+    """Refuse, before any compute, stages sharding does not support (yet); each error says what to do.
+    ``name(stage, parameter)``: a stage's parameter by its name in the model."""
     for s, module in stages.items():
         fsdp1 = next((n for n, m in module.named_modules() if isinstance(m, FullyShardedDataParallel)), None)
         if fsdp1 is not None:
@@ -159,15 +160,15 @@ def check_stages(stages: dict[int, nn.Module]) -> None:
                 f"stage {s} already holds a fully_shard module: under data_parallel='shard' the strategy shards "
                 f"each stage itself; do not call fully_shard in configure_model"
             )
-        for name, q in module.named_parameters():
+        for n, q in module.named_parameters():
             if isinstance(q, DTensor):
                 raise ValueError(
-                    f"stage {s}: parameter {name} is already a DTensor; under data_parallel='shard' the strategy "
+                    f"stage {s}: parameter {name(s, n)} is already a DTensor; under data_parallel='shard' the strategy "
                     f"shards the stages itself"
                 )
             if q.dim() == 0:
                 raise ValueError(
-                    f"stage {s}: parameter {name} is a scalar (0-dim); data_parallel='shard' shards dim 0 of "
+                    f"stage {s}: parameter {name(s, n)} is a scalar (0-dim); data_parallel='shard' shards dim 0 of "
                     f"every parameter: make it shape (1,) or use data_parallel='replicate'"
                 )
 
