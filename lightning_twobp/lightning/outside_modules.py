@@ -141,9 +141,10 @@ class OutsideModules:
         return moved
 
     def _refuse_unplaced_loose(self) -> None:
-        """A module the trace did not place keeps its registration place; a parameter held directly has none to keep
-        (registration order says nothing of where the forward uses it): refuse one not traced to one side of the
-        loop, on every rank, before any compute. One the traced forward never used stays where it is, unused."""
+        """A module the trace did not place keeps its registration place; a parameter held directly has none
+        (registration order says nothing of where the forward uses it). One traced on both sides of the loop or
+        between the blocks is refused, on every rank, before any compute; one the trace could not see goes before the
+        blocks, where such parameters mostly are, and is said; one the traced forward never used stays, unused."""
         for path, part in self._outside:
             side = self._sides.get(path)
             if not isinstance(part, LooseParameter) or side in ("before", "after"):
