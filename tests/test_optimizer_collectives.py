@@ -36,6 +36,23 @@ class GathersOverTheWorld(torch.optim.SGD):
         return loss
 
 
+class SumsOverTheWorld(torch.optim.SGD):
+    """SGD after summing its squared gradient norm over the default group: with one replica the world is the
+    pipeline, and a sum over its stages is what a global norm (SAM's) needs: allowed."""
+
+    def __init__(self, params) -> None:
+        super().__init__(params, lr=0.1)
+        self.steps = 0
+
+    def step(self, closure=None):
+        loss = closure() if closure is not None else None
+        norm = sum(q.grad.square().sum() for g in self.param_groups for q in g["params"] if q.grad is not None)
+        dist.all_reduce(torch.as_tensor(norm))
+        super().step()
+        self.steps += 1
+        return loss
+
+
 class ReducesOverReplicas(torch.optim.SGD):
     """SGD after an all_reduce of its gradients over this stage's data-parallel replicas: allowed."""
 
@@ -74,6 +91,7 @@ def _fit(rank: int, world: int, how: str) -> tuple[str, int, int]:
         "one-rank": lambda m: GathersOverTheWorld(m.parameters(), only_rank=1),
         "replicas": lambda m: ReducesOverReplicas(m.parameters(), m.trainer.strategy.group("dp")),
         "world-dp": lambda m: GathersOverTheWorld(m.parameters()),
+        "world-sum": lambda m: SumsOverTheWorld(m.parameters()),
     }
     model = Stepping(makes[how])
     strategy = TwoBPStrategy(pipeline_degree=2, num_microbatches=2, pipeline_timeout=120)
@@ -103,6 +121,15 @@ def test_an_optimizer_gathering_over_the_world_is_refused_at_its_first_step():
     for rank, (said, steps, _) in enumerate(run_distributed(_fit, 2, "world", timeout=240)):
         assert re.search(_REFUSAL.format(me=rank, other=1 - rank), said, re.S), said
         assert steps == 0, "refused at the first step, before its gather and before any second step"
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(300)
+def test_a_sum_over_the_world_that_is_the_pipeline_trains():
+    """pp 2, one replica: an all_reduce over the default group sums over the pipeline's stages (a review found it
+    refused, as only the "pp" group object itself was allowed)."""
+    for said, steps, _ in run_distributed(_fit, 2, "world-sum", timeout=240):
+        assert (said, steps) == ("trained", 3), said
 
 
 @pytest.mark.dist

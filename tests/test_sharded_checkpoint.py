@@ -140,6 +140,27 @@ def _one_process(rank: int, world: int, folder: str) -> dict:
     }
 
 
+def _tied_phase(rank: int, world: int, folder: str, phase: str) -> str:
+    lightning_env(rank, world)
+    if phase == "save":
+        _fit(world, "replicate", 2, folder=folder, gpt2=True, num_microbatches=2)
+        return "saved"
+    try:
+        _fit(world, "replicate", 4, ckpt=f"{folder}/epoch=0-step=2.ckpt", gpt2=True)
+    except CheckpointError as e:
+        return str(e)
+    return "resumed"
+
+
+def test_a_tied_weights_state_saved_under_its_other_name_is_refused_not_restarted(tmp_path):
+    """One process keys GPT-2's tied wte / lm_head optimizer state by wte's name only; a pipeline's last stage holds
+    lm_head as a copy of its own, whose momentum was read as nothing and restarted from zero, silently (a review:
+    6.1e-2 off the uninterrupted run). Refused on every rank, naming it."""
+    run_distributed(_tied_phase, 1, str(tmp_path), "save", timeout=300)
+    for out in run_distributed(_tied_phase, 2, str(tmp_path), "resume", timeout=300):
+        assert "Missing key(s) in its optimizer state" in out and "model.lm_head.weight" in out, out
+
+
 def _whole(results: list[dict], run: str, key: str, shards: bool) -> dict[str, torch.Tensor]:
     """Every parameter's whole tensor from a pp2 x dp2 run (rank d * 2 + r is pipeline rank r of
     replica d); ``shards``: the replicas' local shards joined along dim 0 (FSDP2's ``torch.chunk`` layout)."""

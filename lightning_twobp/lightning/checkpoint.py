@@ -556,6 +556,33 @@ def _refuse_unexpected(path: Path, saved: dict[str, Any], model: dict[str, Any],
         )
 
 
+def _refuse_lost_state(path: Path, optimizers: list[Any], names: list[list[list[str]]], saved: Any, group: Any) -> None:
+    """A parameter an optimizer steps whose state the checkpoint lacks, where it holds state for that optimizer's
+    others: a checkpoint of another layout that keyed it under another name (a head tied to the embedding, saved
+    in one process under the embedding's name). Read as it is, its state would restart from zero, silently (a
+    review: GPT-2's tied head resumed 6.1e-2 off); torch's template refused it as a missing key. Every rank refuses
+    alike: one refusing alone would leave the others waiting in the load's collectives."""
+    lost: list[str] = []
+    for i, (opt, fqns) in enumerate(zip(optimizers, names, strict=True)):
+        stored = _by_param(saved, f"optimizer_{i}.state.", {f for g in fqns for f in g})
+        if stored:  # an optimizer keeping no state (SGD without momentum) saved none for any
+            for group_, gnames in zip(opt.param_groups, fqns, strict=True):
+                steps = zip(group_["params"], gnames, strict=True)
+                lost += [f for q, f in steps if q.requires_grad and f not in stored]
+    if _world()[1] > 1:
+        every: list[Any] = [None] * _world()[1]
+        dist.all_gather_object(every, lost, group=group)
+        lost = sorted({f for part in every for f in part})
+    if lost:
+        raise CheckpointError(
+            f"Error(s) in loading checkpoint {path}: Missing key(s) in its optimizer state: the optimizer state of "
+            f"{', '.join(lost[:4])}{' and more' if len(lost) > 4 else ''}, which the optimizer steps and whose "
+            f"neighbours' state the checkpoint holds. A checkpoint written under another layout keys a tied weight by "
+            f"one of its names only (a head tied to the embedding, saved in one process under the embedding's "
+            f"name): resume under the layout that wrote it"
+        )
+
+
 def load(
     path: Path,
     module: nn.Module,
@@ -591,6 +618,7 @@ def load(
         # state (torch's helper steps an optimizer that has none, and reads no state at all from one that has
         # any entry, an empty one included: the saved state was then dropped without a word)
         state[f"optimizer_{i}"] = _optimizer_template(opt, names[i], saved, f"optimizer_{i}.")
+    _refuse_lost_state(path, optimizers, names, saved, group)
     if strict:
         _refuse_unexpected(path, saved, state["model"], group)
     # This rank's random states and its stages', where the checkpoint has them (it may come from another

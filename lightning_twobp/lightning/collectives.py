@@ -86,6 +86,7 @@ class StepWatch:
     def __init__(self, optimizer: Any, allowed: Sequence[int], pipeline_degree: int, pipeline_group: Any) -> None:
         self.optimizer, self.allowed, self.pipeline_degree = optimizer, sorted(allowed), pipeline_degree
         self.pipeline_group = pipeline_group
+        self._stages = sorted(dist.get_process_group_ranks(pipeline_group)) if pipeline_group is not None else []
         self._steps = 0  # inside the optimizer's step: a subclass's step calling its base's runs the hooks twice
         self._closures = 0  # inside Lightning's closure, within the step
         self.stepped = False  # the optimizer's step ran (fp16's GradScaler skips it on an overflow)
@@ -146,9 +147,10 @@ class StepWatch:
     def _check(self, name: str, group: Any) -> None:
         if not self.active or threading.get_ident() != self._thread:
             return
-        if name in _SUMS and group is not None and group is self.pipeline_group:
-            return  # a norm summed over the stages, as the SAM warning says (strategy._CLOSURE_AGAIN_NORM)
         ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
+        if name in _SUMS and self.pipeline_group is not None and sorted(ranks) == self._stages:
+            return  # a norm summed over the stages, as the SAM warning says (strategy._CLOSURE_AGAIN_NORM): the
+            # pipeline's group, or the world where it is the pipeline (one replica)
         others = [g for g in ranks if g not in self.allowed]
         if not others:
             return
