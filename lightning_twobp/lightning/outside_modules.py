@@ -302,7 +302,7 @@ def _walk(
     """``module``'s children into ``sides[-1]`` in registration order (``sides``: ``[pre, post]``; the ModuleList
     pops ``pre``), descending into the ModuleList's ancestors. ``called``: ``module`` is (inside) the module the step
     calls, whose forward the call-order trace runs: the LightningModule is only where its own forward loops."""
-    sides[0].extend((prefix + n, LooseParameter(module, n)) for n in _loose(module, prefix, name, called))
+    sides[0].extend((prefix + n, _loose_part(module, n)) for n in _loose(module, prefix, name, called))
     for attr, child in module._modules.items():
         if child is blocks:
             if len(sides) == 2:
@@ -317,6 +317,17 @@ def _walk(
         seen.update(id(m) for m in child.modules())
         if next(child.parameters(), None) is not None:
             sides[0].append((path, child))
+
+
+def _loose_part(holder: nn.Module, name: str) -> LooseParameter:
+    """The one part of ``holder``'s parameter ``name`` for every Trainer call's contract, kept on the holder: a call
+    that set it aside leaves it on meta, guarded by the part (local_model's ``left_on_meta``), and a part made anew
+    each call let the earlier one, and its guard, be collected: the next call took that meta tensor for one the
+    user built on meta."""
+    parts = holder.__dict__.setdefault("_twobp_loose_parts", {})
+    if name not in parts:
+        parts[name] = LooseParameter(holder, name)
+    return parts[name]
 
 
 def _loose(module: nn.Module, prefix: str, name: str, called: bool) -> list[str]:
