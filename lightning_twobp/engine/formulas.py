@@ -402,14 +402,14 @@ def relabel(f: FastW, node: Callable[[Any], Any]) -> FastW:
     """``f`` with its node and edge targets mapped through ``node`` (a cached plan's positions to this
     micro-batch's nodes, or back). A broadcast operand's shape is read again from the new edge: a
     weight-only region may be shaped by the micro-batch (a position table cut to its length)."""
-    targets = tuple(
-        t if t is None or isinstance(t, nn.Parameter) else GradientEdge(node(t.node), t.output_nr) for t in f.targets
-    )
+    # Every micro-batch of B relabels each formula: built directly (``_replace`` costs twice as much), and
+    # a target tested by its exact class (``isinstance(t, nn.Parameter)`` runs Parameter's metaclass check).
+    targets = tuple(GradientEdge(node(t.node), t.output_nr) if type(t) is GradientEdge else t for t in f.targets)
     static = f.static
     edge = targets[0]
-    if f.kind in ("add", "mul") and isinstance(edge, GradientEdge) and not isinstance(edge.node, int):
+    if f.kind in ("add", "mul") and type(edge) is GradientEdge and not isinstance(edge.node, int):
         static = (edge_shape(edge.node, edge.output_nr),)
-    return f._replace(node=node(f.node), targets=targets, static=static)
+    return FastW(f.kind, node(f.node), targets, f.positions, f.reads, static)
 
 
 def direct(
