@@ -6,6 +6,7 @@ support."""
 
 from __future__ import annotations
 
+import gc
 import re
 import warnings
 from types import SimpleNamespace
@@ -508,7 +509,10 @@ def _make(name: str) -> pl.LightningModule:
 def _again(model: pl.LightningModule, strategy, devices: int, batch_size: int, **kw) -> dict:
     """After a fit: validate, predict and fit again, each by a new Trainer (docs/strategy.md, "After a
     Trainer call"). Validation on micro-batches as the pipeline cuts them: a token mean over padded
-    sequences is not a mean over samples, so the whole batch's value would differ."""
+    sequences is not a mean over samples, so the whole batch's value would differ. Python's collector runs first:
+    what the fit's call left behind is freed before the next call, as it may be at any time (the part guarding a
+    set-aside loose parameter was collected only sometimes, and validate then refused that parameter)."""
+    gc.collect()
     val = DataLoader(_padded_tokens(2 * BATCH), batch_size=batch_size)
     out = {"val_loss": _trainer(strategy(), devices).validate(model, val, verbose=False)[0]["val_loss"]}
     preds = _trainer(strategy(), devices).predict(model, DataLoader(_padded_tokens(2 * BATCH), batch_size=BATCH))
