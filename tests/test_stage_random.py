@@ -174,7 +174,7 @@ def _check(seed: int) -> None:
             assert p.grad is None or not p.grad.any(), f"seed {seed}: {n} got a gradient autograd gives none"
             continue
         assert p.grad is not None, f"seed {seed}: {n} got no gradient"
-        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=f"seed {seed}: {n}")
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=lambda m, n=n: f"seed {seed}: {n}\n{m}")
 
 
 @pytest.mark.parametrize("block", range(4))
