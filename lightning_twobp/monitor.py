@@ -370,6 +370,9 @@ class PipelineMonitor(pl.Callback):
     ) -> None:
         if self._counter is not None:
             self._stop_counting(trainer)
+        device = trainer.strategy.root_device
+        if device.type == "cuda":  # the host runs ahead of the device: time the batch's work done, as Lightning's
+            torch.cuda.synchronize(device)  # ThroughputMonitor does
         now = time.perf_counter() - self._run.t0
         self._run.batches += 1
         self._run.samples += self.batch_size_fn(batch)

@@ -65,3 +65,12 @@ def test_a_resumed_stream_takes_the_saved_step_code_seed():
     resumed.resume(saved.state_dict())
     with resumed.step_code("training_step:(2, 0):[2]:mb0"):
         assert _draw() == want
+
+
+def test_cuda_generator_states_come_back_in_device_order():
+    """A checkpoint keeps device i's CUDA generator as ``cuda{i}``; sorted as text, ``cuda10`` came before
+    ``cuda2`` and a host with more than ten GPUs resumed each device with another's stream (a cold review)."""
+    from lightning_twobp.lightning.checkpoint import cuda_states
+
+    state = {f"cuda{i}": torch.tensor([i]) for i in (0, 1, 10, 11, 2, 9)} | {"torch": torch.tensor([99])}
+    assert [int(t) for t in cuda_states(state)] == [0, 1, 2, 9, 10, 11]

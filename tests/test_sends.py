@@ -107,3 +107,30 @@ def test_sends_go_during_the_step(ran):
                 # without the early release a rank holds every send of the step at its end: 8 in
                 # 1F1B, 16 in ZB-V (m = 8 per remote direction); here a few at a time
                 assert held <= 4, (r, case, held)
+
+
+class _Work:
+    """A posted operation that records how it was waited for."""
+
+    def __init__(self) -> None:
+        self.waited: list[tuple] = []
+
+    def wait(self, *timeout) -> bool:
+        self.waited.append(timeout)
+        return True
+
+
+def test_a_gpus_receives_wait_on_the_stream_and_a_cpus_are_bounded():
+    """On NCCL ``wait(timeout)`` blocks the host, polling every 1-10 ms, so each receive cost a host
+    synchronisation and up to a poll interval (a cold review found it; torch.distributed.pipelining waits with
+    ``wait()``); on gloo the bound is what names a lost peer. The device alone decides, no GPU needed."""
+    from datetime import timedelta
+
+    from lightning_twobp.engine.p2p import P2P
+
+    link = object.__new__(P2P)  # only what _wait reads
+    link.timeout = timedelta(seconds=5)
+    for device, expected in ((torch.device("cuda", 0), ()), (torch.device("cpu"), (timedelta(seconds=5),))):
+        link.device, work = device, _Work()
+        link._wait(work, [1], "a test's message")
+        assert work.waited == [expected], device

@@ -210,9 +210,17 @@ class P2P:
         return [b for _, bufs, _ in self._recvs.values() for b in bufs]
 
     def _wait(self, work: Any, peers: Sequence[int], what: str) -> None:
-        """``work.wait()``, bounded by the timeout; a lost peer raises :class:`PeerLost` naming it."""
+        """``work.wait()``, bounded by the timeout; a lost peer raises :class:`PeerLost` naming it.
+
+        On a GPU the wait is the stream's, unbounded here: NCCL's ``wait(timeout)`` blocks the host, polling the
+        transfer every 1-10 ms (torch's ``kSynchronizeBusyWaitMillis``), so every receive would cost a host
+        synchronisation and up to a poll interval, and the host could no longer queue the next kernels behind
+        it. ``wait()`` makes the current stream wait for the transfer instead, as torch.distributed.pipelining
+        waits. A peer that never sends is then bounded by the process group's own timeout (``pipeline_timeout``,
+        at least 60 s: :class:`~lightning_twobp.lightning.strategy.TwoBPStrategy`), after which NCCL's watchdog
+        ends the process, naming the operation rather than the peer."""
         try:
-            if self.timeout is None:
+            if self.timeout is None or self.device.type == "cuda":
                 work.wait()
             else:
                 work.wait(self.timeout)

@@ -79,6 +79,7 @@ __all__ = [
     "CheckpointError",
     "MANIFEST",
     "consolidate",
+    "cuda_states",
     "load",
     "main",
     "resolve",
@@ -170,6 +171,13 @@ def rng_state() -> dict[str, torch.Tensor]:
     return out
 
 
+def cuda_states(state: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+    """The CUDA generators' states of :func:`rng_state`, in device order: ``cuda10`` after ``cuda9``, where
+    sorting the names as text put it before ``cuda2`` (a host with more than ten GPUs resumed each device
+    with another's stream)."""
+    return [state[k] for k in sorted((k for k in state if k.startswith("cuda")), key=lambda k: int(k[4:]))]
+
+
 def set_rng_state(state: dict[str, torch.Tensor]) -> None:
     """Restore what :func:`rng_state` took."""
     python = state["python"].tolist()
@@ -178,7 +186,7 @@ def set_rng_state(state: dict[str, torch.Tensor]) -> None:
         "torch": state["torch"],
         "python": (python[0], python[1:], None if gauss != gauss else gauss),
     }
-    cuda = [state[k] for k in sorted(k for k in state if k.startswith("cuda"))]
+    cuda = cuda_states(state)
     if cuda and torch.cuda.is_available():
         states["torch.cuda"] = cuda
     if "numpy" in state:

@@ -38,7 +38,7 @@ from lightning_twobp.lightning.step import Logs
 
 __all__ = ["LogChannel"]
 
-_TAG_HEADER, _TAG_VALUES, _TAG_NAMES = 11, 12, 13
+_TAG_CONNECT, _TAG_HEADER, _TAG_VALUES, _TAG_NAMES = 10, 11, 12, 13
 
 
 def _spec_of(means: Logs) -> list[tuple[str, dict, str]]:
@@ -102,6 +102,24 @@ class LogChannel:
             tuple[int, tuple[list[tuple[str, dict, str]], list[tuple[str, str, str, tuple[int, ...]]]]] | None
         ) = None
         self._in_flight: list[Any] = []  # sender: works and tensors of the previous message
+        self._connect()
+
+    def _connect(self) -> None:
+        """One small message from the sender to each receiver, while every rank of the pipeline builds the channel.
+
+        NCCL connects two ranks at their first point-to-point operation, and connecting blocks the host until the
+        peer posts its side. The channel's first real message goes out in the middle of a step, while the other
+        ranks wait for the sender's gradients and post their receives only at the step's end: connected then, the
+        sender would wait for them and they for it, until the process group's timeout. On gloo it costs one small
+        message per Trainer call (and runs in every test)."""
+        ready = torch.zeros(1, dtype=torch.int64, device=self.device)
+        if self.sender:
+            works = [dist.isend(ready, self._global[p], group=self.group, tag=_TAG_CONNECT) for p in self.peers]
+            for work in works:
+                if work is not None:  # None: this rank is outside the group (never here)
+                    work.wait()
+        else:
+            dist.recv(ready, self._global[self.src], group=self.group, tag=_TAG_CONNECT)
 
     @property
     def sender(self) -> bool:
