@@ -131,7 +131,7 @@ def test_gpu_script_runs_its_cuda_code_path_on_the_cpu_at_toy_sizes(tmp_path, ca
     r = json.loads(out.read_text())
     for part in ("layer", "head"):
         c = r["costs_s"][part]
-        assert all(c[k] > 0 for k in ("F", "B", "W", "BW")) and c["split_over_fused"] > 0
+        assert all(c[k] > 0 for k in ("F", "B", "W", "BW", "host_B", "host_W", "host_BW")) and c["split_over_fused"] > 0
     assert {p["schedule"] for p in r["pipeline"]} == {
         "gpipe",
         "gpipe+2BP",

@@ -89,31 +89,38 @@ def time_split(
 
     ``make()`` gives fresh ``(inputs, kwargs, grad_output)`` (``grad_output=None`` for a scalar loss).
     BW is plain autograd (``backward``) and B + W :class:`Stage`'s split, each from ``.grad = None``.
+    ``host_*``: the host's time to issue each phase (on a GPU the device's time between two marks also counts
+    the device idling while the host runs the split's Python: a phase whose host time reaches its device time
+    is bound by the host, not by its kernels).
     """
     stage = Stage(module)
-    times: dict[str, list[float]] = {"F": [], "B": [], "W": [], "BW": []}
+    times: dict[str, list[float]] = {k: [] for k in ("F", "B", "W", "BW", "host_F", "host_B", "host_W", "host_BW")}
     for i in range(warmup + repeats):
         inputs, kwargs, grad = make()
         module.zero_grad(set_to_none=True)
         out = module(*inputs, **kwargs)
-        t1 = clock.mark()
+        t1, h1 = clock.mark(), time.perf_counter()
         out.backward(grad)
-        t2 = clock.mark()
+        t2, h2 = clock.mark(), time.perf_counter()
         del out
         module.zero_grad(set_to_none=True)
         inputs, kwargs, grad = make()
-        t3 = clock.mark()
+        t3, h3 = clock.mark(), time.perf_counter()
         stage.forward(0, *inputs, **kwargs)
-        t4 = clock.mark()
+        t4, h4 = clock.mark(), time.perf_counter()
         stage.backward_input(0, grad)
-        t5 = clock.mark()
+        t5, h5 = clock.mark(), time.perf_counter()
         stage.backward_weight(0)
-        t6 = clock.mark()
+        t6, h6 = clock.mark(), time.perf_counter()
         if i >= warmup:
-            times["BW"].append(clock.seconds(t1, t2))
-            times["F"].append(clock.seconds(t3, t4))
-            times["B"].append(clock.seconds(t4, t5))
-            times["W"].append(clock.seconds(t5, t6))
+            for k, a, b, ha, hb in (
+                ("BW", t1, t2, h1, h2),
+                ("F", t3, t4, h3, h4),
+                ("B", t4, t5, h4, h5),
+                ("W", t5, t6, h5, h6),
+            ):
+                times[k].append(clock.seconds(a, b))
+                times[f"host_{k}"].append(hb - ha)
     med = {k: statistics.median(v) for k, v in times.items()}
     med["split_over_fused"] = (med["B"] + med["W"]) / med["BW"]
     return med
@@ -275,13 +282,14 @@ def markdown(r: dict) -> str:
         f"{r['device']}, {r['dtype']}, torch {r['torch_version']}; layer dim {r['shape']['dim']}, "
         f"{r['shape']['n_heads']} heads, SwiGLU {r['shape']['ffn_hidden']}, {r['shape']['tokens']} tokens",
         "",
-        "| module | F ms | B ms | W ms | fused BW ms | (B + W) / BW |",
-        "|---|---:|---:|---:|---:|---:|",
+        "| module | F ms | B ms | W ms | fused BW ms | (B + W) / BW | host B / W / BW ms |",
+        "|---|---:|---:|---:|---:|---:|---:|",
     ]
     for name, c in r["costs_s"].items():
+        host = " / ".join(f"{c[f'host_{k}'] * 1e3:.2f}" for k in ("B", "W", "BW"))
         out.append(
             f"| {name} | {c['F'] * 1e3:.2f} | {c['B'] * 1e3:.2f} | {c['W'] * 1e3:.2f} | {c['BW'] * 1e3:.2f} "
-            f"| **{c['split_over_fused']:.3f}** |"
+            f"| **{c['split_over_fused']:.3f}** | {host} |"
         )
     out += [
         "",
