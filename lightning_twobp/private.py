@@ -252,5 +252,6 @@ GUARDED: tuple[tuple[str, str], ...] = (
     ("lightning.fabric.utilities.seed", "_collect_rng_states"),
     ("lightning.fabric.utilities.seed", "_set_rng_states"),
     ("lightning.pytorch.plugins.precision.Precision", "_after_closure"),
+    ("torch.amp.GradScaler", "_check_inf_per_device"),
     ("torchmetrics.Metric", "_reduce_states"),
 )

@@ -951,17 +951,26 @@ def test_a_redone_step_counts_batch_norm_statistics_once(two_ranks, request):
             torch.testing.assert_close(value, out[False]["state"][name], rtol=1e-6, atol=1e-7, msg=name)
 
 
-def _fit_with_overflow(rank: int, world: int) -> dict:
+# an optimizer that unscales its gradients inside its own step (torch's GradScaler then checks them apart)
+OVERFLOWS = {"sgd": torch.optim.SGD, "fused-adamw": functools.partial(torch.optim.AdamW, fused=True)}
+
+
+def _fit_with_overflow(rank: int, world: int, optimizer: str) -> dict:
     lightning_env(rank, world)
     probe = _InjectOverflow()
     trainer = _trainer(TwoBPStrategy(schedule="zb-h1"), world, plugins="fp16-scaler", callbacks=[probe])
-    trainer.fit(Regressor(), _data())
+    model = Regressor()
+    model.optimizer = OVERFLOWS[optimizer]
+    trainer.fit(model, _data())
     return {"stepped": probe.stepped, "scale": float(trainer.precision_plugin.scaler.get_scale())}
 
 
-def test_fp16_overflow_on_one_stage_skips_the_step_everywhere(two_ranks, request):
+@pytest.mark.parametrize("optimizer", list(OVERFLOWS))
+def test_fp16_overflow_on_one_stage_skips_the_step_everywhere(two_ranks, request, optimizer):
     """A GradScaler that sees inf on one stage skips the step; every other stage must skip it too and
-    halve its scale alike, or the stages drift apart (each rank's scaler sees only its own grads)."""
+    halve its scale alike, or the stages drift apart (each rank's scaler sees only its own grads). A fused
+    AdamW unscales inside its step, where torch reads each rank's inf flags apart: rank 1 skipped and halved
+    its scale while rank 0 stepped (a cold review)."""
     out = two_ranks[request.node.name]
     assert [o["stepped"] for o in out] == [False, False], out
     assert out[0]["scale"] == out[1]["scale"] == 2.0**11, out
@@ -1232,12 +1241,14 @@ def two_ranks(request, shared) -> conftest.Launch:
             _fit_monitored_pipelined,
             (str(shared / "pp"),),
         ),
-        "test_fp16_overflow_on_one_stage_skips_the_step_everywhere": (_fit_with_overflow, ()),
         "test_a_redone_step_counts_batch_norm_statistics_once": (_fit_post_validated, ()),
         "test_keys_a_training_step_returns_beside_the_loss_are_named_once": (_fit_warned, ()),
         "test_random_draws_before_the_pipelined_call_agree_across_stages": (_fit_mixup, ()),
         "test_seeded_dataloader_workers_draw_alike_on_every_stage": (_fit_seeding_workers, ()),
         "test_resume_rebuilds_each_ranks_own_param_groups": (_group_settings_resumed, (str(shared / "groups"),)),
+    }
+    cases |= {
+        f"test_fp16_overflow_on_one_stage_skips_the_step_everywhere[{k}]": (_fit_with_overflow, (k,)) for k in OVERFLOWS
     }
     cases |= {
         f"test_should_stop_set_in_the_steps_code_stops_every_rank[{w}]": (_fit_stopped_pipelined, (w, s))

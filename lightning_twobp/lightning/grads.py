@@ -28,6 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.distributed.tensor import DTensor
 
 from lightning_twobp.lightning.local_model import SharedParameter
@@ -183,10 +184,11 @@ def overflow_agreeing_scaler(
     the stages drift apart and their scales disagree (the pipeline's backward starts from the last
     stage's scale). torch's :class:`~torch.distributed.fsdp.sharded_grad_scaler.ShardedGradScaler`
     ORs the inf flags over a process group in ``unscale_`` (one all-reduce); this returns one with
-    ``scaler``'s settings and state, over ``group`` (the world)."""
-    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-
-    agreeing = ShardedGradScaler(
+    ``scaler``'s settings and state, over ``group`` (the world). A fused optimizer (``AdamW(fused=True)``)
+    unscales inside its own step: torch's ``step`` then reads the flags through ``_check_inf_per_device``,
+    which ``ShardedGradScaler`` leaves per rank, so :class:`_AgreeingScaler` ORs them there too (a rank with
+    an inf skipped its step and halved its scale while the others stepped: a cold review's reproduction)."""
+    agreeing = _AgreeingScaler(
         device=device.type,
         init_scale=scaler.get_scale(),
         growth_factor=scaler.get_growth_factor(),
@@ -198,6 +200,18 @@ def overflow_agreeing_scaler(
     if scaler.is_enabled():
         agreeing.load_state_dict(scaler.state_dict())
     return agreeing
+
+
+class _AgreeingScaler(ShardedGradScaler):
+    """``ShardedGradScaler`` whose per-device inf flags are ORed over its group where a fused optimizer reads them
+    (see :func:`overflow_agreeing_scaler`); ``unscale_`` ORs them already, and ``step`` calls this only for an
+    optimizer that unscales itself and was not unscaled before."""
+
+    def _check_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+        found = super()._check_inf_per_device(optimizer)
+        for flag in found.values():
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.process_group)
+        return found
 
 
 class _GlobalNormClipping:
