@@ -603,6 +603,68 @@ def test_dp_x_pp_matches_one_process_on_the_union_of_the_shards(four_ranks, requ
             torch.testing.assert_close(value, ref[name].detach(), rtol=1e-5, atol=1e-6, msg=f"rank {rank} {name}")
 
 
+class _Routed(nn.Module):
+    """Two experts of one shape, each sample routed by the sign of its first input, an expert called only when
+    it has samples (Hugging Face's mixture-of-experts loop): a micro-batch of one sign leaves the other expert
+    without a gradient."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(16, 16), nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        up = x[:, 0] > 0
+        out = torch.zeros_like(x)
+        for expert, mask in ((self.up, up), (self.down, ~up)):
+            if mask.any():
+                out = out.index_put((mask.nonzero().squeeze(1),), expert(x[mask]))
+        return out
+
+
+def _routed() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), _Routed(), nn.Tanh(), nn.Linear(16, 2))
+
+
+def _replica_signed_data() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``_data()``'s samples with the first input positive on replica 0's shard and negative on replica 1's
+    (DistributedSampler(shuffle=True, seed=0): replica d reads perm[d::2]), and that permutation."""
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(64, 6, generator=g), torch.randn(64, 2, generator=g)
+    perm = torch.randperm(64, generator=torch.Generator().manual_seed(0))
+    x[perm[0::2], 0], x[perm[1::2], 0] = x[perm[0::2], 0].abs() + 0.1, -x[perm[1::2], 0].abs() - 0.1
+    return x, y, perm
+
+
+def _fit_dp_pp_routed(rank: int, world: int) -> dict:
+    lightning_env(rank, world)
+    model = Regressor(layers=_routed)
+    model.optimizer = torch.optim.AdamW
+    x, y, _ = _replica_signed_data()
+    trainer = _trainer(TwoBPStrategy(schedule="1f1b", pipeline_degree=2), world, use_distributed_sampler=True)
+    trainer.fit(model, DataLoader(TensorDataset(x, y), batch_size=8))
+    return _trained(model)
+
+
+def test_dp_x_pp_reduces_an_expert_only_one_replica_used(four_ranks, request):
+    """Replica 0's samples all go to one expert, replica 1's to the other, so each replica's stage has a gradient
+    for one expert only. The replicas reduced the parameters that had gradients, by position: one expert's
+    gradient was summed into the other's (same shape: silently, 0.1 off one process after 3 AdamW steps;
+    shapes apart, gloo aborted and NCCL would hang). Now each replica reduces every parameter (zeros where it has
+    none), as DDP's find_unused_parameters does; a cold review found it."""
+    x, y, perm = _replica_signed_data()
+    order = torch.cat([torch.cat([perm[0::2][i * 8 : (i + 1) * 8], perm[1::2][i * 8 : (i + 1) * 8]]) for i in range(4)])
+    model = Regressor(layers=_routed)
+    model.optimizer = torch.optim.AdamW
+    _trainer("auto", 1).fit(model, DataLoader(TensorDataset(x[order], y[order]), batch_size=16))
+    ref = dict(model.named_parameters())
+    results = four_ranks[request.node.name]
+    assert set(results[0]) | set(results[1]) == set(ref)
+    for rank, params in enumerate(results):
+        for name, value in params.items():
+            torch.testing.assert_close(value, ref[name].detach(), rtol=1e-5, atol=1e-6, msg=f"rank {rank} {name}")
+
+
 class _Counting(nn.Module):
     """Counts its training calls in an int16 buffer (gloo broadcasts no int16: the buffers travel as bytes)."""
 
@@ -1274,6 +1336,7 @@ def four_ranks(request) -> conftest.Launch:
         for k, kw in FOUR_RANK_FITS.items()
     }
     cases |= {f"test_dp_x_pp_matches_one_process_on_the_union_of_the_shards[{s}]": (_fit_dp_pp, (s,)) for s in DP_X_PP}
+    cases["test_dp_x_pp_reduces_an_expert_only_one_replica_used"] = (_fit_dp_pp_routed, ())
     cases["test_dp_x_pp_validates_with_replica_zeros_batch_norm_statistics"] = (_fit_dp_pp_normed, ())
     cases["test_dp_x_pp_keeps_each_replicas_buffers_when_asked"] = (_fit_dp_pp_normed, (False,))
     # last: a step refused on the first stage's ranks only (those holding the cache) leaves the links closed

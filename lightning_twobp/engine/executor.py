@@ -192,8 +192,10 @@ class PipelineExecutor:
         device: where activations live (default: the device of the first parameter, else CPU).
         record: record each op's start/end and receive waits, and the bytes each micro-batch's F saves.
         grad_reduce: data parallelism: ``grad_reduce(stage, params)`` is called as soon as ``stage``'s
-            gradients are complete (a pass places a :class:`GradReduce` after its last W); it starts
-            their reduce and returns a function that finishes it, called at the end of the step.
+            gradients are complete (a pass places a :class:`GradReduce` after its last W), with every
+            parameter of the stage that requires grad (``.grad`` None where this rank's micro-batches did not
+            use it); it starts their reduce and returns a function that finishes it, called at the end of
+            the step.
         timeout: seconds a rank waits on another before it reports that rank as lost (a
             :class:`PipelineError` naming its pipeline rank, stage and host); ``None``: the process
             group's own timeout (30 minutes by default).
@@ -626,7 +628,10 @@ class PipelineExecutor:
             self.stages[a.stage].backward_weight(a.microbatches)
 
     def _reduce(self, op: GradReduce) -> None:
-        params = [p for p in self.stages[op.stage].module.parameters() if p.grad is not None]
+        # every trainable parameter, with a gradient or not: a replica whose micro-batches left one unused (a
+        # mixture-of-experts' expert that got no token) must still take part, as DDP's find_unused_parameters
+        # does; reduced by position, replicas passing their own sets summed one weight's gradient into another's
+        params = [p for p in self.stages[op.stage].module.parameters() if p.requires_grad]
         assert self._grad_reduce is not None  # a GradReduce op is lowered only with grad_reduce
         self._current.pending.append(self._grad_reduce(op.stage, params))
 

@@ -76,26 +76,43 @@ class GradStash:
 def dp_reduce(group: dist.ProcessGroup | None, dp: int) -> Callable[[int, list[nn.Parameter]], Callable[[], None]]:
     """The executor's ``grad_reduce``: average a stage's gradients over ``group`` (its ``dp``
     replicas), as DDP would. One flat asynchronous all-reduce per dtype starts at once, so it runs
-    while the rank does its remaining work; the returned function finishes it at the step's end."""
+    while the rank does its remaining work; the returned function finishes it at the step's end.
+
+    Every replica passes the same parameters (all that require grad). One without a gradient on this
+    replica adds zeros, and a flag per parameter (1 where a gradient was there, in float32 beside the
+    float32 gradients) says afterwards which had one on no replica: those keep ``.grad`` None, so the
+    optimizer skips them as one process's does (a zero gradient would still decay them in AdamW)."""
 
     def start(stage: int, params: list[nn.Parameter]) -> Callable[[], None]:
-        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-        for q in params:
-            grad = q.grad
-            assert grad is not None  # the executor passes the parameters that have a gradient
-            by_dtype.setdefault(grad.dtype, []).append(grad)
+        if not params:  # a stage with nothing to train, alike on every replica
+            return lambda: None
+        present = torch.tensor([q.grad is not None for q in params], dtype=torch.float32, device=params[0].device)
+        grads = [q.grad if q.grad is not None else torch.zeros_like(q) for q in params]
+        by_dtype: dict[torch.dtype, list[int]] = {}
+        for k, g in enumerate(grads):
+            by_dtype.setdefault(g.dtype, []).append(k)
+        by_dtype.setdefault(torch.float32, [])  # the flags travel with the float32 gradients
         started = []
-        for grads in by_dtype.values():
-            flat = torch.cat([g.reshape(-1) for g in grads])
+        for dtype, ks in by_dtype.items():
+            parts = [grads[k].reshape(-1) for k in ks]
+            if dtype == torch.float32:
+                parts.append(present)
+            flat = torch.cat(parts)
             work = dist.all_reduce(flat, group=group, async_op=True)  # SUM: gloo has no AVG
-            started.append((work, flat, grads))
+            started.append((work, flat, ks, dtype == torch.float32))
 
         def finish() -> None:
-            for work, flat, grads in started:
+            flags = None
+            for work, flat, ks, carries_flags in started:
                 work.wait()
+                if carries_flags:
+                    flat, flags = flat[: flat.numel() - len(params)], flat[flat.numel() - len(params) :]
                 flat.div_(dp)
-                for g, part in zip(grads, flat.split([g.numel() for g in grads]), strict=False):
-                    g.copy_(part.view_as(g))
+                for k, part in zip(ks, flat.split([grads[k].numel() for k in ks]), strict=True):
+                    grads[k].copy_(part.view_as(grads[k]))
+            assert flags is not None  # the float32 flat always goes
+            for q, g, used in zip(params, grads, flags.tolist(), strict=True):
+                q.grad = g if used else None
 
         return finish
 

@@ -197,8 +197,8 @@ def _whole(q: torch.Tensor) -> torch.Tensor:
 
 
 def _grad(q: nn.Parameter) -> torch.Tensor:
-    assert q.grad is not None  # only parameters with a gradient are reduced
-    return q.grad
+    """``q``'s gradient, or zeros where this replica's micro-batches did not use it (another replica's may have)."""
+    return q.grad if q.grad is not None else torch.zeros_like(q)
 
 
 def replica_names(group: dist.ProcessGroup) -> str:
@@ -285,22 +285,34 @@ class ShardedStages:
             module.reshard()
 
     def reduce(self, stage: int, params: list[nn.Parameter]) -> Callable[[], None]:
-        """The executor's ``grad_reduce`` (``params`` are the gathered ones with a gradient): start the
-        reduce-scatter of ``stage``'s gradients; the returned function sets the shards' gradients and
-        reshards the stage at the step's end."""
-        with_grad = {id(q) for q in params}
-        names = [n for n, q in self.full[stage].items() if id(q) in with_grad]
+        """The executor's ``grad_reduce`` (``params``: the gathered ones that require grad, alike on every
+        replica): start the reduce-scatter of ``stage``'s gradients; the returned function sets the shards'
+        gradients and reshards the stage at the step's end. A gradient this replica does not have adds zeros,
+        and one no replica has leaves its shard's ``.grad`` None (a flag per parameter, summed over the
+        replicas beside the reduce: see :func:`~.grads.dp_reduce`)."""
+        wanted = {id(q) for q in params}
+        names = [n for n, q in self.full[stage].items() if id(q) in wanted]
+        if not names:
+            return lambda: self.release_stage(stage)
+        full = self.full[stage]
+        present = torch.tensor(
+            [full[n].grad is not None for n in names], dtype=torch.float32, device=full[names[0]].device
+        )
+        flags = dist.all_reduce(present, group=self.group, async_op=True)
         by_dtype: dict[torch.dtype, list[str]] = {}
         for n in names:  # reduced in the sharded parameter's dtype (fp32 under "bf16-mixed")
             by_dtype.setdefault(self.sharded[stage][n].dtype, []).append(n)
         started = [self._start(stage, group) for group in by_dtype.values()]
 
         def finish() -> None:
-            for work, out, group, rows in started:
-                with self._naming_lost_replicas(f"the reduce-scatter of stage {stage}'s gradients"):
+            with self._naming_lost_replicas(f"the reduce-scatter of stage {stage}'s gradients"):
+                assert flags is not None  # async_op=True returns the work
+                flags.wait()
+                unused = {n for n, used in zip(names, present.tolist(), strict=True) if not used}
+                for work, out, group, rows in started:
                     work.wait()
-                out.div_(self.dp)  # SUM over the replicas, then the mean: as the replicated reduce
-                self._set_grads(stage, group, out, rows)
+                    out.div_(self.dp)  # SUM over the replicas, then the mean: as the replicated reduce
+                    self._set_grads(stage, group, out, rows, unused)
             self.release_stage(stage)
 
         return finish
@@ -328,12 +340,16 @@ class ShardedStages:
         work = dist.reduce_scatter_single(out, flat, group=self.group, async_op=True)
         return work, out, names, rows
 
-    def _set_grads(self, stage: int, names: list[str], out: torch.Tensor, rows: list[int]) -> None:
+    def _set_grads(self, stage: int, names: list[str], out: torch.Tensor, rows: list[int], unused: set[str]) -> None:
         offset = 0
         for n, c in zip(names, rows, strict=True):
             full, shard = self.full[stage][n], self.sharded[stage][n]
             assert isinstance(shard, DTensor)  # fully_shard made every parameter of the stage a DTensor
             size = c * math.prod(full.shape[1:])
+            if n in unused:  # no replica's micro-batches used it: no gradient, as in one process
+                shard.grad = None
+                offset += size
+                continue
             local = shard.to_local()
             part = out[offset : offset + size].view(c, *full.shape[1:])[: local.shape[0]]
             offset += size
