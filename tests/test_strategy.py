@@ -648,10 +648,11 @@ def _fit_dp_pp_routed(rank: int, world: int) -> dict:
 
 def test_dp_x_pp_reduces_an_expert_only_one_replica_used(four_ranks, request):
     """Replica 0's samples all go to one expert, replica 1's to the other, so each replica's stage has a gradient
-    for one expert only. The replicas reduced the parameters that had gradients, by position: one expert's
-    gradient was summed into the other's (same shape: silently, 0.1 off one process after 3 AdamW steps;
-    shapes apart, gloo aborted and NCCL would hang). Now each replica reduces every parameter (zeros where it has
-    none), as DDP's find_unused_parameters does; a cold review found it."""
+    for one expert only. The replicas reduced the parameters that had gradients, by position: here gloo aborted
+    a rank (checked with the old selection put back); where the sizes agree, one expert's gradient was summed into
+    the other's silently (a cold review's reproduction at the reduce itself), and NCCL, which checks no sizes,
+    would hang or read past. Now each replica reduces every parameter (zeros where it has none), as DDP's
+    find_unused_parameters does."""
     x, y, perm = _replica_signed_data()
     order = torch.cat([torch.cat([perm[0::2][i * 8 : (i + 1) * 8], perm[1::2][i * 8 : (i + 1) * 8]]) for i in range(4)])
     model = Regressor(layers=_routed)
