@@ -636,17 +636,19 @@ def _replica_signed_data() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return x, y, perm
 
 
-def _fit_dp_pp_routed(rank: int, world: int) -> dict:
+def _fit_dp_pp_routed(rank: int, world: int, data_parallel: str) -> dict:
     lightning_env(rank, world)
     model = Regressor(layers=_routed)
     model.optimizer = torch.optim.AdamW
     x, y, _ = _replica_signed_data()
-    trainer = _trainer(TwoBPStrategy(schedule="1f1b", pipeline_degree=2), world, use_distributed_sampler=True)
+    strategy = TwoBPStrategy(schedule="1f1b", pipeline_degree=2, data_parallel=data_parallel)
+    trainer = _trainer(strategy, world, use_distributed_sampler=True)
     trainer.fit(model, DataLoader(TensorDataset(x, y), batch_size=8))
     return _trained(model)
 
 
-def test_dp_x_pp_reduces_an_expert_only_one_replica_used(four_ranks, request):
+@pytest.mark.parametrize("data_parallel", ["replicate", "shard"])
+def test_dp_x_pp_reduces_an_expert_only_one_replica_used(four_ranks, request, data_parallel):
     """Replica 0's samples all go to one expert, replica 1's to the other, so each replica's stage has a gradient
     for one expert only. The replicas reduced the parameters that had gradients, by position: here gloo aborted
     a rank (checked with the old selection put back); where the sizes agree, one expert's gradient was summed into
@@ -1337,7 +1339,10 @@ def four_ranks(request) -> conftest.Launch:
         for k, kw in FOUR_RANK_FITS.items()
     }
     cases |= {f"test_dp_x_pp_matches_one_process_on_the_union_of_the_shards[{s}]": (_fit_dp_pp, (s,)) for s in DP_X_PP}
-    cases["test_dp_x_pp_reduces_an_expert_only_one_replica_used"] = (_fit_dp_pp_routed, ())
+    cases |= {
+        f"test_dp_x_pp_reduces_an_expert_only_one_replica_used[{d}]": (_fit_dp_pp_routed, (d,))
+        for d in ("replicate", "shard")
+    }
     cases["test_dp_x_pp_validates_with_replica_zeros_batch_norm_statistics"] = (_fit_dp_pp_normed, ())
     cases["test_dp_x_pp_keeps_each_replicas_buffers_when_asked"] = (_fit_dp_pp_normed, (False,))
     # last: a step refused on the first stage's ranks only (those holding the cache) leaves the links closed
