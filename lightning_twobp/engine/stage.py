@@ -21,9 +21,10 @@ How the split works, per micro-batch:
 * **W** otherwise re-enters the graph at the frontier: for each frontier node, one engine call from that node
   (rooted at the recorded gradient) to its weight-only edges. Autograd runs the node again with only the
   weight outputs enabled, so for a built-in node W costs the weight GEMMs and nothing of the input-grad chain;
-  a Python ``autograd.Function`` cannot see that mask and runs its whole backward again (said once:
-  ``Stage._rerun_in_w``), and one whose backward writes a weight's ``.grad`` itself is taken in B instead
-  (``Stage._filled_in_b``). One further call
+  a Python ``autograd.Function`` cannot see that mask (its backward returns every gradient, and may change
+  what it saved: Liger-Kernel's Triton kernels scale theirs in place), so its weight edges are taken in B, in
+  its one run (said once: ``Stage._functions_in_b``), as are those of one whose backward writes a weight's
+  ``.grad`` itself (``Stage._filled_in_b``). One further call
   pushes those edge gradients through the weight-only region (transposes, dtype casts, a weight used
   twice) into the parameters, and the graph is released.
 
@@ -470,8 +471,8 @@ class Stage:
                 self._filled_in_b(p, hidden.hit - unseen)
         if plan.in_b_nodes and "checkpointed" not in self._warned:
             self._checkpointed_in_b(plan)
-        if p.frontier and "rerun" not in self._warned:
-            self._rerun_in_w(p)
+        if plan.in_b_functions and "function" not in self._warned:
+            self._functions_in_b(plan)
         return self._input_grads(p, grads[: len(inputs)])
 
     def _input_half(
@@ -608,19 +609,19 @@ class Stage:
             f"split_backward=False.",
         )
 
-    def _rerun_in_w(self, p: _Pending) -> None:
-        """Say once that W re-enters a Python ``autograd.Function``'s node: it runs that node's whole backward again."""
-        again = list(dict.fromkeys(n.name() for n, _ in p.frontier if isinstance(n, BackwardCFunction)))
-        if not again:
-            return
+    def _functions_in_b(self, plan: _Plan) -> None:
+        """Say once that a Python ``autograd.Function``'s weight gradients were taken in B (see ``_Split.add``)."""
+        names = [self.names.get(id(q), n) for n, q in self.module.named_parameters() if id(q) in plan.function_params]
+        made = f" ({names[0]}" + (f" and {len(names) - 1} more" if len(names) > 1 else "") + ")" if names else ""
         self._warn_once(
-            "rerun",
-            f"W re-enters {', '.join(again)} for its weight gradients. That node is a Python autograd.Function (a "
-            f"custom Function, flex_attention with a parameter in score_mod, torchao's float8 matmul), which cannot "
-            f"see which of its gradients W asks for (ctx.needs_input_grad is fixed at forward), so W runs its whole "
-            f"backward a second time, the input-gradient half included: that node's backward costs twice, once in B "
-            f"and once in W. Exact. To avoid it, train this model with split_backward=False, or compute those "
-            f"weights with ops that have a W formula (docs/guide.md, 'How it works').",
+            "function",
+            f"{', '.join(plan.in_b_functions)} is a Python autograd.Function (a custom Function, a Triton kernel's "
+            f"wrapper such as Liger-Kernel's, flex_attention with a parameter in score_mod, torchao's float8 matmul): "
+            f"its backward returns every gradient at once and may change what it saved, so W cannot run it again for "
+            f"the weights alone. The weight gradients it leads to{made} are taken in B, in its one run: exact, but not "
+            f"deferred to W (deferred_fraction counts them as taken in B). To defer them, compute those weights "
+            f"with ops that have a W formula (docs/guide.md, 'How it works'); or train this model with "
+            f"split_backward=False.",
         )
 
     # ------------------------------------------------------------------ W
@@ -812,6 +813,8 @@ class _Plan:
     watch: tuple[int, ...] = ()  # ids of the parameters below the frontier nodes W re-enters (see _Hidden)
     in_b_nodes: tuple[str, ...] = ()  # checkpointed nodes without a formula, taken in B (Stage._checkpointed_in_b)
     in_b_params: tuple[int, ...] = ()  # ids of the parameters they lead to
+    in_b_functions: tuple[str, ...] = ()  # Python Functions whose weights are taken in B (Stage._functions_in_b)
+    function_params: tuple[int, ...] = ()  # ids of the parameters they lead to
 
 
 _REENTRANT = (
@@ -891,6 +894,8 @@ def _plan(
         watch=tuple(id(q) for q in watch if id(q) not in pushed),
         in_b_nodes=tuple(dict.fromkeys(n.name() for n, _ in split.checkpointed)),
         in_b_params=tuple(id(q) for q in _params_below([m for _, ms in split.checkpointed for m in ms], params)),
+        in_b_functions=tuple(dict.fromkeys(n.name() for n, _ in split.functions)),
+        function_params=tuple(id(q) for q in _params_below([m for _, ms in split.functions for m in ms], params)),
     )
 
 
@@ -1098,6 +1103,8 @@ class _Split:
     filled: frozenset[int] = frozenset()  # parameters a node's own backward writes (Stage._filled_in_b)
     # checkpointed nodes without a formula whose weight edges are taken in B, with those edges' nodes
     checkpointed: list[tuple[Node, list[Node]]] = field(default_factory=list)
+    # Python autograd.Functions whose weight edges are taken in B, with those edges' nodes (Stage._functions_in_b)
+    functions: list[tuple[Node, list[Node]]] = field(default_factory=list)
 
     def add(self, node: Node) -> None:
         single = self._weight_edges(node)
@@ -1148,6 +1155,15 @@ class _Split:
             # its backward writes a weight's .grad itself: W running it again would add that twice (see
             # Stage._filled_in_b); B runs it once, for both halves
             self.in_b.extend(GradientEdge(*e) for e in deferred)
+            deferred = []
+        if deferred and isinstance(node, BackwardCFunction):
+            # A Python autograd.Function's backward returns all its gradients at once (ctx.needs_input_grad is
+            # fixed at forward), and need not give the same answer twice: Liger-Kernel's fused cross-entropy
+            # scales its saved gradients in place by the incoming one, its RMSNorm overwrites that incoming
+            # gradient. W re-entering it would run it again: twice the cost, and for such kernels another
+            # weight gradient, and the input gradient B already sent scaled again. B runs it once, for both.
+            self.in_b.extend(GradientEdge(*e) for e in deferred)
+            self.functions.append((node, [n for n, _ in deferred]))
             deferred = []
         nested = _nested([n for n, _ in deferred])
         if nested is not None:  # W's re-entry would take the upper value's share at both: counted twice
