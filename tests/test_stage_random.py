@@ -2,7 +2,8 @@
 
 A seeded generator writes a small program over a few live tensors: linear layers (own weights, a shared
 one, one made from other weights), elementwise scales and shifts, norms, products of two activations, a
-1-d convolution, BatchNorm, a custom ``autograd.Function``, an in-place op, a split into two used halves, a
+1-d convolution, BatchNorm, custom ``autograd.Function`` s (one holding a weight, directly or through a
+weight-only region), an in-place op, a split into two used halves, a
 ``where``, einsums, a 3-d activation times a weight, a weight's slice as a Linear's weight, a detached
 operand, a branch chosen by the data (so a micro-batch may build another graph than the one before it and
 must not reuse its plan), an op run under non-reentrant checkpointing, and outputs of which one may reach
@@ -34,7 +35,7 @@ from lightning_twobp.engine import Stage
 D = 6  # every live tensor is (N, D)
 OPS = (
     "linear", "shared", "made", "scale", "shift", "norm", "product", "conv", "function", "inplace", "branch", "ckpt",
-    "split", "batchnorm", "where", "squared", "einsum", "batched", "sliced", "detached",
+    "split", "batchnorm", "where", "squared", "einsum", "batched", "sliced", "detached", "pylinear", "pymade",
 )  # fmt: skip
 
 
@@ -50,6 +51,20 @@ class _Cube(torch.autograd.Function):
     def backward(ctx, g):
         (x,) = ctx.saved_tensors
         return g * 0.75 * x**2
+
+
+class _LinFn(torch.autograd.Function):
+    """``x @ w.T`` as a Python Function: its backward returns both gradients at once."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        return x @ w.t()
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        return g @ w, g.t() @ x
 
 
 class Program(nn.Module):
@@ -77,7 +92,7 @@ class Program(nn.Module):
                 self.add_module(name, nn.Conv1d(1, 1, 3, padding=1))
             elif op == "batchnorm":
                 self.add_module(name, nn.BatchNorm1d(D))
-            elif op in ("einsum", "batched"):
+            elif op in ("einsum", "batched", "pylinear"):
                 self.register_parameter(name, nn.Parameter(torch.randn(D, D) * 0.3))
             elif op in ("branch", "ckpt"):
                 self.add_module(name, nn.Linear(D, D))
@@ -132,6 +147,10 @@ class Program(nn.Module):
             return (x.view(x.shape[0], 2, D // 2) @ p[: D // 2, : D // 2]).reshape(x.shape[0], D)
         if op == "sliced":  # a slice of a weight as a Linear's weight
             return F.linear(x, self.left[:, :D], self.right)
+        if op == "pylinear":  # a Python Function holding a weight: its weight gradient taken in its one run, in B
+            return torch.tanh(_LinFn.apply(x, p))
+        if op == "pymade":  # ... through a weight-only region (W would carry it into the weights)
+            return _LinFn.apply(x, (self.left * self.right).t() * 0.5)
         if op == "detached":
             return x.detach() * y
         if op == "ckpt":
@@ -177,6 +196,7 @@ def _check(seed: int) -> None:
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=lambda m, n=n: f"seed {seed}: {n}\n{m}")
 
 
+@pytest.mark.filterwarnings("ignore:2BP split:RuntimeWarning")  # the split's notes (a Function's weights in B)
 @pytest.mark.parametrize("block", range(4))
 def test_random_programs_match_autograd(block):
     """60 random programs in four groups: the split gives autograd's gradients on each."""
