@@ -13,8 +13,8 @@ the reference runs ``torch.autograd.backward`` per micro-batch on a copy. Input 
 parameter's ``.grad`` must match (fp32, rtol 1e-5).
 
 The fixed zoo (tests/test_stage.py) names the cases we thought of; this one finds the combinations we did
-not, the plan cache's reuse across graph shapes above all. 60 programs here (1 s); 1,000 more (lengths 7
-and 14) passed by hand at stop 56, with the split deferring weight gradients in 299 of 300 programs and
+not, the plan cache's reuse across graph shapes above all. 60 programs here (1 s); 5,000 more (lengths 7,
+10 and 14) passed by hand at stop 56, with the split deferring weight gradients in 299 of 300 programs and
 one program in nine building two graph shapes. Its check was seen to fail: a plan cache keyed on the
 outputs alone, without its saved-flags check, broke 3 of its 4 groups.
 """
