@@ -833,3 +833,43 @@ def test_a_checkpointed_function_without_formula_taken_in_b_is_said():
     ):
         stage = _split_interleaved(module)
     assert stage.deferred_fraction == pytest.approx(2 / 3)  # the Linear's 2 edges in W, the Function's in B
+
+
+class MadeShared(nn.Module):
+    """A weight made once (``w.exp()``, which saves its result) and read twice: through a Python Function (its
+    weight taken in B, pushed through the made value) and by an ``F.linear`` whose W formula carries its share
+    through the same nodes; ``returned`` also returns a slice of it, an output that reaches no input."""
+
+    def __init__(self, returned: bool = False) -> None:
+        super().__init__()
+        self.a, self.c = nn.Linear(8, 8), nn.Linear(8, 8)
+        self.w = nn.Parameter(torch.randn(8, 8) * 0.3)
+        self.returned = returned
+
+    def forward(self, x):
+        h, e = self.a(x), self.w.exp()
+        y = self.c(torch.tanh(LinFn.apply(h, e * 2)) + F.linear(torch.sin(h), e))
+        return (y, e[:4] * 1.0) if self.returned else y
+
+
+@pytest.mark.filterwarnings("ignore:2BP split:RuntimeWarning")
+@pytest.mark.parametrize("returned", [False, True])
+def test_a_functions_weight_made_once_and_read_elsewhere_too(returned):
+    """Fails when B's push through the made weight frees it (a cold review of taking a Function's weights in B): W's
+    push through the same nodes, or W's backward of the output that reaches no input, raised torch's "backward
+    through the graph a second time"."""
+    torch.manual_seed(0)
+    module = MadeShared(returned)
+    ref = copy.deepcopy(module)
+    xs = [_x(4, 8) for _ in range(3)]
+    gs = [[torch.randn(4, 8)] + ([torch.randn(4, 8)] if returned else []) for _ in range(3)]
+    _, ref_grads = _reference(ref, [(x,) for x in xs], gs)
+    stage = Stage(module)
+    for m, x in enumerate(xs):
+        stage.forward(m, x.detach().clone().requires_grad_())
+    for m, g in enumerate(gs):
+        stage.backward_input(m, g if returned else g[0])
+    for m in range(3):
+        stage.backward_weight(m)
+    for n, q in module.named_parameters():
+        torch.testing.assert_close(q.grad, ref_grads[n], rtol=1e-5, atol=1e-6, msg=n)

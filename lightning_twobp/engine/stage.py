@@ -516,7 +516,10 @@ class Stage:
                     retain_graph=bool(plan.frontier or plan.in_b),
                 )
                 taken = grads[len(targets) : len(targets) + len(plan.in_b)]
-                self._push_to_params([(e, g) for e, g in zip(plan.in_b, taken, strict=True) if g is not None])
+                # A Function's weight-only region kept: W's own push may pass through the same nodes (a weight made
+                # once, read by a Function and by a Linear whose W formula carries its share through them)
+                pushed = [(e, g) for e, g in zip(plan.in_b, taken, strict=True) if g is not None]
+                self._push_to_params(pushed, retain=bool(plan.in_b_functions))
         finally:
             for h in hooks:
                 h.remove()
@@ -707,8 +710,9 @@ class Stage:
         """Accumulate a gradient a W formula just made (never an alias of the caller's tensors)."""
         cls._accumulate(param, grad, fresh=grad.stride() == param.stride())
 
-    def _push_to_params(self, edge_grads: list[tuple[GradientEdge, torch.Tensor]]) -> None:
-        """Carry weight-edge gradients through the weight-only region into the parameters."""
+    def _push_to_params(self, edge_grads: list[tuple[GradientEdge, torch.Tensor]], retain: bool = False) -> None:
+        """Carry weight-edge gradients through the weight-only region into the parameters (``retain``: keep that
+        region's saved tensors for a later push through it)."""
         through: list[tuple[GradientEdge, torch.Tensor]] = []
         for e, g in edge_grads:
             var = getattr(e.node, "variable", None)
@@ -721,7 +725,9 @@ class Stage:
         params = _params_below([e.node for e, _ in through], self._params)
         if not params:
             return
-        grads = torch.autograd.grad([e for e, _ in through], params, [g for _, g in through], allow_unused=True)
+        grads = torch.autograd.grad(
+            [e for e, _ in through], params, [g for _, g in through], allow_unused=True, retain_graph=retain
+        )
         for q, g in zip(params, grads, strict=False):
             if g is not None:
                 self._accumulate(q, g)
