@@ -873,3 +873,40 @@ def test_a_functions_weight_made_once_and_read_elsewhere_too(returned):
         stage.backward_weight(m)
     for n, q in module.named_parameters():
         torch.testing.assert_close(q.grad, ref_grads[n], rtol=1e-5, atol=1e-6, msg=n)
+
+
+class SigmoidAfterFunction(nn.Module):
+    """A Linear, a Python Function holding a weight, then a sigmoid whose backward reads its own output (which no W
+    formula reads: the last Linear's input is its tanh)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.c = nn.Linear(8, 8), nn.Linear(8, 8)
+        self.w = nn.Parameter(torch.randn(8, 8) * 0.3)
+
+    def forward(self, x):
+        self.mid = torch.sigmoid(LinFn.apply(self.a(x), self.w))
+        return self.c(torch.tanh(self.mid))
+
+
+@pytest.mark.filterwarnings("ignore:2BP split:RuntimeWarning")
+def test_b_frees_the_graph_when_a_functions_weights_are_taken_in_it():
+    """A Python Function's weights are taken in B, so nothing in W reads the graph: B frees it at once (the sigmoid's
+    saved output goes), and the micro-batch keeps only its formulas' operands until W, as a stage without a
+    Function does. Fails where B retains the graph whenever it takes edges (a cold review's finding: the whole
+    activation held from B to W)."""
+    torch.manual_seed(0)
+    module = SigmoidAfterFunction()
+    ref = copy.deepcopy(module)
+    x, g = _x(4, 8), torch.randn(4, 8)
+    stage = Stage(module)
+    stage.forward(0, x.detach().clone().requires_grad_())
+    kept = StorageWeakRef(module.mid.untyped_storage())
+    del module.mid
+    stage.backward_input(0, g)
+    gc.collect()
+    assert kept.expired(), "B kept the graph (the sigmoid's saved output) until W"
+    stage.backward_weight(0)
+    _, ref_grads = _reference(ref, [(x,)], [[g]])
+    for n, q in module.named_parameters():
+        torch.testing.assert_close(q.grad, ref_grads[n], rtol=1e-6, atol=1e-7, msg=n)

@@ -513,7 +513,7 @@ class Stage:
                     # W re-enters the graph only at frontier nodes without a direct formula. When every
                     # weight grad has one, the graph goes now and a micro-batch keeps only the saved
                     # operands and recorded grads those formulas need. (``in_b`` regions are pushed below.)
-                    retain_graph=bool(plan.frontier or plan.in_b),
+                    retain_graph=plan.keep_graph,
                 )
                 taken = grads[len(targets) : len(targets) + len(plan.in_b)]
                 # A Function's weight-only region kept: W's own push may pass through the same nodes (a weight made
@@ -821,6 +821,7 @@ class _Plan:
     in_b_params: tuple[int, ...] = ()  # ids of the parameters they lead to
     in_b_functions: tuple[str, ...] = ()  # Python Functions whose weights are taken in B (Stage._functions_in_b)
     function_params: tuple[int, ...] = ()  # ids of the parameters they lead to
+    keep_graph: bool = True  # B's engine call retains the graph's saved tensors (see _keep_graph)
 
 
 _REENTRANT = (
@@ -902,7 +903,20 @@ def _plan(
         in_b_params=tuple(id(q) for q in _params_below([m for _, ms in split.checkpointed for m in ms], params)),
         in_b_functions=tuple(dict.fromkeys(n.name() for n, _ in split.functions)),
         function_params=tuple(id(q) for q in _params_below([m for _, ms in split.functions for m in ms], params)),
+        keep_graph=_keep_graph(split),
     )
+
+
+def _keep_graph(split: _Split) -> bool:
+    """Whether B's engine call must retain the graph's saved tensors: for W's re-entry at the frontier, and for the
+    push of ``in_b`` edges taken in a checkpointed block or from a node that writes ``.grad`` (pushed within B's
+    recompute group). A Python Function's edges need it only where B's call runs a node of the weight-only region
+    below one of them (another of its targets lies there), which frees it before B pushes through it; otherwise B
+    frees the graph at once and the micro-batch keeps only the formulas' operands until W, as without them."""
+    if split.frontier or len(split.in_b) > len(split.function_in_b):
+        return True
+    targets = {e.node for e in split.early + split.free + split.in_b}
+    return any(_below([e.node]) & targets for e in split.function_in_b)
 
 
 class _PlanCache:
@@ -1111,6 +1125,7 @@ class _Split:
     checkpointed: list[tuple[Node, list[Node]]] = field(default_factory=list)
     # Python autograd.Functions whose weight edges are taken in B, with those edges' nodes (Stage._functions_in_b)
     functions: list[tuple[Node, list[Node]]] = field(default_factory=list)
+    function_in_b: list[GradientEdge] = field(default_factory=list)  # their edges (in ``in_b`` too)
 
     def add(self, node: Node) -> None:
         single = self._weight_edges(node)
@@ -1169,6 +1184,7 @@ class _Split:
             # gradient. W re-entering it would run it again: twice the cost, and for such kernels another
             # weight gradient, and the input gradient B already sent scaled again. B runs it once, for both.
             self.in_b.extend(GradientEdge(*e) for e in deferred)
+            self.function_in_b.extend(GradientEdge(*e) for e in deferred)
             self.functions.append((node, [n for n, _ in deferred]))
             deferred = []
         nested = _nested([n for n, _ in deferred])
