@@ -27,6 +27,7 @@ import random
 import pytest
 import torch
 import torch.nn.functional as F
+from test_stage import LinFn  # x @ w.T as a Python Function: its backward returns both gradients at once
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -51,20 +52,6 @@ class _Cube(torch.autograd.Function):
     def backward(ctx, g):
         (x,) = ctx.saved_tensors
         return g * 0.75 * x**2
-
-
-class _LinFn(torch.autograd.Function):
-    """``x @ w.T`` as a Python Function: its backward returns both gradients at once."""
-
-    @staticmethod
-    def forward(ctx, x, w):
-        ctx.save_for_backward(x, w)
-        return x @ w.t()
-
-    @staticmethod
-    def backward(ctx, g):
-        x, w = ctx.saved_tensors
-        return g @ w, g.t() @ x
 
 
 class Program(nn.Module):
@@ -148,9 +135,9 @@ class Program(nn.Module):
         if op == "sliced":  # a slice of a weight as a Linear's weight
             return F.linear(x, self.left[:, :D], self.right)
         if op == "pylinear":  # a Python Function holding a weight: its weight gradient taken in its one run, in B
-            return torch.tanh(_LinFn.apply(x, p))
+            return torch.tanh(LinFn.apply(x, p))
         if op == "pymade":  # ... through a weight-only region (W would carry it into the weights)
-            return _LinFn.apply(x, (self.left * self.right).t() * 0.5)
+            return LinFn.apply(x, (self.left * self.right).t() * 0.5)
         if op == "detached":
             return x.detach() * y
         if op == "ckpt":

@@ -598,10 +598,15 @@ class Stage:
             f"gradient from backward instead of writing .grad; or train this model with split_backward=False.",
         )
 
+    def _named(self, ids: Iterable[int]) -> str:
+        """`` (first.name and N more)`` for the stage's parameters among ``ids``, or "" where none is."""
+        wanted = set(ids)
+        names = [self.names.get(id(q), n) for n, q in self.module.named_parameters() if id(q) in wanted]
+        return f" ({names[0]}" + (f" and {len(names) - 1} more" if len(names) > 1 else "") + ")" if names else ""
+
     def _checkpointed_in_b(self, plan: _Plan) -> None:
         """Say once that an activation-checkpointed node without a W formula had its weight gradients taken in B."""
-        names = [self.names.get(id(q), n) for n, q in self.module.named_parameters() if id(q) in plan.in_b_params]
-        made = f" ({names[0]}" + (f" and {len(names) - 1} more" if len(names) > 1 else "") + ")" if names else ""
+        made = self._named(plan.in_b_params)
         self._warn_once(
             "checkpointed",
             f"in an activation-checkpointed block, {', '.join(plan.in_b_nodes)} has no W formula, so the weight "
@@ -614,8 +619,7 @@ class Stage:
 
     def _functions_in_b(self, plan: _Plan) -> None:
         """Say once that a Python ``autograd.Function``'s weight gradients were taken in B (see ``_Split.add``)."""
-        names = [self.names.get(id(q), n) for n, q in self.module.named_parameters() if id(q) in plan.function_params]
-        made = f" ({names[0]}" + (f" and {len(names) - 1} more" if len(names) > 1 else "") + ")" if names else ""
+        made = self._named(plan.function_params)
         self._warn_once(
             "function",
             f"{', '.join(plan.in_b_functions)} is a Python autograd.Function (a custom Function, a Triton kernel's "
