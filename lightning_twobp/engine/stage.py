@@ -906,7 +906,7 @@ def _plan(
         in_b_nodes=tuple(dict.fromkeys(n.name() for n, _ in split.checkpointed)),
         in_b_params=tuple(id(q) for q in _params_below([m for _, ms in split.checkpointed for m in ms], params)),
         in_b_functions=tuple(dict.fromkeys(n.name() for n, _ in split.functions)),
-        function_params=tuple(id(q) for q in _params_below([m for _, ms in split.functions for m in ms], params)),
+        function_params=tuple(id(q) for q in _params_below([e.node for _, es in split.functions for e in es], params)),
         keep_graph=_keep_graph(split),
     )
 
@@ -917,10 +917,11 @@ def _keep_graph(split: _Split) -> bool:
     recompute group). A Python Function's edges need it only where B's call runs a node of the weight-only region
     below one of them (another of its targets lies there), which frees it before B pushes through it; otherwise B
     frees the graph at once and the micro-batch keeps only the formulas' operands until W, as without them."""
-    if split.frontier or len(split.in_b) > len(split.function_in_b):
+    theirs = [e for _, edges in split.functions for e in edges]
+    if split.frontier or len(split.in_b) > len(theirs):
         return True
     targets = {e.node for e in split.early + split.free + split.in_b}
-    return any(_below([e.node]) & targets for e in split.function_in_b)
+    return any(_below([e.node]) & targets for e in theirs)
 
 
 class _PlanCache:
@@ -1127,9 +1128,8 @@ class _Split:
     filled: frozenset[int] = frozenset()  # parameters a node's own backward writes (Stage._filled_in_b)
     # checkpointed nodes without a formula whose weight edges are taken in B, with those edges' nodes
     checkpointed: list[tuple[Node, list[Node]]] = field(default_factory=list)
-    # Python autograd.Functions whose weight edges are taken in B, with those edges' nodes (Stage._functions_in_b)
-    functions: list[tuple[Node, list[Node]]] = field(default_factory=list)
-    function_in_b: list[GradientEdge] = field(default_factory=list)  # their edges (in ``in_b`` too)
+    # Python autograd.Functions whose weight edges are taken in B (in ``in_b`` too), with those edges
+    functions: list[tuple[Node, list[GradientEdge]]] = field(default_factory=list)
 
     def add(self, node: Node) -> None:
         single = self._weight_edges(node)
@@ -1187,9 +1187,9 @@ class _Split:
             # scales its saved gradients in place by the incoming one, its RMSNorm overwrites that incoming
             # gradient. W re-entering it would run it again: twice the cost, and for such kernels another
             # weight gradient, and the input gradient B already sent scaled again. B runs it once, for both.
-            self.in_b.extend(GradientEdge(*e) for e in deferred)
-            self.function_in_b.extend(GradientEdge(*e) for e in deferred)
-            self.functions.append((node, [n for n, _ in deferred]))
+            edges = [GradientEdge(*e) for e in deferred]
+            self.in_b.extend(edges)
+            self.functions.append((node, edges))
             deferred = []
         nested = _nested([n for n, _ in deferred])
         if nested is not None:  # W's re-entry would take the upper value's share at both: counted twice
