@@ -668,6 +668,64 @@ def test_dp_x_pp_reduces_an_expert_only_one_replica_used(four_ranks, request, da
             torch.testing.assert_close(value, ref[name].detach(), rtol=1e-5, atol=1e-6, msg=f"rank {rank} {name}")
 
 
+def _alternating_data() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``_data()``'s samples with the first input's sign alternating by batch and replica: replica d's batch i
+    (of 8; DistributedSampler(shuffle=True, seed=0): replica d reads perm[d::2]) is positive when i + d is
+    even. Within a window of 3 batches each replica uses both experts, its last micro-step one only."""
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(64, 6, generator=g), torch.randn(64, 2, generator=g)
+    perm = torch.randperm(64, generator=torch.Generator().manual_seed(0))
+    for d in range(2):
+        for i in range(4):
+            rows = perm[d::2][i * 8 : (i + 1) * 8]
+            x[rows, 0] = (x[rows, 0].abs() + 0.1) * (1 if (i + d) % 2 == 0 else -1)
+    return x, y, perm
+
+
+def _fit_dp_pp_accumulating(rank: int, world: int) -> dict:
+    lightning_env(rank, world)
+    model = Regressor(layers=_routed)
+    model.optimizer = torch.optim.AdamW
+    x, y, _ = _alternating_data()
+    strategy = TwoBPStrategy(schedule="zb-v", num_microbatches=4, pipeline_degree=2)
+    reduces = _Reduces()
+    trainer = _trainer(
+        strategy, world, max_steps=2, accumulate_grad_batches=3, callbacks=[reduces], use_distributed_sampler=True
+    )
+    trainer.fit(model, DataLoader(TensorDataset(x, y), batch_size=8))
+    return {"params": _trained(model), "reduces": reduces.started}
+
+
+class _Reduces(pl.Callback):
+    """How many reduces over the replicas the strategy started in the call (``ReplicaReduce.started``)."""
+
+    started = -1
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        self.started = trainer.strategy._pipeline.reduce.started
+
+
+def test_dp_x_pp_reduces_once_per_accumulation_window(four_ranks, request):
+    """accumulate_grad_batches=3 over 4 batches a replica: windows of 3 and 1 micro-steps, and one reduce over the
+    replicas per stage and window, as DDP's no_sync (4 per stage before), the earlier micro-steps' gradients carried into it. The experts alternate by batch and replica, so
+    a window's last micro-step leaves on each replica an expert the window used earlier: every parameter
+    against one process under AdamW."""
+    x, y, perm = _alternating_data()
+    order = torch.cat([torch.cat([perm[0::2][i * 8 : (i + 1) * 8], perm[1::2][i * 8 : (i + 1) * 8]]) for i in range(4)])
+    model = Regressor(layers=_routed)
+    model.optimizer = torch.optim.AdamW
+    trainer = _trainer("auto", 1, max_steps=2, accumulate_grad_batches=3)
+    trainer.fit(model, DataLoader(TensorDataset(x[order], y[order]), batch_size=16))
+    ref = dict(model.named_parameters())
+    results = four_ranks[request.node.name]
+    assert set(results[0]["params"]) | set(results[1]["params"]) == set(ref)
+    for rank, out in enumerate(results):
+        stages = 2 if rank % 2 == 0 else 1  # pipeline rank 1's first stage (a Tanh) has nothing to reduce
+        assert out["reduces"] == 2 * stages, f"rank {rank}: {out['reduces']} reduces for 2 windows of {stages}"
+        for name, value in out["params"].items():
+            torch.testing.assert_close(value, ref[name].detach(), rtol=1e-5, atol=1e-6, msg=f"rank {rank} {name}")
+
+
 class _Counting(nn.Module):
     """Counts its training calls in an int16 buffer (gloo broadcasts no int16: the buffers travel as bytes)."""
 
@@ -1343,6 +1401,7 @@ def four_ranks(request) -> conftest.Launch:
         f"test_dp_x_pp_reduces_an_expert_only_one_replica_used[{d}]": (_fit_dp_pp_routed, (d,))
         for d in ("replicate", "shard")
     }
+    cases["test_dp_x_pp_reduces_once_per_accumulation_window"] = (_fit_dp_pp_accumulating, ())
     cases["test_dp_x_pp_validates_with_replica_zeros_batch_norm_statistics"] = (_fit_dp_pp_normed, ())
     cases["test_dp_x_pp_keeps_each_replicas_buffers_when_asked"] = (_fit_dp_pp_normed, (False,))
     # last: a step refused on the first stage's ranks only (those holding the cache) leaves the links closed

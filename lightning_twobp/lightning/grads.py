@@ -4,8 +4,8 @@
   automatic optimization runs ``zero_grad`` and ``backward`` after it. The stash sets them aside and
   adds them back in ``backward``, scaled by ``1 / accumulate_grad_batches`` as Lightning scales the
   loss, so ``zero_grad``, accumulation and ``optimizer.step`` see what ``loss.backward()`` gives.
-* :func:`dp_reduce`: each stage's gradients averaged over its data-parallel replicas, started as
-  soon as the stage's last W has run (the executor calls it).
+* :class:`ReplicaReduce`: each stage's gradients averaged over its data-parallel replicas, started as
+  soon as the stage's last W has run (the executor calls it), once per accumulation window.
 * :class:`TiedParameters`: a parameter used on several pipeline ranks (tied embeddings) starts from
   one value and gets the sum of its ranks' gradients each step, as Megatron does for embeddings; so
   do the copies that sharding gives two stages of one rank.
@@ -22,6 +22,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -35,11 +36,30 @@ from lightning_twobp.lightning.local_model import SharedParameter
 
 __all__ = [
     "GradStash",
+    "ReplicaReduce",
     "TiedParameters",
-    "dp_reduce",
+    "Window",
     "overflow_agreeing_scaler",
     "pipelined_precision",
 ]
+
+
+@dataclass(frozen=True)
+class Window:
+    """Where a training micro-step stands in Lightning's gradient-accumulation window."""
+
+    length: int  # accumulate_grad_batches
+    first: bool  # its first micro-step (Lightning zeroes the gradients after this one's training_step)
+    last: bool  # the optimizer steps after this micro-step
+
+    @staticmethod
+    def of(trainer: Any) -> Window:
+        """This micro-step's window, read as Lightning's training loop decides to step
+        (``_TrainingEpochLoop._should_accumulate``: every k-th batch of the epoch, and its last)."""
+        progress = trainer.fit_loop.epoch_loop.batch_progress
+        k, ready = trainer.accumulate_grad_batches, progress.current.ready
+        last = ready % k == 0 or progress.is_last_batch or ready == trainer.num_training_batches
+        return Window(k, (ready - 1) % k == 0, last)
 
 
 class GradStash:
@@ -49,18 +69,23 @@ class GradStash:
         self._stash: list[tuple[nn.Parameter, torch.Tensor]] = []
 
     @contextmanager
-    def collect(self, params: Sequence[nn.Parameter]) -> Iterator[None]:
+    def collect(self, params: Sequence[nn.Parameter], carry: int | None = None) -> Iterator[None]:
         """Inside: the step's gradients start from zero. After: they are stashed, and the gradients
-        from before (an accumulation window's earlier micro-steps) are back in ``.grad``."""
+        from before (an accumulation window's earlier micro-steps) are back in ``.grad``.
+
+        ``carry`` (k, the window's length): the last micro-step of a window whose reduce over the replicas
+        runs once (:class:`ReplicaReduce`). The step starts from the earlier micro-steps' gradients, which
+        ``backward`` scaled by 1/k, times k, so the reduce averages the whole window's; after it, the stash
+        holds that total and ``.grad`` is left empty for ``backward`` to fill."""
         kept = [q.grad for q in params]
-        for q in params:
-            q.grad = None
+        for q, g in zip(params, kept, strict=True):
+            q.grad = g.mul_(carry) if carry is not None and g is not None else None
         try:
             yield
             self._stash = [(q, q.grad) for q in params if q.grad is not None]
         finally:
             for q, g in zip(params, kept, strict=False):
-                q.grad = g
+                q.grad = None if carry is not None else g
 
     def add_to_grads(self, scale: float) -> None:
         """Add the stashed gradients, times ``scale``, into ``.grad`` (``None`` counts as zero)."""
@@ -73,19 +98,30 @@ class GradStash:
         self._stash = []
 
 
-def dp_reduce(group: dist.ProcessGroup | None, dp: int) -> Callable[[int, list[nn.Parameter]], Callable[[], None]]:
-    """The executor's ``grad_reduce``: average a stage's gradients over ``group`` (its ``dp``
-    replicas), as DDP would. One flat asynchronous all-reduce per dtype starts at once, so it runs
-    while the rank does its remaining work; the returned function finishes it at the step's end.
+class ReplicaReduce:
+    """The executor's ``grad_reduce`` under replicated data parallelism: average a stage's gradients over
+    ``group`` (its ``dp`` replicas), as DDP would. One flat asynchronous all-reduce per dtype starts at once,
+    so it runs while the rank does its remaining work; the returned function finishes it at the step's end.
+
+    Once per accumulation window, as DDP's ``no_sync``: while ``now`` is False (a window's earlier
+    micro-steps) a stage's gradients stay this replica's own, and the window's last micro-step reduces what
+    the whole window accumulated (:meth:`GradStash.collect`'s ``carry``). Each gradient is divided by
+    ``dp`` before the sum, as DDP divides, so fp16 gradients sum no larger than their mean.
 
     Every replica passes the same parameters (all that require grad). One without a gradient on this
     replica adds zeros, and a flag per parameter (1 where a gradient was there, in float32 beside the
     float32 gradients) says afterwards which had one on no replica: those keep ``.grad`` None, so the
     optimizer skips them as one process's does (a zero gradient would still decay them in AdamW)."""
 
-    def start(stage: int, params: list[nn.Parameter]) -> Callable[[], None]:
-        if not params:  # a stage with nothing to train, alike on every replica
-            return lambda: None
+    def __init__(self, group: dist.ProcessGroup | None, dp: int) -> None:
+        self.group, self.dp = group, dp
+        self.now = True  # False inside an accumulation window: the strategy sets it each micro-step
+        self.started = 0  # reduces started (one per stage and window): what the tests count
+
+    def __call__(self, stage: int, params: list[nn.Parameter]) -> Callable[[], None]:
+        if not params or not self.now:  # nothing to train, alike on every replica; or a window goes on
+            return _nothing
+        self.started += 1
         present = torch.tensor([q.grad is not None for q in params], dtype=torch.float32, device=params[0].device)
         grads = [q.grad if q.grad is not None else torch.zeros_like(q) for q in params]
         by_dtype: dict[torch.dtype, list[int]] = {}
@@ -94,11 +130,9 @@ def dp_reduce(group: dist.ProcessGroup | None, dp: int) -> Callable[[int, list[n
         by_dtype.setdefault(torch.float32, [])  # the flags travel with the float32 gradients
         started = []
         for dtype, ks in by_dtype.items():
-            parts = [grads[k].reshape(-1) for k in ks]
-            if dtype == torch.float32:
-                parts.append(present)
-            flat = torch.cat(parts)
-            work = dist.all_reduce(flat, group=group, async_op=True)  # SUM: gloo has no AVG
+            flat = torch.cat([grads[k].reshape(-1) for k in ks] + ([present] if dtype == torch.float32 else []))
+            flat[: sum(grads[k].numel() for k in ks)].div_(self.dp)  # gloo has no AVG: divide, then SUM
+            work = dist.all_reduce(flat, group=self.group, async_op=True)
             started.append((work, flat, ks, dtype == torch.float32))
 
         def finish() -> None:
@@ -107,7 +141,6 @@ def dp_reduce(group: dist.ProcessGroup | None, dp: int) -> Callable[[int, list[n
                 work.wait()
                 if carries_flags:
                     flat, flags = flat[: flat.numel() - len(params)], flat[flat.numel() - len(params) :]
-                flat.div_(dp)
                 for k, part in zip(ks, flat.split([grads[k].numel() for k in ks]), strict=True):
                     grads[k].copy_(part.view_as(grads[k]))
             assert flags is not None  # the float32 flat always goes
@@ -116,7 +149,9 @@ def dp_reduce(group: dist.ProcessGroup | None, dp: int) -> Callable[[int, list[n
 
         return finish
 
-    return start
+
+def _nothing() -> None:
+    pass
 
 
 class TiedParameters:

@@ -29,8 +29,9 @@ from lightning_twobp.lightning.contract import SequentialContract, find_contract
 from lightning_twobp.lightning.failures import naming_lost
 from lightning_twobp.lightning.grads import (
     GradStash,
+    ReplicaReduce,
     TiedParameters,
-    dp_reduce,
+    Window,
     overflow_agreeing_scaler,
     pipelined_precision,
 )
@@ -121,6 +122,7 @@ class Pipeline:
     sharding: ShardedStages | None = None  # data_parallel="shard": the stages' FSDP2 shards
     replicas: str = ""  # this rank's data-parallel peers, "global rank 2 (host b)", named when lost
     buffers: ReplicaBuffers | None = None  # with several replicas: replica 0's buffers before each step
+    reduce: ReplicaReduce | None = None  # replicated data parallelism: the executor's grad_reduce
 
     def sync_buffers(self) -> None:
         """Before a training step's first forward and at an evaluation's start (its replicas may read
@@ -157,12 +159,15 @@ class Pipeline:
         self.metrics.clear()  # what this part updated counts where the last stage runs it again
         return inputs
 
-    def train_step(self, stash: GradStash, params: list[nn.Parameter], run: StepRun) -> tuple[torch.Tensor, Logs]:
+    def train_step(
+        self, stash: GradStash, params: list[nn.Parameter], run: StepRun, window: Window
+    ) -> tuple[torch.Tensor, Logs]:
         """One pipeline step over the micro-batches ``runner.begin`` made: the gradients set aside in
         ``stash`` for ``backward``, the mean loss and the logged means on every rank of the pipeline."""
         ex = self.executor
         self.sync_buffers()
-        with stash.collect(params), self.precision.train_step_context():
+        carry = self._once_per_window(window)
+        with stash.collect(params, carry), self.precision.train_step_context():
             self.metrics.begin()  # before any part of the step runs on this rank
             inputs = self.capture()
             targets = list(range(len(self.runner.current.microbatches))) if self.holds_last else None
@@ -182,7 +187,7 @@ class Pipeline:
             ex.record = False
             if run.record:
                 run.records = StepRecords(list(result.records), dict(result.held_bytes))
-            if self.tied:
+            if self.tied and (self.reduce is None or self.reduce.now):
                 self.tied.reduce_grads()
         if self.holds_last:
             assert result.loss is not None  # the last stage's rank has the loss
@@ -196,6 +201,17 @@ class Pipeline:
         self.metrics.apply(states)
         _stop_too(self.runner.module, stop)
         return loss, means
+
+    def _once_per_window(self, window: Window) -> int | None:
+        """Replicated data parallelism reduces once per accumulation window, as DDP's ``no_sync`` (and the tied
+        parameters' sum over their ranks with it, their window's gradients being as local): on its last
+        micro-step, whose :meth:`GradStash.collect` carries the earlier ones' gradients (the returned length)
+        into the reduce. Sharded stages reduce-scatter each micro-step, as FSDP2 does by default, so that no
+        unsharded gradient outlives its step."""
+        if self.reduce is None:
+            return None
+        self.reduce.now = window.last
+        return window.length if window.last and not window.first else None
 
     def eval_step(self, state: Any, hook: str, last_rank: int, group: Any) -> Any:
         """Validation, test and predict: a forward-only pipeline pass, then ``hook`` on the last stage per
@@ -490,7 +506,7 @@ def _search(
     )
 
 
-_Reduce = Callable[[int, list[nn.Parameter]], Callable[[], None]]
+_Reduce = Callable[[int, list[nn.Parameter]], Callable[[], None]]  # ReplicaReduce, or ShardedStages.reduce
 
 
 def _data_parallel(
@@ -511,7 +527,7 @@ def _data_parallel(
         )
         return sharding, sharding.reduce
     if layout.dp_degree > 1:
-        return None, dp_reduce(strategy.group("dp"), layout.dp_degree)
+        return None, ReplicaReduce(strategy.group("dp"), layout.dp_degree)
     return None, None
 
 
@@ -772,4 +788,5 @@ def build_pipeline(strategy: TwoBPStrategy, trainer: Any) -> Pipeline:
         sharding=sharding,
         replicas=_replicas(strategy, sharding),
         buffers=_replica_buffers(strategy),
+        reduce=grad_reduce if isinstance(grad_reduce, ReplicaReduce) else None,
     )

@@ -289,7 +289,7 @@ class ShardedStages:
         replica): start the reduce-scatter of ``stage``'s gradients; the returned function sets the shards'
         gradients and reshards the stage at the step's end. A gradient this replica does not have adds zeros,
         and one no replica has leaves its shard's ``.grad`` None (a flag per parameter, summed over the
-        replicas beside the reduce: see :func:`~.grads.dp_reduce`)."""
+        replicas beside the reduce: see :class:`~.grads.ReplicaReduce`)."""
         wanted = {id(q) for q in params}
         names = [n for n, q in self.full[stage].items() if id(q) in wanted]
         if not names:

@@ -39,7 +39,7 @@ from lightning_twobp.lightning.checks import (
 )
 from lightning_twobp.lightning.collectives import StepWatch
 from lightning_twobp.lightning.failures import lost_rank, naming_lost, note_epoch_end, reap, told
-from lightning_twobp.lightning.grads import GradStash
+from lightning_twobp.lightning.grads import GradStash, Window
 from lightning_twobp.lightning.layout import check_degree
 from lightning_twobp.lightning.loaders import check_same_batch, eval_length, seed_workers_by_replica
 from lightning_twobp.lightning.local_model import meta_layers_aside
@@ -484,9 +484,7 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
             loss = self._training_step(args, kwargs)
         if self._signals is not None:  # a stop agreed now keeps the loader's position for its checkpoint
             loop = trainer.fit_loop
-            progress = loop.epoch_loop.batch_progress  # the optimizer steps after this batch where Lightning does
-            ended = progress.is_last_batch
-            steps = ended or progress.current.ready % trainer.accumulate_grad_batches == 0
+            ended, steps = loop.epoch_loop.batch_progress.is_last_batch, Window.of(trainer).last
             with self._naming_lost("the stop-signal agreement of this step"):
                 self._signals.settle(lambda: loop.on_save_checkpoint().get("combined_loader"), ended, steps)
         return loss
@@ -532,7 +530,7 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
         pipeline.runner.begin("training_step", args, kwargs, self.num_microbatches, exact=True)
         run = StepRun(f"global step {self.lightning_module.trainer.global_step}", record=self._record_next)
         params = [q for q in self.lightning_module.parameters() if q.requires_grad]
-        result = pipeline.train_step(self._stash, params, run)
+        result = pipeline.train_step(self._stash, params, run, Window.of(self.lightning_module.trainer))
         if run.records is not None:
             self._record_next, self.last_records = False, run.records
         return result
