@@ -149,6 +149,17 @@ def cost_strategy(w_half: bool = False):
 
 
 # ---------------------------------------------------------------------------------------------- trainer
+class Reduces(pl.Callback):
+    """How many reduces over the data-parallel replicas the strategy started in the call
+    (``ReplicaReduce.started``; None without one)."""
+
+    started: int | None = None
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        reduce = trainer.strategy._pipeline.reduce  # type: ignore[attr-defined]
+        self.started = reduce.started if reduce is not None else None
+
+
 def quiet_trainer(strategy: Any = "auto", devices: int = 1, **kw: Any) -> pl.Trainer:
     """A CPU Trainer without logger, checkpoints, progress bar, model summary or DistributedSampler
     (every rank of one pipeline reads the same batches); ``kw`` adds to or overrides these."""

@@ -29,7 +29,7 @@ from lightning_twobp.lightning.sharding import check_replicas, check_stages, sta
 from lightning_twobp.processes import run_distributed
 
 import conftest
-from conftest import launch, lightning_env, own_weights, quiet_trainer, regression_data
+from conftest import Reduces, launch, lightning_env, own_weights, quiet_trainer, regression_data
 
 # The shared launch runs in the fixture, under its first test's timeout
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(900)]
@@ -190,17 +190,29 @@ class Copies(pl.Callback):
             self.equal.append(wte is not head and values and momentum)
 
 
-def _fit_gpt2(rank: int, world: int, schedule: str) -> dict:
+def _fit_gpt2(rank: int, world: int, schedule: str, data_parallel: str = "shard", accumulate: int = 1) -> dict:
     """pp2 x dp2 sharded: the tied weight sharded on both stages, summed over the holders."""
     lightning_env(rank, world)
-    model, rec, copies = TinyGPT2(), Recorder(), Copies()
-    strategy = TwoBPStrategy(pipeline_degree=2, schedule=schedule, data_parallel="shard")
+    model, rec, copies, reduces = TinyGPT2(), Recorder(), Copies(), Reduces()
+    strategy = TwoBPStrategy(pipeline_degree=2, schedule=schedule, data_parallel=data_parallel)
     trainer = quiet_trainer(
-        strategy, world, max_steps=STEPS, gradient_clip_val=0.5, callbacks=[rec, copies], use_distributed_sampler=True
+        strategy,
+        world,
+        max_steps=STEPS if accumulate == 1 else 4 // accumulate,  # accumulating: one epoch, one shuffle
+        gradient_clip_val=0.5,
+        callbacks=[rec, copies, reduces],
+        use_distributed_sampler=True,
+        accumulate_grad_batches=accumulate,
     )
     trainer.fit(model, _tokens())
     tied = model.model.lm_head.weight is model.model.transformer.wte.weight
-    return {"params": own_weights(model), "losses": rec.losses, "tied": tied, "copies_equal": copies.equal}
+    return {
+        "params": own_weights(model),
+        "losses": rec.losses,
+        "tied": tied,
+        "copies_equal": copies.equal,
+        "reduces": reduces.started,
+    }
 
 
 class HeadApart(TinyGPT2):
@@ -291,6 +303,23 @@ def test_tied_gpt2_sharded_matches_one_process(four_ranks, request, schedule):
     for step, want in enumerate(rec.losses):
         got = (results[1]["losses"][step] + results[3]["losses"][step]) / 2
         assert got == pytest.approx(want, rel=1e-5), f"step {step}"
+
+
+def test_tied_gpt2_replicated_accumulating_matches_one_process(four_ranks, request):
+    """HF GPT-2's tied embeddings replicated under ZB-H1 (``wte`` on pipeline rank 0's stage, ``lm_head`` on rank
+    1's) with accumulate_grad_batches=2: the replicas' reduce and the holders' sum run once per window, on its
+    last micro-step, which carries the first one's gradients (summed over the holders at each micro-step, the
+    tied weight's first micro-step was counted twice). Every weight after 2 clipped SGD steps as one process's."""
+    model, rec = TinyGPT2(), Recorder()
+    trainer = quiet_trainer(max_steps=2, gradient_clip_val=0.5, callbacks=[rec], accumulate_grad_batches=2)
+    trainer.fit(model, _one_process_order(_tokens()))
+    ref = {n: q.detach() for n, q in model.named_parameters()}
+    results = four_ranks[request.node.name]
+    for rank, res in enumerate(results):
+        assert res["tied"] and res["reduces"] == 2, f"rank {rank}: {res['reduces']} reduces in 2 windows"
+        for name, value in res["params"].items():
+            torch.testing.assert_close(value, ref[name], rtol=1e-5, atol=1e-6, msg=f"rank {rank} {name}")
+    assert set(results[0]["params"]) | set(results[1]["params"]) == set(ref)
 
 
 def _data() -> DataLoader:
@@ -483,6 +512,7 @@ def four_ranks(request) -> conftest.Launch:
     )
     cases |= {f"test_sharded_matches_one_process[{k}]": (_fit, (kw, ("shard",))) for k, kw in SCHEDULES.items()}
     cases |= {f"test_tied_gpt2_sharded_matches_one_process[{k}]": (_fit_gpt2, (k,)) for k in GPT2_SCHEDULES}
+    cases["test_tied_gpt2_replicated_accumulating_matches_one_process"] = (_fit_gpt2, ("zb-h1", "replicate", 2))
     cases["test_tied_copies_given_different_optimizer_settings_are_named"] = (_fit_head_apart, ())
     cases["test_a_weight_on_two_stages_of_one_rank_and_on_another_sharded_matches_one_process"] = (
         _fit,

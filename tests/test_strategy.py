@@ -688,7 +688,7 @@ def _fit_dp_pp_accumulating(rank: int, world: int) -> dict:
     model.optimizer = torch.optim.AdamW
     x, y, _ = _alternating_data()
     strategy = TwoBPStrategy(schedule="zb-v", num_microbatches=4, pipeline_degree=2)
-    reduces = _Reduces()
+    reduces = conftest.Reduces()
     trainer = _trainer(
         strategy, world, max_steps=2, accumulate_grad_batches=3, callbacks=[reduces], use_distributed_sampler=True
     )
@@ -696,20 +696,11 @@ def _fit_dp_pp_accumulating(rank: int, world: int) -> dict:
     return {"params": _trained(model), "reduces": reduces.started}
 
 
-class _Reduces(pl.Callback):
-    """How many reduces over the replicas the strategy started in the call (``ReplicaReduce.started``)."""
-
-    started = -1
-
-    def on_train_end(self, trainer, pl_module) -> None:
-        self.started = trainer.strategy._pipeline.reduce.started
-
-
 def test_dp_x_pp_reduces_once_per_accumulation_window(four_ranks, request):
     """accumulate_grad_batches=3 over 4 batches a replica: windows of 3 and 1 micro-steps, and one reduce over the
-    replicas per stage and window, as DDP's no_sync (4 per stage before), the earlier micro-steps' gradients carried into it. The experts alternate by batch and replica, so
-    a window's last micro-step leaves on each replica an expert the window used earlier: every parameter
-    against one process under AdamW."""
+    replicas per stage and window, as DDP's no_sync (4 per stage before), the earlier micro-steps' gradients
+    carried into it. The experts alternate by batch and replica, so a window's last micro-step leaves on each
+    replica an expert the window used earlier: every parameter against one process under AdamW."""
     x, y, perm = _alternating_data()
     order = torch.cat([torch.cat([perm[0::2][i * 8 : (i + 1) * 8], perm[1::2][i * 8 : (i + 1) * 8]]) for i in range(4)])
     model = Regressor(layers=_routed)
