@@ -76,6 +76,7 @@ from lightning_twobp.schedules import (
     Schedule,
     build_schedule,
     memory_levels,
+    reduce_levels,
     replay_memory,
     schedule_spec,
 )
@@ -101,6 +102,7 @@ class StagePlan:
     checkpointed: int = 0  # layers run under activation checkpointing
     recompute_bytes: int = 0  # held for a while by one micro-batch's B as it recomputes them, one at a time
     recompute_fused_bytes: int = 0  # the same in a fused BW (one layer at a time)
+    reduce_bytes: int = 0  # data_parallel="replicate" over replicas: the reduce's copy of its gradients
 
 
 @dataclass
@@ -143,6 +145,7 @@ class Plan:
             activation=[sp.activation_bytes for sp in self.stages],
             held=[sp.held_bytes for sp in self.stages],
             fixed=[sp.weight_bytes + sp.grad_bytes + sp.optimizer_bytes for sp in self.stages],
+            reduced=[sp.reduce_bytes for sp in self.stages],
         )
 
 
@@ -285,23 +288,28 @@ def _replay(
     act: dict[int, int],
     held: dict[int, int],
     recompute: dict[int, tuple[int, int]] | None = None,
+    reduced: dict[int, int] | None = None,
 ) -> dict:
-    """Peak activation memory of ``rank`` over its action order (``act``, ``held`` and ``recompute``
-    cover its stages)."""
+    """Peak activation memory of ``rank`` over its action order (``act``, ``held``, ``recompute`` and
+    ``reduced``, the data-parallel reduce's buffer from the stage's last W on, cover its stages)."""
     count = replay_memory(schedule).per_rank[rank]
     levels = memory_levels(schedule, lambda s, _: act.get(s, 0), lambda s, _: held.get(s, 0))[rank]
+    if reduced:
+        extra = reduce_levels(schedule.actions[rank], lambda s: reduced.get(s, 0))
+        levels = tuple(level + d for level, d in zip(levels, extra, strict=True))
     peak = max(levels, default=0)
     during = _recompute_peak(schedule.actions[rank], levels, recompute or {})
     return {"in_flight": count, "activation_bytes": max(peak, during), "recompute_bytes": max(0, during - peak)}
 
 
 def _choose_auto(
-    cfg: DictConfig, p: int, shard_over: int = 1, families: tuple[str, ...] | None = None
+    cfg: DictConfig, p: int, shard_over: int = 1, families: tuple[str, ...] | None = None, reduce_over: int = 1
 ) -> search_auto.AutoChoice:
     """``schedule=auto`` on paper: each layer's bytes measured on meta at every micro-batch count that
     divides the batch (up to 4p), its time taken as parameters x samples (the GEMMs' FLOPs; meta has
     no clock; a checkpointed layer's B twice that: its recompute), the fixed bytes as the plan counts
-    them (``shard_over`` > 1: one of that many ``data_parallel="shard"`` replicas' share); the device is
+    them (``shard_over`` > 1: one of that many ``data_parallel="shard"`` replicas' share; ``reduce_over`` > 1:
+    ``data_parallel="replicate"``, whose reduce copies a stage's grads from its last W on); the device is
     ``plan.gpu_memory_gib`` x headroom. ``strategy.activation_checkpointing=auto`` weighs the layers
     plain and ``full`` (the checkpointed ones' peaks with B's recompute); a limit nothing plain fits
     says what ``full`` would hold. ``families``: ``strategy.auto_schedules``, checked (None: every schedule)."""
@@ -310,7 +318,7 @@ def _choose_auto(
     given = st.get("num_microbatches")
     counts = [int(given)] if given else [d for d in range(1, min(batch, 4 * p) + 1) if batch % d == 0]
     ac = st.get("activation_checkpointing")
-    measure = _AutoMeasure(cfg, p, shard_over, counts, families)
+    measure = _AutoMeasure(cfg, p, shard_over, counts, families, reduce_over)
     gpu = cfg.plan.get("gpu_memory_gib")
     device = None if gpu is None else float(gpu) * GiB * float(cfg.plan.get("headroom", 0.9))
     limit = st.get("memory_limit") or "1f1b"
@@ -338,6 +346,7 @@ class _AutoMeasure:
     shard_over: int
     counts: list[int]
     families: tuple[str, ...] | None = None  # strategy.auto_schedules, checked against the layers as planned
+    reduce_over: int = 1  # data_parallel="replicate"'s replicas: the reduce's buffer counts where several
     cache: dict[tuple, LayerFootprint] = field(default_factory=dict)
 
     def profile(self, ac: str | int | None) -> search_auto.Profile:
@@ -384,7 +393,8 @@ class _AutoMeasure:
                 if self.shard_over > 1
                 else 2 * weight + state
             )
-            row.append(layer_cost(fp, fixed, (t, 2 * t if mode else t, t), planned.scale))
+            cost = layer_cost(fp, fixed, (t, 2 * t if mode else t, t), planned.scale)
+            row.append(replace(cost, reduced=float(weight)) if self.reduce_over > 1 else cost)  # grads: as weights
             x = torch.empty(fp.out_shape, dtype=fp.out_dtype, device="meta")
         return tuple(row)
 
@@ -412,7 +422,9 @@ def _pipeline(cfg: DictConfig, world: int, notes: list[str]) -> _Pipeline:
     p = opts.degree(world)
     check_degree(world, p)
     shard_over = world // p if opts.data_parallel == "shard" else 1
-    choice = _choose_auto(cfg, p, shard_over, opts.auto_schedules) if opts.schedule == "auto" else None
+    reduce_over = world // p if opts.data_parallel == "replicate" else 1
+    auto = opts.schedule == "auto"
+    choice = _choose_auto(cfg, p, shard_over, opts.auto_schedules, reduce_over) if auto else None
     if choice is not None:
         searched_ac, among = opts.activation_checkpointing, opts.auto_schedules
         opts = opts.chosen(choice.best)
@@ -558,9 +570,9 @@ def _rank_plans(
     for r in range(pipe.degree):
         mine = list(pipe.schedule.stages_of(r))
         static = sum(_static(stages[s], pipe.options.data_parallel, dp, precision) for s in mine)
-        a = {s: act_of[s] for s in mine}
-        with_split = _replay(pipe.schedule, r, a, {s: held_of[s] for s in mine}, recompute)
-        without = _replay(pipe.fused, r, a, {s: 0 for s in mine}, recompute)
+        a, reduced = {s: act_of[s] for s in mine}, {s: stages[s].reduce_bytes for s in mine}
+        with_split = _replay(pipe.schedule, r, a, {s: held_of[s] for s in mine}, recompute, reduced)
+        without = _replay(pipe.fused, r, a, {s: 0 for s in mine}, recompute, reduced)
         with_split["total_bytes"] = static + with_split["activation_bytes"]
         without["total_bytes"] = static + without["activation_bytes"]
         fits = None if gpu is None else with_split["total_bytes"] <= headroom * float(gpu) * GiB
@@ -608,6 +620,12 @@ def plan(cfg: DictConfig, recipe: str = "") -> Plan:
         notes.append(
             f"data_parallel='shard': static = 1/{dp} of weights, grads and optimizer + a step's gathered "
             f"weights and grads"
+        )
+    elif dp > 1:
+        stages = [replace(sp, reduce_bytes=sp.grad_bytes) for sp in stages]
+        notes.append(
+            f"data_parallel='replicate' over {dp} replicas: the reduce copies each stage's grads into its buffer "
+            f"from the stage's last W to the step's end (in act/total from there)"
         )
     return Plan(
         recipe=recipe,

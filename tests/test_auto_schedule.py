@@ -1001,7 +1001,8 @@ def test_auto_options_are_checked_at_construction():
 
 def _fit_sharded(rank: int, world: int) -> dict:
     """schedule="auto" under data_parallel="shard" on pp 2 x dp 2: the fixed bytes auto counted per layer,
-    against each layer's as the planner counts one replica's (sharded_static_bytes)."""
+    against each layer's as the planner counts one replica's (sharded_static_bytes); then replicated, the
+    reduce's buffer it counts per layer (its gradients' bytes)."""
     from lightning_twobp import TwoBPStrategy
     from lightning_twobp.lightning.sharding import sharded_static_bytes
 
@@ -1015,17 +1016,26 @@ def _fit_sharded(rank: int, world: int) -> dict:
     strategy = TwoBPStrategy(schedule="auto", memory_limit="1f1b", pipeline_degree=2, data_parallel="shard", **FUSED_M4)
     quiet_trainer(strategy, world, max_steps=1).fit(model, _loader())
     counted = [c.fixed + c.optimizer for c in strategy.auto_profile.layers[4]]
-    return {"expected": expected, "counted": counted, "label": strategy.auto_choice.best.label}
+    out = {"expected": expected, "counted": counted, "label": strategy.auto_choice.best.label}
+    # replicated: each layer's gradients counted once more, the reduce's buffer (0 when sharded)
+    out["sharded_reduced"] = [c.reduced for c in strategy.auto_profile.layers[4]]
+    model = Blocks()
+    out["grads"] = [sum(4 * q.numel() for q in layer.parameters() if q.requires_grad) for layer in model.layers]
+    strategy = TwoBPStrategy(schedule="auto", memory_limit="2x1f1b", pipeline_degree=2, **FUSED_M4)
+    quiet_trainer(strategy, world, max_steps=1).fit(model, _loader())
+    out["reduced"] = [c.reduced for c in strategy.auto_profile.layers[4]]
+    return out
 
 
 @pytest.mark.dist
-def test_auto_counts_a_sharded_stage_as_one_replica_holds_it(request):
+def test_auto_counts_a_sharded_stage_as_one_replica_holds_it_and_a_replicated_ones_reduce(request):
     results = launch(request, 4, {request.node.name: (_fit_sharded, ())}, timeout=600)[request.node.name]
     assert len({r["label"] for r in results}) == 1, "every rank must choose the same schedule"
     for r in results:
         # fp32 weights: 1/2 of weights and gradients plus a step's gathered weights and gradients, 3x the
         # weights where a replicated stage holds 2x
         assert r["counted"] == r["expected"], r
+        assert r["reduced"] == r["grads"] and not any(r["sharded_reduced"]), r
 
 
 @pytest.mark.dist

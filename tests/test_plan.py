@@ -59,6 +59,22 @@ def test_the_plans_bytes_are_the_schedule_models():
     assert list(peaks) == [r.split["total_bytes"] for r in p.ranks]
 
 
+def test_a_replicated_plan_counts_the_reduce_buffer_from_each_stages_last_backward():
+    """pp 2 x dp 2 replicated: the reduce copies each stage's gradients from its last W (or BW) to the step's
+    end. Small micro-batches, so that on the fused baseline's last rank (whose last BW ends its backward) that
+    buffer is the peak: its static bytes plus its gradients. The plan's totals stay the schedule model's."""
+    small = ["schedule=zb-h1", "strategy.pipeline_degree=2", "data.batch_size=4", "strategy.num_microbatches=4"]
+    alone, replicated = plan_recipe(["trainer.devices=2", *small]), plan_recipe(["trainer.devices=4", *small])
+    assert [s.reduce_bytes for s in alone.stages] == [0, 0]
+    assert [s.reduce_bytes for s in replicated.stages] == [s.grad_bytes for s in replicated.stages]
+    last = replicated.ranks[1]
+    assert alone.ranks[1].fused["total_bytes"] < last.static_bytes + replicated.stages[1].grad_bytes
+    assert last.fused["total_bytes"] == last.static_bytes + replicated.stages[1].grad_bytes
+    peaks = simulate(build_schedule("zb-h1", 2, 4), Costs(memory=replicated.memory_costs())).peak_bytes
+    assert list(peaks) == [r.split["total_bytes"] for r in replicated.ranks]
+    assert "data_parallel='replicate' over 2 replicas" in format_plan(replicated)
+
+
 def test_gpipe_holds_every_microbatch_and_zb_h1_bounds_it():
     gpipe = plan_recipe(["schedule=gpipe", "strategy.split_backward=false", "trainer.devices=2"])
     assert [r.fused["in_flight"] for r in gpipe.ranks] == [4, 4]

@@ -10,6 +10,7 @@ from lightning_twobp.schedules import (
     MemoryCosts,
     build_schedule,
     default_stages_per_rank,
+    memory_levels,
     simulate,
 )
 from lightning_twobp.schedules.builders.zb_orders import paper_order
@@ -43,6 +44,32 @@ def test_peak_bytes_add_fixed_bytes_and_weigh_what_b_keeps():
     assert split.peak_bytes[0] == 100 + 10 * 4 + 3 * 4
     # The last rank runs F B F B ... and defers every W to the end: all 8 held after B.
     assert split.peak_bytes[-1] == 400 + 10 + 3 * 7
+
+
+def test_the_data_parallel_reduce_buffer_counts_from_the_stages_last_backward_to_the_steps_end():
+    """Replicated data parallelism copies a stage's gradients into the reduce's buffer at its last W (or BW),
+    where the lowering starts the reduce, until the step's end: counted there, not as a fixed byte."""
+    p, m = 2, 4
+    memory = MemoryCosts(activation=10, held=0, fixed=100)
+    for split in (True, False):
+        schedule = build_schedule("1f1b", p, m, split_backward=split)
+        plain = simulate(schedule, Costs(memory=memory)).peak_bytes
+        # rank r holds p - r activations at its warm-up's end, and nothing once its last W or BW has run
+        assert plain == tuple(100 + 10 * (p - r) for r in range(p))
+        below = simulate(schedule, Costs(memory=MemoryCosts(activation=10, held=0, fixed=100, reduced=9))).peak_bytes
+        assert below == plain, "a buffer smaller than the warm-up's peak, made after it, leaves the peak alone"
+        above = simulate(schedule, Costs(memory=MemoryCosts(activation=10, held=0, fixed=100, reduced=25))).peak_bytes
+        assert above == (125, 125)
+    # the V: rank 0 holds stages 0 and 3, and stage 3's last W comes first, so its buffer is held under the
+    # rest of stage 0's backward; only stage 3's buffer: rank 0 holds it on top of stage 0's level there
+    v = build_schedule("zb-v", 2 * p, m, stages_per_rank=2)
+    row = v.actions[0]
+    last3 = max(i for i, a in enumerate(row) if a.stage == 3 and a.kind == "W")
+    assert last3 < max(i for i, a in enumerate(row) if a.stage == 0 and a.kind == "W")
+    only3 = MemoryCosts(activation=10, held=10, reduced=(0, 0, 0, 1000))
+    peak = simulate(v, Costs(memory=only3)).peak_bytes[0]
+    after = max(memory_levels(v, 10, 10)[0][last3:])
+    assert peak == 1000 + after
 
 
 def test_capped_1f1b_peak_bytes_formula():

@@ -95,6 +95,7 @@ __all__ = [
     "auto_schedule",
     "device_bytes",
     "optimizer_state_bytes",
+    "reduced_bytes",
     "sharded_fixed",
     "timed_footprint",
     "trained_size",
@@ -211,6 +212,12 @@ def _optimizers(found: Any) -> list[torch.optim.Optimizer]:
 def trained_size(q: torch.Tensor, cast: torch.dtype | None) -> int:
     """Bytes per element of ``q`` once the precision has cast the model's floating tensors to ``cast``."""
     return cast.itemsize if cast is not None and q.is_floating_point() else q.element_size()
+
+
+def reduced_bytes(layer: nn.Module, cast: torch.dtype | None) -> int:
+    """The bytes of ``layer``'s gradients the replicated reduce copies into its flat buffer
+    (:class:`~.grads.ReplicaReduce`): every trainable parameter's, in its dtype once cast."""
+    return sum(q.numel() * trained_size(q, cast) for q in layer.parameters() if q.requires_grad)
 
 
 def optimizer_state_bytes(
@@ -399,6 +406,7 @@ class _Profiler:
     balance: Any
     repeats: int
     shard_over: int
+    reduce_over: int  # replicated data parallelism's replicas (1: none): the reduce's buffer is counted
     optimizer: list[float]  # each layer's optimizer-state bytes
     checkpoint: Callable[[Any], Callable[[], None]] | None  # wraps the layers in a mode; returns the undo
 
@@ -478,6 +486,11 @@ class _Profiler:
                     sharded_fixed(c, q, self.shard_over, name, runs.cast)
                     for c, q in zip(costs, self.layers, strict=True)
                 ]
+            if self.reduce_over > 1:
+                costs = [
+                    dataclasses.replace(c, reduced=float(reduced_bytes(q, runs.cast)))
+                    for c, q in zip(costs, self.layers, strict=True)
+                ]
             costs.append(loss)  # the last row
             rows.append([_to_row(c) for c in costs])
             sent.append(largest)
@@ -513,13 +526,16 @@ def auto_schedule(
     split_backward: bool | None = None,
     repeats: int = 2,
     shard_over: int = 1,
+    reduce_over: int = 1,
     checkpointing: Sequence[str | int | None] = (None,),
     checkpoint: Callable[[Any], Callable[[], None]] | None = None,
     families: Sequence[str] | None = None,
 ) -> tuple[AutoChoice, Profile]:
     """Profile, agree, search and log (see the module docstring); the same answer on every rank, and the
     profile of the choice. ``shard_over``: the data-parallel replicas a stage is sharded over
-    (``data_parallel="shard"``; 1: replicated, each replica holding its stages whole).
+    (``data_parallel="shard"``; 1: replicated, each replica holding its stages whole); ``reduce_over``: the
+    replicas of ``data_parallel="replicate"``, whose reduce buffer (a copy of a stage's gradients, from its
+    last W to the step's end) counts where there are several.
     ``checkpointing``: the ways of running the layers to weigh, one profile each
     (``activation_checkpointing="auto"``: ``AUTO_MODES``); ``checkpoint(mode)`` wraps the layers so
     and returns the undo (None: they are profiled as they are). ``memory_limit="1f1b"`` is fused 1F1B's
@@ -545,6 +561,7 @@ def auto_schedule(
         balance,
         repeats,
         shard_over,
+        reduce_over,
         optimizer,
         checkpoint,
     )

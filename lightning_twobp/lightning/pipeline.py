@@ -500,6 +500,7 @@ def _search(
         req.num_microbatches,
         None if req.split_backward else False,
         shard_over=strategy.layout.dp_degree if req.data_parallel == "shard" else 1,
+        reduce_over=strategy.layout.dp_degree if req.data_parallel == "replicate" else 1,
         checkpointing=modes,
         checkpoint=checkpoint,
         families=req.auto_schedules,

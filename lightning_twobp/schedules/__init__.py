@@ -19,7 +19,16 @@ from .deferral import peak_pending_w, pending_w_cap
 from .grad_reduce import GradReduce, add_grad_reduce
 from .ir import Action, DeadlockError, Schedule
 from .lower import Comm, check_comm_deadlock, check_comm_order, lower_communication
-from .memory import MemoryCosts, MemoryPeaks, memory_levels, peak_activations, peak_bytes, peak_inflight, replay_memory
+from .memory import (
+    MemoryCosts,
+    MemoryPeaks,
+    memory_levels,
+    peak_activations,
+    peak_bytes,
+    peak_inflight,
+    reduce_levels,
+    replay_memory,
+)
 from .placement import (
     SCHEDULES,
     check_layout,
@@ -64,6 +73,7 @@ __all__ = [
     "peak_pending_w",
     "pending_w_cap",
     "register_schedule",
+    "reduce_levels",
     "replay_memory",
     "schedule_label",
     "schedule_spec",

@@ -90,10 +90,11 @@ class LayerCost:
     Linear's), and the bytes of optimizer state its parameters will hold (``optimizer``: AdamW's two
     moments; fixed too, kept apart so that a refusal can name them); ``bw``: seconds of the fused
     backward (BW) of the same micro-batch, where measured; None means B + W (a split that costs nothing,
-    what the search assumed before it timed BW). ``output`` is what a message of it takes (the receive
-    buffer is made to its shape); ``output_held`` what keeping the output holds (its storages: a view
-    of a larger buffer holds all of it, as CPU's ``mse_loss`` returns its scalar in a 256-byte one), where
-    that differs (None: ``output``)."""
+    what the search assumed before it timed BW); ``reduced``: the bytes of its gradients that the
+    replicated data-parallel reduce copies into its buffer (0 without replicas; :class:`~.memory.MemoryCosts`).
+    ``output`` is what a message of it takes (the receive buffer is made to its shape); ``output_held`` what
+    keeping the output holds (its storages: a view of a larger buffer holds all of it, as CPU's ``mse_loss``
+    returns its scalar in a 256-byte one), where that differs (None: ``output``)."""
 
     f: float = 0.0
     b: float = 0.0
@@ -110,6 +111,7 @@ class LayerCost:
     optimizer: float = 0.0
     bw: float | None = None
     output_held: float | None = None
+    reduced: float = 0.0
 
     @property
     def kept(self) -> float:
@@ -120,7 +122,7 @@ class LayerCost:
 @dataclass(frozen=True)
 class StageCost:
     """A run of layers as one stage (:func:`stage_cost`); ``message``, ``input_saved``, ``grad_held``,
-    ``input_held`` and ``output_kept`` as in :class:`~.memory.MemoryCosts`; ``fixed`` includes
+    ``input_held``, ``output_kept`` and ``reduced`` as in :class:`~.memory.MemoryCosts`; ``fixed`` includes
     ``optimizer``; ``bw`` the fused backward's seconds (None: B + W, no layer's was measured)."""
 
     f: float
@@ -137,6 +139,7 @@ class StageCost:
     output_kept: float = 0.0
     optimizer: float = 0.0
     bw: float | None = None
+    reduced: float = 0.0
 
 
 def _fused(layers: Sequence[LayerCost]) -> float | None:
@@ -172,6 +175,7 @@ def stage_cost(layers: Sequence[LayerCost], first: bool) -> StageCost:
     w = sum(x.w for x in layers)
     optimizer = sum(x.optimizer for x in layers)
     fixed = sum(x.fixed for x in layers) + optimizer
+    reduced = sum(x.reduced for x in layers)
     last = layers[-1]
     kept_out = 0.0 if last.saves_output else last.kept
     act += kept_out
@@ -183,7 +187,18 @@ def stage_cost(layers: Sequence[LayerCost], first: bool) -> StageCost:
         # what this B pays. Without BW: B + W, as before.
         whole = b + w if bw is None else bw
         return StageCost(
-            f, whole, 0.0, act, 0.0, fixed, False, last.output, output_kept=kept_out, optimizer=optimizer, bw=bw
+            f,
+            whole,
+            0.0,
+            act,
+            0.0,
+            fixed,
+            False,
+            last.output,
+            output_kept=kept_out,
+            optimizer=optimizer,
+            bw=bw,
+            reduced=reduced,
         )
     held += act if kept else 0.0
     first_layer = layers[0]
@@ -202,6 +217,7 @@ def stage_cost(layers: Sequence[LayerCost], first: bool) -> StageCost:
         kept_out,
         optimizer,
         bw,
+        reduced,
     )
 
 
@@ -264,6 +280,7 @@ class Profile:
             grad_held=[s.grad_held for s in st],
             input_held=[s.input_held for s in st],
             output_kept=[s.output_kept for s in st],
+            reduced=[s.reduced for s in st],
         )
         # a stage without a measured BW (none of its layers has one) is priced as B + W, as before
         bw = None if all(s.bw is None for s in st) else [s.b + s.w if s.bw is None else s.bw for s in st]

@@ -41,6 +41,12 @@ sent after it posted the receive of k+1); without such a message it waits until 
 The step's signature (stage 0's input shapes, one int64 sent to every other rank at the step's start)
 is held that way for the whole step: :class:`~.auto.Profile` adds its ``SIGNATURE_BYTES`` to stage 0's
 fixed bytes.
+
+**The data-parallel reduce.** With replicas (``data_parallel="replicate"``) a stage's gradients go into
+one flat buffer per dtype at the stage's last W (or BW), the reduce's operand, which lives until the
+step's end (:class:`~lightning_twobp.lightning.grads.ReplicaReduce`): ``reduced`` bytes per stage, added
+to every list position from that action on (with two stages a rank, the first to finish holds its
+buffer under the other's remaining work).
 """
 
 from __future__ import annotations
@@ -62,6 +68,7 @@ __all__ = [
     "peak_bytes",
     "peak_activations",
     "peak_inflight",
+    "reduce_levels",
     "replay_memory",
     "row_peak",
     "send_releases",
@@ -70,7 +77,17 @@ __all__ = [
 # The step's signature: one int64 that the rank holding stage 0 sends every other rank at the step's start
 # (engine.p2p.P2P.signature_changed) and holds in its send until the step's end. Profile.costs counts it.
 SIGNATURE_BYTES = 8
-_FIELDS = ("activation", "held", "fixed", "message", "input_saved", "grad_held", "input_held", "output_kept")
+_FIELDS = (
+    "activation",
+    "held",
+    "fixed",
+    "message",
+    "input_saved",
+    "grad_held",
+    "input_held",
+    "output_kept",
+    "reduced",
+)
 Message = tuple[str, int, int]  # (direction F/B, edge stage, micro-batch): :func:`.lower.message`
 # Bytes of one (stage, micro-batch): a number for all, one per stage, or one per (stage, micro-batch).
 PerPair = PerStage | Mapping[tuple[int, int], float] | Callable[[int, int], float]
@@ -94,7 +111,8 @@ class MemoryCosts:
     of ``activation`` that is the stage's output kept only as the root of its graph (0 when its last
     layer saves it anyway): where the next stage is remote the executor lets the stage drop it once it
     is sent, so it is held as a sent message instead (:func:`send_releases`); an input gradient sent
-    back is held the same way, ``message`` of the previous stage.
+    back is held the same way, ``message`` of the previous stage. ``reduced``: the data-parallel reduce's
+    buffer, from the stage's last W (or BW) to the step's end (the module docstring).
 
     The unit defaults (1, 1, 0; no messages) make peak bytes the count of (stage, micro-batch) pairs
     held from F to their last backward action, so callers that pass no memory costs see ``peak_inflight``.
@@ -108,6 +126,7 @@ class MemoryCosts:
     grad_held: PerStage = 0
     input_held: PerStage = 0
     output_kept: PerStage = 0
+    reduced: PerStage = 0
 
     def __post_init__(self) -> None:
         store_per_stage(self, "MemoryCosts", _FIELDS)
@@ -223,10 +242,26 @@ def peak_bytes(schedule: Schedule, memory: MemoryCosts) -> tuple[float, ...]:
     act, keep = memory.placed(schedule)
     messages = _message_levels(schedule, memory)
     peaks = []
+    reduced = lambda s: memory.of("reduced", s)  # noqa: E731
     for r, row in enumerate(schedule.actions):
         levels = (sum(now.values()) for now in _walk(row, act, keep))
-        peaks.append(max((level + extra for level, extra in zip(levels, messages[r], strict=True)), default=0.0))
+        extras = (m + d for m, d in zip(messages[r], reduce_levels(row, reduced), strict=True))
+        peaks.append(max((level + extra for level, extra in zip(levels, extras, strict=True)), default=0.0))
     return tuple(fixed + h for fixed, h in zip(memory.fixed_of(schedule), peaks, strict=False))
+
+
+def reduce_levels(row: Sequence[Action], reduced: Callable[[int], float]) -> list[float]:
+    """The bytes of data-parallel reduce buffers ``row``'s rank holds at the end of each of its actions: each
+    stage's ``reduced(stage)`` from its last W or BW on (where the lowering puts its reduce: ``add_grad_reduce``)."""
+    last = {a.stage: i for i, a in enumerate(row) if a.kind in ("W", "BW")}
+    starts = sorted((i, reduced(s)) for s, i in last.items())
+    out, held, k = [], 0.0, 0
+    for i in range(len(row)):
+        while k < len(starts) and starts[k][0] == i:
+            held += starts[k][1]
+            k += 1
+        out.append(held)
+    return out
 
 
 def _message_levels(schedule: Schedule, memory: MemoryCosts) -> list[list[float]]:
