@@ -311,7 +311,6 @@ class ShardedStages:
                 unused = {n for n, used in zip(names, present.tolist(), strict=True) if not used}
                 for work, out, group, rows in started:
                     work.wait()
-                    out.div_(self.dp)  # SUM over the replicas, then the mean: as the replicated reduce
                     self._set_grads(stage, group, out, rows, unused)
             self.release_stage(stage)
 
@@ -335,7 +334,8 @@ class ShardedStages:
             padded[: g.shape[0]] = g
             parts.append(padded.reshape(dp, -1))
             rows.append(c)
-        flat = torch.cat(parts, dim=1).reshape(-1)  # (dp * sum of chunks)
+        flat = torch.cat(parts, dim=1).reshape(-1).div_(dp)  # (dp * sum of chunks); the mean's division first,
+        # as the replicated reduce and DDP divide: a SUM of fp16 gradients no larger than their mean
         out = flat.new_empty(flat.numel() // dp)
         work = dist.reduce_scatter_single(out, flat, group=self.group, async_op=True)
         return work, out, names, rows
