@@ -301,8 +301,9 @@ def _profile_loss(runner: StepRunner, runs: LayerRuns, output: Any, repeats: int
 
 def _profile_layers(runs: LayerRuns, device: torch.device, repeats: int) -> tuple[list, float, torch.Tensor]:
     """Each layer's footprint on one micro-batch (:mod:`.layer_runs`), the largest output sent on (one
-    message: the last layer's goes nowhere; a layer's values sent beside the hidden state count in it)
-    and the last layer's output."""
+    message: the last layer's goes nowhere; a layer's values sent beside the hidden state count in it, and
+    so does the ModuleList contract's micro-batch index, ``LayerRuns.sent_beside``) and the last layer's
+    output."""
     x = runs.inputs
     if len(x) != 1 or not (
         isinstance(x[0], torch.Tensor)
@@ -321,10 +322,14 @@ def _profile_layers(runs: LayerRuns, device: torch.device, repeats: int) -> tupl
             fp = timed_footprint(run.call, t, i > 0, device, repeats)
             run.layer.zero_grad(set_to_none=True)
             fixed = float(sum(q.numel() * q.element_size() * (1 + q.requires_grad) for q in run.layer.parameters()))
-        rows.append(layer_cost(fp, fixed))
+        cost, beside = layer_cost(fp, fixed), runs.sent_beside
         t = fp.output
-        if i < len(runs.runs) - 1:
-            largest = max(largest, fp.out_bytes)
+        if i == 0:  # the first stage is given the index with its captured inputs, kept until its B
+            cost = dataclasses.replace(cost, activation=cost.activation + beside)
+        if i < len(runs.runs) - 1:  # a layer whose output may go to another stage (counted into the last one too)
+            cost = dataclasses.replace(cost, output=cost.output + beside, output_held=cost.kept + beside)
+            largest = max(largest, fp.out_bytes + beside)
+        rows.append(cost)
     return rows, float(largest), t
 
 

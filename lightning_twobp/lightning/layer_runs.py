@@ -68,6 +68,9 @@ class LayerRuns:
     device: torch.device
     cast: torch.dtype | None  # the precision's cast of the model's floating tensors ("bf16-true": bf16)
     precision: Any  # the Trainer's precision plugin: its forward context (autocast) around each forward
+    # bytes each message between stages carries beside what the layers hand on: the ModuleList contract's
+    # micro-batch index (a 0-d int64), held with the message; not on the message into the last stage
+    sent_beside: int = 0
 
     def placed(self, layer: nn.Module) -> AbstractContextManager[None]:
         """``layer`` as it will train, for its run (:func:`placed`)."""
@@ -118,7 +121,8 @@ def layer_runs(
         fitting = trainer.state.fn == TrainerFn.FITTING
         runs, first = loop_runs(runner, stages, (index, *inputs[1:]), fitting, several=several)
         runs = [LayerRun(run.layer, _InForwardContext(run.call, precision)) for run in runs]
-        yield LayerRuns(runs, first, fitting, runner.module, device, cast, precision)
+        beside = index.untyped_storage().nbytes()
+        yield LayerRuns(runs, first, fitting, runner.module, device, cast, precision, beside)
 
 
 def capture_first(runner: StepRunner, trainer: Any, batch: Any, device: torch.device, precision: Any, m: int) -> tuple:
