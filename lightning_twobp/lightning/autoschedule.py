@@ -586,13 +586,7 @@ def auto_schedule(
     except NoScheduleFits as e:
         if not num_microbatches:
             raise
-        # the refusal's "a larger batch divides into more" holds for the counts auto picks, not a given one
-        raise NoScheduleFits(
-            f"{e}. num_microbatches={num_microbatches} was given, so it is the only count tried, and a larger "
-            f"batch makes each of its micro-batches larger: give a larger num_microbatches, or leave it out to "
-            f"let schedule='auto' try the divisors of the batch size up to {4 * num_ranks}",
-            e.smallest,
-        ) from None
+        raise _only_count_tried(e, num_microbatches, num_ranks) from None
     rank_zero_info("twobp: " + format_choice(choice, families=families))
     if choice.best.checkpointing is not None and not profile.recompute:
         rank_zero_warn(
@@ -601,6 +595,17 @@ def auto_schedule(
             f"that much headroom in memory_limit, or pass activation_checkpointing='auto', whose search counts it"
         )
     return choice, profile
+
+
+def _only_count_tried(e: NoScheduleFits, num_microbatches: int, num_ranks: int) -> NoScheduleFits:
+    """The refusal ``e`` where the user gave ``num_microbatches``: its "a larger batch divides into more" holds
+    for the counts auto picks, not a given one."""
+    return NoScheduleFits(
+        f"{e}. num_microbatches={num_microbatches} was given, so it is the only count tried, and a larger "
+        f"batch makes each of its micro-batches larger: give a larger num_microbatches, or leave it out to "
+        f"let schedule='auto' try the divisors of the batch size up to {4 * num_ranks}",
+        e.smallest,
+    )
 
 
 class SavedBytes:
