@@ -40,6 +40,7 @@ __all__ = [
     "pytree",
     "saved_tensors_hooks_in_force",
     "set_rng_states",
+    "skips_backward",
     "tensor_hooks",
     "tensor_version",
     "data_source",
@@ -179,6 +180,13 @@ def data_source(loop: Any) -> Any:
     return getattr(loop, "_data_source", None)
 
 
+def skips_backward(trainer: Any) -> bool:
+    """Whether Lightning's fit loop runs its training steps without backward nor ``zero_grad`` (the
+    ``StochasticWeightAveraging`` callback's batch-norm epoch sets it): then nothing drops the gradients
+    after a step. Lightning's own callback sets this flag; nothing public reads it."""
+    return bool(getattr(trainer.fit_loop, "_skip_backward", False))
+
+
 def unset_training_data(trainer: Any) -> None:
     """Undo the fit loop's ``setup_data``, run early to read the first batch (``profile.first_batch``) or by
     the user's code reading ``trainer.estimated_stepping_batches`` (``checkpoint_hooks.load``), so that the
@@ -252,6 +260,7 @@ GUARDED: tuple[tuple[str, str], ...] = (
     ("lightning.fabric.utilities.seed", "_collect_rng_states"),
     ("lightning.fabric.utilities.seed", "_set_rng_states"),
     ("lightning.pytorch.plugins.precision.Precision", "_after_closure"),
+    ("lightning.pytorch.loops.fit_loop._FitLoop", "_skip_backward"),
     ("torch.amp.GradScaler", "_check_inf_per_device"),
     ("torchmetrics.Metric", "_reduce_states"),
 )

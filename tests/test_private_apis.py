@@ -39,6 +39,7 @@ FOREIGN = {
     "_python_dispatch",
     "_disabled_torch_function_impl",
     "_check_inf_per_device",
+    "_skip_backward",
 }
 # Where a private name cannot move behind a door, and why (each guarded below).
 ALLOWED = {

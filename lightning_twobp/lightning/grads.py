@@ -26,19 +26,23 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
+import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import nn
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.distributed.tensor import DTensor
 
 from lightning_twobp.lightning.local_model import SharedParameter
+from lightning_twobp.private import skips_backward
 
 __all__ = [
     "GradStash",
     "ReplicaReduce",
     "TiedParameters",
     "Window",
+    "dropped_after_step",
     "overflow_agreeing_scaler",
     "pipelined_precision",
 ]
@@ -51,15 +55,40 @@ class Window:
     length: int  # accumulate_grad_batches
     first: bool  # its first micro-step (Lightning zeroes the gradients after this one's training_step)
     last: bool  # the optimizer steps after this micro-step
+    # the parameters (by id) whose gradients Lightning drops right after this training_step: the pipeline step
+    # may drop them first (:func:`dropped_after_step`)
+    dropped: frozenset[int] = frozenset()
 
     @staticmethod
     def of(trainer: Any) -> Window:
         """This micro-step's window, read as Lightning's training loop decides to step
-        (``_TrainingEpochLoop._should_accumulate``: every k-th batch of the epoch, and its last)."""
+        (``_TrainingEpochLoop._should_accumulate``: every k-th batch of the epoch, and its last) and to zero
+        the gradients (``_AutomaticOptimization._make_zero_grad_fn``: after the first one's training_step)."""
         progress = trainer.fit_loop.epoch_loop.batch_progress
         k, ready = trainer.accumulate_grad_batches, progress.current.ready
         last = ready % k == 0 or progress.is_last_batch or ready == trainer.num_training_batches
-        return Window(k, (ready - 1) % k == 0, last)
+        first = (ready - 1) % k == 0
+        return Window(k, first, last, dropped_after_step(trainer) if first else frozenset())
+
+
+def dropped_after_step(trainer: Any) -> frozenset[int]:
+    """The parameters (by id) whose gradients Lightning's ``zero_grad``, right after a window's first
+    ``training_step``, will set to None with nothing reading them before: every optimizer's, where Lightning
+    calls its default ``optimizer_zero_grad`` (``optimizer.zero_grad()``, torch's, ``set_to_none=True``) and no
+    ``on_before_zero_grad`` hook of the module's or a callback's runs first. The pipeline computes the step's
+    gradients inside ``training_step``, so a previous step's gradients kept through it would hold one more copy
+    of every gradient for the whole step (one process frees them before its backward); dropped first, they do
+    not. Empty wherever any of that does not hold, or the loop skips the backward (SWA's batch-norm epoch)."""
+    lm = trainer.lightning_module
+    hooked = [lm, *trainer.callbacks]
+    if is_overridden("optimizer_zero_grad", lm) or skips_backward(trainer):
+        return frozenset()
+    if any(is_overridden("on_before_zero_grad", h, pl.Callback if h is not lm else None) for h in hooked):
+        return frozenset()
+    optimizers = trainer.optimizers
+    if any(type(o).zero_grad is not torch.optim.Optimizer.zero_grad for o in optimizers):
+        return frozenset()
+    return frozenset(id(q) for o in optimizers for g in o.param_groups for q in g["params"])
 
 
 class GradStash:
@@ -69,15 +98,18 @@ class GradStash:
         self._stash: list[tuple[nn.Parameter, torch.Tensor]] = []
 
     @contextmanager
-    def collect(self, params: Sequence[nn.Parameter], carry: int | None = None) -> Iterator[None]:
+    def collect(
+        self, params: Sequence[nn.Parameter], carry: int | None = None, dropped: frozenset[int] = frozenset()
+    ) -> Iterator[None]:
         """Inside: the step's gradients start from zero. After: they are stashed, and the gradients
         from before (an accumulation window's earlier micro-steps) are back in ``.grad``.
 
         ``carry`` (k, the window's length): the last micro-step of a window whose reduce over the replicas
         runs once (:class:`ReplicaReduce`). The step starts from the earlier micro-steps' gradients, which
         ``backward`` scaled by 1/k, times k, so the reduce averages the whole window's; after it, the stash
-        holds that total and ``.grad`` is left empty for ``backward`` to fill."""
-        kept = [q.grad for q in params]
+        holds that total and ``.grad`` is left empty for ``backward`` to fill. ``dropped``: parameters (by id)
+        whose gradients from before are dropped rather than kept (:func:`dropped_after_step`)."""
+        kept = [None if id(q) in dropped else q.grad for q in params]
         for q, g in zip(params, kept, strict=True):
             q.grad = g.mul_(carry) if carry is not None and g is not None else None
         try:

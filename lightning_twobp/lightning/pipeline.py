@@ -167,7 +167,7 @@ class Pipeline:
         ex = self.executor
         self.sync_buffers()
         carry = self._once_per_window(window)
-        with stash.collect(params, carry), self.precision.train_step_context():
+        with stash.collect(params, carry, window.dropped), self.precision.train_step_context():
             self.metrics.begin()  # before any part of the step runs on this rank
             inputs = self.capture()
             targets = list(range(len(self.runner.current.microbatches))) if self.holds_last else None
