@@ -15,7 +15,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_twobp.engine.footprint import StepMeter, storage_key
-from lightning_twobp.schedules import build_schedule, simulate
+from lightning_twobp.schedules import build_schedule, schedule_spec, simulate
 from lightning_twobp.schedules.auto import (
     LayerCost,
     NoScheduleFits,
@@ -81,6 +81,25 @@ def test_profile_costs_feed_the_simulator():
     peaks = simulate(schedule, costs).peak_bytes
     assert peaks[0] == 4 * 1000 + 2 * 4 * 200 + SIGNATURE_BYTES
     assert peaks[1] == 4 * 1000 + 4 * 200
+
+
+def test_a_check_after_the_step_holds_its_bytes_where_the_schedule_checks_so():
+    """Post-validation holds each layer's ``checked`` bytes (the step's gradients, and with a possible rollback a
+    copy of the weights and optimizer state) through the next step: on the families that check after the step
+    by default (ScheduleSpec.overlaps: zb-h2, zb-v), on all of them where the user turns it on, on none off."""
+    from dataclasses import replace
+
+    prof = _profile()
+    checked = replace(prof, layers={m: tuple(replace(c, checked=7.0) for c in rows) for m, rows in prof.layers.items()})
+    plain = {(c.name, c.num_microbatches, c.max_pending_w, c.split_backward): c for c in search(prof)}
+    for after, overlapping in ((None, None), (True, True), (False, False)):
+        for c in search(replace(checked, checked_after=after)):
+            key = (c.name, c.num_microbatches, c.max_pending_w, c.split_backward)
+            counts = schedule_spec(c.name).overlaps if overlapping is None else overlapping
+            layers = [LAYERS // len(c.schedule.stage_to_rank) * len(c.schedule.stages_of(r)) for r in range(2)]
+            want = tuple(p + (7.0 * n if counts else 0.0) for p, n in zip(plain[key].peak_bytes, layers, strict=True))
+            assert c.peak_bytes == want, (after, key)
+    assert any(schedule_spec(c.name).overlaps for c in search(prof)), "zb-h2 or zb-v must be among the searched"
 
 
 def test_search_picks_the_fastest_that_fits():
@@ -699,6 +718,7 @@ ADAMW = "test_auto_counts_adamw_state_and_stays_within_its_limit"
 ADAMW_REFUSED = "test_a_limit_that_fits_only_without_adamw_state_is_refused_naming_it"
 HF = "test_auto_on_a_hugging_face_model_trains_like_one_process_within_its_limit"
 HF_V = "test_auto_counts_the_micro_batch_index_a_hugging_face_models_stages_send"
+CHECKED = "test_auto_counts_what_a_check_after_the_step_holds"
 T5 = "test_auto_plans_an_encoder_decoder_with_the_values_sent_beside_the_hidden_state"
 HF_BF16 = "test_auto_profiles_the_layers_in_the_precisions_dtype"
 BLOCKS_BF16 = "test_auto_profiles_a_sequential_on_the_batch_the_precision_converts"
@@ -723,6 +743,7 @@ def two_ranks(request) -> conftest.Launch:
     cases[ADAMW_REFUSED] = (_adamw_refused, ())
     cases[CHECKPOINTED] = (_fit_checkpointed, ())
     cases[HF] = (_fit_auto, ("1f1b", torch.optim.SGD, "hf-llama"))
+    cases[CHECKED] = (_fit_checked, ())
     cases[HF_V] = (functools.partial(_fit_auto, auto_schedules=["zb-v"]), ("1f1b", torch.optim.SGD, "hf-llama"))
     cases[T5] = (functools.partial(_fit_auto, layers=T5_BLOCKS), ("1f1b", torch.optim.SGD, "hf-t5"))
     cases[HF_BF16] = (_fit_auto, ("1f1b", torch.optim.AdamW, "hf-llama", "bf16-true"))
@@ -827,6 +848,37 @@ def test_auto_on_a_hugging_face_model_trains_like_one_process_within_its_limit(t
         rows = r["profile"].layers[max(r["profile"].layers)]
         assert len(rows) == 4 and all(c.f > 0 and c.activation > 0 for c in rows), rows
         assert all(c.f == 0 and c.activation == 0 for c in r["profile"].loss.values()), r["profile"].loss
+
+
+def _fit_checked(rank: int, world: int) -> dict:
+    """schedule="auto" with clipping by norm, without, and with post_validation=False: the bytes each layer's
+    check after the step holds, as the profile counted them, and the trained weights' bytes."""
+    from lightning_twobp import TwoBPStrategy
+
+    lightning_env(rank, world)
+    out = {}
+    for name, clip, post in (("clipped", 0.5, None), ("unclipped", None, None), ("off", 0.5, False)):
+        model = Blocks()  # SGD without momentum: no optimizer state
+        strategy = TwoBPStrategy(schedule="auto", memory_limit="2x1f1b", post_validation=post, **FUSED_M4)
+        quiet_trainer(strategy, world, max_steps=1, gradient_clip_val=clip).fit(model, _loader())
+        out[name] = {
+            "checked": [c.checked for c in strategy.auto_profile.layers[4]],
+            "after": strategy.auto_profile.checked_after,
+        }
+    out["weights"] = [sum(4 * q.numel() for q in layer.parameters()) for layer in Blocks().layers]
+    return out
+
+
+@pytest.mark.dist
+def test_auto_counts_what_a_check_after_the_step_holds(two_ranks):
+    """Post-validation (on by default for zb-h2 and zb-v) keeps the step's gradients until the next step has run,
+    and with clipping by norm a copy of the weights and optimizer state to put back: counted per layer (before
+    stop 57 the search left both out, so a pick that checks after its step could exceed the limit by up to
+    twice the weights with SGD, four times with AdamW), and not at all where the user turns the check off."""
+    for r in two_ranks[CHECKED]:
+        assert r["clipped"]["checked"] == [2 * b for b in r["weights"]], r
+        assert r["unclipped"]["checked"] == r["weights"], r
+        assert r["clipped"]["after"] is None and r["off"]["after"] is False, r
 
 
 @pytest.mark.dist

@@ -92,6 +92,7 @@ log = logging.getLogger(__name__)
 
 __all__ = [
     "SavedBytes",
+    "StepHoldings",
     "auto_schedule",
     "device_bytes",
     "optimizer_state_bytes",
@@ -396,6 +397,30 @@ def _partitions(layers: list[nn.Module], p: int, balance: Any, weights: list[flo
 
 
 @dataclasses.dataclass(frozen=True)
+class StepHoldings:
+    """How the strategy will run the step, for what it holds beside the layers' own bytes: the data-parallel
+    replicas a stage is sharded over (``data_parallel="shard"``: its fixed bytes are one replica's share), or
+    those of ``data_parallel="replicate"`` (the reduce's buffer, a copy of a stage's gradients from its last W
+    to the step's end); whether optimizer steps are checked after they are taken (``post_validation``: None,
+    each schedule family's default; False under fp16's GradScaler) and may then be put back (``rollback``:
+    clipping by norm, ``on_nonfinite="skip"``), which holds the step's gradients through the next step, and
+    with ``rollback`` a copy of the weights and optimizer state too (``engine.post_validation``)."""
+
+    shard_over: int = 1
+    reduce_over: int = 1
+    checked_after: bool | None = None
+    rollback: bool = False
+
+    def checked(self, layer: nn.Module, cast: torch.dtype | None, optimizer: float) -> float:
+        """What a check after the step holds of ``layer`` (its ``optimizer`` bytes of state) through the next
+        step, as one replica of ``shard_over`` holds its share."""
+        trained = [q for q in layer.parameters() if q.requires_grad]
+        grads = sum(q.numel() * trained_size(q, cast) for q in trained)
+        copy = grads + optimizer if self.rollback else 0.0  # the weights' copy: trained ones, in their dtype
+        return (grads + copy) / self.shard_over
+
+
+@dataclasses.dataclass(frozen=True)
 class _Profiler:
     """What profiling the layers needs, for each way of running them (:meth:`profile`)."""
 
@@ -410,8 +435,7 @@ class _Profiler:
     num_ranks: int
     balance: Any
     repeats: int
-    shard_over: int
-    reduce_over: int  # replicated data parallelism's replicas (1: none): the reduce's buffer is counted
+    holdings: StepHoldings
     optimizer: list[float]  # each layer's optimizer-state bytes
     checkpoint: Callable[[Any], Callable[[], None]] | None  # wraps the layers in a mode; returns the undo
 
@@ -461,7 +485,8 @@ class _Profiler:
         comm = {m: table[i][0][_FIELDS] for i, m in enumerate(counts)}
         weights = [c.f + c.b + c.w for c in by_m[counts[-1]]]
         partitions = _partitions(self.layers, self.num_ranks, self.balance, weights)
-        return Profile(self.num_ranks, by_m, partitions, comm, loss, checkpointing=mode)
+        checked_after = self.holdings.checked_after
+        return Profile(self.num_ranks, by_m, partitions, comm, loss, checkpointing=mode, checked_after=checked_after)
 
     def _rows(self) -> tuple[list[list[list[float]]], list[float]]:
         """This rank's table: per micro-batch count, a row per layer and one for the loss; and per count,
@@ -484,22 +509,21 @@ class _Profiler:
                 # validation and prediction steps return no loss)
                 fitting = self.fitting and not runs.with_loss
                 loss = _profile_loss(self.runner, runs, out, repeats) if fitting else LayerCost()
-            costs = [dataclasses.replace(c, optimizer=o) for c, o in zip(costs, self.optimizer, strict=True)]
-            if self.shard_over > 1:
-                name = str(getattr(self.precision, "precision", "32-true"))
-                costs = [
-                    sharded_fixed(c, q, self.shard_over, name, runs.cast)
-                    for c, q in zip(costs, self.layers, strict=True)
-                ]
-            if self.reduce_over > 1:
-                costs = [
-                    dataclasses.replace(c, reduced=float(reduced_bytes(q, runs.cast)))
-                    for c, q in zip(costs, self.layers, strict=True)
-                ]
+            costs = [self._held(c, q, o, runs.cast) for c, q, o in zip(costs, self.layers, self.optimizer, strict=True)]
             costs.append(loss)  # the last row
             rows.append([_to_row(c) for c in costs])
             sent.append(largest)
         return rows, sent
+
+    def _held(self, cost: LayerCost, layer: nn.Module, optimizer: float, cast: torch.dtype | None) -> LayerCost:
+        """``cost`` with what the step holds for ``layer`` beside its runs' bytes (:class:`StepHoldings`)."""
+        h = self.holdings
+        cost = dataclasses.replace(cost, optimizer=optimizer, checked=h.checked(layer, cast, optimizer))
+        if h.shard_over > 1:
+            cost = sharded_fixed(cost, layer, h.shard_over, str(getattr(self.precision, "precision", "32-true")), cast)
+        if h.reduce_over > 1:
+            cost = dataclasses.replace(cost, reduced=float(reduced_bytes(layer, cast)))
+        return cost
 
 
 def _nothing() -> None:
@@ -530,17 +554,14 @@ def auto_schedule(
     num_microbatches: int | None = None,
     split_backward: bool | None = None,
     repeats: int = 2,
-    shard_over: int = 1,
-    reduce_over: int = 1,
+    holdings: StepHoldings = StepHoldings(),
     checkpointing: Sequence[str | int | None] = (None,),
     checkpoint: Callable[[Any], Callable[[], None]] | None = None,
     families: Sequence[str] | None = None,
 ) -> tuple[AutoChoice, Profile]:
     """Profile, agree, search and log (see the module docstring); the same answer on every rank, and the
-    profile of the choice. ``shard_over``: the data-parallel replicas a stage is sharded over
-    (``data_parallel="shard"``; 1: replicated, each replica holding its stages whole); ``reduce_over``: the
-    replicas of ``data_parallel="replicate"``, whose reduce buffer (a copy of a stage's gradients, from its
-    last W to the step's end) counts where there are several.
+    profile of the choice. ``holdings``: what the step holds beside the layers, by how it runs
+    (:class:`StepHoldings`).
     ``checkpointing``: the ways of running the layers to weigh, one profile each
     (``activation_checkpointing="auto"``: ``AUTO_MODES``); ``checkpoint(mode)`` wraps the layers so
     and returns the undo (None: they are profiled as they are). ``memory_limit="1f1b"`` is fused 1F1B's
@@ -565,8 +586,7 @@ def auto_schedule(
         num_ranks,
         balance,
         repeats,
-        shard_over,
-        reduce_over,
+        holdings,
         optimizer,
         checkpoint,
     )

@@ -14,13 +14,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 
 from lightning_twobp.engine import PipelineExecutor
 from lightning_twobp.engine.memory import cpu_heap
 from lightning_twobp.lightning import pretrained
-from lightning_twobp.lightning.autoschedule import auto_schedule
+from lightning_twobp.lightning.autoschedule import StepHoldings, auto_schedule
 from lightning_twobp.lightning.call_order import place_by_call_order
 from lightning_twobp.lightning.checkpointing import AUTO_MODES, apply_activation_checkpointing, check_auto_with_switches
 from lightning_twobp.lightning.checks import check_parameter_hooks
@@ -499,11 +500,27 @@ def _search(
         req.memory_limit,
         req.num_microbatches,
         None if req.split_backward else False,
-        shard_over=strategy.layout.dp_degree if req.data_parallel == "shard" else 1,
-        reduce_over=strategy.layout.dp_degree if req.data_parallel == "replicate" else 1,
+        holdings=_holdings(strategy, trainer),
         checkpointing=modes,
         checkpoint=checkpoint,
         families=req.auto_schedules,
+    )
+
+
+def _holdings(strategy: TwoBPStrategy, trainer: Any) -> StepHoldings:
+    """What the step will hold beside the layers, as the strategy runs it (:class:`.autoschedule.StepHoldings`):
+    the data-parallel layout, and the optimizer check after the step (``post_validation``; never under fp16's
+    GradScaler) that may put a step back (clipping by norm, ``configure_gradient_clipping`` of the module's own,
+    or ``on_nonfinite="skip"``)."""
+    req, dp = strategy.requested, strategy.layout.dp_degree
+    fp16 = getattr(strategy.precision_plugin, "scaler", None) is not None
+    clips = bool(trainer.gradient_clip_val) and trainer.gradient_clip_algorithm in (None, "norm")
+    clips = clips or is_overridden("configure_gradient_clipping", strategy.lightning_module)
+    return StepHoldings(
+        shard_over=dp if req.data_parallel == "shard" else 1,
+        reduce_over=dp if req.data_parallel == "replicate" else 1,
+        checked_after=False if fp16 else req.post_validation,
+        rollback=clips or req.on_nonfinite == "skip",
     )
 
 

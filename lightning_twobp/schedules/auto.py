@@ -91,7 +91,10 @@ class LayerCost:
     moments; fixed too, kept apart so that a refusal can name them); ``bw``: seconds of the fused
     backward (BW) of the same micro-batch, where measured; None means B + W (a split that costs nothing,
     what the search assumed before it timed BW); ``reduced``: the bytes of its gradients that the
-    replicated data-parallel reduce copies into its buffer (0 without replicas; :class:`~.memory.MemoryCosts`).
+    replicated data-parallel reduce copies into its buffer (0 without replicas; :class:`~.memory.MemoryCosts`);
+    ``checked``: the bytes an optimizer step checked after it is taken (post-validation) holds through the
+    next step for the layer: its gradients, and a copy of its weights and optimizer state where a clipped or
+    skipped step may be put back (counted only in the schedules that check so: :attr:`Profile.checked_after`).
     ``output`` is what a message of it takes (the receive buffer is made to its shape); ``output_held`` what
     keeping the output holds (its storages: a view of a larger buffer holds all of it, as CPU's ``mse_loss``
     returns its scalar in a 256-byte one), where that differs (None: ``output``)."""
@@ -112,6 +115,7 @@ class LayerCost:
     bw: float | None = None
     output_held: float | None = None
     reduced: float = 0.0
+    checked: float = 0.0
 
     @property
     def kept(self) -> float:
@@ -140,6 +144,7 @@ class StageCost:
     optimizer: float = 0.0
     bw: float | None = None
     reduced: float = 0.0
+    checked: float = 0.0
 
 
 def _fused(layers: Sequence[LayerCost]) -> float | None:
@@ -176,6 +181,7 @@ def stage_cost(layers: Sequence[LayerCost], first: bool) -> StageCost:
     optimizer = sum(x.optimizer for x in layers)
     fixed = sum(x.fixed for x in layers) + optimizer
     reduced = sum(x.reduced for x in layers)
+    checked = sum(x.checked for x in layers)
     last = layers[-1]
     kept_out = 0.0 if last.saves_output else last.kept
     act += kept_out
@@ -199,6 +205,7 @@ def stage_cost(layers: Sequence[LayerCost], first: bool) -> StageCost:
             optimizer=optimizer,
             bw=bw,
             reduced=reduced,
+            checked=checked,
         )
     held += act if kept else 0.0
     first_layer = layers[0]
@@ -218,6 +225,7 @@ def stage_cost(layers: Sequence[LayerCost], first: bool) -> StageCost:
         optimizer,
         bw,
         reduced,
+        checked,
     )
 
 
@@ -239,6 +247,9 @@ class Profile:
     loss: Mapping[int, LayerCost] = field(default_factory=dict)
     checkpointing: str | int | None = None
     recompute: Mapping[int, Sequence[float]] = field(default_factory=dict)
+    # whether optimizer steps are checked after they are taken (post-validation), holding the layers'
+    # ``checked`` bytes through the next step: None where each family's default says (ScheduleSpec.overlaps)
+    checked_after: bool | None = None
 
     def __post_init__(self) -> None:
         if not self.layers:
@@ -475,6 +486,9 @@ def _candidate(profile: Profile, b: Build, schedule: Schedule) -> Candidate:
     opt = _per_rank(schedule, profile.stages(m, v))
     rec = _stage_recompute(profile, m, v, b.split_backward)
     peak = _plus_recompute(sim.peak_bytes, schedule, rec)
+    if spec.overlaps if profile.checked_after is None else profile.checked_after:
+        stages = profile.stages(m, v)
+        peak = tuple(p + sum(stages[s].checked for s in schedule.stages_of(r)) for r, p in enumerate(peak))
     step = _step(spec, sim)
     return Candidate(
         b.name,
