@@ -16,6 +16,7 @@ from torch import nn
 
 from lightning_twobp import TwoBPStrategy
 from lightning_twobp.data.modules import _DataModule
+from lightning_twobp.processes import run_distributed
 
 import conftest
 from conftest import Regressor, launch, lightning_env, own_weights, quiet_trainer, regression_data
@@ -304,7 +305,112 @@ def test_resume_restores_every_saved_optimizer_state(two_ranks):
                 assert torch.equal(resumed["weights"][name], value), f"rank {rank}, {run}: {name} differs"
 
 
+# ---------------------------------------------------------------------------------------------- scheduled accumulation
+def _scheduled(world: int, max_steps: int, folder: str | None = None, ckpt_path: str | None = None) -> dict:
+    """2 batches a step in epoch 0 (8 steps), 3 in epoch 1; saved at step 10, mid-epoch 1, where asked."""
+    from lightning.pytorch.callbacks import GradientAccumulationScheduler, ModelCheckpoint
+
+    windows: dict[int, int] = {}
+
+    class _Windows(pl.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            windows[trainer.global_step] = trainer.accumulate_grad_batches
+
+    cbs: list[pl.Callback] = [GradientAccumulationScheduler({0: 2, 1: 3}), _Windows()]
+    if folder:
+        cbs.append(ModelCheckpoint(dirpath=folder, every_n_train_steps=10, save_top_k=-1))
+    pl.seed_everything(7, verbose=False)
+    model = Regressor(widths=(6, 32, 32, 2), optimizer=torch.optim.AdamW, lr=0.01)
+    strategy = TwoBPStrategy(schedule="zb-h1", num_microbatches=4)
+    _trainer(world, strategy, max_steps, cbs).fit(model, datamodule=Data(), ckpt_path=ckpt_path)
+    return {"weights": own_weights(model), "windows": windows}
+
+
+def _scheduled_runs(rank: int, world: int, folder: str) -> dict:
+    lightning_env(rank, world)
+    straight = _scheduled(world, 12)
+    _scheduled(world, 10, folder=folder)
+    return {"straight": straight, "resumed": _scheduled(world, 12, ckpt_path=f"{folder}/epoch=1-step=10.ckpt")}
+
+
+def test_a_mid_epoch_resume_accumulates_as_the_scheduler_says(two_ranks):
+    """Lightning skips on_train_epoch_start in the epoch a fit resumes in, where GradientAccumulationScheduler
+    sets the accumulation: the resumed epoch stepped after every batch (one process alike, Lightning 2.6)."""
+    for rank, r in enumerate(two_ranks[SCHEDULED]):
+        assert set(r["resumed"]["windows"].values()) == {3}, f"rank {rank}: {r['resumed']['windows']}"
+        for name, value in r["straight"]["weights"].items():
+            assert torch.equal(r["resumed"]["weights"][name], value), f"rank {rank}: {name} differs"
+
+
+# ---------------------------------------------------------------------------------------------- auto's choice
+def _rechosen_runs(rank: int, world: int, folder: str) -> list[str]:
+    """Saved under ZB-H1 (m=4), resumed under schedule="auto" among GPipe at m=2: the warnings' texts."""
+    import warnings
+
+    lightning_env(rank, world)
+    _fit(world, 3, folder=folder)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _fit(
+            world,
+            5,
+            ckpt_path=f"{folder}/epoch=0-step=3.ckpt",
+            schedule="auto",
+            memory_limit="2x1f1b",
+            auto_schedules=["gpipe"],
+            num_microbatches=2,
+        )
+    return [str(w.message) for w in caught if "was trained under" in str(w.message)]
+
+
+def test_a_resume_under_auto_that_chooses_otherwise_says_it_is_not_bitwise(two_ranks):
+    """schedule="auto" profiles again when a run resumes, from fresh timings: it may choose another schedule
+    or micro-batch count than the run that saved (seen: 1f1b+2BP (m=4) saved, 1f1b (m=4) resumed; zb-v (m=2)
+    saved, gpipe (m=1) resumed), and the resumed weights are then not bitwise the uninterrupted run's."""
+    said = two_ranks[RECHOSEN]
+    assert len(said[0]) == 1 and said[1] == [], said  # rank zero says it, once
+    assert "trained under zb-h1 (m=4)" in said[0][0] and "num_microbatches=4" in said[0][0], said[0][0]
+
+
+# ---------------------------------------------------------------------------------------------- replicas' buffers
+def _normed(world: int, max_steps: int, folder: str | None = None, ckpt_path: str | None = None) -> dict:
+    """pp 2 x dp 2, a batch norm on each stage; saved at step 3 where asked: this rank's weights and buffers."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    def layers() -> nn.Module:
+        return nn.Sequential(
+            nn.Linear(6, 32), nn.BatchNorm1d(32), nn.Tanh(), nn.Linear(32, 32), nn.BatchNorm1d(32), nn.Linear(32, 2)
+        )
+
+    cbs = [ModelCheckpoint(dirpath=folder, every_n_train_steps=3, save_top_k=-1)] if folder else []
+    pl.seed_everything(7, verbose=False)
+    model = Regressor(optimizer=torch.optim.AdamW, lr=0.01, layers=layers)
+    strategy = TwoBPStrategy(schedule="zb-h1", num_microbatches=4, pipeline_degree=2)
+    _trainer(world, strategy, max_steps, cbs).fit(model, datamodule=Data(), ckpt_path=ckpt_path)
+    buffers = {n: b.detach().clone() for n, b in model.named_buffers() if not b.is_meta}
+    return own_weights(model) | buffers
+
+
+def _normed_runs(rank: int, world: int, folder: str) -> dict:
+    lightning_env(rank, world)
+    straight = _normed(world, 5)
+    _normed(world, 3, folder=folder)
+    return {"straight": straight, "resumed": _normed(world, 5, ckpt_path=f"{folder}/epoch=0-step=3.ckpt")}
+
+
+def test_a_checkpoint_holds_replica_0s_buffers_and_resumes_them_bitwise(tmp_path):
+    """Each replica updates its batch norms' running statistics from its own data between the broadcasts from
+    replica 0; torch.distributed.checkpoint wrote a tensor every replica holds from whichever rank had least to
+    write, so stage 0's statistics came from replica 1 and the resumed run's were neither run's."""
+    results = run_distributed(_normed_runs, 4, str(tmp_path), timeout=300)
+    for rank, r in enumerate(results):
+        for name, value in r["straight"].items():
+            assert torch.equal(r["resumed"][name], value), f"rank {rank}: {name} differs"
+
+
 MID_EPOCH = "test_resume_mid_epoch_is_bitwise"
+RECHOSEN = "test_a_resume_under_auto_that_chooses_otherwise_says_it_is_not_bitwise"
+SCHEDULED = "test_a_mid_epoch_resume_accumulates_as_the_scheduler_says"
 STREAMS = "test_each_stage_draws_from_its_own_stream_restored_by_stage"
 OPTIMIZER_MODES = "test_resume_restores_every_saved_optimizer_state"
 
@@ -317,5 +423,7 @@ def two_ranks(request, tmp_path_factory) -> conftest.Launch:
         MID_EPOCH: (_runs, (str(root / "mid"),)),
         STREAMS: (_stream_runs, (str(root / "streams"),)),
         OPTIMIZER_MODES: (_mode_runs, (str(root / "modes"),)),
+        SCHEDULED: (_scheduled_runs, (str(root / "scheduled"),)),
+        RECHOSEN: (_rechosen_runs, (str(root / "rechosen"),)),
     }
     return launch(request, 2, cases, timeout=840)

@@ -61,6 +61,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint import DefaultSavePlanner
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -206,8 +207,16 @@ def set_rng_state(state: dict[str, torch.Tensor]) -> None:
 # Each step of a save is a function of its own, so a test can kill the process between any two of them.
 def _write_shards(state: dict[str, Any], tmp: Path, group: dist.ProcessGroup | None) -> dict[str, Any]:
     """Every rank writes its tensors (torch.distributed.checkpoint names rank r's files ``__r_*``) and
-    hashes its own files while the others hash theirs."""
-    dcp.save(state, checkpoint_id=tmp, process_group=group)
+    hashes its own files while the others hash theirs.
+
+    A tensor every data-parallel replica holds is written once, by the lowest rank holding it: replica 0's
+    (its ranks are the lowest, ``Layout.global_rank_of``). DCP's default gives it to the rank with the least
+    to write so far, any replica: equal for parameters, but a buffer each replica updates from the data it
+    reads (a batch norm's running statistics, between the broadcasts from replica 0 before each step) came
+    from replica 1 for one stage and replica 0 for another, and the resumed run's buffers were neither the
+    uninterrupted run's nor the model the run validated (review 60). The price: replicas past the first
+    write no replicated tensor, so a replicated save's writing is not spread over them."""
+    dcp.save(state, checkpoint_id=tmp, process_group=group, planner=DefaultSavePlanner(dedup_save_to_lowest_rank=True))
     rank = _world()[0]
     return {f.name: _entry(f) for f in sorted(tmp.glob(f"__{rank}_*")) if f.is_file()}
 

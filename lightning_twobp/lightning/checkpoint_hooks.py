@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_twobp.engine.failure import FailureChannel
 from lightning_twobp.lightning import checkpoint as ckpt
@@ -82,6 +82,9 @@ def save(
         "pipeline_degree": strategy.pipeline_degree,
         "stages_per_rank": strategy.stages_per_rank,
         "schedule": strategy.schedule_name,
+        # what the numerics follow: a resume under schedule="auto" that chooses otherwise is said (_say_rechosen)
+        "num_microbatches": strategy.num_microbatches,
+        "run": _run_label(strategy),
         # Informational: under "shard" each parameter is stored as its replicas' DTensor shards, which
         # torch.distributed.checkpoint reads back into any layout (shards or whole tensors) by name.
         "data_parallel": strategy.options.data_parallel,
@@ -133,7 +136,32 @@ def _keep_local_base_lrs(configs: list[Any], states: list[dict[str, Any]]) -> No
             state.pop("_last_lr", None)
 
 
+def _run_label(strategy: TwoBPStrategy) -> str:
+    """The schedule this call runs, as schedule="auto" names its choice (its label) or as given."""
+    if strategy.auto_choice is not None:
+        return str(strategy.auto_choice.best.label)
+    return f"{strategy.schedule_name} (m={strategy.num_microbatches})"
+
+
+def _say_rechosen(strategy: TwoBPStrategy, saved: dict[str, Any]) -> None:
+    """A resume under schedule="auto", which profiled and chose again for this run (from fresh timings, so
+    not always as before): where it chose another schedule or micro-batch count than the checkpoint's run,
+    the resumed run trains exactly but not bitwise as the uninterrupted one (the micro-batches' losses sum in
+    another order; the stages' random streams follow another cut). Said, with how to keep the saved run's."""
+    if strategy.requested.schedule != "auto" or "run" not in saved:
+        return
+    now = _run_label(strategy)
+    if saved["run"] != now:
+        rank_zero_warn(
+            f"twobp: schedule='auto' chose {now} for this run; the checkpoint was trained under {saved['run']}: "
+            f"the resumed run is not bitwise the uninterrupted one (another choice sums the micro-batches in "
+            f"another order and cuts the stages' random streams otherwise). To resume as saved, name that "
+            f"schedule and num_microbatches={saved.get('num_microbatches')} (or auto_schedules= with it alone)"
+        )
+
+
 def _announce_relayout(strategy: TwoBPStrategy, saved: dict[str, Any]) -> None:
+    _say_rechosen(strategy, saved)
     degree, spr = strategy.pipeline_degree, strategy.stages_per_rank
     if saved.get("pipeline_degree") != degree or saved.get("stages_per_rank") != spr:
         rank_zero_info(

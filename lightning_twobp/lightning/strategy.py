@@ -433,6 +433,7 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
     @override
     def on_train_start(self) -> None:
         self._let_loader_go()  # the fit loop has its loader: a reload later runs the hook, as in one process
+        scheduled_accumulation_on_restart(self.lightning_module.trainer)
         loader = self.lightning_module.trainer.train_dataloader
         if not self._batches_checked and loader is not None:
             check_batches(loader, self.num_microbatches)
@@ -773,3 +774,19 @@ def _refuse_unknown_options(kwargs: dict[str, Any]) -> None:
         f"(the pipeline schedule computes the gradients and reduces them over data-parallel replicas "
         f"itself); remove them"
     )
+
+
+def scheduled_accumulation_on_restart(trainer: Any) -> None:
+    """A fit resumed mid-epoch accumulates as the epoch's ``GradientAccumulationScheduler`` says. Lightning
+    (2.6) skips ``on_train_epoch_start`` for the epoch it restarts in, where that callback sets
+    ``trainer.accumulate_grad_batches``: the resumed epoch stepped the optimizer after every batch (the
+    Trainer's default, 1), one process alike. A checkpoint saved mid-epoch, and the stop of a preemption
+    as an epoch begins (the epoch started), resume so. Set here, before the epoch's first batch, as the
+    hook would have."""
+    from lightning.pytorch.callbacks import GradientAccumulationScheduler
+
+    if not getattr(trainer.fit_loop, "restarted_mid_epoch", False):
+        return
+    for callback in trainer.callbacks:
+        if isinstance(callback, GradientAccumulationScheduler):
+            trainer.accumulate_grad_batches = callback.get_accumulate_grad_batches(trainer.current_epoch)
