@@ -1108,10 +1108,10 @@ def _fit_dropping_old_grads(rank: int, world: int) -> dict:
 def test_the_previous_steps_gradients_are_dropped_before_the_pipeline_step(two_ranks, request):
     """Lightning zeroes the gradients after training_step, and the pipeline's backward runs inside it: the
     previous step's gradients lived through the whole step beside the new ones, a copy of every gradient more
-    than one process holds (measured on a 2-rank fit of 6 Linear(2048, 2048): the last rank's peak resident
-    memory 89 MB above the built model, 39 MB with them dropped). They are dropped at the step's start where
-    nothing reads them before Lightning's zero_grad; an on_before_zero_grad hook still sees them, as one
-    process's does."""
+    than one process holds (a 2-rank fit of 6 Linear(2048, 2048): the last rank's peak resident memory 89-106 MB
+    above the built model, 39 MB with them dropped; docs/results/memory/old_grads.py). They are dropped at the
+    step's start where nothing reads them before Lightning's zero_grad; an on_before_zero_grad hook still sees
+    them, as one process's does."""
     ref = _ReadsOldGrads()
     _trainer("auto", 1).fit(ref, _data())
     for out in two_ranks[request.node.name]:

@@ -76,4 +76,4 @@ if __name__ == "__main__":
     for _ in range(int(sys.argv[1]) if len(sys.argv) > 1 else 2):
         for kept in (True, False):
             peaks = run_distributed(worker, 2, kept, timeout=300)
-            print("kept   " if kept else "dropped", "(peak MB above the model, this rank's gradients MB):", peaks)
+            print("kept   " if kept else "dropped", "(peak MB above the model, the whole model's gradients MB):", peaks)
