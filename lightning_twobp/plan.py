@@ -34,6 +34,11 @@ With ``schedule=auto`` and ``strategy.activation_checkpointing=auto`` the search
 and ``full`` (a checkpointed layer's B taken as twice its F, the recompute's bytes added to its peaks)
 and the plan is then that of its choice, checkpointed or not.
 
+Where the schedule checks its optimizer steps after taking them (post-validation: zb-h2 and zb-v by default),
+each stage's gradients stay through the next step, and with clipping by norm a copy of its weights and
+optimizer state too (``StagePlan.checked_bytes``); with data-parallel replicas the reduce's copy of a stage's
+gradients lives from its last W to the step's end (``StagePlan.reduce_bytes``).
+
 Replaying the schedule's action order (:func:`~lightning_twobp.schedules.replay_memory`) then gives each rank's peak: F
 adds ``M_act``, B trades it for
 ``M_W``, W frees it (BW frees at once). This is the 2BP paper's memory cost made explicit: the same
@@ -103,6 +108,7 @@ class StagePlan:
     recompute_bytes: int = 0  # held for a while by one micro-batch's B as it recomputes them, one at a time
     recompute_fused_bytes: int = 0  # the same in a fused BW (one layer at a time)
     reduce_bytes: int = 0  # data_parallel="replicate" over replicas: the reduce's copy of its gradients
+    checked_bytes: int = 0  # post-validation: its gradients through the next step (+ a copy to put back)
 
 
 @dataclass
@@ -144,7 +150,7 @@ class Plan:
         return MemoryCosts(
             activation=[sp.activation_bytes for sp in self.stages],
             held=[sp.held_bytes for sp in self.stages],
-            fixed=[sp.weight_bytes + sp.grad_bytes + sp.optimizer_bytes for sp in self.stages],
+            fixed=[sp.weight_bytes + sp.grad_bytes + sp.optimizer_bytes + sp.checked_bytes for sp in self.stages],
             reduced=[sp.reduce_bytes for sp in self.stages],
         )
 
@@ -303,7 +309,7 @@ def _replay(
 
 
 def _choose_auto(
-    cfg: DictConfig, p: int, shard_over: int = 1, families: tuple[str, ...] | None = None, reduce_over: int = 1
+    cfg: DictConfig, p: int, opts: PipelineOptions, shard_over: int = 1, reduce_over: int = 1
 ) -> search_auto.AutoChoice:
     """``schedule=auto`` on paper: each layer's bytes measured on meta at every micro-batch count that
     divides the batch (up to 4p), its time taken as parameters x samples (the GEMMs' FLOPs; meta has
@@ -312,13 +318,18 @@ def _choose_auto(
     ``data_parallel="replicate"``, whose reduce copies a stage's grads from its last W on); the device is
     ``plan.gpu_memory_gib`` x headroom. ``strategy.activation_checkpointing=auto`` weighs the layers
     plain and ``full`` (the checkpointed ones' peaks with B's recompute); a limit nothing plain fits
-    says what ``full`` would hold. ``families``: ``strategy.auto_schedules``, checked (None: every schedule)."""
+    says what ``full`` would hold. ``opts``: the strategy's options as checked (their ``auto_schedules``, None:
+    every schedule; ``post_validation`` and ``on_nonfinite``, for what a check after the step holds)."""
     st = cfg.strategy
     batch = int(cfg.data.batch_size)
     given = st.get("num_microbatches")
     counts = [int(given)] if given else [d for d in range(1, min(batch, 4 * p) + 1) if batch % d == 0]
     ac = st.get("activation_checkpointing")
-    measure = _AutoMeasure(cfg, p, shard_over, counts, families, reduce_over)
+    families = opts.auto_schedules
+    fp16 = str(cfg.trainer.get("precision", "32-true")).startswith("16")
+    rollback = bool(cfg.trainer.get("gradient_clip_val")) or opts.on_nonfinite == "skip"
+    after = False if fp16 else opts.post_validation
+    measure = _AutoMeasure(cfg, p, shard_over, counts, families, reduce_over, after, rollback)
     gpu = cfg.plan.get("gpu_memory_gib")
     device = None if gpu is None else float(gpu) * GiB * float(cfg.plan.get("headroom", 0.9))
     limit = st.get("memory_limit") or "1f1b"
@@ -347,6 +358,8 @@ class _AutoMeasure:
     counts: list[int]
     families: tuple[str, ...] | None = None  # strategy.auto_schedules, checked against the layers as planned
     reduce_over: int = 1  # data_parallel="replicate"'s replicas: the reduce's buffer counts where several
+    checked_after: bool | None = None  # post_validation (None: each family's default; False under fp16)
+    rollback: bool = False  # a checked step may be put back: clipping by norm, on_nonfinite=skip
     cache: dict[tuple, LayerFootprint] = field(default_factory=dict)
 
     def profile(self, ac: str | int | None) -> search_auto.Profile:
@@ -374,7 +387,7 @@ class _AutoMeasure:
                 partitions[v] = tuple(partition(nn.Sequential(*planned.units), self.p * v, balance))
             except ValueError:
                 continue
-        return search_auto.Profile(self.p, layers, partitions, checkpointing=ac)
+        return search_auto.Profile(self.p, layers, partitions, checkpointing=ac, checked_after=self.checked_after)
 
     def _row(
         self, planned: PlannedLayers, ac: str | int | None, samples: int, param_bytes: int, states: int, precision: str
@@ -394,6 +407,7 @@ class _AutoMeasure:
                 else 2 * weight + state
             )
             cost = layer_cost(fp, fixed, (t, 2 * t if mode else t, t), planned.scale)
+            cost = replace(cost, checked=float(weight + (weight + state if self.rollback else 0)))
             row.append(replace(cost, reduced=float(weight)) if self.reduce_over > 1 else cost)  # grads: as weights
             x = torch.empty(fp.out_shape, dtype=fp.out_dtype, device="meta")
         return tuple(row)
@@ -424,7 +438,7 @@ def _pipeline(cfg: DictConfig, world: int, notes: list[str]) -> _Pipeline:
     shard_over = world // p if opts.data_parallel == "shard" else 1
     reduce_over = world // p if opts.data_parallel == "replicate" else 1
     auto = opts.schedule == "auto"
-    choice = _choose_auto(cfg, p, shard_over, opts.auto_schedules, reduce_over) if auto else None
+    choice = _choose_auto(cfg, p, opts, shard_over, reduce_over) if auto else None
     if choice is not None:
         searched_ac, among = opts.activation_checkpointing, opts.auto_schedules
         opts = opts.chosen(choice.best)
@@ -573,7 +587,8 @@ def _rank_plans(
         a, reduced = {s: act_of[s] for s in mine}, {s: stages[s].reduce_bytes for s in mine}
         with_split = _replay(pipe.schedule, r, a, {s: held_of[s] for s in mine}, recompute, reduced)
         without = _replay(pipe.fused, r, a, {s: 0 for s in mine}, recompute, reduced)
-        with_split["total_bytes"] = static + with_split["activation_bytes"]
+        checked = sum(stages[s].checked_bytes for s in mine)  # the split schedule's check after the step
+        with_split["total_bytes"] = static + checked + with_split["activation_bytes"]
         without["total_bytes"] = static + without["activation_bytes"]
         fits = None if gpu is None else with_split["total_bytes"] <= headroom * float(gpu) * GiB
         ranks.append(RankPlan(rank=r, stages=mine, static_bytes=static, split=with_split, fused=without, fits=fits))
@@ -627,6 +642,7 @@ def plan(cfg: DictConfig, recipe: str = "") -> Plan:
             f"data_parallel='replicate' over {dp} replicas: the reduce copies each stage's grads into its buffer "
             f"from the stage's last W to the step's end (in act/total from there)"
         )
+    stages = _checked_after(cfg, pipe, stages, notes)
     return Plan(
         recipe=recipe,
         model=str(cfg.model._target_).rsplit(".", 1)[-1],
@@ -647,6 +663,25 @@ def plan(cfg: DictConfig, recipe: str = "") -> Plan:
         ranks=_rank_plans(pipe, stages, gpu, headroom, dp, precision),
         notes=notes,
     )
+
+
+def _checked_after(cfg: DictConfig, pipe: _Pipeline, stages: list[StagePlan], notes: list[str]) -> list[StagePlan]:
+    """``stages`` with what post-validation holds through the next step where the schedule checks its
+    optimizer steps after taking them (``post_validation``; zb-h2 and zb-v by default, never under fp16):
+    each stage's gradients, and with clipping by norm or ``on_nonfinite=skip`` a copy of its weights and
+    optimizer state to put back (``engine.post_validation``)."""
+    fp16 = str(cfg.trainer.get("precision", "32-true")).startswith("16")
+    if not pipe.options.overlaps(fp16):
+        return stages
+    rollback = bool(cfg.trainer.get("gradient_clip_val")) or pipe.options.on_nonfinite == "skip"
+    notes.append(
+        "post-validation (the optimizer step checked after it is taken) holds each stage's grads through the next "
+        "step" + (", and a copy of its weights and optimizer state to put back" if rollback else "") + " (in total)"
+    )
+    return [
+        replace(sp, checked_bytes=sp.grad_bytes + (sp.weight_bytes + sp.optimizer_bytes if rollback else 0))
+        for sp in stages
+    ]
 
 
 def _layer_notes(layers: PlannedLayers, precision: str) -> list[str]:

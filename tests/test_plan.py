@@ -75,6 +75,22 @@ def test_a_replicated_plan_counts_the_reduce_buffer_from_each_stages_last_backwa
     assert "data_parallel='replicate' over 2 replicas" in format_plan(replicated)
 
 
+def test_a_plan_counts_what_post_validation_holds_where_the_schedule_checks_after_the_step():
+    """zb-v checks its optimizer steps after taking them (post-validation, its default): each stage's grads stay
+    through the next step, and with clipping a copy of its weights and AdamW's state too; zb-h1 checks first."""
+    clipped = plan_recipe(["schedule=zb-v", "trainer.devices=2"])  # the recipes clip at 1.0
+    for sp in clipped.stages:
+        assert sp.checked_bytes == sp.grad_bytes + sp.weight_bytes + sp.optimizer_bytes
+    v = build_schedule("zb-v", 4, clipped.num_microbatches, stages_per_rank=2)
+    peaks = simulate(v, Costs(memory=clipped.memory_costs())).peak_bytes
+    assert list(peaks) == [r.split["total_bytes"] for r in clipped.ranks]
+    unclipped = plan_recipe(["schedule=zb-v", "trainer.devices=2", "trainer.gradient_clip_val=null"])
+    assert [sp.checked_bytes for sp in unclipped.stages] == [sp.grad_bytes for sp in unclipped.stages]
+    assert "post-validation" in format_plan(unclipped)
+    first = plan_recipe(["schedule=zb-h1", "trainer.devices=2"])
+    assert not any(sp.checked_bytes for sp in first.stages)
+
+
 def test_gpipe_holds_every_microbatch_and_zb_h1_bounds_it():
     gpipe = plan_recipe(["schedule=gpipe", "strategy.split_backward=false", "trainer.devices=2"])
     assert [r.fused["in_flight"] for r in gpipe.ranks] == [4, 4]
