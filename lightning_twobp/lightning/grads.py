@@ -143,15 +143,32 @@ class ReplicaReduce:
     Every replica passes the same parameters (all that require grad). One without a gradient on this
     replica adds zeros, and a flag per parameter (1 where a gradient was there, in float32 beside the
     float32 gradients) says afterwards which had one on no replica: those keep ``.grad`` None, so the
-    optimizer skips them as one process's does (a zero gradient would still decay them in AdamW)."""
+    optimizer skips them as one process's does (a zero gradient would still decay them in AdamW).
+
+    A parameter trained on an earlier micro-step of the window and frozen since (a callback flipping
+    ``requires_grad`` between batches) still holds this replica's own gradient of those micro-steps, which the
+    optimizer steps with as one process's would: the window's reduce covers it too (``_trained``, in the order
+    the stage passed them, alike on every replica), else the replicas step apart."""
 
     def __init__(self, group: dist.ProcessGroup | None, dp: int) -> None:
         self.group, self.dp = group, dp
         self.now = True  # False inside an accumulation window: the strategy sets it each micro-step
         self.started = 0  # reduces started (one per stage and window): what the tests count
+        self._trained: dict[int, dict[int, nn.Parameter]] = {}  # by stage: trained so far in this window
+
+    def begin_window(self) -> None:
+        """A window's first micro-step: nothing trained in it yet."""
+        self._trained.clear()
 
     def __call__(self, stage: int, params: list[nn.Parameter]) -> Callable[[], None]:
-        if not params or not self.now:  # nothing to train, alike on every replica; or a window goes on
+        trained = self._trained.setdefault(stage, {})
+        trained.update((id(q), q) for q in params)
+        if not self.now:  # a window goes on
+            return _nothing
+        wanted = {id(q) for q in params}
+        params = params + [q for key, q in trained.items() if key not in wanted]  # frozen since: their own grads
+        self._trained.pop(stage)
+        if not params:  # nothing to train, alike on every replica
             return _nothing
         self.started += 1
         present = torch.tensor([q.grad is not None for q in params], dtype=torch.float32, device=params[0].device)

@@ -211,6 +211,8 @@ class Pipeline:
         unsharded gradient outlives its step."""
         if self.reduce is None:
             return None
+        if window.first:
+            self.reduce.begin_window()
         self.reduce.now = window.last
         return window.length if window.last and not window.first else None
 
