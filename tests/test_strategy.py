@@ -762,6 +762,58 @@ def test_dp_x_pp_reduces_a_layer_frozen_since_the_windows_first_micro_step(four_
             torch.testing.assert_close(value, ref[name].detach(), rtol=1e-5, atol=1e-6, msg=f"rank {rank} {name}")
 
 
+class _GradsSeen(pl.Callback):
+    """Each parameter's gradient where the optimizer steps, on this rank's stages."""
+
+    def __init__(self) -> None:
+        self.grads: dict[str, torch.Tensor] = {}
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        self.grads = {n: q.grad.clone() for n, q in pl_module.named_parameters() if q.grad is not None}
+
+
+def _half_data() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """1024 samples, targets of 15000 (fp16 holds them): 64 batches of 8 a replica, one window of 64."""
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(1024, 6, generator=g), torch.randn(1024, 2, generator=g) * 15000
+    return x, y, torch.randperm(1024, generator=torch.Generator().manual_seed(0))
+
+
+def _fit_dp_pp_half_accumulating(rank: int, world: int) -> dict:
+    lightning_env(rank, world)
+    model, seen = Regressor(lr=1e-6), _GradsSeen()
+    x, y, _ = _half_data()
+    strategy = TwoBPStrategy(schedule="1f1b", pipeline_degree=2)
+    trainer = _trainer(
+        strategy,
+        world,
+        max_steps=1,
+        accumulate_grad_batches=64,
+        precision="16-true",
+        callbacks=[seen],
+        use_distributed_sampler=True,
+    )
+    trainer.fit(model, DataLoader(TensorDataset(x, y), batch_size=8, shuffle=True))
+    return {"grads": seen.grads, "checks": dict(strategy.step_checks)}
+
+
+def test_dp_x_pp_16_true_window_gradients_stay_within_one_process_range(four_ranks, request):
+    """Under "16-true" with accumulate_grad_batches=64 one process's gradients (the mean of 64 micro-steps' from
+    ``loss / 64``) reach 892; the window's one reduce carried the earlier micro-steps' gradients times 64, a
+    replica's sum of 64 unscaled micro-steps, which overflowed fp16 (inf in the last layer's bias: the step
+    refused as non-finite). Its last micro-step now backpropagates ``loss / 64`` as one process does."""
+    x, y, perm = _half_data()
+    order = torch.cat([torch.cat([perm[d::2][i * 8 : (i + 1) * 8] for d in (0, 1)]) for i in range(64)])
+    model, seen = Regressor(lr=1e-6), _GradsSeen()
+    trainer = _trainer("auto", 1, max_steps=1, accumulate_grad_batches=64, precision="16-true", callbacks=[seen])
+    trainer.fit(model, DataLoader(TensorDataset(x[order], y[order]), batch_size=16))
+    for rank, out in enumerate(four_ranks[request.node.name]):
+        assert out["checks"]["skipped"] == 0, f"rank {rank}: {out['checks']}"
+        for name, grad in out["grads"].items():
+            assert torch.isfinite(grad).all(), f"rank {rank} {name}"
+            torch.testing.assert_close(grad.float(), seen.grads[name].float(), rtol=2e-2, atol=0.5, msg=name)
+
+
 class _Counting(nn.Module):
     """Counts its training calls in an int16 buffer (gloo broadcasts no int16: the buffers travel as bytes)."""
 
@@ -1499,6 +1551,7 @@ def four_ranks(request) -> conftest.Launch:
         for d in ("replicate", "shard")
     }
     cases["test_dp_x_pp_reduces_once_per_accumulation_window"] = (_fit_dp_pp_accumulating, ())
+    cases["test_dp_x_pp_16_true_window_gradients_stay_within_one_process_range"] = (_fit_dp_pp_half_accumulating, ())
     cases["test_dp_x_pp_reduces_a_layer_frozen_since_the_windows_first_micro_step"] = (_fit_dp_pp_frozen_mid_window, ())
     cases["test_dp_x_pp_validates_with_replica_zeros_batch_norm_statistics"] = (_fit_dp_pp_normed, ())
     cases["test_dp_x_pp_keeps_each_replicas_buffers_when_asked"] = (_fit_dp_pp_normed, (False,))

@@ -96,38 +96,45 @@ class GradStash:
 
     def __init__(self) -> None:
         self._stash: list[tuple[nn.Parameter, torch.Tensor]] = []
+        self._scaled = False  # the stash is of a window's last micro-step that carried the earlier ones
 
     @contextmanager
     def collect(
-        self, params: Sequence[nn.Parameter], carry: int | None = None, dropped: frozenset[int] = frozenset()
+        self, params: Sequence[nn.Parameter], carry: bool = False, dropped: frozenset[int] = frozenset()
     ) -> Iterator[None]:
         """Inside: the step's gradients start from zero. After: they are stashed, and the gradients
         from before (an accumulation window's earlier micro-steps) are back in ``.grad``.
 
-        ``carry`` (k, the window's length): the last micro-step of a window whose reduce over the replicas
-        runs once (:class:`ReplicaReduce`). The step starts from the earlier micro-steps' gradients, which
-        ``backward`` scaled by 1/k, times k, so the reduce averages the whole window's; after it, the stash
-        holds that total and ``.grad`` is left empty for ``backward`` to fill. ``dropped``: parameters (by id)
-        whose gradients from before are dropped rather than kept (:func:`dropped_after_step`)."""
+        ``carry``: the last micro-step of a window whose reduce over the replicas runs once
+        (:class:`ReplicaReduce`). The step starts from the earlier micro-steps' gradients (which ``backward``
+        scaled by 1/k) and its own backward starts from the loss over k (the pipeline's seed: what one process's
+        ``loss / k`` gives), so the reduce averages the whole window's, never more than k micro-steps' mean (a sum
+        of k unscaled ones overflowed "16-true" gradients where one process's did not); after it, the stash holds
+        that total, added by ``backward`` as it is, and ``.grad`` is left empty for ``backward`` to fill.
+        ``dropped``: parameters (by id) whose gradients from before are dropped rather than kept
+        (:func:`dropped_after_step`)."""
         kept = [None if id(q) in dropped else q.grad for q in params]
         for q, g in zip(params, kept, strict=True):
-            q.grad = g.mul_(carry) if carry is not None and g is not None else None
+            q.grad = g if carry else None
         try:
             yield
             self._stash = [(q, q.grad) for q in params if q.grad is not None]
+            self._scaled = carry
         finally:
             for q, g in zip(params, kept, strict=False):
-                q.grad = None if carry is not None else g
+                q.grad = None if carry else g
 
     def add_to_grads(self, scale: float) -> None:
-        """Add the stashed gradients, times ``scale``, into ``.grad`` (``None`` counts as zero)."""
+        """Add the stashed gradients, times ``scale``, into ``.grad`` (``None`` counts as zero); a carried
+        window's total (:meth:`collect`) is scaled already."""
+        scale = 1.0 if self._scaled else scale
         for q, g in self._stash:
             g = g if scale == 1.0 else g * scale
             if q.grad is None:
                 q.grad = g
             else:
                 q.grad.add_(g)
-        self._stash = []
+        self._stash, self._scaled = [], False
 
 
 class ReplicaReduce:

@@ -168,7 +168,7 @@ class Pipeline:
         ex = self.executor
         self.sync_buffers()
         carry = self._once_per_window(window)
-        with stash.collect(params, carry, window.dropped), self.precision.train_step_context():
+        with stash.collect(params, carry is not None, window.dropped), self.precision.train_step_context():
             self.metrics.begin()  # before any part of the step runs on this rank
             inputs = self.capture()
             targets = list(range(len(self.runner.current.microbatches))) if self.holds_last else None
@@ -180,7 +180,9 @@ class Pipeline:
             if self.sharding is not None:  # gathered once per step, held through the stage's last W
                 self.sharding.gather(lambda s: ex.stages[s].refresh_parameters())
             try:
-                result = ex.step(inputs, targets, loss_scale=float(scaler.get_scale()) if scaler is not None else 1.0)
+                scale = float(scaler.get_scale()) if scaler is not None else 1.0
+                # a window's last micro-step carrying the earlier ones: its gradients from loss / k, as backward's
+                result = ex.step(inputs, targets, loss_scale=scale / carry if carry is not None else scale)
             except BaseException:
                 if self.sharding is not None:
                     self.sharding.release()
@@ -206,9 +208,9 @@ class Pipeline:
     def _once_per_window(self, window: Window) -> int | None:
         """Replicated data parallelism reduces once per accumulation window, as DDP's ``no_sync`` (and the tied
         parameters' sum over their ranks with it, their window's gradients being as local): on its last
-        micro-step, whose :meth:`GradStash.collect` carries the earlier ones' gradients (the returned length)
-        into the reduce. Sharded stages reduce-scatter each micro-step, as FSDP2 does by default, so that no
-        unsharded gradient outlives its step."""
+        micro-step, whose :meth:`GradStash.collect` carries the earlier ones' gradients into the reduce, its own
+        backward from the loss over the returned length (k), as Lightning's. Sharded stages reduce-scatter each
+        micro-step, as FSDP2 does by default, so that no unsharded gradient outlives its step."""
         if self.reduce is None:
             return None
         if window.first:
