@@ -326,8 +326,7 @@ def _choose_auto(
     counts = [int(given)] if given else [d for d in range(1, min(batch, 4 * p) + 1) if batch % d == 0]
     ac = st.get("activation_checkpointing")
     families = opts.auto_schedules
-    fp16 = str(cfg.trainer.get("precision", "32-true")).startswith("16")
-    rollback = bool(cfg.trainer.get("gradient_clip_val")) or opts.on_nonfinite == "skip"
+    fp16, rollback = _scaled_fp16(cfg), _rolls_back(cfg, opts.on_nonfinite)
     after = False if fp16 else opts.post_validation
     measure = _AutoMeasure(cfg, p, shard_over, counts, families, reduce_over, after, rollback)
     gpu = cfg.plan.get("gpu_memory_gib")
@@ -407,7 +406,9 @@ class _AutoMeasure:
                 else 2 * weight + state
             )
             cost = layer_cost(fp, fixed, (t, 2 * t if mode else t, t), planned.scale)
-            cost = replace(cost, checked=float(weight + (weight + state if self.rollback else 0)))
+            # one replica's share under data_parallel="shard" (its grads and copy are local shards)
+            checked = (weight + (weight + state if self.rollback else 0)) / self.shard_over
+            cost = replace(cost, checked=float(checked))
             row.append(replace(cost, reduced=float(weight)) if self.reduce_over > 1 else cost)  # grads: as weights
             x = torch.empty(fp.out_shape, dtype=fp.out_dtype, device="meta")
         return tuple(row)
@@ -642,7 +643,7 @@ def plan(cfg: DictConfig, recipe: str = "") -> Plan:
             f"data_parallel='replicate' over {dp} replicas: the reduce copies each stage's grads into its buffer "
             f"from the stage's last W to the step's end (in act/total from there)"
         )
-    stages = _checked_after(cfg, pipe, stages, notes)
+    stages = _checked_after(cfg, pipe, stages, notes, dp if pipe.options.data_parallel == "shard" else 1)
     return Plan(
         recipe=recipe,
         model=str(cfg.model._target_).rsplit(".", 1)[-1],
@@ -665,21 +666,41 @@ def plan(cfg: DictConfig, recipe: str = "") -> Plan:
     )
 
 
-def _checked_after(cfg: DictConfig, pipe: _Pipeline, stages: list[StagePlan], notes: list[str]) -> list[StagePlan]:
+def _scaled_fp16(cfg: DictConfig) -> bool:
+    """Whether the precision trains with fp16's GradScaler, which owns the non-finite check (no check after the
+    step then): Lightning's "16-mixed" (16, "16"); "16-true" has no scaler, so the strategy checks after the step
+    as under 32 or bf16 (``pipeline._holdings`` reads the plugin's scaler)."""
+    return str(cfg.trainer.get("precision", "32-true")) in ("16", "16-mixed")
+
+
+def _rolls_back(cfg: DictConfig, on_nonfinite: str) -> bool:
+    """Whether a step checked after it is taken may be put back, so a copy is kept: clipping by norm (by value
+    clips each rank's own gradients before the check: nothing to redo; ``optimizer_checks._new_check``), or
+    ``on_nonfinite="skip"``."""
+    algorithm = str(cfg.trainer.get("gradient_clip_algorithm") or "norm").lower()
+    return (bool(cfg.trainer.get("gradient_clip_val")) and algorithm == "norm") or on_nonfinite == "skip"
+
+
+def _checked_after(
+    cfg: DictConfig, pipe: _Pipeline, stages: list[StagePlan], notes: list[str], shard_over: int = 1
+) -> list[StagePlan]:
     """``stages`` with what post-validation holds through the next step where the schedule checks its
     optimizer steps after taking them (``post_validation``; zb-h2 and zb-v by default, never under fp16):
     each stage's gradients, and with clipping by norm or ``on_nonfinite=skip`` a copy of its weights and
-    optimizer state to put back (``engine.post_validation``)."""
-    fp16 = str(cfg.trainer.get("precision", "32-true")).startswith("16")
-    if not pipe.options.overlaps(fp16):
+    optimizer state to put back (``engine.post_validation``); under ``data_parallel="shard"`` one of
+    ``shard_over`` replicas' share (the gradients and the copy are its local shards)."""
+    if not pipe.options.overlaps(_scaled_fp16(cfg)):
         return stages
-    rollback = bool(cfg.trainer.get("gradient_clip_val")) or pipe.options.on_nonfinite == "skip"
+    rollback = _rolls_back(cfg, pipe.options.on_nonfinite)
     notes.append(
         "post-validation (the optimizer step checked after it is taken) holds each stage's grads through the next "
         "step" + (", and a copy of its weights and optimizer state to put back" if rollback else "") + " (in total)"
     )
     return [
-        replace(sp, checked_bytes=sp.grad_bytes + (sp.weight_bytes + sp.optimizer_bytes if rollback else 0))
+        replace(
+            sp,
+            checked_bytes=(sp.grad_bytes + (sp.weight_bytes + sp.optimizer_bytes if rollback else 0)) // shard_over,
+        )
         for sp in stages
     ]
 

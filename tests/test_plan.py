@@ -91,6 +91,27 @@ def test_a_plan_counts_what_post_validation_holds_where_the_schedule_checks_afte
     assert not any(sp.checked_bytes for sp in first.stages)
 
 
+def test_post_validation_holdings_follow_the_run_under_16_true_and_clipping_by_value():
+    """Review 63: "16-true" has no GradScaler, so the strategy checks zb-v's steps after taking them (its grads
+    and, clipped by norm, the copy held) where the plan counted nothing; clipping by value never puts a step
+    back (no copy at run time) where the plan counted one."""
+    half = plan_recipe(["schedule=zb-v", "trainer.devices=2", "trainer.precision=16-true"])
+    for sp in half.stages:
+        assert sp.checked_bytes == sp.grad_bytes + sp.weight_bytes + sp.optimizer_bytes
+    by_value = plan_recipe(["schedule=zb-v", "trainer.devices=2", "+trainer.gradient_clip_algorithm=value"])
+    assert [sp.checked_bytes for sp in by_value.stages] == [sp.grad_bytes for sp in by_value.stages]
+
+
+def test_post_validation_holdings_under_shard_are_one_replicas_share():
+    """Review 63: under data_parallel="shard" post-validation holds local shards (DTensor grads, the snapshot's
+    clones of them): one of the replicas' share, as the strategy's StepHoldings.checked counts; the plan counted
+    each stage whole."""
+    kw = ["schedule=zb-v", "trainer.devices=8", "strategy.pipeline_degree=2"]
+    whole = plan_recipe([*kw, "strategy.data_parallel=replicate"])
+    shard = plan_recipe([*kw, "strategy.data_parallel=shard"])
+    assert [sp.checked_bytes for sp in shard.stages] == [sp.checked_bytes // 4 for sp in whole.stages]
+
+
 def test_gpipe_holds_every_microbatch_and_zb_h1_bounds_it():
     gpipe = plan_recipe(["schedule=gpipe", "strategy.split_backward=false", "trainer.devices=2"])
     assert [r.fused["in_flight"] for r in gpipe.ranks] == [4, 4]

@@ -161,3 +161,30 @@ def two_ranks(request) -> conftest.Launch:
     }
     assert {p for _, p in PIPELINES} == {2}
     return launch(request, 2, cases, timeout=840)
+
+
+def test_clipping_that_starts_after_the_first_step_is_redone_not_dropped():
+    """Review 63: rollback was decided at the first optimizer step only: clipping that began later
+    (configure_gradient_clipping clipping from global step 1 on) found no copy to put back, and validate()
+    let the unclipped speculative step stand (a 2-rank zb-h2 fit 16x off one process's weights)."""
+    from lightning_twobp.lightning.optimizer_checks import OptimizerChecks
+    from lightning_twobp.options import PipelineOptions
+
+    q = torch.nn.Parameter(torch.zeros(4))
+    opt = torch.optim.SGD([q], lr=1.0)
+    checks = OptimizerChecks(
+        PipelineOptions(schedule="zb-h2"), None, torch.device("cpu"), lambda r: [r], 0, frozenset()
+    )
+    g1, g2 = torch.full((4,), 0.01), torch.full((4,), 10.0)
+    q.grad = g1.clone()
+    checks.before_step(None, opt, None, [])  # no clipping at the first step
+    opt.step()
+    q.grad = g2.clone()
+    checks.validate(None)
+    checks.clip_by_norm(opt, 0.05)  # clipping from the second step on
+    checks.before_step(None, opt, None, [])
+    opt.step()
+    verdict = checks.validate(None)
+    assert verdict is not None and verdict.clipped and verdict.redone
+    expected = -g1 - g2 * (0.05 / (float(g2.norm()) + 1e-6))
+    torch.testing.assert_close(q.detach(), expected, rtol=1e-6, atol=1e-7)

@@ -200,6 +200,11 @@ class OptimizerChecks:
         if check is None:
             check = self.checks[id(optimizer)] = self._new_check(optimizer, max_norm, fp16)
         check.max_norm = max_norm
+        if max_norm is not None and check.overlap:
+            # Clipping that starts after the check's first step (configure_gradient_clipping clipping from a
+            # later step on): a clipped step is put back and redone, so it needs the copy from now on (without
+            # it, validate() let the speculative, unclipped step stand: not one process's step).
+            check.rollback = True
         self._judge(lm, check, check.validate(), done=True)  # nothing pending normally: training_step judged it
         extra = None
         if check.check_finite or (self.watch_hooks and check.active):
