@@ -8,6 +8,9 @@ train mode (schedule-free optimizers)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import lightning.pytorch as pl
 import pytest
 import torch
@@ -326,11 +329,19 @@ def _scheduled(world: int, max_steps: int, folder: str | None = None, ckpt_path:
     return {"weights": own_weights(model), "windows": windows}
 
 
-def _scheduled_runs(rank: int, world: int, folder: str) -> dict:
+def _straight_and_resumed(
+    rank: int, world: int, folder: str, fit: Callable[..., Any], steps: int, saved_at: int, checkpoint: str
+) -> dict:
+    """``fit(world, max_steps, folder=..., ckpt_path=...)`` straight to ``steps``; to ``saved_at`` saving into
+    ``folder``; then resumed from that save's file ``checkpoint`` to ``steps``."""
     lightning_env(rank, world)
-    straight = _scheduled(world, 12)
-    _scheduled(world, 10, folder=folder)
-    return {"straight": straight, "resumed": _scheduled(world, 12, ckpt_path=f"{folder}/epoch=1-step=10.ckpt")}
+    straight = fit(world, steps)
+    fit(world, saved_at, folder=folder)
+    return {"straight": straight, "resumed": fit(world, steps, ckpt_path=f"{folder}/{checkpoint}")}
+
+
+def _scheduled_runs(rank: int, world: int, folder: str) -> dict:
+    return _straight_and_resumed(rank, world, folder, _scheduled, 12, 10, "epoch=1-step=10.ckpt")
 
 
 def test_a_mid_epoch_resume_accumulates_as_the_scheduler_says(two_ranks):
@@ -392,10 +403,7 @@ def _normed(world: int, max_steps: int, folder: str | None = None, ckpt_path: st
 
 
 def _normed_runs(rank: int, world: int, folder: str) -> dict:
-    lightning_env(rank, world)
-    straight = _normed(world, 5)
-    _normed(world, 3, folder=folder)
-    return {"straight": straight, "resumed": _normed(world, 5, ckpt_path=f"{folder}/epoch=0-step=3.ckpt")}
+    return _straight_and_resumed(rank, world, folder, _normed, 5, 3, "epoch=0-step=3.ckpt")
 
 
 def test_a_checkpoint_holds_replica_0s_buffers_and_resumes_them_bitwise(tmp_path):

@@ -582,6 +582,22 @@ def _fit_dp_pp(rank: int, world: int, schedule: str) -> dict:
 DP_X_PP = ["zb-h1", "zb-v"]
 
 
+def _one_process_batches(x: torch.Tensor, y: torch.Tensor, perm: torch.Tensor) -> DataLoader:
+    """``x``, ``y`` as one process reads what two replicas read under DistributedSampler(shuffle=True, seed=0) at
+    epoch 0 (replica d takes perm[d::2]): step i is replica 0's batch i of 8, then replica 1's (16 samples)."""
+    order = torch.cat([torch.cat([perm[0::2][i * 8 : (i + 1) * 8], perm[1::2][i * 8 : (i + 1) * 8]]) for i in range(4)])
+    return DataLoader(TensorDataset(x[order], y[order]), batch_size=16)
+
+
+def _equal_to(ref: dict, results: list[dict]) -> None:
+    """Every rank's parameters (``results``, by rank) equal the one-process ``ref``'s, which pipeline ranks 0
+    and 1 hold between them."""
+    assert set(results[0]) | set(results[1]) == set(ref)
+    for rank, params in enumerate(results):
+        for name, value in params.items():
+            torch.testing.assert_close(value, ref[name].detach(), rtol=1e-5, atol=1e-6, msg=f"rank {rank} {name}")
+
+
 @pytest.mark.parametrize("schedule", DP_X_PP)
 def test_dp_x_pp_matches_one_process_on_the_union_of_the_shards(four_ranks, request, schedule):
     """4 processes = 2 pipelines x 2 ranks; each step's gradient is the mean over both shards
@@ -589,19 +605,14 @@ def test_dp_x_pp_matches_one_process_on_the_union_of_the_shards(four_ranks, requ
     reduces start at different times during the step."""
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(64, 6, generator=g), torch.randn(64, 2, generator=g)
-    # DistributedSampler(shuffle=True, seed=0) at epoch 0: one permutation, replica d takes perm[d::2];
-    # step i of one process: replica 0's batch i, then replica 1's batch i (16 samples)
     perm = torch.randperm(64, generator=torch.Generator().manual_seed(0))
-    order = torch.cat([torch.cat([perm[0::2][i * 8 : (i + 1) * 8], perm[1::2][i * 8 : (i + 1) * 8]]) for i in range(4)])
     model = Regressor()
-    _trainer("auto", 1, gradient_clip_val=0.05).fit(model, DataLoader(TensorDataset(x[order], y[order]), batch_size=16))
-    ref = dict(model.named_parameters())
+    _trainer("auto", 1, gradient_clip_val=0.05).fit(model, _one_process_batches(x, y, perm))
     results = four_ranks[request.node.name]
     for rank, params in enumerate(results):
         assert set(params) == set(results[rank % 2]), "replicas hold the same stages"
-        assert set(params).isdisjoint(results[1 - rank % 2]) and set(results[0]) | set(results[1]) == set(ref)
-        for name, value in params.items():
-            torch.testing.assert_close(value, ref[name].detach(), rtol=1e-5, atol=1e-6, msg=f"rank {rank} {name}")
+        assert set(params).isdisjoint(results[1 - rank % 2])
+    _equal_to(dict(model.named_parameters()), results)
 
 
 class _Routed(nn.Module):
@@ -657,16 +668,10 @@ def test_dp_x_pp_reduces_an_expert_only_one_replica_used(four_ranks, request, da
     would hang or read past. Now each replica reduces every parameter (zeros where it has none), as DDP's
     find_unused_parameters does."""
     x, y, perm = _replica_signed_data()
-    order = torch.cat([torch.cat([perm[0::2][i * 8 : (i + 1) * 8], perm[1::2][i * 8 : (i + 1) * 8]]) for i in range(4)])
     model = Regressor(layers=_routed)
     model.optimizer = torch.optim.AdamW
-    _trainer("auto", 1).fit(model, DataLoader(TensorDataset(x[order], y[order]), batch_size=16))
-    ref = dict(model.named_parameters())
-    results = four_ranks[request.node.name]
-    assert set(results[0]) | set(results[1]) == set(ref)
-    for rank, params in enumerate(results):
-        for name, value in params.items():
-            torch.testing.assert_close(value, ref[name].detach(), rtol=1e-5, atol=1e-6, msg=f"rank {rank} {name}")
+    _trainer("auto", 1).fit(model, _one_process_batches(x, y, perm))
+    _equal_to(dict(model.named_parameters()), four_ranks[request.node.name])
 
 
 def _alternating_data() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -703,19 +708,14 @@ def test_dp_x_pp_reduces_once_per_accumulation_window(four_ranks, request):
     carried into it. The experts alternate by batch and replica, so a window's last micro-step leaves on each
     replica an expert the window used earlier: every parameter against one process under AdamW."""
     x, y, perm = _alternating_data()
-    order = torch.cat([torch.cat([perm[0::2][i * 8 : (i + 1) * 8], perm[1::2][i * 8 : (i + 1) * 8]]) for i in range(4)])
     model = Regressor(layers=_routed)
     model.optimizer = torch.optim.AdamW
-    trainer = _trainer("auto", 1, max_steps=2, accumulate_grad_batches=3)
-    trainer.fit(model, DataLoader(TensorDataset(x[order], y[order]), batch_size=16))
-    ref = dict(model.named_parameters())
+    _trainer("auto", 1, max_steps=2, accumulate_grad_batches=3).fit(model, _one_process_batches(x, y, perm))
     results = four_ranks[request.node.name]
-    assert set(results[0]["params"]) | set(results[1]["params"]) == set(ref)
     for rank, out in enumerate(results):
         stages = 2 if rank % 2 == 0 else 1  # pipeline rank 1's first stage (a Tanh) has nothing to reduce
         assert out["reduces"] == 2 * stages, f"rank {rank}: {out['reduces']} reduces for 2 windows of {stages}"
-        for name, value in out["params"].items():
-            torch.testing.assert_close(value, ref[name].detach(), rtol=1e-5, atol=1e-6, msg=f"rank {rank} {name}")
+    _equal_to(dict(model.named_parameters()), [out["params"] for out in results])
 
 
 class _TrainedFirstInWindow(pl.Callback):
@@ -750,16 +750,10 @@ def test_dp_x_pp_reduces_a_layer_frozen_since_the_windows_first_micro_step(four_
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(64, 6, generator=g), torch.randn(64, 2, generator=g)
     perm = torch.randperm(64, generator=torch.Generator().manual_seed(0))
-    order = torch.cat([torch.cat([perm[0::2][i * 8 : (i + 1) * 8], perm[1::2][i * 8 : (i + 1) * 8]]) for i in range(4)])
     model = Regressor()
     trainer = _trainer("auto", 1, max_steps=2, accumulate_grad_batches=2, callbacks=[_TrainedFirstInWindow()])
-    trainer.fit(model, DataLoader(TensorDataset(x[order], y[order]), batch_size=16))
-    ref = dict(model.named_parameters())
-    results = four_ranks[request.node.name]
-    assert set(results[0]) | set(results[1]) == set(ref)
-    for rank, params in enumerate(results):
-        for name, value in params.items():
-            torch.testing.assert_close(value, ref[name].detach(), rtol=1e-5, atol=1e-6, msg=f"rank {rank} {name}")
+    trainer.fit(model, _one_process_batches(x, y, perm))
+    _equal_to(dict(model.named_parameters()), four_ranks[request.node.name])
 
 
 class _GradsSeen(pl.Callback):
