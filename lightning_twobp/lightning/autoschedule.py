@@ -70,6 +70,7 @@ from torch import nn
 
 from lightning_twobp.engine.footprint import LayerFootprint, layer_cost, measure_layer, storage_key
 from lightning_twobp.lightning.layer_runs import LayerRuns, layer_runs, trained_dtype
+from lightning_twobp.lightning.optimizer_groups import optimizers_in
 from lightning_twobp.lightning.profile import first_batch, keep_buffers, now
 from lightning_twobp.lightning.search_builds import build_across, fuse_across
 from lightning_twobp.lightning.sharding import sharded_static_bytes
@@ -199,17 +200,6 @@ def _state_copies(opt: torch.optim.Optimizer, group: dict) -> tuple[int, int] | 
     return None
 
 
-def _optimizers(found: Any) -> list[torch.optim.Optimizer]:
-    """The optimizers in whatever ``configure_optimizers`` returned (one, lists, dicts, tuples)."""
-    if isinstance(found, torch.optim.Optimizer):
-        return [found]
-    if isinstance(found, dict):
-        found = list(found.values())
-    if isinstance(found, (list, tuple)):
-        return [o for item in found for o in _optimizers(item)]
-    return []
-
-
 def trained_size(q: torch.Tensor, cast: torch.dtype | None) -> int:
     """Bytes per element of ``q`` once the precision has cast the model's floating tensors to ``cast``."""
     return cast.itemsize if cast is not None and q.is_floating_point() else q.element_size()
@@ -255,7 +245,7 @@ def _optimizer_bytes(lm: Any, trainer: Any, layers: list[nn.Module], cast: torch
     """Each layer's optimizer-state bytes (training only), from a throw-away ``configure_optimizers``."""
     if trainer.state.fn != TrainerFn.FITTING:  # nothing steps: no state (a later fit keeps this choice)
         return [0.0] * len(layers)
-    per_param, notes = optimizer_state_bytes(_optimizers(lm.configure_optimizers()), cast)
+    per_param, notes = optimizer_state_bytes(optimizers_in(lm.configure_optimizers()), cast)
     for line in notes:
         rank_zero_info("twobp: schedule='auto' counts " + line)
         if "not one this counts" in line:

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_twobp.lightning.collectives import world_collective_optimizer
+from lightning_twobp.lightning.optimizer_groups import Place, moved_from_one_process
 from lightning_twobp.options import check_flag
 from lightning_twobp.private import tensor_hooks, tensor_version
 
@@ -298,11 +299,13 @@ def checked_optimizers(
     pp_rank: int,
     stages: Sequence[int],
     pipeline_degree: int = 2,
+    one_process: Mapping[str, Place | None] | None = None,
 ) -> None:
     """Run ``setup`` (Lightning's ``configure_optimizers``) and check what it built, on every rank together:
     a failure on one rank (torch's "empty parameter list" where an optimizer covers other stages' layers
     only) is raised on every rank at once, not left for the others to wait on at the first step. An
-    optimizer whose step reads all of its parameters at once (LBFGS) is refused when the model is split."""
+    optimizer whose step reads all of its parameters at once (LBFGS) is refused when the model is split, and
+    one that steps a parameter otherwise than ``one_process``'s places (:mod:`.optimizer_groups`)."""
     error: Exception | None = None
     try:
         setup()
@@ -314,6 +317,7 @@ def checked_optimizers(
             or _whole_model_step(optimizers(), pipeline_degree)
             or _zero_over_stages(optimizers(), pp_rank, pipeline_degree)
             or world_collective_optimizer(optimizers(), pipeline_degree)
+            or moved_from_one_process(one_process, module, optimizers(), pp_rank)
         )
     elif isinstance(error, ValueError) and "empty parameter list" in str(error):
         problem = (

@@ -6,7 +6,7 @@ checks into one :class:`Pipeline`."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -49,6 +49,7 @@ from lightning_twobp.lightning.materialize import (
 from lightning_twobp.lightning.metrics import StepMetrics
 from lightning_twobp.lightning.modulelist_contract import ModuleListContract, caches_off, fastpath_off
 from lightning_twobp.lightning.optimizer_checks import OptimizerChecks, hooks_may_scale_grads
+from lightning_twobp.lightning.optimizer_groups import Place, whole_model_places
 from lightning_twobp.lightning.outside_modules import LooseParameter
 from lightning_twobp.lightning.pretrained import Plan
 from lightning_twobp.lightning.profile import profile_layers
@@ -124,6 +125,7 @@ class Pipeline:
     replicas: str = ""  # this rank's data-parallel peers, "global rank 2 (host b)", named when lost
     buffers: ReplicaBuffers | None = None  # with several replicas: replica 0's buffers before each step
     reduce: ReplicaReduce | None = None  # replicated data parallelism: the executor's grad_reduce
+    one_process: Mapping[str, Place | None] | None = None  # the optimizers' places in one process (fit, p > 1)
 
     def sync_buffers(self) -> None:
         """Before a training step's first forward and at an evaluation's start (its replicas may read
@@ -597,6 +599,14 @@ def _call_scope(strategy: TwoBPStrategy, trainer: Any, metrics: StepMetrics, loc
     return scope
 
 
+def _one_process_places(strategy: TwoBPStrategy, trainer: Any) -> dict[str, Place | None] | None:
+    """Where one process's optimizers step each parameter, for :func:`.optimizer_groups.moved_from_one_process`
+    after Lightning's call on this rank's stages (a fit split over several ranks only)."""
+    if trainer.state.fn != TrainerFn.FITTING or strategy.pipeline_degree == 1:
+        return None
+    return whole_model_places(strategy.lightning_module)
+
+
 def _split(strategy: TwoBPStrategy, contract: Any, sizes: list[int], schedule: Schedule, trainer: Any) -> LocalModel:
     """This rank's stages, their parameters' gradient hooks refused (:func:`.checks.check_parameter_hooks`)
     before any compute and before FSDP2 replaces the parameters (a hook stays on the parameter it was
@@ -755,6 +765,7 @@ def build_pipeline(strategy: TwoBPStrategy, trainer: Any) -> Pipeline:
     _materialize(strategy, contract, sizes, schedule)  # before the streams, seeded from the random state
     streams = StageStreams(schedule.stages_of(layout.pp_rank), layout.dp_rank, device, _shared_seed(strategy))
     runner.streams = streams
+    one_process = _one_process_places(strategy, trainer)  # the model still whole
     local = _split(strategy, contract, sizes, schedule, trainer)
     _read_pretrained(strategy, weights)  # this rank's tensors only, before FSDP2 shards them
     runner.holders = placeholder_holders(lm)
@@ -811,4 +822,5 @@ def build_pipeline(strategy: TwoBPStrategy, trainer: Any) -> Pipeline:
         replicas=_replicas(strategy, sharding),
         buffers=_replica_buffers(strategy),
         reduce=grad_reduce if isinstance(grad_reduce, ReplicaReduce) else None,
+        one_process=one_process,
     )

@@ -262,6 +262,7 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
                 self.pp_rank,
                 self.stage_ids,
                 self.pipeline_degree,
+                self._pipeline.one_process,
             )
         # Optimizers are created after the move to the device and hold no state yet; a checkpoint's
         # state is loaded afterwards (restore_checkpoint_after_setup), by parameter name.

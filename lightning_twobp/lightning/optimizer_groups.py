@@ -1,0 +1,127 @@
+"""Each parameter's optimizer settings as one process gives them, checked on this rank.
+
+``configure_optimizers`` runs on every rank and sees that rank's parameters only. Param groups chosen by
+name or module (``named_parameters()``, a ``no_decay`` list) hold the same parameters with the same settings
+as in one process; groups cut by position in ``self.parameters()`` (``p[:3]`` and ``p[3:]``) do not: on
+pipeline rank 1 ``p[:3]`` is the first three of *its* parameters. A cold review found it trained 5.8
+relative off one process, silently. So at setup, before the pipeline cuts the model, the whole model's
+``configure_optimizers`` runs once more (under a forked random state; its optimizers hold no state yet and
+are dropped) and each parameter's place is kept by name: which optimizer, with which settings (the group's
+entries but its parameters). After Lightning's own call on this rank's stages every parameter of the rank
+must have the same place; the first that does not is named with both settings and the fix.
+
+A tied weight is one parameter in one process and one copy per stage here (``lm_head.weight`` beside
+``wte.weight``): each copy's name must have the tied weight's place, or the copies would step apart. Where
+the whole model's call raises (a fused optimizer over weights still on the meta device) nothing is compared:
+Lightning's own call, on the rank's real weights, is checked as before (:func:`.checks.checked_optimizers`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["Place", "moved_from_one_process", "optimizers_in", "places", "whole_model_places"]
+
+log = logging.getLogger(__name__)
+
+_NOT_SETTINGS = ("params", "param_names")  # which parameters, not how they are stepped
+
+
+@dataclass(frozen=True)
+class Place:
+    """Where an optimizer steps a parameter: the optimizer's position among those ``configure_optimizers``
+    returned, its type and its group's settings."""
+
+    optimizer: int
+    kind: str
+    settings: tuple[tuple[str, Any], ...]
+
+    def describe(self) -> str:
+        shown = ", ".join(f"{k}={v}" for k, v in self.settings if k in _SHOWN) or "default settings"
+        return f"optimizer {self.optimizer} ({self.kind}, {shown})"
+
+
+# The settings a message names (the others are compared too): what users set per group.
+_SHOWN = ("lr", "weight_decay", "momentum", "betas", "eps", "nesterov", "initial_lr")
+
+
+def _plain(value: Any) -> Any:
+    """A group's setting as a value ``==`` compares: a tensor by its values (``lr=torch.tensor(0.1)``)."""
+    if isinstance(value, torch.Tensor):
+        return ("tensor", tuple(value.shape)) if value.is_meta else value.tolist()
+    if isinstance(value, (list, tuple)):
+        return tuple(_plain(v) for v in value)
+    return value
+
+
+def places(module: nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> dict[str, Place | None]:
+    """Each of ``module``'s parameters by every name it has (tied ones have several), and its place in
+    ``optimizers`` (None: in none of them)."""
+    found: dict[int, Place] = {}
+    for k, opt in enumerate(optimizers):
+        for group in opt.param_groups:
+            settings = tuple(sorted((key, _plain(v)) for key, v in group.items() if key not in _NOT_SETTINGS))
+            for q in group["params"]:
+                found[id(q)] = Place(k, type(opt).__name__, settings)
+    named = module.named_parameters(remove_duplicate=False)
+    return {name: found.get(id(q)) for name, q in named}
+
+
+def optimizers_in(found: Any) -> list[torch.optim.Optimizer]:
+    """The optimizers in whatever ``configure_optimizers`` returned (one, lists, dicts, tuples)."""
+    if isinstance(found, torch.optim.Optimizer):
+        return [found]
+    if isinstance(found, dict):
+        found = list(found.values())
+    if isinstance(found, (list, tuple)):
+        return [o for item in found for o in optimizers_in(item)]
+    return []
+
+
+def whole_model_places(lm: Any) -> dict[str, Place | None] | None:
+    """The places one process's ``configure_optimizers`` gives the whole model's parameters (``lm`` still
+    whole), or None where that call raises (see the module docstring)."""
+    with torch.random.fork_rng(devices=[]):
+        try:
+            built = optimizers_in(lm.configure_optimizers())
+        except Exception as e:  # noqa: BLE001 - a check we cannot make; Lightning's own call is checked
+            log.info("twobp: the param groups are not compared with one process's (%s: %s)", type(e).__name__, e)
+            return None
+    return places(lm, built)
+
+
+def moved_from_one_process(
+    whole: Mapping[str, Place | None] | None,
+    lm: nn.Module,
+    optimizers: Sequence[torch.optim.Optimizer],
+    pp_rank: int,
+) -> str | None:
+    """The problem, where a parameter of this rank is stepped otherwise than one process steps it (a name
+    one process's model does not have is not compared)."""
+    if whole is None:
+        return None
+    here = places(lm, optimizers)
+    moved = [name for name, place in here.items() if name in whole and place != whole[name]]
+    if not moved:
+        return None
+    name = moved[0]
+    ours, theirs = (_where(here[name]), _where(whole[name]))
+    return (
+        f"configure_optimizers on pipeline rank {pp_rank} steps {len(moved)} of its parameters otherwise than one "
+        f"process does: {name} is in {ours} here and in {theirs} in one process (the whole model's "
+        f"configure_optimizers, run once more at setup). Under strategy='twobp' self.parameters() lists this "
+        f"rank's parameters only, so param groups cut by position in it (p = list(self.parameters()); "
+        f"[{{'params': p[:3]}}, {{'params': p[3:]}}]) hold other parameters on each rank: choose each group's "
+        f"parameters by name or module (self.named_parameters(), isinstance(module, nn.LayerNorm)), and give every "
+        f"name of a tied weight the same settings"
+    )
+
+
+def _where(place: Place | None) -> str:
+    return place.describe() if place is not None else "no optimizer"
