@@ -25,6 +25,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_twobp  # noqa: F401  (registers "twobp")
 from lightning_twobp import TwoBPStrategy
+from lightning_twobp.lightning import pipeline
 from lightning_twobp.lightning.sharding import check_replicas, check_stages, state_bytes, untie_within_rank
 from lightning_twobp.processes import run_distributed
 
@@ -237,33 +238,60 @@ class Messages(logging.Handler):
         self.messages.append(record.getMessage())
 
 
-def _fit_head_apart(rank: int, world: int) -> dict:
-    """GPT-2 under ZB-V sharded, the copies given different learning rates: what is logged."""
+def _fit_head_apart(rank: int, world: int, compared: bool) -> dict:
+    """GPT-2, the copies given different learning rates: what is logged and raised. ``compared=True``:
+    ZB-H1 replicated (``lm_head``'s copy on pipeline rank 1). ``compared=False``: ZB-V sharded (both copies
+    on pipeline rank 0), as where the whole model's configure_optimizers cannot run at setup (a fused
+    optimizer over weights on the meta device), so only the end of training sees the copies apart."""
     lightning_env(rank, world)
+    compare = pipeline.whole_model_places
+    if not compared:  # put back below: the launch runs the module's next cases in this process
+        pipeline.whole_model_places = lambda lm: None
     messages = Messages()
     loggers = [logging.getLogger(n) for n in ("lightning_twobp", "lightning.pytorch.utilities.rank_zero")]
     for logger in loggers:
         logger.addHandler(messages)
+    model, error = HeadApart(), ""
     try:
-        model = HeadApart()
-        strategy = TwoBPStrategy(pipeline_degree=2, schedule="zb-v", data_parallel="shard")
+        how = dict(schedule="zb-h1") if compared else dict(schedule="zb-v", data_parallel="shard")
+        strategy = TwoBPStrategy(pipeline_degree=2, **how)
         quiet_trainer(strategy, world, max_steps=1, use_distributed_sampler=True).fit(model, _tokens())
+    except Exception as e:  # noqa: BLE001 - the refusal, compared in the test
+        error = f"{type(e).__name__}: {e}"
     finally:
+        pipeline.whole_model_places = compare
         for logger in loggers:
             logger.removeHandler(messages)
     tied = model.model.lm_head.weight is model.model.transformer.wte.weight
-    return {"messages": [m for m in messages.messages if "twobp" in m], "tied": tied}
+    return {"messages": [m for m in messages.messages if "twobp" in m], "tied": tied, "error": error}
+
+
+def test_tied_copies_given_different_optimizer_settings_are_refused(four_ranks, request):
+    """One process has one tied Parameter, listed as ``wte`` only, so in the first group; here the last
+    stage's copy is listed as ``lm_head`` and put in a group of its own: every rank stops at setup, naming
+    the weight, both learning rates and the fix (pipeline rank 1 holds the copy), and the model is tied
+    again."""
+    results = four_ranks[request.node.name]
+    for rank, res in enumerate(results):
+        assert res["tied"], f"rank {rank}"
+        assert re.search(
+            r"configure_optimizers on pipeline rank 1 steps 1 of its parameters otherwise than one process does: "
+            r"model.lm_head.weight is in optimizer 0 \(SGD, lr=0.01, .*\) here and in optimizer 0 \(SGD, lr=0.1, "
+            r".*It is a weight tied to model.transformer.wte.weight: .* Give every name of a tied weight the same "
+            r"optimizer and settings",
+            res["error"],
+        ), (rank, res["error"])
 
 
 def test_tied_copies_given_different_optimizer_settings_are_named(four_ranks, request):
-    """Setup says which weight is held as copies (by its names in the model); the copies, stepped with
-    different learning rates, differ after training: a warning names the weight and the fix, the first
-    stage's values are kept, and the model is tied again."""
+    """Where setup could not compare the groups with one process's, the copies, stepped with different
+    learning rates, differ after training: a warning names the weight and the fix, the first stage's values
+    are kept, and the model is tied again. Setup says which weight is held as copies (by its names)."""
     results = four_ranks[request.node.name]
     held = "a weight used by two stages of pipeline rank 0 is held as one copy per stage"
     assert any(held in m and "model.transformer.wte.weight, model.lm_head.weight" in m for m in results[0]["messages"])
     for rank, res in enumerate(results):
-        assert res["tied"], f"rank {rank}"
+        assert res["tied"] and not res["error"], f"rank {rank}: {res['error']}"
         apart = [m for m in res["messages"] if "differs from that stage's after training" in m]
         if rank % 2 == 0:
             assert len(apart) == 1 and apart[0].startswith("twobp: model.lm_head.weight, stage 3's copy"), apart
@@ -513,7 +541,8 @@ def four_ranks(request) -> conftest.Launch:
     cases |= {f"test_sharded_matches_one_process[{k}]": (_fit, (kw, ("shard",))) for k, kw in SCHEDULES.items()}
     cases |= {f"test_tied_gpt2_sharded_matches_one_process[{k}]": (_fit_gpt2, (k,)) for k in GPT2_SCHEDULES}
     cases["test_tied_gpt2_replicated_accumulating_matches_one_process"] = (_fit_gpt2, ("zb-h1", "replicate", 2))
-    cases["test_tied_copies_given_different_optimizer_settings_are_named"] = (_fit_head_apart, ())
+    cases["test_tied_copies_given_different_optimizer_settings_are_named"] = (_fit_head_apart, (False,))
+    cases["test_tied_copies_given_different_optimizer_settings_are_refused"] = (_fit_head_apart, (True,))
     cases["test_a_weight_on_two_stages_of_one_rank_and_on_another_sharded_matches_one_process"] = (
         _fit,
         ({"schedule": "zb-v", "balance": [3, 2, 2, 3]}, ("shard",), False, "32-true", 1, ThreeUses),

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_twobp.lightning.collectives import world_collective_optimizer
-from lightning_twobp.lightning.optimizer_groups import Place, moved_from_one_process
+from lightning_twobp.lightning.optimizer_groups import OneProcess, moved_from_one_process
 from lightning_twobp.options import check_flag
 from lightning_twobp.private import tensor_hooks, tensor_version
 
@@ -299,7 +299,7 @@ def checked_optimizers(
     pp_rank: int,
     stages: Sequence[int],
     pipeline_degree: int = 2,
-    one_process: Mapping[str, Place | None] | None = None,
+    one_process: OneProcess | None = None,
 ) -> None:
     """Run ``setup`` (Lightning's ``configure_optimizers``) and check what it built, on every rank together:
     a failure on one rank (torch's "empty parameter list" where an optimizer covers other stages' layers

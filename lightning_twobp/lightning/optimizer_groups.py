@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["Place", "moved_from_one_process", "optimizers_in", "places", "whole_model_places"]
+__all__ = ["OneProcess", "Place", "moved_from_one_process", "optimizers_in", "places", "whole_model_places"]
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +60,15 @@ def _plain(value: Any) -> Any:
     return value
 
 
+@dataclass(frozen=True)
+class OneProcess:
+    """Where one process's optimizers step each parameter, by every name it has; and each name of a tied
+    parameter (one parameter under several names there, a copy per stage here) with its other names."""
+
+    places: Mapping[str, Place | None]
+    tied: Mapping[str, tuple[str, ...]]
+
+
 def places(module: nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> dict[str, Place | None]:
     """Each of ``module``'s parameters by every name it has (tied ones have several), and its place in
     ``optimizers`` (None: in none of them)."""
@@ -84,7 +93,7 @@ def optimizers_in(found: Any) -> list[torch.optim.Optimizer]:
     return []
 
 
-def whole_model_places(lm: Any) -> dict[str, Place | None] | None:
+def whole_model_places(lm: Any) -> OneProcess | None:
     """The places one process's ``configure_optimizers`` gives the whole model's parameters (``lm`` still
     whole), or None where that call raises (see the module docstring)."""
     with torch.random.fork_rng(devices=[]):
@@ -93,11 +102,15 @@ def whole_model_places(lm: Any) -> dict[str, Place | None] | None:
         except Exception as e:  # noqa: BLE001 - a check we cannot make; Lightning's own call is checked
             log.info("twobp: the param groups are not compared with one process's (%s: %s)", type(e).__name__, e)
             return None
-    return places(lm, built)
+    names: dict[int, list[str]] = {}
+    for name, q in lm.named_parameters(remove_duplicate=False):
+        names.setdefault(id(q), []).append(name)
+    tied = {n: tuple(m for m in ns if m != n) for ns in names.values() if len(ns) > 1 for n in ns}
+    return OneProcess(places(lm, built), tied)
 
 
 def moved_from_one_process(
-    whole: Mapping[str, Place | None] | None,
+    whole: OneProcess | None,
     lm: nn.Module,
     optimizers: Sequence[torch.optim.Optimizer],
     pp_rank: int,
@@ -106,20 +119,28 @@ def moved_from_one_process(
     one process's model does not have is not compared)."""
     if whole is None:
         return None
-    here = places(lm, optimizers)
-    moved = [name for name, place in here.items() if name in whole and place != whole[name]]
+    here, there = places(lm, optimizers), whole.places
+    moved = [name for name, place in here.items() if name in there and place != there[name]]
     if not moved:
         return None
     name = moved[0]
-    ours, theirs = (_where(here[name]), _where(whole[name]))
-    return (
+    said = (
         f"configure_optimizers on pipeline rank {pp_rank} steps {len(moved)} of its parameters otherwise than one "
-        f"process does: {name} is in {ours} here and in {theirs} in one process (the whole model's "
-        f"configure_optimizers, run once more at setup). Under strategy='twobp' self.parameters() lists this "
-        f"rank's parameters only, so param groups cut by position in it (p = list(self.parameters()); "
-        f"[{{'params': p[:3]}}, {{'params': p[3:]}}]) hold other parameters on each rank: choose each group's "
-        f"parameters by name or module (self.named_parameters(), isinstance(module, nn.LayerNorm)), and give every "
-        f"name of a tied weight the same settings"
+        f"process does: {name} is in {_where(here[name])} here and in {_where(there[name])} in one process (the "
+        f"whole model's configure_optimizers, run once more at setup). "
+    )
+    if name in whole.tied:
+        return said + (
+            f"It is a weight tied to {', '.join(whole.tied[name])}: one parameter in one process, where "
+            f"self.named_parameters() lists it under one name only, and a copy per stage here, each listed under its "
+            f"own name. Give every name of a tied weight the same optimizer and settings (or choose its group by "
+            f"the name one process lists)"
+        )
+    return said + (
+        "Under strategy='twobp' self.parameters() lists this rank's parameters only, so param groups cut by "
+        "position in it (p = list(self.parameters()); [{'params': p[:3]}, {'params': p[3:]}]) hold other "
+        "parameters on each rank: choose each group's parameters by name or module (self.named_parameters(), "
+        "isinstance(module, nn.LayerNorm))"
     )
 
 

@@ -6,7 +6,7 @@ checks into one :class:`Pipeline`."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -49,7 +49,7 @@ from lightning_twobp.lightning.materialize import (
 from lightning_twobp.lightning.metrics import StepMetrics
 from lightning_twobp.lightning.modulelist_contract import ModuleListContract, caches_off, fastpath_off
 from lightning_twobp.lightning.optimizer_checks import OptimizerChecks, hooks_may_scale_grads
-from lightning_twobp.lightning.optimizer_groups import Place, whole_model_places
+from lightning_twobp.lightning.optimizer_groups import OneProcess, whole_model_places
 from lightning_twobp.lightning.outside_modules import LooseParameter
 from lightning_twobp.lightning.pretrained import Plan
 from lightning_twobp.lightning.profile import profile_layers
@@ -125,7 +125,7 @@ class Pipeline:
     replicas: str = ""  # this rank's data-parallel peers, "global rank 2 (host b)", named when lost
     buffers: ReplicaBuffers | None = None  # with several replicas: replica 0's buffers before each step
     reduce: ReplicaReduce | None = None  # replicated data parallelism: the executor's grad_reduce
-    one_process: Mapping[str, Place | None] | None = None  # the optimizers' places in one process (fit, p > 1)
+    one_process: OneProcess | None = None  # the optimizers' places in one process (fit, p > 1)
 
     def sync_buffers(self) -> None:
         """Before a training step's first forward and at an evaluation's start (its replicas may read
@@ -599,7 +599,7 @@ def _call_scope(strategy: TwoBPStrategy, trainer: Any, metrics: StepMetrics, loc
     return scope
 
 
-def _one_process_places(strategy: TwoBPStrategy, trainer: Any) -> dict[str, Place | None] | None:
+def _one_process_places(strategy: TwoBPStrategy, trainer: Any) -> OneProcess | None:
     """Where one process's optimizers step each parameter, for :func:`.optimizer_groups.moved_from_one_process`
     after Lightning's call on this rank's stages (a fit split over several ranks only)."""
     if trainer.state.fn != TrainerFn.FITTING or strategy.pipeline_degree == 1:
