@@ -32,6 +32,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import lightning_twobp  # noqa: F401  (registers "twobp")
 from lightning_twobp import TwoBPStrategy
 from lightning_twobp.lightning.checks import checked_optimizers
+from lightning_twobp.lightning.optimizer_groups import whole_model_places
 from lightning_twobp.processes import free_port
 from lightning_twobp.train import resume_path
 
@@ -314,6 +315,22 @@ def _lbfgs_on_two_ranks() -> None:
     net = Net()
     optimizers = [torch.optim.LBFGS(net.parameters(), lr=0.5)]
     checked_optimizers(lambda: None, net, lambda: optimizers, pp_rank=0, stages=[0], pipeline_degree=2)
+
+
+def _groups_by_position() -> None:
+    """Param groups cut by position in self.parameters(), seen on pipeline rank 1 of 2, which holds the
+    last Linear only: one process's first group holds the first Linear, this rank's its own first."""
+
+    class ByPosition(Net):
+        def configure_optimizers(self):
+            p = list(self.parameters())
+            return torch.optim.SGD([{"params": p[:2]}, {"params": p[2:], "lr": 0.01}], lr=0.1)
+
+    net = ByPosition()
+    one_process = whole_model_places(net)
+    net.layers[0] = nn.Identity()  # as the pipeline sets the other rank's layers aside
+    optimizers = [net.configure_optimizers()]
+    checked_optimizers(lambda: None, net, lambda: optimizers, 1, [1], 2, one_process)
 
 
 def _zero_over_two_stages() -> None:
@@ -1109,6 +1126,14 @@ CASES: dict[str, Case] = {
         ValueError,
         r"LBFGS is not supported under strategy='twobp' with pipeline_degree=2: its step takes dot products "
         r"and norms over all of its parameters .* Use an optimizer whose update is per parameter",
+    ),
+    "fit-optimizer-groups-by-position": (
+        # the check as setup runs it on pipeline rank 1 of 2 (tests/test_strategy.py refuses it end to end)
+        lambda t: _groups_by_position(),
+        ValueError,
+        r"configure_optimizers on pipeline rank 1 steps 2 of its parameters otherwise than one process does: "
+        r"layers.2.weight is in optimizer 0 \(SGD, lr=0.1, .*\) here and in optimizer 0 \(SGD, lr=0.01, .*\) in one "
+        r"process .* choose each group's parameters by name or module",
     ),
     "fit-optimizer-zero-over-stages": (
         # the check as setup runs it on pipeline rank 1 of 2 (tests/test_strategy.py refuses it end to end)
