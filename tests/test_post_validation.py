@@ -73,6 +73,48 @@ def test_speculative_steps_equal_checking_first_bitwise(max_norm, nan_at):
     assert all(torch.isfinite(q).all() for q in spec)
 
 
+class DecaysEveryParameter(torch.optim.SGD):
+    """An optimizer of the user's whose step changes parameters without a gradient too (weight decay on all)."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for q in (q for g in self.param_groups for q in g["params"] if q.grad is None):
+            q.mul_(0.9)
+        return super().step(closure)
+
+
+def _frozen_first_layer(optimizer: type, overlap: bool, steps: int = 6) -> tuple[list[torch.Tensor], StepValidation]:
+    """A Linear frozen before another (a LoRA's base), both in the optimizer, clipped at 0.05 so that every
+    speculative step is put back and redone."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 6), torch.nn.Tanh(), torch.nn.Linear(6, 3))
+    model[0].requires_grad_(False)
+    opt = optimizer(model.parameters(), lr=0.05, weight_decay=0.1)
+    sv = StepValidation(opt, max_norm=0.05, overlap=overlap)
+    gen = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(5, 6, generator=gen), torch.randint(0, 3, (5,), generator=gen)) for _ in range(steps)]
+
+    def grads_of(i):
+        F.cross_entropy(model(batches[i][0]), batches[i][1]).backward()
+
+    assert _train(steps, grads_of, opt, sv) == (steps - 1 if overlap else 0)
+    return [q.detach().clone() for q in model.parameters()], sv
+
+
+@pytest.mark.parametrize("optimizer", [torch.optim.AdamW, DecaysEveryParameter])
+def test_the_copy_holds_a_frozen_parameter_only_where_the_step_may_change_it(optimizer):
+    """torch's optimizers leave a parameter without a gradient as it is, so the copy to put back leaves the
+    frozen layer out (before, every frozen weight in the optimizer was copied every step); an optimizer of
+    the user's may change it, and the copy holds it: both bitwise equal to checking first."""
+    first, _ = _frozen_first_layer(optimizer, overlap=False)
+    spec, sv = _frozen_first_layer(optimizer, overlap=True)
+    for a, b in zip(first, spec, strict=True):
+        assert torch.equal(a, b)
+    copied = {tuple(t.shape) for t in sv._params.values()}
+    assert len(sv._params) == (2 if optimizer is torch.optim.AdamW else 4), copied
+    assert ((6, 6) in copied) == (optimizer is DecaysEveryParameter)
+
+
 def test_gradients_zeroed_in_place_are_refused():
     model = torch.nn.Linear(3, 3)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -38,7 +38,33 @@ from torch.nn.utils import clip_grads_with_norm_, get_total_norm
 
 from lightning_twobp.private import tensor_version
 
-__all__ = ["StepValidation", "Verdict"]
+__all__ = ["StepValidation", "Verdict", "copies_frozen"]
+
+# torch's optimizers whose step leaves a parameter without a gradient as it is (each one's ``_init_group``
+# skips ``p.grad is None``), weight decay and state included: a copy to put back needs none of those (a
+# LoRA's frozen base in the optimizer was copied every step). By exact type: a subclass may step otherwise.
+_STEPS_GRADED_ONLY = frozenset(
+    {
+        torch.optim.SGD,
+        torch.optim.Adam,
+        torch.optim.AdamW,
+        torch.optim.Adamax,
+        torch.optim.NAdam,
+        torch.optim.RAdam,
+        torch.optim.Adagrad,
+        torch.optim.Adadelta,
+        torch.optim.RMSprop,
+        torch.optim.Rprop,
+        torch.optim.ASGD,
+        torch.optim.Adafactor,
+    }
+)
+
+
+def copies_frozen(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether a copy to put back holds ``optimizer``'s parameters without a gradient too (frozen ones, a
+    LoRA's base): where its step may change them (any optimizer but torch's own)."""
+    return type(optimizer) not in _STEPS_GRADED_ONLY
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -131,6 +157,7 @@ class StepValidation:
         self._grads: list[tuple[nn.Parameter, torch.Tensor]] = []
         self._params: dict[int, torch.Tensor] = {}
         self._state: dict[int, dict[str, Any] | None] = {}
+        self._copied: list[nn.Parameter] = []  # the parameters the latest copy holds
         self._groups: list[dict[str, Any]] = []
 
     @property
@@ -321,31 +348,20 @@ class StepValidation:
     # ------------------------------------------------------------------ the copy
     @torch.no_grad()
     def _snapshot(self) -> None:
-        """Copy the parameters, the optimizer state and the group settings (buffers kept across steps)."""
-        state = self.optimizer.state
-        for g in self.optimizer.param_groups:
-            for q in g["params"]:
-                buf = self._params.get(id(q))
-                if buf is None or buf.shape != q.shape or buf.dtype != q.dtype:
-                    self._params[id(q)] = q.detach().clone()
-                else:
-                    buf.copy_(q)
-                st = state.get(q)
-                if not st:
-                    self._state[id(q)] = None
-                    continue
-                kept = self._state.get(id(q)) or {}
-                copied: dict[str, Any] = {}
-                for k, v in st.items():
-                    if isinstance(v, torch.Tensor):
-                        old = kept.get(k)
-                        if isinstance(old, torch.Tensor) and old.shape == v.shape and old.dtype == v.dtype:
-                            copied[k] = old.copy_(v)
-                        else:
-                            copied[k] = v.detach().clone()
-                    else:
-                        copied[k] = copy.deepcopy(v)
-                self._state[id(q)] = copied
+        """Copy the parameters the step may change, their optimizer state and the group settings (buffers
+        kept across steps while their parameter is copied; a parameter left out, frozen since, frees its)."""
+        every = [q for g in self.optimizer.param_groups for q in g["params"]]
+        self._copied = every if copies_frozen(self.optimizer) else [q for q in every if q.grad is not None]
+        before, self._params = self._params, {}
+        kept_state, self._state = self._state, {}
+        for q in self._copied:
+            buf = before.get(id(q))
+            if buf is None or buf.shape != q.shape or buf.dtype != q.dtype:
+                self._params[id(q)] = q.detach().clone()
+            else:
+                self._params[id(q)] = buf.copy_(q)
+            st = self.optimizer.state.get(q)
+            self._state[id(q)] = _copy_state(st, kept_state.get(id(q)) or {}) if st else None
         self._groups = [
             copy.deepcopy({k: v for k, v in g.items() if k != "params"}) for g in self.optimizer.param_groups
         ]
@@ -353,22 +369,36 @@ class StepValidation:
     @torch.no_grad()
     def _restore(self) -> None:
         state = self.optimizer.state
-        for g in self.optimizer.param_groups:
-            for q in g["params"]:
-                q.copy_(self._params[id(q)])
-                saved = self._state.get(id(q))
-                if saved is None:
-                    state.pop(q, None)
-                    continue
-                st = state.setdefault(q, {})
-                for k in list(st):
-                    if k not in saved:
-                        del st[k]
-                for k, v in saved.items():
-                    if isinstance(v, torch.Tensor):
-                        if isinstance(st.get(k), torch.Tensor) and st[k].shape == v.shape and st[k].dtype == v.dtype:
-                            st[k].copy_(v)
-                        else:
-                            st[k] = v.clone()
+        for q in self._copied:
+            q.copy_(self._params[id(q)])
+            saved = self._state.get(id(q))
+            if saved is None:
+                state.pop(q, None)
+                continue
+            st = state.setdefault(q, {})
+            for k in list(st):
+                if k not in saved:
+                    del st[k]
+            for k, v in saved.items():
+                if isinstance(v, torch.Tensor):
+                    if isinstance(st.get(k), torch.Tensor) and st[k].shape == v.shape and st[k].dtype == v.dtype:
+                        st[k].copy_(v)
                     else:
-                        st[k] = copy.deepcopy(v)
+                        st[k] = v.clone()
+                else:
+                    st[k] = copy.deepcopy(v)
+
+
+def _copy_state(state: dict[str, Any], kept: dict[str, Any]) -> dict[str, Any]:
+    """A copy of one parameter's optimizer state, into ``kept``'s tensors where they still fit."""
+    copied: dict[str, Any] = {}
+    for k, v in state.items():
+        if isinstance(v, torch.Tensor):
+            old = kept.get(k)
+            if isinstance(old, torch.Tensor) and old.shape == v.shape and old.dtype == v.dtype:
+                copied[k] = old.copy_(v)
+            else:
+                copied[k] = v.detach().clone()
+        else:
+            copied[k] = copy.deepcopy(v)
+    return copied
