@@ -850,6 +850,10 @@ def test_auto_on_a_hugging_face_model_trains_like_one_process_within_its_limit(t
         assert all(c.f == 0 and c.activation == 0 for c in r["profile"].loss.values()), r["profile"].loss
 
 
+class DecaysEveryParameter(torch.optim.SGD):
+    """A user's optimizer whose step may change a parameter without a gradient (not one of torch's own)."""
+
+
 def _fit_checked(rank: int, world: int) -> dict:
     """schedule="auto" with clipping by norm, without, and with post_validation=False: the bytes each layer's
     check after the step holds, as the profile counted them, and the trained weights' bytes."""
@@ -857,8 +861,13 @@ def _fit_checked(rank: int, world: int) -> dict:
 
     lightning_env(rank, world)
     out = {}
-    for name, clip, post in (("clipped", 0.5, None), ("unclipped", None, None), ("off", 0.5, False)):
-        model = Blocks()  # SGD without momentum: no optimizer state
+    runs = [("clipped", 0.5, None, torch.optim.SGD), ("unclipped", None, None, torch.optim.SGD)]
+    runs += [("off", 0.5, False, torch.optim.SGD), ("frozen", 0.5, None, torch.optim.SGD)]
+    runs += [("frozen-own", 0.5, None, DecaysEveryParameter)]
+    for name, clip, post, optimizer in runs:
+        model = Blocks(optimizer)  # SGD without momentum: no optimizer state
+        if name.startswith("frozen"):  # the first layer frozen, in the optimizer (as a LoRA's base)
+            model.layers[0].requires_grad_(False)
         strategy = TwoBPStrategy(schedule="auto", memory_limit="2x1f1b", post_validation=post, **FUSED_M4)
         quiet_trainer(strategy, world, max_steps=1, gradient_clip_val=clip).fit(model, _loader())
         out[name] = {
@@ -879,6 +888,9 @@ def test_auto_counts_what_a_check_after_the_step_holds(two_ranks):
         assert r["clipped"]["checked"] == [2 * b for b in r["weights"]], r
         assert r["unclipped"]["checked"] == r["weights"], r
         assert r["clipped"]["after"] is None and r["off"]["after"] is False, r
+        # a frozen layer: no gradient; its weights copied only where the optimizer's step may change them
+        assert r["frozen"]["checked"] == [0, *r["clipped"]["checked"][1:]], r
+        assert r["frozen-own"]["checked"] == [r["weights"][0], *r["clipped"]["checked"][1:]], r
 
 
 @pytest.mark.dist

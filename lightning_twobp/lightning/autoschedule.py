@@ -69,6 +69,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 
 from lightning_twobp.engine.footprint import LayerFootprint, layer_cost, measure_layer, storage_key
+from lightning_twobp.engine.post_validation import copies_frozen
 from lightning_twobp.lightning.layer_runs import LayerRuns, layer_runs, trained_dtype
 from lightning_twobp.lightning.optimizer_groups import optimizers_in
 from lightning_twobp.lightning.profile import first_batch, keep_buffers, now
@@ -241,16 +242,30 @@ def optimizer_state_bytes(
     return out, notes
 
 
-def _optimizer_bytes(lm: Any, trainer: Any, layers: list[nn.Module], cast: torch.dtype | None) -> list[float]:
-    """Each layer's optimizer-state bytes (training only), from a throw-away ``configure_optimizers``."""
+@dataclasses.dataclass(frozen=True)
+class _OptimizerBytes:
+    """Per layer: its optimizer state's bytes, and its frozen weights' that a copy to put back holds (in an
+    optimizer whose step may change them: :func:`~lightning_twobp.engine.post_validation.copies_frozen`)."""
+
+    state: list[float]
+    frozen_copied: list[float]
+
+
+def _optimizer_bytes(lm: Any, trainer: Any, layers: list[nn.Module], cast: torch.dtype | None) -> _OptimizerBytes:
+    """Each layer's optimizer bytes (training only), from a throw-away ``configure_optimizers``."""
     if trainer.state.fn != TrainerFn.FITTING:  # nothing steps: no state (a later fit keeps this choice)
-        return [0.0] * len(layers)
-    per_param, notes = optimizer_state_bytes(optimizers_in(lm.configure_optimizers()), cast)
+        return _OptimizerBytes([0.0] * len(layers), [0.0] * len(layers))
+    optimizers = optimizers_in(lm.configure_optimizers())
+    per_param, notes = optimizer_state_bytes(optimizers, cast)
     for line in notes:
         rank_zero_info("twobp: schedule='auto' counts " + line)
         if "not one this counts" in line:
             log.warning("twobp: schedule='auto': %s", line)
-    return [sum(per_param.get(id(q), 0.0) for q in layer.parameters() if q.requires_grad) for layer in layers]
+    copied = {id(q) for o in optimizers if copies_frozen(o) for g in o.param_groups for q in g["params"]}
+    state = [sum(per_param.get(id(q), 0.0) for q in layer.parameters() if q.requires_grad) for layer in layers]
+    held = [[q for q in layer.parameters() if not q.requires_grad and id(q) in copied] for layer in layers]
+    frozen = [float(sum(q.numel() * trained_size(q, cast) for q in qs)) for qs in held]
+    return _OptimizerBytes(state, frozen)
 
 
 def sharded_fixed(
@@ -401,12 +416,13 @@ class StepHoldings:
     checked_after: bool | None = None
     rollback: bool = False
 
-    def checked(self, layer: nn.Module, cast: torch.dtype | None, optimizer: float) -> float:
-        """What a check after the step holds of ``layer`` (its ``optimizer`` bytes of state) through the next
-        step, as one replica of ``shard_over`` holds its share."""
+    def checked(self, layer: nn.Module, cast: torch.dtype | None, optimizer: float, frozen: float = 0.0) -> float:
+        """What a check after the step holds of ``layer`` (its ``optimizer`` bytes of state, and ``frozen``
+        bytes of weights without gradients that the copy holds too) through the next step, as one replica of
+        ``shard_over`` holds its share."""
         trained = [q for q in layer.parameters() if q.requires_grad]
         grads = sum(q.numel() * trained_size(q, cast) for q in trained)
-        copy = grads + optimizer if self.rollback else 0.0  # the weights' copy: trained ones, in their dtype
+        copy = grads + frozen + optimizer if self.rollback else 0.0  # the weights' copy, in their dtype
         return (grads + copy) / self.shard_over
 
 
@@ -426,7 +442,7 @@ class _Profiler:
     balance: Any
     repeats: int
     holdings: StepHoldings
-    optimizer: list[float]  # each layer's optimizer-state bytes
+    optimizer: _OptimizerBytes  # each layer's optimizer-state bytes, and the frozen ones a copy holds
     checkpoint: Callable[[Any], Callable[[], None]] | None  # wraps the layers in a mode; returns the undo
 
     @property
@@ -499,16 +515,19 @@ class _Profiler:
                 # validation and prediction steps return no loss)
                 fitting = self.fitting and not runs.with_loss
                 loss = _profile_loss(self.runner, runs, out, repeats) if fitting else LayerCost()
-            costs = [self._held(c, q, o, runs.cast) for c, q, o in zip(costs, self.layers, self.optimizer, strict=True)]
+            held = zip(costs, self.layers, self.optimizer.state, self.optimizer.frozen_copied, strict=True)
+            costs = [self._held(c, q, o, f, runs.cast) for c, q, o, f in held]
             costs.append(loss)  # the last row
             rows.append([_to_row(c) for c in costs])
             sent.append(largest)
         return rows, sent
 
-    def _held(self, cost: LayerCost, layer: nn.Module, optimizer: float, cast: torch.dtype | None) -> LayerCost:
+    def _held(
+        self, cost: LayerCost, layer: nn.Module, optimizer: float, frozen: float, cast: torch.dtype | None
+    ) -> LayerCost:
         """``cost`` with what the step holds for ``layer`` beside its runs' bytes (:class:`StepHoldings`)."""
         h = self.holdings
-        cost = dataclasses.replace(cost, optimizer=optimizer, checked=h.checked(layer, cast, optimizer))
+        cost = dataclasses.replace(cost, optimizer=optimizer, checked=h.checked(layer, cast, optimizer, frozen))
         if h.shard_over > 1:
             cost = sharded_fixed(cost, layer, h.shard_over, str(getattr(self.precision, "precision", "32-true")), cast)
         if h.reduce_over > 1:
