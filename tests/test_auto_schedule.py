@@ -467,7 +467,21 @@ class HFT5(HFLlama):
 
 
 T5_BLOCKS = "model.decoder.block"
-MODELS = {"blocks": (Blocks, _loader), "hf-llama": (HFLlama, _tokens), "hf-t5": (HFT5, _tokens)}
+class HookClipped(Blocks):
+    """Clipping by norm in a hook, which auto cannot see at setup (no gradient_clip_val, no override of
+    configure_gradient_clipping): self.clip_gradients from on_before_optimizer_step, at a norm every step
+    exceeds."""
+
+    def on_before_optimizer_step(self, optimizer) -> None:
+        self.clip_gradients(optimizer, gradient_clip_val=0.05, gradient_clip_algorithm="norm")
+
+
+MODELS = {
+    "blocks": (Blocks, _loader),
+    "hf-llama": (HFLlama, _tokens),
+    "hf-t5": (HFT5, _tokens),
+    "hook-clipped": (HookClipped, _loader),
+}
 
 
 def _fit_auto(
@@ -513,6 +527,7 @@ def _fit_auto(
         "params": {n: q.detach().clone() for n, q in model.named_parameters() if not q.is_meta},
         "profile": strategy.auto_profile,
         "announced": [t for t in said if t.startswith("twobp: ")],  # the pipeline's line of what it runs
+        "step_checks": strategy.step_checks,
     }
 
 
@@ -719,6 +734,7 @@ ADAMW_REFUSED = "test_a_limit_that_fits_only_without_adamw_state_is_refused_nami
 HF = "test_auto_on_a_hugging_face_model_trains_like_one_process_within_its_limit"
 HF_V = "test_auto_counts_the_micro_batch_index_a_hugging_face_models_stages_send"
 CHECKED = "test_auto_counts_what_a_check_after_the_step_holds"
+HOOK_CLIPPED = "test_clipping_auto_could_not_see_is_checked_before_the_step_not_copied"
 T5 = "test_auto_plans_an_encoder_decoder_with_the_values_sent_beside_the_hidden_state"
 HF_BF16 = "test_auto_profiles_the_layers_in_the_precisions_dtype"
 BLOCKS_BF16 = "test_auto_profiles_a_sequential_on_the_batch_the_precision_converts"
@@ -740,6 +756,8 @@ def two_ranks(request) -> conftest.Launch:
     cases[SPLIT] = (functools.partial(_fit_repriced, _split_pays), ())
     cases[MIXED] = (functools.partial(_fit_repriced, _fused_where_it_loses), ())
     cases[ADAMW] = (_fit_auto, ("1f1b", torch.optim.AdamW))
+    hook_clipped = functools.partial(_fit_auto, auto_schedules=["zb-v"])
+    cases[HOOK_CLIPPED] = (hook_clipped, ("4x1f1b", torch.optim.SGD, "hook-clipped"))
     cases[ADAMW_REFUSED] = (_adamw_refused, ())
     cases[CHECKPOINTED] = (_fit_checkpointed, ())
     cases[HF] = (_fit_auto, ("1f1b", torch.optim.SGD, "hf-llama"))
@@ -891,6 +909,19 @@ def test_auto_counts_what_a_check_after_the_step_holds(two_ranks):
         # a frozen layer: no gradient; its weights copied only where the optimizer's step may change them
         assert r["frozen"]["checked"] == [0, *r["clipped"]["checked"][1:]], r
         assert r["frozen-own"]["checked"] == [r["weights"][0], *r["clipped"]["checked"][1:]], r
+
+
+@pytest.mark.dist
+def test_clipping_auto_could_not_see_is_checked_before_the_step_not_copied(two_ranks):
+    """ZB-V checks its optimizer steps after taking them, and a clipped step is put back from a copy of the
+    weights and optimizer state; auto counts that copy where it can see the clipping. Begun in a hook, it
+    could not: the copy was kept anyway, beyond what the choice was made within (every clipped step redone
+    from it). Now those steps are checked before they are taken (none redone), clipped as in one process."""
+    results = two_ranks[HOOK_CLIPPED]
+    _check_trained(results, _reference(kind="hook-clipped"))
+    for r in results:
+        assert r["label"].startswith("zb-v"), r["label"]
+        assert r["step_checks"]["clipped"] == 3 and r["step_checks"]["redone"] == 0, r["step_checks"]
 
 
 @pytest.mark.dist

@@ -42,6 +42,16 @@ def hooks_may_scale_grads(lm: Any, callbacks: Sequence[Any]) -> bool:
     )
 
 
+def _say_checked_first() -> None:
+    log.info(
+        "twobp: clipping by norm began in a hook that schedule='auto' could not see at setup (self.clip_gradients "
+        "in on_before_optimizer_step?): a step checked after it is taken would need a copy of the weights and "
+        "optimizer state that memory_limit was chosen without, so this optimizer's steps are checked before they "
+        "are taken from now on (the same steps; the check waits for every stage's last W). Pass gradient_clip_val "
+        "to the Trainer, or override configure_gradient_clipping, for auto to count the copy"
+    )
+
+
 def _local(g: torch.Tensor) -> torch.Tensor:
     """A DTensor's local shard; a sparse gradient's (``nn.Embedding(sparse=True)``) coalesced values."""
     if isinstance(g, DTensor):
@@ -133,6 +143,9 @@ class OptimizerChecks:
     scaled_step: int | None = field(init=False, default=None)
     # the user's hooks may touch the gradients (hooks_may_scale_grads): watch what they do to them
     watch_hooks: bool = False
+    # a copy to put back a step checked after it is taken fits the memory planned: False where schedule="auto"
+    # chose within memory_limit counting none (no clipping by norm it could see, on_nonfinite="stop")
+    copy_counted: bool = True
     _before_hooks: dict[int, tuple[list[Any], torch.Tensor, float]] = field(init=False, default_factory=dict)
 
     def grads_before_hooks(self, optimizer: Any) -> None:
@@ -200,11 +213,8 @@ class OptimizerChecks:
         if check is None:
             check = self.checks[id(optimizer)] = self._new_check(optimizer, max_norm, fp16)
         check.max_norm = max_norm
-        if max_norm is not None and check.overlap:
-            # Clipping that starts after the check's first step (configure_gradient_clipping clipping from a
-            # later step on): a clipped step is put back and redone, so it needs the copy from now on (without
-            # it, validate() let the speculative, unclipped step stand: not one process's step).
-            check.rollback = True
+        if max_norm is not None and check.overlap and not check.rollback:
+            self._clipping_began(check)
         self._judge(lm, check, check.validate(), done=True)  # nothing pending normally: training_step judged it
         extra = None
         if check.check_finite or (self.watch_hooks and check.active):
@@ -218,11 +228,26 @@ class OptimizerChecks:
                 extra = torch.cat([extra, self._hook_slots(optimizer)])
         self._judge(lm, check, check.before_step(extra=extra), done=False)
 
+    def _clipping_began(self, check: StepValidation) -> None:
+        """Clipping that starts after the check's first step (``configure_gradient_clipping`` clipping from a
+        later step on): a clipped step is put back and redone, so it needs the copy from now on (without it,
+        ``validate()`` let the speculative, unclipped step stand: not one process's step). Where
+        ``schedule="auto"`` chose within ``memory_limit`` without a copy, the steps are checked before they are
+        taken instead (no copy; the check then waits for every stage's last W), and the log says so."""
+        if self.copy_counted:
+            check.rollback = True
+            return
+        check.overlap = False
+        _say_checked_first()
+
     def _new_check(self, optimizer: Any, max_norm: float | None, fp16: bool) -> StepValidation:
-        overlap = self.options.overlaps(fp16)
         # A copy to put back is needed to redo a clipped step or skip a non-finite one; stopping on a
         # non-finite step needs none (no memory, no copying every step).
         rollback = max_norm is not None or self.options.on_nonfinite == "skip"
+        overlap = self.options.overlaps(fp16)
+        if overlap and rollback and not self.copy_counted:  # clipping from the first step: see _clipping_began
+            overlap = False
+            _say_checked_first()
         return StepValidation(
             optimizer,
             max_norm=max_norm,

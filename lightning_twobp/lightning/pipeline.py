@@ -802,6 +802,7 @@ def build_pipeline(strategy: TwoBPStrategy, trainer: Any) -> Pipeline:
         tied.not_counted,
         strategy.pipeline_degree,
         watch_hooks=hooks_may_scale_grads(trainer.lightning_module, trainer.callbacks),
+        copy_counted=strategy.requested.schedule != "auto" or _holdings(strategy, trainer).rollback,
     )
     user_precision, user_scaler, precision = _precision(strategy, checks.clip_by_norm, strategy._before_step)
     scope = _call_scope(strategy, trainer, metrics, local)
