@@ -467,6 +467,8 @@ class HFT5(HFLlama):
 
 
 T5_BLOCKS = "model.decoder.block"
+
+
 class HookClipped(Blocks):
     """Clipping by norm in a hook, which auto cannot see at setup (no gradient_clip_val, no override of
     configure_gradient_clipping): self.clip_gradients from on_before_optimizer_step, at a norm every step
