@@ -685,23 +685,25 @@ def _checked_after(
     cfg: DictConfig, pipe: _Pipeline, stages: list[StagePlan], notes: list[str], shard_over: int = 1
 ) -> list[StagePlan]:
     """``stages`` with what post-validation holds through the next step where the schedule checks its
-    optimizer steps after taking them (``post_validation``; zb-h2 and zb-v by default, never under fp16):
-    each stage's gradients, and with clipping by norm or ``on_nonfinite=skip`` a copy of its weights and
-    optimizer state to put back (``engine.post_validation``); under ``data_parallel="shard"`` one of
-    ``shard_over`` replicas' share (the gradients and the copy are its local shards)."""
+    optimizer steps after taking them (``post_validation``; zb-h2 and zb-v by default, never under fp16) and
+    may put one back (clipping by norm or ``on_nonfinite=skip``): each stage's gradients and a copy of its
+    weights and optimizer state (``engine.post_validation``); under ``data_parallel="shard"`` one of
+    ``shard_over`` replicas' share (the gradients and the copy are its local shards). A check that cannot put
+    a step back keeps nothing (a flag per parameter)."""
     if not pipe.options.overlaps(_scaled_fp16(cfg)):
         return stages
-    rollback = _rolls_back(cfg, pipe.options.on_nonfinite)
+    if not _rolls_back(cfg, pipe.options.on_nonfinite):
+        notes.append(
+            "post-validation checks each optimizer step after it is taken; with nothing to put back (no clipping "
+            "by norm, on_nonfinite=stop) it holds nothing through the next step"
+        )
+        return stages
     notes.append(
-        "post-validation (the optimizer step checked after it is taken) holds each stage's grads through the next "
-        "step" + (", and a copy of its weights and optimizer state to put back" if rollback else "") + " (in total)"
+        "post-validation (the optimizer step checked after it is taken, and put back if clipped or skipped) holds "
+        "each stage's grads through the next step, and a copy of its weights and optimizer state (in total)"
     )
     return [
-        replace(
-            sp,
-            checked_bytes=(sp.grad_bytes + (sp.weight_bytes + sp.optimizer_bytes if rollback else 0)) // shard_over,
-        )
-        for sp in stages
+        replace(sp, checked_bytes=(sp.grad_bytes + sp.weight_bytes + sp.optimizer_bytes) // shard_over) for sp in stages
     ]
 
 

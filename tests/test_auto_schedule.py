@@ -900,13 +900,14 @@ def _fit_checked(rank: int, world: int) -> dict:
 
 @pytest.mark.dist
 def test_auto_counts_what_a_check_after_the_step_holds(two_ranks):
-    """Post-validation (on by default for zb-h2 and zb-v) keeps the step's gradients until the next step has run,
-    and with clipping by norm a copy of the weights and optimizer state to put back: counted per layer (before
+    """Post-validation (on by default for zb-h2 and zb-v) with clipping by norm keeps the step's gradients until
+    the next step has run and a copy of the weights and optimizer state to put back: counted per layer (before
     stop 57 the search left both out, so a pick that checks after its step could exceed the limit by up to
-    twice the weights with SGD, four times with AdamW), and not at all where the user turns the check off."""
+    twice the weights with SGD, four times with AdamW); without clipping it keeps nothing (since stop 58), and
+    nothing is counted where the user turns the check off."""
     for r in two_ranks[CHECKED]:
         assert r["clipped"]["checked"] == [2 * b for b in r["weights"]], r
-        assert r["unclipped"]["checked"] == r["weights"], r
+        assert r["unclipped"]["checked"] == [0] * len(r["weights"]), r  # nothing to put back: nothing kept
         assert r["clipped"]["after"] is None and r["off"]["after"] is False, r
         # a frozen layer: no gradient; its weights copied only where the optimizer's step may change them
         assert r["frozen"]["checked"] == [0, *r["clipped"]["checked"][1:]], r

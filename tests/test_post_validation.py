@@ -115,6 +115,27 @@ def test_the_copy_holds_a_frozen_parameter_only_where_the_step_may_change_it(opt
     assert ((6, 6) in copied) == (optimizer is DecaysEveryParameter)
 
 
+def test_a_step_that_cannot_be_put_back_keeps_no_gradients():
+    """Without clipping (``on_nonfinite="stop"``) a speculative step is never redone, so its gradients go with
+    zero_grad and are not held through the next pipeline step (they were until stop 58: a copy of every
+    gradient); the parameters whose gradient was not finite are still named at the verdict."""
+    import weakref
+
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sv = StepValidation(opt, overlap=True, rollback=False)
+    model(torch.randn(4, 3)).sum().backward()
+    model[1].bias.grad[0] = float("inf")
+    grads = [weakref.ref(q.grad) for q in model.parameters()]
+    sv.before_step()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    assert all(g() is None for g in grads)  # the next pipeline step runs without them
+    verdict = sv.validate()
+    assert verdict is not None and verdict.nonfinite and not verdict.redone
+    assert sv.nonfinite_params == [model[1].bias]
+
+
 def test_gradients_zeroed_in_place_are_refused():
     model = torch.nn.Linear(3, 3)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -75,6 +75,14 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.coalesce().values() if t.is_sparse else t
 
 
+def _nonfinite_flags(params: Sequence[nn.Parameter], device: torch.device) -> torch.Tensor | None:
+    """1 for each of ``params`` whose gradient is not finite, else 0, on ``device``, without a host sync."""
+    if not params:
+        return None
+    norms = [torch.linalg.vector_norm(_local(_grad(q)), dtype=torch.float32).to(device) for q in params]
+    return torch.stack(norms).isfinite().logical_not()
+
+
 def _grad(q: nn.Parameter) -> torch.Tensor:
     """A checked parameter's gradient (a DTensor one under data_parallel="shard")."""
     assert q.grad is not None  # the parameters checked are those with a gradient (_params_with_grads)
@@ -154,7 +162,9 @@ class StepValidation:
         self.redone_steps = 0  # speculative steps put back and redone (overlap mode)
         self.nonfinite_params: list[nn.Parameter] = []  # this rank's, at the latest skipped step
         self._pending: tuple[Any, torch.Tensor] | None = None
-        self._grads: list[tuple[nn.Parameter, torch.Tensor]] = []
+        self._grads: list[tuple[nn.Parameter, torch.Tensor]] = []  # the speculative step's, to redo it
+        # without rollback: the speculative step's parameters, and which had a non-finite gradient
+        self._suspects: tuple[list[nn.Parameter], torch.Tensor | None] = ([], None)
         self._params: dict[int, torch.Tensor] = {}
         self._state: dict[int, dict[str, Any] | None] = {}
         self._copied: list[nn.Parameter] = []  # the parameters the latest copy holds
@@ -266,9 +276,14 @@ class StepValidation:
         work = self._reduce(stats, async_op=True)
         if self.rollback:
             self._snapshot()
-        self._grads = [(q, _grad(q)) for q in params]
-        # Tensor._version counts in-place writes: a redo must see the gradients the step saw.
-        self._versions = [tensor_version(g) for _, g in self._grads]
+            self._grads = [(q, _grad(q)) for q in params]
+            # Tensor._version counts in-place writes: a redo must see the gradients the step saw.
+            self._versions = [tensor_version(g) for _, g in self._grads]
+        else:
+            # Nothing to redo: the gradients go with the caller's zero_grad, not kept through the next
+            # pipeline step (a copy of every gradient, before stop 58); which were not finite is kept for
+            # the message (a flag per parameter, no host sync).
+            self._suspects = (params, _nonfinite_flags(params, self.device))
         self._pending = (work, stats)
         return None
 
@@ -288,8 +303,10 @@ class StepValidation:
         if not clip and not skip:
             return self._record(total, False, False, redone=False, **details)
         if not self.rollback:  # nothing to put back: the step stands, the verdict says what it was
-            if skip:
-                self._note_nonfinite(grads)
+            params, flags = self._suspects
+            self._suspects = ([], None)
+            if skip and flags is not None:
+                self.nonfinite_params = [q for q, bad in zip(params, flags.tolist(), strict=True) if bad]
             return self._record(total, False, False, redone=False, nonfinite=skip, **details)
         changed = [i for i, (_, g) in enumerate(grads) if tensor_version(g) != self._versions[i]]
         if changed and not skip:

@@ -408,8 +408,8 @@ class StepHoldings:
     those of ``data_parallel="replicate"`` (the reduce's buffer, a copy of a stage's gradients from its last W
     to the step's end); whether optimizer steps are checked after they are taken (``post_validation``: None,
     each schedule family's default; False under fp16's GradScaler) and may then be put back (``rollback``:
-    clipping by norm, ``on_nonfinite="skip"``), which holds the step's gradients through the next step, and
-    with ``rollback`` a copy of the weights and optimizer state too (``engine.post_validation``)."""
+    clipping by norm, ``on_nonfinite="skip"``), which holds the step's gradients through the next step and a
+    copy of the weights and optimizer state (``engine.post_validation``; without ``rollback`` nothing)."""
 
     shard_over: int = 1
     reduce_over: int = 1
@@ -420,9 +420,11 @@ class StepHoldings:
         """What a check after the step holds of ``layer`` (its ``optimizer`` bytes of state, and ``frozen``
         bytes of weights without gradients that the copy holds too) through the next step, as one replica of
         ``shard_over`` holds its share."""
+        if not self.rollback:  # nothing to put back: neither the gradients nor a copy are kept (stop 58)
+            return 0.0
         trained = [q for q in layer.parameters() if q.requires_grad]
         grads = sum(q.numel() * trained_size(q, cast) for q in trained)
-        copy = grads + frozen + optimizer if self.rollback else 0.0  # the weights' copy, in their dtype
+        copy = grads + frozen + optimizer  # the weights' copy, in their dtype
         return (grads + copy) / self.shard_over
 
 
