@@ -108,7 +108,7 @@ class StagePlan:
     recompute_bytes: int = 0  # held for a while by one micro-batch's B as it recomputes them, one at a time
     recompute_fused_bytes: int = 0  # the same in a fused BW (one layer at a time)
     reduce_bytes: int = 0  # data_parallel="replicate" over replicas: the reduce's copy of its gradients
-    checked_bytes: int = 0  # post-validation: its gradients through the next step (+ a copy to put back)
+    checked_bytes: int = 0  # post-validation that may put a step back: its gradients and a copy, to the next step
 
 
 @dataclass
