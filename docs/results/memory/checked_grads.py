@@ -13,7 +13,7 @@ import torch
 from lightning_twobp import TwoBPStrategy
 from lightning_twobp.engine.memory import return_freed_memory
 from lightning_twobp.engine.post_validation import StepValidation
-from lightning_twobp.monitor import peak_rss_mb, reset_peak_rss, rss_mb
+from lightning_twobp.monitor import reset_peak_rss, rss_mb
 from lightning_twobp.processes import run_distributed
 
 sys.path.insert(0, "docs/results/memory")
