@@ -238,14 +238,15 @@ class Messages(logging.Handler):
         self.messages.append(record.getMessage())
 
 
-def _fit_head_apart(rank: int, world: int, compared: bool) -> dict:
-    """GPT-2, the copies given different learning rates: what is logged and raised. ``compared=True``:
-    ZB-H1 replicated (``lm_head``'s copy on pipeline rank 1). ``compared=False``: ZB-V sharded (both copies
-    on pipeline rank 0), as where the whole model's configure_optimizers cannot run at setup (a fused
-    optimizer over weights on the meta device), so only the end of training sees the copies apart."""
+def _fit_head_apart(rank: int, world: int, how: str) -> dict:
+    """GPT-2, the copies given different learning rates: what is logged and raised, and the model after.
+    ``how``: "replicate", ZB-H1 (``lm_head``'s copy on pipeline rank 1); "shard", ZB-V sharded (both copies on
+    pipeline rank 0); "uncompared", ZB-V sharded as where the whole model's configure_optimizers cannot run at
+    setup (a fused optimizer over weights on the meta device), so only the end of training sees the copies
+    apart."""
     lightning_env(rank, world)
     compare = pipeline.whole_model_places
-    if not compared:  # put back below: the launch runs the module's next cases in this process
+    if how == "uncompared":  # put back below: the launch runs the module's next cases in this process
         pipeline.whole_model_places = lambda lm: None
     messages = Messages()
     loggers = [logging.getLogger(n) for n in ("lightning_twobp", "lightning.pytorch.utilities.rank_zero")]
@@ -253,8 +254,8 @@ def _fit_head_apart(rank: int, world: int, compared: bool) -> dict:
         logger.addHandler(messages)
     model, error = HeadApart(), ""
     try:
-        how = dict(schedule="zb-h1") if compared else dict(schedule="zb-v", data_parallel="shard")
-        strategy = TwoBPStrategy(pipeline_degree=2, **how)
+        kw = dict(schedule="zb-h1") if how == "replicate" else dict(schedule="zb-v", data_parallel="shard")
+        strategy = TwoBPStrategy(pipeline_degree=2, **kw)
         quiet_trainer(strategy, world, max_steps=1, use_distributed_sampler=True).fit(model, _tokens())
     except Exception as e:  # noqa: BLE001 - the refusal, compared in the test
         error = f"{type(e).__name__}: {e}"
@@ -263,19 +264,29 @@ def _fit_head_apart(rank: int, world: int, compared: bool) -> dict:
         for logger in loggers:
             logger.removeHandler(messages)
     tied = model.model.lm_head.weight is model.model.transformer.wte.weight
-    return {"messages": [m for m in messages.messages if "twobp" in m], "tied": tied, "error": error}
+    built = HeadApart().state_dict()  # this rank's layers (the others' are left on meta after a call)
+    as_built = all(torch.equal(v, built[k]) for k, v in model.state_dict().items() if not v.is_meta)
+    return {
+        "messages": [m for m in messages.messages if "twobp" in m],
+        "tied": tied,
+        "error": error,
+        "as_built": as_built,
+    }
 
 
-def test_tied_copies_given_different_optimizer_settings_are_refused(four_ranks, request):
+@pytest.mark.parametrize("how", ["replicate", "shard"])
+def test_tied_copies_given_different_optimizer_settings_are_refused(four_ranks, request, how):
     """One process has one tied Parameter, listed as ``wte`` only, so in the first group; here the last
     stage's copy is listed as ``lm_head`` and put in a group of its own: every rank stops at setup, naming
-    the weight, both learning rates and the fix (pipeline rank 1 holds the copy), and the model is tied
-    again."""
+    the weight, both learning rates and the fix, and the model is as built, tied again (sharded too: the
+    stages are gathered back, as nothing has run; before, a refusal left the sharded Parameters empty)."""
     results = four_ranks[request.node.name]
+    holder = 1 if how == "replicate" else 0  # the pipeline rank holding lm_head's copy
     for rank, res in enumerate(results):
-        assert res["tied"], f"rank {rank}"
+        assert res["tied"] and res["as_built"], f"rank {rank}"
         assert re.search(
-            r"configure_optimizers on pipeline rank 1 steps 1 of its parameters otherwise than one process does: "
+            rf"configure_optimizers on pipeline rank {holder} steps 1 of its parameters otherwise than one process "
+            r"does: "
             r"model.lm_head.weight is in optimizer 0 \(SGD, lr=0.01, .*\) here and in optimizer 0 \(SGD, lr=0.1, "
             r".*It is a weight tied to model.transformer.wte.weight: .* Give every name of a tied weight the same "
             r"optimizer and settings",
@@ -541,8 +552,9 @@ def four_ranks(request) -> conftest.Launch:
     cases |= {f"test_sharded_matches_one_process[{k}]": (_fit, (kw, ("shard",))) for k, kw in SCHEDULES.items()}
     cases |= {f"test_tied_gpt2_sharded_matches_one_process[{k}]": (_fit_gpt2, (k,)) for k in GPT2_SCHEDULES}
     cases["test_tied_gpt2_replicated_accumulating_matches_one_process"] = (_fit_gpt2, ("zb-h1", "replicate", 2))
-    cases["test_tied_copies_given_different_optimizer_settings_are_named"] = (_fit_head_apart, (False,))
-    cases["test_tied_copies_given_different_optimizer_settings_are_refused"] = (_fit_head_apart, (True,))
+    cases["test_tied_copies_given_different_optimizer_settings_are_named"] = (_fit_head_apart, ("uncompared",))
+    for how in ("replicate", "shard"):
+        cases[f"test_tied_copies_given_different_optimizer_settings_are_refused[{how}]"] = (_fit_head_apart, (how,))
     cases["test_a_weight_on_two_stages_of_one_rank_and_on_another_sharded_matches_one_process"] = (
         _fit,
         ({"schedule": "zb-v", "balance": [3, 2, 2, 3]}, ("shard",), False, "32-true", 1, ThreeUses),

@@ -164,6 +164,7 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
         self._signals: StopSignals | None = None
         self._failures: FailureChannel | None = None  # the first failure, told to every rank (see .failures)
         self._failed = False
+        self._refused_together = False  # the setup's optimizer checks refused on every rank (see setup)
         self.stage_sizes: list[int] | None = None  # layers per stage, once the pipeline is built
         self._resume_rng: dict[str, torch.Tensor] | None = None  # a checkpoint's random states, not yet restored
         self._record_next = False
@@ -235,7 +236,7 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
     def setup(self, trainer: Any) -> None:
         assert self.accelerator is not None and self.lightning_module is not None and self.model is not None
         self.accelerator.setup(trainer)
-        self._failed = False
+        self._failed = self._refused_together = False
         self._batches_checked = self._same_batch_checked = False
         self._steps_watched = set()
         self._outside = None
@@ -255,15 +256,20 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
         if self._pipeline.tied:
             self._pipeline.tied.sync_values()
         if trainer.state.fn == TrainerFn.FITTING:
-            checked_optimizers(
-                lambda: self.setup_optimizers(trainer),
-                self.lightning_module,
-                lambda: self.optimizers,
-                self.pp_rank,
-                self.stage_ids,
-                self.pipeline_degree,
-                self._pipeline.one_process,
-            )
+            try:
+                checked_optimizers(
+                    lambda: self.setup_optimizers(trainer),
+                    self.lightning_module,
+                    lambda: self.optimizers,
+                    self.pp_rank,
+                    self.stage_ids,
+                    self.pipeline_degree,
+                    self._pipeline.one_process,
+                )
+            except Exception as e:
+                # raised on every rank at once, before any compute: teardown can gather sharded stages back
+                self._refused_together = not lost_peer(e)
+                raise
         # Optimizers are created after the move to the device and hold no state yet; a checkpoint's
         # state is loaded afterwards (restore_checkpoint_after_setup), by parameter name.
         self.setup_precision_plugin()
@@ -348,7 +354,7 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
         if pipeline is not None:
             # data_parallel="shard": gathered on the device, before Lightning moves the model to the CPU (a
             # DTensor moved there keeps its mesh, whose NCCL groups cannot gather CPU tensors)
-            pipeline.unshard_for_good(self._failed)
+            pipeline.unshard_for_good(self._failed and not self._refused_together)
         # the layers a previous call left on the meta device cannot move to the CPU, and the error
         # raised trying would hide the one that ended this call
         with meta_layers_aside(lm) if lm is not None else nullcontext():
