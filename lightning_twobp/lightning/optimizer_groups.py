@@ -18,7 +18,9 @@ Lightning's own call, on the rank's real weights, is checked as before (:func:`.
 
 from __future__ import annotations
 
+import enum
 import logging
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -30,7 +32,10 @@ __all__ = ["OneProcess", "Place", "moved_from_one_process", "optimizers_in", "pl
 
 log = logging.getLogger(__name__)
 
-_NOT_SETTINGS = ("params", "param_names")  # which parameters, not how they are stepped
+# Which parameters, not how they are stepped; and which kernels step them (the same update): code that picks
+# them by device (nanoGPT's ``fused=device_type == "cuda"``, ``foreach``, ``capturable``) sees the whole model
+# on the CPU here, before the strategy moves it, and this rank's stages on the GPU in Lightning's call.
+_NOT_SETTINGS = ("params", "param_names", "foreach", "fused", "capturable", "differentiable")
 
 
 @dataclass(frozen=True)
@@ -42,8 +47,9 @@ class Place:
     kind: str
     settings: tuple[tuple[str, Any], ...]
 
-    def describe(self) -> str:
-        shown = ", ".join(f"{k}={v}" for k, v in self.settings if k in _SHOWN) or "default settings"
+    def describe(self, also: Sequence[str] = ()) -> str:
+        """``also``: settings named besides the usual ones (those that differ from the other place's)."""
+        shown = ", ".join(f"{k}={v}" for k, v in self.settings if k in _SHOWN or k in also) or "default settings"
         return f"optimizer {self.optimizer} ({self.kind}, {shown})"
 
 
@@ -51,13 +57,30 @@ class Place:
 _SHOWN = ("lr", "weight_decay", "momentum", "betas", "eps", "nesterov", "initial_lr")
 
 
+_VALUES = (type(None), bool, int, str, bytes, torch.dtype, torch.device, enum.Enum)
+
+
 def _plain(value: Any) -> Any:
-    """A group's setting as a value ``==`` compares: a tensor by its values (``lr=torch.tensor(0.1)``)."""
+    """A group's setting as a value ``==`` compares, and compares alike in two calls of the same code: a tensor
+    (``lr=torch.tensor(0.1)``) or an array by its values, a NaN as a NaN, containers by their items. Anything
+    else (a function, a generator, an object of the user's: another object each call, equal only to itself) is
+    compared by its type: ``==`` between two calls' would refuse every parameter, or raise (an array's)."""
     if isinstance(value, torch.Tensor):
-        return ("tensor", tuple(value.shape)) if value.is_meta else value.tolist()
+        return ("tensor", tuple(value.shape)) if value.is_meta else _plain(value.tolist())
+    if isinstance(value, float):
+        return ("nan",) if math.isnan(value) else value
+    if isinstance(value, complex):
+        return ("complex", _plain(value.real), _plain(value.imag))
+    if isinstance(value, _VALUES):
+        return value
     if isinstance(value, (list, tuple)):
         return tuple(_plain(v) for v in value)
-    return value
+    if isinstance(value, Mapping):
+        return ("dict", tuple(sorted(((repr(k), _plain(v)) for k, v in value.items()), key=lambda kv: kv[0])))
+    tolist = getattr(value, "tolist", None)  # a numpy array or scalar
+    if callable(tolist) and type(value).__module__.startswith("numpy"):
+        return _plain(tolist())
+    return ("object", f"{type(value).__module__}.{type(value).__qualname__}")
 
 
 @dataclass(frozen=True)
@@ -75,7 +98,8 @@ def places(module: nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> di
     found: dict[int, Place] = {}
     for k, opt in enumerate(optimizers):
         for group in opt.param_groups:
-            settings = tuple(sorted((key, _plain(v)) for key, v in group.items() if key not in _NOT_SETTINGS))
+            found_settings = ((key, _plain(v)) for key, v in group.items() if key not in _NOT_SETTINGS)
+            settings = tuple(sorted(found_settings, key=lambda kv: str(kv[0])))
             for q in group["params"]:
                 found[id(q)] = Place(k, type(opt).__name__, settings)
     named = module.named_parameters(remove_duplicate=False)
@@ -119,15 +143,20 @@ def moved_from_one_process(
     one process's model does not have is not compared)."""
     if whole is None:
         return None
-    here, there = places(lm, optimizers), whole.places
-    moved = [name for name, place in here.items() if name in there and place != there[name]]
+    try:
+        here, there = places(lm, optimizers), whole.places
+        moved = [name for name, place in here.items() if name in there and place != there[name]]
+    except Exception as e:  # noqa: BLE001 - never on one rank alone: the others wait in checked_optimizers
+        log.info("twobp: the param groups are not compared with one process's (%s: %s)", type(e).__name__, e)
+        return None
     if not moved:
         return None
     name = moved[0]
+    differ = _differing(here[name], there[name])
     said = (
         f"configure_optimizers on pipeline rank {pp_rank} steps {len(moved)} of its parameters otherwise than one "
-        f"process does: {name} is in {_where(here[name])} here and in {_where(there[name])} in one process (the "
-        f"whole model's configure_optimizers, run once more at setup). "
+        f"process does: {name} is in {_where(here[name], differ)} here and in {_where(there[name], differ)} in one "
+        f"process (the whole model's configure_optimizers, run once more at setup). "
     )
     if name in whole.tied:
         return said + (
@@ -144,5 +173,16 @@ def moved_from_one_process(
     )
 
 
-def _where(place: Place | None) -> str:
-    return place.describe() if place is not None else "no optimizer"
+def _differing(a: Place | None, b: Place | None) -> tuple[str, ...]:
+    """The settings whose values differ between two places (named in the message beside the usual ones)."""
+    if a is None or b is None:
+        return ()
+    x, y = dict(a.settings), dict(b.settings)
+    return tuple(k for k in sorted(x.keys() | y.keys()) if x.get(k, _MISSING) != y.get(k, _MISSING))
+
+
+_MISSING = object()
+
+
+def _where(place: Place | None, also: Sequence[str] = ()) -> str:
+    return place.describe(also) if place is not None else "no optimizer"

@@ -599,10 +599,11 @@ def _call_scope(strategy: TwoBPStrategy, trainer: Any, metrics: StepMetrics, loc
     return scope
 
 
-def _one_process_places(strategy: TwoBPStrategy, trainer: Any) -> OneProcess | None:
+def _one_process_places(strategy: TwoBPStrategy, trainer: Any, schedule: Schedule) -> OneProcess | None:
     """Where one process's optimizers step each parameter, for :func:`.optimizer_groups.moved_from_one_process`
-    after Lightning's call on this rank's stages (a fit split over several ranks only)."""
-    if trainer.state.fn != TrainerFn.FITTING or strategy.pipeline_degree == 1:
+    after Lightning's call on this rank's stages (a fit cut into several stages only: with pipeline_degree=1 a
+    V's two stages on one rank, sharded, hold a tied weight as two copies under their own names too)."""
+    if trainer.state.fn != TrainerFn.FITTING or schedule.num_stages == 1:
         return None
     return whole_model_places(strategy.lightning_module)
 
@@ -765,7 +766,7 @@ def build_pipeline(strategy: TwoBPStrategy, trainer: Any) -> Pipeline:
     _materialize(strategy, contract, sizes, schedule)  # before the streams, seeded from the random state
     streams = StageStreams(schedule.stages_of(layout.pp_rank), layout.dp_rank, device, _shared_seed(strategy))
     runner.streams = streams
-    one_process = _one_process_places(strategy, trainer)  # the model still whole
+    one_process = _one_process_places(strategy, trainer, schedule)  # the model still whole
     local = _split(strategy, contract, sizes, schedule, trainer)
     _read_pretrained(strategy, weights)  # this rank's tensors only, before FSDP2 shards them
     runner.holders = placeholder_holders(lm)
