@@ -55,6 +55,8 @@ def test_settings_made_anew_each_call_compare_alike():
     _compared(lambda: dict(clip=float("nan")), lambda: dict(clip=float("nan")))
     _compared(lambda: dict(mask=np.array([1.0, 2.0])), lambda: dict(mask=np.array([1.0, 2.0])))
     _compared(lambda: dict(cfg={"scale": torch.ones(2)}), lambda: dict(cfg={"scale": torch.ones(2)}))
+    # made on the device of a weight another rank holds (meta in the whole model's call of a model built there)
+    _compared(lambda: dict(lr=torch.tensor(1e-3, device="meta")), lambda: dict(lr=torch.tensor(1e-3)))
 
 
 def test_a_setting_that_differs_is_refused_and_named():

@@ -60,13 +60,31 @@ _SHOWN = ("lr", "weight_decay", "momentum", "betas", "eps", "nesterov", "initial
 _VALUES = (type(None), bool, int, str, bytes, torch.dtype, torch.device, enum.Enum)
 
 
+class _Unknown:
+    """A setting whose value the whole model's call cannot tell: a tensor on the meta device (made on the device
+    of a parameter another rank holds, ``lr=torch.tensor(1e-3, device=p.device)``); equal to any value."""
+
+    def __eq__(self, other: object) -> bool:
+        return True
+
+    def __hash__(self) -> int:
+        return 0
+
+    def __repr__(self) -> str:
+        return "(on the meta device)"
+
+
+_UNKNOWN = _Unknown()
+
+
 def _plain(value: Any) -> Any:
     """A group's setting as a value ``==`` compares, and compares alike in two calls of the same code: a tensor
     (``lr=torch.tensor(0.1)``) or an array by its values, a NaN as a NaN, containers by their items. Anything
     else (a function, a generator, an object of the user's: another object each call, equal only to itself) is
-    compared by its type: ``==`` between two calls' would refuse every parameter, or raise (an array's)."""
+    compared by its type: ``==`` between two calls' would refuse every parameter, or raise (an array's). A tensor
+    on the meta device (the whole model's call sees other ranks' weights there) compares equal to anything."""
     if isinstance(value, torch.Tensor):
-        return ("tensor", tuple(value.shape)) if value.is_meta else _plain(value.tolist())
+        return _UNKNOWN if value.is_meta else _plain(value.tolist())
     if isinstance(value, float):
         return ("nan",) if math.isnan(value) else value
     if isinstance(value, complex):
