@@ -9,6 +9,7 @@ import re
 import numpy as np
 import pytest
 import torch
+from torch.utils.data import DataLoader, Subset, TensorDataset
 
 from lightning_twobp import TwoBPStrategy
 from lightning_twobp.lightning.checks import checked_optimizers
@@ -97,3 +98,50 @@ def test_tied_copies_of_a_v_on_one_rank_in_different_groups_are_refused():
             r"It is a weight tied to model.transformer.wte.weight",
             said,
         ), (rank, said)
+
+
+class DrawnLoader(Regressor):
+    """A training loader whose building draws from torch's generator (a subset drawn in train_dataloader),
+    shuffled by a RandomSampler (which draws its seed from the same generator at iter()), and a scheduler over
+    ``trainer.estimated_stepping_batches``, which builds the loader inside configure_optimizers."""
+
+    def __init__(self) -> None:
+        super().__init__((6, 8, 8, 2), log=False)
+        self.batches: list[float] = []  # each step's batch, by its sum (the pipeline's: its micro-batches' sums)
+
+    def train_dataloader(self):
+        g = torch.Generator().manual_seed(5)
+        data = TensorDataset(torch.randn(64, 6, generator=g), torch.randn(64, 2, generator=g))
+        return DataLoader(Subset(data, torch.randperm(64)[:32].tolist()), batch_size=8, shuffle=True)
+
+    def training_step(self, batch, batch_idx):
+        self.batches.append(float(batch[0].sum()))
+        return super().training_step(batch, batch_idx)
+
+    def configure_optimizers(self):
+        opt = torch.optim.SGD(self.parameters(), lr=0.1)
+        steps = self.trainer.estimated_stepping_batches
+        return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.LinearLR(opt, total_iters=steps)}
+
+
+def _drawn_loader_batches(rank: int | None, world: int) -> list[float]:
+    if rank is not None:
+        lightning_env(rank, world)
+    torch.manual_seed(1)
+    model = DrawnLoader()
+    strategy = "auto" if rank is None else TwoBPStrategy(num_microbatches=4)
+    quiet_trainer(strategy, world if rank is not None else 1, max_epochs=1).fit(model)
+    if rank is None:
+        return model.batches
+    return [sum(model.batches[k : k + 4]) for k in range(0, len(model.batches), 4)]
+
+
+@pytest.mark.slow
+def test_the_whole_models_call_leaves_the_batches_as_one_process_reads_them():
+    """The whole model's call put torch's random state back after building the training loader in it
+    (estimated_stepping_batches): its draws undone, the sampler shuffled from another state, and every step
+    read other samples than one process's, silently."""
+    ours = conftest.run_distributed(_drawn_loader_batches, 2, timeout=300)
+    one_process = _drawn_loader_batches(None, 1)
+    for rank, batches in enumerate(ours):
+        assert batches == pytest.approx(one_process, abs=1e-4), rank

@@ -5,10 +5,11 @@ name or module (``named_parameters()``, a ``no_decay`` list) hold the same param
 as in one process; groups cut by position in ``self.parameters()`` (``p[:3]`` and ``p[3:]``) do not: on
 pipeline rank 1 ``p[:3]`` is the first three of *its* parameters. A cold review found it trained 5.8
 relative off one process, silently. So at setup, before the pipeline cuts the model, the whole model's
-``configure_optimizers`` runs once more (under a forked random state; its optimizers hold no state yet and
-are dropped) and each parameter's place is kept by name: which optimizer, with which settings (the group's
-entries but its parameters). After Lightning's own call on this rank's stages every parameter of the rank
-must have the same place; the first that does not is named with both settings and the fix.
+``configure_optimizers`` runs once more (its random state put back, unless it built the training loader; its
+optimizers hold no state yet and are dropped) and each parameter's place is kept by name: which optimizer,
+with which settings (the group's entries but its parameters and the kernels that step them). After
+Lightning's own call on this rank's stages every parameter of the rank must have the same place; the first
+that does not is named with both settings and the fix.
 
 A tied weight is one parameter in one process and one copy per stage here (``lm_head.weight`` beside
 ``wte.weight``): each copy's name must have the tied weight's place, or the copies would step apart. Where
@@ -138,12 +139,21 @@ def optimizers_in(found: Any) -> list[torch.optim.Optimizer]:
 def whole_model_places(lm: Any) -> OneProcess | None:
     """The places one process's ``configure_optimizers`` gives the whole model's parameters (``lm`` still
     whole), or None where that call raises (see the module docstring)."""
-    with torch.random.fork_rng(devices=[]):
-        try:
-            built = optimizers_in(lm.configure_optimizers())
-        except Exception as e:  # noqa: BLE001 - a check we cannot make; Lightning's own call is checked
-            log.info("twobp: the param groups are not compared with one process's (%s: %s)", type(e).__name__, e)
-            return None
+    trainer = getattr(lm, "_trainer", None)
+    loaded = trainer is not None and trainer.train_dataloader is not None
+    state = torch.get_rng_state()
+    try:
+        built = optimizers_in(lm.configure_optimizers())
+    except Exception as e:  # noqa: BLE001 - a check we cannot make; Lightning's own call is checked
+        log.info("twobp: the param groups are not compared with one process's (%s: %s)", type(e).__name__, e)
+        return None
+    finally:
+        # The random state is put back, unless the call built the training loader (trainer.estimated_stepping_batches
+        # in it): that is built once, here, and one process's random state goes on from its draws (a subset drawn
+        # in train_dataloader, a dataset of random samples); put back, the sampler's shuffle and every later draw
+        # came from another state, and the run read other batches than one process's.
+        if loaded or trainer is None or trainer.train_dataloader is None:
+            torch.set_rng_state(state)
     names: dict[int, list[str]] = {}
     for name, q in lm.named_parameters(remove_duplicate=False):
         names.setdefault(id(q), []).append(name)
