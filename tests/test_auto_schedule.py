@@ -533,6 +533,26 @@ def _fit_auto(
     }
 
 
+def _validate_then_fit(rank: int, world: int) -> dict:
+    """schedule="auto" in a validate, then a fit, on one Trainer (one strategy): the choices each made."""
+    from lightning_twobp import TwoBPStrategy
+
+    lightning_env(rank, world)
+    model = Blocks(torch.optim.AdamW)
+    strategy = TwoBPStrategy(schedule="auto", memory_limit="1f1b", **FUSED_M4)
+    trainer = _trainer(strategy, world)
+    trainer.validate(model, _loader(), verbose=False)
+    validated = (strategy.auto_choice, strategy.auto_profile)
+    trainer.fit(model, _loader())
+    return {
+        "validated": validated,
+        "fitted": (strategy.auto_choice, strategy.auto_profile),
+        "state": _state_bytes(trainer.optimizers[0]),
+        "rank": strategy.pp_rank,
+        "params": {n: q.detach().clone() for n, q in model.named_parameters() if not q.is_meta},
+    }
+
+
 def _without_optimizer(profile: Profile) -> Profile:
     """The profile as auto saw it before it counted the optimizer's state."""
     layers = {m: tuple(dataclasses.replace(c, optimizer=0.0) for c in rows) for m, rows in profile.layers.items()}
@@ -737,6 +757,7 @@ HF = "test_auto_on_a_hugging_face_model_trains_like_one_process_within_its_limit
 HF_V = "test_auto_counts_the_micro_batch_index_a_hugging_face_models_stages_send"
 CHECKED = "test_auto_counts_what_a_check_after_the_step_holds"
 HOOK_CLIPPED = "test_clipping_auto_could_not_see_is_checked_before_the_step_not_copied"
+VALIDATE_THEN_FIT = "test_a_fit_after_an_evaluation_call_chooses_again_for_training"
 T5 = "test_auto_plans_an_encoder_decoder_with_the_values_sent_beside_the_hidden_state"
 HF_BF16 = "test_auto_profiles_the_layers_in_the_precisions_dtype"
 BLOCKS_BF16 = "test_auto_profiles_a_sequential_on_the_batch_the_precision_converts"
@@ -758,6 +779,7 @@ def two_ranks(request) -> conftest.Launch:
     cases[SPLIT] = (functools.partial(_fit_repriced, _split_pays), ())
     cases[MIXED] = (functools.partial(_fit_repriced, _fused_where_it_loses), ())
     cases[ADAMW] = (_fit_auto, ("1f1b", torch.optim.AdamW))
+    cases[VALIDATE_THEN_FIT] = (_validate_then_fit, ())
     hook_clipped = functools.partial(_fit_auto, auto_schedules=["zb-v"])
     cases[HOOK_CLIPPED] = (hook_clipped, ("4x1f1b", torch.optim.SGD, "hook-clipped"))
     cases[ADAMW_REFUSED] = (_adamw_refused, ())
@@ -925,6 +947,25 @@ def test_clipping_auto_could_not_see_is_checked_before_the_step_not_copied(two_r
     for r in results:
         assert r["label"].startswith("zb-v"), r["label"]
         assert r["step_checks"]["clipped"] == 3 and r["step_checks"]["redone"] == 0, r["step_checks"]
+
+
+@pytest.mark.dist
+def test_a_fit_after_an_evaluation_call_chooses_again_for_training(two_ranks):
+    """A choice made in validate counts no backward, gradients or optimizer state; kept by the fit after it
+    (before stop 58), the fit ran a choice whose predicted peak left those out and whose "1f1b" limit was
+    fused 1F1B's peak in evaluation. The fit chooses again, counting AdamW's state, from the whole model
+    (the validate call kept every layer on every rank for it), and trains like one process."""
+    results = two_ranks[VALIDATE_THEN_FIT]
+    for r in results:
+        (choice, profile), (again, trained) = r["validated"], r["fitted"]
+        assert again is not choice and again.limit > choice.limit, (choice.limit, again.limit)
+        assert not any(c.optimizer for c in profile.layers[4]) and all(c.optimizer for c in trained.layers[4])
+        assert r["state"] == again.best.optimizer_bytes[r["rank"]] > 0, r
+    ref = _reference(optimizer=torch.optim.AdamW)
+    merged = {n: v for r in results for n, v in r["params"].items()}
+    assert set(merged) == set(ref)
+    for name, value in merged.items():  # atol as test_auto_counts_adamw_state_and_stays_within_its_limit's
+        torch.testing.assert_close(value, ref[name], rtol=1e-5, atol=2e-5, msg=name)
 
 
 @pytest.mark.dist

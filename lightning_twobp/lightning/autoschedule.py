@@ -253,7 +253,7 @@ class _OptimizerBytes:
 
 def _optimizer_bytes(lm: Any, trainer: Any, layers: list[nn.Module], cast: torch.dtype | None) -> _OptimizerBytes:
     """Each layer's optimizer bytes (training only), from a throw-away ``configure_optimizers``."""
-    if trainer.state.fn != TrainerFn.FITTING:  # nothing steps: no state (a later fit keeps this choice)
+    if trainer.state.fn != TrainerFn.FITTING:  # nothing steps: no state (a later fit chooses again)
         return _OptimizerBytes([0.0] * len(layers), [0.0] * len(layers))
     optimizers = optimizers_in(lm.configure_optimizers())
     per_param, notes = optimizer_state_bytes(optimizers, cast)

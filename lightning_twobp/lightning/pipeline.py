@@ -453,7 +453,7 @@ def _choose(strategy: TwoBPStrategy, runner: StepRunner, contract: Any, trainer:
     they will run (``activation_checkpointing``, a Hugging Face switch); with ``"auto"`` plain,
     ``"selective"`` and ``"full"`` (``AUTO_MODES``), each wrapped for its profile only."""
     req = strategy.requested
-    if strategy.auto_choice is None:
+    if _searches(strategy, trainer):
         assert req.memory_limit is not None  # PipelineOptions requires it with schedule="auto"
         layers = contract.layers()
 
@@ -464,13 +464,30 @@ def _choose(strategy: TwoBPStrategy, runner: StepRunner, contract: Any, trainer:
         if ac == "auto":
             check_auto_with_switches(strategy.lightning_module)
         modes = AUTO_MODES if ac == "auto" else (ac,)
+        earlier = strategy.auto_choice
         with _outside_made(strategy, contract):
             strategy.auto_choice, strategy.auto_profile = _search(strategy, runner, layers, trainer, modes, checkpoint)
-    assert strategy.auto_profile is not None
+        strategy.auto_for_training = trainer.state.fn == TrainerFn.FITTING
+        if earlier is not None and strategy.auto_choice is not None:
+            rank_zero_info(
+                f"twobp: schedule='auto' chose again for training ({strategy.auto_choice.best.label}): the choice of "
+                f"the strategy's earlier evaluation call ({earlier.best.label}) counted no backward, gradients or "
+                f"optimizer state"
+            )
+    assert strategy.auto_profile is not None and strategy.auto_choice is not None
     best = strategy.auto_choice.best
     strategy.options = req.chosen(best)
     _say_dropped(req, strategy.options, best.label)
     return list(strategy.auto_profile.partitions[best.stages_per_rank])
+
+
+def _searches(strategy: TwoBPStrategy, trainer: Any) -> bool:
+    """Whether ``schedule="auto"`` profiles and chooses in this call: at the strategy's first, and at its first
+    fit after a choice made in an evaluation call (validate, test, predict), which counted no backward,
+    gradients or optimizer state (a fit keeping it could exceed memory_limit). A later call keeps the choice."""
+    if strategy.auto_choice is None:
+        return True
+    return trainer.state.fn == TrainerFn.FITTING and not strategy.auto_for_training
 
 
 def _say_dropped(req: PipelineOptions, chosen: PipelineOptions, label: str) -> None:
@@ -676,7 +693,7 @@ def _checked_contract(strategy: TwoBPStrategy, trainer: Any) -> SequentialContra
         )
     contract = find_contract(lm, opts.layers)
     if strategy.requested.schedule == "auto":  # it chooses once: its balance="time" reads its own profile
-        if strategy.auto_choice is None:
+        if _searches(strategy, trainer):
             check_timed_layers_here(contract.layers(), left_on_meta(), "schedule='auto'")
     elif opts.balance == "time" and strategy.layer_seconds is None:
         check_timed_layers_here(contract.layers(), left_on_meta(), "balance='time'")

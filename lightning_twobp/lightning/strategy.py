@@ -132,6 +132,7 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
         self.options = self.requested
         self.auto_choice: AutoChoice | None = None  # schedule="auto": what it chose, and from which costs
         self.auto_profile: Profile | None = None
+        self.auto_for_training = False  # the choice was made in a fit (one made in validate is made again)
         self.layer_seconds: list[float] | None = None  # balance="time": each layer's, timed at the first setup
         if timeout is None and pipeline_timeout is not None:
             # Lightning's own collectives (logging, checkpoints, the non-finite check) then give up on a
@@ -367,7 +368,10 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
         self._pretrained_read = False  # refused during setup: the next call reads them again
 
     def _take_apart(self, pipeline: Pipeline) -> None:
-        gather = self.options.gather_full_model and not self._failed and dist.is_initialized()
+        # under schedule="auto" after an evaluation call made the choice, the first fit chooses again and times
+        # every layer on every rank (pipeline._searches): every rank keeps the whole model for it
+        whole = self.options.gather_full_model or (self.requested.schedule == "auto" and not self.auto_for_training)
+        gather = whole and not self._failed and dist.is_initialized()
         pipeline.local.restore(gather, self.group("pp"), self.pp_rank, self.root_device)
         pipeline.scope.close()
         user_scaler = pipeline.user_scaler
