@@ -352,7 +352,10 @@ def _outside(module: nn.Module, optimizers: list[Any], pp_rank: int) -> str | No
         f"an optimizer of configure_optimizers on pipeline rank {pp_rank} holds {len(stray)} tensor(s) that are not "
         f"parameters of the LightningModule (shapes {shapes}): under strategy='twobp' the pipeline computes the "
         f"gradients of the module's parameters only, and checkpoints key optimizer state by parameter name; "
-        f"register it in the module (self.scale = nn.Parameter(...)) or leave it out of the optimizer"
+        f"register it in the module (self.scale = nn.Parameter(...)) or leave it out of the optimizer. "
+        f"configure_optimizers runs more than once at setup (once more on the whole model, to compare its param "
+        f"groups with this rank's): an optimizer kept from an earlier call holds other ranks' parameters, so "
+        f"build a new one in each call"
     )
 
 
