@@ -464,10 +464,12 @@ def _choose(strategy: TwoBPStrategy, runner: StepRunner, contract: Any, trainer:
         if ac == "auto":
             check_auto_with_switches(strategy.lightning_module)
         modes = AUTO_MODES if ac == "auto" else (ac,)
-        earlier = strategy.auto_choice
+        earlier, holdings = strategy.auto_choice, _holdings(strategy, trainer)
         with _outside_made(strategy, contract):
-            strategy.auto_choice, strategy.auto_profile = _search(strategy, runner, layers, trainer, modes, checkpoint)
+            found = _search(strategy, runner, layers, trainer, modes, checkpoint, holdings)
+        strategy.auto_choice, strategy.auto_profile = found
         strategy.auto_for_training = trainer.state.fn == TrainerFn.FITTING
+        strategy.auto_counted_copy = holdings.rollback
         if earlier is not None and strategy.auto_choice is not None:
             rank_zero_info(
                 f"twobp: schedule='auto' chose again for training ({strategy.auto_choice.best.label}): the choice of "
@@ -506,9 +508,10 @@ def _search(
     trainer: Any,
     modes: tuple[str | int | None, ...],
     checkpoint: Callable[[Any], Callable[[], None]],
+    holdings: StepHoldings,
 ) -> tuple:
-    """:func:`auto_schedule` with the strategy's options, weighing the layers run each way of ``modes``:
-    (choice, the choice's profile)."""
+    """:func:`auto_schedule` with the strategy's options, weighing the layers run each way of ``modes``, the
+    step holding ``holdings`` beside them: (choice, the choice's profile)."""
     req = strategy.requested
     assert req.memory_limit is not None
     return auto_schedule(
@@ -523,7 +526,7 @@ def _search(
         req.memory_limit,
         req.num_microbatches,
         None if req.split_backward else False,
-        holdings=_holdings(strategy, trainer),
+        holdings=holdings,
         checkpointing=modes,
         checkpoint=checkpoint,
         families=req.auto_schedules,
@@ -820,7 +823,7 @@ def build_pipeline(strategy: TwoBPStrategy, trainer: Any) -> Pipeline:
         tied.not_counted,
         strategy.pipeline_degree,
         watch_hooks=hooks_may_scale_grads(trainer.lightning_module, trainer.callbacks),
-        copy_counted=strategy.requested.schedule != "auto" or _holdings(strategy, trainer).rollback,
+        copy_counted=strategy.requested.schedule != "auto" or strategy.auto_counted_copy,
     )
     user_precision, user_scaler, precision = _precision(strategy, checks.clip_by_norm, strategy._before_step)
     scope = _call_scope(strategy, trainer, metrics, local)

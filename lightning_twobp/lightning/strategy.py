@@ -133,6 +133,7 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
         self.auto_choice: AutoChoice | None = None  # schedule="auto": what it chose, and from which costs
         self.auto_profile: Profile | None = None
         self.auto_for_training = False  # the choice was made in a fit (one made in validate is made again)
+        self.auto_counted_copy = False  # the choice counted post-validation's copy to put a step back
         self.layer_seconds: list[float] | None = None  # balance="time": each layer's, timed at the first setup
         if timeout is None and pipeline_timeout is not None:
             # Lightning's own collectives (logging, checkpoints, the non-finite check) then give up on a
