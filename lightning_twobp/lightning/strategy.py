@@ -132,8 +132,8 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
         self.options = self.requested
         self.auto_choice: AutoChoice | None = None  # schedule="auto": what it chose, and from which costs
         self.auto_profile: Profile | None = None
-        self.auto_for_training = False  # the choice was made in a fit (one made in validate is made again)
-        self.auto_counted_copy = False  # the choice counted post-validation's copy to put a step back
+        # the choice was made in a fit (one made in validate is made again); it counted post-validation's copy
+        self.auto_for_training = self.auto_counted_copy = False
         self.layer_seconds: list[float] | None = None  # balance="time": each layer's, timed at the first setup
         if timeout is None and pipeline_timeout is not None:
             # Lightning's own collectives (logging, checkpoints, the non-finite check) then give up on a
@@ -165,8 +165,7 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
         self._stash = GradStash()
         self._signals: StopSignals | None = None
         self._failures: FailureChannel | None = None  # the first failure, told to every rank (see .failures)
-        self._failed = False
-        self._refused_together = False  # the setup's optimizer checks refused on every rank (see setup)
+        self._failed = self._refused_together = False  # the call failed; its optimizers refused on every rank
         self.stage_sizes: list[int] | None = None  # layers per stage, once the pipeline is built
         self._resume_rng: dict[str, torch.Tensor] | None = None  # a checkpoint's random states, not yet restored
         self._record_next = False
