@@ -361,6 +361,43 @@ def test_tied_gpt2_replicated_accumulating_matches_one_process(four_ranks, reque
     assert set(results[0]["params"]) | set(results[1]["params"]) == set(ref)
 
 
+class FreezeTheEmbedding(pl.Callback):
+    """Freezes the tied embedding by its first name, ``wte``, from batch 1 on: the first window's second
+    micro-step (the first used it), and the whole second window."""
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if batch_idx == 1:
+            pl_module.model.transformer.wte.weight.requires_grad_(False)
+
+
+def _fit_tied_frozen(rank: int | None = None, world: int = 1) -> dict:
+    """HF GPT-2's tied embeddings (ZB-H1, replicated: ``lm_head``'s copy on pipeline rank 1, where ``wte`` is a
+    placeholder) under accumulate_grad_batches=2, frozen by :class:`FreezeTheEmbedding`; one process without
+    ``rank``."""
+    kw = dict(max_steps=2, gradient_clip_val=0.5, callbacks=[FreezeTheEmbedding()], accumulate_grad_batches=2)
+    model = TinyGPT2()
+    if rank is None:
+        quiet_trainer(**kw).fit(model, _one_process_order(_tokens()))
+        return {n: q.detach() for n, q in model.named_parameters()}
+    lightning_env(rank, world)
+    strategy = TwoBPStrategy(pipeline_degree=2, schedule="zb-h1", data_parallel="replicate")
+    quiet_trainer(strategy, world, use_distributed_sampler=True, **kw).fit(model, _tokens())
+    return {"params": own_weights(model), "tied": model.model.lm_head.weight is model.model.transformer.wte.weight}
+
+
+def test_a_tied_weight_frozen_by_one_name_mid_window_trains_like_one_process(four_ranks, request):
+    """One process steps the tied weight in the first window with the gradient of its first micro-step, and
+    not in the second. Before stop 58 the last stage's ``wte.weight`` was a meta stand-in, so freezing it there
+    left ``lm_head``'s copy training (0.027 off one process after a step); and the holders' sum dropped a
+    gradient frozen by the window's last micro-step (0.006 off)."""
+    ref = _fit_tied_frozen()
+    results = four_ranks[request.node.name]
+    for rank, res in enumerate(results):
+        assert res["tied"], f"rank {rank}"
+        for name, value in res["params"].items():
+            torch.testing.assert_close(value, ref[name], rtol=1e-5, atol=1e-6, msg=f"rank {rank} {name}")
+
+
 def _data() -> DataLoader:
     return regression_data(d_out=3)
 
@@ -553,6 +590,7 @@ def four_ranks(request) -> conftest.Launch:
     cases |= {f"test_tied_gpt2_sharded_matches_one_process[{k}]": (_fit_gpt2, (k,)) for k in GPT2_SCHEDULES}
     cases["test_tied_gpt2_replicated_accumulating_matches_one_process"] = (_fit_gpt2, ("zb-h1", "replicate", 2))
     cases["test_tied_copies_given_different_optimizer_settings_are_named"] = (_fit_head_apart, ("uncompared",))
+    cases["test_a_tied_weight_frozen_by_one_name_mid_window_trains_like_one_process"] = (_fit_tied_frozen, ())
     for how in ("replicate", "shard"):
         cases[f"test_tied_copies_given_different_optimizer_settings_are_refused[{how}]"] = (_fit_head_apart, (how,))
     cases["test_a_weight_on_two_stages_of_one_rank_and_on_another_sharded_matches_one_process"] = (

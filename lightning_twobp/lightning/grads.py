@@ -268,10 +268,15 @@ class TiedParameters:
                 if q.grad is not None:
                     _local(first.grad).add_(_local(q.grad))
         for q, group, _ in self._tied:
+            # whether a holder's uses gave it a gradient in this window: one process's one parameter has a
+            # .grad, and steps, where any did (frozen by the window's last micro-step after an earlier one
+            # used it too); none did: no step (a zero gradient would still decay it in AdamW)
+            used = torch.tensor([float(q.grad is not None)], device=q.device)
             if q.grad is None:
                 q.grad = torch.zeros_like(q)
             dist.all_reduce(_local(q.grad), group=group)  # every holder takes part, frozen or not
-            if not q.requires_grad:  # frozen here: no step (a zero gradient would still decay it in AdamW)
+            dist.all_reduce(used, op=dist.ReduceOp.MAX, group=group)
+            if not used.item():
                 q.grad = None
         for first, *copies in twins:  # own tensors: clipping scales each gradient in place
             assert first.grad is not None  # given above

@@ -122,6 +122,12 @@ class _Remote(nn.Module):
         """What a read of the set-aside layer gives here: a module as a placeholder, a tensor as Elsewhere."""
         if isinstance(value, nn.Module):
             return self._child(value, where)
+        if isinstance(value, nn.Parameter) and not value.is_meta:
+            # kept when set aside: a stage of this rank uses it too (a tied weight: wte's set aside beside
+            # lm_head's here). The rank's own copy, so that what the model's code does to it here acts on it:
+            # `wte.weight.requires_grad_(False)` froze a meta stand-in on the last stage, whose copy trained on
+            # (0.027 off one process after one step), silently
+            return value
         if isinstance(value, torch.Tensor):
             dtype = self.__dict__["_float"] if value.is_floating_point() and self.__dict__["_float"] else value.dtype
             meta = torch.empty_strided(value.shape, value.stride(), dtype=dtype, device="meta")
