@@ -7,6 +7,7 @@ bytes; a rank lost in the global norm's all-reduce, named (a launch of its own, 
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import re
@@ -363,18 +364,33 @@ def test_tied_gpt2_replicated_accumulating_matches_one_process(four_ranks, reque
 
 class FreezeTheEmbedding(pl.Callback):
     """Freezes the tied embedding by its first name, ``wte``, from batch 1 on: the first window's second
-    micro-step (the first used it), and the whole second window."""
+    micro-step (the first used it), and the whole second window. ``how``: by its weight, by the module, or
+    by the module's parameters."""
+
+    def __init__(self, how: str) -> None:
+        self.how = how
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        if batch_idx == 1:
-            pl_module.model.transformer.wte.weight.requires_grad_(False)
+        if batch_idx != 1:
+            return
+        wte = pl_module.model.transformer.wte
+        if self.how == "weight":
+            wte.weight.requires_grad_(False)
+        elif self.how == "module":
+            wte.requires_grad_(False)
+        else:
+            for q in wte.parameters():
+                q.requires_grad = False
 
 
-def _fit_tied_frozen(rank: int | None = None, world: int = 1) -> dict:
+FROZEN_BY = ["weight", "module", "parameters"]
+
+
+def _fit_tied_frozen(rank: int | None = None, world: int = 1, how: str = "weight") -> dict:
     """HF GPT-2's tied embeddings (ZB-H1, replicated: ``lm_head``'s copy on pipeline rank 1, where ``wte`` is a
     placeholder) under accumulate_grad_batches=2, frozen by :class:`FreezeTheEmbedding`; one process without
     ``rank``."""
-    kw = dict(max_steps=2, gradient_clip_val=0.5, callbacks=[FreezeTheEmbedding()], accumulate_grad_batches=2)
+    kw = dict(max_steps=2, gradient_clip_val=0.5, callbacks=[FreezeTheEmbedding(how)], accumulate_grad_batches=2)
     model = TinyGPT2()
     if rank is None:
         quiet_trainer(**kw).fit(model, _one_process_order(_tokens()))
@@ -385,12 +401,13 @@ def _fit_tied_frozen(rank: int | None = None, world: int = 1) -> dict:
     return {"params": own_weights(model), "tied": model.model.lm_head.weight is model.model.transformer.wte.weight}
 
 
-def test_a_tied_weight_frozen_by_one_name_mid_window_trains_like_one_process(four_ranks, request):
+@pytest.mark.parametrize("how", FROZEN_BY)
+def test_a_tied_weight_frozen_by_one_name_mid_window_trains_like_one_process(four_ranks, request, how):
     """One process steps the tied weight in the first window with the gradient of its first micro-step, and
-    not in the second. Before stop 58 the last stage's ``wte.weight`` was a meta stand-in, so freezing it there
-    left ``lm_head``'s copy training (0.027 off one process after a step); and the holders' sum dropped a
-    gradient frozen by the window's last micro-step (0.006 off)."""
-    ref = _fit_tied_frozen()
+    not in the second. Before stop 58 the last stage's ``wte`` was a placeholder answering a meta stand-in for
+    its weight and no parameters, so freezing it there left ``lm_head``'s copy training (0.027 off one process
+    after a step); and the holders' sum dropped a gradient frozen by the window's last micro-step (0.006 off)."""
+    ref = _fit_tied_frozen(how=how)
     results = four_ranks[request.node.name]
     for rank, res in enumerate(results):
         assert res["tied"], f"rank {rank}"
@@ -590,7 +607,9 @@ def four_ranks(request) -> conftest.Launch:
     cases |= {f"test_tied_gpt2_sharded_matches_one_process[{k}]": (_fit_gpt2, (k,)) for k in GPT2_SCHEDULES}
     cases["test_tied_gpt2_replicated_accumulating_matches_one_process"] = (_fit_gpt2, ("zb-h1", "replicate", 2))
     cases["test_tied_copies_given_different_optimizer_settings_are_named"] = (_fit_head_apart, ("uncompared",))
-    cases["test_a_tied_weight_frozen_by_one_name_mid_window_trains_like_one_process"] = (_fit_tied_frozen, ())
+    for how in FROZEN_BY:
+        name = f"test_a_tied_weight_frozen_by_one_name_mid_window_trains_like_one_process[{how}]"
+        cases[name] = (functools.partial(_fit_tied_frozen, how=how), ())
     for how in ("replicate", "shard"):
         cases[f"test_tied_copies_given_different_optimizer_settings_are_refused[{how}]"] = (_fit_head_apart, (how,))
     cases["test_a_weight_on_two_stages_of_one_rank_and_on_another_sharded_matches_one_process"] = (

@@ -179,6 +179,25 @@ class _Remote(nn.Module):
             value = getattr(parts[self.__dict__["_part"]], name)  # the layer's own AttributeError if absent
         return self._answer(value, f"{self.__dict__['_where']}.{name}")
 
+    # A tied weight one of this rank's stages uses is kept when its layer is set aside (wte's, beside lm_head's
+    # here): the rank's copy. Freezing the layer by the module or by its parameters freezes that copy, as it
+    # freezes the one parameter in one process (`wte.requires_grad_(False)`, `for p in wte.parameters(): ...`
+    # left lm_head's copy training, silently). The others, on the meta device, are not listed: no values here.
+    def named_parameters(
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, nn.Parameter]]:
+        parts = self.__dict__.get("_parts")
+        if not parts:
+            return
+        named = parts[self.__dict__["_part"]].named_parameters(prefix, recurse, remove_duplicate)
+        yield from ((n, q) for n, q in named if not q.is_meta)
+
+    def requires_grad_(self, requires_grad: bool = True) -> _Remote:
+        parts = self.__dict__.get("_parts")
+        if parts:  # the set-aside layer's flags too: the model put back after the call carries them
+            parts[self.__dict__["_part"]].requires_grad_(requires_grad)
+        return self
+
     def _apply(self, fn: Any, recurse: bool = True) -> _Remote:
         # Follow the model's moves and casts (Lightning's model_to_device, a precision's convert_module),
         # which do not reach the set-aside layer: a tensor read then reports where and how it would be.
