@@ -836,3 +836,49 @@ def test_the_plan_counts_a_dp_th_of_the_state_and_a_steps_gathered_weights():
         assert rank.static_bytes == want < full.static_bytes
     with pytest.raises(ValueError, match="nothing to shard the stages over"):
         plan_recipe(["trainer.devices=2", "strategy.pipeline_degree=2", "strategy.data_parallel=shard"])
+
+
+REFUSED_SCRIPT = """
+import torch
+
+
+class Refused(AdamRegressor):
+    def configure_optimizers(self):
+        raise ValueError("refused on every rank")
+
+
+if __name__ == "__main__":
+    strategy = TwoBPStrategy(pipeline_degree=1, schedule="zb-v", data_parallel="shard")
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, logger=False, max_steps=1,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         use_distributed_sampler=False)
+    model = Refused()
+    try:
+        trainer.fit(model, regression_data(n=16))
+    except ValueError as e:
+        torch.manual_seed(0)
+        built = AdamRegressor().state_dict()
+        same = all(torch.equal(v, built[k]) for k, v in model.state_dict().items())
+        Path({folder!r}, f"rank{{trainer.global_rank}}").write_text(f"{{e}} as_built={{same}}")
+        raise
+"""
+
+
+def test_a_sharded_refusal_at_setup_under_lightnings_launcher_is_raised_on_every_rank(tmp_path):
+    """Review 65: the gather of the sharded stages after a refusal at setup ran in teardown, where rank 0, under
+    Lightning's launcher, first waits for the ranks it started to end (reap), then kills them: rank 1 waited
+    on it in the gather, was killed 10 s later without a word, and rank 0 raised gloo's "Connection reset by
+    peer" from its own gather instead of the refusal. Gathered at the refusal, every rank raises it, as built."""
+    proc = conftest.user_script(tmp_path, REFUSED_SCRIPT)
+    try:
+        _, err = proc.communicate(timeout=240)
+    finally:
+        proc.kill()
+    said = {f.name: f.read_text() for f in tmp_path.glob("rank*")}
+    assert proc.returncode != 0, err[-3000:]
+    # rank 0 itself may be ended by Lightning's launcher as soon as rank 1 exits with an error (its observer
+    # of the ranks it started), before it writes: rank 1 must say what it raised
+    assert "rank1" in said, (said, err[-3000:])
+    for rank, text in said.items():
+        assert "refused on every rank" in text and "as_built=True" in text, (rank, text)
+    assert "Connection reset" not in err and "Connection closed" not in err, err[-3000:]

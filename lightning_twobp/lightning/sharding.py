@@ -363,6 +363,8 @@ class ShardedStages:
         hold. The FSDP2 hooks sit on the stage containers only (ours, dropped with the pipeline), not on
         the user's layers. After a failure the shards stay: another replica may be gone, and the gather
         would wait for it."""
+        if not self.modules:  # gathered back already (a refusal at setup, every rank together)
+            return
         if failed:
             log.warning(
                 "twobp: the Trainer call failed; under data_parallel='shard' this rank's stages keep their "

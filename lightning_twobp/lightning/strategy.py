@@ -165,7 +165,7 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
         self._stash = GradStash()
         self._signals: StopSignals | None = None
         self._failures: FailureChannel | None = None  # the first failure, told to every rank (see .failures)
-        self._failed = self._refused_together = False  # the call failed; its optimizers refused on every rank
+        self._failed = False
         self.stage_sizes: list[int] | None = None  # layers per stage, once the pipeline is built
         self._resume_rng: dict[str, torch.Tensor] | None = None  # a checkpoint's random states, not yet restored
         self._record_next = False
@@ -237,7 +237,7 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
     def setup(self, trainer: Any) -> None:
         assert self.accelerator is not None and self.lightning_module is not None and self.model is not None
         self.accelerator.setup(trainer)
-        self._failed = self._refused_together = False
+        self._failed = False
         self._batches_checked = self._same_batch_checked = False
         self._steps_watched = set()
         self._outside = None
@@ -268,8 +268,8 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
                     self._pipeline.one_process,
                 )
             except Exception as e:
-                # raised on every rank at once, before any compute: teardown can gather sharded stages back
-                self._refused_together = not lost_peer(e)
+                if not lost_peer(e):
+                    self._gather_back_refused()
                 raise
         # Optimizers are created after the move to the device and hold no state yet; a checkpoint's
         # state is loaded afterwards (restore_checkpoint_after_setup), by parameter name.
@@ -278,6 +278,17 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
         if self._pretrained_read:  # read for good: later calls keep the model's weights
             pretrained.mark_read(self.lightning_module, str(self.options.pretrained))
             self._pretrained_read = False
+
+    def _gather_back_refused(self) -> None:
+        """The optimizers were refused on every rank at once, before any compute (:func:`.checks.checked_optimizers`):
+        data_parallel="shard" stages gathered back here, every rank still at this point, so that the model is
+        as built. Not in teardown: there rank 0 under Lightning's launcher first waits for the ranks it
+        started to end, then kills them (``on_exception``'s reap), while they wait on it in the gather."""
+        assert self._pipeline is not None
+        try:
+            self._pipeline.unshard_for_good(False)
+        except Exception as err:  # noqa: BLE001 - the refusal is what this call raises
+            warnings.warn(f"twobp: the sharded stages were not gathered back after the refusal: {err}", stacklevel=2)
 
     @override
     def on_exception(self, exception: BaseException) -> None:
@@ -355,7 +366,7 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
         if pipeline is not None:
             # data_parallel="shard": gathered on the device, before Lightning moves the model to the CPU (a
             # DTensor moved there keeps its mesh, whose NCCL groups cannot gather CPU tensors)
-            pipeline.unshard_for_good(self._failed and not self._refused_together)
+            pipeline.unshard_for_good(self._failed)
         # the layers a previous call left on the meta device cannot move to the CPU, and the error
         # raised trying would hide the one that ended this call
         with meta_layers_aside(lm) if lm is not None else nullcontext():
