@@ -136,6 +136,21 @@ def test_a_step_that_cannot_be_put_back_keeps_no_gradients():
     assert sv.nonfinite_params == [model[1].bias]
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.complex64])
+def test_a_step_that_cannot_be_put_back_names_non_finite_gradients_of_any_dtype(dtype):
+    """Review 65: the flags kept instead of the gradients took each gradient's norm in float32, which torch
+    refuses for a float64 gradient ("64-true": every step of a zb-v fit raised) or a complex one."""
+    w, b = torch.nn.Parameter(torch.ones(3, dtype=dtype)), torch.nn.Parameter(torch.ones(2, dtype=dtype))
+    opt = torch.optim.SGD([w, b], lr=0.1)
+    sv = StepValidation(opt, overlap=True, rollback=False)
+    w.grad, b.grad = torch.ones_like(w), torch.full_like(b, float("inf"))
+    sv.before_step()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    verdict = sv.validate()
+    assert verdict is not None and verdict.nonfinite and sv.nonfinite_params == [b]
+
+
 def test_gradients_zeroed_in_place_are_refused():
     model = torch.nn.Linear(3, 3)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -79,8 +79,15 @@ def _nonfinite_flags(params: Sequence[nn.Parameter], device: torch.device) -> to
     """1 for each of ``params`` whose gradient is not finite, else 0, on ``device``, without a host sync."""
     if not params:
         return None
-    norms = [torch.linalg.vector_norm(_local(_grad(q)), dtype=torch.float32).to(device) for q in params]
-    return torch.stack(norms).isfinite().logical_not()
+    finite = [_finite(_local(_grad(q))).to(device) for q in params]
+    return torch.stack(finite).logical_not()
+
+
+def _finite(g: torch.Tensor) -> torch.Tensor:
+    """Whether ``g``'s norm is finite (a 0-d bool), taken in its own dtype: float32 only for 16-bit gradients
+    (a float32 norm of a float64 or complex gradient raises; a float64 norm above float32's range is finite)."""
+    low = g.dtype in (torch.float16, torch.bfloat16)
+    return torch.linalg.vector_norm(g, dtype=torch.float32 if low else None).isfinite()
 
 
 def _grad(q: nn.Parameter) -> torch.Tensor:
