@@ -406,8 +406,9 @@ class _AutoMeasure:
                 else 2 * weight + state
             )
             cost = layer_cost(fp, fixed, (t, 2 * t if mode else t, t), planned.scale)
-            # one replica's share under data_parallel="shard" (its grads and copy are local shards)
-            checked = (weight + (weight + state if self.rollback else 0)) / self.shard_over
+            # one replica's share under data_parallel="shard" (its grads and copy are local shards); nothing where
+            # no step can be put back (StepHoldings.checked, _checked_after)
+            checked = (2 * weight + state) / self.shard_over if self.rollback else 0
             cost = replace(cost, checked=float(checked))
             row.append(replace(cost, reduced=float(weight)) if self.reduce_over > 1 else cost)  # grads: as weights
             x = torch.empty(fp.out_shape, dtype=fp.out_dtype, device="meta")

@@ -105,6 +105,27 @@ def test_post_validation_holdings_follow_the_run_under_16_true_and_clipping_by_v
     assert not any(sp.checked_bytes for sp in by_value.stages)
 
 
+def test_auto_in_the_plan_counts_nothing_for_a_check_that_cannot_put_a_step_back(monkeypatch):
+    """Review 65: schedule=auto's measure in the plan still counted each layer's gradients for post-validation
+    without clipping, which holds nothing since stop 58 (the strategy's StepHoldings.checked counts 0), so the
+    plan predicted another choice than the strategy makes (llama7b-4gpu at memory_limit=0.45: 1f1b, not zb-v)."""
+    from lightning_twobp import plan as plan_module
+
+    seen: dict[bool, list[float]] = {}
+    profile = plan_module._AutoMeasure.profile
+
+    def watched(self, ac):
+        out = profile(self, ac)
+        seen.setdefault(self.rollback, [c.checked for rows in out.layers.values() for c in rows])
+        return out
+
+    monkeypatch.setattr(plan_module._AutoMeasure, "profile", watched)
+    kw = ["recipe=llama7b-4gpu", "schedule=auto", "plan.gpu_memory_gib=80", "strategy.auto_schedules=[zb-v]"]
+    plan_recipe([*kw, "trainer.gradient_clip_val=null", "strategy.memory_limit=0.9"])
+    plan_recipe([*kw, "strategy.memory_limit=0.9"])  # the recipe clips at 1.0: a clipped step is put back
+    assert not any(seen[False]) and all(seen[True]), seen
+
+
 def test_post_validation_holdings_under_shard_are_one_replicas_share():
     """Review 63: under data_parallel="shard" post-validation holds local shards (DTensor grads, the snapshot's
     clones of them): one of the replicas' share, as the strategy's StepHoldings.checked counts; the plan counted
