@@ -605,6 +605,36 @@ def _after_a_call_without_gather(rank: int, world: int) -> str:
     return _fit_error(world, model, ValueError, schedule="auto", memory_limit="1f1b")
 
 
+class FailsValidationOnce(pl.Callback):
+    """Raises at the end of the first validation (every rank)."""
+
+    def __init__(self) -> None:
+        self.failed = False
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        if not self.failed:
+            self.failed = True
+            raise RuntimeError("a callback failed at the end of validate")
+
+
+def _failed_evaluation_then_fit(rank: int, world: int) -> list[str]:
+    """schedule="auto": a validate that fails at its end (no gather: the other rank's layers stay on meta),
+    then a fit on the same Trainer, which chooses again; then validate to its end and fit again."""
+    from lightning_twobp import TwoBPStrategy
+
+    lightning_env(rank, world)
+    model, strategy = Blocks(), TwoBPStrategy(schedule="auto", memory_limit="1f1b", **FUSED_M4)
+    trainer = _trainer(strategy, world, callbacks=[FailsValidationOnce()])
+    said = []
+    for call in (trainer.validate, trainer.fit, trainer.validate, trainer.fit):
+        try:
+            call(model, _loader())
+            said.append("ok")
+        except (RuntimeError, ValueError) as e:
+            said.append(str(e))
+    return said
+
+
 def _time_then_validate(rank: int, world: int, **options) -> dict:
     """balance="time" times once, at the strategy's first call (and "auto" chooses once): validating after
     fit (the other rank's layers on meta here) cuts as fit did, with no second profile to fail on them."""
@@ -758,6 +788,7 @@ HF_V = "test_auto_counts_the_micro_batch_index_a_hugging_face_models_stages_send
 CHECKED = "test_auto_counts_what_a_check_after_the_step_holds"
 HOOK_CLIPPED = "test_clipping_auto_could_not_see_is_checked_before_the_step_not_copied"
 VALIDATE_THEN_FIT = "test_a_fit_after_an_evaluation_call_chooses_again_for_training"
+FAILED_EVALUATION = "test_a_fit_after_a_failed_evaluation_call_is_refused_naming_the_fix"
 T5 = "test_auto_plans_an_encoder_decoder_with_the_values_sent_beside_the_hidden_state"
 HF_BF16 = "test_auto_profiles_the_layers_in_the_precisions_dtype"
 BLOCKS_BF16 = "test_auto_profiles_a_sequential_on_the_batch_the_precision_converts"
@@ -791,6 +822,7 @@ def two_ranks(request) -> conftest.Launch:
     cases[HF_BF16] = (_fit_auto, ("1f1b", torch.optim.AdamW, "hf-llama", "bf16-true"))
     cases[BLOCKS_BF16] = (_fit_auto, ("1f1b", torch.optim.AdamW, "blocks", "bf16-true"))
     cases[LEFT] = (_after_a_call_without_gather, ())
+    cases[FAILED_EVALUATION] = (_failed_evaluation_then_fit, ())
     cases[TIME_FAILS] = (_time_fails_on_rank_0, ())
     for model in PROFILED:
         cases[f"{INPLACE}[{model}]"] = (_profiled_as_it_runs, (model,))
@@ -1021,6 +1053,18 @@ def test_auto_after_a_call_that_left_layers_elsewhere_is_refused_naming_the_fix(
     for message in two_ranks[LEFT]:
         assert "an earlier Trainer call left 4 of the 8 layers" in message, message
         assert "pass gather_full_model=True to the earlier call" in message, message
+
+
+@pytest.mark.dist
+def test_a_fit_after_a_failed_evaluation_call_is_refused_naming_the_fix(two_ranks):
+    """The fit chooses again (a first choice made in validate counted no backward) and times every layer, but the
+    failed validate left the other rank's layers on meta; its advice works: validate to the end, then fit."""
+    for said in two_ranks[FAILED_EVALUATION]:
+        assert said[0] == "a callback failed at the end of validate", said
+        assert "schedule='auto' chooses again at this fit" in said[1], said
+        assert "that call failed before giving every rank the whole model: 4 of the 8 layers" in said[1], said
+        assert "run the evaluation call to its end first" in said[1], said
+        assert said[2:] == ["ok", "ok"], said
 
 
 @pytest.mark.dist

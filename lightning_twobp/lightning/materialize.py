@@ -123,14 +123,26 @@ def _holds_made(module: nn.Module, made: set[int]) -> bool:
     return any(id(t) in made for t in within)
 
 
-def check_timed_layers_here(layers: list[nn.Module], left_by_us: set[int], what: str) -> None:
+def check_timed_layers_here(
+    layers: list[nn.Module], left_by_us: set[int], what: str, after_failed_evaluation: bool = False
+) -> None:
     """Refuse ``what`` (an option that times every layer before the cut, about to) where an earlier Trainer
     call of another strategy left other pipeline ranks' layers on ``meta`` here (their ids are
     ``left_by_us``): there is nothing to time them on (torch said only "Cannot copy out of meta tensor").
-    Every pipeline rank lacks some layers, so every rank refuses alike."""
+    Every pipeline rank lacks some layers, so every rank refuses alike. ``after_failed_evaluation``: the
+    layers were left by this strategy's evaluation call, whose ``schedule="auto"`` choice a fit makes again
+    (a successful one gives every rank the whole model at its end; a failed one cannot)."""
     away = [i for i, layer in enumerate(layers) if any(id(t) in left_by_us for t in _all(layer))]
     if not away:
         return
+    if after_failed_evaluation:
+        raise ValueError(
+            f"{what} chooses again at this fit (the strategy's earlier evaluation call chose without the "
+            f"backward's costs) and times every layer on every rank, but that call failed before giving every "
+            f"rank the whole model: {len(away)} of the {len(layers)} layers (from layer {away[0]}) are on other "
+            f"pipeline ranks here. Fit a model built anew, or run the evaluation call to its end first, or name "
+            f"a schedule (the evaluation chose strategy.auto_choice.best.label; twobp-plan says its memory)"
+        )
     raise ValueError(
         f"{what} times every layer on every rank before the pipeline is cut, and an earlier Trainer call left "
         f"{len(away)} of the {len(layers)} layers (from layer {away[0]}) on other pipeline ranks: this rank holds "

@@ -212,10 +212,12 @@ class OptimizerChecks:
         check = self.checks.get(id(optimizer))
         if check is None:
             check = self.checks[id(optimizer)] = self._new_check(optimizer, max_norm, fp16)
+        # nothing pending normally (training_step judged it); else judged as it was taken: before this step's
+        # threshold (a rollback begun now has no copy of that step to put back)
+        self._judge(lm, check, check.validate(), done=True)
         check.max_norm = max_norm
         if max_norm is not None and check.overlap and not check.rollback:
             self._clipping_began(check)
-        self._judge(lm, check, check.validate(), done=True)  # nothing pending normally: training_step judged it
         extra = None
         if check.check_finite or (self.watch_hooks and check.active):
             extra = torch.zeros(1, device=self.device)

@@ -696,8 +696,9 @@ def _checked_contract(strategy: TwoBPStrategy, trainer: Any) -> SequentialContra
         )
     contract = find_contract(lm, opts.layers)
     if strategy.requested.schedule == "auto":  # it chooses once: its balance="time" reads its own profile
-        if _searches(strategy, trainer):
-            check_timed_layers_here(contract.layers(), left_on_meta(), "schedule='auto'")
+        if _searches(strategy, trainer):  # a choice made already: by an evaluation call, which left the layers
+            again = strategy.auto_choice is not None
+            check_timed_layers_here(contract.layers(), left_on_meta(), "schedule='auto'", after_failed_evaluation=again)
     elif opts.balance == "time" and strategy.layer_seconds is None:
         check_timed_layers_here(contract.layers(), left_on_meta(), "balance='time'")
     check_not_compiled(lm, contract)  # before the first step: compiled code cannot be split
