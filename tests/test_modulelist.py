@@ -1424,8 +1424,11 @@ def test_a_set_aside_module_answers_attribute_reads_and_refuses_calls():
     layer = c.layers()[0]  # block 0 with the embeddings registered before the blocks
     lm.to(torch.float64)  # before the split: the set-aside module keeps its own dtype
     removed = c.swap({0: _Remote(0, 0, c.parts(layer), torch.device("cpu"), c.describe(0))})
+    for part in c.parts(layer):  # as the split sets them aside: on meta (a tensor a stage here uses would stay)
+        part.to("meta")
     try:
         wpe, block = lm.model.transformer.wpe, lm.model.transformer.h[0]
+        assert list(wpe.parameters()) == []  # nothing of it here
         assert isinstance(wpe, _Remote) and isinstance(block.mlp, _Remote) and block.n_head == 2
         weight = wpe.weight
         assert isinstance(weight, Elsewhere) and weight.shape == (SEQ, 16) and weight.dtype == torch.float64
