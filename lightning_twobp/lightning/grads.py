@@ -20,7 +20,7 @@
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
@@ -259,7 +259,12 @@ class TiedParameters:
                 _local(q.data).copy_(_local(kept.data))
 
     @torch.no_grad()
-    def reduce_grads(self) -> None:
+    def reduce_grads(self, fresh: Collection[int] | None = None) -> None:
+        """Sum each tied parameter's gradients over its holders. ``fresh``: where this runs at every micro-step
+        (no replicas: no window-wide reduce), the parameters (by id) whose gradients this micro-step started
+        from nothing (:meth:`GradStash.collect`'s); a tied one outside it, frozen since an earlier micro-step of
+        the window, holds what an earlier call summed already: summed again, it doubled (0.012 off one process
+        after a step), so it adds zeros to the sum and keeps its own."""
         twins = [copies for copies in self._twins if any(q.grad is not None for q in copies)]
         for first, *copies in twins:  # this rank's uses first: the sum lands in the first copy
             if first.grad is None:
@@ -272,12 +277,15 @@ class TiedParameters:
             # .grad, and steps, where any did (frozen by the window's last micro-step after an earlier one
             # used it too); none did: no step (a zero gradient would still decay it in AdamW)
             used = torch.tensor([float(q.grad is not None)], device=q.device)
-            if q.grad is None:
+            summed = q.grad if fresh is not None and id(q) not in fresh else None  # by an earlier micro-step's call
+            if q.grad is None or summed is not None:
                 q.grad = torch.zeros_like(q)
             dist.all_reduce(_local(q.grad), group=group)  # every holder takes part, frozen or not
             dist.all_reduce(used, op=dist.ReduceOp.MAX, group=group)
             if not used.item():
                 q.grad = None
+            elif summed is not None:
+                _local(q.grad).add_(_local(summed))
         for first, *copies in twins:  # own tensors: clipping scales each gradient in place
             assert first.grad is not None  # given above
             for q in copies:

@@ -113,6 +113,7 @@ class _Remote(nn.Module):
         the ModuleList contract stands in for this one's calls (``_calls``), for the child's calls too."""
         remote = _Remote(self.stage, self.rank, [module], self.__dict__["_device"], where, hint)
         remote.__dict__["_float"] = self.__dict__["_float"]
+        remote.__dict__["_current"] = self.__dict__.get("_current")
         calls = self.__dict__.get("_calls")
         if calls is not None:
             remote.__dict__.update(_calls=calls, forward=calls(module, where))
@@ -122,17 +123,24 @@ class _Remote(nn.Module):
         """What a read of the set-aside layer gives here: a module as a placeholder, a tensor as Elsewhere."""
         if isinstance(value, nn.Module):
             return self._child(value, where)
-        if isinstance(value, nn.Parameter) and not value.is_meta:
+        if isinstance(value, nn.Parameter) and not value.is_meta and (held := self._held(value)) is not None:
             # kept when set aside: a stage of this rank uses it too (a tied weight: wte's set aside beside
             # lm_head's here). The rank's own copy, so that what the model's code does to it here acts on it:
             # `wte.weight.requires_grad_(False)` froze a meta stand-in on the last stage, whose copy trained on
             # (0.027 off one process after one step), silently
-            return value
+            return held
         if isinstance(value, torch.Tensor):
             dtype = self.__dict__["_float"] if value.is_floating_point() and self.__dict__["_float"] else value.dtype
             meta = torch.empty_strided(value.shape, value.stride(), dtype=dtype, device="meta")
             return Elsewhere(meta, self.__dict__["_device"], f"{where} (pipeline stage {self.stage})")
         return value
+
+    def _held(self, q: nn.Parameter) -> nn.Parameter | None:
+        """The Parameter this rank's stages train for ``q``, a tied weight kept in the set-aside layer: ``q``, or
+        its DTensor shard under data_parallel="shard" (where ``q``, the user's, holds no values during the call:
+        answered as it was, it read as zeros and froze nothing); None for another (a copy of the placeholder)."""
+        current = self.__dict__.get("_current")
+        return current.get(id(q)) if current is not None else None
 
     # A container of another stage (ModuleList, Sequential, ModuleDict, ParameterList) indexed, sliced or
     # iterated by the model's code: Gemma3n's `self.altup_projections[i - 1](h)`, MusicGen's embedding per
@@ -190,12 +198,20 @@ class _Remote(nn.Module):
         if not parts:
             return
         named = parts[self.__dict__["_part"]].named_parameters(prefix, recurse, remove_duplicate)
-        yield from ((n, q) for n, q in named if not q.is_meta)
+        for n, q in named:
+            held = None if q.is_meta else self._held(q)
+            if held is not None:
+                yield n, held
 
     def requires_grad_(self, requires_grad: bool = True) -> _Remote:
         parts = self.__dict__.get("_parts")
         if parts:  # the set-aside layer's flags too: the model put back after the call carries them
-            parts[self.__dict__["_part"]].requires_grad_(requires_grad)
+            layer = parts[self.__dict__["_part"]]
+            layer.requires_grad_(requires_grad)
+            for q in layer.parameters():
+                held = None if q.is_meta else self._held(q)
+                if held is not None:
+                    held.requires_grad_(requires_grad)
         return self
 
     def _apply(self, fn: Any, recurse: bool = True) -> _Remote:
@@ -309,6 +325,18 @@ class LocalModel:
     removed: dict[int, nn.Module] = field(default_factory=dict)  # layer index -> the set-aside layer
     owner: dict[int, int] = field(default_factory=dict)  # layer index -> pipeline rank holding it
     shared: list[SharedParameter] = field(default_factory=list)
+    # a tied weight kept in a set-aside layer (the user's Parameter, by id) -> the Parameter this rank's stages
+    # train for it: itself, or its DTensor shard under data_parallel="shard" (:meth:`follow`); the placeholders
+    # answer reads of it with that one
+    current: dict[int, nn.Parameter] = field(default_factory=dict)
+
+    def follow(self, replaced: dict[int, nn.Parameter]) -> None:
+        """The placeholders answer each kept tied weight with ``replaced[id(it)]`` where given (the stages'
+        DTensor shard), else with the user's Parameter itself (the stages hold it again)."""
+        for layer in self.removed.values():
+            for q in layer.parameters():
+                if id(q) in self.current:
+                    self.current[id(q)] = replaced.get(id(q), q)
 
     @property
     def bounds(self) -> list[int]:
@@ -617,10 +645,12 @@ def split_model(contract: Contract, sizes: list[int], schedule: Schedule, pp_ran
     devices = {i: _device_of(layer) for i, layer in removed.items()}
     _to_meta(list(removed.values()), local_ids)
     hint = _ONE_CALL if isinstance(contract, SequentialContract) else ""
-    contract.swap(
-        {
-            i: _Remote(layer_stage[i], layer_rank[i], contract.parts(layer), devices[i], contract.describe(i), hint)
-            for i, layer in removed.items()
-        }
-    )
-    return LocalModel(contract, list(sizes), stages, removed, dict(enumerate(layer_rank)), shared)
+    current = {id(q): q for layer in removed.values() for q in layer.parameters() if not q.is_meta}
+    placeholders = {
+        i: _Remote(layer_stage[i], layer_rank[i], contract.parts(layer), devices[i], contract.describe(i), hint)
+        for i, layer in removed.items()
+    }
+    for remote in placeholders.values():
+        remote.__dict__["_current"] = current
+    contract.swap(placeholders)
+    return LocalModel(contract, list(sizes), stages, removed, dict(enumerate(layer_rank)), shared, current)

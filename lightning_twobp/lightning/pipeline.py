@@ -141,6 +141,8 @@ class Pipeline:
         parameters (one all-gather per stage), so the model is a model again."""
         if self.sharding is not None:
             self.sharding.unshard_for_good(failed)
+            if not self.sharding.modules:  # the user's Parameters hold the weights again (after a failure: the shards)
+                self.local.follow({})
 
     @property
     def holds_last(self) -> bool:
@@ -193,7 +195,8 @@ class Pipeline:
             if run.record:
                 run.records = StepRecords(list(result.records), dict(result.held_bytes))
             if self.tied and (self.reduce is None or self.reduce.now):
-                self.tied.reduce_grads()
+                # without a window-wide reduce, every micro-step sums its own gradients only
+                self.tied.reduce_grads({id(q) for q in params} if self.reduce is None else None)
         if self.holds_last:
             assert result.loss is not None  # the last stage's rank has the loss
             return result.loss, self.means
@@ -569,6 +572,7 @@ def _data_parallel(
         sharding = ShardedStages(
             local.stages, strategy.device_mesh["dp"], mixed_precision(precision), _model_names(local)
         )
+        local.follow(sharding.shards())  # a tied weight read through a placeholder: the shard the stage trains
         return sharding, sharding.reduce
     if layout.dp_degree > 1:
         return None, ReplicaReduce(strategy.group("dp"), layout.dp_degree)

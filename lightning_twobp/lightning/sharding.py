@@ -254,13 +254,19 @@ class ShardedStages:
         # gradients (the same rows on each replica: the same shape, split alike on the same mesh)
         self.twins = [[self.sharded[s][n] for s, n in group] for group in self.twin_names]
 
-    def resolve(self, shared: list[Any]) -> list[Any]:
-        """``shared`` (:class:`~.local_model.SharedParameter`) with this rank's copy of each replaced by
-        its DTensor shard: the parameter the stage and the optimizer now hold."""
-        shard: dict[int, nn.Parameter] = {}  # a parameter two stages here use: the first stage's shard
+    def shards(self) -> dict[int, nn.Parameter]:
+        """The user's Parameter (by id) -> its DTensor shard, the parameter the stage and the optimizer now
+        hold (one two stages here use: the first stage's)."""
+        shard: dict[int, nn.Parameter] = {}
         for s in sorted(self.originals):
             for n, q in self.originals[s].items():
                 shard.setdefault(id(q), self.sharded[s][n])
+        return shard
+
+    def resolve(self, shared: list[Any]) -> list[Any]:
+        """``shared`` (:class:`~.local_model.SharedParameter`) with this rank's copy of each replaced by
+        its DTensor shard: the parameter the stage and the optimizer now hold."""
+        shard = self.shards()
         return [sp if sp.param is None else dataclasses.replace(sp, param=shard[id(sp.param)]) for sp in shared]
 
     def gather(self, refresh: Callable[[int], None]) -> None:
