@@ -7,6 +7,7 @@ import pickle
 
 import pytest
 import torch
+from lightning.pytorch.callbacks import BaseFinetuning
 from torch import nn
 
 from lightning_twobp.lightning.contract import find_contract, find_sequential
@@ -130,6 +131,38 @@ def test_another_ranks_layers_stand_in_by_type_and_a_call_of_one_names_the_fix()
     finally:
         local.restore(False, None, 0, torch.device("cpu"))
     assert type(m.model.blocks[3]) is nn.Linear
+
+
+class _Embeddings(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(5, 4)
+        self.norm = nn.LayerNorm(4)
+
+
+def _tied_in_a_submodule() -> nn.Module:
+    m = nn.Module()
+    m.blocks = nn.Sequential(_Embeddings(), nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 5, bias=False))
+    m.blocks[3].weight = m.blocks[0].tok.weight
+    return m
+
+
+def test_finetuning_freezes_a_tied_weight_in_a_submodule_of_another_stages_layer():
+    """BaseFinetuning.freeze walks the leaves and their parameters(recurse=False); another stage's layer is one
+    leaf here, its placeholder, and the head's copy of the tied weight in its submodule ``tok`` stayed trainable
+    on the last stage, while one process (and the first stage) froze it."""
+    one = _tied_in_a_submodule()
+    BaseFinetuning.freeze(one.blocks[0])
+    assert not one.blocks[3].weight.requires_grad
+    m = _tied_in_a_submodule()
+    local = split_model(find_contract(m), [2, 2], build_schedule("1f1b", 2, 2), pp_rank=1)
+    try:
+        BaseFinetuning.freeze(m.blocks[0])
+        assert not m.blocks[3].weight.requires_grad
+        # its values only: the norm's are not here
+        assert [id(q) for q in m.blocks[0].parameters()] == [id(m.blocks[3].weight)]
+    finally:
+        local.restore(False, None, 1, torch.device("cpu"))
 
 
 class AddsInPlace(nn.Module):

@@ -197,7 +197,10 @@ class _Remote(nn.Module):
         parts = self.__dict__.get("_parts")
         if not parts:
             return
-        named = parts[self.__dict__["_part"]].named_parameters(prefix, recurse, remove_duplicate)
+        # recurse=False too: a walk over the modules (BaseFinetuning.freeze: each leaf's parameters(recurse=False))
+        # meets no submodule of a placeholder, which stands for the whole layer (a tied weight in a submodule of
+        # it, BERT's embeddings.word_embeddings, was left training)
+        named = parts[self.__dict__["_part"]].named_parameters(prefix, True, remove_duplicate)
         for n, q in named:
             held = None if q.is_meta else self._held(q)
             if held is not None:
