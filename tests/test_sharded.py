@@ -365,8 +365,8 @@ def test_tied_gpt2_replicated_accumulating_matches_one_process(four_ranks, reque
 
 class FreezeTheEmbedding(pl.Callback):
     """Freezes the tied embedding by its first name, ``wte``, from batch 1 on: the first window's second
-    micro-step (the first used it), and the whole second window. ``how``: by its weight, by the module, or
-    by the module's parameters."""
+    micro-step (the first used it), and the whole second window. ``how``: by its weight, by the module, by
+    the module's parameters, or as a backbone (the transformer frozen whole, its last block trained)."""
 
     def __init__(self, how: str) -> None:
         self.how = how
@@ -379,16 +379,26 @@ class FreezeTheEmbedding(pl.Callback):
             wte.weight.requires_grad_(False)
         elif self.how == "module":
             wte.requires_grad_(False)
-        else:
+        elif self.how == "parameters":
             for q in wte.parameters():
                 q.requires_grad = False
+        else:  # the transformer's own walk reaches wte's copy only, never lm_head's
+            pl_module.model.transformer.requires_grad_(False)
+            pl_module.model.transformer.h[-1].requires_grad_(True)
 
 
-FROZEN_BY = ["weight", "module", "parameters"]
+FROZEN_BY = ["weight", "module", "parameters", "backbone"]
+# (data_parallel, schedule): each way of freezing where it was wrong (zb-v: both ends on one rank, sharded as
+# two copies there)
+FROZEN_SHARDED = {"weight": "zb-h1", "module": "zb-h1", "weight-v": "zb-v", "backbone-v": "zb-v"}
 
 
 def _fit_tied_frozen(
-    rank: int | None = None, world: int = 1, how: str = "weight", data_parallel: str = "replicate"
+    rank: int | None = None,
+    world: int = 1,
+    how: str = "weight",
+    data_parallel: str = "replicate",
+    schedule: str = "zb-h1",
 ) -> dict:
     """HF GPT-2's tied embeddings (ZB-H1: ``lm_head``'s copy on pipeline rank 1, where ``wte`` is a placeholder)
     under accumulate_grad_batches=2, frozen by :class:`FreezeTheEmbedding`; one process without ``rank``. Two
@@ -399,7 +409,7 @@ def _fit_tied_frozen(
         quiet_trainer(**kw).fit(model, _one_process_order(_tokens()))
         return {n: q.detach() for n, q in model.named_parameters()}
     lightning_env(rank, world)
-    strategy = TwoBPStrategy(pipeline_degree=2, schedule="zb-h1", data_parallel=data_parallel)
+    strategy = TwoBPStrategy(pipeline_degree=2, schedule=schedule, data_parallel=data_parallel)
     if world == 2:
         quiet_trainer(strategy, world, **kw).fit(model, _one_process_order(_tokens()))
     else:
@@ -412,7 +422,8 @@ def test_a_tied_weight_frozen_by_one_name_mid_window_trains_like_one_process(fou
     """One process steps the tied weight in the first window with the gradient of its first micro-step, and
     not in the second. Before stop 58 the last stage's ``wte`` was a placeholder answering a meta stand-in for
     its weight and no parameters, so freezing it there left ``lm_head``'s copy training (0.027 off one process
-    after a step); and the holders' sum dropped a gradient frozen by the window's last micro-step (0.006 off)."""
+    after a step); the backbone frozen whole reaches wte's copy only (0.047 off): the holders agree on each
+    change; and the holders' sum dropped a gradient frozen by the window's last micro-step (0.006 off)."""
     _check_tied_frozen(four_ranks[request.node.name], how)
 
 
@@ -424,15 +435,18 @@ def _check_tied_frozen(results: list[dict], how: str) -> None:
             torch.testing.assert_close(value, ref[name], rtol=1e-5, atol=1e-6, msg=f"rank {rank} {name}")
 
 
-@pytest.mark.parametrize("how", FROZEN_BY)
-def test_a_tied_weight_frozen_through_a_placeholder_sharded_trains_like_one_process(four_ranks, request, how):
+@pytest.mark.parametrize("case", FROZEN_SHARDED)
+def test_a_tied_weight_frozen_through_a_placeholder_sharded_trains_like_one_process(four_ranks, request, case):
     """data_parallel="shard": the last stage trains ``lm_head``'s DTensor shard, and the user's Parameter that
     ``wte``'s set-aside layer keeps holds no values during the call. The placeholder answered that one, so
-    ``wte.weight`` read as zeros there and freezing it left the shard training (0.047 off one process)."""
-    _check_tied_frozen(four_ranks[request.node.name], how)
+    ``wte.weight`` read as zeros there and freezing it left the shard training (0.047 off one process). Under
+    the V both ends sit on rank 0 as two copies: freezing one (by wte's name, or by the transformer as a whole)
+    left the other training, and the copies' sum of a window frozen since its first micro-step was summed
+    again (0.05 off)."""
+    _check_tied_frozen(four_ranks[request.node.name], case.removesuffix("-v"))
 
 
-@pytest.mark.parametrize("how", ["weight", "module"])
+@pytest.mark.parametrize("how", ["weight"])
 def test_a_tied_weight_frozen_mid_window_without_replicas_trains_like_one_process(how):
     """One replica (pp=2 on two ranks): the holders' sum runs every micro-step. The gradient of the window's
     first micro-step, summed then, stays on the tied weight frozen since (no stash takes it aside), and was
@@ -635,8 +649,10 @@ def four_ranks(request) -> conftest.Launch:
     for how in FROZEN_BY:
         name = f"test_a_tied_weight_frozen_by_one_name_mid_window_trains_like_one_process[{how}]"
         cases[name] = (functools.partial(_fit_tied_frozen, how=how), ())
-        name = f"test_a_tied_weight_frozen_through_a_placeholder_sharded_trains_like_one_process[{how}]"
-        cases[name] = (functools.partial(_fit_tied_frozen, how=how, data_parallel="shard"), ())
+    for case, schedule in FROZEN_SHARDED.items():
+        name = f"test_a_tied_weight_frozen_through_a_placeholder_sharded_trains_like_one_process[{case}]"
+        how = case.removesuffix("-v")
+        cases[name] = (functools.partial(_fit_tied_frozen, how=how, data_parallel="shard", schedule=schedule), ())
     for how in ("replicate", "shard"):
         cases[f"test_tied_copies_given_different_optimizer_settings_are_refused[{how}]"] = (_fit_head_apart, (how,))
     cases["test_a_weight_on_two_stages_of_one_rank_and_on_another_sharded_matches_one_process"] = (

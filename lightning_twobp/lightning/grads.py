@@ -246,9 +246,41 @@ class TiedParameters:
         self._twins = [list(copies) for copies in twins]
         self.not_counted = {id(q) for q, _, first in self._tied if first != me}
         self.not_counted |= {id(q) for copies in self._twins for q in copies[1:]}
+        # each weight's copies on this rank, its holders' group (None: this rank's alone) and its agreed flag
+        self._flags: list[tuple[list[nn.Parameter], dist.ProcessGroup | None, list[bool]]] = []
+        firsts = {id(copies[0]): copies for copies in self._twins}
+        for q, group, _ in self._tied:
+            copies = firsts.pop(id(q), [q])
+            self._flags.append((copies, group, [q.requires_grad]))
+        self._flags += [(copies, None, [copies[0].requires_grad]) for copies in firsts.values()]
 
     def __bool__(self) -> bool:
         return bool(self._tied or self._twins)
+
+    def agree_requires_grad(self) -> None:
+        """Before each micro-step's forward: every copy of a tied weight takes the ``requires_grad`` that one of
+        them was given since the last agreement, on this rank or another holder, as the one parameter of one
+        process is frozen or unfrozen by any of its names. A name can reach one copy only (the backbone frozen
+        as a whole, ``model.transformer.requires_grad_(False)``, reaches wte's copy and not lm_head's; under
+        the V, sharded, each end holds its own copy): the others trained on, silently. Opposite changes
+        are refused, naming the weight."""
+        for copies, group, agreed in self._flags:
+            down = any(agreed[0] and not q.requires_grad for q in copies)
+            up = any(not agreed[0] and q.requires_grad for q in copies)
+            if group is not None:
+                votes = torch.tensor([float(down), float(up)], device=copies[0].device)
+                dist.all_reduce(votes, group=group)
+                down, up = bool(votes[0] > 0), bool(votes[1] > 0)
+            if down and up:
+                raise ValueError(
+                    f"twobp: a tied weight ({tuple(copies[0].shape)}) was frozen by one of its names and unfrozen "
+                    f"by another since the last step (its copies on the ranks that use it disagree); in one process "
+                    f"the last change wins, which the pipeline cannot tell: freeze or unfreeze it by one name"
+                )
+            if down or up:
+                agreed[0] = up
+                for q in copies:
+                    q.requires_grad_(up)
 
     @torch.no_grad()
     def sync_values(self) -> None:
@@ -267,6 +299,8 @@ class TiedParameters:
         after a step), so it adds zeros to the sum and keeps its own."""
         twins = [copies for copies in self._twins if any(q.grad is not None for q in copies)]
         for first, *copies in twins:  # this rank's uses first: the sum lands in the first copy
+            if fresh is not None and not any(id(q) in fresh for q in (first, *copies)):
+                continue  # frozen since an earlier micro-step of the window: every copy holds that sum already
             if first.grad is None:
                 first.grad = torch.zeros_like(first)
             for q in copies:

@@ -552,6 +552,9 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
     def _train_step(self, pipeline: Pipeline, args: tuple, kwargs: dict) -> tuple[torch.Tensor, Any]:
         pipeline.runner.begin("training_step", args, kwargs, self.num_microbatches, exact=True)
         run = StepRun(f"global step {self.lightning_module.trainer.global_step}", record=self._record_next)
+        if pipeline.tied:  # before the trained parameters are listed: a tied weight's copies frozen alike
+            with self._naming_lost("the agreement of the tied weights' requires_grad"):
+                pipeline.tied.agree_requires_grad()
         params = [q for q in self.lightning_module.parameters() if q.requires_grad]
         result = pipeline.train_step(self._stash, params, run, Window.of(self.lightning_module.trainer))
         if run.records is not None:
