@@ -454,6 +454,29 @@ def test_a_tied_weight_frozen_mid_window_without_replicas_trains_like_one_proces
     _check_tied_frozen(run_distributed(functools.partial(_fit_tied_frozen, how=how), 2, timeout=300), how)
 
 
+def _opposite_changes(rank: int, world: int) -> str:
+    """A tied weight on two ranks, frozen on rank 0 and (frozen before, agreed) unfrozen on rank 1 since."""
+    from lightning_twobp.lightning.grads import TiedParameters
+    from lightning_twobp.lightning.local_model import SharedParameter
+
+    q = nn.Parameter(torch.ones(3), requires_grad=rank == 0)
+    tied = TiedParameters([SharedParameter(("a", "b"), (0, 1), q)], lambda ranks: [list(ranks)])
+    q.requires_grad_(rank != 0)
+    try:
+        tied.agree_requires_grad()
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def test_a_tied_weight_frozen_and_unfrozen_by_two_names_is_refused():
+    """Its copies' flags changed both ways since the last agreement: one process's last change wins, which the
+    ranks cannot tell apart; refused on both, naming the fix."""
+    for said in run_distributed(_opposite_changes, 2, timeout=120):
+        assert "frozen by one of its names and unfrozen by another" in said, said
+        assert "freeze or unfreeze it by one name" in said, said
+
+
 def _data() -> DataLoader:
     return regression_data(d_out=3)
 
