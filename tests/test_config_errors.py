@@ -333,6 +333,18 @@ def _groups_by_position() -> None:
     checked_optimizers(lambda: None, net, lambda: optimizers, 1, [1], 2, one_process)
 
 
+def _tied_in_two_groups() -> None:
+    """torch's refusal of a parameter in two groups, on pipeline rank 1 of 2 (tests/test_sharded.py's tied GPT-2
+    makes it end to end: its embedding's group by module, the rest by name)."""
+    net = Net()
+    wte = net.layers[0].weight
+
+    def setup() -> None:
+        torch.optim.SGD([{"params": [wte]}, {"params": [wte, net.layers[2].weight]}], lr=0.1)
+
+    checked_optimizers(setup, net, lambda: [], 1, [1], 2)
+
+
 def _zero_over_two_stages() -> None:
     """ZeroRedundancyOptimizer over the world, seen from pipeline rank 1 of 2: global rank 0 holds stage 0."""
     from torch.distributed.optim import ZeroRedundancyOptimizer
@@ -1134,6 +1146,12 @@ CASES: dict[str, Case] = {
         r"configure_optimizers on pipeline rank 1 steps 2 of its parameters otherwise than one process does: "
         r"layers.2.weight is in optimizer 0 \(SGD, lr=0.1, .*\) here and in optimizer 0 \(SGD, lr=0.01, .*\) in one "
         r"process .* choose each group's parameters by name or module",
+    ),
+    "fit-optimizer-tied-in-two-groups": (
+        lambda t: _tied_in_two_groups(),
+        ValueError,
+        r"configure_optimizers on pipeline rank 1 \(stages \[1\]\) put a parameter in two param groups \(some "
+        r"parameters appear in more than one parameter group\)\. .* a tied weight .* Choose its group by one name",
     ),
     "fit-optimizer-zero-over-stages": (
         # the check as setup runs it on pipeline rank 1 of 2 (tests/test_strategy.py refuses it end to end)

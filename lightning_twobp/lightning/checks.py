@@ -328,6 +328,14 @@ def checked_optimizers(
             f"settings), and leave layers untrained with requires_grad_(False) instead of leaving them out (an "
             f"optimizer over the parameters that require grad has none on a rank whose layers are all frozen)"
         )
+    elif isinstance(error, ValueError) and "more than one parameter group" in str(error) and pipeline_degree > 1:
+        problem = (
+            f"configure_optimizers on pipeline rank {pp_rank} (stages {list(stages)}) put a parameter in two param "
+            f"groups ({error}). Where it runs in one process without this error, the parameter is a tied weight "
+            f"(lm_head's and wte's): one process lists it under its first name only (self.named_parameters()), and "
+            f"this rank holds a copy listed under each of its names (lm_head.weight, and wte.parameters() through "
+            f"the placeholder of wte's stage). Choose its group by one name or one module"
+        )
     else:
         problem = f"configure_optimizers failed on pipeline rank {pp_rank}: {type(error).__name__}: {error}"
     others = [p for p in _everyone(problem) if p and p != problem]
