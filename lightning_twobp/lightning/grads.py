@@ -268,8 +268,21 @@ class TiedParameters:
             down = any(agreed[0] and not q.requires_grad for q in copies)
             up = any(not agreed[0] and q.requires_grad for q in copies)
             if group is not None:
-                votes = torch.tensor([float(down), float(up)], device=copies[0].device)
+                # with the holders' agreed flags too: each starts as its own copy's, which a change by one name
+                # after an earlier Trainer call's last step left apart (the backbone frozen whole in on_train_end:
+                # wte's copy only); no copy moves from its own start, so no vote came, and the next call trained
+                # the trainable holder's copy, its sum stepping the frozen one too (0.028 off one process, the
+                # holders apart)
+                votes = torch.tensor([float(down), float(up), float(agreed[0]), 1.0], device=copies[0].device)
                 dist.all_reduce(votes, group=group)
+                if 0 < votes[2] < votes[3]:
+                    raise ValueError(
+                        f"twobp: a tied weight ({tuple(copies[0].shape)}) starts this Trainer call with different "
+                        f"requires_grad on the ranks that use it (changed by one of its names after an earlier "
+                        f"call's last step, which reached some of its copies only); in one process it is one "
+                        f"parameter: freeze or unfreeze it by one name before the call (between calls the model is whole "
+                        f"again on every rank: `lm_head.weight.requires_grad_(...)` reaches every copy)"
+                    )
                 down, up = bool(votes[0] > 0), bool(votes[1] > 0)
             if down and up:
                 raise ValueError(
