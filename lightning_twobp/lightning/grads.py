@@ -262,8 +262,9 @@ class TiedParameters:
         them was given since the last agreement, on this rank or another holder, as the one parameter of one
         process is frozen or unfrozen by any of its names. A name can reach one copy only (the backbone frozen
         as a whole, ``model.transformer.requires_grad_(False)``, reaches wte's copy and not lm_head's; under
-        the V, sharded, each end holds its own copy): the others trained on, silently. Opposite changes
-        are refused, naming the weight."""
+        the V, sharded, each end holds its own copy): the others trained on, silently. It sees where each copy
+        ended, not the order of the calls: set twice between two steps by different names, the change away
+        from the agreed value wins (docs/strategy.md). Holders that start apart are refused, naming the fix."""
         for copies, group, agreed in self._flags:
             down = any(agreed[0] and not q.requires_grad for q in copies)
             up = any(not agreed[0] and q.requires_grad for q in copies)
@@ -280,8 +281,8 @@ class TiedParameters:
                         f"twobp: a tied weight ({tuple(copies[0].shape)}) starts this Trainer call with different "
                         f"requires_grad on the ranks that use it (changed by one of its names after an earlier "
                         f"call's last step, which reached some of its copies only); in one process it is one "
-                        f"parameter: freeze or unfreeze it by one name before the call (between calls the model is whole "
-                        f"again on every rank: `lm_head.weight.requires_grad_(...)` reaches every copy)"
+                        f"parameter: freeze or unfreeze it by one name before the call (between calls the model is "
+                        f"whole again on every rank: `lm_head.weight.requires_grad_(...)` reaches every copy)"
                     )
                 down, up = bool(votes[0] > 0), bool(votes[1] > 0)
             if down and up:
