@@ -41,16 +41,12 @@ class Peak(pl.Callback):
         self.peak = peak_rss_mb() - self.before
 
 
-def worker(rank: int, world: int, kept: bool) -> tuple[float, float]:
+def fit_peak(rank: int, world: int, schedule: str) -> tuple[float, float]:
+    """One rank of the 2-rank fit under ``schedule``: (peak MB above the built model, this rank's gradients MB)."""
     import os
 
     os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world), RANK=str(rank))
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")  # run_distributed exported MASTER_PORT
-    torch.set_num_threads(1)
-    if kept:  # as before stop 57: nothing dropped before the pipeline step
-        from lightning_twobp.lightning import grads
-
-        grads.dropped_after_step = lambda trainer: frozenset()
     model, peak = Big(), Peak()
     x, y = torch.randn(64, WIDTH), torch.randn(64, WIDTH)
     return_freed_memory()
@@ -59,7 +55,7 @@ def worker(rank: int, world: int, kept: bool) -> tuple[float, float]:
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=world,
-        strategy=TwoBPStrategy(schedule="1f1b", num_microbatches=4),
+        strategy=TwoBPStrategy(schedule=schedule, num_microbatches=4),
         max_steps=4,
         callbacks=[peak],
         logger=False,
@@ -70,6 +66,15 @@ def worker(rank: int, world: int, kept: bool) -> tuple[float, float]:
     trainer.fit(model, DataLoader(TensorDataset(x, y), batch_size=8))
     grads_mb = sum(4 * q.numel() for q in model.parameters() if not q.is_meta) / 1e6
     return round(peak.peak, 1), round(grads_mb, 1)
+
+
+def worker(rank: int, world: int, kept: bool) -> tuple[float, float]:
+    torch.set_num_threads(1)
+    if kept:  # as before stop 57: nothing dropped before the pipeline step
+        from lightning_twobp.lightning import grads
+
+        grads.dropped_after_step = lambda trainer: frozenset()
+    return fit_peak(rank, world, "1f1b")
 
 
 if __name__ == "__main__":
