@@ -285,12 +285,7 @@ class TiedParameters:
                         f"whole again on every rank: `lm_head.weight.requires_grad_(...)` reaches every copy)"
                     )
                 down, up = bool(votes[0] > 0), bool(votes[1] > 0)
-            if down and up:
-                raise ValueError(
-                    f"twobp: a tied weight ({tuple(copies[0].shape)}) was frozen by one of its names and unfrozen "
-                    f"by another since the last step (its copies on the ranks that use it disagree); in one process "
-                    f"the last change wins, which the pipeline cannot tell: freeze or unfreeze it by one name"
-                )
+            # one agreed flag on every holder (checked above): a vote comes from one side of it, never both
             if down or up:
                 agreed[0] = up
                 for q in copies:
