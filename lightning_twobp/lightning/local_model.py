@@ -123,7 +123,7 @@ class _Remote(nn.Module):
         """What a read of the set-aside layer gives here: a module as a placeholder, a tensor as Elsewhere."""
         if isinstance(value, nn.Module):
             return self._child(value, where)
-        if isinstance(value, nn.Parameter) and not value.is_meta and (held := self._held(value)) is not None:
+        if isinstance(value, nn.Parameter) and (held := self._held(value)) is not None:
             # kept when set aside: a stage of this rank uses it too (a tied weight: wte's set aside beside
             # lm_head's here). The rank's own copy, so that what the model's code does to it here acts on it:
             # `wte.weight.requires_grad_(False)` froze a meta stand-in on the last stage, whose copy trained on
@@ -138,7 +138,8 @@ class _Remote(nn.Module):
     def _held(self, q: nn.Parameter) -> nn.Parameter | None:
         """The Parameter this rank's stages train for ``q``, a tied weight kept in the set-aside layer: ``q``, or
         its DTensor shard under data_parallel="shard" (where ``q``, the user's, holds no values during the call:
-        answered as it was, it read as zeros and froze nothing); None for another (a copy of the placeholder)."""
+        answered as it was, it read as zeros and froze nothing); None for another (one set aside on the meta device,
+        or any in a copy of the placeholder): ``current`` holds the kept ones only."""
         current = self.__dict__.get("_current")
         return current.get(id(q)) if current is not None else None
 
@@ -202,7 +203,7 @@ class _Remote(nn.Module):
         # it, BERT's embeddings.word_embeddings, was left training)
         named = parts[self.__dict__["_part"]].named_parameters(prefix, True, remove_duplicate)
         for n, q in named:
-            held = None if q.is_meta else self._held(q)
+            held = self._held(q)
             if held is not None:
                 yield n, held
 
@@ -212,7 +213,7 @@ class _Remote(nn.Module):
             layer = parts[self.__dict__["_part"]]
             layer.requires_grad_(requires_grad)
             for q in layer.parameters():
-                held = None if q.is_meta else self._held(q)
+                held = self._held(q)
                 if held is not None:
                     held.requires_grad_(requires_grad)
         return self
