@@ -34,9 +34,10 @@ With ``schedule=auto`` and ``strategy.activation_checkpointing=auto`` the search
 and ``full`` (a checkpointed layer's B taken as twice its F, the recompute's bytes added to its peaks)
 and the plan is then that of its choice, checkpointed or not.
 
-Where the schedule checks its optimizer steps after taking them (post-validation: zb-h2 and zb-v by default),
-each stage's gradients stay through the next step, and with clipping by norm a copy of its weights and
-optimizer state too (``StagePlan.checked_bytes``); with data-parallel replicas the reduce's copy of a stage's
+Where the schedule checks its optimizer steps after taking them (post-validation: zb-h2 and zb-v by default)
+and may put one back (clipping by norm, ``on_nonfinite=skip``), each stage's gradients stay through the next
+step, with a copy of its weights and optimizer state (``StagePlan.checked_bytes``; nothing without); with
+data-parallel replicas the reduce's copy of a stage's
 gradients lives from its last W to the step's end (``StagePlan.reduce_bytes``).
 
 Replaying the schedule's action order (:func:`~lightning_twobp.schedules.replay_memory`) then gives each rank's peak: F
