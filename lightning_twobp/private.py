@@ -25,6 +25,7 @@ __all__ = [
     "TorchDispatchMode",
     "collect_rng_states",
     "disabled_torch_function_impl",
+    "dtensor_op_handlers",
     "efficient_attention",
     "flash_attention_cpu",
     "forward_hooks",
@@ -157,6 +158,15 @@ def process_groups() -> list[Any]:
     return list(dist.distributed_c10d._world.pg_map) if dist.is_initialized() else []
 
 
+def dtensor_op_handlers() -> dict[Any, Callable[..., Any]]:
+    """DTensor's table of ops it hands to a Python function instead of its sharding rules (op -> handler
+    ``(op, args, kwargs)``), read on every DTensor op. torch's own ``loss_parallel`` adds its handlers to it
+    the same way; there is no public registration (lightning/mesh_equal.py)."""
+    from torch.distributed.tensor import DTensor
+
+    return DTensor._op_dispatcher._custom_op_handlers
+
+
 # ------------------------------------------------------------------ Lightning
 def collect_rng_states(include_cuda: bool) -> dict[str, Any]:
     """Lightning's own collection of torch, CUDA, NumPy and Python random states (what its checkpoints
@@ -253,6 +263,7 @@ GUARDED: tuple[tuple[str, str], ...] = (
     ("torch.Tensor", "_make_wrapper_subclass"),
     ("torch._C._distributed_c10d.Backend", "Options"),
     ("torch.distributed.distributed_c10d", "_world"),
+    ("torch.distributed.tensor.DTensor", "_op_dispatcher"),
     ("torch.utils._python_dispatch", "TorchDispatchMode"),
     ("torch.ops.aten", "_local_scalar_dense"),
     ("torch.ops.aten", "_scaled_dot_product_flash_attention_for_cpu"),

@@ -454,6 +454,28 @@ def test_a_tied_weight_frozen_mid_window_without_replicas_trains_like_one_proces
     _check_tied_frozen(run_distributed(functools.partial(_fit_tied_frozen, how=how), 2, timeout=300), how)
 
 
+def _fit_unfrozen(rank: int, world: int) -> dict[str, torch.Tensor]:
+    import test_requires_grad_flips  # the fine-tuning schedule its test runs on one replica
+
+    lightning_env(rank, world)
+    strategy = TwoBPStrategy(pipeline_degree=2, schedule="1f1b", balance=[3, 2], data_parallel="shard")
+    return test_requires_grad_flips._fit_backbone(strategy, world)
+
+
+def test_a_backbone_unfrozen_into_a_group_of_its_own_sharded_trains_like_one_process(four_ranks, request):
+    """Lightning's ``BaseFinetuning.unfreeze_and_add_param_group`` compares each parameter it adds with the
+    optimizer's by ``torch.equal``: on the shards, DTensor's all-reduce over the whole world, which the ranks of
+    the other pipeline stage never joined. The backbone's replicas waited for ever at the unfreezing epoch
+    (stop 59); they reduce over their own mesh now, and train as one process does."""
+    import test_requires_grad_flips
+
+    ref = test_requires_grad_flips._fit_backbone("auto", 1)
+    for rank, params in enumerate(four_ranks[request.node.name]):
+        assert params, f"rank {rank} holds no parameters"
+        for name, value in params.items():
+            torch.testing.assert_close(value, ref[name], rtol=1e-5, atol=1e-6, msg=f"rank {rank} {name}")
+
+
 def _opposite_changes(rank: int, world: int) -> str:
     """A tied weight on two ranks, frozen on rank 0 and (frozen before, agreed) unfrozen on rank 1 since."""
     from lightning_twobp.lightning.grads import TiedParameters
@@ -712,6 +734,7 @@ def four_ranks(request) -> conftest.Launch:
         _fit,
         ({"schedule": "zb-h1"}, ("shard", "replicate"), False, "32-true", 1, LooseRegressor),
     )
+    cases["test_a_backbone_unfrozen_into_a_group_of_its_own_sharded_trains_like_one_process"] = (_fit_unfrozen, ())
     return launch(request, 4, cases, timeout=900)
 
 
