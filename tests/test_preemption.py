@@ -19,7 +19,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from lightning_twobp import Preempted
+from lightning_twobp import Preempted, TwoBPStrategy
 from lightning_twobp.lightning import checkpoint as ckpt
 from lightning_twobp.processes import free_port, rank_env, run_distributed
 
@@ -185,6 +185,71 @@ def test_sigterm_stops_every_rank_at_one_step_saves_and_exits_non_zero(tmp_path)
             # skipped it; at an epoch's end, the ended epoch's position: it skipped an epoch; inside an
             # accumulation window, the window's first half was lost)
             assert seen[0]["differs"] == seen[1]["differs"] == [], seen
+
+
+class SignalInEvaluation(pl.Callback):
+    """SIGTERM to global rank ``rank`` from inside the forward of its evaluation batch ``at``."""
+
+    def __init__(self, rank: int, at: int) -> None:
+        self.rank, self.at = rank, at
+
+    def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0):
+        self._arm(trainer, batch_idx)
+
+    def on_predict_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0):
+        self._arm(trainer, batch_idx)
+
+    def _arm(self, trainer, batch_idx):
+        if trainer.global_rank == self.rank and batch_idx == self.at:
+            SignalMidStep({self.rank})._arm(trainer)
+
+
+# pp2 x dp2 (tests/test_sharded.py's shared launch): (data_parallel, call, the rank signalled, in its
+# batch, each replica's batches). "tail": a batch only replica 0 reads; "short-last": the last batch of
+# replica 1, which reads fewer; "last": the call's last batch, stopped at the call's end.
+EVALUATION_CASES = {
+    "validate-shard": ("shard", "validate", 1, 3, (6, 6)),
+    "predict-replicate": ("replicate", "predict", 1, 3, (6, 6)),
+    "validate-uneven-tail": ("replicate", "validate", 1, 7, (10, 6)),
+    "validate-uneven-short-last": ("replicate", "validate", 3, 5, (10, 6)),
+    "predict-shard-last": ("shard", "predict", 2, 5, (6, 6)),
+}
+
+
+def evaluation_preempted(rank: int, world: int) -> dict:
+    """Each of EVALUATION_CASES on this rank: what the call raised, and where every rank stopped."""
+    from conftest import lightning_env, quiet_trainer, regression_data
+
+    lightning_env(rank, world)
+    out = {}
+    for case, (how, call, signalled, at, batches) in EVALUATION_CASES.items():
+        strategy = TwoBPStrategy(schedule="1f1b", pipeline_degree=2, data_parallel=how, pipeline_timeout=60)
+        trainer = quiet_trainer(strategy, world, callbacks=[SignalInEvaluation(signalled, at)])
+        data = regression_data(n=8 * batches[rank // 2])
+        try:
+            getattr(trainer, call)(AdamRegressor(), data, **({"verbose": False} if call == "validate" else {}))
+            out[case] = {"error": None}
+        except Preempted as stop:
+            where = str(stop).split("every rank stopped before ")[1].split(",")[0]
+            out[case] = {"error": str(stop), "code": stop.code, "before": where}
+        out[case]["handler"] = signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    return out
+
+
+def check_evaluation_preempted(results: list[dict]) -> None:
+    """Every rank raised Preempted (143) before the same batch, one or two after the signal's, or at the
+    call's end after its last batch; nothing else (PeerLost, a hang, a finished call)."""
+    for case, (_, call, signalled, at, batches) in EVALUATION_CASES.items():
+        seen = [r[case] for r in results]
+        assert all(s["error"] is not None for s in seen), (case, seen)
+        assert len({s["before"] for s in seen}) == 1, (case, seen)
+        kind = "validation" if call == "validate" else call
+        last = at + 1 >= max(batches)
+        allowed = {f"the end of the {kind} call"} if last else {f"{kind} batch {at + 1}", f"{kind} batch {at + 2}"}
+        assert seen[0]["before"] in allowed, (case, seen)
+        for s in seen:
+            assert s["code"] == 128 + signal.SIGTERM and s["handler"], (case, s)
+            assert f"SIGTERM on rank(s) [{signalled}]" in s["error"], (case, s)
 
 
 def _requeue(rank: int, world: int, port: int, root: str) -> dict:

@@ -691,6 +691,8 @@ SCHEDULES = {
 
 @pytest.fixture(scope="module")
 def four_ranks(request) -> conftest.Launch:
+    import test_preemption
+
     cases = {
         "test_1f1b_sharded_matches_one_process_with_a_dp_th_of_the_bytes": (
             _fit,
@@ -740,7 +742,24 @@ def four_ranks(request) -> conftest.Launch:
         ({"schedule": "zb-h1"}, ("shard", "replicate"), False, "32-true", 1, LooseRegressor),
     )
     cases["test_a_backbone_unfrozen_into_a_group_of_its_own_sharded_trains_like_one_process"] = (_fit_unfrozen, ())
+    # last: before its fix, a replica left waiting on the stopped pipeline closed the links (PeerLost)
+    cases["test_sigterm_in_an_evaluation_call_stops_every_replica_at_one_batch"] = (
+        test_preemption.evaluation_preempted,
+        (),
+    )
     return launch(request, 4, cases, timeout=900)
+
+
+def test_sigterm_in_an_evaluation_call_stops_every_replica_at_one_batch(four_ranks, request):
+    """SIGTERM to one rank in ``trainer.validate`` or ``predict``, pp2 x dp2 replicated and sharded, with
+    replicas reading the same or different numbers of batches (test_preemption.EVALUATION_CASES): every
+    rank raises Preempted (143) before the same batch, or at the call's end after its last. Each pipeline
+    agreed on its own: the pipeline signalled stopped and the other replica named it lost (PeerLost) in
+    its next all-gather of a stage's shards or in the reduce of the logged values, or (predict,
+    replicated) finished the call."""
+    import test_preemption
+
+    test_preemption.check_evaluation_preempted(four_ranks[request.node.name])
 
 
 def test_1f1b_sharded_matches_one_process_with_a_dp_th_of_the_bytes(four_ranks, request, reference):

@@ -144,13 +144,25 @@ def _batches(count: float) -> str:
     return "unsized (inf) batches" if math.isinf(count) else f"{int(count)} batches"
 
 
-def eval_length(trainer: Any, kind: str, index: int) -> tuple[str, float] | None:
-    """(what, batches) of evaluation loader ``index`` of ``kind`` (validation, test, predict) as Lightning counts
-    them for this run (the sanity check's own count in it), or None where Lightning keeps no count."""
+def eval_lengths(trainer: Any, kind: str) -> list[float] | None:
+    """The batches of each evaluation loader of ``kind`` as Lightning counts them for this run, or None where
+    it keeps no count (the lengths :func:`eval_length` names)."""
+    counts = _eval_counts(trainer, kind)
+    return [float(n) for n in counts] if counts is not None else None
+
+
+def _eval_counts(trainer: Any, kind: str) -> list | tuple | None:
     name = {"validation": "num_val_batches", "test": "num_test_batches", "predict": "num_predict_batches"}.get(kind)
     if kind == "validation" and trainer.sanity_checking:
         name = "num_sanity_val_batches"
     counts = getattr(trainer, name, None) if name is not None else None
-    if not isinstance(counts, list | tuple) or not 0 <= index < len(counts):
+    return counts if isinstance(counts, list | tuple) else None
+
+
+def eval_length(trainer: Any, kind: str, index: int) -> tuple[str, float] | None:
+    """(what, batches) of evaluation loader ``index`` of ``kind`` (validation, test, predict) as Lightning counts
+    them for this run (the sanity check's own count in it), or None where Lightning keeps no count."""
+    counts = _eval_counts(trainer, kind)
+    if counts is None or not 0 <= index < len(counts):
         return None
     return f"{kind} loaders (dataloader_idx {index})", float(counts[index])

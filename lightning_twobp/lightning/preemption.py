@@ -10,8 +10,13 @@ messages, so it has finished by then: nothing on the hot path waits for it and n
 synchronised. Once they agree, each rank keeps the training loader's position as it is at that step's
 end, before Lightning takes the next batch, for the checkpoint saved at the stop.
 
-An evaluation call (validate, test, predict) agrees likewise, per batch, among the ranks of each
-pipeline; the handler replaces Lightning's from the start of fit's sanity check or of that call.
+An evaluation call (validate, test, predict) agrees likewise, per batch, over the world: its data-parallel
+replicas wait on each other in it (the sharded stages' all-gathers in each batch, the reduce of the logged
+values at its end), so a pipeline that stopped alone left them waiting on it. Replicas may read different
+numbers of evaluation batches: the call's start tells every rank each replica's count per loader, and a
+replica with fewer joins the reduces of the batches it lacks after its last one (where a count is unknown,
+an iterable loader's, each pipeline agrees on its own, as before). The handler replaces Lightning's from
+the start of fit's sanity check or of that call.
 
 Once a rank sees a signal every rank raises :class:`Preempted` before the same training step: Lightning's
 ``on_exception`` hooks then run at one step boundary on every rank alike, so
@@ -103,28 +108,27 @@ def _requeue_signal(trainer: Any) -> int | None:
 
 class StopSignals:
     """The signals that stop training, noted by a handler and agreed on by every rank at step boundaries;
-    in an evaluation call (validate, test, predict) by the ranks of each pipeline at batch boundaries.
+    in an evaluation call (validate, test, predict) at batch boundaries (:meth:`plan_evaluation`).
 
-    ``pipelines``: the global ranks of every pipeline (every rank creates every group, in one order). An
-    evaluation call agrees within its pipeline only: data-parallel replicas may read different numbers
-    of evaluation batches, and a reduce over the world per batch would then wait on a replica that has
-    none left."""
+    ``pipelines``: the global ranks of every pipeline (every rank creates every group, in one order): an
+    evaluation call whose loaders' lengths some rank does not know agrees within each pipeline."""
 
     def __init__(self, timeout: timedelta, pipelines: list[list[int]] | None = None) -> None:
-        # (group, the global rank of each position in it): the world's for training
-        self._groups: dict[str, tuple[Any, list[int]]] = {"training": (None, [0]), "evaluation": (None, [0])}
+        # (group, the global rank of each position in it): "world", and this rank's "pipeline"
+        self._groups: dict[str, tuple[Any, list[int]]] = {"world": (None, [0]), "pipeline": (None, [0])}
         self._rank = 0
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             # gloo even under NCCL: the flags stay on the host, so reading them never syncs a device.
             world, self._rank = list(range(dist.get_world_size())), dist.get_rank()
-            self._groups["training"] = self._groups["evaluation"] = (
+            self._groups["world"] = self._groups["pipeline"] = (
                 dist.new_group(backend="gloo", timeout=timeout),
                 world,
             )
             for ranks in pipelines if pipelines is not None and len(pipelines) > 1 else []:
                 group = dist.new_group(ranks, backend="gloo", timeout=timeout)
                 if self._rank in ranks:
-                    self._groups["evaluation"] = (group, ranks)
+                    self._groups["pipeline"] = (group, ranks)
+        self._evaluation: _EvaluationPlan | None = None  # an evaluation call's agreement over the world
         self._trainer: Any = None
         self._replaced: dict[int, Any] = {}
         self._signum = 0  # the first signal this rank received, 0: none
@@ -171,11 +175,11 @@ class StopSignals:
         self._replaced = {}
 
     # ------------------------------------------------------------------ agreement
-    def agree(self, where: str, among: str = "training") -> None:
-        """At the start of a step on every rank of ``among`` ("training": the world; "evaluation": this
-        pipeline), ``where`` naming it ("training step 5", "validation batch 3"): read what the previous
-        step's reduce says (or :meth:`settle` read), raise :class:`Preempted` if any rank was signalled,
-        else start this step's reduce."""
+    def agree(self, where: str, among: str = "world") -> None:
+        """At the start of a step on every rank of ``among`` ("world", or this "pipeline"), ``where`` naming
+        it ("training step 5", "validation batch 3"): read what the previous step's reduce says (or
+        :meth:`settle` read), raise :class:`Preempted` if any rank was signalled, else start this step's
+        reduce."""
         if not self._replaced:
             return
         seen = self._agreed if self._agreed is not None else self._read()
@@ -186,6 +190,51 @@ class StopSignals:
         flags[members.index(self._rank)] = self._signum
         work = dist.all_reduce(flags, group=group, async_op=True) if group is not None else None
         self._pending = (work, flags, members)
+
+    def plan_evaluation(self, counts: list[float] | None) -> None:
+        """At an evaluation call's start, on every rank (a blocking collective over the world, where there
+        are several pipelines): ``counts``, this rank's batches per loader (None: unknown). Where every rank
+        knows its counts, the call agrees over the world (:meth:`agree_batch`); else within each pipeline."""
+        self._evaluation = None
+        group, members = self._groups["world"]
+        if not self._replaced or group is None or self._groups["pipeline"][1] == members:
+            return  # one pipeline: every rank of it reads as many batches (loaders.check_same_batch)
+        every: list[Any] = [None] * len(members)
+        dist.all_gather_object(every, counts, group=group)
+        known = all(c is not None and len(c) == len(every[0]) and all(n < float("inf") for n in c) for c in every)
+        if known:
+            self._evaluation = _EvaluationPlan(
+                own=[int(n) for n in every[members.index(self._rank)]],
+                most=[int(max(n)) for n in zip(*every, strict=True)],
+            )
+
+    def agree_batch(self, kind: str, loader: int, index: int | None) -> None:
+        """Before batch ``index`` of evaluation loader ``loader`` (``kind``: validation, test, predict) on every
+        rank that reads it: :meth:`agree` over the world, after joining the reduces of the batches other
+        replicas read and this one lacks (the end of an earlier loader's); within the pipeline where
+        :meth:`plan_evaluation` found no counts, or the step takes no batch index (a ``dataloader_iter``)."""
+        plan = self._evaluation
+        if plan is None or index is None:
+            self.agree(f"{kind} batch {index or 0}", among="pipeline")
+            return
+        self._pad(kind, plan.offsets[loader] + index)
+        self.agree(plan.where(kind, loader, index))
+        plan.position += 1
+
+    def after_batch(self, kind: str, loader: int, index: int | None) -> None:
+        """After evaluation batch ``index`` of ``loader``: where it was this rank's last of the loader, join
+        the reduces of the loader's batches that other replicas still read (each waits for them to reach it),
+        before Lightning reduces the loader's logged values over the replicas."""
+        plan = self._evaluation
+        if plan is not None and index is not None and index == plan.own[loader] - 1:
+            self._pad(kind, plan.next_start(loader))
+
+    def _pad(self, kind: str, end: int) -> None:
+        plan = self._evaluation
+        assert plan is not None
+        while plan.position < end:
+            self.agree(plan.where(kind, *plan.batch(plan.position)))
+            plan.position += 1
 
     def settle(self, loader_states: Callable[[], Any], epoch_ended: bool, steps: bool = True) -> None:
         """At the end of a training step on every rank: read this step's reduce (every rank started it
@@ -206,10 +255,20 @@ class StopSignals:
             self._agreed = seen
             self.loader_states = [] if epoch_ended else loader_states()
 
-    def close(self) -> None:
+    def close(self, where: str | None = None) -> None:
         """Training (or an evaluation call) ended: wait for the last reduce, so that no collective of ours
-        stays in flight."""
-        self._read()
+        stays in flight. With ``where`` (an evaluation call's end, on every rank), agree once more, on the
+        flags as they are now, and raise :class:`Preempted` if a rank was signalled: a signal in the last
+        batch stopped nothing, and the next Trainer call forgot it."""
+        if where is None or not self._replaced:
+            self._read()
+            return
+        among = "world" if self._evaluation is not None else "pipeline"
+        self._evaluation = None
+        self.agree(where, among)  # the last batch's reduce; then one of the flags now, read at once
+        seen = self._read()
+        if seen is not None:
+            self._stop(*seen, where)
 
     def _read(self) -> tuple[torch.Tensor, list[int]] | None:
         pending, self._pending = self._pending, None
@@ -238,3 +297,26 @@ class StopSignals:
             # on rank 0. Lightning's private handler, used here only.
             self._trainer._signal_connector._slurm_sigusr_handler_fn(signum, None)
         raise Preempted(message, signum)
+
+
+class _EvaluationPlan:
+    """An evaluation call's agreement over the world: one reduce per batch of the replica that reads the most
+    of each loader, in loader order. ``own``: this rank's batches per loader; ``most``: the most any rank reads."""
+
+    def __init__(self, own: list[int], most: list[int]) -> None:
+        self.own, self.most = own, most
+        self.offsets = [sum(most[:i]) for i in range(len(most) + 1)]  # each loader's first reduce; the total
+        self.position = 0  # the reduces this rank started
+
+    def batch(self, position: int) -> tuple[int, int]:
+        """(loader, batch index) of reduce ``position``."""
+        loader = max(i for i in range(len(self.most)) if self.offsets[i] <= position)
+        return loader, position - self.offsets[loader]
+
+    def where(self, kind: str, loader: int, index: int) -> str:
+        return f"{kind} batch {index}" + (f" of loader {loader}" if len(self.most) > 1 else "")
+
+    def next_start(self, loader: int) -> int:
+        """The first reduce of the next loader this rank reads batches of after ``loader`` (the total if none)."""
+        later = [i for i in range(loader + 1, len(self.own)) if self.own[i]]
+        return self.offsets[later[0] if later else -1]

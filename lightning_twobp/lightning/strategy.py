@@ -41,7 +41,7 @@ from lightning_twobp.lightning.collectives import StepWatch
 from lightning_twobp.lightning.failures import lost_rank, naming_lost, note_epoch_end, reap, told
 from lightning_twobp.lightning.grads import GradStash, Window
 from lightning_twobp.lightning.layout import check_degree
-from lightning_twobp.lightning.loaders import check_same_batch, eval_length, seed_workers_by_replica
+from lightning_twobp.lightning.loaders import check_same_batch, eval_length, eval_lengths, seed_workers_by_replica
 from lightning_twobp.lightning.local_model import meta_layers_aside
 from lightning_twobp.lightning.materialize import Made
 from lightning_twobp.lightning.optimizer_checks import HookScaleError, NonFiniteError, buffers_kept
@@ -397,22 +397,27 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
         trainer = self.lightning_module.trainer
         if trainer.sanity_checking and not self._batches_checked:
             check_batch_size_early(trainer, self.num_microbatches)
-        self._evaluation_starts()
+        self._evaluation_starts("validation")
         super().on_validation_start()
 
     @override
     def on_test_start(self) -> None:
-        self._evaluation_starts()
+        self._evaluation_starts("test")
         super().on_test_start()
 
     @override
     def on_predict_start(self) -> None:
-        self._evaluation_starts()
+        self._evaluation_starts("predict")
         super().on_predict_start()
 
-    def _evaluation_starts(self) -> None:
-        """Every rank at an evaluation's start: stop signals heard from here, the buffers made replica 0's."""
+    def _evaluation_starts(self, kind: str) -> None:
+        """Every rank at an evaluation's start: stop signals heard from here (in an evaluation call, agreed
+        per batch: every rank learns each replica's batch counts), the buffers made replica 0's."""
         self._listen_for_signals()
+        trainer = self.lightning_module.trainer
+        if self._signals is not None and trainer.state.fn != TrainerFn.FITTING:
+            with self._naming_lost("the exchange of every replica's evaluation batch counts"):
+                self._signals.plan_evaluation(eval_lengths(trainer, kind))
         if self._pipeline is not None:
             with self._naming_lost("the broadcast of replica 0's buffers"):
                 self._pipeline.sync_buffers()
@@ -427,26 +432,27 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
 
     @override
     def on_validation_end(self) -> None:
-        self._end_agreement()
+        self._end_agreement("validation")
         super().on_validation_end()
 
     @override
     def on_test_end(self) -> None:
-        self._end_agreement()
+        self._end_agreement("test")
         super().on_test_end()
 
     @override
     def on_predict_end(self) -> None:
-        self._end_agreement()
+        self._end_agreement("predict")
         super().on_predict_end()
 
-    def _end_agreement(self) -> None:
-        """An evaluation call's end: no reduce of ours left in flight. Not in fit, where training's steps
-        go on reading the agreement (a stop flagged in the last evaluation batch included)."""
+    def _end_agreement(self, kind: str) -> None:
+        """An evaluation call's end: no reduce of ours left in flight, and a stop flagged in its last batch
+        raised here, on every rank. Not in fit, where training's steps go on reading the agreement (a stop
+        flagged in the last evaluation batch included)."""
         trainer = self.lightning_module.trainer
         if self._signals is not None and trainer.state.fn != TrainerFn.FITTING:
             with self._naming_lost("the stop-signal agreement of the last batch"):
-                self._signals.close()
+                self._signals.close(f"the end of the {kind} call")
 
     def _let_loader_go(self) -> None:
         """first_loader.hold's release, once (set in setup, for a fit)."""
@@ -676,14 +682,20 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
         if len(args) > 1 and args[1] == 0:  # each loader's first batch
             length = eval_length(self.lightning_module.trainer, kind, args[2] if len(args) > 2 else 0)
             self._check_same_batch(args[0], f"the first batch of a {kind} loader", length)
-        # An evaluation call's pipeline stops before one batch once one of its ranks was signalled; in fit,
-        # the next training step does (a reduce over the world per evaluation batch would wait on a
-        # replica that read fewer of them).
-        if self._signals is not None and self.lightning_module.trainer.state.fn != TrainerFn.FITTING:
+        # An evaluation call stops before one batch on every rank once one was signalled; in fit, the next
+        # training step does.
+        signals = self._signals if self.lightning_module.trainer.state.fn != TrainerFn.FITTING else None
+        index = args[1] if len(args) > 1 and isinstance(args[1], int) else None  # None: a dataloader_iter
+        loader = args[2] if len(args) > 2 else 0
+        if signals is not None:
             with self._naming_lost("the stop-signal agreement of the previous batch"):
-                self._signals.agree(f"{kind} batch {args[1] if len(args) > 1 else 0}", among="evaluation")
+                signals.agree_batch(kind, loader, index)
         state = pipeline.runner.begin(hook, args, kwargs, self.num_microbatches, exact=False)
-        return pipeline.eval_step(state, hook, last_rank, self.group("pp"))
+        out = pipeline.eval_step(state, hook, last_rank, self.group("pp"))
+        if signals is not None:  # a replica's last batch: it joins the agreements of the batches others read on
+            with self._naming_lost("the stop-signal agreement of the batches other replicas read on"):
+                signals.after_batch(kind, loader, index)
+        return out
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
