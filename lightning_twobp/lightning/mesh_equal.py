@@ -1,4 +1,4 @@
-"""``torch.equal`` on a sharded stage's parameters, answered by the replicas that hold them.
+"""``torch.equal`` and Python numbers of a sharded stage's parameters, answered by the replicas that hold them.
 
 Under ``data_parallel="shard"`` a stage's parameters are DTensors on its data-parallel mesh (the replicas of
 one pipeline rank), and user code compares them: Lightning's ``BaseFinetuning.unfreeze_and_add_param_group``
@@ -7,11 +7,20 @@ runs ``torch.equal(p, q)`` over every pair of the parameters it adds and the opt
 same program (SPMD), and a pipeline's ranks do not. The ranks of other pipeline stages never make that call,
 and the replicas waited in it for ever (a fine-tuning schedule that unfreezes a backbone hung at its epoch).
 
-While a Trainer call holds sharded stages, :func:`equal_within_meshes` has DTensor hand ``aten.equal`` to
+While a Trainer call holds sharded stages, :func:`answers_within_meshes` has DTensor hand ``aten.equal`` to
 :func:`_equal`, which reduces over the tensors' own mesh: the ranks that hold them, every one of which makes
 the same calls (replicas hold the same stages and parameters, and agree on each answer). torch's handler
 table is reached through :func:`lightning_twobp.private.dtensor_op_handlers`, as torch's own
 ``loss_parallel`` extends it.
+
+A Python number read from such a tensor (``float(w.norm())``, ``w.sum().item()``, ``int(torch.count_nonzero(w))``,
+``float(w.max())`` in a callback) is one process's too, where DTensor reads it from this rank's piece alone:
+a reduction over a shard is a partial result (a sum, a norm, a max of this replica's rows), and DTensor
+answers ``aten._local_scalar_dense`` locally, whatever the placement. One process's ``float(w.norm())`` of a
+16 x 6 weight read 2.350; each of its two replicas read 1.633 and 1.689, silently. :func:`_scalar` makes the
+tensor whole over its mesh first, as ``equal`` does: every replica of a stage makes the same calls, but a read
+in code that runs on one rank alone (``if trainer.is_global_zero``) would wait for the others; read
+``w.to_local()`` there, this rank's piece.
 """
 
 from __future__ import annotations
@@ -26,9 +35,10 @@ from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from lightning_twobp.private import dtensor_op_handlers
 
-__all__ = ["equal_within_meshes"]
+__all__ = ["answers_within_meshes"]
 
 _EQUAL = torch.ops.aten.equal.default
+_SCALAR = torch.ops.aten._local_scalar_dense.default  # .item(), float(), int(), bool() of a one-element tensor
 _held = 0  # Trainer calls holding the handler (one pipeline a process; counted so nesting cannot drop it)
 
 
@@ -55,21 +65,36 @@ def _equal(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     return bool(same.item())
 
 
+def _scalar(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """The Python number of a one-element DTensor: made whole over its mesh first (a partial sum or norm
+    reduced, a shard gathered), so every holder reads the value one process reads."""
+    t = args[0]
+    mesh = t.device_mesh
+    if mesh.get_coordinate() is not None and not all(isinstance(p, Replicate) for p in t.placements):
+        t = t.redistribute(mesh, [Replicate()] * mesh.ndim)
+    return op(t.to_local())
+
+
+_HANDLERS = {_EQUAL: _equal, _SCALAR: _scalar}
+
+
 @contextmanager
-def equal_within_meshes() -> Iterator[None]:
-    """``aten.equal`` on DTensors reduced over their own mesh, not the world, while the context is open; the
-    table is left as it was found when the last holder closes."""
+def answers_within_meshes() -> Iterator[None]:
+    """``aten.equal`` and the Python number of a DTensor reduced over its own mesh, not the world (equal) nor
+    this rank alone (a number), while the context is open; the table is left as it was found when the last
+    holder closes."""
     global _held
     handlers = dtensor_op_handlers()
-    before = handlers.get(_EQUAL)
-    handlers[_EQUAL] = _equal
+    before = {op: handlers.get(op) for op in _HANDLERS}
+    handlers.update(_HANDLERS)
     _held += 1
     try:
         yield
     finally:
         _held -= 1
         if _held == 0:
-            if before is None or before is _equal:
-                handlers.pop(_EQUAL, None)
-            else:
-                handlers[_EQUAL] = before
+            for op, ours in _HANDLERS.items():
+                if before[op] is None or before[op] is ours:
+                    handlers.pop(op, None)
+                else:
+                    handlers[op] = before[op]

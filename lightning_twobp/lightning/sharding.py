@@ -70,7 +70,7 @@ from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel, MixedPr
 from torch.distributed.tensor import DTensor
 
 from lightning_twobp.lightning.failures import naming_lost
-from lightning_twobp.lightning.mesh_equal import equal_within_meshes
+from lightning_twobp.lightning.mesh_equal import answers_within_meshes
 
 log = logging.getLogger(__name__)
 
@@ -254,9 +254,10 @@ class ShardedStages:
         # Each is one parameter to :class:`~.grads.TiedParameters`: both shards get the sum of their
         # gradients (the same rows on each replica: the same shape, split alike on the same mesh)
         self.twins = [[self.sharded[s][n] for s, n in group] for group in self.twin_names]
-        # torch.equal on the shards (BaseFinetuning's) asks their replicas, not the world, until the call's end
-        self.equal_within_meshes = ExitStack()
-        self.equal_within_meshes.enter_context(equal_within_meshes())
+        # torch.equal on the shards (BaseFinetuning's) and a number read from them (float(w.norm()) in a
+        # callback) ask their replicas, not the world nor this rank alone, until the call's end
+        self.within_meshes = ExitStack()
+        self.within_meshes.enter_context(answers_within_meshes())
 
     def shards(self) -> dict[int, nn.Parameter]:
         """The user's Parameter (by id) -> its DTensor shard, the parameter the stage and the optimizer now
@@ -373,7 +374,7 @@ class ShardedStages:
         hold. The FSDP2 hooks sit on the stage containers only (ours, dropped with the pipeline), not on
         the user's layers. After a failure the shards stay: another replica may be gone, and the gather
         would wait for it."""
-        self.equal_within_meshes.close()
+        self.within_meshes.close()
         if not self.modules:  # gathered back already (a refusal at setup, every rank together)
             return
         if failed:
