@@ -161,7 +161,7 @@ def process_groups() -> list[Any]:
 def dtensor_op_handlers() -> dict[Any, Callable[..., Any]]:
     """DTensor's table of ops it hands to a Python function instead of its sharding rules (op -> handler
     ``(op, args, kwargs)``), read on every DTensor op. torch's own ``loss_parallel`` adds its handlers to it
-    the same way; there is no public registration (lightning/mesh_equal.py)."""
+    the same way; there is no public registration (lightning/shard_reads.py)."""
     from torch.distributed.tensor import DTensor
 
     return DTensor._op_dispatcher._custom_op_handlers

@@ -153,7 +153,7 @@ def test_the_private_instance_attributes_still_exist():
     assert hasattr(trainer._accelerator_connector, "use_distributed_sampler")
     metric = SumMetric()
     assert hasattr(metric, "_forward_cache") and hasattr(metric, "_update_count")
-    from lightning_twobp.private import dtensor_op_handlers  # mesh_equal.py adds aten.equal's handler to it
+    from lightning_twobp.private import dtensor_op_handlers  # shard_reads.py adds aten.equal's handler to it
 
     assert isinstance(dtensor_op_handlers(), dict)
     assert hasattr(DDPStrategy(), "_timeout")  # TwoBPStrategy reads its base's process-group timeout

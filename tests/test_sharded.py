@@ -500,16 +500,39 @@ def _numbers(q: torch.Tensor) -> list[float]:
     return [float(q.norm()), q.sum().item(), float(q.max()), int(torch.count_nonzero(q > 0))]
 
 
+class EpochEndNorm(MomentumRegressor):
+    """Reads and logs its first weight's norm in ``on_train_epoch_end``, beside an epoch loss reduced over the
+    replicas (``sync_dist=True``), the progress bar on."""
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.mse_loss(self.layers(x * 2.0), y)
+        self.log("train_loss", loss, on_epoch=True, sync_dist=True)
+        return loss
+
+    def on_train_epoch_end(self):
+        if getattr(self.trainer.strategy, "is_first_stage", True):
+            self.read_norm = float(self.layers[0].weight.norm())
+            self.log("w_norm", self.layers[0].weight.norm())
+
+
 def _read_numbers(rank: int, world: int) -> dict:
+    from lightning_twobp.private import dtensor_op_handlers
+
     lightning_env(rank, world)
     numbers = Numbers()
     strategy = TwoBPStrategy(pipeline_degree=2, schedule="1f1b", data_parallel="shard")
     trainer = quiet_trainer(strategy, world, max_steps=1, callbacks=[numbers], use_distributed_sampler=True)
     trainer.fit(MomentumRegressor(), _data())
-    from lightning_twobp.private import dtensor_op_handlers
-
     left = torch.ops.aten._local_scalar_dense.default in dtensor_op_handlers()
-    return {"kinds": numbers.kinds, "read": numbers.read, "handler_left": left}
+    out = {"kinds": numbers.kinds, "read": numbers.read, "handler_left": left}
+    model, strategy = EpochEndNorm(), TwoBPStrategy(pipeline_degree=2, schedule="1f1b", data_parallel="shard")
+    trainer = quiet_trainer(strategy, world, max_epochs=1, enable_progress_bar=True, use_distributed_sampler=True)
+    trainer.fit(model, _data())
+    if strategy.is_first_stage:  # the epoch's end came after its last step: the trained weight's norm
+        logged = float(trainer.callback_metrics["w_norm"])
+        out["epoch_end"] = (model.read_norm, logged, float(model.layers[0].weight.norm()))
+    return out
 
 
 def test_numbers_a_callback_reads_from_sharded_parameters_are_one_process_s(four_ranks, request):
@@ -517,7 +540,8 @@ def test_numbers_a_callback_reads_from_sharded_parameters_are_one_process_s(four
     DTensor shards: DTensor reads a Python number from this rank's piece alone (a partial sum or norm), and each
     replica read its own rows' (a 16 x 6 weight's norm 1.633 and 1.689 where one process reads 2.350),
     silently. Made whole over the replicas first, every holder reads one process's number; torch's own
-    handling is put back after the call."""
+    handling is put back after the call. Read and logged in ``on_train_epoch_end`` with the progress bar on,
+    they are the trained weight's (stop 59: every rank hung there, :mod:`lightning_twobp.lightning.epoch_end`)."""
     built = {n: _numbers(q.detach()) for n, q in MomentumRegressor().named_parameters()}
     results = four_ranks[request.node.name]
     for rank, res in enumerate(results):
@@ -526,6 +550,11 @@ def test_numbers_a_callback_reads_from_sharded_parameters_are_one_process_s(four
         for name, got in res["read"].items():
             assert got == pytest.approx(built[name], rel=1e-5, abs=1e-6), f"rank {rank} {name}"
     assert set(results[0]["read"]) | set(results[1]["read"]) == set(built)
+    # the epoch's end with the progress bar on: rank 0's bar reduced the epoch loss there alone, the read's
+    # gather on the other replica waited for it (every rank hung at the first epoch's end)
+    for rank in (0, 2):
+        read, logged, trained = results[rank]["epoch_end"]
+        assert read == pytest.approx(trained, rel=1e-6) and logged == pytest.approx(trained, rel=1e-6), rank
 
 
 def _opposite_changes(rank: int, world: int) -> str:

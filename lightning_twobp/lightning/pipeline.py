@@ -570,7 +570,11 @@ def _data_parallel(
             raise
         precision = str(getattr(strategy.precision_plugin, "precision", "32-true"))
         sharding = ShardedStages(
-            local.stages, strategy.device_mesh["dp"], mixed_precision(precision), _model_names(local)
+            local.stages,
+            strategy.device_mesh["dp"],
+            mixed_precision(precision),
+            _model_names(local),
+            strategy.lightning_module,
         )
         local.follow(sharding.shards())  # a tied weight read through a placeholder: the shard the stage trains
         return sharding, sharding.reduce

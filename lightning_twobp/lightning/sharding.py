@@ -70,7 +70,7 @@ from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel, MixedPr
 from torch.distributed.tensor import DTensor
 
 from lightning_twobp.lightning.failures import naming_lost
-from lightning_twobp.lightning.mesh_equal import answers_within_meshes
+from lightning_twobp.lightning.shard_reads import answers_within_meshes, logged_whole
 
 log = logging.getLogger(__name__)
 
@@ -221,8 +221,10 @@ class ShardedStages:
         mesh: DeviceMesh,
         policy: MixedPrecisionPolicy | None,
         name: Callable[[int, str], str] = lambda s, n: f"stage {s}'s {n}",
+        lightning_module: Any = None,
     ) -> None:
-        """``name(stage, parameter)``: a stage's parameter by its name in the model, for messages."""
+        """``name(stage, parameter)``: a stage's parameter by its name in the model, for messages; ``lightning_module``:
+        the one of this call, whose ``self.log`` logs a DTensor value whole (:func:`.shard_reads.logged_whole`)."""
         self.mesh = mesh
         self.name = name
         self.group = mesh.get_group()
@@ -258,6 +260,8 @@ class ShardedStages:
         # callback) ask their replicas, not the world nor this rank alone, until the call's end
         self.within_meshes = ExitStack()
         self.within_meshes.enter_context(answers_within_meshes())
+        if lightning_module is not None:  # and a value logged from them (a weight's norm in a hook), whole
+            self.within_meshes.enter_context(logged_whole(lightning_module))
 
     def shards(self) -> dict[int, nn.Parameter]:
         """The user's Parameter (by id) -> its DTensor shard, the parameter the stage and the optimizer now

@@ -38,6 +38,7 @@ from lightning_twobp.lightning.checks import (
     converted_in_place,
 )
 from lightning_twobp.lightning.collectives import StepWatch
+from lightning_twobp.lightning.epoch_end import computed_at_the_bars_turn
 from lightning_twobp.lightning.failures import lost_rank, naming_lost, note_epoch_end, reap, told
 from lightning_twobp.lightning.grads import GradStash, Window
 from lightning_twobp.lightning.layout import check_degree
@@ -243,6 +244,7 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
         self._outside = None
         if trainer.state.fn == TrainerFn.FITTING:  # before the layers' profile reads the first batch
             self._release_loader = first_loader.hold(trainer)
+            self._bar_undo = computed_at_the_bars_turn(trainer)  # the epoch's values computed in one order
         # open before the pipeline is built: schedule="auto" and balance="time" measure the layers there,
         # in collectives over the pipeline, and a rank failing while measuring is named to the others (who
         # saw only gloo's "Connection closed by peer"); the stages this rank holds are known after
@@ -362,6 +364,7 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
         self._failures = None  # this call's: the next call opens its own
         if self._signals is not None:
             self._signals.uninstall()
+        vars(self).pop("_bar_undo", lambda: None)()
         lm = self.lightning_module
         if pipeline is not None:
             # data_parallel="shard": gathered on the device, before Lightning moves the model to the CPU (a

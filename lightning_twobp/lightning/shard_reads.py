@@ -1,4 +1,5 @@
-"""``torch.equal`` and Python numbers of a sharded stage's parameters, answered by the replicas that hold them.
+"""What user code reads from a sharded stage's parameters (``torch.equal``, a Python number, a logged value),
+answered by the replicas that hold them, as one process answers it.
 
 Under ``data_parallel="shard"`` a stage's parameters are DTensors on its data-parallel mesh (the replicas of
 one pipeline rank), and user code compares them: Lightning's ``BaseFinetuning.unfreeze_and_add_param_group``
@@ -21,6 +22,12 @@ answers ``aten._local_scalar_dense`` locally, whatever the placement. One proces
 tensor whole over its mesh first, as ``equal`` does: every replica of a stage makes the same calls, but a read
 in code that runs on one rank alone (``if trainer.is_global_zero``) would wait for the others; read
 ``w.to_local()`` there, this rank's piece.
+
+A value logged from such a tensor outside the training step (``self.log("w_norm", self.layer.weight.norm())``
+in ``on_train_epoch_end``) was stored as a DTensor by Lightning, whose later arithmetic on it (the progress
+bar's read on global rank 0 only, the epoch's reduce) ran collectives over the replicas that the others never
+joined: every rank hung at the epoch's end. :class:`_WholeLog` logs its whole tensor instead (one gather over
+the replicas, which make the same ``self.log`` calls), the value one process logs.
 """
 
 from __future__ import annotations
@@ -31,14 +38,15 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from lightning.fabric.utilities.apply_func import apply_to_collection
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
-from lightning_twobp.private import dtensor_op_handlers
+from lightning_twobp.private import dtensor_op_handlers, local_scalar_dense
 
-__all__ = ["answers_within_meshes"]
+__all__ = ["answers_within_meshes", "logged_whole"]
 
 _EQUAL = torch.ops.aten.equal.default
-_SCALAR = torch.ops.aten._local_scalar_dense.default  # .item(), float(), int(), bool() of a one-element tensor
+_SCALAR = local_scalar_dense  # .item(), float(), int(), bool() of a one-element tensor
 _held = 0  # Trainer calls holding the handler (one pipeline a process; counted so nesting cannot drop it)
 
 
@@ -94,7 +102,34 @@ def answers_within_meshes() -> Iterator[None]:
         _held -= 1
         if _held == 0:
             for op, ours in _HANDLERS.items():
-                if before[op] is None or before[op] is ours:
+                previous = before[op]
+                if previous is None or previous is ours:
                     handlers.pop(op, None)
                 else:
-                    handlers[op] = before[op]
+                    handlers[op] = previous
+
+
+class _WholeLog:
+    """``module.log`` with each DTensor in the value made whole first (an object, not a closure: a module
+    pickled during the call stays picklable)."""
+
+    def __init__(self, log: Any) -> None:
+        self.log = log
+
+    def __call__(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
+        self.log(name, apply_to_collection(value, DTensor, lambda t: t.full_tensor()), *args, **kwargs)
+
+
+@contextmanager
+def logged_whole(module: Any) -> Iterator[None]:
+    """While open, ``module.log`` (and ``log_dict``, which calls it) logs a DTensor's whole tensor: an instance
+    attribute shadowing the method, as the training step's own shadow of it does; removed at the end."""
+    before = module.__dict__.get("log")
+    module.__dict__["log"] = _WholeLog(module.log)
+    try:
+        yield
+    finally:
+        if before is None:
+            module.__dict__.pop("log", None)
+        else:
+            module.__dict__["log"] = before
