@@ -557,6 +557,34 @@ def test_numbers_a_callback_reads_from_sharded_parameters_are_one_process_s(four
         assert read == pytest.approx(trained, rel=1e-6) and logged == pytest.approx(trained, rel=1e-6), rank
 
 
+def _validate_uneven(rank: int, world: int) -> str:
+    """Sharded validation where replica 0 reads 3 batches and replica 1 reads 2 (a split of one's own by
+    dp_rank); rank d * 2 + r is pipeline rank r of replica d."""
+    lightning_env(rank, world)
+    g = torch.Generator().manual_seed(3)
+    x, y = torch.randn(24, 6, generator=g), torch.randn(24, 3, generator=g)
+    n = 24 if rank // 2 == 0 else 16
+    data = DataLoader(TensorDataset(x[:n], y[:n]), batch_size=8)
+    strategy = TwoBPStrategy(pipeline_degree=2, schedule="1f1b", data_parallel="shard")
+    try:
+        quiet_trainer(strategy, world).validate(MomentumRegressor(), data, verbose=False)
+    except ValueError as err:
+        return str(err)
+    return "validated"
+
+
+def test_sharded_replicas_reading_different_numbers_of_evaluation_batches_are_refused(four_ranks, request):
+    """Each sharded batch gathers the stage's shards over the replicas: the replica whose loader ended first
+    left the others waiting in the next batch's gather, a PeerLost after the process group's timeout (stop 59,
+    a review). Every rank stops at the loader's first batch, naming each replica's count and the fix."""
+    for rank, message in enumerate(four_ranks[request.node.name]):
+        assert "read different numbers of batches of the validation loaders (dataloader_idx 0)" in message, (
+            rank,
+            message,
+        )
+        assert "3 batches" in message and "2 batches" in message and "use_distributed_sampler=True" in message
+
+
 def _opposite_changes(rank: int, world: int) -> str:
     """A tied weight on two ranks, frozen on rank 0 and (frozen before, agreed) unfrozen on rank 1 since."""
     from lightning_twobp.lightning.grads import TiedParameters
@@ -819,6 +847,7 @@ def four_ranks(request) -> conftest.Launch:
     )
     cases["test_a_backbone_unfrozen_into_a_group_of_its_own_sharded_trains_like_one_process"] = (_fit_unfrozen, ())
     cases["test_numbers_a_callback_reads_from_sharded_parameters_are_one_process_s"] = (_read_numbers, ())
+    cases["test_sharded_replicas_reading_different_numbers_of_evaluation_batches_are_refused"] = (_validate_uneven, ())
     # last: before its fix, a replica left waiting on the stopped pipeline closed the links (PeerLost)
     cases["test_sigterm_in_an_evaluation_call_stops_every_replica_at_one_batch"] = (
         test_preemption.evaluation_preempted,

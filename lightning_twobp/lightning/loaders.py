@@ -140,6 +140,29 @@ def lengths_differ(what: str, counts: dict[int, float], where: str) -> str:
     )
 
 
+def check_sharded_replicas_alike(length: tuple[str, float] | None, group: Any, device: Any, ranks: list[int]) -> None:
+    """Under ``data_parallel="shard"``, the replicas of a stage (global ``ranks``, ``group``) must read as many
+    batches of an evaluation loader: each batch gathers the stage's shards over them, so a replica whose loader
+    ends first leaves the others waiting in the next batch's gather (found by a review: replicas of 3 and 2
+    validation batches, a PeerLost after the process group's timeout). Replicated stages need no such thing. One
+    all-gather of the count at each loader's first batch; every rank raises alike (every pipeline rank of a
+    replica reads the same count)."""
+    mine = _count(length, device)
+    gathered = [torch.empty_like(mine) for _ in ranks]
+    dist.all_gather(gathered, mine, group=group)
+    counts = {r: float(g[0]) for r, g in zip(ranks, gathered, strict=True)}
+    if length is None or len(set(counts.values())) == 1:
+        return
+    shown = ", ".join(f"global rank {r}: {_batches(c)}" for r, c in counts.items())
+    raise ValueError(
+        f"twobp: under data_parallel='shard' the data-parallel replicas read different numbers of batches of the "
+        f"{length[0]} ({shown}): each batch gathers the stage's shards over the replicas, so the replica whose loader "
+        f"ends first would leave the others waiting in the next gather. Give every replica as many batches: "
+        f"use_distributed_sampler=True (Lightning's DistributedSampler pads the last one), or pad a split of your "
+        f"own (dataset[dp_rank::dp_degree] of a size dp_degree does not divide), or data_parallel='replicate'"
+    )
+
+
 def _batches(count: float) -> str:
     return "unsized (inf) batches" if math.isinf(count) else f"{int(count)} batches"
 

@@ -42,7 +42,13 @@ from lightning_twobp.lightning.epoch_end import computed_at_the_bars_turn
 from lightning_twobp.lightning.failures import lost_rank, naming_lost, note_epoch_end, reap, told
 from lightning_twobp.lightning.grads import GradStash, Window
 from lightning_twobp.lightning.layout import check_degree
-from lightning_twobp.lightning.loaders import check_same_batch, eval_length, eval_lengths, seed_workers_by_replica
+from lightning_twobp.lightning.loaders import (
+    check_same_batch,
+    check_sharded_replicas_alike,
+    eval_length,
+    eval_lengths,
+    seed_workers_by_replica,
+)
 from lightning_twobp.lightning.local_model import meta_layers_aside
 from lightning_twobp.lightning.materialize import Made
 from lightning_twobp.lightning.optimizer_checks import HookScaleError, NonFiniteError, buffers_kept
@@ -577,6 +583,13 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
         with self._naming_lost("the check that the pipeline's ranks read the same batch"):
             check_same_batch(batch, self.group("pp"), self.root_device, where, ranks, length)
 
+    def _check_sharded_replicas(self, length: tuple[str, float] | None) -> None:
+        """The sharded replicas of this rank's stages read as many batches of this evaluation loader
+        (:func:`.loaders.check_sharded_replicas_alike`)."""
+        ranks = [self.layout.global_rank_of(self.pp_rank, d) for d in range(self.dp_degree)]
+        with self._naming_lost("the check that the sharded replicas read as many evaluation batches"):
+            check_sharded_replicas_alike(length, self.group("dp"), self.root_device, ranks)
+
     def _pipeline_loss(self, output: Any, index: int) -> torch.Tensor:
         """The executor's loss function (bound before the pipeline exists)."""
         return self._built("training_step").loss(output, index)
@@ -685,6 +698,8 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
         if len(args) > 1 and args[1] == 0:  # each loader's first batch
             length = eval_length(self.lightning_module.trainer, kind, args[2] if len(args) > 2 else 0)
             self._check_same_batch(args[0], f"the first batch of a {kind} loader", length)
+            if pipeline.sharding is not None and self.dp_degree > 1:
+                self._check_sharded_replicas(length)
         # An evaluation call stops before one batch on every rank once one was signalled; in fit, the next
         # training step does.
         signals = self._signals if self.lightning_module.trainer.state.fn != TrainerFn.FITTING else None
