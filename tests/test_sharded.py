@@ -585,6 +585,32 @@ def test_sharded_replicas_reading_different_numbers_of_evaluation_batches_are_re
         assert "3 batches" in message and "2 batches" in message and "use_distributed_sampler=True" in message
 
 
+def _refused_after_sharding(rank: int, world: int) -> dict:
+    from lightning.pytorch.plugins import MixedPrecision
+
+    from lightning_twobp.private import dtensor_op_handlers
+
+    lightning_env(rank, world)
+    model, error = MomentumRegressor(), ""
+    strategy = TwoBPStrategy(pipeline_degree=2, schedule="1f1b", data_parallel="shard", post_validation=True)
+    fp16 = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))
+    try:
+        quiet_trainer(strategy, world, max_steps=1, plugins=[fp16]).fit(model, _data())
+    except ValueError as e:
+        error = str(e)
+    left = torch.ops.aten._local_scalar_dense.default in dtensor_op_handlers()
+    return {"error": error, "handler_left": left, "log_shadowed": "log" in vars(model)}
+
+
+def test_a_call_refused_after_sharding_leaves_no_shard_reads_behind(four_ranks, request):
+    """post_validation=True with fp16's GradScaler is refused after the stages are sharded, before the pipeline
+    exists: DTensor's handlers of equal and .item() and the module's ``log`` shadow (:mod:`.shard_reads`) were
+    left in the process after the failed call (only the pipeline's teardown closed them)."""
+    for rank, res in enumerate(four_ranks[request.node.name]):
+        assert "post_validation=True with fp16" in res["error"], f"rank {rank}: {res}"
+        assert not res["handler_left"] and not res["log_shadowed"], f"rank {rank}: {res}"
+
+
 def _opposite_changes(rank: int, world: int) -> str:
     """A tied weight on two ranks, frozen on rank 0 and (frozen before, agreed) unfrozen on rank 1 since."""
     from lightning_twobp.lightning.grads import TiedParameters
@@ -848,6 +874,7 @@ def four_ranks(request) -> conftest.Launch:
     cases["test_a_backbone_unfrozen_into_a_group_of_its_own_sharded_trains_like_one_process"] = (_fit_unfrozen, ())
     cases["test_numbers_a_callback_reads_from_sharded_parameters_are_one_process_s"] = (_read_numbers, ())
     cases["test_sharded_replicas_reading_different_numbers_of_evaluation_batches_are_refused"] = (_validate_uneven, ())
+    cases["test_a_call_refused_after_sharding_leaves_no_shard_reads_behind"] = (_refused_after_sharding, ())
     # last: before its fix, a replica left waiting on the stopped pipeline closed the links (PeerLost)
     cases["test_sigterm_in_an_evaluation_call_stops_every_replica_at_one_batch"] = (
         test_preemption.evaluation_preempted,

@@ -776,6 +776,19 @@ def _cpu_heap(strategy: TwoBPStrategy) -> None:
     log.info("CPU heap: freed memory %s (engine.memory.cpu_heap; TWOBP_KEEP_FREED_MEMORY=0/1 overrides)", way)
 
 
+@contextmanager
+def _closed_on_failure(sharding: ShardedStages | None) -> Iterator[None]:
+    """A refusal after the stages are sharded (post_validation=True with fp16's GradScaler) makes no Pipeline,
+    whose teardown closes what the sharding opened: DTensor's handlers of equal and .item() and the module's
+    ``log`` shadow (:mod:`.shard_reads`), left in the process after the failed call. Closed here then."""
+    try:
+        yield
+    except BaseException:
+        if sharding is not None:
+            sharding.within_meshes.close()
+        raise
+
+
 def build_pipeline(strategy: TwoBPStrategy, trainer: Any) -> Pipeline:
     """The pipeline of one Trainer call on this rank, from the strategy's options and layout."""
     lm = strategy.lightning_module
@@ -801,57 +814,58 @@ def build_pipeline(strategy: TwoBPStrategy, trainer: Any) -> Pipeline:
     runner.holders = placeholder_holders(lm)
     _announce(strategy, local, schedule, list(sizes))
     sharding, grad_reduce = _data_parallel(strategy, local, shard)
-    executor = PipelineExecutor(
-        schedule,
-        local.stages,
-        loss_fn=strategy._pipeline_loss,
-        device=device,
-        group=strategy.group("pp"),
-        grad_reduce=grad_reduce,
-        timeout=opts.pipeline_timeout,
-        around=streams.fork,
-        batch_w=opts.batch_w,
-        shape_group=strategy.shape_group,
-    )
-    _name_parameters(executor, local, strategy.lightning_module)
-    logs = None
-    if strategy.log_group is not None:
-        last_rank = schedule.stage_to_rank[schedule.num_stages - 1]
-        logs = LogChannel(strategy.log_group, layout.pp_rank, last_rank, strategy.pipeline_degree, device)
-    tied = _tied(strategy, local, contract.name, sharding)
-    # Sharded gradients: each rank holds 1/dp of its stages' gradients, so the global norm and the
-    # non-finite check sum over every rank (each shard counted once), not over one pipeline.
-    # Otherwise a group of their own (layout.SideGroups: on NCCL, on "pp" they held the next step's sends back).
-    check_group = dist.group.WORLD if shard else (strategy.check_group or strategy.group("pp"))
-    checks = OptimizerChecks(
-        opts,
-        check_group,
-        device,
-        schedule.stages_of,
-        layout.pp_rank,
-        tied.not_counted,
-        strategy.pipeline_degree,
-        watch_hooks=hooks_may_scale_grads(trainer.lightning_module, trainer.callbacks),
-        copy_counted=strategy.requested.schedule != "auto" or strategy.auto_counted_copy,
-    )
-    user_precision, user_scaler, precision = _precision(strategy, checks.clip_by_norm, strategy._before_step)
-    scope = _call_scope(strategy, trainer, metrics, local)
-    return Pipeline(
-        local,
-        executor,
-        runner,
-        tied,
-        user_precision,
-        user_scaler,
-        precision,
-        logs,
-        scope,
-        streams,
-        metrics,
-        checks,
-        sharding=sharding,
-        replicas=_replicas(strategy, sharding),
-        buffers=_replica_buffers(strategy),
-        reduce=grad_reduce if isinstance(grad_reduce, ReplicaReduce) else None,
-        one_process=one_process,
-    )
+    with _closed_on_failure(sharding):
+        executor = PipelineExecutor(
+            schedule,
+            local.stages,
+            loss_fn=strategy._pipeline_loss,
+            device=device,
+            group=strategy.group("pp"),
+            grad_reduce=grad_reduce,
+            timeout=opts.pipeline_timeout,
+            around=streams.fork,
+            batch_w=opts.batch_w,
+            shape_group=strategy.shape_group,
+        )
+        _name_parameters(executor, local, strategy.lightning_module)
+        logs = None
+        if strategy.log_group is not None:
+            last_rank = schedule.stage_to_rank[schedule.num_stages - 1]
+            logs = LogChannel(strategy.log_group, layout.pp_rank, last_rank, strategy.pipeline_degree, device)
+        tied = _tied(strategy, local, contract.name, sharding)
+        # Sharded gradients: each rank holds 1/dp of its stages' gradients, so the global norm and the
+        # non-finite check sum over every rank (each shard counted once), not over one pipeline.
+        # Otherwise a group of their own (layout.SideGroups: on NCCL, on "pp" they held the next step's sends back).
+        check_group = dist.group.WORLD if shard else (strategy.check_group or strategy.group("pp"))
+        checks = OptimizerChecks(
+            opts,
+            check_group,
+            device,
+            schedule.stages_of,
+            layout.pp_rank,
+            tied.not_counted,
+            strategy.pipeline_degree,
+            watch_hooks=hooks_may_scale_grads(trainer.lightning_module, trainer.callbacks),
+            copy_counted=strategy.requested.schedule != "auto" or strategy.auto_counted_copy,
+        )
+        user_precision, user_scaler, precision = _precision(strategy, checks.clip_by_norm, strategy._before_step)
+        scope = _call_scope(strategy, trainer, metrics, local)
+        return Pipeline(
+            local,
+            executor,
+            runner,
+            tied,
+            user_precision,
+            user_scaler,
+            precision,
+            logs,
+            scope,
+            streams,
+            metrics,
+            checks,
+            sharding=sharding,
+            replicas=_replicas(strategy, sharding),
+            buffers=_replica_buffers(strategy),
+            reduce=grad_reduce if isinstance(grad_reduce, ReplicaReduce) else None,
+            one_process=one_process,
+        )
