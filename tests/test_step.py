@@ -97,12 +97,12 @@ def test_a_steps_metric_state_is_the_whole_batchs_on_every_rank():
 def _micro_steps(module: torch.nn.Module, sizes: list[int], hook: str, call) -> None:
     """``call(i)`` for each micro-batch ``i`` of a step, inside the Metrics' shadows as the step runner
     sets them (a step on the last stage between ``begin`` and ``end``)."""
-    from lightning_twobp.lightning.step import _shadowed
+    from lightning_twobp.lightning.step import shadowed
 
     metrics = module.twobp_metrics
     metrics.begin()
     for i, n in enumerate(sizes):
-        with _shadowed(metrics.step_shadows(hook, len(sizes), n / sum(sizes))):
+        with shadowed(metrics.step_shadows(hook, len(sizes), n / sum(sizes))):
             call(i)
     metrics.end()
 
@@ -205,11 +205,11 @@ def test_wrapped_and_tracked_metrics_as_one_process_on_every_rank():
             assert {k: float(v) for k, v in got.items()} == {k: float(v) for k, v in want.items()}, name
         assert [float(v) for v in m.tracker.compute_all()] == [float(v) for v in one.tracker.compute_all()]
         copy.deepcopy(m)  # a deep copy during the call
-    from lightning_twobp.lightning.step import _shadowed
+    from lightning_twobp.lightning.step import shadowed
 
     # called (forward) in a step, a MinMaxMetric would keep the micro-batches' extremes: refused
     shadows = mine.step_shadows("training_step", 4, 0.25)
-    with _shadowed(shadows), pytest.raises(ValueError, match=r"self.mm \(MinMaxMetric\) was called in training_step"):
+    with shadowed(shadows), pytest.raises(ValueError, match=r"self.mm \(MinMaxMetric\) was called in training_step"):
         last.mm(*steps[0])
     for u in undo:
         u()
@@ -267,12 +267,12 @@ def test_a_step_iterating_the_parameters_of_a_split_model_to_the_end_is_refused(
 
     from lightning_twobp.lightning.local_model import _Remote
     from lightning_twobp.lightning.placeholders import ElsewhereError
-    from lightning_twobp.lightning.step import _no_whole_model_reads, _shadowed, placeholder_holders
+    from lightning_twobp.lightning.step import _no_whole_model_reads, placeholder_holders, shadowed
 
     lm = nn.Module()
     lm.head = nn.Linear(2, 1)
     lm.layers = nn.Sequential(nn.Linear(2, 2), _Remote(1, 1, [nn.Linear(2, 2)], torch.device("cpu"), "layers[1]"))
-    with _shadowed(_no_whole_model_reads(placeholder_holders(lm), "training_step")):
+    with shadowed(_no_whole_model_reads(placeholder_holders(lm), "training_step")):
         with pytest.raises(ElsewhereError, match=r"training_step iterated self.parameters\(\) .*weight_decay=2\*c"):
             sum(p.pow(2).sum() for p in lm.parameters())
         with pytest.raises(ElsewhereError, match=r"iterated self.layers.parameters\(\)"):

@@ -33,7 +33,7 @@ the replicas, which make the same ``self.log`` calls), the value one process log
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 import torch
@@ -41,6 +41,7 @@ import torch.distributed as dist
 from lightning.fabric.utilities.apply_func import apply_to_collection
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
+from lightning_twobp.lightning.step import shadowed
 from lightning_twobp.private import dtensor_op_handlers, local_scalar_dense
 
 __all__ = ["answers_within_meshes", "logged_whole"]
@@ -120,16 +121,7 @@ class _WholeLog:
         self.log(name, apply_to_collection(value, DTensor, lambda t: t.full_tensor()), *args, **kwargs)
 
 
-@contextmanager
-def logged_whole(module: Any) -> Iterator[None]:
+def logged_whole(module: Any) -> AbstractContextManager[None]:
     """While open, ``module.log`` (and ``log_dict``, which calls it) logs a DTensor's whole tensor: an instance
-    attribute shadowing the method, as the training step's own shadow of it does; removed at the end."""
-    before = module.__dict__.get("log")
-    module.__dict__["log"] = _WholeLog(module.log)
-    try:
-        yield
-    finally:
-        if before is None:
-            module.__dict__.pop("log", None)
-        else:
-            module.__dict__["log"] = before
+    attribute shadowing the method (:func:`.step.shadowed`, as the training step's own shadow of it)."""
+    return shadowed([(module, "log", _WholeLog(module.log))])

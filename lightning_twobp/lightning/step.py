@@ -40,6 +40,7 @@ __all__ = [
     "check_batches",
     "log_step_values",
     "placeholder_holders",
+    "shadowed",
     "share_logs",
     "split_microbatches",
     "step_means",
@@ -263,7 +264,7 @@ def _no_collective(hook: str) -> Callable[..., Any]:
 
 
 @contextmanager
-def _shadowed(shadows: list[tuple[Any, str, Any]]) -> Iterator[None]:
+def shadowed(shadows: list[tuple[Any, str, Any]]) -> Iterator[None]:
     """Inside: each ``(obj, name, value)`` as an instance attribute of ``obj``, shadowing its method ``name``
     for this call only; what was there before (nothing, or an instance attribute of its own: a torchmetrics
     Metric's wrapped ``update``) is back afterwards, also when the call raises."""
@@ -287,7 +288,7 @@ def _no_scheduler_step(lm: Any, hook: str, m: int) -> list[tuple[Any, str, Any]]
     """The LR schedulers of ``configure_optimizers`` refuse ``step()`` while ``hook`` runs: the step's code runs
     once per micro-batch, on the first stage and again on the last, so ``self.lr_schedulers().step()`` there
     stepped each rank's scheduler ``m`` times per batch (found by a trial: the rate after 3 steps was 0.5**12
-    of the start, not 0.5**3, silently). The shadows of their ``step`` (see :func:`_shadowed`)."""
+    of the start, not 0.5**3, silently). The shadows of their ``step`` (see :func:`shadowed`)."""
     trainer = getattr(lm, "_trainer", None)
     configs = trainer.lr_scheduler_configs if trainer is not None else []
 
@@ -454,7 +455,7 @@ class StepRunner:
         shadows += self.metrics.step_shadows(state.hook, len(state.sizes), state.sizes[index] / sum(state.sizes))
         shadows += _no_scheduler_step(lm, state.hook, len(state.microbatches))
         shadows += _no_whole_model_reads(self.holders, state.hook)
-        with self.contract.intercept(block), _shadowed(shadows):
+        with self.contract.intercept(block), shadowed(shadows):
             return getattr(lm, state.hook)(state.microbatches[index], *state.args, **state.kwargs)
 
     def capture(self, index: int) -> tuple:
@@ -574,7 +575,7 @@ def _no_whole_model_reads(holders: list[tuple[str, Any]], hook: str) -> list[tup
     self.parameters())`` trained silently differently from one process (found by a trial: 0.0024 off after 3
     steps). Reads that stop early (``next(self.parameters()).device``, a model's ``self.dtype``) still work,
     and outside the step (configure_optimizers, hooks) nothing changes. The shadows of their
-    ``named_parameters`` (which ``parameters`` calls; see :func:`_shadowed`)."""
+    ``named_parameters`` (which ``parameters`` calls; see :func:`shadowed`)."""
     return [(module, "named_parameters", _refusing(module, name, hook)) for name, module in holders]
 
 

@@ -695,16 +695,16 @@ class TwoBPStrategy(PipelinePlacement, DDPStrategy):
         schedule = pipeline.executor.schedule
         last_rank = self.layout.global_rank_of(schedule.stage_to_rank[pipeline.executor.last])
         kind = hook.removesuffix("_step")
-        if len(args) > 1 and args[1] == 0:  # each loader's first batch
-            length = eval_length(self.lightning_module.trainer, kind, args[2] if len(args) > 2 else 0)
+        index = args[1] if len(args) > 1 and isinstance(args[1], int) else None  # None: a dataloader_iter
+        loader = args[2] if len(args) > 2 else 0
+        if index == 0:  # each loader's first batch
+            length = eval_length(self.lightning_module.trainer, kind, loader)
             self._check_same_batch(args[0], f"the first batch of a {kind} loader", length)
             if pipeline.sharding is not None and self.dp_degree > 1:
                 self._check_sharded_replicas(length)
         # An evaluation call stops before one batch on every rank once one was signalled; in fit, the next
         # training step does.
         signals = self._signals if self.lightning_module.trainer.state.fn != TrainerFn.FITTING else None
-        index = args[1] if len(args) > 1 and isinstance(args[1], int) else None  # None: a dataloader_iter
-        loader = args[2] if len(args) > 2 else 0
         if signals is not None:
             with self._naming_lost("the stop-signal agreement of the previous batch"):
                 signals.agree_batch(kind, loader, index)
